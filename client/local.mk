@@ -1,0 +1,1 @@
+# client: see top-level Makefile.am

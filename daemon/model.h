@@ -1,0 +1,94 @@
+/* A Hugging Face model directory (config.json + *.safetensors, single file or
+ * sharded with model.safetensors.index.json), mapped read-only. Owns the
+ * parsed config, the mapped files and the tensor table; knows nothing of
+ * backends. Every fault is reported as one message naming the file, the
+ * tensor and what is wrong. */
+#ifndef MLENS_MODEL_H
+#define MLENS_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "kernels/dtype.h"
+
+#define MLENS_MODEL_MAX_DIMS 4
+
+struct mlens_model_config {
+	char architecture[64];	/* "MixtralForCausalLM" */
+	int64_t vocab_size;
+	int64_t hidden_size;
+	int64_t intermediate_size;
+	int64_t num_hidden_layers;
+	int64_t num_attention_heads;
+	int64_t num_key_value_heads;
+	int64_t head_dim;	/* hidden_size / num_attention_heads when absent */
+	int64_t num_local_experts;
+	int64_t num_experts_per_tok;
+	int64_t max_position_embeddings;
+	double rope_theta;
+	double rms_norm_eps;
+	bool tie_word_embeddings;
+	enum mlens_dtype dtype;	/* dtype of the weights (all tensors agree) */
+};
+
+struct mlens_tensor {
+	char *name;
+	enum mlens_dtype dtype;
+	int ndim;
+	int64_t shape[MLENS_MODEL_MAX_DIMS];
+	size_t nbytes;
+	int file;		/* index into model->files */
+	uint64_t offset;	/* absolute offset of the data in that file */
+	const void *data;	/* into the file's mapping */
+};
+
+struct mlens_layer_weights {
+	const struct mlens_tensor *attn_norm;	/* [H] */
+	const struct mlens_tensor *wq;		/* [n_heads*hd][H] */
+	const struct mlens_tensor *wk;		/* [n_kv*hd][H] */
+	const struct mlens_tensor *wv;		/* [n_kv*hd][H] */
+	const struct mlens_tensor *wo;		/* [H][n_heads*hd] */
+	const struct mlens_tensor *ffn_norm;	/* [H] */
+	const struct mlens_tensor *router;	/* [E][H] */
+	/* Per expert, HF layout: w1 (gate) and w3 (up) [I][H], w2 (down) [H][I].
+	 * Arrays of num_local_experts entries. Each points at one contiguous
+	 * matrix, whether the file stores experts separately or fused. */
+	const void **w1;
+	const void **w2;
+	const void **w3;
+};
+
+struct mlens_model_file {
+	char *path;
+	int fd;
+	void *map;
+	size_t size;
+};
+
+struct mlens_model {
+	char *dir;
+	struct mlens_model_config cfg;
+	struct mlens_model_file *files;
+	int n_files;
+	struct mlens_tensor *tensors;
+	int n_tensors;
+	const struct mlens_tensor *embed;	/* [V][H] */
+	const struct mlens_tensor *final_norm;	/* [H] */
+	const struct mlens_tensor *lm_head;	/* [V][H]; == embed when tied */
+	struct mlens_layer_weights *layers;	/* num_hidden_layers */
+	size_t weight_bytes;			/* sum of tensor bytes */
+};
+
+/* Open and validate a model directory. On failure returns -errno and writes
+ * one human-readable message into err (naming file, tensor and fault). */
+int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen);
+void mlens_model_close(struct mlens_model *m);
+
+/* Parse config.json text (exposed for tests and the fuzzer). */
+int mlens_model_parse_config(const char *json, size_t len, const char *path,
+			     struct mlens_model_config *cfg, char *err, size_t errlen);
+
+/* Find a tensor by name, NULL if absent. */
+const struct mlens_tensor *mlens_model_tensor(const struct mlens_model *m, const char *name);
+
+#endif

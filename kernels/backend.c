@@ -1,0 +1,26 @@
+/* Backend selection by name. */
+#include <errno.h>
+#include <string.h>
+#include "kernels/backend.h"
+
+int mlens_backend_create(struct mlens_backend *be, const char *name,
+			 const struct mlens_backend_opts *o)
+{
+	if (!name || !strcmp(name, "cpu"))
+		return mlens_backend_cpu_create(be, o);
+	if (!strcmp(name, "cuda")) {
+#ifdef HAVE_CUDA
+		return mlens_backend_cuda_create(be, o);
+#else
+		return -ENOTSUP;
+#endif
+	}
+	if (!strcmp(name, "auto")) {
+#ifdef HAVE_CUDA
+		if (mlens_backend_cuda_create(be, o) == 0)
+			return 0;
+#endif
+		return mlens_backend_cpu_create(be, o);
+	}
+	return -EINVAL;
+}

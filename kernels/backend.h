@@ -1,0 +1,128 @@
+/* The backend interface: an ops table and a context, reached through thin
+ * inline wrappers (as in ggml and Redis' connection.h). The CPU backend is
+ * the reference; every other backend is tested against it.
+ *
+ * Memory rules: float tensors (activations, logits, router outputs) and
+ * weights live in backend memory (host memory for the CPU backend, device
+ * memory for CUDA). Small index arrays that the engine builds (token ids,
+ * positions, slots, cu_seqlens, attention queries, sampling parameters,
+ * sampled tokens) are host memory; a backend copies them as it needs.
+ * Activations are fp32; weights are stored in their file dtype.
+ * Every op returns 0 or -errno. */
+#ifndef MLENS_BACKEND_H
+#define MLENS_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "kernels/dtype.h"
+#include "kernels/kv.h"
+
+/* Sampling parameters of one sequence for one token. temperature <= 0 means
+ * greedy. The random draw is a pure function of (seed, counter), so a token
+ * never depends on what else is in the batch, nor on preemption. */
+struct mlens_sampling {
+	float temperature;
+	int32_t top_k;		/* <= 0: no limit */
+	float top_p;		/* >= 1: no limit */
+	uint64_t seed;
+	uint64_t counter;	/* index of the token being generated */
+};
+
+/* Expert weights of one MoE layer, row-major as in HF: w1,w3 [inter][hidden],
+ * w2 [hidden][inter]. Pointers are backend memory. */
+struct mlens_moe_weights {
+	int n_experts;
+	int hidden;
+	int inter;
+	enum mlens_dtype dtype;
+	const void *const *w1;
+	const void *const *w2;
+	const void *const *w3;
+};
+
+struct mlens_backend_ops {
+	size_t size;		/* sizeof(struct mlens_backend_ops), so it can grow */
+	const char *name;
+	bool host_memory;	/* backend memory is ordinary host memory */
+
+	void (*destroy)(void *ctx);
+
+	/* ---- memory ---- */
+	void *(*alloc)(void *ctx, size_t bytes);	/* NULL + errno on failure */
+	void (*free)(void *ctx, void *p);
+	int (*upload)(void *ctx, void *dst, const void *src, size_t bytes);
+	int (*download)(void *ctx, void *dst, const void *src, size_t bytes);
+	int (*sync)(void *ctx);
+
+	/* ---- ops ---- */
+	/* out[i][:] = table[tokens[i]][:] for i < n. */
+	int (*embed)(void *ctx, float *out, const void *table, enum mlens_dtype dt,
+		     int dim, const int32_t *tokens, int n);
+	/* out[i] = x[i] / rms(x[i]) * w, eps inside the root. */
+	int (*rmsnorm)(void *ctx, float *out, const float *x, const void *w,
+		       enum mlens_dtype dt, int n, int dim, float eps);
+	/* out[n][m] = x[n][k] . W[m][k]^T; accumulate: out += instead of =. */
+	int (*gemm)(void *ctx, float *out, const float *x, const void *w,
+		    enum mlens_dtype dt, int n, int k, int m, bool accumulate);
+	/* In place, HF rotate-half convention: x[n][n_heads*head_dim],
+	 * token i at position pos[i]. */
+	int (*rope)(void *ctx, float *x, const int32_t *pos, int n, int n_heads,
+		    int head_dim, float theta);
+	/* softmax over logits[n][n_experts], top-k (lower index wins ties),
+	 * renormalised: ids[n][k], weights[n][k] (backend memory). */
+	int (*router)(void *ctx, int32_t *ids, float *weights, const float *logits,
+		      int n, int n_experts, int k);
+	/* out += sum over the k chosen experts e of weight * w2_e(silu(w1_e x) * w3_e x),
+	 * x[n][hidden] already normalised. Experts are added in id order. */
+	int (*moe)(void *ctx, float *out, const float *x, int n, const int32_t *ids,
+		   const float *weights, int k, const struct mlens_moe_weights *w);
+	/* Causal GQA attention within each prefill sequence: tokens of sequence s
+	 * are rows [cu_seqlens[s], cu_seqlens[s+1]) at positions 0.. of it.
+	 * q,out [T][n_heads*hd], k,v [T][n_kv*hd]. */
+	int (*attn_prefill)(void *ctx, float *out, const float *q, const float *k,
+			    const float *v, const int32_t *cu_seqlens, int n_seqs,
+			    int n_heads, int n_kv_heads, int head_dim, float scale);
+	/* Write k,v rows [n][n_kv*hd] of layer into the cache at slots
+	 * (slot = block * block_size + offset). */
+	int (*kv_append)(void *ctx, struct mlens_kv_cache *kv, int layer,
+			 const float *k, const float *v, const int64_t *slots, int n);
+	/* Decode attention over the paged cache: query token i attends to
+	 * positions [0, queries[i].ctx_len) of its sequence. */
+	int (*attn_decode)(void *ctx, float *out, const float *q,
+			   const struct mlens_kv_cache *kv, int layer,
+			   const struct mlens_attn_query *queries, int n,
+			   int n_heads, float scale);
+	/* Sample one token per row of logits[n][vocab]; logprobs (host, may be
+	 * NULL) gets log-softmax of the chosen token at temperature 1. */
+	int (*sample)(void *ctx, int32_t *tokens, float *logprobs, const float *logits,
+		      int n, int vocab, const struct mlens_sampling *params);
+};
+
+struct mlens_backend {
+	const struct mlens_backend_ops *ops;
+	void *ctx;
+};
+
+struct mlens_backend_opts {
+	int n_threads;		/* CPU: worker threads, 0 = all online cores */
+	int device;		/* CUDA: device ordinal */
+};
+
+int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
+#ifdef HAVE_CUDA
+int mlens_backend_cuda_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
+#endif
+/* name: "cpu", "cuda" or "auto" (CUDA when a GPU is present). */
+int mlens_backend_create(struct mlens_backend *be, const char *name,
+			 const struct mlens_backend_opts *o);
+
+static inline void mlens_backend_destroy(struct mlens_backend *be)
+{
+	if (be->ops)
+		be->ops->destroy(be->ctx);
+	be->ops = NULL;
+	be->ctx = NULL;
+}
+
+#endif

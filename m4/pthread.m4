@@ -1,0 +1,7 @@
+# AX_PTHREAD_SIMPLE: -pthread for compile and link.
+AC_DEFUN([AX_PTHREAD_SIMPLE], [
+  PTHREAD_CFLAGS=-pthread
+  PTHREAD_LIBS=-pthread
+  AC_SUBST([PTHREAD_CFLAGS])
+  AC_SUBST([PTHREAD_LIBS])
+])

@@ -1,0 +1,1 @@
+# man: pages are added by their owners below.

@@ -1,0 +1,1 @@
+# shm: see top-level Makefile.am
