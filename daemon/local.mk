@@ -3,3 +3,4 @@ noinst_LTLIBRARIES += daemon/libmlens_core.la
 daemon_libmlens_core_la_SOURCES = daemon/model.h
 daemon_libmlens_core_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 daemon_libmlens_core_la_LIBADD = kernels/libmlens_kernels.la $(JANSSON_LIBS) $(PTHREAD_LIBS) -lm
+daemon_libmlens_core_la_SOURCES += daemon/kv_pool.h daemon/kv_pool.c daemon/engine.h daemon/engine.c
