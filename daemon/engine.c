@@ -23,6 +23,7 @@ struct mlens_engine {
 	struct mlens_kv_pool kv;
 	int max_tokens;
 	int qdim, kvdim;
+	bool prefill_op;	/* prefill attention through attn_prefill */
 
 	/* weights as the backend sees them */
 	bool uploaded;		/* true: backend copies we must free */
@@ -196,6 +197,8 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	e->cfg = m->cfg;
 	e->be = be;
 	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
+	e->prefill_op = o->prefill_attn == MLENS_PREFILL_OP ||
+			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
 	e->qdim = (int)(e->cfg.num_attention_heads * e->cfg.head_dim);
 	e->kvdim = (int)(e->cfg.num_key_value_heads * e->cfg.head_dim);
 
@@ -400,6 +403,11 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		}
 		if (pass == 0)
 			P = row;
+	}
+	if (!e->prefill_op) {
+		/* every row reads the cache, which holds this step's K/V by then */
+		P = 0;
+		n_pre = 0;
 	}
 
 	TRY(OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));

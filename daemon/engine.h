@@ -21,6 +21,17 @@ struct mlens_engine_opts {
 	int max_step_tokens;	/* tokens one step may carry; 0 = 4096 */
 	void *kv_mem_k;		/* optional caller-owned KV memory (see kv_pool.h) */
 	void *kv_mem_v;
+	/* Attention of prefill tokens: MLENS_PREFILL_AUTO picks the cache path
+	 * on host-memory backends (so that a re-prefill after preemption gives
+	 * bit-identical results to the uninterrupted decode) and the prefill op
+	 * (flash attention) elsewhere. */
+	int prefill_attn;
+};
+
+enum {
+	MLENS_PREFILL_AUTO = 0,
+	MLENS_PREFILL_OP = 1,		/* attn_prefill over this step's k, v */
+	MLENS_PREFILL_CACHE = 2,	/* attn_decode over the paged cache */
 };
 
 /* One sequence's part of a step: n_tokens tokens appended at positions

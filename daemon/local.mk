@@ -4,3 +4,4 @@ daemon_libmlens_core_la_SOURCES = daemon/model.h
 daemon_libmlens_core_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 daemon_libmlens_core_la_LIBADD = kernels/libmlens_kernels.la $(JANSSON_LIBS) $(PTHREAD_LIBS) -lm
 daemon_libmlens_core_la_SOURCES += daemon/kv_pool.h daemon/kv_pool.c daemon/engine.h daemon/engine.c
+daemon_libmlens_core_la_SOURCES += daemon/sched.h daemon/sched.c
