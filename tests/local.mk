@@ -11,3 +11,11 @@ tests_check_engine_SOURCES = tests/check_engine.c
 tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
+
+if HAVE_CHECK
+check_PROGRAMS += tests/check_sched
+TESTS += tests/check_sched
+tests_check_sched_SOURCES = tests/check_sched.c
+tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+endif
