@@ -9,3 +9,8 @@ daemon_libmlens_core_la_SOURCES += daemon/log.h daemon/log.c
 daemon_libmlens_core_la_SOURCES += daemon/config.h daemon/config.c
 daemon_libmlens_core_la_SOURCES += daemon/mem.h daemon/mem.c
 daemon_libmlens_core_la_SOURCES += daemon/weights.h daemon/weights.c
+
+# mlens-local: the engine in-process on a model directory (demo, measurement)
+noinst_PROGRAMS += daemon/mlens-local
+daemon_mlens_local_SOURCES = daemon/local_main.c
+daemon_mlens_local_LDADD = daemon/libmlens_core.la

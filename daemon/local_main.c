@@ -94,7 +94,7 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	{
-		struct mlens_engine_opts eo = { 16, 0, -1, 0, NULL, NULL };
+		struct mlens_engine_opts eo = { .kv_block_size = 16, .kv_dtype = -1 };
 		int64_t per = (plen + g + 15) / 16;
 		eo.kv_blocks = (uint32_t)(per * n);
 		eo.max_step_tokens = (int)(n * plen > 4096 ? n * plen : 4096);
