@@ -365,23 +365,7 @@ static int cpu_attn_prefill(void *ctx, float *out, const float *q, const float *
 static int cpu_kv_append(void *ctx, struct mlens_kv_cache *kv, int layer,
 			 const float *k, const float *v, const int64_t *slots, int n)
 {
-	size_t es = mlens_dtype_size(kv->dtype);
-	for (int i = 0; i < n; i++) {
-		uint32_t block = (uint32_t)(slots[i] / kv->block_size);
-		int off = (int)(slots[i] % kv->block_size);
-		if (slots[i] < 0 || block >= kv->n_blocks)
-			return -ERANGE;
-		for (int g = 0; g < kv->n_kv_heads; g++) {
-			size_t idx = mlens_kv_index(kv, layer, block, g, off);
-			const float *ks = k + ((size_t)i * kv->n_kv_heads + g) * kv->head_dim;
-			const float *vs = v + ((size_t)i * kv->n_kv_heads + g) * kv->head_dim;
-			for (int d = 0; d < kv->head_dim; d++) {
-				mlens_store((char *)kv->k + idx * es, kv->dtype, (size_t)d, ks[d]);
-				mlens_store((char *)kv->v + idx * es, kv->dtype, (size_t)d, vs[d]);
-			}
-		}
-	}
-	return 0;
+	return mlens_cpu_kv_append(kv, layer, k, v, slots, n);
 }
 
 void mlens_cpu_attn_decode_group_ref(float *out, const float *q,
@@ -419,42 +403,14 @@ void mlens_cpu_attn_decode_group_ref(float *out, const float *q,
 	}
 }
 
-struct decode_job {
-	float *out;
-	const float *q;
-	const struct mlens_kv_cache *kv;
-	int layer, nh, group;
-	const struct mlens_attn_query *qs;
-	float scale;
-};
-
-/* task = (query, kv head) */
-static void decode_task(void *arg, int task, int thread)
-{
-	struct decode_job *j = arg;
-	int nkv = j->kv->n_kv_heads;
-	int i = task / nkv, g = task % nkv;
-	size_t off = (size_t)i * j->nh * j->kv->head_dim + (size_t)g * j->group * j->kv->head_dim;
-	mlens_cpu_attn_decode_group_ref(j->out + off, j->q + off, j->kv, j->layer, g,
-					&j->qs[i], j->group, j->scale);
-}
-
 static int cpu_attn_decode(void *ctx, float *out, const float *q,
 			   const struct mlens_kv_cache *kv, int layer,
 			   const struct mlens_attn_query *queries, int n,
 			   int n_heads, float scale)
 {
 	struct mlens_cpu_ctx *c = ctx;
-	struct decode_job j = { out, q, kv, layer, n_heads, 0, queries, scale };
-	if (kv->n_kv_heads <= 0 || n_heads % kv->n_kv_heads)
-		return -EINVAL;
-	for (int i = 0; i < n; i++)
-		if (queries[i].ctx_len <= 0 ||
-		    (int64_t)queries[i].n_blocks * kv->block_size < queries[i].ctx_len)
-			return -ERANGE;
-	j.group = n_heads / kv->n_kv_heads;
-	mlens_pool_run(c->pool, n * kv->n_kv_heads, decode_task, &j);
-	return 0;
+	return mlens_cpu_attn_decode(c->pool, &c->attn_ws, out, q, kv, layer, queries, n,
+				     n_heads, scale);
 }
 
 /* ==== sampling ==== */
@@ -558,6 +514,7 @@ static void cpu_destroy(void *ctx)
 {
 	struct mlens_cpu_ctx *c = ctx;
 	mlens_pool_destroy(c->pool);
+	mlens_cpu_attn_ws_fini(&c->attn_ws);
 	free(c);
 }
 

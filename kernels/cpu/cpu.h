@@ -3,10 +3,12 @@
 #define MLENS_CPU_H
 
 #include "kernels/backend.h"
+#include "kernels/cpu/attn.h"
 #include "kernels/cpu/pool.h"
 
 struct mlens_cpu_ctx {
 	struct mlens_pool *pool;
+	struct mlens_cpu_attn_ws attn_ws;
 };
 
 /* Decode attention of one query token for the query heads [g*group,

@@ -1,6 +1,7 @@
 /* Worker pool: generation-counted start signal under one mutex, tasks
  * claimed from an atomic counter, completion counted under the mutex. */
 #include <errno.h>
+#include <numa.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -109,6 +110,80 @@ fail:
 	p->n = i;	/* threads [1, i) exist */
 	mlens_pool_destroy(p);
 	return err;
+}
+
+/* CPUs of node that sched_getaffinity allows, ascending; count or -errno. */
+static int node_cpus(int node, int **out)
+{
+	struct bitmask *bm = NULL;
+	cpu_set_t allowed;
+	int n = 0, rc, ncpu = numa_num_possible_cpus();
+	int *list = NULL;
+
+	if (node > numa_max_node())
+		return -EINVAL;
+	bm = numa_allocate_cpumask();
+	list = calloc((size_t)(ncpu > 0 ? ncpu : 1), sizeof(*list));
+	if (!bm || !list) {
+		rc = -ENOMEM;
+		goto fail;
+	}
+	if (numa_node_to_cpus(node, bm) < 0) {
+		rc = -EINVAL;
+		goto fail;
+	}
+	if (sched_getaffinity(0, sizeof(allowed), &allowed)) {
+		rc = -errno;
+		goto fail;
+	}
+	for (int c = 0; c < ncpu && c < CPU_SETSIZE; c++)
+		if (numa_bitmask_isbitset(bm, (unsigned)c) && CPU_ISSET(c, &allowed))
+			list[n++] = c;
+	numa_free_cpumask(bm);
+	if (!n) {
+		free(list);
+		return -EINVAL;
+	}
+	*out = list;
+	return n;
+fail:
+	if (bm)
+		numa_free_cpumask(bm);
+	free(list);
+	return rc;
+}
+
+int mlens_pool_create_numa(struct mlens_pool **out, int node, int n_threads, int n_reserved)
+{
+	int *list = NULL, *cpus = NULL, n, usable, first, rc;
+
+	if (n_reserved < 0)
+		n_reserved = 0;
+	if (node < 0 || numa_available() < 0) {
+		long c = sysconf(_SC_NPROCESSORS_ONLN);
+		if (n_threads <= 0)
+			n_threads = c - n_reserved > 1 ? (int)(c - n_reserved) : 1;
+		return mlens_pool_create(out, n_threads, NULL);
+	}
+	n = node_cpus(node, &list);
+	if (n < 0)
+		return n;
+	/* too few CPUs to keep any in reserve: share them all */
+	first = n_reserved < n ? n_reserved : 0;
+	usable = n - first;
+	if (n_threads <= 0)
+		n_threads = usable;
+	cpus = calloc((size_t)n_threads, sizeof(*cpus));
+	if (!cpus) {
+		free(list);
+		return -ENOMEM;
+	}
+	for (int i = 0; i < n_threads; i++)
+		cpus[i] = list[first + i % usable];
+	rc = mlens_pool_create(out, n_threads, cpus);
+	free(cpus);
+	free(list);
+	return rc;
 }
 
 void mlens_pool_destroy(struct mlens_pool *p)

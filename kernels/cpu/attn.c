@@ -1,0 +1,352 @@
+/* Decode attention dispatch: picks the kernel variant from CPUID (or the
+ * config / MLENS_ATTN_KERNEL), splits the batch into tasks of at most
+ * MLENS_ATTN_CHUNK_TOKENS positions of one (sequence, KV head), and merges
+ * the partial results of split sequences in chunk order. */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels/cpu/attn.h"
+#include "kernels/cpu/attn_int.h"
+#include "kernels/cpu/cpu.h"
+
+int mlens_attn_prefetch_blocks = 2;
+
+/* ==== variants ==== */
+
+struct attn_variant {
+	const char *name;
+	mlens_attn_span_fn span;	/* NULL: the scalar reference */
+	mlens_bf16_cvt_fn cvt;		/* NULL: mlens_f32_to_bf16 per element */
+	int width;			/* head_dim must be a multiple */
+};
+
+static const struct attn_variant variants[] = {
+	{ "scalar", NULL, NULL, 1 },
+	{ "avx2", mlens_attn_span_avx2, mlens_bf16_cvt_avx2, 8 },
+	{ "avx512", mlens_attn_span_avx512, mlens_bf16_cvt_avx512, 16 },
+};
+#define N_VARIANTS (int)(sizeof(variants) / sizeof(variants[0]))
+
+static _Atomic(const struct attn_variant *) active;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+static bool cpu_has(int i)
+{
+	__builtin_cpu_init();
+	switch (i) {
+	case 0:
+		return true;
+	case 1:
+		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+	case 2:
+		return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+		       __builtin_cpu_supports("avx512vl");
+	}
+	return false;
+}
+
+static int find_variant(const char *name)
+{
+	for (int i = 0; i < N_VARIANTS; i++)
+		if (!strcmp(name, variants[i].name))
+			return i;
+	return -1;
+}
+
+static int best_variant(void)
+{
+	int i = N_VARIANTS - 1;
+	while (i > 0 && !cpu_has(i))
+		i--;
+	return i;
+}
+
+static void init_variant(void)
+{
+	const char *env = getenv("MLENS_ATTN_KERNEL");
+	const char *pf = getenv("MLENS_ATTN_PREFETCH");
+	int i = env ? find_variant(env) : -1;
+
+	if (i < 0 || !cpu_has(i))
+		i = best_variant();	/* an unusable name falls back to the best */
+	if (pf && *pf)
+		mlens_attn_prefetch_blocks = atoi(pf) > 0 ? atoi(pf) : 0;
+	/* relaxed: the variants are constant tables; the pointer is the only datum */
+	atomic_store_explicit(&active, &variants[i], memory_order_relaxed);
+}
+
+static const struct attn_variant *get_variant(void)
+{
+	pthread_once(&init_once, init_variant);
+	return atomic_load_explicit(&active, memory_order_relaxed);
+}
+
+int mlens_cpu_attn_set_variant(const char *name)
+{
+	int i;
+	pthread_once(&init_once, init_variant);
+	if (!name)
+		return -EINVAL;
+	i = strcmp(name, "auto") ? find_variant(name) : best_variant();
+	if (i < 0)
+		return -EINVAL;
+	if (!cpu_has(i))
+		return -ENOTSUP;
+	atomic_store_explicit(&active, &variants[i], memory_order_relaxed);
+	return 0;
+}
+
+const char *mlens_cpu_attn_variant(void)
+{
+	return get_variant()->name;
+}
+
+bool mlens_cpu_attn_variant_supported(const char *name)
+{
+	int i = name ? find_variant(name) : -1;
+	return i >= 0 && cpu_has(i);
+}
+
+/* ==== workspace ==== */
+
+/* Grow *p to at least bytes (contents are not kept), 64-byte aligned. */
+static int ws_reserve(void **p, size_t *have, size_t bytes)
+{
+	void *n = NULL;
+	if (bytes <= *have)
+		return 0;
+	bytes += bytes / 4;	/* batches grow a little from step to step */
+	if (posix_memalign(&n, 64, bytes))
+		return -ENOMEM;
+	free(*p);
+	*p = n;
+	*have = bytes;
+	return 0;
+}
+
+void mlens_cpu_attn_ws_fini(struct mlens_cpu_attn_ws *ws)
+{
+	free(ws->tasks);
+	free(ws->part);
+	free(ws->scratch);
+	memset(ws, 0, sizeof(*ws));
+}
+
+/* ==== decode ==== */
+
+/* One task: chunk c of (query i, KV head g); part < 0 means the query is
+ * not split and the task writes its output directly. */
+struct attn_task {
+	int32_t i;
+	int32_t g;
+	int32_t c;
+	int32_t part;		/* record index of chunk 0 of this (i, g) */
+};
+
+struct decode_job {
+	float *out;
+	const float *q;
+	const struct mlens_kv_cache *kv;
+	int layer, nh, group, chunk;
+	const struct mlens_attn_query *qs;
+	float scale;
+	const struct attn_variant *var;
+	const struct attn_task *tasks;
+	float *part;
+	size_t rec_floats;	/* one partial: acc[group][hd], m[group], l[group] */
+	float *scratch;
+	size_t scratch_floats;
+};
+
+static size_t head_off(const struct decode_job *j, int i, int g)
+{
+	return ((size_t)i * j->nh + (size_t)g * j->group) * (size_t)j->kv->head_dim;
+}
+
+/* scalar variant: task = (query, kv head), the reference over the whole context */
+static void ref_task(void *arg, int task, int thread)
+{
+	struct decode_job *j = arg;
+	int nkv = j->kv->n_kv_heads;
+	int i = task / nkv, g = task % nkv;
+	size_t off = head_off(j, i, g);
+	mlens_cpu_attn_decode_group_ref(j->out + off, j->q + off, j->kv, j->layer, g,
+					&j->qs[i], j->group, j->scale);
+}
+
+static void span_task(void *arg, int task, int thread)
+{
+	struct decode_job *j = arg;
+	const struct attn_task *t = &j->tasks[task];
+	size_t off = head_off(j, t->i, t->g);
+	int32_t t0 = t->c * j->chunk, t1 = t0 + j->chunk;
+	struct mlens_attn_span s = {
+		.kv = j->kv, .layer = j->layer, .g = t->g, .group = j->group,
+		.q = j->q + off, .block_table = j->qs[t->i].block_table,
+		.t0 = t0, .scale = j->scale,
+	};
+
+	s.t1 = t1 < j->qs[t->i].ctx_len ? t1 : j->qs[t->i].ctx_len;
+	if (t->part < 0) {
+		s.out = j->out + off;
+	} else {
+		float *rec = j->part + (size_t)(t->part + t->c) * j->rec_floats;
+		size_t gh = (size_t)j->group * j->kv->head_dim;
+		s.acc = rec;
+		s.m = rec + gh;
+		s.l = rec + gh + j->group;
+	}
+	j->var->span(&s, j->scratch + (size_t)thread * j->scratch_floats);
+}
+
+/* Merge the chunks of one split (query, kv head) in chunk order: the task
+ * list holds chunk 0 of each split pair at merge index task. */
+static void merge_task(void *arg, int task, int thread)
+{
+	struct decode_job *j = arg;
+	const struct attn_task *t = &j->tasks[task];
+	int hd = j->kv->head_dim, G = j->group;
+	int nch = (j->qs[t->i].ctx_len + j->chunk - 1) / j->chunk;
+	size_t gh = (size_t)G * hd;
+	float *out = j->out + head_off(j, t->i, t->g);
+
+	for (int h = 0; h < G; h++) {
+		float M = -INFINITY, L = 0.0f;
+		float *o = out + (size_t)h * hd;
+		for (int c = 0; c < nch; c++) {
+			const float *rec = j->part + (size_t)(t->part + c) * j->rec_floats;
+			M = rec[gh + h] > M ? rec[gh + h] : M;
+		}
+		for (int d = 0; d < hd; d++)
+			o[d] = 0.0f;
+		for (int c = 0; c < nch; c++) {
+			const float *rec = j->part + (size_t)(t->part + c) * j->rec_floats;
+			float w = expf(rec[gh + h] - M);
+			const float *a = rec + (size_t)h * hd;
+			L += rec[gh + G + h] * w;
+			for (int d = 0; d < hd; d++)
+				o[d] += a[d] * w;
+		}
+		for (int d = 0; d < hd; d++)
+			o[d] /= L;
+	}
+}
+
+int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
+			  float *out, const float *q, const struct mlens_kv_cache *kv,
+			  int layer, const struct mlens_attn_query *queries, int n,
+			  int n_heads, float scale)
+{
+	struct decode_job j = {
+		.out = out, .q = q, .kv = kv, .layer = layer, .nh = n_heads,
+		.qs = queries, .scale = scale, .var = get_variant(),
+	};
+	int nkv = kv->n_kv_heads, hd = kv->head_dim, nt = mlens_pool_size(pool);
+	size_t n_tasks = 0, n_recs = 0, n_merge = 0;
+	struct attn_task *tasks;
+
+	if (nkv <= 0 || n_heads <= 0 || n_heads % nkv || hd <= 0 || kv->block_size <= 0)
+		return -EINVAL;
+	if (layer < 0 || layer >= kv->n_layers)
+		return -ERANGE;
+	for (int i = 0; i < n; i++)
+		if (queries[i].ctx_len <= 0 ||
+		    (int64_t)queries[i].n_blocks * kv->block_size < queries[i].ctx_len)
+			return -ERANGE;
+	j.group = n_heads / nkv;
+	if (n <= 0)
+		return 0;
+	if (!j.var->span || hd % j.var->width || hd > 256 ||
+	    (kv->dtype != MLENS_DTYPE_BF16 && kv->dtype != MLENS_DTYPE_F32)) {
+		/* scalar chosen, or a shape the vector kernels do not cover */
+		mlens_pool_run(pool, n * nkv, ref_task, &j);
+		return 0;
+	}
+
+	j.chunk = (MLENS_ATTN_CHUNK_TOKENS + kv->block_size - 1) / kv->block_size * kv->block_size;
+	for (int i = 0; i < n; i++) {
+		size_t nch = ((size_t)queries[i].ctx_len + j.chunk - 1) / j.chunk;
+		n_tasks += nch * nkv;
+		if (nch > 1) {
+			n_recs += nch * nkv;
+			n_merge += nkv;
+		}
+	}
+	j.rec_floats = (size_t)j.group * hd + 2 * (size_t)j.group;
+	j.scratch_floats = (mlens_attn_scratch_floats(j.group, hd) + 15) & ~(size_t)15;
+	if (n_tasks + n_merge > (size_t)INT32_MAX || n_recs > (size_t)INT32_MAX ||
+	    ws_reserve(&ws->tasks, &ws->tasks_bytes, (n_tasks + n_merge) * sizeof(*tasks)) ||
+	    ws_reserve((void **)&ws->part, &ws->part_bytes, n_recs * j.rec_floats * sizeof(float)) ||
+	    ws_reserve((void **)&ws->scratch, &ws->scratch_bytes,
+		       (size_t)nt * j.scratch_floats * sizeof(float)))
+		return -ENOMEM;
+	tasks = ws->tasks;
+	j.tasks = tasks;
+	j.part = ws->part;
+	j.scratch = ws->scratch;
+
+	/* Attention tasks first, in (query, head, chunk) order; then one merge
+	 * entry per split pair. Tasks are at most one chunk, so the last task
+	 * to finish is short whatever the lengths in the batch. */
+	{
+		size_t k = 0, m = n_tasks;
+		int32_t rec = 0;
+		for (int i = 0; i < n; i++) {
+			int32_t nch = (queries[i].ctx_len + j.chunk - 1) / j.chunk;
+			for (int g = 0; g < nkv; g++) {
+				int32_t part = nch > 1 ? rec : -1;
+				for (int32_t c = 0; c < nch; c++)
+					tasks[k++] = (struct attn_task){ i, g, c, part };
+				if (nch > 1) {
+					tasks[m++] = (struct attn_task){ i, g, 0, part };
+					rec += nch;
+				}
+			}
+		}
+	}
+	mlens_pool_run(pool, (int)n_tasks, span_task, &j);
+	if (n_merge) {
+		j.tasks = tasks + n_tasks;
+		mlens_pool_run(pool, (int)n_merge, merge_task, &j);
+	}
+	return 0;
+}
+
+/* ==== append ==== */
+
+int mlens_cpu_kv_append(struct mlens_kv_cache *kv, int layer, const float *k,
+			const float *v, const int64_t *slots, int n)
+{
+	const struct attn_variant *var = get_variant();
+	size_t es = mlens_dtype_size(kv->dtype);
+	int hd = kv->head_dim;
+
+	if (layer < 0 || layer >= kv->n_layers || kv->block_size <= 0)
+		return -ERANGE;
+	for (int i = 0; i < n; i++)
+		if (slots[i] < 0 || slots[i] / kv->block_size >= kv->n_blocks)
+			return -ERANGE;
+	for (int i = 0; i < n; i++) {
+		uint32_t block = (uint32_t)(slots[i] / kv->block_size);
+		int off = (int)(slots[i] % kv->block_size);
+		for (int g = 0; g < kv->n_kv_heads; g++) {
+			size_t idx = mlens_kv_index(kv, layer, block, g, off);
+			const float *ks = k + ((size_t)i * kv->n_kv_heads + g) * hd;
+			const float *vs = v + ((size_t)i * kv->n_kv_heads + g) * hd;
+			char *kd = (char *)kv->k + idx * es, *vd = (char *)kv->v + idx * es;
+			if (kv->dtype == MLENS_DTYPE_BF16 && var->cvt) {
+				var->cvt((uint16_t *)(void *)kd, ks, (size_t)hd);
+				var->cvt((uint16_t *)(void *)vd, vs, (size_t)hd);
+				continue;
+			}
+			for (int d = 0; d < hd; d++) {
+				mlens_store(kd, kv->dtype, (size_t)d, ks[d]);
+				mlens_store(vd, kv->dtype, (size_t)d, vs[d]);
+			}
+		}
+	}
+	return 0;
+}

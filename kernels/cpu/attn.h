@@ -1,0 +1,53 @@
+/* CPU decode attention and KV append with a kernel chosen at run time
+ * (scalar reference, AVX2+FMA, AVX-512) and a work split over the pool by
+ * (sequence, KV head, KV range); what the daemon's config and the tests see. */
+#ifndef MLENS_CPU_ATTN_H
+#define MLENS_CPU_ATTN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "kernels/kv.h"
+#include "kernels/cpu/pool.h"
+
+/* Positions per task when a sequence is split (rounded up to whole blocks);
+ * fixed, so that results do not depend on the thread count. */
+#define MLENS_ATTN_CHUNK_TOKENS 512
+
+/* Choose the kernel: "scalar", "avx2", "avx512", or "auto" (the best the CPU
+ * has; also the default, unless MLENS_ATTN_KERNEL names one). Returns 0,
+ * -EINVAL for an unknown name, -ENOTSUP when this CPU lacks the ISA.
+ * Process-wide; call it before attention runs, not during. */
+int mlens_cpu_attn_set_variant(const char *name);
+/* Name of the kernel in use ("scalar", "avx2" or "avx512"). */
+const char *mlens_cpu_attn_variant(void);
+/* Whether this CPU (and build) can run the named kernel. */
+bool mlens_cpu_attn_variant_supported(const char *name);
+
+/* Buffers that decode attention reuses from call to call (partial results,
+ * task list, per-thread scratch); zero-initialise, release with _fini. */
+struct mlens_cpu_attn_ws {
+	void *tasks;
+	size_t tasks_bytes;
+	float *part;
+	size_t part_bytes;
+	float *scratch;
+	size_t scratch_bytes;
+};
+void mlens_cpu_attn_ws_fini(struct mlens_cpu_attn_ws *ws);
+
+/* The attn_decode op of backend.h over the pool with the chosen kernel.
+ * q, out: [n][n_heads][head_dim]. 0, -EINVAL (head counts), -ERANGE (a
+ * query's context is empty or beyond its block table), -ENOMEM. */
+int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
+			  float *out, const float *q, const struct mlens_kv_cache *kv,
+			  int layer, const struct mlens_attn_query *queries, int n,
+			  int n_heads, float scale);
+
+/* The kv_append op of backend.h: bf16 stores are mlens_f32_to_bf16 values,
+ * converted with the chosen kernel's vector code. 0 or -ERANGE (a slot or
+ * the layer out of range; then nothing is written). */
+int mlens_cpu_kv_append(struct mlens_kv_cache *kv, int layer, const float *k,
+			const float *v, const int64_t *slots, int n);
+
+#endif

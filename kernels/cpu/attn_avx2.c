@@ -1,0 +1,89 @@
+/* AVX2 + FMA decode attention and f32 -> bf16 conversion; this file alone
+ * is built with -mavx2 -mfma and is only called after CPUID said yes. */
+#include <immintrin.h>
+#include "kernels/cpu/attn_int.h"
+
+typedef __m256 vec;
+#define W 8
+#define SUFFIX(name) name##_avx2
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, x) _mm256_storeu_ps((p), (x))
+#define VSET1(x) _mm256_set1_ps(x)
+#define VZERO() _mm256_setzero_ps()
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VDIV(a, b) _mm256_div_ps((a), (b))
+#define VMAX(a, b) _mm256_max_ps((a), (b))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VHSUM(x) hsum_avx2(x)
+#define VHMAX(x) hmax_avx2(x)
+#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32( \
+	_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))), 16))
+#define VEXP(x) exp_avx2(x)
+
+static inline float hsum_avx2(__m256 x)
+{
+	__m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+	s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+	s = _mm_add_ss(s, _mm_movehdup_ps(s));
+	return _mm_cvtss_f32(s);
+}
+
+static inline float hmax_avx2(__m256 x)
+{
+	__m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+	s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+	s = _mm_max_ss(s, _mm_movehdup_ps(s));
+	return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for x <= 0, as exp_avx512 in attn_avx512.c (Cephes expf). */
+static inline __m256 exp_avx2(__m256 x)
+{
+	__m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+	__m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+				    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+	__m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+	__m256 z, y;
+	__m256i e;
+	r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+	z = _mm256_mul_ps(r, r);
+	y = _mm256_set1_ps(1.9875691500e-4f);
+	y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+	y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+	y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+	y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+	y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+	y = _mm256_fmadd_ps(y, z, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+	e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+	y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+	return _mm256_andnot_ps(tiny, y);
+}
+
+#include "kernels/cpu/attn_simd.inc"
+
+/* Same integer rounding recipe as mlens_f32_to_bf16. */
+static inline __m128i bf16_round_avx2(__m256i u)
+{
+	__m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+	/* abs and 0x7f800000 are both below 2^31: a signed compare is right */
+	__m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+	__m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+	__m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb,
+					_mm256_set1_epi32(0x7fff))), 16);
+	__m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+	__m256i v = _mm256_blendv_epi8(r, q, nan);	/* every lane now < 2^16 */
+	__m256i p = _mm256_packus_epi32(v, v);		/* per 128-bit lane */
+	return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+}
+
+void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n)
+{
+	size_t i = 0;
+	for (; i + 8 <= n; i += 8)
+		_mm_storeu_si128((__m128i *)(void *)(dst + i),
+				 bf16_round_avx2(_mm256_castps_si256(_mm256_loadu_ps(src + i))));
+	for (; i < n; i++)
+		dst[i] = mlens_f32_to_bf16(src[i]);
+}

@@ -1,0 +1,78 @@
+/* AVX-512 (F, BW, VL) decode attention and f32 -> bf16 conversion; this file
+ * alone is built with -mavx512f -mavx512bw -mavx512vl and is only called
+ * after CPUID said yes (attn.c). */
+#include <immintrin.h>
+#include "kernels/cpu/attn_int.h"
+
+typedef __m512 vec;
+#define W 16
+#define SUFFIX(name) name##_avx512
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, x) _mm512_storeu_ps((p), (x))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VZERO() _mm512_setzero_ps()
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VDIV(a, b) _mm512_div_ps((a), (b))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VHSUM(x) _mm512_reduce_add_ps(x)
+#define VHMAX(x) _mm512_reduce_max_ps(x)
+#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
+	_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(p))), 16))
+#define VEXP(x) exp_avx512(x)
+
+/* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts and
+ * a degree-5 polynomial, within 2 ulp of expf); 0 where expf is subnormal
+ * or zero, so padding scores of -inf give p = 0. */
+static inline __m512 exp_avx512(__m512 x)
+{
+	__mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
+	__m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+					 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+	__m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+	__m512 z, y;
+	__m512i e;
+	r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+	z = _mm512_mul_ps(r, r);
+	y = _mm512_set1_ps(1.9875691500e-4f);
+	y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+	y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+	y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+	y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+	y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+	y = _mm512_fmadd_ps(y, z, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+	e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+	y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+	return _mm512_maskz_mov_ps((__mmask16)~tiny, y);
+}
+
+#include "kernels/cpu/attn_simd.inc"
+
+/* Round to nearest even on the bit pattern, NaN kept quiet: the same
+ * integer recipe as mlens_f32_to_bf16 (vcvtneps2bf16 would flush
+ * subnormals, so it is not used). */
+static inline __m256i bf16_round_avx512(__m512i u)
+{
+	__m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+	__mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+	__m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+	__m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb,
+					_mm512_set1_epi32(0x7fff))), 16);
+	__m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+	return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, q));
+}
+
+void mlens_bf16_cvt_avx512(uint16_t *dst, const float *src, size_t n)
+{
+	size_t i = 0;
+	for (; i + 16 <= n; i += 16)
+		_mm256_storeu_si256((__m256i *)(void *)(dst + i),
+				    bf16_round_avx512(_mm512_castps_si512(_mm512_loadu_ps(src + i))));
+	if (i < n) {
+		__mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+		__m256i h = bf16_round_avx512(_mm512_castps_si512(_mm512_maskz_loadu_ps(k, src + i)));
+		_mm256_mask_storeu_epi16(dst + i, k, h);
+	}
+}

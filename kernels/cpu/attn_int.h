@@ -1,0 +1,53 @@
+/* Decode attention kernels of the CPU backend: the contract between the
+ * dispatcher (attn.c: variant choice, work split, merge, append) and the
+ * per-ISA kernels (attn_avx2.c, attn_avx512.c, built from attn_simd.inc). */
+#ifndef MLENS_ATTN_INT_H
+#define MLENS_ATTN_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "kernels/kv.h"
+
+/* Positions per tile: scores of one tile are softmaxed together. */
+#define MLENS_ATTN_TILE 16
+
+/* One task: the query heads [g*group, (g+1)*group) of one query token over
+ * the positions [t0, t1) of its sequence. With out set, the result is the
+ * normalised attention output; otherwise the unnormalised partial
+ * (acc = sum p*v, m = max score, l = sum p) for a later merge. */
+struct mlens_attn_span {
+	const struct mlens_kv_cache *kv;
+	int layer, g, group;
+	const float *q;			/* [group][head_dim] */
+	const uint32_t *block_table;
+	int32_t t0, t1;
+	float scale;
+	float *out;			/* [group][head_dim] or NULL */
+	float *acc, *m, *l;		/* partial, when out is NULL */
+};
+
+/* scratch holds mlens_attn_scratch_floats(group, head_dim) floats, 64-byte aligned. */
+typedef void (*mlens_attn_span_fn)(const struct mlens_attn_span *s, float *scratch);
+/* dst[i] = mlens_f32_to_bf16(src[i]) bit for bit */
+typedef void (*mlens_bf16_cvt_fn)(uint16_t *dst, const float *src, size_t n);
+
+static inline size_t mlens_attn_scratch_floats(int group, int head_dim)
+{
+	/* q, acc: group*hd each; K and V tiles in fp32; scores; probabilities */
+	return 2 * (size_t)group * head_dim + 2 * (size_t)MLENS_ATTN_TILE * head_dim +
+	       2 * (size_t)group * MLENS_ATTN_TILE + 64;
+}
+
+/* How far ahead (in KV blocks) the kernels prefetch; 0 turns prefetch off.
+ * A tuning knob for measurement (MLENS_ATTN_PREFETCH), read at dispatch. */
+extern int mlens_attn_prefetch_blocks;
+
+/* The kernels of each ISA level (their files are built with its flags).
+ * A span fn handles head_dim % (vector width) == 0, head_dim <= 256. */
+void mlens_attn_span_avx2(const struct mlens_attn_span *s, float *scratch);
+void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n);
+void mlens_attn_span_avx512(const struct mlens_attn_span *s, float *scratch);
+void mlens_attn_span_avx512bf16(const struct mlens_attn_span *s, float *scratch);
+void mlens_bf16_cvt_avx512(uint16_t *dst, const float *src, size_t n);
+
+#endif

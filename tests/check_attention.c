@@ -1,0 +1,411 @@
+/* Description: CPU decode attention kernels (scalar, AVX2, AVX-512) against
+ * the scalar reference on random paged caches, thread-count independence,
+ * bit-exact bf16 KV append, variant selection and the NUMA pool. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "kernels/cpu/attn.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/pool.h"
+
+static const char *const variant_names[] = { "scalar", "avx2", "avx512" };
+#define N_VARIANTS 3
+
+static uint64_t rng_state;
+
+static uint32_t rnd(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return (uint32_t)(rng_state >> 11);
+}
+
+static float rndf(float lo, float hi)
+{
+	return lo + (hi - lo) * (float)(rnd() & 0xffffff) / 16777216.0f;
+}
+
+/* A cache and a batch of queries whose blocks are taken from a shuffled
+ * list, so that every sequence spans non-contiguous blocks. */
+struct setup {
+	struct mlens_kv_cache kv;
+	struct mlens_attn_query *qs;
+	uint32_t *tables;
+	float *q;
+	int n, n_heads;
+};
+
+static void setup_make(struct setup *s, enum mlens_dtype dt, int n_layers, int nkv, int group,
+		       int hd, int bs, const int32_t *lens, int n)
+{
+	uint32_t total = 0, *perm;
+	size_t elems, used = 0;
+
+	memset(s, 0, sizeof(*s));
+	for (int i = 0; i < n; i++)
+		total += (uint32_t)((lens[i] + bs - 1) / bs);
+	total += 3;	/* a few blocks no sequence owns */
+	s->kv = (struct mlens_kv_cache){ dt, n_layers, nkv, hd, bs, total, NULL, NULL };
+	elems = mlens_kv_bytes(&s->kv) / mlens_dtype_size(dt);
+	s->kv.k = malloc(mlens_kv_bytes(&s->kv));
+	s->kv.v = malloc(mlens_kv_bytes(&s->kv));
+	ck_assert(s->kv.k && s->kv.v);
+	for (size_t e = 0; e < elems; e++) {
+		mlens_store(s->kv.k, dt, e, rndf(-1.0f, 1.0f));
+		mlens_store(s->kv.v, dt, e, rndf(-1.0f, 1.0f));
+	}
+	perm = malloc(total * sizeof(*perm));
+	ck_assert(perm);
+	for (uint32_t b = 0; b < total; b++)
+		perm[b] = b;
+	for (uint32_t b = total - 1; b > 0; b--) {
+		uint32_t o = rnd() % (b + 1), t = perm[b];
+		perm[b] = perm[o];
+		perm[o] = t;
+	}
+	s->n = n;
+	s->n_heads = nkv * group;
+	s->qs = calloc((size_t)n, sizeof(*s->qs));
+	s->tables = perm;
+	ck_assert(s->qs);
+	for (int i = 0; i < n; i++) {
+		int nb = (lens[i] + bs - 1) / bs;
+		s->qs[i].ctx_len = lens[i];
+		s->qs[i].n_blocks = nb;
+		s->qs[i].block_table = perm + used;
+		used += (size_t)nb;
+	}
+	s->q = malloc((size_t)n * s->n_heads * hd * sizeof(float));
+	ck_assert(s->q);
+	/* |q| up to 3 spreads the softmax well beyond uniform */
+	for (size_t e = 0; e < (size_t)n * s->n_heads * hd; e++)
+		s->q[e] = rndf(-3.0f, 3.0f);
+}
+
+static void setup_free(struct setup *s)
+{
+	free(s->kv.k);
+	free(s->kv.v);
+	free(s->qs);
+	free(s->tables);
+	free(s->q);
+}
+
+static float *run_ref(const struct setup *s, int layer, float scale)
+{
+	int hd = s->kv.head_dim, nkv = s->kv.n_kv_heads, group = s->n_heads / nkv;
+	float *out = malloc((size_t)s->n * s->n_heads * hd * sizeof(float));
+	ck_assert(out);
+	for (int i = 0; i < s->n; i++)
+		for (int g = 0; g < nkv; g++) {
+			size_t off = ((size_t)i * s->n_heads + (size_t)g * group) * hd;
+			mlens_cpu_attn_decode_group_ref(out + off, s->q + off, &s->kv, layer, g,
+							&s->qs[i], group, scale);
+		}
+	return out;
+}
+
+static float *run_variant(const struct setup *s, struct mlens_pool *pool, int layer, float scale)
+{
+	struct mlens_cpu_attn_ws ws = { 0 };
+	size_t nf = (size_t)s->n * s->n_heads * s->kv.head_dim;
+	float *out = malloc(nf * sizeof(float));
+	ck_assert(out);
+	for (size_t e = 0; e < nf; e++)
+		out[e] = NAN;	/* every element must be written */
+	ck_assert_int_eq(mlens_cpu_attn_decode(pool, &ws, out, s->q, &s->kv, layer, s->qs, s->n,
+					       s->n_heads, scale), 0);
+	mlens_cpu_attn_ws_fini(&ws);
+	return out;
+}
+
+/* Tolerance. Each output is a convex combination of V rows with |v| <= 1, so
+ * errors are absolute. The kernels differ from the reference in summation
+ * order (q.k in vector lanes; p*v per tile of 16 positions, split sequences
+ * merged per chunk of 512) and in exp (a polynomial within 2 ulp of expf);
+ * each step rounds at 2^-24 relative, and the reference itself rescales its
+ * accumulator at every position, so the difference grows about like
+ * sqrt(context) ulps. With |q| <= 3 and |k| <= 1 a score's rounding is below
+ * 1e-6. Bound: 4e-6 + 2e-7 * sqrt(ctx) (2e-5 at 8192); the measured
+ * maximum is about a tenth of it (printed below), so the margin is wide
+ * while an indexing or softmax error (order 1e-2 and up) cannot pass. */
+static double tolerance(int ctx)
+{
+	return 4e-6 + 2e-7 * sqrt((double)ctx);
+}
+
+static int compare(const struct setup *s, const float *ref, const float *got, double *worst)
+{
+	int hd = s->kv.head_dim, bad = 0;
+	for (int i = 0; i < s->n; i++) {
+		double tol = tolerance(s->qs[i].ctx_len);
+		for (size_t e = 0; e < (size_t)s->n_heads * hd; e++) {
+			size_t x = (size_t)i * s->n_heads * hd + e;
+			double d = fabs((double)ref[x] - (double)got[x]);
+			if (!(d <= tol)) {	/* NaN fails too */
+				if (bad++ < 5)
+					fprintf(stderr, "query %d (ctx %d) elem %zu: ref %.8g got %.8g\n",
+						i, s->qs[i].ctx_len, e, ref[x], got[x]);
+			}
+			if (d / tol > *worst)
+				*worst = d / tol;
+		}
+	}
+	return bad;
+}
+
+static const int32_t lens_mixed[] = { 1, 2, 3, 15, 16, 17, 31, 33, 100, 255, 511, 512, 513,
+				      1000, 1025, 2047, 3001, 8192 };
+#define N_MIXED (int)(sizeof(lens_mixed) / sizeof(lens_mixed[0]))
+
+struct shape {
+	enum mlens_dtype dt;
+	int nkv, group, hd, bs;
+};
+
+static const struct shape shapes[] = {
+	{ MLENS_DTYPE_BF16, 2, 1, 64, 16 },
+	{ MLENS_DTYPE_BF16, 2, 4, 128, 16 },
+	{ MLENS_DTYPE_BF16, 1, 8, 128, 16 },
+	{ MLENS_DTYPE_BF16, 2, 4, 64, 16 },
+	{ MLENS_DTYPE_BF16, 1, 8, 64, 32 },	/* block larger than a tile */
+	{ MLENS_DTYPE_BF16, 2, 4, 128, 5 },	/* odd block size */
+	{ MLENS_DTYPE_BF16, 1, 4, 96, 16 },	/* head_dim outside the unrolled cases */
+	{ MLENS_DTYPE_F32, 2, 4, 128, 16 },
+	{ MLENS_DTYPE_F32, 1, 1, 64, 16 },
+};
+#define N_SHAPES (int)(sizeof(shapes) / sizeof(shapes[0]))
+
+START_TEST(test_variant_vs_reference)
+{
+	const char *name = variant_names[_i];
+	struct mlens_pool *pool;
+	double worst = 0.0;
+	int bad = 0;
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
+		return;
+	}
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	ck_assert_str_eq(mlens_cpu_attn_variant(), name);
+	ck_assert_int_eq(mlens_pool_create(&pool, 2, NULL), 0);
+	for (int k = 0; k < N_SHAPES; k++) {
+		const struct shape *sh = &shapes[k];
+		struct setup s;
+		int32_t lens[N_MIXED + 24];
+		int n = 0;
+		float *ref, *got, scale = 1.0f / sqrtf((float)sh->hd);
+
+		rng_state = 0x9e3779b97f4a7c15ull + (uint64_t)k;
+		for (int i = 0; i < N_MIXED; i++)
+			lens[n++] = lens_mixed[i];
+		for (int i = 0; i < 24; i++)	/* plus random lengths */
+			lens[n++] = 1 + (int32_t)(rnd() % 2500);
+		setup_make(&s, sh->dt, 2, sh->nkv, sh->group, sh->hd, sh->bs, lens, n);
+		ref = run_ref(&s, 1, scale);
+		got = run_variant(&s, pool, 1, scale);
+		bad += compare(&s, ref, got, &worst);
+		if (bad)
+			fprintf(stderr, "variant %s shape %d (%s nkv %d group %d hd %d bs %d) differs\n",
+				name, k, mlens_dtype_name(sh->dt), sh->nkv, sh->group, sh->hd, sh->bs);
+		free(ref);
+		free(got);
+		setup_free(&s);
+	}
+	printf("check_attention: %s: worst |diff| / tolerance = %.3f\n", name, worst);
+	ck_assert_int_eq(bad, 0);
+	mlens_pool_destroy(pool);
+}
+END_TEST
+
+/* One long sequence among short ones, 1 and 2 threads: identical bits. */
+START_TEST(test_threads_identical)
+{
+	const char *name = variant_names[_i];
+	struct mlens_pool *p1, *p2;
+	int32_t lens[] = { 7000, 3, 600, 1, 1500, 64, 8192, 17 };
+	struct setup s;
+	float *a, *b;
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
+		return;
+	}
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	ck_assert_int_eq(mlens_pool_create(&p1, 1, NULL), 0);
+	ck_assert_int_eq(mlens_pool_create(&p2, 2, NULL), 0);
+	rng_state = 12345;
+	setup_make(&s, MLENS_DTYPE_BF16, 1, 8, 4, 128, 16, lens, 8);
+	a = run_variant(&s, p1, 0, 0.0883883f);
+	b = run_variant(&s, p2, 0, 0.0883883f);
+	ck_assert(memcmp(a, b, (size_t)s.n * s.n_heads * 128 * sizeof(float)) == 0);
+	free(a);
+	free(b);
+	setup_free(&s);
+	mlens_pool_destroy(p1);
+	mlens_pool_destroy(p2);
+}
+END_TEST
+
+/* Values that exercise bf16 rounding: ties both ways, carries into the
+ * exponent, subnormals, infinities, NaNs of both signs. */
+static float special(int i)
+{
+	static const uint32_t bits[] = {
+		0x3f808000, 0x3f818000, 0x3f80ffff, 0x3f7fffff, 0x7f7fffff, 0xff7fffff,
+		0x00000001, 0x80008000, 0x00018000, 0x007fffff, 0x7f800000, 0xff800000,
+		0x7fc00000, 0xffc00001, 0x7f800001, 0xff800001, 0x00000000, 0x80000000,
+	};
+	float f;
+	memcpy(&f, &bits[i % (int)(sizeof(bits) / sizeof(bits[0]))], 4);
+	return f;
+}
+
+START_TEST(test_append_exact)
+{
+	const char *name = variant_names[_i];
+	int nkv = 4, hd = 100, bs = 16, n = 37;	/* hd not a multiple of a vector */
+	struct mlens_kv_cache kv = { MLENS_DTYPE_BF16, 2, nkv, hd, bs, 8, NULL, NULL };
+	size_t row = (size_t)nkv * hd;
+	float *k = malloc((size_t)n * row * sizeof(float)), *v = malloc((size_t)n * row * sizeof(float));
+	int64_t slots[37];
+	uint32_t perm[8] = { 5, 2, 7, 0, 3, 6, 1, 4 };
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
+		free(k);
+		free(v);
+		return;
+	}
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	kv.k = calloc(1, mlens_kv_bytes(&kv));
+	kv.v = calloc(1, mlens_kv_bytes(&kv));
+	ck_assert(k && v && kv.k && kv.v);
+	rng_state = 777;
+	for (size_t e = 0; e < (size_t)n * row; e++) {
+		uint32_t u = rnd() ^ (rnd() << 21);	/* any bit pattern */
+		memcpy(&k[e], &u, 4);
+		v[e] = e % 5 == 0 ? special((int)(e / 5)) : rndf(-100.0f, 100.0f);
+	}
+	for (int i = 0; i < n; i++)
+		slots[i] = (int64_t)perm[i / bs] * bs + i % bs;
+	ck_assert_int_eq(mlens_cpu_kv_append(&kv, 1, k, v, slots, n), 0);
+	for (int i = 0; i < n; i++)
+		for (int g = 0; g < nkv; g++) {
+			size_t idx = mlens_kv_index(&kv, 1, perm[i / bs], g, i % bs);
+			const uint16_t *ks = (const uint16_t *)kv.k + idx, *vs = (const uint16_t *)kv.v + idx;
+			for (int d = 0; d < hd; d++) {
+				size_t e = (size_t)i * row + (size_t)g * hd + d;
+				ck_assert_uint_eq(ks[d], mlens_f32_to_bf16(k[e]));
+				ck_assert_uint_eq(vs[d], mlens_f32_to_bf16(v[e]));
+			}
+		}
+	/* layer 0 untouched; a bad slot writes nothing */
+	for (size_t e = 0; e < mlens_kv_bytes(&kv) / 2 / 2; e++)
+		ck_assert_uint_eq(((uint16_t *)kv.k)[e], 0);
+	slots[n - 1] = 8 * bs;
+	ck_assert_int_eq(mlens_cpu_kv_append(&kv, 0, k, v, slots, n), -ERANGE);
+	for (size_t e = 0; e < mlens_kv_bytes(&kv) / 2 / 2; e++)
+		ck_assert_uint_eq(((uint16_t *)kv.k)[e], 0);
+	ck_assert_int_eq(mlens_cpu_kv_append(&kv, 2, k, v, slots, 1), -ERANGE);
+	free(kv.k);
+	free(kv.v);
+	free(k);
+	free(v);
+}
+END_TEST
+
+START_TEST(test_variant_selection)
+{
+	ck_assert_int_eq(mlens_cpu_attn_set_variant("sse9"), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(NULL), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_attn_set_variant("scalar"), 0);
+	ck_assert_str_eq(mlens_cpu_attn_variant(), "scalar");
+	ck_assert_int_eq(mlens_cpu_attn_set_variant("auto"), 0);
+	ck_assert(mlens_cpu_attn_variant_supported(mlens_cpu_attn_variant()));
+	if (!mlens_cpu_attn_variant_supported("avx512"))
+		ck_assert_int_eq(mlens_cpu_attn_set_variant("avx512"), -ENOTSUP);
+	else
+		ck_assert_str_eq(mlens_cpu_attn_variant(), "avx512");
+}
+END_TEST
+
+/* Bad input is refused before anything runs. */
+START_TEST(test_decode_errors)
+{
+	struct mlens_pool *pool;
+	struct mlens_cpu_attn_ws ws = { 0 };
+	int32_t lens[] = { 20 };
+	struct setup s;
+	float out[4 * 64];
+
+	ck_assert_int_eq(mlens_pool_create(&pool, 1, NULL), 0);
+	rng_state = 99;
+	setup_make(&s, MLENS_DTYPE_BF16, 1, 2, 2, 64, 16, lens, 1);
+	ck_assert_int_eq(mlens_cpu_attn_decode(pool, &ws, out, s.q, &s.kv, 0, s.qs, 1, 3, 0.1f), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_attn_decode(pool, &ws, out, s.q, &s.kv, 1, s.qs, 1, 4, 0.1f), -ERANGE);
+	s.qs[0].ctx_len = 33;	/* beyond its two blocks */
+	ck_assert_int_eq(mlens_cpu_attn_decode(pool, &ws, out, s.q, &s.kv, 0, s.qs, 1, 4, 0.1f), -ERANGE);
+	s.qs[0].ctx_len = 0;
+	ck_assert_int_eq(mlens_cpu_attn_decode(pool, &ws, out, s.q, &s.kv, 0, s.qs, 1, 4, 0.1f), -ERANGE);
+	mlens_cpu_attn_ws_fini(&ws);
+	setup_free(&s);
+	mlens_pool_destroy(pool);
+}
+END_TEST
+
+static void count_task(void *arg, int task, int thread)
+{
+	int *hits = arg;
+	__atomic_fetch_add(&hits[task], 1, __ATOMIC_RELAXED);
+}
+
+START_TEST(test_pool_numa)
+{
+	struct mlens_pool *p;
+	int hits[100] = { 0 };
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+
+	/* default: the node's CPUs less the reserved one, never below 1 */
+	ck_assert_int_eq(mlens_pool_create_numa(&p, 0, 0, 1), 0);
+	ck_assert_int_ge(mlens_pool_size(p), 1);
+	ck_assert_int_le(mlens_pool_size(p), ncpu > 1 ? ncpu - 1 : 1);
+	mlens_pool_destroy(p);
+	/* an explicit count, more threads than CPUs */
+	ck_assert_int_eq(mlens_pool_create_numa(&p, 0, 3, 1), 0);
+	ck_assert_int_eq(mlens_pool_size(p), 3);
+	mlens_pool_run(p, 100, count_task, hits);
+	for (int t = 0; t < 100; t++)
+		ck_assert_int_eq(hits[t], 1);
+	mlens_pool_destroy(p);
+	ck_assert_int_eq(mlens_pool_create_numa(&p, 4096, 0, 0), -EINVAL);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *s = suite_create("attention");
+	TCase *tc = tcase_create("core");
+	SRunner *sr;
+	int failed;
+
+	tcase_set_timeout(tc, 60);
+	tcase_add_loop_test(tc, test_variant_vs_reference, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
+	tcase_add_test(tc, test_variant_selection);
+	tcase_add_test(tc, test_decode_errors);
+	tcase_add_test(tc, test_pool_numa);
+	suite_add_tcase(s, tc);
+	sr = srunner_create(s);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? 1 : 0;
+}

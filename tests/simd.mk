@@ -1,0 +1,8 @@
+# tests/simd.mk: the CPU attention kernels' test and benchmark.
+if HAVE_CHECK
+check_PROGRAMS += tests/check_attention
+TESTS += tests/check_attention
+tests_check_attention_SOURCES = tests/check_attention.c
+tests_check_attention_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_attention_LDADD = kernels/libmlens_kernels.la $(CHECK_LIBS) $(PTHREAD_LIBS) -lm
+endif
