@@ -28,7 +28,23 @@ struct mlens_req {
 	bool has_pending;	/* an event the tenant's ring had no room for */
 	struct mlens_event pending;
 	bool preempted;		/* waiting to re-prefill */
+	double arrival;		/* submit time, CLOCK_MONOTONIC */
+	double last_token;	/* when the previous token was emitted */
 };
+
+const double mlens_latency_buckets[MLENS_LAT_BUCKETS] = {
+	0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, INFINITY
+};
+
+static void hist_add(struct mlens_hist *h, double v)
+{
+	int i = 0;
+	while (i < MLENS_LAT_BUCKETS - 1 && v > mlens_latency_buckets[i])
+		i++;
+	h->bucket[i]++;
+	h->count++;
+	h->sum += v;
+}
 
 struct list {
 	struct mlens_req *head, *tail;
@@ -54,6 +70,13 @@ struct mlens_sched {
 	uint32_t *blocks_before;
 	int scratch_n;
 };
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 /* ==== lists ==== */
 
@@ -291,6 +314,7 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 	r->n_stop = p->n_stop;
 	r->logprobs = p->logprobs;
 	r->state = REQ_WAITING;
+	r->arrival = now();
 	r->tnext = t->reqs;
 	if (t->reqs)
 		t->reqs->tprev = r;
@@ -298,6 +322,15 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 	t->queued++;
 	q_push_tail(&s->waiting, r);
 	return 0;
+}
+
+bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id)
+{
+	(void)s;
+	for (const struct mlens_req *r = t->reqs; r; r = r->tnext)
+		if (r->id == id && r->state != REQ_FINISHED)
+			return true;
+	return false;
 }
 
 int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint64_t id)
@@ -396,13 +429,6 @@ static int ensure_scratch(struct mlens_sched *s, int n)
 	s->blocks_before = b;
 	s->scratch_n = n;
 	return 0;
-}
-
-static double now(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 static int append_token(struct mlens_req *r, int32_t tok)
@@ -511,6 +537,8 @@ int mlens_sched_step(struct mlens_sched *s)
 	t0 = now();
 	rc = mlens_engine_step(s->e, s->ereq, n);
 	s->st.last_step_seconds = now() - t0;
+	s->st.step_seconds_sum += s->st.last_step_seconds;
+	t0 = now();
 	s->st.steps++;
 	s->st.last_step_tokens = (uint32_t)tokens;
 	s->st.last_step_seqs = (uint32_t)n;
@@ -537,6 +565,11 @@ int mlens_sched_step(struct mlens_sched *s)
 		ev.token = tok;
 		ev.logprob = r->logprobs ? s->ereq[i].logprob : 0.0f;
 		ev.first = r->n_gen == 1;
+		if (ev.first)
+			hist_add(&s->st.ttft, t0 - r->arrival);
+		else
+			hist_add(&s->st.tpot, t0 - r->last_token);
+		r->last_token = t0;
 		for (int k = 0; k < r->n_stop; k++)
 			if (r->stop[k] == tok)
 				ev.finish = MLENS_FINISH_STOP;
@@ -583,4 +616,9 @@ void mlens_sched_set_token_cap(struct mlens_sched *s, int cap)
 {
 	int max = mlens_engine_max_step_tokens(s->e);
 	s->cap = cap > 0 && cap < max ? cap : max;
+}
+
+struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s)
+{
+	return s->kv;
 }

@@ -11,16 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include "daemon/engine.h"
-
-#define MLENS_MAX_STOP 8
-
-enum mlens_finish {
-	MLENS_FINISH_NONE = 0,
-	MLENS_FINISH_LENGTH,	/* max_tokens or the context limit reached */
-	MLENS_FINISH_STOP,	/* a stop token was generated */
-	MLENS_FINISH_ERROR,	/* see status */
-	MLENS_FINISH_CANCELLED,
-};
+#include "shm/proto.h"	/* enum mlens_finish, MLENS_MAX_STOP: the protocol's words */
 
 struct mlens_quota {
 	uint32_t max_running;	/* running sequences */
@@ -82,7 +73,20 @@ struct mlens_sched_opts {
 	uint32_t reserve_blocks;	/* keep free when admitting; 0 = one per running seq */
 };
 
+#define MLENS_LAT_BUCKETS 16
+/* Upper bounds (seconds) of the latency histogram buckets; the last is +Inf. */
+extern const double mlens_latency_buckets[MLENS_LAT_BUCKETS];
+
+struct mlens_hist {
+	uint64_t bucket[MLENS_LAT_BUCKETS];	/* not cumulative */
+	uint64_t count;
+	double sum;
+};
+
 struct mlens_sched_stats {
+	struct mlens_hist ttft;		/* submit to first token */
+	struct mlens_hist tpot;		/* between two tokens of a request */
+	double step_seconds_sum;
 	uint64_t steps;
 	uint64_t preemptions;
 	uint64_t prompt_tokens;		/* prefill tokens computed, re-prefills included */
@@ -116,6 +120,8 @@ void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant 
  * sentence for the error completion's log. */
 int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 		       const struct mlens_request_params *p, char *why, size_t whylen);
+/* Is request id of t queued or running (ids must be unique while live)? */
+bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id);
 /* Cancel the tenant's request id: -ENOENT when unknown. */
 int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint64_t id);
 
@@ -130,6 +136,7 @@ void mlens_sched_set_admission(struct mlens_sched *s, bool open);
 bool mlens_sched_admission(const struct mlens_sched *s);
 void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats *st);
 int mlens_sched_token_cap(const struct mlens_sched *s);
+struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s);
 void mlens_sched_set_token_cap(struct mlens_sched *s, int cap);
 
 #endif
