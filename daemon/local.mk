@@ -14,3 +14,5 @@ daemon_libmlens_core_la_SOURCES += daemon/weights.h daemon/weights.c
 noinst_PROGRAMS += daemon/mlens-local
 daemon_mlens_local_SOURCES = daemon/local_main.c
 daemon_mlens_local_LDADD = daemon/libmlens_core.la
+daemon_libmlens_core_la_SOURCES += daemon/tenant.h daemon/tenant.c daemon/worker.h daemon/worker.c
+daemon_libmlens_core_la_LIBADD += shm/libmlens_shm.la

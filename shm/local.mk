@@ -5,3 +5,4 @@ shm_libmlens_shm_la_SOURCES = \
 	shm/barrier.h shm/ring.h shm/ring.c shm/region.h shm/region.c \
 	shm/proto.h shm/proto.c
 shm_libmlens_shm_la_CFLAGS = $(AM_CFLAGS) -O2
+noinst_HEADERS += shm/attach.h
