@@ -19,3 +19,4 @@ tests_check_sched_SOURCES = tests/check_sched.c
 tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
+dist_noinst_SCRIPTS += tests/setup-deps.sh tests/run-all.sh tests/demo.sh
