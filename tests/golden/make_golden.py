@@ -222,9 +222,12 @@ def bf16_kv_check(d, model, prompts, ref, tol):
     """A second reference for bf16 models: the same fp32 compute with the
     KV cache rounded to bf16 exactly as mlens stores it. Its decode logits
     (teacher-forced on the main reference's greedy tokens) and its own
-    free-running greedy tokens are compared at the fp32 tolerance; its
-    distance to the main reference is the error a BF16 cache alone makes,
-    which the main decode tolerance must cover with room to spare."""
+    free-running greedy tokens are compared at tol["kv_bf16"]: rounding is
+    discontinuous, so an fp32-level difference before it can flip a cached
+    element by one bf16 ulp (2^-8 relative); a few such flips move the logits
+    by ~1e-4..1e-3, well below what the cache as a whole does. That whole
+    effect (distance to the main reference) is what the main decode
+    tolerance must cover with room to spare."""
     force = [r["greedy"] for r in ref]
     with Bf16KV():
         forced = reference(model, prompts, force)
@@ -292,7 +295,7 @@ def main():
                           note="fp32 weights and activations: rounding-order differences only"))]
         if spec["bf16"]:
             variants.append(("-bf16", torch.bfloat16, "bfloat16", dict(
-                prefill=TOL_F32, decode=1.5e-2, kv_bf16=TOL_F32,
+                prefill=TOL_F32, decode=1.5e-2, kv_bf16=1e-3,
                 note=("reference = these bf16 weights upcast to fp32 compute, as mlens computes "
                       "(fp32 activations). Prefill attention uses fp32 K/V, so prefill logits "
                       "meet the fp32 tolerance; decode steps read K/V from the bf16 KV cache "
