@@ -394,7 +394,10 @@ int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 			     const char *backend, char *err, size_t errlen)
 {
 	struct mlens_backend_opts bo = { 2, 0 };
-	struct mlens_engine_opts eo = { 0, 0, -1, 0, NULL, NULL };
+	/* prefill through the attention op: the prefill check compares against
+	 * the fp32-KV reference, where a prompt attends over its own unrounded
+	 * K/V (the cache path is what the decode checks exercise) */
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP };
 	int rc;
 
 	memset(ge, 0, sizeof(*ge));
