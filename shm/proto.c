@@ -6,9 +6,12 @@
 #include <stdio.h>
 #include "shm/proto.h"
 #include "shm/ring.h"
+#include "shm/shm_int.h"
 
-__attribute__((format(printf, 4, 5)))
-static int reject(int err, char *why, size_t why_len, const char *fmt, ...)
+/* Short local name: most checks below end in one. */
+#define reject mlens_shm_reason
+
+int mlens_shm_reason(int err, char *why, size_t why_len, const char *fmt, ...)
 {
 	va_list ap;
 
