@@ -1026,6 +1026,8 @@ static int e2e_client(int fd, int daemon_efd, int client_efd)
 		for (int i = 0; i < n; i++) {
 			int64_t sum = 0;
 
+			if (mlens_cmpl_validate(&cm[i], NULL, 0))
+				return 17;
 			for (uint32_t k = 0; k < prompt_len_of(done); k++)
 				sum += prompt_token(done, k);
 			if (cm[i].id != done || cm[i].token != (int32_t)(sum % 1000) ||
@@ -1298,6 +1300,43 @@ START_TEST(test_prompt_validate)
 }
 END_TEST
 
+START_TEST(test_cmpl_validate)
+{
+	const struct mlens_cmpl ok[] = {
+		{ .id = 1, .token = 5, .flags = MLENS_CMPL_FIRST | MLENS_CMPL_TOKEN },
+		{ .id = 1, .token = 5, .flags = MLENS_CMPL_TOKEN | MLENS_CMPL_LOGPROB,
+		  .logprob = -0.5f },
+		{ .id = 1, .token = 2, .flags = MLENS_CMPL_TOKEN | MLENS_CMPL_LAST,
+		  .finish = MLENS_FINISH_STOP },
+		{ .id = 1, .flags = MLENS_CMPL_FIRST | MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR,
+		  .status = -EINVAL },
+		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED },
+	};
+	const struct { struct mlens_cmpl c; const char *why; } bad[] = {
+		{ { .flags = 0x10 }, "unknown bits" },
+		{ { .flags = MLENS_CMPL_LAST }, "finish 0 with LAST set" },
+		{ { .flags = MLENS_CMPL_TOKEN, .finish = MLENS_FINISH_LENGTH }, "LAST clear" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = 5 }, "finish 5" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR }, "status 0" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_STOP, .status = -5 }, "status -5" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR, .status = 3 }, "status 3" },
+		{ { .flags = MLENS_CMPL_LOGPROB }, "logprob but no token" },
+		{ { .flags = MLENS_CMPL_TOKEN, .reserved0 = 1 }, "reserved" },
+		{ { .flags = MLENS_CMPL_TOKEN, .reserved1 = 1 }, "reserved" },
+	};
+	char why[128];
+
+	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+		ck_assert_msg(mlens_cmpl_validate(&ok[i], why, sizeof(why)) == 0, "ok %zu: %s", i, why);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		why[0] = 0;
+		ck_assert_int_eq(mlens_cmpl_validate(&bad[i].c, why, sizeof(why)), -EPROTO);
+		ck_assert_msg(strstr(why, bad[i].why), "bad %zu: \"%s\" lacks \"%s\"", i, why,
+			      bad[i].why);
+	}
+}
+END_TEST
+
 START_TEST(test_limits_validate)
 {
 	struct mlens_region_limits l = plim;
@@ -1513,6 +1552,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_sub_random);
 	tcase_add_test(tc, test_prompt_validate);
 	tcase_add_test(tc, test_limits_validate);
+	tcase_add_test(tc, test_cmpl_validate);
 	tcase_set_timeout(tc, 30);
 	suite_add_tcase(s, tc);
 
