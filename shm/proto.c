@@ -1,14 +1,18 @@
 /* Validation of protocol messages. Every check reads the caller's private
  * copy, so a value cannot change between its check and its use. */
 #include <errno.h>
+#include <stdbool.h>
 #include <string.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include "shm/proto.h"
 #include "shm/ring.h"
+#include "shm/shm_int.h"
 
-__attribute__((format(printf, 4, 5)))
-static int reject(int err, char *why, size_t why_len, const char *fmt, ...)
+/* Short local name: most checks below end in one. */
+#define reject mlens_shm_reason
+
+int mlens_shm_reason(int err, char *why, size_t why_len, const char *fmt, ...)
 {
 	va_list ap;
 
@@ -120,6 +124,26 @@ int mlens_prompt_validate(const int32_t *tokens, uint32_t n,
 			return reject(-ERANGE, why, why_len,
 				      "prompt token %u is %d, outside the vocabulary of %u", i,
 				      tokens[i], lim->vocab_size);
+	return 0;
+}
+
+int mlens_cmpl_validate(const struct mlens_cmpl *c, char *why, size_t why_len)
+{
+	bool last = c->flags & MLENS_CMPL_LAST;
+
+	if (c->flags & ~MLENS_CMPL_FLAGS_KNOWN)
+		return reject(-EPROTO, why, why_len, "completion flags 0x%x: unknown bits",
+			      (unsigned)c->flags);
+	if (c->finish > MLENS_FINISH_CANCELLED || last != (c->finish != MLENS_FINISH_NONE))
+		return reject(-EPROTO, why, why_len, "completion finish %u with LAST %s",
+			      (unsigned)c->finish, last ? "set" : "clear");
+	if (c->status > 0 || (c->status != 0) != (c->finish == MLENS_FINISH_ERROR))
+		return reject(-EPROTO, why, why_len, "completion status %d with finish %u",
+			      c->status, (unsigned)c->finish);
+	if ((c->flags & MLENS_CMPL_LOGPROB) && !(c->flags & MLENS_CMPL_TOKEN))
+		return reject(-EPROTO, why, why_len, "completion has a logprob but no token");
+	if (c->reserved0 || c->reserved1)
+		return reject(-EPROTO, why, why_len, "completion reserved bytes not zero");
 	return 0;
 }
 

@@ -125,6 +125,13 @@ int mlens_sub_validate(const struct mlens_sub *s, const struct mlens_region_limi
 int mlens_prompt_validate(const int32_t *tokens, uint32_t n,
 			  const struct mlens_region_limits *lim, char *why, size_t why_len);
 
+/* Client: check a completion copied out of the completion ring (the client
+ * trusts the daemon, but a mismatched or broken one should give an error,
+ * not a misread stream): known flags, finish in range and set exactly when
+ * LAST, status 0 or negative and non-zero only with finish ERROR, logprob
+ * only with a token, reserved zero. 0 or -EPROTO with a reason. */
+int mlens_cmpl_validate(const struct mlens_cmpl *c, char *why, size_t why_len);
+
 /* The limits a daemon may configure: every count at least 1, the prompt
  * ring able to hold the longest prompt as one record (prompt_bytes at
  * least 2 * 4 * max_prompt_tokens), reserved zero. 0 or -EINVAL. */

@@ -2,24 +2,18 @@
  * from its own parameters; the client reads the header once into a private
  * copy and checks it before touching any ring. */
 #include <errno.h>
-#include <stdarg.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include "shm/barrier.h"
 #include "shm/region.h"
+#include "shm/shm_int.h"
 
-__attribute__((format(printf, 4, 5)))
-static int fail(int err, char *why, size_t why_len, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (why && why_len) {
-		va_start(ap, fmt);
-		vsnprintf(why, why_len, fmt, ap);
-		va_end(ap);
-	}
-	return err;
-}
+/* Short local name: most checks below end in one. */
+#define fail mlens_shm_reason
 
 static size_t round_up(size_t x, size_t a)
 {
@@ -104,6 +98,7 @@ int mlens_region_format(struct mlens_region *rg, void *mem, size_t size,
 	mlens_store_release(&h->magic, MLENS_REGION_MAGIC);
 	rg->base = mem;
 	rg->size = total;
+	rg->map_size = 0;
 	rg->limits = l;
 	return 0;
 }
@@ -236,6 +231,182 @@ int mlens_region_attach(struct mlens_region *rg, void *mem, size_t size, char *w
 
 	rg->base = mem;
 	rg->size = h.total_size;
+	rg->map_size = 0;
 	rg->limits = h.limits;
 	return 0;
+}
+
+/* ==== memfd ==== */
+
+int mlens_region_create(struct mlens_region *rg, int *fd, const struct mlens_region_params *p,
+			const struct mlens_region_limits *lim, char *why, size_t why_len)
+{
+	size_t size;
+	void *mem;
+	int mfd, err;
+
+	if (mlens_region_size(p, &size))
+		return fail(-EINVAL, why, why_len,
+			    "region: ring sizes %u/%u/%u must be powers of two (prompt ring "
+			    "at least %u bytes)", p->sub_entries, p->cmpl_entries,
+			    p->prompt_bytes, MLENS_BYTERING_MIN_SIZE);
+	mfd = memfd_create("mlens-tenant", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (mfd < 0)
+		return fail(-errno, why, why_len, "region: memfd_create: %s", strerror(errno));
+	if (ftruncate(mfd, (off_t)size)) {
+		err = fail(-errno, why, why_len, "region: sizing the memfd to %zu bytes: %s",
+			   size, strerror(errno));
+		goto close_fd;
+	}
+	/* Sealed before the tenant ever sees it: a shrink would turn the
+	 * daemon's next access into SIGBUS. */
+	if (fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) {
+		err = fail(-errno, why, why_len, "region: sealing the memfd: %s", strerror(errno));
+		goto close_fd;
+	}
+	mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+	if (mem == MAP_FAILED) {
+		err = fail(-errno, why, why_len, "region: mapping %zu bytes: %s", size,
+			   strerror(errno));
+		goto close_fd;
+	}
+	err = mlens_region_format(rg, mem, size, p, lim, why, why_len);
+	if (err)
+		goto unmap;
+	rg->map_size = size;
+	*fd = mfd;
+	return 0;
+unmap:
+	munmap(mem, size);
+close_fd:
+	close(mfd);
+	return err;
+}
+
+int mlens_region_map(struct mlens_region *rg, int fd, char *why, size_t why_len)
+{
+	struct stat st;
+	void *mem;
+	int seals, err;
+
+	if (fstat(fd, &st))
+		return fail(-errno, why, why_len, "region: fstat: %s", strerror(errno));
+	seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0 || !(seals & F_SEAL_SHRINK))
+		return fail(-EPERM, why, why_len,
+			    "region: the memfd is not sealed against shrinking; is the peer "
+			    "really mlensd?");
+	if (st.st_size < (off_t)sizeof(struct mlens_region_hdr) || (uint64_t)st.st_size > SIZE_MAX)
+		return fail(-EINVAL, why, why_len, "region: memfd of %lld bytes",
+			    (long long)st.st_size);
+	mem = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (mem == MAP_FAILED)
+		return fail(-errno, why, why_len, "region: mapping %lld bytes: %s",
+			    (long long)st.st_size, strerror(errno));
+	err = mlens_region_attach(rg, mem, (size_t)st.st_size, why, why_len);
+	if (err) {
+		munmap(mem, (size_t)st.st_size);
+		return err;
+	}
+	rg->map_size = (size_t)st.st_size;
+	return 0;
+}
+
+void mlens_region_unmap(struct mlens_region *rg)
+{
+	if (rg->map_size)
+		munmap(rg->base, rg->map_size);
+	rg->base = NULL;
+	rg->map_size = 0;
+}
+
+/* ==== Submitting and taking requests ==== */
+
+int mlens_region_submit(struct mlens_region *rg, struct mlens_sub *s, const int32_t *tokens,
+			int daemon_efd)
+{
+	int free_, err;
+
+	free_ = mlens_ring_free_count(&rg->sub);
+	if (free_ < 0)
+		return free_;
+	if (free_ == 0)
+		return -EAGAIN;
+	if (s->op == MLENS_OP_GENERATE) {
+		uint32_t off;
+		void *dst;
+
+		if (s->prompt_len == 0)
+			return -EINVAL;
+		if (s->prompt_len > rg->limits.max_prompt_tokens)
+			return -EMSGSIZE;
+		/* The submission slot is known free first, so a prompt is
+		 * never left reserved without the entry that names it. */
+		err = mlens_bytering_reserve(&rg->prompt, s->prompt_len * (uint32_t)sizeof(int32_t),
+					     &off, &dst);
+		if (err)
+			return err;
+		memcpy(dst, tokens, (size_t)s->prompt_len * sizeof(int32_t));
+		mlens_bytering_commit(&rg->prompt);
+		s->prompt_off = off;
+	}
+	if (mlens_ring_enqueue_bulk(&rg->sub, s, 1) != 1)
+		return -EPROTO;	/* we saw a free slot and are the only producer */
+	if (daemon_efd >= 0) {
+		err = mlens_ring_wake_cons(&rg->sub, daemon_efd);
+		if (err < 0)
+			return err;
+	}
+	return 0;
+}
+
+int mlens_region_wait_submit(struct mlens_region *rg, int client_efd, uint32_t prompt_len,
+			     int timeout_ms)
+{
+	int n;
+
+	if (prompt_len > rg->limits.max_prompt_tokens)
+		return -EMSGSIZE;
+	/* Free space only grows while we wait (we are the only producer), so
+	 * after the second wait the first still holds. */
+	n = mlens_ring_wait_prod(&rg->sub, client_efd, 1, timeout_ms);
+	if (n <= 0 || prompt_len == 0)
+		return n > 0 ? 1 : n;
+	return mlens_bytering_wait_reserve(&rg->prompt, client_efd,
+					   prompt_len * (uint32_t)sizeof(int32_t), timeout_ms);
+}
+
+int mlens_region_take(struct mlens_region *rg, struct mlens_sub *s, int32_t *tokens,
+		      int *status, char *why, size_t why_len)
+{
+	uint64_t bytes;
+	int n, err;
+
+	n = mlens_ring_dequeue_bulk(&rg->sub, s, 1);
+	if (n <= 0)
+		return n;
+	*status = mlens_sub_validate(s, &rg->limits, why, why_len);
+	if (s->op != MLENS_OP_GENERATE)
+		return 1;
+	bytes = (uint64_t)s->prompt_len * sizeof(int32_t);
+	if (*status == 0) {
+		err = mlens_bytering_read(&rg->prompt, s->prompt_off, (uint32_t)bytes, tokens);
+		if (err == -EPROTO)
+			return err;
+		if (err) {
+			*status = fail(err, why, why_len,
+				       "prompt record at %u (%u tokens) is not the next one "
+				       "committed in the prompt ring", s->prompt_off, s->prompt_len);
+			return 1;
+		}
+		*status = mlens_prompt_validate(tokens, s->prompt_len, &rg->limits, why, why_len);
+	}
+	/* Free the record even for a rejected request, when it can be found,
+	 * so the tenant's prompt ring does not fill up with dead records. */
+	if (bytes && bytes <= UINT32_MAX) {
+		err = mlens_bytering_release(&rg->prompt, s->prompt_off, (uint32_t)bytes);
+		if (err == -EPROTO)
+			return err;
+	}
+	return 1;
 }

@@ -61,7 +61,8 @@ struct mlens_region_params {
 
 struct mlens_region {
 	void *base;
-	size_t size;
+	size_t size;		/* the region's bytes (header's total_size) */
+	size_t map_size;	/* bytes we mapped, for unmap; 0: caller's memory */
 	struct mlens_ring sub;		/* client produces, daemon consumes */
 	struct mlens_ring cmpl;		/* daemon produces, client consumes */
 	struct mlens_bytering prompt;	/* client produces, daemon consumes */
@@ -91,5 +92,55 @@ int mlens_region_format(struct mlens_region *rg, void *mem, size_t size,
  * [mem, mem + size). */
 int mlens_region_attach(struct mlens_region *rg, void *mem, size_t size, char *why,
 			size_t why_len);
+
+/* ==== memfd ==== */
+
+/* Daemon: create a memfd of the right size (close-on-exec), seal it against
+ * shrinking and growing (so a tenant can never make the daemon's accesses
+ * fault), map it shared and format it. *fd is the descriptor to pass to the
+ * tenant. 0 or -errno, with a reason. */
+int mlens_region_create(struct mlens_region *rg, int *fd, const struct mlens_region_params *p,
+			const struct mlens_region_limits *lim, char *why, size_t why_len);
+/* Client: map the region in memfd `fd` and attach to it. Refuses a memfd
+ * that is not sealed against shrinking (-EPERM). Errors as attach, or
+ * -errno of fstat/mmap. */
+int mlens_region_map(struct mlens_region *rg, int fd, char *why, size_t why_len);
+/* Unmap a region mapped by create or map; no-op for caller memory. */
+void mlens_region_unmap(struct mlens_region *rg);
+
+/* ==== Submitting and taking requests ====
+ *
+ * Doorbells: one eventfd rings the daemon, one rings the client. The
+ * client rings the daemon's after it enqueues a submission (wake_cons on
+ * the submission ring) and after it frees completions (wake_prod on the
+ * completion ring); the daemon rings the client's after it enqueues
+ * completions (wake_cons on the completion ring) and after it takes
+ * submissions (wake_prod on the submission ring and the prompt ring). */
+
+/* Client: write the prompt (s->prompt_len tokens, ignored for CANCEL) into
+ * the prompt ring, set s->prompt_off, enqueue s and ring daemon_efd (if >= 0)
+ * when the daemon sleeps. Only one thread may submit at a time. Returns 0,
+ * -EAGAIN (no room now in the submission or prompt ring: see
+ * mlens_region_wait_submit), -EMSGSIZE (prompt longer than
+ * limits.max_prompt_tokens), -EPROTO (corrupt ring), or the doorbell's
+ * -errno (the request is submitted all the same). */
+int mlens_region_submit(struct mlens_region *rg, struct mlens_sub *s, const int32_t *tokens,
+			int daemon_efd);
+/* Client: wait on client_efd until a request with a prompt of prompt_len
+ * tokens (0 for a CANCEL) can be submitted. 1, 0 on timeout, -errno. */
+int mlens_region_wait_submit(struct mlens_region *rg, int client_efd, uint32_t prompt_len,
+			     int timeout_ms);
+
+/* Daemon: take the next submission, reading it and its prompt out of
+ * shared memory once. Returns 0 if there is none, 1 if one was taken, or
+ * -EPROTO if the tenant corrupted a ring index (drop the tenant). When 1:
+ * *s is the private copy and *status is 0 (valid: tokens[] holds its
+ * s->prompt_len prompt tokens) or the mlens_sub_validate() /
+ * mlens_prompt_validate() error, with the reason in why, to be sent back as
+ * the request's error completion. tokens has room for limits.max_prompt_tokens.
+ * The prompt record is released either way when it can be found. Ring the
+ * client's doorbell afterwards (see above). */
+int mlens_region_take(struct mlens_region *rg, struct mlens_sub *s, int32_t *tokens,
+		      int *status, char *why, size_t why_len);
 
 #endif

@@ -5,6 +5,7 @@
  * memfd with eventfd doorbells. */
 #include <check.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <poll.h>
 #include <signal.h>
@@ -761,6 +762,345 @@ START_TEST(test_region_random_headers)
 }
 END_TEST
 
+/* ==== Region: memfd, submit and take ==== */
+
+START_TEST(test_region_memfd)
+{
+	struct mlens_region_params p = MLENS_REGION_PARAMS_DEFAULT;
+	struct mlens_region d, c;
+	struct mlens_sub s = { .id = 5, .op = MLENS_OP_CANCEL }, got;
+	char why[256] = "";
+	int fd, seals, plain;
+
+	ck_assert_msg(mlens_region_create(&d, &fd, &p, &test_limits, why, sizeof(why)) == 0,
+		      "create: %s", why);
+	seals = fcntl(fd, F_GET_SEALS);
+	ck_assert_int_eq(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+			 F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+	ck_assert_int_ne(ftruncate(fd, 4096), 0);	/* a tenant cannot shrink it */
+	ck_assert_int_eq(errno, EPERM);
+	ck_assert_msg(mlens_region_map(&c, fd, why, sizeof(why)) == 0, "map: %s", why);
+	ck_assert_ptr_ne(c.base, d.base);	/* a second mapping of the same pages */
+	ck_assert_uint_eq(c.size, d.size);
+	ck_assert_int_eq(mlens_region_submit(&c, &s, NULL, -1), 0);
+	ck_assert_int_eq(mlens_ring_dequeue_bulk(&d.sub, &got, 1), 1);
+	ck_assert_uint_eq(got.id, 5);
+	mlens_region_unmap(&c);
+	mlens_region_unmap(&d);
+	ck_assert_ptr_null(d.base);
+	close(fd);
+
+	plain = memfd_create("unsealed", MFD_CLOEXEC);
+	ck_assert_int_ge(plain, 0);
+	ck_assert_int_eq(ftruncate(plain, 1 << 21), 0);
+	ck_assert_int_eq(mlens_region_map(&c, plain, why, sizeof(why)), -EPERM);
+	ck_assert_ptr_nonnull(strstr(why, "not sealed"));
+	close(plain);
+}
+END_TEST
+
+/* Small rings so that the prompt ring wraps often. */
+static const struct mlens_region_params small_params = { 16, 64, 4096 };
+static const struct mlens_region_limits small_limits = {
+	.max_prompt_tokens = 256, .max_tokens = 64, .max_context = 512, .vocab_size = 1000,
+};
+
+static int32_t prompt_token(uint64_t id, uint32_t i)
+{
+	return (int32_t)((id * 131 + i * 7) % 1000);
+}
+
+static uint32_t prompt_len_of(uint64_t id)
+{
+	return 1 + (uint32_t)(id * 37 % 256);
+}
+
+static struct mlens_sub request(uint64_t id)
+{
+	return (struct mlens_sub){ .id = id, .op = MLENS_OP_GENERATE,
+		.prompt_len = prompt_len_of(id), .max_tokens = 16, .temperature = 0.5f,
+		.top_p = 1.0f, .seed = id };
+}
+
+/* Requests go through submit and take in one process: every prompt comes
+ * back intact, rejected requests release their prompt (else the ring would
+ * fill and submit stall), and cancels carry no prompt. */
+START_TEST(test_region_submit_take)
+{
+	struct mlens_region d, c;
+	size_t size;
+	void *mem;
+	char why[256] = "";
+	int32_t prompt[256], got_tokens[256];
+	uint64_t next = 0, taken = 0;
+	int rejected = 0, cancels = 0;
+
+	ck_assert_int_eq(mlens_region_size(&small_params, &size), 0);
+	mem = xalloc(size);
+	ck_assert_msg(mlens_region_format(&d, mem, size, &small_params, &small_limits, why,
+					  sizeof(why)) == 0, "%s", why);
+	ck_assert_int_eq(mlens_region_attach(&c, mem, size, why, sizeof(why)), 0);
+	while (taken < 3000) {
+		for (;;) {
+			struct mlens_sub s = request(next);
+			int err;
+
+			for (uint32_t i = 0; i < s.prompt_len; i++)
+				prompt[i] = prompt_token(next, i);
+			if (next % 10 == 3)
+				prompt[s.prompt_len - 1] = 1000;	/* outside the vocabulary */
+			if (next % 10 == 7)
+				s.temperature = NAN;
+			if (next % 10 == 9)
+				s = (struct mlens_sub){ .id = next - 1, .op = MLENS_OP_CANCEL };
+			err = mlens_region_submit(&c, &s, prompt, -1);
+			if (err == -EAGAIN)
+				break;
+			ck_assert_int_eq(err, 0);
+			next++;
+		}
+		ck_assert_uint_gt(next, taken);	/* room was made by the takes below */
+		for (;;) {
+			struct mlens_sub s;
+			int status = 99, n;
+
+			n = mlens_region_take(&d, &s, got_tokens, &status, why, sizeof(why));
+			ck_assert_int_ge(n, 0);
+			if (n == 0)
+				break;
+			ck_assert_uint_eq(s.id, taken % 10 == 9 ? taken - 1 : taken);
+			if (taken % 10 == 3) {
+				ck_assert_int_eq(status, -ERANGE);
+				rejected++;
+			} else if (taken % 10 == 7) {
+				ck_assert_int_eq(status, -EINVAL);
+				ck_assert_ptr_nonnull(strstr(why, "temperature"));
+				rejected++;
+			} else if (taken % 10 == 9) {
+				ck_assert_int_eq(status, 0);
+				ck_assert_int_eq(s.op, MLENS_OP_CANCEL);
+				cancels++;
+			} else {
+				ck_assert_msg(status == 0, "request %llu: %s",
+					      (unsigned long long)taken, why);
+				ck_assert_uint_eq(s.prompt_len, prompt_len_of(taken));
+				for (uint32_t i = 0; i < s.prompt_len; i++)
+					ck_assert_int_eq(got_tokens[i], prompt_token(taken, i));
+			}
+			taken++;
+		}
+		ck_assert_uint_eq(taken, next);
+	}
+	ck_assert_int_eq(rejected, 600);
+	ck_assert_int_eq(cancels, 300);
+	/* Everything was released: the prompt ring is empty again. */
+	ck_assert_uint_eq(d.prompt.ring.shm->head, d.prompt.ring.shm->tail);
+	ck_assert_uint_gt(d.prompt.ring.shm->tail, 100u * 4096);	/* it wrapped many times */
+	ck_assert_int_eq(mlens_region_submit(&c, &(struct mlens_sub){ .op = MLENS_OP_GENERATE,
+		.prompt_len = 257 }, prompt, -1), -EMSGSIZE);
+	ck_assert_int_eq(mlens_region_submit(&c, &(struct mlens_sub){ .op = MLENS_OP_GENERATE },
+					     prompt, -1), -EINVAL);
+	free(mem);
+}
+END_TEST
+
+/* A tenant writing random bytes into its submission and prompt rings gets
+ * one error status per entry; the daemon never crashes, and a corrupt
+ * index is reported as -EPROTO. */
+START_TEST(test_region_take_hostile)
+{
+	struct mlens_region d, c;
+	size_t size;
+	void *mem;
+	char why[256];
+	int32_t tokens[256];
+	unsigned seed = 4242;
+	int bad = 0;
+
+	ck_assert_int_eq(mlens_region_size(&small_params, &size), 0);
+	mem = xalloc(size);
+	ck_assert_int_eq(mlens_region_format(&d, mem, size, &small_params, &small_limits, why,
+					     sizeof(why)), 0);
+	ck_assert_int_eq(mlens_region_attach(&c, mem, size, why, sizeof(why)), 0);
+	for (int round = 0; round < 2000; round++) {
+		unsigned char junk[sizeof(struct mlens_sub)];
+		unsigned char *pb = c.prompt.ring.data;
+		struct mlens_sub s;
+		int status = 99, n;
+
+		for (size_t i = 0; i < sizeof(junk); i++)
+			junk[i] = (unsigned char)rand_r(&seed);
+		if (round % 2) {	/* plausible enough to reach the prompt */
+			struct mlens_sub *j = (struct mlens_sub *)junk;
+
+			j->op = MLENS_OP_GENERATE;
+			j->flags = 0;
+			j->reserved0 = 0;
+			memset(j->reserved, 0, sizeof(j->reserved));
+			j->prompt_len = 1 + j->prompt_len % 256;
+			j->prompt_off = (j->prompt_off % 4096) & ~7u;
+			j->max_tokens = 1;
+			j->temperature = 0;
+			j->top_p = 1;
+			j->top_k = 0;
+			j->n_stop = 0;
+			memset(j->stop, 0, sizeof(j->stop));
+		}
+		for (int i = 0; i < 64; i++)	/* and random prompt bytes */
+			pb[rand_r(&seed) % 4096] = (unsigned char)rand_r(&seed);
+		ck_assert_int_eq(mlens_ring_enqueue_bulk(&c.sub, junk, 1), 1);
+		n = mlens_region_take(&d, &s, tokens, &status, why, sizeof(why));
+		ck_assert_int_eq(n, 1);
+		ck_assert_msg(status == 0 || status == -EINVAL || status == -E2BIG ||
+			      status == -EFAULT || status == -ERANGE, "round %d: %d", round, status);
+		if (status)
+			bad++;
+	}
+	ck_assert_int_ge(bad, 1990);
+	/* Valid requests still flow afterwards. */
+	{
+		struct mlens_sub s = request(1), got;
+		int32_t prompt[256];
+		int status = 99;
+
+		for (uint32_t i = 0; i < s.prompt_len; i++)
+			prompt[i] = prompt_token(1, i);
+		ck_assert_int_eq(mlens_region_submit(&c, &s, prompt, -1), 0);
+		ck_assert_int_eq(mlens_region_take(&d, &got, tokens, &status, why, sizeof(why)), 1);
+		ck_assert_msg(status == 0, "%s", why);
+		ck_assert_int_eq(tokens[s.prompt_len - 1], prompt_token(1, s.prompt_len - 1));
+	}
+	d.sub.shm->tail += 100;	/* corrupt index */
+	ck_assert_int_eq(mlens_region_take(&d, &(struct mlens_sub){ 0 }, tokens, &(int){ 0 },
+					   why, sizeof(why)), -EPROTO);
+	free(mem);
+}
+END_TEST
+
+/* Daemon (parent) and client (child) over a real memfd and two eventfds:
+ * the client maps the fd itself, submits requests as fast as the rings
+ * allow (sleeping on its doorbell when they are full), and checks the one
+ * completion each request gets; the daemon takes, checks the prompt and
+ * answers with the prompt's token sum. */
+#define E2E_REQUESTS 20000u
+
+static int e2e_client(int fd, int daemon_efd, int client_efd)
+{
+	struct mlens_region c;
+	int32_t prompt[256];
+	struct mlens_cmpl cm[64];
+	uint64_t next = 0, done = 0;
+	const uint64_t cap = small_params.cmpl_entries;	/* outstanding at most */
+
+	if (mlens_region_map(&c, fd, NULL, 0))
+		return 10;
+	while (done < E2E_REQUESTS) {
+		int n;
+
+		while (next < E2E_REQUESTS && next - done < cap) {
+			struct mlens_sub s = request(next);
+			int err;
+
+			for (uint32_t i = 0; i < s.prompt_len; i++)
+				prompt[i] = prompt_token(next, i);
+			err = mlens_region_submit(&c, &s, prompt, daemon_efd);
+			if (err == -EAGAIN) {
+				if (next > done)
+					break;	/* collect completions first */
+				if (mlens_region_wait_submit(&c, client_efd, s.prompt_len, 10000) <= 0)
+					return 11;
+				continue;
+			}
+			if (err)
+				return 12;
+			next++;
+		}
+		n = mlens_ring_dequeue_burst(&c.cmpl, cm, 64);
+		if (n < 0)
+			return 13;
+		if (n == 0) {
+			if (mlens_ring_wait_cons(&c.cmpl, client_efd, 10000) <= 0)
+				return 14;
+			continue;
+		}
+		for (int i = 0; i < n; i++) {
+			int64_t sum = 0;
+
+			if (mlens_cmpl_validate(&cm[i], NULL, 0))
+				return 17;
+			for (uint32_t k = 0; k < prompt_len_of(done); k++)
+				sum += prompt_token(done, k);
+			if (cm[i].id != done || cm[i].token != (int32_t)(sum % 1000) ||
+			    cm[i].flags != (MLENS_CMPL_FIRST | MLENS_CMPL_LAST | MLENS_CMPL_TOKEN) ||
+			    cm[i].finish != MLENS_FINISH_LENGTH || cm[i].status)
+				return 15;
+			done++;
+		}
+		if (mlens_ring_wake_prod(&c.cmpl, daemon_efd) < 0)
+			return 16;
+	}
+	mlens_region_unmap(&c);
+	return 0;
+}
+
+START_TEST(test_region_two_process)
+{
+	struct mlens_region d;
+	char why[256] = "";
+	int32_t tokens[256];
+	uint64_t answered = 0;
+	int fd, daemon_efd, client_efd, st;
+	pid_t pid;
+
+	ck_assert_msg(mlens_region_create(&d, &fd, &small_params, &small_limits, why,
+					  sizeof(why)) == 0, "%s", why);
+	daemon_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	client_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	ck_assert(daemon_efd >= 0 && client_efd >= 0);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		mlens_region_unmap(&d);	/* the client maps the fd on its own */
+		_exit(e2e_client(fd, daemon_efd, client_efd));
+	}
+	while (answered < E2E_REQUESTS) {
+		struct mlens_sub s;
+		struct mlens_cmpl cm = { .flags = MLENS_CMPL_FIRST | MLENS_CMPL_LAST |
+					 MLENS_CMPL_TOKEN, .finish = MLENS_FINISH_LENGTH };
+		int status = 99, n;
+		int64_t sum = 0;
+
+		n = mlens_region_take(&d, &s, tokens, &status, why, sizeof(why));
+		ck_assert_int_ge(n, 0);
+		if (n == 0) {
+			n = mlens_ring_wait_cons(&d.sub, daemon_efd, 10000);
+			ck_assert_msg(n > 0, "daemon waited 10 s after %llu: %d",
+				      (unsigned long long)answered, n);
+			continue;
+		}
+		ck_assert_msg(status == 0, "request %llu: %s", (unsigned long long)s.id, why);
+		ck_assert_uint_eq(s.id, answered);
+		for (uint32_t i = 0; i < s.prompt_len; i++)
+			sum += tokens[i];
+		cm.id = s.id;
+		cm.token = (int32_t)(sum % 1000);
+		/* The client keeps at most cmpl_entries outstanding. */
+		ck_assert_int_eq(mlens_ring_enqueue_bulk(&d.cmpl, &cm, 1), 1);
+		ck_assert_int_ge(mlens_ring_wake_cons(&d.cmpl, client_efd), 0);
+		ck_assert_int_ge(mlens_ring_wake_prod(&d.sub, client_efd), 0);
+		ck_assert_int_ge(mlens_ring_wake_prod(&d.prompt.ring, client_efd), 0);
+		answered++;
+	}
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "client status 0x%x", st);
+	ck_assert_int_eq(mlens_ring_count(&d.sub), 0);
+	mlens_region_unmap(&d);
+	close(fd);
+	close(daemon_efd);
+	close(client_efd);
+}
+END_TEST
+
 /* ==== Protocol ==== */
 
 static const struct mlens_region_limits plim = {
@@ -957,6 +1297,43 @@ START_TEST(test_prompt_validate)
 	t[4] = INT32_MIN;
 	ck_assert_int_eq(mlens_prompt_validate(t, 5, &plim, why, sizeof(why)), -ERANGE);
 	ck_assert_ptr_nonnull(strstr(why, "prompt token 4"));
+}
+END_TEST
+
+START_TEST(test_cmpl_validate)
+{
+	const struct mlens_cmpl ok[] = {
+		{ .id = 1, .token = 5, .flags = MLENS_CMPL_FIRST | MLENS_CMPL_TOKEN },
+		{ .id = 1, .token = 5, .flags = MLENS_CMPL_TOKEN | MLENS_CMPL_LOGPROB,
+		  .logprob = -0.5f },
+		{ .id = 1, .token = 2, .flags = MLENS_CMPL_TOKEN | MLENS_CMPL_LAST,
+		  .finish = MLENS_FINISH_STOP },
+		{ .id = 1, .flags = MLENS_CMPL_FIRST | MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR,
+		  .status = -EINVAL },
+		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED },
+	};
+	const struct { struct mlens_cmpl c; const char *why; } bad[] = {
+		{ { .flags = 0x10 }, "unknown bits" },
+		{ { .flags = MLENS_CMPL_LAST }, "finish 0 with LAST set" },
+		{ { .flags = MLENS_CMPL_TOKEN, .finish = MLENS_FINISH_LENGTH }, "LAST clear" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = 5 }, "finish 5" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR }, "status 0" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_STOP, .status = -5 }, "status -5" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR, .status = 3 }, "status 3" },
+		{ { .flags = MLENS_CMPL_LOGPROB }, "logprob but no token" },
+		{ { .flags = MLENS_CMPL_TOKEN, .reserved0 = 1 }, "reserved" },
+		{ { .flags = MLENS_CMPL_TOKEN, .reserved1 = 1 }, "reserved" },
+	};
+	char why[128];
+
+	for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+		ck_assert_msg(mlens_cmpl_validate(&ok[i], why, sizeof(why)) == 0, "ok %zu: %s", i, why);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		why[0] = 0;
+		ck_assert_int_eq(mlens_cmpl_validate(&bad[i].c, why, sizeof(why)), -EPROTO);
+		ck_assert_msg(strstr(why, bad[i].why), "bad %zu: \"%s\" lacks \"%s\"", i, why,
+			      bad[i].why);
+	}
 }
 END_TEST
 
@@ -1161,7 +1538,11 @@ static Suite *shm_suite(void)
 			    (int)(sizeof(corruptions) / sizeof(corruptions[0])));
 	tcase_add_test(tc, test_region_attach_small);
 	tcase_add_test(tc, test_region_random_headers);
-	tcase_set_timeout(tc, 30);
+	tcase_add_test(tc, test_region_memfd);
+	tcase_add_test(tc, test_region_submit_take);
+	tcase_add_test(tc, test_region_take_hostile);
+	tcase_add_test(tc, test_region_two_process);
+	tcase_set_timeout(tc, 60);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("proto");
@@ -1171,6 +1552,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_sub_random);
 	tcase_add_test(tc, test_prompt_validate);
 	tcase_add_test(tc, test_limits_validate);
+	tcase_add_test(tc, test_cmpl_validate);
 	tcase_set_timeout(tc, 30);
 	suite_add_tcase(s, tc);
 

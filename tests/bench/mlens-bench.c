@@ -10,7 +10,8 @@
 
 static const struct mlens_bench_cmd cmds[] = {
 	{ "ring", mlens_bench_ring,
-	  "[--json] [--entries N] [--batch B] [--round-trips R]: SPSC ring entries/s "
+	  "[--json] [--entries N] [--batch B] [--repeat K] [--round-trips R]: SPSC "
+	  "ring entries/s "
 	  "between two processes, and eventfd doorbell round-trip latency" },
 };
 
