@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/mman.h>
 #include <unistd.h>
 #include "daemon/log.h"
 #include "daemon/tenant.h"
@@ -61,7 +60,6 @@ int mlens_tenant_create(struct mlens_tenant **out, uint32_t id, uid_t uid, gid_t
 			char *err, size_t errlen)
 {
 	struct mlens_tenant *t = calloc(1, sizeof(*t));
-	size_t size;
 	int rc;
 
 	if (!t)
@@ -73,29 +71,17 @@ int mlens_tenant_create(struct mlens_tenant **out, uint32_t id, uid_t uid, gid_t
 	t->pid = pid;
 	snprintf(t->name, sizeof(t->name), "%s", name ? name : "");
 	mlens_sched_tenant_init(&t->st, q, tenant_emit);
-	rc = mlens_region_size(rp, &size);
-	if (rc) {
-		snprintf(err, errlen, "bad region geometry");
+	t->prompt_cap = lim->max_prompt_tokens;
+	t->prompt_buf = malloc((size_t)t->prompt_cap * sizeof(int32_t));
+	if (!t->prompt_buf) {
+		rc = -ENOMEM;
 		goto fail;
 	}
-	t->memfd = memfd_create("mlens-tenant", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (t->memfd < 0 || ftruncate(t->memfd, (off_t)size) ||
-	    fcntl(t->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) {
-		rc = -errno;
-		snprintf(err, errlen, "cannot make the tenant region: %s", strerror(errno));
-		goto fail;
-	}
-	t->map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, t->memfd, 0);
-	if (t->map == MAP_FAILED) {
-		t->map = NULL;
-		rc = -errno;
-		snprintf(err, errlen, "cannot map the tenant region: %s", strerror(errno));
-		goto fail;
-	}
-	t->size = size;
-	rc = mlens_region_format(&t->rg, t->map, size, rp, lim, err, errlen);
+	rc = mlens_region_create(&t->rg, &t->memfd, rp, lim, err, errlen);
 	if (rc)
 		goto fail;
+	t->mapped = true;
+	t->size = t->rg.size;
 	t->efd_in = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	t->efd_out = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	if (t->efd_in < 0 || t->efd_out < 0) {
@@ -114,8 +100,8 @@ void mlens_tenant_destroy(struct mlens_tenant *t)
 {
 	if (!t)
 		return;
-	if (t->map)
-		munmap(t->map, t->size);
+	if (t->mapped)
+		mlens_region_unmap(&t->rg);
 	if (t->memfd >= 0)
 		close(t->memfd);
 	if (t->efd_in >= 0)
@@ -141,49 +127,23 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 {
 	struct mlens_sub sub;
 	char why[256];
-	int n = 0;
+	int n = 0, status, rc = 0;
 
-	while (n < max) {
-		/* keep room to report an error for what we take */
-		if (mlens_ring_free_count(&t->rg.cmpl) <= 0)
+	if (t->broken)
+		return 0;
+	/* keep room to report an error for what we take */
+	while (n < max && mlens_ring_free_count(&t->rg.cmpl) > 0) {
+		rc = mlens_region_take(&t->rg, &sub, t->prompt_buf, &status, why, sizeof(why));
+		if (rc <= 0)
 			break;
-		if (mlens_ring_dequeue_bulk(&t->rg.sub, &sub, 1) != 1)
-			break;	/* empty, or a corrupt index (counted below) */
 		n++;
-		int rc = mlens_sub_validate(&sub, &t->rg.limits, why, sizeof(why));
-		if (rc) {
+		if (status) {
 			t->bad_entries++;
-			/* free the prompt bytes it named, if they are sane */
-			if (sub.op == MLENS_OP_GENERATE && sub.prompt_len && sub.prompt_len <= (1u << 28))
-				mlens_bytering_release(&t->rg.prompt, sub.prompt_off, sub.prompt_len * 4u);
-			refuse(t, sub.id, rc, why);
+			refuse(t, sub.id, status, why);
 			continue;
 		}
 		if (sub.op == MLENS_OP_CANCEL) {
 			mlens_sched_cancel(s, &t->st, sub.id);	/* unknown: it ended already */
-			continue;
-		}
-		if (sub.prompt_len > t->prompt_cap) {
-			int32_t *nb = realloc(t->prompt_buf, (size_t)sub.prompt_len * sizeof(int32_t));
-			if (!nb) {
-				refuse(t, sub.id, -ENOMEM, "out of memory");
-				continue;
-			}
-			t->prompt_buf = nb;
-			t->prompt_cap = sub.prompt_len;
-		}
-		rc = mlens_bytering_read(&t->rg.prompt, sub.prompt_off, sub.prompt_len * 4u, t->prompt_buf);
-		if (rc) {
-			t->bad_entries++;
-			refuse(t, sub.id, rc, "prompt not in the prompt ring");
-			continue;
-		}
-		mlens_bytering_release(&t->rg.prompt, sub.prompt_off, sub.prompt_len * 4u);
-		mlens_ring_wake_prod(&t->rg.prompt.ring, t->efd_out);
-		rc = mlens_prompt_validate(t->prompt_buf, sub.prompt_len, &t->rg.limits, why, sizeof(why));
-		if (rc) {
-			t->bad_entries++;
-			refuse(t, sub.id, rc, why);
 			continue;
 		}
 		if (mlens_sched_live(s, &t->st, sub.id)) {
@@ -204,16 +164,23 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		memcpy(p.stop, sub.stop, sizeof(p.stop));
 		p.n_stop = sub.n_stop;
 		p.logprobs = (sub.flags & MLENS_SUB_LOGPROBS) != 0;
-		rc = mlens_sched_submit(s, &t->st, &p, why, sizeof(why));
-		if (rc) {
+		status = mlens_sched_submit(s, &t->st, &p, why, sizeof(why));
+		if (status) {
 			t->refused++;
-			refuse(t, sub.id, rc, why);
+			refuse(t, sub.id, status, why);
 		}
 	}
-	if (n)
+	if (rc < 0) {
+		/* a corrupt ring index: nothing more can be read from this tenant */
+		t->broken = true;
+		t->bad_entries++;
+		log_warn("tenant %u (pid %d): submission ring corrupt (%s): no longer read", t->id,
+			 (int)t->pid, strerror(-rc));
+	}
+	if (n) {
 		mlens_ring_wake_prod(&t->rg.sub, t->efd_out);
-	if (mlens_ring_count(&t->rg.sub) < 0)
-		t->bad_entries++;	/* its producer index is garbage */
+		mlens_ring_wake_prod(&t->rg.prompt.ring, t->efd_out);
+	}
 	return n;
 }
 

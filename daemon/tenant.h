@@ -18,7 +18,8 @@ struct mlens_tenant {
 	pid_t pid;
 	char name[48];
 	int memfd;
-	void *map;
+	bool mapped;
+	bool broken;		/* corrupted a ring index: no longer read */
 	size_t size;
 	struct mlens_region rg;
 	int efd_in;		/* the client writes: work for the daemon */
@@ -27,7 +28,7 @@ struct mlens_tenant {
 	bool cmpl_full;		/* a completion did not fit: wait for the client */
 	uint64_t bad_entries;	/* submissions refused as malformed */
 	uint64_t refused;	/* well-formed but refused (limits, quota) */
-	int32_t *prompt_buf;	/* private copy of a prompt */
+	int32_t *prompt_buf;	/* private copy of a prompt: max_prompt_tokens */
 	uint32_t prompt_cap;
 	struct mlens_tenant *next;
 };

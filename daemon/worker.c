@@ -44,6 +44,7 @@ struct mlens_worker {
 	double deadline;
 	bool stop;
 	uint64_t attached_total, detached_total, bad_total_gone;
+	uint64_t preemptions_logged;
 	/* published under lock */
 	struct mlens_worker_snapshot snap;
 };
@@ -188,8 +189,12 @@ static void remove_tenant(struct mlens_worker *w, uint32_t id, int status, bool 
 		w->detached_total++;
 		w->bad_total_gone += t->bad_entries;
 		epoll_ctl(w->epfd, EPOLL_CTL_DEL, t->efd_in, NULL);
-		log_info("tenant %u (pid %d) detached", t->id, (int)t->pid);
 		mlens_tenant_destroy(t);
+		{
+			struct mlens_kv_pool *kv = mlens_sched_kv(w->s);
+			log_info("tenant %u detached; KV blocks in use %u of %u", id,
+				 mlens_kv_pool_used_blocks(kv), kv->cache.n_blocks);
+		}
 	} else {
 		mlens_tenant_kick(t);
 	}
@@ -319,6 +324,15 @@ static void *worker_main(void *arg)
 		for (struct mlens_tenant *t = w->tenants; t; t = t->next)
 			mlens_tenant_intake(t, w->s, 256);
 		stepped = mlens_sched_step(w->s);
+		{
+			struct mlens_sched_stats st;
+			mlens_sched_get_stats(w->s, &st);
+			if (st.preemptions > w->preemptions_logged) {
+				log_info("preemption: %llu sequences evicted so far (KV blocks short)",
+					 (unsigned long long)st.preemptions);
+				w->preemptions_logged = st.preemptions;
+			}
+		}
 		if (stepped < 0)
 			log_error("step failed: %s; its requests were failed", strerror(-stepped));
 		for (struct mlens_tenant *t = w->tenants; t; t = t->next)
