@@ -355,7 +355,7 @@ void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant 
 			q_remove(&s->finished, r);
 			req_free(s, r);
 		} else {
-			fail(s, r, status, MLENS_FINISH_ERROR);
+			fail(s, r, status, status == -ECANCELED ? MLENS_FINISH_CANCELLED : MLENS_FINISH_ERROR);
 		}
 	}
 }
