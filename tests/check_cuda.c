@@ -177,6 +177,14 @@ START_TEST(test_memory)
 	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base);
 	ck_assert_str_eq(gpu.ops->name, "cuda");
 	ck_assert(!gpu.ops->host_memory);
+	{
+		/* with a GPU present, auto picks CUDA */
+		struct mlens_backend a = { 0 };
+		struct mlens_backend_opts o = { 0, 0 };
+		ck_assert_int_eq(mlens_backend_create(&a, "auto", &o), 0);
+		ck_assert_str_eq(a.ops->name, "cuda");
+		mlens_backend_destroy(&a);
+	}
 	free(h);
 	free(back);
 }

@@ -33,6 +33,7 @@ int mlens_cuda_rc(cudaError_t e, const char *what, const char *file, int line)
 	}
 	fprintf(stderr, "mlens cuda: %s failed (%s:%d): %s; check the GPU with nvidia-smi\n",
 		what, file, line, cudaGetErrorString(e));
+	cudaGetLastError();	/* reported: do not let the next launch check see it again */
 	return rc;
 }
 
@@ -207,36 +208,48 @@ static int cuda_sync(void *ctx)
 
 int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev)
 {
-	/* the previous op's copy must have read the pinned area */
-	CUDA_RET(cudaEventSynchronize(c->stage_done));
-	if (bytes > c->stage_cap) {
-		size_t cap = c->stage_cap ? c->stage_cap : 64 * 1024;
-		char *h = NULL, *d;
+	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
+
+	/* the copy that last read this slot must be done */
+	CUDA_RET(cudaEventSynchronize(sl->done));
+	if (bytes > sl->cap) {
+		size_t cap = sl->cap ? sl->cap : 64 * 1024;
+		char *h = NULL;
 		while (cap < bytes)
 			cap *= 2;
 		CUDA_RET(cudaHostAlloc((void **)&h, cap, cudaHostAllocDefault));
-		d = (char *)dev_alloc(c, cap);
-		if (!d) {
-			cudaFreeHost(h);
-			return -errno;
-		}
-		cudaFreeHost(c->h_stage);
-		dev_free(c, c->d_stage);
-		c->h_stage = h;
-		c->d_stage = d;
-		c->stage_cap = cap;
+		cudaFreeHost(sl->h);
+		sl->h = h;
+		sl->cap = cap;
 	}
-	*host = c->h_stage;
+	if (bytes > c->d_stage_cap) {
+		size_t cap = c->d_stage_cap ? c->d_stage_cap : 64 * 1024;
+		char *d;
+		while (cap < bytes)
+			cap *= 2;
+		dev_free(c, c->d_stage);	/* cudaFree waits for its readers */
+		c->d_stage = NULL;
+		c->d_stage_cap = 0;
+		d = (char *)dev_alloc(c, cap);
+		if (!d)
+			return -errno;
+		c->d_stage = d;
+		c->d_stage_cap = cap;
+	}
+	*host = sl->h;
 	*dev = c->d_stage;
 	return 0;
 }
 
 int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used)
 {
+	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
+
+	c->stage_next = (c->stage_next + 1) % MLENS_CUDA_STAGE_SLOTS;
 	if (used)
-		CUDA_RET(cudaMemcpyAsync(c->d_stage, c->h_stage, used, cudaMemcpyHostToDevice,
+		CUDA_RET(cudaMemcpyAsync(c->d_stage, sl->h, used, cudaMemcpyHostToDevice,
 					 c->stream));
-	CUDA_RET(cudaEventRecord(c->stage_done, c->stream));
+	CUDA_RET(cudaEventRecord(sl->done, c->stream));
 	return 0;
 }
 
@@ -296,8 +309,9 @@ static int gemm_typed(struct mlens_cuda_ctx *c, float *out, const void *x, const
 {
 	const float alpha = 1.0f;
 	cudaDataType_t t = cuda_dtype(dt);
-	CUBLAS_RET(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, t, k,
-				x, t, k, &beta, out, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
+	int ld = k > 0 ? k : 1;	/* cuBLAS wants ld >= 1 even for k = 0 */
+	CUBLAS_RET(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, t, ld,
+				x, t, ld, &beta, out, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
 				CUBLAS_GEMM_DEFAULT));
 	return 0;
 }
@@ -374,40 +388,33 @@ static int cuda_moe(void *ctx, float *out, const float *x, int n, const int32_t 
 		return rc;
 	CUDA_RET(cudaMemcpyAsync(counts_h, counts, (size_t)E * 4, cudaMemcpyDeviceToHost,
 				 c->stream));
-	/* gather x rows into expert order, already in the weights' dtype */
-	if (w->dtype == MLENS_DTYPE_F32) {
-		if ((rc = mlens_cuda_convert_rows(c, xe, MLENS_DTYPE_F32, x, perm, k, (int)rows, H)))
-			return rc;
-	} else if ((rc = mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H))) {
-		return rc;
-	}
 	CUDA_RET(cudaStreamSynchronize(c->stream));
-
+	r0 = 0;
+	for (int e = 0; e < E; e++) {
+		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e]))
+			return -EFAULT;	/* a routed expert has no weights here */
+		r0 += counts_h[e];
+	}
+	if ((size_t)r0 != rows) {
+		/* the CPU skips such rows; a caller never means to send them */
+		fprintf(stderr, "mlens cuda: moe: %zu of %zu routed rows name no expert below %d\n",
+			rows - (size_t)r0, rows, E);
+		return -EINVAL;
+	}
+	/* gather x rows into expert order, already in the weights' dtype */
+	if ((rc = mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H)))
+		return rc;
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
 		int cnt = counts_h[e];
-		if (cnt < 0 || (size_t)r0 + (size_t)cnt > rows) {
-			fprintf(stderr, "mlens cuda: moe expert %d got %d rows of %zu; ids out of range?\n",
-				e, cnt, rows);
-			return -EIO;
-		}
 		if (!cnt)
 			continue;
-		if (!w->w1[e] || !w->w2[e] || !w->w3[e])
-			return -EFAULT;	/* a routed expert has no weights here */
 		if ((rc = gemm_typed(c, g + (size_t)r0 * I, xe + (size_t)r0 * H * es, w->w1[e],
 				     w->dtype, cnt, H, I, 0.0f)) ||
 		    (rc = gemm_typed(c, u + (size_t)r0 * I, xe + (size_t)r0 * H * es, w->w3[e],
 				     w->dtype, cnt, H, I, 0.0f)))
 			return rc;
 		r0 += cnt;
-	}
-	if ((size_t)r0 != rows) {
-		/* some ids name no expert in [0, E): the CPU would skip them too,
-		 * but a caller never means that */
-		fprintf(stderr, "mlens cuda: moe: %zu of %zu routed rows name no expert below %d\n",
-			rows - (size_t)r0, rows, E);
-		return -EINVAL;
 	}
 	if ((rc = mlens_cuda_silu_mul(c, h, w->dtype, g, u, rows * I)))
 		return rc;
@@ -541,11 +548,13 @@ static void cuda_destroy(void *ctx)
 	dev_free(c, c->blas_ws);
 	dev_free(c, c->d_stage);
 	dev_free(c, c->d_scratch);
-	cudaFreeHost(c->h_stage);
+	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
+		cudaFreeHost(c->stage[i].h);
+		if (c->stage[i].done)
+			cudaEventDestroy(c->stage[i].done);
+	}
 	cudaFreeHost(c->h_back);
 	cudaFreeHost(c->h_sample);
-	if (c->stage_done)
-		cudaEventDestroy(c->stage_done);
 	if (c->stream)
 		cudaStreamDestroy(c->stream);
 	free(c->allocs);
@@ -609,8 +618,11 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	c->device = dev;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
-	CUDA_GOTO(cudaEventCreateWithFlags(&c->stage_done, cudaEventDisableTiming), rc, fail);
-	CUDA_GOTO(cudaEventRecord(c->stage_done, c->stream), rc, fail);
+	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
+		CUDA_GOTO(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming),
+			  rc, fail);
+		CUDA_GOTO(cudaEventRecord(c->stage[i].done, c->stream), rc, fail);
+	}
 	bs = cublasCreate(&c->blas);
 	if (bs != CUBLAS_STATUS_SUCCESS) {
 		c->blas = NULL;

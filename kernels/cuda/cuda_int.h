@@ -21,6 +21,15 @@ extern "C" {
 /* Blocks of 256 threads unless a kernel says otherwise. */
 #define MLENS_CUDA_THREADS 256
 
+/* Host staging areas in flight at once. */
+#define MLENS_CUDA_STAGE_SLOTS 4
+
+struct cuda_stage_slot {
+	char *h;		/* pinned */
+	size_t cap;
+	cudaEvent_t done;	/* the copy out of h has finished */
+};
+
 struct mlens_cuda_ctx {
 	int device;
 	cudaStream_t stream;
@@ -28,11 +37,14 @@ struct mlens_cuda_ctx {
 	void *blas_ws;			/* cuBLAS workspace, set once */
 	size_t blas_ws_bytes;
 
-	/* host metadata goes pinned host -> device staging, one copy per op */
-	char *h_stage;
+	/* host metadata goes pinned host -> device staging, one copy per op.
+	 * The host side is a ring, so the host can fill op N+1's metadata while
+	 * op N's copy still waits in the stream; one device area suffices since
+	 * the stream orders each copy after the kernels that read the last. */
+	struct cuda_stage_slot stage[MLENS_CUDA_STAGE_SLOTS];
+	int stage_next;
 	char *d_stage;
-	size_t stage_cap;
-	cudaEvent_t stage_done;		/* the last staging copy has read h_stage */
+	size_t d_stage_cap;
 
 	/* device scratch for converted activations, permutations, partials */
 	char *d_scratch;
