@@ -40,8 +40,10 @@ prefill_kernel(float *out, const float *q, const float *k, const float *v, const
 	       int n_heads, int n_kv, float scale)
 {
 	constexpr int DPL = HD / 32;
-	__shared__ float Qs[PF_BR][HD];
-	__shared__ float Ks[PF_BC][HD + 1];	/* +1: lanes read rows, no bank conflicts */
+	__shared__ __align__(16) float Qs[PF_BR][HD];
+	/* +4: lanes read their own rows 16 bytes at a time; a 132-word stride
+	 * spreads each 8-lane phase over all 32 banks */
+	__shared__ __align__(16) float Ks[PF_BC][HD + 4];
 	__shared__ float Vs[PF_BC][HD];
 	const int4 tile = tiles[blockIdx.x];
 	const int t0 = tile.x, q0 = tile.y, len = tile.z;
@@ -82,12 +84,17 @@ prefill_kernel(float *out, const float *q, const float *k, const float *v, const
 #pragma unroll
 		for (int r = 0; r < PF_ROWS_PER_WARP; r++)
 			s[r] = 0.0f;
-#pragma unroll 8
-		for (int d = 0; d < HD; d++) {
-			float kd = Ks[lane][d];
+#pragma unroll 4
+		for (int d = 0; d < HD; d += 4) {
+			float4 kd = *(const float4 *)&Ks[lane][d];
 #pragma unroll
-			for (int r = 0; r < PF_ROWS_PER_WARP; r++)
-				s[r] += Qs[warp * PF_ROWS_PER_WARP + r][d] * kd;
+			for (int r = 0; r < PF_ROWS_PER_WARP; r++) {
+				float4 qd = *(const float4 *)&Qs[warp * PF_ROWS_PER_WARP + r][d];
+				s[r] += qd.x * kd.x;
+				s[r] += qd.y * kd.y;
+				s[r] += qd.z * kd.z;
+				s[r] += qd.w * kd.w;
+			}
 		}
 		const int key = kb + lane;
 		float p[PF_ROWS_PER_WARP];
@@ -182,8 +189,40 @@ template <> __device__ __forceinline__ __nv_bfloat16 to_kv<__nv_bfloat16>(float 
 	return __float2bfloat16_rn(x);	/* round to nearest even, as the CPU */
 }
 
-__device__ __forceinline__ float from_kv(float x) { return x; }
-__device__ __forceinline__ float from_kv(__nv_bfloat16 x) { return __bfloat162float(x); }
+/* 16 bytes of a KV row as floats: 4 f32 or 8 bf16 (rows are 16-byte aligned:
+ * head_dim is 64 or 128 and cudaMalloc aligns the base). */
+template <typename T> struct kv_vec;
+template <> struct kv_vec<float> {
+	static constexpr int N = 4;
+	static __device__ __forceinline__ void load(const float *p, float *out)
+	{
+		float4 v = *(const float4 *)p;
+		out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+	}
+	/* two consecutive values */
+	static __device__ __forceinline__ float2 load2(const float *p)
+	{
+		return *(const float2 *)p;
+	}
+};
+template <> struct kv_vec<__nv_bfloat16> {
+	static constexpr int N = 8;
+	static __device__ __forceinline__ void load(const __nv_bfloat16 *p, float *out)
+	{
+		uint4 v = *(const uint4 *)p;
+		const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			float2 f = __bfloat1622float2(h[i]);
+			out[2 * i] = f.x;
+			out[2 * i + 1] = f.y;
+		}
+	}
+	static __device__ __forceinline__ float2 load2(const __nv_bfloat16 *p)
+	{
+		return __bfloat1622float2(*(const __nv_bfloat162 *)p);
+	}
+};
 
 template <typename T>
 __global__ void kv_append_kernel(T *kc, T *vc, const float *k, const float *v,
@@ -247,8 +286,10 @@ struct dec_meta {
 
 /* One block: one query token, one KV head (its `group` query heads), one
  * DEC_SPLIT-key chunk of the context. Warps take 32-key tiles in turn; a
- * lane scores its own key for every head, then the warp folds the tile into
- * its running softmax. Warps merge in shared memory; the block writes an
+ * lane scores its own key for every head (16-byte loads along the key's
+ * row), then the warp folds the tile into its running softmax, each lane
+ * owning the output dims 64p + 2*lane + {0,1} (V rows read as pairs,
+ * coalesced). Warps merge in shared memory; the block writes an
  * unnormalised partial (max, sum, output) for the combine kernel. */
 template <int HD, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS)
@@ -256,8 +297,8 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 	      int layer, uint32_t n_blocks, int n_kv, int bs, int group, int n_split,
 	      float scale)
 {
-	constexpr int DPL = HD / 32;
-	__shared__ float Qs[DEC_MAX_GROUP][HD];
+	constexpr int DPL = HD / 32, VEC = kv_vec<T>::N;
+	__shared__ __align__(16) float Qs[DEC_MAX_GROUP][HD];
 	__shared__ float Ms[ATTN_WARPS][DEC_MAX_GROUP], Ls[ATTN_WARPS][DEC_MAX_GROUP];
 	__shared__ float Os[ATTN_WARPS][DEC_MAX_GROUP][HD];
 	const int i = blockIdx.x, g = blockIdx.y, sp = blockIdx.z;
@@ -300,13 +341,16 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 			s[hh] = 0.0f;
 		if (valid) {
 			const T *kp = kc + row;
-#pragma unroll 4
-			for (int d = 0; d < HD; d++) {
-				float kd = from_kv(kp[d]);
+#pragma unroll 2
+			for (int d0 = 0; d0 < HD; d0 += VEC) {
+				float kd[VEC];
+				kv_vec<T>::load(kp + d0, kd);
 #pragma unroll
-				for (int hh = 0; hh < DEC_MAX_GROUP; hh++)
-					if (hh < group)
-						s[hh] += Qs[hh][d] * kd;
+				for (int e = 0; e < VEC; e++)
+#pragma unroll
+					for (int hh = 0; hh < DEC_MAX_GROUP; hh++)
+						if (hh < group)
+							s[hh] += Qs[hh][d0 + e] * kd[e];
 			}
 		}
 		float p[DEC_MAX_GROUP];
@@ -325,13 +369,17 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 				o[hh][j] *= corr;
 		}
 		const int jmax = min(32, c1 - kb);
+#pragma unroll 4
 		for (int j = 0; j < jmax; j++) {
 			size_t vr = __shfl_sync(0xffffffffu, row, j);
-			const T *vp = vc + vr;
+			const T *vp = vc + vr + 2 * lane;
 			float vv[DPL];
 #pragma unroll
-			for (int dd = 0; dd < DPL; dd++)
-				vv[dd] = from_kv(vp[lane + 32 * dd]);
+			for (int pr = 0; pr < DPL / 2; pr++) {
+				float2 f = kv_vec<T>::load2(vp + 64 * pr);
+				vv[2 * pr] = f.x;
+				vv[2 * pr + 1] = f.y;
+			}
 #pragma unroll
 			for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
 				if (hh >= group)
@@ -354,7 +402,7 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 		}
 #pragma unroll
 		for (int dd = 0; dd < DPL; dd++)
-			Os[warp][hh][lane + 32 * dd] = o[hh][dd];
+			Os[warp][hh][64 * (dd / 2) + 2 * lane + (dd & 1)] = o[hh][dd];
 	}
 	__syncthreads();
 	for (int idx = threadIdx.x; idx < group * HD; idx += ATTN_THREADS) {
