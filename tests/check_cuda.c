@@ -384,6 +384,8 @@ START_TEST(test_moe)
 		moe_case(dtypes[t], 7, 256, 320);
 		moe_case(dtypes[t], 300, 512, 1000);
 	}
+	/* more tokens than one chunk of the CUDA MoE (4096) */
+	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96);
 }
 END_TEST
 

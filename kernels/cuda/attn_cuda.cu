@@ -27,7 +27,9 @@ __device__ __forceinline__ float warp_sum(float v)
 
 /* ==== prefill ==== */
 
-#define PF_ROWS_PER_WARP 4
+/* 8 rows a warp: each K value read from shared memory feeds 8 FMAs, which
+ * keeps the kernel FMA-bound rather than shared-memory-bound */
+#define PF_ROWS_PER_WARP 8
 #define PF_BR (ATTN_WARPS * PF_ROWS_PER_WARP)	/* query rows per block */
 #define PF_BC 32				/* keys per tile: one per lane */
 
@@ -40,11 +42,13 @@ prefill_kernel(float *out, const float *q, const float *k, const float *v, const
 	       int n_heads, int n_kv, float scale)
 {
 	constexpr int DPL = HD / 32;
-	__shared__ __align__(16) float Qs[PF_BR][HD];
-	/* +4: lanes read their own rows 16 bytes at a time; a 132-word stride
-	 * spreads each 8-lane phase over all 32 banks */
-	__shared__ __align__(16) float Ks[PF_BC][HD + 4];
-	__shared__ float Vs[PF_BC][HD];
+	/* Qs[PF_BR][HD], Ks[PF_BC][HD + 4], Vs[PF_BC][HD] (prefill_smem bytes).
+	 * Ks +4: lanes read their own rows 16 bytes at a time; a 132-word
+	 * stride spreads each 8-lane phase over all 32 banks. */
+	extern __shared__ __align__(16) float pf_smem[];
+	float (*Qs)[HD] = (float (*)[HD])pf_smem;
+	float (*Ks)[HD + 4] = (float (*)[HD + 4])(pf_smem + PF_BR * HD);
+	float (*Vs)[HD] = (float (*)[HD])(pf_smem + PF_BR * HD + PF_BC * (HD + 4));
 	const int4 tile = tiles[blockIdx.x];
 	const int t0 = tile.x, q0 = tile.y, len = tile.z;
 	const int h = blockIdx.y, g = h / (n_heads / n_kv);
@@ -134,6 +138,27 @@ prefill_kernel(float *out, const float *q, const float *k, const float *v, const
 	}
 }
 
+template <int HD>
+static size_t prefill_smem(void)
+{
+	return ((size_t)PF_BR * HD + (size_t)PF_BC * (HD + 4) + (size_t)PF_BC * HD) * sizeof(float);
+}
+
+template <int HD>
+static int prefill_launch(struct mlens_cuda_ctx *c, dim3 grid, float *out, const float *q,
+			  const float *k, const float *v, const int4 *tiles, int n_heads,
+			  int n_kv, float scale)
+{
+	size_t smem = prefill_smem<HD>();
+	/* over the 48 KB default for HD = 128: opt in (cheap, idempotent) */
+	CUDA_RET(cudaFuncSetAttribute(prefill_kernel<HD>,
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+	prefill_kernel<HD><<<grid, ATTN_THREADS, smem, c->stream>>>(out, q, k, v, tiles, n_heads,
+								     n_kv, scale);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
 int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q,
 			    const float *k, const float *v, const int32_t *cu_seqlens,
 			    int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale)
@@ -171,13 +196,10 @@ int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q
 		return rc;
 	dim3 grid((unsigned)n_tiles, (unsigned)n_heads);
 	if (head_dim == 64)
-		prefill_kernel<64><<<grid, ATTN_THREADS, 0, c->stream>>>(
-			out, q, k, v, (const int4 *)d, n_heads, n_kv_heads, scale);
-	else
-		prefill_kernel<128><<<grid, ATTN_THREADS, 0, c->stream>>>(
-			out, q, k, v, (const int4 *)d, n_heads, n_kv_heads, scale);
-	CUDA_LAUNCHED();
-	return 0;
+		return prefill_launch<64>(c, grid, out, q, k, v, (const int4 *)d, n_heads,
+					  n_kv_heads, scale);
+	return prefill_launch<128>(c, grid, out, q, k, v, (const int4 *)d, n_heads, n_kv_heads,
+				   scale);
 }
 
 /* ==== KV append ==== */
@@ -346,11 +368,17 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 				float kd[VEC];
 				kv_vec<T>::load(kp + d0, kd);
 #pragma unroll
-				for (int e = 0; e < VEC; e++)
+				for (int e = 0; e < VEC; e += 4)
 #pragma unroll
-					for (int hh = 0; hh < DEC_MAX_GROUP; hh++)
-						if (hh < group)
-							s[hh] += Qs[hh][d0 + e] * kd[e];
+					for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
+						if (hh >= group)
+							break;
+						float4 qv = *(const float4 *)&Qs[hh][d0 + e];
+						s[hh] += qv.x * kd[e];
+						s[hh] += qv.y * kd[e + 1];
+						s[hh] += qv.z * kd[e + 2];
+						s[hh] += qv.w * kd[e + 3];
+					}
 			}
 		}
 		float p[DEC_MAX_GROUP];

@@ -351,10 +351,10 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
  * tokens, and the combine kernel adds the experts back into each token's
  * row in id order. Expert row counts are read back (one small copy and a
  * wait) because cuBLAS takes GEMM sizes on the host. */
-static int cuda_moe(void *ctx, float *out, const float *x, int n, const int32_t *ids,
-		    const float *weights, int k, const struct mlens_moe_weights *w)
+static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n,
+		     const int32_t *ids, const float *weights, int k,
+		     const struct mlens_moe_weights *w)
 {
-	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
 	int E = w->n_experts, H = w->hidden, I = w->inter;
 	size_t es = mlens_dtype_size(w->dtype), rows = (size_t)n * (size_t)k;
 	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total;
@@ -429,6 +429,27 @@ static int cuda_moe(void *ctx, float *out, const float *x, int n, const int32_t 
 		r0 += cnt;
 	}
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
+}
+
+/* Tokens go through in chunks so that the scratch (about 150 KB a routed
+ * row at Mixtral sizes) stays bounded; a chunk this large is GEMM-bound,
+ * so reading the experts once per chunk costs little. */
+#define MOE_CHUNK_TOKENS 4096
+
+static int cuda_moe(void *ctx, float *out, const float *x, int n, const int32_t *ids,
+		    const float *weights, int k, const struct mlens_moe_weights *w)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (n < 0 || k <= 0 || w->hidden <= 0)
+		return -EINVAL;
+	for (int t0 = 0; t0 < n; t0 += MOE_CHUNK_TOKENS) {
+		int cnt = n - t0 < MOE_CHUNK_TOKENS ? n - t0 : MOE_CHUNK_TOKENS;
+		size_t xo = (size_t)t0 * w->hidden, ro = (size_t)t0 * k;
+		int rc = moe_chunk(c, out + xo, x + xo, cnt, ids + ro, weights + ro, k, w);
+		if (rc)
+			return rc;
+	}
+	return 0;
 }
 
 /* ==== sampling ==== */

@@ -219,6 +219,24 @@ static int bench_attn(void)
 	be.ops->sync(be.ctx);
 	t_pf = (now() - t0) / iters;
 
+	/* the same tokens as 8 prompts of 512 */
+	{
+		int32_t cu8[9];
+		double t_p8, flop8 = 8 * 4.0 * nh * hd * (512.0 * 513 / 2);
+		for (int s = 0; s <= 8; s++)
+			cu8[s] = s * 512;
+		be.ops->attn_prefill(be.ctx, out, q, k, v, cu8, 8, nh, nkv, hd, 0.088f);
+		be.ops->sync(be.ctx);
+		t0 = now();
+		for (int i = 0; i < iters; i++)
+			be.ops->attn_prefill(be.ctx, out, q, k, v, cu8, 8, nh, nkv, hd, 0.088f);
+		be.ops->sync(be.ctx);
+		t_p8 = (now() - t0) / iters;
+		printf(",\n  \"attn_prefill_8x512\": {\"ms\": %.3f, \"tflops\": %.2f}", t_p8 * 1e3,
+		       flop8 / t_p8 * 1e-12);
+		fprintf(stderr, "attn_prefill 8 x 512 tokens: %.3f ms, %.2f TFLOP/s\n", t_p8 * 1e3,
+			flop8 / t_p8 * 1e-12);
+	}
 	for (uint32_t b = 0; b < n_blocks; b++)
 		tab[b] = (b * 2654435761u) % n_blocks;	/* scattered, still a permutation */
 	for (int i = 0; i < nq; i++)
