@@ -17,10 +17,19 @@ int mlens_backend_create(struct mlens_backend *be, const char *name,
 	}
 	if (!strcmp(name, "auto")) {
 #ifdef HAVE_CUDA
-		if (mlens_backend_cuda_create(be, o) == 0)
+		if (mlens_cuda_available() && mlens_backend_cuda_create(be, o) == 0)
 			return 0;
 #endif
 		return mlens_backend_cpu_create(be, o);
 	}
 	return -EINVAL;
 }
+
+#ifndef HAVE_CUDA
+/* Without the CUDA backend there is no GPU to offer (the CUDA build
+ * defines this in kernels/cuda/backend_cuda.cu). */
+bool mlens_cuda_available(void)
+{
+	return false;
+}
+#endif

@@ -112,7 +112,13 @@ struct mlens_backend_opts {
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
 #ifdef HAVE_CUDA
 int mlens_backend_cuda_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
+/* Device bytes the CUDA backend holds through cudaMalloc: the caller's
+ * allocations plus its own staging, scratch and cuBLAS workspace (0 for a
+ * backend that is not CUDA). */
+size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be);
 #endif
+/* True when the CUDA backend is built and a GPU is present. */
+bool mlens_cuda_available(void);
 /* name: "cpu", "cuda" or "auto" (CUDA when a GPU is present). */
 int mlens_backend_create(struct mlens_backend *be, const char *name,
 			 const struct mlens_backend_opts *o);

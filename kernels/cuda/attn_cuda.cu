@@ -1,0 +1,560 @@
+/* CUDA attention: causal GQA flash attention for prefill (tiled, online
+ * softmax, never the n x n matrix), KV append into the paged cache in GPU
+ * memory, and split-context decode attention over that cache with a
+ * combine pass. fp32 math throughout; KV stored f32 or bf16 (kernels/kv.h
+ * layout). Head dims 64 and 128. */
+#include "kernels/cuda/cuda_int.h"
+
+#include <math.h>
+#include <cuda_bf16.h>
+
+#define ATTN_WARPS 4
+#define ATTN_THREADS (ATTN_WARPS * 32)
+
+__device__ __forceinline__ float warp_max(float v)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+	return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+/* ==== prefill ==== */
+
+/* 8 rows a warp: each K value read from shared memory feeds 8 FMAs, which
+ * keeps the kernel FMA-bound rather than shared-memory-bound */
+#define PF_ROWS_PER_WARP 8
+#define PF_BR (ATTN_WARPS * PF_ROWS_PER_WARP)	/* query rows per block */
+#define PF_BC 32				/* keys per tile: one per lane */
+
+/* One block: PF_BR consecutive query tokens of one sequence, one query
+ * head. Keys stream through shared memory 32 at a time; each warp keeps a
+ * running max, sum and output for its rows (lane owns dims lane + 32*j). */
+template <int HD>
+__global__ void __launch_bounds__(ATTN_THREADS)
+prefill_kernel(float *out, const float *q, const float *k, const float *v, const int4 *tiles,
+	       int n_heads, int n_kv, float scale)
+{
+	constexpr int DPL = HD / 32;
+	/* Qs[PF_BR][HD], Ks[PF_BC][HD + 4], Vs[PF_BC][HD] (prefill_smem bytes).
+	 * Ks +4: lanes read their own rows 16 bytes at a time; a 132-word
+	 * stride spreads each 8-lane phase over all 32 banks. */
+	extern __shared__ __align__(16) float pf_smem[];
+	float (*Qs)[HD] = (float (*)[HD])pf_smem;
+	float (*Ks)[HD + 4] = (float (*)[HD + 4])(pf_smem + PF_BR * HD);
+	float (*Vs)[HD] = (float (*)[HD])(pf_smem + PF_BR * HD + PF_BC * (HD + 4));
+	const int4 tile = tiles[blockIdx.x];
+	const int t0 = tile.x, q0 = tile.y, len = tile.z;
+	const int h = blockIdx.y, g = h / (n_heads / n_kv);
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const size_t qs = (size_t)n_heads * HD, ks = (size_t)n_kv * HD;
+
+	for (int idx = threadIdx.x; idx < PF_BR * HD; idx += ATTN_THREADS) {
+		int r = idx / HD, d = idx % HD;
+		Qs[r][d] = q0 + r < len ? q[(size_t)(t0 + q0 + r) * qs + (size_t)h * HD + d] : 0.0f;
+	}
+
+	float m[PF_ROWS_PER_WARP], l[PF_ROWS_PER_WARP], o[PF_ROWS_PER_WARP][DPL];
+	int qpos[PF_ROWS_PER_WARP];
+#pragma unroll
+	for (int r = 0; r < PF_ROWS_PER_WARP; r++) {
+		m[r] = -INFINITY;
+		l[r] = 0.0f;
+		qpos[r] = q0 + warp * PF_ROWS_PER_WARP + r;
+#pragma unroll
+		for (int j = 0; j < DPL; j++)
+			o[r][j] = 0.0f;
+	}
+
+	const int kend = min(len, q0 + PF_BR);	/* causal: no key after the last row */
+	for (int kb = 0; kb < kend; kb += PF_BC) {
+		__syncthreads();	/* the previous tile is consumed (and Qs written) */
+		for (int idx = threadIdx.x; idx < PF_BC * HD; idx += ATTN_THREADS) {
+			int j = idx / HD, d = idx % HD;
+			bool in = kb + j < len;
+			size_t a = (size_t)(t0 + kb + j) * ks + (size_t)g * HD + d;
+			Ks[j][d] = in ? k[a] : 0.0f;
+			Vs[j][d] = in ? v[a] : 0.0f;
+		}
+		__syncthreads();
+
+		float s[PF_ROWS_PER_WARP];
+#pragma unroll
+		for (int r = 0; r < PF_ROWS_PER_WARP; r++)
+			s[r] = 0.0f;
+#pragma unroll 4
+		for (int d = 0; d < HD; d += 4) {
+			float4 kd = *(const float4 *)&Ks[lane][d];
+#pragma unroll
+			for (int r = 0; r < PF_ROWS_PER_WARP; r++) {
+				float4 qd = *(const float4 *)&Qs[warp * PF_ROWS_PER_WARP + r][d];
+				s[r] += qd.x * kd.x;
+				s[r] += qd.y * kd.y;
+				s[r] += qd.z * kd.z;
+				s[r] += qd.w * kd.w;
+			}
+		}
+		const int key = kb + lane;
+		float p[PF_ROWS_PER_WARP];
+#pragma unroll
+		for (int r = 0; r < PF_ROWS_PER_WARP; r++) {
+			bool valid = key <= qpos[r] && key < len;
+			float sc = valid ? s[r] * scale : -INFINITY;
+			float mnew = fmaxf(m[r], warp_max(sc));
+			/* key 0 is valid for every row, so mnew is finite from the first tile */
+			p[r] = valid ? expf(sc - mnew) : 0.0f;
+			float corr = expf(m[r] - mnew);
+			l[r] = l[r] * corr + warp_sum(p[r]);
+			m[r] = mnew;
+#pragma unroll
+			for (int j = 0; j < DPL; j++)
+				o[r][j] *= corr;
+		}
+		const int jmax = min(PF_BC, kend - kb);
+		for (int j = 0; j < jmax; j++) {
+#pragma unroll
+			for (int r = 0; r < PF_ROWS_PER_WARP; r++) {
+				float pj = __shfl_sync(0xffffffffu, p[r], j);
+#pragma unroll
+				for (int dd = 0; dd < DPL; dd++)
+					o[r][dd] += pj * Vs[j][lane + 32 * dd];
+			}
+		}
+	}
+#pragma unroll
+	for (int r = 0; r < PF_ROWS_PER_WARP; r++) {
+		if (qpos[r] >= len)
+			continue;
+		float *orow = out + (size_t)(t0 + qpos[r]) * qs + (size_t)h * HD;
+#pragma unroll
+		for (int dd = 0; dd < DPL; dd++)
+			orow[lane + 32 * dd] = o[r][dd] / l[r];
+	}
+}
+
+template <int HD>
+static size_t prefill_smem(void)
+{
+	return ((size_t)PF_BR * HD + (size_t)PF_BC * (HD + 4) + (size_t)PF_BC * HD) * sizeof(float);
+}
+
+template <int HD>
+static int prefill_launch(struct mlens_cuda_ctx *c, dim3 grid, float *out, const float *q,
+			  const float *k, const float *v, const int4 *tiles, int n_heads,
+			  int n_kv, float scale)
+{
+	size_t smem = prefill_smem<HD>();
+	/* over the 48 KB default for HD = 128: opt in (cheap, idempotent) */
+	CUDA_RET(cudaFuncSetAttribute(prefill_kernel<HD>,
+				      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+	prefill_kernel<HD><<<grid, ATTN_THREADS, smem, c->stream>>>(out, q, k, v, tiles, n_heads,
+								     n_kv, scale);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q,
+			    const float *k, const float *v, const int32_t *cu_seqlens,
+			    int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale)
+{
+	size_t n_tiles = 0;
+	char *h, *d;
+	int rc;
+
+	if (n_kv_heads <= 0 || n_heads <= 0 || n_heads % n_kv_heads || n_seqs < 0)
+		return -EINVAL;
+	if (head_dim != 64 && head_dim != 128) {
+		fprintf(stderr, "mlens cuda: attention head_dim %d unsupported (64 or 128)\n",
+			head_dim);
+		return -ENOTSUP;
+	}
+	for (int s = 0; s < n_seqs; s++) {
+		int len = cu_seqlens[s + 1] - cu_seqlens[s];
+		if (len < 0 || cu_seqlens[s] < 0)
+			return -EINVAL;
+		n_tiles += (size_t)(len + PF_BR - 1) / PF_BR;
+	}
+	if (!n_tiles)
+		return 0;
+	if (n_tiles > 0x7fffffff)
+		return -E2BIG;
+	if ((rc = mlens_cuda_stage_begin(c, n_tiles * sizeof(int4), &h, &d)))
+		return rc;
+	int4 *t = (int4 *)h;
+	for (int s = 0; s < n_seqs; s++) {
+		int len = cu_seqlens[s + 1] - cu_seqlens[s];
+		for (int q0 = 0; q0 < len; q0 += PF_BR)
+			*t++ = make_int4(cu_seqlens[s], q0, len, 0);
+	}
+	if ((rc = mlens_cuda_stage_commit(c, n_tiles * sizeof(int4))))
+		return rc;
+	dim3 grid((unsigned)n_tiles, (unsigned)n_heads);
+	if (head_dim == 64)
+		return prefill_launch<64>(c, grid, out, q, k, v, (const int4 *)d, n_heads,
+					  n_kv_heads, scale);
+	return prefill_launch<128>(c, grid, out, q, k, v, (const int4 *)d, n_heads, n_kv_heads,
+				   scale);
+}
+
+/* ==== KV append ==== */
+
+template <typename T> __device__ __forceinline__ T to_kv(float x);
+template <> __device__ __forceinline__ float to_kv<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 to_kv<__nv_bfloat16>(float x)
+{
+	return __float2bfloat16_rn(x);	/* round to nearest even, as the CPU */
+}
+
+/* 16 bytes of a KV row as floats: 4 f32 or 8 bf16 (rows are 16-byte aligned:
+ * head_dim is 64 or 128 and cudaMalloc aligns the base). */
+template <typename T> struct kv_vec;
+template <> struct kv_vec<float> {
+	static constexpr int N = 4;
+	static __device__ __forceinline__ void load(const float *p, float *out)
+	{
+		float4 v = *(const float4 *)p;
+		out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+	}
+	/* two consecutive values */
+	static __device__ __forceinline__ float2 load2(const float *p)
+	{
+		return *(const float2 *)p;
+	}
+};
+template <> struct kv_vec<__nv_bfloat16> {
+	static constexpr int N = 8;
+	static __device__ __forceinline__ void load(const __nv_bfloat16 *p, float *out)
+	{
+		uint4 v = *(const uint4 *)p;
+		const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			float2 f = __bfloat1622float2(h[i]);
+			out[2 * i] = f.x;
+			out[2 * i + 1] = f.y;
+		}
+	}
+	static __device__ __forceinline__ float2 load2(const __nv_bfloat16 *p)
+	{
+		return __bfloat1622float2(*(const __nv_bfloat162 *)p);
+	}
+};
+
+template <typename T>
+__global__ void kv_append_kernel(T *kc, T *vc, const float *k, const float *v,
+				 const int64_t *slots, int layer, uint32_t n_blocks, int n_kv,
+				 int bs, int hd)
+{
+	int i = blockIdx.x;
+	uint32_t block = (uint32_t)(slots[i] / bs);
+	int off = (int)(slots[i] % bs);
+	for (int t = threadIdx.x; t < n_kv * hd; t += blockDim.x) {
+		int g = t / hd, dd = t % hd;
+		size_t b = (size_t)layer * n_blocks + block;
+		size_t idx = ((b * n_kv + g) * bs + off) * hd + dd;
+		size_t src = (size_t)i * n_kv * hd + t;
+		kc[idx] = to_kv<T>(k[src]);
+		vc[idx] = to_kv<T>(v[src]);
+	}
+}
+
+int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
+			 const float *k, const float *v, const int64_t *slots, int n)
+{
+	char *h, *d;
+	int rc;
+
+	if (n < 0 || layer < 0 || layer >= kv->n_layers || kv->block_size <= 0 ||
+	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16))
+		return -EINVAL;
+	if (!n)
+		return 0;
+	for (int i = 0; i < n; i++)
+		if (slots[i] < 0 || (uint64_t)(slots[i] / kv->block_size) >= kv->n_blocks)
+			return -ERANGE;
+	if ((rc = mlens_cuda_stage_begin(c, (size_t)n * 8, &h, &d)))
+		return rc;
+	memcpy(h, slots, (size_t)n * 8);
+	if ((rc = mlens_cuda_stage_commit(c, (size_t)n * 8)))
+		return rc;
+	if (kv->dtype == MLENS_DTYPE_F32)
+		kv_append_kernel<float><<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
+			(float *)kv->k, (float *)kv->v, k, v, (const int64_t *)d, layer,
+			kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
+	else
+		kv_append_kernel<__nv_bfloat16><<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
+			(__nv_bfloat16 *)kv->k, (__nv_bfloat16 *)kv->v, k, v, (const int64_t *)d,
+			layer, kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== decode ==== */
+
+#define DEC_MAX_GROUP 8		/* query heads per KV head */
+#define DEC_SPLIT 256		/* keys per block; longer contexts split */
+
+struct dec_meta {
+	const int32_t *ctx_len;		/* [n] */
+	const int32_t *bt_off;		/* [n]: start of query i's table in bt */
+	const uint32_t *bt;		/* all block tables, back to back */
+};
+
+/* One block: one query token, one KV head (its `group` query heads), one
+ * DEC_SPLIT-key chunk of the context. Warps take 32-key tiles in turn; a
+ * lane scores its own key for every head (16-byte loads along the key's
+ * row), then the warp folds the tile into its running softmax, each lane
+ * owning the output dims 64p + 2*lane + {0,1} (V rows read as pairs,
+ * coalesced). Warps merge in shared memory; the block writes an
+ * unnormalised partial (max, sum, output) for the combine kernel. */
+template <int HD, typename T>
+__global__ void __launch_bounds__(ATTN_THREADS)
+decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_meta meta,
+	      int layer, uint32_t n_blocks, int n_kv, int bs, int group, int n_split,
+	      float scale)
+{
+	constexpr int DPL = HD / 32, VEC = kv_vec<T>::N;
+	__shared__ __align__(16) float Qs[DEC_MAX_GROUP][HD];
+	__shared__ float Ms[ATTN_WARPS][DEC_MAX_GROUP], Ls[ATTN_WARPS][DEC_MAX_GROUP];
+	__shared__ float Os[ATTN_WARPS][DEC_MAX_GROUP][HD];
+	const int i = blockIdx.x, g = blockIdx.y, sp = blockIdx.z;
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const int n_heads = n_kv * group;
+	const int ctx = meta.ctx_len[i];
+	const uint32_t *bt = meta.bt + meta.bt_off[i];
+	const int c0 = sp * DEC_SPLIT, c1 = min(ctx, c0 + DEC_SPLIT);
+	float *pp = part + (((size_t)i * n_heads + (size_t)g * group) * n_split + sp) * (HD + 2);
+
+	if (c0 >= ctx)
+		return;	/* the combine pass reads only splits below ctx */
+	for (int idx = threadIdx.x; idx < group * HD; idx += ATTN_THREADS)
+		Qs[idx / HD][idx % HD] =
+			q[(size_t)i * n_heads * HD + (size_t)g * group * HD + idx];
+	__syncthreads();
+
+	float m[DEC_MAX_GROUP], l[DEC_MAX_GROUP], o[DEC_MAX_GROUP][DPL];
+#pragma unroll
+	for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
+		m[hh] = -INFINITY;
+		l[hh] = 0.0f;
+#pragma unroll
+		for (int j = 0; j < DPL; j++)
+			o[hh][j] = 0.0f;
+	}
+	const size_t head_stride = (size_t)bs * HD;
+	for (int kb = c0 + warp * 32; kb < c1; kb += ATTN_WARPS * 32) {
+		const int key = kb + lane;
+		const bool valid = key < c1;
+		size_t row = 0;
+		if (valid) {
+			uint32_t blk = bt[key / bs];
+			row = (((size_t)layer * n_blocks + blk) * n_kv + g) * head_stride +
+			      (size_t)(key % bs) * HD;
+		}
+		float s[DEC_MAX_GROUP];
+#pragma unroll
+		for (int hh = 0; hh < DEC_MAX_GROUP; hh++)
+			s[hh] = 0.0f;
+		if (valid) {
+			const T *kp = kc + row;
+#pragma unroll 2
+			for (int d0 = 0; d0 < HD; d0 += VEC) {
+				float kd[VEC];
+				kv_vec<T>::load(kp + d0, kd);
+#pragma unroll
+				for (int e = 0; e < VEC; e += 4)
+#pragma unroll
+					for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
+						if (hh >= group)
+							break;
+						float4 qv = *(const float4 *)&Qs[hh][d0 + e];
+						s[hh] += qv.x * kd[e];
+						s[hh] += qv.y * kd[e + 1];
+						s[hh] += qv.z * kd[e + 2];
+						s[hh] += qv.w * kd[e + 3];
+					}
+			}
+		}
+		float p[DEC_MAX_GROUP];
+#pragma unroll
+		for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
+			if (hh >= group)
+				break;
+			float sc = valid ? s[hh] * scale : -INFINITY;
+			float mnew = fmaxf(m[hh], warp_max(sc));	/* lane 0's key is valid */
+			p[hh] = valid ? expf(sc - mnew) : 0.0f;
+			float corr = expf(m[hh] - mnew);
+			l[hh] = l[hh] * corr + warp_sum(p[hh]);
+			m[hh] = mnew;
+#pragma unroll
+			for (int j = 0; j < DPL; j++)
+				o[hh][j] *= corr;
+		}
+		const int jmax = min(32, c1 - kb);
+#pragma unroll 4
+		for (int j = 0; j < jmax; j++) {
+			size_t vr = __shfl_sync(0xffffffffu, row, j);
+			const T *vp = vc + vr + 2 * lane;
+			float vv[DPL];
+#pragma unroll
+			for (int pr = 0; pr < DPL / 2; pr++) {
+				float2 f = kv_vec<T>::load2(vp + 64 * pr);
+				vv[2 * pr] = f.x;
+				vv[2 * pr + 1] = f.y;
+			}
+#pragma unroll
+			for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
+				if (hh >= group)
+					break;
+				float pj = __shfl_sync(0xffffffffu, p[hh], j);
+#pragma unroll
+				for (int dd = 0; dd < DPL; dd++)
+					o[hh][dd] += pj * vv[dd];
+			}
+		}
+	}
+	/* merge the warps */
+#pragma unroll
+	for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
+		if (hh >= group)
+			break;
+		if (!lane) {
+			Ms[warp][hh] = m[hh];
+			Ls[warp][hh] = l[hh];
+		}
+#pragma unroll
+		for (int dd = 0; dd < DPL; dd++)
+			Os[warp][hh][64 * (dd / 2) + 2 * lane + (dd & 1)] = o[hh][dd];
+	}
+	__syncthreads();
+	for (int idx = threadIdx.x; idx < group * HD; idx += ATTN_THREADS) {
+		int hh = idx / HD, d = idx % HD;
+		float M = -INFINITY, L = 0.0f, O = 0.0f;
+		for (int w = 0; w < ATTN_WARPS; w++)
+			M = fmaxf(M, Ms[w][hh]);
+		for (int w = 0; w < ATTN_WARPS; w++) {
+			if (Ms[w][hh] == -INFINITY)
+				continue;	/* this warp saw no key */
+			float f = expf(Ms[w][hh] - M);
+			L += Ls[w][hh] * f;
+			O += Os[w][hh][d] * f;
+		}
+		float *ph = pp + (size_t)hh * n_split * (HD + 2);
+		ph[2 + d] = O;
+		if (!d) {
+			ph[0] = M;
+			ph[1] = L;
+		}
+	}
+}
+
+/* out[i][h] = merge of the splits that hold keys of query i. */
+__global__ void decode_combine_kernel(float *out, const float *part, const int32_t *ctx_len,
+				      int n_heads, int hd, int n_split)
+{
+	const int i = blockIdx.x, h = blockIdx.y;
+	const int ns = (ctx_len[i] + DEC_SPLIT - 1) / DEC_SPLIT;
+	const float *ph = part + ((size_t)i * n_heads + h) * n_split * (hd + 2);
+	float M = -INFINITY;
+	for (int s = 0; s < ns; s++)
+		M = fmaxf(M, ph[(size_t)s * (hd + 2)]);
+	for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+		float L = 0.0f, O = 0.0f;
+		for (int s = 0; s < ns; s++) {
+			const float *p = ph + (size_t)s * (hd + 2);
+			float f = expf(p[0] - M);
+			L += p[1] * f;
+			O += p[2 + d] * f;
+		}
+		out[((size_t)i * n_heads + h) * hd + d] = O / L;
+	}
+}
+
+int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
+			   const struct mlens_kv_cache *kv, int layer,
+			   const struct mlens_attn_query *queries, int n, int n_heads,
+			   float scale)
+{
+	const int hd = kv->head_dim, bs = kv->block_size;
+	size_t bt_total = 0, o_off, o_bt, used, part_bytes;
+	int max_ctx = 0, group, n_split, rc;
+	char *h, *d, *part;
+
+	if (n < 0 || kv->n_kv_heads <= 0 || n_heads % kv->n_kv_heads || bs <= 0 ||
+	    layer < 0 || layer >= kv->n_layers ||
+	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16))
+		return -EINVAL;
+	group = n_heads / kv->n_kv_heads;
+	if (group > DEC_MAX_GROUP || (hd != 64 && hd != 128)) {
+		fprintf(stderr, "mlens cuda: decode attention with %d query heads per KV head and "
+			"head_dim %d unsupported (<= %d, 64 or 128)\n", group, hd, DEC_MAX_GROUP);
+		return -ENOTSUP;
+	}
+	if (!n)
+		return 0;
+	for (int i = 0; i < n; i++) {
+		const struct mlens_attn_query *qr = &queries[i];
+		if (qr->ctx_len <= 0 || (int64_t)qr->n_blocks * bs < qr->ctx_len)
+			return -ERANGE;
+		int need = (qr->ctx_len + bs - 1) / bs;
+		for (int b = 0; b < need; b++)
+			if (qr->block_table[b] >= kv->n_blocks)
+				return -ERANGE;
+		bt_total += (size_t)need;
+		max_ctx = qr->ctx_len > max_ctx ? qr->ctx_len : max_ctx;
+	}
+	n_split = (max_ctx + DEC_SPLIT - 1) / DEC_SPLIT;
+	o_off = mlens_cuda_align((size_t)n * 4);
+	o_bt = mlens_cuda_align(o_off + (size_t)n * 4);
+	used = o_bt + bt_total * 4;
+	if ((rc = mlens_cuda_stage_begin(c, used, &h, &d)))
+		return rc;
+	{
+		int32_t *ctx = (int32_t *)h, *off = (int32_t *)(h + o_off);
+		uint32_t *bt = (uint32_t *)(h + o_bt);
+		size_t at = 0;
+		for (int i = 0; i < n; i++) {
+			int need = (queries[i].ctx_len + bs - 1) / bs;
+			ctx[i] = queries[i].ctx_len;
+			off[i] = (int32_t)at;
+			memcpy(bt + at, queries[i].block_table, (size_t)need * 4);
+			at += (size_t)need;
+		}
+	}
+	if ((rc = mlens_cuda_stage_commit(c, used)))
+		return rc;
+	part_bytes = (size_t)n * n_heads * n_split * (hd + 2) * 4;
+	if ((rc = mlens_cuda_scratch(c, part_bytes, &part)))
+		return rc;
+	struct dec_meta meta = { (const int32_t *)d, (const int32_t *)(d + o_off),
+				 (const uint32_t *)(d + o_bt) };
+	dim3 grid((unsigned)n, (unsigned)kv->n_kv_heads, (unsigned)n_split);
+	float *pf = (float *)part;
+#define DEC_LAUNCH(HD, T)                                                                  \
+	decode_kernel<HD, T><<<grid, ATTN_THREADS, 0, c->stream>>>(                        \
+		pf, q, (const T *)kv->k, (const T *)kv->v, meta, layer, kv->n_blocks,      \
+		kv->n_kv_heads, bs, group, n_split, scale)
+	if (kv->dtype == MLENS_DTYPE_F32) {
+		if (hd == 64)
+			DEC_LAUNCH(64, float);
+		else
+			DEC_LAUNCH(128, float);
+	} else {
+		if (hd == 64)
+			DEC_LAUNCH(64, __nv_bfloat16);
+		else
+			DEC_LAUNCH(128, __nv_bfloat16);
+	}
+#undef DEC_LAUNCH
+	CUDA_LAUNCHED();
+	decode_combine_kernel<<<dim3((unsigned)n, (unsigned)n_heads), hd, 0, c->stream>>>(
+		out, pf, meta.ctx_len, n_heads, hd, n_split);
+	CUDA_LAUNCHED();
+	return 0;
+}

@@ -1,0 +1,673 @@
+/* The CUDA backend: context, device memory and its accounting, staging of
+ * host metadata, the cuBLAS GEMMs (dense and per-expert MoE), sampling and
+ * the ops table. Kernels live in ops_cuda.cu and attn_cuda.cu.
+ *
+ * GEMM precision: fp32 weights run fp32 x fp32 with CUBLAS_COMPUTE_32F and
+ * the default math mode (no TF32). bf16/fp16 weights: the fp32 activations
+ * are rounded to the weight dtype (round to nearest even) and the product
+ * runs on the tensor cores with fp32 accumulation and fp32 output. Rounding
+ * the activations costs about 2^-9 (bf16) or 2^-12 (fp16) relative per
+ * element, far faster than converting the weights to fp32 and inside the
+ * tolerances that tests/check_cuda.c states. */
+#include "kernels/cuda/cuda_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "kernels/cpu/cpu.h"
+}
+
+/* ==== errors ==== */
+
+int mlens_cuda_rc(cudaError_t e, const char *what, const char *file, int line)
+{
+	int rc;
+	switch (e) {
+	case cudaErrorMemoryAllocation: rc = -ENOMEM; break;
+	case cudaErrorInvalidValue: rc = -EINVAL; break;
+	case cudaErrorNoDevice:
+	case cudaErrorInvalidDevice:
+	case cudaErrorInsufficientDriver: rc = -ENODEV; break;
+	default: rc = -EIO; break;
+	}
+	fprintf(stderr, "mlens cuda: %s failed (%s:%d): %s; check the GPU with nvidia-smi\n",
+		what, file, line, cudaGetErrorString(e));
+	cudaGetLastError();	/* reported: do not let the next launch check see it again */
+	return rc;
+}
+
+int mlens_cublas_rc(cublasStatus_t s, const char *what, const char *file, int line)
+{
+	int rc;
+	switch (s) {
+	case CUBLAS_STATUS_ALLOC_FAILED: rc = -ENOMEM; break;
+	case CUBLAS_STATUS_INVALID_VALUE: rc = -EINVAL; break;
+	case CUBLAS_STATUS_NOT_SUPPORTED:
+	case CUBLAS_STATUS_ARCH_MISMATCH: rc = -ENOTSUP; break;
+	case CUBLAS_STATUS_NOT_INITIALIZED: rc = -ENODEV; break;
+	default: rc = -EIO; break;
+	}
+	fprintf(stderr, "mlens cuda: %s failed (%s:%d): %s\n", what, file, line,
+		cublasGetStatusString(s));
+	return rc;
+}
+
+/* ==== device memory and its accounting ==== */
+
+struct cuda_alloc_slot {
+	void *p;		/* NULL: empty; TOMBSTONE: deleted */
+	size_t bytes;
+};
+
+static char tombstone_byte;
+#define TOMBSTONE ((void *)&tombstone_byte)
+
+static size_t ptr_hash(const void *p, size_t cap)
+{
+	uint64_t x = (uint64_t)(uintptr_t)p;
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdull;
+	x ^= x >> 33;
+	return (size_t)x & (cap - 1);
+}
+
+static int alloc_table_put(struct mlens_cuda_ctx *c, void *p, size_t bytes);
+
+static int alloc_table_grow(struct mlens_cuda_ctx *c)
+{
+	size_t ncap = c->alloc_cap ? c->alloc_cap * 2 : 256;
+	struct cuda_alloc_slot *old = c->allocs, *nt;
+	size_t ocap = c->alloc_cap;
+
+	nt = (struct cuda_alloc_slot *)calloc(ncap, sizeof(*nt));
+	if (!nt)
+		return -ENOMEM;
+	c->allocs = nt;
+	c->alloc_cap = ncap;
+	c->alloc_count = 0;
+	for (size_t i = 0; i < ocap; i++)
+		if (old[i].p && old[i].p != TOMBSTONE)
+			alloc_table_put(c, old[i].p, old[i].bytes);
+	free(old);
+	return 0;
+}
+
+static int alloc_table_put(struct mlens_cuda_ctx *c, void *p, size_t bytes)
+{
+	/* keep at least half the slots free (tombstones count as used) */
+	if ((c->alloc_count + 1) * 2 > c->alloc_cap) {
+		int rc = alloc_table_grow(c);
+		if (rc)
+			return rc;
+	}
+	for (size_t i = ptr_hash(p, c->alloc_cap);; i = (i + 1) & (c->alloc_cap - 1)) {
+		if (!c->allocs[i].p) {
+			c->allocs[i].p = p;
+			c->allocs[i].bytes = bytes;
+			c->alloc_count++;
+			return 0;
+		}
+	}
+}
+
+/* Remove p; returns its size, or 0 when p was never allocated here. */
+static size_t alloc_table_take(struct mlens_cuda_ctx *c, void *p)
+{
+	if (!c->alloc_cap)
+		return 0;
+	for (size_t i = ptr_hash(p, c->alloc_cap);; i = (i + 1) & (c->alloc_cap - 1)) {
+		if (!c->allocs[i].p)
+			return 0;
+		if (c->allocs[i].p == p) {
+			size_t b = c->allocs[i].bytes;
+			c->allocs[i].p = TOMBSTONE;	/* stays counted until a grow */
+			return b;
+		}
+	}
+}
+
+/* cudaMalloc with accounting; errno set and NULL on failure. */
+static void *dev_alloc(struct mlens_cuda_ctx *c, size_t bytes)
+{
+	void *p = NULL;
+	cudaError_t e;
+	int rc;
+
+	if (!bytes)
+		bytes = 256;
+	e = cudaMalloc(&p, bytes);
+	if (e != cudaSuccess) {
+		errno = -mlens_cuda_rc(e, "cudaMalloc", __FILE__, __LINE__);
+		return NULL;
+	}
+	rc = alloc_table_put(c, p, bytes);
+	if (rc) {
+		cudaFree(p);
+		errno = -rc;
+		return NULL;
+	}
+	c->bytes_in_use += bytes;
+	return p;
+}
+
+static void dev_free(struct mlens_cuda_ctx *c, void *p)
+{
+	size_t b;
+	if (!p)
+		return;
+	b = alloc_table_take(c, p);
+	if (!b) {
+		fprintf(stderr, "mlens cuda: free of %p, which this backend never allocated; ignored\n", p);
+		return;
+	}
+	c->bytes_in_use -= b;
+	cudaFree(p);	/* synchronises the device, so no kernel still uses p */
+}
+
+static void *cuda_alloc(void *ctx, size_t bytes)
+{
+	return dev_alloc((struct mlens_cuda_ctx *)ctx, bytes);
+}
+
+static void cuda_free(void *ctx, void *p)
+{
+	dev_free((struct mlens_cuda_ctx *)ctx, p);
+}
+
+/* Copies are complete on return: callers may reuse or free their host
+ * buffers at once, as with the CPU backend. */
+static int cuda_upload(void *ctx, void *dst, const void *src, size_t bytes)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (!bytes)
+		return 0;
+	CUDA_RET(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+	CUDA_RET(cudaStreamSynchronize(c->stream));
+	return 0;
+}
+
+static int cuda_download(void *ctx, void *dst, const void *src, size_t bytes)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (!bytes)
+		return 0;
+	CUDA_RET(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+	CUDA_RET(cudaStreamSynchronize(c->stream));
+	return 0;
+}
+
+static int cuda_sync(void *ctx)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	CUDA_RET(cudaStreamSynchronize(c->stream));
+	return 0;
+}
+
+/* ==== staging and scratch ==== */
+
+int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev)
+{
+	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
+
+	/* the copy that last read this slot must be done */
+	CUDA_RET(cudaEventSynchronize(sl->done));
+	if (bytes > sl->cap) {
+		size_t cap = sl->cap ? sl->cap : 64 * 1024;
+		char *h = NULL;
+		while (cap < bytes)
+			cap *= 2;
+		CUDA_RET(cudaHostAlloc((void **)&h, cap, cudaHostAllocDefault));
+		cudaFreeHost(sl->h);
+		sl->h = h;
+		sl->cap = cap;
+	}
+	if (bytes > c->d_stage_cap) {
+		size_t cap = c->d_stage_cap ? c->d_stage_cap : 64 * 1024;
+		char *d;
+		while (cap < bytes)
+			cap *= 2;
+		dev_free(c, c->d_stage);	/* cudaFree waits for its readers */
+		c->d_stage = NULL;
+		c->d_stage_cap = 0;
+		d = (char *)dev_alloc(c, cap);
+		if (!d)
+			return -errno;
+		c->d_stage = d;
+		c->d_stage_cap = cap;
+	}
+	*host = sl->h;
+	*dev = c->d_stage;
+	return 0;
+}
+
+int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used)
+{
+	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
+
+	c->stage_next = (c->stage_next + 1) % MLENS_CUDA_STAGE_SLOTS;
+	if (used)
+		CUDA_RET(cudaMemcpyAsync(c->d_stage, sl->h, used, cudaMemcpyHostToDevice,
+					 c->stream));
+	CUDA_RET(cudaEventRecord(sl->done, c->stream));
+	return 0;
+}
+
+int mlens_cuda_scratch(struct mlens_cuda_ctx *c, size_t bytes, char **dev)
+{
+	if (bytes > c->scratch_cap) {
+		size_t cap = c->scratch_cap ? c->scratch_cap : 1 << 20;
+		char *d;
+		while (cap < bytes)
+			cap *= 2;
+		dev_free(c, c->d_scratch);	/* cudaFree waits for its users */
+		c->d_scratch = NULL;
+		c->scratch_cap = 0;
+		d = (char *)dev_alloc(c, cap);
+		if (!d)
+			return -errno;
+		c->d_scratch = d;
+		c->scratch_cap = cap;
+	}
+	*dev = c->d_scratch;
+	return 0;
+}
+
+int mlens_cuda_back(struct mlens_cuda_ctx *c, size_t bytes, void **host)
+{
+	if (bytes > c->back_cap) {
+		size_t cap = c->back_cap ? c->back_cap : 4096;
+		void *h = NULL;
+		while (cap < bytes)
+			cap *= 2;
+		/* a read-back is always waited for, so nothing uses the old area */
+		CUDA_RET(cudaHostAlloc(&h, cap, cudaHostAllocDefault));
+		cudaFreeHost(c->h_back);
+		c->h_back = h;
+		c->back_cap = cap;
+	}
+	*host = c->h_back;
+	return 0;
+}
+
+/* ==== GEMM ==== */
+
+static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
+{
+	switch (dt) {
+	case MLENS_DTYPE_F16: return CUDA_R_16F;
+	case MLENS_DTYPE_BF16: return CUDA_R_16BF;
+	case MLENS_DTYPE_F32: break;
+	}
+	return CUDA_R_32F;
+}
+
+/* out[n][m] (+)= x[n][k] . W[m][k]^T with x already in W's dtype. Row-major
+ * out is column-major [m][n]: out = W^T(op T on the [k][m] view) . x. */
+static int gemm_typed(struct mlens_cuda_ctx *c, float *out, const void *x, const void *w,
+		      enum mlens_dtype dt, int n, int k, int m, float beta)
+{
+	const float alpha = 1.0f;
+	cudaDataType_t t = cuda_dtype(dt);
+	int ld = k > 0 ? k : 1;	/* cuBLAS wants ld >= 1 even for k = 0 */
+	CUBLAS_RET(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, t, ld,
+				x, t, ld, &beta, out, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
+				CUBLAS_GEMM_DEFAULT));
+	return 0;
+}
+
+static int valid_dtype(enum mlens_dtype dt)
+{
+	return dt == MLENS_DTYPE_F32 || dt == MLENS_DTYPE_F16 || dt == MLENS_DTYPE_BF16;
+}
+
+static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
+		     enum mlens_dtype dt, int n, int k, int m, bool accumulate)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	float beta = accumulate ? 1.0f : 0.0f;
+	char *xs;
+	int rc;
+
+	if (n < 0 || k < 0 || m < 0 || !valid_dtype(dt))
+		return -EINVAL;
+	if (!n || !m)
+		return 0;
+	if (dt == MLENS_DTYPE_F32)
+		return gemm_typed(c, out, x, w, dt, n, k, m, beta);
+	rc = mlens_cuda_scratch(c, (size_t)n * (size_t)k * 2, &xs);
+	if (rc)
+		return rc;
+	rc = mlens_cuda_convert_rows(c, xs, dt, x, NULL, 1, n, k);
+	if (rc)
+		return rc;
+	return gemm_typed(c, out, xs, w, dt, n, k, m, beta);
+}
+
+/* ==== MoE ==== */
+
+/* Tokens are permuted into expert order on the GPU (stable in token order,
+ * as the CPU gathers them), each expert runs three GEMMs over all of its
+ * tokens, and the combine kernel adds the experts back into each token's
+ * row in id order. Expert row counts are read back (one small copy and a
+ * wait) because cuBLAS takes GEMM sizes on the host. */
+static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n,
+		     const int32_t *ids, const float *weights, int k,
+		     const struct mlens_moe_weights *w)
+{
+	int E = w->n_experts, H = w->hidden, I = w->inter;
+	size_t es = mlens_dtype_size(w->dtype), rows = (size_t)n * (size_t)k;
+	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total;
+	int32_t *counts_h;
+	char *s;
+	int rc, r0;
+
+	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 || !valid_dtype(w->dtype))
+		return -EINVAL;
+	if (!n)
+		return 0;
+	o_counts = 0;
+	o_perm = mlens_cuda_align(o_counts + (size_t)E * 4);
+	o_inv = mlens_cuda_align(o_perm + rows * 4);
+	o_xe = mlens_cuda_align(o_inv + rows * 4);
+	o_g = mlens_cuda_align(o_xe + rows * H * es);
+	o_u = mlens_cuda_align(o_g + rows * I * 4);
+	o_h = mlens_cuda_align(o_u + rows * I * 4);
+	o_y = mlens_cuda_align(o_h + rows * I * es);
+	total = mlens_cuda_align(o_y + rows * H * 4);
+	if ((rc = mlens_cuda_scratch(c, total, &s)))
+		return rc;
+	int32_t *counts = (int32_t *)(s + o_counts), *perm = (int32_t *)(s + o_perm);
+	int32_t *inv = (int32_t *)(s + o_inv);
+	char *xe = s + o_xe, *h = s + o_h;
+	float *g = (float *)(s + o_g), *u = (float *)(s + o_u), *y = (float *)(s + o_y);
+
+	if ((rc = mlens_cuda_moe_route(c, counts, perm, inv, ids, n, k, E)))
+		return rc;
+	if ((rc = mlens_cuda_back(c, (size_t)E * 4, (void **)&counts_h)))
+		return rc;
+	CUDA_RET(cudaMemcpyAsync(counts_h, counts, (size_t)E * 4, cudaMemcpyDeviceToHost,
+				 c->stream));
+	CUDA_RET(cudaStreamSynchronize(c->stream));
+	r0 = 0;
+	for (int e = 0; e < E; e++) {
+		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e]))
+			return -EFAULT;	/* a routed expert has no weights here */
+		r0 += counts_h[e];
+	}
+	if ((size_t)r0 != rows) {
+		/* the CPU skips such rows; a caller never means to send them */
+		fprintf(stderr, "mlens cuda: moe: %zu of %zu routed rows name no expert below %d\n",
+			rows - (size_t)r0, rows, E);
+		return -EINVAL;
+	}
+	/* gather x rows into expert order, already in the weights' dtype */
+	if ((rc = mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H)))
+		return rc;
+	r0 = 0;
+	for (int e = 0; e < E; e++) {
+		int cnt = counts_h[e];
+		if (!cnt)
+			continue;
+		if ((rc = gemm_typed(c, g + (size_t)r0 * I, xe + (size_t)r0 * H * es, w->w1[e],
+				     w->dtype, cnt, H, I, 0.0f)) ||
+		    (rc = gemm_typed(c, u + (size_t)r0 * I, xe + (size_t)r0 * H * es, w->w3[e],
+				     w->dtype, cnt, H, I, 0.0f)))
+			return rc;
+		r0 += cnt;
+	}
+	if ((rc = mlens_cuda_silu_mul(c, h, w->dtype, g, u, rows * I)))
+		return rc;
+	r0 = 0;
+	for (int e = 0; e < E; e++) {
+		int cnt = counts_h[e];
+		if (!cnt)
+			continue;
+		if ((rc = gemm_typed(c, y + (size_t)r0 * H, h + (size_t)r0 * I * es, w->w2[e],
+				     w->dtype, cnt, I, H, 0.0f)))
+			return rc;
+		r0 += cnt;
+	}
+	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
+}
+
+/* Tokens go through in chunks so that the scratch (about 150 KB a routed
+ * row at Mixtral sizes) stays bounded; a chunk this large is GEMM-bound,
+ * so reading the experts once per chunk costs little. */
+#define MOE_CHUNK_TOKENS 4096
+
+static int cuda_moe(void *ctx, float *out, const float *x, int n, const int32_t *ids,
+		    const float *weights, int k, const struct mlens_moe_weights *w)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (n < 0 || k <= 0 || w->hidden <= 0)
+		return -EINVAL;
+	for (int t0 = 0; t0 < n; t0 += MOE_CHUNK_TOKENS) {
+		int cnt = n - t0 < MOE_CHUNK_TOKENS ? n - t0 : MOE_CHUNK_TOKENS;
+		size_t xo = (size_t)t0 * w->hidden, ro = (size_t)t0 * k;
+		int rc = moe_chunk(c, out + xo, x + xo, cnt, ids + ro, weights + ro, k, w);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+/* ==== sampling ==== */
+
+/* Greedy rows are decided on the GPU; rows with a temperature download
+ * their logits and go through the CPU rules, so draws match the CPU. */
+static int cuda_sample(void *ctx, int32_t *tokens, float *logprobs, const float *logits,
+		       int n, int vocab, const struct mlens_sampling *params)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	size_t o_lp = mlens_cuda_align((size_t)n * 4);
+	char *s;
+	void *back;
+	int rc;
+
+	if (n < 0 || vocab <= 0)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	if ((rc = mlens_cuda_scratch(c, o_lp + (size_t)n * 4, &s)))
+		return rc;
+	if ((rc = mlens_cuda_argmax(c, (int32_t *)s, (float *)(s + o_lp), logits, n, vocab)))
+		return rc;
+	if ((rc = mlens_cuda_back(c, (size_t)n * 8, &back)))
+		return rc;
+	CUDA_RET(cudaMemcpyAsync(back, s, (size_t)n * 4, cudaMemcpyDeviceToHost, c->stream));
+	CUDA_RET(cudaMemcpyAsync((char *)back + (size_t)n * 4, s + o_lp, (size_t)n * 4,
+				 cudaMemcpyDeviceToHost, c->stream));
+	CUDA_RET(cudaStreamSynchronize(c->stream));
+	memcpy(tokens, back, (size_t)n * 4);
+	if (logprobs)
+		memcpy(logprobs, (char *)back + (size_t)n * 4, (size_t)n * 4);
+
+	for (int i = 0; i < n; i++) {
+		size_t need = (size_t)vocab * 12;	/* logits + CPU scratch */
+		float *row;
+		if (params[i].temperature <= 0.0f)
+			continue;
+		if (need > c->sample_cap) {
+			void *p = NULL;
+			CUDA_RET(cudaHostAlloc(&p, need, cudaHostAllocDefault));
+			cudaFreeHost(c->h_sample);
+			c->h_sample = p;
+			c->sample_cap = need;
+		}
+		row = (float *)c->h_sample;
+		CUDA_RET(cudaMemcpyAsync(row, logits + (size_t)i * vocab, (size_t)vocab * 4,
+					 cudaMemcpyDeviceToHost, c->stream));
+		CUDA_RET(cudaStreamSynchronize(c->stream));
+		tokens[i] = mlens_cpu_sample_row(row, vocab, &params[i],
+						 logprobs ? &logprobs[i] : NULL, row + vocab);
+	}
+	return 0;
+}
+
+/* ==== thin op wrappers ==== */
+
+static int cuda_embed(void *ctx, float *out, const void *table, enum mlens_dtype dt,
+		      int dim, const int32_t *tokens, int n)
+{
+	return mlens_cuda_embed((struct mlens_cuda_ctx *)ctx, out, table, dt, dim, tokens, n);
+}
+
+static int cuda_rmsnorm(void *ctx, float *out, const float *x, const void *w,
+			enum mlens_dtype dt, int n, int dim, float eps)
+{
+	return mlens_cuda_rmsnorm((struct mlens_cuda_ctx *)ctx, out, x, w, dt, n, dim, eps);
+}
+
+static int cuda_rope(void *ctx, float *x, const int32_t *pos, int n, int n_heads,
+		     int head_dim, float theta)
+{
+	return mlens_cuda_rope((struct mlens_cuda_ctx *)ctx, x, pos, n, n_heads, head_dim, theta);
+}
+
+static int cuda_router(void *ctx, int32_t *ids, float *weights, const float *logits,
+		       int n, int n_experts, int k)
+{
+	return mlens_cuda_router((struct mlens_cuda_ctx *)ctx, ids, weights, logits, n,
+				 n_experts, k);
+}
+
+static int cuda_attn_prefill(void *ctx, float *out, const float *q, const float *k,
+			     const float *v, const int32_t *cu_seqlens, int n_seqs,
+			     int n_heads, int n_kv_heads, int head_dim, float scale)
+{
+	return mlens_cuda_attn_prefill((struct mlens_cuda_ctx *)ctx, out, q, k, v, cu_seqlens,
+				       n_seqs, n_heads, n_kv_heads, head_dim, scale);
+}
+
+static int cuda_kv_append(void *ctx, struct mlens_kv_cache *kv, int layer,
+			  const float *k, const float *v, const int64_t *slots, int n)
+{
+	return mlens_cuda_kv_append((struct mlens_cuda_ctx *)ctx, kv, layer, k, v, slots, n);
+}
+
+static int cuda_attn_decode(void *ctx, float *out, const float *q,
+			    const struct mlens_kv_cache *kv, int layer,
+			    const struct mlens_attn_query *queries, int n, int n_heads,
+			    float scale)
+{
+	return mlens_cuda_attn_decode((struct mlens_cuda_ctx *)ctx, out, q, kv, layer, queries,
+				      n, n_heads, scale);
+}
+
+/* ==== the table ==== */
+
+static void cuda_destroy(void *ctx)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (!c)
+		return;
+	if (c->stream)
+		cudaStreamSynchronize(c->stream);
+	if (c->blas)
+		cublasDestroy(c->blas);
+	dev_free(c, c->blas_ws);
+	dev_free(c, c->d_stage);
+	dev_free(c, c->d_scratch);
+	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
+		cudaFreeHost(c->stage[i].h);
+		if (c->stage[i].done)
+			cudaEventDestroy(c->stage[i].done);
+	}
+	cudaFreeHost(c->h_back);
+	cudaFreeHost(c->h_sample);
+	if (c->stream)
+		cudaStreamDestroy(c->stream);
+	free(c->allocs);
+	free(c);
+}
+
+static const struct mlens_backend_ops cuda_ops = {
+	sizeof(struct mlens_backend_ops),
+	"cuda",
+	false,
+	cuda_destroy,
+	cuda_alloc,
+	cuda_free,
+	cuda_upload,
+	cuda_download,
+	cuda_sync,
+	cuda_embed,
+	cuda_rmsnorm,
+	cuda_gemm,
+	cuda_rope,
+	cuda_router,
+	cuda_moe,
+	cuda_attn_prefill,
+	cuda_kv_append,
+	cuda_attn_decode,
+	cuda_sample,
+};
+
+extern "C" bool mlens_cuda_available(void)
+{
+	int n = 0;
+	return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+extern "C" size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be)
+{
+	if (!be || be->ops != &cuda_ops)
+		return 0;
+	return ((const struct mlens_cuda_ctx *)be->ctx)->bytes_in_use;
+}
+
+extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
+					 const struct mlens_backend_opts *o)
+{
+	struct mlens_cuda_ctx *c;
+	int dev = o ? o->device : 0, n = 0, rc = 0;
+	cublasStatus_t bs;
+
+	if (cudaGetDeviceCount(&n) != cudaSuccess || n <= 0) {
+		cudaGetLastError();	/* clear the sticky "no device" */
+		fprintf(stderr, "mlens cuda: no CUDA GPU found; use the cpu backend\n");
+		return -ENODEV;
+	}
+	if (dev < 0 || dev >= n) {
+		fprintf(stderr, "mlens cuda: device %d asked for, but only %d GPU(s) exist\n", dev, n);
+		return -ENODEV;
+	}
+	c = (struct mlens_cuda_ctx *)calloc(1, sizeof(*c));
+	if (!c)
+		return -ENOMEM;
+	c->device = dev;
+	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
+	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
+	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
+		CUDA_GOTO(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming),
+			  rc, fail);
+		CUDA_GOTO(cudaEventRecord(c->stage[i].done, c->stream), rc, fail);
+	}
+	bs = cublasCreate(&c->blas);
+	if (bs != CUBLAS_STATUS_SUCCESS) {
+		c->blas = NULL;
+		rc = mlens_cublas_rc(bs, "cublasCreate", __FILE__, __LINE__);
+		goto fail;
+	}
+	/* an explicit workspace, so that cuBLAS' memory is in our account too
+	 * (32 MiB is what cuBLAS recommends for Hopper) */
+	c->blas_ws_bytes = 32u << 20;
+	c->blas_ws = dev_alloc(c, c->blas_ws_bytes);
+	if (!c->blas_ws) {
+		rc = -errno;
+		goto fail;
+	}
+	if ((bs = cublasSetStream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+	    (bs = cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_bytes)) != CUBLAS_STATUS_SUCCESS ||
+	    (bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
+		rc = mlens_cublas_rc(bs, "cuBLAS set-up", __FILE__, __LINE__);
+		goto fail;
+	}
+	be->ops = &cuda_ops;
+	be->ctx = c;
+	return 0;
+fail:
+	cuda_destroy(c);
+	return rc;
+}

@@ -1,0 +1,169 @@
+/* CUDA backend internals shared by its .cu files: the context (stream,
+ * cuBLAS handle, staging and scratch buffers, byte accounting), the one
+ * macro family that turns CUDA and cuBLAS errors into -errno with a logged
+ * message, and the launchers each file provides to backend_cuda.cu.
+ * Ops of one backend are called from one thread at a time. */
+#ifndef MLENS_CUDA_INT_H
+#define MLENS_CUDA_INT_H
+
+/* nvcc does not get the -include of config.h that the C files get */
+#include "config.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+extern "C" {
+#include "kernels/backend.h"
+}
+
+/* Blocks of 256 threads unless a kernel says otherwise. */
+#define MLENS_CUDA_THREADS 256
+
+/* Host staging areas in flight at once. */
+#define MLENS_CUDA_STAGE_SLOTS 4
+
+struct cuda_stage_slot {
+	char *h;		/* pinned */
+	size_t cap;
+	cudaEvent_t done;	/* the copy out of h has finished */
+};
+
+struct mlens_cuda_ctx {
+	int device;
+	cudaStream_t stream;
+	cublasHandle_t blas;
+	void *blas_ws;			/* cuBLAS workspace, set once */
+	size_t blas_ws_bytes;
+
+	/* host metadata goes pinned host -> device staging, one copy per op.
+	 * The host side is a ring, so the host can fill op N+1's metadata while
+	 * op N's copy still waits in the stream; one device area suffices since
+	 * the stream orders each copy after the kernels that read the last. */
+	struct cuda_stage_slot stage[MLENS_CUDA_STAGE_SLOTS];
+	int stage_next;
+	char *d_stage;
+	size_t d_stage_cap;
+
+	/* device scratch for converted activations, permutations, partials */
+	char *d_scratch;
+	size_t scratch_cap;
+
+	/* small pinned area for values read back (expert counts, tokens) */
+	void *h_back;
+	size_t back_cap;
+
+	/* host scratch for the CPU sampling rules */
+	void *h_sample;
+	size_t sample_cap;
+
+	/* rope: inverse frequencies of the last (theta, head_dim), host side */
+	float rope_theta;
+	int rope_hd;
+	float rope_inv[512];
+
+	/* device bytes held through cudaMalloc (ours and the caller's) */
+	size_t bytes_in_use;
+	struct cuda_alloc_slot *allocs;	/* open addressing: pointer -> size */
+	size_t alloc_cap;		/* power of two */
+	size_t alloc_count;
+};
+
+/* ==== errors ==== */
+
+int mlens_cuda_rc(cudaError_t e, const char *what, const char *file, int line);
+int mlens_cublas_rc(cublasStatus_t s, const char *what, const char *file, int line);
+
+/* Evaluate a CUDA runtime call; on failure log it and return -errno from
+ * the calling function. */
+#define CUDA_RET(expr)                                                             \
+	do {                                                                       \
+		cudaError_t e_ = (expr);                                           \
+		if (e_ != cudaSuccess)                                             \
+			return mlens_cuda_rc(e_, #expr, __FILE__, __LINE__);       \
+	} while (0)
+
+/* The same, storing the code in rc and jumping to a cleanup label. */
+#define CUDA_GOTO(expr, rc, label)                                                 \
+	do {                                                                       \
+		cudaError_t e_ = (expr);                                           \
+		if (e_ != cudaSuccess) {                                           \
+			rc = mlens_cuda_rc(e_, #expr, __FILE__, __LINE__);         \
+			goto label;                                                \
+		}                                                                  \
+	} while (0)
+
+#define CUBLAS_RET(expr)                                                           \
+	do {                                                                       \
+		cublasStatus_t s_ = (expr);                                        \
+		if (s_ != CUBLAS_STATUS_SUCCESS)                                   \
+			return mlens_cublas_rc(s_, #expr, __FILE__, __LINE__);     \
+	} while (0)
+
+/* After a kernel launch: launch-configuration errors surface here. */
+#define CUDA_LAUNCHED() CUDA_RET(cudaGetLastError())
+
+/* ==== context services (backend_cuda.cu) ==== */
+
+/* Staging of host metadata: begin returns the pinned host area (at least
+ * bytes long, free to overwrite) and its device twin; commit copies the
+ * first used bytes over on the stream. Offsets inside are the caller's. */
+int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev);
+int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used);
+
+/* Device scratch of at least bytes, valid until the next call. */
+int mlens_cuda_scratch(struct mlens_cuda_ctx *c, size_t bytes, char **dev);
+
+/* Pinned host area of at least bytes for values read back. */
+int mlens_cuda_back(struct mlens_cuda_ctx *c, size_t bytes, void **host);
+
+/* Round a byte offset up to 256 (what cudaMalloc and cuBLAS like). */
+static inline size_t mlens_cuda_align(size_t off)
+{
+	return (off + 255) & ~(size_t)255;
+}
+
+/* ==== launchers ==== */
+
+/* ops_cuda.cu */
+int mlens_cuda_embed(struct mlens_cuda_ctx *c, float *out, const void *table,
+		     enum mlens_dtype dt, int dim, const int32_t *tokens, int n);
+int mlens_cuda_rmsnorm(struct mlens_cuda_ctx *c, float *out, const float *x, const void *w,
+		       enum mlens_dtype dt, int n, int dim, float eps);
+int mlens_cuda_rope(struct mlens_cuda_ctx *c, float *x, const int32_t *pos, int n,
+		    int n_heads, int head_dim, float theta);
+int mlens_cuda_router(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
+		      const float *logits, int n, int n_experts, int k);
+/* Convert rows of fp32 to dtype dt (F16/BF16), optionally gathering: row r
+ * of dst is src row gather[r] / gather_div (gather NULL: row r). */
+int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			    const float *src, const int32_t *gather, int gather_div,
+			    int rows, int cols);
+/* h = silu(g) * u, written as dtype dt. */
+int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
+			const float *g, const float *u, size_t count);
+/* MoE routing tables from ids[n][k]: counts[e], rows in expert order
+ * (perm[r] = i*k+s, stable in i), inverse inv[i*k+s] = r. */
+int mlens_cuda_moe_route(struct mlens_cuda_ctx *c, int32_t *counts, int32_t *perm,
+			 int32_t *inv, const int32_t *ids, int n, int k, int n_experts);
+/* out[i] += sum over s in expert-id order of weights[i][s] * y[inv[i*k+s]]. */
+int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
+			   const int32_t *ids, const float *weights, const int32_t *inv,
+			   int n, int k, int hidden);
+/* Greedy token and log-softmax of it (temperature 1) per row, device out. */
+int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs,
+		      const float *logits, int n, int vocab);
+
+/* attn_cuda.cu */
+int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q,
+			    const float *k, const float *v, const int32_t *cu_seqlens,
+			    int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale);
+int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
+			 const float *k, const float *v, const int64_t *slots, int n);
+int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
+			   const struct mlens_kv_cache *kv, int layer,
+			   const struct mlens_attn_query *queries, int n, int n_heads,
+			   float scale);
+
+#endif

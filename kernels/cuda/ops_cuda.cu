@@ -1,0 +1,421 @@
+/* CUDA kernels for the element-wise and small ops: embedding gather,
+ * RMSNorm, RoPE, router, dtype conversion, SiLU-mul, the MoE token
+ * permutation and combine, and greedy sampling. Reductions run in a fixed
+ * order so that results do not change from run to run. */
+#include "kernels/cuda/cuda_int.h"
+
+#include <math.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+/* ==== element access ==== */
+
+__device__ __forceinline__ float load_elem(const void *p, enum mlens_dtype dt, size_t i)
+{
+	switch (dt) {
+	case MLENS_DTYPE_F16: return __half2float(((const __half *)p)[i]);
+	case MLENS_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+	case MLENS_DTYPE_F32: break;
+	}
+	return ((const float *)p)[i];
+}
+
+/* Round to nearest even, as kernels/dtype.h does on the CPU. */
+__device__ __forceinline__ void store_elem(void *p, enum mlens_dtype dt, size_t i, float v)
+{
+	switch (dt) {
+	case MLENS_DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); return;
+	case MLENS_DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); return;
+	case MLENS_DTYPE_F32: break;
+	}
+	((float *)p)[i] = v;
+}
+
+static unsigned blocks_for(size_t count, unsigned threads)
+{
+	size_t b = (count + threads - 1) / threads;
+	return (unsigned)(b > 65535u * 16u ? 65535u * 16u : b);
+}
+
+/* ==== embedding ==== */
+
+__global__ void embed_kernel(float *out, const void *table, enum mlens_dtype dt, int dim,
+			     const int32_t *tokens)
+{
+	size_t row = blockIdx.x;
+	size_t src = (size_t)tokens[row] * (size_t)dim;
+	for (int j = threadIdx.x; j < dim; j += blockDim.x)
+		out[row * dim + j] = load_elem(table, dt, src + j);
+}
+
+int mlens_cuda_embed(struct mlens_cuda_ctx *c, float *out, const void *table,
+		     enum mlens_dtype dt, int dim, const int32_t *tokens, int n)
+{
+	char *h, *d;
+	int rc;
+	if (n < 0 || dim <= 0)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	for (int i = 0; i < n; i++)
+		if (tokens[i] < 0)
+			return -EINVAL;
+	if ((rc = mlens_cuda_stage_begin(c, (size_t)n * 4, &h, &d)))
+		return rc;
+	memcpy(h, tokens, (size_t)n * 4);
+	if ((rc = mlens_cuda_stage_commit(c, (size_t)n * 4)))
+		return rc;
+	embed_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(out, table, dt, dim,
+							       (const int32_t *)d);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== RMSNorm ==== */
+
+/* Sum of v over the block, in a fixed order; every thread gets the total. */
+template <typename T>
+__device__ T block_sum(T v, T *sh)
+{
+	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+	for (int o = 16; o > 0; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	__syncthreads();	/* sh may still be read by a previous call */
+	if (!lane)
+		sh[warp] = v;
+	__syncthreads();
+	T t = 0;
+	for (int w = 0; w < nw; w++)
+		t += sh[w];
+	return t;
+}
+
+__global__ void rmsnorm_kernel(float *out, const float *x, const void *w,
+			       enum mlens_dtype dt, int dim, float eps)
+{
+	__shared__ double sh[32];
+	const float *xi = x + (size_t)blockIdx.x * dim;
+	float *oi = out + (size_t)blockIdx.x * dim;
+	double ss = 0.0;
+	for (int j = threadIdx.x; j < dim; j += blockDim.x)
+		ss += (double)xi[j] * xi[j];
+	ss = block_sum(ss, sh);
+	/* the CPU takes the root in double too */
+	float r = (float)(1.0 / sqrt(ss / dim + (double)eps));
+	for (int j = threadIdx.x; j < dim; j += blockDim.x)
+		oi[j] = __fmul_rn(__fmul_rn(xi[j], r), load_elem(w, dt, (size_t)j));
+}
+
+int mlens_cuda_rmsnorm(struct mlens_cuda_ctx *c, float *out, const float *x, const void *w,
+		       enum mlens_dtype dt, int n, int dim, float eps)
+{
+	if (n < 0 || dim <= 0)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	rmsnorm_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(out, x, w, dt, dim, eps);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== RoPE ==== */
+
+__global__ void rope_kernel(float *x, const int32_t *pos, const float *inv, int n_heads,
+			    int head_dim)
+{
+	int half = head_dim / 2, i = blockIdx.x;
+	float p = (float)pos[i];
+	for (int t = threadIdx.x; t < n_heads * half; t += blockDim.x) {
+		int h = t / half, j = t % half;
+		float ang = __fmul_rn(p, inv[j]);
+		float cs = cosf(ang), sn = sinf(ang);
+		float *xh = x + ((size_t)i * n_heads + h) * head_dim;
+		float a = xh[j], b = xh[j + half];
+		xh[j] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+		xh[j + half] = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+	}
+}
+
+int mlens_cuda_rope(struct mlens_cuda_ctx *c, float *x, const int32_t *pos, int n,
+		    int n_heads, int head_dim, float theta)
+{
+	int half = head_dim / 2;
+	size_t o_inv = mlens_cuda_align((size_t)n * 4);
+	char *h, *d;
+	int rc;
+
+	if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2 ||
+	    half > (int)(sizeof(c->rope_inv) / sizeof(c->rope_inv[0])))
+		return -EINVAL;
+	if (!n)
+		return 0;
+	/* inverse frequencies on the host with the CPU's powf, so the angles
+	 * match the reference bit for bit */
+	if (c->rope_theta != theta || c->rope_hd != head_dim) {
+		for (int j = 0; j < half; j++)
+			c->rope_inv[j] = 1.0f / powf(theta, (float)(2 * j) / (float)head_dim);
+		c->rope_theta = theta;
+		c->rope_hd = head_dim;
+	}
+	if ((rc = mlens_cuda_stage_begin(c, o_inv + (size_t)half * 4, &h, &d)))
+		return rc;
+	memcpy(h, pos, (size_t)n * 4);
+	memcpy(h + o_inv, c->rope_inv, (size_t)half * 4);
+	if ((rc = mlens_cuda_stage_commit(c, o_inv + (size_t)half * 4)))
+		return rc;
+	rope_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(x, (const int32_t *)d,
+							      (const float *)(d + o_inv), n_heads,
+							      head_dim);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== router ==== */
+
+/* One thread per token: n_experts is small (8 for Mixtral, <= 256). */
+__global__ void router_kernel(int32_t *ids, float *weights, const float *logits, int n,
+			      int n_experts, int k)
+{
+	float p[256];
+	int i = blockIdx.x * blockDim.x + threadIdx.x;
+	if (i >= n)
+		return;
+	const float *l = logits + (size_t)i * n_experts;
+	float mx = l[0], sum = 0.0f, ksum = 0.0f;
+	for (int e = 1; e < n_experts; e++)
+		mx = l[e] > mx ? l[e] : mx;
+	for (int e = 0; e < n_experts; e++) {
+		p[e] = expf(l[e] - mx);
+		sum += p[e];
+	}
+	for (int e = 0; e < n_experts; e++)
+		p[e] /= sum;
+	for (int s = 0; s < k; s++) {
+		int best = -1;
+		for (int e = 0; e < n_experts; e++)
+			if (p[e] >= 0.0f && (best < 0 || p[e] > p[best]))
+				best = e;
+		ids[(size_t)i * k + s] = best;
+		weights[(size_t)i * k + s] = p[best];
+		ksum += p[best];
+		p[best] = -1.0f;	/* taken */
+	}
+	for (int s = 0; s < k; s++)
+		weights[(size_t)i * k + s] /= ksum;
+}
+
+int mlens_cuda_router(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
+		      const float *logits, int n, int n_experts, int k)
+{
+	if (n_experts > 256 || n_experts <= 0 || k > n_experts || k <= 0 || n < 0)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	router_kernel<<<(n + 127) / 128, 128, 0, c->stream>>>(ids, weights, logits, n,
+								n_experts, k);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== conversion, SiLU-mul ==== */
+
+__global__ void convert_rows_kernel(void *dst, enum mlens_dtype dt, const float *src,
+				    const int32_t *gather, int gather_div, int cols)
+{
+	size_t r = blockIdx.x;
+	size_t sr = gather ? (size_t)(gather[r] / gather_div) : r;
+	const float *s = src + sr * cols;
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		store_elem(dst, dt, r * cols + j, s[j]);
+}
+
+int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			    const float *src, const int32_t *gather, int gather_div,
+			    int rows, int cols)
+{
+	if (rows <= 0 || cols <= 0)
+		return rows < 0 || cols < 0 ? -EINVAL : 0;
+	convert_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, gather,
+									 gather_div, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void silu_mul_kernel(void *h, enum mlens_dtype dt, const float *g, const float *u,
+				size_t count)
+{
+	for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < count;
+	     t += (size_t)gridDim.x * blockDim.x) {
+		float gv = g[t];
+		store_elem(h, dt, t, gv / (1.0f + expf(-gv)) * u[t]);
+	}
+}
+
+int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
+			const float *g, const float *u, size_t count)
+{
+	if (!count)
+		return 0;
+	silu_mul_kernel<<<blocks_for(count, MLENS_CUDA_THREADS), MLENS_CUDA_THREADS, 0,
+			  c->stream>>>(h, dt, g, u, count);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== MoE permutation and combine ==== */
+
+#define ROUTE_THREADS 1024
+
+/* Block e counts the routed rows that name expert e. */
+__global__ void moe_count_kernel(int32_t *counts, const int32_t *ids, int rows)
+{
+	__shared__ int sh[32];
+	int e = blockIdx.x, cnt = 0;
+	for (int a = threadIdx.x; a < rows; a += blockDim.x)
+		cnt += ids[a] == e;
+	cnt = block_sum(cnt, sh);
+	if (!threadIdx.x)
+		counts[e] = cnt;
+}
+
+/* Block e lists its rows in order of a = i*k+s (a stable compaction by
+ * ballot and prefix), after the rows of experts below e. */
+__global__ void moe_perm_kernel(int32_t *perm, int32_t *inv, const int32_t *counts,
+				const int32_t *ids, int rows)
+{
+	__shared__ int warp_cnt[32];
+	__shared__ int base_sh;
+	int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	int nw = blockDim.x >> 5;
+
+	if (!threadIdx.x) {
+		int b = 0;
+		for (int x = 0; x < e; x++)
+			b += counts[x];
+		base_sh = b;
+	}
+	__syncthreads();
+	int base = base_sh;
+	for (int a0 = 0; a0 < rows; a0 += blockDim.x) {
+		int a = a0 + threadIdx.x;
+		bool hit = a < rows && ids[a] == e;
+		unsigned m = __ballot_sync(0xffffffffu, hit);
+		if (!lane)
+			warp_cnt[warp] = __popc(m);
+		__syncthreads();
+		int off = base, total = 0;
+		for (int w = 0; w < nw; w++) {
+			if (w < warp)
+				off += warp_cnt[w];
+			total += warp_cnt[w];
+		}
+		if (hit) {
+			int r = off + __popc(m & ((1u << lane) - 1));
+			perm[r] = a;
+			inv[a] = r;
+		}
+		base += total;
+		__syncthreads();	/* warp_cnt is rewritten next round */
+	}
+}
+
+int mlens_cuda_moe_route(struct mlens_cuda_ctx *c, int32_t *counts, int32_t *perm,
+			 int32_t *inv, const int32_t *ids, int n, int k, int n_experts)
+{
+	int rows = n * k;
+	moe_count_kernel<<<n_experts, ROUTE_THREADS, 0, c->stream>>>(counts, ids, rows);
+	CUDA_LAUNCHED();
+	moe_perm_kernel<<<n_experts, ROUTE_THREADS, 0, c->stream>>>(perm, inv, counts, ids, rows);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+#define MOE_MAX_K 32
+
+/* Token i adds its experts' rows in ascending expert id, each multiplied
+ * and added with single roundings, as the CPU does. */
+__global__ void moe_combine_kernel(float *out, const float *y, const int32_t *ids,
+				   const float *weights, const int32_t *inv, int k, int hidden)
+{
+	__shared__ int order[MOE_MAX_K];
+	size_t i = blockIdx.x;
+	const int32_t *id = ids + i * k;
+	if (!threadIdx.x) {
+		for (int s = 0; s < k; s++)
+			order[s] = s;
+		for (int s = 1; s < k; s++)	/* insertion sort, stable */
+			for (int t = s; t > 0 && id[order[t - 1]] > id[order[t]]; t--) {
+				int x = order[t];
+				order[t] = order[t - 1];
+				order[t - 1] = x;
+			}
+	}
+	__syncthreads();
+	for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+		float acc = out[i * hidden + j];
+		for (int s = 0; s < k; s++) {
+			size_t a = i * k + order[s];
+			acc = __fadd_rn(acc, __fmul_rn(weights[a], y[(size_t)inv[a] * hidden + j]));
+		}
+		out[i * hidden + j] = acc;
+	}
+}
+
+int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
+			   const int32_t *ids, const float *weights, const int32_t *inv,
+			   int n, int k, int hidden)
+{
+	if (k > MOE_MAX_K)
+		return -EINVAL;
+	moe_combine_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(out, y, ids, weights, inv,
+								     k, hidden);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== greedy sampling ==== */
+
+__global__ void argmax_kernel(int32_t *tokens, float *logprobs, const float *logits, int vocab)
+{
+	__shared__ float sv[MLENS_CUDA_THREADS];
+	__shared__ int si[MLENS_CUDA_THREADS];
+	__shared__ double sh[32];
+	const float *l = logits + (size_t)blockIdx.x * vocab;
+	float bv = l[0];
+	int bi = 0;
+	for (int v = threadIdx.x; v < vocab; v += blockDim.x)
+		if (l[v] > bv || (l[v] == bv && v < bi)) {
+			bv = l[v];
+			bi = v;
+		}
+	sv[threadIdx.x] = bv;
+	si[threadIdx.x] = bi;
+	__syncthreads();
+	for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+		if (threadIdx.x < o) {
+			float ov = sv[threadIdx.x + o];
+			int oi = si[threadIdx.x + o];
+			if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+				sv[threadIdx.x] = ov;
+				si[threadIdx.x] = oi;
+			}
+		}
+		__syncthreads();
+	}
+	double mx = sv[0], lse = 0.0;
+	for (int v = threadIdx.x; v < vocab; v += blockDim.x)
+		lse += exp((double)l[v] - mx);
+	lse = block_sum(lse, sh);
+	if (!threadIdx.x) {
+		tokens[blockIdx.x] = si[0];
+		logprobs[blockIdx.x] = (float)((double)l[si[0]] - mx - log(lse));
+	}
+}
+
+int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs,
+		      const float *logits, int n, int vocab)
+{
+	argmax_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(tokens, logprobs, logits, vocab);
+	CUDA_LAUNCHED();
+	return 0;
+}

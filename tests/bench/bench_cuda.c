@@ -1,0 +1,297 @@
+/* Benchmark of the CUDA backend's heavy ops at Mixtral-8x7B dimensions:
+ * the dense bf16 GEMM (M tokens x K=4096 -> N=14336) against a bare cuBLAS
+ * call on the same data, the MoE layer (4096 tokens, 8 experts, top-2),
+ * prefill flash attention and paged decode attention. Prints one JSON
+ * object on stdout and a table on stderr. Not a test: it asserts nothing. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include "kernels/backend.h"
+
+static struct mlens_backend be;
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 88172645463325252ull;
+
+static float rnd(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return (float)((double)(rng >> 11) / 4503599627370496.0 - 1.0);
+}
+
+/* Device buffer of n values of dtype dt, random in [-scale, scale). */
+static void *dev_random(size_t n, enum mlens_dtype dt, float scale)
+{
+	size_t es = mlens_dtype_size(dt);
+	void *h = malloc(n * es), *d;
+	if (!h)
+		return NULL;
+	for (size_t i = 0; i < n; i++)
+		mlens_store(h, dt, i, rnd() * scale);
+	d = be.ops->alloc(be.ctx, n * es);
+	if (d && be.ops->upload(be.ctx, d, h, n * es)) {
+		be.ops->free(be.ctx, d);
+		d = NULL;
+	}
+	free(h);
+	return d;
+}
+
+#define FAIL(what) do { fprintf(stderr, "bench_cuda: %s failed\n", what); return 1; } while (0)
+
+static int bench_gemm(int first)
+{
+	static const int Ms[] = { 16, 256, 1024, 4096 };
+	const int K = 4096, N = 14336, iters = 20;
+	void *w = dev_random((size_t)N * K, MLENS_DTYPE_BF16, 0.02f);
+	float *x = dev_random((size_t)4096 * K, MLENS_DTYPE_F32, 1.0f);
+	void *xb = dev_random((size_t)4096 * K, MLENS_DTYPE_BF16, 1.0f);
+	float *out = be.ops->alloc(be.ctx, (size_t)4096 * N * 4);
+	void *outb = be.ops->alloc(be.ctx, (size_t)4096 * N * 2);
+	cublasHandle_t h;
+	const float alpha = 1.0f, beta = 0.0f;
+
+	if (!w || !x || !xb || !out || !outb || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS)
+		FAIL("gemm set-up");
+	for (int a = 0; a < 4; a++) {
+		int M = Ms[a];
+		double flop = 2.0 * M * N * K, t0, t_op, t_blas, t_blas16;
+		for (int i = 0; i < 3; i++)
+			if (be.ops->gemm(be.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false))
+				FAIL("gemm");
+		be.ops->sync(be.ctx);
+		t0 = now();
+		for (int i = 0; i < iters; i++)
+			be.ops->gemm(be.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+		be.ops->sync(be.ctx);
+		t_op = (now() - t0) / iters;
+
+		/* bare cuBLAS on bf16 activations, fp32 out (what the op runs after
+		 * converting x) and bf16 out (the best case) */
+		for (int pass = 0; pass < 2; pass++) {
+			void *o = pass ? outb : (void *)out;
+			cudaDataType_t ct = pass ? CUDA_R_16BF : CUDA_R_32F;
+			for (int i = 0; i < iters + 3; i++) {
+				if (i == 3) {
+					cudaDeviceSynchronize();
+					t0 = now();
+				}
+				if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, w,
+						 CUDA_R_16BF, K, xb, CUDA_R_16BF, K, &beta, o, ct, N,
+						 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) !=
+				    CUBLAS_STATUS_SUCCESS)
+					FAIL("cublasGemmEx");
+			}
+			cudaDeviceSynchronize();
+			if (pass)
+				t_blas16 = (now() - t0) / iters;
+			else
+				t_blas = (now() - t0) / iters;
+		}
+		printf("%s\n    {\"M\": %d, \"K\": %d, \"N\": %d, \"op_ms\": %.4f, \"op_tflops\": %.1f, "
+		       "\"cublas_f32out_tflops\": %.1f, \"cublas_bf16out_tflops\": %.1f}",
+		       first && !a ? "" : ",", M, K, N, t_op * 1e3, flop / t_op * 1e-12,
+		       flop / t_blas * 1e-12, flop / t_blas16 * 1e-12);
+		fprintf(stderr, "gemm bf16 M=%5d K=%d N=%d: op %7.3f ms %6.1f TFLOP/s | cublas fp32-out %6.1f, bf16-out %6.1f TFLOP/s\n",
+			M, K, N, t_op * 1e3, flop / t_op * 1e-12, flop / t_blas * 1e-12,
+			flop / t_blas16 * 1e-12);
+	}
+	cublasDestroy(h);
+	be.ops->free(be.ctx, w);
+	be.ops->free(be.ctx, x);
+	be.ops->free(be.ctx, xb);
+	be.ops->free(be.ctx, out);
+	be.ops->free(be.ctx, outb);
+	return 0;
+}
+
+static int bench_moe(void)
+{
+	const int n = 4096, E = 8, k = 2, H = 4096, I = 14336, iters = 10;
+	void *w1[8], *w2[8], *w3[8];
+	int32_t *ids = malloc((size_t)n * k * 4);
+	float *wts = malloc((size_t)n * k * 4);
+	struct mlens_moe_weights mw = { E, H, I, MLENS_DTYPE_BF16, (const void *const *)w1,
+					(const void *const *)w2, (const void *const *)w3 };
+	void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
+	float *x = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
+	float *out = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
+	int32_t *dids;
+	float *dwts;
+	double t0, t, flop = 2.0 * n * k * 3.0 * H * I;
+
+	if (!ids || !wts || !proto || !x || !out)
+		FAIL("moe set-up");
+	/* every expert gets a copy of one random matrix: generating 2.8 GB of
+	 * random numbers on the host would take longer than the benchmark */
+	for (int e = 0; e < E; e++) {
+		w1[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+		w2[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+		w3[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+		if (!w1[e] || !w2[e] || !w3[e])
+			FAIL("moe weights");
+		cudaMemcpy(w1[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+		cudaMemcpy(w2[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+		cudaMemcpy(w3[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+	}
+	for (int i = 0; i < n; i++) {
+		int a = (int)((rnd() + 1.0f) * 4.0f) & 7, b;
+		do
+			b = (int)((rnd() + 1.0f) * 4.0f) & 7;
+		while (b == a);
+		ids[i * k] = a;
+		ids[i * k + 1] = b;
+		wts[i * k] = 0.6f;
+		wts[i * k + 1] = 0.4f;
+	}
+	dids = be.ops->alloc(be.ctx, (size_t)n * k * 4);
+	dwts = be.ops->alloc(be.ctx, (size_t)n * k * 4);
+	if (!dids || !dwts || be.ops->upload(be.ctx, dids, ids, (size_t)n * k * 4) ||
+	    be.ops->upload(be.ctx, dwts, wts, (size_t)n * k * 4))
+		FAIL("moe routing");
+	for (int i = 0; i < 2; i++)
+		if (be.ops->moe(be.ctx, out, x, n, dids, dwts, k, &mw))
+			FAIL("moe");
+	be.ops->sync(be.ctx);
+	t0 = now();
+	for (int i = 0; i < iters; i++)
+		be.ops->moe(be.ctx, out, x, n, dids, dwts, k, &mw);
+	be.ops->sync(be.ctx);
+	t = (now() - t0) / iters;
+	printf(",\n  \"moe\": {\"tokens\": %d, \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
+	       "\"inter\": %d, \"ms\": %.3f, \"tflops\": %.1f}", n, E, k, H, I, t * 1e3,
+	       flop / t * 1e-12);
+	fprintf(stderr, "moe bf16 %d tokens E=%d top-%d H=%d I=%d: %.3f ms, %.1f TFLOP/s\n", n, E,
+		k, H, I, t * 1e3, flop / t * 1e-12);
+	for (int e = 0; e < E; e++) {
+		be.ops->free(be.ctx, w1[e]);
+		be.ops->free(be.ctx, w2[e]);
+		be.ops->free(be.ctx, w3[e]);
+	}
+	be.ops->free(be.ctx, proto);
+	be.ops->free(be.ctx, x);
+	be.ops->free(be.ctx, out);
+	be.ops->free(be.ctx, dids);
+	be.ops->free(be.ctx, dwts);
+	free(ids);
+	free(wts);
+	return 0;
+}
+
+/* Mixtral attention: 32 query heads, 8 KV heads, head_dim 128. */
+static int bench_attn(void)
+{
+	const int nh = 32, nkv = 8, hd = 128, T = 4096, bs = 16, nq = 64, ctx = 4096, iters = 5;
+	size_t qn = (size_t)T * nh * hd, kn = (size_t)T * nkv * hd;
+	float *q = dev_random(qn, MLENS_DTYPE_F32, 1.0f), *k = dev_random(kn, MLENS_DTYPE_F32, 1.0f);
+	float *v = dev_random(kn, MLENS_DTYPE_F32, 1.0f);
+	float *out = be.ops->alloc(be.ctx, qn * 4);
+	int32_t cu[2] = { 0, T };
+	uint32_t n_blocks = (uint32_t)(nq * ctx / bs);
+	struct mlens_kv_cache kv = { MLENS_DTYPE_BF16, 1, nkv, hd, bs, n_blocks, NULL, NULL };
+	struct mlens_attn_query *qs = malloc(nq * sizeof(*qs));
+	uint32_t *tab = malloc((size_t)n_blocks * 4);
+	double t0, t_pf, t_dec, flop_pf = 4.0 * nh * hd * ((double)T * (T + 1) / 2), kv_bytes;
+
+	if (!q || !k || !v || !out || !qs || !tab)
+		FAIL("attention set-up");
+	kv.k = dev_random(mlens_kv_bytes(&kv) / 2, MLENS_DTYPE_BF16, 1.0f);
+	kv.v = dev_random(mlens_kv_bytes(&kv) / 2, MLENS_DTYPE_BF16, 1.0f);
+	if (!kv.k || !kv.v)
+		FAIL("kv cache");
+	be.ops->attn_prefill(be.ctx, out, q, k, v, cu, 1, nh, nkv, hd, 0.088f);
+	be.ops->sync(be.ctx);
+	t0 = now();
+	for (int i = 0; i < iters; i++)
+		be.ops->attn_prefill(be.ctx, out, q, k, v, cu, 1, nh, nkv, hd, 0.088f);
+	be.ops->sync(be.ctx);
+	t_pf = (now() - t0) / iters;
+
+	/* the same tokens as 8 prompts of 512 */
+	{
+		int32_t cu8[9];
+		double t_p8, flop8 = 8 * 4.0 * nh * hd * (512.0 * 513 / 2);
+		for (int s = 0; s <= 8; s++)
+			cu8[s] = s * 512;
+		be.ops->attn_prefill(be.ctx, out, q, k, v, cu8, 8, nh, nkv, hd, 0.088f);
+		be.ops->sync(be.ctx);
+		t0 = now();
+		for (int i = 0; i < iters; i++)
+			be.ops->attn_prefill(be.ctx, out, q, k, v, cu8, 8, nh, nkv, hd, 0.088f);
+		be.ops->sync(be.ctx);
+		t_p8 = (now() - t0) / iters;
+		printf(",\n  \"attn_prefill_8x512\": {\"ms\": %.3f, \"tflops\": %.2f}", t_p8 * 1e3,
+		       flop8 / t_p8 * 1e-12);
+		fprintf(stderr, "attn_prefill 8 x 512 tokens: %.3f ms, %.2f TFLOP/s\n", t_p8 * 1e3,
+			flop8 / t_p8 * 1e-12);
+	}
+	for (uint32_t b = 0; b < n_blocks; b++)
+		tab[b] = (b * 2654435761u) % n_blocks;	/* scattered, still a permutation */
+	for (int i = 0; i < nq; i++)
+		qs[i] = (struct mlens_attn_query){ ctx, ctx / bs, tab + (size_t)i * (ctx / bs) };
+	be.ops->attn_decode(be.ctx, out, q, &kv, 0, qs, nq, nh, 0.088f);
+	be.ops->sync(be.ctx);
+	t0 = now();
+	for (int i = 0; i < iters; i++)
+		be.ops->attn_decode(be.ctx, out, q, &kv, 0, qs, nq, nh, 0.088f);
+	be.ops->sync(be.ctx);
+	t_dec = (now() - t0) / iters;
+	kv_bytes = 2.0 * nq * ctx * nkv * hd * 2;
+	printf(",\n  \"attn_prefill\": {\"tokens\": %d, \"heads\": %d, \"kv_heads\": %d, "
+	       "\"head_dim\": %d, \"ms\": %.3f, \"tflops\": %.2f},\n"
+	       "  \"attn_decode\": {\"queries\": %d, \"ctx\": %d, \"kv\": \"bf16\", \"ms\": %.3f, "
+	       "\"kv_gbps\": %.1f}", T, nh, nkv, hd, t_pf * 1e3, flop_pf / t_pf * 1e-12, nq, ctx,
+	       t_dec * 1e3, kv_bytes / t_dec * 1e-9);
+	fprintf(stderr, "attn_prefill T=%d 32/8 heads hd=128 fp32: %.3f ms, %.2f TFLOP/s\n", T,
+		t_pf * 1e3, flop_pf / t_pf * 1e-12);
+	fprintf(stderr, "attn_decode %d queries ctx=%d bf16 KV: %.3f ms, %.1f GB/s of KV\n", nq,
+		ctx, t_dec * 1e3, kv_bytes / t_dec * 1e-9);
+	be.ops->free(be.ctx, q);
+	be.ops->free(be.ctx, k);
+	be.ops->free(be.ctx, v);
+	be.ops->free(be.ctx, out);
+	be.ops->free(be.ctx, kv.k);
+	be.ops->free(be.ctx, kv.v);
+	free(qs);
+	free(tab);
+	return 0;
+}
+
+int main(void)
+{
+	struct mlens_backend_opts o = { 0, 0 };
+	struct cudaDeviceProp prop;
+	int rc;
+
+	if (!mlens_cuda_available()) {
+		fprintf(stderr, "bench_cuda: no CUDA GPU here\n");
+		return 77;
+	}
+	if ((rc = mlens_backend_create(&be, "cuda", &o))) {
+		fprintf(stderr, "bench_cuda: cannot create the CUDA backend: %s\n", strerror(-rc));
+		return 1;
+	}
+	cudaGetDeviceProperties(&prop, 0);
+	printf("{\n  \"device\": \"%s\",\n  \"gemm\": [", prop.name);
+	if ((rc = bench_gemm(1)))
+		goto out;
+	printf("\n  ]");
+	if ((rc = bench_moe()) || (rc = bench_attn()))
+		goto out;
+	printf(",\n  \"device_bytes_in_use_at_end\": %zu\n}\n", mlens_backend_cuda_mem_used(&be));
+out:
+	mlens_backend_destroy(&be);
+	return rc;
+}

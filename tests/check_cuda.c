@@ -1,0 +1,621 @@
+/* Description: every op of the CUDA backend against the CPU backend (the
+ * oracle) on random inputs of many shapes. Prints a table of the worst
+ * relative error per op (max |cuda - cpu| / max |cpu|) and asserts the
+ * tolerance stated beside each op. Exits 77 without a GPU.
+ *
+ * Tolerances: fp32 paths differ only in summation order and libm ulps
+ * (1e-5); bf16/fp16 weights round the activations to the weight dtype
+ * before the tensor-core GEMM (kernels/cuda/backend_cuda.cu), which costs
+ * about 2^-9 (bf16) or 2^-12 (fp16) per element: 1e-2 and 2e-3. Integer
+ * results (expert ids, tokens) and stored KV must be identical. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels/backend.h"
+
+static struct mlens_backend cpu, gpu;
+
+/* ==== helpers ==== */
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rnd_u32(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return (uint32_t)(rng >> 16);
+}
+
+/* uniform in [-1, 1) */
+static float rnd(void)
+{
+	return (float)((double)rnd_u32() / 2147483648.0 - 1.0);
+}
+
+static float *rnd_floats(size_t n, float scale)
+{
+	float *p = malloc(n * sizeof(float));
+	ck_assert_ptr_nonnull(p);
+	for (size_t i = 0; i < n; i++)
+		p[i] = rnd() * scale;
+	return p;
+}
+
+/* n random values stored as dtype dt */
+static void *rnd_weights(size_t n, enum mlens_dtype dt, float scale)
+{
+	void *p = malloc(n * mlens_dtype_size(dt));
+	ck_assert_ptr_nonnull(p);
+	for (size_t i = 0; i < n; i++)
+		mlens_store(p, dt, i, rnd() * scale);
+	return p;
+}
+
+static void *to_gpu(const void *h, size_t bytes)
+{
+	void *d = gpu.ops->alloc(gpu.ctx, bytes);
+	ck_assert_ptr_nonnull(d);
+	ck_assert_int_eq(gpu.ops->upload(gpu.ctx, d, h, bytes), 0);
+	return d;
+}
+
+static void *gpu_zeros(size_t bytes)
+{
+	void *z = calloc(1, bytes ? bytes : 1);
+	void *d;
+	ck_assert_ptr_nonnull(z);
+	d = to_gpu(z, bytes);
+	free(z);
+	return d;
+}
+
+static void *from_gpu(const void *d, size_t bytes)
+{
+	void *h = malloc(bytes ? bytes : 1);
+	ck_assert_ptr_nonnull(h);
+	ck_assert_int_eq(gpu.ops->download(gpu.ctx, h, d, bytes), 0);
+	return h;
+}
+
+static void gfree(void *d)
+{
+	gpu.ops->free(gpu.ctx, d);
+}
+
+static double rel_err(const float *ref, const float *got, size_t n)
+{
+	double md = 0.0, mr = 0.0;
+	for (size_t i = 0; i < n; i++) {
+		double d = fabs((double)ref[i] - (double)got[i]);
+		if (isnan(got[i]) != isnan(ref[i]))
+			return INFINITY;
+		md = d > md ? d : md;
+		mr = fabs(ref[i]) > mr ? fabs(ref[i]) : mr;
+	}
+	return mr > 0.0 ? md / mr : md;
+}
+
+/* The per-op table: worst error seen for each (op, tolerance) row. */
+struct err_row {
+	char op[40];
+	int cases;
+	double worst;
+	double tol;
+	char worst_shape[80];
+};
+static struct err_row table[64];
+static int n_rows;
+
+static void record(const char *op, double tol, double err, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
+static void record(const char *op, double tol, double err, const char *fmt, ...)
+{
+	struct err_row *r = NULL;
+	char shape[80];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(shape, sizeof(shape), fmt, ap);
+	va_end(ap);
+	for (int i = 0; i < n_rows; i++)
+		if (!strcmp(table[i].op, op))
+			r = &table[i];
+	if (!r && n_rows < (int)(sizeof(table) / sizeof(table[0]))) {
+		r = &table[n_rows++];
+		snprintf(r->op, sizeof(r->op), "%s", op);
+		r->tol = tol;
+		r->worst = -1.0;
+	}
+	if (r) {
+		r->cases++;
+		if (err > r->worst || isnan(err)) {
+			r->worst = err;
+			snprintf(r->worst_shape, sizeof(r->worst_shape), "%s", shape);
+		}
+	}
+	ck_assert_msg(err <= tol, "%s %s: relative error %.3g above tolerance %.3g", op, shape,
+		      err, tol);
+}
+
+static const enum mlens_dtype dtypes[3] = { MLENS_DTYPE_F32, MLENS_DTYPE_F16, MLENS_DTYPE_BF16 };
+
+/* GEMM-bound ops' tolerance by weight dtype */
+static double wtol(enum mlens_dtype dt)
+{
+	return dt == MLENS_DTYPE_F32 ? 1e-5 : dt == MLENS_DTYPE_F16 ? 2e-3 : 1e-2;
+}
+
+/* ==== memory ==== */
+
+START_TEST(test_memory)
+{
+	size_t base = mlens_backend_cuda_mem_used(&gpu);
+	size_t n = (1u << 20) + 3;
+	unsigned char *h = malloc(n), *back;
+	void *d;
+
+	ck_assert_ptr_nonnull(h);
+	for (size_t i = 0; i < n; i++)
+		h[i] = (unsigned char)rnd_u32();
+	d = to_gpu(h, n);
+	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base + n);
+	ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+	back = from_gpu(d, n);
+	ck_assert_mem_eq(h, back, n);
+	gfree(d);
+	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base);
+	/* an impossible size fails cleanly and costs nothing */
+	errno = 0;
+	ck_assert_ptr_null(gpu.ops->alloc(gpu.ctx, (size_t)1 << 60));
+	ck_assert_int_eq(errno, ENOMEM);
+	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base);
+	ck_assert_str_eq(gpu.ops->name, "cuda");
+	ck_assert(!gpu.ops->host_memory);
+	{
+		/* with a GPU present, auto picks CUDA */
+		struct mlens_backend a = { 0 };
+		struct mlens_backend_opts o = { 0, 0 };
+		ck_assert_int_eq(mlens_backend_create(&a, "auto", &o), 0);
+		ck_assert_str_eq(a.ops->name, "cuda");
+		mlens_backend_destroy(&a);
+	}
+	free(h);
+	free(back);
+}
+END_TEST
+
+/* ==== embed, rmsnorm, rope ==== */
+
+START_TEST(test_embed)
+{
+	const int vocab = 100, dim = 67, n = 13;
+	int32_t tok[13];
+	for (int i = 0; i < n; i++)
+		tok[i] = (int32_t)(rnd_u32() % vocab);
+	for (int t = 0; t < 3; t++) {
+		enum mlens_dtype dt = dtypes[t];
+		void *tab = rnd_weights((size_t)vocab * dim, dt, 1.0f);
+		void *dtab = to_gpu(tab, (size_t)vocab * dim * mlens_dtype_size(dt));
+		float *ref = malloc((size_t)n * dim * 4), *got;
+		float *dout = gpu_zeros((size_t)n * dim * 4);
+		ck_assert_int_eq(cpu.ops->embed(cpu.ctx, ref, tab, dt, dim, tok, n), 0);
+		ck_assert_int_eq(gpu.ops->embed(gpu.ctx, dout, dtab, dt, dim, tok, n), 0);
+		got = from_gpu(dout, (size_t)n * dim * 4);
+		record("embed", 0.0, rel_err(ref, got, (size_t)n * dim), "%s n=%d dim=%d",
+		       mlens_dtype_name(dt), n, dim);
+		free(tab); free(ref); free(got);
+		gfree(dtab); gfree(dout);
+	}
+}
+END_TEST
+
+START_TEST(test_rmsnorm)
+{
+	static const int dims[] = { 64, 100, 4096 }, ns[] = { 1, 5, 33 };
+	for (int t = 0; t < 3; t++)
+		for (int a = 0; a < 3; a++)
+			for (int b = 0; b < 3; b++) {
+				enum mlens_dtype dt = dtypes[t];
+				int dim = dims[a], n = ns[b];
+				size_t cnt = (size_t)n * dim;
+				float *x = rnd_floats(cnt, 3.0f), *ref = malloc(cnt * 4), *got;
+				void *w = rnd_weights((size_t)dim, dt, 1.0f);
+				float *dx = to_gpu(x, cnt * 4), *dout = gpu_zeros(cnt * 4);
+				void *dw = to_gpu(w, (size_t)dim * mlens_dtype_size(dt));
+				ck_assert_int_eq(cpu.ops->rmsnorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
+				ck_assert_int_eq(gpu.ops->rmsnorm(gpu.ctx, dout, dx, dw, dt, n, dim, 1e-5f), 0);
+				got = from_gpu(dout, cnt * 4);
+				record("rmsnorm", 1e-6, rel_err(ref, got, cnt), "%s n=%d dim=%d",
+				       mlens_dtype_name(dt), n, dim);
+				free(x); free(ref); free(got); free(w);
+				gfree(dx); gfree(dout); gfree(dw);
+			}
+}
+END_TEST
+
+START_TEST(test_rope)
+{
+	static const int hds[] = { 64, 128 };
+	static const float thetas[] = { 10000.0f, 1000000.0f };
+	const int n = 40, nh = 6;
+	int32_t pos[40];
+	for (int i = 0; i < n; i++)
+		pos[i] = i < 4 ? i : (int32_t)(rnd_u32() % 4096);
+	for (int a = 0; a < 2; a++)
+		for (int b = 0; b < 2; b++) {
+			int hd = hds[a];
+			size_t cnt = (size_t)n * nh * hd;
+			float *x = rnd_floats(cnt, 2.0f), *got;
+			float *dx = to_gpu(x, cnt * 4);
+			ck_assert_int_eq(gpu.ops->rope(gpu.ctx, dx, pos, n, nh, hd, thetas[b]), 0);
+			ck_assert_int_eq(cpu.ops->rope(cpu.ctx, x, pos, n, nh, hd, thetas[b]), 0);
+			got = from_gpu(dx, cnt * 4);
+			record("rope", 1e-5, rel_err(x, got, cnt), "hd=%d theta=%g", hd,
+			       (double)thetas[b]);
+			free(x); free(got);
+			gfree(dx);
+		}
+}
+END_TEST
+
+/* ==== gemm ==== */
+
+START_TEST(test_gemm)
+{
+	static const int ns[] = { 1, 7, 64, 300 };
+	static const int km[][2] = { { 64, 64 }, { 100, 37 }, { 513, 129 }, { 4096, 256 } };
+	for (int t = 0; t < 3; t++)
+		for (int a = 0; a < 4; a++)
+			for (int b = 0; b < 4; b++) {
+				enum mlens_dtype dt = dtypes[t];
+				int n = ns[a], k = km[b][0], m = km[b][1];
+				bool acc = (a + b) % 2;
+				size_t xs = (size_t)n * k, os = (size_t)n * m;
+				float *x = rnd_floats(xs, 1.0f), *ref = rnd_floats(os, 1.0f), *got;
+				void *w = rnd_weights((size_t)m * k, dt, 1.0f / sqrtf((float)k));
+				float *dx = to_gpu(x, xs * 4), *dout = to_gpu(ref, os * 4);
+				void *dw = to_gpu(w, (size_t)m * k * mlens_dtype_size(dt));
+				char op[32];
+				ck_assert_int_eq(cpu.ops->gemm(cpu.ctx, ref, x, w, dt, n, k, m, acc), 0);
+				ck_assert_int_eq(gpu.ops->gemm(gpu.ctx, dout, dx, dw, dt, n, k, m, acc), 0);
+				got = from_gpu(dout, os * 4);
+				snprintf(op, sizeof(op), "gemm %s", mlens_dtype_name(dt));
+				record(op, wtol(dt), rel_err(ref, got, os), "n=%d k=%d m=%d acc=%d",
+				       n, k, m, acc);
+				free(x); free(ref); free(got); free(w);
+				gfree(dx); gfree(dout); gfree(dw);
+			}
+}
+END_TEST
+
+/* ==== router, moe ==== */
+
+START_TEST(test_router)
+{
+	const int n = 300, E = 8, k = 2;
+	float *l = rnd_floats((size_t)n * E, 4.0f), wref[600], *wgot;
+	int32_t idref[600], *idgot;
+	float *dl = to_gpu(l, (size_t)n * E * 4);
+	int32_t *dids = gpu_zeros((size_t)n * k * 4);
+	float *dw = gpu_zeros((size_t)n * k * 4);
+
+	l[0] = l[1];	/* a tie: the lower index must win */
+	ck_assert_int_eq(gpu.ops->upload(gpu.ctx, dl, l, (size_t)n * E * 4), 0);
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k), 0);
+	ck_assert_int_eq(gpu.ops->router(gpu.ctx, dids, dw, dl, n, E, k), 0);
+	idgot = from_gpu(dids, (size_t)n * k * 4);
+	wgot = from_gpu(dw, (size_t)n * k * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
+	record("router", 1e-6, rel_err(wref, wgot, (size_t)n * k), "n=%d E=%d k=%d", n, E, k);
+	free(l); free(idgot); free(wgot);
+	gfree(dl); gfree(dids); gfree(dw);
+}
+END_TEST
+
+/* Token counts per expert are uneven on purpose: expert 0 gets most rows,
+ * expert 3 none (and has no weights at all on either backend). */
+static void moe_case(enum mlens_dtype dt, int n, int H, int I)
+{
+	const int E = 8, k = 2;
+	size_t es = mlens_dtype_size(dt);
+	int32_t *ids = malloc((size_t)n * k * 4);
+	float *wts = malloc((size_t)n * k * 4);
+	float *x = rnd_floats((size_t)n * H, 1.0f), *ref = rnd_floats((size_t)n * H, 1.0f), *got;
+	void *hw1[8], *hw2[8], *hw3[8], *dw1[8], *dw2[8], *dw3[8];
+	static const int pick[] = { 0, 0, 0, 0, 1, 2, 4, 5, 6, 7, 7 };
+	struct mlens_moe_weights wc = { E, H, I, dt, (const void *const *)hw1,
+					(const void *const *)hw2, (const void *const *)hw3 };
+	struct mlens_moe_weights wg = { E, H, I, dt, (const void *const *)dw1,
+					(const void *const *)dw2, (const void *const *)dw3 };
+	float *dx, *dout, *dwts;
+	int32_t *dids;
+	char op[32];
+
+	for (int i = 0; i < n; i++) {
+		int a = pick[rnd_u32() % 11], b;
+		do
+			b = pick[rnd_u32() % 11];
+		while (b == a);
+		ids[i * k] = a;
+		ids[i * k + 1] = b;
+		float p = 0.5f + 0.5f * fabsf(rnd());
+		wts[i * k] = p;
+		wts[i * k + 1] = 1.0f - p;
+	}
+	for (int e = 0; e < E; e++) {
+		if (e == 3) {
+			hw1[e] = hw2[e] = hw3[e] = dw1[e] = dw2[e] = dw3[e] = NULL;
+			continue;
+		}
+		hw1[e] = rnd_weights((size_t)I * H, dt, 1.0f / sqrtf((float)H));
+		hw3[e] = rnd_weights((size_t)I * H, dt, 1.0f / sqrtf((float)H));
+		hw2[e] = rnd_weights((size_t)H * I, dt, 1.0f / sqrtf((float)I));
+		dw1[e] = to_gpu(hw1[e], (size_t)I * H * es);
+		dw3[e] = to_gpu(hw3[e], (size_t)I * H * es);
+		dw2[e] = to_gpu(hw2[e], (size_t)H * I * es);
+	}
+	dx = to_gpu(x, (size_t)n * H * 4);
+	dout = to_gpu(ref, (size_t)n * H * 4);
+	dids = to_gpu(ids, (size_t)n * k * 4);
+	dwts = to_gpu(wts, (size_t)n * k * 4);
+	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, ref, x, n, ids, wts, k, &wc), 0);
+	ck_assert_int_eq(gpu.ops->moe(gpu.ctx, dout, dx, n, dids, dwts, k, &wg), 0);
+	got = from_gpu(dout, (size_t)n * H * 4);
+	snprintf(op, sizeof(op), "moe %s", mlens_dtype_name(dt));
+	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2", n, H, I);
+	for (int e = 0; e < E; e++) {
+		free(hw1[e]); free(hw2[e]); free(hw3[e]);
+		gfree(dw1[e]); gfree(dw2[e]); gfree(dw3[e]);
+	}
+	free(ids); free(wts); free(x); free(ref); free(got);
+	gfree(dx); gfree(dout); gfree(dids); gfree(dwts);
+}
+
+START_TEST(test_moe)
+{
+	for (int t = 0; t < 3; t++) {
+		moe_case(dtypes[t], 1, 64, 96);
+		moe_case(dtypes[t], 7, 256, 320);
+		moe_case(dtypes[t], 300, 512, 1000);
+	}
+	/* more tokens than one chunk of the CUDA MoE (4096) */
+	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96);
+}
+END_TEST
+
+/* ==== attention ==== */
+
+START_TEST(test_attn_prefill)
+{
+	static const int lens[] = { 1, 2, 15, 16, 17, 33, 100, 300 };
+	static const int cfg[][2] = { { 8, 8 }, { 8, 2 }, { 16, 2 } };	/* heads, kv heads */
+	const int ns = 8;
+	int32_t cu[9];
+	cu[0] = 0;
+	for (int s = 0; s < ns; s++)
+		cu[s + 1] = cu[s] + lens[s];
+	for (int c = 0; c < 3; c++)
+		for (int hdi = 0; hdi < 2; hdi++) {
+			int nh = cfg[c][0], nkv = cfg[c][1], hd = hdi ? 128 : 64, T = cu[ns];
+			size_t qn = (size_t)T * nh * hd, kn = (size_t)T * nkv * hd;
+			float *q = rnd_floats(qn, 1.0f), *k = rnd_floats(kn, 1.0f);
+			float *v = rnd_floats(kn, 1.0f), *ref = malloc(qn * 4), *got;
+			float *dq = to_gpu(q, qn * 4), *dk = to_gpu(k, kn * 4), *dv = to_gpu(v, kn * 4);
+			float *dout = gpu_zeros(qn * 4);
+			float scale = 1.0f / sqrtf((float)hd);
+			ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k, v, cu, ns, nh, nkv,
+							       hd, scale), 0);
+			ck_assert_int_eq(gpu.ops->attn_prefill(gpu.ctx, dout, dq, dk, dv, cu, ns, nh,
+							       nkv, hd, scale), 0);
+			got = from_gpu(dout, qn * 4);
+			record("attn_prefill", 1e-5, rel_err(ref, got, qn),
+			       "lens 1..300 heads=%d kv=%d hd=%d", nh, nkv, hd);
+			free(q); free(k); free(v); free(ref); free(got);
+			gfree(dq); gfree(dk); gfree(dv); gfree(dout);
+		}
+}
+END_TEST
+
+/* Sequences get blocks from a shuffled pool; K/V go in with kv_append
+ * (layer 1 of 2) on both backends, the caches must be identical, then
+ * decode attention reads them. */
+static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
+{
+	static const int ctxs[] = { 1, 17, 300, 1000, 4096 };
+	const int nq = 5, bs = 16, layer = 1, nh = nkv * group;
+	uint32_t n_blocks = 0, *perm, *tables[5], at = 0;
+	struct mlens_attn_query qs[5];
+	struct mlens_kv_cache kc, kg;
+	size_t kvb, row = (size_t)nkv * hd;
+	float scale = 1.0f / sqrtf((float)hd);
+	char op[32];
+
+	for (int i = 0; i < nq; i++)
+		n_blocks += (uint32_t)((ctxs[i] + bs - 1) / bs);
+	n_blocks += 7;	/* spare blocks nobody uses */
+	perm = malloc(n_blocks * 4);
+	for (uint32_t b = 0; b < n_blocks; b++)
+		perm[b] = b;
+	for (uint32_t b = n_blocks - 1; b > 0; b--) {
+		uint32_t j = rnd_u32() % (b + 1), t = perm[b];
+		perm[b] = perm[j];
+		perm[j] = t;
+	}
+	kc = (struct mlens_kv_cache){ kdt, 2, nkv, hd, bs, n_blocks, NULL, NULL };
+	kvb = mlens_kv_bytes(&kc);
+	kc.k = calloc(1, kvb);
+	kc.v = calloc(1, kvb);
+	kg = kc;
+	kg.k = gpu_zeros(kvb);
+	kg.v = gpu_zeros(kvb);
+	for (int i = 0; i < nq; i++) {
+		int nb = (ctxs[i] + bs - 1) / bs, len = ctxs[i];
+		int64_t *slots = malloc((size_t)len * 8);
+		float *k = rnd_floats((size_t)len * row, 1.0f), *v = rnd_floats((size_t)len * row, 1.0f);
+		float *dk = to_gpu(k, (size_t)len * row * 4), *dv = to_gpu(v, (size_t)len * row * 4);
+		tables[i] = perm + at;
+		at += (uint32_t)nb;
+		for (int t = 0; t < len; t++)
+			slots[t] = (int64_t)tables[i][t / bs] * bs + t % bs;
+		ck_assert_int_eq(cpu.ops->kv_append(cpu.ctx, &kc, layer, k, v, slots, len), 0);
+		ck_assert_int_eq(gpu.ops->kv_append(gpu.ctx, &kg, layer, dk, dv, slots, len), 0);
+		qs[i] = (struct mlens_attn_query){ len, nb, tables[i] };
+		free(slots); free(k); free(v);
+		gfree(dk); gfree(dv);
+	}
+	{
+		void *gk = from_gpu(kg.k, kvb), *gv = from_gpu(kg.v, kvb);
+		ck_assert_msg(!memcmp(gk, kc.k, kvb) && !memcmp(gv, kc.v, kvb),
+			      "kv_append: GPU cache differs from CPU cache (%s)", mlens_dtype_name(kdt));
+		record("kv_append", 0.0, 0.0, "%s kv=%d hd=%d", mlens_dtype_name(kdt), nkv, hd);
+		free(gk);
+		free(gv);
+	}
+	{
+		size_t qn = (size_t)nq * nh * hd;
+		float *q = rnd_floats(qn, 1.0f), *ref = malloc(qn * 4), *got;
+		float *dq = to_gpu(q, qn * 4), *dout = gpu_zeros(qn * 4);
+		ck_assert_int_eq(cpu.ops->attn_decode(cpu.ctx, ref, q, &kc, layer, qs, nq, nh, scale), 0);
+		ck_assert_int_eq(gpu.ops->attn_decode(gpu.ctx, dout, dq, &kg, layer, qs, nq, nh, scale), 0);
+		got = from_gpu(dout, qn * 4);
+		snprintf(op, sizeof(op), "attn_decode %s", mlens_dtype_name(kdt));
+		record(op, 1e-5, rel_err(ref, got, qn), "ctx 1..4096 kv=%d group=%d hd=%d", nkv,
+		       group, hd);
+		free(q); free(ref); free(got);
+		gfree(dq); gfree(dout);
+	}
+	free(kc.k); free(kc.v); free(perm);
+	gfree(kg.k); gfree(kg.v);
+}
+
+START_TEST(test_attn_decode)
+{
+	decode_case(MLENS_DTYPE_F32, 8, 1, 128);
+	decode_case(MLENS_DTYPE_F32, 2, 4, 64);
+	decode_case(MLENS_DTYPE_BF16, 8, 4, 128);
+	decode_case(MLENS_DTYPE_BF16, 1, 8, 64);
+	decode_case(MLENS_DTYPE_F32, 4, 8, 128);
+}
+END_TEST
+
+/* ==== sampling ==== */
+
+START_TEST(test_sample)
+{
+	const int n = 24, vocab = 5000;
+	float *l = rnd_floats((size_t)n * vocab, 5.0f), lpc[24], *lpg = malloc(n * 4);
+	struct mlens_sampling sp[24];
+	int32_t tc[24], tg[24];
+	float *dl;
+
+	l[7] = l[4000] = 9.0f;	/* row 0: a tie for greedy; the lower index wins */
+	for (int i = 0; i < n; i++) {
+		bool greedy = i % 3 == 0;
+		sp[i] = (struct mlens_sampling){ greedy ? 0.0f : 0.5f + 0.1f * (float)(i % 5),
+						 i % 4 == 1 ? 0 : 40, i % 5 == 2 ? 1.0f : 0.9f,
+						 1234u + (uint64_t)i, (uint64_t)(i * 7) };
+	}
+	dl = to_gpu(l, (size_t)n * vocab * 4);
+	ck_assert_int_eq(cpu.ops->sample(cpu.ctx, tc, lpc, l, n, vocab, sp), 0);
+	ck_assert_int_eq(gpu.ops->sample(gpu.ctx, tg, lpg, dl, n, vocab, sp), 0);
+	ck_assert_int_eq(tc[0], 7);
+	for (int i = 0; i < n; i++)
+		ck_assert_msg(tc[i] == tg[i], "row %d (temperature %g): cpu token %d, cuda token %d",
+			      i, (double)sp[i].temperature, tc[i], tg[i]);
+	record("sample (logprob)", 1e-5, rel_err(lpc, lpg, (size_t)n), "n=%d vocab=%d", n, vocab);
+	/* without logprobs too */
+	ck_assert_int_eq(gpu.ops->sample(gpu.ctx, tg, NULL, dl, n, vocab, sp), 0);
+	ck_assert_mem_eq(tc, tg, sizeof(tc));
+	free(l); free(lpg);
+	gfree(dl);
+}
+END_TEST
+
+/* ==== bad input: -errno, never a crash ==== */
+
+START_TEST(test_errors)
+{
+	struct mlens_kv_cache kv = { MLENS_DTYPE_F32, 1, 1, 64, 16, 2, NULL, NULL };
+	uint32_t bad_table[1] = { 5 };
+	struct mlens_attn_query q = { 10, 1, bad_table };
+	int64_t slot = 32;
+	int32_t cu[2] = { 0, 4 };
+	float *buf = gpu_zeros(64 * 64 * 4);
+
+	kv.k = gpu_zeros(mlens_kv_bytes(&kv));
+	kv.v = gpu_zeros(mlens_kv_bytes(&kv));
+	ck_assert_int_eq(gpu.ops->gemm(gpu.ctx, buf, buf, buf, MLENS_DTYPE_F32, -1, 4, 4, false),
+			 -EINVAL);
+	ck_assert_int_eq(gpu.ops->kv_append(gpu.ctx, &kv, 0, buf, buf, &slot, 1), -ERANGE);
+	ck_assert_int_eq(gpu.ops->attn_decode(gpu.ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
+	ck_assert_int_eq(gpu.ops->attn_prefill(gpu.ctx, buf, buf, buf, buf, cu, 1, 2, 2, 80, 1.0f),
+			 -ENOTSUP);
+	ck_assert_int_eq(gpu.ops->router(gpu.ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
+	/* the backend still works afterwards */
+	ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+	gfree(kv.k);
+	gfree(kv.v);
+	gfree(buf);
+}
+END_TEST
+
+/* ==== runner ==== */
+
+static void print_table(void)
+{
+	printf("\n%-20s %6s %12s %10s  %s\n", "op", "cases", "max rel err", "tolerance",
+	       "worst case");
+	for (int i = 0; i < n_rows; i++)
+		printf("%-20s %6d %12.3e %10.1e  %s\n", table[i].op, table[i].cases,
+		       table[i].worst, table[i].tol, table[i].worst_shape);
+	fflush(stdout);
+}
+
+int main(void)
+{
+	struct mlens_backend_opts o = { 0, 0 };
+	Suite *s;
+	TCase *tc;
+	SRunner *sr;
+	int failed;
+
+	if (!mlens_cuda_available()) {
+		fprintf(stderr, "check_cuda: no CUDA GPU here; skipped\n");
+		return 77;
+	}
+	/* CUDA does not survive fork(): run the tests in this process */
+	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o)) {
+		fprintf(stderr, "check_cuda: cannot create the backends\n");
+		return 1;
+	}
+	s = suite_create("cuda");
+	tc = tcase_create("ops");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_memory);
+	tcase_add_test(tc, test_embed);
+	tcase_add_test(tc, test_rmsnorm);
+	tcase_add_test(tc, test_rope);
+	tcase_add_test(tc, test_gemm);
+	tcase_add_test(tc, test_router);
+	tcase_add_test(tc, test_moe);
+	tcase_add_test(tc, test_attn_prefill);
+	tcase_add_test(tc, test_attn_decode);
+	tcase_add_test(tc, test_sample);
+	tcase_add_test(tc, test_errors);
+	suite_add_tcase(s, tc);
+	sr = srunner_create(s);
+	srunner_set_fork_status(sr, CK_NOFORK);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	print_table();
+	mlens_backend_destroy(&gpu);
+	mlens_backend_destroy(&cpu);
+	return failed ? 1 : 0;
+}
