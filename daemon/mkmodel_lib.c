@@ -321,10 +321,11 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	meta = NULL;
 	for (int i = 0; i < w->n; i++) {
 		const struct spec *s = &w->specs[i];
-		json_t *shape = json_array();
+		json_t *shape;
 
 		if (s->shard != shard)
 			continue;
+		shape = json_array();
 		for (int d = 0; d < s->ndim; d++)
 			json_array_append_new(shape, json_integer(s->shape[d]));
 		json_object_set_new(hdr, s->name,

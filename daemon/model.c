@@ -64,9 +64,14 @@ static int read_small(const char *path, size_t max, char **out, size_t *len,
 		fail(err, errlen, "%s: cannot open: %s", path, strerror(-rc));
 		return rc;
 	}
-	if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
-		rc = S_ISREG(sb.st_mode) ? -errno : -EINVAL;
-		fail(err, errlen, "%s: not a readable regular file", path);
+	if (fstat(fd, &sb) < 0) {
+		rc = -errno;
+		fail(err, errlen, "%s: cannot stat: %s", path, strerror(-rc));
+		goto out;
+	}
+	if (!S_ISREG(sb.st_mode)) {
+		rc = -EINVAL;
+		fail(err, errlen, "%s: not a regular file", path);
 		goto out;
 	}
 	if ((uint64_t)sb.st_size > max) {

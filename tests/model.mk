@@ -36,3 +36,10 @@ fuzz:
 endif
 .PHONY: fuzz
 CLEANFILES += tests/fuzz/fuzz_model
+
+# Interoperability with Hugging Face transformers (skips without it).
+check_PROGRAMS += tests/model_info
+tests_model_info_SOURCES = tests/model_info.c
+tests_model_info_LDADD = daemon/libmlens_core.la
+dist_check_SCRIPTS += tests/model_hf_interop.py
+TESTS += tests/model_hf_interop.py
