@@ -24,7 +24,8 @@ EXTRA_DIST += tests/fuzz/corpus
 FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
 	$(top_srcdir)/daemon/safetensors.c $(top_srcdir)/daemon/model.c
 if HAVE_CLANG
-tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h $(top_srcdir)/daemon/safetensors.h
+tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h \
+		$(top_srcdir)/daemon/safetensors.h $(top_srcdir)/daemon/model_int.h
 	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
 	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
 		-include $(top_builddir)/config.h -I$(top_srcdir) $(JANSSON_CFLAGS) \
