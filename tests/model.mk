@@ -27,7 +27,7 @@ if HAVE_CLANG
 tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h \
 		$(top_srcdir)/daemon/safetensors.h $(top_srcdir)/daemon/model_int.h
 	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
-	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
+	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 		-include $(top_builddir)/config.h -I$(top_srcdir) $(JANSSON_CFLAGS) \
 		$(FUZZ_MODEL_SRC) $(JANSSON_LIBS) -lm -o $@
 fuzz: tests/fuzz/fuzz_model
