@@ -415,8 +415,14 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 		mlens_model_errf(err, errlen, "no output directory given");
 		return -EINVAL;
 	}
-	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0)
+	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0) {
+		if (w.cfg.hidden_size % w.cfg.num_attention_heads) {
+			mlens_model_errf(err, errlen, "model settings: hidden size %" PRId64 " is not a multiple of %" PRId64 " heads; give the head dimension explicitly",
+					 w.cfg.hidden_size, w.cfg.num_attention_heads);
+			return -EINVAL;
+		}
 		w.cfg.head_dim = w.cfg.hidden_size / w.cfg.num_attention_heads;
+	}
 	/* Validate through the loader's own config parser: what mkmodel writes
 	 * is by construction what mlens accepts. */
 	cj = config_json(&w.cfg);
