@@ -12,22 +12,10 @@
 #include <jansson.h>
 
 #include "daemon/mkmodel.h"
+#include "daemon/model_int.h"
 
 #define CHUNK_ELEMS 65536
 
-static void fail(char *err, size_t errlen, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-
-static void fail(char *err, size_t errlen, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (!err || !errlen)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-}
 
 int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 {
@@ -248,7 +236,7 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 		for (size_t k = 0; k < n; k++)
 			mlens_store(w->buf, dt, k, draw(key, i + k, norm));
 		if (fwrite(w->buf, es, n, f) != n) {
-			fail(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+			mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 			return -EIO;
 		}
 		i += n;
@@ -290,30 +278,17 @@ static int emit_tensor(struct writer *w, FILE *f, const char *path, const struct
 	return -EINVAL;
 }
 
-static char *join(const char *dir, const char *name)
-{
-	size_t a = strlen(dir), b = strlen(name);
-	char *p = malloc(a + b + 2);
-
-	if (p) {
-		memcpy(p, dir, a);
-		p[a] = '/';
-		memcpy(p + a + 1, name, b + 1);
-	}
-	return p;
-}
-
 static int write_shard(struct writer *w, int shard, const char *fname)
 {
 	json_t *hdr = json_object(), *meta = json_object();
-	char *text = NULL, *path = join(w->o->dir, fname);
+	char *text = NULL, *path = mlens_model_path(w->o->dir, fname);
 	FILE *f = NULL;
 	uint64_t off = 0, hlen;
 	unsigned char le[8];
 	int rc = -ENOMEM;
 
 	if (!hdr || !meta || !path) {
-		fail(w->err, w->errlen, "%s: out of memory", w->o->dir);
+		mlens_model_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
 		goto out;
 	}
 	json_object_set_new(meta, "format", json_string("pt"));
@@ -321,10 +296,11 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	meta = NULL;
 	for (int i = 0; i < w->n; i++) {
 		const struct spec *s = &w->specs[i];
-		json_t *shape = json_array();
+		json_t *shape;
 
 		if (s->shard != shard)
 			continue;
+		shape = json_array();
 		for (int d = 0; d < s->ndim; d++)
 			json_array_append_new(shape, json_integer(s->shape[d]));
 		json_object_set_new(hdr, s->name,
@@ -335,7 +311,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	}
 	text = json_dumps(hdr, JSON_COMPACT);
 	if (!text) {
-		fail(w->err, w->errlen, "%s: out of memory", path);
+		mlens_model_errf(w->err, w->errlen, "%s: out of memory", path);
 		goto out;
 	}
 	/* Pad with spaces so the data starts 8-byte aligned, as safetensors does. */
@@ -343,7 +319,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	f = fopen(path, "wb");
 	if (!f) {
 		rc = -errno;
-		fail(w->err, w->errlen, "%s: cannot create: %s", path, strerror(-rc));
+		mlens_model_errf(w->err, w->errlen, "%s: cannot create: %s", path, strerror(-rc));
 		goto out;
 	}
 	setvbuf(f, NULL, _IOFBF, 1 << 20);
@@ -351,7 +327,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 		le[i] = (unsigned char)(hlen >> (8 * i));
 	rc = -EIO;
 	if (fwrite(le, 1, 8, f) != 8 || fputs(text, f) < 0) {
-		fail(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+		mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 		goto out;
 	}
 	for (size_t i = strlen(text); i < hlen; i++)
@@ -366,7 +342,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	rc = fclose(f) ? -errno : 0;
 	f = NULL;
 	if (rc)
-		fail(w->err, w->errlen, "%s: write failed: %s", path, strerror(-rc));
+		mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(-rc));
 out:
 	if (f)
 		fclose(f);
@@ -379,15 +355,15 @@ out:
 
 static int write_json(struct writer *w, const char *fname, json_t *obj)
 {
-	char *path = join(w->o->dir, fname);
+	char *path = mlens_model_path(w->o->dir, fname);
 	int rc = 0;
 
 	if (!path || !obj) {
-		fail(w->err, w->errlen, "%s: out of memory", w->o->dir);
+		mlens_model_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
 		rc = -ENOMEM;
 	} else if (json_dump_file(obj, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17))) {
 		rc = -EIO;
-		fail(w->err, w->errlen, "%s: cannot write: %s", path, strerror(errno));
+		mlens_model_errf(w->err, w->errlen, "%s: cannot write: %s", path, strerror(errno));
 	}
 	free(path);
 	return rc;
@@ -436,17 +412,23 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	int rc;
 
 	if (!o->dir || !*o->dir) {
-		fail(err, errlen, "no output directory given");
+		mlens_model_errf(err, errlen, "no output directory given");
 		return -EINVAL;
 	}
-	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0)
+	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0) {
+		if (w.cfg.hidden_size % w.cfg.num_attention_heads) {
+			mlens_model_errf(err, errlen, "model settings: hidden size %" PRId64 " is not a multiple of %" PRId64 " heads; give the head dimension explicitly",
+					 w.cfg.hidden_size, w.cfg.num_attention_heads);
+			return -EINVAL;
+		}
 		w.cfg.head_dim = w.cfg.hidden_size / w.cfg.num_attention_heads;
+	}
 	/* Validate through the loader's own config parser: what mkmodel writes
 	 * is by construction what mlens accepts. */
 	cj = config_json(&w.cfg);
 	text = cj ? json_dumps(cj, JSON_REAL_PRECISION(17)) : NULL;
 	if (!text) {
-		fail(err, errlen, "out of memory");
+		mlens_model_errf(err, errlen, "out of memory");
 		rc = -ENOMEM;
 		goto out;
 	}
@@ -456,18 +438,18 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	rc = build_specs(&w);
 	w.buf = malloc(CHUNK_ELEMS * sizeof(float));
 	if (rc || !w.buf) {
-		fail(err, errlen, "out of memory");
+		mlens_model_errf(err, errlen, "out of memory");
 		rc = -ENOMEM;
 		goto out;
 	}
 	if (shards > w.n) {
-		fail(err, errlen, "%d shards requested but the model has only %d tensors", shards, w.n);
+		mlens_model_errf(err, errlen, "%d shards requested but the model has only %d tensors", shards, w.n);
 		rc = -EINVAL;
 		goto out;
 	}
 	if (mkdir(o->dir, 0755) < 0 && !(errno == EEXIST && !stat(o->dir, &sb) && S_ISDIR(sb.st_mode))) {
 		rc = errno == EEXIST ? -ENOTDIR : -errno;
-		fail(err, errlen, "%s: cannot create directory: %s", o->dir, strerror(-rc));
+		mlens_model_errf(err, errlen, "%s: cannot create directory: %s", o->dir, strerror(-rc));
 		goto out;
 	}
 	rc = write_json(&w, "config.json", cj);
@@ -476,10 +458,10 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	assign_shards(&w, shards);
 	/* The loader prefers model.safetensors over an index, as transformers
 	 * does: remove the other form left by an earlier run. */
-	stale = join(o->dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
+	stale = mlens_model_path(o->dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
 	if (stale && unlink(stale) < 0 && errno != ENOENT) {
 		rc = -errno;
-		fail(err, errlen, "%s: cannot remove stale file: %s", stale, strerror(-rc));
+		mlens_model_errf(err, errlen, "%s: cannot remove stale file: %s", stale, strerror(-rc));
 		goto out;
 	}
 	if (shards == 1) {
@@ -491,7 +473,7 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	if (!index || !wm) {
 		json_decref(wm);
 		rc = -ENOMEM;
-		fail(err, errlen, "out of memory");
+		mlens_model_errf(err, errlen, "out of memory");
 		goto out;
 	}
 	json_object_set_new(index, "weight_map", wm);

@@ -2,7 +2,7 @@
 # random-weight model writer mlens-mkmodel.
 daemon_libmlens_core_la_SOURCES += \
 	daemon/model.c daemon/safetensors.c daemon/safetensors.h \
-	daemon/mkmodel.h daemon/mkmodel_lib.c
+	daemon/mkmodel.h daemon/mkmodel_lib.c daemon/model_int.h
 
 bin_PROGRAMS += daemon/mlens-mkmodel
 daemon_mlens_mkmodel_SOURCES = daemon/mkmodel.c

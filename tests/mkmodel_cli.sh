@@ -27,6 +27,10 @@ expect_usage "unexpected argument 'extra'" -o "$tmp/m" extra
 # Values the config checks refuse: exit 1 naming the field.
 "$bin" -o "$tmp/m" --heads 4 --kv-heads 3 2>"$tmp/err" && fail "kv-heads 3 accepted"
 grep -q num_key_value_heads "$tmp/err" || fail "kv-heads error: $(cat "$tmp/err")"
+"$bin" -o "$tmp/m" --hidden 100 --heads 8 2>"$tmp/err" && fail "hidden 100 / 8 heads accepted"
+grep -q "not a multiple of 8 heads" "$tmp/err" || fail "head_dim error: $(cat "$tmp/err")"
+"$bin" -o "$tmp/m" --hidden 100 --heads 8 --kv-heads 4 --head-dim 12 >/dev/null || fail "explicit head_dim refused"
+grep -q '"head_dim": 12' "$tmp/m/config.json" || fail "head_dim not written"
 "$bin" -o "$tmp/m" --experts 2 --top-k 3 2>"$tmp/err" && fail "top-k > experts accepted"
 grep -q num_experts_per_tok "$tmp/err" || fail "top-k error: $(cat "$tmp/err")"
 

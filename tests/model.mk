@@ -24,9 +24,10 @@ EXTRA_DIST += tests/fuzz/corpus
 FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
 	$(top_srcdir)/daemon/safetensors.c $(top_srcdir)/daemon/model.c
 if HAVE_CLANG
-tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h $(top_srcdir)/daemon/safetensors.h
+tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h \
+		$(top_srcdir)/daemon/safetensors.h $(top_srcdir)/daemon/model_int.h
 	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
-	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
+	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 		-include $(top_builddir)/config.h -I$(top_srcdir) $(JANSSON_CFLAGS) \
 		$(FUZZ_MODEL_SRC) $(JANSSON_LIBS) -lm -o $@
 fuzz: tests/fuzz/fuzz_model
@@ -36,3 +37,11 @@ fuzz:
 endif
 .PHONY: fuzz
 CLEANFILES += tests/fuzz/fuzz_model
+
+# Interoperability with Hugging Face transformers (skips without it).
+check_PROGRAMS += tests/model_info
+tests_model_info_SOURCES = tests/model_info.c
+tests_model_info_LDADD = daemon/libmlens_core.la
+dist_check_SCRIPTS += tests/model_hf_interop.sh
+EXTRA_DIST += tests/model_hf_interop.py
+TESTS += tests/model_hf_interop.sh
