@@ -165,10 +165,12 @@ struct mlens_ring_cond {
 	int ready;		/* out: > 0 when met (the count), else 0 */
 };
 
-/* Wait on one eventfd until at least one of n conditions holds, on rings
- * whose peer rings this eventfd (one eventfd per direction serves all of a
- * tenant's rings). Returns how many hold (> 0), 0 on timeout, -EINVAL for a
- * need no ring can meet, -EPROTO for a corrupt ring, -errno. */
+/* Wait on eventfd `efd` until at least one of n conditions holds; the peer
+ * of every ring named must ring `efd` (one eventfd per direction serves all
+ * of a tenant's rings). Each c[i].ready is set. Returns how many hold (> 0),
+ * 0 on timeout, -EINVAL for a need no ring can meet, -EPROTO for a corrupt
+ * ring, -errno. The caller must hold the role (consumer or producer) each
+ * condition waits as. */
 int mlens_ring_wait_any(struct mlens_ring_cond *c, unsigned n, int efd, int timeout_ms);
 
 /* ==== Byte ring ====
