@@ -396,60 +396,112 @@ static int doorbell_sleep(int efd, int64_t deadline)
 	return 0;
 }
 
-/* The waiting loop shared by both sides: `ready` reports the work (> 0),
- * none (0) or -errno; arm/disarm are the sleeping side's flag. */
-static int ring_wait(struct mlens_ring *r, int efd, int timeout_ms,
-		     int (*ready)(struct mlens_ring *, uint32_t), uint32_t arg,
-		     void (*arm)(struct mlens_ring *), void (*disarm)(struct mlens_ring *))
+static uint32_t record_place(const struct mlens_ring *r, uint32_t len, uint32_t *off);
+
+/* Whether one condition holds: its count (> 0), 0, or -errno. */
+static int cond_check(struct mlens_ring_cond *c)
+{
+	uint32_t need = c->need ? c->need : 1, at;
+	int n;
+
+	switch (c->kind) {
+	case MLENS_RING_READABLE:
+		n = cons_ready(c->ring, need);
+		return n < 0 || (uint32_t)n >= need ? n : 0;
+	case MLENS_RING_WRITABLE:
+		n = prod_free(c->ring, need);
+		return n < 0 || (uint32_t)n >= need ? n : 0;
+	case MLENS_RING_RESERVABLE:
+		/* A record fits when its bytes, with any padding to the end
+		 * of the ring, are free at the tail. */
+		need = record_place(c->ring, need, &at);
+		n = prod_free(c->ring, need);
+		return n < 0 || (uint32_t)n >= need ? n : 0;
+	}
+	return -EINVAL;
+}
+
+/* Check every condition; returns how many hold, or the first -errno. */
+static int conds_check(struct mlens_ring_cond *c, unsigned n)
+{
+	int met = 0;
+
+	for (unsigned i = 0; i < n; i++) {
+		c[i].ready = cond_check(&c[i]);
+		if (c[i].ready < 0)
+			return c[i].ready;
+		met += c[i].ready > 0;
+	}
+	return met;
+}
+
+static void conds_arm(struct mlens_ring_cond *c, unsigned n, bool arm)
+{
+	for (unsigned i = 0; i < n; i++) {
+		bool cons = c[i].kind == MLENS_RING_READABLE;
+
+		if (arm && cons)
+			mlens_ring_cons_arm(c[i].ring);
+		else if (arm)
+			mlens_ring_prod_arm(c[i].ring);
+		else if (cons)
+			mlens_ring_cons_disarm(c[i].ring);
+		else
+			mlens_ring_prod_disarm(c[i].ring);
+	}
+}
+
+int mlens_ring_wait_any(struct mlens_ring_cond *c, unsigned n, int efd, int timeout_ms)
 {
 	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-	int n, err;
+	int met, err;
 
+	for (unsigned i = 0; i < n; i++) {
+		uint32_t need = c[i].need ? c[i].need : 1;
+
+		if ((unsigned)c[i].kind > MLENS_RING_RESERVABLE ||
+		    (c[i].kind == MLENS_RING_RESERVABLE ? need > c[i].ring->entries / 2 :
+		     need > c[i].ring->entries))
+			return -EINVAL;
+	}
 	for (;;) {
-		n = ready(r, arg);
-		if (n != 0)
-			return n;
-		arm(r);
-		n = ready(r, arg);	/* after the barrier in arm() */
-		if (n != 0) {
-			disarm(r);
-			return n;
+		met = conds_check(c, n);
+		if (met != 0)
+			return met;
+		conds_arm(c, n, true);
+		met = conds_check(c, n);	/* after the barriers in the arms */
+		if (met != 0) {
+			conds_arm(c, n, false);
+			return met;
 		}
 		if (deadline >= 0 && now_ms() >= deadline) {
-			disarm(r);
+			conds_arm(c, n, false);
 			return 0;
 		}
 		err = doorbell_sleep(efd, deadline);
-		disarm(r);
+		conds_arm(c, n, false);
 		if (err < 0)
 			return err;
 	}
 }
 
-static int cons_has(struct mlens_ring *r, uint32_t unused)
-{
-	return cons_ready(r, 1);
-}
-
-static int prod_has(struct mlens_ring *r, uint32_t need)
-{
-	int f = prod_free(r, need);
-
-	return f < 0 || (uint32_t)f >= need ? f : 0;
-}
-
 int mlens_ring_wait_cons(struct mlens_ring *r, int efd, int timeout_ms)
 {
-	return ring_wait(r, efd, timeout_ms, cons_has, 1, mlens_ring_cons_arm,
-			 mlens_ring_cons_disarm);
+	struct mlens_ring_cond c = { .ring = r, .kind = MLENS_RING_READABLE, .need = 1 };
+	int met = mlens_ring_wait_any(&c, 1, efd, timeout_ms);
+
+	return met > 0 ? c.ready : met;
 }
 
 int mlens_ring_wait_prod(struct mlens_ring *r, int efd, uint32_t need, int timeout_ms)
 {
-	if (need == 0 || need > r->entries)
+	struct mlens_ring_cond c = { .ring = r, .kind = MLENS_RING_WRITABLE, .need = need };
+	int met;
+
+	if (need == 0)
 		return -EINVAL;
-	return ring_wait(r, efd, timeout_ms, prod_has, need, mlens_ring_prod_arm,
-			 mlens_ring_prod_disarm);
+	met = mlens_ring_wait_any(&c, 1, efd, timeout_ms);
+	return met > 0 ? c.ready : met;
 }
 
 /* ==== Byte ring ==== */
@@ -538,22 +590,13 @@ void mlens_bytering_abort(struct mlens_bytering *b)
 	b->ring.prod_tail = b->committed;
 }
 
-static int reserve_has(struct mlens_ring *r, uint32_t len)
-{
-	uint32_t at, need = record_place(r, len, &at);
-
-	return prod_has(r, need);
-}
-
 int mlens_bytering_wait_reserve(struct mlens_bytering *b, int efd, uint32_t len, int timeout_ms)
 {
-	int n;
+	struct mlens_ring_cond c = { .ring = &b->ring, .kind = MLENS_RING_RESERVABLE, .need = len };
 
 	if (len == 0 || len > mlens_bytering_max_record(b))
 		return -EMSGSIZE;
-	n = ring_wait(&b->ring, efd, timeout_ms, reserve_has, len, mlens_ring_prod_arm,
-		      mlens_ring_prod_disarm);
-	return n > 0 ? 1 : n;
+	return mlens_ring_wait_any(&c, 1, efd, timeout_ms);
 }
 
 /* Where the consumer's head must move to free record (off, len): checks

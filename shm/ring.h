@@ -152,6 +152,27 @@ int mlens_ring_wait_cons(struct mlens_ring *r, int efd, int timeout_ms);
  * count (>= need), 0 on timeout, -EINVAL if need > entries, -errno. */
 int mlens_ring_wait_prod(struct mlens_ring *r, int efd, uint32_t need, int timeout_ms);
 
+/* One condition of mlens_ring_wait_any(). */
+struct mlens_ring_cond {
+	struct mlens_ring *ring;
+	enum mlens_ring_cond_kind {
+		MLENS_RING_READABLE,	/* consumer: at least `need` entries (0 counts as 1) */
+		MLENS_RING_WRITABLE,	/* producer: at least `need` entries free */
+		MLENS_RING_RESERVABLE,	/* byte ring producer (ring = &b->ring): a record
+					 * of `need` bytes can be reserved */
+	} kind;
+	uint32_t need;
+	int ready;		/* out: > 0 when met (the count), else 0 */
+};
+
+/* Wait on eventfd `efd` until at least one of n conditions holds; the peer
+ * of every ring named must ring `efd` (one eventfd per direction serves all
+ * of a tenant's rings). Each c[i].ready is set. Returns how many hold (> 0),
+ * 0 on timeout, -EINVAL for a need no ring can meet, -EPROTO for a corrupt
+ * ring, -errno. The caller must hold the role (consumer or producer) each
+ * condition waits as. */
+int mlens_ring_wait_any(struct mlens_ring_cond *c, unsigned n, int efd, int timeout_ms);
+
 /* ==== Byte ring ====
  *
  * A ring of bytes (entries = size in bytes, esize = 1) holding records of

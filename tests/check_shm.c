@@ -363,6 +363,100 @@ START_TEST(test_ring_wait_timeout)
 }
 END_TEST
 
+/* Two rings and a byte ring in MAP_SHARED memory, one eventfd: a child
+ * makes one condition true after a delay; the parent, asleep on all of them,
+ * wakes with exactly that one met. */
+START_TEST(test_ring_wait_any)
+{
+	ssize_t rsz = mlens_ring_memsize(4, sizeof(struct item));
+	ssize_t bsz = mlens_bytering_memsize(256);
+	size_t total = 2 * (size_t)rsz + (size_t)bsz;
+	unsigned char *mem = mmap(NULL, total, PROT_READ | PROT_WRITE,
+				  MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	struct mlens_ring a, b;
+	struct mlens_bytering br;
+	struct item it[4];
+	int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), st, met;
+	int64_t t0;
+	uint32_t off;
+	void *p;
+	pid_t pid;
+
+	ck_assert_ptr_ne(mem, MAP_FAILED);
+	ck_assert_int_ge(efd, 0);
+	ck_assert_int_eq(mlens_ring_init(&a, mem, (size_t)rsz, 4, sizeof(struct item)), 0);
+	ck_assert_int_eq(mlens_ring_init(&b, mem + rsz, (size_t)rsz, 4, sizeof(struct item)), 0);
+	ck_assert_int_eq(mlens_bytering_init(&br, mem + 2 * rsz, (size_t)bsz, 256), 0);
+	for (int i = 0; i < 4; i++)
+		it[i] = item_of((uint64_t)i);
+	ck_assert_int_eq(mlens_ring_enqueue_bulk(&a, it, 4), 4);	/* a: full */
+	ck_assert_int_eq(mlens_bytering_reserve(&br, 120, &off, &p), 0);
+	ck_assert_int_eq(mlens_bytering_reserve(&br, 120, &off, &p), 0);
+	mlens_bytering_commit(&br);	/* 240 of 256 bytes used */
+
+	{
+		struct mlens_ring_cond c[3] = {
+			{ .ring = &a, .kind = MLENS_RING_WRITABLE, .need = 1 },
+			{ .ring = &b, .kind = MLENS_RING_READABLE },
+			{ .ring = &br.ring, .kind = MLENS_RING_RESERVABLE, .need = 100 },
+		};
+
+		t0 = mono_ms();
+		ck_assert_int_eq(mlens_ring_wait_any(c, 3, efd, 30), 0);	/* none: timeout */
+		ck_assert_int_ge(mono_ms() - t0, 25);
+		ck_assert(!mlens_ring_cons_needs_wakeup(&b));
+		ck_assert(!mlens_ring_prod_needs_wakeup(&a));
+
+		for (int round = 0; round < 3; round++) {
+			pid = fork();
+			ck_assert_int_ge(pid, 0);
+			if (pid == 0) {
+				struct item x = item_of(9);
+				struct timespec ts = { 0, 30 * 1000000 };
+
+				nanosleep(&ts, NULL);
+				if (round == 0 && mlens_ring_enqueue_bulk(&b, &x, 1) == 1)
+					_exit(mlens_ring_wake_cons(&b, efd) == 1 ? 0 : 1);
+				if (round == 1 && mlens_ring_dequeue_bulk(&a, &x, 1) == 1)
+					_exit(mlens_ring_wake_prod(&a, efd) == 1 ? 0 : 2);
+				if (round == 2 && mlens_bytering_release(&br, 0, 120) == 0)
+					_exit(mlens_ring_wake_prod(&br.ring, efd) == 1 ? 0 : 3);
+				_exit(4);
+			}
+			t0 = mono_ms();
+			ck_assert_int_eq(mlens_ring_wait_any(c, 3, efd, 5000), 1);
+			ck_assert_int_ge(mono_ms() - t0, 20);	/* it did sleep */
+			ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+			ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "round %d: 0x%x",
+				      round, st);
+			/* round 0 fills b (c[1]), 1 frees a slot of a (c[0]), 2 frees
+			 * bytes of the byte ring (c[2]): 136 free, a 100-byte record
+			 * needs 104 plus 16 of padding at the end. */
+			met = round == 0 ? 1 : round == 1 ? 0 : 2;
+			ck_assert_int_eq(c[met].ready, round == 2 ? 136 : 1);
+			for (int i = 0; i < 3; i++)
+				if (i != met)
+					ck_assert_int_eq(c[i].ready, 0);
+			/* Undo, so the next round starts with nothing met. */
+			if (round == 0)
+				ck_assert_int_eq(mlens_ring_dequeue_bulk(&b, it, 1), 1);
+			if (round == 1)
+				ck_assert_int_eq(mlens_ring_enqueue_bulk(&a, it, 1), 1);
+		}
+		ck_assert(!mlens_ring_cons_needs_wakeup(&b));
+		ck_assert(!mlens_ring_prod_needs_wakeup(&a));
+		ck_assert(!mlens_ring_prod_needs_wakeup(&br.ring));
+		c[0].need = 5;	/* more than the ring holds */
+		ck_assert_int_eq(mlens_ring_wait_any(c, 3, efd, 0), -EINVAL);
+		c[0].need = 1;
+		c[2].need = 129;	/* above the byte ring's largest record */
+		ck_assert_int_eq(mlens_ring_wait_any(c, 3, efd, 0), -EINVAL);
+	}
+	close(efd);
+	munmap(mem, total);
+}
+END_TEST
+
 /* ==== Byte ring ==== */
 
 static struct mlens_bytering *bring_at(uint32_t size, uint32_t start, void **mem)
@@ -1523,6 +1617,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_ring_corrupt_peer_index);
 	tcase_add_test(tc, test_ring_wakeup_flags);
 	tcase_add_test(tc, test_ring_wait_timeout);
+	tcase_add_test(tc, test_ring_wait_any);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("bytering");
