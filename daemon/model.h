@@ -29,6 +29,8 @@ struct mlens_model_config {
 	double rms_norm_eps;
 	bool tie_word_embeddings;
 	enum mlens_dtype dtype;	/* dtype of the weights (all tensors agree) */
+	bool dtype_given;	/* config.json named it (torch_dtype or dtype);
+				 * otherwise the loader takes the files' dtype */
 };
 
 struct mlens_tensor {
@@ -77,6 +79,7 @@ struct mlens_model {
 	const struct mlens_tensor *lm_head;	/* [V][H]; == embed when tied */
 	struct mlens_layer_weights *layers;	/* num_hidden_layers */
 	size_t weight_bytes;			/* sum of tensor bytes */
+	const void **expert_table;		/* owns every layer's w1/w2/w3 arrays */
 };
 
 /* Open and validate a model directory. On failure returns -errno and writes

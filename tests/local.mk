@@ -1,1 +1,22 @@
-# tests: see top-level Makefile.am
+# tests: Check unit tests, integration scripts, golden fixtures, benchmarks.
+# Parts add their own tests in tests/PART.mk; this file holds the shared
+# pieces and the engine's tests.
+noinst_LTLIBRARIES += tests/libmlens_testutil.la
+tests_libmlens_testutil_la_SOURCES = tests/testmodel.h tests/testmodel.c
+
+if HAVE_CHECK
+check_PROGRAMS += tests/check_engine
+TESTS += tests/check_engine
+tests_check_engine_SOURCES = tests/check_engine.c
+tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+
+if HAVE_CHECK
+check_PROGRAMS += tests/check_sched
+TESTS += tests/check_sched
+tests_check_sched_SOURCES = tests/check_sched.c
+tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+dist_noinst_SCRIPTS += tests/setup-deps.sh tests/run-all.sh tests/demo.sh

@@ -1,0 +1,393 @@
+/* The option table and the two parsers (flags and file) over it. */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/config.h"
+
+enum opt_type { T_STR, T_INT, T_SIZE, T_BOOL, T_DOUBLE };
+
+struct opt {
+	const char *key;
+	enum opt_type type;
+	size_t off;
+	const char *def;
+	int64_t min, max;	/* T_INT, T_SIZE (0,0 = unbounded) */
+	const char *arg;	/* metavariable for --help */
+	const char *help;
+};
+
+#define O(field) offsetof(struct mlens_config, field)
+static const struct opt opts[] = {
+	{ "config", T_STR, O(config), NULL, 0, 0, "FILE", "read settings from FILE (flags win)" },
+	{ "model", T_STR, O(model), NULL, 0, 0, "DIR", "Hugging Face model directory (required)" },
+	{ "socket", T_STR, O(socket), "/run/mlens/mlensd.sock", 0, 0, "PATH", "tenant socket" },
+	{ "control", T_STR, O(control), "/run/mlens/control.sock", 0, 0, "PATH", "control socket for mlensctl (mode 0600)" },
+	{ "control_group", T_STR, O(control_group), "", 0, 0, "GROUP", "group allowed on the control socket (mode 0660)" },
+	{ "stats", T_STR, O(stats), "/run/mlens/stats.sock", 0, 0, "PATH", "stats socket (JSON)" },
+	{ "stats_http", T_STR, O(stats_http), "", 0, 0, "127.0.0.1:PORT", "Prometheus /metrics and /health over HTTP (empty: off)" },
+	{ "backend", T_STR, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
+	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
+	{ "kv_block_size", T_INT, O(kv_block_size), "16", 1, 4096, "N", "tokens per KV block" },
+	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget (0: all free memory)" },
+	{ "threads", T_INT, O(threads), "0", 0, 4096, "N", "CPU worker threads (0: all cores of the NUMA node)" },
+	{ "numa_node", T_INT, O(numa_node), "-1", -1, 1023, "N", "NUMA node of the pinned pools (-1: the GPU's, else 0)" },
+	{ "movers", T_INT, O(movers), "2", 1, 64, "N", "io_uring mover threads that read the model files" },
+	{ "max_step_tokens", T_INT, O(max_step_tokens), "0", 0, 1 << 24, "N", "tokens per step, the scheduler's cap (0: 4096)" },
+	{ "foreground", T_BOOL, O(foreground), "false", 0, 0, NULL, "stay in the foreground (no fork)" },
+	{ "log_level", T_STR, O(log_level), "info", 0, 0, "LEVEL", "error, warn, info or debug" },
+	{ "log", T_STR, O(log), "stderr", 0, 0, "TARGET", "stderr, syslog or a file path" },
+	{ "pid_file", T_STR, O(pid_file), "", 0, 0, "PATH", "write the daemon's pid here" },
+	{ "allow_users", T_STR, O(allow_users), "", 0, 0, "LIST", "uids or user names allowed to attach (empty: the daemon's own uid; *: anyone)" },
+	{ "allow_groups", T_STR, O(allow_groups), "", 0, 0, "LIST", "gids or group names allowed to attach" },
+	{ "max_tenants", T_INT, O(max_tenants), "64", 1, 4096, "N", "tenants attached at once" },
+	{ "quota_running", T_INT, O(quota_running), "256", 0, 1 << 20, "N", "default per-tenant running sequences (0: no limit)" },
+	{ "quota_kv_blocks", T_INT, O(quota_kv_blocks), "0", 0, 1LL << 32, "N", "default per-tenant KV blocks (0: no limit)" },
+	{ "quota_queued", T_INT, O(quota_queued), "1024", 1, 1 << 20, "N", "default per-tenant queued requests" },
+	{ "quota_weight", T_DOUBLE, O(quota_weight), "1", 0, 0, "W", "default per-tenant share weight (> 0)" },
+	{ "drain_timeout", T_INT, O(drain_timeout), "30", 0, 86400, "SECONDS", "on SIGTERM, time running requests get before they are cancelled" },
+	{ "attn_kernel", T_STR, O(attn_kernel), "auto", 0, 0, "auto|scalar|avx2|avx512", "CPU decode attention kernel" },
+	{ "mlock", T_BOOL, O(mlock), "true", 0, 0, NULL, "lock the pinned pools in memory (fail if it cannot)" },
+	{ "io_uring", T_BOOL, O(io_uring), "true", 0, 0, NULL, "read model files with io_uring (false: mmap copy)" },
+};
+#undef O
+#define N_OPTS (sizeof(opts) / sizeof(opts[0]))
+
+/* keys set on the command line (bit i = opts[i]) */
+static uint64_t set_by_flag;
+_Static_assert(N_OPTS <= 64, "set_by_flag holds one bit per key");
+
+int mlens_parse_size(const char *s, uint64_t *out)
+{
+	char *end;
+	double v;
+	uint64_t mul = 1;
+	while (isspace((unsigned char)*s))
+		s++;
+	if (!isdigit((unsigned char)*s))
+		return -EINVAL;
+	errno = 0;
+	v = strtod(s, &end);
+	if (errno || end == s)
+		return -EINVAL;
+	switch (toupper((unsigned char)*end)) {
+	case 'K': mul = 1ull << 10; end++; break;
+	case 'M': mul = 1ull << 20; end++; break;
+	case 'G': mul = 1ull << 30; end++; break;
+	case 'T': mul = 1ull << 40; end++; break;
+	default: break;
+	}
+	if (mul > 1 && (*end == 'i' || *end == 'I'))
+		end++;
+	if (*end == 'B' || *end == 'b')
+		end++;
+	while (isspace((unsigned char)*end))
+		end++;
+	if (*end)
+		return -EINVAL;
+	v *= (double)mul;
+	if (!(v >= 0) || v >= 18446744073709551615.0)
+		return -ERANGE;
+	*out = (uint64_t)v;
+	return 0;
+}
+
+static int set_value(struct mlens_config *c, const struct opt *o, const char *val,
+		     char *why, size_t whylen)
+{
+	void *p = (char *)c + o->off;
+	char *end;
+	switch (o->type) {
+	case T_STR: {
+		char *d = strdup(val);
+		if (!d)
+			return -ENOMEM;
+		free(*(char **)p);
+		*(char **)p = d;
+		return 0;
+	}
+	case T_INT: {
+		long long v;
+		errno = 0;
+		v = strtoll(val, &end, 10);
+		if (errno || end == val || *end) {
+			snprintf(why, whylen, "'%s' is not an integer", val);
+			return -EINVAL;
+		}
+		if ((o->min || o->max) && (v < o->min || v > o->max)) {
+			snprintf(why, whylen, "%lld is outside [%lld, %lld]", v, (long long)o->min,
+				 (long long)o->max);
+			return -ERANGE;
+		}
+		*(int64_t *)p = v;
+		return 0;
+	}
+	case T_SIZE: {
+		uint64_t v;
+		if (mlens_parse_size(val, &v)) {
+			snprintf(why, whylen, "'%s' is not a size (a number with an optional K, M, G or T suffix)", val);
+			return -EINVAL;
+		}
+		if (o->min && v < (uint64_t)o->min) {
+			snprintf(why, whylen, "%s is below the minimum of %lld bytes", val, (long long)o->min);
+			return -ERANGE;
+		}
+		*(uint64_t *)p = v;
+		return 0;
+	}
+	case T_BOOL:
+		if (!strcmp(val, "true") || !strcmp(val, "yes") || !strcmp(val, "on") || !strcmp(val, "1"))
+			*(bool *)p = true;
+		else if (!strcmp(val, "false") || !strcmp(val, "no") || !strcmp(val, "off") || !strcmp(val, "0"))
+			*(bool *)p = false;
+		else {
+			snprintf(why, whylen, "'%s' is not a boolean (true/false, yes/no, on/off, 1/0)", val);
+			return -EINVAL;
+		}
+		return 0;
+	case T_DOUBLE: {
+		double v;
+		errno = 0;
+		v = strtod(val, &end);
+		if (errno || end == val || *end || !isfinite(v) || v <= 0) {
+			snprintf(why, whylen, "'%s' is not a positive number", val);
+			return -EINVAL;
+		}
+		*(double *)p = v;
+		return 0;
+	}
+	}
+	return -EINVAL;
+}
+
+void mlens_config_defaults(struct mlens_config *c)
+{
+	char why[128];
+	memset(c, 0, sizeof(*c));
+	for (size_t i = 0; i < N_OPTS; i++)
+		if (opts[i].def)
+			set_value(c, &opts[i], opts[i].def, why, sizeof(why));
+	set_by_flag = 0;
+}
+
+void mlens_config_free(struct mlens_config *c)
+{
+	for (size_t i = 0; i < N_OPTS; i++)
+		if (opts[i].type == T_STR) {
+			char **p = (char **)((char *)c + opts[i].off);
+			free(*p);
+			*p = NULL;
+		}
+}
+
+/* Key as written in a file: underscores; flags use dashes for the same. */
+static const struct opt *find(const char *name, size_t len, bool dashes)
+{
+	for (size_t i = 0; i < N_OPTS; i++) {
+		const char *k = opts[i].key;
+		size_t j;
+		if (strlen(k) != len)
+			continue;
+		for (j = 0; j < len; j++) {
+			char a = name[j];
+			if (dashes && a == '-')
+				a = '_';
+			else if (dashes && a == '_')
+				break;	/* flags are spelled with dashes only */
+			if (a != k[j])
+				break;
+		}
+		if (j == len)
+			return &opts[i];
+	}
+	return NULL;
+}
+
+void mlens_config_usage(FILE *f)
+{
+	fprintf(f, "usage: mlensd --model DIR [options]\n\noptions (each also a key in mlensd.conf, with _ for -):\n");
+	for (size_t i = 0; i < N_OPTS; i++) {
+		char flag[64], name[40];
+		size_t j;
+		for (j = 0; opts[i].key[j] && j < sizeof(name) - 1; j++)
+			name[j] = opts[i].key[j] == '_' ? '-' : opts[i].key[j];
+		name[j] = 0;
+		snprintf(flag, sizeof(flag), "--%s%s%s", name, opts[i].arg ? " " : "",
+			 opts[i].arg ? opts[i].arg : "");
+		fprintf(f, "  %-36s %s", flag, opts[i].help);
+		if (opts[i].def && opts[i].def[0])
+			fprintf(f, " [%s]", opts[i].def);
+		fputc('\n', f);
+	}
+	fprintf(f, "  %-36s %s\n  %-36s %s\n", "-h, --help", "this help", "-V, --version", "print the version");
+}
+
+int mlens_config_parse_args(struct mlens_config *c, int argc, char **argv, char *err, size_t errlen)
+{
+	char why[256];
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i], *val = NULL, *eq;
+		const struct opt *o;
+		size_t len;
+		int rc;
+		if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+			mlens_config_usage(stdout);
+			return 1;
+		}
+		if (!strcmp(a, "-V") || !strcmp(a, "--version")) {
+			printf("mlensd %s\n", PACKAGE_VERSION);
+			return 1;
+		}
+		if (strncmp(a, "--", 2)) {
+			snprintf(err, errlen, "unexpected argument '%s' (options start with --; see --help)", a);
+			return -EINVAL;
+		}
+		a += 2;
+		eq = strchr(a, '=');
+		len = eq ? (size_t)(eq - a) : strlen(a);
+		o = find(a, len, true);
+		if (!o && !eq && !strncmp(a, "no-", 3) && (o = find(a + 3, len - 3, true)) &&
+		    o->type == T_BOOL)
+			val = "false";
+		else if (!o || (val && o->type != T_BOOL)) {
+			snprintf(err, errlen, "unknown option '--%.*s' (see --help)", (int)len, a);
+			return -EINVAL;
+		}
+		if (!val) {
+			if (eq)
+				val = eq + 1;
+			else if (o->type == T_BOOL)
+				val = "true";
+			else if (i + 1 < argc)
+				val = argv[++i];
+			else {
+				snprintf(err, errlen, "option '--%.*s' needs a value", (int)len, a);
+				return -EINVAL;
+			}
+		}
+		rc = set_value(c, o, val, why, sizeof(why));
+		if (rc) {
+			snprintf(err, errlen, "option '--%.*s': %s", (int)len, a, why);
+			return rc;
+		}
+		set_by_flag |= 1ull << (o - opts);
+	}
+	return 0;
+}
+
+int mlens_config_load_text(struct mlens_config *c, const char *text, const char *name,
+			   char *err, size_t errlen)
+{
+	const char *line = text;
+	int lineno = 0;
+	char why[256];
+	while (*line) {
+		const char *nl = strchr(line, '\n');
+		size_t len = nl ? (size_t)(nl - line) : strlen(line);
+		char buf[4096], *k, *v, *e, *hash;
+		const struct opt *o;
+		int rc;
+		lineno++;
+		if (len >= sizeof(buf)) {
+			snprintf(err, errlen, "%s:%d: line too long", name, lineno);
+			return -EINVAL;
+		}
+		memcpy(buf, line, len);
+		buf[len] = 0;
+		line = nl ? nl + 1 : line + len;
+		if ((hash = strchr(buf, '#')))
+			*hash = 0;
+		k = buf;
+		while (isspace((unsigned char)*k))
+			k++;
+		if (!*k)
+			continue;
+		v = strchr(k, '=');
+		if (!v) {
+			snprintf(err, errlen, "%s:%d: expected 'key = value'", name, lineno);
+			return -EINVAL;
+		}
+		e = v;
+		while (e > k && isspace((unsigned char)e[-1]))
+			e--;
+		*e = 0;
+		v++;
+		while (isspace((unsigned char)*v))
+			v++;
+		e = v + strlen(v);
+		while (e > v && isspace((unsigned char)e[-1]))
+			*--e = 0;
+		if (e - v >= 2 && v[0] == '"' && e[-1] == '"') {
+			e[-1] = 0;
+			v++;
+		}
+		o = find(k, strlen(k), false);
+		if (!o || !strcmp(o->key, "config")) {
+			snprintf(err, errlen, "%s:%d: unknown key '%s'", name, lineno, k);
+			return -EINVAL;
+		}
+		if (set_by_flag & (1ull << (o - opts)))
+			continue;	/* the flag wins */
+		rc = set_value(c, o, v, why, sizeof(why));
+		if (rc) {
+			snprintf(err, errlen, "%s:%d: key '%s': %s", name, lineno, k, why);
+			return rc;
+		}
+	}
+	return 0;
+}
+
+int mlens_config_load_file(struct mlens_config *c, const char *path, char *err, size_t errlen)
+{
+	FILE *f = fopen(path, "r");
+	char *text;
+	long n;
+	int rc;
+	if (!f) {
+		rc = -errno;
+		snprintf(err, errlen, "cannot open config file %s: %s", path, strerror(-rc));
+		return rc;
+	}
+	fseek(f, 0, SEEK_END);
+	n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	if (n < 0 || n > (1 << 20)) {
+		fclose(f);
+		snprintf(err, errlen, "%s: not a regular file of at most 1 MiB", path);
+		return -EFBIG;
+	}
+	text = malloc((size_t)n + 1);
+	if (!text) {
+		fclose(f);
+		return -ENOMEM;
+	}
+	n = (long)fread(text, 1, (size_t)n, f);
+	text[n] = 0;
+	fclose(f);
+	if (memchr(text, 0, (size_t)n)) {
+		free(text);
+		snprintf(err, errlen, "%s: binary data in a config file", path);
+		return -EINVAL;
+	}
+	rc = mlens_config_load_text(c, text, path, err, errlen);
+	free(text);
+	return rc;
+}
+
+void mlens_config_dump(const struct mlens_config *c, FILE *f)
+{
+	for (size_t i = 0; i < N_OPTS; i++) {
+		const void *p = (const char *)c + opts[i].off;
+		fprintf(f, "%s = ", opts[i].key);
+		switch (opts[i].type) {
+		case T_STR: fprintf(f, "%s\n", *(char *const *)p ? *(char *const *)p : ""); break;
+		case T_INT: fprintf(f, "%lld\n", (long long)*(const int64_t *)p); break;
+		case T_SIZE: fprintf(f, "%llu\n", (unsigned long long)*(const uint64_t *)p); break;
+		case T_BOOL: fprintf(f, "%s\n", *(const bool *)p ? "true" : "false"); break;
+		case T_DOUBLE: fprintf(f, "%g\n", *(const double *)p); break;
+		}
+	}
+}

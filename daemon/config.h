@@ -1,0 +1,66 @@
+/* mlensd's configuration: one table of keys, each settable in mlensd.conf
+ * (key = value) and as a flag (--key-name); flag > file > default. Unknown
+ * keys and bad values are errors naming the key (and the file and line). */
+#ifndef MLENS_CONFIG_H
+#define MLENS_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+struct mlens_config {
+	char *config;		/* the file read, if any */
+	char *model;
+	char *socket;
+	char *control;
+	char *control_group;
+	char *stats;
+	char *stats_http;
+	char *backend;
+	uint64_t kv_cache;
+	int64_t kv_block_size;
+	uint64_t gpu_memory;
+	int64_t threads;
+	int64_t numa_node;
+	int64_t movers;
+	int64_t max_step_tokens;
+	bool foreground;
+	char *log_level;
+	char *log;
+	char *pid_file;
+	char *allow_users;
+	char *allow_groups;
+	int64_t max_tenants;
+	int64_t quota_running;
+	int64_t quota_kv_blocks;
+	int64_t quota_queued;
+	double quota_weight;
+	int64_t drain_timeout;
+	char *attn_kernel;
+	bool mlock;
+	bool io_uring;
+};
+
+/* Fill in every default. */
+void mlens_config_defaults(struct mlens_config *c);
+void mlens_config_free(struct mlens_config *c);
+
+/* Parse argv (flags only; no positional arguments). Returns 0, 1 when
+ * --help or --version was handled (exit 0), or -EINVAL with err set.
+ * Keys given are remembered so that the file does not override them. */
+int mlens_config_parse_args(struct mlens_config *c, int argc, char **argv, char *err, size_t errlen);
+/* Read a config file; keys set by flags are kept. -errno with err set
+ * ("FILE:LINE: ..."). */
+int mlens_config_load_file(struct mlens_config *c, const char *path, char *err, size_t errlen);
+/* Parse text as a config file would be (tests, fuzzing). */
+int mlens_config_load_text(struct mlens_config *c, const char *text, const char *name,
+			   char *err, size_t errlen);
+
+/* "64K", "2G", "1.5GiB", "1048576": bytes, or -EINVAL / -ERANGE. */
+int mlens_parse_size(const char *s, uint64_t *out);
+
+/* Write every key and its value (mlensctl status, mlensd --print-config). */
+void mlens_config_dump(const struct mlens_config *c, FILE *f);
+void mlens_config_usage(FILE *f);
+
+#endif

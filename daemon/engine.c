@@ -1,0 +1,475 @@
+/* One step of the Mixtral forward pass through the backend ops.
+ * Token rows are ordered prefill sequences first (contiguous, for
+ * attn_prefill), then the tokens of sequences that already have a cache
+ * (decode, or a continuation), which read the paged cache. */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/engine.h"
+
+struct layer_bind {
+	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
+	const void **w1, **w2, **w3;
+	struct mlens_moe_weights moe;
+};
+
+struct mlens_engine {
+	const struct mlens_model *m;
+	struct mlens_model_config cfg;
+	struct mlens_backend *be;
+	struct mlens_kv_pool kv;
+	int max_tokens;
+	int qdim, kvdim;
+	bool prefill_op;	/* prefill attention through attn_prefill */
+
+	/* weights as the backend sees them */
+	bool uploaded;		/* true: backend copies we must free */
+	const void *embed, *final_norm, *lm_head;
+	struct layer_bind *layers;
+
+	/* activations, backend memory, max_tokens rows */
+	float *x, *xn, *q, *k, *v, *att, *rlog, *rw;
+	int32_t *rid;
+	float *logits;		/* grown on demand */
+	size_t logits_rows;
+
+	/* host scratch, max_tokens entries */
+	int32_t *tok, *pos, *cu;
+	int64_t *slots;
+	struct mlens_attn_query *qry;
+	int32_t *row_req;	/* request index of each row */
+	int32_t *lrow;		/* rows that need logits */
+	int32_t *sampled;
+	float *logp;
+	struct mlens_sampling *samp;
+	float *host_logits;
+	size_t host_logits_rows;
+};
+
+static void seterr(char *err, size_t len, const char *fmt, ...)
+{
+	va_list ap;
+	if (!err || !len)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(err, len, fmt, ap);
+	va_end(ap);
+}
+
+/* ==== weights ==== */
+
+static const void *bind(struct mlens_engine *e, const void *host, size_t bytes, int *rc)
+{
+	void *d;
+	if (!e->uploaded || *rc)
+		return host;
+	d = e->be->ops->alloc(e->be->ctx, bytes);
+	if (!d) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	*rc = e->be->ops->upload(e->be->ctx, d, host, bytes);
+	return d;
+}
+
+static void unbind(struct mlens_engine *e, const void *p)
+{
+	if (e->uploaded && p)
+		e->be->ops->free(e->be->ctx, (void *)p);
+}
+
+static int bind_weights(struct mlens_engine *e)
+{
+	const struct mlens_model *m = e->m;
+	const struct mlens_model_config *c = &e->cfg;
+	size_t es = mlens_dtype_size(c->dtype);
+	size_t ih = (size_t)c->intermediate_size * c->hidden_size * es;
+	int rc = 0;
+
+	e->uploaded = !e->be->ops->host_memory;
+	e->layers = calloc((size_t)c->num_hidden_layers, sizeof(*e->layers));
+	if (!e->layers)
+		return -ENOMEM;
+	e->embed = bind(e, m->embed->data, m->embed->nbytes, &rc);
+	e->final_norm = bind(e, m->final_norm->data, m->final_norm->nbytes, &rc);
+	if (m->lm_head == m->embed)
+		e->lm_head = e->embed;
+	else
+		e->lm_head = bind(e, m->lm_head->data, m->lm_head->nbytes, &rc);
+	for (int64_t l = 0; l < c->num_hidden_layers && !rc; l++) {
+		const struct mlens_layer_weights *w = &m->layers[l];
+		struct layer_bind *b = &e->layers[l];
+		b->attn_norm = bind(e, w->attn_norm->data, w->attn_norm->nbytes, &rc);
+		b->wq = bind(e, w->wq->data, w->wq->nbytes, &rc);
+		b->wk = bind(e, w->wk->data, w->wk->nbytes, &rc);
+		b->wv = bind(e, w->wv->data, w->wv->nbytes, &rc);
+		b->wo = bind(e, w->wo->data, w->wo->nbytes, &rc);
+		b->ffn_norm = bind(e, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
+		b->router = bind(e, w->router->data, w->router->nbytes, &rc);
+		b->w1 = calloc((size_t)c->num_local_experts, sizeof(void *));
+		b->w2 = calloc((size_t)c->num_local_experts, sizeof(void *));
+		b->w3 = calloc((size_t)c->num_local_experts, sizeof(void *));
+		if (!b->w1 || !b->w2 || !b->w3)
+			return -ENOMEM;
+		for (int64_t x = 0; x < c->num_local_experts && !rc; x++) {
+			b->w1[x] = bind(e, w->w1[x], ih, &rc);
+			b->w2[x] = bind(e, w->w2[x], ih, &rc);
+			b->w3[x] = bind(e, w->w3[x], ih, &rc);
+		}
+		b->moe.n_experts = (int)c->num_local_experts;
+		b->moe.hidden = (int)c->hidden_size;
+		b->moe.inter = (int)c->intermediate_size;
+		b->moe.dtype = c->dtype;
+		b->moe.w1 = b->w1;
+		b->moe.w2 = b->w2;
+		b->moe.w3 = b->w3;
+	}
+	return rc;
+}
+
+static void unbind_weights(struct mlens_engine *e)
+{
+	if (!e->layers)
+		return;
+	unbind(e, e->embed);
+	unbind(e, e->final_norm);
+	if (e->lm_head != e->embed)
+		unbind(e, e->lm_head);
+	for (int64_t l = 0; l < e->cfg.num_hidden_layers; l++) {
+		struct layer_bind *b = &e->layers[l];
+		unbind(e, b->attn_norm);
+		unbind(e, b->wq);
+		unbind(e, b->wk);
+		unbind(e, b->wv);
+		unbind(e, b->wo);
+		unbind(e, b->ffn_norm);
+		unbind(e, b->router);
+		for (int64_t x = 0; x < e->cfg.num_local_experts; x++) {
+			if (b->w1)
+				unbind(e, b->w1[x]);
+			if (b->w2)
+				unbind(e, b->w2[x]);
+			if (b->w3)
+				unbind(e, b->w3[x]);
+		}
+		free(b->w1);
+		free(b->w2);
+		free(b->w3);
+	}
+	free(e->layers);
+	e->layers = NULL;
+}
+
+/* ==== create / destroy ==== */
+
+static void *balloc(struct mlens_engine *e, size_t elems, size_t es, int *rc)
+{
+	void *p;
+	if (*rc)
+		return NULL;
+	p = e->be->ops->alloc(e->be->ctx, elems * es);
+	if (!p)
+		*rc = -ENOMEM;
+	return p;
+}
+
+int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
+			struct mlens_backend *be, const struct mlens_engine_opts *o,
+			char *err, size_t errlen)
+{
+	struct mlens_engine_opts def = { 0 };
+	struct mlens_engine *e;
+	struct mlens_kv_cache layout;
+	size_t T, H;
+	int rc = 0;
+
+	if (!o) {
+		def.kv_dtype = -1;
+		o = &def;
+	}
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return -ENOMEM;
+	e->m = m;
+	e->cfg = m->cfg;
+	e->be = be;
+	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
+	e->prefill_op = o->prefill_attn == MLENS_PREFILL_OP ||
+			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
+	e->qdim = (int)(e->cfg.num_attention_heads * e->cfg.head_dim);
+	e->kvdim = (int)(e->cfg.num_key_value_heads * e->cfg.head_dim);
+
+	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
+		       (e->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
+	if (layout.dtype == MLENS_DTYPE_F16) {
+		seterr(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		rc = -EINVAL;
+		goto fail;
+	}
+	layout.n_layers = (int)e->cfg.num_hidden_layers;
+	layout.n_kv_heads = (int)e->cfg.num_key_value_heads;
+	layout.head_dim = (int)e->cfg.head_dim;
+	layout.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
+	layout.n_blocks = o->kv_blocks ? o->kv_blocks :
+			  (uint32_t)(8 * ((e->cfg.max_position_embeddings + layout.block_size - 1) /
+					  layout.block_size));
+	layout.k = layout.v = NULL;
+	rc = mlens_kv_pool_init(&e->kv, be, &layout, o->kv_mem_k, o->kv_mem_v);
+	if (rc) {
+		seterr(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens): %s",
+		       layout.n_blocks, layout.block_size, strerror(-rc));
+		goto fail;
+	}
+	rc = bind_weights(e);
+	if (rc) {
+		seterr(err, errlen, "cannot place the model weights on the %s backend: %s",
+		       be->ops->name, strerror(-rc));
+		goto fail;
+	}
+
+	T = (size_t)e->max_tokens;
+	H = (size_t)e->cfg.hidden_size;
+	e->x = balloc(e, T * H, 4, &rc);
+	e->xn = balloc(e, T * H, 4, &rc);
+	e->q = balloc(e, T * e->qdim, 4, &rc);
+	e->k = balloc(e, T * e->kvdim, 4, &rc);
+	e->v = balloc(e, T * e->kvdim, 4, &rc);
+	e->att = balloc(e, T * e->qdim, 4, &rc);
+	e->rlog = balloc(e, T * e->cfg.num_local_experts, 4, &rc);
+	e->rw = balloc(e, T * e->cfg.num_experts_per_tok, 4, &rc);
+	e->rid = balloc(e, T * e->cfg.num_experts_per_tok, 4, &rc);
+	e->tok = malloc(T * sizeof(*e->tok));
+	e->pos = malloc(T * sizeof(*e->pos));
+	e->cu = malloc((T + 1) * sizeof(*e->cu));
+	e->slots = malloc(T * sizeof(*e->slots));
+	e->qry = malloc(T * sizeof(*e->qry));
+	e->row_req = malloc(T * sizeof(*e->row_req));
+	e->lrow = malloc(T * sizeof(*e->lrow));
+	e->sampled = malloc(T * sizeof(*e->sampled));
+	e->logp = malloc(T * sizeof(*e->logp));
+	e->samp = malloc(T * sizeof(*e->samp));
+	if (rc || !e->tok || !e->pos || !e->cu || !e->slots || !e->qry || !e->row_req ||
+	    !e->lrow || !e->sampled || !e->logp || !e->samp) {
+		rc = -ENOMEM;
+		seterr(err, errlen, "cannot allocate activations for %d tokens per step", e->max_tokens);
+		goto fail;
+	}
+	*out = e;
+	return 0;
+fail:
+	mlens_engine_destroy(e);
+	return rc;
+}
+
+void mlens_engine_destroy(struct mlens_engine *e)
+{
+	void *bufs[] = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog, e->rw, e->rid, e->logits };
+	if (!e)
+		return;
+	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+		if (bufs[i])
+			e->be->ops->free(e->be->ctx, bufs[i]);
+	unbind_weights(e);
+	if (e->kv.free_stack)
+		mlens_kv_pool_fini(&e->kv);
+	free(e->tok);
+	free(e->pos);
+	free(e->cu);
+	free(e->slots);
+	free(e->qry);
+	free(e->row_req);
+	free(e->lrow);
+	free(e->sampled);
+	free(e->logp);
+	free(e->samp);
+	free(e->host_logits);
+	free(e);
+}
+
+struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e)
+{
+	return &e->kv;
+}
+
+const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e)
+{
+	return &e->cfg;
+}
+
+int mlens_engine_max_step_tokens(const struct mlens_engine *e)
+{
+	return e->max_tokens;
+}
+
+uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
+				  int n)
+{
+	uint32_t need = 0;
+	for (int i = 0; i < n; i++)
+		need += mlens_seq_blocks_needed(&e->kv, reqs[i].seq,
+						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
+	return need;
+}
+
+/* ==== the step ==== */
+
+static int grow_logits(struct mlens_engine *e, size_t rows)
+{
+	size_t V = (size_t)e->cfg.vocab_size;
+	if (rows > e->logits_rows) {
+		if (e->logits)
+			e->be->ops->free(e->be->ctx, e->logits);
+		e->logits = e->be->ops->alloc(e->be->ctx, rows * V * sizeof(float));
+		e->logits_rows = e->logits ? rows : 0;
+		if (!e->logits)
+			return -ENOMEM;
+	}
+	if (rows > e->host_logits_rows) {
+		float *h = realloc(e->host_logits, rows * V * sizeof(float));
+		if (!h)
+			return -ENOMEM;
+		e->host_logits = h;
+		e->host_logits_rows = rows;
+	}
+	return 0;
+}
+
+#define OPS (e->be->ops)
+#define CTX (e->be->ctx)
+#define TRY(x) do { if ((rc = (x))) goto out; } while (0)
+
+int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
+{
+	const struct mlens_model_config *c = &e->cfg;
+	int H = (int)c->hidden_size, hd = (int)c->head_dim;
+	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
+	int K = (int)c->num_experts_per_tok, E = (int)c->num_local_experts;
+	int V = (int)c->vocab_size, bs = e->kv.cache.block_size;
+	float scale = 1.0f / sqrtf((float)hd);
+	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row;
+	int64_t total = 0;
+
+	if (n <= 0)
+		return -EINVAL;
+	/* validate everything before touching any state */
+	for (int i = 0; i < n; i++) {
+		const struct mlens_engine_req *r = &reqs[i];
+		if (!r->seq || r->n_tokens <= 0 || !r->tokens)
+			return -EINVAL;
+		for (int j = 0; j < r->n_tokens; j++)
+			if (r->tokens[j] < 0 || r->tokens[j] >= V)
+				return -EINVAL;
+		if ((int64_t)r->seq->len + r->n_tokens > c->max_position_embeddings)
+			return -EOVERFLOW;
+		total += r->n_tokens;
+	}
+	if (total > e->max_tokens)
+		return -E2BIG;
+	if (mlens_engine_step_blocks(e, reqs, n) > mlens_kv_pool_free_blocks(&e->kv))
+		return -ENOSPC;
+	for (int i = 0; i < n; i++) {
+		rc = mlens_seq_reserve(&e->kv, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens);
+		if (rc)
+			return rc;	/* only -ENOMEM here; reserved blocks stay with their seqs */
+	}
+	T = (int)total;
+
+	/* rows: prefill sequences first, then the others */
+	row = 0;
+	e->cu[0] = 0;
+	for (int pass = 0; pass < 2; pass++) {
+		for (int i = 0; i < n; i++) {
+			struct mlens_engine_req *r = &reqs[i];
+			bool pre = r->seq->len == 0;
+			if (pre != (pass == 0))
+				continue;
+			for (int j = 0; j < r->n_tokens; j++, row++) {
+				int32_t p = r->seq->len + j;
+				e->tok[row] = r->tokens[j];
+				e->pos[row] = p;
+				e->row_req[row] = i;
+				e->slots[row] = (int64_t)r->seq->blocks[p / bs] * bs + p % bs;
+				e->qry[row].ctx_len = p + 1;
+				e->qry[row].n_blocks = (int32_t)r->seq->n_blocks;
+				e->qry[row].block_table = r->seq->blocks;
+				if (r->all_logits || j == r->n_tokens - 1)
+					e->lrow[nl++] = row;
+			}
+			if (pre)
+				e->cu[++n_pre] = row;
+		}
+		if (pass == 0)
+			P = row;
+	}
+	if (!e->prefill_op) {
+		/* every row reads the cache, which holds this step's K/V by then */
+		P = 0;
+		n_pre = 0;
+	}
+
+	TRY(OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
+	for (int l = 0; l < (int)c->num_hidden_layers; l++) {
+		const struct layer_bind *b = &e->layers[l];
+		TRY(OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
+		TRY(OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
+		TRY(OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
+		TRY(OPS->gemm(CTX, e->v, e->xn, b->wv, c->dtype, T, H, e->kvdim, false));
+		TRY(OPS->rope(CTX, e->q, e->pos, T, nh, hd, (float)c->rope_theta));
+		TRY(OPS->rope(CTX, e->k, e->pos, T, nkv, hd, (float)c->rope_theta));
+		TRY(OPS->kv_append(CTX, &e->kv.cache, l, e->k, e->v, e->slots, T));
+		if (n_pre)
+			TRY(OPS->attn_prefill(CTX, e->att, e->q, e->k, e->v, e->cu, n_pre, nh, nkv, hd, scale));
+		if (T > P)
+			TRY(OPS->attn_decode(CTX, e->att + (size_t)P * e->qdim, e->q + (size_t)P * e->qdim,
+					     &e->kv.cache, l, e->qry + P, T - P, nh, scale));
+		/* residual: x += att . Wo^T */
+		TRY(OPS->gemm(CTX, e->x, e->att, b->wo, c->dtype, T, e->qdim, H, true));
+		TRY(OPS->rmsnorm(CTX, e->xn, e->x, b->ffn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
+		TRY(OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
+		TRY(OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
+		TRY(OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
+	}
+
+	/* logits for the rows that need them: gather, norm, lm_head */
+	TRY(grow_logits(e, (size_t)nl));
+	for (int i = 0; i < nl; i++) {
+		/* final norm straight from the residual row into a packed row */
+		TRY(OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
+				 e->final_norm, c->dtype, 1, H, (float)c->rms_norm_eps));
+	}
+	TRY(OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
+
+	/* sample the last row of each request; download logits where asked */
+	for (int i = 0; i < nl; i++) {
+		const struct mlens_engine_req *r = &reqs[e->row_req[e->lrow[i]]];
+		e->samp[i] = r->samp;
+	}
+	TRY(OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
+	{
+		bool any = false;
+		for (int i = 0; i < n; i++)
+			any |= reqs[i].logits != NULL;
+		if (any)
+			TRY(OPS->download(CTX, e->host_logits, e->logits, (size_t)nl * V * sizeof(float)));
+	}
+	for (int i = 0; i < nl; i++) {
+		int ri = e->row_req[e->lrow[i]];
+		struct mlens_engine_req *r = &reqs[ri];
+		int j = e->pos[e->lrow[i]] - r->seq->len;	/* token index within the request */
+		if (r->logits) {
+			float *dst = r->all_logits ? r->logits + (size_t)j * V : r->logits;
+			memcpy(dst, e->host_logits + (size_t)i * V, (size_t)V * sizeof(float));
+		}
+		if (j == r->n_tokens - 1) {
+			r->next_token = e->sampled[i];
+			r->logprob = e->logp[i];
+		}
+	}
+	for (int i = 0; i < n; i++)
+		reqs[i].seq->len += reqs[i].n_tokens;
+out:
+	return rc;
+}

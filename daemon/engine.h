@@ -1,0 +1,71 @@
+/* The engine: one forward step of a Mixtral model through a backend for a
+ * set of sequences, some in prefill and some in decode. Owns the weights as
+ * the backend sees them, the activation buffers and the KV pool. It does no
+ * scheduling: the caller picks the sequences and checks KV room first.
+ * Not thread-safe: one thread drives an engine. */
+#ifndef MLENS_ENGINE_H
+#define MLENS_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include "daemon/kv_pool.h"
+#include "daemon/model.h"
+#include "kernels/backend.h"
+
+struct mlens_engine;
+
+struct mlens_engine_opts {
+	int kv_block_size;	/* tokens per KV block; 0 = 16 */
+	uint32_t kv_blocks;	/* blocks in the pool; 0 = enough for 8 full contexts */
+	int kv_dtype;		/* -1 = auto (F32 for F32 models, else BF16) */
+	int max_step_tokens;	/* tokens one step may carry; 0 = 4096 */
+	void *kv_mem_k;		/* optional caller-owned KV memory (see kv_pool.h) */
+	void *kv_mem_v;
+	/* Attention of prefill tokens: MLENS_PREFILL_AUTO picks the cache path
+	 * on host-memory backends (so that a re-prefill after preemption gives
+	 * bit-identical results to the uninterrupted decode) and the prefill op
+	 * (flash attention) elsewhere. */
+	int prefill_attn;
+};
+
+enum {
+	MLENS_PREFILL_AUTO = 0,
+	MLENS_PREFILL_OP = 1,		/* attn_prefill over this step's k, v */
+	MLENS_PREFILL_CACHE = 2,	/* attn_decode over the paged cache */
+};
+
+/* One sequence's part of a step: n_tokens tokens appended at positions
+ * seq->len ..; on return seq->len has grown by n_tokens and next_token holds
+ * the token sampled after the last one. */
+struct mlens_engine_req {
+	struct mlens_seq *seq;
+	const int32_t *tokens;
+	int n_tokens;
+	struct mlens_sampling samp;
+	float *logits;		/* optional host [vocab] (or [n_tokens][vocab] with all_logits) */
+	bool all_logits;
+	int32_t next_token;	/* out */
+	float logprob;		/* out: log-probability of next_token */
+};
+
+int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
+			struct mlens_backend *be, const struct mlens_engine_opts *o,
+			char *err, size_t errlen);
+void mlens_engine_destroy(struct mlens_engine *e);
+
+struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e);
+const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e);
+int mlens_engine_max_step_tokens(const struct mlens_engine *e);
+
+/* KV blocks the step would need beyond what its sequences hold. */
+uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
+				  int n);
+
+/* Run one step. Errors (nothing changed): -EINVAL bad request (token id out
+ * of range, empty), -E2BIG more tokens than max_step_tokens, -EOVERFLOW past
+ * max_position_embeddings, -ENOSPC not enough free KV blocks; a backend
+ * failure returns its -errno (the sequences' len is then unchanged but the
+ * KV contents of the new positions are undefined). */
+int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n);
+
+#endif

@@ -1,0 +1,81 @@
+/* Pinned NUMA-local allocations. */
+#include <errno.h>
+#include <numa.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#include "daemon/mem.h"
+
+int mlens_numa_pick(int want, char *err, size_t errlen)
+{
+	if (numa_available() < 0)
+		return want > 0 ? (snprintf(err, errlen, "NUMA node %d asked for, but this kernel has no NUMA support", want), -ENODEV) : -1;
+	if (want >= 0) {
+		if (want > numa_max_node() || !numa_bitmask_isbitset(numa_all_nodes_ptr, (unsigned)want)) {
+			snprintf(err, errlen, "NUMA node %d does not exist (nodes 0..%d)", want, numa_max_node());
+			return -ENODEV;
+		}
+		return want;
+	}
+	return 0;
+}
+
+int mlens_pinned_alloc(struct mlens_pinned *m, size_t size, int node, bool mlock_it,
+		       const char *what, char *err, size_t errlen)
+{
+	long page = sysconf(_SC_PAGESIZE);
+	memset(m, 0, sizeof(*m));
+	m->what = what;
+	m->node = node;
+	size = (size + (size_t)page - 1) & ~((size_t)page - 1);
+	if (node >= 0 && numa_available() >= 0)
+		m->p = numa_alloc_onnode(size, node);
+	else {
+		m->p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (m->p == MAP_FAILED)
+			m->p = NULL;
+		m->node = -1;
+	}
+	if (!m->p) {
+		snprintf(err, errlen, "cannot allocate %zu MiB for the %s on NUMA node %d", size >> 20, what, node);
+		return -ENOMEM;
+	}
+	m->size = size;
+	/* huge pages where the kernel allows: fewer TLB misses in attention */
+	madvise(m->p, size, MADV_HUGEPAGE);
+	if (mlock_it) {
+		if (mlock(m->p, size)) {
+			int e = errno;
+			struct rlimit rl;
+			getrlimit(RLIMIT_MEMLOCK, &rl);
+			snprintf(err, errlen,
+				 "cannot lock %zu MiB for the %s: %s (RLIMIT_MEMLOCK is %llu KiB; raise it, "
+				 "e.g. LimitMEMLOCK=infinity, or set mlock = false)",
+				 size >> 20, what, strerror(e),
+				 rl.rlim_cur == RLIM_INFINITY ? 0ull : (unsigned long long)rl.rlim_cur >> 10);
+			mlens_pinned_free(m);
+			return -e;
+		}
+		m->locked = true;
+	} else {
+		/* touch every page so the memory is really there (and on node) */
+		for (size_t o = 0; o < size; o += (size_t)page)
+			((volatile char *)m->p)[o] = 0;
+	}
+	return 0;
+}
+
+void mlens_pinned_free(struct mlens_pinned *m)
+{
+	if (!m->p)
+		return;
+	if (m->locked)
+		munlock(m->p, m->size);
+	if (m->node >= 0)
+		numa_free(m->p, m->size);
+	else
+		munmap(m->p, m->size);
+	m->p = NULL;
+}

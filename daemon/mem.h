@@ -1,0 +1,27 @@
+/* Pinned host memory on one NUMA node: the KV block pool and the weight
+ * pages live here. Allocated with libnuma, locked with mlock when asked,
+ * and accounted: each area is a budget the daemon reports. */
+#ifndef MLENS_MEM_H
+#define MLENS_MEM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+struct mlens_pinned {
+	void *p;
+	size_t size;
+	int node;		/* NUMA node it is bound to, -1 without NUMA */
+	bool locked;		/* mlock succeeded */
+	const char *what;	/* "KV cache", "weights": for messages */
+};
+
+/* The NUMA node to use: want >= 0 as given (checked), else 0. */
+int mlens_numa_pick(int want, char *err, size_t errlen);
+
+/* Allocate size bytes on node, touching every page; lock them if mlock_it.
+ * A failed mlock is an error with a message naming RLIMIT_MEMLOCK. */
+int mlens_pinned_alloc(struct mlens_pinned *m, size_t size, int node, bool mlock_it,
+		       const char *what, char *err, size_t errlen);
+void mlens_pinned_free(struct mlens_pinned *m);
+
+#endif

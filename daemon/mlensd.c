@@ -1,0 +1,378 @@
+/* mlensd: the resident daemon. Start-up (config, model, pinned memory,
+ * backend, engine, scheduler, worker, sockets), then the libevent loop on
+ * the main thread until SIGTERM/SIGINT drains it. */
+#include <errno.h>
+#include <event2/event.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "daemon/config.h"
+#include "daemon/engine.h"
+#include "daemon/log.h"
+#include "daemon/mem.h"
+#include "daemon/sched.h"
+#include "daemon/server.h"
+#include "daemon/weights.h"
+#include "daemon/worker.h"
+#include "kernels/cpu/attn.h"
+
+struct daemon {
+	struct mlens_config cfg;
+	struct event_base *base;
+	struct mlens_model *model;
+	struct mlens_weights weights;
+	struct mlens_backend be;
+	struct mlens_pinned kv_k, kv_v;
+	struct mlens_engine *engine;
+	struct mlens_sched *sched;
+	struct mlens_worker *worker;
+	struct mlens_server *server;
+	int notify_fd;		/* the worker says: drained */
+	struct event *ev_notify, *ev_term, *ev_int, *ev_hup;
+	bool draining;
+	int ready_fd;		/* daemon mode: tell the waiting parent */
+	double started;
+};
+
+static struct daemon D;
+
+/* ==== start-up ==== */
+
+/* In daemon mode the parent waits for the child's first line on a pipe:
+ * "ok" or an error message, so that start-up errors reach the terminal. */
+static int daemonize(void)
+{
+	int p[2];
+	pid_t pid;
+	if (pipe(p))
+		return -errno;
+	pid = fork();
+	if (pid < 0)
+		return -errno;
+	if (pid > 0) {
+		char buf[1024];
+		ssize_t n;
+		close(p[1]);
+		n = read(p[0], buf, sizeof(buf) - 1);
+		if (n > 0 && !strncmp(buf, "ok", 2))
+			_exit(0);
+		if (n > 0) {
+			buf[n] = 0;
+			fprintf(stderr, "mlensd: %s\n", buf);
+		} else {
+			fprintf(stderr, "mlensd: the daemon exited during start-up\n");
+		}
+		_exit(1);
+	}
+	close(p[0]);
+	setsid();
+	if (fork() > 0)
+		_exit(0);	/* the grandchild cannot reacquire a terminal */
+	{
+		int fd = open("/dev/null", O_RDWR);
+		if (fd >= 0) {
+			dup2(fd, 0);
+			dup2(fd, 1);
+			if (strcmp(D.cfg.log, "stderr"))
+				dup2(fd, 2);
+			if (fd > 2)
+				close(fd);
+		}
+	}
+	return p[1];
+}
+
+static int fail_start(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail_start(const char *fmt, ...)
+{
+	char msg[1024];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	log_error("%s", msg);
+	if (D.ready_fd >= 0) {
+		if (write(D.ready_fd, msg, strlen(msg)) < 0) {
+			/* the parent is gone: nothing more to tell */
+		}
+	} else if (strcmp(D.cfg.log, "stderr")) {
+		fprintf(stderr, "mlensd: %s\n", msg);
+	}
+	return 1;
+}
+
+static int write_pid_file(const char *path)
+{
+	char buf[32];
+	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	int n = snprintf(buf, sizeof(buf), "%d\n", (int)getpid());
+	if (fd < 0)
+		return -errno;
+	if (write(fd, buf, (size_t)n) != n) {
+		close(fd);
+		return -EIO;
+	}
+	close(fd);
+	return 0;
+}
+
+/* ==== signals and shutdown ==== */
+
+static void begin_drain(const char *why)
+{
+	if (D.draining)
+		return;
+	D.draining = true;
+	log_info("%s: draining (no new requests; running ones get %lld s)", why,
+		 (long long)D.cfg.drain_timeout);
+	mlens_server_stop_listening(D.server);
+	mlens_worker_drain(D.worker, mlens_now() + (double)D.cfg.drain_timeout);
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg)
+{
+	if (sig == SIGHUP) {
+		int rc = mlens_log_reopen();
+		log_info("SIGHUP: log reopened%s%s", rc ? ": " : "", rc ? strerror(-rc) : "");
+		return;
+	}
+	if (D.draining) {
+		log_warn("second %s: exiting now", strsignal((int)sig));
+		event_base_loopbreak(D.base);
+		return;
+	}
+	begin_drain(strsignal((int)sig));
+}
+
+static void on_drained(evutil_socket_t fd, short what, void *arg)
+{
+	uint64_t v;
+	if (read(fd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+		log_warn("notify eventfd: %s", strerror(errno));
+	if (D.draining) {
+		log_info("drained: exiting");
+		event_base_loopbreak(D.base);
+	}
+}
+
+/* ==== main ==== */
+
+static uint32_t kv_blocks_for(const struct mlens_model_config *c, enum mlens_dtype dt, int bs,
+			      uint64_t bytes, size_t *per_block)
+{
+	*per_block = (size_t)c->num_hidden_layers * (size_t)c->num_key_value_heads * (size_t)bs *
+		     (size_t)c->head_dim * mlens_dtype_size(dt);
+	uint64_t n = bytes / (2 * *per_block);
+	return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
+}
+
+int main(int argc, char **argv)
+{
+	char err[1024];
+	int rc, level, node;
+	struct mlens_backend_opts bo;
+	struct mlens_engine_opts eo;
+	struct mlens_sched_opts so;
+	struct mlens_server_opts sv;
+	size_t per_block;
+	uint32_t blocks;
+	enum mlens_dtype kv_dt;
+
+	memset(&D, 0, sizeof(D));
+	D.ready_fd = -1;
+	D.notify_fd = -1;
+	mlens_config_defaults(&D.cfg);
+	rc = mlens_config_parse_args(&D.cfg, argc, argv, err, sizeof(err));
+	if (rc == 1)
+		return 0;
+	if (rc) {
+		fprintf(stderr, "mlensd: %s\n", err);
+		return 2;
+	}
+	if (D.cfg.config && D.cfg.config[0]) {
+		rc = mlens_config_load_file(&D.cfg, D.cfg.config, err, sizeof(err));
+		if (rc) {
+			fprintf(stderr, "mlensd: %s\n", err);
+			return 2;
+		}
+	}
+	if (!D.cfg.model || !D.cfg.model[0]) {
+		fprintf(stderr, "mlensd: no model: give --model DIR (or model = DIR in the config file)\n");
+		return 2;
+	}
+	level = mlens_log_parse_level(D.cfg.log_level);
+	if (level < 0) {
+		fprintf(stderr, "mlensd: log_level '%s' is not one of error, warn, info, debug\n", D.cfg.log_level);
+		return 2;
+	}
+	if (strcmp(D.cfg.backend, "auto") && strcmp(D.cfg.backend, "cpu") && strcmp(D.cfg.backend, "cuda")) {
+		fprintf(stderr, "mlensd: backend '%s' is not one of auto, cpu, cuda\n", D.cfg.backend);
+		return 2;
+	}
+	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
+		fprintf(stderr, "mlensd: attn_kernel '%s' is unknown or not supported by this CPU\n",
+			D.cfg.attn_kernel);
+		return 2;
+	}
+	rc = mlens_log_open(D.cfg.log, (enum mlens_log_level)level);
+	if (rc) {
+		fprintf(stderr, "mlensd: cannot open log %s: %s\n", D.cfg.log, strerror(-rc));
+		return 1;
+	}
+	if (!D.cfg.foreground) {
+		D.ready_fd = daemonize();
+		if (D.ready_fd < 0) {
+			fprintf(stderr, "mlensd: cannot daemonize: %s\n", strerror(-D.ready_fd));
+			return 1;
+		}
+	}
+	D.started = mlens_now();
+	signal(SIGPIPE, SIG_IGN);
+
+	/* model and weight pages */
+	rc = mlens_model_open(D.cfg.model, &D.model, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+	node = mlens_numa_pick((int)D.cfg.numa_node, err, sizeof(err));
+	if (node < -1)
+		return fail_start("%s", err);
+	{
+		struct mlens_weights_opts wo = { node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
+		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
+		if (rc)
+			return fail_start("%s", err);
+		log_info("model %s: %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
+			 "in %.2f s (%.2f GB/s, %s%s) on NUMA node %d%s",
+			 D.cfg.model, (long long)D.model->cfg.num_hidden_layers,
+			 (long long)D.model->cfg.num_local_experts, (long long)D.model->cfg.num_experts_per_tok,
+			 mlens_dtype_name(D.model->cfg.dtype), D.weights.bytes / 1e9, D.weights.seconds,
+			 D.weights.bytes / 1e9 / (D.weights.seconds > 0 ? D.weights.seconds : 1e-9),
+			 D.weights.used_io_uring ? "io_uring" : "copy",
+			 D.weights.used_io_uring ? (D.weights.direct ? ", O_DIRECT" : ", buffered") : "",
+			 node, D.weights.mem.locked ? ", locked" : "");
+	}
+
+	/* backend */
+	bo.n_threads = (int)D.cfg.threads;
+	bo.device = 0;
+	rc = mlens_backend_create(&D.be, D.cfg.backend, &bo);
+	if (rc)
+		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),
+				  rc == -ENOTSUP ? " (this build has no CUDA)" : "");
+
+	/* KV cache in pinned memory on the same node */
+	kv_dt = D.model->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+	blocks = kv_blocks_for(&D.model->cfg, kv_dt, (int)D.cfg.kv_block_size, D.cfg.kv_cache, &per_block);
+	if (blocks == 0)
+		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
+				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size, 2 * per_block);
+	if (D.be.ops->host_memory) {
+		rc = mlens_pinned_alloc(&D.kv_k, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
+		if (!rc)
+			rc = mlens_pinned_alloc(&D.kv_v, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (V)", err, sizeof(err));
+		if (rc)
+			return fail_start("%s", err);
+	}
+	memset(&eo, 0, sizeof(eo));
+	eo.kv_block_size = (int)D.cfg.kv_block_size;
+	eo.kv_blocks = blocks;
+	eo.kv_dtype = (int)kv_dt;
+	eo.max_step_tokens = D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096;
+	eo.kv_mem_k = D.kv_k.p;
+	eo.kv_mem_v = D.kv_v.p;
+	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+	log_info("backend %s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
+		 D.be.ops->name, blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
+		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
+		 eo.max_step_tokens);
+
+	memset(&so, 0, sizeof(so));
+	so.token_cap = eo.max_step_tokens;
+	rc = mlens_sched_create(&D.sched, D.engine, &so);
+	if (rc)
+		return fail_start("cannot create the scheduler: %s", strerror(-rc));
+
+	/* threads and sockets */
+	D.base = event_base_new();
+	D.notify_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (!D.base || D.notify_fd < 0)
+		return fail_start("cannot set up the event loop");
+	rc = mlens_worker_start(&D.worker, D.sched, D.notify_fd);
+	if (rc)
+		return fail_start("cannot start the worker thread: %s", strerror(-rc));
+	memset(&sv, 0, sizeof(sv));
+	sv.path = D.cfg.socket;
+	sv.allow_users = D.cfg.allow_users;
+	sv.allow_groups = D.cfg.allow_groups;
+	sv.max_tenants = (int)D.cfg.max_tenants;
+	sv.quota.max_running = (uint32_t)D.cfg.quota_running;
+	sv.quota.max_kv_blocks = (uint32_t)D.cfg.quota_kv_blocks;
+	sv.quota.max_queued = (uint32_t)D.cfg.quota_queued;
+	sv.quota.weight = D.cfg.quota_weight;
+	sv.region = (struct mlens_region_params)MLENS_REGION_PARAMS_DEFAULT;
+	{
+		int64_t ctx = D.model->cfg.max_position_embeddings;
+		sv.limits.max_prompt_tokens = (uint32_t)(eo.max_step_tokens < ctx - 1 ? eo.max_step_tokens : ctx - 1);
+		sv.limits.max_tokens = (uint32_t)(ctx - 1);
+		sv.limits.max_context = (uint32_t)ctx;
+		sv.limits.vocab_size = (uint32_t)D.model->cfg.vocab_size;
+		sv.limits.prompt_bytes = sv.region.prompt_bytes;
+		while ((uint64_t)sv.region.prompt_bytes < 2ull * 4 * sv.limits.max_prompt_tokens)
+			sv.region.prompt_bytes *= 2;
+		sv.limits.prompt_bytes = sv.region.prompt_bytes;
+	}
+	rc = mlens_server_start(&D.server, D.base, D.worker, &sv, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+
+	D.ev_notify = event_new(D.base, D.notify_fd, EV_READ | EV_PERSIST, on_drained, NULL);
+	D.ev_term = evsignal_new(D.base, SIGTERM, on_signal, NULL);
+	D.ev_int = evsignal_new(D.base, SIGINT, on_signal, NULL);
+	D.ev_hup = evsignal_new(D.base, SIGHUP, on_signal, NULL);
+	event_add(D.ev_notify, NULL);
+	event_add(D.ev_term, NULL);
+	event_add(D.ev_int, NULL);
+	event_add(D.ev_hup, NULL);
+
+	if (D.cfg.pid_file[0] && (rc = write_pid_file(D.cfg.pid_file)))
+		return fail_start("cannot write pid file %s: %s", D.cfg.pid_file, strerror(-rc));
+	log_info("serving on %s (pid %d), ready in %.2f s", D.cfg.socket, (int)getpid(), mlens_now() - D.started);
+	if (D.ready_fd >= 0) {
+		if (write(D.ready_fd, "ok", 2) != 2)
+			log_warn("start-up: the waiting parent is gone");
+		close(D.ready_fd);
+		D.ready_fd = -1;
+	}
+
+	event_base_dispatch(D.base);
+
+	/* shutdown */
+	mlens_worker_stop(D.worker);
+	mlens_server_destroy(D.server);
+	event_free(D.ev_notify);
+	event_free(D.ev_term);
+	event_free(D.ev_int);
+	event_free(D.ev_hup);
+	event_base_free(D.base);
+	close(D.notify_fd);
+	mlens_sched_destroy(D.sched);
+	mlens_engine_destroy(D.engine);
+	mlens_pinned_free(&D.kv_k);
+	mlens_pinned_free(&D.kv_v);
+	mlens_backend_destroy(&D.be);
+	mlens_weights_free(&D.weights);
+	mlens_model_close(D.model);
+	if (D.cfg.pid_file[0])
+		unlink(D.cfg.pid_file);
+	log_info("exited cleanly");
+	mlens_config_free(&D.cfg);
+	mlens_log_close();
+	return 0;
+}

@@ -1,0 +1,624 @@
+/* Scheduler: request lifecycle, the waiting queue with fair share across
+ * tenants, the two modes, and the step that feeds the engine. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "daemon/sched.h"
+
+enum req_state { REQ_WAITING, REQ_RUNNING, REQ_FINISHED };
+
+struct mlens_req {
+	struct mlens_req *tnext, *tprev;	/* tenant's list */
+	struct mlens_req *qnext, *qprev;	/* waiting queue or running list */
+	struct mlens_sched_tenant *t;
+	enum req_state state;
+	uint64_t id;
+	uint64_t admit_serial;	/* larger = younger; eviction picks the youngest */
+	int32_t *tokens;	/* prompt then generated */
+	int32_t n_prompt, n_gen, cap;
+	int32_t max_tokens;
+	struct mlens_sampling samp;
+	int32_t stop[MLENS_MAX_STOP];
+	int n_stop;
+	bool logprobs;
+	struct mlens_seq seq;
+	bool has_pending;	/* an event the tenant's ring had no room for */
+	struct mlens_event pending;
+	bool preempted;		/* waiting to re-prefill */
+	double arrival;		/* submit time, CLOCK_MONOTONIC */
+	double last_token;	/* when the previous token was emitted */
+};
+
+const double mlens_latency_buckets[MLENS_LAT_BUCKETS] = {
+	0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, INFINITY
+};
+
+static void hist_add(struct mlens_hist *h, double v)
+{
+	int i = 0;
+	while (i < MLENS_LAT_BUCKETS - 1 && v > mlens_latency_buckets[i])
+		i++;
+	h->bucket[i]++;
+	h->count++;
+	h->sum += v;
+}
+
+struct list {
+	struct mlens_req *head, *tail;
+	uint32_t n;
+};
+
+struct mlens_sched {
+	struct mlens_engine *e;
+	struct mlens_kv_pool *kv;
+	int cap;
+	int max_pos;
+	uint32_t reserve;
+	bool admission;
+	bool preempt_mode;
+	uint64_t serial;
+	struct list waiting;	/* arrival order; preempted requests at the head */
+	struct list running;
+	struct list finished;	/* done, last event not yet delivered */
+	struct mlens_sched_stats st;
+	/* step scratch */
+	struct mlens_engine_req *ereq;
+	struct mlens_req **sreq;
+	uint32_t *blocks_before;
+	int scratch_n;
+};
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ==== lists ==== */
+
+static void q_remove(struct list *l, struct mlens_req *r)
+{
+	if (r->qprev)
+		r->qprev->qnext = r->qnext;
+	else
+		l->head = r->qnext;
+	if (r->qnext)
+		r->qnext->qprev = r->qprev;
+	else
+		l->tail = r->qprev;
+	r->qnext = r->qprev = NULL;
+	l->n--;
+}
+
+static void q_push_tail(struct list *l, struct mlens_req *r)
+{
+	r->qnext = NULL;
+	r->qprev = l->tail;
+	if (l->tail)
+		l->tail->qnext = r;
+	else
+		l->head = r;
+	l->tail = r;
+	l->n++;
+}
+
+static void q_push_head(struct list *l, struct mlens_req *r)
+{
+	r->qprev = NULL;
+	r->qnext = l->head;
+	if (l->head)
+		l->head->qprev = r;
+	else
+		l->tail = r;
+	l->head = r;
+	l->n++;
+}
+
+static struct list *state_list(struct mlens_sched *s, struct mlens_req *r)
+{
+	switch (r->state) {
+	case REQ_WAITING: return &s->waiting;
+	case REQ_RUNNING: return &s->running;
+	default: return &s->finished;
+	}
+}
+
+/* ==== create ==== */
+
+int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
+		       const struct mlens_sched_opts *o)
+{
+	struct mlens_sched *s = calloc(1, sizeof(*s));
+	int max = mlens_engine_max_step_tokens(e);
+	if (!s)
+		return -ENOMEM;
+	s->e = e;
+	s->kv = mlens_engine_kv(e);
+	s->cap = o && o->token_cap > 0 && o->token_cap < max ? o->token_cap : max;
+	s->max_pos = (int)mlens_engine_config(e)->max_position_embeddings;
+	s->reserve = o ? o->reserve_blocks : 0;
+	s->admission = true;
+	*out = s;
+	return 0;
+}
+
+static void req_free(struct mlens_sched *s, struct mlens_req *r)
+{
+	struct mlens_sched_tenant *t = r->t;
+	if (r->tprev)
+		r->tprev->tnext = r->tnext;
+	else
+		t->reqs = r->tnext;
+	if (r->tnext)
+		r->tnext->tprev = r->tprev;
+	t->kv_blocks -= r->seq.n_blocks;
+	mlens_seq_fini(s->kv, &r->seq);
+	free(r->tokens);
+	free(r);
+}
+
+void mlens_sched_destroy(struct mlens_sched *s)
+{
+	struct list *ls[] = { &s->waiting, &s->running, &s->finished };
+	if (!s)
+		return;
+	for (int i = 0; i < 3; i++)
+		while (ls[i]->head) {
+			struct mlens_req *r = ls[i]->head;
+			q_remove(ls[i], r);
+			req_free(s, r);
+		}
+	free(s->ereq);
+	free(s->sreq);
+	free(s->blocks_before);
+	free(s);
+}
+
+void mlens_sched_tenant_init(struct mlens_sched_tenant *t, const struct mlens_quota *q,
+			     mlens_emit_fn emit)
+{
+	memset(t, 0, sizeof(*t));
+	t->quota = *q;
+	if (!(t->quota.weight > 0.0))
+		t->quota.weight = 1.0;
+	t->emit = emit;
+	t->attached = true;
+}
+
+/* ==== events ==== */
+
+/* Deliver ev or keep it pending on r. Returns true when delivered. */
+static bool emit(struct mlens_req *r, const struct mlens_event *ev)
+{
+	if (r->t->attached && r->t->emit(r->t, ev) == -EAGAIN) {
+		r->pending = *ev;
+		r->has_pending = true;
+		return false;
+	}
+	r->has_pending = false;
+	return true;
+}
+
+static void finish(struct mlens_sched *s, struct mlens_req *r, const struct mlens_event *ev)
+{
+	struct list *l = state_list(s, r);
+	q_remove(l, r);
+	if (r->state == REQ_RUNNING)
+		r->t->running--;
+	else if (r->state == REQ_WAITING)
+		r->t->queued--;
+	r->t->kv_blocks -= r->seq.n_blocks;
+	mlens_seq_release(s->kv, &r->seq);
+	if (ev->finish == MLENS_FINISH_ERROR) {
+		r->t->requests_failed++;
+		s->st.requests_failed++;
+	} else {
+		r->t->requests_done++;
+		s->st.requests_done++;
+	}
+	r->state = REQ_FINISHED;
+	if (emit(r, ev))
+		req_free(s, r);
+	else
+		q_push_tail(&s->finished, r);
+}
+
+static void fail(struct mlens_sched *s, struct mlens_req *r, int status, enum mlens_finish why)
+{
+	struct mlens_event ev = { r->id, -1, 0.0f, r->n_gen == 0, true, why, status };
+	finish(s, r, &ev);
+}
+
+void mlens_sched_flush(struct mlens_sched *s)
+{
+	struct mlens_req *r, *next;
+	for (r = s->running.head; r; r = r->qnext)
+		if (r->has_pending)
+			emit(r, &r->pending);
+	for (r = s->finished.head; r; r = next) {
+		next = r->qnext;
+		if (emit(r, &r->pending)) {
+			q_remove(&s->finished, r);
+			req_free(s, r);
+		}
+	}
+}
+
+/* ==== submit / cancel / remove ==== */
+
+int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
+		       const struct mlens_request_params *p, char *why, size_t whylen)
+{
+	const struct mlens_model_config *c = mlens_engine_config(s->e);
+	struct mlens_req *r;
+	int64_t total;
+	uint32_t blocks;
+
+#define REFUSE(err, ...) do { snprintf(why, whylen, __VA_ARGS__); return (err); } while (0)
+	if (!s->admission)
+		REFUSE(-ESHUTDOWN, "the daemon is draining and admits no new requests");
+	if (p->n_prompt <= 0)
+		REFUSE(-EINVAL, "empty prompt");
+	if (p->max_tokens <= 0)
+		REFUSE(-EINVAL, "max_tokens must be at least 1 (got %d)", p->max_tokens);
+	if (p->n_stop < 0 || p->n_stop > MLENS_MAX_STOP)
+		REFUSE(-EINVAL, "at most %d stop tokens", MLENS_MAX_STOP);
+	for (int i = 0; i < p->n_prompt; i++)
+		if (p->prompt[i] < 0 || p->prompt[i] >= c->vocab_size)
+			REFUSE(-EINVAL, "prompt token %d at index %d is outside the vocabulary [0, %lld)",
+			       p->prompt[i], i, (long long)c->vocab_size);
+	if (!isfinite(p->samp.temperature) || p->samp.temperature < 0 ||
+	    !isfinite(p->samp.top_p) || p->samp.top_p <= 0 || p->samp.top_p > 1)
+		REFUSE(-EINVAL, "bad sampling parameters (temperature >= 0, 0 < top_p <= 1)");
+	if (p->n_prompt > s->cap)
+		REFUSE(-E2BIG, "prompt of %d tokens exceeds the per-step token cap of %d",
+		       p->n_prompt, s->cap);
+	if (p->n_prompt >= s->max_pos)
+		REFUSE(-E2BIG, "prompt of %d tokens leaves no room in the context of %d positions",
+		       p->n_prompt, s->max_pos);
+	total = (int64_t)p->n_prompt + p->max_tokens;
+	if (total > s->max_pos)
+		total = s->max_pos;
+	blocks = mlens_kv_blocks_for(s->kv, total);
+	if (blocks > s->kv->cache.n_blocks)
+		REFUSE(-E2BIG, "prompt + max_tokens = %lld tokens need %u KV blocks; the pool has %u",
+		       (long long)total, blocks, s->kv->cache.n_blocks);
+	if (t->quota.max_kv_blocks && blocks > t->quota.max_kv_blocks)
+		REFUSE(-EDQUOT, "prompt + max_tokens need %u KV blocks; the tenant's quota is %u",
+		       blocks, t->quota.max_kv_blocks);
+	if (t->queued >= t->quota.max_queued)
+		REFUSE(-EDQUOT, "the tenant already has %u requests queued (quota %u)",
+		       t->queued, t->quota.max_queued);
+#undef REFUSE
+
+	r = calloc(1, sizeof(*r));
+	if (!r)
+		return -ENOMEM;
+	r->cap = p->n_prompt + (p->max_tokens < 64 ? p->max_tokens : 64);
+	r->tokens = malloc((size_t)r->cap * sizeof(int32_t));
+	if (!r->tokens) {
+		free(r);
+		return -ENOMEM;
+	}
+	memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof(int32_t));
+	r->t = t;
+	r->id = p->id;
+	r->n_prompt = p->n_prompt;
+	r->max_tokens = p->max_tokens;
+	r->samp = p->samp;
+	memcpy(r->stop, p->stop, sizeof(r->stop));
+	r->n_stop = p->n_stop;
+	r->logprobs = p->logprobs;
+	r->state = REQ_WAITING;
+	r->arrival = now();
+	r->tnext = t->reqs;
+	if (t->reqs)
+		t->reqs->tprev = r;
+	t->reqs = r;
+	t->queued++;
+	q_push_tail(&s->waiting, r);
+	return 0;
+}
+
+bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id)
+{
+	(void)s;
+	for (const struct mlens_req *r = t->reqs; r; r = r->tnext)
+		if (r->id == id && r->state != REQ_FINISHED)
+			return true;
+	return false;
+}
+
+int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint64_t id)
+{
+	for (struct mlens_req *r = t->reqs; r; r = r->tnext)
+		if (r->id == id && r->state != REQ_FINISHED) {
+			fail(s, r, -ECANCELED, MLENS_FINISH_CANCELLED);
+			return 0;
+		}
+	return -ENOENT;
+}
+
+void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant *t,
+			       int status, bool tenant_gone)
+{
+	if (tenant_gone)
+		t->attached = false;
+	while (t->reqs) {
+		struct mlens_req *r = t->reqs;
+		if (r->state == REQ_FINISHED) {
+			/* its last event never got through: drop it */
+			q_remove(&s->finished, r);
+			req_free(s, r);
+		} else {
+			fail(s, r, status, MLENS_FINISH_ERROR);
+		}
+	}
+}
+
+/* ==== the step ==== */
+
+static void evict(struct mlens_sched *s, struct mlens_req *r)
+{
+	q_remove(&s->running, r);
+	r->t->running--;
+	r->t->kv_blocks -= r->seq.n_blocks;
+	mlens_seq_release(s->kv, &r->seq);
+	r->state = REQ_WAITING;
+	r->preempted = true;
+	r->t->queued++;
+	r->t->preemptions++;
+	s->st.preemptions++;
+	q_push_head(&s->waiting, r);
+}
+
+/* The youngest running request. */
+static struct mlens_req *youngest(struct mlens_sched *s)
+{
+	struct mlens_req *best = NULL;
+	for (struct mlens_req *r = s->running.head; r; r = r->qnext)
+		if (!best || r->admit_serial > best->admit_serial)
+			best = r;
+	return best;
+}
+
+/* The waiting request to admit next: among tenants under their quotas, the
+ * one with the smallest fair-share clock; within it, queue order. */
+static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
+{
+	struct mlens_req *best = NULL;
+	for (struct mlens_req *r = s->waiting.head; r; r = r->qnext) {
+		struct mlens_sched_tenant *t = r->t;
+		if (preempted_only && !r->preempted)
+			continue;
+		if (t->quota.max_running && t->running >= t->quota.max_running)
+			continue;
+		if (!best || t->vtime < best->t->vtime)
+			best = r;
+	}
+	return best;
+}
+
+static bool any_preempted(const struct mlens_sched *s)
+{
+	for (struct mlens_req *r = s->waiting.head; r; r = r->qnext)
+		if (r->preempted)
+			return true;
+	return false;
+}
+
+static int ensure_scratch(struct mlens_sched *s, int n)
+{
+	if (n <= s->scratch_n)
+		return 0;
+	struct mlens_engine_req *e = realloc(s->ereq, (size_t)n * sizeof(*e));
+	if (!e)
+		return -ENOMEM;
+	s->ereq = e;
+	struct mlens_req **q = realloc(s->sreq, (size_t)n * sizeof(*q));
+	if (!q)
+		return -ENOMEM;
+	s->sreq = q;
+	uint32_t *b = realloc(s->blocks_before, (size_t)n * sizeof(*b));
+	if (!b)
+		return -ENOMEM;
+	s->blocks_before = b;
+	s->scratch_n = n;
+	return 0;
+}
+
+static int append_token(struct mlens_req *r, int32_t tok)
+{
+	int32_t len = r->n_prompt + r->n_gen;
+	if (len >= r->cap) {
+		int32_t cap = r->cap * 2;
+		int32_t *nt = realloc(r->tokens, (size_t)cap * sizeof(int32_t));
+		if (!nt)
+			return -ENOMEM;
+		r->tokens = nt;
+		r->cap = cap;
+	}
+	r->tokens[len] = tok;
+	r->n_gen++;
+	return 0;
+}
+
+int mlens_sched_step(struct mlens_sched *s)
+{
+	struct mlens_req *r;
+	uint32_t need = 0, free_blocks;
+	int n = 0, tokens = 0, rc;
+	double t0;
+
+	mlens_sched_flush(s);
+	if (ensure_scratch(s, (int)(s->running.n + s->waiting.n) + 1))
+		return -ENOMEM;
+
+	/* decode: every running sequence whose tenant can take its next event */
+	for (r = s->running.head; r; r = r->qnext)
+		if (!r->has_pending)
+			need += mlens_seq_blocks_needed(s->kv, &r->seq, r->seq.len + 1);
+	free_blocks = mlens_kv_pool_free_blocks(s->kv);
+	if (need > free_blocks) {
+		/* preemption mode: evict the youngest until the rest fit */
+		while (need > mlens_kv_pool_free_blocks(s->kv) && (r = youngest(s))) {
+			if (!r->has_pending)
+				need -= mlens_seq_blocks_needed(s->kv, &r->seq, r->seq.len + 1);
+			evict(s, r);
+		}
+	}
+	s->preempt_mode = any_preempted(s);
+	for (r = s->running.head; r; r = r->qnext) {
+		if (r->has_pending)
+			continue;
+		s->sreq[n] = r;
+		s->blocks_before[n] = r->seq.n_blocks;
+		s->ereq[n] = (struct mlens_engine_req){
+			.seq = &r->seq, .tokens = &r->tokens[r->seq.len], .n_tokens = 1,
+			.samp = r->samp,
+		};
+		s->ereq[n].samp.counter = (uint64_t)r->n_gen;
+		n++;
+		tokens++;
+	}
+	free_blocks = mlens_kv_pool_free_blocks(s->kv) - need;
+
+	/* prefill: admit while the token cap, KV blocks (with a reserve for
+	 * growth) and quotas allow. In preemption mode only evicted requests
+	 * come back (their re-prefill overlaps the others' decode), and only
+	 * when they fit again; new ones wait for normal mode. */
+	{
+		uint32_t running_after = s->running.n;
+		while ((r = pick(s, s->preempt_mode))) {
+			int32_t len = r->n_prompt + r->n_gen;
+			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
+			uint32_t reserve = s->reserve ? s->reserve : running_after + 1;
+			if (tokens + len > s->cap)
+				break;
+			if (blocks + (running_after ? reserve : 0) > free_blocks)
+				break;
+			if (r->t->quota.max_kv_blocks &&
+			    r->t->kv_blocks + blocks > r->t->quota.max_kv_blocks)
+				break;
+			if (mlens_seq_reserve(s->kv, &r->seq, len))
+				break;
+			free_blocks -= blocks;
+			r->t->kv_blocks += blocks;
+			q_remove(&s->waiting, r);
+			r->t->queued--;
+			r->t->running++;
+			r->state = REQ_RUNNING;
+			r->admit_serial = ++s->serial;
+			r->preempted = false;
+			r->t->vtime += len / r->t->quota.weight;
+			q_push_tail(&s->running, r);
+			running_after++;
+			s->sreq[n] = r;
+			s->blocks_before[n] = r->seq.n_blocks;
+			s->ereq[n] = (struct mlens_engine_req){
+				.seq = &r->seq, .tokens = r->tokens, .n_tokens = len, .samp = r->samp,
+			};
+			s->ereq[n].samp.counter = (uint64_t)r->n_gen;
+			s->st.prompt_tokens += (uint64_t)len;
+			r->t->prompt_tokens += (uint64_t)len;
+			n++;
+			tokens += len;
+			if (s->preempt_mode)
+				s->preempt_mode = any_preempted(s);
+		}
+	}
+	if (n == 0)
+		return 0;
+
+	t0 = now();
+	rc = mlens_engine_step(s->e, s->ereq, n);
+	s->st.last_step_seconds = now() - t0;
+	s->st.step_seconds_sum += s->st.last_step_seconds;
+	t0 = now();
+	s->st.steps++;
+	s->st.last_step_tokens = (uint32_t)tokens;
+	s->st.last_step_seqs = (uint32_t)n;
+	if (rc) {
+		for (int i = 0; i < n; i++) {
+			s->sreq[i]->t->kv_blocks += s->sreq[i]->seq.n_blocks - s->blocks_before[i];
+			fail(s, s->sreq[i], rc, MLENS_FINISH_ERROR);
+		}
+		return rc;
+	}
+	for (int i = 0; i < n; i++) {
+		struct mlens_event ev = { 0 };
+		int32_t tok = s->ereq[i].next_token;
+		r = s->sreq[i];
+		/* the engine grew decode sequences by a block where needed */
+		r->t->kv_blocks += r->seq.n_blocks - s->blocks_before[i];
+		if (append_token(r, tok)) {
+			fail(s, r, -ENOMEM, MLENS_FINISH_ERROR);
+			continue;
+		}
+		s->st.generated_tokens++;
+		r->t->generated_tokens++;
+		ev.id = r->id;
+		ev.token = tok;
+		ev.logprob = r->logprobs ? s->ereq[i].logprob : 0.0f;
+		ev.first = r->n_gen == 1;
+		if (ev.first)
+			hist_add(&s->st.ttft, t0 - r->arrival);
+		else
+			hist_add(&s->st.tpot, t0 - r->last_token);
+		r->last_token = t0;
+		for (int k = 0; k < r->n_stop; k++)
+			if (r->stop[k] == tok)
+				ev.finish = MLENS_FINISH_STOP;
+		if (!ev.finish && (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= s->max_pos))
+			ev.finish = MLENS_FINISH_LENGTH;
+		ev.last = ev.finish != MLENS_FINISH_NONE;
+		if (ev.last)
+			finish(s, r, &ev);
+		else
+			emit(r, &ev);
+	}
+	return 1;
+}
+
+bool mlens_sched_idle(const struct mlens_sched *s)
+{
+	return s->running.n == 0 && s->waiting.n == 0 && s->finished.n == 0;
+}
+
+void mlens_sched_set_admission(struct mlens_sched *s, bool open)
+{
+	s->admission = open;
+}
+
+bool mlens_sched_admission(const struct mlens_sched *s)
+{
+	return s->admission;
+}
+
+void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats *st)
+{
+	*st = s->st;
+	st->running = s->running.n;
+	st->waiting = s->waiting.n;
+	st->preempt_mode = s->preempt_mode;
+}
+
+int mlens_sched_token_cap(const struct mlens_sched *s)
+{
+	return s->cap;
+}
+
+void mlens_sched_set_token_cap(struct mlens_sched *s, int cap)
+{
+	int max = mlens_engine_max_step_tokens(s->e);
+	s->cap = cap > 0 && cap < max ? cap : max;
+}
+
+struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s)
+{
+	return s->kv;
+}

@@ -1,0 +1,142 @@
+/* The resource-aware scheduler (DESIGN §1): requests, their sequences and
+ * the two modes. Normal: every running decode sequence, then prefills up to
+ * the step's token cap while KV blocks allow, keeping a reserve for growth.
+ * Preemption: when the running sequences' next tokens need more blocks than
+ * are free, admit nothing and evict the youngest running sequences (their
+ * KV freed, requeued at the head of the queue to re-prefill prompt +
+ * generated tokens). Owns the engine. Runs on one thread (the worker). */
+#ifndef MLENS_SCHED_H
+#define MLENS_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include "daemon/engine.h"
+#include "shm/proto.h"	/* enum mlens_finish, MLENS_MAX_STOP: the protocol's words */
+
+struct mlens_quota {
+	uint32_t max_running;	/* running sequences */
+	uint32_t max_kv_blocks;	/* KV blocks held by its sequences */
+	uint32_t max_queued;	/* requests waiting */
+	double weight;		/* share of each step's prefill tokens */
+};
+
+/* What a request asks for; tokens are copied by mlens_sched_submit. */
+struct mlens_request_params {
+	uint64_t id;		/* the tenant's request id */
+	const int32_t *prompt;
+	int32_t n_prompt;
+	int32_t max_tokens;
+	struct mlens_sampling samp;	/* counter is ignored */
+	int32_t stop[MLENS_MAX_STOP];
+	int n_stop;
+	bool logprobs;
+};
+
+/* One generated token (or the end of a request) for a tenant. */
+struct mlens_event {
+	uint64_t id;
+	int32_t token;		/* -1 when none (errors, cancel) */
+	float logprob;
+	bool first, last;
+	enum mlens_finish finish;
+	int status;		/* 0 or -errno */
+};
+
+struct mlens_sched;
+struct mlens_sched_tenant;
+
+/* Delivers an event to the tenant's completion ring: 0, or -EAGAIN when the
+ * ring is full (the request then waits, keeping its KV, until it drains). */
+typedef int (*mlens_emit_fn)(struct mlens_sched_tenant *t, const struct mlens_event *ev);
+
+/* The scheduler's view of a tenant; embedded in the daemon's tenant. */
+struct mlens_sched_tenant {
+	struct mlens_quota quota;
+	mlens_emit_fn emit;
+	/* accounting, owned by the scheduler */
+	uint32_t running;
+	uint32_t queued;
+	uint32_t kv_blocks;
+	uint64_t prompt_tokens;
+	uint64_t generated_tokens;
+	uint64_t requests_done;
+	uint64_t requests_failed;
+	uint64_t preemptions;
+	double vtime;		/* fair-share clock: admitted tokens / weight */
+	bool attached;
+	/* private list heads */
+	struct mlens_req *reqs;	/* every live request of this tenant */
+};
+
+struct mlens_sched_opts {
+	int token_cap;		/* tokens per step (n_real); 0 = engine's max */
+	uint32_t reserve_blocks;	/* keep free when admitting; 0 = one per running seq */
+};
+
+#define MLENS_LAT_BUCKETS 16
+/* Upper bounds (seconds) of the latency histogram buckets; the last is +Inf. */
+extern const double mlens_latency_buckets[MLENS_LAT_BUCKETS];
+
+struct mlens_hist {
+	uint64_t bucket[MLENS_LAT_BUCKETS];	/* not cumulative */
+	uint64_t count;
+	double sum;
+};
+
+struct mlens_sched_stats {
+	struct mlens_hist ttft;		/* submit to first token */
+	struct mlens_hist tpot;		/* between two tokens of a request */
+	double step_seconds_sum;
+	uint64_t steps;
+	uint64_t preemptions;
+	uint64_t prompt_tokens;		/* prefill tokens computed, re-prefills included */
+	uint64_t generated_tokens;
+	uint64_t requests_done;
+	uint64_t requests_failed;
+	uint32_t running;
+	uint32_t waiting;
+	bool preempt_mode;
+	uint32_t last_step_tokens;
+	uint32_t last_step_seqs;
+	double last_step_seconds;
+};
+
+int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
+		       const struct mlens_sched_opts *o);
+void mlens_sched_destroy(struct mlens_sched *s);
+
+void mlens_sched_tenant_init(struct mlens_sched_tenant *t, const struct mlens_quota *q,
+			     mlens_emit_fn emit);
+/* Fail (or silently drop, when the tenant is gone) every request of t and
+ * free its KV; t can then be freed. */
+void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant *t,
+			       int status, bool tenant_gone);
+
+/* Queue a request. Errors (the request is refused, nothing queued; the
+ * caller reports them): -EINVAL bad parameters or token ids, -E2BIG a
+ * prompt the daemon can never run (longer than the step cap or context, or
+ * prompt + max_tokens needs more KV blocks than the pool has), -EDQUOT the
+ * tenant's queue quota is full, -ESHUTDOWN admission is closed. why gets a
+ * sentence for the error completion's log. */
+int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
+		       const struct mlens_request_params *p, char *why, size_t whylen);
+/* Is request id of t queued or running (ids must be unique while live)? */
+bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id);
+/* Cancel the tenant's request id: -ENOENT when unknown. */
+int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint64_t id);
+
+/* Run one step if there is work: 1 when a step ran, 0 when idle, -errno on
+ * an engine failure (the step's requests are failed, the daemon goes on). */
+int mlens_sched_step(struct mlens_sched *s);
+/* Try again to deliver events held back by full completion rings. */
+void mlens_sched_flush(struct mlens_sched *s);
+
+bool mlens_sched_idle(const struct mlens_sched *s);
+void mlens_sched_set_admission(struct mlens_sched *s, bool open);
+bool mlens_sched_admission(const struct mlens_sched *s);
+void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats *st);
+int mlens_sched_token_cap(const struct mlens_sched *s);
+struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s);
+void mlens_sched_set_token_cap(struct mlens_sched *s, int cap);
+
+#endif

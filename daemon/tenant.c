@@ -1,0 +1,245 @@
+/* Tenant regions and the trust boundary: every submission is copied out of
+ * shared memory once, validated, and only the copy is used. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include "daemon/log.h"
+#include "daemon/tenant.h"
+
+static int tenant_emit(struct mlens_sched_tenant *st, const struct mlens_event *ev)
+{
+	struct mlens_tenant *t = (struct mlens_tenant *)st;
+	struct mlens_cmpl c;
+	int rc;
+
+	memset(&c, 0, sizeof(c));
+	c.id = ev->id;
+	c.status = ev->status;
+	c.finish = (uint8_t)(ev->last ? ev->finish : MLENS_FINISH_NONE);
+	if (ev->first)
+		c.flags |= MLENS_CMPL_FIRST;
+	if (ev->last)
+		c.flags |= MLENS_CMPL_LAST;
+	if (ev->token >= 0) {
+		c.flags |= MLENS_CMPL_TOKEN;
+		c.token = ev->token;
+		c.logprob = ev->logprob;
+		if (ev->logprob != 0.0f)
+			c.flags |= MLENS_CMPL_LOGPROB;
+	}
+	rc = mlens_ring_enqueue_bulk(&t->rg.cmpl, &c, 1);
+	if (rc == 1) {
+		t->kick = true;
+		return 0;
+	}
+	if (rc == 0) {
+		/* full: ask the client to ring us when it has read some */
+		t->cmpl_full = true;
+		mlens_ring_prod_arm(&t->rg.cmpl);
+		if (mlens_ring_free_count(&t->rg.cmpl) > 0) {
+			mlens_ring_prod_disarm(&t->rg.cmpl);
+			if (mlens_ring_enqueue_bulk(&t->rg.cmpl, &c, 1) == 1) {
+				t->kick = true;
+				return 0;
+			}
+		}
+		return -EAGAIN;
+	}
+	/* a corrupt consumer index: the tenant broke its own ring */
+	t->bad_entries++;
+	return -EAGAIN;
+}
+
+int mlens_tenant_create(struct mlens_tenant **out, uint32_t id, uid_t uid, gid_t gid, pid_t pid,
+			const char *name, const struct mlens_region_params *rp,
+			const struct mlens_region_limits *lim, const struct mlens_quota *q,
+			char *err, size_t errlen)
+{
+	struct mlens_tenant *t = calloc(1, sizeof(*t));
+	size_t size;
+	int rc;
+
+	if (!t)
+		return -ENOMEM;
+	t->memfd = t->efd_in = t->efd_out = -1;
+	t->id = id;
+	t->uid = uid;
+	t->gid = gid;
+	t->pid = pid;
+	snprintf(t->name, sizeof(t->name), "%s", name ? name : "");
+	mlens_sched_tenant_init(&t->st, q, tenant_emit);
+	rc = mlens_region_size(rp, &size);
+	if (rc) {
+		snprintf(err, errlen, "bad region geometry");
+		goto fail;
+	}
+	t->memfd = memfd_create("mlens-tenant", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (t->memfd < 0 || ftruncate(t->memfd, (off_t)size) ||
+	    fcntl(t->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) {
+		rc = -errno;
+		snprintf(err, errlen, "cannot make the tenant region: %s", strerror(errno));
+		goto fail;
+	}
+	t->map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, t->memfd, 0);
+	if (t->map == MAP_FAILED) {
+		t->map = NULL;
+		rc = -errno;
+		snprintf(err, errlen, "cannot map the tenant region: %s", strerror(errno));
+		goto fail;
+	}
+	t->size = size;
+	rc = mlens_region_format(&t->rg, t->map, size, rp, lim, err, errlen);
+	if (rc)
+		goto fail;
+	t->efd_in = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	t->efd_out = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (t->efd_in < 0 || t->efd_out < 0) {
+		rc = -errno;
+		snprintf(err, errlen, "cannot make eventfds: %s", strerror(errno));
+		goto fail;
+	}
+	*out = t;
+	return 0;
+fail:
+	mlens_tenant_destroy(t);
+	return rc ? rc : -EINVAL;
+}
+
+void mlens_tenant_destroy(struct mlens_tenant *t)
+{
+	if (!t)
+		return;
+	if (t->map)
+		munmap(t->map, t->size);
+	if (t->memfd >= 0)
+		close(t->memfd);
+	if (t->efd_in >= 0)
+		close(t->efd_in);
+	if (t->efd_out >= 0)
+		close(t->efd_out);
+	free(t->prompt_buf);
+	free(t);
+}
+
+/* Tell the client that a request failed before it was queued. */
+static void refuse(struct mlens_tenant *t, uint64_t id, int status, const char *why)
+{
+	struct mlens_event ev = { id, -1, 0.0f, true, true, MLENS_FINISH_ERROR, status };
+	log_debug("tenant %u (pid %d): request %llu refused: %s", t->id, (int)t->pid,
+		  (unsigned long long)id, why);
+	if (tenant_emit(&t->st, &ev))
+		log_warn("tenant %u: completion ring full, error for request %llu dropped", t->id,
+			 (unsigned long long)id);
+}
+
+int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
+{
+	struct mlens_sub sub;
+	char why[256];
+	int n = 0;
+
+	while (n < max) {
+		/* keep room to report an error for what we take */
+		if (mlens_ring_free_count(&t->rg.cmpl) <= 0)
+			break;
+		if (mlens_ring_dequeue_bulk(&t->rg.sub, &sub, 1) != 1)
+			break;	/* empty, or a corrupt index (counted below) */
+		n++;
+		int rc = mlens_sub_validate(&sub, &t->rg.limits, why, sizeof(why));
+		if (rc) {
+			t->bad_entries++;
+			/* free the prompt bytes it named, if they are sane */
+			if (sub.op == MLENS_OP_GENERATE && sub.prompt_len && sub.prompt_len <= (1u << 28))
+				mlens_bytering_release(&t->rg.prompt, sub.prompt_off, sub.prompt_len * 4u);
+			refuse(t, sub.id, rc, why);
+			continue;
+		}
+		if (sub.op == MLENS_OP_CANCEL) {
+			mlens_sched_cancel(s, &t->st, sub.id);	/* unknown: it ended already */
+			continue;
+		}
+		if (sub.prompt_len > t->prompt_cap) {
+			int32_t *nb = realloc(t->prompt_buf, (size_t)sub.prompt_len * sizeof(int32_t));
+			if (!nb) {
+				refuse(t, sub.id, -ENOMEM, "out of memory");
+				continue;
+			}
+			t->prompt_buf = nb;
+			t->prompt_cap = sub.prompt_len;
+		}
+		rc = mlens_bytering_read(&t->rg.prompt, sub.prompt_off, sub.prompt_len * 4u, t->prompt_buf);
+		if (rc) {
+			t->bad_entries++;
+			refuse(t, sub.id, rc, "prompt not in the prompt ring");
+			continue;
+		}
+		mlens_bytering_release(&t->rg.prompt, sub.prompt_off, sub.prompt_len * 4u);
+		mlens_ring_wake_prod(&t->rg.prompt.ring, t->efd_out);
+		rc = mlens_prompt_validate(t->prompt_buf, sub.prompt_len, &t->rg.limits, why, sizeof(why));
+		if (rc) {
+			t->bad_entries++;
+			refuse(t, sub.id, rc, why);
+			continue;
+		}
+		if (mlens_sched_live(s, &t->st, sub.id)) {
+			t->refused++;
+			refuse(t, sub.id, -EEXIST, "a request with this id is still running");
+			continue;
+		}
+		struct mlens_request_params p;
+		memset(&p, 0, sizeof(p));
+		p.id = sub.id;
+		p.prompt = t->prompt_buf;
+		p.n_prompt = (int32_t)sub.prompt_len;
+		p.max_tokens = (int32_t)sub.max_tokens;
+		p.samp.temperature = sub.temperature;
+		p.samp.top_k = sub.top_k;
+		p.samp.top_p = sub.top_p;
+		p.samp.seed = sub.seed;
+		memcpy(p.stop, sub.stop, sizeof(p.stop));
+		p.n_stop = sub.n_stop;
+		p.logprobs = (sub.flags & MLENS_SUB_LOGPROBS) != 0;
+		rc = mlens_sched_submit(s, &t->st, &p, why, sizeof(why));
+		if (rc) {
+			t->refused++;
+			refuse(t, sub.id, rc, why);
+		}
+	}
+	if (n)
+		mlens_ring_wake_prod(&t->rg.sub, t->efd_out);
+	if (mlens_ring_count(&t->rg.sub) < 0)
+		t->bad_entries++;	/* its producer index is garbage */
+	return n;
+}
+
+void mlens_tenant_kick(struct mlens_tenant *t)
+{
+	if (t->kick) {
+		t->kick = false;
+		mlens_ring_wake_cons(&t->rg.cmpl, t->efd_out);
+	}
+}
+
+bool mlens_tenant_arm(struct mlens_tenant *t)
+{
+	mlens_ring_cons_arm(&t->rg.sub);
+	if (mlens_ring_count(&t->rg.sub) > 0)
+		return true;
+	if (t->cmpl_full && mlens_ring_free_count(&t->rg.cmpl) > 0)
+		return true;
+	return false;
+}
+
+void mlens_tenant_disarm(struct mlens_tenant *t)
+{
+	mlens_ring_cons_disarm(&t->rg.sub);
+	if (t->cmpl_full && mlens_ring_free_count(&t->rg.cmpl) > 0) {
+		t->cmpl_full = false;
+		mlens_ring_prod_disarm(&t->rg.cmpl);
+	}
+}

@@ -1,0 +1,54 @@
+/* A tenant as the daemon holds it: its credentials, its shared region
+ * (memfd) with the three rings, its two eventfds, and the scheduler's
+ * accounting. Created on the main thread at attach, then owned by the
+ * worker thread until it is destroyed there. */
+#ifndef MLENS_TENANT_H
+#define MLENS_TENANT_H
+
+#include <stdint.h>
+#include <sys/types.h>
+#include "daemon/sched.h"
+#include "shm/region.h"
+
+struct mlens_tenant {
+	struct mlens_sched_tenant st;	/* first: the emit callback casts back */
+	uint32_t id;
+	uid_t uid;
+	gid_t gid;
+	pid_t pid;
+	char name[48];
+	int memfd;
+	void *map;
+	size_t size;
+	struct mlens_region rg;
+	int efd_in;		/* the client writes: work for the daemon */
+	int efd_out;		/* the daemon writes: completions for the client */
+	bool kick;		/* completions were posted since the last doorbell */
+	bool cmpl_full;		/* a completion did not fit: wait for the client */
+	uint64_t bad_entries;	/* submissions refused as malformed */
+	uint64_t refused;	/* well-formed but refused (limits, quota) */
+	int32_t *prompt_buf;	/* private copy of a prompt */
+	uint32_t prompt_cap;
+	struct mlens_tenant *next;
+};
+
+/* Make the region (memfd sealed against shrink and grow), map it, format
+ * it, and make the two eventfds. */
+int mlens_tenant_create(struct mlens_tenant **out, uint32_t id, uid_t uid, gid_t gid, pid_t pid,
+			const char *name, const struct mlens_region_params *rp,
+			const struct mlens_region_limits *lim, const struct mlens_quota *q,
+			char *err, size_t errlen);
+void mlens_tenant_destroy(struct mlens_tenant *t);
+
+/* Worker thread: read up to max submissions, validate private copies, and
+ * queue or refuse them. Returns the number read. */
+int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max);
+/* Worker thread: ring the client's doorbell if completions were posted and
+ * it sleeps. */
+void mlens_tenant_kick(struct mlens_tenant *t);
+/* Worker thread, before sleeping: arm the daemon's wake-up flags; returns
+ * true when there is already work (do not sleep). */
+bool mlens_tenant_arm(struct mlens_tenant *t);
+void mlens_tenant_disarm(struct mlens_tenant *t);
+
+#endif

@@ -1,0 +1,31 @@
+/* mlens-bench: one program, one subcommand per measurement. Each subcommand
+ * is a function below, listed in the table in mlens-bench.c; it parses its
+ * own arguments, prints JSON with --json (else a short table) and returns
+ * an exit status. To add one: declare it here, add a line to the table. */
+#ifndef MLENS_BENCH_H
+#define MLENS_BENCH_H
+
+#include <stdint.h>
+
+/* argv[0] is the subcommand's name. */
+typedef int (*mlens_bench_fn)(int argc, char **argv);
+
+struct mlens_bench_cmd {
+	const char *name;
+	mlens_bench_fn fn;
+	const char *help;	/* one line: arguments and what it measures */
+};
+
+/* SPSC ring throughput with polling, and doorbell round-trip latency. */
+int mlens_bench_ring(int argc, char **argv);
+
+/* ==== Helpers shared by subcommands ==== */
+
+/* Monotonic time in nanoseconds. */
+uint64_t mlens_bench_now_ns(void);
+/* Parse a count with an optional K/M/G suffix (powers of 1000); -1 if bad. */
+long long mlens_bench_parse_count(const char *s);
+/* Pin the calling thread to cpu; 0 or -errno. */
+int mlens_bench_pin(int cpu);
+
+#endif

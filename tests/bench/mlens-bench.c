@@ -1,0 +1,76 @@
+/* mlens-bench: dispatches to the subcommand named by argv[1] and holds the
+ * helpers subcommands share. */
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "tests/bench/bench.h"
+
+static const struct mlens_bench_cmd cmds[] = {
+	{ "ring", mlens_bench_ring,
+	  "[--json] [--entries N] [--batch B] [--repeat K] [--round-trips R]: SPSC "
+	  "ring entries/s "
+	  "between two processes, and eventfd doorbell round-trip latency" },
+};
+
+static void usage(FILE *f)
+{
+	fprintf(f, "usage: mlens-bench COMMAND [ARGS]\n\ncommands:\n");
+	for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++)
+		fprintf(f, "  %-10s %s\n", cmds[i].name, cmds[i].help);
+}
+
+uint64_t mlens_bench_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+long long mlens_bench_parse_count(const char *s)
+{
+	char *end;
+	long long v;
+
+	errno = 0;
+	v = strtoll(s, &end, 10);
+	if (errno || end == s || v < 0)
+		return -1;
+	switch (*end) {
+	case 'k': case 'K': v *= 1000; end++; break;
+	case 'm': case 'M': v *= 1000000; end++; break;
+	case 'g': case 'G': v *= 1000000000; end++; break;
+	default: break;
+	}
+	return *end ? -1 : v;
+}
+
+int mlens_bench_pin(int cpu)
+{
+	cpu_set_t set;
+
+	CPU_ZERO(&set);
+	CPU_SET(cpu, &set);
+	return sched_setaffinity(0, sizeof(set), &set) ? -errno : 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2) {
+		usage(stderr);
+		return 2;
+	}
+	if (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+		usage(stdout);
+		return 0;
+	}
+	for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++)
+		if (!strcmp(argv[1], cmds[i].name))
+			return cmds[i].fn(argc - 1, argv + 1);
+	fprintf(stderr, "mlens-bench: unknown command '%s'; run mlens-bench --help for the list\n",
+		argv[1]);
+	return 2;
+}

@@ -1,0 +1,303 @@
+/* Description: numerics against Hugging Face transformers. For every fixture
+ * under tests/golden/ (small random Mixtral models, references made by
+ * tests/golden/make_golden.py) the engine on the backend named by
+ * MLENS_TEST_BACKEND (default cpu; exit 77 when it cannot be created) must
+ * reproduce: prefill logits of every position, decode logits step by step,
+ * greedy tokens (up to the first reference near-tie), and agree with itself
+ * batched vs unbatched and prefill-then-decode vs all-at-once. Measured
+ * errors are printed per fixture. */
+#include <check.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "tests/golden/golden.h"
+
+static const char *backend = "cpu";
+static char **fixtures;
+static int n_fixtures;
+
+struct fx {
+	struct mlens_golden *g;
+	struct mlens_golden_engine ge;
+	size_t V;
+};
+
+static void fx_open(struct fx *f, int i)
+{
+	char err[512];
+	int rc = mlens_golden_open(fixtures[i], &f->g, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%s", err);
+	rc = mlens_golden_engine_open(&f->ge, fixtures[i], backend, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%s", err);
+	f->V = (size_t)f->g->vocab;
+	ck_assert_int_eq(mlens_engine_config(f->ge.e)->vocab_size, f->g->vocab);
+}
+
+static void fx_close(struct fx *f)
+{
+	mlens_golden_engine_close(&f->ge);
+	mlens_golden_close(f->g);
+}
+
+static void *xmalloc(size_t n)
+{
+	void *p = malloc(n);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+static void report(const struct fx *f, const char *what, double got, double tol)
+{
+	printf("golden %s [%s] %s: max rel %.3g (tolerance %.3g)\n", f->g->name, backend, what,
+	       got, tol);
+	fflush(stdout);
+}
+
+/* (a) logits of every prompt position, one prefill per prompt. */
+START_TEST(prefill_logits)
+{
+	struct fx f;
+	double worst = 0;
+
+	fx_open(&f, _i);
+	for (int p = 0; p < f.g->n_prompts; p++) {
+		const struct mlens_golden_prompt *pr = &f.g->prompts[p];
+		float *lg = xmalloc((size_t)pr->len * f.V * sizeof(float));
+		ck_assert_int_eq(mlens_golden_prefill(&f.ge, pr->tokens, pr->len, lg), 0);
+		for (int t = 0; t < pr->len; t++) {
+			double d = mlens_golden_rel_diff(lg + t * f.V, pr->prefill_logits + t * f.V, f.V);
+			ck_assert_msg(d <= f.g->tol_prefill,
+				      "%s prompt %d position %d: rel diff %.3g > %.3g", f.g->name, p, t,
+				      d, f.g->tol_prefill);
+			worst = d > worst ? d : worst;
+		}
+		free(lg);
+	}
+	report(&f, "prefill logits", worst, f.g->tol_prefill);
+	fx_close(&f);
+}
+END_TEST
+
+/* (a) decode logits: feed the reference's greedy tokens, so that every
+ * stored step is compared whatever near-ties the reference has. */
+START_TEST(decode_logits_teacher_forced)
+{
+	struct fx f;
+	double worst = 0, worst_kv = 0;
+	int S;
+
+	fx_open(&f, _i);
+	S = f.g->n_gen_logits;
+	for (int p = 0; p < f.g->n_prompts; p++) {
+		const struct mlens_golden_prompt *pr = &f.g->prompts[p];
+		float *lg = xmalloc((size_t)S * f.V * sizeof(float));
+		int32_t *tok = xmalloc((size_t)S * sizeof(int32_t));
+		ck_assert_int_eq(mlens_golden_generate(&f.ge, pr->tokens, pr->len, S,
+						       pr->main.greedy, tok, lg), 0);
+		for (int s = 0; s < S; s++) {
+			double d = mlens_golden_rel_diff(lg + s * f.V, pr->main.gen_logits + s * f.V, f.V);
+			ck_assert_msg(d <= f.g->tol_decode, "%s prompt %d step %d: rel diff %.3g > %.3g",
+				      f.g->name, p, s, d, f.g->tol_decode);
+			worst = d > worst ? d : worst;
+			if (!f.g->has_kv_bf16)
+				continue;
+			d = mlens_golden_rel_diff(lg + s * f.V, pr->kv_bf16.gen_logits + s * f.V, f.V);
+			ck_assert_msg(d <= f.g->tol_kv_bf16,
+				      "%s prompt %d step %d: rel diff %.3g > %.3g vs the bf16-KV reference",
+				      f.g->name, p, s, d, f.g->tol_kv_bf16);
+			worst_kv = d > worst_kv ? d : worst_kv;
+		}
+		free(lg);
+		free(tok);
+	}
+	report(&f, "decode logits (teacher-forced)", worst, f.g->tol_decode);
+	if (f.g->has_kv_bf16)
+		report(&f, "decode logits vs bf16-KV reference", worst_kv, f.g->tol_kv_bf16);
+	fx_close(&f);
+}
+END_TEST
+
+/* Tokens [0, safe) of got must equal the reference's. */
+static void compare_greedy(const struct fx *f, int p, const int32_t *got,
+			   const struct mlens_golden_ref *ref, double tol, const char *which)
+{
+	int safe = mlens_golden_safe_steps(f->g, ref, tol);
+	for (int s = 0; s < safe; s++)
+		ck_assert_msg(got[s] == ref->greedy[s],
+			      "%s prompt %d: greedy token %d is %d, %s reference has %d",
+			      f->g->name, p, s, got[s], which, ref->greedy[s]);
+	if (safe < f->g->n_gen)
+		printf("golden %s [%s] greedy prompt %d vs %s: %d/%d tokens compared; step %d has "
+		       "top-2 margin %.3g <= 2 x %.3g x max|logit| %.3g (a near-tie)\n",
+		       f->g->name, backend, p, which, safe, f->g->n_gen, safe, ref->margin[safe], tol,
+		       ref->max_abs[safe]);
+	else
+		printf("golden %s [%s] greedy prompt %d vs %s: %d/%d tokens identical\n", f->g->name,
+		       backend, p, which, safe, f->g->n_gen);
+	fflush(stdout);
+}
+
+/* (b) free-running greedy tokens. bf16 fixtures compare with the bf16-KV
+ * reference (what the engine computes) at its tolerance, and with the main
+ * reference up to its first near-tie at the looser decode tolerance. */
+START_TEST(greedy_tokens)
+{
+	struct fx f;
+	int N;
+
+	fx_open(&f, _i);
+	N = f.g->n_gen;
+	for (int p = 0; p < f.g->n_prompts; p++) {
+		const struct mlens_golden_prompt *pr = &f.g->prompts[p];
+		int32_t *tok = xmalloc((size_t)N * sizeof(int32_t));
+		ck_assert_int_eq(mlens_golden_generate(&f.ge, pr->tokens, pr->len, N, NULL, tok, NULL),
+				 0);
+		compare_greedy(&f, p, tok, &pr->main, f.g->tol_decode, "main");
+		if (f.g->has_kv_bf16)
+			compare_greedy(&f, p, tok, &pr->kv_bf16, f.g->tol_kv_bf16, "bf16-KV");
+		free(tok);
+	}
+	fx_close(&f);
+}
+END_TEST
+
+/* (c) all prompts in one step, then decoding together, equals each prompt
+ * alone: bitwise on the CPU backend (fixed reduction order per row), within
+ * the prefill tolerance on others. */
+START_TEST(batched_equals_unbatched)
+{
+	struct fx f;
+	int S, n;
+	int32_t *bt, *at;
+	float *bl, *al;
+	double worst = 0;
+	bool exact;
+
+	fx_open(&f, _i);
+	S = f.g->n_gen_logits;
+	n = f.g->n_prompts;
+	exact = !strcmp(backend, "cpu");
+	bt = xmalloc((size_t)n * S * sizeof(int32_t));
+	at = xmalloc((size_t)S * sizeof(int32_t));
+	bl = xmalloc((size_t)n * S * f.V * sizeof(float));
+	al = xmalloc((size_t)S * f.V * sizeof(float));
+	ck_assert_int_eq(mlens_golden_generate_batch(&f.ge, f.g, S, bt, bl), 0);
+	for (int p = 0; p < n; p++) {
+		const struct mlens_golden_prompt *pr = &f.g->prompts[p];
+		const float *b = bl + (size_t)p * S * f.V;
+		ck_assert_int_eq(mlens_golden_generate(&f.ge, pr->tokens, pr->len, S, NULL, at, al), 0);
+		for (int s = 0; s < S; s++) {
+			double d = mlens_golden_rel_diff(b + s * f.V, al + s * f.V, f.V);
+			worst = d > worst ? d : worst;
+			ck_assert_msg(at[s] == bt[(size_t)p * S + s],
+				      "%s prompt %d step %d: batched token %d, alone %d", f.g->name, p,
+				      s, bt[(size_t)p * S + s], at[s]);
+			if (exact)
+				ck_assert_msg(!memcmp(b + s * f.V, al + s * f.V, f.V * sizeof(float)),
+					      "%s prompt %d step %d: batched logits differ (rel %.3g)",
+					      f.g->name, p, s, d);
+			else
+				ck_assert_msg(d <= f.g->tol_prefill,
+					      "%s prompt %d step %d: batched rel diff %.3g", f.g->name,
+					      p, s, d);
+		}
+	}
+	report(&f, exact ? "batched vs unbatched (bitwise)" : "batched vs unbatched", worst,
+	       exact ? 0.0 : f.g->tol_prefill);
+	free(bt);
+	free(at);
+	free(bl);
+	free(al);
+	fx_close(&f);
+}
+END_TEST
+
+/* (d) the logits of generation step i equal row len-1+i of one prefill of
+ * prompt + generated tokens. For bf16 models decode reads the bf16 KV
+ * cache while a prefill attends over fp32 K/V: the decode tolerance. */
+START_TEST(prefill_then_decode_equals_all_at_once)
+{
+	struct fx f;
+	int S;
+	double worst = 0;
+
+	fx_open(&f, _i);
+	S = f.g->n_gen_logits;
+	for (int p = 0; p < f.g->n_prompts; p++) {
+		const struct mlens_golden_prompt *pr = &f.g->prompts[p];
+		int L = pr->len + S - 1;
+		int32_t *seq = xmalloc((size_t)(L + 1) * sizeof(int32_t));
+		float *dl = xmalloc((size_t)S * f.V * sizeof(float));
+		float *pl = xmalloc((size_t)L * f.V * sizeof(float));
+		memcpy(seq, pr->tokens, (size_t)pr->len * sizeof(int32_t));
+		ck_assert_int_eq(mlens_golden_generate(&f.ge, pr->tokens, pr->len, S, NULL,
+						       seq + pr->len, dl), 0);
+		/* the last generated token (seq[L]) has no logits to compare */
+		ck_assert_int_eq(mlens_golden_prefill(&f.ge, seq, L, pl), 0);
+		for (int s = 0; s < S; s++) {
+			double d = mlens_golden_rel_diff(dl + s * f.V, pl + (size_t)(pr->len - 1 + s) * f.V,
+							 f.V);
+			ck_assert_msg(d <= f.g->tol_decode, "%s prompt %d step %d: rel diff %.3g > %.3g",
+				      f.g->name, p, s, d, f.g->tol_decode);
+			worst = d > worst ? d : worst;
+		}
+		free(seq);
+		free(dl);
+		free(pl);
+	}
+	report(&f, "prefill-then-decode vs all-at-once", worst, f.g->tol_decode);
+	fx_close(&f);
+}
+END_TEST
+
+int main(void)
+{
+	char root[4096], err[512];
+	const char *env = getenv("MLENS_TEST_BACKEND");
+	struct mlens_backend be;
+	Suite *s;
+	TCase *tc;
+	SRunner *sr;
+	int failed, rc;
+
+	if (env && *env)
+		backend = env;
+	rc = mlens_backend_create(&be, backend, NULL);
+	if (rc == -EINVAL || (rc && !strcmp(backend, "cpu"))) {
+		fprintf(stderr, "check_golden: backend '%s': %s\n", backend, strerror(-rc));
+		return 1;
+	}
+	if (rc) {	/* not built in, or no device: skip */
+		fprintf(stderr, "check_golden: backend '%s' unavailable (%s): skipped\n", backend,
+			strerror(-rc));
+		return 77;
+	}
+	mlens_backend_destroy(&be);
+	mlens_golden_root(root, sizeof(root));
+	rc = mlens_golden_list(root, &fixtures, &n_fixtures, err, sizeof(err));
+	if (rc || n_fixtures == 0) {
+		fprintf(stderr, "check_golden: %s\n", rc ? err : "no fixture (*/golden.json) found");
+		fprintf(stderr, "check_golden: looked in %s\n", root);
+		return 1;
+	}
+	for (int i = 0; i < n_fixtures; i++)
+		printf("golden fixture %d: %s\n", i, fixtures[i]);
+	fflush(stdout);
+
+	s = suite_create("golden");
+	tc = tcase_create("hf");
+	tcase_set_timeout(tc, 120);
+	tcase_add_loop_test(tc, prefill_logits, 0, n_fixtures);
+	tcase_add_loop_test(tc, decode_logits_teacher_forced, 0, n_fixtures);
+	tcase_add_loop_test(tc, greedy_tokens, 0, n_fixtures);
+	tcase_add_loop_test(tc, batched_equals_unbatched, 0, n_fixtures);
+	tcase_add_loop_test(tc, prefill_then_decode_equals_all_at_once, 0, n_fixtures);
+	suite_add_tcase(s, tc);
+	sr = srunner_create(s);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	mlens_golden_list_free(fixtures, n_fixtures);
+	return failed ? 1 : 0;
+}

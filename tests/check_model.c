@@ -1,0 +1,844 @@
+/* Description: model loading. Round trips through mlens-mkmodel (every
+ * dtype, sharded, fused experts, tied embeddings) and one test per kind of
+ * bad input, each asserting that the message names the file, the tensor
+ * and the fault. */
+#include <check.h>
+#include <errno.h>
+#include <ftw.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <jansson.h>
+
+#include "daemon/mkmodel.h"
+#include "daemon/model.h"
+#include "daemon/safetensors.h"
+
+static char tmpdir[64];
+static char err[2048];
+
+/* ==== helpers ==== */
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+	(void)sb; (void)flag; (void)ftw;
+	return remove(p);
+}
+
+static void setup(void)
+{
+	snprintf(tmpdir, sizeof(tmpdir), "/tmp/mlens-check-model-XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(tmpdir));
+	err[0] = '\0';
+}
+
+static void teardown(void)
+{
+	nftw(tmpdir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static char *sub(const char *name)
+{
+	static char p[2][256];
+	static int k;
+
+	k ^= 1;
+	snprintf(p[k], sizeof(p[k]), "%s/%s", tmpdir, name);
+	return p[k];
+}
+
+static void write_file(const char *path, const void *buf, size_t len)
+{
+	FILE *f = fopen(path, "wb");
+
+	ck_assert_ptr_nonnull(f);
+	ck_assert_uint_eq(fwrite(buf, 1, len, f), len);
+	ck_assert_int_eq(fclose(f), 0);
+}
+
+static char *read_text(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	long n;
+	char *buf;
+
+	ck_assert_ptr_nonnull(f);
+	fseek(f, 0, SEEK_END);
+	n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	buf = calloc(1, (size_t)n + 1);
+	ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+	fclose(f);
+	return buf;
+}
+
+/* Replace the first `from` in a text file by `to`. */
+static void edit(const char *path, const char *from, const char *to)
+{
+	char *t = read_text(path), *at = strstr(t, from), *out;
+	size_t n;
+
+	ck_assert_msg(at != NULL, "'%s' not in %s", from, path);
+	n = strlen(t) - strlen(from) + strlen(to);
+	out = malloc(n + 1);
+	memcpy(out, t, (size_t)(at - t));
+	strcpy(out + (at - t), to);
+	strcat(out, at + strlen(from));
+	write_file(path, out, n);
+	free(out);
+	free(t);
+}
+
+/* A safetensors image: 8-byte LE length, the header text, data_len bytes. */
+static unsigned char *st_image(const char *header, size_t data_len, size_t *len)
+{
+	size_t h = strlen(header);
+	unsigned char *b = calloc(1, 8 + h + data_len + 1);
+
+	for (int i = 0; i < 8; i++)
+		b[i] = (unsigned char)((uint64_t)h >> (8 * i));
+	memcpy(b + 8, header, h);
+	for (size_t i = 0; i < data_len; i++)
+		b[8 + h + i] = (unsigned char)i;
+	*len = 8 + h + data_len;
+	return b;
+}
+
+/* Parse header + data_len bytes; the header is padded to 8 bytes as
+ * safetensors writers do, so data alignment is the tensors' own. */
+static int st_parse(const char *header, size_t data_len)
+{
+	struct mlens_safetensors st;
+	size_t len, h = strlen(header);
+	char *pad = malloc(h + 8);
+	unsigned char *b;
+
+	snprintf(pad, h + 8, "%-*s", (int)((h + 7) & ~(size_t)7), header);
+	b = st_image(pad, data_len, &len);
+	free(pad);
+	int rc = mlens_safetensors_parse(b, len, "bad.safetensors", &st, err, sizeof(err));
+
+	if (!rc)
+		mlens_safetensors_free(&st);
+	free(b);
+	return rc;
+}
+
+#define assert_err(...) do { \
+	const char *want_[] = { __VA_ARGS__ }; \
+	for (size_t i_ = 0; i_ < sizeof(want_) / sizeof(want_[0]); i_++) \
+		ck_assert_msg(strstr(err, want_[i_]), "message lacks '%s': %s", want_[i_], err); \
+} while (0)
+
+static struct mlens_mkmodel_opts tiny(const char *dir, enum mlens_dtype dt, int shards)
+{
+	static char dirs[4][256];	/* sub() reuses its buffers */
+	static int k;
+	struct mlens_mkmodel_opts o = { .seed = 42, .shards = shards };
+
+	k = (k + 1) % 4;
+	snprintf(dirs[k], sizeof(dirs[k]), "%s", dir);
+	o.dir = dirs[k];
+
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, "tiny"), 0);
+	o.cfg.dtype = dt;
+	return o;
+}
+
+static void make(const struct mlens_mkmodel_opts *o)
+{
+	int rc = mlens_mkmodel_write(o, err, sizeof(err));
+
+	ck_assert_msg(rc == 0, "mkmodel: %s", err);
+}
+
+static int open_err(const char *dir)
+{
+	struct mlens_model *m = (void *)1;
+	int rc = mlens_model_open(dir, &m, err, sizeof(err));
+
+	ck_assert_ptr_null(m);
+	return rc;
+}
+
+static struct mlens_model *open_ok(const char *dir)
+{
+	struct mlens_model *m = NULL;
+	int rc = mlens_model_open(dir, &m, err, sizeof(err));
+
+	ck_assert_msg(rc == 0, "open %s: %s", dir, err);
+	return m;
+}
+
+/* The tensor's data equals what the generator produced for its name. */
+static void assert_generated(const void *data, enum mlens_dtype dt, uint64_t seed,
+			     const char *legacy, size_t n)
+{
+	unsigned char want[4];
+
+	for (size_t i = 0; i < n; i++) {
+		mlens_store(want, dt, 0, mlens_mkmodel_value(seed, legacy, i));
+		ck_assert_msg(!memcmp((const char *)data + i * mlens_dtype_size(dt), want,
+				      mlens_dtype_size(dt)),
+			      "%s element %zu differs from the generator", legacy, i);
+	}
+}
+
+/* ==== round trips ==== */
+
+static const enum mlens_dtype dtypes[] = { MLENS_DTYPE_BF16, MLENS_DTYPE_F16, MLENS_DTYPE_F32 };
+
+START_TEST(roundtrip_dtype)
+{
+	const enum mlens_dtype dt = dtypes[_i];
+	struct mlens_mkmodel_opts o = tiny(sub("m"), dt, 1);
+	struct mlens_model *m;
+	const struct mlens_model_config *c;
+	struct stat sb;
+
+	make(&o);
+	m = open_ok(o.dir);
+	c = &m->cfg;
+	ck_assert_str_eq(c->architecture, "MixtralForCausalLM");
+	ck_assert_int_eq(c->vocab_size, 512);
+	ck_assert_int_eq(c->hidden_size, 64);
+	ck_assert_int_eq(c->intermediate_size, 128);
+	ck_assert_int_eq(c->num_hidden_layers, 2);
+	ck_assert_int_eq(c->num_attention_heads, 4);
+	ck_assert_int_eq(c->num_key_value_heads, 2);
+	ck_assert_int_eq(c->head_dim, 16);
+	ck_assert_int_eq(c->num_local_experts, 4);
+	ck_assert_int_eq(c->num_experts_per_tok, 2);
+	ck_assert_int_eq(c->max_position_embeddings, 4096);
+	ck_assert_double_eq(c->rope_theta, 1e6);
+	ck_assert_double_eq(c->rms_norm_eps, 1e-5);
+	ck_assert(!c->tie_word_embeddings);
+	ck_assert(c->dtype_given);
+	ck_assert_int_eq(c->dtype, dt);
+	ck_assert_int_eq(m->n_files, 1);
+	/* 3 + 2 layers * (7 + 4 experts * 3) */
+	ck_assert_int_eq(m->n_tensors, 3 + 2 * 19);
+
+	ck_assert_ptr_nonnull(m->embed);
+	ck_assert_int_eq(m->embed->ndim, 2);
+	ck_assert_int_eq(m->embed->shape[0], 512);
+	ck_assert_int_eq(m->embed->shape[1], 64);
+	ck_assert_ptr_ne(m->lm_head, m->embed);
+	assert_generated(m->embed->data, dt, 42, "model.embed_tokens.weight", 512 * 64);
+	assert_generated(m->lm_head->data, dt, 42, "lm_head.weight", 512 * 64);
+	assert_generated(m->final_norm->data, dt, 42, "model.norm.weight", 64);
+	assert_generated(m->layers[1].wq->data, dt, 42, "model.layers.1.self_attn.q_proj.weight", 64 * 64);
+	assert_generated(m->layers[1].wk->data, dt, 42, "model.layers.1.self_attn.k_proj.weight", 32 * 64);
+	assert_generated(m->layers[0].w2[2], dt, 42,
+			 "model.layers.0.block_sparse_moe.experts.2.w2.weight", 64 * 128);
+	assert_generated(m->layers[1].w3[3], dt, 42,
+			 "model.layers.1.block_sparse_moe.experts.3.w3.weight", 128 * 64);
+	/* Norms sit around 1.0, matrices around 0 with std 0.02. */
+	ck_assert_float_eq_tol(mlens_load(m->layers[0].attn_norm->data, dt, 5), 1.0f, 0.1f);
+	ck_assert_float_eq_tol(mlens_load(m->layers[0].wq->data, dt, 5), 0.0f, 0.1f);
+	ck_assert_ptr_eq(mlens_model_tensor(m, "model.layers.0.self_attn.o_proj.weight"), m->layers[0].wo);
+	ck_assert_ptr_null(mlens_model_tensor(m, "model.layers.9.self_attn.o_proj.weight"));
+
+	ck_assert_int_eq(stat(sub("m/model.safetensors"), &sb), 0);
+	ck_assert_uint_lt(m->weight_bytes, (size_t)sb.st_size);
+	mlens_model_close(m);
+}
+END_TEST
+
+START_TEST(weight_bytes_exact)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct mlens_model *m;
+	size_t want;
+
+	make(&o);
+	m = open_ok(o.dir);
+	/* V*H twice, final norm, and per layer: 2 norms, q/o 64x64, k/v 32x64,
+	 * router 4x64, 4 experts of 3 * 128x64; all bf16. */
+	want = 2 * (2 * 512 * 64 + 64 + 2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 4 * 64 + 4 * 3 * 128 * 64));
+	ck_assert_uint_eq(m->weight_bytes, want);
+	mlens_model_close(m);
+}
+END_TEST
+
+START_TEST(sharded_equals_single)
+{
+	struct mlens_mkmodel_opts a = tiny(sub("one"), MLENS_DTYPE_BF16, 1);
+	struct mlens_mkmodel_opts b = tiny(sub("three"), MLENS_DTYPE_BF16, 3);
+	struct mlens_model *ma, *mb;
+
+	make(&a);
+	make(&b);
+	ck_assert_int_eq(access(sub("three/model-00003-of-00003.safetensors"), R_OK), 0);
+	ck_assert_int_ne(access(sub("three/model.safetensors"), F_OK), 0);
+	ma = open_ok(a.dir);
+	mb = open_ok(b.dir);
+	ck_assert_int_eq(mb->n_files, 3);
+	ck_assert_int_eq(ma->n_tensors, mb->n_tensors);
+	ck_assert_uint_eq(ma->weight_bytes, mb->weight_bytes);
+	for (int i = 0; i < ma->n_tensors; i++) {
+		const struct mlens_tensor *x = &ma->tensors[i];
+		const struct mlens_tensor *y = mlens_model_tensor(mb, x->name);
+
+		ck_assert_ptr_nonnull(y);
+		ck_assert_int_eq(x->ndim, y->ndim);
+		ck_assert_uint_eq(x->nbytes, y->nbytes);
+		ck_assert(!memcmp(x->shape, y->shape, sizeof(x->shape)));
+		ck_assert_msg(!memcmp(x->data, y->data, x->nbytes), "%s differs", x->name);
+	}
+	/* Each shard holds some tensors. */
+	for (int f = 0; f < 3; f++) {
+		int n = 0;
+		for (int i = 0; i < mb->n_tensors; i++)
+			n += mb->tensors[i].file == f;
+		ck_assert_int_gt(n, 0);
+	}
+	mlens_model_close(ma);
+	mlens_model_close(mb);
+}
+END_TEST
+
+START_TEST(fused_equals_legacy)
+{
+	struct mlens_mkmodel_opts a = tiny(sub("legacy"), MLENS_DTYPE_F32, 1);
+	struct mlens_mkmodel_opts b = tiny(sub("fused"), MLENS_DTYPE_F32, 2);
+	struct mlens_model *ma, *mb;
+	const size_t mat = 128 * 64 * 4;
+
+	b.fused_experts = true;
+	make(&a);
+	make(&b);
+	ma = open_ok(a.dir);
+	mb = open_ok(b.dir);
+	ck_assert_ptr_nonnull(mlens_model_tensor(mb, "model.layers.1.mlp.experts.gate_up_proj"));
+	ck_assert_ptr_null(mlens_model_tensor(mb, "model.layers.1.block_sparse_moe.gate.weight"));
+	ck_assert_int_eq(mb->n_tensors, 3 + 2 * 9);
+	for (int l = 0; l < 2; l++) {
+		ck_assert(!memcmp(ma->layers[l].router->data, mb->layers[l].router->data, 4 * 64 * 4));
+		for (int j = 0; j < 4; j++) {
+			ck_assert_msg(!memcmp(ma->layers[l].w1[j], mb->layers[l].w1[j], mat), "w1 %d %d", l, j);
+			ck_assert_msg(!memcmp(ma->layers[l].w2[j], mb->layers[l].w2[j], mat), "w2 %d %d", l, j);
+			ck_assert_msg(!memcmp(ma->layers[l].w3[j], mb->layers[l].w3[j], mat), "w3 %d %d", l, j);
+		}
+	}
+	mlens_model_close(ma);
+	mlens_model_close(mb);
+}
+END_TEST
+
+START_TEST(tied_embeddings)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_F16, 1);
+	struct mlens_model *m;
+
+	o.cfg.tie_word_embeddings = true;
+	make(&o);
+	m = open_ok(o.dir);
+	ck_assert(m->cfg.tie_word_embeddings);
+	ck_assert_ptr_eq(m->lm_head, m->embed);
+	ck_assert_ptr_null(mlens_model_tensor(m, "lm_head.weight"));
+	mlens_model_close(m);
+}
+END_TEST
+
+START_TEST(seed_changes_weights)
+{
+	ck_assert_float_ne(mlens_mkmodel_value(1, "a.weight", 0), mlens_mkmodel_value(2, "a.weight", 0));
+	ck_assert_float_ne(mlens_mkmodel_value(1, "a.weight", 0), mlens_mkmodel_value(1, "b.weight", 0));
+	ck_assert_float_eq(mlens_mkmodel_value(1, "a.weight", 7), mlens_mkmodel_value(1, "a.weight", 7));
+	/* Standard deviation near 0.02, mean near 0, over many draws. */
+	double s = 0, s2 = 0;
+	for (int i = 0; i < 100000; i++) {
+		double v = mlens_mkmodel_value(5, "x.weight", (uint64_t)i);
+		s += v;
+		s2 += v * v;
+	}
+	ck_assert_double_eq_tol(s / 100000, 0.0, 0.001);
+	ck_assert_double_eq_tol(sqrt(s2 / 100000), 0.02, 0.001);
+}
+END_TEST
+
+/* ==== bad safetensors (from memory) ==== */
+
+#define T1(dt, shape, a, b) "\"x\":{\"dtype\":\"" dt "\",\"shape\":" shape ",\"data_offsets\":[" #a "," #b "]}"
+
+START_TEST(st_too_short)
+{
+	struct mlens_safetensors st;
+
+	ck_assert_int_eq(mlens_safetensors_parse("abc", 3, "short.safetensors", &st, err, sizeof(err)), -EINVAL);
+	assert_err("short.safetensors", "3 bytes", "too short");
+}
+END_TEST
+
+START_TEST(st_header_past_end)
+{
+	struct mlens_safetensors st;
+	unsigned char b[16] = { 0xe8, 0x03 };	/* 1000 */
+
+	memcpy(b + 8, "{}      ", 8);
+	ck_assert_int_eq(mlens_safetensors_parse(b, sizeof(b), "h.safetensors", &st, err, sizeof(err)), -EINVAL);
+	assert_err("h.safetensors", "header length 1000 runs past the end of the file (16 bytes)");
+	/* 2^64 - 1 must not wrap around. */
+	memset(b, 0xff, 8);
+	ck_assert_int_eq(mlens_safetensors_parse(b, sizeof(b), "h.safetensors", &st, err, sizeof(err)), -EINVAL);
+	assert_err("header length 18446744073709551615 runs past");
+}
+END_TEST
+
+START_TEST(st_bad_dtype)
+{
+	ck_assert_int_eq(st_parse("{" T1("I64", "[2]", 0, 16) "}", 16), -EINVAL);
+	assert_err("bad.safetensors: tensor 'x': dtype I64 is not supported");
+	ck_assert_int_eq(st_parse("{" T1("F64", "[2]", 0, 16) "}", 16), -EINVAL);
+	assert_err("tensor 'x': dtype F64");
+}
+END_TEST
+
+START_TEST(st_huge_dims)
+{
+	ck_assert_int_eq(st_parse("{" T1("F32", "[4294967296,4294967296,16]", 0, 16) "}", 16), -EINVAL);
+	assert_err("tensor 'x'", "shape [4294967296, 4294967296, 16] overflows");
+	/* Elements fit, bytes do not. */
+	ck_assert_int_eq(st_parse("{" T1("F32", "[4611686018427387904]", 0, 16) "}", 16), -EINVAL);
+	assert_err("tensor 'x'", "overflows a 64-bit byte count");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[1,1,1,1,1]", 0, 4) "}", 4), -EINVAL);
+	assert_err("tensor 'x'", "5 dimensions");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[-1]", 0, 4) "}", 4), -EINVAL);
+	assert_err("tensor 'x'", "shape[0] is not a non-negative integer");
+}
+END_TEST
+
+START_TEST(st_out_of_range)
+{
+	const char *h = "{\"model.layers.3.self_attn.q_proj.weight\":{\"dtype\":\"F32\",\"shape\":[768],\"data_offsets\":[1024,4096]}}";
+
+	ck_assert_int_eq(st_parse(h, 2048), -EINVAL);
+	assert_err("bad.safetensors: tensor 'model.layers.3.self_attn.q_proj.weight': data_offsets [1024, 4096) run past the data section (2048 bytes)");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 8, 0) "}", 8), -EINVAL);
+	assert_err("tensor 'x'", "[8, 0) end before they begin");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 0, 9223372036854775807) "}", 8), -EINVAL);
+	assert_err("tensor 'x'", "[0, 9223372036854775807) run past the data section (8 bytes)");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 0, -8) "}", 8), -EINVAL);
+	assert_err("tensor 'x'", "data_offsets is not a pair");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 0, 18446744073709551615) "}", 8), -EINVAL);
+	assert_err("bad.safetensors: header is not valid JSON", "too big integer");
+}
+END_TEST
+
+START_TEST(st_size_mismatch)
+{
+	ck_assert_int_eq(st_parse("{" T1("F32", "[4]", 0, 8) "}", 8), -EINVAL);
+	assert_err("tensor 'x'", "hold 8 bytes but shape [4] of F32 needs 16");
+}
+END_TEST
+
+START_TEST(st_overlap_gap_tail)
+{
+	ck_assert_int_eq(st_parse("{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+				  "\"b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 24), -EINVAL);
+	assert_err("tensor 'b'", "[8, 24) overlap tensor 'a' [0, 16)");
+	ck_assert_int_eq(st_parse("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+				  "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[16,24]}}", 24), -EINVAL);
+	assert_err("tensor 'b'", "gap of 8 bytes after tensor 'a'");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 8, 16) "}", 16), -EINVAL);
+	assert_err("tensor 'x'", "gap of 8 bytes at the start");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 0, 8) "}", 12), -EINVAL);
+	assert_err("tensor 'x'", "data ends at 8 but the data section holds 12 bytes");
+	ck_assert_int_eq(st_parse("{}", 4), -EINVAL);
+	assert_err("no tensors but 4 data bytes");
+}
+END_TEST
+
+START_TEST(st_bad_json)
+{
+	ck_assert_int_eq(st_parse("{\"x\": {\"dtype\": \"F32\",", 0), -EINVAL);
+	assert_err("bad.safetensors: header is not valid JSON (line 1, column");
+	ck_assert_int_eq(st_parse("[1, 2]", 0), -EINVAL);
+	assert_err("header is a JSON array, not an object");
+	ck_assert_int_eq(st_parse("{" T1("F32", "[2]", 0, 8) "," T1("F32", "[2]", 8, 16) "}", 16), -EINVAL);
+	assert_err("bad.safetensors", "duplicate", "x");
+	ck_assert_int_eq(st_parse("{\"x\": 3}", 0), -EINVAL);
+	assert_err("tensor 'x': header entry is a JSON integer");
+	ck_assert_int_eq(st_parse("{\"x\": {\"dtype\": \"F32\"}}", 0), -EINVAL);
+	assert_err("tensor 'x'", "needs string 'dtype'");
+}
+END_TEST
+
+START_TEST(st_valid_with_metadata)
+{
+	struct mlens_safetensors st;
+	const char *h = "{\"__metadata__\":{\"format\":\"pt\"},"
+			"\"b\":{\"dtype\":\"BF16\",\"shape\":[2,3],\"data_offsets\":[16,28]},"
+			"\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+			"\"z\":{\"dtype\":\"F16\",\"shape\":[0],\"data_offsets\":[28,28]}}";
+	char hdr[512];
+	size_t len;
+	unsigned char *b;
+
+	/* Pad the header so the data section is 8-byte aligned. */
+	snprintf(hdr, sizeof(hdr), "%-*s", (int)((strlen(h) + 7) & ~(size_t)7), h);
+	b = st_image(hdr, 28, &len);
+	ck_assert_int_eq(mlens_safetensors_parse(b, len, "ok.safetensors", &st, err, sizeof(err)), 0);
+	ck_assert_int_eq(st.n_tensors, 3);
+	ck_assert_uint_eq(st.data_start, 8 + strlen(hdr));
+	ck_assert_uint_eq(st.data_len, 28);
+	for (int i = 0; i < 3; i++) {
+		if (!strcmp(st.tensors[i].name, "b")) {
+			ck_assert_int_eq(st.tensors[i].dtype, MLENS_DTYPE_BF16);
+			ck_assert_int_eq(st.tensors[i].ndim, 2);
+			ck_assert_int_eq(st.tensors[i].shape[1], 3);
+			ck_assert_uint_eq(st.tensors[i].begin, 16);
+		}
+	}
+	mlens_safetensors_free(&st);
+	free(b);
+	/* F32 data after one BF16 element is misaligned. */
+	ck_assert_int_eq(st_parse("{\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,2]},"
+				  T1("F32", "[1]", 2, 6) "}", 6), -EINVAL);
+	assert_err("tensor 'x'", "not aligned to its 4-byte elements");
+}
+END_TEST
+
+/* ==== bad model directories ==== */
+
+START_TEST(file_truncated)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct stat sb;
+
+	make(&o);
+	ck_assert_int_eq(stat(sub("m/model.safetensors"), &sb), 0);
+	ck_assert_int_eq(truncate(sub("m/model.safetensors"), sb.st_size - 100), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	/* lm_head is written last. */
+	assert_err("m/model.safetensors: tensor 'lm_head.weight': data_offsets", "run past the data section");
+	ck_assert_int_eq(truncate(sub("m/model.safetensors"), 5), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: file is 5 bytes");
+	ck_assert_int_eq(truncate(sub("m/model.safetensors"), 0), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: file is 0 bytes");
+}
+END_TEST
+
+START_TEST(file_header_past_end)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	size_t len;
+	unsigned char *b = st_image("{}", 0, &len);
+
+	make(&o);
+	b[2] = 0x10;	/* header length 1 MiB + 2 */
+	write_file(sub("m/model.safetensors"), b, len);
+	free(b);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: header length 1048578 runs past the end of the file (10 bytes)");
+}
+END_TEST
+
+START_TEST(file_dtype_mismatch)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+
+	make(&o);
+	edit(sub("m/config.json"), "\"bfloat16\"", "\"float32\"");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: tensor '", "dtype BF16 differs from the model's F32 (config.json)");
+}
+END_TEST
+
+START_TEST(file_shape_mismatch)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 2);
+
+	make(&o);
+	edit(sub("m/config.json"), "\"intermediate_size\": 128", "\"intermediate_size\": 96");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("model-0000", "tensor 'model.layers.0.block_sparse_moe.experts.0.w1.weight': shape [128, 64] does not match config.json, which implies [96, 64]");
+}
+END_TEST
+
+START_TEST(file_missing_and_extra_tensor)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+
+	o.cfg.tie_word_embeddings = true;
+	make(&o);
+	edit(sub("m/config.json"), "\"tie_word_embeddings\": true", "\"tie_word_embeddings\": false");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("/m: tensor 'lm_head.weight' is missing (1 expected tensor is missing");
+	edit(sub("m/config.json"), "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
+	edit(sub("m/config.json"), "\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.2.", "is missing (19 expected tensors are missing");
+	edit(sub("m/config.json"), "\"num_hidden_layers\": 3", "\"num_hidden_layers\": 1");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: tensor 'model.layers.1.", "is not part of the Mixtral model");
+}
+END_TEST
+
+START_TEST(file_missing_shard)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 2);
+
+	make(&o);
+	ck_assert_int_eq(unlink(sub("m/model-00002-of-00002.safetensors")), 0);
+	ck_assert_int_eq(open_err(o.dir), -ENOENT);
+	assert_err("m/model-00002-of-00002.safetensors: cannot open (named by model.safetensors.index.json)");
+}
+END_TEST
+
+START_TEST(file_index_disagrees)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 2);
+	json_t *ix;
+
+	make(&o);
+	ix = json_load_file(sub("m/model.safetensors.index.json"), 0, NULL);
+	ck_assert_ptr_nonnull(ix);
+	json_object_del(json_object_get(ix, "weight_map"), "model.norm.weight");
+	ck_assert_int_eq(json_dump_file(ix, sub("m/model.safetensors.index.json"), 0), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("model-00002-of-00002.safetensors: tensor 'model.norm.weight' is not listed in");
+	/* Listed in the wrong shard. */
+	json_object_set_new(json_object_get(ix, "weight_map"), "model.norm.weight",
+			    json_string("model-00001-of-00002.safetensors"));
+	ck_assert_int_eq(json_dump_file(ix, sub("m/model.safetensors.index.json"), 0), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.norm.weight' is in this shard but", "places it in model-00001-of-00002.safetensors");
+	/* Listed but absent. */
+	json_object_set_new(json_object_get(ix, "weight_map"), "model.norm.weight",
+			    json_string("model-00002-of-00002.safetensors"));
+	json_object_set_new(json_object_get(ix, "weight_map"), "model.extra.weight",
+			    json_string("model-00001-of-00002.safetensors"));
+	ck_assert_int_eq(json_dump_file(ix, sub("m/model.safetensors.index.json"), 0), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("model-00001-of-00002.safetensors: tensor 'model.extra.weight' is listed in");
+	/* A shard outside the directory. */
+	json_object_set_new(json_object_get(ix, "weight_map"), "model.extra.weight",
+			    json_string("../x.safetensors"));
+	ck_assert_int_eq(json_dump_file(ix, sub("m/model.safetensors.index.json"), 0), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.extra.weight': shard must be a file name");
+	json_decref(ix);
+	write_file(sub("m/model.safetensors.index.json"), "{\"weight_map\": ", 15);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("model.safetensors.index.json: malformed JSON at line 1");
+}
+END_TEST
+
+START_TEST(file_no_weights)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+
+	make(&o);
+	ck_assert_int_eq(unlink(sub("m/model.safetensors")), 0);
+	ck_assert_int_eq(open_err(o.dir), -ENOENT);
+	assert_err("neither model.safetensors nor model.safetensors.index.json");
+	ck_assert_int_eq(unlink(sub("m/config.json")), 0);
+	ck_assert_int_eq(open_err(o.dir), -ENOENT);
+	assert_err("m/config.json: cannot open");
+}
+END_TEST
+
+START_TEST(file_config_errors)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct mlens_model *m;
+
+	make(&o);
+	edit(sub("m/config.json"), "\"sliding_window\": null", "\"sliding_window\": 1024");
+	ck_assert_int_eq(open_err(o.dir), -ENOTSUP);
+	assert_err("m/config.json: sliding_window is 1024 but max_position_embeddings is 4096",
+		   "no sliding-window attention");
+	edit(sub("m/config.json"), "\"sliding_window\": 1024", "\"sliding_window\": 4096");
+	m = open_ok(o.dir);
+	mlens_model_close(m);
+	edit(sub("m/config.json"), "\"MixtralForCausalLM\"", "\"LlamaForCausalLM\"");
+	ck_assert_int_eq(open_err(o.dir), -ENOTSUP);
+	assert_err("m/config.json: architectures is [\"LlamaForCausalLM\"]", "only MixtralForCausalLM");
+	edit(sub("m/config.json"), "\"LlamaForCausalLM\"", "\"MixtralForCausalLM\",");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/config.json: malformed JSON at line 4, column");
+}
+END_TEST
+
+/* ==== config.json from memory ==== */
+
+static const char base_cfg[] =
+	"{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32,"
+	" \"intermediate_size\": 48, \"num_hidden_layers\": 1, \"num_attention_heads\": 4,"
+	" \"num_key_value_heads\": 2, \"num_local_experts\": 4, \"num_experts_per_tok\": 2,"
+	" \"max_position_embeddings\": 256 %s}";
+
+static int cfg_parse(const char *extra, struct mlens_model_config *c)
+{
+	char text[2048];
+
+	snprintf(text, sizeof(text), base_cfg, extra);
+	return mlens_model_parse_config(text, strlen(text), "t/config.json", c, err, sizeof(err));
+}
+
+static int cfg_text(const char *text, struct mlens_model_config *c)
+{
+	return mlens_model_parse_config(text, strlen(text), "t/config.json", c, err, sizeof(err));
+}
+
+START_TEST(config_variants)
+{
+	struct mlens_model_config c;
+
+	ck_assert_int_eq(cfg_parse("", &c), 0);
+	ck_assert_int_eq(c.head_dim, 8);
+	ck_assert_double_eq(c.rope_theta, 1e6);
+	ck_assert(!c.dtype_given);
+	ck_assert_int_eq(cfg_parse(", \"head_dim\": null, \"dtype\": \"float16\", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}", &c), 0);
+	ck_assert_int_eq(c.head_dim, 8);
+	ck_assert_double_eq(c.rope_theta, 5e5);
+	ck_assert(c.dtype_given);
+	ck_assert_int_eq(c.dtype, MLENS_DTYPE_F16);
+	ck_assert_int_eq(cfg_parse(", \"head_dim\": 16, \"rope_theta\": 10000, \"torch_dtype\": \"float32\", \"tie_word_embeddings\": true", &c), 0);
+	ck_assert_int_eq(c.head_dim, 16);
+	ck_assert_double_eq(c.rope_theta, 1e4);
+	ck_assert_int_eq(c.dtype, MLENS_DTYPE_F32);
+	ck_assert(c.tie_word_embeddings);
+}
+END_TEST
+
+START_TEST(config_refusals)
+{
+	struct mlens_model_config c;
+
+	ck_assert_int_eq(cfg_parse(", \"rope_parameters\": {\"rope_theta\": 1e6, \"rope_type\": \"yarn\"}", &c), -ENOTSUP);
+	assert_err("t/config.json: rope_parameters.rope_type is \"yarn\"");
+	ck_assert_int_eq(cfg_parse(", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}", &c), -ENOTSUP);
+	assert_err("rope_scaling");
+	ck_assert_int_eq(cfg_parse(", \"num_local_experts\": 300", &c), -EINVAL);
+	assert_err("duplicate");
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 100}", &c), -EINVAL);
+	assert_err("t/config.json: 'hidden_size' is missing");
+	ck_assert_int_eq(cfg_parse(", \"sliding_window\": 128", &c), -ENOTSUP);
+	assert_err("sliding_window is 128 but max_position_embeddings is 256");
+	ck_assert_int_eq(cfg_parse(", \"sliding_window\": \"big\"", &c), -EINVAL);
+	assert_err("'sliding_window' must be an integer or null");
+	ck_assert_int_eq(cfg_parse(", \"torch_dtype\": \"int8\"", &c), -ENOTSUP);
+	assert_err("torch_dtype 'int8' is not supported");
+	ck_assert_int_eq(cfg_parse(", \"head_dim\": 7", &c), -EINVAL);
+	assert_err("head_dim 7 is odd");
+	ck_assert_int_eq(cfg_parse(", \"hidden_act\": \"gelu\"", &c), -ENOTSUP);
+	assert_err("hidden_act");
+	ck_assert_int_eq(cfg_parse(", \"rms_norm_eps\": -1", &c), -EINVAL);
+	assert_err("'rms_norm_eps' is -1");
+	ck_assert_int_eq(cfg_text("[]", &c), -EINVAL);
+	assert_err("t/config.json: top level must be a JSON object");
+	ck_assert_int_eq(cfg_text("{\"vocab_size\": 1}", &c), -EINVAL);
+	assert_err("no 'architectures' list");
+	ck_assert_int_eq(cfg_text("{\n\"a\": 1,\n\"b\": }", &c), -EINVAL);
+	assert_err("t/config.json: malformed JSON at line 3, column");
+}
+END_TEST
+
+/* Each range limit on its own, from a valid base. */
+static const struct {
+	const char *json;
+	const char *want;
+} ranges[] = {
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 0}", "'vocab_size' is 0; mlens accepts 1 to" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 99999999}", "'hidden_size' is 99999999" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8.5}", "'hidden_size' must be an integer" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_key_value_heads\": 3, \"num_local_experts\": 2, \"num_experts_per_tok\": 1}", "num_attention_heads 4 is not a multiple of num_key_value_heads 3" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_key_value_heads\": 8, \"num_local_experts\": 2, \"num_experts_per_tok\": 1}", "'num_key_value_heads' is 8; mlens accepts 1 to 4" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 300, \"num_experts_per_tok\": 1}", "'num_local_experts' is 300; mlens accepts 1 to 256" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 5}", "'num_experts_per_tok' is 5; mlens accepts 1 to 4" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 9, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 1}", "head_dim is absent and hidden_size 9 is not a multiple of num_attention_heads 4" },
+};
+
+START_TEST(config_ranges)
+{
+	struct mlens_model_config c;
+
+	ck_assert_int_eq(mlens_model_parse_config(ranges[_i].json, strlen(ranges[_i].json),
+						  "t/config.json", &c, err, sizeof(err)), -EINVAL);
+	assert_err("t/config.json: ", ranges[_i].want);
+}
+END_TEST
+
+START_TEST(mkmodel_refuses)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, "nope"), -EINVAL);
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, "tiny"), 0);
+	o.cfg.num_experts_per_tok = 9;
+	ck_assert_int_eq(mlens_mkmodel_write(&o, err, sizeof(err)), -EINVAL);
+	assert_err("num_experts_per_tok");
+	ck_assert_int_ne(access(sub("m/config.json"), F_OK), 0);
+	o.cfg.num_experts_per_tok = 2;
+	o.shards = 1000;
+	ck_assert_int_eq(mlens_mkmodel_write(&o, err, sizeof(err)), -EINVAL);
+	assert_err("1000 shards requested but the model has only 41 tensors");
+	o.shards = 1;
+	o.dir = sub("no/such/dir");
+	ck_assert_int_eq(mlens_mkmodel_write(&o, err, sizeof(err)), -ENOENT);
+	assert_err("no/such/dir: cannot create directory");
+}
+END_TEST
+
+static Suite *model_suite(void)
+{
+	Suite *s = suite_create("model");
+	TCase *tc = tcase_create("roundtrip");
+	TCase *bad = tcase_create("bad input");
+
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_loop_test(tc, roundtrip_dtype, 0, 3);
+	tcase_add_test(tc, weight_bytes_exact);
+	tcase_add_test(tc, sharded_equals_single);
+	tcase_add_test(tc, fused_equals_legacy);
+	tcase_add_test(tc, tied_embeddings);
+	tcase_add_test(tc, seed_changes_weights);
+	tcase_add_test(tc, config_variants);
+	suite_add_tcase(s, tc);
+
+	tcase_add_checked_fixture(bad, setup, teardown);
+	tcase_set_timeout(bad, 60);
+	tcase_add_test(bad, st_too_short);
+	tcase_add_test(bad, st_header_past_end);
+	tcase_add_test(bad, st_bad_dtype);
+	tcase_add_test(bad, st_huge_dims);
+	tcase_add_test(bad, st_out_of_range);
+	tcase_add_test(bad, st_size_mismatch);
+	tcase_add_test(bad, st_overlap_gap_tail);
+	tcase_add_test(bad, st_bad_json);
+	tcase_add_test(bad, st_valid_with_metadata);
+	tcase_add_test(bad, file_truncated);
+	tcase_add_test(bad, file_header_past_end);
+	tcase_add_test(bad, file_dtype_mismatch);
+	tcase_add_test(bad, file_shape_mismatch);
+	tcase_add_test(bad, file_missing_and_extra_tensor);
+	tcase_add_test(bad, file_missing_shard);
+	tcase_add_test(bad, file_index_disagrees);
+	tcase_add_test(bad, file_no_weights);
+	tcase_add_test(bad, file_config_errors);
+	tcase_add_test(bad, config_refusals);
+	tcase_add_loop_test(bad, config_ranges, 0, (int)(sizeof(ranges) / sizeof(ranges[0])));
+	tcase_add_test(bad, mkmodel_refuses);
+	suite_add_tcase(s, bad);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(model_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

@@ -1,0 +1,445 @@
+/* Description: the scheduler over a real engine (CPU backend, random tiny
+ * model) with in-process tenants: every request completes with the tokens
+ * a lone run gives, under preemption too; quotas, fair share, cancel,
+ * a full completion ring, tenant removal and refusals. */
+#include <check.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/sched.h"
+#include "tests/testmodel.h"
+
+#define MAXEV 4096
+
+struct tenant {
+	struct mlens_sched_tenant st;	/* first: the emit callback casts back */
+	struct mlens_event ev[MAXEV];
+	int n_ev;
+	int room;		/* events it accepts before "ring full"; <0 = unlimited */
+};
+
+static int tenant_emit(struct mlens_sched_tenant *t, const struct mlens_event *ev)
+{
+	struct tenant *x = (struct tenant *)t;
+	if (x->room == 0)
+		return -EAGAIN;
+	if (x->room > 0)
+		x->room--;
+	ck_assert_int_lt(x->n_ev, MAXEV);
+	x->ev[x->n_ev++] = *ev;
+	return 0;
+}
+
+struct fx {
+	struct mlens_model *m;
+	struct mlens_backend be;
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+};
+
+static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_engine_opts eo = { 4, kv_blocks, -1, 256, NULL, NULL, MLENS_PREFILL_AUTO };
+	struct mlens_sched_opts so = { cap, 0 };
+	char err[256];
+	f->m = mlens_test_model_new(&sp);
+	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
+	ck_assert_msg(mlens_engine_create(&f->e, f->m, &f->be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&f->s, f->e, &so), 0);
+}
+
+static void fx_close(struct fx *f)
+{
+	mlens_sched_destroy(f->s);
+	mlens_engine_destroy(f->e);
+	mlens_backend_destroy(&f->be);
+	mlens_test_model_free(f->m);
+}
+
+static struct mlens_quota q_default(void)
+{
+	struct mlens_quota q = { 0, 0, 1000, 1.0 };
+	return q;
+}
+
+static void tenant_init(struct tenant *t, struct mlens_quota q)
+{
+	memset(t, 0, sizeof(*t));
+	t->room = -1;
+	mlens_sched_tenant_init(&t->st, &q, tenant_emit);
+}
+
+static struct mlens_request_params params(uint64_t id, const int32_t *p, int n, int max_tokens)
+{
+	struct mlens_request_params rp;
+	memset(&rp, 0, sizeof(rp));
+	rp.id = id;
+	rp.prompt = p;
+	rp.n_prompt = n;
+	rp.max_tokens = max_tokens;
+	rp.samp.top_p = 1.0f;
+	return rp;
+}
+
+static void submit_ok(struct fx *f, struct tenant *t, const struct mlens_request_params *rp)
+{
+	char why[256] = "";
+	int rc = mlens_sched_submit(f->s, &t->st, rp, why, sizeof(why));
+	ck_assert_msg(rc == 0, "submit: %d %s", rc, why);
+}
+
+static int run_until_idle(struct fx *f, int max_steps)
+{
+	int steps = 0, rc;
+	while (!mlens_sched_idle(f->s) && steps < max_steps) {
+		rc = mlens_sched_step(f->s);
+		ck_assert_int_ge(rc, 0);
+		if (rc == 0)
+			break;
+		steps++;
+	}
+	return steps;
+}
+
+/* Tokens tenant t received for request id, in order; returns count. */
+static int tokens_of(const struct tenant *t, uint64_t id, int32_t *out, enum mlens_finish *fin)
+{
+	int n = 0;
+	for (int i = 0; i < t->n_ev; i++)
+		if (t->ev[i].id == id) {
+			if (t->ev[i].token >= 0)
+				out[n++] = t->ev[i].token;
+			if (t->ev[i].last && fin)
+				*fin = t->ev[i].finish;
+		}
+	return n;
+}
+
+static void prompt(int32_t *t, int n, unsigned seed)
+{
+	for (int i = 0; i < n; i++)
+		t[i] = (int32_t)((seed * 2654435761u + (unsigned)i * 40503u) % 97u);
+}
+
+/* Reference: each request alone in a roomy scheduler. */
+static void reference(int nreq, const int *lens, int g, int32_t ref[][64], struct mlens_sampling *samp)
+{
+	for (int i = 0; i < nreq; i++) {
+		struct fx f;
+		struct tenant t;
+		int32_t p[64];
+		struct mlens_request_params rp;
+		fx_open(&f, 512, 0);
+		tenant_init(&t, q_default());
+		prompt(p, lens[i], (unsigned)i + 1);
+		rp = params((uint64_t)i, p, lens[i], g);
+		if (samp)
+			rp.samp = samp[i];
+		submit_ok(&f, &t, &rp);
+		run_until_idle(&f, 1000);
+		ck_assert_int_eq(tokens_of(&t, (uint64_t)i, ref[i], NULL), g);
+		fx_close(&f);
+	}
+}
+
+START_TEST(preemption_keeps_tokens)
+{
+	/* 12 requests, a pool of 40 blocks of 4 tokens: they cannot all grow
+	 * to prompt + 24 tokens at once, so the scheduler must preempt */
+	enum { N = 12, G = 24 };
+	int lens[N];
+	int32_t ref[N][64], got[64];
+	struct mlens_sampling samp[N];
+	struct fx f;
+	struct tenant t;
+	struct mlens_sched_stats st;
+
+	for (int i = 0; i < N; i++) {
+		lens[i] = 3 + (i * 5) % 11;
+		samp[i] = (struct mlens_sampling){ i % 2 ? 0.8f : 0.0f, 0, 1.0f, (uint64_t)i * 7 + 1, 0 };
+	}
+	reference(N, lens, G, ref, samp);
+
+	fx_open(&f, 40, 0);
+	tenant_init(&t, q_default());
+	for (int i = 0; i < N; i++) {
+		int32_t p[64];
+		struct mlens_request_params rp;
+		prompt(p, lens[i], (unsigned)i + 1);
+		rp = params((uint64_t)i, p, lens[i], G);
+		rp.samp = samp[i];
+		submit_ok(&f, &t, &rp);
+	}
+	run_until_idle(&f, 10000);
+	ck_assert(mlens_sched_idle(f.s));
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_gt(st.preemptions, 0);
+	ck_assert_uint_eq(st.requests_done, N);
+	for (int i = 0; i < N; i++) {
+		enum mlens_finish fin = MLENS_FINISH_NONE;
+		ck_assert_int_eq(tokens_of(&t, (uint64_t)i, got, &fin), G);
+		ck_assert_int_eq(fin, MLENS_FINISH_LENGTH);
+		for (int j = 0; j < G; j++)
+			ck_assert_msg(got[j] == ref[i][j], "request %d token %d: %d != %d", i, j, got[j], ref[i][j]);
+	}
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
+	ck_assert_uint_eq(t.st.kv_blocks, 0);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(token_cap_respected)
+{
+	struct fx f;
+	struct tenant t;
+	struct mlens_sched_stats st;
+	int32_t p[64];
+	fx_open(&f, 512, 20);
+	tenant_init(&t, q_default());
+	for (int i = 0; i < 10; i++) {
+		struct mlens_request_params rp;
+		prompt(p, 7, (unsigned)i);
+		rp = params((uint64_t)i, p, 7, 5);
+		submit_ok(&f, &t, &rp);
+	}
+	while (!mlens_sched_idle(f.s)) {
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+		mlens_sched_get_stats(f.s, &st);
+		ck_assert_uint_le(st.last_step_tokens, 20);
+	}
+	/* a prompt longer than the cap can never run: refused at submit */
+	{
+		char why[200];
+		struct mlens_request_params rp = params(99, p, 21, 5);
+		ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -E2BIG);
+		ck_assert_ptr_nonnull(strstr(why, "token cap"));
+	}
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(refusals)
+{
+	struct fx f;
+	struct tenant t;
+	int32_t p[600];
+	char why[200];
+	struct mlens_request_params rp;
+	struct mlens_quota q = q_default();
+	q.max_queued = 2;
+	fx_open(&f, 16, 0);
+	tenant_init(&t, q);
+	prompt(p, 600, 1);
+	rp = params(1, p, 5, 0);
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -EINVAL);
+	rp = params(1, p, 0, 5);
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -EINVAL);
+	p[2] = 97;
+	rp = params(1, p, 5, 5);
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "vocabulary"));
+	p[2] = 3;
+	rp = params(1, p, 5, 100);	/* 105 tokens = 27 blocks > 16 */
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -E2BIG);
+	ck_assert_ptr_nonnull(strstr(why, "KV blocks"));
+	rp = params(1, p, 5, 5);
+	rp.samp.top_p = 0.0f;
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -EINVAL);
+	rp = params(1, p, 5, 5);
+	submit_ok(&f, &t, &rp);
+	rp.id = 2;
+	submit_ok(&f, &t, &rp);
+	rp.id = 3;
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -EDQUOT);
+	mlens_sched_set_admission(f.s, false);
+	ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -ESHUTDOWN);
+	/* what was queued before the drain still runs */
+	run_until_idle(&f, 100);
+	ck_assert_uint_eq(t.st.requests_done, 2);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(full_ring_stalls_only_its_tenant)
+{
+	struct fx f;
+	struct tenant a, b;
+	int32_t p[16], got[64], ref[2][64];
+	int lens[2] = { 6, 6 };
+	reference(2, lens, 10, ref, NULL);
+	fx_open(&f, 512, 0);
+	tenant_init(&a, q_default());
+	tenant_init(&b, q_default());
+	a.room = 3;	/* a reads three events, then stops reading */
+	prompt(p, 6, 1);
+	struct mlens_request_params rp = params(0, p, 6, 10);
+	submit_ok(&f, &a, &rp);
+	prompt(p, 6, 2);
+	rp = params(1, p, 6, 10);
+	submit_ok(&f, &b, &rp);
+	for (int i = 0; i < 30; i++)
+		mlens_sched_step(f.s);
+	ck_assert_int_eq(tokens_of(&b, 1, got, NULL), 10);	/* b finished */
+	ck_assert_int_eq(tokens_of(&a, 0, got, NULL), 3);	/* a stalled */
+	ck_assert_uint_eq(a.st.running, 1);			/* holding its KV */
+	ck_assert_uint_gt(a.st.kv_blocks, 0);
+	a.room = -1;	/* a drains its ring */
+	run_until_idle(&f, 100);
+	ck_assert_int_eq(tokens_of(&a, 0, got, NULL), 10);
+	for (int j = 0; j < 10; j++)
+		ck_assert_int_eq(got[j], ref[0][j]);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(tenant_removal_frees_kv)
+{
+	struct fx f;
+	struct tenant a, b;
+	int32_t p[16], got[64];
+	fx_open(&f, 512, 0);
+	tenant_init(&a, q_default());
+	tenant_init(&b, q_default());
+	prompt(p, 9, 3);
+	for (int i = 0; i < 4; i++) {
+		struct mlens_request_params rp = params((uint64_t)i, p, 9, 50);
+		submit_ok(&f, &a, &rp);
+	}
+	struct mlens_request_params rp = params(7, p, 9, 8);
+	submit_ok(&f, &b, &rp);
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	ck_assert_uint_gt(a.st.kv_blocks, 0);
+	mlens_sched_tenant_remove(f.s, &a.st, -EPIPE, true);
+	ck_assert_uint_eq(a.st.kv_blocks, 0);
+	ck_assert_uint_eq(a.st.running, 0);
+	ck_assert_ptr_null(a.st.reqs);
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), b.st.kv_blocks);
+	run_until_idle(&f, 100);
+	ck_assert_int_eq(tokens_of(&b, 7, got, NULL), 8);
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(cancel_and_stop_tokens)
+{
+	struct fx f;
+	struct tenant a;
+	int32_t p[16], got[64], ref[1][64];
+	int lens[1] = { 5 };
+	enum mlens_finish fin = MLENS_FINISH_NONE;
+	reference(1, lens, 12, ref, NULL);
+	fx_open(&f, 512, 0);
+	tenant_init(&a, q_default());
+	prompt(p, 5, 1);
+	struct mlens_request_params rp = params(0, p, 5, 12);
+	rp.stop[0] = ref[0][4];	/* the 5th generated token stops it */
+	rp.n_stop = 1;
+	submit_ok(&f, &a, &rp);
+	rp = params(1, p, 5, 40);
+	submit_ok(&f, &a, &rp);
+	run_until_idle(&f, 2);
+	ck_assert_int_eq(mlens_sched_cancel(f.s, &a.st, 1), 0);
+	ck_assert_int_eq(mlens_sched_cancel(f.s, &a.st, 1), -ENOENT);
+	ck_assert_int_eq(tokens_of(&a, 1, got, &fin), 2);
+	ck_assert_int_eq(fin, MLENS_FINISH_CANCELLED);
+	run_until_idle(&f, 100);
+	int n = tokens_of(&a, 0, got, &fin);
+	int first = 0;
+	while (ref[0][first] != ref[0][4])
+		first++;	/* the stop token may occur earlier */
+	ck_assert_int_eq(n, first + 1);
+	ck_assert_int_eq(fin, MLENS_FINISH_STOP);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(running_quota)
+{
+	struct fx f;
+	struct tenant a, b;
+	struct mlens_quota qa = q_default();
+	int32_t p[16];
+	qa.max_running = 1;	/* a: one sequence at a time */
+	fx_open(&f, 512, 0);
+	tenant_init(&a, qa);
+	tenant_init(&b, q_default());
+	prompt(p, 8, 1);
+	for (int i = 0; i < 4; i++) {
+		struct mlens_request_params rp = params((uint64_t)i, p, 8, 3);
+		submit_ok(&f, &a, &rp);
+		submit_ok(&f, &b, &rp);
+	}
+	ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	ck_assert_uint_eq(a.st.running, 1);
+	ck_assert_uint_eq(b.st.running, 4);	/* b is not held back by a's quota */
+	for (int i = 0; i < 200 && !mlens_sched_idle(f.s); i++) {
+		mlens_sched_step(f.s);
+		ck_assert_uint_le(a.st.running, 1);
+	}
+	ck_assert(mlens_sched_idle(f.s));
+	ck_assert_uint_eq(a.st.requests_done, 4);
+	ck_assert_uint_eq(b.st.requests_done, 4);
+	fx_close(&f);
+}
+END_TEST
+
+START_TEST(fair_share_by_weight)
+{
+	/* two prefills of 8 fit a step of 16 tokens; b has three times a's
+	 * weight, so of the first 16 admissions b gets about 12 */
+	struct fx f;
+	struct tenant a, b;
+	struct mlens_quota qa = q_default(), qb = q_default();
+	int32_t p[16];
+	qb.weight = 3.0;
+	fx_open(&f, 512, 16);
+	tenant_init(&a, qa);
+	tenant_init(&b, qb);
+	prompt(p, 8, 1);
+	for (int i = 0; i < 20; i++) {
+		struct mlens_request_params rp = params((uint64_t)i, p, 8, 1);
+		submit_ok(&f, &a, &rp);
+		submit_ok(&f, &b, &rp);
+	}
+	for (int i = 0; i < 8; i++)
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	ck_assert_uint_eq(a.st.requests_done + b.st.requests_done, 16);
+	ck_assert_uint_ge(b.st.requests_done, 11);
+	ck_assert_uint_le(b.st.requests_done, 13);
+	run_until_idle(&f, 100);
+	ck_assert_uint_eq(a.st.requests_done, 20);
+	ck_assert_uint_eq(b.st.requests_done, 20);
+	fx_close(&f);
+}
+END_TEST
+
+static Suite *sched_suite(void)
+{
+	Suite *s = suite_create("sched");
+	TCase *tc = tcase_create("sched");
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, preemption_keeps_tokens);
+	tcase_add_test(tc, token_cap_respected);
+	tcase_add_test(tc, refusals);
+	tcase_add_test(tc, full_ring_stalls_only_its_tenant);
+	tcase_add_test(tc, tenant_removal_frees_kv);
+	tcase_add_test(tc, cancel_and_stop_tokens);
+	tcase_add_test(tc, running_quota);
+	tcase_add_test(tc, fair_share_by_weight);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(sched_suite());
+	int failed;
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? 1 : 0;
+}

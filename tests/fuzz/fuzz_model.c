@@ -1,0 +1,22 @@
+/* libFuzzer target for the model parsers: the same bytes go to the
+ * safetensors header parser and to the config.json parser, both of which
+ * work from memory. Also linked into tests/fuzz/replay for make check. */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/model.h"
+#include "daemon/safetensors.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	struct mlens_safetensors st;
+	struct mlens_model_config cfg;
+	char err[512];
+
+	if (mlens_safetensors_parse(data, size, "fuzz.safetensors", &st, err, sizeof(err)) == 0)
+		mlens_safetensors_free(&st);
+	mlens_model_parse_config((const char *)data, size, "fuzz/config.json", &cfg, err, sizeof(err));
+	return 0;
+}

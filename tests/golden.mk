@@ -1,0 +1,25 @@
+# tests/golden: numerics against Hugging Face transformers. The fixtures
+# (model files + references) are made by tests/golden/make_golden.py, which
+# also writes tests/golden/files.mk, the list of every fixture file.
+include tests/golden/files.mk
+
+noinst_LTLIBRARIES += tests/libmlens_golden.la
+tests_libmlens_golden_la_SOURCES = tests/golden/golden.h tests/golden/golden.c
+tests_libmlens_golden_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
+tests_libmlens_golden_la_CPPFLAGS = $(AM_CPPFLAGS) -DMLENS_GOLDEN_SRCDIR='"$(abs_top_srcdir)"'
+tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
+
+dist_noinst_DATA += $(GOLDEN_FIXTURES)
+EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
+	tests/golden/check_golden_cuda.sh
+
+if HAVE_CHECK
+check_PROGRAMS += tests/check_golden
+TESTS += tests/check_golden
+tests_check_golden_SOURCES = tests/check_golden.c
+tests_check_golden_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_golden_LDADD = tests/libmlens_golden.la daemon/libmlens_core.la $(CHECK_LIBS)
+if HAVE_CUDA
+TESTS += tests/golden/check_golden_cuda.sh
+endif
+endif

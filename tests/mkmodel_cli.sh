@@ -1,0 +1,50 @@
+#!/bin/sh
+# Description: mlens-mkmodel's command line: usage errors exit 2 with a
+# message naming the problem, a tiny model is written, and the man page
+# lints clean when mandoc is present.
+set -u
+bin="${MLENS_BUILDDIR:-.}/daemon/mlens-mkmodel"
+src="${MLENS_SRCDIR:-.}"
+tmp=$(mktemp -d) || exit 99
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+expect_usage() {	# expected-substring args...
+	want=$1; shift
+	"$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+	rc=$?
+	[ $rc -eq 2 ] || fail "mlens-mkmodel $*: exit $rc, expected 2"
+	grep -q -- "$want" "$tmp/err" || fail "mlens-mkmodel $*: stderr lacks '$want': $(cat "$tmp/err")"
+}
+
+expect_usage "no output directory"
+expect_usage "unknown preset 'huge'" -o "$tmp/m" --preset huge
+expect_usage "unknown --dtype 'int8'" -o "$tmp/m" --dtype int8
+expect_usage "--layers 'x'" -o "$tmp/m" --layers x
+expect_usage "--hidden '0'" -o "$tmp/m" --hidden 0
+expect_usage "unexpected argument 'extra'" -o "$tmp/m" extra
+
+# Values the config checks refuse: exit 1 naming the field.
+"$bin" -o "$tmp/m" --heads 4 --kv-heads 3 2>"$tmp/err" && fail "kv-heads 3 accepted"
+grep -q num_key_value_heads "$tmp/err" || fail "kv-heads error: $(cat "$tmp/err")"
+"$bin" -o "$tmp/m" --experts 2 --top-k 3 2>"$tmp/err" && fail "top-k > experts accepted"
+grep -q num_experts_per_tok "$tmp/err" || fail "top-k error: $(cat "$tmp/err")"
+
+"$bin" -o "$tmp/m" --preset tiny --seed 7 --shards 2 >"$tmp/out" || fail "tiny model not written"
+for f in config.json model.safetensors.index.json model-00001-of-00002.safetensors \
+	 model-00002-of-00002.safetensors; do
+	[ -s "$tmp/m/$f" ] || fail "$f missing"
+done
+grep -q '"MixtralForCausalLM"' "$tmp/m/config.json" || fail "architectures not written"
+"$bin" -o "$tmp/m" --preset tiny --seed 7 || fail "single-file rewrite failed"
+[ -e "$tmp/m/model.safetensors.index.json" ] && fail "stale index left behind"
+"$bin" -o "$tmp/n" --preset tiny --seed 7 || fail "second write failed"
+cmp "$tmp/m/model.safetensors" "$tmp/n/model.safetensors" || fail "same seed, different bytes"
+"$bin" -o "$tmp/n" --preset tiny --seed 8 || fail "third write failed"
+cmp -s "$tmp/m/model.safetensors" "$tmp/n/model.safetensors" && fail "seed ignored"
+
+if command -v mandoc >/dev/null 2>&1; then
+	mandoc -T lint -W warning "$src/man/mlens-mkmodel.1" || fail "man page lint"
+fi
+echo "PASS: mlens-mkmodel CLI"
+exit 0

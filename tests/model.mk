@@ -1,0 +1,38 @@
+# tests/model.mk: model loader tests, the mlens-mkmodel CLI test, the fuzz
+# corpus replay (make check) and the libFuzzer target (make fuzz).
+if HAVE_CHECK
+check_PROGRAMS += tests/check_model
+TESTS += tests/check_model
+tests_check_model_SOURCES = tests/check_model.c
+tests_check_model_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
+tests_check_model_LDADD = daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
+endif
+
+dist_check_SCRIPTS += tests/mkmodel_cli.sh
+TESTS += tests/mkmodel_cli.sh
+
+# Replays every committed corpus file through the fuzz target: built with
+# $(CC), so the sanitizer build runs it under ASan and UBSan.
+check_PROGRAMS += tests/fuzz/replay
+TESTS += tests/fuzz/replay
+tests_fuzz_replay_SOURCES = tests/fuzz/replay.c tests/fuzz/fuzz_model.c
+tests_fuzz_replay_LDADD = daemon/libmlens_core.la
+EXTRA_DIST += tests/fuzz/corpus
+
+# libFuzzer needs clang; automake compiles with $(CC), hence a plain rule.
+# `make fuzz` builds it; run as: tests/fuzz/fuzz_model CORPUS_DIR
+FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
+	$(top_srcdir)/daemon/safetensors.c $(top_srcdir)/daemon/model.c
+if HAVE_CLANG
+tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h $(top_srcdir)/daemon/safetensors.h
+	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
+	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined \
+		-include $(top_builddir)/config.h -I$(top_srcdir) $(JANSSON_CFLAGS) \
+		$(FUZZ_MODEL_SRC) $(JANSSON_LIBS) -lm -o $@
+fuzz: tests/fuzz/fuzz_model
+else
+fuzz:
+	@echo "make fuzz: configure found no clang, which libFuzzer needs" >&2; exit 1
+endif
+.PHONY: fuzz
+CLEANFILES += tests/fuzz/fuzz_model

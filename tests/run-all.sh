@@ -1,0 +1,34 @@
+#!/bin/sh
+# The whole test suite from a fresh clone on Debian 12: install what is
+# missing, build (with CUDA when a toolkit is found), run make check, then
+# the same under ASan/UBSan, then make distcheck. Exits non-zero on any
+# failure. Build trees: _build/, _build-asan/.
+set -e
+cd "$(dirname "$0")/.."
+./tests/setup-deps.sh
+jobs=$(nproc 2>/dev/null || echo 2)
+top=$(pwd)
+
+step() { printf '\n==== %s ====\n' "$*"; }
+
+step "build and check"
+mkdir -p _build && cd _build
+[ -f Makefile ] || "$top/configure" -q
+make -j"$jobs" >/dev/null
+make -j"$jobs" check || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+cd "$top"
+
+step "sanitizer build (ASan + UBSan) and check"
+mkdir -p _build-asan && cd _build-asan
+[ -f Makefile ] || "$top/configure" -q --enable-sanitizers
+make -j"$jobs" >/dev/null
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	make -j"$jobs" check || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+cd "$top"
+
+step "distcheck"
+cd _build
+make -j"$jobs" distcheck >/dev/null || { echo "make distcheck failed"; make distcheck 2>&1 | tail -60; exit 1; }
+echo "distcheck: ok"
+echo
+echo "all tests passed"
