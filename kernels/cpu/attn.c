@@ -20,13 +20,13 @@ struct attn_variant {
 	const char *name;
 	mlens_attn_span_fn span;	/* NULL: the scalar reference */
 	mlens_bf16_cvt_fn cvt;		/* NULL: mlens_f32_to_bf16 per element */
-	int width;			/* head_dim must be a multiple */
+	int width;			/* head_dim must be a multiple (2 vectors) */
 };
 
 static const struct attn_variant variants[] = {
 	{ "scalar", NULL, NULL, 1 },
-	{ "avx2", mlens_attn_span_avx2, mlens_bf16_cvt_avx2, 8 },
-	{ "avx512", mlens_attn_span_avx512, mlens_bf16_cvt_avx512, 16 },
+	{ "avx2", mlens_attn_span_avx2, mlens_bf16_cvt_avx2, 16 },
+	{ "avx512", mlens_attn_span_avx512, mlens_bf16_cvt_avx512, 32 },
 };
 #define N_VARIANTS (int)(sizeof(variants) / sizeof(variants[0]))
 

@@ -18,8 +18,17 @@ typedef __m256 vec;
 #define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define VHSUM(x) hsum_avx2(x)
 #define VHMAX(x) hmax_avx2(x)
-#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32( \
-	_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))), 16))
+#define VLOAD_BF16X2(p, e, o) do { \
+	__m256i x_ = _mm256_loadu_si256((const __m256i *)(const void *)(p)); \
+	(e) = _mm256_castsi256_ps(_mm256_slli_epi32(x_, 16)); \
+	(o) = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xffff0000u))); \
+} while (0)
+#define VHSUM4(a, b, c, d, s) hsum4_avx2((a), (b), (c), (d), (s))
+/* 16 registers: 4x2 score accumulators, 2 heads x 2 pairs for p*V */
+#define SC_HB 4
+#define SC_TB 2
+#define PV_HB 2
+#define PV_CP 2
 #define VEXP(x) exp_avx2(x)
 
 static inline float hsum_avx2(__m256 x)
@@ -59,6 +68,16 @@ static inline __m256 exp_avx2(__m256 x)
 	e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
 	y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 	return _mm256_andnot_ps(tiny, y);
+}
+
+/* s[0..3] = the sums of a, b, c, d (transpose-and-add tree) */
+static inline void hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d, float *s)
+{
+	__m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+	__m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+	__m256 x = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+				 _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+	_mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
 }
 
 #include "kernels/cpu/attn_simd.inc"

@@ -19,8 +19,17 @@ typedef __m512 vec;
 #define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define VHSUM(x) _mm512_reduce_add_ps(x)
 #define VHMAX(x) _mm512_reduce_max_ps(x)
-#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
-	_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(p))), 16))
+#define VLOAD_BF16X2(p, e, o) do { \
+	__m512i x_ = _mm512_loadu_si512((const void *)(p)); \
+	(e) = _mm512_castsi512_ps(_mm512_slli_epi32(x_, 16)); \
+	(o) = _mm512_castsi512_ps(_mm512_and_si512(x_, _mm512_set1_epi32((int)0xffff0000u))); \
+} while (0)
+#define VHSUM4(a, b, c, d, s) hsum4_avx512((a), (b), (c), (d), (s))
+/* 4x4 score accumulators, 4 heads x 2 pairs of p*V accumulators (24 of 32 registers) */
+#define SC_HB 4
+#define SC_TB 4
+#define PV_HB 4
+#define PV_CP 2
 #define VEXP(x) exp_avx512(x)
 
 /* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts and
@@ -46,6 +55,22 @@ static inline __m512 exp_avx512(__m512 x)
 	e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
 	y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 	return _mm512_maskz_mov_ps((__mmask16)~tiny, y);
+}
+
+/* s[0..3] = the sums of a, b, c, d: a transpose-and-add tree, cheaper
+ * than four separate reductions. */
+static inline void hsum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d, float *s)
+{
+	__m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+	__m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+	/* per 128-bit lane: ab = [a02 b02 a13 b13], cd alike */
+	__m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+				 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+	/* per lane: [a b c d]; now add the four lanes */
+	__m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+				 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+	__m128 z = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+	_mm_storeu_ps(s, z);
 }
 
 #include "kernels/cpu/attn_simd.inc"

@@ -33,9 +33,9 @@ typedef void (*mlens_bf16_cvt_fn)(uint16_t *dst, const float *src, size_t n);
 
 static inline size_t mlens_attn_scratch_floats(int group, int head_dim)
 {
-	/* q, acc: group*hd each; K and V tiles in fp32; scores; probabilities */
-	return 2 * (size_t)group * head_dim + 2 * (size_t)MLENS_ATTN_TILE * head_dim +
-	       2 * (size_t)group * MLENS_ATTN_TILE + 64;
+	/* q, acc: group*hd each; scores (then p) per tile; max, sum, rescale */
+	return 2 * (size_t)group * head_dim + (size_t)group * MLENS_ATTN_TILE +
+	       3 * (size_t)group + 16;
 }
 
 /* How far ahead (in KV blocks) the kernels prefetch; 0 turns prefetch off.
@@ -43,11 +43,10 @@ static inline size_t mlens_attn_scratch_floats(int group, int head_dim)
 extern int mlens_attn_prefetch_blocks;
 
 /* The kernels of each ISA level (their files are built with its flags).
- * A span fn handles head_dim % (vector width) == 0, head_dim <= 256. */
+ * A span fn handles head_dim % (2 * vector width) == 0, head_dim <= 256. */
 void mlens_attn_span_avx2(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n);
 void mlens_attn_span_avx512(const struct mlens_attn_span *s, float *scratch);
-void mlens_attn_span_avx512bf16(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx512(uint16_t *dst, const float *src, size_t n);
 
 #endif

@@ -1,0 +1,473 @@
+/* The attention benchmark: a decode batch like the daemon's (many sequences
+ * over shuffled KV blocks of one layer) run by each kernel variant at each
+ * thread count, reported as KV bytes read per second next to the read
+ * bandwidth that a plain streaming-read loop reaches in the same run. */
+#include <errno.h>
+#include <getopt.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+#include "kernels/cpu/attn.h"
+#include "kernels/cpu/attn_int.h"
+#include "kernels/cpu/pool.h"
+#include "tests/bench/bench_attention.h"
+
+#define MAX_THREAD_COUNTS 32
+
+struct opts {
+	bool json;
+	int threads[MAX_THREAD_COUNTS], n_threads;
+	int seqs, min_ctx, max_ctx, heads, kv_heads, head_dim, block;
+	const char *variant;	/* NULL: every one the CPU has */
+	double min_time;
+	size_t bw_bytes;
+	int prefetch;		/* < 0: the kernels' default */
+};
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+
+static uint32_t rnd(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return (uint32_t)(rng >> 16);
+}
+
+static void *big_alloc(size_t bytes)
+{
+	void *p = NULL;
+	if (posix_memalign(&p, 2u << 20, bytes))
+		return NULL;
+	madvise(p, bytes, MADV_HUGEPAGE);	/* fewer TLB misses, as the daemon's pool */
+	return p;
+}
+
+/* ==== read bandwidth ==== */
+
+#define BW_SLICE (1u << 20)
+
+struct bw_job {
+	const char *buf;
+	uint64_t sink[64];
+};
+
+__attribute__((target("avx512f"))) static uint64_t read_avx512(const char *p, size_t n)
+{
+	__m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+	for (size_t i = 0; i < n; i += 256) {
+		a0 = _mm512_xor_si512(a0, _mm512_load_si512((const void *)(p + i)));
+		a1 = _mm512_xor_si512(a1, _mm512_load_si512((const void *)(p + i + 64)));
+		a2 = _mm512_xor_si512(a2, _mm512_load_si512((const void *)(p + i + 128)));
+		a3 = _mm512_xor_si512(a3, _mm512_load_si512((const void *)(p + i + 192)));
+	}
+	a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+	return (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(a0));
+}
+
+__attribute__((target("avx2"))) static uint64_t read_avx2(const char *p, size_t n)
+{
+	__m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+	for (size_t i = 0; i < n; i += 128) {
+		a0 = _mm256_xor_si256(a0, _mm256_load_si256((const void *)(p + i)));
+		a1 = _mm256_xor_si256(a1, _mm256_load_si256((const void *)(p + i + 32)));
+		a2 = _mm256_xor_si256(a2, _mm256_load_si256((const void *)(p + i + 64)));
+		a3 = _mm256_xor_si256(a3, _mm256_load_si256((const void *)(p + i + 96)));
+	}
+	a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+	return (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(a0));
+}
+
+static bool have_avx512;
+
+static void bw_task(void *arg, int task, int thread)
+{
+	struct bw_job *j = arg;
+	const char *p = j->buf + (size_t)task * BW_SLICE;
+	uint64_t r = have_avx512 ? read_avx512(p, BW_SLICE) : read_avx2(p, BW_SLICE);
+	j->sink[thread % 64] ^= r;
+}
+
+/* Best of a few passes over the buffer, GB/s. */
+static double read_bw(struct mlens_pool *pool, const char *buf, size_t bytes)
+{
+	struct bw_job j = { buf, { 0 } };
+	double best = 0.0;
+	for (int r = 0; r < 5; r++) {
+		double t0 = now(), gbs;
+		mlens_pool_run(pool, (int)(bytes / BW_SLICE), bw_task, &j);
+		gbs = (double)bytes / (now() - t0) / 1e9;
+		best = gbs > best ? gbs : best;
+	}
+	if (j.sink[0] == 42)	/* keeps the loads alive */
+		fputc(' ', stderr);
+	return best;
+}
+
+/* ==== the batch ==== */
+
+struct batch {
+	struct mlens_kv_cache kv;
+	struct mlens_attn_query *qs;
+	uint32_t *tables;
+	float *q, *out;
+	int n, n_heads;
+	double kv_bytes;	/* K and V bytes one pass reads */
+};
+
+struct fill_job {
+	uint16_t *k, *v;
+	size_t elems;
+};
+
+#define FILL_SLICE ((size_t)1 << 22)
+
+static void fill_task(void *arg, int task, int thread)
+{
+	struct fill_job *j = arg;
+	size_t e0 = (size_t)task * FILL_SLICE, e1 = e0 + FILL_SLICE;
+	uint32_t x = 0x9e3779b9u * (uint32_t)(task + 1);
+	if (e1 > j->elems)
+		e1 = j->elems;
+	for (size_t e = e0; e < e1; e++) {
+		x ^= x << 13;
+		x ^= x >> 17;
+		x ^= x << 5;
+		/* bf16 in [-1, 1): sign, exponent 120..126, random mantissa */
+		uint16_t h = (uint16_t)((x & 0x8000) | ((120u + (x >> 16) % 7) << 7) | (x & 0x7f));
+		j->k[e] = h;
+		j->v[e] = (uint16_t)(h ^ 0x8000);
+	}
+}
+
+static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *pool)
+{
+	uint64_t total = 0;
+	size_t used = 0;
+	struct fill_job fj;
+	int hd = o->head_dim;
+
+	memset(b, 0, sizeof(*b));
+	b->n = o->seqs;
+	b->n_heads = o->heads;
+	b->qs = calloc((size_t)b->n, sizeof(*b->qs));
+	if (!b->qs)
+		return -ENOMEM;
+	for (int i = 0; i < b->n; i++) {
+		int span = o->max_ctx - o->min_ctx + 1;
+		b->qs[i].ctx_len = o->min_ctx + (int)(rnd() % (uint32_t)span);
+		b->qs[i].n_blocks = (b->qs[i].ctx_len + o->block - 1) / o->block;
+		total += (uint64_t)b->qs[i].n_blocks;
+		b->kv_bytes += 2.0 * b->qs[i].ctx_len * o->kv_heads * hd * 2;
+	}
+	if (total > UINT32_MAX)
+		return -EOVERFLOW;
+	b->kv = (struct mlens_kv_cache){ MLENS_DTYPE_BF16, 1, o->kv_heads, hd, o->block,
+					 (uint32_t)total, NULL, NULL };
+	b->tables = malloc(total * sizeof(*b->tables));
+	b->kv.k = big_alloc(mlens_kv_bytes(&b->kv));
+	b->kv.v = big_alloc(mlens_kv_bytes(&b->kv));
+	b->q = malloc((size_t)b->n * o->heads * hd * sizeof(float));
+	b->out = malloc((size_t)b->n * o->heads * hd * sizeof(float));
+	if (!b->tables || !b->kv.k || !b->kv.v || !b->q || !b->out)
+		return -ENOMEM;
+	/* blocks handed out in shuffled order, as a long-running pool's are */
+	for (uint32_t x = 0; x < total; x++)
+		b->tables[x] = x;
+	for (uint32_t x = (uint32_t)total - 1; x > 0; x--) {
+		uint32_t y = rnd() % (x + 1), t = b->tables[x];
+		b->tables[x] = b->tables[y];
+		b->tables[y] = t;
+	}
+	for (int i = 0; i < b->n; i++) {
+		b->qs[i].block_table = b->tables + used;
+		used += (size_t)b->qs[i].n_blocks;
+	}
+	for (size_t e = 0; e < (size_t)b->n * o->heads * hd; e++)
+		b->q[e] = (float)(rnd() % 2001) / 1000.0f - 1.0f;
+	fj = (struct fill_job){ b->kv.k, b->kv.v, mlens_kv_bytes(&b->kv) / 2 };
+	mlens_pool_run(pool, (int)((fj.elems + FILL_SLICE - 1) / FILL_SLICE), fill_task, &fj);
+	return 0;
+}
+
+static void batch_free(struct batch *b)
+{
+	free(b->qs);
+	free(b->tables);
+	free(b->kv.k);
+	free(b->kv.v);
+	free(b->q);
+	free(b->out);
+}
+
+/* ==== runs ==== */
+
+struct result {
+	const char *variant;
+	int threads;
+	double best_gbs, median_gbs, read_bw;
+	int reps;
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static int run_one(const struct opts *o, struct batch *b, struct mlens_pool *pool,
+		   struct result *r)
+{
+	struct mlens_cpu_attn_ws ws = { 0 };
+	double times[64], start = now();
+	float scale = 1.0f / sqrtf((float)o->head_dim);
+	int n = 0, rc = 0;
+
+	/* the first pass warms the workspace and is not counted; then passes
+	 * until min_time, at least one */
+	while (n < 64 && (n < 2 || now() - start < o->min_time)) {
+		double t0 = now();
+		rc = mlens_cpu_attn_decode(pool, &ws, b->out, b->q, &b->kv, 0, b->qs, b->n,
+					   o->heads, scale);
+		if (rc)
+			break;
+		times[n++] = now() - t0;
+	}
+	mlens_cpu_attn_ws_fini(&ws);
+	if (rc)
+		return rc;
+	qsort(times + 1, (size_t)(n - 1), sizeof(double), cmp_double);
+	r->best_gbs = b->kv_bytes / times[1] / 1e9;
+	r->median_gbs = b->kv_bytes / times[1 + (n - 1) / 2] / 1e9;
+	r->reps = n - 1;
+	return 0;
+}
+
+static int parse_threads(struct opts *o, const char *s)
+{
+	char *end;
+	o->n_threads = 0;
+	while (*s) {
+		long t = strtol(s, &end, 10);
+		if (end == s || t < 1 || t > 4096 || o->n_threads == MAX_THREAD_COUNTS)
+			return -EINVAL;
+		o->threads[o->n_threads++] = (int)t;
+		s = *end == ',' ? end + 1 : end;
+		if (*end && *end != ',')
+			return -EINVAL;
+	}
+	return o->n_threads ? 0 : -EINVAL;
+}
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: mlens-bench attention [--json] [--threads LIST] [--seqs N]\n"
+		"         [--min-ctx A --max-ctx B] [--variant scalar|avx2|avx512]\n"
+		"         [--heads H] [--kv-heads K] [--head-dim D] [--block S]\n"
+		"         [--min-time SECONDS] [--bw-mb MB] [--prefetch BLOCKS]\n"
+		"Decode attention over a one-layer bf16 paged KV cache: KV bytes read\n"
+		"per second for each kernel variant and thread count, next to the\n"
+		"streaming read bandwidth measured in the same run.\n");
+}
+
+static int parse(struct opts *o, int argc, char **argv)
+{
+	static const struct option longs[] = {
+		{ "json", no_argument, NULL, 'j' },
+		{ "threads", required_argument, NULL, 't' },
+		{ "seqs", required_argument, NULL, 'n' },
+		{ "min-ctx", required_argument, NULL, 'a' },
+		{ "max-ctx", required_argument, NULL, 'b' },
+		{ "variant", required_argument, NULL, 'v' },
+		{ "heads", required_argument, NULL, 'H' },
+		{ "kv-heads", required_argument, NULL, 'K' },
+		{ "head-dim", required_argument, NULL, 'D' },
+		{ "block", required_argument, NULL, 'S' },
+		{ "min-time", required_argument, NULL, 'T' },
+		{ "bw-mb", required_argument, NULL, 'B' },
+		{ "prefetch", required_argument, NULL, 'P' },
+		{ "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	int c;
+
+	*o = (struct opts){ .seqs = 1000, .min_ctx = 512, .max_ctx = 2048, .heads = 32,
+			    .kv_heads = 8, .head_dim = 128, .block = 16, .min_time = 1.0,
+			    .bw_bytes = (size_t)2048 << 20, .prefetch = -1 };
+	for (int t = 1; t < ncpu && o->n_threads < MAX_THREAD_COUNTS - 1; t *= 2)
+		o->threads[o->n_threads++] = t;
+	o->threads[o->n_threads++] = ncpu > 0 ? (int)ncpu : 1;
+	optind = 1;
+	while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+		switch (c) {
+		case 'j': o->json = true; break;
+		case 't':
+			if (parse_threads(o, optarg)) {
+				fprintf(stderr, "attention: --threads takes a list like 1,2,4 (1 to 4096)\n");
+				return -EINVAL;
+			}
+			break;
+		case 'n': o->seqs = atoi(optarg); break;
+		case 'a': o->min_ctx = atoi(optarg); break;
+		case 'b': o->max_ctx = atoi(optarg); break;
+		case 'v': o->variant = optarg; break;
+		case 'H': o->heads = atoi(optarg); break;
+		case 'K': o->kv_heads = atoi(optarg); break;
+		case 'D': o->head_dim = atoi(optarg); break;
+		case 'S': o->block = atoi(optarg); break;
+		case 'T': o->min_time = atof(optarg); break;
+		case 'B': o->bw_bytes = (size_t)atol(optarg) << 20; break;
+		case 'P': o->prefetch = atoi(optarg); break;
+		case 'h': usage(stdout); return 1;
+		default: usage(stderr); return -EINVAL;
+		}
+	}
+	if (o->seqs < 1 || o->min_ctx < 1 || o->max_ctx < o->min_ctx || o->kv_heads < 1 ||
+	    o->heads < o->kv_heads || o->heads % o->kv_heads || o->head_dim < 1 ||
+	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < BW_SLICE || o->min_time < 0) {
+		fprintf(stderr, "attention: inconsistent sizes (need seqs >= 1, 1 <= min-ctx <= max-ctx, "
+			"heads a multiple of kv-heads, head-dim <= 256, bw-mb >= 1)\n");
+		return -EINVAL;
+	}
+	if (o->variant && !mlens_cpu_attn_variant_supported(o->variant)) {
+		fprintf(stderr, "attention: variant '%s' is unknown or not supported by this CPU\n",
+			o->variant);
+		return -EINVAL;
+	}
+	return 0;
+}
+
+int mlens_bench_attention(int argc, char **argv)
+{
+	static const char *const all[] = { "scalar", "avx2", "avx512" };
+	struct opts o;
+	struct batch b;
+	struct mlens_pool *fill = NULL;
+	struct result res[3 * MAX_THREAD_COUNTS];
+	double bw_by_t[MAX_THREAD_COUNTS], bw_all = 0.0, scalar_1t = 0.0;
+	char *bwbuf = NULL;
+	int n_res = 0, max_t = 1, rc;
+
+	rc = parse(&o, argc, argv);
+	if (rc)
+		return rc > 0 ? 0 : 2;
+	if (o.prefetch >= 0)
+		mlens_attn_prefetch_blocks = o.prefetch;
+	__builtin_cpu_init();
+	have_avx512 = __builtin_cpu_supports("avx512f");
+	for (int t = 0; t < o.n_threads; t++)
+		max_t = o.threads[t] > max_t ? o.threads[t] : max_t;
+	if ((rc = mlens_pool_create_numa(&fill, 0, max_t, 0)) ||
+	    (rc = batch_make(&b, &o, fill))) {
+		fprintf(stderr, "attention: cannot set up the batch (%s); try fewer --seqs\n",
+			strerror(-rc));
+		mlens_pool_destroy(fill);
+		batch_free(&b);
+		return 1;
+	}
+	mlens_pool_destroy(fill);
+
+	/* read bandwidth at each thread count, from a buffer far beyond the LLC */
+	bwbuf = big_alloc(o.bw_bytes);
+	if (!bwbuf) {
+		fprintf(stderr, "attention: cannot allocate %zu MB for the bandwidth test; lower --bw-mb\n",
+			o.bw_bytes >> 20);
+		batch_free(&b);
+		return 1;
+	}
+	memset(bwbuf, 1, o.bw_bytes);
+	for (int t = 0; t < o.n_threads; t++) {
+		struct mlens_pool *p;
+		if ((rc = mlens_pool_create_numa(&p, 0, o.threads[t], 0)))
+			goto fail;
+		bw_by_t[t] = read_bw(p, bwbuf, o.bw_bytes / BW_SLICE * BW_SLICE);
+		if (o.threads[t] == max_t && bw_by_t[t] > bw_all)
+			bw_all = bw_by_t[t];
+		mlens_pool_destroy(p);
+	}
+	free(bwbuf);
+	bwbuf = NULL;
+
+	for (int v = 0; v < 3; v++) {
+		if (!mlens_cpu_attn_variant_supported(all[v]) ||
+		    (o.variant && strcmp(o.variant, all[v])))
+			continue;
+		mlens_cpu_attn_set_variant(all[v]);
+		for (int t = 0; t < o.n_threads; t++) {
+			struct mlens_pool *p;
+			struct result *r = &res[n_res];
+			if ((rc = mlens_pool_create_numa(&p, 0, o.threads[t], 0)))
+				goto fail;
+			rc = run_one(&o, &b, p, r);
+			mlens_pool_destroy(p);
+			if (rc)
+				goto fail;
+			r->variant = all[v];
+			r->threads = o.threads[t];
+			r->read_bw = bw_by_t[t];
+			if (v == 0 && r->threads == 1)
+				scalar_1t = r->best_gbs;
+			n_res++;
+			if (!o.json)
+				fprintf(stderr, "  %-7s %3d threads: %7.2f GB/s\n", r->variant,
+					r->threads, r->best_gbs);
+		}
+	}
+
+	if (o.json) {
+		printf("{\"read_bw_gbs\": %.2f, \"read_bw_by_threads\": [", bw_all);
+		for (int t = 0; t < o.n_threads; t++)
+			printf("%s{\"threads\": %d, \"gbs\": %.2f}", t ? ", " : "", o.threads[t],
+			       bw_by_t[t]);
+		printf("],\n \"config\": {\"seqs\": %d, \"min_ctx\": %d, \"max_ctx\": %d, \"heads\": %d, "
+		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"bf16\", "
+		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_blocks\": %d},\n"
+		       " \"results\": [",
+		       o.seqs, o.min_ctx, o.max_ctx, o.heads, o.kv_heads, o.head_dim, o.block,
+		       b.kv_bytes, MLENS_ATTN_CHUNK_TOKENS, mlens_attn_prefetch_blocks);
+		for (int i = 0; i < n_res; i++)
+			printf("%s\n  {\"variant\": \"%s\", \"threads\": %d, \"kv_gbs\": %.2f, "
+			       "\"kv_gbs_median\": %.2f, \"passes\": %d, \"read_bw_gbs\": %.2f, "
+			       "\"fraction_of_read_bw\": %.3f}",
+			       i ? "," : "", res[i].variant, res[i].threads, res[i].best_gbs,
+			       res[i].median_gbs, res[i].reps, res[i].read_bw,
+			       res[i].best_gbs / res[i].read_bw);
+		printf("],\n \"speedup_vs_scalar_1thread\": {");
+		for (int i = 0, k = 0; i < n_res; i++)
+			if (res[i].threads == 1 && scalar_1t > 0)
+				printf("%s\"%s\": %.2f", k++ ? ", " : "", res[i].variant,
+				       res[i].best_gbs / scalar_1t);
+		printf("}}\n");
+	} else {
+		printf("read bandwidth (streaming loads, %d threads): %.1f GB/s\n", max_t, bw_all);
+		printf("%-8s %7s %10s %10s %9s\n", "variant", "threads", "KV GB/s", "read GB/s", "of read");
+		for (int i = 0; i < n_res; i++)
+			printf("%-8s %7d %10.2f %10.2f %8.0f%%\n", res[i].variant, res[i].threads,
+			       res[i].best_gbs, res[i].read_bw, 100.0 * res[i].best_gbs / res[i].read_bw);
+		for (int i = 0; i < n_res; i++)
+			if (res[i].threads == 1 && scalar_1t > 0 && strcmp(res[i].variant, "scalar"))
+				printf("%s / scalar (-O3) at 1 thread: %.2fx\n", res[i].variant,
+				       res[i].best_gbs / scalar_1t);
+	}
+	batch_free(&b);
+	return 0;
+fail:
+	fprintf(stderr, "attention: run failed: %s\n", strerror(-rc));
+	free(bwbuf);
+	batch_free(&b);
+	return 1;
+}
