@@ -12,11 +12,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include "daemon/config.h"
+#include "daemon/control.h"
 #include "daemon/engine.h"
 #include "daemon/log.h"
 #include "daemon/mem.h"
 #include "daemon/sched.h"
 #include "daemon/server.h"
+#include "daemon/stats.h"
 #include "daemon/weights.h"
 #include "daemon/worker.h"
 #include "kernels/cpu/attn.h"
@@ -37,6 +39,10 @@ struct daemon {
 	bool draining;
 	int ready_fd;		/* daemon mode: tell the waiting parent */
 	double started;
+	/* operating: control and stats sockets (daemon/control.c, daemon/stats.c) */
+	struct mlens_daemon_info info;
+	struct mlens_control *control;
+	struct mlens_stats *stats;
 };
 
 static struct daemon D;
@@ -132,6 +138,13 @@ static void begin_drain(const char *why)
 		 (long long)D.cfg.drain_timeout);
 	mlens_server_stop_listening(D.server);
 	mlens_worker_drain(D.worker, mlens_now() + (double)D.cfg.drain_timeout);
+}
+
+/* mlensctl shutdown: what SIGTERM does */
+static void on_control_shutdown(void *arg)
+{
+	(void)arg;
+	begin_drain("mlensctl shutdown");
 }
 
 static void on_signal(evutil_socket_t sig, short what, void *arg)
@@ -332,6 +345,22 @@ int main(int argc, char **argv)
 	if (rc)
 		return fail_start("%s", err);
 
+	/* operating: control socket, stats socket, /metrics (after loading: /health
+	 * answers only once the model is in) */
+	D.info = (struct mlens_daemon_info){
+		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.be.ops->name,
+		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
+		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
+		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
+		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
+	};
+	rc = mlens_stats_start(&D.stats, D.base, &D.info, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+	rc = mlens_control_start(&D.control, D.base, &D.info, on_control_shutdown, NULL, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+
 	D.ev_notify = event_new(D.base, D.notify_fd, EV_READ | EV_PERSIST, on_drained, NULL);
 	D.ev_term = evsignal_new(D.base, SIGTERM, on_signal, NULL);
 	D.ev_int = evsignal_new(D.base, SIGINT, on_signal, NULL);
@@ -354,6 +383,8 @@ int main(int argc, char **argv)
 	event_base_dispatch(D.base);
 
 	/* shutdown */
+	mlens_control_destroy(D.control);
+	mlens_stats_destroy(D.stats);
 	mlens_worker_stop(D.worker);
 	mlens_server_destroy(D.server);
 	event_free(D.ev_notify);

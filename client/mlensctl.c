@@ -1,0 +1,372 @@
+/* mlensctl: operate a running mlensd through its control socket. One
+ * request (a JSON line) per run; the reply is shown as a table, or as the
+ * daemon's JSON with --json. Exit: 0 ok, 1 refused, 2 usage, 3 no daemon. */
+#include <errno.h>
+#include <jansson.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXIT_REFUSED 1
+#define EXIT_USAGE 2
+#define EXIT_CONNECT 3
+#define REPLY_TIMEOUT_MS 30000	/* quota and evict wait for a step boundary */
+#define MAX_REPLY (16u << 20)
+
+static const char *prog = "mlensctl";
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: %s [-s CONTROL] [--json] COMMAND [ARGS]\n"
+		"commands:\n"
+		"  status                      model, backend, mode, budgets, uptime, requests\n"
+		"  tenants                     attached tenants and their use\n"
+		"  quota TENANT [KEY=VALUE...] show, or set running, kv_blocks, queued, weight\n"
+		"  drain | resume              close or reopen admission of new requests\n"
+		"  evict TENANT                fail its requests, free its KV, disconnect it\n"
+		"  stats                       counters and histograms\n"
+		"  log-level [LEVEL]           show or set: error, warn, info, debug\n"
+		"  shutdown                    drain, then exit\n"
+		"  config                      the daemon's settings\n"
+		"options:\n"
+		"  -s, --socket PATH           control socket (default $MLENS_CONTROL or /run/mlens/control.sock)\n"
+		"  --json                      print the daemon's JSON reply\n"
+		"  -h, --help, -V, --version\n", prog);
+}
+
+static int die_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int die_usage(const char *fmt, ...)
+{
+	va_list ap;
+	fprintf(stderr, "%s: ", prog);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fprintf(stderr, " (see %s --help)\n", prog);
+	return EXIT_USAGE;
+}
+
+/* ==== talking to the daemon ==== */
+
+static int connect_to(const char *path)
+{
+	struct sockaddr_un sa;
+	int fd;
+	memset(&sa, 0, sizeof(sa));
+	sa.sun_family = AF_UNIX;
+	if (strlen(path) >= sizeof(sa.sun_path)) {
+		fprintf(stderr, "%s: control socket path %s is too long\n", prog, path);
+		return -1;
+	}
+	strcpy(sa.sun_path, path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+		int e = errno;
+		fprintf(stderr, "%s: cannot connect to mlensd at %s: %s%s\n", prog, path, strerror(e),
+			e == ENOENT || e == ECONNREFUSED ? " (is mlensd running? give its control socket with -s)"
+			: e == EACCES ? " (only the daemon's user, root or control_group may use it)" : "");
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* Send req, read one reply line. NULL (message printed) on failure. */
+static json_t *transact(int fd, json_t *req)
+{
+	char *text = json_dumps(req, JSON_COMPACT), *buf = NULL;
+	size_t len, off = 0, cap = 0, have = 0;
+	json_t *rep;
+	json_error_t je;
+	if (!text)
+		return NULL;
+	len = strlen(text);
+	text[len++] = '\n';	/* json_dumps' NUL becomes the line end */
+	while (off < len) {
+		ssize_t n = send(fd, text + off, len - off, MSG_NOSIGNAL);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			fprintf(stderr, "%s: the daemon closed the connection: %s\n", prog, strerror(errno));
+			free(text);
+			return NULL;
+		}
+		off += (size_t)n;
+	}
+	free(text);
+	for (;;) {
+		struct pollfd p = { fd, POLLIN, 0 };
+		ssize_t n;
+		char *nl;
+		if (have + 4096 > cap) {
+			char *nb;
+			cap = cap ? cap * 2 : 65536;
+			if (cap > MAX_REPLY || !(nb = realloc(buf, cap))) {
+				fprintf(stderr, "%s: the daemon's reply is too long\n", prog);
+				free(buf);
+				return NULL;
+			}
+			buf = nb;
+		}
+		if (poll(&p, 1, REPLY_TIMEOUT_MS) == 0) {
+			fprintf(stderr, "%s: no reply from the daemon in %d s\n", prog, REPLY_TIMEOUT_MS / 1000);
+			free(buf);
+			return NULL;
+		}
+		n = recv(fd, buf + have, cap - have - 1, 0);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			fprintf(stderr, "%s: the daemon closed the connection without a reply\n", prog);
+			free(buf);
+			return NULL;
+		}
+		have += (size_t)n;
+		buf[have] = 0;
+		if ((nl = memchr(buf, '\n', have))) {
+			rep = json_loadb(buf, (size_t)(nl - buf), 0, &je);
+			free(buf);
+			if (!json_is_object(rep)) {
+				fprintf(stderr, "%s: the daemon's reply is not JSON: %s\n", prog, je.text);
+				json_decref(rep);
+				return NULL;
+			}
+			return rep;
+		}
+	}
+}
+
+/* ==== human output ==== */
+
+static json_int_t geti(json_t *o, const char *k)
+{
+	return json_integer_value(json_object_get(o, k));
+}
+
+static const char *gets_(json_t *o, const char *k)
+{
+	const char *s = json_string_value(json_object_get(o, k));
+	return s ? s : "";
+}
+
+static double getf(json_t *o, const char *k)
+{
+	return json_number_value(json_object_get(o, k));
+}
+
+static void human_bytes(char *out, size_t n, double b)
+{
+	const char *u[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+	int i = 0;
+	while (b >= 1024 && i < 4) {
+		b /= 1024;
+		i++;
+	}
+	snprintf(out, n, i ? "%.1f %s" : "%.0f %s", b, u[i]);
+}
+
+static void show_status(json_t *r)
+{
+	json_t *m = json_object_get(r, "model"), *b = json_object_get(r, "budgets");
+	json_t *kv = json_object_get(b, "kv_cache"), *wp = json_object_get(b, "weight_pages");
+	json_t *sk = json_object_get(r, "sockets");
+	char kvb[32], wpb[32];
+	human_bytes(kvb, sizeof(kvb), (double)geti(kv, "bytes"));
+	human_bytes(wpb, sizeof(wpb), (double)geti(wp, "bytes"));
+	printf("mlensd %s, pid %lld, up %.0f s\n", gets_(r, "version"), (long long)geti(r, "pid"), getf(r, "uptime_seconds"));
+	printf("%-14s %s (%s, %lld layers, %lld experts, top-%lld)\n", "model", gets_(m, "path"), gets_(m, "dtype"),
+	       (long long)geti(m, "layers"), (long long)geti(m, "experts"), (long long)geti(m, "top_k"));
+	printf("%-14s %s\n", "backend", gets_(r, "backend"));
+	printf("%-14s %s: %s\n", "mode", gets_(r, "mode"), gets_(r, "mode_reason"));
+	printf("%-14s %s\n", "admission", gets_(r, "admission"));
+	printf("%-14s %lld running, %lld waiting; %lld tenants\n", "requests", (long long)geti(r, "requests_running"),
+	       (long long)geti(r, "requests_waiting"), (long long)geti(r, "tenants"));
+	printf("%-14s %lld tokens per step\n", "token cap", (long long)geti(r, "token_cap"));
+	printf("%-14s %lld of %lld blocks used (%lld tokens each, %s pinned)\n", "KV cache",
+	       (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
+	       (long long)geti(kv, "block_tokens"), kvb);
+	printf("%-14s %s pinned\n", "weight pages", wpb);
+	printf("%-14s tenants %s, control %s, stats %s%s%s\n", "sockets", gets_(sk, "tenant"), gets_(sk, "control"),
+	       gets_(sk, "stats"), *gets_(sk, "stats_http") ? ", http://" : "", gets_(sk, "stats_http"));
+}
+
+static void show_tenants(json_t *r)
+{
+	json_t *a = json_object_get(r, "tenants"), *t;
+	size_t i;
+	printf("%6s %6s %7s %-16s %4s %6s %6s %10s %10s %7s %5s\n", "ID", "UID", "PID", "NAME", "RUN", "QUEUED",
+	       "KV", "PROMPT", "GENERATED", "PREEMPT", "BAD");
+	json_array_foreach(a, i, t)
+		printf("%6lld %6lld %7lld %-16.16s %4lld %6lld %6lld %10lld %10lld %7lld %5lld\n",
+		       (long long)geti(t, "id"), (long long)geti(t, "uid"), (long long)geti(t, "pid"), gets_(t, "name"),
+		       (long long)geti(t, "running"), (long long)geti(t, "queued"), (long long)geti(t, "kv_blocks"),
+		       (long long)geti(t, "prompt_tokens"), (long long)geti(t, "generation_tokens"),
+		       (long long)geti(t, "preemptions"), (long long)geti(t, "bad_entries"));
+}
+
+static void show_quota(json_t *r)
+{
+	json_t *q = json_object_get(r, "quota"), *u = json_object_get(r, "use");
+	printf("tenant %lld\n%-10s %10s %10s\n", (long long)geti(r, "tenant"), "", "QUOTA", "USE");
+	printf("%-10s %10lld %10lld%s\n", "running", (long long)geti(q, "running"), (long long)geti(u, "running"),
+	       geti(q, "running") ? "" : "  (0: no limit)");
+	printf("%-10s %10lld %10lld%s\n", "kv_blocks", (long long)geti(q, "kv_blocks"), (long long)geti(u, "kv_blocks"),
+	       geti(q, "kv_blocks") ? "" : "  (0: no limit)");
+	printf("%-10s %10lld %10lld\n", "queued", (long long)geti(q, "queued"), (long long)geti(u, "queued"));
+	printf("%-10s %10g\n", "weight", getf(q, "weight"));
+}
+
+static void show_stats(json_t *r)
+{
+	const char *k;
+	json_t *v;
+	json_object_foreach(r, k, v) {
+		if (!strcmp(k, "ok") || !strcmp(k, "tenant"))
+			continue;
+		if (json_is_integer(v))
+			printf("%-32s %lld\n", k, (long long)json_integer_value(v));
+		else if (json_is_real(v))
+			printf("%-32s %.6g\n", k, json_real_value(v));
+		else if (json_is_string(v))
+			printf("%-32s %s\n", k, json_string_value(v));
+		else if (json_is_boolean(v))
+			printf("%-32s %s\n", k, json_is_true(v) ? "yes" : "no");
+		else if (json_is_object(v) && json_object_get(v, "count")) {
+			json_int_t n = geti(v, "count");
+			printf("%-32s %lld samples, mean %.6g s\n", k, (long long)n, n ? getf(v, "sum") / (double)n : 0.0);
+		}
+	}
+}
+
+static void show_config(json_t *r)
+{
+	const char *k;
+	json_t *v;
+	json_object_foreach(json_object_get(r, "config"), k, v)
+		printf("%s = %s\n", k, json_string_value(v));
+}
+
+/* ==== main ==== */
+
+int main(int argc, char **argv)
+{
+	const char *sock = getenv("MLENS_CONTROL");
+	const char *args[64];
+	int nargs = 0, fd, rc = 0;
+	bool json = false;
+	json_t *req, *rep;
+	const char *cmd;
+
+	if (!sock || !*sock)
+		sock = "/run/mlens/control.sock";
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i];
+		if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+			usage(stdout);
+			return 0;
+		}
+		if (!strcmp(a, "-V") || !strcmp(a, "--version")) {
+			printf("mlensctl %s\n", PACKAGE_VERSION);
+			return 0;
+		}
+		if (!strcmp(a, "--json")) {
+			json = true;
+		} else if (!strcmp(a, "-s") || !strcmp(a, "--socket")) {
+			if (++i >= argc)
+				return die_usage("%s needs a path", a);
+			sock = argv[i];
+		} else if (!strncmp(a, "--socket=", 9)) {
+			sock = a + 9;
+		} else if (a[0] == '-' && a[1] && nargs == 0) {
+			return die_usage("unknown option '%s'", a);
+		} else {
+			if (nargs >= (int)(sizeof(args) / sizeof(args[0])))
+				return die_usage("%s", "too many arguments");
+			args[nargs++] = a;
+		}
+	}
+	if (!nargs)
+		return die_usage("%s", "no command");
+	cmd = args[0];
+	req = json_pack("{s:s}", "cmd", cmd);
+	if (!strcmp(cmd, "status") || !strcmp(cmd, "tenants") || !strcmp(cmd, "drain") || !strcmp(cmd, "resume") ||
+	    !strcmp(cmd, "stats") || !strcmp(cmd, "shutdown") || !strcmp(cmd, "config")) {
+		if (nargs != 1)
+			return die_usage("%s takes no arguments", cmd);
+	} else if (!strcmp(cmd, "evict")) {
+		if (nargs != 2)
+			return die_usage("%s", "evict needs one TENANT id");
+		json_object_set_new(req, "tenant", json_string(args[1]));
+	} else if (!strcmp(cmd, "quota")) {
+		json_t *set = json_object();
+		if (nargs < 2)
+			return die_usage("%s", "quota needs a TENANT id");
+		json_object_set_new(req, "tenant", json_string(args[1]));
+		for (int i = 2; i < nargs; i++) {
+			const char *eq = strchr(args[i], '=');
+			char key[32];
+			if (!eq || eq == args[i] || (size_t)(eq - args[i]) >= sizeof(key) || !eq[1])
+				return die_usage("quota: '%s' is not KEY=VALUE (running, kv_blocks, queued, weight)", args[i]);
+			memcpy(key, args[i], (size_t)(eq - args[i]));
+			key[eq - args[i]] = 0;
+			json_object_set_new(set, key, json_string(eq + 1));
+		}
+		json_object_set_new(req, "set", set);
+	} else if (!strcmp(cmd, "log-level")) {
+		if (nargs > 2)
+			return die_usage("%s", "log-level takes at most one LEVEL");
+		if (nargs == 2)
+			json_object_set_new(req, "level", json_string(args[1]));
+	} else {
+		return die_usage("unknown command '%s'", cmd);
+	}
+
+	fd = connect_to(sock);
+	if (fd < 0)
+		return EXIT_CONNECT;
+	rep = transact(fd, req);
+	close(fd);
+	json_decref(req);
+	if (!rep)
+		return EXIT_CONNECT;
+	if (!json_is_true(json_object_get(rep, "ok"))) {
+		fprintf(stderr, "%s: %s: %s\n", prog, cmd, gets_(rep, "error"));
+		rc = EXIT_REFUSED;
+		if (json)
+			json_dumpf(rep, stdout, JSON_COMPACT), putchar('\n');
+	} else if (json) {
+		json_dumpf(rep, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+		putchar('\n');
+	} else if (!strcmp(cmd, "status")) {
+		show_status(rep);
+	} else if (!strcmp(cmd, "tenants")) {
+		show_tenants(rep);
+	} else if (!strcmp(cmd, "quota")) {
+		show_quota(rep);
+	} else if (!strcmp(cmd, "stats")) {
+		show_stats(rep);
+	} else if (!strcmp(cmd, "config")) {
+		show_config(rep);
+	} else if (!strcmp(cmd, "log-level")) {
+		printf("%s\n", gets_(rep, "level"));
+	} else if (!strcmp(cmd, "drain")) {
+		printf("admission closed: running requests go on, new ones are refused (mlensctl resume reopens)\n");
+	} else if (!strcmp(cmd, "resume")) {
+		printf("admission open\n");
+	} else if (!strcmp(cmd, "evict")) {
+		printf("tenant %lld evicted\n", (long long)geti(rep, "tenant"));
+	} else if (!strcmp(cmd, "shutdown")) {
+		printf("shutting down: draining, then exiting\n");
+	}
+	json_decref(rep);
+	return rc;
+}

@@ -1,0 +1,602 @@
+/* Control socket: accept (SO_PEERCRED against the owner, root and
+ * control_group), read JSON lines through a bufferevent, answer each, and
+ * close connections that send garbage, HTTP, over-long or stalled lines. */
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include "daemon/control.h"
+#include "daemon/log.h"
+
+struct conn {
+	struct mlens_control *c;
+	struct bufferevent *bev;
+	uid_t uid;
+	pid_t pid;
+	bool closing;		/* free once the output is written */
+	bool shutdown_after;	/* the shutdown command: act once the reply is out */
+	struct conn *next, **prevp;
+};
+
+struct mlens_control {
+	struct event_base *base;
+	struct mlens_daemon_info *info;
+	void (*shutdown)(void *arg);
+	void *shutdown_arg;
+	int lfd;
+	char *path;
+	struct event *lev;
+	struct conn *conns;
+	int n_conns;
+	bool drained_by_ctl;	/* admission closed by mlensctl drain */
+};
+
+/* ==== replies ==== */
+
+static json_t *fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static json_t *fail(const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	return json_pack("{s:b,s:s}", "ok", 0, "error", msg);
+}
+
+static json_t *ok(void)
+{
+	return json_pack("{s:b}", "ok", 1);
+}
+
+static const char *mode_why(const struct mlens_daemon_info *in, const char **mode)
+{
+	*mode = in->backend;
+	if (!strcmp(in->backend, "cpu"))
+		return strcmp(in->cfg->backend, "cpu") ? "no usable CUDA device (backend = auto): the CPU runs every layer"
+						       : "backend = cpu in the configuration: the CPU runs every layer";
+	return "the GPU backend runs every layer";
+}
+
+static const char *admission_word(const struct mlens_control *c, const struct mlens_worker_snapshot *s)
+{
+	if (s->draining)
+		return "shutting down";
+	if (!s->admission)
+		return c->drained_by_ctl ? "draining" : "closed";
+	return "open";
+}
+
+static json_t *cmd_status(struct mlens_control *c)
+{
+	const struct mlens_daemon_info *in = c->info;
+	struct mlens_worker_snapshot s;
+	const char *mode, *why = mode_why(in, &mode);
+	json_t *o;
+	mlens_worker_snapshot(in->worker, &s);
+	o = json_pack("{s:b,s:s,s:I,s:{s:s,s:s,s:I,s:I,s:I},s:s,s:s,s:s,s:f,s:I,s:I,s:s,s:I,s:I}",
+		"ok", 1, "version", PACKAGE_VERSION, "pid", (json_int_t)getpid(),
+		"model", "path", in->cfg->model, "dtype", in->model_dtype, "layers", (json_int_t)in->n_layers,
+		"experts", (json_int_t)in->n_experts, "top_k", (json_int_t)in->top_k,
+		"backend", in->backend, "mode", mode, "mode_reason", why,
+		"uptime_seconds", mlens_now() - in->started,
+		"requests_running", (json_int_t)s.sched.running, "requests_waiting", (json_int_t)s.sched.waiting,
+		"admission", admission_word(c, &s), "token_cap", (json_int_t)s.token_cap,
+		"tenants", (json_int_t)s.n_tenants);
+	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:I}}",
+		"kv_cache", "bytes", (json_int_t)in->kv_bytes, "blocks_total", (json_int_t)s.kv_blocks_total,
+		"blocks_used", (json_int_t)s.kv_blocks_used, "block_tokens", (json_int_t)in->kv_block_size,
+		"budget_bytes", (json_int_t)in->cfg->kv_cache,
+		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
+		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
+	json_object_set_new(o, "sockets", json_pack("{s:s,s:s,s:s,s:s}", "tenant", in->cfg->socket,
+		"control", in->cfg->control, "stats", in->cfg->stats, "stats_http", in->stats_http_addr));
+	free(s.tenants);
+	return o;
+}
+
+static json_t *tenant_json(const struct mlens_tenant_info *t)
+{
+	return json_pack("{s:I,s:I,s:I,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:I,s:I,s:I,s:f}}",
+		"id", (json_int_t)t->id, "uid", (json_int_t)t->uid, "gid", (json_int_t)t->gid,
+		"pid", (json_int_t)t->pid, "name", t->name, "running", (json_int_t)t->running,
+		"queued", (json_int_t)t->queued, "kv_blocks", (json_int_t)t->kv_blocks,
+		"prompt_tokens", (json_int_t)t->prompt_tokens, "generation_tokens", (json_int_t)t->generated_tokens,
+		"requests_done", (json_int_t)t->requests_done, "requests_failed", (json_int_t)t->requests_failed,
+		"preemptions", (json_int_t)t->preemptions, "bad_entries", (json_int_t)t->bad_entries,
+		"quota", "running", (json_int_t)t->quota.max_running, "kv_blocks", (json_int_t)t->quota.max_kv_blocks,
+		"queued", (json_int_t)t->quota.max_queued, "weight", t->quota.weight);
+}
+
+static json_t *cmd_tenants(struct mlens_control *c)
+{
+	struct mlens_worker_snapshot s;
+	json_t *a = json_array();
+	mlens_worker_snapshot(c->info->worker, &s);
+	for (int i = 0; i < s.n_tenants; i++)
+		json_array_append_new(a, tenant_json(&s.tenants[i]));
+	free(s.tenants);
+	return json_pack("{s:b,s:o}", "ok", 1, "tenants", a);
+}
+
+/* The tenant id of a request: "tenant" as a number or a decimal string. */
+static int req_tenant(json_t *req, uint32_t *id)
+{
+	json_t *t = json_object_get(req, "tenant");
+	json_int_t v;
+	if (json_is_integer(t))
+		v = json_integer_value(t);
+	else if (json_is_string(t)) {
+		char *end;
+		const char *s = json_string_value(t);
+		v = strtoll(s, &end, 10);
+		if (!*s || *end)
+			return -EINVAL;
+	} else
+		return -EINVAL;
+	if (v <= 0 || v > UINT32_MAX)
+		return -EINVAL;
+	*id = (uint32_t)v;
+	return 0;
+}
+
+static bool find_tenant(struct mlens_control *c, uint32_t id, struct mlens_tenant_info *out)
+{
+	struct mlens_worker_snapshot s;
+	bool found = false;
+	mlens_worker_snapshot(c->info->worker, &s);
+	for (int i = 0; i < s.n_tenants && !found; i++)
+		if (s.tenants[i].id == id) {
+			*out = s.tenants[i];
+			found = true;
+		}
+	free(s.tenants);
+	return found;
+}
+
+/* A quota value: an integer (or a decimal string, as mlensctl KEY=VALUE
+ * sends it) within [lo, hi]. */
+static int quota_int(json_t *v, long long lo, long long hi, uint32_t *out)
+{
+	long long x;
+	if (json_is_integer(v))
+		x = json_integer_value(v);
+	else if (json_is_string(v)) {
+		char *end;
+		const char *s = json_string_value(v);
+		errno = 0;
+		x = strtoll(s, &end, 10);
+		if (!*s || *end || errno)
+			return -EINVAL;
+	} else
+		return -EINVAL;
+	if (x < lo || x > hi)
+		return -ERANGE;
+	*out = (uint32_t)x;
+	return 0;
+}
+
+static json_t *cmd_quota(struct mlens_control *c, json_t *req)
+{
+	struct mlens_tenant_info t;
+	struct mlens_quota q;
+	json_t *set = json_object_get(req, "set"), *v;
+	const char *key;
+	uint32_t id;
+	int rc;
+	if (req_tenant(req, &id))
+		return fail("quota: give the tenant's id (a positive number; see mlensctl tenants)");
+	if (!find_tenant(c, id, &t))
+		return fail("quota: no tenant %u is attached (see mlensctl tenants)", id);
+	if (set && !json_is_object(set))
+		return fail("quota: 'set' must be an object of running, kv_blocks, queued, weight");
+	if (set && json_object_size(set)) {
+		q = t.quota;
+		json_object_foreach(set, key, v) {
+			if (!strcmp(key, "running"))
+				rc = quota_int(v, 0, 1 << 20, &q.max_running);
+			else if (!strcmp(key, "kv_blocks"))
+				rc = quota_int(v, 0, UINT32_MAX, &q.max_kv_blocks);
+			else if (!strcmp(key, "queued"))
+				rc = quota_int(v, 1, 1 << 20, &q.max_queued);
+			else if (!strcmp(key, "weight")) {
+				double w = -1;
+				if (json_is_number(v))
+					w = json_number_value(v);
+				else if (json_is_string(v)) {
+					char *end;
+					w = strtod(json_string_value(v), &end);
+					if (end == json_string_value(v) || *end)
+						w = -1;
+				}
+				rc = isfinite(w) && w > 0 && w <= 1e6 ? 0 : -EINVAL;
+				if (!rc)
+					q.weight = w;
+			} else
+				return fail("quota: unknown key '%s' (running, kv_blocks, queued, weight)", key);
+			if (rc)
+				return fail("quota: bad value for %s (running: 0..%d, 0 = no limit; kv_blocks: 0..%u, "
+					    "0 = no limit; queued: 1..%d; weight: > 0)", key, 1 << 20, UINT32_MAX, 1 << 20);
+		}
+		rc = mlens_worker_set_quota(c->info->worker, id, &q);
+		if (rc == -ENOENT)
+			return fail("quota: tenant %u detached meanwhile", id);
+		if (rc)
+			return fail("quota: %s", strerror(-rc));
+		log_info("control: tenant %u quota: running %u, kv_blocks %u, queued %u, weight %g", id,
+			 q.max_running, q.max_kv_blocks, q.max_queued, q.weight);
+		t.quota = q;
+	}
+	return json_pack("{s:b,s:I,s:{s:I,s:I,s:I,s:f},s:{s:I,s:I,s:I}}", "ok", 1, "tenant", (json_int_t)id,
+		"quota", "running", (json_int_t)t.quota.max_running, "kv_blocks", (json_int_t)t.quota.max_kv_blocks,
+		"queued", (json_int_t)t.quota.max_queued, "weight", t.quota.weight,
+		"use", "running", (json_int_t)t.running, "kv_blocks", (json_int_t)t.kv_blocks,
+		"queued", (json_int_t)t.queued);
+}
+
+static json_t *cmd_evict(struct mlens_control *c, json_t *req)
+{
+	uint32_t id;
+	int rc;
+	if (req_tenant(req, &id))
+		return fail("evict: give the tenant's id (a positive number; see mlensctl tenants)");
+	rc = mlens_worker_evict(c->info->worker, id);
+	if (rc == -ENOENT)
+		return fail("evict: no tenant %u is attached (see mlensctl tenants)", id);
+	if (rc)
+		return fail("evict: %s", strerror(-rc));
+	/* its requests failed with -ECONNABORTED and its KV is free; now the hang-up */
+	rc = mlens_server_disconnect(c->info->server, id);
+	log_info("control: tenant %u evicted%s", id, rc ? " (its connection was already gone)" : "");
+	return json_pack("{s:b,s:I}", "ok", 1, "tenant", (json_int_t)id);
+}
+
+static json_t *cmd_log_level(json_t *req)
+{
+	json_t *l = json_object_get(req, "level");
+	if (l) {
+		int level = json_is_string(l) ? mlens_log_parse_level(json_string_value(l)) : -1;
+		if (level < 0)
+			return fail("log-level: not one of error, warn, info, debug");
+		mlens_log_set_level((enum mlens_log_level)level);
+		log_info("control: log level set to %s", mlens_log_level_name((enum mlens_log_level)level));
+	}
+	return json_pack("{s:b,s:s}", "ok", 1, "level", mlens_log_level_name(mlens_log_get_level()));
+}
+
+/* mlens_config_dump's "key = value" lines as an object of strings. */
+static json_t *cmd_config(struct mlens_control *c)
+{
+	char *text = NULL, *line, *save = NULL;
+	size_t len = 0;
+	FILE *f = open_memstream(&text, &len);
+	json_t *o;
+	if (!f)
+		return fail("config: out of memory");
+	mlens_config_dump(c->info->cfg, f);
+	fclose(f);
+	o = json_object();
+	for (line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		char *eq = strstr(line, " = ");
+		if (!eq)
+			continue;
+		*eq = 0;
+		json_object_set_new(o, line, json_string(eq + 3));
+	}
+	free(text);
+	return json_pack("{s:b,s:o}", "ok", 1, "config", o);
+}
+
+json_t *mlens_control_handle(struct mlens_control *c, json_t *req)
+{
+	json_t *cmdj = json_object_get(req, "cmd");
+	const char *cmd = json_string_value(cmdj);
+	if (!cmd)
+		return fail("a request is an object with \"cmd\": a string");
+	if (!strcmp(cmd, "status"))
+		return cmd_status(c);
+	if (!strcmp(cmd, "tenants"))
+		return cmd_tenants(c);
+	if (!strcmp(cmd, "quota"))
+		return cmd_quota(c, req);
+	if (!strcmp(cmd, "evict"))
+		return cmd_evict(c, req);
+	if (!strcmp(cmd, "log-level"))
+		return cmd_log_level(req);
+	if (!strcmp(cmd, "config"))
+		return cmd_config(c);
+	if (!strcmp(cmd, "stats")) {
+		struct mlens_worker_snapshot s;
+		json_t *o;
+		mlens_worker_snapshot(c->info->worker, &s);
+		o = mlens_stats_json(c->info, &s);
+		free(s.tenants);
+		json_object_set_new(o, "ok", json_true());
+		return o;
+	}
+	if (!strcmp(cmd, "drain")) {
+		mlens_worker_set_admission(c->info->worker, false);
+		c->drained_by_ctl = true;
+		log_info("control: drain: admission closed (running requests go on; new ones are refused)");
+		return ok();
+	}
+	if (!strcmp(cmd, "resume")) {
+		struct mlens_worker_snapshot s;
+		mlens_worker_snapshot(c->info->worker, &s);
+		free(s.tenants);
+		if (s.draining)
+			return fail("resume: the daemon is shutting down");
+		mlens_worker_set_admission(c->info->worker, true);
+		c->drained_by_ctl = false;
+		log_info("control: resume: admission open");
+		return ok();
+	}
+	if (!strcmp(cmd, "shutdown"))
+		return ok();	/* the caller begins the drain once this is written */
+	return fail("unknown command '%s' (status, tenants, quota, drain, resume, evict, stats, log-level, "
+		    "shutdown, config)", cmd);
+}
+
+/* ==== connections ==== */
+
+static void conn_free(struct conn *k)
+{
+	struct mlens_control *c = k->c;
+	*k->prevp = k->next;
+	if (k->next)
+		k->next->prevp = k->prevp;
+	c->n_conns--;
+	bufferevent_free(k->bev);
+	free(k);
+}
+
+static void send_json(struct conn *k, json_t *o)
+{
+	char *text = json_dumps(o, JSON_COMPACT);
+	if (text) {
+		bufferevent_write(k->bev, text, strlen(text));
+		bufferevent_write(k->bev, "\n", 1);
+		free(text);
+	}
+}
+
+/* Say why, then close once that is written; nothing more is read. */
+static void close_with(struct conn *k, const char *why)
+{
+	json_t *o = fail("%s", why);
+	send_json(k, o);
+	json_decref(o);
+	k->closing = true;
+	bufferevent_disable(k->bev, EV_READ);
+	log_debug("control: closing the connection of pid %d: %s", (int)k->pid, why);
+}
+
+static bool looks_like_http(const char *line)
+{
+	static const char *const methods[] = { "GET ", "POST ", "HEAD ", "PUT ", "DELETE ", "OPTIONS ",
+					       "CONNECT ", "PATCH ", "TRACE " };
+	for (size_t i = 0; i < sizeof(methods) / sizeof(methods[0]); i++)
+		if (!strncmp(line, methods[i], strlen(methods[i])))
+			return true;
+	return strstr(line, " HTTP/1.") != NULL;
+}
+
+static void on_read(struct bufferevent *bev, void *arg)
+{
+	struct conn *k = arg;
+	struct evbuffer *in = bufferevent_get_input(bev);
+	while (!k->closing) {
+		size_t eol_len = 0, n;
+		struct evbuffer_ptr p = evbuffer_search_eol(in, NULL, &eol_len, EVBUFFER_EOL_LF);
+		char *line;
+		json_t *req, *rep;
+		json_error_t je;
+		if (p.pos < 0)
+			break;
+		if ((size_t)p.pos > MLENS_CONTROL_MAX_LINE) {
+			close_with(k, "request longer than 64 KiB");
+			return;
+		}
+		line = evbuffer_readln(in, &n, EVBUFFER_EOL_LF);
+		if (!line)
+			break;
+		if (n && line[n - 1] == '\r')
+			line[--n] = 0;
+		if (looks_like_http(line)) {
+			static const char resp[] = "HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\n"
+				"Connection: close\r\n\r\nthis is mlensd's control socket: use mlensctl(8); "
+				"Prometheus metrics are at stats_http\r\n";
+			free(line);
+			bufferevent_write(bev, resp, sizeof(resp) - 1);
+			k->closing = true;
+			bufferevent_disable(bev, EV_READ);
+			log_debug("control: HTTP on the control socket from pid %d: closed", (int)k->pid);
+			return;
+		}
+		if (!n) {
+			free(line);
+			continue;	/* blank lines are harmless */
+		}
+		req = json_loadb(line, n, JSON_REJECT_DUPLICATES, &je);
+		free(line);
+		if (!json_is_object(req)) {
+			json_decref(req);
+			close_with(k, "not a JSON object: each request is one object on one line, "
+				      "e.g. {\"cmd\":\"status\"}");
+			return;
+		}
+		rep = mlens_control_handle(k->c, req);
+		if (json_is_true(json_object_get(rep, "ok")) &&
+		    !strcmp(json_string_value(json_object_get(req, "cmd")), "shutdown")) {
+			log_info("control: shutdown asked by uid %u pid %d", (unsigned)k->uid, (int)k->pid);
+			k->shutdown_after = true;
+			k->closing = true;
+			bufferevent_disable(bev, EV_READ);
+		}
+		json_decref(req);
+		send_json(k, rep);
+		json_decref(rep);
+	}
+	if (k->closing)
+		return;
+	if (evbuffer_get_length(in) > MLENS_CONTROL_MAX_LINE) {
+		close_with(k, "request longer than 64 KiB");
+		return;
+	}
+	/* a partial line must complete soon; an idle connection may wait longer */
+	{
+		struct timeval tv = { evbuffer_get_length(in) ? MLENS_CONTROL_STALL_S : MLENS_CONTROL_IDLE_S, 0 };
+		bufferevent_set_timeouts(bev, &tv, NULL);
+	}
+}
+
+static void on_write(struct bufferevent *bev, void *arg)
+{
+	struct conn *k = arg;
+	if (!k->closing || evbuffer_get_length(bufferevent_get_output(bev)))
+		return;
+	if (k->shutdown_after && k->c->shutdown) {
+		void (*fn)(void *) = k->c->shutdown;
+		void *fa = k->c->shutdown_arg;
+		conn_free(k);
+		fn(fa);
+		return;
+	}
+	conn_free(k);
+}
+
+static void on_event(struct bufferevent *bev, short what, void *arg)
+{
+	struct conn *k = arg;
+	(void)bev;
+	if (what & BEV_EVENT_TIMEOUT)
+		log_debug("control: pid %d stalled: connection closed", (int)k->pid);
+	if (k->shutdown_after && k->c->shutdown) {
+		void (*fn)(void *) = k->c->shutdown;
+		void *fa = k->c->shutdown_arg;
+		conn_free(k);
+		fn(fa);
+		return;
+	}
+	conn_free(k);
+}
+
+static void refuse(int fd, const char *why)
+{
+	char line[256];
+	int n = snprintf(line, sizeof(line), "{\"ok\":false,\"error\":\"%s\"}\n", why);
+	if (send(fd, line, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+		/* the peer is gone: nothing to tell */
+	}
+	close(fd);
+}
+
+static void on_accept(evutil_socket_t lfd, short what, void *arg)
+{
+	struct mlens_control *c = arg;
+	struct ucred cr;
+	socklen_t cl = sizeof(cr);
+	struct conn *k;
+	struct timeval tv = { MLENS_CONTROL_IDLE_S, 0 };
+	int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+	(void)what;
+	if (fd < 0)
+		return;
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl)) {
+		close(fd);
+		return;
+	}
+	if (cr.uid != 0 && cr.uid != geteuid() && !mlens_group_member(c->info->cfg->control_group, cr.uid, cr.gid)) {
+		log_warn("control: refused uid %u (pid %d): only the daemon's user, root%s%s may control it",
+			 (unsigned)cr.uid, (int)cr.pid, c->info->cfg->control_group[0] ? " and group " : "",
+			 c->info->cfg->control_group);
+		refuse(fd, "permission denied: only the daemon's user, root or control_group may use the control socket");
+		return;
+	}
+	if (c->n_conns >= MLENS_CONTROL_MAX_CONNS) {
+		log_warn("control: refused pid %d: %d connections already open", (int)cr.pid, c->n_conns);
+		refuse(fd, "too many control connections: try again later");
+		return;
+	}
+	k = calloc(1, sizeof(*k));
+	if (!k) {
+		close(fd);
+		return;
+	}
+	k->bev = bufferevent_socket_new(c->base, fd, BEV_OPT_CLOSE_ON_FREE);
+	if (!k->bev) {
+		close(fd);
+		free(k);
+		return;
+	}
+	k->c = c;
+	k->uid = cr.uid;
+	k->pid = cr.pid;
+	k->next = c->conns;
+	if (c->conns)
+		c->conns->prevp = &k->next;
+	k->prevp = &c->conns;
+	c->conns = k;
+	c->n_conns++;
+	bufferevent_setcb(k->bev, on_read, on_write, on_event, k);
+	bufferevent_set_timeouts(k->bev, &tv, NULL);
+	bufferevent_enable(k->bev, EV_READ | EV_WRITE);
+}
+
+int mlens_control_start(struct mlens_control **out, struct event_base *base,
+			struct mlens_daemon_info *info, void (*shutdown)(void *arg), void *arg,
+			char *err, size_t errlen)
+{
+	struct mlens_control *c = calloc(1, sizeof(*c));
+	int rc;
+	if (!c) {
+		snprintf(err, errlen, "control: out of memory");
+		return -ENOMEM;
+	}
+	c->base = base;
+	c->info = info;
+	c->shutdown = shutdown;
+	c->shutdown_arg = arg;
+	c->lfd = -1;
+	if (info->cfg->control && info->cfg->control[0]) {
+		c->lfd = mlens_unix_listen(info->cfg->control, info->cfg->control_group, "control socket", err, errlen);
+		if (c->lfd < 0) {
+			rc = c->lfd;
+			goto fail;
+		}
+		c->path = strdup(info->cfg->control);
+		c->lev = event_new(base, c->lfd, EV_READ | EV_PERSIST, on_accept, c);
+		if (!c->path || !c->lev || event_add(c->lev, NULL)) {
+			snprintf(err, errlen, "control: out of memory");
+			rc = -ENOMEM;
+			goto fail;
+		}
+	}
+	*out = c;
+	return 0;
+fail:
+	mlens_control_destroy(c);
+	return rc;
+}
+
+void mlens_control_destroy(struct mlens_control *c)
+{
+	if (!c)
+		return;
+	while (c->conns)
+		conn_free(c->conns);
+	if (c->lev)
+		event_free(c->lev);
+	if (c->lfd >= 0) {
+		close(c->lfd);
+		if (c->path)
+			unlink(c->path);
+	}
+	free(c->path);
+	free(c);
+}

@@ -1,0 +1,31 @@
+/* The control socket for mlensctl: one JSON object per line each way,
+ * on the main thread's event base. Only the daemon's own uid, root and
+ * members of control_group are served; commands reach the worker only
+ * through the mlens_worker_* calls. */
+#ifndef MLENS_CONTROL_H
+#define MLENS_CONTROL_H
+
+#include <event2/event.h>
+#include "daemon/stats.h"
+
+struct mlens_control;
+
+#define MLENS_CONTROL_MAX_LINE (64 * 1024)	/* longer requests close the connection */
+#define MLENS_CONTROL_MAX_CONNS 32
+#define MLENS_CONTROL_STALL_S 5			/* a half-written request gets this long */
+#define MLENS_CONTROL_IDLE_S 60			/* an idle connection gets this long */
+
+/* Listen on info->cfg->control ("" = no control socket). shutdown(arg) is
+ * called for the shutdown command once the reply is written: it should do
+ * what SIGTERM does. */
+int mlens_control_start(struct mlens_control **out, struct event_base *base,
+			struct mlens_daemon_info *info, void (*shutdown)(void *arg), void *arg,
+			char *err, size_t errlen);
+/* Close every connection and the listener; unlink the socket file. */
+void mlens_control_destroy(struct mlens_control *c);
+
+/* Answer one request (a parsed JSON object): a new reference to the reply.
+ * Exposed for the tests. */
+json_t *mlens_control_handle(struct mlens_control *c, json_t *req);
+
+#endif

@@ -1,0 +1,491 @@
+/* Stats socket, the loopback HTTP listener (/metrics, /health), the JSON
+ * and Prometheus renderings of the worker's snapshot, and the Unix
+ * listening-socket helper the control socket shares. Main thread only. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/http.h>
+#include <grp.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include "daemon/log.h"
+#include "daemon/stats.h"
+
+struct mlens_stats {
+	struct mlens_daemon_info *info;
+	struct event_base *base;
+	int lfd;
+	char *path;
+	struct event *lev;
+	struct evhttp *http;
+};
+
+/* ==== Unix listening sockets ==== */
+
+static int group_gid(const char *group, gid_t *gid)
+{
+	char *end;
+	unsigned long v = strtoul(group, &end, 10);
+	struct group *gr;
+	if (*group && !*end) {
+		*gid = (gid_t)v;
+		return 0;
+	}
+	gr = getgrnam(group);
+	if (!gr)
+		return -ENOENT;
+	*gid = gr->gr_gid;
+	return 0;
+}
+
+bool mlens_group_member(const char *group, uid_t uid, gid_t gid)
+{
+	gid_t g;
+	struct group *gr;
+	struct passwd *pw;
+	if (!group || !*group || group_gid(group, &g))
+		return false;
+	if (gid == g)
+		return true;
+	/* supplementary membership: SO_PEERCRED carries only the primary gid */
+	gr = getgrgid(g);
+	pw = getpwuid(uid);
+	if (!gr || !pw)
+		return false;
+	for (char **m = gr->gr_mem; m && *m; m++)
+		if (!strcmp(*m, pw->pw_name))
+			return true;
+	return false;
+}
+
+int mlens_unix_listen(const char *path, const char *group, const char *what, char *err, size_t errlen)
+{
+	struct sockaddr_un sa;
+	gid_t gid = 0;
+	mode_t old;
+	int fd, rc;
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sun_family = AF_UNIX;
+	if (strlen(path) >= sizeof(sa.sun_path)) {
+		snprintf(err, errlen, "%s %s: the path is longer than %zu bytes", what, path, sizeof(sa.sun_path) - 1);
+		return -ENAMETOOLONG;
+	}
+	strcpy(sa.sun_path, path);
+	if (group && *group && group_gid(group, &gid)) {
+		snprintf(err, errlen, "%s %s: group '%s' does not exist (control_group)", what, path, group);
+		return -ENOENT;
+	}
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0) {
+		rc = -errno;
+		snprintf(err, errlen, "%s: socket: %s", what, strerror(errno));
+		return rc;
+	}
+	/* a socket file left by a daemon that died: replace it unless someone listens */
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+		close(fd);
+		snprintf(err, errlen, "%s %s: another daemon is listening there", what, path);
+		return -EADDRINUSE;
+	}
+	close(fd);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0) {
+		rc = -errno;
+		snprintf(err, errlen, "%s: socket: %s", what, strerror(errno));
+		return rc;
+	}
+	unlink(path);
+	/* created 0600 from the start: no window in which others may connect */
+	old = umask(0177);
+	rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+	umask(old);
+	if (rc || listen(fd, 64)) {
+		rc = -errno;
+		snprintf(err, errlen, "cannot listen on %s %s: %s", what, path, strerror(errno));
+		close(fd);
+		return rc;
+	}
+	if (group && *group) {
+		if (chown(path, (uid_t)-1, gid) || chmod(path, 0660)) {
+			rc = -errno;
+			snprintf(err, errlen, "%s %s: cannot give it to group %s: %s", what, path, group, strerror(errno));
+			close(fd);
+			unlink(path);
+			return rc;
+		}
+	}
+	return fd;
+}
+
+/* ==== renderings ==== */
+
+static double bucket_bound(int i)
+{
+	return mlens_latency_buckets[i];
+}
+
+static json_t *hist_json(const struct mlens_hist *h)
+{
+	json_t *o = json_object(), *b = json_array();
+	uint64_t cum = 0;
+	for (int i = 0; i < MLENS_LAT_BUCKETS; i++) {
+		cum += h->bucket[i];
+		if (i == MLENS_LAT_BUCKETS - 1)
+			json_array_append_new(b, json_pack("{s:s,s:I}", "le", "+Inf", "count", (json_int_t)cum));
+		else
+			json_array_append_new(b, json_pack("{s:f,s:I}", "le", bucket_bound(i), "count", (json_int_t)cum));
+	}
+	json_object_set_new(o, "buckets", b);
+	json_object_set_new(o, "count", json_integer((json_int_t)h->count));
+	json_object_set_new(o, "sum", json_real(h->sum));
+	return o;
+}
+
+json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap)
+{
+	const struct mlens_sched_stats *st = &snap->sched;
+	json_t *o = json_object(), *ta = json_array();
+	json_object_set_new(o, "uptime_seconds", json_real(mlens_now() - info->started));
+	json_object_set_new(o, "requests_running", json_integer(st->running));
+	json_object_set_new(o, "requests_waiting", json_integer(st->waiting));
+	json_object_set_new(o, "requests_done_total", json_integer((json_int_t)st->requests_done));
+	json_object_set_new(o, "requests_failed_total", json_integer((json_int_t)st->requests_failed));
+	json_object_set_new(o, "preemptions_total", json_integer((json_int_t)st->preemptions));
+	json_object_set_new(o, "prompt_tokens_total", json_integer((json_int_t)st->prompt_tokens));
+	json_object_set_new(o, "generation_tokens_total", json_integer((json_int_t)st->generated_tokens));
+	json_object_set_new(o, "kv_blocks_used", json_integer(snap->kv_blocks_used));
+	json_object_set_new(o, "kv_blocks_total", json_integer(snap->kv_blocks_total));
+	json_object_set_new(o, "steps_total", json_integer((json_int_t)st->steps));
+	json_object_set_new(o, "step_seconds_sum", json_real(st->step_seconds_sum));
+	json_object_set_new(o, "last_step_tokens", json_integer(st->last_step_tokens));
+	json_object_set_new(o, "last_step_seqs", json_integer(st->last_step_seqs));
+	json_object_set_new(o, "last_step_seconds", json_real(st->last_step_seconds));
+	json_object_set_new(o, "preempt_mode", json_boolean(st->preempt_mode));
+	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
+	json_object_set_new(o, "admission", json_string(snap->draining ? "draining" : snap->admission ? "open" : "closed"));
+	json_object_set_new(o, "tenants", json_integer(snap->n_tenants));
+	json_object_set_new(o, "tenants_attached_total", json_integer((json_int_t)snap->tenants_attached_total));
+	json_object_set_new(o, "tenants_detached_total", json_integer((json_int_t)snap->tenants_detached_total));
+	json_object_set_new(o, "bad_entries_total", json_integer((json_int_t)snap->bad_entries_total));
+	json_object_set_new(o, "time_to_first_token_seconds", hist_json(&st->ttft));
+	json_object_set_new(o, "time_per_output_token_seconds", hist_json(&st->tpot));
+	for (int i = 0; i < snap->n_tenants; i++) {
+		const struct mlens_tenant_info *t = &snap->tenants[i];
+		json_array_append_new(ta, json_pack("{s:I,s:I,s:I,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+			"id", (json_int_t)t->id, "uid", (json_int_t)t->uid, "gid", (json_int_t)t->gid,
+			"pid", (json_int_t)t->pid, "name", t->name,
+			"running", (json_int_t)t->running, "queued", (json_int_t)t->queued,
+			"kv_blocks", (json_int_t)t->kv_blocks,
+			"prompt_tokens", (json_int_t)t->prompt_tokens,
+			"generation_tokens", (json_int_t)t->generated_tokens,
+			"requests_done", (json_int_t)t->requests_done,
+			"requests_failed", (json_int_t)t->requests_failed,
+			"preemptions", (json_int_t)t->preemptions,
+			"bad_entries", (json_int_t)t->bad_entries,
+			"refused", (json_int_t)t->refused));
+	}
+	json_object_set_new(o, "tenant", ta);
+	return o;
+}
+
+static void prom_head(struct evbuffer *b, const char *name, const char *type, const char *help)
+{
+	evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void prom_hist(struct evbuffer *b, const char *name, const char *help, const struct mlens_hist *h)
+{
+	uint64_t cum = 0;
+	prom_head(b, name, "histogram", help);
+	for (int i = 0; i < MLENS_LAT_BUCKETS; i++) {
+		cum += h->bucket[i];
+		if (i == MLENS_LAT_BUCKETS - 1)
+			evbuffer_add_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
+		else
+			evbuffer_add_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, bucket_bound(i), (unsigned long long)cum);
+	}
+	evbuffer_add_printf(b, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name, (unsigned long long)h->count);
+}
+
+/* Label values escape backslash, double quote and newline. */
+static void prom_label(char *out, size_t n, const char *v)
+{
+	size_t j = 0;
+	for (; *v && j + 2 < n; v++) {
+		if (*v == '\\' || *v == '"' || *v == '\n') {
+			out[j++] = '\\';
+			out[j++] = *v == '\n' ? 'n' : *v;
+		} else {
+			out[j++] = *v;
+		}
+	}
+	out[j] = 0;
+}
+
+/* One per-tenant series: a gauge or counter of each tenant's field. */
+#define PROM_TENANT(b, snap, name, type, help, field) do {					\
+	prom_head(b, name, type, help);								\
+	for (int i_ = 0; i_ < (snap)->n_tenants; i_++)						\
+		evbuffer_add_printf(b, "%s{tenant=\"%u\"} %llu\n", name, (snap)->tenants[i_].id,	\
+				    (unsigned long long)(snap)->tenants[i_].field);		\
+} while (0)
+
+void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap,
+			    struct evbuffer *b)
+{
+	const struct mlens_sched_stats *st = &snap->sched;
+	prom_head(b, "mlens_requests_running", "gauge", "Requests whose sequences are in the running batch.");
+	evbuffer_add_printf(b, "mlens_requests_running %u\n", st->running);
+	PROM_TENANT(b, snap, "mlens_tenant_requests_running", "gauge", "Running requests of a tenant.", running);
+	prom_head(b, "mlens_requests_waiting", "gauge", "Requests queued, not yet admitted (or preempted).");
+	evbuffer_add_printf(b, "mlens_requests_waiting %u\n", st->waiting);
+	PROM_TENANT(b, snap, "mlens_tenant_requests_waiting", "gauge", "Queued requests of a tenant.", queued);
+	prom_head(b, "mlens_requests_finished_total", "counter", "Requests finished, by outcome.");
+	evbuffer_add_printf(b, "mlens_requests_finished_total{outcome=\"done\"} %llu\n", (unsigned long long)st->requests_done);
+	evbuffer_add_printf(b, "mlens_requests_finished_total{outcome=\"failed\"} %llu\n", (unsigned long long)st->requests_failed);
+	prom_head(b, "mlens_preemptions_total", "counter", "Sequences evicted from the running batch to free KV blocks.");
+	evbuffer_add_printf(b, "mlens_preemptions_total %llu\n", (unsigned long long)st->preemptions);
+	prom_head(b, "mlens_prompt_tokens_total", "counter", "Prefill tokens computed (re-prefills after preemption included).");
+	evbuffer_add_printf(b, "mlens_prompt_tokens_total %llu\n", (unsigned long long)st->prompt_tokens);
+	PROM_TENANT(b, snap, "mlens_tenant_prompt_tokens_total", "counter", "Prefill tokens computed for a tenant.", prompt_tokens);
+	prom_head(b, "mlens_generation_tokens_total", "counter", "Tokens generated.");
+	evbuffer_add_printf(b, "mlens_generation_tokens_total %llu\n", (unsigned long long)st->generated_tokens);
+	PROM_TENANT(b, snap, "mlens_tenant_generation_tokens_total", "counter", "Tokens generated for a tenant.", generated_tokens);
+	prom_head(b, "mlens_kv_blocks_used", "gauge", "KV cache blocks held by sequences.");
+	evbuffer_add_printf(b, "mlens_kv_blocks_used %u\n", snap->kv_blocks_used);
+	PROM_TENANT(b, snap, "mlens_tenant_kv_blocks_used", "gauge", "KV cache blocks held by a tenant's sequences.", kv_blocks);
+	prom_head(b, "mlens_kv_blocks_total", "gauge", "KV cache blocks in the pinned pool.");
+	evbuffer_add_printf(b, "mlens_kv_blocks_total %u\n", snap->kv_blocks_total);
+	prom_hist(b, "mlens_time_to_first_token_seconds", "Time from submission to the first token.", &st->ttft);
+	prom_hist(b, "mlens_time_per_output_token_seconds", "Time between two tokens of a request.", &st->tpot);
+	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");
+	evbuffer_add_printf(b, "mlens_step_seconds_sum %.9g\nmlens_step_seconds_count %llu\n", st->step_seconds_sum,
+			    (unsigned long long)st->steps);
+	prom_head(b, "mlens_steps_total", "counter", "Scheduler steps run.");
+	evbuffer_add_printf(b, "mlens_steps_total %llu\n", (unsigned long long)st->steps);
+	prom_head(b, "mlens_tenants", "gauge", "Tenants attached.");
+	evbuffer_add_printf(b, "mlens_tenants %d\n", snap->n_tenants);
+	prom_head(b, "mlens_tenant_info", "gauge", "A tenant's process: uid, pid and name (always 1).");
+	for (int i = 0; i < snap->n_tenants; i++) {
+		char name[2 * sizeof(snap->tenants[i].name)];
+		prom_label(name, sizeof(name), snap->tenants[i].name);
+		evbuffer_add_printf(b, "mlens_tenant_info{tenant=\"%u\",uid=\"%u\",pid=\"%d\",name=\"%s\"} 1\n",
+				    snap->tenants[i].id, (unsigned)snap->tenants[i].uid, (int)snap->tenants[i].pid, name);
+	}
+	prom_head(b, "mlens_bad_entries_total", "counter", "Malformed ring entries refused (tenants' bugs).");
+	evbuffer_add_printf(b, "mlens_bad_entries_total %llu\n", (unsigned long long)snap->bad_entries_total);
+	prom_head(b, "mlens_draining", "gauge", "1 while admission is closed (drain), else 0.");
+	evbuffer_add_printf(b, "mlens_draining %d\n", snap->draining || !snap->admission);
+	prom_head(b, "mlens_uptime_seconds", "gauge", "Seconds since the daemon finished loading.");
+	evbuffer_add_printf(b, "mlens_uptime_seconds %.3f\n", mlens_now() - info->started);
+}
+
+/* ==== the stats socket: one object per connection ==== */
+
+static void on_stats_accept(evutil_socket_t lfd, short what, void *arg)
+{
+	struct mlens_stats *s = arg;
+	struct mlens_worker_snapshot snap;
+	json_t *o;
+	char *text;
+	int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+	(void)what;
+	if (fd < 0)
+		return;
+	mlens_worker_snapshot(s->info->worker, &snap);
+	o = mlens_stats_json(s->info, &snap);
+	free(snap.tenants);
+	text = json_dumps(o, JSON_COMPACT);
+	json_decref(o);
+	if (text) {
+		/* the object is a few KiB at most: it fits the socket buffer, so a
+		 * reader that never reads cannot stall the main thread */
+		size_t len = strlen(text), off = 0;
+		text[len] = '\n';
+		while (off < len + 1) {
+			ssize_t n = send(fd, text + off, len + 1 - off, MSG_NOSIGNAL);
+			if (n <= 0)
+				break;
+			off += (size_t)n;
+		}
+		free(text);
+	}
+	close(fd);
+}
+
+/* ==== HTTP: /metrics and /health ==== */
+
+static void on_http(struct evhttp_request *req, void *arg)
+{
+	struct mlens_stats *s = arg;
+	const char *uri = evhttp_request_get_uri(req);
+	struct evhttp_uri *u = evhttp_uri_parse(uri);
+	const char *path = u ? evhttp_uri_get_path(u) : NULL;
+	struct evbuffer *b = evbuffer_new();
+	struct evkeyvalq *out = evhttp_request_get_output_headers(req);
+	struct mlens_worker_snapshot snap;
+
+	if (!b)
+		goto done;
+	if (!path || (strcmp(path, "/metrics") && strcmp(path, "/health"))) {
+		evbuffer_add_printf(b, "not found: this listener serves /metrics and /health\n");
+		evhttp_add_header(out, "Content-Type", "text/plain; charset=utf-8");
+		evhttp_send_reply(req, HTTP_NOTFOUND, "Not Found", b);
+		goto done;
+	}
+	mlens_worker_snapshot(s->info->worker, &snap);
+	if (!strcmp(path, "/health")) {
+		bool serving = snap.admission && !snap.draining;
+		evbuffer_add_printf(b, "%s\n", serving ? "ok" : "draining");
+		evhttp_add_header(out, "Content-Type", "text/plain; charset=utf-8");
+		evhttp_send_reply(req, serving ? HTTP_OK : 503, serving ? "OK" : "Service Unavailable", b);
+	} else {
+		mlens_stats_prometheus(s->info, &snap, b);
+		evhttp_add_header(out, "Content-Type", "text/plain; version=0.0.4; charset=utf-8");
+		evhttp_send_reply(req, HTTP_OK, "OK", b);
+	}
+	free(snap.tenants);
+done:
+	if (b)
+		evbuffer_free(b);
+	if (u)
+		evhttp_uri_free(u);
+}
+
+/* "127.0.0.1:PORT", "localhost:PORT", "[::1]:PORT": host and port, or an
+ * error when the host is not loopback (the listener has no authentication). */
+static int parse_http_addr(const char *spec, char *host, size_t hostlen, unsigned *port, char *err, size_t errlen)
+{
+	const char *colon = strrchr(spec, ':');
+	char h[48], *end;
+	unsigned long p;
+	size_t hl;
+	if (!colon || colon == spec) {
+		snprintf(err, errlen, "stats_http '%s': expected 127.0.0.1:PORT", spec);
+		return -EINVAL;
+	}
+	hl = (size_t)(colon - spec);
+	if (hl >= sizeof(h)) {
+		snprintf(err, errlen, "stats_http '%s': the host is too long", spec);
+		return -EINVAL;
+	}
+	memcpy(h, spec, hl);
+	h[hl] = 0;
+	p = strtoul(colon + 1, &end, 10);
+	if (!colon[1] || *end || p > 65535) {
+		snprintf(err, errlen, "stats_http '%s': '%s' is not a port number", spec, colon + 1);
+		return -EINVAL;
+	}
+	if (!strcmp(h, "localhost") || !strcmp(h, "127.0.0.1")) {
+		snprintf(host, hostlen, "127.0.0.1");
+	} else if (!strcmp(h, "[::1]") || !strcmp(h, "::1")) {
+		snprintf(host, hostlen, "::1");
+	} else {
+		struct in_addr a;
+		if (inet_pton(AF_INET, h, &a) != 1 || (ntohl(a.s_addr) >> 24) != 127) {
+			snprintf(err, errlen, "stats_http '%s': %s is not a loopback address; the stats listener "
+				 "has no authentication, so it binds only to 127.0.0.1 or [::1] "
+				 "(put a reverse proxy in front to export it)", spec, h);
+			return -EINVAL;
+		}
+		snprintf(host, hostlen, "%s", h);
+	}
+	*port = (unsigned)p;
+	return 0;
+}
+
+int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
+		      struct mlens_daemon_info *info, char *err, size_t errlen)
+{
+	struct mlens_stats *s = calloc(1, sizeof(*s));
+	const struct mlens_config *c = info->cfg;
+	int rc;
+	if (!s) {
+		snprintf(err, errlen, "stats: out of memory");
+		return -ENOMEM;
+	}
+	s->info = info;
+	s->base = base;
+	s->lfd = -1;
+	if (c->stats && c->stats[0]) {
+		s->lfd = mlens_unix_listen(c->stats, c->control_group, "stats socket", err, errlen);
+		if (s->lfd < 0) {
+			rc = s->lfd;
+			goto fail;
+		}
+		s->path = strdup(c->stats);
+		s->lev = event_new(base, s->lfd, EV_READ | EV_PERSIST, on_stats_accept, s);
+		if (!s->path || !s->lev || event_add(s->lev, NULL)) {
+			snprintf(err, errlen, "stats socket: out of memory");
+			rc = -ENOMEM;
+			goto fail;
+		}
+	}
+	if (c->stats_http && c->stats_http[0]) {
+		char host[48];
+		unsigned port;
+		struct evhttp_bound_socket *bs;
+		struct sockaddr_storage ss;
+		socklen_t sl = sizeof(ss);
+		rc = parse_http_addr(c->stats_http, host, sizeof(host), &port, err, errlen);
+		if (rc)
+			goto fail;
+		s->http = evhttp_new(base);
+		if (!s->http) {
+			snprintf(err, errlen, "stats_http: out of memory");
+			rc = -ENOMEM;
+			goto fail;
+		}
+		/* a request that stalls half-written is dropped after this */
+		evhttp_set_timeout(s->http, 5);
+		evhttp_set_max_headers_size(s->http, 8192);
+		evhttp_set_max_body_size(s->http, 0);
+		evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_HEAD);
+		evhttp_set_gencb(s->http, on_http, s);
+		bs = evhttp_bind_socket_with_handle(s->http, host, (uint16_t)port);
+		if (!bs) {
+			snprintf(err, errlen, "stats_http %s: cannot listen there (%s); is the port taken?",
+				 c->stats_http, strerror(errno));
+			rc = -EADDRINUSE;
+			goto fail;
+		}
+		if (!getsockname(evhttp_bound_socket_get_fd(bs), (struct sockaddr *)&ss, &sl)) {
+			if (ss.ss_family == AF_INET6)
+				snprintf(info->stats_http_addr, sizeof(info->stats_http_addr), "[::1]:%u",
+					 ntohs(((struct sockaddr_in6 *)&ss)->sin6_port));
+			else
+				snprintf(info->stats_http_addr, sizeof(info->stats_http_addr), "%s:%u", host,
+					 ntohs(((struct sockaddr_in *)&ss)->sin_port));
+		}
+		log_info("stats: Prometheus text at http://%s/metrics", info->stats_http_addr);
+	}
+	*out = s;
+	return 0;
+fail:
+	mlens_stats_destroy(s);
+	return rc;
+}
+
+void mlens_stats_destroy(struct mlens_stats *s)
+{
+	if (!s)
+		return;
+	if (s->http)
+		evhttp_free(s->http);
+	if (s->lev)
+		event_free(s->lev);
+	if (s->lfd >= 0) {
+		close(s->lfd);
+		if (s->path)
+			unlink(s->path);
+	}
+	free(s->path);
+	free(s);
+}

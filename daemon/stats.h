@@ -1,0 +1,55 @@
+/* Monitoring: the stats socket (one JSON object per connection) and the
+ * HTTP listener on loopback (Prometheus text at /metrics, /health). Both
+ * read the worker's snapshot on the main thread; neither changes anything. */
+#ifndef MLENS_STATS_H
+#define MLENS_STATS_H
+
+#include <event2/event.h>
+#include <jansson.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include "daemon/config.h"
+#include "daemon/server.h"
+#include "daemon/worker.h"
+
+/* What the daemon knows of itself, for status and stats (main thread). */
+struct mlens_daemon_info {
+	const struct mlens_config *cfg;
+	struct mlens_worker *worker;
+	struct mlens_server *server;
+	const char *backend;		/* the backend's name: "cpu", "cuda" */
+	const char *model_dtype;
+	int64_t n_layers, n_experts, top_k;
+	uint64_t weight_bytes;		/* pinned weight pages */
+	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
+	int kv_block_size;
+	double started;			/* mlens_now() at start-up */
+	char stats_http_addr[80];	/* filled by mlens_stats_start: "127.0.0.1:PORT" */
+};
+
+struct mlens_stats;
+
+/* Listen on o->cfg->stats (a Unix socket; "" = none) and o->cfg->stats_http
+ * ("127.0.0.1:PORT"; "" = none; port 0 picks a free one, written back to
+ * info->stats_http_addr). Refuses addresses other than loopback. */
+int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
+		      struct mlens_daemon_info *info, char *err, size_t errlen);
+/* Close both listeners and unlink the socket file. */
+void mlens_stats_destroy(struct mlens_stats *s);
+
+/* Every counter and gauge as one JSON object (the stats socket and
+ * mlensctl stats). snap from mlens_worker_snapshot. */
+json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap);
+/* Prometheus text exposition of the same, appended to buf. */
+struct evbuffer;
+void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap,
+			    struct evbuffer *buf);
+
+/* A listening AF_UNIX stream socket at path, created mode 0600, or 0660
+ * owned by group when group is non-empty; a stale socket file is replaced,
+ * a live one refused. Returns the fd or -errno with err set. */
+int mlens_unix_listen(const char *path, const char *group, const char *what, char *err, size_t errlen);
+/* Is gid, or the user uid, a member of group (name or number)? */
+bool mlens_group_member(const char *group, uid_t uid, gid_t gid);
+
+#endif
