@@ -1405,6 +1405,8 @@ START_TEST(test_cmpl_validate)
 		{ .id = 1, .flags = MLENS_CMPL_FIRST | MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR,
 		  .status = -EINVAL },
 		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED },
+		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED,
+		  .status = -ECANCELED },
 	};
 	const struct { struct mlens_cmpl c; const char *why; } bad[] = {
 		{ { .flags = 0x10 }, "unknown bits" },
@@ -1414,6 +1416,9 @@ START_TEST(test_cmpl_validate)
 		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR }, "status 0" },
 		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_STOP, .status = -5 }, "status -5" },
 		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR, .status = 3 }, "status 3" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED, .status = -EIO },
+		  "status -5" },
+		{ { .flags = MLENS_CMPL_TOKEN, .status = -ECANCELED }, "status" },
 		{ { .flags = MLENS_CMPL_LOGPROB }, "logprob but no token" },
 		{ { .flags = MLENS_CMPL_TOKEN, .reserved0 = 1 }, "reserved" },
 		{ { .flags = MLENS_CMPL_TOKEN, .reserved1 = 1 }, "reserved" },
