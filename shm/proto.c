@@ -137,7 +137,9 @@ int mlens_cmpl_validate(const struct mlens_cmpl *c, char *why, size_t why_len)
 	if (c->finish > MLENS_FINISH_CANCELLED || last != (c->finish != MLENS_FINISH_NONE))
 		return reject(-EPROTO, why, why_len, "completion finish %u with LAST %s",
 			      (unsigned)c->finish, last ? "set" : "clear");
-	if (c->status > 0 || (c->status != 0) != (c->finish == MLENS_FINISH_ERROR))
+	if (c->finish == MLENS_FINISH_ERROR ? c->status >= 0 :
+	    c->finish == MLENS_FINISH_CANCELLED ? c->status != 0 && c->status != -ECANCELED :
+	    c->status != 0)
 		return reject(-EPROTO, why, why_len, "completion status %d with finish %u",
 			      c->status, (unsigned)c->finish);
 	if ((c->flags & MLENS_CMPL_LOGPROB) && !(c->flags & MLENS_CMPL_TOKEN))

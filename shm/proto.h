@@ -88,7 +88,8 @@ enum mlens_finish {
 struct mlens_cmpl {
 	uint64_t id;		/* the request's id */
 	int32_t token;		/* when MLENS_CMPL_TOKEN */
-	int32_t status;		/* 0, or -errno when finish is ERROR */
+	int32_t status;		/* 0; -errno when finish is ERROR; 0 or -ECANCELED when
+				 * finish is CANCELLED */
 	uint16_t flags;		/* MLENS_CMPL_* */
 	uint8_t finish;		/* enum mlens_finish; NONE unless LAST */
 	uint8_t reserved0;	/* zero */
@@ -128,8 +129,9 @@ int mlens_prompt_validate(const int32_t *tokens, uint32_t n,
 /* Client: check a completion copied out of the completion ring (the client
  * trusts the daemon, but a mismatched or broken one should give an error,
  * not a misread stream): known flags, finish in range and set exactly when
- * LAST, status 0 or negative and non-zero only with finish ERROR, logprob
- * only with a token, reserved zero. 0 or -EPROTO with a reason. */
+ * LAST, status negative with finish ERROR, 0 or -ECANCELED with CANCELLED,
+ * else 0; logprob only with a token, reserved zero. 0 or -EPROTO with a
+ * reason. */
 int mlens_cmpl_validate(const struct mlens_cmpl *c, char *why, size_t why_len);
 
 /* The limits a daemon may configure: every count at least 1, the prompt

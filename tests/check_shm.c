@@ -1405,6 +1405,8 @@ START_TEST(test_cmpl_validate)
 		{ .id = 1, .flags = MLENS_CMPL_FIRST | MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR,
 		  .status = -EINVAL },
 		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED },
+		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED,
+		  .status = -ECANCELED },
 	};
 	const struct { struct mlens_cmpl c; const char *why; } bad[] = {
 		{ { .flags = 0x10 }, "unknown bits" },
@@ -1414,6 +1416,9 @@ START_TEST(test_cmpl_validate)
 		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR }, "status 0" },
 		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_STOP, .status = -5 }, "status -5" },
 		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR, .status = 3 }, "status 3" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED, .status = -EIO },
+		  "status -5" },
+		{ { .flags = MLENS_CMPL_TOKEN, .status = -ECANCELED }, "status" },
 		{ { .flags = MLENS_CMPL_LOGPROB }, "logprob but no token" },
 		{ { .flags = MLENS_CMPL_TOKEN, .reserved0 = 1 }, "reserved" },
 		{ { .flags = MLENS_CMPL_TOKEN, .reserved1 = 1 }, "reserved" },
@@ -1448,6 +1453,86 @@ START_TEST(test_limits_validate)
 	ck_assert_ptr_nonnull(strstr(why, "at least 65544 bytes"));
 	l.max_prompt_tokens = 8192;
 	ck_assert_int_eq(mlens_limits_validate(&l, why, sizeof(why)), 0);
+}
+END_TEST
+
+/* ==== Fuzz target, fed here without libFuzzer ==== */
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+extern unsigned long fuzz_shm_accepted_subs, fuzz_shm_accepted_headers;
+
+/* Near-valid inputs reach deeper than random ones: valid headers with a few
+ * bytes flipped, and small tails over plausible entries with some fields
+ * mutated. The target aborts on any broken invariant. */
+START_TEST(test_fuzz_target)
+{
+	static uint8_t in[1 + 8 + 16 * sizeof(struct mlens_sub) + 4096];
+	struct mlens_region d;
+	size_t size;
+	void *mem;
+	unsigned seed = 99;
+
+	ck_assert_int_eq(mlens_region_size(&small_params, &size), 0);
+	mem = xalloc(size);
+	ck_assert_int_eq(mlens_region_format(&d, mem, size, &small_params, &small_limits, NULL, 0),
+			 0);
+	for (int iter = 0; iter < 40000; iter++) {
+		size_t n;
+
+		if (iter % 2 == 0) {
+			in[0] = 0;
+			memcpy(in + 1, mem, 256);
+			memcpy(in + 257, (char *)mem + 256, 256);	/* the sub ring's head */
+			for (int k = rand_r(&seed) % 4; k >= 0; k--)
+				in[1 + rand_r(&seed) % 512] = (uint8_t)rand_r(&seed);
+			n = 1 + (size_t)(rand_r(&seed) % 513);
+		} else {
+			/* A consistent stream: records laid end to end as the
+			 * byte ring places them, entries naming them. */
+			uint32_t cur = 0, count = 0;
+			uint8_t *e = in + 9, *pr = e + 16 * sizeof(struct mlens_sub);
+
+			in[0] = 1;
+			for (int k = 0; k < 16; k++) {
+				struct mlens_sub s = request((uint64_t)k);
+				uint32_t alen, pos = cur % 4096;
+
+				s.prompt_len = 1 + (uint32_t)(rand_r(&seed) % 64);
+				alen = (s.prompt_len * 4 + 7) & ~7u;
+				if (alen > 4096 - pos) {
+					cur += 4096 - pos;
+					pos = 0;
+				}
+				if (cur + alen > 4096)
+					break;
+				s.prompt_off = pos;
+				cur += alen;
+				memcpy(e + k * sizeof(s), &s, sizeof(s));
+				count++;
+			}
+			memcpy(in + 1, &count, 4);
+			memcpy(in + 5, &cur, 4);
+			for (int k = 0; k < 1024; k++) {
+				int32_t t = rand_r(&seed) % 1000;
+
+				if (rand_r(&seed) % 4000 == 0)
+					t += 1000;	/* now and then, outside the vocabulary */
+				memcpy(pr + 4 * k, &t, 4);
+			}
+			for (int k = rand_r(&seed) % 4; k > 0; k--)
+				e[rand_r(&seed) % (16 * sizeof(struct mlens_sub))] = (uint8_t)rand_r(&seed);
+			if (rand_r(&seed) % 8 == 0)	/* sometimes a corrupt tail */
+				in[1 + rand_r(&seed) % 8] = (uint8_t)rand_r(&seed);
+			n = sizeof(in) - (size_t)(rand_r(&seed) % 64);
+		}
+		ck_assert_int_eq(LLVMFuzzerTestOneInput(in, n), 0);
+	}
+	/* The inputs got past validation often enough to test what follows. */
+	ck_assert_uint_gt(fuzz_shm_accepted_subs, 20000);
+	ck_assert_uint_gt(fuzz_shm_accepted_headers, 200);
+	fprintf(stderr, "fuzz inputs: %lu requests and %lu headers accepted\n",
+		fuzz_shm_accepted_subs, fuzz_shm_accepted_headers);
+	free(mem);
 }
 END_TEST
 
@@ -1649,6 +1734,11 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, test_limits_validate);
 	tcase_add_test(tc, test_cmpl_validate);
 	tcase_set_timeout(tc, 30);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("fuzz");
+	tcase_add_test(tc, test_fuzz_target);
+	tcase_set_timeout(tc, 60);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("stress");
