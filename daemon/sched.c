@@ -229,7 +229,8 @@ static void finish(struct mlens_sched *s, struct mlens_req *r, const struct mlen
 
 static void fail(struct mlens_sched *s, struct mlens_req *r, int status, enum mlens_finish why)
 {
-	struct mlens_event ev = { r->id, -1, 0.0f, r->n_gen == 0, true, why, status };
+	struct mlens_event ev = { .id = r->id, .token = -1, .first = r->n_gen == 0, .last = true,
+				  .finish = why, .status = status };
 	finish(s, r, &ev);
 }
 
@@ -564,6 +565,7 @@ int mlens_sched_step(struct mlens_sched *s)
 		ev.id = r->id;
 		ev.token = tok;
 		ev.logprob = r->logprobs ? s->ereq[i].logprob : 0.0f;
+		ev.has_logprob = r->logprobs;
 		ev.first = r->n_gen == 1;
 		if (ev.first)
 			hist_add(&s->st.ttft, t0 - r->arrival);

@@ -37,6 +37,7 @@ struct mlens_event {
 	uint64_t id;
 	int32_t token;		/* -1 when none (errors, cancel) */
 	float logprob;
+	bool has_logprob;	/* the request asked for log-probabilities */
 	bool first, last;
 	enum mlens_finish finish;
 	int status;		/* 0 or -errno */

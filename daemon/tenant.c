@@ -28,7 +28,7 @@ static int tenant_emit(struct mlens_sched_tenant *st, const struct mlens_event *
 		c.flags |= MLENS_CMPL_TOKEN;
 		c.token = ev->token;
 		c.logprob = ev->logprob;
-		if (ev->logprob != 0.0f)
+		if (ev->has_logprob)
 			c.flags |= MLENS_CMPL_LOGPROB;
 	}
 	rc = mlens_ring_enqueue_bulk(&t->rg.cmpl, &c, 1);
@@ -115,7 +115,8 @@ void mlens_tenant_destroy(struct mlens_tenant *t)
 /* Tell the client that a request failed before it was queued. */
 static void refuse(struct mlens_tenant *t, uint64_t id, int status, const char *why)
 {
-	struct mlens_event ev = { id, -1, 0.0f, true, true, MLENS_FINISH_ERROR, status };
+	struct mlens_event ev = { .id = id, .token = -1, .first = true, .last = true,
+				  .finish = MLENS_FINISH_ERROR, .status = status };
 	log_debug("tenant %u (pid %d): request %llu refused: %s", t->id, (int)t->pid,
 		  (unsigned long long)id, why);
 	if (tenant_emit(&t->st, &ev))
