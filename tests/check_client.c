@@ -73,6 +73,7 @@ enum scenario {
 	SC_HANGUP,	/* daemon posts 3 events and closes */
 	SC_HANGUP_IDLE,	/* daemon closes while the client sleeps in mlens_wait */
 	SC_FDLOOP,	/* the client sleeps in its own poll() on mlens_fd */
+	SC_CLI,		/* the client is the mlens CLI */
 };
 
 struct fake_req {
@@ -114,6 +115,17 @@ static void fake_listen(struct fake *f)
 	f->sock = f->memfd = f->efd_in = f->efd_out = -1;
 }
 
+static void fake_release(struct fake *f)
+{
+	if (f->map)
+		munmap(f->map, f->size);
+	f->map = NULL;
+	for (int *fd = &f->sock; fd <= &f->efd_out; fd++)
+		if (*fd >= 0)
+			close(*fd);
+	f->sock = f->memfd = f->efd_in = f->efd_out = -1;
+}
+
 static void fake_cleanup(struct fake *f)
 {
 	if (f->map)
@@ -127,7 +139,8 @@ static void fake_cleanup(struct fake *f)
 
 /* Accept, read the hello, send a welcome (with the region and eventfds
  * when status is 0). */
-static void fake_attach(struct fake *f, int32_t status, uint32_t welcome_magic)
+static void fake_attach_as(struct fake *f, int32_t status, uint32_t welcome_magic,
+			   const char *name)
 {
 	struct mlens_region_params p = { SUB_ENTRIES, CMPL_ENTRIES, PROMPT_BYTES };
 	struct mlens_region_limits lim = { MAX_PROMPT, MAX_GEN, CONTEXT, VOCAB, 0, { 0 } };
@@ -146,7 +159,7 @@ static void fake_attach(struct fake *f, int32_t status, uint32_t welcome_magic)
 	ck_assert_int_eq(recv(f->sock, &h, sizeof(h), 0), (ssize_t)sizeof(h));
 	ck_assert_uint_eq(h.magic, MLENS_HELLO_MAGIC);
 	ck_assert_uint_eq(h.version, MLENS_PROTO_VERSION);
-	ck_assert_str_eq(h.name, "check_client");
+	ck_assert_str_eq(h.name, name);
 
 	memset(&w, 0, sizeof(w));
 	w.magic = welcome_magic;
@@ -179,6 +192,16 @@ static void fake_attach(struct fake *f, int32_t status, uint32_t welcome_magic)
 		snprintf(w.message, sizeof(w.message), "refused by the test");
 	}
 	ck_assert_int_eq(sendmsg(f->sock, &msg, 0), (ssize_t)sizeof(w));
+}
+
+static void fake_attach(struct fake *f, int32_t status, uint32_t welcome_magic)
+{
+	fake_attach_as(f, status, welcome_magic, "check_client");
+}
+
+static void fake_attach_named(struct fake *f, const char *name)
+{
+	fake_attach_as(f, 0, MLENS_WELCOME_MAGIC, name);
 }
 
 static void push(struct fake *f, uint64_t id, int32_t token, uint16_t flags, uint8_t finish,
@@ -749,23 +772,242 @@ static void client_run(const char *path, enum scenario sc)
 	case SC_FDLOOP:
 		client_fdloop(m);
 		break;
+	case SC_CLI:
+		break;
 	}
 	mlens_close(m);
 	_exit(0);
 }
 
-/* ==== Running a scenario ==== */
+/* ==== The mlens CLI against the fake daemon ==== */
 
-static void fake_release(struct fake *f)
+static const char *cli_input =
+	"{\"prompt\": [1, 2, 3], \"max_tokens\": 4}\n"
+	"{\"prompt\": [5], \"max_token\": 4}\n"
+	"{\"prompt\": [7, 8], \"max_tokens\": 3, \"logprobs\": true, \"temperature\": 0.5,"
+	" \"top_k\": 5, \"top_p\": 0.9, \"seed\": 3}\n"
+	"not json\n"
+	"{\"prompt\": [999]}\n"
+	"{\"prompt\": [1000]}\n"
+	"{\"prompt\": [4, 4], \"max_tokens\": 30, \"stop\": [18]}\n"
+	"\n"
+	"{\"prompt\": [9], \"max_tokens\": 33}\n"
+	"{\"prompt\": [11, 12, 13]}";	/* no newline at the end */
+
+static void cli_path(char *buf, size_t len)
 {
-	if (f->map)
-		munmap(f->map, f->size);
-	f->map = NULL;
-	for (int *fd = &f->sock; fd <= &f->efd_out; fd++)
-		if (*fd >= 0)
-			close(*fd);
-	f->sock = f->memfd = f->efd_in = f->efd_out = -1;
+	const char *b = getenv("MLENS_BUILDDIR");
+
+	ck_assert_msg(b != NULL, "MLENS_BUILDDIR unset: run through make check");
+	snprintf(buf, len, "%s/client/mlens", b);
 }
+
+static void write_file(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+
+	ck_assert_ptr_nonnull(f);
+	ck_assert_int_eq(fputs(text, f) >= 0, 1);
+	ck_assert_int_eq(fclose(f), 0);
+}
+
+/* Run the CLI (in a child) with argv, stdout/stderr to files in dir.
+ * Returns its pid. */
+static pid_t cli_spawn(const char *dir, char *const argv[])
+{
+	char out[160];
+	pid_t pid = fork();
+
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		snprintf(out, sizeof(out), "%s/stderr", dir);
+		if (!freopen(out, "w", stderr))
+			_exit(99);
+		execv(argv[0], argv);
+		_exit(98);
+	}
+	return pid;
+}
+
+static json_t *result_line(FILE *f, size_t index)
+{
+	char line[4096];
+	json_error_t je;
+	json_t *o;
+
+	ck_assert_ptr_nonnull(fgets(line, sizeof(line), f));
+	o = json_loads(line, 0, &je);
+	ck_assert_msg(o != NULL, "result line %zu not JSON: %s", index, line);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "index")), (json_int_t)index);
+	return o;
+}
+
+static const char *finish_of(json_t *o)
+{
+	return json_string_value(json_object_get(o, "finish_reason"));
+}
+
+static void check_tokens(json_t *o, const int32_t *prompt, uint32_t n, uint32_t want)
+{
+	json_t *t = json_object_get(o, "tokens");
+
+	ck_assert_uint_eq(json_array_size(t), want);
+	for (uint32_t i = 0; i < want; i++)
+		ck_assert_int_eq(json_integer_value(json_array_get(t, i)), gen_token(prompt, n, i));
+}
+
+START_TEST(test_cli)
+{
+	static struct fake f;
+	char mlens[4096], in[128], out[128], errf[128], buf[4096];
+	int st;
+	pid_t pid;
+	FILE *fo;
+	json_t *o;
+
+	memset(&f, 0, sizeof(f));
+	f.sc = SC_CLI;
+	cli_path(mlens, sizeof(mlens));
+	fake_listen(&f);
+	snprintf(in, sizeof(in), "%s/in.jsonl", f.dir);
+	snprintf(out, sizeof(out), "%s/out.jsonl", f.dir);
+	snprintf(errf, sizeof(errf), "%s/stderr", f.dir);
+	write_file(in, cli_input);
+	char *argv[] = { mlens, "generate", "-s", f.path, "-i", in, "-o", out,
+			 "--max-inflight", "2", NULL };
+
+	pid = cli_spawn(f.dir, argv);
+	fake_attach_named(&f, "mlens");
+	fake_serve(&f);
+	fake_release(&f);
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	/* 1: some lines failed */
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 1, "mlens exit status 0x%x", st);
+	ck_assert_int_eq(f.n_bad, 0);
+	ck_assert_int_eq(f.n_reqs, 5);	/* 3 malformed lines, 2 above the limits */
+
+	fo = fopen(out, "r");
+	ck_assert_ptr_nonnull(fo);
+	o = result_line(fo, 0);
+	ck_assert_str_eq(finish_of(o), "length");
+	check_tokens(o, (int32_t[]){ 1, 2, 3 }, 3, 4);
+	ck_assert_ptr_null(json_object_get(o, "logprobs"));
+	json_decref(o);
+	o = result_line(fo, 1);
+	ck_assert_str_eq(finish_of(o), "error");
+	ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(o, "error")), "max_token"));
+	json_decref(o);
+	o = result_line(fo, 2);
+	ck_assert_str_eq(finish_of(o), "length");
+	check_tokens(o, (int32_t[]){ 7, 8 }, 2, 3);
+	ck_assert_uint_eq(json_array_size(json_object_get(o, "logprobs")), 3);
+	ck_assert_double_eq_tol(json_real_value(json_array_get(json_object_get(o, "logprobs"), 2)),
+				gen_logprob(2), 1e-6);
+	json_decref(o);
+	o = result_line(fo, 3);
+	ck_assert_str_eq(finish_of(o), "error");
+	json_decref(o);
+	o = result_line(fo, 4);	/* the fake daemon's quota error */
+	ck_assert_str_eq(finish_of(o), "error");
+	ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(o, "error")), "quota"));
+	json_decref(o);
+	o = result_line(fo, 5);	/* token 1000 is outside the vocabulary */
+	ck_assert_str_eq(finish_of(o), "error");
+	ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(o, "error")), "vocabulary"));
+	json_decref(o);
+	o = result_line(fo, 6);	/* tokens 8, 15, 22...: stop token 18 never comes */
+	ck_assert_str_eq(finish_of(o), "length");
+	check_tokens(o, (int32_t[]){ 4, 4 }, 2, 30);
+	json_decref(o);
+	o = result_line(fo, 7);
+	ck_assert_str_eq(finish_of(o), "error");
+	json_decref(o);
+	o = result_line(fo, 8);	/* above max_tokens */
+	ck_assert_str_eq(finish_of(o), "error");
+	ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(o, "error")), "max_tokens"));
+	json_decref(o);
+	o = result_line(fo, 9);
+	ck_assert_str_eq(finish_of(o), "length");
+	check_tokens(o, (int32_t[]){ 11, 12, 13 }, 3, 16);
+	json_decref(o);
+	ck_assert_ptr_null(fgets(buf, sizeof(buf), fo));
+	fclose(fo);
+
+	/* the summary: prompt tokens of the 5 sent 3 + 2 + 1 + 2 + 3, generated
+	 * 4 + 3 + 0 + 30 + 16 */
+	fo = fopen(errf, "r");
+	ck_assert_ptr_nonnull(fo);
+	size_t n = fread(buf, 1, sizeof(buf) - 1, fo);
+
+	buf[n] = 0;
+	fclose(fo);
+	ck_assert_msg(strstr(buf, "10 requests (4 completed, 6 failed), 11 prompt tokens, "
+			      "53 generated tokens"), "summary: %s", buf);
+	ck_assert_msg(strstr(buf, "time to first token: p50 "), "summary: %s", buf);
+	unlink(in);
+	unlink(out);
+	unlink(errf);
+	fake_cleanup(&f);
+}
+END_TEST
+
+/* All requests completed: 0; no daemon: 2; usage: 2. */
+START_TEST(test_cli_status)
+{
+	static struct fake f;
+	char mlens[4096], in[128], out[128], errf[128], buf[1024];
+	int st;
+	pid_t pid;
+
+	memset(&f, 0, sizeof(f));
+	f.sc = SC_CLI;
+	cli_path(mlens, sizeof(mlens));
+	fake_listen(&f);
+	snprintf(in, sizeof(in), "%s/in.jsonl", f.dir);
+	snprintf(out, sizeof(out), "%s/out.jsonl", f.dir);
+	snprintf(errf, sizeof(errf), "%s/stderr", f.dir);
+	write_file(in, "{\"prompt\": [1]}\n{\"prompt\": [2], \"max_tokens\": 2}\n");
+	char *argv[] = { mlens, "generate", "-s", f.path, "-i", in, "-o", out, "-q", NULL };
+
+	pid = cli_spawn(f.dir, argv);
+	fake_attach_named(&f, "mlens");
+	fake_serve(&f);
+	fake_release(&f);
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mlens exit status 0x%x", st);
+	FILE *fe = fopen(errf, "r");
+
+	ck_assert_ptr_nonnull(fe);
+	ck_assert_ptr_null(fgets(buf, sizeof(buf), fe));	/* -q: nothing */
+	fclose(fe);
+
+	/* nobody listening */
+	close(f.lsock);
+	f.lsock = -1;
+	unlink(f.path);
+	pid = cli_spawn(f.dir, argv);
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 2, "mlens exit status 0x%x", st);
+	fe = fopen(errf, "r");
+	ck_assert_ptr_nonnull(fe);
+	ck_assert_ptr_nonnull(fgets(buf, sizeof(buf), fe));
+	fclose(fe);
+	ck_assert_msg(strstr(buf, "cannot attach to mlensd"), "stderr: %s", buf);
+
+	/* usage */
+	char *bad[] = { mlens, "generate", "-s", f.path, "-i", in, NULL };
+
+	pid = cli_spawn(f.dir, bad);
+	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 2, "mlens exit status 0x%x", st);
+	unlink(in);
+	unlink(out);
+	unlink(errf);
+	fake_cleanup(&f);
+}
+END_TEST
+
+/* ==== Running a scenario ==== */
 
 static void run_scenario(enum scenario sc)
 {
@@ -1062,6 +1304,8 @@ static Suite *client_suite(void)
 	tcase_add_test(d, test_hangup_idle);
 	tcase_add_test(d, test_fdloop);
 	tcase_add_test(d, test_open_refused);
+	tcase_add_test(d, test_cli);
+	tcase_add_test(d, test_cli_status);
 	suite_add_tcase(s, d);
 
 	tcase_add_test(j, test_json_request_full);
