@@ -1,1 +1,32 @@
-# client: see top-level Makefile.am
+# client: libmlens.so (public header mlens.h, pkg-config file mlens.pc),
+# the mlens batch CLI, and an example program built by make check.
+lib_LTLIBRARIES += client/libmlens.la
+include_HEADERS += client/mlens.h
+client_libmlens_la_SOURCES = client/libmlens.c
+client_libmlens_la_CFLAGS = $(AM_CFLAGS)
+client_libmlens_la_LIBADD = shm/libmlens_shm.la $(PTHREAD_LIBS)
+client_libmlens_la_LDFLAGS = $(AM_LDFLAGS) -no-undefined \
+	-version-info @LIBMLENS_LT_VERSION@ \
+	-Wl,--version-script=$(top_srcdir)/client/libmlens.map
+EXTRA_client_libmlens_la_DEPENDENCIES = client/libmlens.map
+EXTRA_DIST += client/libmlens.map
+
+pkgconfigdir = $(libdir)/pkgconfig
+pkgconfig_DATA = client/mlens.pc
+DISTCLEANFILES += client/mlens.pc
+
+# The CLI's JSON lines (parsing requests, writing results) live in a small
+# library of their own so that tests/check_client can exercise them.
+noinst_LTLIBRARIES += client/libmlens_cli.la
+client_libmlens_cli_la_SOURCES = client/cli_int.h client/cli_json.c
+client_libmlens_cli_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
+client_libmlens_cli_la_LIBADD = $(JANSSON_LIBS)
+
+bin_PROGRAMS += client/mlens
+client_mlens_SOURCES = client/mlens_cli.c
+client_mlens_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
+client_mlens_LDADD = client/libmlens_cli.la client/libmlens.la $(JANSSON_LIBS) -lm
+
+check_PROGRAMS += client/example
+client_example_SOURCES = client/example.c
+client_example_LDADD = client/libmlens.la
