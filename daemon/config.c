@@ -25,9 +25,9 @@ static const struct opt opts[] = {
 	{ "config", T_STR, O(config), NULL, 0, 0, "FILE", "read settings from FILE (flags win)" },
 	{ "model", T_STR, O(model), NULL, 0, 0, "DIR", "Hugging Face model directory (required)" },
 	{ "socket", T_STR, O(socket), "/run/mlens/mlensd.sock", 0, 0, "PATH", "tenant socket" },
-	{ "control", T_STR, O(control), "/run/mlens/control.sock", 0, 0, "PATH", "control socket for mlensctl (mode 0600)" },
+	{ "control", T_STR, O(control), "", 0, 0, "PATH", "control socket for mlensctl, mode 0600 (empty: control.sock beside the tenant socket)" },
 	{ "control_group", T_STR, O(control_group), "", 0, 0, "GROUP", "group allowed on the control socket (mode 0660)" },
-	{ "stats", T_STR, O(stats), "/run/mlens/stats.sock", 0, 0, "PATH", "stats socket (JSON)" },
+	{ "stats", T_STR, O(stats), "", 0, 0, "PATH", "stats socket, JSON (empty: stats.sock beside the tenant socket)" },
 	{ "stats_http", T_STR, O(stats_http), "", 0, 0, "127.0.0.1:PORT", "Prometheus /metrics and /health over HTTP (empty: off)" },
 	{ "backend", T_STR, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
@@ -336,6 +336,38 @@ int mlens_config_load_text(struct mlens_config *c, const char *text, const char 
 			snprintf(err, errlen, "%s:%d: key '%s': %s", name, lineno, k, why);
 			return rc;
 		}
+	}
+	return 0;
+}
+
+/* PATH's directory + "/" + name, into a new string. */
+static char *beside(const char *path, const char *name)
+{
+	const char *slash = strrchr(path, '/');
+	size_t dl = slash ? (size_t)(slash - path) : 1;
+	char *r = malloc(dl + strlen(name) + 2);
+	if (!r)
+		return NULL;
+	if (slash)
+		memcpy(r, path, dl);
+	else
+		r[0] = '.';
+	r[dl] = '/';
+	strcpy(r + dl + 1, name);
+	return r;
+}
+
+int mlens_config_finish(struct mlens_config *c)
+{
+	if (!c->control[0]) {
+		free(c->control);
+		if (!(c->control = beside(c->socket, "control.sock")))
+			return -ENOMEM;
+	}
+	if (!c->stats[0]) {
+		free(c->stats);
+		if (!(c->stats = beside(c->socket, "stats.sock")))
+			return -ENOMEM;
 	}
 	return 0;
 }

@@ -56,6 +56,10 @@ int mlens_config_load_file(struct mlens_config *c, const char *path, char *err, 
 int mlens_config_load_text(struct mlens_config *c, const char *text, const char *name,
 			   char *err, size_t errlen);
 
+/* After flags and file: fill in the values derived from others (control
+ * and stats sockets beside the tenant socket when not given). */
+int mlens_config_finish(struct mlens_config *c);
+
 /* "64K", "2G", "1.5GiB", "1048576": bytes, or -EINVAL / -ERANGE. */
 int mlens_parse_size(const char *s, uint64_t *out);
 

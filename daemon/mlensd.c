@@ -214,6 +214,8 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
+	if (mlens_config_finish(&D.cfg))
+		return 1;
 	if (!D.cfg.model || !D.cfg.model[0]) {
 		fprintf(stderr, "mlensd: no model: give --model DIR (or model = DIR in the config file)\n");
 		return 2;

@@ -20,3 +20,12 @@ tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 dist_noinst_SCRIPTS += tests/setup-deps.sh tests/run-all.sh tests/demo.sh
+
+# integration: real mlensd processes and real tenant processes
+check_PROGRAMS += tests/integration/tclient tests/integration/rawclient
+tests_integration_tclient_SOURCES = tests/integration/tclient.c
+tests_integration_tclient_LDADD = client/libmlens.la
+tests_integration_rawclient_SOURCES = tests/integration/rawclient.c
+tests_integration_rawclient_LDADD = shm/libmlens_shm.la
+dist_check_SCRIPTS += tests/integration/tenants.sh
+TESTS += tests/integration/tenants.sh

@@ -22,6 +22,7 @@ trap cleanup EXIT
 start_daemon() {
 	name=$1; shift
 	"$B/daemon/mlensd" --model "$T/model" --socket "$T/$name.sock" --foreground \
+		--control "$T/$name.control" --stats "$T/$name.stats" \
 		--mlock=false --threads 2 --log "$T/$name.log" --log-level debug "$@" &
 	eval "PID_$name=$!"
 	PIDS="$PIDS $!"
@@ -68,12 +69,14 @@ tail -1 "$T/main.log" | grep -q "KV blocks in use 0 of" || { sleep 1; grep "deta
 echo "ok: SIGKILLed tenant's KV freed, others finished"
 
 # ---- a tenant that never reads its completions ----
-tc -s "$T/main.sock" --seed 10 -n 8 -g 1500 --no-read > /dev/null &
+"$B/tests/integration/tclient" -s "$T/main.sock" --seed 10 -n 8 -g 1500 --no-read > /dev/null &
 NOREAD=$!
 sleep 1
 tc -s "$T/main.sock" --seed 3 -n 3 -g 20 --temperature 0.8 > "$T/nr3.out" || fail "tenant beside a non-reader failed"
 cmp -s "$T/lone_3.out" "$T/nr3.out" || fail "tokens changed beside a non-reader"
 kill -9 $NOREAD; wait $NOREAD 2>/dev/null
+sleep 0.5
+grep "detached" "$T/main.log" | tail -1 | grep -q "KV blocks in use 0 of" || fail "the non-reader's KV was not freed"
 echo "ok: a tenant that never reads stalls only itself"
 
 # ---- hostile ring contents ----
