@@ -26,6 +26,7 @@ struct conn {
 	uid_t uid;
 	gid_t gid;
 	pid_t pid;
+	bool denied;		/* answer the hello with -EACCES */
 	struct conn *next;
 };
 
@@ -186,6 +187,11 @@ static void on_hello(evutil_socket_t fd, short what, void *arg)
 		return;
 	}
 	h.name[sizeof(h.name) - 1] = 0;
+	if (c->denied) {
+		refuse(c, -EACCES, "uid %u / gid %u is not allowed to attach (allow_users, allow_groups)",
+		       (unsigned)c->uid, (unsigned)c->gid);
+		return;
+	}
 	if (s->n_attached >= s->o.max_tenants) {
 		refuse(c, -EUSERS, "%d tenants attached: the limit (max_tenants)", s->n_attached);
 		return;
@@ -240,11 +246,9 @@ static void on_accept(evutil_socket_t lfd, short what, void *arg)
 	c->uid = cr.uid;
 	c->gid = cr.gid;
 	c->pid = cr.pid;
-	if (!mlens_access_allowed(s->users, s->groups, geteuid(), cr.uid, cr.gid)) {
-		refuse(c, -EACCES, "uid %u / gid %u is not allowed to attach (allow_users, allow_groups)",
-		       (unsigned)cr.uid, (unsigned)cr.gid);
-		return;
-	}
+	/* a refusal waits for the hello, so that the client reads it as the
+	 * answer rather than meeting a closed socket */
+	c->denied = !mlens_access_allowed(s->users, s->groups, geteuid(), cr.uid, cr.gid);
 	c->ev = event_new(s->base, fd, EV_READ, on_hello, c);
 	event_add(c->ev, &tv);
 }
