@@ -57,6 +57,10 @@ static json_t *ok(void)
 static const char *mode_why(const struct mlens_daemon_info *in, const char **mode)
 {
 	*mode = in->backend;
+	if (in->mode && in->mode_reason) {
+		*mode = in->mode;
+		return in->mode_reason;
+	}
 	if (!strcmp(in->backend, "cpu"))
 		return strcmp(in->cfg->backend, "cpu") ? "no usable CUDA device (backend = auto): the CPU runs every layer"
 						       : "backend = cpu in the configuration: the CPU runs every layer";

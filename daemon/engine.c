@@ -435,10 +435,14 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 
 	/* logits for the rows that need them: gather, norm, lm_head */
 	TRY(grow_logits(e, (size_t)nl));
-	for (int i = 0; i < nl; i++) {
-		/* final norm straight from the residual row into a packed row */
+	for (int i = 0, run; i < nl; i += run) {
+		/* final norm straight from the residual rows into packed rows, one
+		 * call per run of consecutive rows: decode rows are one run, so a
+		 * step costs a few launches on the GPU rather than one a sequence */
+		for (run = 1; i + run < nl && e->lrow[i + run] == e->lrow[i] + run; run++)
+			;
 		TRY(OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
-				 e->final_norm, c->dtype, 1, H, (float)c->rms_norm_eps));
+				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
 	TRY(OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
 

@@ -14,6 +14,7 @@
 #include "daemon/config.h"
 #include "daemon/control.h"
 #include "daemon/engine.h"
+#include "daemon/gpu_plan.h"
 #include "daemon/log.h"
 #include "daemon/mem.h"
 #include "daemon/sched.h"
@@ -43,6 +44,8 @@ struct daemon {
 	struct mlens_daemon_info info;
 	struct mlens_control *control;
 	struct mlens_stats *stats;
+	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/gpu_plan.c) */
+	char mode_reason[512];
 };
 
 static struct daemon D;
@@ -286,6 +289,19 @@ int main(int argc, char **argv)
 	if (blocks == 0)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
 				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size, 2 * per_block);
+	/* GPU-only mode: weights, KV pool and activations all in GPU memory */
+	if (!D.be.ops->host_memory) {
+		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes, 2ull * blocks * per_block,
+					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.cfg.gpu_memory);
+		if (rc)
+			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
+		if (!D.plan.fits)
+			return fail_start("GPU-only mode needs %.1f GiB, budget %.1f GiB (%s); the hybrid pipeline that "
+					  "streams weights from host memory does not exist yet: lower kv_cache or use --backend cpu",
+					  D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0, D.plan.summary);
+		snprintf(D.mode_reason, sizeof(D.mode_reason), "gpu-only: %s", D.plan.summary);
+		log_info("GPU-only mode: %s", D.plan.summary);
+	}
 	if (D.be.ops->host_memory) {
 		rc = mlens_pinned_alloc(&D.kv_k, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
 		if (!rc)
@@ -355,6 +371,7 @@ int main(int argc, char **argv)
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
+		.mode = D.mode_reason[0] ? "gpu-only" : NULL, .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 	};
 	rc = mlens_stats_start(&D.stats, D.base, &D.info, err, sizeof(err));
 	if (rc)

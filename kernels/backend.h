@@ -116,6 +116,10 @@ int mlens_backend_cuda_create(struct mlens_backend *be, const struct mlens_backe
  * allocations plus its own staging, scratch and cuBLAS workspace (0 for a
  * backend that is not CUDA). */
 size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be);
+/* The device's free and total memory now (cudaMemGetInfo); 0 or -errno
+ * (-EINVAL for a backend that is not CUDA). */
+int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_t *free_bytes,
+				size_t *total_bytes);
 #endif
 /* True when the CUDA backend is built and a GPU is present. */
 bool mlens_cuda_available(void);

@@ -617,6 +617,16 @@ extern "C" size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be)
 	return ((const struct mlens_cuda_ctx *)be->ctx)->bytes_in_use;
 }
 
+extern "C" int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_t *free_bytes,
+					   size_t *total_bytes)
+{
+	if (!be || be->ops != &cuda_ops)
+		return -EINVAL;
+	CUDA_RET(cudaSetDevice(((const struct mlens_cuda_ctx *)be->ctx)->device));
+	CUDA_RET(cudaMemGetInfo(free_bytes, total_bytes));
+	return 0;
+}
+
 extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 					 const struct mlens_backend_opts *o)
 {

@@ -19,6 +19,10 @@ struct mlens_bench_cmd {
 /* SPSC ring throughput with polling, and doorbell round-trip latency. */
 int mlens_bench_ring(int argc, char **argv);
 
+/* A real mlensd driven through libmlens by client threads: tokens/s, time
+ * to first token, engine busy; with CUDA, the GEMM/HBM bound (bench_serve.c). */
+int mlens_bench_serve(int argc, char **argv);
+
 /* ==== Helpers shared by subcommands ==== */
 
 /* Monotonic time in nanoseconds. */

@@ -13,6 +13,11 @@ static const struct mlens_bench_cmd cmds[] = {
 	  "[--json] [--entries N] [--batch B] [--repeat K] [--round-trips R]: SPSC "
 	  "ring entries/s "
 	  "between two processes, and eventfd doorbell round-trip latency" },
+	{ "serve", mlens_bench_serve,
+	  "--model DIR [--mlensd PATH] [--backend B] [--kv-cache SIZE] [--gpu-memory SIZE] "
+	  "[--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T] [--json]: "
+	  "a real mlensd through libmlens: tokens/s, time to first token, engine busy; with "
+	  "CUDA the GEMM rate, HBM bandwidth and the bound they set" },
 };
 
 static void usage(FILE *f)

@@ -1,0 +1,12 @@
+# GPU-only mode and its measurement: the memory plan of mlensd
+# (daemon/gpu_plan.c, in the core library), its unit test, and the
+# `mlens-bench serve` subcommand that drives a real mlensd.
+daemon_libmlens_core_la_SOURCES += daemon/gpu_plan.h daemon/gpu_plan.c
+
+tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c
+tests_bench_mlens_bench_CFLAGS += $(JANSSON_CFLAGS)
+tests_bench_mlens_bench_LDADD += client/libmlens.la daemon/libmlens_core.la $(JANSSON_LIBS) -lm
+if HAVE_CUDA
+tests_bench_mlens_bench_CFLAGS += $(CUDA_CFLAGS)
+tests_bench_mlens_bench_LDADD += $(CUDA_LIBS)
+endif
