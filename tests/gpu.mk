@@ -10,3 +10,11 @@ if HAVE_CUDA
 tests_bench_mlens_bench_CFLAGS += $(CUDA_CFLAGS)
 tests_bench_mlens_bench_LDADD += $(CUDA_LIBS)
 endif
+
+if HAVE_CHECK
+check_PROGRAMS += tests/check_gpu_plan
+TESTS += tests/check_gpu_plan
+tests_check_gpu_plan_SOURCES = tests/check_gpu_plan.c
+tests_check_gpu_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_gpu_plan_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif

@@ -7,6 +7,7 @@
 # the others carry on; a uid outside the rules is refused; a KV pool too
 # small for the load preempts and every request still completes with the
 # same tokens; SIGTERM during load drains cleanly.
+# MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default cpu).
 set -u
 B=${MLENS_BUILDDIR:-$(pwd)}
 T=$(mktemp -d /tmp/mlens-it.XXXXXX)
@@ -15,6 +16,25 @@ PIDS=""
 fail() { echo "FAIL: $*"; for f in "$T"/*.log; do echo "--- $f"; tail -20 "$f"; done; exit 1; }
 cleanup() { for p in $PIDS; do kill -9 "$p" 2>/dev/null; done; rm -rf "$T"; }
 trap cleanup EXIT
+BACKEND=${MLENS_TEST_BACKEND:-cpu}
+NDIFF=0
+
+# same A B: the two runs' outputs agree. On the CPU backend, byte for byte:
+# a sequence's tokens do not depend on what else is in the batch. On CUDA,
+# cuBLAS picks its GEMM kernel (tile shape, split-K) by the row count, so a
+# sequence batched with others is summed in another order than alone, and
+# where two logits nearly tie the greedy or sampled token can differ and
+# the stream forks; there both runs must still end every request the same
+# way (index, finish reason, status, token count), and forks are counted.
+same() {
+	cmp -s "$1" "$2" && return 0
+	[ "$BACKEND" = cuda ] || return 1
+	awk '{print $1, $2, $3, NF}' "$1" > "$T/same_a"
+	awk '{print $1, $2, $3, NF}' "$2" > "$T/same_b"
+	cmp -s "$T/same_a" "$T/same_b" || return 1
+	NDIFF=$((NDIFF + $(paste -d'|' "$1" "$2" | awk -F'|' '$1 != $2' | wc -l)))
+	return 0
+}
 
 "$B/daemon/mlens-mkmodel" -o "$T/model" --preset tiny --seed 3 >/dev/null || fail "mkmodel"
 
@@ -23,7 +43,7 @@ start_daemon() {
 	name=$1; shift
 	"$B/daemon/mlensd" --model "$T/model" --socket "$T/$name.sock" --foreground \
 		--control "$T/$name.control" --stats "$T/$name.stats" \
-		--mlock=false --threads 2 --log "$T/$name.log" --log-level debug "$@" &
+		--mlock=false --threads 2 --backend "$BACKEND" --log "$T/$name.log" --log-level debug "$@" &
 	eval "PID_$name=$!"
 	PIDS="$PIDS $!"
 	for i in $(seq 100); do
@@ -50,7 +70,7 @@ for k in 1 2 3 4 5 6 7 8; do
 done
 wait_clients || fail "a concurrent tenant failed"
 for k in 1 2 3 4 5 6 7 8; do
-	cmp -s "$T/lone_$k.out" "$T/par_$k.out" || fail "tenant $k: tokens differ from its lone run"
+	same "$T/lone_$k.out" "$T/par_$k.out" || fail "tenant $k: tokens differ from its lone run"
 done
 echo "ok: 8 concurrent tenants match their lone runs"
 
@@ -63,7 +83,7 @@ tc -s "$T/main.sock" --seed 2 -n 3 -g 20 > "$T/k2.out" &
 CL="$CL $!"
 wait_clients || fail "tenant beside the killed one failed"
 wait $KILLED 2>/dev/null
-cmp -s "$T/lone_1.out" "$T/k1.out" && cmp -s "$T/lone_2.out" "$T/k2.out" || fail "tokens changed beside a killed tenant"
+same "$T/lone_1.out" "$T/k1.out" && same "$T/lone_2.out" "$T/k2.out" || fail "tokens changed beside a killed tenant"
 sleep 0.5
 tail -1 "$T/main.log" | grep -q "KV blocks in use 0 of" || { sleep 1; grep "detached" "$T/main.log" | tail -1 | grep -q "KV blocks in use 0 of"; } || fail "KV not freed after the kill"
 echo "ok: SIGKILLed tenant's KV freed, others finished"
@@ -73,7 +93,7 @@ echo "ok: SIGKILLed tenant's KV freed, others finished"
 NOREAD=$!
 sleep 1
 tc -s "$T/main.sock" --seed 3 -n 3 -g 20 --temperature 0.8 > "$T/nr3.out" || fail "tenant beside a non-reader failed"
-cmp -s "$T/lone_3.out" "$T/nr3.out" || fail "tokens changed beside a non-reader"
+same "$T/lone_3.out" "$T/nr3.out" || fail "tokens changed beside a non-reader"
 kill -9 $NOREAD; wait $NOREAD 2>/dev/null
 sleep 0.5
 grep "detached" "$T/main.log" | tail -1 | grep -q "KV blocks in use 0 of" || fail "the non-reader's KV was not freed"
@@ -84,12 +104,12 @@ timeout 60 "$B/tests/integration/rawclient" "$T/main.sock" garbage > "$T/garbage
 GARB=$!
 tc -s "$T/main.sock" --seed 4 -n 3 -g 20 > "$T/g4.out" || fail "tenant beside a garbage writer failed"
 wait $GARB || { cat "$T/garbage.out"; fail "garbage entries were not all answered with errors"; }
-cmp -s "$T/lone_4.out" "$T/g4.out" || fail "tokens changed beside a garbage writer"
+same "$T/lone_4.out" "$T/g4.out" || fail "tokens changed beside a garbage writer"
 timeout 60 "$B/tests/integration/rawclient" "$T/main.sock" overlong > "$T/overlong.out" || { cat "$T/overlong.out"; fail "over-long prompt"; }
 timeout 60 "$B/tests/integration/rawclient" "$T/main.sock" corrupt-index > /dev/null || fail "corrupt-index client"
 grep -q "submission ring corrupt" "$T/main.log" || fail "corrupt index not noticed"
 tc -s "$T/main.sock" --seed 5 -n 3 -g 20 --temperature 0.8 > "$T/c5.out" || fail "tenant after a corrupt ring failed"
-cmp -s "$T/lone_5.out" "$T/c5.out" || fail "tokens changed after a corrupt ring"
+same "$T/lone_5.out" "$T/c5.out" || fail "tokens changed after a corrupt ring"
 cat "$T/garbage.out" "$T/overlong.out"
 echo "ok: hostile entries get error completions, others carry on"
 
@@ -115,7 +135,7 @@ for k in 11 12 13 14; do
 done
 wait_clients || fail "a tenant failed under preemption"
 for k in 11 12 13 14; do
-	cmp -s "$T/pl_$k.out" "$T/ps_$k.out" || fail "tenant $k: tokens differ under preemption"
+	same "$T/pl_$k.out" "$T/ps_$k.out" || fail "tenant $k: tokens differ under preemption"
 done
 grep -q "preemption:" "$T/small.log" || fail "the small pool never preempted"
 echo "ok: preemption under a small KV pool, tokens unchanged ($(grep -c 'preemption:' "$T/small.log") preemption log lines)"
@@ -138,4 +158,5 @@ echo "ok: SIGTERM drained (requests cancelled at the deadline: $(awk '$2==4' "$T
 
 kill -TERM $PID_main $PID_small
 wait $PID_main $PID_small
-echo "all tenant integration checks passed"
+[ "$BACKEND" = cuda ] && echo "note: $NDIFF request streams forked from their lone runs on cuda (see same())"
+echo "all tenant integration checks passed ($BACKEND backend)"

@@ -1,0 +1,118 @@
+/* Description: GPU-only mode's memory plan (daemon/gpu_plan.c): the parts
+ * add up to what the engine and the CUDA backend allocate for a
+ * Mixtral-8x7B-shaped model, a budget of 0 means free memory minus the
+ * margin, and a KV pool or a gpu_memory too large is refused with the
+ * numbers in the message. Pure arithmetic: runs without a GPU. */
+#include <check.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/gpu_plan.h"
+
+#define GIB (1ull << 30)
+
+static struct mlens_model_config mixtral8(void)
+{
+	struct mlens_model_config c;
+	memset(&c, 0, sizeof(c));
+	c.vocab_size = 32000;
+	c.hidden_size = 4096;
+	c.intermediate_size = 14336;
+	c.num_hidden_layers = 8;
+	c.num_attention_heads = 32;
+	c.num_key_value_heads = 8;
+	c.head_dim = 128;
+	c.num_local_experts = 8;
+	c.num_experts_per_tok = 2;
+	c.max_position_embeddings = 32768;
+	c.dtype = MLENS_DTYPE_BF16;
+	return c;
+}
+
+START_TEST(plan_parts)
+{
+	struct mlens_model_config c = mixtral8();
+	struct mlens_gpu_plan p;
+	/* 23.7 GB of weights, 40 GiB of KV, the default 4096-token step */
+	mlens_gpu_plan_compute(&p, &c, 23700000000ull, 40 * GIB, 4096, 0, 139 * GIB, 140 * GIB);
+	ck_assert_uint_eq(p.weights, 23700000000ull);
+	ck_assert_uint_eq(p.kv, 40 * GIB);
+	/* x, xn [T][4096]; q, att [T][4096]; k, v [T][1024]; router [T][8];
+	 * ids, weights [T][2]; logits [T][32000], all fp32 */
+	ck_assert_uint_eq(p.activations, 4096ull * (8192 + 8192 + 2048 + 8 + 4) * 4 + 4096ull * 32000 * 4);
+	/* MoE scratch for 8192 routed rows is 1.28 GiB; the decode partials
+	 * for 4096 queries over 32768 keys are larger (8.1 GiB) and round up
+	 * to the next power of two, as the backend's scratch does */
+	ck_assert_uint_ge(p.workspace, 16 * GIB);
+	ck_assert_uint_lt(p.workspace, 16 * GIB + (64ull << 20));
+	ck_assert_uint_eq(p.need, p.weights + p.kv + p.activations + p.workspace);
+	ck_assert_uint_eq(p.budget, 139 * GIB - MLENS_GPU_SAFETY_MARGIN);
+	ck_assert(!p.budget_given);
+	ck_assert(p.fits);
+	ck_assert_ptr_nonnull(strstr(p.summary, "KV 40.0 GiB"));
+	ck_assert_ptr_nonnull(strstr(p.summary, " fit the "));
+}
+END_TEST
+
+START_TEST(plan_small_context_small_scratch)
+{
+	struct mlens_model_config c = mixtral8();
+	struct mlens_gpu_plan p;
+	/* a KV pool of 1024 tokens bounds the contexts: partials are small and
+	 * the MoE scratch (1.28 GiB -> 2 GiB) is the largest need */
+	mlens_gpu_plan_compute(&p, &c, 1000, 1024ull * 2 * 8 * 1024 * 2, 4096, 0, 139 * GIB, 140 * GIB);
+	ck_assert_uint_ge(p.workspace, 2 * GIB);
+	ck_assert_uint_lt(p.workspace, 2 * GIB + (64ull << 20));
+}
+END_TEST
+
+START_TEST(plan_refuses)
+{
+	struct mlens_model_config c = mixtral8();
+	struct mlens_gpu_plan p;
+	mlens_gpu_plan_compute(&p, &c, 23700000000ull, 120 * GIB, 4096, 0, 139 * GIB, 140 * GIB);
+	ck_assert(!p.fits);
+	ck_assert_ptr_nonnull(strstr(p.summary, "exceed"));
+	/* a budget of its own: honoured below free memory, refused above it */
+	mlens_gpu_plan_compute(&p, &c, 23700000000ull, 40 * GIB, 4096, 60 * GIB, 139 * GIB, 140 * GIB);
+	ck_assert(p.budget_given);
+	ck_assert_uint_eq(p.budget, 60 * GIB);
+	ck_assert(!p.fits);
+	mlens_gpu_plan_compute(&p, &c, 23700000000ull, 40 * GIB, 4096, 200 * GIB, 139 * GIB, 140 * GIB);
+	ck_assert(!p.fits);
+	ck_assert_ptr_nonnull(strstr(p.summary, "more than the device has free"));
+	/* free memory under the margin leaves no budget at all */
+	mlens_gpu_plan_compute(&p, &c, 1, 1, 1, 0, MLENS_GPU_SAFETY_MARGIN / 2, 140 * GIB);
+	ck_assert_uint_eq(p.budget, 0);
+	ck_assert(!p.fits);
+}
+END_TEST
+
+START_TEST(plan_cpu_backend)
+{
+	struct mlens_model_config c = mixtral8();
+	struct mlens_backend be;
+	struct mlens_gpu_plan p;
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	ck_assert_int_eq(mlens_gpu_plan_for(&p, &be, &c, 1, 1, 16, 0), -ENOTSUP);
+	mlens_backend_destroy(&be);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *s = suite_create("gpu_plan");
+	TCase *tc = tcase_create("plan");
+	SRunner *sr;
+	int failed;
+	tcase_add_test(tc, plan_parts);
+	tcase_add_test(tc, plan_small_context_small_scratch);
+	tcase_add_test(tc, plan_refuses);
+	tcase_add_test(tc, plan_cpu_backend);
+	suite_add_tcase(s, tc);
+	sr = srunner_create(s);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
