@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "daemon/engine.h"
 
 struct layer_bind {
@@ -47,7 +48,19 @@ struct mlens_engine {
 	struct mlens_sampling *samp;
 	float *host_logits;
 	size_t host_logits_rows;
+
+	/* MLENS_ENGINE_PROFILE=N: wait for the backend after every op, add its
+	 * wall time to its kind and print the split every N steps on stderr
+	 * (a measurement aid: the waits themselves slow the step) */
+	int prof_every;
+	long prof_steps;
+	double prof_t[16], prof_step_t;
 };
+
+enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, PK_DECODE, PK_WO,
+		 PK_ROUTER, PK_MOE, PK_LM_HEAD, PK_SAMPLE, PK_N };
+static const char *const prof_names[PK_N] = { "embed", "rmsnorm", "qkv gemm", "rope", "kv_append",
+	"attn_prefill", "attn_decode", "o gemm", "router", "moe", "lm_head", "sample" };
 
 static void seterr(char *err, size_t len, const char *fmt, ...)
 {
@@ -195,6 +208,8 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 		return -ENOMEM;
 	e->m = m;
 	e->cfg = m->cfg;
+	if (getenv("MLENS_ENGINE_PROFILE"))
+		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
 	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
 	e->prefill_op = o->prefill_attn == MLENS_PREFILL_OP ||
@@ -340,6 +355,37 @@ static int grow_logits(struct mlens_engine *e, size_t rows)
 #define OPS (e->be->ops)
 #define CTX (e->be->ctx)
 #define TRY(x) do { if ((rc = (x))) goto out; } while (0)
+/* TRY, timed under kind k when profiling */
+#define PTRY(k, x) do { double t_ = e->prof_every > 0 ? prof_clock() : 0; TRY(x); \
+	if (e->prof_every > 0) TRY(prof_add(e, k, t_)); } while (0)
+
+static double prof_clock(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int prof_add(struct mlens_engine *e, int k, double t0)
+{
+	int rc = OPS->sync(CTX);
+	e->prof_t[k] += prof_clock() - t0;
+	return rc;
+}
+
+static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
+{
+	double sum = 0;
+	e->prof_step_t += prof_clock() - t0;
+	if (++e->prof_steps % e->prof_every)
+		return;
+	fprintf(stderr, "engine profile, %ld steps (last %d tokens), ms per step:", e->prof_steps, tokens);
+	for (int k = 0; k < PK_N; k++) {
+		fprintf(stderr, " %s %.3f", prof_names[k], 1e3 * e->prof_t[k] / e->prof_steps);
+		sum += e->prof_t[k];
+	}
+	fprintf(stderr, "; ops %.3f, step %.3f\n", 1e3 * sum / e->prof_steps, 1e3 * e->prof_step_t / e->prof_steps);
+}
 
 int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
@@ -351,6 +397,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	float scale = 1.0f / sqrtf((float)hd);
 	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row;
 	int64_t total = 0;
+	double t_step;
 
 	if (n <= 0)
 		return -EINVAL;
@@ -376,6 +423,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 			return rc;	/* only -ENOMEM here; reserved blocks stay with their seqs */
 	}
 	T = (int)total;
+	t_step = e->prof_every > 0 ? prof_clock() : 0;
 
 	/* rows: prefill sequences first, then the others */
 	row = 0;
@@ -410,27 +458,27 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		n_pre = 0;
 	}
 
-	TRY(OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
+	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
 	for (int l = 0; l < (int)c->num_hidden_layers; l++) {
 		const struct layer_bind *b = &e->layers[l];
-		TRY(OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		TRY(OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
-		TRY(OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
-		TRY(OPS->gemm(CTX, e->v, e->xn, b->wv, c->dtype, T, H, e->kvdim, false));
-		TRY(OPS->rope(CTX, e->q, e->pos, T, nh, hd, (float)c->rope_theta));
-		TRY(OPS->rope(CTX, e->k, e->pos, T, nkv, hd, (float)c->rope_theta));
-		TRY(OPS->kv_append(CTX, &e->kv.cache, l, e->k, e->v, e->slots, T));
+		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
+		PTRY(PK_QKV, OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
+		PTRY(PK_QKV, OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
+		PTRY(PK_QKV, OPS->gemm(CTX, e->v, e->xn, b->wv, c->dtype, T, H, e->kvdim, false));
+		PTRY(PK_ROPE, OPS->rope(CTX, e->q, e->pos, T, nh, hd, (float)c->rope_theta));
+		PTRY(PK_ROPE, OPS->rope(CTX, e->k, e->pos, T, nkv, hd, (float)c->rope_theta));
+		PTRY(PK_KV_APPEND, OPS->kv_append(CTX, &e->kv.cache, l, e->k, e->v, e->slots, T));
 		if (n_pre)
-			TRY(OPS->attn_prefill(CTX, e->att, e->q, e->k, e->v, e->cu, n_pre, nh, nkv, hd, scale));
+			PTRY(PK_PREFILL, OPS->attn_prefill(CTX, e->att, e->q, e->k, e->v, e->cu, n_pre, nh, nkv, hd, scale));
 		if (T > P)
-			TRY(OPS->attn_decode(CTX, e->att + (size_t)P * e->qdim, e->q + (size_t)P * e->qdim,
+			PTRY(PK_DECODE, OPS->attn_decode(CTX, e->att + (size_t)P * e->qdim, e->q + (size_t)P * e->qdim,
 					     &e->kv.cache, l, e->qry + P, T - P, nh, scale));
 		/* residual: x += att . Wo^T */
-		TRY(OPS->gemm(CTX, e->x, e->att, b->wo, c->dtype, T, e->qdim, H, true));
-		TRY(OPS->rmsnorm(CTX, e->xn, e->x, b->ffn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		TRY(OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
-		TRY(OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
-		TRY(OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
+		PTRY(PK_WO, OPS->gemm(CTX, e->x, e->att, b->wo, c->dtype, T, e->qdim, H, true));
+		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->ffn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
+		PTRY(PK_ROUTER, OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
+		PTRY(PK_ROUTER, OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
+		PTRY(PK_MOE, OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
 	}
 
 	/* logits for the rows that need them: gather, norm, lm_head */
@@ -441,17 +489,17 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		 * step costs a few launches on the GPU rather than one a sequence */
 		for (run = 1; i + run < nl && e->lrow[i + run] == e->lrow[i] + run; run++)
 			;
-		TRY(OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
+		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
 				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
-	TRY(OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
+	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
 
 	/* sample the last row of each request; download logits where asked */
 	for (int i = 0; i < nl; i++) {
 		const struct mlens_engine_req *r = &reqs[e->row_req[e->lrow[i]]];
 		e->samp[i] = r->samp;
 	}
-	TRY(OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
+	PTRY(PK_SAMPLE, OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)
@@ -474,6 +522,8 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	}
 	for (int i = 0; i < n; i++)
 		reqs[i].seq->len += reqs[i].n_tokens;
+	if (e->prof_every > 0)
+		prof_step_done(e, t_step, T);
 out:
 	return rc;
 }

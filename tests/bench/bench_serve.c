@@ -364,7 +364,7 @@ struct ceilings {
 	double hbm_gbs;		/* device-to-device copy, bytes read + written per second */
 	double gemm_tflops;	/* cuBLAS bf16, fp32 accumulate, expert shape at gemm_m rows */
 	int gemm_m;
-	char device[128];
+	char device[260];
 };
 
 #ifdef HAVE_CUDA
