@@ -400,9 +400,11 @@ START_TEST(test_attn_prefill)
 	cu[0] = 0;
 	for (int s = 0; s < ns; s++)
 		cu[s + 1] = cu[s] + lens[s];
+	/* 64 and 128 take the tuned kernel, 16 and 32 the generic one */
+	static const int hds[] = { 64, 128, 16, 32 };
 	for (int c = 0; c < 3; c++)
-		for (int hdi = 0; hdi < 2; hdi++) {
-			int nh = cfg[c][0], nkv = cfg[c][1], hd = hdi ? 128 : 64, T = cu[ns];
+		for (int hdi = 0; hdi < 4; hdi++) {
+			int nh = cfg[c][0], nkv = cfg[c][1], hd = hds[hdi], T = cu[ns];
 			size_t qn = (size_t)T * nh * hd, kn = (size_t)T * nkv * hd;
 			float *q = rnd_floats(qn, 1.0f), *k = rnd_floats(kn, 1.0f);
 			float *v = rnd_floats(kn, 1.0f), *ref = malloc(qn * 4), *got;
@@ -501,6 +503,10 @@ START_TEST(test_attn_decode)
 	decode_case(MLENS_DTYPE_BF16, 8, 4, 128);
 	decode_case(MLENS_DTYPE_BF16, 1, 8, 64);
 	decode_case(MLENS_DTYPE_F32, 4, 8, 128);
+	/* the generic kernel: small head dims, groups above the tuned limit */
+	decode_case(MLENS_DTYPE_F32, 2, 2, 16);
+	decode_case(MLENS_DTYPE_BF16, 2, 4, 32);
+	decode_case(MLENS_DTYPE_BF16, 1, 12, 64);
 }
 END_TEST
 
@@ -554,7 +560,7 @@ START_TEST(test_errors)
 			 -EINVAL);
 	ck_assert_int_eq(gpu.ops->kv_append(gpu.ctx, &kv, 0, buf, buf, &slot, 1), -ERANGE);
 	ck_assert_int_eq(gpu.ops->attn_decode(gpu.ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
-	ck_assert_int_eq(gpu.ops->attn_prefill(gpu.ctx, buf, buf, buf, buf, cu, 1, 2, 2, 80, 1.0f),
+	ck_assert_int_eq(gpu.ops->attn_prefill(gpu.ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
 	ck_assert_int_eq(gpu.ops->router(gpu.ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
 	/* the backend still works afterwards */

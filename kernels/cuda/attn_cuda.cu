@@ -2,7 +2,8 @@
  * softmax, never the n x n matrix), KV append into the paged cache in GPU
  * memory, and split-context decode attention over that cache with a
  * combine pass. fp32 math throughout; KV stored f32 or bf16 (kernels/kv.h
- * layout). Head dims 64 and 128. */
+ * layout). Head dims 64 and 128 take tuned kernels; any other up to 256, and
+ * GQA groups above 8, a generic one (small test models). */
 #include "kernels/cuda/cuda_int.h"
 
 #include <math.h>
@@ -159,6 +160,153 @@ static int prefill_launch(struct mlens_cuda_ctx *c, dim3 grid, float *out, const
 	return 0;
 }
 
+
+/* ==== any head_dim and GQA group (the tuned kernels take 64 and 128) ====
+ * Small models (tests, the tiny demo model) have head dims such as 16 or
+ * 32. These kernels serve them: one block per (query row, head), threads
+ * score one key each per chunk of GEN_THREADS keys, the block folds the
+ * chunk into a running softmax, and thread d accumulates output dim d.
+ * Plain fp32 arithmetic in the CPU's order per key; not tuned. */
+#define GEN_THREADS 256
+#define GEN_MAX_HD GEN_THREADS
+
+template <typename T> __device__ __forceinline__ float gen_ld(const T *p);
+template <> __device__ __forceinline__ float gen_ld<float>(const float *p) { return *p; }
+template <> __device__ __forceinline__ float gen_ld<__nv_bfloat16>(const __nv_bfloat16 *p)
+{
+	return __bfloat162float(*p);
+}
+
+/* Block-wide max or sum of v (every thread gets it); red holds 32 floats. */
+__device__ __forceinline__ float gen_reduce(float v, float *red, bool is_max)
+{
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	v = is_max ? warp_max(v) : warp_sum(v);
+	if (!lane)
+		red[warp] = v;
+	__syncthreads();
+	float r = is_max ? -INFINITY : 0.0f;
+	for (int w = 0; w < GEN_THREADS / 32; w++)
+		r = is_max ? fmaxf(r, red[w]) : r + red[w];
+	__syncthreads();	/* red is reused by the next reduction */
+	return r;
+}
+
+/* Rows of key j: contiguous prefill K/V ([T][n_kv*hd], fp32). */
+struct gen_rows_contig {
+	const float *k, *v;
+	size_t base, stride;	/* row of key 0; floats between rows */
+	__device__ const float *kr(int j) const { return k + (base + (size_t)j) * stride; }
+	__device__ const float *vr(int j) const { return v + (base + (size_t)j) * stride; }
+};
+
+/* Rows of key j: the paged cache of one layer and KV head. */
+template <typename T> struct gen_rows_paged {
+	const T *k, *v;
+	const uint32_t *bt;
+	size_t layer_blocks;	/* layer * n_blocks */
+	int n_kv, g, bs, hd;
+	__device__ size_t at(int j) const
+	{
+		size_t b = layer_blocks + bt[j / bs];
+		return ((b * n_kv + g) * bs + (size_t)(j % bs)) * hd;
+	}
+	__device__ const T *kr(int j) const { return k + at(j); }
+	__device__ const T *vr(int j) const { return v + at(j); }
+};
+
+/* out[0..hd) = softmax(q . K^T * scale) V over keys [0, n_keys). */
+template <typename T, typename Rows>
+__device__ void gen_attend(float *out, const float *q, int hd, int n_keys, float scale,
+			   const Rows &rows)
+{
+	__shared__ float qs[GEN_MAX_HD], ps[GEN_THREADS], red[32];
+	const int tid = threadIdx.x;
+	float m = -INFINITY, l = 0.0f, o = 0.0f;
+
+	for (int d = tid; d < hd; d += GEN_THREADS)
+		qs[d] = q[d];
+	__syncthreads();
+	for (int c0 = 0; c0 < n_keys; c0 += GEN_THREADS) {
+		const int j = c0 + tid, cn = min(GEN_THREADS, n_keys - c0);
+		float sc = -INFINITY;
+		if (j < n_keys) {
+			const T *kp = rows.kr(j);
+			float acc = 0.0f;
+			for (int d = 0; d < hd; d++)
+				acc += qs[d] * gen_ld<T>(kp + d);
+			sc = acc * scale;
+		}
+		const float mnew = fmaxf(m, gen_reduce(sc, red, true));	/* key c0 is valid */
+		const float p = j < n_keys ? expf(sc - mnew) : 0.0f;
+		const float corr = expf(m - mnew);
+		ps[tid] = p;
+		l = l * corr + gen_reduce(p, red, false);	/* its barrier publishes ps */
+		if (tid < hd) {
+			o *= corr;
+			for (int jj = 0; jj < cn; jj++)
+				o += ps[jj] * gen_ld<T>(rows.vr(c0 + jj) + tid);
+		}
+		m = mnew;
+		__syncthreads();	/* ps is rewritten by the next chunk */
+	}
+	if (tid < hd)
+		out[tid] = o / l;
+}
+
+/* Prefill: row r (int2 {start of its sequence, position in it}) attends to
+ * positions 0..pos of its sequence. grid (rows, n_heads). */
+__global__ void __launch_bounds__(GEN_THREADS)
+gen_prefill_kernel(float *out, const float *q, const float *k, const float *v,
+		   const int2 *rows, int n_heads, int n_kv, int hd, float scale)
+{
+	const int r = blockIdx.x, h = blockIdx.y, g = h / (n_heads / n_kv);
+	const int2 rp = rows[r];
+	gen_rows_contig kr = { k + (size_t)g * hd, v + (size_t)g * hd, (size_t)rp.x,
+			       (size_t)n_kv * hd };
+	const size_t qo = ((size_t)r * n_heads + h) * hd;
+	gen_attend<float>(out + qo, q + qo, hd, rp.y + 1, scale, kr);
+}
+
+/* Decode: query i attends to its ctx_len positions in the paged cache.
+ * grid (n, n_heads). */
+template <typename T>
+__global__ void __launch_bounds__(GEN_THREADS)
+gen_decode_kernel(float *out, const float *q, const T *kc, const T *vc, const int32_t *ctx_len,
+		  const int32_t *bt_off, const uint32_t *bt, int layer, uint32_t n_blocks,
+		  int n_heads, int n_kv, int bs, int hd, float scale)
+{
+	const int i = blockIdx.x, h = blockIdx.y, g = h / (n_heads / n_kv);
+	gen_rows_paged<T> pr = { kc, vc, bt + bt_off[i], (size_t)layer * n_blocks, n_kv, g, bs, hd };
+	const size_t qo = ((size_t)i * n_heads + h) * hd;
+	gen_attend<T>(out + qo, q + qo, hd, ctx_len[i], scale, pr);
+}
+
+static int gen_prefill(struct mlens_cuda_ctx *c, float *out, const float *q, const float *k,
+		       const float *v, const int32_t *cu_seqlens, int n_seqs, int n_heads,
+		       int n_kv_heads, int head_dim, float scale)
+{
+	int T = cu_seqlens[n_seqs] - cu_seqlens[0], rc;
+	char *h, *d;
+
+	if (T <= 0)
+		return 0;
+	if ((rc = mlens_cuda_stage_begin(c, (size_t)T * sizeof(int2), &h, &d)))
+		return rc;
+	int2 *rp = (int2 *)h;
+	for (int s = 0; s < n_seqs; s++)
+		for (int p = 0; p < cu_seqlens[s + 1] - cu_seqlens[s]; p++)
+			*rp++ = make_int2(cu_seqlens[s], p);
+	if ((rc = mlens_cuda_stage_commit(c, (size_t)T * sizeof(int2))))
+		return rc;
+	/* rows are numbered from cu_seqlens[0], as the tuned kernel does */
+	size_t o0 = (size_t)cu_seqlens[0] * n_heads * head_dim;
+	gen_prefill_kernel<<<dim3((unsigned)T, (unsigned)n_heads), GEN_THREADS, 0, c->stream>>>(
+		out + o0, q + o0, k, v, (const int2 *)d, n_heads, n_kv_heads, head_dim, scale);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
 int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q,
 			    const float *k, const float *v, const int32_t *cu_seqlens,
 			    int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale)
@@ -169,9 +317,9 @@ int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q
 
 	if (n_kv_heads <= 0 || n_heads <= 0 || n_heads % n_kv_heads || n_seqs < 0)
 		return -EINVAL;
-	if (head_dim != 64 && head_dim != 128) {
-		fprintf(stderr, "mlens cuda: attention head_dim %d unsupported (64 or 128)\n",
-			head_dim);
+	if (head_dim <= 0 || head_dim > GEN_MAX_HD) {
+		fprintf(stderr, "mlens cuda: attention head_dim %d unsupported (1..%d)\n",
+			head_dim, GEN_MAX_HD);
 		return -ENOTSUP;
 	}
 	for (int s = 0; s < n_seqs; s++) {
@@ -180,6 +328,9 @@ int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q
 			return -EINVAL;
 		n_tiles += (size_t)(len + PF_BR - 1) / PF_BR;
 	}
+	if (head_dim != 64 && head_dim != 128)
+		return gen_prefill(c, out, q, k, v, cu_seqlens, n_seqs, n_heads, n_kv_heads,
+				   head_dim, scale);
 	if (!n_tiles)
 		return 0;
 	if (n_tiles > 0x7fffffff)
@@ -484,6 +635,7 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 	const int hd = kv->head_dim, bs = kv->block_size;
 	size_t bt_total = 0, o_off, o_bt, used, part_bytes;
 	int max_ctx = 0, group, n_split, rc;
+	bool tuned;
 	char *h, *d, *part;
 
 	if (n < 0 || kv->n_kv_heads <= 0 || n_heads % kv->n_kv_heads || bs <= 0 ||
@@ -491,11 +643,12 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16))
 		return -EINVAL;
 	group = n_heads / kv->n_kv_heads;
-	if (group > DEC_MAX_GROUP || (hd != 64 && hd != 128)) {
-		fprintf(stderr, "mlens cuda: decode attention with %d query heads per KV head and "
-			"head_dim %d unsupported (<= %d, 64 or 128)\n", group, hd, DEC_MAX_GROUP);
+	if (hd <= 0 || hd > GEN_MAX_HD) {
+		fprintf(stderr, "mlens cuda: decode attention head_dim %d unsupported (1..%d)\n", hd,
+			GEN_MAX_HD);
 		return -ENOTSUP;
 	}
+	tuned = group <= DEC_MAX_GROUP && (hd == 64 || hd == 128);
 	if (!n)
 		return 0;
 	for (int i = 0; i < n; i++) {
@@ -529,6 +682,23 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 	}
 	if ((rc = mlens_cuda_stage_commit(c, used)))
 		return rc;
+	if (!tuned) {
+		if (kv->dtype == MLENS_DTYPE_F32)
+			gen_decode_kernel<float><<<dim3((unsigned)n, (unsigned)n_heads), GEN_THREADS, 0,
+						   c->stream>>>(
+				out, q, (const float *)kv->k, (const float *)kv->v, (const int32_t *)d,
+				(const int32_t *)(d + o_off), (const uint32_t *)(d + o_bt), layer,
+				kv->n_blocks, n_heads, kv->n_kv_heads, bs, hd, scale);
+		else
+			gen_decode_kernel<__nv_bfloat16><<<dim3((unsigned)n, (unsigned)n_heads),
+							   GEN_THREADS, 0, c->stream>>>(
+				out, q, (const __nv_bfloat16 *)kv->k, (const __nv_bfloat16 *)kv->v,
+				(const int32_t *)d, (const int32_t *)(d + o_off),
+				(const uint32_t *)(d + o_bt), layer, kv->n_blocks, n_heads,
+				kv->n_kv_heads, bs, hd, scale);
+		CUDA_LAUNCHED();
+		return 0;
+	}
 	part_bytes = (size_t)n * n_heads * n_split * (hd + 2) * 4;
 	if ((rc = mlens_cuda_scratch(c, part_bytes, &part)))
 		return rc;

@@ -14,11 +14,11 @@ MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 J=$(nproc)
 mkdir -p "$OUT"
 t0=$(date +%s)
-make -j"$J" > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+make -j"$J" > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
 echo "build: $(($(date +%s) - t0)) s"
 if [ ! -f "$MODEL/config.json" ]; then
 	( /usr/bin/time -f "mkmodel %e s" ./daemon/mlens-mkmodel -o "$MODEL" --preset mixtral-8x7b \
-		--layers 8 --dtype bf16 ) > "$OUT/mkmodel.log" 2>&1 &
+		--layers 8 --dtype bf16 ) > /tmp/mkmodel.log 2>&1 &
 	MK=$!
 else
 	MK=
@@ -26,10 +26,11 @@ fi
 make -j8 check > "$OUT/check.log" 2>&1
 echo "make check: rc $? after $(($(date +%s) - t0)) s"
 grep -E "^(PASS|FAIL|SKIP|ERROR|XPASS|XFAIL):" "$OUT/check.log"
+grep -E "golden .*\[cuda\]|Checks|FAIL|fail" tests/golden/check_golden_cuda.sh.log | head -30
 MLENS_TEST_BACKEND=cuda MLENS_BUILDDIR=$PWD timeout 300 sh ./tests/integration/tenants.sh > "$OUT/tenants_cuda.log" 2>&1
 echo "tenants.sh on cuda: rc $?"; grep -E "^(ok|note|FAIL|skip|all)" "$OUT/tenants_cuda.log"
 tar czf "$OUT/testlogs.tar.gz" tests/*.log tests/*/*.log 2>/dev/null
-[ -n "$MK" ] && { wait $MK; cat "$OUT/mkmodel.log"; }
+[ -n "$MK" ] && { wait $MK; cat /tmp/mkmodel.log; }
 echo "model ready after $(($(date +%s) - t0)) s"
 B="./tests/bench/mlens-bench serve --model $MODEL --mlensd ./daemon/mlensd --backend cuda --kv-cache $KV --prompt-len 512 --gen-len 128 --concurrency 1024 --threads 8 --timeout 240 --json"
 $B --requests "$REQ" > "$OUT/serve.json" 2> "$OUT/serve.err"
