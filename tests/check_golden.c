@@ -47,6 +47,21 @@ static void *xmalloc(size_t n)
 	return p;
 }
 
+/* The CUDA backend rounds activations to the weight dtype before its
+ * tensor-core GEMMs (kernels/cuda/backend_cuda.cu): about 2^-9 relative per
+ * element for bf16, compounding over layers. The fixtures' tolerances were
+ * set for the CPU's fp32 activations, so on another backend a
+ * half-precision fixture's logits get at least this tolerance (measured on
+ * an H200: 5.7e-3 for m2-hd32-top3-bf16). fp32 fixtures keep theirs. */
+#define GPU_HALF_TOL 2e-2
+
+static double tol_for(const struct fx *f, double t)
+{
+	if (strcmp(backend, "cpu") && strcmp(f->g->dtype, "float32") && t < GPU_HALF_TOL)
+		return GPU_HALF_TOL;
+	return t;
+}
+
 static void report(const struct fx *f, const char *what, double got, double tol)
 {
 	printf("golden %s [%s] %s: max rel %.3g (tolerance %.3g)\n", f->g->name, backend, what,
@@ -67,14 +82,14 @@ START_TEST(prefill_logits)
 		ck_assert_int_eq(mlens_golden_prefill(&f.ge, pr->tokens, pr->len, lg), 0);
 		for (int t = 0; t < pr->len; t++) {
 			double d = mlens_golden_rel_diff(lg + t * f.V, pr->prefill_logits + t * f.V, f.V);
-			ck_assert_msg(d <= f.g->tol_prefill,
+			ck_assert_msg(d <= tol_for(&f, f.g->tol_prefill),
 				      "%s prompt %d position %d: rel diff %.3g > %.3g", f.g->name, p, t,
-				      d, f.g->tol_prefill);
+				      d, tol_for(&f, f.g->tol_prefill));
 			worst = d > worst ? d : worst;
 		}
 		free(lg);
 	}
-	report(&f, "prefill logits", worst, f.g->tol_prefill);
+	report(&f, "prefill logits", worst, tol_for(&f, f.g->tol_prefill));
 	fx_close(&f);
 }
 END_TEST
@@ -97,23 +112,23 @@ START_TEST(decode_logits_teacher_forced)
 						       pr->main.greedy, tok, lg), 0);
 		for (int s = 0; s < S; s++) {
 			double d = mlens_golden_rel_diff(lg + s * f.V, pr->main.gen_logits + s * f.V, f.V);
-			ck_assert_msg(d <= f.g->tol_decode, "%s prompt %d step %d: rel diff %.3g > %.3g",
-				      f.g->name, p, s, d, f.g->tol_decode);
+			ck_assert_msg(d <= tol_for(&f, f.g->tol_decode), "%s prompt %d step %d: rel diff %.3g > %.3g",
+				      f.g->name, p, s, d, tol_for(&f, f.g->tol_decode));
 			worst = d > worst ? d : worst;
 			if (!f.g->has_kv_bf16)
 				continue;
 			d = mlens_golden_rel_diff(lg + s * f.V, pr->kv_bf16.gen_logits + s * f.V, f.V);
-			ck_assert_msg(d <= f.g->tol_kv_bf16,
+			ck_assert_msg(d <= tol_for(&f, f.g->tol_kv_bf16),
 				      "%s prompt %d step %d: rel diff %.3g > %.3g vs the bf16-KV reference",
-				      f.g->name, p, s, d, f.g->tol_kv_bf16);
+				      f.g->name, p, s, d, tol_for(&f, f.g->tol_kv_bf16));
 			worst_kv = d > worst_kv ? d : worst_kv;
 		}
 		free(lg);
 		free(tok);
 	}
-	report(&f, "decode logits (teacher-forced)", worst, f.g->tol_decode);
+	report(&f, "decode logits (teacher-forced)", worst, tol_for(&f, f.g->tol_decode));
 	if (f.g->has_kv_bf16)
-		report(&f, "decode logits vs bf16-KV reference", worst_kv, f.g->tol_kv_bf16);
+		report(&f, "decode logits vs bf16-KV reference", worst_kv, tol_for(&f, f.g->tol_kv_bf16));
 	fx_close(&f);
 }
 END_TEST
@@ -153,9 +168,9 @@ START_TEST(greedy_tokens)
 		int32_t *tok = xmalloc((size_t)N * sizeof(int32_t));
 		ck_assert_int_eq(mlens_golden_generate(&f.ge, pr->tokens, pr->len, N, NULL, tok, NULL),
 				 0);
-		compare_greedy(&f, p, tok, &pr->main, f.g->tol_decode, "main");
+		compare_greedy(&f, p, tok, &pr->main, tol_for(&f, f.g->tol_decode), "main");
 		if (f.g->has_kv_bf16)
-			compare_greedy(&f, p, tok, &pr->kv_bf16, f.g->tol_kv_bf16, "bf16-KV");
+			compare_greedy(&f, p, tok, &pr->kv_bf16, tol_for(&f, f.g->tol_kv_bf16), "bf16-KV");
 		free(tok);
 	}
 	fx_close(&f);
@@ -198,13 +213,13 @@ START_TEST(batched_equals_unbatched)
 					      "%s prompt %d step %d: batched logits differ (rel %.3g)",
 					      f.g->name, p, s, d);
 			else
-				ck_assert_msg(d <= f.g->tol_prefill,
+				ck_assert_msg(d <= tol_for(&f, f.g->tol_prefill),
 					      "%s prompt %d step %d: batched rel diff %.3g", f.g->name,
 					      p, s, d);
 		}
 	}
 	report(&f, exact ? "batched vs unbatched (bitwise)" : "batched vs unbatched", worst,
-	       exact ? 0.0 : f.g->tol_prefill);
+	       exact ? 0.0 : tol_for(&f, f.g->tol_prefill));
 	free(bt);
 	free(at);
 	free(bl);
@@ -238,15 +253,15 @@ START_TEST(prefill_then_decode_equals_all_at_once)
 		for (int s = 0; s < S; s++) {
 			double d = mlens_golden_rel_diff(dl + s * f.V, pl + (size_t)(pr->len - 1 + s) * f.V,
 							 f.V);
-			ck_assert_msg(d <= f.g->tol_decode, "%s prompt %d step %d: rel diff %.3g > %.3g",
-				      f.g->name, p, s, d, f.g->tol_decode);
+			ck_assert_msg(d <= tol_for(&f, f.g->tol_decode), "%s prompt %d step %d: rel diff %.3g > %.3g",
+				      f.g->name, p, s, d, tol_for(&f, f.g->tol_decode));
 			worst = d > worst ? d : worst;
 		}
 		free(seq);
 		free(dl);
 		free(pl);
 	}
-	report(&f, "prefill-then-decode vs all-at-once", worst, f.g->tol_decode);
+	report(&f, "prefill-then-decode vs all-at-once", worst, tol_for(&f, f.g->tol_decode));
 	fx_close(&f);
 }
 END_TEST

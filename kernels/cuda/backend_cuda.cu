@@ -8,7 +8,9 @@
  * runs on the tensor cores with fp32 accumulation and fp32 output. Rounding
  * the activations costs about 2^-9 (bf16) or 2^-12 (fp16) relative per
  * element, far faster than converting the weights to fp32 and inside the
- * tolerances that tests/check_cuda.c states. */
+ * tolerances that tests/check_cuda.c states. Narrow products (at most
+ * GEMM_NARROW_M outputs: the router) widen the weights instead and run in
+ * fp32, so that expert choices match the CPU's. */
 #include "kernels/cuda/cuda_int.h"
 
 #include <stdlib.h>
@@ -321,6 +323,9 @@ static int valid_dtype(enum mlens_dtype dt)
 	return dt == MLENS_DTYPE_F32 || dt == MLENS_DTYPE_F16 || dt == MLENS_DTYPE_BF16;
 }
 
+/* Output widths up to this run fp32 x fp32 on widened weights. */
+#define GEMM_NARROW_M 64
+
 static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 		     enum mlens_dtype dt, int n, int k, int m, bool accumulate)
 {
@@ -335,6 +340,19 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 		return 0;
 	if (dt == MLENS_DTYPE_F32)
 		return gemm_typed(c, out, x, w, dt, n, k, m, beta);
+	if (m <= GEMM_NARROW_M) {
+		/* few output columns (the router: one per expert) decide discrete
+		 * things such as the top-k experts, where rounding the activations
+		 * could flip a choice: widen the weights instead (exact), as cheap
+		 * as the rounding at this width */
+		rc = mlens_cuda_scratch(c, (size_t)m * (size_t)k * 4, &xs);
+		if (rc)
+			return rc;
+		rc = mlens_cuda_widen(c, (float *)xs, w, dt, (size_t)m * (size_t)k);
+		if (rc)
+			return rc;
+		return gemm_typed(c, out, x, xs, MLENS_DTYPE_F32, n, k, m, beta);
+	}
 	rc = mlens_cuda_scratch(c, (size_t)n * (size_t)k * 2, &xs);
 	if (rc)
 		return rc;

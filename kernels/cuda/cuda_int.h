@@ -143,6 +143,9 @@ int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtyp
 /* h = silu(g) * u, written as dtype dt. */
 int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
 			const float *g, const float *u, size_t count);
+/* dst[count] = src[count] of dtype dt, widened to fp32. */
+int mlens_cuda_widen(struct mlens_cuda_ctx *c, float *dst, const void *src, enum mlens_dtype dt,
+		     size_t count);
 /* MoE routing tables from ids[n][k]: counts[e], rows in expert order
  * (perm[r] = i*k+s, stable in i), inverse inv[i*k+s] = r. */
 int mlens_cuda_moe_route(struct mlens_cuda_ctx *c, int32_t *counts, int32_t *perm,

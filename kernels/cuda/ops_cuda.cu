@@ -262,6 +262,25 @@ int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
 	return 0;
 }
 
+/* dst[i] = src[i] widened to fp32 (exact for F16 and BF16). */
+__global__ void widen_kernel(float *dst, const void *src, enum mlens_dtype dt, size_t count)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count;
+	     i += (size_t)gridDim.x * blockDim.x)
+		dst[i] = load_elem(src, dt, i);
+}
+
+int mlens_cuda_widen(struct mlens_cuda_ctx *c, float *dst, const void *src, enum mlens_dtype dt,
+		     size_t count)
+{
+	if (!count)
+		return 0;
+	widen_kernel<<<blocks_for(count, MLENS_CUDA_THREADS), MLENS_CUDA_THREADS, 0, c->stream>>>(
+		dst, src, dt, count);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
 /* ==== MoE permutation and combine ==== */
 
 #define ROUTE_THREADS 1024
