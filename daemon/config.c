@@ -32,7 +32,7 @@ static const struct opt opts[] = {
 	{ "backend", T_STR, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
 	{ "kv_block_size", T_INT, O(kv_block_size), "16", 1, 4096, "N", "tokens per KV block" },
-	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget (0: all free memory)" },
+	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget of GPU-only mode (0: the device's free memory minus 768 MiB)" },
 	{ "threads", T_INT, O(threads), "0", 0, 4096, "N", "CPU worker threads (0: all cores of the NUMA node)" },
 	{ "numa_node", T_INT, O(numa_node), "-1", -1, 1023, "N", "NUMA node of the pinned pools (-1: the GPU's, else 0)" },
 	{ "movers", T_INT, O(movers), "2", 1, 64, "N", "io_uring mover threads that read the model files" },

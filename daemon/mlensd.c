@@ -299,7 +299,7 @@ int main(int argc, char **argv)
 			return fail_start("GPU-only mode needs %.1f GiB, budget %.1f GiB (%s); the hybrid pipeline that "
 					  "streams weights from host memory does not exist yet: lower kv_cache or use --backend cpu",
 					  D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0, D.plan.summary);
-		snprintf(D.mode_reason, sizeof(D.mode_reason), "gpu-only: %s", D.plan.summary);
+		snprintf(D.mode_reason, sizeof(D.mode_reason), "%s", D.plan.summary);
 		log_info("GPU-only mode: %s", D.plan.summary);
 	}
 	if (D.be.ops->host_memory) {
