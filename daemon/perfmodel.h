@@ -69,8 +69,13 @@
  * resident experts per layer, with r fixed the GPU budget must hold
  * resident weights + two expert slots (E - r experts each, none when
  * r = E) + activations for n_real + workspace; the two groups' split of
- * decode and prefill tokens is searched on a grid per step. The policy of
- * highest predicted throughput wins (ties: fewer resident experts). */
+ * decode and prefill tokens is searched on a grid per step, each group at
+ * most MLENS_PERF_GROUP_MAX of the step. The policy of highest predicted
+ * throughput wins (ties: fewer resident experts). With linear costs the
+ * two chains sum to GPU + CPU time, so a split that balances them (the
+ * even one among others) is optimal and the chain never binds above
+ * max(GPU, CPU); the search keeps the even split on ties and matters once
+ * measured costs stop being proportional to the group's tokens. */
 #ifndef MLENS_PERFMODEL_H
 #define MLENS_PERFMODEL_H
 

@@ -300,30 +300,43 @@ END_TEST
 
 START_TEST(split_balances_groups)
 {
-	/* a decode-heavy step whose attention is as long as its GPU work: an
-	 * even split leaves each group's chain (GPU then its own attention) at
-	 * the whole period; the search may not do worse, and its groups obey
-	 * the activation plan's largest group */
+	/* a step whose CPU attention is as long as its GPU work: each group's
+	 * chain (its GPU work, then its own attention) must hide behind the
+	 * other group's work. The chosen split balances the chains; putting
+	 * every decode token in α and every prefill token in β serialises
+	 * the attention behind α's GPU work and the chain binds. */
 	struct mlens_perf_model pm = mixtral();
 	struct mlens_perf_hw hw = a40(&pm, 48);
-	struct mlens_perf_policy even = { 8, 0.5, 0.5 }, best = { 8, 0.5, 0.5 };
+	struct mlens_perf_policy best = { 8, 0.5, 0.5 }, skew = { 8, 1.0, 0.0 };
 	struct mlens_perf_step st = { 4000, 2000, 2000 * 1500.0, 2000 * 300.0 };
-	struct mlens_perf_step_time te, tb;
-	double n_a;
-	hw.b_attn = 40e9;
-	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &even, &st, &te), 0);
+	struct mlens_perf_step_time tb, ts;
+	double chain_a, chain_b, n_a;
+	hw.b_mem = 1e12;	/* keep the memory tier out of the way */
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &best, &st, &tb), 0);
+	hw.b_attn = st.context * (double)pm.kv_token_bytes / tb.tier[MLENS_PERF_BIND_GPU];
 	ck_assert_int_eq(mlens_perf_step_time_best(&pm, &hw, &best, &st, &tb), 0);
-	ck_assert(tb.seconds <= te.seconds);
+	assert_rel(tb.tier[MLENS_PERF_BIND_CPU_ATTN], tb.tier[MLENS_PERF_BIND_GPU], 1e-12);
+	chain_a = tb.group_gpu[0] + tb.group_cpu[0];
+	chain_b = tb.group_gpu[1] + tb.group_cpu[1];
+	assert_rel(chain_a, chain_b, 1e-9);
+	assert_rel(tb.period, tb.tier[MLENS_PERF_BIND_GPU], 1e-9);
 	n_a = best.alpha_decode * 2000 + best.alpha_prefill * 2000;
 	ck_assert(n_a <= MLENS_PERF_GROUP_MAX * 4000 + 1e-9);
 	ck_assert(4000 - n_a <= MLENS_PERF_GROUP_MAX * 4000 + 1e-9);
-	/* the chosen split is no worse than any split on the grid */
-	for (int i = 0; i <= 8; i++) {
-		struct mlens_perf_policy p = { 8, i / 8.0, 1 - i / 8.0 };
-		struct mlens_perf_step_time t;
-		ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &p, &st, &t), 0);
-		ck_assert(tb.seconds <= t.seconds * (1 + 1e-12));
-	}
+
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &skew, &st, &ts), 0);
+	ck_assert_int_eq(ts.bind, MLENS_PERF_BIND_CHAIN);
+	ck_assert_str_eq(mlens_perf_bind_name(ts.bind), "gpu-cpu-chain");
+	assert_rel(ts.period, ts.group_gpu[0] + ts.tier[MLENS_PERF_BIND_CPU_ATTN], 1e-12);
+	ck_assert(ts.period > 1.2 * tb.period);
+	/* the chosen split is no worse than any split on a grid */
+	for (int i = 0; i <= 8; i++)
+		for (int j = 0; j <= 8; j++) {
+			struct mlens_perf_policy p = { 8, i / 8.0, j / 8.0 };
+			struct mlens_perf_step_time t;
+			ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &p, &st, &t), 0);
+			ck_assert(tb.seconds <= t.seconds * (1 + 1e-12));
+		}
 }
 END_TEST
 
