@@ -209,15 +209,18 @@ void mlens_perf_hw_roofline_lines(struct mlens_perf_hw *hw, const struct mlens_p
 	double qkv;
 	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
 	double H = (double)pm->hidden, wb = (double)pm->wbytes;
+	/* without a rate the term is left out (and a zero slope makes the
+	 * model refuse the hardware until one is given) */
+	double hbm = hw->b_hbm > 0 ? hw->b_hbm : INFINITY, gemm = hw->c_gpu > 0 ? hw->c_gpu : INFINITY;
 	/* GA reads q, k, v; GB reads o, the router and every expert (at the
 	 * token counts the pipeline runs, every expert is routed to) */
 	qkv = H * (qd + 2 * kvd) * wb;
 	memset(&hw->ga, 0, sizeof(hw->ga));
 	memset(&hw->gb, 0, sizeof(hw->gb));
-	hw->ga.a = qkv / hw->b_hbm;
-	hw->ga.b = pm->flops_ga / hw->c_gpu;
-	hw->gb.a = (H * qd * wb + (double)pm->router_bytes + (double)pm->layer_expert_bytes) / hw->b_hbm;
-	hw->gb.b = pm->flops_gb / hw->c_gpu;
+	hw->ga.a = qkv / hbm;
+	hw->ga.b = pm->flops_ga / gemm;
+	hw->gb.a = (H * qd * wb + (double)pm->router_bytes + (double)pm->layer_expert_bytes) / hbm;
+	hw->gb.b = pm->flops_gb / gemm;
 }
 
 /* ==== n_real (eq. 1-2) ==== */
@@ -245,8 +248,10 @@ static double gpu_b(const struct mlens_perf_hw *hw)
 
 double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
 {
-	double t_io = (double)streamed_bytes / hw->b_io;
-	double fixed = MLENS_PERF_GROUPS * gpu_a(hw);
+	double t_io, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
+	if (!(hw->b_io > 0))
+		return NAN;
+	t_io = (double)streamed_bytes / hw->b_io;
 	if (streamed_bytes == 0)
 		return INFINITY;	/* nothing to balance: memory and KV bound the step */
 	if (t_io <= fixed)

@@ -169,7 +169,7 @@ double mlens_perf_n_roofline(const struct mlens_perf_model *pm, double c_gpu, do
 			     uint64_t streamed_bytes);
 /* From the fitted lines: 2a + b n = streamed / B_IO. INFINITY when nothing
  * is streamed or the GPU time does not grow with n (slope 0); 0 when the
- * transfer hides behind any step. */
+ * transfer hides behind any step; NAN without a B_IO. */
 double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes);
 
 /* eq. 3 and 4. */
