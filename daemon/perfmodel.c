@@ -460,8 +460,14 @@ static int64_t act_fit(const struct mlens_perf_model *pm, int64_t chunk, uint64_
 uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			       int64_t n_min)
 {
-	uint64_t b = mlens_perf_resident_bytes(pm, 0);
-	b = sat_add(b, mlens_perf_slot_bytes(pm, 0));
+	/* r = 0 for any model of more than two layers; with one layer keeping
+	 * it all resident costs less than two slots */
+	uint64_t b = UINT64_MAX;
+	for (int r = 0; r <= (int)pm->experts; r++) {
+		uint64_t x = sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r));
+		if (x < b)
+			b = x;
+	}
 	b = sat_add(b, mlens_perf_act_bytes(pm, n_min > 0 ? n_min : 1, hw->chunk));
 	return sat_add(b, hw->gpu_workspace);
 }

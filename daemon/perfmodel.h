@@ -268,7 +268,8 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 		      char *err, size_t errlen);
 /* The smallest GPU budget that runs at all: resident attention, norms,
  * routers, embeddings, lm_head + two slots of one layer's experts +
- * activations for n_min tokens + workspace. */
+ * activations for n_min tokens + workspace (for a model of one layer, the
+ * whole model resident when that is less than two slots). */
 uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			       int64_t n_min);
 /* Tokens per step for mlens_sched_set_token_cap: floor(n_real), at least 1. */

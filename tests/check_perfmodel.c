@@ -422,6 +422,21 @@ START_TEST(minimum_budget_refused)
 	/* a fixed residency that does not fit is refused with its numbers */
 	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 4, &pr, err, sizeof(err)), -ENOSPC);
 	ck_assert_ptr_nonnull(strstr(err, "4 resident experts"));
+
+	/* one layer: its experts resident cost less than two slots of them */
+	{
+		struct mlens_model_config c = mixtral_config();
+		struct mlens_perf_model one;
+		c.num_hidden_layers = 1;
+		ck_assert_int_eq(mlens_perf_model_from_config(&one, &c, MLENS_DTYPE_BF16), 0);
+		need = mlens_perf_min_budget(&one, &hw, 512);
+		ck_assert_uint_eq(need, one.model_bytes + mlens_perf_act_bytes(&one, 512, 0) + hw.gpu_workspace);
+		hw.gpu_budget = need;
+		ck_assert_int_eq(mlens_perf_choose(&one, &hw, &w, &pr, err, sizeof(err)), 0);
+		ck_assert_int_eq(pr.policy.resident_experts, 8);
+		hw.gpu_budget = need - 1;
+		ck_assert_int_eq(mlens_perf_choose(&one, &hw, &w, &pr, err, sizeof(err)), -ENOSPC);
+	}
 }
 END_TEST
 
