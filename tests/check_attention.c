@@ -349,6 +349,20 @@ START_TEST(test_variant_selection)
 }
 END_TEST
 
+/* MLENS_ATTN_KERNEL picks the kernel at first use (each test runs in its
+ * own forked process, so this one sees a fresh choice). */
+START_TEST(test_env_variant)
+{
+	const char *fork = getenv("CK_FORK");
+	if (fork && !strcmp(fork, "no")) {
+		printf("check_attention: skipping the MLENS_ATTN_KERNEL test: needs CK_FORK\n");
+		return;
+	}
+	setenv("MLENS_ATTN_KERNEL", "scalar", 1);
+	ck_assert_str_eq(mlens_cpu_attn_variant(), "scalar");
+}
+END_TEST
+
 /* Bad input is refused before anything runs. */
 START_TEST(test_decode_errors)
 {
@@ -413,6 +427,7 @@ int main(void)
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
 	tcase_add_test(tc, test_variant_selection);
+	tcase_add_test(tc, test_env_variant);
 	tcase_add_test(tc, test_decode_errors);
 	tcase_add_test(tc, test_pool_numa);
 	suite_add_tcase(s, tc);

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kernels/cpu/attn.h"
@@ -70,8 +71,14 @@ static void init_variant(void)
 	const char *pf = getenv("MLENS_ATTN_PREFETCH");
 	int i = env ? find_variant(env) : -1;
 
-	if (i < 0 || !cpu_has(i))
-		i = best_variant();	/* an unusable name falls back to the best */
+	if (env && (i < 0 || !cpu_has(i))) {
+		/* a setting that cannot be honoured is said once, not ignored */
+		fprintf(stderr, "mlens: MLENS_ATTN_KERNEL=%s is not a kernel this CPU can run "
+			"(scalar, avx2, avx512); using %s\n", env, variants[best_variant()].name);
+		i = -1;
+	}
+	if (i < 0)
+		i = best_variant();
 	if (pf && *pf)
 		mlens_attn_prefetch_tiles = atoi(pf) > 0 ? atoi(pf) : 0;
 	/* relaxed: the variants are constant tables; the pointer is the only datum */
