@@ -7,12 +7,16 @@
 #include <string.h>
 #include <time.h>
 #include "tests/bench/bench.h"
+#include "tests/bench/bench_attention.h"
 
 static const struct mlens_bench_cmd cmds[] = {
 	{ "ring", mlens_bench_ring,
 	  "[--json] [--entries N] [--batch B] [--repeat K] [--round-trips R]: SPSC "
 	  "ring entries/s "
 	  "between two processes, and eventfd doorbell round-trip latency" },
+	{ "attention", mlens_bench_attention,
+	  "[--json] [--threads LIST] [--seqs N] [--min-ctx A --max-ctx B] [--variant V]: CPU decode "
+	  "attention KV GB/s per variant and thread count, next to the measured read bandwidth" },
 };
 
 static void usage(FILE *f)
