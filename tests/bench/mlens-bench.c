@@ -12,6 +12,9 @@ static const struct mlens_bench_cmd cmds[] = {
 	{ "ring", mlens_bench_ring,
 	  "[--json] [--entries N] [--batch B] [--round-trips R]: SPSC ring entries/s "
 	  "between two processes, and eventfd doorbell round-trip latency" },
+	{ "client", mlens_bench_client,
+	  "[--json] [--requests N] [--max-tokens T] [--inflight I]: libmlens tokens/s and "
+	  "request round trip against a fake daemon" },
 };
 
 static void usage(FILE *f)
