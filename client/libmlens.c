@@ -619,7 +619,13 @@ int mlens_submit(struct mlens *m, const struct mlens_request *req, uint64_t *id)
 	deadline = deadline_of(r.timeout_ms);
 	len = r.n_prompt * (uint32_t)sizeof(int32_t);	/* <= max_prompt_tokens * 4, checked */
 
-	pthread_mutex_lock(&m->sub_lock);
+	/* Not waiting means not waiting for a concurrent submit either. */
+	if (nowait) {
+		if (pthread_mutex_trylock(&m->sub_lock))
+			return -EAGAIN;
+	} else {
+		pthread_mutex_lock(&m->sub_lock);
+	}
 	/* Prompt first: a submission must name a committed record, and the
 	 * daemon releases records in the order of the submissions. */
 	err = prompt_reserve(m, len, &off, &ptr, deadline, nowait);
@@ -742,7 +748,14 @@ static int events_get(struct mlens *m, struct mlens_event *evs, int max, int tim
 
 	if (!m || !evs || max <= 0)
 		return -EINVAL;
-	pthread_mutex_lock(&m->cmpl_lock);
+	/* Never wait, not even for a concurrent mlens_wait: it is taking
+	 * the events itself. */
+	if (timeout_ms == 0) {
+		if (pthread_mutex_trylock(&m->cmpl_lock))
+			return 0;
+	} else {
+		pthread_mutex_lock(&m->cmpl_lock);
+	}
 	for (;;) {
 		n = take(m, evs, max);
 		if (n != 0)

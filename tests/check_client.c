@@ -439,13 +439,38 @@ static void client_hangup(struct mlens *m)
 	CHK(mlens_cancel(m, 1) == -ECONNRESET);
 }
 
+struct idle_waiter {
+	struct mlens *m;
+	int rc;
+};
+
+static void *idle_wait(void *arg)
+{
+	struct idle_waiter *w = arg;
+	struct mlens_event ev;
+
+	w->rc = mlens_wait(w->m, &ev, 1, -1);
+	return NULL;
+}
+
+/* One thread sleeps in mlens_wait until the daemon hangs up (100 ms after
+ * attach); meanwhile mlens_poll in another thread does not wait for it. */
 static void client_hangup_idle(struct mlens *m)
 {
+	struct idle_waiter w = { m, 1 };
 	struct mlens_event ev;
-	double t0 = now_s();
+	pthread_t th;
+	double t0 = now_s(), t1;
 
-	CHK(mlens_wait(m, &ev, 1, -1) == -ECONNRESET);
+	CHK(pthread_create(&th, NULL, idle_wait, &w) == 0);
+	usleep(20 * 1000);
+	t1 = now_s();
+	CHK(mlens_poll(m, &ev, 1) == 0);
+	CHK(now_s() - t1 < 0.04);
+	CHK(pthread_join(th, NULL) == 0);
+	CHK(w.rc == -ECONNRESET);
 	CHK(now_s() - t0 >= 0.05);
+	CHK(mlens_poll(m, &ev, 1) == -ECONNRESET);
 }
 
 static void client_fdloop(struct mlens *m)
