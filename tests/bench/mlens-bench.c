@@ -17,6 +17,9 @@ static const struct mlens_bench_cmd cmds[] = {
 	{ "attention", mlens_bench_attention,
 	  "[--json] [--threads LIST] [--seqs N] [--min-ctx A --max-ctx B] [--variant V]: CPU decode "
 	  "attention KV GB/s per variant and thread count, next to the measured read bandwidth" },
+	{ "client", mlens_bench_client,
+	  "[--json] [--requests N] [--max-tokens T] [--inflight I]: libmlens tokens/s and "
+	  "request round trip against a fake daemon" },
 };
 
 static void usage(FILE *f)
