@@ -7,3 +7,6 @@ check_PROGRAMS += tests/integration/ops_raw
 tests_integration_ops_raw_SOURCES = tests/integration/ops_raw.c
 dist_check_SCRIPTS += tests/integration/ops.sh
 TESTS += tests/integration/ops.sh
+# lints ALL man/*.[1-8] pages (shared with the client pages)
+dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh
+TESTS += tests/manlint.sh tests/man_keys.sh
