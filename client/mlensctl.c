@@ -95,11 +95,8 @@ static json_t *transact(int fd, json_t *req)
 		ssize_t n = send(fd, text + off, len - off, MSG_NOSIGNAL);
 		if (n < 0 && errno == EINTR)
 			continue;
-		if (n <= 0) {
-			fprintf(stderr, "%s: the daemon closed the connection: %s\n", prog, strerror(errno));
-			free(text);
-			return NULL;
-		}
+		if (n <= 0)
+			break;	/* refused at once: the reason may be waiting to be read */
 		off += (size_t)n;
 	}
 	free(text);
