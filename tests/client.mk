@@ -24,8 +24,6 @@ AM_TESTS_ENVIRONMENT += MLENS_PUBLIC_HEADERS='$(include_HEADERS)'; \
 	export MLENS_PUBLIC_HEADERS; CC='$(CC)'; export CC; CXX='$(CXX)'; export CXX;
 
 if HAVE_MANDOC
-dist_check_SCRIPTS += tests/man_lint.sh
-TESTS += tests/man_lint.sh
 AM_TESTS_ENVIRONMENT += MANDOC='$(MANDOC)'; export MANDOC;
 endif
 
