@@ -71,7 +71,11 @@ expect_config_error "bad.conf:1: expected 'key = value'" "kv_cache 1G"
 # a non-loopback stats listener is refused at start-up, with the reason
 "$mlensd" --model "$tmp/m" --foreground --mlock=false --threads 1 --socket "$tmp/x.sock" \
 	--control "$tmp/xc.sock" --stats "" --stats-http 0.0.0.0:9 >"$tmp/out" 2>&1
-[ $? -ne 0 ] && grep -q "not a loopback address" "$tmp/out" || fail "stats_http 0.0.0.0 accepted: $(cat "$tmp/out")"
+[ $? -eq 2 ] && grep -q "not a loopback address" "$tmp/out" || fail "stats_http 0.0.0.0 accepted: $(cat "$tmp/out")"
+[ ! -e "$tmp/x.sock" ] || fail "stats_http 0.0.0.0: refused only after start-up"
+"$mlensd" --model "$tmp/m" --foreground --control-group no-such-group-here >"$tmp/out" 2>&1
+[ $? -eq 2 ] && grep -q "control_group 'no-such-group-here': no such group" "$tmp/out" ||
+	fail "unknown control_group: $(cat "$tmp/out")"
 
 # ==== start: the file sets log_level and kv_cache, the flag wins for kv_cache ====
 cat >"$tmp/mlensd.conf" <<EOC
