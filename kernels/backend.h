@@ -116,6 +116,8 @@ int mlens_backend_cuda_create(struct mlens_backend *be, const struct mlens_backe
  * allocations plus its own staging, scratch and cuBLAS workspace (0 for a
  * backend that is not CUDA). */
 size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be);
+/* The PCI bus id of a device ("0000:3b:00.0"), for its NUMA node. */
+int mlens_cuda_pci_bus_id(int device, char *buf, int len);
 #endif
 /* True when the CUDA backend is built and a GPU is present. */
 bool mlens_cuda_available(void);
