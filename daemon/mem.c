@@ -10,6 +10,7 @@
 #include "daemon/mem.h"
 #include "kernels/backend.h"
 
+#ifdef HAVE_CUDA
 /* The NUMA node a PCI device sits on (sysfs), or -1. */
 static int pci_numa_node(const char *bus_id)
 {
@@ -29,6 +30,7 @@ static int pci_numa_node(const char *bus_id)
 	}
 	return node;
 }
+#endif
 
 int mlens_numa_pick(int want, char *err, size_t errlen)
 {
