@@ -60,8 +60,9 @@ struct mlens {
 	uint64_t next_id;
 	/* Reading side: the completion ring. */
 	pthread_mutex_t cmpl_lock;
-	/* Set once the socket hung up; read by both sides. */
-	_Atomic bool dead;
+	/* 1 once the socket hung up; read by both sides, through
+	 * is_dead()/set_dead(). */
+	uint32_t dead;
 };
 
 /* ==== Time ==== */
@@ -88,6 +89,21 @@ static int ms_left(int64_t deadline)
 		return -1;
 	left = deadline - now_ms();
 	return left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
+}
+
+/* ==== Hang-up ==== */
+
+static bool is_dead(struct mlens *m)
+{
+	/* Acquire: pairs with the release in set_dead(); only the flag
+	 * itself is published, so this orders nothing else. */
+	return mlens_load_acquire(&m->dead) != 0;
+}
+
+static void set_dead(struct mlens *m)
+{
+	/* Release: pairs with the acquire in is_dead(). */
+	mlens_store_release(&m->dead, 1u);
 }
 
 /* ==== Doorbell ==== */
@@ -147,10 +163,10 @@ static bool socket_hung_up(struct mlens *m)
 {
 	struct pollfd p = { .fd = m->sock, .events = POLLRDHUP };
 
-	if (atomic_load(&m->dead))
+	if (is_dead(m))
 		return true;
 	if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL))) {
-		atomic_store(&m->dead, true);
+		set_dead(m);
 		return true;
 	}
 	return false;
@@ -209,7 +225,7 @@ static int doorbell_sleep(struct mlens *m, uint64_t g, int64_t deadline)
 		if (p[0].revents & (POLLERR | POLLNVAL))
 			err = -EBADF;
 		if (p[1].revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL))
-			atomic_store(&m->dead, true);
+			set_dead(m);
 	}
 
 	pthread_mutex_lock(&m->bell.lock);
@@ -515,7 +531,7 @@ static int sub_wait_slot(struct mlens *m, int64_t deadline, bool nowait)
 			mlens_ring_prod_disarm(&m->rg.sub);
 			return rc < 0 ? rc : 0;
 		}
-		if (atomic_load(&m->dead)) {
+		if (is_dead(m)) {
 			mlens_ring_prod_disarm(&m->rg.sub);
 			return -ECONNRESET;
 		}
@@ -564,7 +580,7 @@ static int prompt_reserve(struct mlens *m, uint32_t len, uint32_t *off, void **p
 			mlens_ring_prod_disarm(&b->ring);
 			return rc;
 		}
-		if (atomic_load(&m->dead)) {
+		if (is_dead(m)) {
 			mlens_ring_prod_disarm(&b->ring);
 			return -ECONNRESET;
 		}
@@ -597,13 +613,19 @@ int mlens_submit(struct mlens *m, const struct mlens_request *req, uint64_t *id)
 	err = request_to_sub(m, &r, &s);
 	if (err)
 		return err;
-	if (atomic_load(&m->dead))
+	if (is_dead(m))
 		return -ECONNRESET;
 	nowait = r.timeout_ms == 0;
 	deadline = deadline_of(r.timeout_ms);
 	len = r.n_prompt * (uint32_t)sizeof(int32_t);	/* <= max_prompt_tokens * 4, checked */
 
-	pthread_mutex_lock(&m->sub_lock);
+	/* Not waiting means not waiting for a concurrent submit either. */
+	if (nowait) {
+		if (pthread_mutex_trylock(&m->sub_lock))
+			return -EAGAIN;
+	} else {
+		pthread_mutex_lock(&m->sub_lock);
+	}
 	/* Prompt first: a submission must name a committed record, and the
 	 * daemon releases records in the order of the submissions. */
 	err = prompt_reserve(m, len, &off, &ptr, deadline, nowait);
@@ -642,7 +664,7 @@ int mlens_cancel(struct mlens *m, uint64_t id)
 	pthread_mutex_lock(&m->sub_lock);
 	if (id == 0 || id >= m->next_id)
 		err = -EINVAL;	/* never issued here */
-	else if (atomic_load(&m->dead))
+	else if (is_dead(m))
 		err = -ECONNRESET;
 	else if (!(err = sub_wait_slot(m, -1, false)))
 		err = sub_publish(m, &s);
@@ -726,7 +748,14 @@ static int events_get(struct mlens *m, struct mlens_event *evs, int max, int tim
 
 	if (!m || !evs || max <= 0)
 		return -EINVAL;
-	pthread_mutex_lock(&m->cmpl_lock);
+	/* Never wait, not even for a concurrent mlens_wait: it is taking
+	 * the events itself. */
+	if (timeout_ms == 0) {
+		if (pthread_mutex_trylock(&m->cmpl_lock))
+			return 0;
+	} else {
+		pthread_mutex_lock(&m->cmpl_lock);
+	}
 	for (;;) {
 		n = take(m, evs, max);
 		if (n != 0)
@@ -747,7 +776,7 @@ static int events_get(struct mlens *m, struct mlens_event *evs, int max, int tim
 				n = err;
 			goto out;
 		}
-		if (atomic_load(&m->dead)) {
+		if (is_dead(m)) {
 			n = -ECONNRESET;
 			goto out;
 		}

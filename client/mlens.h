@@ -99,7 +99,8 @@ void mlens_close(struct mlens *m);
  * room in the rings as req->timeout_ms says: -EAGAIN / -ETIMEDOUT when
  * there is none. -ECONNRESET when the daemon has hung up.
  * Thread safety: may run concurrently with any function but mlens_close;
- * concurrent mlens_submit and mlens_cancel calls take turns. */
+ * concurrent mlens_submit and mlens_cancel calls take turns (with
+ * timeout_ms 0 it returns -EAGAIN rather than wait for its turn). */
 int mlens_submit(struct mlens *m, const struct mlens_request *req, uint64_t *id);
 
 /* Take up to max events without waiting. Returns how many (0: none now),
@@ -108,7 +109,8 @@ int mlens_submit(struct mlens *m, const struct mlens_request *req, uint64_t *id)
  * 0, the daemon will make mlens_fd() readable when an event arrives.
  * Thread safety: may run concurrently with any function but mlens_close;
  * concurrent mlens_poll and mlens_wait calls take turns, each event going
- * to exactly one caller, in the order the daemon posted them. */
+ * to exactly one caller, in the order the daemon posted them; mlens_poll
+ * returns 0 rather than wait while another thread is in mlens_wait. */
 int mlens_poll(struct mlens *m, struct mlens_event *evs, int max);
 
 /* As mlens_poll, but waits up to timeout_ms (as poll(2): -1 forever) for at

@@ -429,9 +429,9 @@ static int generate_loop(struct run *rn)
 			return -ECONNRESET;
 		if (rn->eof && rn->next_submit == rn->n_jobs && rn->inflight == 0)
 			return 0;
-		/* With nothing running, a full ring can only be the daemon
-		 * still taking earlier entries: look again soon. */
-		n = mlens_wait(rn->m, evs, EVENT_BATCH, rn->inflight ? 200 : ring_full ? 5 : 0);
+		/* A full ring frees as the daemon takes entries, which rings
+		 * no event: look again soon. */
+		n = mlens_wait(rn->m, evs, EVENT_BATCH, ring_full ? 5 : rn->inflight ? 200 : 0);
 		if (n == -ECONNRESET) {
 			rn->lost = true;
 			continue;

@@ -95,11 +95,8 @@ static json_t *transact(int fd, json_t *req)
 		ssize_t n = send(fd, text + off, len - off, MSG_NOSIGNAL);
 		if (n < 0 && errno == EINTR)
 			continue;
-		if (n <= 0) {
-			fprintf(stderr, "%s: the daemon closed the connection: %s\n", prog, strerror(errno));
-			free(text);
-			return NULL;
-		}
+		if (n <= 0)
+			break;	/* refused at once: the reason may be waiting to be read */
 		off += (size_t)n;
 	}
 	free(text);
@@ -264,6 +261,7 @@ int main(int argc, char **argv)
 	int nargs = 0, fd, rc = 0;
 	bool json = false;
 	json_t *req, *rep;
+	char why[320];
 	const char *cmd;
 
 	if (!sock || !*sock)
@@ -300,39 +298,54 @@ int main(int argc, char **argv)
 	req = json_pack("{s:s}", "cmd", cmd);
 	if (!strcmp(cmd, "status") || !strcmp(cmd, "tenants") || !strcmp(cmd, "drain") || !strcmp(cmd, "resume") ||
 	    !strcmp(cmd, "stats") || !strcmp(cmd, "shutdown") || !strcmp(cmd, "config")) {
-		if (nargs != 1)
-			return die_usage("%s takes no arguments", cmd);
+		if (nargs != 1) {
+			snprintf(why, sizeof(why), "%s takes no arguments", cmd);
+			goto usage;
+		}
 	} else if (!strcmp(cmd, "evict")) {
-		if (nargs != 2)
-			return die_usage("%s", "evict needs one TENANT id");
+		if (nargs != 2) {
+			snprintf(why, sizeof(why), "evict needs one TENANT id");
+			goto usage;
+		}
 		json_object_set_new(req, "tenant", json_string(args[1]));
 	} else if (!strcmp(cmd, "quota")) {
-		json_t *set = json_object();
-		if (nargs < 2)
-			return die_usage("%s", "quota needs a TENANT id");
+		json_t *set;
+		if (nargs < 2) {
+			snprintf(why, sizeof(why), "quota needs a TENANT id");
+			goto usage;
+		}
 		json_object_set_new(req, "tenant", json_string(args[1]));
+		set = json_object();
+		json_object_set_new(req, "set", set);	/* req owns it from here */
 		for (int i = 2; i < nargs; i++) {
 			const char *eq = strchr(args[i], '=');
 			char key[32];
-			if (!eq || eq == args[i] || (size_t)(eq - args[i]) >= sizeof(key) || !eq[1])
-				return die_usage("quota: '%s' is not KEY=VALUE (running, kv_blocks, queued, weight)", args[i]);
+			if (!eq || eq == args[i] || (size_t)(eq - args[i]) >= sizeof(key) || !eq[1]) {
+				snprintf(why, sizeof(why),
+					 "quota: '%s' is not KEY=VALUE (running, kv_blocks, queued, weight)", args[i]);
+				goto usage;
+			}
 			memcpy(key, args[i], (size_t)(eq - args[i]));
 			key[eq - args[i]] = 0;
 			json_object_set_new(set, key, json_string(eq + 1));
 		}
-		json_object_set_new(req, "set", set);
 	} else if (!strcmp(cmd, "log-level")) {
-		if (nargs > 2)
-			return die_usage("%s", "log-level takes at most one LEVEL");
+		if (nargs > 2) {
+			snprintf(why, sizeof(why), "log-level takes at most one LEVEL");
+			goto usage;
+		}
 		if (nargs == 2)
 			json_object_set_new(req, "level", json_string(args[1]));
 	} else {
-		return die_usage("unknown command '%s'", cmd);
+		snprintf(why, sizeof(why), "unknown command '%s'", cmd);
+		goto usage;
 	}
 
 	fd = connect_to(sock);
-	if (fd < 0)
+	if (fd < 0) {
+		json_decref(req);
 		return EXIT_CONNECT;
+	}
 	rep = transact(fd, req);
 	close(fd);
 	json_decref(req);
@@ -369,4 +382,7 @@ int main(int argc, char **argv)
 	}
 	json_decref(rep);
 	return rc;
+usage:
+	json_decref(req);
+	return die_usage("%s", why);
 }

@@ -296,7 +296,8 @@ static json_t *cmd_config(struct mlens_control *c)
 	return json_pack("{s:b,s:o}", "ok", 1, "config", o);
 }
 
-json_t *mlens_control_handle(struct mlens_control *c, json_t *req)
+/* Answer one request (a parsed JSON object): a new reference to the reply. */
+static json_t *handle(struct mlens_control *c, json_t *req)
 {
 	json_t *cmdj = json_object_get(req, "cmd");
 	const char *cmd = json_string_value(cmdj);
@@ -434,7 +435,7 @@ static void on_read(struct bufferevent *bev, void *arg)
 				      "e.g. {\"cmd\":\"status\"}");
 			return;
 		}
-		rep = mlens_control_handle(k->c, req);
+		rep = handle(k->c, req);
 		if (json_is_true(json_object_get(rep, "ok")) &&
 		    !strcmp(json_string_value(json_object_get(req, "cmd")), "shutdown")) {
 			log_info("control: shutdown asked by uid %u pid %d", (unsigned)k->uid, (int)k->pid);

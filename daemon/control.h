@@ -24,8 +24,4 @@ int mlens_control_start(struct mlens_control **out, struct event_base *base,
 /* Close every connection and the listener; unlink the socket file. */
 void mlens_control_destroy(struct mlens_control *c);
 
-/* Answer one request (a parsed JSON object): a new reference to the reply.
- * Exposed for the tests. */
-json_t *mlens_control_handle(struct mlens_control *c, json_t *req);
-
 #endif

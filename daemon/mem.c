@@ -1,4 +1,5 @@
 /* Pinned NUMA-local allocations. */
+#include <ctype.h>
 #include <errno.h>
 #include <numa.h>
 #include <stdio.h>
@@ -7,6 +8,29 @@
 #include <sys/resource.h>
 #include <unistd.h>
 #include "daemon/mem.h"
+#include "kernels/backend.h"
+
+#ifdef HAVE_CUDA
+/* The NUMA node a PCI device sits on (sysfs), or -1. */
+static int pci_numa_node(const char *bus_id)
+{
+	char path[256], lower[64];
+	FILE *f;
+	int node = -1;
+	size_t i;
+	for (i = 0; bus_id[i] && i < sizeof(lower) - 1; i++)
+		lower[i] = (char)tolower((unsigned char)bus_id[i]);
+	lower[i] = 0;
+	snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/numa_node", lower);
+	f = fopen(path, "r");
+	if (f) {
+		if (fscanf(f, "%d", &node) != 1)
+			node = -1;
+		fclose(f);
+	}
+	return node;
+}
+#endif
 
 int mlens_numa_pick(int want, char *err, size_t errlen)
 {
@@ -19,6 +43,16 @@ int mlens_numa_pick(int want, char *err, size_t errlen)
 		}
 		return want;
 	}
+#ifdef HAVE_CUDA
+	/* default: the GPU's node, so that DMA to it stays local */
+	if (mlens_cuda_available()) {
+		char bus[64];
+		int node;
+		if (mlens_cuda_pci_bus_id(0, bus, sizeof(bus)) == 0 && (node = pci_numa_node(bus)) >= 0 &&
+		    node <= numa_max_node())
+			return node;
+	}
+#endif
 	return 0;
 }
 

@@ -237,6 +237,10 @@ int main(int argc, char **argv)
 			D.cfg.attn_kernel);
 		return 2;
 	}
+	if (mlens_stats_check_config(&D.cfg, err, sizeof(err))) {
+		fprintf(stderr, "mlensd: %s\n", err);
+		return 2;
+	}
 	rc = mlens_log_open(D.cfg.log, (enum mlens_log_level)level);
 	if (rc) {
 		fprintf(stderr, "mlensd: cannot open log %s: %s\n", D.cfg.log, strerror(-rc));

@@ -401,6 +401,21 @@ static int parse_http_addr(const char *spec, char *host, size_t hostlen, unsigne
 	return 0;
 }
 
+int mlens_stats_check_config(const struct mlens_config *c, char *err, size_t errlen)
+{
+	char host[48];
+	unsigned port;
+	gid_t gid;
+	if (c->stats_http && c->stats_http[0] &&
+	    parse_http_addr(c->stats_http, host, sizeof(host), &port, err, errlen))
+		return -EINVAL;
+	if (c->control_group && c->control_group[0] && group_gid(c->control_group, &gid)) {
+		snprintf(err, errlen, "control_group '%s': no such group", c->control_group);
+		return -EINVAL;
+	}
+	return 0;
+}
+
 int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
 		      struct mlens_daemon_info *info, char *err, size_t errlen)
 {

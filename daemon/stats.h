@@ -36,6 +36,9 @@ struct mlens_stats;
  * info->stats_http_addr). Refuses addresses other than loopback. */
 int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
 		      struct mlens_daemon_info *info, char *err, size_t errlen);
+/* Check stats_http (loopback only) and control_group (exists) before the
+ * model loads, so that a typo costs no loading time. 0 or -EINVAL. */
+int mlens_stats_check_config(const struct mlens_config *c, char *err, size_t errlen);
 /* Close both listeners and unlink the socket file. */
 void mlens_stats_destroy(struct mlens_stats *s);
 

@@ -195,8 +195,11 @@ void mlens_tenant_kick(struct mlens_tenant *t)
 
 bool mlens_tenant_arm(struct mlens_tenant *t)
 {
+	if (t->broken)
+		return false;	/* nothing more is read from it */
 	mlens_ring_cons_arm(&t->rg.sub);
-	if (mlens_ring_count(&t->rg.sub) > 0)
+	/* entries, or a corrupt index that intake must see and cut off */
+	if (mlens_ring_count(&t->rg.sub) != 0)
 		return true;
 	if (t->cmpl_full && mlens_ring_free_count(&t->rg.cmpl) > 0)
 		return true;

@@ -62,6 +62,7 @@ static int post(struct mlens_worker *w, struct cmd *c)
 {
 	uint64_t one = 1;
 	int rc = 0;
+	bool wait = c->wait;	/* an async c belongs to the worker once queued */
 	pthread_mutex_lock(&w->lock);
 	c->next = NULL;
 	if (w->cmds_tail)
@@ -72,7 +73,7 @@ static int post(struct mlens_worker *w, struct cmd *c)
 	pthread_mutex_unlock(&w->lock);
 	if (write(w->cmd_efd, &one, sizeof(one)) < 0)
 		log_error("worker: cannot wake: %s", strerror(errno));
-	if (c->wait) {
+	if (wait) {
 		pthread_mutex_lock(&w->lock);
 		while (!c->done)
 			pthread_cond_wait(&w->cmd_done, &w->lock);

@@ -120,6 +120,8 @@ size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be);
  * (-EINVAL for a backend that is not CUDA). */
 int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_t *free_bytes,
 				size_t *total_bytes);
+/* The PCI bus id of a device ("0000:3b:00.0"), for its NUMA node. */
+int mlens_cuda_pci_bus_id(int device, char *buf, int len);
 #endif
 /* True when the CUDA backend is built and a GPU is present. */
 bool mlens_cuda_available(void);

@@ -224,14 +224,15 @@ START_TEST(test_variant_vs_reference)
 }
 END_TEST
 
-/* One long sequence among short ones, 1 and 2 threads: identical bits. */
+/* 1 and 2 threads give identical bits: one long sequence among short ones
+ * (all KV heads in a task either way), and a single short sequence, which
+ * the dispatcher splits by KV heads differently for 1 and 2 threads. */
 START_TEST(test_threads_identical)
 {
 	const char *name = variant_names[_i];
+	static const int32_t mixed[] = { 7000, 3, 600, 1, 1500, 64, 8192, 17 };
+	static const int32_t single[] = { 700 };
 	struct mlens_pool *p1, *p2;
-	int32_t lens[] = { 7000, 3, 600, 1, 1500, 64, 8192, 17 };
-	struct setup s;
-	float *a, *b;
 
 	if (!mlens_cpu_attn_variant_supported(name)) {
 		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
@@ -240,14 +241,26 @@ START_TEST(test_threads_identical)
 	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
 	ck_assert_int_eq(mlens_pool_create(&p1, 1, NULL), 0);
 	ck_assert_int_eq(mlens_pool_create(&p2, 2, NULL), 0);
-	rng_state = 12345;
-	setup_make(&s, MLENS_DTYPE_BF16, 1, 8, 4, 128, 16, lens, 8);
-	a = run_variant(&s, p1, 0, 0.0883883f);
-	b = run_variant(&s, p2, 0, 0.0883883f);
-	ck_assert(memcmp(a, b, (size_t)s.n * s.n_heads * 128 * sizeof(float)) == 0);
-	free(a);
-	free(b);
-	setup_free(&s);
+	for (int k = 0; k < 2; k++) {
+		struct setup s;
+		float *a, *b, *ref;
+		double worst = 0.0;
+
+		rng_state = 12345 + (uint64_t)k;
+		if (k == 0)
+			setup_make(&s, MLENS_DTYPE_BF16, 1, 8, 4, 128, 16, mixed, 8);
+		else
+			setup_make(&s, MLENS_DTYPE_BF16, 1, 8, 4, 128, 16, single, 1);
+		a = run_variant(&s, p1, 0, 0.0883883f);
+		b = run_variant(&s, p2, 0, 0.0883883f);
+		ref = run_ref(&s, 0, 0.0883883f);
+		ck_assert(memcmp(a, b, (size_t)s.n * s.n_heads * 128 * sizeof(float)) == 0);
+		ck_assert_int_eq(compare(&s, ref, a, &worst), 0);
+		free(a);
+		free(b);
+		free(ref);
+		setup_free(&s);
+	}
 	mlens_pool_destroy(p1);
 	mlens_pool_destroy(p2);
 }
@@ -336,6 +349,20 @@ START_TEST(test_variant_selection)
 }
 END_TEST
 
+/* MLENS_ATTN_KERNEL picks the kernel at first use (each test runs in its
+ * own forked process, so this one sees a fresh choice). */
+START_TEST(test_env_variant)
+{
+	const char *fork = getenv("CK_FORK");
+	if (fork && !strcmp(fork, "no")) {
+		printf("check_attention: skipping the MLENS_ATTN_KERNEL test: needs CK_FORK\n");
+		return;
+	}
+	setenv("MLENS_ATTN_KERNEL", "scalar", 1);
+	ck_assert_str_eq(mlens_cpu_attn_variant(), "scalar");
+}
+END_TEST
+
 /* Bad input is refused before anything runs. */
 START_TEST(test_decode_errors)
 {
@@ -400,6 +427,7 @@ int main(void)
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
 	tcase_add_test(tc, test_variant_selection);
+	tcase_add_test(tc, test_env_variant);
 	tcase_add_test(tc, test_decode_errors);
 	tcase_add_test(tc, test_pool_numa);
 	suite_add_tcase(s, tc);

@@ -30,6 +30,7 @@
 #include "shm/proto.h"
 #include "shm/region.h"
 #include "shm/ring.h"
+#include "tests/fake_mlensd.h"
 
 /* The fake daemon's limits and ring sizes: small, so rings fill. */
 #define VOCAB 1000u
@@ -48,21 +49,6 @@ static double now_s(void)
 	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* The fake daemon's tokens: the client checks them with the same rule. */
-static int32_t gen_token(const int32_t *prompt, uint32_t n, uint32_t i)
-{
-	int64_t sum = 0;
-
-	for (uint32_t k = 0; k < n; k++)
-		sum += prompt[k];
-	return (int32_t)((sum + 7 * (int64_t)i) % VOCAB);
-}
-
-static float gen_logprob(uint32_t i)
-{
-	return -(float)(i + 1) / 8.0f;
-}
-
 /* ==== Fake daemon (the test process) ==== */
 
 enum scenario {
@@ -76,296 +62,42 @@ enum scenario {
 	SC_CLI,		/* the client is the mlens CLI */
 };
 
-struct fake_req {
-	uint64_t id;
-	int32_t prompt[MAX_PROMPT];
-	uint32_t n_prompt, max_tokens, sent;
-	bool logprobs, held, done;
-	int32_t stop[MLENS_MAX_STOP];
-	uint32_t n_stop;
-};
-
-struct fake {
-	enum scenario sc;
-	char dir[64], path[108];
-	int lsock, sock, memfd, efd_in, efd_out;
-	void *map;
-	size_t size;
-	struct mlens_region rg;
-	struct mlens_cmpl pend[4096];	/* completions not yet in the ring */
-	size_t ph, pt;
-	struct fake_req reqs[64];
-	int n_reqs;
-	int n_bad;			/* submissions that failed validation */
-	bool hung_up;
-};
-
-static void fake_listen(struct fake *f)
+/* The fake daemon's tokens, which the client checks. */
+static int32_t gen_token(const int32_t *prompt, uint32_t n, uint32_t i)
 {
-	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int32_t sum = 0;
 
-	strcpy(f->dir, "/tmp/check_client.XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(f->dir));
-	snprintf(f->path, sizeof(f->path), "%s/d.sock", f->dir);
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", f->path);
-	f->lsock = socket(AF_UNIX, SOCK_SEQPACKET, 0);
-	ck_assert_int_ge(f->lsock, 0);
-	ck_assert_int_eq(bind(f->lsock, (struct sockaddr *)&sa, sizeof(sa)), 0);
-	ck_assert_int_eq(listen(f->lsock, 4), 0);
-	f->sock = f->memfd = f->efd_in = f->efd_out = -1;
+	for (uint32_t k = 0; k < n; k++)
+		sum += prompt[k];
+	return mlens_fake_token(sum, VOCAB, i);
 }
 
-static void fake_release(struct fake *f)
+static float gen_logprob(uint32_t i)
 {
-	if (f->map)
-		munmap(f->map, f->size);
-	f->map = NULL;
-	for (int *fd = &f->sock; fd <= &f->efd_out; fd++)
-		if (*fd >= 0)
-			close(*fd);
-	f->sock = f->memfd = f->efd_in = f->efd_out = -1;
+	return mlens_fake_logprob(i);
 }
 
-static void fake_cleanup(struct fake *f)
+/* A fake daemon with small rings (so that they fill) listening. */
+static void fake_listen(struct mlens_fake *f, enum scenario sc)
 {
-	if (f->map)
-		munmap(f->map, f->size);
-	for (int *fd = &f->lsock; fd <= &f->efd_out; fd++)
-		if (*fd >= 0)
-			close(*fd);
-	unlink(f->path);
-	rmdir(f->dir);
+	memset(f, 0, sizeof(*f));
+	f->params = (struct mlens_region_params){ SUB_ENTRIES, CMPL_ENTRIES, PROMPT_BYTES };
+	f->limits = (struct mlens_region_limits){ MAX_PROMPT, MAX_GEN, CONTEXT, VOCAB, 0, { 0 } };
+	f->hold = sc == SC_CANCEL;
+	f->post_limit = sc == SC_HANGUP ? 3 : 0;
+	ck_assert_int_eq(mlens_fake_listen(f), 0);
 }
 
-/* Accept, read the hello, send a welcome (with the region and eventfds
- * when status is 0). */
-static void fake_attach_as(struct fake *f, int32_t status, uint32_t welcome_magic,
-			   const char *name)
+static void fake_attach(struct mlens_fake *f, int32_t status, uint32_t magic,
+			const char *name)
 {
-	struct mlens_region_params p = { SUB_ENTRIES, CMPL_ENTRIES, PROMPT_BYTES };
-	struct mlens_region_limits lim = { MAX_PROMPT, MAX_GEN, CONTEXT, VOCAB, 0, { 0 } };
-	struct mlens_hello h;
-	struct mlens_welcome w;
-	union {
-		struct cmsghdr align;
-		char buf[CMSG_SPACE(sizeof(int) * 3)];
-	} ctl;
-	struct iovec iov = { .iov_base = &w, .iov_len = sizeof(w) };
-	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1 };
-	char why[256];
-
-	f->sock = accept(f->lsock, NULL, NULL);
-	ck_assert_int_ge(f->sock, 0);
-	ck_assert_int_eq(recv(f->sock, &h, sizeof(h), 0), (ssize_t)sizeof(h));
-	ck_assert_uint_eq(h.magic, MLENS_HELLO_MAGIC);
-	ck_assert_uint_eq(h.version, MLENS_PROTO_VERSION);
-	ck_assert_str_eq(h.name, name);
-
-	memset(&w, 0, sizeof(w));
-	w.magic = welcome_magic;
-	w.version = MLENS_PROTO_VERSION;
-	w.status = status;
-	if (status == 0) {
-		ck_assert_int_eq(mlens_region_size(&p, &f->size), 0);
-		f->memfd = memfd_create("fake-tenant", MFD_CLOEXEC);
-		ck_assert_int_ge(f->memfd, 0);
-		ck_assert_int_eq(ftruncate(f->memfd, (off_t)f->size), 0);
-		f->map = mmap(NULL, f->size, PROT_READ | PROT_WRITE, MAP_SHARED, f->memfd, 0);
-		ck_assert_ptr_ne(f->map, MAP_FAILED);
-		ck_assert_msg(mlens_region_format(&f->rg, f->map, f->size, &p, &lim, why,
-						  sizeof(why)) == 0, "%s", why);
-		f->efd_in = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-		f->efd_out = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-		ck_assert_int_ge(f->efd_in, 0);
-		ck_assert_int_ge(f->efd_out, 0);
-		w.tenant_id = 7;
-		w.region_size = f->size;
-		msg.msg_control = ctl.buf;
-		msg.msg_controllen = sizeof(ctl.buf);
-		struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-
-		c->cmsg_level = SOL_SOCKET;
-		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int) * 3);
-		memcpy(CMSG_DATA(c), (int[3]){ f->memfd, f->efd_in, f->efd_out }, sizeof(int) * 3);
-	} else {
-		snprintf(w.message, sizeof(w.message), "refused by the test");
-	}
-	ck_assert_int_eq(sendmsg(f->sock, &msg, 0), (ssize_t)sizeof(w));
+	ck_assert_int_eq(mlens_fake_accept(f, status, magic), 0);
+	ck_assert_str_eq(f->name, name);
 }
 
-static void fake_attach(struct fake *f, int32_t status, uint32_t welcome_magic)
+static void fake_serve(struct mlens_fake *f)
 {
-	fake_attach_as(f, status, welcome_magic, "check_client");
-}
-
-static void fake_attach_named(struct fake *f, const char *name)
-{
-	fake_attach_as(f, 0, MLENS_WELCOME_MAGIC, name);
-}
-
-static void push(struct fake *f, uint64_t id, int32_t token, uint16_t flags, uint8_t finish,
-		 int32_t status, float lp)
-{
-	struct mlens_cmpl c;
-
-	memset(&c, 0, sizeof(c));
-	c.id = id;
-	c.token = token;
-	c.flags = flags;
-	c.finish = finish;
-	c.status = status;
-	c.logprob = lp;
-	ck_assert_uint_lt(f->pt - f->ph, sizeof(f->pend) / sizeof(f->pend[0]));
-	f->pend[f->pt++ % (sizeof(f->pend) / sizeof(f->pend[0]))] = c;
-}
-
-/* Queue the completions of request r: all of them, or only the first one
- * when the scenario holds requests until cancelled. */
-static void fake_generate(struct fake *f, struct fake_req *r)
-{
-	while (!r->done && r->sent < r->max_tokens) {
-		uint32_t i = r->sent++;
-		int32_t tok = gen_token(r->prompt, r->n_prompt, i);
-		bool stop = false, last;
-		uint16_t fl = MLENS_CMPL_TOKEN;
-
-		for (uint32_t k = 0; k < r->n_stop; k++)
-			stop |= r->stop[k] == tok;
-		last = stop || r->sent == r->max_tokens;
-		if (i == 0)
-			fl |= MLENS_CMPL_FIRST;
-		if (last)
-			fl |= MLENS_CMPL_LAST;
-		if (r->logprobs)
-			fl |= MLENS_CMPL_LOGPROB;
-		push(f, r->id, tok, fl, last ? (stop ? MLENS_FINISH_STOP : MLENS_FINISH_LENGTH) : 0,
-		     0, r->logprobs ? gen_logprob(i) : 0.0f);
-		r->done = last;
-		if (f->sc == SC_CANCEL) {
-			r->held = !last;
-			return;
-		}
-	}
-}
-
-/* Completions queued beyond the ring before the fake daemon stops taking
- * submissions (the real one keeps room to answer what it takes): a reader
- * that stops reading stalls the submitter too. */
-#define PEND_MAX 8u
-
-/* Take submissions while there is room to answer them. Returns how many. */
-static int fake_intake(struct fake *f)
-{
-	struct mlens_sub s;
-	int n = 0;
-
-	while (f->pt - f->ph < PEND_MAX && mlens_ring_dequeue_bulk(&f->rg.sub, &s, 1) == 1) {
-		n++;
-		if (mlens_sub_validate(&s, &f->rg.limits, NULL, 0)) {
-			f->n_bad++;
-			continue;
-		}
-		if (s.op == MLENS_OP_CANCEL) {
-			for (int i = 0; i < f->n_reqs; i++)
-				if (f->reqs[i].id == s.id && f->reqs[i].held) {
-					f->reqs[i].held = false;
-					f->reqs[i].done = true;
-					push(f, s.id, 0, MLENS_CMPL_LAST, MLENS_FINISH_CANCELLED, 0, 0);
-				}
-			continue;
-		}
-		ck_assert_int_lt(f->n_reqs, 64);
-		struct fake_req *r = &f->reqs[f->n_reqs++];
-
-		memset(r, 0, sizeof(*r));
-		r->id = s.id;
-		r->n_prompt = s.prompt_len;
-		r->max_tokens = s.max_tokens;
-		r->logprobs = s.flags & MLENS_SUB_LOGPROBS;
-		r->n_stop = s.n_stop;
-		memcpy(r->stop, s.stop, sizeof(r->stop));
-		ck_assert_int_eq(mlens_bytering_read(&f->rg.prompt, s.prompt_off, s.prompt_len * 4,
-						     r->prompt), 0);
-		ck_assert_int_eq(mlens_bytering_release(&f->rg.prompt, s.prompt_off,
-							s.prompt_len * 4), 0);
-		mlens_ring_wake_prod(&f->rg.prompt.ring, f->efd_out);
-		/* a prompt starting with token 999 asks for an error event */
-		if (r->prompt[0] == 999) {
-			r->done = true;
-			push(f, r->id, 0, MLENS_CMPL_FIRST | MLENS_CMPL_LAST, MLENS_FINISH_ERROR,
-			     -EDQUOT, 0);
-		} else {
-			fake_generate(f, r);
-		}
-	}
-	if (n)
-		mlens_ring_wake_prod(&f->rg.sub, f->efd_out);
-	return n;
-}
-
-/* Move queued completions into the ring. Returns how many. */
-static int fake_post(struct fake *f, size_t max)
-{
-	const size_t cap = sizeof(f->pend) / sizeof(f->pend[0]);
-	int n = 0;
-
-	while (f->ph != f->pt && (size_t)n < max) {
-		if (mlens_ring_enqueue_bulk(&f->rg.cmpl, &f->pend[f->ph % cap], 1) != 1)
-			break;
-		f->ph++;
-		n++;
-	}
-	if (n)
-		mlens_ring_wake_cons(&f->rg.cmpl, f->efd_out);
-	return n;
-}
-
-static bool client_gone(struct fake *f)
-{
-	struct pollfd p = { .fd = f->sock, .events = POLLRDHUP };
-
-	return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR));
-}
-
-/* Serve until the client hangs up (or, for SC_HANGUP, until 3 events are
- * out). Sleeps only through the needs-wake-up handshake, with no timeout:
- * a lost wake-up on either side hangs the test into its time limit. */
-static void fake_serve(struct fake *f)
-{
-	size_t posted = 0;
-
-	for (;;) {
-		int work = fake_intake(f);
-		int n = fake_post(f, f->sc == SC_HANGUP ? 3 - posted : SIZE_MAX);
-
-		posted += (size_t)n;
-		work += n;
-		if (f->sc == SC_HANGUP && posted == 3)
-			return;
-		if (work)
-			continue;
-		if (client_gone(f))
-			return;
-		bool can_take = f->pt - f->ph < PEND_MAX;
-
-		if (can_take)
-			mlens_ring_cons_arm(&f->rg.sub);
-		if (f->ph != f->pt)
-			mlens_ring_prod_arm(&f->rg.cmpl);
-		if ((!can_take || mlens_ring_count(&f->rg.sub) == 0) &&
-		    (f->ph == f->pt || mlens_ring_free_count(&f->rg.cmpl) == 0)) {
-			struct pollfd p[2] = { { .fd = f->efd_in, .events = POLLIN },
-					       { .fd = f->sock, .events = POLLRDHUP } };
-			uint64_t v;
-
-			ck_assert_int_ge(poll(p, 2, -1), 1);
-			if (read(f->efd_in, &v, sizeof(v)) < 0)
-				ck_assert_int_eq(errno, EAGAIN);
-		}
-		mlens_ring_cons_disarm(&f->rg.sub);
-		mlens_ring_prod_disarm(&f->rg.cmpl);
-	}
+	ck_assert_int_eq(mlens_fake_serve(f), 0);
 }
 
 /* ==== The client (forked child) ==== */
@@ -707,13 +439,38 @@ static void client_hangup(struct mlens *m)
 	CHK(mlens_cancel(m, 1) == -ECONNRESET);
 }
 
+struct idle_waiter {
+	struct mlens *m;
+	int rc;
+};
+
+static void *idle_wait(void *arg)
+{
+	struct idle_waiter *w = arg;
+	struct mlens_event ev;
+
+	w->rc = mlens_wait(w->m, &ev, 1, -1);
+	return NULL;
+}
+
+/* One thread sleeps in mlens_wait until the daemon hangs up (100 ms after
+ * attach); meanwhile mlens_poll in another thread does not wait for it. */
 static void client_hangup_idle(struct mlens *m)
 {
+	struct idle_waiter w = { m, 1 };
 	struct mlens_event ev;
-	double t0 = now_s();
+	pthread_t th;
+	double t0 = now_s(), t1;
 
-	CHK(mlens_wait(m, &ev, 1, -1) == -ECONNRESET);
+	CHK(pthread_create(&th, NULL, idle_wait, &w) == 0);
+	usleep(20 * 1000);
+	t1 = now_s();
+	CHK(mlens_poll(m, &ev, 1) == 0);
+	CHK(now_s() - t1 < 0.04);
+	CHK(pthread_join(th, NULL) == 0);
+	CHK(w.rc == -ECONNRESET);
 	CHK(now_s() - t0 >= 0.05);
+	CHK(mlens_poll(m, &ev, 1) == -ECONNRESET);
 }
 
 static void client_fdloop(struct mlens *m)
@@ -858,17 +615,15 @@ static void check_tokens(json_t *o, const int32_t *prompt, uint32_t n, uint32_t 
 
 START_TEST(test_cli)
 {
-	static struct fake f;
+	static struct mlens_fake f;
 	char mlens[4096], in[128], out[128], errf[128], buf[4096];
 	int st;
 	pid_t pid;
 	FILE *fo;
 	json_t *o;
 
-	memset(&f, 0, sizeof(f));
-	f.sc = SC_CLI;
 	cli_path(mlens, sizeof(mlens));
-	fake_listen(&f);
+	fake_listen(&f, SC_CLI);
 	snprintf(in, sizeof(in), "%s/in.jsonl", f.dir);
 	snprintf(out, sizeof(out), "%s/out.jsonl", f.dir);
 	snprintf(errf, sizeof(errf), "%s/stderr", f.dir);
@@ -877,9 +632,9 @@ START_TEST(test_cli)
 			 "--max-inflight", "2", NULL };
 
 	pid = cli_spawn(f.dir, argv);
-	fake_attach_named(&f, "mlens");
+	fake_attach(&f, 0, MLENS_WELCOME_MAGIC, "mlens");
 	fake_serve(&f);
-	fake_release(&f);
+	mlens_fake_release(&f);
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
 	/* 1: some lines failed */
 	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 1, "mlens exit status 0x%x", st);
@@ -947,22 +702,20 @@ START_TEST(test_cli)
 	unlink(in);
 	unlink(out);
 	unlink(errf);
-	fake_cleanup(&f);
+	mlens_fake_cleanup(&f);
 }
 END_TEST
 
 /* All requests completed: 0; no daemon: 2; usage: 2. */
 START_TEST(test_cli_status)
 {
-	static struct fake f;
+	static struct mlens_fake f;
 	char mlens[4096], in[128], out[128], errf[128], buf[1024];
 	int st;
 	pid_t pid;
 
-	memset(&f, 0, sizeof(f));
-	f.sc = SC_CLI;
 	cli_path(mlens, sizeof(mlens));
-	fake_listen(&f);
+	fake_listen(&f, SC_CLI);
 	snprintf(in, sizeof(in), "%s/in.jsonl", f.dir);
 	snprintf(out, sizeof(out), "%s/out.jsonl", f.dir);
 	snprintf(errf, sizeof(errf), "%s/stderr", f.dir);
@@ -970,9 +723,9 @@ START_TEST(test_cli_status)
 	char *argv[] = { mlens, "generate", "-s", f.path, "-i", in, "-o", out, "-q", NULL };
 
 	pid = cli_spawn(f.dir, argv);
-	fake_attach_named(&f, "mlens");
+	fake_attach(&f, 0, MLENS_WELCOME_MAGIC, "mlens");
 	fake_serve(&f);
-	fake_release(&f);
+	mlens_fake_release(&f);
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
 	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mlens exit status 0x%x", st);
 	FILE *fe = fopen(errf, "r");
@@ -1003,7 +756,7 @@ START_TEST(test_cli_status)
 	unlink(in);
 	unlink(out);
 	unlink(errf);
-	fake_cleanup(&f);
+	mlens_fake_cleanup(&f);
 }
 END_TEST
 
@@ -1011,27 +764,25 @@ END_TEST
 
 static void run_scenario(enum scenario sc)
 {
-	static struct fake f;
+	static struct mlens_fake f;
 	pid_t pid;
 	int st;
 
-	memset(&f, 0, sizeof(f));
-	f.sc = sc;
-	fake_listen(&f);
+	fake_listen(&f, sc);
 	pid = fork();
 	ck_assert_int_ge(pid, 0);
 	if (pid == 0)
 		client_run(f.path, sc);
 
-	fake_attach(&f, 0, MLENS_WELCOME_MAGIC);
+	fake_attach(&f, 0, MLENS_WELCOME_MAGIC, "check_client");
 	if (sc == SC_BASIC) {
 		/* the first connection: only rejected requests, then one */
 		fake_serve(&f);
 		ck_assert_int_eq(f.n_reqs, 1);
-		fake_release(&f);
+		mlens_fake_release(&f);
 		f.n_reqs = 0;
 		f.ph = f.pt = 0;
-		fake_attach(&f, 0, MLENS_WELCOME_MAGIC);
+		fake_attach(&f, 0, MLENS_WELCOME_MAGIC, "check_client");
 	}
 	if (sc == SC_NOWAIT) {
 		while (mlens_ring_count(&f.rg.sub) < (int)SUB_ENTRIES)
@@ -1043,14 +794,14 @@ static void run_scenario(enum scenario sc)
 	else
 		fake_serve(&f);
 	if (sc == SC_HANGUP || sc == SC_HANGUP_IDLE)
-		fake_release(&f);
+		mlens_fake_release(&f);
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
 	ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the client failed (status 0x%x)",
 		      st);
 	ck_assert_int_eq(f.n_bad, 0);
 	if (sc == SC_PRESSURE)
 		ck_assert_int_eq(f.n_reqs, 40);
-	fake_cleanup(&f);
+	mlens_fake_cleanup(&f);
 }
 
 START_TEST(test_basic) { run_scenario(SC_BASIC); } END_TEST
@@ -1064,13 +815,12 @@ START_TEST(test_fdloop) { run_scenario(SC_FDLOOP); } END_TEST
 /* Attach refusals: the daemon's status, a foreign welcome, no answer. */
 static int open_against(int32_t status, uint32_t magic, bool close_early)
 {
-	static struct fake f;
+	static struct mlens_fake f;
 	struct mlens *m = NULL;
 	pid_t pid;
 	int st;
 
-	memset(&f, 0, sizeof(f));
-	fake_listen(&f);
+	fake_listen(&f, SC_BASIC);
 	pid = fork();
 	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
@@ -1082,11 +832,11 @@ static int open_against(int32_t status, uint32_t magic, bool close_early)
 		f.sock = accept(f.lsock, NULL, NULL);
 		ck_assert_int_ge(f.sock, 0);
 	} else {
-		fake_attach(&f, status, magic);
+		fake_attach(&f, status, magic, "check_client");
 	}
-	fake_release(&f);
+	mlens_fake_release(&f);
 	ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-	fake_cleanup(&f);
+	mlens_fake_cleanup(&f);
 	ck_assert(WIFEXITED(st));
 	return -WEXITSTATUS(st);
 }

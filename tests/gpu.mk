@@ -5,7 +5,7 @@ daemon_libmlens_core_la_SOURCES += daemon/gpu_plan.h daemon/gpu_plan.c
 
 tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c
 tests_bench_mlens_bench_CFLAGS += $(JANSSON_CFLAGS)
-tests_bench_mlens_bench_LDADD += client/libmlens.la daemon/libmlens_core.la $(JANSSON_LIBS) -lm
+tests_bench_mlens_bench_LDADD += daemon/libmlens_core.la $(JANSSON_LIBS) -lm
 if HAVE_CUDA
 tests_bench_mlens_bench_CFLAGS += $(CUDA_CFLAGS)
 tests_bench_mlens_bench_LDADD += $(CUDA_LIBS)

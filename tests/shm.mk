@@ -11,9 +11,10 @@ endif
 
 bin_PROGRAMS += tests/bench/mlens-bench
 tests_bench_mlens_bench_SOURCES = \
-	tests/bench/bench.h tests/bench/mlens-bench.c tests/bench/bench_ring.c
+	tests/bench/bench.h tests/bench/mlens-bench.c tests/bench/bench_ring.c \
+	tests/bench/bench_attention.c tests/bench/bench_attention.h
 tests_bench_mlens_bench_CFLAGS = $(AM_CFLAGS) -O2
-tests_bench_mlens_bench_LDADD = shm/libmlens_shm.la
+tests_bench_mlens_bench_LDADD = shm/libmlens_shm.la kernels/libmlens_kernels.la $(PTHREAD_LIBS) -lm
 
 # libFuzzer needs clang; automake compiles with $(CC), hence a plain rule.
 # `make fuzz-shm` builds it; run as: tests/fuzz/fuzz_shm [CORPUS_DIR]

@@ -6,13 +6,14 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/attn_int.h"
 #include "kernels/cpu/cpu.h"
 
-int mlens_attn_prefetch_blocks = 2;
+int mlens_attn_prefetch_tiles = 4;
 
 /* ==== variants ==== */
 
@@ -70,10 +71,16 @@ static void init_variant(void)
 	const char *pf = getenv("MLENS_ATTN_PREFETCH");
 	int i = env ? find_variant(env) : -1;
 
-	if (i < 0 || !cpu_has(i))
-		i = best_variant();	/* an unusable name falls back to the best */
+	if (env && (i < 0 || !cpu_has(i))) {
+		/* a setting that cannot be honoured is said once, not ignored */
+		fprintf(stderr, "mlens: MLENS_ATTN_KERNEL=%s is not a kernel this CPU can run "
+			"(scalar, avx2, avx512); using %s\n", env, variants[best_variant()].name);
+		i = -1;
+	}
+	if (i < 0)
+		i = best_variant();
 	if (pf && *pf)
-		mlens_attn_prefetch_blocks = atoi(pf) > 0 ? atoi(pf) : 0;
+		mlens_attn_prefetch_tiles = atoi(pf) > 0 ? atoi(pf) : 0;
 	/* relaxed: the variants are constant tables; the pointer is the only datum */
 	atomic_store_explicit(&active, &variants[i], memory_order_relaxed);
 }
@@ -137,8 +144,9 @@ void mlens_cpu_attn_ws_fini(struct mlens_cpu_attn_ws *ws)
 
 /* ==== decode ==== */
 
-/* One task: chunk c of (query i, KV head g); part < 0 means the query is
- * not split and the task writes its output directly. */
+/* One task: chunk c of query i for the KV heads [g, g + heads per task);
+ * part < 0 means the query is not split and the task writes its output
+ * directly. */
 struct attn_task {
 	int32_t i;
 	int32_t g;
@@ -151,12 +159,13 @@ struct decode_job {
 	const float *q;
 	const struct mlens_kv_cache *kv;
 	int layer, nh, group, chunk;
+	int hpt;		/* KV heads per task */
 	const struct mlens_attn_query *qs;
 	float scale;
 	const struct attn_variant *var;
 	const struct attn_task *tasks;
 	float *part;
-	size_t rec_floats;	/* one partial: acc[group][hd], m[group], l[group] */
+	size_t rec_floats;	/* one partial: acc[H][hd], m[H], l[H]; H = hpt*group */
 	float *scratch;
 	size_t scratch_floats;
 };
@@ -184,7 +193,7 @@ static void span_task(void *arg, int task, int thread)
 	size_t off = head_off(j, t->i, t->g);
 	int32_t t0 = t->c * j->chunk, t1 = t0 + j->chunk;
 	struct mlens_attn_span s = {
-		.kv = j->kv, .layer = j->layer, .g = t->g, .group = j->group,
+		.kv = j->kv, .layer = j->layer, .g = t->g, .n_g = j->hpt, .group = j->group,
 		.q = j->q + off, .block_table = j->qs[t->i].block_table,
 		.t0 = t0, .scale = j->scale,
 	};
@@ -194,21 +203,22 @@ static void span_task(void *arg, int task, int thread)
 		s.out = j->out + off;
 	} else {
 		float *rec = j->part + (size_t)(t->part + t->c) * j->rec_floats;
-		size_t gh = (size_t)j->group * j->kv->head_dim;
+		int H = j->hpt * j->group;
+		size_t gh = (size_t)H * j->kv->head_dim;
 		s.acc = rec;
 		s.m = rec + gh;
-		s.l = rec + gh + j->group;
+		s.l = rec + gh + H;
 	}
 	j->var->span(&s, j->scratch + (size_t)thread * j->scratch_floats);
 }
 
-/* Merge the chunks of one split (query, kv head) in chunk order: the task
+/* Merge the chunks of one split (query, KV heads) in chunk order: the task
  * list holds chunk 0 of each split pair at merge index task. */
 static void merge_task(void *arg, int task, int thread)
 {
 	struct decode_job *j = arg;
 	const struct attn_task *t = &j->tasks[task];
-	int hd = j->kv->head_dim, G = j->group;
+	int hd = j->kv->head_dim, G = j->hpt * j->group;
 	int nch = (j->qs[t->i].ctx_len + j->chunk - 1) / j->chunk;
 	size_t gh = (size_t)G * hd;
 	float *out = j->out + head_off(j, t->i, t->g);
@@ -245,7 +255,8 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 		.qs = queries, .scale = scale, .var = get_variant(),
 	};
 	int nkv = kv->n_kv_heads, hd = kv->head_dim, nt = mlens_pool_size(pool);
-	size_t n_tasks = 0, n_recs = 0, n_merge = 0;
+	size_t n_tasks = 0, n_recs = 0, n_merge = 0, n_chunks = 0;
+	int n_hb;
 	struct attn_task *tasks;
 
 	if (nkv <= 0 || n_heads <= 0 || n_heads % nkv || hd <= 0 || kv->block_size <= 0)
@@ -267,16 +278,30 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	}
 
 	j.chunk = (MLENS_ATTN_CHUNK_TOKENS + kv->block_size - 1) / kv->block_size * kv->block_size;
+	for (int i = 0; i < n; i++)
+		n_chunks += ((size_t)queries[i].ctx_len + j.chunk - 1) / j.chunk;
+	/* All KV heads in one task read each block as one run (better for the
+	 * prefetchers and DRAM pages than one 4 KB piece per head); fewer heads
+	 * per task only when the batch would otherwise not feed every thread.
+	 * Heads never interact, so this choice does not change any result. */
+	j.hpt = nkv;
+	while (j.hpt > 1 && n_chunks * (size_t)(nkv / j.hpt) < 4 * (size_t)nt) {
+		int d = j.hpt - 1;
+		while (nkv % d)
+			d--;
+		j.hpt = d;
+	}
+	n_hb = nkv / j.hpt;
 	for (int i = 0; i < n; i++) {
 		size_t nch = ((size_t)queries[i].ctx_len + j.chunk - 1) / j.chunk;
-		n_tasks += nch * nkv;
+		n_tasks += nch * n_hb;
 		if (nch > 1) {
-			n_recs += nch * nkv;
-			n_merge += nkv;
+			n_recs += nch * n_hb;
+			n_merge += n_hb;
 		}
 	}
-	j.rec_floats = (size_t)j.group * hd + 2 * (size_t)j.group;
-	j.scratch_floats = (mlens_attn_scratch_floats(j.group, hd) + 15) & ~(size_t)15;
+	j.rec_floats = (size_t)j.hpt * j.group * (hd + 2);
+	j.scratch_floats = (mlens_attn_scratch_floats(j.hpt * j.group, hd) + 15) & ~(size_t)15;
 	if (n_tasks + n_merge > (size_t)INT32_MAX || n_recs > (size_t)INT32_MAX ||
 	    ws_reserve(&ws->tasks, &ws->tasks_bytes, (n_tasks + n_merge) * sizeof(*tasks)) ||
 	    ws_reserve((void **)&ws->part, &ws->part_bytes, n_recs * j.rec_floats * sizeof(float)) ||
@@ -288,15 +313,15 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	j.part = ws->part;
 	j.scratch = ws->scratch;
 
-	/* Attention tasks first, in (query, head, chunk) order; then one merge
-	 * entry per split pair. Tasks are at most one chunk, so the last task
-	 * to finish is short whatever the lengths in the batch. */
+	/* Attention tasks first, in (query, head block, chunk) order; then one
+	 * merge entry per split pair. Tasks are at most one chunk, so the last
+	 * task to finish is short whatever the lengths in the batch. */
 	{
 		size_t k = 0, m = n_tasks;
 		int32_t rec = 0;
 		for (int i = 0; i < n; i++) {
 			int32_t nch = (queries[i].ctx_len + j.chunk - 1) / j.chunk;
-			for (int g = 0; g < nkv; g++) {
+			for (int g = 0; g < nkv; g += j.hpt) {
 				int32_t part = nch > 1 ? rec : -1;
 				for (int32_t c = 0; c < nch; c++)
 					tasks[k++] = (struct attn_task){ i, g, c, part };

@@ -15,7 +15,11 @@
 #define MLENS_ATTN_CHUNK_TOKENS 512
 
 /* Choose the kernel: "scalar", "avx2", "avx512", or "auto" (the best the CPU
- * has; also the default, unless MLENS_ATTN_KERNEL names one). Returns 0,
+ * has; also the default, unless the environment variable MLENS_ATTN_KERNEL
+ * names one; MLENS_ATTN_PREFETCH=N sets the prefetch distance in tiles, 0
+ * off, for measurements). scalar is the reference; avx2 and avx512 take bf16
+ * or f32 caches with head_dim a multiple of 16 (avx2) or 32 (avx512) up to
+ * 256, and fall back to the reference for other shapes. Returns 0,
  * -EINVAL for an unknown name, -ENOTSUP when this CPU lacks the ISA.
  * Process-wide; call it before attention runs, not during. */
 int mlens_cpu_attn_set_variant(const char *name);

@@ -11,36 +11,37 @@
 /* Positions per tile: scores of one tile are softmaxed together. */
 #define MLENS_ATTN_TILE 16
 
-/* One task: the query heads [g*group, (g+1)*group) of one query token over
- * the positions [t0, t1) of its sequence. With out set, the result is the
+/* One task: the query heads [g*group, (g+n_g)*group) (those of KV heads
+ * [g, g+n_g)) of one query token over the positions [t0, t1) of its sequence. With out set, the result is the
  * normalised attention output; otherwise the unnormalised partial
  * (acc = sum p*v, m = max score, l = sum p) for a later merge. */
 struct mlens_attn_span {
 	const struct mlens_kv_cache *kv;
-	int layer, g, group;
-	const float *q;			/* [group][head_dim] */
+	int layer, g, n_g, group;
+	const float *q;			/* [n_g*group][head_dim] */
 	const uint32_t *block_table;
 	int32_t t0, t1;
 	float scale;
-	float *out;			/* [group][head_dim] or NULL */
-	float *acc, *m, *l;		/* partial, when out is NULL */
+	float *out;			/* [n_g*group][head_dim] or NULL */
+	float *acc, *m, *l;		/* partial, when out is NULL: [n_g*group][..] */
 };
 
-/* scratch holds mlens_attn_scratch_floats(group, head_dim) floats, 64-byte aligned. */
+/* scratch holds mlens_attn_scratch_floats(n_g * group, head_dim) floats. */
 typedef void (*mlens_attn_span_fn)(const struct mlens_attn_span *s, float *scratch);
 /* dst[i] = mlens_f32_to_bf16(src[i]) bit for bit */
 typedef void (*mlens_bf16_cvt_fn)(uint16_t *dst, const float *src, size_t n);
 
-static inline size_t mlens_attn_scratch_floats(int group, int head_dim)
+static inline size_t mlens_attn_scratch_floats(int heads, int head_dim)
 {
 	/* q, acc: group*hd each; scores (then p) per tile; max, sum, rescale */
-	return 2 * (size_t)group * head_dim + (size_t)group * MLENS_ATTN_TILE +
-	       3 * (size_t)group + 16;
+	return 2 * (size_t)heads * head_dim + (size_t)heads * MLENS_ATTN_TILE +
+	       3 * (size_t)heads + 16;
 }
 
-/* How far ahead (in KV blocks) the kernels prefetch; 0 turns prefetch off.
+/* How far ahead the kernels prefetch, in (block, KV head) tiles of their
+ * walk; 0 turns prefetch off.
  * A tuning knob for measurement (MLENS_ATTN_PREFETCH), read at dispatch. */
-extern int mlens_attn_prefetch_blocks;
+extern int mlens_attn_prefetch_tiles;
 
 /* The kernels of each ISA level (their files are built with its flags).
  * A span fn handles head_dim % (2 * vector width) == 0, head_dim <= 256. */

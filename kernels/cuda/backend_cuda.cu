@@ -628,6 +628,11 @@ extern "C" bool mlens_cuda_available(void)
 	return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+extern "C" int mlens_cuda_pci_bus_id(int device, char *buf, int len)
+{
+	return cudaDeviceGetPCIBusId(buf, len, device) == cudaSuccess ? 0 : -ENODEV;
+}
+
 extern "C" size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be)
 {
 	if (!be || be->ops != &cuda_ops)

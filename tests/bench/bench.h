@@ -18,6 +18,8 @@ struct mlens_bench_cmd {
 
 /* SPSC ring throughput with polling, and doorbell round-trip latency. */
 int mlens_bench_ring(int argc, char **argv);
+/* libmlens against a fake daemon: tokens/s and request round trip. */
+int mlens_bench_client(int argc, char **argv);
 
 /* A real mlensd driven through libmlens by client threads: tokens/s, time
  * to first token, engine busy; with CUDA, the GEMM/HBM bound (bench_serve.c). */

@@ -277,7 +277,7 @@ static void usage(FILE *f)
 		"usage: mlens-bench attention [--json] [--threads LIST] [--seqs N]\n"
 		"         [--min-ctx A --max-ctx B] [--variant scalar|avx2|avx512]\n"
 		"         [--heads H] [--kv-heads K] [--head-dim D] [--block S]\n"
-		"         [--min-time SECONDS] [--bw-mb MB] [--prefetch BLOCKS]\n"
+		"         [--min-time SECONDS] [--bw-mb MB] [--prefetch TILES]\n"
 		"Decode attention over a one-layer bf16 paged KV cache: KV bytes read\n"
 		"per second for each kernel variant and thread count, next to the\n"
 		"streaming read bandwidth measured in the same run.\n");
@@ -366,7 +366,7 @@ int mlens_bench_attention(int argc, char **argv)
 	if (rc)
 		return rc > 0 ? 0 : 2;
 	if (o.prefetch >= 0)
-		mlens_attn_prefetch_blocks = o.prefetch;
+		mlens_attn_prefetch_tiles = o.prefetch;
 	__builtin_cpu_init();
 	have_avx512 = __builtin_cpu_supports("avx512f");
 	for (int t = 0; t < o.n_threads; t++)
@@ -435,10 +435,10 @@ int mlens_bench_attention(int argc, char **argv)
 			       bw_by_t[t]);
 		printf("],\n \"config\": {\"seqs\": %d, \"min_ctx\": %d, \"max_ctx\": %d, \"heads\": %d, "
 		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"bf16\", "
-		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_blocks\": %d},\n"
+		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_tiles\": %d},\n"
 		       " \"results\": [",
 		       o.seqs, o.min_ctx, o.max_ctx, o.heads, o.kv_heads, o.head_dim, o.block,
-		       b.kv_bytes, MLENS_ATTN_CHUNK_TOKENS, mlens_attn_prefetch_blocks);
+		       b.kv_bytes, MLENS_ATTN_CHUNK_TOKENS, mlens_attn_prefetch_tiles);
 		for (int i = 0; i < n_res; i++)
 			printf("%s\n  {\"variant\": \"%s\", \"threads\": %d, \"kv_gbs\": %.2f, "
 			       "\"kv_gbs_median\": %.2f, \"passes\": %d, \"read_bw_gbs\": %.2f, "

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 #include "tests/bench/bench.h"
+#include "tests/bench/bench_attention.h"
 
 static const struct mlens_bench_cmd cmds[] = {
 	{ "ring", mlens_bench_ring,
@@ -18,6 +19,12 @@ static const struct mlens_bench_cmd cmds[] = {
 	  "[--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T] [--json]: "
 	  "a real mlensd through libmlens: tokens/s, time to first token, engine busy; with "
 	  "CUDA the GEMM rate, HBM bandwidth and the bound they set" },
+	{ "attention", mlens_bench_attention,
+	  "[--json] [--threads LIST] [--seqs N] [--min-ctx A --max-ctx B] [--variant V]: CPU decode "
+	  "attention KV GB/s per variant and thread count, next to the measured read bandwidth" },
+	{ "client", mlens_bench_client,
+	  "[--json] [--requests N] [--max-tokens T] [--inflight I]: libmlens tokens/s and "
+	  "request round trip against a fake daemon" },
 };
 
 static void usage(FILE *f)

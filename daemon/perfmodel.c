@@ -1,0 +1,580 @@
+/* The performance model's arithmetic: accounting, the line fit, n_real,
+ * the roofline step time, throughput and the policy search. Formulas and
+ * their sources are in the design note at the top of perfmodel.h. */
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include "daemon/perfmodel.h"
+
+/* ==== accounting ==== */
+
+static bool mul_ok(uint64_t a, uint64_t b, uint64_t *out)
+{
+	return !__builtin_mul_overflow(a, b, out);
+}
+
+static bool add_ok(uint64_t a, uint64_t b, uint64_t *out)
+{
+	return !__builtin_add_overflow(a, b, out);
+}
+
+/* a*b*c with overflow check */
+static bool mul3(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
+{
+	uint64_t t;
+	return mul_ok(a, b, &t) && mul_ok(t, c, out);
+}
+
+static uint64_t sat_mul(uint64_t a, uint64_t b)
+{
+	uint64_t r;
+	return mul_ok(a, b, &r) ? r : UINT64_MAX;
+}
+
+static uint64_t sat_add(uint64_t a, uint64_t b)
+{
+	uint64_t r;
+	return add_ok(a, b, &r) ? r : UINT64_MAX;
+}
+
+int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens_model_config *c,
+				 enum mlens_dtype kv_dtype)
+{
+	uint64_t H, I, L, E, V, qd, kvd, wb, t, u;
+	memset(pm, 0, sizeof(*pm));
+	if (c->hidden_size <= 0 || c->intermediate_size <= 0 || c->num_hidden_layers <= 0 ||
+	    c->num_attention_heads <= 0 || c->num_key_value_heads <= 0 || c->head_dim <= 0 ||
+	    c->num_local_experts <= 0 || c->num_experts_per_tok <= 0 || c->vocab_size <= 0 ||
+	    c->num_experts_per_tok > c->num_local_experts || c->num_local_experts > INT_MAX)
+		return -EINVAL;
+	pm->hidden = c->hidden_size;
+	pm->inter = c->intermediate_size;
+	pm->layers = c->num_hidden_layers;
+	pm->heads = c->num_attention_heads;
+	pm->kv_heads = c->num_key_value_heads;
+	pm->head_dim = c->head_dim;
+	pm->experts = c->num_local_experts;
+	pm->top_k = c->num_experts_per_tok;
+	pm->vocab = c->vocab_size;
+	pm->wbytes = (int64_t)mlens_dtype_size(c->dtype);
+	pm->kvbytes = (int64_t)mlens_dtype_size(kv_dtype);
+	pm->abytes = 4;	/* the engine keeps activations in f32 */
+	pm->tied = c->tie_word_embeddings;
+
+	H = (uint64_t)pm->hidden;
+	I = (uint64_t)pm->inter;
+	L = (uint64_t)pm->layers;
+	E = (uint64_t)pm->experts;
+	V = (uint64_t)pm->vocab;
+	wb = (uint64_t)pm->wbytes;
+	if (!mul_ok((uint64_t)pm->heads, (uint64_t)pm->head_dim, &qd) ||
+	    !mul_ok((uint64_t)pm->kv_heads, (uint64_t)pm->head_dim, &kvd))
+		return -EOVERFLOW;
+	/* attention: q and o are H x qd, k and v are H x kvd */
+	if (!add_ok(qd, kvd, &t) || !mul_ok(t, 2, &t) || !mul3(t, H, wb, &pm->attn_bytes))
+		return -EOVERFLOW;
+	if (!mul3(2, H, wb, &pm->norm_bytes) || !mul3(E, H, wb, &pm->router_bytes) ||
+	    !mul3(3, H, I, &t) || !mul_ok(t, wb, &pm->expert_bytes) ||
+	    !mul_ok(pm->expert_bytes, E, &pm->layer_expert_bytes))
+		return -EOVERFLOW;
+	if (!add_ok(pm->attn_bytes, pm->norm_bytes, &t) || !add_ok(t, pm->router_bytes, &t) ||
+	    !add_ok(t, pm->layer_expert_bytes, &pm->layer_bytes))
+		return -EOVERFLOW;
+	if (!mul3(V, H, wb, &pm->embed_bytes) || !mul_ok(H, wb, &pm->final_norm_bytes))
+		return -EOVERFLOW;
+	pm->lm_head_bytes = pm->tied ? 0 : pm->embed_bytes;
+	if (!mul_ok(pm->layer_bytes, L, &t) || !add_ok(t, pm->embed_bytes, &t) ||
+	    !add_ok(t, pm->lm_head_bytes, &t) || !add_ok(t, pm->final_norm_bytes, &pm->model_bytes))
+		return -EOVERFLOW;
+	if (!mul3(2, kvd, (uint64_t)pm->kvbytes, &pm->kv_token_bytes))
+		return -EOVERFLOW;
+	/* activations of one token, checked here so that act_bytes only
+	 * saturates on absurd token counts */
+	if (!mul3(2, qd + kvd, 4, &u) || !mul3(2, H + I, 4, &u))
+		return -EOVERFLOW;
+	pm->flops_ga = 2.0 * (double)H * (double)(qd + 2 * kvd);
+	pm->flops_gb = 2.0 * (double)qd * (double)H + 2.0 * (double)H * (double)E +
+		       (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I;
+	return 0;
+}
+
+static int clamp_r(const struct mlens_perf_model *pm, int r)
+{
+	return r < 0 ? 0 : r > pm->experts ? (int)pm->experts : r;
+}
+
+uint64_t mlens_perf_streamed_bytes(const struct mlens_perf_model *pm, int r)
+{
+	return (uint64_t)(pm->experts - clamp_r(pm, r)) * pm->expert_bytes;
+}
+
+uint64_t mlens_perf_resident_bytes(const struct mlens_perf_model *pm, int r)
+{
+	uint64_t layer = pm->attn_bytes + pm->norm_bytes + pm->router_bytes +
+			 (uint64_t)clamp_r(pm, r) * pm->expert_bytes;
+	return layer * (uint64_t)pm->layers + pm->embed_bytes + pm->lm_head_bytes +
+	       pm->final_norm_bytes;
+}
+
+uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r)
+{
+	return 2 * mlens_perf_streamed_bytes(pm, r);
+}
+
+double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx)
+{
+	return ctx * (double)pm->kv_token_bytes;
+}
+
+/* GPU activations of a step of n tokens (DESIGN §5.2), in activation
+ * elements of abytes each, G = ceil(n x MLENS_PERF_GROUP_MAX) the larger
+ * token group, c the chunk rows:
+ *   n x (2H + E + 2k)          residual stream, its norm, router logits,
+ *                              top-k weights and ids, for all tokens
+ * + G x (2 heads*hd + 2 kv*hd)  q, attention output, k, v of one group
+ * + min(n k, c) x (2H + 2I)     one MoE chunk: gathered inputs, outputs,
+ *                              gate and up intermediates
+ * + min(n, c) x V               logits of one chunk of rows */
+uint64_t mlens_perf_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk)
+{
+	uint64_t un, G, rows, lrows, per, acc;
+	uint64_t H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
+	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim), kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
+	if (n <= 0)
+		return 0;
+	if (chunk <= 0)
+		chunk = MLENS_PERF_CHUNK;
+	un = (uint64_t)n;
+	G = (uint64_t)ceil((double)n * MLENS_PERF_GROUP_MAX);
+	rows = sat_mul(un, (uint64_t)pm->top_k);
+	if (rows > (uint64_t)chunk)
+		rows = (uint64_t)chunk;
+	lrows = un < (uint64_t)chunk ? un : (uint64_t)chunk;
+	per = 2 * H + (uint64_t)pm->experts + 2 * (uint64_t)pm->top_k;
+	acc = sat_mul(un, per);
+	acc = sat_add(acc, sat_mul(G, 2 * qd + 2 * kvd));
+	acc = sat_add(acc, sat_mul(rows, 2 * H + 2 * I));
+	acc = sat_add(acc, sat_mul(lrows, (uint64_t)pm->vocab));
+	return sat_mul(acc, (uint64_t)pm->abytes);
+}
+
+/* ==== the line fit ==== */
+
+int mlens_perf_fit_line(const double *x, const double *y, int n, struct mlens_perf_line *out)
+{
+	double mx = 0, my = 0, sxx = 0, sxy = 0, ssr = 0;
+	if (n < 2)
+		return -EINVAL;
+	for (int i = 0; i < n; i++) {
+		if (!isfinite(x[i]) || !isfinite(y[i]))
+			return -EINVAL;
+		mx += x[i];
+		my += y[i];
+	}
+	mx /= n;
+	my /= n;
+	/* centred sums: no cancellation when x is large (token counts) */
+	for (int i = 0; i < n; i++) {
+		sxx += (x[i] - mx) * (x[i] - mx);
+		sxy += (x[i] - mx) * (y[i] - my);
+	}
+	if (!(sxx > 0))
+		return -EINVAL;
+	memset(out, 0, sizeof(*out));
+	out->n = n;
+	out->b = sxy / sxx;
+	out->a = my - out->b * mx;
+	for (int i = 0; i < n; i++) {
+		double r = y[i] - (out->a + out->b * x[i]);
+		ssr += r * r;
+	}
+	if (n > 2) {
+		out->se = sqrt(ssr / (n - 2));
+		out->se_b = out->se / sqrt(sxx);
+		out->se_a = out->se * sqrt(1.0 / n + mx * mx / sxx);
+	}
+	return 0;
+}
+
+double mlens_perf_line_at(const struct mlens_perf_line *l, double x)
+{
+	return l->a + l->b * x;
+}
+
+void mlens_perf_hw_roofline_lines(struct mlens_perf_hw *hw, const struct mlens_perf_model *pm)
+{
+	double qkv;
+	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
+	double H = (double)pm->hidden, wb = (double)pm->wbytes;
+	/* without a rate the term is left out (and a zero slope makes the
+	 * model refuse the hardware until one is given) */
+	double hbm = hw->b_hbm > 0 ? hw->b_hbm : INFINITY, gemm = hw->c_gpu > 0 ? hw->c_gpu : INFINITY;
+	/* GA reads q, k, v; GB reads o, the router and every expert (at the
+	 * token counts the pipeline runs, every expert is routed to) */
+	qkv = H * (qd + 2 * kvd) * wb;
+	memset(&hw->ga, 0, sizeof(hw->ga));
+	memset(&hw->gb, 0, sizeof(hw->gb));
+	hw->ga.a = qkv / hbm;
+	hw->ga.b = pm->flops_ga / gemm;
+	hw->gb.a = (H * qd * wb + (double)pm->router_bytes + (double)pm->layer_expert_bytes) / hbm;
+	hw->gb.b = pm->flops_gb / gemm;
+}
+
+/* ==== n_real (eq. 1-2) ==== */
+
+double mlens_perf_n_simple(const struct mlens_perf_model *pm, double c_gpu, double b_io)
+{
+	return c_gpu / b_io * ((double)pm->experts / (double)pm->top_k) * ((double)pm->wbytes / 2.0);
+}
+
+double mlens_perf_n_roofline(const struct mlens_perf_model *pm, double c_gpu, double b_io,
+			     uint64_t streamed_bytes)
+{
+	return c_gpu * (double)streamed_bytes / (b_io * (pm->flops_ga + pm->flops_gb));
+}
+
+static double gpu_a(const struct mlens_perf_hw *hw)
+{
+	return hw->ga.a + hw->gb.a;
+}
+
+static double gpu_b(const struct mlens_perf_hw *hw)
+{
+	return hw->ga.b + hw->gb.b;
+}
+
+double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
+{
+	double t_io, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
+	if (!(hw->b_io > 0))
+		return NAN;
+	t_io = (double)streamed_bytes / hw->b_io;
+	if (streamed_bytes == 0)
+		return INFINITY;	/* nothing to balance: memory and KV bound the step */
+	if (t_io <= fixed)
+		return 0;
+	if (!(gpu_b(hw) > 0))
+		return INFINITY;
+	return (t_io - fixed) / gpu_b(hw);
+}
+
+/* ==== eq. 3-4 ==== */
+
+double mlens_perf_pme(double p, double g)
+{
+	return 2.0 * (p + g) / ((2.0 * p + g) * g);
+}
+
+double mlens_perf_tmax(double pme, double kv_tokens, double delta, double t_gpu)
+{
+	double kv = delta > 0 ? pme * kv_tokens / delta : INFINITY;
+	return kv < t_gpu ? kv : t_gpu;
+}
+
+struct mlens_perf_step mlens_perf_steady_step(const struct mlens_perf_workload *w, double n)
+{
+	struct mlens_perf_step st;
+	double prefill;
+	st.tokens = n;
+	st.decode = n * w->g / (w->p + w->g);
+	prefill = n - st.decode;
+	st.context = st.decode * (w->p + w->g / 2.0);
+	/* prefill / p prompts of p(p+1)/2 causal pairs each */
+	st.prefill_pairs = prefill * (w->p + 1.0) / 2.0;
+	return st;
+}
+
+/* ==== the roofline step time ==== */
+
+const char *mlens_perf_bind_name(enum mlens_perf_bind b)
+{
+	switch (b) {
+	case MLENS_PERF_BIND_PCIE: return "pcie-h2d";
+	case MLENS_PERF_BIND_D2H: return "pcie-d2h";
+	case MLENS_PERF_BIND_CPU_MEM: return "cpu-memory";
+	case MLENS_PERF_BIND_GPU: return "gpu";
+	case MLENS_PERF_BIND_CPU_ATTN: return "cpu-attention";
+	case MLENS_PERF_BIND_CHAIN: return "gpu-cpu-chain";
+	case MLENS_PERF_BIND_N: break;
+	}
+	return "?";
+}
+
+const char *mlens_perf_limit_name(enum mlens_perf_limit l)
+{
+	switch (l) {
+	case MLENS_PERF_LIMIT_KV: return "kv-capacity";
+	case MLENS_PERF_LIMIT_NREAL: return "n_real";
+	case MLENS_PERF_LIMIT_ACT: return "activation-memory";
+	}
+	return "?";
+}
+
+static bool hw_ok(const struct mlens_perf_hw *hw)
+{
+	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
+	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
+}
+
+static bool step_ok(const struct mlens_perf_step *st)
+{
+	return st->tokens >= 0 && st->decode >= 0 && st->decode <= st->tokens &&
+	       st->context >= 0 && st->prefill_pairs >= 0 && isfinite(st->tokens) &&
+	       isfinite(st->context) && isfinite(st->prefill_pairs);
+}
+
+int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			 const struct mlens_perf_policy *pol, const struct mlens_perf_step *st,
+			 struct mlens_perf_step_time *out)
+{
+	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
+	double kvb = (double)pm->kvbytes, d = st->decode, P = st->tokens - st->decode;
+	double kv_read, h2d, d2h, b_d2h, frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
+	if (!hw_ok(hw) || !step_ok(st) || pol->resident_experts < 0 ||
+	    pol->resident_experts > pm->experts || !(pol->alpha_decode >= 0 && pol->alpha_decode <= 1) ||
+	    !(pol->alpha_prefill >= 0 && pol->alpha_prefill <= 1))
+		return -EINVAL;
+	memset(out, 0, sizeof(*out));
+	kv_read = st->context * (double)pm->kv_token_bytes;
+	/* H2D: streamed experts + attention outputs of decode tokens;
+	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
+	h2d = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts) + d * qd * kvb;
+	d2h = d * (qd + 2 * kvd) * kvb + P * 2 * kvd * kvb;
+	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
+	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
+	out->tier[MLENS_PERF_BIND_D2H] = d2h / b_d2h;
+	out->tier[MLENS_PERF_BIND_CPU_MEM] = (kv_read + h2d + d2h) / hw->b_mem;
+	frac_d[0] = pol->alpha_decode;
+	frac_d[1] = 1 - pol->alpha_decode;
+	frac_p[0] = pol->alpha_prefill;
+	frac_p[1] = 1 - pol->alpha_prefill;
+	for (int x = 0; x < MLENS_PERF_GROUPS; x++) {
+		double n_x = frac_d[x] * d + frac_p[x] * P, g = 0;
+		if (n_x > 0) {
+			/* an empty group launches nothing; a fitted intercept may
+			 * come out slightly negative: time is never negative */
+			g = gpu_a(hw) + gpu_b(hw) * n_x;
+			if (hw->c_gpu > 0)
+				g += 4.0 * qd * frac_p[x] * st->prefill_pairs / hw->c_gpu;
+			if (g < 0)
+				g = 0;
+		}
+		out->group_gpu[x] = g;
+		out->group_cpu[x] = frac_d[x] * kv_read / hw->b_attn;
+		out->tier[MLENS_PERF_BIND_GPU] += g;
+		out->tier[MLENS_PERF_BIND_CPU_ATTN] += out->group_cpu[x];
+		if (g + out->group_cpu[x] > out->tier[MLENS_PERF_BIND_CHAIN])
+			out->tier[MLENS_PERF_BIND_CHAIN] = g + out->group_cpu[x];
+	}
+	out->bind = MLENS_PERF_BIND_PCIE;
+	for (int t = 1; t < MLENS_PERF_BIND_N; t++)
+		if (out->tier[t] > out->tier[out->bind])
+			out->bind = (enum mlens_perf_bind)t;
+	out->period = out->tier[out->bind];
+	out->fill = out->tier[MLENS_PERF_BIND_CHAIN];
+	out->seconds = (double)pm->layers * out->period + out->fill;
+	return 0;
+}
+
+#define SPLIT_GRID 32
+
+int mlens_perf_step_time_best(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			      struct mlens_perf_policy *pol, const struct mlens_perf_step *st,
+			      struct mlens_perf_step_time *out)
+{
+	struct mlens_perf_policy p = *pol, best;
+	struct mlens_perf_step_time t;
+	double n = st->tokens, d = st->decode, P = st->tokens - st->decode;
+	int rc;
+	/* start from the even split so that ties keep it */
+	p.alpha_decode = 0.5;
+	p.alpha_prefill = 0.5;
+	rc = mlens_perf_step_time(pm, hw, &p, st, out);
+	if (rc)
+		return rc;
+	best = p;
+	for (int i = 0; i <= SPLIT_GRID; i++)
+		for (int j = 0; j <= SPLIT_GRID; j++) {
+			double n_a;
+			p.alpha_decode = (double)i / SPLIT_GRID;
+			p.alpha_prefill = (double)j / SPLIT_GRID;
+			n_a = p.alpha_decode * d + p.alpha_prefill * P;
+			/* activations budget q,k,v for a group of GROUP_MAX x n */
+			if (n_a > MLENS_PERF_GROUP_MAX * n + 1e-9 ||
+			    n - n_a > MLENS_PERF_GROUP_MAX * n + 1e-9)
+				continue;
+			if (mlens_perf_step_time(pm, hw, &p, st, &t))
+				continue;
+			if (t.seconds < out->seconds * (1 - 1e-12)) {
+				*out = t;
+				best = p;
+			}
+		}
+	*pol = best;
+	return 0;
+}
+
+/* ==== prediction and the policy search ==== */
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+{
+	va_list ap;
+	if (!err || !errlen)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(err, errlen, fmt, ap);
+	va_end(ap);
+}
+
+static double gib(uint64_t b)
+{
+	return (double)b / (1024.0 * 1024.0 * 1024.0);
+}
+
+static int64_t min_tokens(const struct mlens_perf_workload *w)
+{
+	if (w->min_tokens > 0)
+		return w->min_tokens;
+	return w->p >= 1 ? (int64_t)ceil(w->p) : 1;
+}
+
+/* Most tokens whose activations fit in room bytes (0 when not even one). */
+static int64_t act_fit(const struct mlens_perf_model *pm, int64_t chunk, uint64_t room)
+{
+	int64_t lo = 0, hi = (int64_t)1 << 40;
+	while (lo < hi) {
+		int64_t mid = lo + (hi - lo + 1) / 2;
+		if (mlens_perf_act_bytes(pm, mid, chunk) <= room)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
+uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			       int64_t n_min)
+{
+	/* r = 0 for any model of more than two layers; with one layer keeping
+	 * it all resident costs less than two slots */
+	uint64_t b = UINT64_MAX;
+	for (int r = 0; r <= (int)pm->experts; r++) {
+		uint64_t x = sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r));
+		if (x < b)
+			b = x;
+	}
+	b = sat_add(b, mlens_perf_act_bytes(pm, n_min > 0 ? n_min : 1, hw->chunk));
+	return sat_add(b, hw->gpu_workspace);
+}
+
+int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+		       const struct mlens_perf_workload *w, int resident_experts,
+		       struct mlens_perf_prediction *out, char *err, size_t errlen)
+{
+	uint64_t fixed, room, streamed;
+	int64_t nmin = min_tokens(w);
+	double n_a;
+	int rc;
+	if (!hw_ok(hw) || !(w->p >= 0) || !(w->g > 0) || !(w->kv_tokens > 0) ||
+	    resident_experts < 0 || resident_experts > pm->experts) {
+		seterr(err, errlen, "performance model: a ceiling, the workload or the residency is out of range");
+		return -EINVAL;
+	}
+	memset(out, 0, sizeof(*out));
+	out->policy.resident_experts = resident_experts;
+	out->gpu_resident = mlens_perf_resident_bytes(pm, resident_experts);
+	out->gpu_slots = mlens_perf_slot_bytes(pm, resident_experts);
+	fixed = sat_add(sat_add(out->gpu_resident, out->gpu_slots), hw->gpu_workspace);
+	room = hw->gpu_budget > fixed ? hw->gpu_budget - fixed : 0;
+	n_a = (double)act_fit(pm, hw->chunk, room);
+	if (n_a < (double)nmin) {
+		seterr(err, errlen,
+		       "GPU budget %.2f GiB cannot hold %d resident experts per layer: weights %.2f GiB, "
+		       "streaming slots %.2f GiB and workspace %.2f GiB leave room for %.0f tokens of "
+		       "activations, fewer than the %lld a step needs",
+		       gib(hw->gpu_budget), resident_experts, gib(out->gpu_resident),
+		       gib(out->gpu_slots), gib(hw->gpu_workspace), n_a, (long long)nmin);
+		return -ENOSPC;
+	}
+	streamed = mlens_perf_streamed_bytes(pm, resident_experts);
+	out->pme = mlens_perf_pme(w->p, w->g);
+	out->n_eq = mlens_perf_n_fit(hw, streamed);
+	out->n_act = n_a;
+	out->n_real = out->n_eq < n_a ? floor(out->n_eq) : n_a;
+	if (out->n_real < (double)nmin)
+		out->n_real = (double)nmin;	/* a whole prompt must fit a step */
+	out->n_kv = out->pme * w->kv_tokens;
+	if (out->n_kv <= out->n_real) {
+		out->tokens = out->n_kv;
+		out->limit = MLENS_PERF_LIMIT_KV;
+	} else {
+		out->tokens = out->n_real;
+		out->limit = out->n_eq < n_a ? MLENS_PERF_LIMIT_NREAL : MLENS_PERF_LIMIT_ACT;
+	}
+	out->gpu_act = mlens_perf_act_bytes(pm, (int64_t)ceil(out->tokens), hw->chunk);
+	out->gpu_total = sat_add(fixed, out->gpu_act);
+	out->step = mlens_perf_steady_step(w, out->tokens);
+	rc = mlens_perf_step_time_best(pm, hw, &out->policy, &out->step, &out->time);
+	if (rc) {
+		seterr(err, errlen, "performance model: the step is out of range");
+		return rc;
+	}
+	out->steps_per_s = 1.0 / out->time.seconds;
+	out->total_tok_s = out->tokens * out->steps_per_s;
+	out->gen_tok_s = out->step.decode * out->steps_per_s;
+	out->delta = (double)pm->layers * (double)streamed / hw->b_io;
+	{
+		double g1 = gpu_a(hw) + gpu_b(hw) * out->n_real;
+		out->t_gpu = g1 > 0 ? out->n_real / ((double)pm->layers * g1) : INFINITY;
+	}
+	out->t_max = mlens_perf_tmax(out->pme, w->kv_tokens, out->delta, out->t_gpu);
+	return 0;
+}
+
+int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+		      const struct mlens_perf_workload *w, struct mlens_perf_prediction *out,
+		      char *err, size_t errlen)
+{
+	struct mlens_perf_prediction p;
+	bool found = false;
+	int rc;
+	for (int r = 0; r <= (int)pm->experts; r++) {
+		rc = mlens_perf_predict(pm, hw, w, r, &p, NULL, 0);
+		if (rc == -ENOSPC)
+			continue;	/* with few layers, more residency can need less */
+		if (rc) {
+			seterr(err, errlen, "performance model: a ceiling or the workload is out of range");
+			return rc;
+		}
+		if (!found || p.total_tok_s > out->total_tok_s * (1 + 1e-12)) {
+			*out = p;
+			found = true;
+		}
+	}
+	if (!found) {
+		uint64_t need = mlens_perf_min_budget(pm, hw, min_tokens(w));
+		seterr(err, errlen,
+		       "GPU budget %.2f GiB is too small for this model: it needs at least %.2f GiB "
+		       "(attention, norms, routers, embeddings and lm_head %.2f GiB, two slots of one "
+		       "layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, workspace "
+		       "%.2f GiB); raise gpu_memory",
+		       gib(hw->gpu_budget), gib(need), gib(mlens_perf_resident_bytes(pm, 0)),
+		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)min_tokens(w),
+		       gib(mlens_perf_act_bytes(pm, min_tokens(w), hw->chunk)), gib(hw->gpu_workspace));
+		return -ENOSPC;
+	}
+	return 0;
+}
+
+int mlens_perf_token_cap(const struct mlens_perf_prediction *pred)
+{
+	double n = floor(pred->n_real);
+	if (!(n >= 1))
+		return 1;
+	return n >= (double)INT_MAX ? INT_MAX : (int)n;
+}

@@ -1,0 +1,278 @@
+/* The performance model (issue 8): byte and FLOP accounting of a Mixtral
+ * layer, n_real, the hierarchical roofline step time, throughput for a
+ * workload, and the policy search (expert residency, token groups). Pure
+ * arithmetic: it measures nothing; the profiler fills struct mlens_perf_hw.
+ *
+ * Design note: the formulas and where they come from.
+ *
+ * Accounting (per layer, bytes = elements x dtype size):
+ *   attention  (q,o: H x heads*hd; k,v: H x kv*hd)    attn_bytes
+ *   experts    E x 3 x H x I                           expert_bytes x E
+ *   router     E x H;  norms 2 x H
+ *   model      L x layer + embeddings + lm_head (0 when tied) + final norm
+ *   KV         2 x kv*hd x kv dtype per token; a decode token of context c
+ *              reads c such rows (DESIGN §1: KV and attention on the CPU).
+ *   FLOPs/token: GA = 2 H (heads*hd + 2 kv*hd) (QKV projection);
+ *              GB = 2 heads*hd H (O) + 2 H E (router) + k x 3 x 2 H I
+ *              (top-k experts). Prefill attention on the GPU adds
+ *              4 heads*hd per (query, key) pair.
+ *   Streamed bytes per step and layer: the experts not resident on the GPU,
+ *   (E - r) x expert_bytes, r whole experts kept resident in every layer
+ *   (DESIGN §5.1: attention, norms, router, embeddings, lm_head resident).
+ *
+ * n at which GPU time equals weight transfer (MoE-Lens eq. 1-2):
+ *   eq. 2, simple form:  n >= (C_GPU / B_IO) x (N_experts / N_active),
+ *     which is n x (k x 6HI) / C_GPU = E x 3HI x 2 bytes / B_IO for bf16;
+ *     mlens_perf_n_simple generalises the 2 bytes to the weight dtype.
+ *   roofline form: n = C_GPU x streamed bytes / (B_IO x FLOPs per token),
+ *     attention weights and FLOPs counted (mlens_perf_n_roofline).
+ *   fitted form (the profiler's, MoE-Lens §Pipeline Profiler): GPU seconds
+ *     per layer for n tokens split in two groups = 2a + b n, with a, b the
+ *     least-squares line of GA+GB time against tokens in one group; n_eq
+ *     solves 2a + b n = streamed bytes / B_IO. n_real = min(n_eq, n_act),
+ *     n_act the most tokens whose activations fit what the budget leaves
+ *     (formula at mlens_perf_act_bytes, DESIGN §5.2), and never below the
+ *     workload's min_tokens (a whole prompt) when memory allows it.
+ *
+ * KV capacity bound (MoE-Lens eq. 3-4, DESIGN §1):
+ *   In steady state a sequence holds p + j KV tokens at its j-th decode
+ *   step, j uniform in [0, g], so on average p + g/2; M tokens of KV hold
+ *   S = M / (p + g/2) sequences. Each step gives every one a decode token;
+ *   S/g finish per step and as many start, each a p-token prefill, so a
+ *   step carries S + S p / g = S (p+g)/g tokens = PME x M with
+ *   eq. 3: PME = 2(p+g) / ((2p+g) g).
+ *   eq. 4: T_max = min(PME x M / delta, T_GPU), delta = L x streamed bytes
+ *   per layer / B_IO (seconds to stream one step's weights) and T_GPU =
+ *   n_real / (L x (a + b n_real)), the GPU's own rate at n_real.
+ *   Of a step's n tokens, n g/(p+g) are decode tokens (the generated ones,
+ *   the paper's count) and n p/(p+g) prefill tokens; decode tokens read on
+ *   average p + g/2 KV rows.
+ *
+ * Step time (MoE-Lightning's hierarchical roofline, DESIGN §1 and §5): per
+ * layer each tier needs work / rate:
+ *   PCIe H2D   (streamed experts + decode attention outputs) / B_IO
+ *   PCIe D2H   (decode q,k,v + prefill K/V) / B_D2H
+ *   CPU memory (KV read + all DMA bytes) / B_mem: DMA and KV reads share
+ *              the memory bandwidth (B_mem = B_KV + B_IO)
+ *   GPU        sum over the two token groups of a + b n_x (+ prefill
+ *              attention FLOPs / C_GPU)
+ *   CPU attn   KV bytes read / measured attention bandwidth
+ *   chain      max over groups x of g_x + c_x: group x's GPU work and its
+ *              CPU attention cannot overlap each other, only the other
+ *              group's (the VSLPipe alternation)
+ * period = max of these, and it names the binding resource; a step takes
+ * L x period + fill/drain, fill/drain being one layer's non-overlapped
+ * chain (the first stage has no GB to hide GA behind, the last no GA to
+ * hide the final GB and attention). Throughput = tokens per step / step.
+ *
+ * Policy search (MoE-Lightning's policy search, issue 8): over r = 0..E
+ * resident experts per layer, with r fixed the GPU budget must hold
+ * resident weights + two expert slots (E - r experts each, none when
+ * r = E) + activations for n_real + workspace; the two groups' split of
+ * decode and prefill tokens is searched on a grid per step, each group at
+ * most MLENS_PERF_GROUP_MAX of the step. The policy of highest predicted
+ * throughput wins (ties: fewer resident experts). With linear costs the
+ * two chains sum to GPU + CPU time, so a split that balances them (the
+ * even one among others) is optimal and the chain never binds above
+ * max(GPU, CPU); the search keeps the even split on ties and matters once
+ * measured costs stop being proportional to the group's tokens. */
+#ifndef MLENS_PERFMODEL_H
+#define MLENS_PERFMODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "daemon/model.h"
+
+/* Token groups of the pipeline (α, β) and the largest share of a step one
+ * group may take: activations budget q,k,v for a group that large. */
+#define MLENS_PERF_GROUPS 2
+#define MLENS_PERF_GROUP_MAX 0.75
+/* Token x expert rows of one MoE (and lm_head) chunk when hw says 0. */
+#define MLENS_PERF_CHUNK 4096
+
+/* Model dimensions and the byte/FLOP counts derived from them. */
+struct mlens_perf_model {
+	int64_t hidden, inter, layers, heads, kv_heads, head_dim, experts, top_k, vocab;
+	int64_t wbytes;		/* bytes per weight element */
+	int64_t kvbytes;	/* bytes per KV element (pool dtype; also q,k,v copies) */
+	int64_t abytes;		/* bytes per activation element on the GPU (f32) */
+	bool tied;		/* lm_head is the embedding matrix */
+	/* derived, bytes per layer unless stated */
+	uint64_t attn_bytes;	/* q, k, v, o */
+	uint64_t norm_bytes;	/* the two RMS norms */
+	uint64_t router_bytes;
+	uint64_t expert_bytes;	/* one expert: w1, w2, w3 */
+	uint64_t layer_expert_bytes;	/* all experts of a layer */
+	uint64_t layer_bytes;	/* everything of a layer */
+	uint64_t embed_bytes, lm_head_bytes, final_norm_bytes;	/* once */
+	uint64_t model_bytes;	/* the whole model */
+	uint64_t kv_token_bytes;	/* K and V of one token in one layer */
+	double flops_ga;	/* per token per layer: QKV projection */
+	double flops_gb;	/* per token per layer: O, router, top-k experts */
+};
+
+/* Fill pm from a model config; kv_dtype is the KV pool's. -EINVAL for a
+ * dimension that is not positive or top-k > experts, -EOVERFLOW when a
+ * size does not fit 64 bits. */
+int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens_model_config *c,
+				 enum mlens_dtype kv_dtype);
+
+/* Per layer: expert bytes streamed each step with r experts resident. */
+uint64_t mlens_perf_streamed_bytes(const struct mlens_perf_model *pm, int r);
+/* Whole model: bytes resident on the GPU with r experts per layer resident. */
+uint64_t mlens_perf_resident_bytes(const struct mlens_perf_model *pm, int r);
+/* Two streaming slots, each one layer's non-resident experts; 0 when r = E. */
+uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r);
+/* KV bytes one decode token with context ctx reads in one layer. */
+double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx);
+/* GPU activation bytes of a step of n tokens (formula in perfmodel.c). */
+uint64_t mlens_perf_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk);
+
+/* A least-squares line: seconds = a + b x tokens. */
+struct mlens_perf_line {
+	double a, b;		/* intercept (s), slope (s per token) */
+	double se;		/* residual standard error (s); 0 with two points */
+	double se_a, se_b;	/* standard errors of a and b */
+	int n;			/* points fitted */
+};
+
+/* Ordinary least squares of y on x. -EINVAL with fewer than two points,
+ * x all equal or a value that is not finite. */
+int mlens_perf_fit_line(const double *x, const double *y, int n, struct mlens_perf_line *out);
+double mlens_perf_line_at(const struct mlens_perf_line *l, double x);
+
+/* Measured (or stated) ceilings of a machine. */
+struct mlens_perf_hw {
+	double b_io;		/* H2D bytes/s, pinned memory (B_IO) */
+	double b_d2h;		/* D2H bytes/s; 0 = b_io */
+	double b_mem;		/* CPU memory bytes/s, shared by KV reads and DMA */
+	double b_attn;		/* KV bytes/s through the CPU decode attention */
+	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2, prefill attention) */
+	double b_hbm;		/* GPU memory bytes/s */
+	struct mlens_perf_line ga, gb;	/* GPU s per layer vs tokens in one group */
+	uint64_t gpu_budget;	/* bytes the daemon may use on the GPU */
+	uint64_t gpu_workspace;	/* cuBLAS, flash attention */
+	int64_t chunk;		/* MoE / lm_head chunk rows; 0 = MLENS_PERF_CHUNK */
+};
+
+/* Lines from the roofline when the profiler has not run: intercept = the
+ * GPU-resident weights of GA (GB) read once from HBM, slope = FLOPs per
+ * token / c_gpu. An upper bound of max(flops, bytes) time; a measured fit
+ * replaces it. */
+void mlens_perf_hw_roofline_lines(struct mlens_perf_hw *hw, const struct mlens_perf_model *pm);
+
+/* eq. 2 simple form: (C_GPU / B_IO) x (E / k) x (weight bytes / 2). */
+double mlens_perf_n_simple(const struct mlens_perf_model *pm, double c_gpu, double b_io);
+/* eq. 1-2 with attention counted: C_GPU x streamed / (B_IO x (GA+GB FLOPs)). */
+double mlens_perf_n_roofline(const struct mlens_perf_model *pm, double c_gpu, double b_io,
+			     uint64_t streamed_bytes);
+/* From the fitted lines: 2a + b n = streamed / B_IO. INFINITY when nothing
+ * is streamed or the GPU time does not grow with n (slope 0); 0 when the
+ * transfer hides behind any step; NAN without a B_IO. */
+double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes);
+
+/* eq. 3 and 4. */
+double mlens_perf_pme(double p, double g);
+double mlens_perf_tmax(double pme, double kv_tokens, double delta, double t_gpu);
+
+struct mlens_perf_workload {
+	double p, g;		/* prompt and generation length */
+	double kv_tokens;	/* M: KV capacity in tokens */
+	int64_t min_tokens;	/* smallest step the daemon must run; 0 = p */
+};
+
+/* One step's shape. */
+struct mlens_perf_step {
+	double tokens;		/* n */
+	double decode;		/* d: decode tokens */
+	double context;		/* KV rows read by the decode tokens, summed */
+	double prefill_pairs;	/* (query, key) pairs of prefill attention */
+};
+
+/* The steady-state step of n tokens for workload w (see the design note). */
+struct mlens_perf_step mlens_perf_steady_step(const struct mlens_perf_workload *w, double n);
+
+struct mlens_perf_policy {
+	int resident_experts;	/* per layer, whole experts */
+	double alpha_decode;	/* fraction of the step's decode tokens in group α */
+	double alpha_prefill;	/* fraction of its prefill tokens in group α */
+};
+
+enum mlens_perf_bind {
+	MLENS_PERF_BIND_PCIE = 0,	/* H2D: weight stream + activations */
+	MLENS_PERF_BIND_D2H,
+	MLENS_PERF_BIND_CPU_MEM,	/* KV reads + DMA on CPU memory */
+	MLENS_PERF_BIND_GPU,
+	MLENS_PERF_BIND_CPU_ATTN,
+	MLENS_PERF_BIND_CHAIN,		/* a group's GPU work + its attention */
+	MLENS_PERF_BIND_N
+};
+const char *mlens_perf_bind_name(enum mlens_perf_bind b);
+
+struct mlens_perf_step_time {
+	double tier[MLENS_PERF_BIND_N];	/* seconds per layer each resource needs */
+	double group_gpu[MLENS_PERF_GROUPS], group_cpu[MLENS_PERF_GROUPS];
+	double period;		/* seconds per layer: max of tier */
+	double fill;		/* fill and drain, seconds per step */
+	double seconds;		/* the step: layers x period + fill */
+	enum mlens_perf_bind bind;
+};
+
+/* Step time for a step with the policy's residency and split. -EINVAL for
+ * ceilings that are not positive or a policy out of range. */
+int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			 const struct mlens_perf_policy *pol, const struct mlens_perf_step *st,
+			 struct mlens_perf_step_time *out);
+/* The same, with the split (alpha_*) searched on a grid; pol's split is
+ * replaced by the best one. */
+int mlens_perf_step_time_best(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			      struct mlens_perf_policy *pol, const struct mlens_perf_step *st,
+			      struct mlens_perf_step_time *out);
+
+/* What set the step's token count. */
+enum mlens_perf_limit {
+	MLENS_PERF_LIMIT_KV = 0,	/* PME x M: KV capacity */
+	MLENS_PERF_LIMIT_NREAL,		/* eq. 2: GPU time = transfer time */
+	MLENS_PERF_LIMIT_ACT,		/* activation memory on the GPU */
+};
+const char *mlens_perf_limit_name(enum mlens_perf_limit l);
+
+struct mlens_perf_prediction {
+	struct mlens_perf_policy policy;
+	double pme;
+	double n_eq;		/* eq. 2 from the fitted lines */
+	double n_act;		/* most tokens whose activations fit */
+	double n_real;		/* the scheduler's cap */
+	double n_kv;		/* PME x M */
+	double tokens;		/* per step: min(n_kv, n_real) */
+	enum mlens_perf_limit limit;
+	struct mlens_perf_step step;
+	struct mlens_perf_step_time time;
+	double steps_per_s, total_tok_s, gen_tok_s;
+	double delta;		/* s to stream one step's weights */
+	double t_gpu;		/* tokens/s of the GPU alone at n_real */
+	double t_max;		/* eq. 4 */
+	uint64_t gpu_resident, gpu_slots, gpu_act, gpu_total;	/* bytes */
+};
+
+/* Predict for a fixed residency (split searched). -ENOSPC with a message
+ * when the budget cannot hold it with min_tokens of activations. */
+int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+		       const struct mlens_perf_workload *w, int resident_experts,
+		       struct mlens_perf_prediction *out, char *err, size_t errlen);
+/* Search residency and split for the highest throughput. -ENOSPC and a
+ * plain message naming the minimum budget when nothing fits. */
+int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+		      const struct mlens_perf_workload *w, struct mlens_perf_prediction *out,
+		      char *err, size_t errlen);
+/* The smallest GPU budget that runs at all: resident attention, norms,
+ * routers, embeddings, lm_head + two slots of one layer's experts +
+ * activations for n_min tokens + workspace (for a model of one layer, the
+ * whole model resident when that is less than two slots). */
+uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			       int64_t n_min);
+/* Tokens per step for mlens_sched_set_token_cap: floor(n_real), at least 1. */
+int mlens_perf_token_cap(const struct mlens_perf_prediction *pred);
+
+#endif

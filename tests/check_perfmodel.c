@@ -1,0 +1,613 @@
+/* Description: the performance model's arithmetic against hand-computed
+ * cases (Mixtral-8x7B bytes and FLOPs, MoE-Lens eq. 2-4, PME(98, 32)),
+ * the line fit on seeded noisy timings, the policy choice under tight and
+ * loose GPU budgets and the refusal below the minimum, throughput monotone
+ * in KV capacity, and a real scheduler that never exceeds the model's cap. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/perfmodel.h"
+#include "daemon/sched.h"
+#include "tests/testmodel.h"
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+static struct mlens_model_config mixtral_config(void)
+{
+	struct mlens_model_config c;
+	memset(&c, 0, sizeof(c));
+	strcpy(c.architecture, "MixtralForCausalLM");
+	c.vocab_size = 32000;
+	c.hidden_size = 4096;
+	c.intermediate_size = 14336;
+	c.num_hidden_layers = 32;
+	c.num_attention_heads = 32;
+	c.num_key_value_heads = 8;
+	c.head_dim = 128;
+	c.num_local_experts = 8;
+	c.num_experts_per_tok = 2;
+	c.max_position_embeddings = 32768;
+	c.dtype = MLENS_DTYPE_BF16;
+	return c;
+}
+
+static struct mlens_perf_model mixtral(void)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_model pm;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	return pm;
+}
+
+/* A40-like ceilings, stated here: bf16 dense tensor peak 149.7 TFLOP/s,
+ * PCIe 4.0 x16 at 25 GB/s each way, 696 GB/s HBM, a two-socket host with
+ * 200 GB/s of memory bandwidth and 100 GB/s through CPU decode attention,
+ * 512 MiB of GPU workspace; GPU lines from the roofline. */
+static struct mlens_perf_hw a40(const struct mlens_perf_model *pm, double budget_gib)
+{
+	struct mlens_perf_hw hw;
+	memset(&hw, 0, sizeof(hw));
+	hw.c_gpu = 149.7e12;
+	hw.b_io = 25e9;
+	hw.b_d2h = 25e9;
+	hw.b_hbm = 696e9;
+	hw.b_mem = 200e9;
+	hw.b_attn = 100e9;
+	hw.gpu_workspace = 512ull << 20;
+	hw.gpu_budget = (uint64_t)(budget_gib * GIB);
+	mlens_perf_hw_roofline_lines(&hw, pm);
+	return hw;
+}
+
+static void assert_rel(double got, double want, double tol)
+{
+	ck_assert_msg(fabs(got - want) <= tol * fabs(want), "got %.10g want %.10g (tol %g)", got, want, tol);
+}
+
+/* ==== accounting ==== */
+
+START_TEST(mixtral_bytes)
+{
+	struct mlens_perf_model pm = mixtral();
+	uint64_t H = 4096, I = 14336, E = 8, V = 32000, L = 32;
+	uint64_t attn = H * H * 2 + H * H * 2 + H * 1024 * 2 + H * 1024 * 2;
+	uint64_t experts = 3 * H * I * 2 * E;
+	uint64_t layer = experts + attn + E * H * 2 + 2 * H * 2;
+	uint64_t total = L * layer + 2 * V * H * 2 + H * 2;
+
+	ck_assert_uint_eq(experts, 2818572288ull);
+	ck_assert_uint_eq(attn, 83886080ull);
+	ck_assert_uint_eq(pm.layer_expert_bytes, experts);
+	ck_assert_uint_eq(pm.expert_bytes, experts / E);
+	ck_assert_uint_eq(pm.attn_bytes, attn);
+	ck_assert_uint_eq(pm.router_bytes, E * H * 2);
+	ck_assert_uint_eq(pm.norm_bytes, 2 * H * 2);
+	ck_assert_uint_eq(pm.layer_bytes, layer);
+	ck_assert_uint_eq(pm.model_bytes, total);
+	/* ≈ 93.4 GB with embeddings and lm_head */
+	ck_assert_msg(fabs((double)pm.model_bytes / 1e9 - 93.4) < 0.05, "%.3f GB",
+		      (double)pm.model_bytes / 1e9);
+	/* K and V, 8 kv heads of 128, bf16 */
+	ck_assert_uint_eq(pm.kv_token_bytes, 2 * 8 * 128 * 2);
+	assert_rel(mlens_perf_kv_read_bytes(&pm, 114), 114.0 * 4096, 1e-15);
+	/* FLOPs: QKV 2·H·(4096+2·1024); O 2·4096·H, router 2·H·8, 2 experts of 3 GEMMs */
+	assert_rel(pm.flops_ga, 2.0 * 4096 * (4096 + 2048), 1e-15);
+	assert_rel(pm.flops_gb, 2.0 * 4096 * 4096 + 2.0 * 4096 * 8 + 2.0 * 3 * 2 * 4096 * 14336, 1e-15);
+
+	/* streaming and residency with r experts resident per layer */
+	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 0), experts);
+	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 3), experts / 8 * 5);
+	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 8), 0);
+	ck_assert_uint_eq(mlens_perf_slot_bytes(&pm, 6), 2 * 2 * (experts / 8));
+	ck_assert_uint_eq(mlens_perf_resident_bytes(&pm, 8), total);
+	ck_assert_uint_eq(mlens_perf_resident_bytes(&pm, 0), total - L * experts);
+}
+END_TEST
+
+START_TEST(config_errors)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_model pm;
+	c.num_experts_per_tok = 9;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), -EINVAL);
+	c = mixtral_config();
+	c.hidden_size = 0;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), -EINVAL);
+	c = mixtral_config();
+	c.intermediate_size = (int64_t)1 << 40;
+	c.hidden_size = (int64_t)1 << 30;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), -EOVERFLOW);
+	/* tied embeddings: no separate lm_head */
+	c = mixtral_config();
+	c.tie_word_embeddings = true;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
+	ck_assert_uint_eq(pm.lm_head_bytes, 0);
+	ck_assert_uint_eq(pm.kv_token_bytes, 2 * 1024 * 4);
+}
+END_TEST
+
+START_TEST(activation_bytes)
+{
+	struct mlens_perf_model pm = mixtral();
+	uint64_t H = 4096, I = 14336, V = 32000;
+	/* 100 tokens: all rows fit one chunk; group of ceil(75) */
+	uint64_t want = 4 * (100 * (2 * H + 8 + 4) + 75 * (2 * 4096 + 2 * 1024) +
+			     200 * (2 * H + 2 * I) + 100 * V);
+	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 100, 4096), want);
+	/* 10000 tokens: the MoE and logits chunks are capped at 4096 rows */
+	want = 4 * (10000 * (2 * H + 8 + 4) + 7500 * (2 * 4096 + 2 * 1024) +
+		    4096 * (2 * H + 2 * I) + 4096 * V);
+	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 10000, 0), want);
+	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 0, 0), 0);
+}
+END_TEST
+
+/* ==== eq. 2-4 ==== */
+
+START_TEST(eq2_mixtral_a40)
+{
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 48);
+	double C = 149.7e12, B = 25e9;
+	double bytes = 2818572288.0 + 83886080.0;	/* experts + attention */
+	double flops = 2.0 * 4096 * 6144 + 2.0 * 4096 * 4096 + 2.0 * 4096 * 8 + 12.0 * 4096 * 14336;
+	double n;
+
+	/* simple form: (C/B)·(E/k) = 5988 · 4 */
+	assert_rel(mlens_perf_n_simple(&pm, C, B), 5988.0 * 4, 1e-12);
+	/* with attention counted: n·flops/C = bytes/B */
+	n = mlens_perf_n_roofline(&pm, C, B, (uint64_t)bytes);
+	assert_rel(n, C / B * bytes / flops, 1e-12);
+	assert_rel(n * flops / C, bytes / B, 1e-12);
+	ck_assert_msg(n > 21000 && n < 23000, "n %.1f", n);
+	/* attention weights lower n below the experts-only simple form */
+	ck_assert(n < mlens_perf_n_simple(&pm, C, B));
+
+	/* fitted form: 2a + b n = streamed / B_IO */
+	hw.ga.a = 1e-4;
+	hw.gb.a = 9e-4;
+	hw.ga.b = 1e-6;
+	hw.gb.b = 5e-6;
+	n = mlens_perf_n_fit(&hw, 2818572288ull);
+	assert_rel(n, (2818572288.0 / 25e9 - 2 * 1e-3) / 6e-6, 1e-12);
+	assert_rel(2 * 1e-3 + 6e-6 * n, 2818572288.0 / 25e9, 1e-12);
+	ck_assert(isinf(mlens_perf_n_fit(&hw, 0)));
+	ck_assert(mlens_perf_n_fit(&hw, 1000) == 0);	/* transfer hides behind any step */
+}
+END_TEST
+
+START_TEST(pme_and_tmax)
+{
+	double pme = mlens_perf_pme(98, 32), M = 123456, p = 98, g = 32;
+	/* 0.0356 to three significant figures */
+	ck_assert_msg(fabs(pme - 0.0356) < 0.00005, "PME %.6f", pme);
+	assert_rel(pme, 260.0 / 7296.0, 1e-15);
+	/* the steady state it comes from: M/(p+g/2) sequences, (p+g)/g tokens each a step */
+	assert_rel(pme * M, M / (p + g / 2) * (p + g) / g, 1e-12);
+	/* eq. 4 takes the smaller bound */
+	assert_rel(mlens_perf_tmax(pme, M, 3.6, 5000), pme * M / 3.6, 1e-15);
+	assert_rel(mlens_perf_tmax(pme, M, 0.1, 5000), 5000, 1e-15);
+	ck_assert(mlens_perf_tmax(pme, M, 0, 5000) == 5000);
+}
+END_TEST
+
+/* ==== the fit ==== */
+
+static unsigned long long rng_state;
+
+static double uniform(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return ((double)(rng_state >> 11) + 0.5) / 9007199254740992.0;
+}
+
+static double gauss(void)
+{
+	return sqrt(-2.0 * log(uniform())) * cos(2.0 * M_PI * uniform());
+}
+
+START_TEST(fit_recovers_line)
+{
+	double x[64], y[64], a = 2e-3, b = 7.5e-6, sigma = 5e-5;
+	struct mlens_perf_line l;
+	rng_state = 0x9e3779b97f4a7c15ull;
+	for (int i = 0; i < 64; i++) {
+		x[i] = 256.0 * (1 + i % 16) * 2;	/* 512 .. 8192 tokens, 4 repeats */
+		y[i] = a + b * x[i] + sigma * gauss();
+	}
+	ck_assert_int_eq(mlens_perf_fit_line(x, y, 64, &l), 0);
+	ck_assert_int_eq(l.n, 64);
+	/* within 4 standard errors, and the errors are small */
+	ck_assert_msg(fabs(l.b - b) < 4 * l.se_b, "b %.4g se %.3g", l.b, l.se_b);
+	ck_assert_msg(fabs(l.a - a) < 4 * l.se_a, "a %.4g se %.3g", l.a, l.se_a);
+	ck_assert_msg(l.se_b / b < 0.01, "slope error %.3g", l.se_b / b);
+	ck_assert_msg(fabs(l.b - b) / b < 0.01, "slope %.5g", l.b);
+	ck_assert_msg(fabs(l.a - a) / a < 0.05, "intercept %.5g", l.a);
+	ck_assert_msg(l.se > 0.7 * sigma && l.se < 1.3 * sigma, "se %.3g", l.se);
+	assert_rel(mlens_perf_line_at(&l, 1000), l.a + 1000 * l.b, 1e-15);
+
+	/* exact points give the exact line and no residual */
+	for (int i = 0; i < 5; i++) {
+		x[i] = 100.0 * (i + 1);
+		y[i] = 0.5 + 0.25 * x[i];
+	}
+	ck_assert_int_eq(mlens_perf_fit_line(x, y, 5, &l), 0);
+	assert_rel(l.a, 0.5, 1e-12);
+	assert_rel(l.b, 0.25, 1e-12);
+	ck_assert(l.se < 1e-9);
+
+	/* refusals */
+	ck_assert_int_eq(mlens_perf_fit_line(x, y, 1, &l), -EINVAL);
+	x[1] = x[0];
+	ck_assert_int_eq(mlens_perf_fit_line(x, y, 2, &l), -EINVAL);
+	x[1] = 200;
+	y[1] = NAN;
+	ck_assert_int_eq(mlens_perf_fit_line(x, y, 2, &l), -EINVAL);
+}
+END_TEST
+
+/* ==== step time ==== */
+
+START_TEST(step_time_tiers)
+{
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 48);
+	struct mlens_perf_policy pol = { 0, 0.5, 0.5 };
+	struct mlens_perf_step st = { 1000, 400, 400 * 500.0, 600 * 50.0 };
+	struct mlens_perf_step_time t;
+	double h2d = 2818572288.0 + 400 * 4096 * 2;
+	double d2h = 400 * (4096 + 2048) * 2 + 600 * 2048 * 2;
+	double kv = 400 * 500.0 * 4096;
+	double g = hw.ga.a + hw.gb.a + (hw.ga.b + hw.gb.b) * 500 + 4.0 * 4096 * 0.5 * 600 * 50 / 149.7e12;
+
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_PCIE], h2d / 25e9, 1e-12);
+	assert_rel(t.tier[MLENS_PERF_BIND_D2H], d2h / 25e9, 1e-12);
+	assert_rel(t.tier[MLENS_PERF_BIND_CPU_MEM], (kv + h2d + d2h) / 200e9, 1e-12);
+	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], kv / 100e9, 1e-12);
+	assert_rel(t.tier[MLENS_PERF_BIND_GPU], 2 * g, 1e-12);
+	assert_rel(t.tier[MLENS_PERF_BIND_CHAIN], g + kv / 2 / 100e9, 1e-12);
+	/* 1000 tokens cannot hide 2.8 GB: PCIe binds */
+	ck_assert_int_eq(t.bind, MLENS_PERF_BIND_PCIE);
+	ck_assert_str_eq(mlens_perf_bind_name(t.bind), "pcie-h2d");
+	assert_rel(t.seconds, 32 * h2d / 25e9 + t.tier[MLENS_PERF_BIND_CHAIN], 1e-12);
+
+	/* everything resident and slow attention: CPU attention binds, and the
+	 * best split moves decode tokens out of the way of the GPU */
+	pol.resident_experts = 8;
+	hw.b_attn = 2e9;
+	ck_assert_int_eq(mlens_perf_step_time_best(&pm, &hw, &pol, &st, &t), 0);
+	ck_assert_int_eq(t.bind, MLENS_PERF_BIND_CPU_ATTN);
+	hw.b_attn = 100e9;
+	/* everything resident, prefill-heavy: the GPU binds */
+	pol.resident_experts = 8;
+	pol.alpha_decode = pol.alpha_prefill = 0.5;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	ck_assert_int_eq(t.bind, MLENS_PERF_BIND_GPU);
+	/* out of range */
+	pol.resident_experts = 9;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+	pol.resident_experts = 0;
+	hw.b_io = 0;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+}
+END_TEST
+
+START_TEST(split_balances_groups)
+{
+	/* a step whose CPU attention is as long as its GPU work: each group's
+	 * chain (its GPU work, then its own attention) must hide behind the
+	 * other group's work. The chosen split balances the chains; putting
+	 * every decode token in α and every prefill token in β serialises
+	 * the attention behind α's GPU work and the chain binds. */
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 48);
+	struct mlens_perf_policy best = { 8, 0.5, 0.5 }, skew = { 8, 1.0, 0.0 };
+	struct mlens_perf_step st = { 4000, 2000, 2000 * 1500.0, 2000 * 300.0 };
+	struct mlens_perf_step_time tb, ts;
+	double chain_a, chain_b, n_a;
+	hw.b_mem = 1e12;	/* keep the memory tier out of the way */
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &best, &st, &tb), 0);
+	hw.b_attn = st.context * (double)pm.kv_token_bytes / tb.tier[MLENS_PERF_BIND_GPU];
+	ck_assert_int_eq(mlens_perf_step_time_best(&pm, &hw, &best, &st, &tb), 0);
+	assert_rel(tb.tier[MLENS_PERF_BIND_CPU_ATTN], tb.tier[MLENS_PERF_BIND_GPU], 1e-12);
+	chain_a = tb.group_gpu[0] + tb.group_cpu[0];
+	chain_b = tb.group_gpu[1] + tb.group_cpu[1];
+	assert_rel(chain_a, chain_b, 1e-9);
+	assert_rel(tb.period, tb.tier[MLENS_PERF_BIND_GPU], 1e-9);
+	n_a = best.alpha_decode * 2000 + best.alpha_prefill * 2000;
+	ck_assert(n_a <= MLENS_PERF_GROUP_MAX * 4000 + 1e-9);
+	ck_assert(4000 - n_a <= MLENS_PERF_GROUP_MAX * 4000 + 1e-9);
+
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &skew, &st, &ts), 0);
+	ck_assert_int_eq(ts.bind, MLENS_PERF_BIND_CHAIN);
+	ck_assert_str_eq(mlens_perf_bind_name(ts.bind), "gpu-cpu-chain");
+	assert_rel(ts.period, ts.group_gpu[0] + ts.tier[MLENS_PERF_BIND_CPU_ATTN], 1e-12);
+	ck_assert(ts.period > 1.2 * tb.period);
+	/* the chosen split is no worse than any split on a grid */
+	for (int i = 0; i <= 8; i++)
+		for (int j = 0; j <= 8; j++) {
+			struct mlens_perf_policy p = { 8, i / 8.0, j / 8.0 };
+			struct mlens_perf_step_time t;
+			ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &p, &st, &t), 0);
+			ck_assert(tb.seconds <= t.seconds * (1 + 1e-12));
+		}
+}
+END_TEST
+
+/* ==== policy ==== */
+
+START_TEST(policy_tight_budget)
+{
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 12);
+	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
+	struct mlens_perf_prediction pr;
+	char err[512] = "";
+	int rc = mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err));
+	ck_assert_msg(rc == 0, "%s", err);
+	/* 12 GiB leaves no room for a whole expert in every layer: stream them all */
+	ck_assert_int_le(pr.policy.resident_experts, 1);
+	ck_assert_int_eq(pr.time.bind, MLENS_PERF_BIND_PCIE);
+	ck_assert_uint_le(pr.gpu_total, hw.gpu_budget);
+	/* the step carries n_real tokens: the line meets the transfer there */
+	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_NREAL);
+	assert_rel(pr.n_eq, mlens_perf_n_fit(&hw, mlens_perf_streamed_bytes(&pm, pr.policy.resident_experts)), 1e-15);
+	ck_assert(pr.n_real == floor(pr.n_eq));
+	ck_assert(pr.n_real <= pr.n_act);
+	ck_assert_int_eq(mlens_perf_token_cap(&pr), (int)pr.n_real);
+	/* eq. 4 bounds the prediction; the PCIe bound is within the fill of it */
+	ck_assert(pr.total_tok_s <= pr.t_max * (1 + 1e-9));
+	ck_assert_msg(pr.total_tok_s > 0.9 * pr.n_real / pr.delta, "%.1f vs %.1f", pr.total_tok_s,
+		      pr.n_real / pr.delta);
+	assert_rel(pr.gen_tok_s, pr.total_tok_s * 32 / 130, 1e-12);
+	assert_rel(pr.steps_per_s * pr.time.seconds, 1, 1e-12);
+}
+END_TEST
+
+START_TEST(policy_loose_budget)
+{
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 139);
+	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
+	struct mlens_perf_prediction pr;
+	char err[512] = "";
+	ck_assert_msg(mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(pr.policy.resident_experts, 8);
+	ck_assert_uint_eq(pr.gpu_slots, 0);
+	ck_assert_uint_eq(pr.gpu_resident, pm.model_bytes);
+	ck_assert_int_eq(pr.time.bind, MLENS_PERF_BIND_GPU);
+	ck_assert_str_eq(mlens_perf_bind_name(pr.time.bind), "gpu");
+	ck_assert(isinf(pr.n_eq));
+	/* nothing to hide: the KV capacity sets the step (PME·M tokens) */
+	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_KV);
+	assert_rel(pr.tokens, mlens_perf_pme(98, 32) * 1e6, 1e-12);
+	ck_assert_uint_le(pr.gpu_total, hw.gpu_budget);
+	ck_assert(pr.total_tok_s <= pr.t_max * (1 + 1e-9));
+}
+END_TEST
+
+START_TEST(minimum_budget_refused)
+{
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 1);
+	struct mlens_perf_workload w = { 512, 128, 1e5, 0 };
+	struct mlens_perf_prediction pr;
+	char err[512] = "", want[32];
+	uint64_t need = mlens_perf_min_budget(&pm, &hw, 512);
+	/* by hand: resident non-expert weights, two slots of 8 experts,
+	 * activations for one 512-token prompt, workspace */
+	ck_assert_uint_eq(need, pm.model_bytes - 32 * pm.layer_expert_bytes + 2 * pm.layer_expert_bytes +
+				mlens_perf_act_bytes(&pm, 512, 0) + hw.gpu_workspace);
+
+	hw.gpu_budget = need - 1;
+	ck_assert_int_eq(mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err)), -ENOSPC);
+	ck_assert_ptr_nonnull(strstr(err, "too small"));
+	ck_assert_ptr_nonnull(strstr(err, "raise gpu_memory"));
+	snprintf(want, sizeof(want), "at least %.2f GiB", (double)need / GIB);
+	ck_assert_msg(strstr(err, want) != NULL, "%s", err);
+
+	hw.gpu_budget = need;
+	ck_assert_int_eq(mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err)), 0);
+	ck_assert_int_eq(pr.policy.resident_experts, 0);
+	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_ACT);
+	ck_assert(pr.n_real == 512);
+	ck_assert_uint_le(pr.gpu_total, hw.gpu_budget);
+
+	/* a fixed residency that does not fit is refused with its numbers */
+	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 4, &pr, err, sizeof(err)), -ENOSPC);
+	ck_assert_ptr_nonnull(strstr(err, "4 resident experts"));
+
+	/* one layer: its experts resident cost less than two slots of them */
+	{
+		struct mlens_model_config c = mixtral_config();
+		struct mlens_perf_model one;
+		c.num_hidden_layers = 1;
+		ck_assert_int_eq(mlens_perf_model_from_config(&one, &c, MLENS_DTYPE_BF16), 0);
+		need = mlens_perf_min_budget(&one, &hw, 512);
+		ck_assert_uint_eq(need, one.model_bytes + mlens_perf_act_bytes(&one, 512, 0) + hw.gpu_workspace);
+		hw.gpu_budget = need;
+		ck_assert_int_eq(mlens_perf_choose(&one, &hw, &w, &pr, err, sizeof(err)), 0);
+		ck_assert_int_eq(pr.policy.resident_experts, 8);
+		hw.gpu_budget = need - 1;
+		ck_assert_int_eq(mlens_perf_choose(&one, &hw, &w, &pr, err, sizeof(err)), -ENOSPC);
+	}
+}
+END_TEST
+
+START_TEST(throughput_monotone_in_kv)
+{
+	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_hw hw = a40(&pm, 24);
+	struct mlens_perf_prediction pr, prev;
+	char err[512];
+	int kv_limited = 0;
+	for (int i = 0; i < 40; i++) {
+		struct mlens_perf_workload w = { 512, 128, 1e4 * pow(1.25, i), 0 };
+		ck_assert_msg(mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err)) == 0, "%s", err);
+		ck_assert_uint_le(pr.gpu_total, hw.gpu_budget);
+		if (i > 0) {
+			ck_assert_msg(pr.total_tok_s >= prev.total_tok_s * (1 - 1e-12),
+				      "M %.0f: %.3f < %.3f", w.kv_tokens, pr.total_tok_s, prev.total_tok_s);
+			if (pr.limit == MLENS_PERF_LIMIT_KV && prev.limit == MLENS_PERF_LIMIT_KV &&
+			    pr.policy.resident_experts == prev.policy.resident_experts) {
+				ck_assert(pr.total_tok_s > prev.total_tok_s);
+				kv_limited++;
+			}
+		}
+		prev = pr;
+	}
+	/* the sweep covers both regimes */
+	ck_assert_int_gt(kv_limited, 3);
+	ck_assert_int_ne(pr.limit, MLENS_PERF_LIMIT_KV);
+}
+END_TEST
+
+/* ==== the scheduler under the model's cap ==== */
+
+static int emit_count(struct mlens_sched_tenant *t, const struct mlens_event *ev)
+{
+	/* the scheduler's stats keep the counts this test checks */
+	(void)t;
+	(void)ev;
+	return 0;
+}
+
+static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m = mlens_test_model_new(&sp);
+	struct mlens_backend be;
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+	struct mlens_engine_opts eo = { 4, 512, -1, 256, NULL, NULL, MLENS_PREFILL_AUTO };
+	struct mlens_sched_opts so = { 0, 0 };
+	struct mlens_sched_tenant t;
+	struct mlens_quota q = { 0, 0, 1000, 1.0 };
+	struct mlens_sched_stats st;
+	struct mlens_perf_model pm;
+	struct mlens_perf_hw hw;
+	struct mlens_perf_workload w = { 7, 6, 2048, 7 };
+	struct mlens_perf_prediction pr;
+	uint64_t streamed;
+	char err[256];
+	int cap, want_cap, steps = 0;
+	uint32_t most = 0;
+
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	streamed = mlens_perf_streamed_bytes(&pm, 0);
+	/* ceilings scaled to the tiny model: the transfer of a layer takes
+	 * 26.5 µs, the GPU 2 µs a step plus 1 µs a token */
+	memset(&hw, 0, sizeof(hw));
+	hw.b_io = (double)streamed / 26.5e-6;
+	hw.b_mem = 10 * hw.b_io;
+	hw.b_attn = 1e9;
+	hw.ga.a = 0.25e-6;
+	hw.gb.a = 0.75e-6;
+	hw.ga.b = 0.4e-6;
+	hw.gb.b = 0.6e-6;
+	hw.chunk = 64;
+	hw.gpu_budget = mlens_perf_resident_bytes(&pm, 0) + mlens_perf_slot_bytes(&pm, 0) + budget_extra;
+	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(pr.limit, want_limit);
+	cap = mlens_perf_token_cap(&pr);
+	if (want_limit == MLENS_PERF_LIMIT_NREAL)
+		want_cap = (int)floor(((double)streamed / hw.b_io - 2 * 1e-6) / 1e-6);
+	else	/* the most tokens whose activations fit budget_extra */
+		for (want_cap = 0; mlens_perf_act_bytes(&pm, want_cap + 1, 64) <= budget_extra; want_cap++)
+			;
+	ck_assert_int_eq(cap, want_cap);
+	ck_assert_int_gt(cap, 7);
+	ck_assert_int_lt(cap, 256);
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
+	mlens_sched_set_token_cap(s, cap);
+	ck_assert_int_eq(mlens_sched_token_cap(s), cap);
+	mlens_sched_tenant_init(&t, &q, emit_count);
+	for (int i = 0; i < 60; i++) {
+		int32_t p[7];
+		struct mlens_request_params rp;
+		char why[200];
+		for (int j = 0; j < 7; j++)
+			p[j] = (int32_t)((i * 31 + j * 7) % 97);
+		memset(&rp, 0, sizeof(rp));
+		rp.id = (uint64_t)i;
+		rp.prompt = p;
+		rp.n_prompt = 7;
+		rp.max_tokens = 6;
+		rp.samp.top_p = 1.0f;
+		ck_assert_msg(mlens_sched_submit(s, &t, &rp, why, sizeof(why)) == 0, "%s", why);
+	}
+	while (!mlens_sched_idle(s) && steps < 10000) {
+		ck_assert_int_eq(mlens_sched_step(s), 1);
+		mlens_sched_get_stats(s, &st);
+		ck_assert_uint_le(st.last_step_tokens, (uint32_t)cap);
+		if (st.last_step_tokens > most)
+			most = st.last_step_tokens;
+		steps++;
+	}
+	mlens_sched_get_stats(s, &st);
+	ck_assert(mlens_sched_idle(s));
+	ck_assert_uint_eq(st.requests_done, 60);
+	ck_assert_uint_eq(st.generated_tokens, 60 * 6);
+	/* the cap was what limited the steps, not the work */
+	ck_assert_uint_gt(most, (uint32_t)cap - 7);
+	mlens_sched_destroy(s);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+}
+
+START_TEST(sched_respects_nreal_cap)
+{
+	run_capped(64ull << 20, MLENS_PERF_LIMIT_NREAL);
+}
+END_TEST
+
+START_TEST(sched_respects_activation_cap)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m = mlens_test_model_new(&sp);
+	struct mlens_perf_model pm;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	mlens_test_model_free(m);
+	/* room for activations of 15 tokens and a little: fewer than n_eq */
+	run_capped(mlens_perf_act_bytes(&pm, 15, 64) + 100, MLENS_PERF_LIMIT_ACT);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *su = suite_create("perfmodel");
+	TCase *tc = tcase_create("core");
+	SRunner *sr;
+	int failed;
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, mixtral_bytes);
+	tcase_add_test(tc, config_errors);
+	tcase_add_test(tc, activation_bytes);
+	tcase_add_test(tc, eq2_mixtral_a40);
+	tcase_add_test(tc, pme_and_tmax);
+	tcase_add_test(tc, fit_recovers_line);
+	tcase_add_test(tc, step_time_tiers);
+	tcase_add_test(tc, split_balances_groups);
+	tcase_add_test(tc, policy_tight_budget);
+	tcase_add_test(tc, policy_loose_budget);
+	tcase_add_test(tc, minimum_budget_refused);
+	tcase_add_test(tc, throughput_monotone_in_kv);
+	tcase_add_test(tc, sched_respects_nreal_cap);
+	tcase_add_test(tc, sched_respects_activation_cap);
+	suite_add_tcase(su, tc);
+	sr = srunner_create(su);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

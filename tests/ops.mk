@@ -1,0 +1,12 @@
+# tests/ops.mk: operating mlensd: control socket and mlensctl, stats socket,
+# /metrics and /health, config errors, man pages.
+check_PROGRAMS += tests/integration/ops_tenant
+tests_integration_ops_tenant_SOURCES = tests/integration/ops_tenant.c
+tests_integration_ops_tenant_LDADD = shm/libmlens_shm.la
+check_PROGRAMS += tests/integration/ops_raw
+tests_integration_ops_raw_SOURCES = tests/integration/ops_raw.c
+dist_check_SCRIPTS += tests/integration/ops.sh
+TESTS += tests/integration/ops.sh
+# lints ALL man/*.[1-8] pages (shared with the client pages)
+dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh
+TESTS += tests/manlint.sh tests/man_keys.sh
