@@ -104,7 +104,9 @@ static int fail_start(const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	log_error("%s", msg);
+	/* in daemon mode the waiting parent prints it; do not say it twice */
+	if (D.ready_fd < 0 || strcmp(D.cfg.log, "stderr"))
+		log_error("%s", msg);
 	if (D.ready_fd >= 0) {
 		if (write(D.ready_fd, msg, strlen(msg)) < 0) {
 			/* the parent is gone: nothing more to tell */
