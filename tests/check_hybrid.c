@@ -8,14 +8,21 @@
  * each layer's pieces cross once, the CPU attention of one group overlaps
  * GPU work of the other, and the weight stream hides behind compute. The
  * weight pieces: merged when adjacent, at most the piece size, covering
- * every byte once. */
+ * every byte once. The executor with the CPU backend on both sides (the
+ * program run in order): greedy tokens equal to the engine's and logits
+ * within 1e-5 over prefill, decode and mixed steps, in one and two token
+ * groups, through the engine's hybrid mode; every streamed expert byte
+ * crosses once per step; the GPU side stays within the budget. */
 #include <check.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/gpuplan.h"
+#include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
+#include "tests/testmodel.h"
 
 #define GIB (1024ull * 1024ull * 1024ull)
 
@@ -397,6 +404,200 @@ START_TEST(pieces_split_and_merge)
 }
 END_TEST
 
+
+/* ==== the executor, CPU on both sides ==== */
+
+#define N_SEQ 4
+#define N_STEPS 6
+
+struct side {
+	struct mlens_backend be, attn;
+	struct mlens_engine *e;
+	struct mlens_seq seq[N_SEQ];
+};
+
+static struct mlens_test_spec spec4(void)
+{
+	struct mlens_test_spec s = mlens_test_spec_tiny();
+	s.layers = 4;	/* more than two layers: streaming is the cheapest residency */
+	return s;
+}
+
+/* A budget that holds no resident expert: the minimum for max_tokens. */
+static uint64_t stream_budget(const struct mlens_model *m, int max_tokens)
+{
+	struct mlens_perf_model pm;
+	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
+				       .min_tokens = max_tokens };
+	struct mlens_gpuplan p;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+	return p.minimum;
+}
+
+static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups)
+{
+	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
+					.max_step_tokens = 64, .kv_blocks = 64 };
+	char err[512];
+	memset(sd, 0, sizeof(*sd));
+	ck_assert_int_eq(mlens_backend_cpu_create(&sd->be, &bo), 0);
+	if (hybrid) {
+		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
+		eo.attn_backend = &sd->attn;
+		eo.gpu_budget = stream_budget(m, 64);
+		eo.hybrid_groups = groups;
+	}
+	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
+}
+
+static void side_close(struct side *sd, bool hybrid)
+{
+	for (int i = 0; i < N_SEQ; i++)
+		mlens_seq_fini(mlens_engine_kv(sd->e), &sd->seq[i]);
+	mlens_engine_destroy(sd->e);
+	mlens_backend_destroy(&sd->be);
+	if (hybrid)
+		mlens_backend_destroy(&sd->attn);
+}
+
+static double rel_diff(const float *a, const float *b, size_t n)
+{
+	double d = 0, m = 0;
+	for (size_t i = 0; i < n; i++) {
+		double x = fabs((double)a[i] - (double)b[i]), y = fabs((double)b[i]);
+		d = x > d ? x : d;
+		m = y > m ? y : m;
+	}
+	return m > 0 ? d / m : d;
+}
+
+/* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
+ * prefilling in step 2 beside the others' decode tokens. */
+static void run_equal(int groups)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	static const int plen[N_SEQ] = { 5, 9, 3, 7 };
+	int32_t prompt[N_SEQ][16], next[2][N_SEQ];
+	struct side sd[2];
+	size_t V = (size_t)ts.vocab;
+	float *lg[2];
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
+
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
+	side_open(&sd[0], m, false, 0);
+	side_open(&sd[1], m, true, groups);
+	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
+	lg[0] = calloc(N_SEQ * V, sizeof(float));
+	lg[1] = calloc(N_SEQ * V, sizeof(float));
+	for (int step = 0; step < N_STEPS; step++) {
+		for (int s = 0; s < 2; s++) {
+			struct mlens_engine_req r[N_SEQ];
+			int n = 0;
+			memset(r, 0, sizeof(r));
+			for (int i = 0; i < N_SEQ; i++) {
+				bool pre = (i < 3 && step == 0) || (i == 3 && step == 2);
+				if (!pre && (step == 0 || (i == 3 && step < 2)))
+					continue;
+				r[n].seq = &sd[s].seq[i];
+				r[n].tokens = pre ? prompt[i] : &next[s][i];
+				r[n].n_tokens = pre ? plen[i] : 1;
+				r[n].logits = lg[s] + (size_t)i * V;
+				r[n].samp.counter = (uint64_t)step;
+				n++;
+			}
+			ck_assert_int_eq(mlens_engine_step(sd[s].e, r, n), 0);
+			for (int k = 0; k < n; k++)
+				next[s][r[k].seq - sd[s].seq] = r[k].next_token;
+		}
+		for (int i = 0; i < N_SEQ; i++) {
+			if (i == 3 && step < 2)
+				continue;
+			ck_assert_msg(next[0][i] == next[1][i], "step %d seq %d: hybrid token %d, engine %d",
+				      step, i, next[1][i], next[0][i]);
+			ck_assert_msg(rel_diff(lg[1] + i * V, lg[0] + i * V, V) <= 1e-5,
+				      "step %d seq %d: logits differ by %g", step, i,
+				      rel_diff(lg[1] + i * V, lg[0] + i * V, V));
+		}
+		{
+			struct mlens_pipeline *p = mlens_engine_pipeline(sd[1].e);
+			const struct mlens_pipeline_stats *st = mlens_pipeline_stats(p);
+			/* every expert of every layer crossed exactly once */
+			ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
+			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
+			ck_assert(!st->async);
+		}
+	}
+	free(lg[0]);
+	free(lg[1]);
+	side_close(&sd[0], false);
+	side_close(&sd[1], true);
+	mlens_test_model_free(m);
+}
+
+START_TEST(exec_equal_one_group)
+{
+	run_equal(1);
+}
+END_TEST
+
+START_TEST(exec_equal_two_groups)
+{
+	run_equal(2);
+}
+END_TEST
+
+/* Small pieces, a refused budget, the cap lowered by the plan. */
+START_TEST(exec_pieces_and_budget)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend g, c;
+	struct mlens_pipeline *p = NULL;
+	struct mlens_pipeline_opts po = { .max_step_tokens = 64, .piece_bytes = 5000,
+					  .kv_blocks = 32, .kv_dtype = -1 };
+	struct mlens_seq seq = { 0 };
+	struct mlens_engine_req r = { 0 };
+	int32_t prompt[6] = { 1, 2, 3, 4, 5, 6 };
+	static int32_t big[65];
+	char err[512];
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
+	po.gpu_budget = stream_budget(m, 64) - 1;	/* one byte short of 64 tokens */
+	po.min_step_tokens = 64;
+	ck_assert_int_eq(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)), -ENOSPC);
+	ck_assert_ptr_nonnull(strstr(err, "at least"));
+	po.min_step_tokens = 8;	/* now the plan lowers the cap instead */
+	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_lt(mlens_pipeline_max_step_tokens(p), 64);
+	ck_assert_int_ge(mlens_pipeline_max_step_tokens(p), 8);
+	ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), po.gpu_budget);
+	r.seq = &seq;
+	r.tokens = prompt;
+	r.n_tokens = 6;
+	ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), 0);
+	ck_assert_int_eq(seq.len, 6);
+	ck_assert_uint_eq(mlens_pipeline_stats(p)->h2d_weight_bytes,
+			  (uint64_t)ts.layers * ts.experts * expert);
+	r.tokens = big;
+	r.n_tokens = 65;
+	ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), -E2BIG);
+	mlens_seq_fini(mlens_pipeline_kv(p), &seq);
+	mlens_pipeline_destroy(p);
+	mlens_backend_destroy(&g);
+	mlens_backend_destroy(&c);
+	mlens_test_model_free(m);
+}
+END_TEST
+
 static Suite *suite(void)
 {
 	Suite *s = suite_create("hybrid");
@@ -411,6 +612,12 @@ static Suite *suite(void)
 	tcase_add_test(t, prog_copy_bound_hides_compute);
 	tcase_add_test(t, prog_one_group_and_resident);
 	tcase_add_test(t, pieces_split_and_merge);
+	suite_add_tcase(s, t);
+	t = tcase_create("executor");
+	tcase_set_timeout(t, 60);
+	tcase_add_test(t, exec_equal_one_group);
+	tcase_add_test(t, exec_equal_two_groups);
+	tcase_add_test(t, exec_pieces_and_budget);
 	suite_add_tcase(s, t);
 	return s;
 }
