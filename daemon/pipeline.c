@@ -41,6 +41,7 @@ struct mlens_pipeline {
 	struct mlens_gpuplan plan;
 	struct mlens_backend *g, *c;	/* GPU side, CPU side */
 	bool async;
+	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
 	int64_t chunk;
@@ -531,7 +532,22 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		rc = -ENOSPC;
 		goto fail;
 	}
+	p->prefill_cpu = o->prefill_cpu;
+	if (!p->prefill_cpu && !gpu->ops->host_memory) {
+		/* a GPU kernel may cover only some head sizes: ask with no sequence */
+		int32_t cu0 = 0;
+		int hd = (int)p->cfg.head_dim;
+		rc = gpu->ops->attn_prefill(gpu->ctx, p->att, p->q, p->k, p->v, &cu0, 0,
+					    (int)p->cfg.num_attention_heads,
+					    (int)p->cfg.num_key_value_heads, hd, 1.0f / sqrtf((float)hd));
+		if (rc == -ENOTSUP)
+			p->prefill_cpu = true;
+		else if (rc)
+			goto fail;
+		rc = 0;
+	}
 	p->st.async = p->async;
+	p->st.prefill_cpu = p->prefill_cpu;
 	*out = p;
 	return 0;
 fail:
@@ -637,7 +653,8 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr)
 	int H = (int)c->hidden_size, hd = (int)c->head_dim, n = gr->r1 - gr->r0, rc;
 	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
 	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
-	size_t d0 = r0 + (size_t)gr->P;
+	/* first row whose q the CPU needs */
+	size_t d0 = p->prefill_cpu ? r0 : r0 + (size_t)gr->P;
 
 	if (!n)
 		return 0;
@@ -648,7 +665,7 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr)
 	TRY(G->gemm(GC, p->v + r0 * kvd, p->xn + r0 * H, b->wv, c->dtype, n, H, (int)kvd, false));
 	TRY(G->rope(GC, p->q + r0 * qd, p->pos + r0, n, nh, hd, (float)c->rope_theta));
 	TRY(G->rope(GC, p->k + r0 * kvd, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
-	if (gr->n_pre)
+	if (gr->n_pre && !p->prefill_cpu)
 		TRY(G->attn_prefill(GC, p->att + r0 * qd, p->q + r0 * qd, p->k + r0 * kvd,
 				    p->v + r0 * kvd, gr->cu, gr->n_pre, nh, nkv, hd,
 				    1.0f / sqrtf((float)hd)));
@@ -667,10 +684,16 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr)
 	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
 	size_t d0 = r0 + (size_t)gr->P;
 	int n = gr->r1 - gr->r0, nd = gr->r1 - (int)d0, rc;
+	int hd = (int)c->head_dim;
 	double t0 = now();
 
 	if (!n)
 		return 0;
+	if (p->prefill_cpu && gr->n_pre)
+		TRY(p->c->ops->attn_prefill(p->c->ctx, p->hatt + r0 * qd, p->hq + r0 * qd,
+					    p->hk + r0 * kvd, p->hv + r0 * kvd, gr->cu, gr->n_pre,
+					    (int)c->num_attention_heads,
+					    (int)c->num_key_value_heads, hd, 1.0f / sqrtf((float)hd)));
 	TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, p->hk + r0 * kvd, p->hv + r0 * kvd,
 				 p->slots + r0, n));
 	if (nd > 0)
@@ -679,8 +702,10 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr)
 					   (int)c->num_attention_heads,
 					   1.0f / sqrtf((float)c->head_dim)));
 	p->st.cpu_attn_s += now() - t0;
-	if (nd > 0)
-		TRY(to_gpu(p, p->att + d0 * qd, p->hatt + d0 * qd, (size_t)nd * qd * 4));
+	if (p->prefill_cpu)
+		d0 = r0;	/* the prefill rows' output comes back too */
+	if ((size_t)gr->r1 > d0)
+		TRY(to_gpu(p, p->att + d0 * qd, p->hatt + d0 * qd, ((size_t)gr->r1 - d0) * qd * 4));
 	return 0;
 }
 

@@ -18,6 +18,7 @@
 #ifndef MLENS_PIPELINE_H
 #define MLENS_PIPELINE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include "daemon/engine.h"
 #include "daemon/gpuplan.h"
@@ -32,6 +33,9 @@ struct mlens_pipeline_opts {
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
+	/* Prefill attention on the CPU backend too (it is on the GPU unless
+	 * this is set or the GPU backend refuses the model's head_dim). */
+	bool prefill_cpu;
 	/* the KV pool, as in struct mlens_engine_opts */
 	int kv_block_size;
 	uint32_t kv_blocks;
@@ -50,6 +54,7 @@ struct mlens_pipeline_stats {
 	uint64_t steps;
 	uint64_t h2d_bytes_total, d2h_bytes_total;
 	bool async;		/* queues and events in use */
+	bool prefill_cpu;	/* prefill attention runs on the CPU */
 };
 
 int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,

@@ -435,7 +435,8 @@ static uint64_t stream_budget(const struct mlens_model *m, int max_tokens)
 	return p.minimum;
 }
 
-static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups)
+static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
+		      bool prefill_cpu)
 {
 	struct mlens_backend_opts bo = { 1, 0 };
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
@@ -448,6 +449,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 		eo.attn_backend = &sd->attn;
 		eo.gpu_budget = stream_budget(m, 64);
 		eo.hybrid_groups = groups;
+		eo.hybrid_prefill_cpu = prefill_cpu;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
@@ -476,7 +478,7 @@ static double rel_diff(const float *a, const float *b, size_t n)
 
 /* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
  * prefilling in step 2 beside the others' decode tokens. */
-static void run_equal(int groups)
+static void run_equal(int groups, bool prefill_cpu)
 {
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
@@ -490,8 +492,8 @@ static void run_equal(int groups)
 	for (int i = 0; i < N_SEQ; i++)
 		for (int j = 0; j < plen[i]; j++)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
-	side_open(&sd[0], m, false, 0);
-	side_open(&sd[1], m, true, groups);
+	side_open(&sd[0], m, false, 0, false);
+	side_open(&sd[1], m, true, groups, prefill_cpu);
 	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
 	lg[0] = calloc(N_SEQ * V, sizeof(float));
 	lg[1] = calloc(N_SEQ * V, sizeof(float));
@@ -531,6 +533,7 @@ static void run_equal(int groups)
 			ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
 			ck_assert(!st->async);
+			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
 		}
 	}
 	free(lg[0]);
@@ -542,13 +545,19 @@ static void run_equal(int groups)
 
 START_TEST(exec_equal_one_group)
 {
-	run_equal(1);
+	run_equal(1, false);
 }
 END_TEST
 
 START_TEST(exec_equal_two_groups)
 {
-	run_equal(2);
+	run_equal(2, false);
+}
+END_TEST
+
+START_TEST(exec_equal_prefill_on_cpu)
+{
+	run_equal(2, true);
 }
 END_TEST
 
@@ -617,6 +626,7 @@ static Suite *suite(void)
 	tcase_set_timeout(t, 60);
 	tcase_add_test(t, exec_equal_one_group);
 	tcase_add_test(t, exec_equal_two_groups);
+	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_pieces_and_budget);
 	suite_add_tcase(s, t);
 	return s;
