@@ -16,3 +16,20 @@ if HAVE_CUDA
 TESTS += tests/golden/check_golden_hybrid.sh
 endif
 endif
+
+# the pipeline on the GPU against the GPU-only engine, budget checked
+# against cudaMemGetInfo (exits 77 without a GPU); its benchmark (JSON)
+EXTRA_DIST += tests/check_hybrid_cuda.c tests/bench/bench_hybrid.c
+if HAVE_CUDA
+if HAVE_CHECK
+check_PROGRAMS += tests/check_hybrid_cuda
+TESTS += tests/check_hybrid_cuda
+tests_check_hybrid_cuda_SOURCES = tests/check_hybrid_cuda.c
+tests_check_hybrid_cuda_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(CUDA_CFLAGS)
+tests_check_hybrid_cuda_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) $(CUDA_LIBS) -lm
+endif
+noinst_PROGRAMS += tests/bench/bench_hybrid
+tests_bench_bench_hybrid_SOURCES = tests/bench/bench_hybrid.c
+tests_bench_bench_hybrid_CFLAGS = $(AM_CFLAGS) $(CUDA_CFLAGS)
+tests_bench_bench_hybrid_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CUDA_LIBS) -lm
+endif
