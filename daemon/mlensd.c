@@ -14,6 +14,8 @@
 #include "daemon/config.h"
 #include "daemon/control.h"
 #include "daemon/engine.h"
+#include "daemon/gpuplan.h"
+#include "daemon/pipeline.h"
 #include "daemon/log.h"
 #include "daemon/mem.h"
 #include "daemon/sched.h"
@@ -29,6 +31,8 @@ struct daemon {
 	struct mlens_model *model;
 	struct mlens_weights weights;
 	struct mlens_backend be;
+	struct mlens_backend attn;	/* hybrid mode: decode attention, KV pool */
+	bool hybrid;
 	struct mlens_pinned kv_k, kv_v;
 	struct mlens_engine *engine;
 	struct mlens_sched *sched;
@@ -286,7 +290,24 @@ int main(int argc, char **argv)
 	if (blocks == 0)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
 				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size, 2 * per_block);
-	if (D.be.ops->host_memory) {
+	/* a GPU budget below what GPU-only mode needs selects the hybrid pipeline */
+	if (!D.be.ops->host_memory) {
+		struct mlens_perf_model pm;
+		char why[512];
+		int64_t cap = D.cfg.max_step_tokens > 0 ? (int64_t)D.cfg.max_step_tokens : 4096;
+		if (mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt))
+			return fail_start("model %s: dimensions out of range", D.cfg.model);
+		rc = mlens_gpuplan_choose_mode(&pm, D.cfg.gpu_memory, cap, 2ull * blocks * per_block,
+					       why, sizeof(why));
+		if (rc < 0)
+			return fail_start("max_step_tokens is out of range");
+		D.hybrid = rc == 1;
+		log_info("%s", why);
+		if (D.hybrid && (rc = mlens_backend_cpu_create(&D.attn, &bo)))
+			return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
+					  strerror(-rc));
+	}
+	if (D.be.ops->host_memory || D.hybrid) {
 		rc = mlens_pinned_alloc(&D.kv_k, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
 		if (!rc)
 			rc = mlens_pinned_alloc(&D.kv_v, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (V)", err, sizeof(err));
@@ -300,9 +321,22 @@ int main(int argc, char **argv)
 	eo.max_step_tokens = D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096;
 	eo.kv_mem_k = D.kv_k.p;
 	eo.kv_mem_v = D.kv_v.p;
+	if (D.hybrid) {
+		eo.attn_backend = &D.attn;
+		eo.gpu_budget = D.cfg.gpu_memory;
+	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
+	if (D.hybrid) {
+		struct mlens_perf_model pm;
+		char line[512];
+		mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt);
+		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
+				     sizeof(line));
+		log_info("%s", line);
+		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
+	}
 	log_info("backend %s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
 		 D.be.ops->name, blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
@@ -350,7 +384,7 @@ int main(int argc, char **argv)
 	/* operating: control socket, stats socket, /metrics (after loading: /health
 	 * answers only once the model is in) */
 	D.info = (struct mlens_daemon_info){
-		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.be.ops->name,
+		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.hybrid ? "hybrid (cuda + cpu attention)" : D.be.ops->name,
 		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
@@ -400,6 +434,8 @@ int main(int argc, char **argv)
 	mlens_pinned_free(&D.kv_k);
 	mlens_pinned_free(&D.kv_v);
 	mlens_backend_destroy(&D.be);
+	if (D.hybrid)
+		mlens_backend_destroy(&D.attn);
 	mlens_weights_free(&D.weights);
 	mlens_model_close(D.model);
 	if (D.cfg.pid_file[0])
