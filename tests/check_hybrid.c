@@ -11,7 +11,8 @@
  * every byte once. The executor with the CPU backend on both sides (the
  * program run in order): greedy tokens equal to the engine's and logits
  * within 1e-5 over prefill, decode and mixed steps, in one and two token
- * groups, through the engine's hybrid mode; every streamed expert byte
+ * groups, through the engine's hybrid mode, and under the unchanged
+ * scheduler with preemption (same tokens as the engine); every streamed expert byte
  * crosses once per step; the GPU side stays within the budget. */
 #include <check.h>
 #include <errno.h>
@@ -22,6 +23,7 @@
 #include "daemon/gpuplan.h"
 #include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
+#include "daemon/sched.h"
 #include "tests/testmodel.h"
 
 #define GIB (1024ull * 1024ull * 1024ull)
@@ -628,6 +630,102 @@ START_TEST(exec_pieces_and_budget)
 }
 END_TEST
 
+/* The scheduler, unchanged, drives an engine in hybrid mode: a KV pool
+ * small enough to preempt; every request's tokens as with the engine. */
+#define SREQ 6
+#define SMAX 10
+
+struct stenant {
+	struct mlens_sched_tenant st;	/* first: the emit callback casts back */
+	int32_t tok[SREQ][SMAX];
+	int n[SREQ];
+};
+
+static int stenant_emit(struct mlens_sched_tenant *t, const struct mlens_event *ev)
+{
+	struct stenant *x = (struct stenant *)t;
+	ck_assert_uint_lt(ev->id, SREQ);
+	ck_assert_int_eq(ev->status, 0);
+	if (ev->token >= 0) {
+		ck_assert_int_lt(x->n[ev->id], SMAX);
+		x->tok[ev->id][x->n[ev->id]++] = ev->token;
+	}
+	return 0;
+}
+
+static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uint64_t *preempt)
+{
+	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend be, attn;
+	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 14, .kv_dtype = -1,
+					.max_step_tokens = 64, .prefill_attn = MLENS_PREFILL_OP };
+	struct mlens_sched_opts so = { 0, 0 };
+	struct mlens_quota q = { 0, 0, 1000, 1.0 };
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+	char err[512];
+	int steps = 0;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, &bo), 0);
+	if (hybrid) {
+		ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
+		eo.attn_backend = &attn;
+		eo.gpu_budget = stream_budget(m, 64);
+	}
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
+	memset(t, 0, sizeof(*t));
+	mlens_sched_tenant_init(&t->st, &q, stenant_emit);
+	for (int i = 0; i < SREQ; i++) {
+		int32_t p[12];
+		struct mlens_request_params rp;
+		char why[256] = "";
+		for (int j = 0; j < 12; j++)
+			p[j] = (int32_t)((i * 13 + j * 5 + 1) % 97);
+		memset(&rp, 0, sizeof(rp));
+		rp.id = (uint64_t)i;
+		rp.prompt = p;
+		rp.n_prompt = 6 + i;
+		rp.max_tokens = SMAX;
+		rp.samp.top_p = 1.0f;
+		ck_assert_msg(mlens_sched_submit(s, &t->st, &rp, why, sizeof(why)) == 0, "%s", why);
+	}
+	while (!mlens_sched_idle(s) && steps++ < 500)
+		ck_assert_int_ge(mlens_sched_step(s), 0);
+	ck_assert(mlens_sched_idle(s));
+	*preempt = t->st.preemptions;
+	mlens_sched_tenant_remove(s, &t->st, 0, true);
+	mlens_sched_destroy(s);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&be);
+	if (hybrid)
+		mlens_backend_destroy(&attn);
+}
+
+START_TEST(exec_under_scheduler)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct stenant *t = calloc(2, sizeof(*t));
+	uint64_t pre[2];
+
+	sched_run(m, false, &t[0], &pre[0]);
+	sched_run(m, true, &t[1], &pre[1]);
+	ck_assert_uint_gt(pre[0], 0);	/* the pool is small enough to preempt */
+	ck_assert_uint_eq(pre[0], pre[1]);
+	for (int i = 0; i < SREQ; i++) {
+		ck_assert_int_eq(t[0].n[i], SMAX);
+		ck_assert_int_eq(t[1].n[i], SMAX);
+		for (int j = 0; j < SMAX; j++)
+			ck_assert_msg(t[0].tok[i][j] == t[1].tok[i][j],
+				      "request %d token %d: hybrid %d, engine %d", i, j, t[1].tok[i][j],
+				      t[0].tok[i][j]);
+	}
+	free(t);
+	mlens_test_model_free(m);
+}
+END_TEST
+
 static Suite *suite(void)
 {
 	Suite *s = suite_create("hybrid");
@@ -650,6 +748,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_two_groups);
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_pieces_and_budget);
+	tcase_add_test(t, exec_under_scheduler);
 	suite_add_tcase(s, t);
 	return s;
 }
