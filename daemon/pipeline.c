@@ -930,6 +930,8 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	p->st.steps++;
 	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_act_bytes;
 	p->st.d2h_bytes_total += p->st.d2h_act_bytes;
+	p->st.cpu_attn_s_total += p->st.cpu_attn_s;
+	p->st.host_wait_s_total += p->st.host_wait_s;
 	p->st.step_s = now() - t0;
 	return 0;
 }

@@ -53,6 +53,7 @@ struct mlens_pipeline_stats {
 	uint64_t h2d_act_bytes, d2h_act_bytes;	/* activation copies, last step */
 	uint64_t steps;
 	uint64_t h2d_bytes_total, d2h_bytes_total;
+	double cpu_attn_s_total, host_wait_s_total;
 	bool async;		/* queues and events in use */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 };

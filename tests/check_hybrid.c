@@ -694,6 +694,22 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 		ck_assert_int_ge(mlens_sched_step(s), 0);
 	ck_assert(mlens_sched_idle(s));
 	*preempt = t->st.preemptions;
+	{
+		/* the pipeline's counters reach the scheduler's statistics */
+		struct mlens_sched_stats st;
+		uint64_t expert = 3ull * (uint64_t)m->cfg.intermediate_size *
+				  (uint64_t)m->cfg.hidden_size * 4;
+		mlens_sched_get_stats(s, &st);
+		ck_assert_int_eq(st.hybrid, hybrid);
+		if (hybrid) {
+			ck_assert_uint_ge(st.pcie_h2d_bytes, st.steps * (uint64_t)m->cfg.num_hidden_layers *
+							     (uint64_t)m->cfg.num_local_experts * expert);
+			ck_assert_uint_gt(st.pcie_d2h_bytes, 0);
+			ck_assert(st.cpu_attn_seconds > 0);
+		} else {
+			ck_assert_uint_eq(st.pcie_h2d_bytes, 0);
+		}
+	}
 	mlens_sched_tenant_remove(s, &t->st, 0, true);
 	mlens_sched_destroy(s);
 	mlens_engine_destroy(e);
