@@ -560,8 +560,9 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	size_t T, H;
 	if (!p)
 		return;
-	if (p->g->ops->sync)
-		p->g->ops->sync(p->g->ctx);
+	p->g->ops->sync(p->g->ctx);
+	if (p->async && !p->g->ops->event_record(p->g->ctx, 1, MLENS_BACKEND_EVENTS - 1))
+		p->g->ops->event_sync(p->g->ctx, MLENS_BACKEND_EVENTS - 1);	/* the weight stream, before unpinning */
 	T = (size_t)p->max_tokens;
 	H = (size_t)p->cfg.hidden_size;
 	gfree(p, p->x, T * H * 4);
