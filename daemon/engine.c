@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 #include "daemon/engine.h"
+#include "daemon/pipeline.h"
 
 struct layer_bind {
 	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
@@ -21,6 +22,7 @@ struct mlens_engine {
 	const struct mlens_model *m;
 	struct mlens_model_config cfg;
 	struct mlens_backend *be;
+	struct mlens_pipeline *pipe;	/* hybrid mode: steps run there */
 	struct mlens_kv_pool kv;
 	int max_tokens;
 	int qdim, kvdim;
@@ -216,6 +218,26 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
 	e->qdim = (int)(e->cfg.num_attention_heads * e->cfg.head_dim);
 	e->kvdim = (int)(e->cfg.num_key_value_heads * e->cfg.head_dim);
+	if (o->attn_backend) {
+		struct mlens_pipeline_opts po = {
+			.gpu_budget = o->gpu_budget,
+			.max_step_tokens = e->max_tokens,
+			.min_step_tokens = o->hybrid_min_tokens,
+			.groups = o->hybrid_groups,
+			.prefill_cpu = o->hybrid_prefill_cpu,
+			.kv_block_size = o->kv_block_size,
+			.kv_blocks = o->kv_blocks,
+			.kv_dtype = o->kv_dtype,
+			.kv_mem_k = o->kv_mem_k,
+			.kv_mem_v = o->kv_mem_v,
+		};
+		rc = mlens_pipeline_create(&e->pipe, m, be, o->attn_backend, &po, err, errlen);
+		if (rc)
+			goto fail;
+		e->max_tokens = mlens_pipeline_max_step_tokens(e->pipe);
+		*out = e;
+		return 0;
+	}
 
 	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
 		       (e->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
@@ -284,6 +306,7 @@ void mlens_engine_destroy(struct mlens_engine *e)
 	void *bufs[] = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog, e->rw, e->rid, e->logits };
 	if (!e)
 		return;
+	mlens_pipeline_destroy(e->pipe);
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
 		if (bufs[i])
 			e->be->ops->free(e->be->ctx, bufs[i]);
@@ -306,7 +329,12 @@ void mlens_engine_destroy(struct mlens_engine *e)
 
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e)
 {
-	return &e->kv;
+	return e->pipe ? mlens_pipeline_kv(e->pipe) : &e->kv;
+}
+
+struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e)
+{
+	return e->pipe;
 }
 
 const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e)
@@ -324,7 +352,7 @@ uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_eng
 {
 	uint32_t need = 0;
 	for (int i = 0; i < n; i++)
-		need += mlens_seq_blocks_needed(&e->kv, reqs[i].seq,
+		need += mlens_seq_blocks_needed(mlens_engine_kv(e), reqs[i].seq,
 						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
 	return need;
 }
@@ -399,6 +427,8 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	int64_t total = 0;
 	double t_step;
 
+	if (e->pipe)
+		return mlens_pipeline_step(e->pipe, reqs, n);
 	if (n <= 0)
 		return -EINVAL;
 	/* validate everything before touching any state */

@@ -26,6 +26,16 @@ struct mlens_engine_opts {
 	 * bit-identical results to the uninterrupted decode) and the prefill op
 	 * (flash attention) elsewhere. */
 	int prefill_attn;
+	/* Hybrid mode (issue 7): with attn_backend set, every step runs through
+	 * the hybrid pipeline (daemon/pipeline.h): be is the GPU side, held
+	 * under gpu_budget bytes, and attn_backend (host memory: the cpu
+	 * backend) holds the KV pool and runs decode attention. max_step_tokens
+	 * is then the cap wanted; the GPU memory plan may lower it. */
+	struct mlens_backend *attn_backend;
+	uint64_t gpu_budget;
+	int hybrid_groups;	/* token groups, 0 = 2 */
+	int hybrid_min_tokens;	/* smallest token cap that may run; 0 = 1 */
+	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
 };
 
 enum {
@@ -54,6 +64,8 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 void mlens_engine_destroy(struct mlens_engine *e);
 
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e);
+/* The hybrid pipeline of an engine in hybrid mode, else NULL. */
+struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e);
 const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e);
 int mlens_engine_max_step_tokens(const struct mlens_engine *e);
 

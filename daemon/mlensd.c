@@ -15,6 +15,8 @@
 #include "daemon/control.h"
 #include "daemon/engine.h"
 #include "daemon/gpu_plan.h"
+#include "daemon/gpuplan.h"
+#include "daemon/pipeline.h"
 #include "daemon/log.h"
 #include "daemon/mem.h"
 #include "daemon/sched.h"
@@ -30,6 +32,8 @@ struct daemon {
 	struct mlens_model *model;
 	struct mlens_weights weights;
 	struct mlens_backend be;
+	struct mlens_backend attn;	/* hybrid mode: decode attention, KV pool */
+	bool hybrid;
 	struct mlens_pinned kv_k, kv_v;
 	struct mlens_engine *engine;
 	struct mlens_sched *sched;
@@ -295,20 +299,30 @@ int main(int argc, char **argv)
 	if (blocks == 0)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
 				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size, 2 * per_block);
-	/* GPU-only mode: weights, KV pool and activations all in GPU memory */
+	/* GPU-only mode when weights, KV pool and activations fit the GPU
+	 * budget; below that the hybrid pipeline streams experts from the
+	 * weight pages and keeps the KV pool in pinned host memory */
 	if (!D.be.ops->host_memory) {
 		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes, 2ull * blocks * per_block,
 					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.cfg.gpu_memory);
 		if (rc)
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
-		if (!D.plan.fits)
-			return fail_start("GPU-only mode needs %.1f GiB, budget %.1f GiB (%s); the hybrid pipeline that "
-					  "streams weights from host memory does not exist yet: lower kv_cache or use --backend cpu",
-					  D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0, D.plan.summary);
-		snprintf(D.mode_reason, sizeof(D.mode_reason), "%s", D.plan.summary);
-		log_info("GPU-only mode: %s", D.plan.summary);
+		if (D.plan.fits) {
+			snprintf(D.mode_reason, sizeof(D.mode_reason), "%s", D.plan.summary);
+			log_info("GPU-only mode: %s", D.plan.summary);
+		} else {
+			D.hybrid = true;
+			snprintf(D.mode_reason, sizeof(D.mode_reason),
+				 "GPU-only mode would need %.1f GiB, above the %.1f GiB budget: experts stream "
+				 "from pinned host memory, decode attention runs on the CPU",
+				 D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0);
+			log_info("hybrid mode: %s", D.mode_reason);
+			if ((rc = mlens_backend_cpu_create(&D.attn, &bo)))
+				return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
+						  strerror(-rc));
+		}
 	}
-	if (D.be.ops->host_memory) {
+	if (D.be.ops->host_memory || D.hybrid) {
 		rc = mlens_pinned_alloc(&D.kv_k, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
 		if (!rc)
 			rc = mlens_pinned_alloc(&D.kv_v, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (V)", err, sizeof(err));
@@ -322,9 +336,22 @@ int main(int argc, char **argv)
 	eo.max_step_tokens = D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096;
 	eo.kv_mem_k = D.kv_k.p;
 	eo.kv_mem_v = D.kv_v.p;
+	if (D.hybrid) {
+		eo.attn_backend = &D.attn;
+		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
+	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
+	if (D.hybrid) {
+		struct mlens_perf_model pm;
+		char line[512];
+		mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt);
+		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
+				     sizeof(line));
+		log_info("%s", line);
+		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
+	}
 	log_info("backend %s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
 		 D.be.ops->name, blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
@@ -372,12 +399,12 @@ int main(int argc, char **argv)
 	/* operating: control socket, stats socket, /metrics (after loading: /health
 	 * answers only once the model is in) */
 	D.info = (struct mlens_daemon_info){
-		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.be.ops->name,
+		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.hybrid ? "hybrid (cuda + cpu attention)" : D.be.ops->name,
 		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
-		.mode = D.mode_reason[0] ? "gpu-only" : NULL, .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
+		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 	};
 	rc = mlens_stats_start(&D.stats, D.base, &D.info, err, sizeof(err));
 	if (rc)
@@ -423,6 +450,8 @@ int main(int argc, char **argv)
 	mlens_pinned_free(&D.kv_k);
 	mlens_pinned_free(&D.kv_v);
 	mlens_backend_destroy(&D.be);
+	if (D.hybrid)
+		mlens_backend_destroy(&D.attn);
 	mlens_weights_free(&D.weights);
 	mlens_model_close(D.model);
 	if (D.cfg.pid_file[0])

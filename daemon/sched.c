@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "daemon/pipeline.h"
 #include "daemon/sched.h"
 
 enum req_state { REQ_WAITING, REQ_RUNNING, REQ_FINISHED };
@@ -607,6 +608,15 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 	st->running = s->running.n;
 	st->waiting = s->waiting.n;
 	st->preempt_mode = s->preempt_mode;
+	if (mlens_engine_pipeline(s->e)) {
+		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(s->e));
+		st->hybrid = true;
+		st->pcie_h2d_bytes = ps->h2d_bytes_total;
+		st->pcie_d2h_bytes = ps->d2h_bytes_total;
+		st->last_step_weight_bytes = ps->h2d_weight_bytes;
+		st->cpu_attn_seconds = ps->cpu_attn_s_total;
+		st->host_wait_seconds = ps->host_wait_s_total;
+	}
 }
 
 int mlens_sched_token_cap(const struct mlens_sched *s)

@@ -100,6 +100,12 @@ struct mlens_sched_stats {
 	uint32_t last_step_tokens;
 	uint32_t last_step_seqs;
 	double last_step_seconds;
+	/* the hybrid pipeline's counters (all 0 when the engine is not hybrid) */
+	bool hybrid;
+	uint64_t pcie_h2d_bytes, pcie_d2h_bytes;	/* weights + activations, totals */
+	uint64_t last_step_weight_bytes;		/* experts streamed in the last step */
+	double cpu_attn_seconds;			/* KV append + decode attention, total */
+	double host_wait_seconds;			/* the driving thread blocked on the GPU */
 };
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,

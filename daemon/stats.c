@@ -168,6 +168,14 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 	json_object_set_new(o, "last_step_seqs", json_integer(st->last_step_seqs));
 	json_object_set_new(o, "last_step_seconds", json_real(st->last_step_seconds));
 	json_object_set_new(o, "preempt_mode", json_boolean(st->preempt_mode));
+	if (st->hybrid) {
+		json_object_set_new(o, "pcie_h2d_bytes_total", json_integer((json_int_t)st->pcie_h2d_bytes));
+		json_object_set_new(o, "pcie_d2h_bytes_total", json_integer((json_int_t)st->pcie_d2h_bytes));
+		json_object_set_new(o, "last_step_weight_bytes",
+				    json_integer((json_int_t)st->last_step_weight_bytes));
+		json_object_set_new(o, "cpu_attention_seconds_total", json_real(st->cpu_attn_seconds));
+		json_object_set_new(o, "host_wait_seconds_total", json_real(st->host_wait_seconds));
+	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
 	json_object_set_new(o, "admission", json_string(snap->draining ? "draining" : snap->admission ? "open" : "closed"));
 	json_object_set_new(o, "tenants", json_integer(snap->n_tenants));
@@ -268,6 +276,18 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");
 	evbuffer_add_printf(b, "mlens_step_seconds_sum %.9g\nmlens_step_seconds_count %llu\n", st->step_seconds_sum,
 			    (unsigned long long)st->steps);
+	if (st->hybrid) {
+		prom_head(b, "mlens_pcie_bytes_total", "counter",
+			  "Bytes the hybrid pipeline copied over PCIe (h2d: streamed experts and attention outputs).");
+		evbuffer_add_printf(b, "mlens_pcie_bytes_total{dir=\"h2d\"} %llu\nmlens_pcie_bytes_total{dir=\"d2h\"} %llu\n",
+				    (unsigned long long)st->pcie_h2d_bytes, (unsigned long long)st->pcie_d2h_bytes);
+		prom_head(b, "mlens_cpu_attention_seconds_total", "counter",
+			  "Seconds of KV append and decode attention on the CPU (hybrid pipeline).");
+		evbuffer_add_printf(b, "mlens_cpu_attention_seconds_total %.9g\n", st->cpu_attn_seconds);
+		prom_head(b, "mlens_host_wait_seconds_total", "counter",
+			  "Seconds the hybrid pipeline's thread waited for the GPU.");
+		evbuffer_add_printf(b, "mlens_host_wait_seconds_total %.9g\n", st->host_wait_seconds);
+	}
 	prom_head(b, "mlens_steps_total", "counter", "Scheduler steps run.");
 	evbuffer_add_printf(b, "mlens_steps_total %llu\n", (unsigned long long)st->steps);
 	prom_head(b, "mlens_tenants", "gauge", "Tenants attached.");

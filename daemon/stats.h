@@ -24,7 +24,7 @@ struct mlens_daemon_info {
 	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
 	int kv_block_size;
 	double started;			/* mlens_now() at start-up */
-	const char *mode;		/* "gpu-only", or NULL: the backend's name says it */
+	const char *mode;		/* "gpu-only", "hybrid", or NULL: the backend's name says it */
 	const char *mode_reason;	/* why, with the numbers (NULL: derived from the backend) */
 	char stats_http_addr[80];	/* filled by mlens_stats_start: "127.0.0.1:PORT" */
 };

@@ -97,7 +97,36 @@ struct mlens_backend_ops {
 	 * NULL) gets log-softmax of the chosen token at temperature 1. */
 	int (*sample)(void *ctx, int32_t *tokens, float *logprobs, const float *logits,
 		      int n, int vocab, const struct mlens_sampling *params);
+
+	/* ---- optional: queues and events for the hybrid pipeline ----
+	 * Present when ops->size covers them and the pointer is set (see
+	 * MLENS_BACKEND_HAS). Queue 0 is where the ops above run, queue 1 a
+	 * copy queue of its own; events are small integers below
+	 * MLENS_BACKEND_EVENTS. Copies with these are asynchronous: the host
+	 * memory must stay valid until an event recorded after them is done. */
+	/* Make host memory usable by asynchronous copies (pin it in place). */
+	int (*host_register)(void *ctx, void *p, size_t bytes);
+	void (*host_unregister)(void *ctx, void *p);
+	/* Pinned host memory that asynchronous copies may use. */
+	void *(*host_alloc)(void *ctx, size_t bytes);
+	void (*host_free)(void *ctx, void *p);
+	/* Copy on queue: to_device ? host src -> backend dst : backend src -> host dst. */
+	int (*copy_async)(void *ctx, int queue, void *dst, const void *src, size_t bytes,
+			  bool to_device);
+	int (*event_record)(void *ctx, int queue, int ev);
+	/* queue waits (without the host waiting) for the last record of ev. */
+	int (*event_wait)(void *ctx, int queue, int ev);
+	/* The host waits for the last record of ev. */
+	int (*event_sync)(void *ctx, int ev);
+	/* Backend-memory bytes held now (allocations, scratch, workspace). */
+	size_t (*mem_used)(void *ctx);
 };
+
+#define MLENS_BACKEND_EVENTS 16
+
+/* True when ops has the optional member m set. */
+#define MLENS_BACKEND_HAS(ops, m)                                                   \
+	((ops)->size >= offsetof(struct mlens_backend_ops, m) + sizeof((ops)->m) && (ops)->m)
 
 struct mlens_backend {
 	const struct mlens_backend_ops *ops;

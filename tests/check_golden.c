@@ -278,8 +278,8 @@ int main(void)
 
 	if (env && *env)
 		backend = env;
-	rc = mlens_backend_create(&be, backend, NULL);
-	if (rc == -EINVAL || (rc && !strcmp(backend, "cpu"))) {
+	rc = mlens_backend_create(&be, mlens_golden_gpu_side(backend), NULL);
+	if (rc == -EINVAL || (rc && !strcmp(mlens_golden_gpu_side(backend), "cpu"))) {
 		fprintf(stderr, "check_golden: backend '%s': %s\n", backend, strerror(-rc));
 		return 1;
 	}

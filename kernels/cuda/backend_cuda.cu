@@ -573,6 +573,103 @@ static int cuda_attn_decode(void *ctx, float *out, const float *q,
 				      n, n_heads, scale);
 }
 
+/* ==== queues and events (the hybrid pipeline) ==== */
+
+static cudaStream_t queue_stream(struct mlens_cuda_ctx *c, int queue)
+{
+	return queue == 1 ? c->copy_stream : c->stream;
+}
+
+static int cuda_host_register(void *ctx, void *p, size_t bytes)
+{
+	cudaError_t e;
+	(void)ctx;
+	e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+	if (e != cudaSuccess) {
+		cudaGetLastError();
+		/* read-only file mappings pin only as read-only */
+		e = cudaHostRegister(p, bytes, cudaHostRegisterReadOnly);
+	}
+	if (e == cudaErrorHostMemoryAlreadyRegistered) {
+		cudaGetLastError();
+		return -EEXIST;
+	}
+	CUDA_RET(e);
+	return 0;
+}
+
+static void cuda_host_unregister(void *ctx, void *p)
+{
+	(void)ctx;
+	if (cudaHostUnregister(p) != cudaSuccess)
+		cudaGetLastError();
+}
+
+static void *cuda_host_alloc(void *ctx, size_t bytes)
+{
+	void *p = NULL;
+	cudaError_t e;
+	(void)ctx;
+	e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+	if (e != cudaSuccess) {
+		errno = -mlens_cuda_rc(e, "cudaHostAlloc", __FILE__, __LINE__);
+		return NULL;
+	}
+	return p;
+}
+
+static void cuda_host_free(void *ctx, void *p)
+{
+	(void)ctx;
+	cudaFreeHost(p);
+}
+
+static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, size_t bytes,
+			   bool to_device)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (queue < 0 || queue > 1)
+		return -EINVAL;
+	if (!bytes)
+		return 0;
+	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
+				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+				 queue_stream(c, queue)));
+	return 0;
+}
+
+static int cuda_event_record(void *ctx, int queue, int ev)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (queue < 0 || queue > 1 || ev < 0 || ev >= MLENS_BACKEND_EVENTS)
+		return -EINVAL;
+	CUDA_RET(cudaEventRecord(c->events[ev], queue_stream(c, queue)));
+	return 0;
+}
+
+static int cuda_event_wait(void *ctx, int queue, int ev)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (queue < 0 || queue > 1 || ev < 0 || ev >= MLENS_BACKEND_EVENTS)
+		return -EINVAL;
+	CUDA_RET(cudaStreamWaitEvent(queue_stream(c, queue), c->events[ev], 0));
+	return 0;
+}
+
+static int cuda_event_sync(void *ctx, int ev)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	if (ev < 0 || ev >= MLENS_BACKEND_EVENTS)
+		return -EINVAL;
+	CUDA_RET(cudaEventSynchronize(c->events[ev]));
+	return 0;
+}
+
+static size_t cuda_mem_used(void *ctx)
+{
+	return ((struct mlens_cuda_ctx *)ctx)->bytes_in_use;
+}
+
 /* ==== the table ==== */
 
 static void cuda_destroy(void *ctx)
@@ -594,6 +691,13 @@ static void cuda_destroy(void *ctx)
 	}
 	cudaFreeHost(c->h_back);
 	cudaFreeHost(c->h_sample);
+	if (c->copy_stream) {
+		cudaStreamSynchronize(c->copy_stream);
+		cudaStreamDestroy(c->copy_stream);
+	}
+	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
+		if (c->events[i])
+			cudaEventDestroy(c->events[i]);
 	if (c->stream)
 		cudaStreamDestroy(c->stream);
 	free(c->allocs);
@@ -620,6 +724,15 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_kv_append,
 	cuda_attn_decode,
 	cuda_sample,
+	cuda_host_register,
+	cuda_host_unregister,
+	cuda_host_alloc,
+	cuda_host_free,
+	cuda_copy_async,
+	cuda_event_record,
+	cuda_event_wait,
+	cuda_event_sync,
+	cuda_mem_used,
 };
 
 extern "C" bool mlens_cuda_available(void)
@@ -672,6 +785,9 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	c->device = dev;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
+	CUDA_GOTO(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), rc, fail);
+	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
+		CUDA_GOTO(cudaEventCreateWithFlags(&c->events[i], cudaEventDisableTiming), rc, fail);
 	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
 		CUDA_GOTO(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming),
 			  rc, fail);

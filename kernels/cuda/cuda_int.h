@@ -63,6 +63,10 @@ struct mlens_cuda_ctx {
 	int rope_hd;
 	float rope_inv[512];
 
+	/* the hybrid pipeline's copy queue (queue 1) and events */
+	cudaStream_t copy_stream;
+	cudaEvent_t events[MLENS_BACKEND_EVENTS];
+
 	/* device bytes held through cudaMalloc (ours and the caller's) */
 	size_t bytes_in_use;
 	struct cuda_alloc_slot *allocs;	/* open addressing: pointer -> size */

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include "daemon/gpuplan.h"
 #include "tests/golden/golden.h"
 
 /* Logits rows are at most this wide and prompts at most this long: the
@@ -390,6 +391,31 @@ int mlens_golden_safe_steps(const struct mlens_golden *g, const struct mlens_gol
 
 /* ==== engine runs ==== */
 
+const char *mlens_golden_gpu_side(const char *backend)
+{
+	if (!strcmp(backend, "hybrid"))
+		return "cuda";
+	if (!strcmp(backend, "hybrid-cpu"))
+		return "cpu";
+	return backend;
+}
+
+/* The hybrid budget: the least that runs a full step cap, which streams
+ * every expert of a model of more than two layers. */
+static int hybrid_budget(const struct mlens_model *m, int max_tokens, uint64_t *out)
+{
+	struct mlens_perf_model pm;
+	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
+				       .min_tokens = max_tokens };
+	struct mlens_gpuplan p;
+	enum mlens_dtype kv = m->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+	int rc = mlens_perf_model_from_config(&pm, &m->cfg, kv);
+	if (!rc)
+		rc = mlens_gpuplan_make(&pm, &in, &p, NULL, 0);
+	*out = p.minimum;
+	return rc;
+}
+
 int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 			     const char *backend, char *err, size_t errlen)
 {
@@ -401,13 +427,27 @@ int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 	int rc;
 
 	memset(ge, 0, sizeof(*ge));
-	rc = mlens_backend_create(&ge->be, backend, &bo);
+	rc = mlens_backend_create(&ge->be, mlens_golden_gpu_side(backend), &bo);
 	if (rc)
 		return fail(err, errlen, rc, "backend '%s': %s", backend, strerror(-rc));
 	ge->have_be = true;
 	rc = mlens_model_open(dir, &ge->m, err, errlen);
 	if (rc)
 		goto fail;
+	if (strcmp(mlens_golden_gpu_side(backend), backend)) {
+		rc = mlens_backend_cpu_create(&ge->attn, &bo);
+		if (rc) {
+			fail(err, errlen, rc, "attention backend: %s", strerror(-rc));
+			goto fail;
+		}
+		ge->have_attn = true;
+		eo.attn_backend = &ge->attn;
+		rc = hybrid_budget(ge->m, 4096, &eo.gpu_budget);
+		if (rc) {
+			fail(err, errlen, rc, "%s: no GPU memory plan for the hybrid pipeline", dir);
+			goto fail;
+		}
+	}
 	rc = mlens_engine_create(&ge->e, ge->m, &ge->be, &eo, err, errlen);
 	if (rc)
 		goto fail;
@@ -426,6 +466,8 @@ void mlens_golden_engine_close(struct mlens_golden_engine *ge)
 		mlens_model_close(ge->m);
 	if (ge->have_be)
 		mlens_backend_destroy(&ge->be);
+	if (ge->have_attn)
+		mlens_backend_destroy(&ge->attn);
 	memset(ge, 0, sizeof(*ge));
 }
 

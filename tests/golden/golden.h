@@ -68,13 +68,22 @@ int mlens_golden_safe_steps(const struct mlens_golden *g, const struct mlens_gol
 
 /* ==== engine runs ==== */
 
-/* A model from a fixture directory on a named backend ("cpu", "cuda"). */
+/* A model from a fixture directory on a named backend ("cpu", "cuda", or
+ * the hybrid pipeline: "hybrid" with the cuda backend on the GPU side,
+ * "hybrid-cpu" with the cpu backend there; both with decode attention on
+ * a cpu backend and a GPU budget that streams every expert it can). */
 struct mlens_golden_engine {
 	struct mlens_model *m;
 	struct mlens_backend be;
 	bool have_be;
+	struct mlens_backend attn;	/* hybrid: the attention side */
+	bool have_attn;
 	struct mlens_engine *e;
 };
+
+/* The backend a golden backend name creates first ("cuda" for "hybrid",
+ * "cpu" for "hybrid-cpu", else the name itself). */
+const char *mlens_golden_gpu_side(const char *backend);
 
 /* -ENOTSUP / -ENODEV (and others) when the backend cannot be created: the
  * caller skips. Other failures name the model and the fault in err. */

@@ -1,0 +1,216 @@
+/* The GPU memory plan of the hybrid pipeline: the split of a budget into
+ * resident weights, two expert slots, activations and workspace, and the
+ * refusal with the minimum when it cannot run. Arithmetic only. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include "daemon/gpuplan.h"
+
+static uint64_t sat_add(uint64_t a, uint64_t b)
+{
+	return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+
+static uint64_t sat_mul(uint64_t a, uint64_t b)
+{
+	return a && b > UINT64_MAX / a ? UINT64_MAX : a * b;
+}
+
+static uint64_t align256(uint64_t x)
+{
+	return x > UINT64_MAX - 255 ? UINT64_MAX : (x + 255) & ~(uint64_t)255;
+}
+
+/* The CUDA backend grows a buffer by doubling from a floor until it holds
+ * the request (kernels/cuda/backend_cuda.cu); what it holds is that size. */
+static uint64_t grown(uint64_t need, uint64_t floor)
+{
+	uint64_t cap = floor;
+	if (!need)
+		return 0;
+	while (cap < need) {
+		if (cap > UINT64_MAX / 2)
+			return UINT64_MAX;
+		cap *= 2;
+	}
+	return cap;
+}
+
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk)
+{
+	uint64_t T, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
+	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k, V = (uint64_t)pm->vocab;
+	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
+	uint64_t kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
+	uint64_t es = (uint64_t)pm->wbytes, per, acc, rows, moe, conv, scratch, stage;
+
+	if (n <= 0)
+		return 0;
+	if (chunk <= 0)
+		chunk = MLENS_GPUPLAN_CHUNK;
+	T = (uint64_t)n;
+	c = (uint64_t)(n < chunk ? n : chunk);
+	/* the pipeline's own buffers, fp32: x, xn, q, att, k, v, router
+	 * logits, top-k weights and ids for every token; logits of a chunk */
+	per = 2 * H + 2 * qd + 2 * kvd + E + 2 * K;
+	acc = sat_mul(sat_mul(T, per), 4);
+	acc = sat_add(acc, align256(sat_mul(sat_mul(c, V), 4)));
+	/* backend scratch, one buffer sized by its largest user */
+	conv = es == 4 ? 0 : sat_mul(sat_mul(T, H > qd ? H : qd), es);
+	rows = sat_mul(c, K);
+	moe = align256(E * 4);
+	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));		/* perm, inv */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), es)));	/* gathered x */
+	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, I), es)));	/* silu(g) u */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));	/* expert out */
+	scratch = conv > moe ? conv : moe;
+	if (scratch < sat_mul(T, 8) + 256)
+		scratch = sat_mul(T, 8) + 256;		/* sampling: tokens, log-probs */
+	acc = sat_add(acc, grown(scratch, 1ull << 20));
+	/* metadata staging: at most a few int32/int64 per token or tile */
+	stage = sat_mul(T, 32) + 4096;
+	return sat_add(acc, grown(stage, 64ull << 10));
+}
+
+static void seterr(char *err, size_t len, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t len, const char *fmt, ...)
+{
+	va_list ap;
+	if (!err || !len)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(err, len, fmt, ap);
+	va_end(ap);
+}
+
+static double gib(uint64_t b)
+{
+	return (double)b / (1024.0 * 1024.0 * 1024.0);
+}
+
+static uint64_t fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws)
+{
+	return sat_add(sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r)), ws);
+}
+
+/* Most tokens (up to cap) whose activations fit room; 0 when none. */
+static int64_t tokens_fit(const struct mlens_perf_model *pm, int64_t chunk, uint64_t room,
+			  int64_t cap)
+{
+	int64_t lo = 0, hi = cap;
+	while (lo < hi) {
+		int64_t mid = lo + (hi - lo + 1) / 2;
+		if (mlens_gpuplan_act_bytes(pm, mid, chunk) <= room)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
+int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
+		       struct mlens_gpuplan *out, char *err, size_t errlen)
+{
+	int64_t nmin = in->min_tokens > 0 ? in->min_tokens : 1;
+	uint64_t ws = in->workspace ? in->workspace : MLENS_GPUPLAN_WORKSPACE;
+	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
+	int E = (int)pm->experts, best_r = -1;
+	uint64_t act_max, best_fixed = UINT64_MAX;
+
+	memset(out, 0, sizeof(*out));
+	seterr(err, errlen, "%s", "");
+	if (in->max_tokens <= 0 || nmin > in->max_tokens || E <= 0) {
+		seterr(err, errlen, "GPU memory plan: token cap %lld (minimum %lld) is out of range",
+		       (long long)in->max_tokens, (long long)nmin);
+		return -EINVAL;
+	}
+	out->budget = in->budget;
+	out->workspace = ws;
+	out->chunk = chunk;
+	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, chunk);
+	out->gpu_only = sat_add(fixed_bytes(pm, E, ws), act_max);
+	out->minimum = UINT64_MAX;
+	for (int r = 0; r <= E; r++) {
+		uint64_t f = fixed_bytes(pm, r, ws);
+		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, chunk));
+		if (m < out->minimum)
+			out->minimum = m;
+		if (f < best_fixed) {
+			best_fixed = f;
+			best_r = r;
+		}
+	}
+	if (in->budget < out->minimum) {
+		seterr(err, errlen,
+		       "GPU budget %.2f GiB is too small for this model: the hybrid pipeline needs at "
+		       "least %.2f GiB (attention, norms, routers, embeddings and lm_head %.2f GiB, two "
+		       "slots of one layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, "
+		       "workspace %.2f GiB); raise gpu_memory",
+		       gib(in->budget), gib(out->minimum), gib(mlens_perf_resident_bytes(pm, 0)),
+		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)nmin,
+		       gib(mlens_gpuplan_act_bytes(pm, nmin, chunk)), gib(ws));
+		return -ENOSPC;
+	}
+	/* most resident experts that still leave the whole token cap */
+	for (int r = E; r >= 0; r--) {
+		if (sat_add(fixed_bytes(pm, r, ws), act_max) <= in->budget) {
+			out->resident_experts = r;
+			out->tokens = in->max_tokens;
+			goto done;
+		}
+	}
+	/* no residency holds the cap: the cheapest one, with fewer tokens */
+	out->resident_experts = best_r;
+	out->tokens = tokens_fit(pm, chunk, in->budget - best_fixed, in->max_tokens);
+done:
+	out->resident = mlens_perf_resident_bytes(pm, out->resident_experts);
+	out->slot = mlens_perf_streamed_bytes(pm, out->resident_experts);
+	out->slots = mlens_perf_slot_bytes(pm, out->resident_experts);
+	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, chunk);
+	out->total = sat_add(sat_add(sat_add(out->resident, out->slots), out->act), ws);
+	return 0;
+}
+
+int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_model *pm,
+			 char *buf, size_t len)
+{
+	return snprintf(buf, len,
+			"GPU memory plan: budget %.2f GiB = resident weights %.2f GiB (%d of %lld "
+			"experts per layer) + 2 expert slots %.2f GiB + activations for %lld tokens "
+			"%.2f GiB + workspace %.2f GiB, %.2f GiB used; minimum %.2f GiB, GPU-only "
+			"needs %.2f GiB",
+			gib(p->budget), gib(p->resident), p->resident_experts, (long long)pm->experts,
+			gib(p->slots), (long long)p->tokens, gib(p->act), gib(p->workspace),
+			gib(p->total), gib(p->minimum), gib(p->gpu_only));
+}
+
+int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget,
+			      int64_t max_tokens, uint64_t kv_bytes, char *why, size_t len)
+{
+	uint64_t need;
+	if (max_tokens <= 0)
+		return -EINVAL;
+	need = sat_add(sat_add(mlens_perf_resident_bytes(pm, (int)pm->experts),
+			       mlens_gpuplan_act_bytes(pm, max_tokens, 0)),
+		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
+	if (!budget) {
+		seterr(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "
+		       "need %.2f GiB)", gib(need));
+		return 0;
+	}
+	if (need <= budget) {
+		seterr(why, len, "GPU-only mode: gpu_memory %.2f GiB holds the weights, the KV cache "
+		       "and activations for %lld tokens (%.2f GiB)", gib(budget),
+		       (long long)max_tokens, gib(need));
+		return 0;
+	}
+	seterr(why, len, "hybrid mode: gpu_memory %.2f GiB is below the %.2f GiB that GPU-only mode "
+	       "needs (weights %.2f GiB, KV cache %.2f GiB, activations for %lld tokens and "
+	       "workspace), so experts stream from host memory and decode attention runs on the CPU",
+	       gib(budget), gib(need), gib(mlens_perf_resident_bytes(pm, (int)pm->experts)),
+	       gib(kv_bytes), (long long)max_tokens);
+	return 1;
+}

@@ -1,0 +1,82 @@
+/* The GPU memory plan of the hybrid pipeline (DESIGN §5.2, issue 7): a GPU
+ * byte budget split into resident weights, two expert slots, activations
+ * for the step's token cap and workspace. Pure arithmetic over the
+ * performance model's byte counts (daemon/perfmodel.h) and the buffers the
+ * pipeline (daemon/pipeline.c) allocates, so that the plan is exactly what
+ * the executor asks the GPU for.
+ *
+ * Rule (issue 7, "simple for now"): embeddings, lm_head, final norm and per
+ * layer the attention, norms and router are always resident; then as many
+ * whole experts per layer (the same count r in every layer, experts 0..r-1)
+ * as the budget holds next to two slots of the E - r streamed experts and
+ * activations for the token cap. With r = E nothing streams and the slots
+ * are empty (the GPU-only case). When even r = 0 cannot hold activations
+ * for the cap, the cap shrinks to what fits, never below min_tokens; below
+ * that the budget is refused with the minimum that would work. */
+#ifndef MLENS_GPUPLAN_H
+#define MLENS_GPUPLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "daemon/perfmodel.h"
+
+/* Workspace when the caller gives none: cuBLAS' 32 MiB workspace plus
+ * what the GPU gives away outside the backend's byte count: kernel code
+ * loaded on first use, cuBLAS' own state and the allocator's rounding of
+ * small allocations (measured on an H200: 67 MB past the backend's count
+ * for a six-layer test model, tests/check_hybrid_cuda.c). */
+#define MLENS_GPUPLAN_WORKSPACE (160ull << 20)
+/* Tokens per MoE (and lm_head) call of the pipeline when chunk is 0: the
+ * backend's MoE scratch is sized by it. */
+#define MLENS_GPUPLAN_CHUNK 1024
+
+struct mlens_gpuplan_in {
+	uint64_t budget;	/* bytes the pipeline may hold on the GPU */
+	int64_t max_tokens;	/* token cap wanted per step */
+	int64_t min_tokens;	/* smallest cap that still runs (a whole prompt); 0 = 1 */
+	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
+	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
+};
+
+struct mlens_gpuplan {
+	int resident_experts;	/* per layer: experts 0..r-1 stay on the GPU */
+	int64_t tokens;		/* token cap per step that fits */
+	int64_t chunk;
+	uint64_t resident;	/* bytes: always-resident weights + resident experts */
+	uint64_t slot;		/* bytes of one expert slot (one layer's streamed experts) */
+	uint64_t slots;		/* both slots */
+	uint64_t act;		/* activations and backend scratch for tokens */
+	uint64_t workspace;
+	uint64_t total;		/* resident + slots + act + workspace <= budget */
+	uint64_t budget;
+	uint64_t minimum;	/* smallest budget that runs min_tokens */
+	uint64_t gpu_only;	/* budget that holds every expert with max_tokens */
+};
+
+/* Activation and scratch bytes of a step of n tokens on the GPU, chunk
+ * tokens per MoE / lm_head call: the pipeline's buffers (residual, norm,
+ * q, k, v, attention out, router logits, ids, weights, logits of a chunk)
+ * plus the largest scratch one backend op takes (activation rows rounded
+ * to the weight dtype for a GEMM, a MoE chunk's gathered rows and
+ * intermediates). Saturates at UINT64_MAX. */
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk);
+
+/* Make the plan. -ENOSPC with a message naming the budget, the minimum and
+ * the parts when the budget cannot run min_tokens; -EINVAL for a bad input.
+ * On success the message (when err is given) is empty. */
+int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
+		       struct mlens_gpuplan *out, char *err, size_t errlen);
+
+/* GPU-only or hybrid under a budget: GPU-only (0) when the budget holds
+ * every weight, activations for max_tokens, the workspace and kv_bytes of
+ * KV cache (GPU-only mode keeps the KV cache on the GPU), or when budget is
+ * 0 (no budget); else hybrid (1). why (optional) gets one sentence saying
+ * which and why. -EINVAL for max_tokens <= 0. */
+int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget,
+			      int64_t max_tokens, uint64_t kv_bytes, char *why, size_t len);
+
+/* The plan in one line for the start-up log. */
+int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_model *pm,
+			 char *buf, size_t len);
+
+#endif

@@ -1,0 +1,938 @@
+/* The hybrid pipeline executor: weights placed by the GPU memory plan,
+ * experts streamed through two slots, decode attention on the CPU pool, a
+ * step run as the step program says (pipeprog.h). Rows of a step: group α
+ * then group β, each with its prefill sequences first (contiguous, for
+ * attn_prefill) and then the tokens that read the paged cache. */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include "daemon/pipeline.h"
+#include "daemon/pipeprog.h"
+
+struct pl_layer {
+	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
+	const void **w1, **w2, **w3;	/* GPU: resident or in the layer's slot */
+	struct mlens_moe_weights moe;
+	struct mlens_pipe_piece *pieces;
+	int n_pieces;
+};
+
+struct pl_group {
+	int r0, r1;		/* rows [r0, r1) */
+	int P;			/* prefill rows, [r0, r0 + P) */
+	int n_pre;		/* prefill sequences */
+	int32_t *cu;		/* [n_pre + 1], relative to r0 */
+};
+
+struct pl_region {
+	void *p;
+	size_t bytes;
+};
+
+struct mlens_pipeline {
+	const struct mlens_model *m;
+	struct mlens_model_config cfg;
+	struct mlens_perf_model pm;
+	struct mlens_gpuplan plan;
+	struct mlens_backend *g, *c;	/* GPU side, CPU side */
+	bool async;
+	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
+	struct mlens_kv_pool kv;
+	int max_tokens, groups, qdim, kvdim;
+	int64_t chunk;
+	uint64_t own;		/* bytes we allocated on g */
+
+	const void *embed, *final_norm, *lm_head;
+	struct pl_layer *layers;
+	void *slot[2];
+	struct mlens_pipe_prog prog;
+	struct pl_region *reg;	/* host ranges we registered */
+	int n_reg;
+
+	/* GPU activations */
+	float *x, *xn, *q, *k, *v, *att, *rlog, *rw, *logits;
+	int32_t *rid;
+	/* host activations (pinned when the GPU backend can) */
+	float *hq, *hk, *hv, *hatt;
+	bool host_pinned;
+
+	/* host scratch */
+	int32_t *tok, *pos, *row_req, *lrow, *sampled;
+	int64_t *slots;
+	struct mlens_attn_query *qry;
+	float *logp;
+	struct mlens_sampling *samp;
+	float *host_logits;
+	size_t host_logits_rows;
+	struct pl_group grp[MLENS_PIPE_MAX_GROUPS];
+	int n_lrow;
+
+	struct mlens_pipeline_stats st;
+};
+
+static void seterr(char *err, size_t len, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t len, const char *fmt, ...)
+{
+	va_list ap;
+	if (!err || !len)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(err, len, fmt, ap);
+	va_end(ap);
+}
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ==== GPU memory under the budget ==== */
+
+uint64_t mlens_pipeline_gpu_bytes(const struct mlens_pipeline *p)
+{
+	if (MLENS_BACKEND_HAS(p->g->ops, mem_used))
+		return p->g->ops->mem_used(p->g->ctx);
+	return p->own;
+}
+
+/* Every GPU allocation of the pipeline comes here: one that would take
+ * the GPU past the budget fails, loudly. */
+static void *galloc(struct mlens_pipeline *p, size_t bytes, int *rc)
+{
+	void *d;
+	if (*rc)
+		return NULL;
+	if (mlens_pipeline_gpu_bytes(p) + bytes > p->plan.budget) {
+		fprintf(stderr, "mlens pipeline: %zu bytes more on the %s backend would pass the GPU "
+			"budget of %llu bytes (%llu in use); the memory plan is wrong\n", bytes,
+			p->g->ops->name, (unsigned long long)p->plan.budget,
+			(unsigned long long)mlens_pipeline_gpu_bytes(p));
+		*rc = -ENOSPC;
+		return NULL;
+	}
+	d = p->g->ops->alloc(p->g->ctx, bytes);
+	if (!d) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	p->own += bytes;
+	return d;
+}
+
+static void gfree(struct mlens_pipeline *p, const void *d, size_t bytes)
+{
+	if (!d)
+		return;
+	p->g->ops->free(p->g->ctx, (void *)d);
+	p->own -= bytes;
+}
+
+static const void *place(struct mlens_pipeline *p, const void *host, size_t bytes, int *rc)
+{
+	void *d = galloc(p, bytes, rc);
+	if (!d)
+		return NULL;
+	*rc = p->g->ops->upload(p->g->ctx, d, host, bytes);
+	return d;
+}
+
+/* ==== host memory ==== */
+
+static void *halloc(struct mlens_pipeline *p, size_t bytes)
+{
+	if (p->host_pinned)
+		return p->g->ops->host_alloc(p->g->ctx, bytes);
+	return malloc(bytes);
+}
+
+static void hfree(struct mlens_pipeline *p, void *h)
+{
+	if (!h)
+		return;
+	if (p->host_pinned)
+		p->g->ops->host_free(p->g->ctx, h);
+	else
+		free(h);
+}
+
+static int cmp_region(const void *a, const void *b)
+{
+	const struct pl_region *x = a, *y = b;
+	return (uintptr_t)x->p < (uintptr_t)y->p ? -1 : (uintptr_t)x->p > (uintptr_t)y->p;
+}
+
+/* Pin the host ranges the weight stream reads, page-aligned and merged, so
+ * that its copies are asynchronous DMA. */
+static int register_stream(struct mlens_pipeline *p)
+{
+	long pg = sysconf(_SC_PAGESIZE);
+	uintptr_t mask = (uintptr_t)(pg > 0 ? pg : 4096) - 1;
+	struct pl_region *r;
+	int n = 0, k = 0;
+
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++)
+		n += p->layers[l].n_pieces;
+	if (!n)
+		return 0;
+	r = calloc((size_t)n, sizeof(*r));
+	if (!r)
+		return -ENOMEM;
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++) {
+		for (int i = 0; i < p->layers[l].n_pieces; i++) {
+			const struct mlens_pipe_piece *pc = &p->layers[l].pieces[i];
+			uintptr_t a = (uintptr_t)pc->host & ~mask;
+			uintptr_t e = ((uintptr_t)pc->host + pc->bytes + mask) & ~mask;
+			r[k].p = (void *)a;
+			r[k].bytes = e - a;
+			k++;
+		}
+	}
+	qsort(r, (size_t)k, sizeof(*r), cmp_region);
+	n = 0;
+	for (int i = 0; i < k; i++) {
+		if (n && (uintptr_t)r[n - 1].p + r[n - 1].bytes >= (uintptr_t)r[i].p) {
+			uintptr_t e = (uintptr_t)r[i].p + r[i].bytes;
+			if (e > (uintptr_t)r[n - 1].p + r[n - 1].bytes)
+				r[n - 1].bytes = e - (uintptr_t)r[n - 1].p;
+		} else {
+			r[n++] = r[i];
+		}
+	}
+	p->reg = r;
+	p->n_reg = 0;
+	for (int i = 0; i < n; i++) {
+		int rc = p->g->ops->host_register(p->g->ctx, r[i].p, r[i].bytes);
+		if (rc == -EEXIST)
+			continue;	/* pinned already (the daemon's weight pages) */
+		if (rc)
+			return rc;
+		r[p->n_reg++] = r[i];
+	}
+	return 0;
+}
+
+/* ==== weights ==== */
+
+struct stream_src {
+	const void *host;
+	const void **dst;	/* the layer's pointer to fill */
+};
+
+static int cmp_src(const void *a, const void *b)
+{
+	const struct stream_src *x = a, *y = b;
+	return (uintptr_t)x->host < (uintptr_t)y->host ? -1 : (uintptr_t)x->host > (uintptr_t)y->host;
+}
+
+/* Streamed experts of layer l: placed in its slot in host-address order,
+ * so that a layer stored contiguously moves as few large pieces. */
+static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece)
+{
+	const struct mlens_layer_weights *w = &p->m->layers[l];
+	struct pl_layer *b = &p->layers[l];
+	int E = (int)p->cfg.num_local_experts, r = p->plan.resident_experts, n = 3 * (E - r);
+	size_t ih = (size_t)p->cfg.intermediate_size * p->cfg.hidden_size *
+		    mlens_dtype_size(p->cfg.dtype);
+	struct stream_src *s;
+	struct mlens_pipe_src *src;
+	char *base = p->slot[l % 2];
+	int rc = 0;
+
+	if (n <= 0)
+		return 0;
+	s = calloc((size_t)n, sizeof(*s));
+	src = calloc((size_t)n, sizeof(*src));
+	if (!s || !src) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (int x = r, k = 0; x < E; x++) {
+		s[k].host = w->w1[x];
+		s[k++].dst = &b->w1[x];
+		s[k].host = w->w2[x];
+		s[k++].dst = &b->w2[x];
+		s[k].host = w->w3[x];
+		s[k++].dst = &b->w3[x];
+	}
+	qsort(s, (size_t)n, sizeof(*s), cmp_src);
+	for (int k = 0; k < n; k++) {
+		src[k].host = s[k].host;
+		src[k].dst_off = (uint64_t)k * ih;
+		src[k].bytes = ih;
+		*s[k].dst = base + (size_t)k * ih;
+	}
+	b->n_pieces = mlens_pipe_pieces(src, n, piece, NULL, 0);
+	b->pieces = calloc((size_t)b->n_pieces, sizeof(*b->pieces));
+	if (!b->pieces) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	mlens_pipe_pieces(src, n, piece, b->pieces, b->n_pieces);
+out:
+	free(s);
+	free(src);
+	return rc;
+}
+
+static int place_weights(struct mlens_pipeline *p, uint64_t piece)
+{
+	const struct mlens_model *m = p->m;
+	const struct mlens_model_config *c = &p->cfg;
+	size_t ih = (size_t)c->intermediate_size * c->hidden_size * mlens_dtype_size(c->dtype);
+	int E = (int)c->num_local_experts, r = p->plan.resident_experts, rc = 0;
+
+	p->layers = calloc((size_t)c->num_hidden_layers, sizeof(*p->layers));
+	if (!p->layers)
+		return -ENOMEM;
+	p->embed = place(p, m->embed->data, m->embed->nbytes, &rc);
+	p->final_norm = place(p, m->final_norm->data, m->final_norm->nbytes, &rc);
+	p->lm_head = m->lm_head == m->embed ? p->embed :
+		     place(p, m->lm_head->data, m->lm_head->nbytes, &rc);
+	if (p->plan.slot) {
+		p->slot[0] = galloc(p, p->plan.slot, &rc);
+		p->slot[1] = galloc(p, p->plan.slot, &rc);
+	}
+	for (int64_t l = 0; l < c->num_hidden_layers && !rc; l++) {
+		const struct mlens_layer_weights *w = &m->layers[l];
+		struct pl_layer *b = &p->layers[l];
+		b->attn_norm = place(p, w->attn_norm->data, w->attn_norm->nbytes, &rc);
+		b->wq = place(p, w->wq->data, w->wq->nbytes, &rc);
+		b->wk = place(p, w->wk->data, w->wk->nbytes, &rc);
+		b->wv = place(p, w->wv->data, w->wv->nbytes, &rc);
+		b->wo = place(p, w->wo->data, w->wo->nbytes, &rc);
+		b->ffn_norm = place(p, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
+		b->router = place(p, w->router->data, w->router->nbytes, &rc);
+		b->w1 = calloc((size_t)E, sizeof(void *));
+		b->w2 = calloc((size_t)E, sizeof(void *));
+		b->w3 = calloc((size_t)E, sizeof(void *));
+		if (!b->w1 || !b->w2 || !b->w3)
+			return -ENOMEM;
+		for (int x = 0; x < r && !rc; x++) {
+			b->w1[x] = place(p, w->w1[x], ih, &rc);
+			b->w2[x] = place(p, w->w2[x], ih, &rc);
+			b->w3[x] = place(p, w->w3[x], ih, &rc);
+		}
+		if (!rc)
+			rc = plan_layer_stream(p, l, piece);
+		b->moe.n_experts = E;
+		b->moe.hidden = (int)c->hidden_size;
+		b->moe.inter = (int)c->intermediate_size;
+		b->moe.dtype = c->dtype;
+		b->moe.w1 = b->w1;
+		b->moe.w2 = b->w2;
+		b->moe.w3 = b->w3;
+	}
+	return rc;
+}
+
+static void free_weights(struct mlens_pipeline *p)
+{
+	size_t ih = (size_t)p->cfg.intermediate_size * p->cfg.hidden_size *
+		    mlens_dtype_size(p->cfg.dtype);
+	const struct mlens_model *m = p->m;
+	if (!p->layers)
+		return;
+	gfree(p, p->embed, m->embed->nbytes);
+	gfree(p, p->final_norm, m->final_norm->nbytes);
+	if (p->lm_head != p->embed)
+		gfree(p, p->lm_head, m->lm_head->nbytes);
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++) {
+		const struct mlens_layer_weights *w = &m->layers[l];
+		struct pl_layer *b = &p->layers[l];
+		gfree(p, b->attn_norm, w->attn_norm->nbytes);
+		gfree(p, b->wq, w->wq->nbytes);
+		gfree(p, b->wk, w->wk->nbytes);
+		gfree(p, b->wv, w->wv->nbytes);
+		gfree(p, b->wo, w->wo->nbytes);
+		gfree(p, b->ffn_norm, w->ffn_norm->nbytes);
+		gfree(p, b->router, w->router->nbytes);
+		for (int x = 0; x < p->plan.resident_experts && b->w1 && b->w2 && b->w3; x++) {
+			gfree(p, b->w1[x], ih);
+			gfree(p, b->w2[x], ih);
+			gfree(p, b->w3[x], ih);
+		}
+		free(b->w1);
+		free(b->w2);
+		free(b->w3);
+		free(b->pieces);
+	}
+	free(p->layers);
+	p->layers = NULL;
+	for (int s = 0; s < 2; s++)
+		gfree(p, p->slot[s], p->plan.slot);
+}
+
+/* ==== create / destroy ==== */
+
+static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o, char *err,
+		   size_t errlen)
+{
+	struct mlens_kv_cache layout;
+	int rc;
+	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
+		       (p->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
+	if (layout.dtype == MLENS_DTYPE_F16) {
+		seterr(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		return -EINVAL;
+	}
+	layout.n_layers = (int)p->cfg.num_hidden_layers;
+	layout.n_kv_heads = (int)p->cfg.num_key_value_heads;
+	layout.head_dim = (int)p->cfg.head_dim;
+	layout.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
+	layout.n_blocks = o->kv_blocks ? o->kv_blocks :
+			  (uint32_t)(8 * ((p->cfg.max_position_embeddings + layout.block_size - 1) /
+					  layout.block_size));
+	layout.k = layout.v = NULL;
+	rc = mlens_kv_pool_init(&p->kv, p->c, &layout, o->kv_mem_k, o->kv_mem_v);
+	if (rc)
+		seterr(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens) on the %s "
+		       "backend: %s", layout.n_blocks, layout.block_size, p->c->ops->name,
+		       strerror(-rc));
+	return rc;
+}
+
+static bool has_async(const struct mlens_backend_ops *o)
+{
+	return MLENS_BACKEND_HAS(o, host_register) && MLENS_BACKEND_HAS(o, host_unregister) &&
+	       MLENS_BACKEND_HAS(o, host_alloc) && MLENS_BACKEND_HAS(o, host_free) &&
+	       MLENS_BACKEND_HAS(o, copy_async) && MLENS_BACKEND_HAS(o, event_record) &&
+	       MLENS_BACKEND_HAS(o, event_wait) && MLENS_BACKEND_HAS(o, event_sync);
+}
+
+int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,
+			  struct mlens_backend *gpu, struct mlens_backend *cpu,
+			  const struct mlens_pipeline_opts *o, char *err, size_t errlen)
+{
+	struct mlens_pipeline *p;
+	struct mlens_gpuplan_in in;
+	int *n_pieces = NULL;
+	size_t T, H;
+	int rc = 0;
+
+	if (!cpu->ops->host_memory) {
+		seterr(err, errlen, "hybrid pipeline: the attention backend '%s' must use host "
+		       "memory (the cpu backend)", cpu->ops->name);
+		return -EINVAL;
+	}
+	p = calloc(1, sizeof(*p));
+	if (!p)
+		return -ENOMEM;
+	p->m = m;
+	p->cfg = m->cfg;
+	p->g = gpu;
+	p->c = cpu;
+	p->async = has_async(gpu->ops);
+	p->host_pinned = p->async;
+	p->groups = o->groups > 0 ? o->groups : 2;
+	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
+	p->kvdim = (int)(p->cfg.num_key_value_heads * p->cfg.head_dim);
+	if (p->groups > MLENS_PIPE_MAX_GROUPS) {
+		seterr(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
+		       p->groups, MLENS_PIPE_MAX_GROUPS);
+		rc = -EINVAL;
+		goto fail;
+	}
+	rc = kv_init(p, o, err, errlen);
+	if (rc)
+		goto fail;
+	rc = mlens_perf_model_from_config(&p->pm, &p->cfg, p->kv.cache.dtype);
+	if (rc) {
+		seterr(err, errlen, "hybrid pipeline: the model's dimensions are out of range");
+		goto fail;
+	}
+	memset(&in, 0, sizeof(in));
+	in.budget = o->gpu_budget;
+	in.max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
+	in.min_tokens = o->min_step_tokens > 0 ? o->min_step_tokens : 1;
+	in.workspace = o->workspace;
+	in.chunk = o->chunk;
+	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
+	if (rc)
+		goto fail;
+	p->max_tokens = (int)p->plan.tokens;
+	p->chunk = p->plan.chunk;
+	/* the backend's own memory (workspace, staging) counts as it stands */
+	rc = place_weights(p, o->piece_bytes ? o->piece_bytes : MLENS_PIPE_PIECE);
+	if (rc) {
+		seterr(err, errlen, "hybrid pipeline: cannot place the resident weights and the "
+		       "expert slots on the %s backend: %s", gpu->ops->name, strerror(-rc));
+		goto fail;
+	}
+	n_pieces = calloc((size_t)p->cfg.num_hidden_layers, sizeof(*n_pieces));
+	if (!n_pieces) {
+		rc = -ENOMEM;
+		goto fail;
+	}
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++)
+		n_pieces[l] = p->layers[l].n_pieces;
+	rc = mlens_pipe_prog_build(&p->prog, (int)p->cfg.num_hidden_layers, p->groups, n_pieces);
+	free(n_pieces);
+	if (rc)
+		goto fail;
+	if (p->async && (rc = register_stream(p))) {
+		seterr(err, errlen, "hybrid pipeline: cannot pin the weight pages for the expert "
+		       "stream: %s", strerror(-rc));
+		goto fail;
+	}
+
+	T = (size_t)p->max_tokens;
+	H = (size_t)p->cfg.hidden_size;
+	p->x = galloc(p, T * H * 4, &rc);
+	p->xn = galloc(p, T * H * 4, &rc);
+	p->q = galloc(p, T * p->qdim * 4, &rc);
+	p->att = galloc(p, T * p->qdim * 4, &rc);
+	p->k = galloc(p, T * p->kvdim * 4, &rc);
+	p->v = galloc(p, T * p->kvdim * 4, &rc);
+	p->rlog = galloc(p, T * p->cfg.num_local_experts * 4, &rc);
+	p->rw = galloc(p, T * p->cfg.num_experts_per_tok * 4, &rc);
+	p->rid = galloc(p, T * p->cfg.num_experts_per_tok * 4, &rc);
+	p->logits = galloc(p, (size_t)(p->chunk < (int64_t)T ? p->chunk : (int64_t)T) *
+			      (size_t)p->cfg.vocab_size * 4, &rc);
+	if (rc) {
+		seterr(err, errlen, "hybrid pipeline: cannot allocate GPU activations for %d tokens: %s",
+		       p->max_tokens, strerror(-rc));
+		goto fail;
+	}
+	p->hq = halloc(p, T * p->qdim * 4);
+	p->hatt = halloc(p, T * p->qdim * 4);
+	p->hk = halloc(p, T * p->kvdim * 4);
+	p->hv = halloc(p, T * p->kvdim * 4);
+	p->tok = malloc(T * sizeof(*p->tok));
+	p->pos = malloc(T * sizeof(*p->pos));
+	p->row_req = malloc(T * sizeof(*p->row_req));
+	p->lrow = malloc(T * sizeof(*p->lrow));
+	p->sampled = malloc(T * sizeof(*p->sampled));
+	p->slots = malloc(T * sizeof(*p->slots));
+	p->qry = malloc(T * sizeof(*p->qry));
+	p->logp = malloc(T * sizeof(*p->logp));
+	p->samp = malloc(T * sizeof(*p->samp));
+	for (int x = 0; x < MLENS_PIPE_MAX_GROUPS; x++)
+		p->grp[x].cu = malloc((T + 1) * sizeof(int32_t));
+	if (!p->hq || !p->hatt || !p->hk || !p->hv || !p->tok || !p->pos || !p->row_req ||
+	    !p->lrow || !p->sampled || !p->slots || !p->qry || !p->logp || !p->samp ||
+	    !p->grp[0].cu || !p->grp[1].cu) {
+		rc = -ENOMEM;
+		seterr(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
+		       p->max_tokens);
+		goto fail;
+	}
+	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {
+		seterr(err, errlen, "hybrid pipeline: the %s backend holds %llu bytes, past the GPU "
+		       "budget of %llu", gpu->ops->name,
+		       (unsigned long long)mlens_pipeline_gpu_bytes(p),
+		       (unsigned long long)p->plan.budget);
+		rc = -ENOSPC;
+		goto fail;
+	}
+	p->prefill_cpu = o->prefill_cpu;
+	if (!p->prefill_cpu && !gpu->ops->host_memory) {
+		/* a GPU kernel may cover only some head sizes: ask with no sequence */
+		int32_t cu0 = 0;
+		int hd = (int)p->cfg.head_dim;
+		rc = gpu->ops->attn_prefill(gpu->ctx, p->att, p->q, p->k, p->v, &cu0, 0,
+					    (int)p->cfg.num_attention_heads,
+					    (int)p->cfg.num_key_value_heads, hd, 1.0f / sqrtf((float)hd));
+		if (rc == -ENOTSUP)
+			p->prefill_cpu = true;
+		else if (rc)
+			goto fail;
+		rc = 0;
+	}
+	p->st.async = p->async;
+	p->st.prefill_cpu = p->prefill_cpu;
+	*out = p;
+	return 0;
+fail:
+	mlens_pipeline_destroy(p);
+	return rc;
+}
+
+void mlens_pipeline_destroy(struct mlens_pipeline *p)
+{
+	size_t T, H;
+	if (!p)
+		return;
+	p->g->ops->sync(p->g->ctx);
+	if (p->async && !p->g->ops->event_record(p->g->ctx, 1, MLENS_BACKEND_EVENTS - 1))
+		p->g->ops->event_sync(p->g->ctx, MLENS_BACKEND_EVENTS - 1);	/* the weight stream, before unpinning */
+	T = (size_t)p->max_tokens;
+	H = (size_t)p->cfg.hidden_size;
+	gfree(p, p->x, T * H * 4);
+	gfree(p, p->xn, T * H * 4);
+	gfree(p, p->q, T * p->qdim * 4);
+	gfree(p, p->att, T * p->qdim * 4);
+	gfree(p, p->k, T * p->kvdim * 4);
+	gfree(p, p->v, T * p->kvdim * 4);
+	gfree(p, p->rlog, T * p->cfg.num_local_experts * 4);
+	gfree(p, p->rw, T * p->cfg.num_experts_per_tok * 4);
+	gfree(p, p->rid, T * p->cfg.num_experts_per_tok * 4);
+	gfree(p, p->logits, (size_t)(p->chunk < (int64_t)T ? p->chunk : (int64_t)T) *
+			    (size_t)p->cfg.vocab_size * 4);
+	for (int i = 0; i < p->n_reg; i++)
+		p->g->ops->host_unregister(p->g->ctx, p->reg[i].p);
+	free(p->reg);
+	free_weights(p);
+	mlens_pipe_prog_free(&p->prog);
+	if (p->kv.free_stack)
+		mlens_kv_pool_fini(&p->kv);
+	hfree(p, p->hq);
+	hfree(p, p->hatt);
+	hfree(p, p->hk);
+	hfree(p, p->hv);
+	free(p->tok);
+	free(p->pos);
+	free(p->row_req);
+	free(p->lrow);
+	free(p->sampled);
+	free(p->slots);
+	free(p->qry);
+	free(p->logp);
+	free(p->samp);
+	for (int x = 0; x < MLENS_PIPE_MAX_GROUPS; x++)
+		free(p->grp[x].cu);
+	free(p->host_logits);
+	free(p);
+}
+
+struct mlens_kv_pool *mlens_pipeline_kv(struct mlens_pipeline *p)
+{
+	return &p->kv;
+}
+
+const struct mlens_gpuplan *mlens_pipeline_plan(const struct mlens_pipeline *p)
+{
+	return &p->plan;
+}
+
+int mlens_pipeline_max_step_tokens(const struct mlens_pipeline *p)
+{
+	return p->max_tokens;
+}
+
+const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipeline *p)
+{
+	return &p->st;
+}
+
+/* ==== the stages ==== */
+
+#define G (p->g->ops)
+#define GC (p->g->ctx)
+#define TRY(x) do { if ((rc = (x))) return rc; } while (0)
+
+/* Activation copies: on the compute queue when asynchronous. */
+static int to_host(struct mlens_pipeline *p, void *dst, const void *src, size_t bytes)
+{
+	p->st.d2h_act_bytes += bytes;
+	if (p->async)
+		return G->copy_async(GC, 0, dst, src, bytes, false);
+	return G->download(GC, dst, src, bytes);
+}
+
+static int to_gpu(struct mlens_pipeline *p, void *dst, const void *src, size_t bytes)
+{
+	p->st.h2d_act_bytes += bytes;
+	if (p->async)
+		return G->copy_async(GC, 0, dst, src, bytes, true);
+	return G->upload(GC, dst, src, bytes);
+}
+
+/* GA: norm, QKV, RoPE, prefill attention; K/V of every row and q of the
+ * cache-reading rows out to the host. */
+static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	const struct pl_layer *b = &p->layers[l];
+	int H = (int)c->hidden_size, hd = (int)c->head_dim, n = gr->r1 - gr->r0, rc;
+	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
+	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
+	/* first row whose q the CPU needs */
+	size_t d0 = p->prefill_cpu ? r0 : r0 + (size_t)gr->P;
+
+	if (!n)
+		return 0;
+	TRY(G->rmsnorm(GC, p->xn + r0 * H, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
+		       (float)c->rms_norm_eps));
+	TRY(G->gemm(GC, p->q + r0 * qd, p->xn + r0 * H, b->wq, c->dtype, n, H, (int)qd, false));
+	TRY(G->gemm(GC, p->k + r0 * kvd, p->xn + r0 * H, b->wk, c->dtype, n, H, (int)kvd, false));
+	TRY(G->gemm(GC, p->v + r0 * kvd, p->xn + r0 * H, b->wv, c->dtype, n, H, (int)kvd, false));
+	TRY(G->rope(GC, p->q + r0 * qd, p->pos + r0, n, nh, hd, (float)c->rope_theta));
+	TRY(G->rope(GC, p->k + r0 * kvd, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
+	if (gr->n_pre && !p->prefill_cpu)
+		TRY(G->attn_prefill(GC, p->att + r0 * qd, p->q + r0 * qd, p->k + r0 * kvd,
+				    p->v + r0 * kvd, gr->cu, gr->n_pre, nh, nkv, hd,
+				    1.0f / sqrtf((float)hd)));
+	TRY(to_host(p, p->hk + r0 * kvd, p->k + r0 * kvd, (size_t)n * kvd * 4));
+	TRY(to_host(p, p->hv + r0 * kvd, p->v + r0 * kvd, (size_t)n * kvd * 4));
+	if ((size_t)gr->r1 > d0)
+		TRY(to_host(p, p->hq + d0 * qd, p->q + d0 * qd, ((size_t)gr->r1 - d0) * qd * 4));
+	return 0;
+}
+
+/* C: this step's K/V into the CPU pool, decode attention there, its
+ * output back to the GPU. */
+static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
+	size_t d0 = r0 + (size_t)gr->P;
+	int n = gr->r1 - gr->r0, nd = gr->r1 - (int)d0, rc;
+	int hd = (int)c->head_dim;
+	double t0 = now();
+
+	if (!n)
+		return 0;
+	if (p->prefill_cpu && gr->n_pre)
+		TRY(p->c->ops->attn_prefill(p->c->ctx, p->hatt + r0 * qd, p->hq + r0 * qd,
+					    p->hk + r0 * kvd, p->hv + r0 * kvd, gr->cu, gr->n_pre,
+					    (int)c->num_attention_heads,
+					    (int)c->num_key_value_heads, hd, 1.0f / sqrtf((float)hd)));
+	TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, p->hk + r0 * kvd, p->hv + r0 * kvd,
+				 p->slots + r0, n));
+	if (nd > 0)
+		TRY(p->c->ops->attn_decode(p->c->ctx, p->hatt + d0 * qd, p->hq + d0 * qd,
+					   &p->kv.cache, l, p->qry + d0, nd,
+					   (int)c->num_attention_heads,
+					   1.0f / sqrtf((float)c->head_dim)));
+	p->st.cpu_attn_s += now() - t0;
+	if (p->prefill_cpu)
+		d0 = r0;	/* the prefill rows' output comes back too */
+	if ((size_t)gr->r1 > d0)
+		TRY(to_gpu(p, p->att + d0 * qd, p->hatt + d0 * qd, ((size_t)gr->r1 - d0) * qd * 4));
+	return 0;
+}
+
+/* GB: O projection into the residual, norm, router, experts. */
+static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	const struct pl_layer *b = &p->layers[l];
+	int H = (int)c->hidden_size, E = (int)c->num_local_experts;
+	int K = (int)c->num_experts_per_tok, n = gr->r1 - gr->r0, rc;
+	size_t r0 = (size_t)gr->r0;
+
+	if (!n)
+		return 0;
+	TRY(G->gemm(GC, p->x + r0 * H, p->att + r0 * p->qdim, b->wo, c->dtype, n, p->qdim, H, true));
+	TRY(G->rmsnorm(GC, p->xn + r0 * H, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
+		       (float)c->rms_norm_eps));
+	TRY(G->gemm(GC, p->rlog + r0 * E, p->xn + r0 * H, b->router, c->dtype, n, H, E, false));
+	TRY(G->router(GC, p->rid + r0 * K, p->rw + r0 * K, p->rlog + r0 * E, n, E, K));
+	for (int t = 0; t < n; t += (int)p->chunk) {
+		int cnt = n - t < (int)p->chunk ? n - t : (int)p->chunk;
+		size_t o = r0 + (size_t)t;
+		TRY(G->moe(GC, p->x + o * H, p->xn + o * H, cnt, p->rid + o * K, p->rw + o * K, K,
+			   &b->moe));
+	}
+	return 0;
+}
+
+static int grow_host_logits(struct mlens_pipeline *p, size_t rows)
+{
+	size_t V = (size_t)p->cfg.vocab_size;
+	if (rows > p->host_logits_rows) {
+		float *h = realloc(p->host_logits, rows * V * sizeof(float));
+		if (!h)
+			return -ENOMEM;
+		p->host_logits = h;
+		p->host_logits_rows = rows;
+	}
+	return 0;
+}
+
+/* TAIL: final norm and lm_head of the rows that need logits, in chunks;
+ * sampling; logits to the host where a request asked. */
+static int stage_tail(struct mlens_pipeline *p, bool want_logits)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = p->n_lrow, rc;
+
+	if (want_logits)
+		TRY(grow_host_logits(p, (size_t)nl));
+	for (int i0 = 0; i0 < nl; i0 += (int)p->chunk) {
+		int cnt = nl - i0 < (int)p->chunk ? nl - i0 : (int)p->chunk;
+		for (int i = 0; i < cnt; i++)
+			TRY(G->rmsnorm(GC, p->xn + (size_t)i * H, p->x + (size_t)p->lrow[i0 + i] * H,
+				       p->final_norm, c->dtype, 1, H, (float)c->rms_norm_eps));
+		TRY(G->gemm(GC, p->logits, p->xn, p->lm_head, c->dtype, cnt, H, V, false));
+		TRY(G->sample(GC, p->sampled + i0, p->logp + i0, p->logits, cnt, V, p->samp + i0));
+		if (want_logits)
+			TRY(G->download(GC, p->host_logits + (size_t)i0 * V, p->logits,
+					(size_t)cnt * V * sizeof(float)));
+	}
+	return 0;
+}
+
+/* ==== the step ==== */
+
+/* Rows of group x: its requests, prefill sequences first. */
+static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs, int i0,
+			 int i1, int *row, struct pl_group *gr)
+{
+	int bs = p->kv.cache.block_size;
+	gr->r0 = *row;
+	gr->n_pre = 0;
+	gr->cu[0] = 0;
+	for (int pass = 0; pass < 2; pass++) {
+		for (int i = i0; i < i1; i++) {
+			struct mlens_engine_req *r = &reqs[i];
+			bool pre = r->seq->len == 0;
+			if (pre != (pass == 0))
+				continue;
+			for (int j = 0; j < r->n_tokens; j++, (*row)++) {
+				int32_t ps = r->seq->len + j;
+				p->tok[*row] = r->tokens[j];
+				p->pos[*row] = ps;
+				p->row_req[*row] = i;
+				p->slots[*row] = (int64_t)r->seq->blocks[ps / bs] * bs + ps % bs;
+				p->qry[*row].ctx_len = ps + 1;
+				p->qry[*row].n_blocks = (int32_t)r->seq->n_blocks;
+				p->qry[*row].block_table = r->seq->blocks;
+				if (r->all_logits || j == r->n_tokens - 1)
+					p->lrow[p->n_lrow++] = *row;
+			}
+			if (pre)
+				gr->cu[++gr->n_pre] = *row - gr->r0;
+		}
+		if (pass == 0)
+			gr->P = *row - gr->r0;
+	}
+	gr->r1 = *row;
+}
+
+static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, bool want_logits)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	int rc = 0;
+	double t0;
+
+	switch (cmd->kind) {
+	case MLENS_PIPE_HEAD:
+		return G->embed(GC, p->x, p->embed, c->dtype, (int)c->hidden_size, p->tok,
+				p->grp[p->groups - 1].r1);
+	case MLENS_PIPE_GA:
+		return stage_ga(p, cmd->layer, &p->grp[cmd->group]);
+	case MLENS_PIPE_C:
+		return stage_c(p, cmd->layer, &p->grp[cmd->group]);
+	case MLENS_PIPE_GB:
+		return stage_gb(p, cmd->layer, &p->grp[cmd->group]);
+	case MLENS_PIPE_TAIL:
+		return stage_tail(p, want_logits);
+	case MLENS_PIPE_COPY: {
+		const struct mlens_pipe_piece *pc = &p->layers[cmd->layer].pieces[cmd->piece];
+		char *dst = (char *)p->slot[cmd->slot] + pc->dst_off;
+		p->st.h2d_weight_bytes += pc->bytes;
+		if (p->async)
+			return G->copy_async(GC, 1, dst, pc->host, pc->bytes, true);
+		return G->upload(GC, dst, pc->host, pc->bytes);
+	}
+	case MLENS_PIPE_RECORD:
+		return p->async ? G->event_record(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event) : 0;
+	case MLENS_PIPE_WAIT:
+		return p->async ? G->event_wait(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event) : 0;
+	case MLENS_PIPE_HOST_WAIT:
+		if (!p->async)
+			return 0;
+		t0 = now();
+		rc = G->event_sync(GC, cmd->event);
+		p->st.host_wait_s += now() - t0;
+		return rc;
+	}
+	return -EINVAL;
+}
+
+int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs, int n)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	int V = (int)c->vocab_size, row = 0, split, rc = 0;
+	int64_t total = 0, half;
+	bool want_logits = false;
+	uint32_t need = 0;
+	double t0 = now();
+
+	if (n <= 0)
+		return -EINVAL;
+	for (int i = 0; i < n; i++) {
+		const struct mlens_engine_req *r = &reqs[i];
+		if (!r->seq || r->n_tokens <= 0 || !r->tokens)
+			return -EINVAL;
+		for (int j = 0; j < r->n_tokens; j++)
+			if (r->tokens[j] < 0 || r->tokens[j] >= V)
+				return -EINVAL;
+		if ((int64_t)r->seq->len + r->n_tokens > c->max_position_embeddings)
+			return -EOVERFLOW;
+		total += r->n_tokens;
+		need += mlens_seq_blocks_needed(&p->kv, r->seq, (int64_t)r->seq->len + r->n_tokens);
+		want_logits |= r->logits != NULL;
+	}
+	if (total > p->max_tokens)
+		return -E2BIG;
+	if (need > mlens_kv_pool_free_blocks(&p->kv))
+		return -ENOSPC;
+	for (int i = 0; i < n; i++) {
+		rc = mlens_seq_reserve(&p->kv, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens);
+		if (rc)
+			return rc;
+	}
+
+	/* group α: leading requests up to half the tokens; β: the rest */
+	split = n;
+	if (p->groups == 2) {
+		half = 0;
+		for (split = 0; split < n - 1 && 2 * (half + reqs[split].n_tokens) <= total; split++)
+			half += reqs[split].n_tokens;
+		if (split == 0 && n > 1)
+			split = 1;
+	}
+	p->n_lrow = 0;
+	layout_group(p, reqs, 0, split, &row, &p->grp[0]);
+	if (p->groups == 2)
+		layout_group(p, reqs, split, n, &row, &p->grp[1]);
+	for (int i = 0; i < p->n_lrow; i++)
+		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;
+
+	p->st.h2d_weight_bytes = p->st.h2d_act_bytes = p->st.d2h_act_bytes = 0;
+	p->st.cpu_attn_s = p->st.host_wait_s = 0;
+	for (int i = 0; i < p->prog.n && !rc; i++)
+		rc = run_cmd(p, &p->prog.cmd[i], want_logits);
+	if (rc)
+		return rc;
+	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {
+		fprintf(stderr, "mlens pipeline: the %s backend holds %llu bytes after a step, past the "
+			"GPU budget of %llu; the memory plan is wrong\n", p->g->ops->name,
+			(unsigned long long)mlens_pipeline_gpu_bytes(p),
+			(unsigned long long)p->plan.budget);
+		return -ENOSPC;
+	}
+
+	for (int i = 0; i < p->n_lrow; i++) {
+		int ri = p->row_req[p->lrow[i]];
+		struct mlens_engine_req *r = &reqs[ri];
+		int j = p->pos[p->lrow[i]] - r->seq->len;
+		if (r->logits) {
+			float *dst = r->all_logits ? r->logits + (size_t)j * V : r->logits;
+			memcpy(dst, p->host_logits + (size_t)i * V, (size_t)V * sizeof(float));
+		}
+		if (j == r->n_tokens - 1) {
+			r->next_token = p->sampled[i];
+			r->logprob = p->logp[i];
+		}
+	}
+	for (int i = 0; i < n; i++)
+		reqs[i].seq->len += reqs[i].n_tokens;
+	p->st.steps++;
+	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_act_bytes;
+	p->st.d2h_bytes_total += p->st.d2h_act_bytes;
+	p->st.cpu_attn_s_total += p->st.cpu_attn_s;
+	p->st.host_wait_s_total += p->st.host_wait_s;
+	p->st.step_s = now() - t0;
+	return 0;
+}

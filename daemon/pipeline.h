@@ -1,0 +1,78 @@
+/* The hybrid pipeline executor (issue 7, DESIGN §5, §5.1): one step of a
+ * Mixtral model whose experts do not all fit the GPU budget. Two backends:
+ * the GPU one (embeddings, norms, QKV, RoPE, prefill attention, O
+ * projection, router, experts, lm_head, sampling) and the CPU one (KV
+ * append and decode attention on the pinned host KV pool). Resident on the
+ * GPU: embeddings, lm_head, norms, routers, attention and the plan's
+ * resident experts; the other experts stream through two slots in pieces,
+ * in the order of the step program (daemon/pipeprog.h). The GPU memory
+ * split is daemon/gpuplan.h's; the executor never holds more than the
+ * budget and fails loudly if the backend's count says otherwise.
+ *
+ * With a GPU backend that has queues and events (the optional ops of
+ * kernels/backend.h) copies and compute overlap as the program says; with
+ * one that has none (the CPU backend, as in CI) the same program runs in
+ * program order, with the same numerics. Same step contract as the engine
+ * (daemon/engine.h), which hands its steps here when created in hybrid
+ * mode. Not thread-safe: one thread drives a pipeline. */
+#ifndef MLENS_PIPELINE_H
+#define MLENS_PIPELINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include "daemon/engine.h"
+#include "daemon/gpuplan.h"
+
+struct mlens_pipeline;
+
+struct mlens_pipeline_opts {
+	uint64_t gpu_budget;	/* bytes on the GPU backend; 0 = refuse */
+	int max_step_tokens;	/* token cap wanted; 0 = 4096 (the plan may lower it) */
+	int min_step_tokens;	/* smallest cap that may run; 0 = 1 */
+	int groups;		/* token groups, 1 or 2; 0 = 2 */
+	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
+	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
+	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
+	/* Prefill attention on the CPU backend too (it is on the GPU unless
+	 * this is set or the GPU backend refuses the model's head_dim). */
+	bool prefill_cpu;
+	/* the KV pool, as in struct mlens_engine_opts */
+	int kv_block_size;
+	uint32_t kv_blocks;
+	int kv_dtype;
+	void *kv_mem_k;
+	void *kv_mem_v;
+};
+
+/* Busy time of the last step and totals (seconds, bytes). */
+struct mlens_pipeline_stats {
+	double step_s;		/* wall time of the last step */
+	double cpu_attn_s;	/* host time in KV append + decode attention */
+	double host_wait_s;	/* host time blocked on the GPU */
+	uint64_t h2d_weight_bytes;	/* streamed expert bytes, last step */
+	uint64_t h2d_act_bytes, d2h_act_bytes;	/* activation copies, last step */
+	uint64_t steps;
+	uint64_t h2d_bytes_total, d2h_bytes_total;
+	double cpu_attn_s_total, host_wait_s_total;
+	bool async;		/* queues and events in use */
+	bool prefill_cpu;	/* prefill attention runs on the CPU */
+};
+
+int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,
+			  struct mlens_backend *gpu, struct mlens_backend *cpu,
+			  const struct mlens_pipeline_opts *o, char *err, size_t errlen);
+void mlens_pipeline_destroy(struct mlens_pipeline *p);
+
+struct mlens_kv_pool *mlens_pipeline_kv(struct mlens_pipeline *p);
+const struct mlens_gpuplan *mlens_pipeline_plan(const struct mlens_pipeline *p);
+int mlens_pipeline_max_step_tokens(const struct mlens_pipeline *p);
+const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipeline *p);
+/* Bytes the pipeline holds on the GPU backend (its own allocations, plus
+ * the backend's scratch where the backend counts it). */
+uint64_t mlens_pipeline_gpu_bytes(const struct mlens_pipeline *p);
+
+/* As mlens_engine_step; -ENOSPC also when the GPU backend went past the
+ * budget (with a message on stderr naming both). */
+int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs, int n);
+
+#endif

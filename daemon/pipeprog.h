@@ -1,0 +1,114 @@
+/* The hybrid pipeline's bookkeeping (DESIGN §5, §5.1): which expert slot
+ * holds which layer, which events gate what, and the ~100 MB pieces a
+ * layer's streamed experts move in. Pure: it builds a step's program, an
+ * ordered list of commands on three queues (GPU compute, H2D copy, host),
+ * that the executor (daemon/pipeline.c) runs and that tests run on a
+ * simulated device. Program order is itself a valid sequential order, so
+ * an executor without streams runs the commands one after another.
+ *
+ * The program of a step (L layers, groups x in α, β; slot(l) = l mod 2):
+ *   HEAD                                    GPU: embeddings of all tokens
+ *   stream layers 0 and 1 into slots 0, 1   COPY queue (see below)
+ *   GA(0, x) for each x                     GPU: norm, QKV, RoPE, prefill
+ *                                           attention, D2H of K/V and the
+ *                                           decode q; records qkv[x]
+ *   for l in 0 .. L-1, for each group x:
+ *     C(l, x)        host: waits qkv[x]; KV append and decode attention on
+ *                    the CPU pool; queues the H2D of its outputs on GPU
+ *     WAIT(GPU, ready[slot(l)])              (before layer l's first GB)
+ *     GB(l, x)       GPU: O projection, norm, router, experts
+ *     after the last group: RECORD(GPU, freed[slot(l)]) and, when l+2 < L,
+ *       stream layer l+2 into slot(l)
+ *     GA(l+1, x)     when l+1 < L
+ *   TAIL                                    GPU: final norm, lm_head, sampling
+ * "stream layer m into slot s" = WAIT(COPY, freed[s]), COPY of each piece
+ * of layer m, RECORD(COPY, ready[s]). So GB(l) runs only after all of
+ * layer l's pieces arrived, a slot is overwritten only after every GB of
+ * the layer it held, each layer crosses PCIe once per step however many
+ * groups use it, and the CPU attention of one group runs while the GPU
+ * does GB and the next GA of the other. Without streamed experts (all
+ * resident) there are no COPY, ready or freed commands. */
+#ifndef MLENS_PIPEPROG_H
+#define MLENS_PIPEPROG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Piece size of the weight stream (DESIGN §1: ~100 MB). */
+#define MLENS_PIPE_PIECE (100ull << 20)
+#define MLENS_PIPE_MAX_GROUPS 2
+
+enum mlens_pipe_queue {
+	MLENS_PIPE_Q_GPU = 0,	/* compute stream (also activation copies) */
+	MLENS_PIPE_Q_COPY,	/* weight stream */
+	MLENS_PIPE_Q_HOST,	/* the driving thread */
+	MLENS_PIPE_Q_N
+};
+
+enum mlens_pipe_kind {
+	MLENS_PIPE_HEAD,
+	MLENS_PIPE_GA,
+	MLENS_PIPE_C,
+	MLENS_PIPE_GB,
+	MLENS_PIPE_TAIL,
+	MLENS_PIPE_COPY,	/* piece of layer's experts into slot */
+	MLENS_PIPE_RECORD,	/* queue records event */
+	MLENS_PIPE_WAIT,	/* queue (GPU or COPY) waits for event */
+	MLENS_PIPE_HOST_WAIT,	/* host waits for event */
+};
+
+/* Events: ready[s] and freed[s] per slot, qkv[x] per group. */
+enum {
+	MLENS_PIPE_EV_READY = 0,
+	MLENS_PIPE_EV_FREED = 2,
+	MLENS_PIPE_EV_QKV = 4,
+	MLENS_PIPE_EV_N = MLENS_PIPE_EV_QKV + MLENS_PIPE_MAX_GROUPS
+};
+
+struct mlens_pipe_cmd {
+	enum mlens_pipe_kind kind;
+	enum mlens_pipe_queue queue;
+	int layer;		/* -1 when none */
+	int group;		/* -1 when none */
+	int slot;		/* COPY; -1 otherwise */
+	int piece;		/* COPY: index into the layer's pieces */
+	int event;		/* RECORD, WAIT, HOST_WAIT; -1 otherwise */
+};
+
+struct mlens_pipe_prog {
+	struct mlens_pipe_cmd *cmd;
+	int n, cap;
+};
+
+/* Build the program of a step. n_pieces[l] is the number of pieces of
+ * layer l (NULL or all 0: nothing streams). groups is 1 or 2.
+ * -EINVAL, -ENOMEM. */
+int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
+			  const int *n_pieces);
+void mlens_pipe_prog_free(struct mlens_pipe_prog *p);
+
+/* One streamed tensor of a layer: host bytes and where they go in the slot. */
+struct mlens_pipe_src {
+	const void *host;
+	uint64_t dst_off;
+	uint64_t bytes;
+};
+
+/* One copy: host [host, host + bytes) to slot [dst_off, dst_off + bytes). */
+struct mlens_pipe_piece {
+	const void *host;
+	uint64_t dst_off;
+	uint64_t bytes;
+};
+
+/* Split a layer's tensors into pieces of at most piece bytes: tensors
+ * adjacent both in host memory and in the slot are merged first, so that a
+ * layer stored contiguously moves in ceil(bytes / piece) copies. Writes at
+ * most cap pieces; returns the count needed (call with cap 0 to size), or
+ * -EINVAL for piece 0. */
+int mlens_pipe_pieces(const struct mlens_pipe_src *src, int n, uint64_t piece,
+		      struct mlens_pipe_piece *out, int cap);
+
+const char *mlens_pipe_kind_name(enum mlens_pipe_kind k);
+
+#endif

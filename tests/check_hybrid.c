@@ -1,0 +1,780 @@
+/* Description: the hybrid pipeline on the CPU (issue 7). The GPU memory
+ * plan: parts add up to its total, the total never exceeds the budget,
+ * residency grows with the budget, a budget below the minimum is refused
+ * with the minimum in the message, and the minimum itself runs. The step
+ * program on a simulated device (queues with clocks, events with times,
+ * the host blocking on events): GB(l) starts after every piece of layer l
+ * arrived, a slot is overwritten only after every GB of the layer it held,
+ * each layer's pieces cross once, the CPU attention of one group overlaps
+ * GPU work of the other, and the weight stream hides behind compute. The
+ * weight pieces: merged when adjacent, at most the piece size, covering
+ * every byte once. The executor with the CPU backend on both sides (the
+ * program run in order): greedy tokens equal to the engine's and logits
+ * within 1e-5 over prefill, decode and mixed steps, in one and two token
+ * groups, through the engine's hybrid mode, and under the unchanged
+ * scheduler with preemption (same tokens as the engine); every streamed expert byte
+ * crosses once per step; the GPU side stays within the budget. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/gpuplan.h"
+#include "daemon/pipeline.h"
+#include "daemon/pipeprog.h"
+#include "daemon/sched.h"
+#include "tests/testmodel.h"
+
+#define GIB (1024ull * 1024ull * 1024ull)
+
+static struct mlens_perf_model mixtral(int layers)
+{
+	struct mlens_model_config c;
+	struct mlens_perf_model pm;
+	memset(&c, 0, sizeof(c));
+	strcpy(c.architecture, "MixtralForCausalLM");
+	c.vocab_size = 32000;
+	c.hidden_size = 4096;
+	c.intermediate_size = 14336;
+	c.num_hidden_layers = layers;
+	c.num_attention_heads = 32;
+	c.num_key_value_heads = 8;
+	c.head_dim = 128;
+	c.num_local_experts = 8;
+	c.num_experts_per_tok = 2;
+	c.max_position_embeddings = 32768;
+	c.dtype = MLENS_DTYPE_BF16;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	return pm;
+}
+
+static void check_sum(const struct mlens_gpuplan *p)
+{
+	ck_assert_uint_eq(p->total, p->resident + p->slots + p->act + p->workspace);
+	ck_assert_uint_le(p->total, p->budget);
+	ck_assert_uint_eq(p->slots, 2 * p->slot);
+}
+
+/* Issue 7's benchmark: Mixtral-8x7B shape, 8 layers, 8 GiB. */
+START_TEST(plan_mixtral_8gib)
+{
+	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_gpuplan_in in = { .budget = 8 * GIB, .max_tokens = 4096, .min_tokens = 512 };
+	struct mlens_gpuplan p;
+	char err[512];
+	uint64_t expert = 3ull * 4096 * 14336 * 2;
+
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), 0);
+	ck_assert_str_eq(err, "");
+	check_sum(&p);
+	ck_assert_int_eq(p.tokens, 4096);
+	/* 8 GiB cannot keep a whole expert per layer beside two slots of 7:
+	 * 8 layers x 1 expert = 2.6 GiB more resident, slots shrink by 0.66 GiB */
+	ck_assert_int_eq(p.resident_experts, 0);
+	ck_assert_uint_eq(p.slot, 8 * expert);
+	ck_assert_uint_eq(p.resident, mlens_perf_resident_bytes(&pm, 0));
+	ck_assert_uint_gt(p.gpu_only, 23 * GIB);
+	ck_assert_uint_lt(p.minimum, p.budget);
+
+	/* plenty of memory: everything resident, no slots */
+	in.budget = 40 * GIB;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), 0);
+	check_sum(&p);
+	ck_assert_int_eq(p.resident_experts, 8);
+	ck_assert_uint_eq(p.slots, 0);
+	ck_assert_uint_le(p.gpu_only, 40 * GIB);
+}
+END_TEST
+
+START_TEST(plan_monotone_and_never_above_budget)
+{
+	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_gpuplan p;
+	int last_r = -1;
+	int64_t last_t = 0;
+
+	for (uint64_t b = 5 * GIB; b <= 40 * GIB; b += GIB / 4) {
+		struct mlens_gpuplan_in in = { .budget = b, .max_tokens = 8192, .min_tokens = 128 };
+		int rc = mlens_gpuplan_make(&pm, &in, &p, NULL, 0);
+		if (rc == -ENOSPC) {
+			ck_assert_int_eq(last_r, -1);	/* refusals only below the first fit */
+			ck_assert_uint_gt(p.minimum, b);
+			continue;
+		}
+		ck_assert_int_eq(rc, 0);
+		check_sum(&p);
+		ck_assert_int_ge(p.resident_experts, last_r);
+		if (p.resident_experts == last_r)
+			ck_assert_int_ge(p.tokens, last_t);
+		ck_assert_int_ge(p.tokens, 128);
+		last_r = p.resident_experts;
+		last_t = p.tokens;
+	}
+	ck_assert_int_eq(last_r, 8);
+}
+END_TEST
+
+START_TEST(plan_refuses_below_minimum)
+{
+	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_gpuplan_in in = { .budget = 2 * GIB, .max_tokens = 4096, .min_tokens = 512 };
+	struct mlens_gpuplan p;
+	char err[512], want[64];
+
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), -ENOSPC);
+	snprintf(want, sizeof(want), "at least %.2f GiB", (double)p.minimum / (double)GIB);
+	ck_assert_msg(strstr(err, want), "message lacks '%s': %s", want, err);
+	ck_assert_ptr_nonnull(strstr(err, "gpu_memory"));
+	ck_assert_ptr_nonnull(strstr(err, "2.00 GiB"));
+	/* the minimum itself runs, with exactly min_tokens; one byte less does not */
+	in.budget = p.minimum;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), 0);
+	check_sum(&p);
+	ck_assert_int_eq(p.tokens, 512);
+	ck_assert_uint_eq(p.total, p.minimum);
+	in.budget = p.minimum - 1;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), -ENOSPC);
+	/* bad inputs */
+	in.budget = 8 * GIB;
+	in.max_tokens = 0;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), -EINVAL);
+	in.max_tokens = 100;
+	in.min_tokens = 101;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), -EINVAL);
+}
+END_TEST
+
+START_TEST(plan_mode_choice)
+{
+	struct mlens_perf_model pm = mixtral(8);
+	uint64_t kv = 40 * GIB;
+	char why[512];
+
+	/* issue 7's benchmark: 8 GiB for a 23.7 GB model -> hybrid */
+	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 8 * GIB, 4096, kv, why, sizeof(why)), 1);
+	ck_assert_msg(strstr(why, "hybrid mode: gpu_memory 8.00 GiB is below"), "%s", why);
+	/* the whole model and its KV cache fit -> GPU-only */
+	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 80 * GIB, 4096, kv, why, sizeof(why)), 0);
+	ck_assert_ptr_nonnull(strstr(why, "GPU-only mode"));
+	/* the weights fit but not with the KV cache -> hybrid */
+	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 40 * GIB, 4096, kv, why, sizeof(why)), 1);
+	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 40 * GIB, 4096, 0, why, sizeof(why)), 0);
+	/* no budget: GPU-only */
+	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 0, 4096, kv, why, sizeof(why)), 0);
+	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 8 * GIB, 0, kv, NULL, 0), -EINVAL);
+}
+END_TEST
+
+/* The activation formula: per-token buffers by hand for a tiny model. */
+START_TEST(plan_act_bytes)
+{
+	struct mlens_model_config c;
+	struct mlens_perf_model pm;
+	uint64_t per, want;
+	memset(&c, 0, sizeof(c));
+	c.vocab_size = 100;
+	c.hidden_size = 16;
+	c.intermediate_size = 24;
+	c.num_hidden_layers = 2;
+	c.num_attention_heads = 4;
+	c.num_key_value_heads = 2;
+	c.head_dim = 4;
+	c.num_local_experts = 4;
+	c.num_experts_per_tok = 2;
+	c.dtype = MLENS_DTYPE_F32;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 8), 0);
+	/* 10 tokens, chunk 8: 2H + 2qd + 2kvd + E + 2K = 32+32+16+4+4 = 88
+	 * floats a token; logits of 8 rows = 3200 B (3328 aligned); scratch:
+	 * MoE chunk of 16 rows is under 1 MiB -> 1 MiB; staging 10*32+4096 ->
+	 * 64 KiB */
+	per = 88 * 4;
+	want = 10 * per + 3328 + (1u << 20) + (64u << 10);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 8), want);
+	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 8), want);
+}
+END_TEST
+
+/* ==== the program on a simulated device ==== */
+
+struct span {
+	double start, end;
+	bool done;
+};
+
+struct sim {
+	int layers, groups;
+	const int *pieces;
+	double t_ga, t_gb, t_c, t_piece;
+	/* results */
+	struct span ga[16][2], gb[16][2], c[16][2];
+	struct span copy[16][64];
+	int copies[16][64];
+	int copy_slot[16][64];
+	double makespan;
+};
+
+/* Queues run their commands in order; an enqueued command starts no
+ * earlier than the host reached it; RECORD stamps the queue's time at that
+ * point; WAIT moves a queue's clock to the event's stamp (an event never
+ * recorded is already complete, as in CUDA). */
+static void simulate(struct sim *s, const struct mlens_pipe_prog *p)
+{
+	double q[MLENS_PIPE_Q_N] = { 0 }, ev[MLENS_PIPE_EV_N] = { 0 };
+	double host = 0;
+
+	for (int i = 0; i < p->n; i++) {
+		const struct mlens_pipe_cmd *c = &p->cmd[i];
+		double dur = 0, start;
+		struct span *sp = NULL;
+		switch (c->kind) {
+		case MLENS_PIPE_RECORD:
+			ev[c->event] = q[c->queue] > host ? q[c->queue] : host;
+			continue;
+		case MLENS_PIPE_WAIT:
+			ck_assert_int_ne(c->queue, MLENS_PIPE_Q_HOST);
+			if (ev[c->event] > q[c->queue])
+				q[c->queue] = ev[c->event];
+			continue;
+		case MLENS_PIPE_HOST_WAIT:
+			if (ev[c->event] > host)
+				host = ev[c->event];
+			continue;
+		case MLENS_PIPE_HEAD:
+		case MLENS_PIPE_TAIL:
+			dur = 1;
+			break;
+		case MLENS_PIPE_GA:
+			dur = s->t_ga;
+			sp = &s->ga[c->layer][c->group];
+			break;
+		case MLENS_PIPE_GB:
+			dur = s->t_gb;
+			sp = &s->gb[c->layer][c->group];
+			break;
+		case MLENS_PIPE_C:
+			dur = s->t_c;
+			sp = &s->c[c->layer][c->group];
+			break;
+		case MLENS_PIPE_COPY:
+			ck_assert_int_lt(c->piece, s->pieces[c->layer]);
+			dur = s->t_piece;
+			sp = &s->copy[c->layer][c->piece];
+			s->copies[c->layer][c->piece]++;
+			s->copy_slot[c->layer][c->piece] = c->slot;
+			break;
+		}
+		if (c->queue == MLENS_PIPE_Q_HOST) {
+			start = host;
+			host += dur;
+		} else {
+			start = q[c->queue] > host ? q[c->queue] : host;
+			q[c->queue] = start + dur;
+		}
+		if (sp) {
+			ck_assert_msg(!sp->done, "%s layer %d group %d runs twice",
+				      mlens_pipe_kind_name(c->kind), c->layer, c->group);
+			sp->start = start;
+			sp->end = start + dur;
+			sp->done = true;
+		}
+		if (start + dur > s->makespan)
+			s->makespan = start + dur;
+	}
+}
+
+static void check_order(const struct sim *s)
+{
+	int L = s->layers, G = s->groups;
+	for (int l = 0; l < L; l++) {
+		for (int x = 0; x < G; x++) {
+			ck_assert(s->ga[l][x].done && s->gb[l][x].done && s->c[l][x].done);
+			ck_assert_msg(s->c[l][x].start >= s->ga[l][x].end, "C(%d,%d) before its GA", l, x);
+			ck_assert_msg(s->gb[l][x].start >= s->c[l][x].end, "GB(%d,%d) before its C", l, x);
+			if (l + 1 < L)
+				ck_assert(s->ga[l + 1][x].start >= s->gb[l][x].end);
+			for (int i = 0; i < s->pieces[l]; i++)
+				ck_assert_msg(s->gb[l][x].start >= s->copy[l][i].end,
+					      "GB(%d,%d) starts before piece %d of its experts arrived", l,
+					      x, i);
+		}
+		for (int i = 0; i < s->pieces[l]; i++) {
+			ck_assert_int_eq(s->copies[l][i], 1);
+			ck_assert_int_eq(s->copy_slot[l][i], l % 2);
+			/* the slot's previous layer is finished with it */
+			for (int x = 0; l >= 2 && x < G; x++)
+				ck_assert_msg(s->copy[l][i].start >= s->gb[l - 2][x].end,
+					      "layer %d piece %d overwrites slot %d before GB(%d,%d) ended",
+					      l, i, l % 2, l - 2, x);
+		}
+	}
+}
+
+START_TEST(prog_two_groups)
+{
+	static const int pieces[6] = { 3, 3, 3, 3, 3, 3 };
+	struct mlens_pipe_prog p = { 0 };
+	struct sim *s = calloc(1, sizeof(*s));
+	bool overlap = false;
+
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 6, 2, pieces), 0);
+	s->layers = 6;
+	s->groups = 2;
+	s->pieces = pieces;
+	s->t_ga = 1;
+	s->t_gb = 4;
+	s->t_c = 3;
+	s->t_piece = 3;	/* 9 per layer: the stream binds (GPU 10 per layer) */
+	simulate(s, &p);
+	check_order(s);
+	/* CPU attention of one group overlaps GPU work of the other */
+	for (int l = 0; l < 6; l++) {
+		const struct span *c = &s->c[l][1];
+		const struct span *g = &s->gb[l][0];
+		overlap |= c->start < g->end && g->start < c->end;
+	}
+	ck_assert(overlap);
+	/* nothing serialises: far below the sum of all work (6 x (10 + 6 + 9)) */
+	ck_assert_msg(s->makespan < 0.75 * 6 * (10 + 6 + 9), "makespan %.1f", s->makespan);
+	mlens_pipe_prog_free(&p);
+	free(s);
+}
+END_TEST
+
+START_TEST(prog_copy_bound_hides_compute)
+{
+	static const int pieces[8] = { 10, 10, 10, 10, 10, 10, 10, 10 };
+	struct mlens_pipe_prog p = { 0 };
+	struct sim *s = calloc(1, sizeof(*s));
+
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 8, 2, pieces), 0);
+	s->layers = 8;
+	s->groups = 2;
+	s->pieces = pieces;
+	s->t_ga = 0.5;
+	s->t_gb = 1;
+	s->t_c = 1;
+	s->t_piece = 1;	/* 10 per layer against 3 of GPU */
+	simulate(s, &p);
+	check_order(s);
+	/* copy-bound: the stream of 80 runs back to back but for the first
+	 * refill, which waits for GB(0) (two layers of the pipe's depth) */
+	ck_assert_msg(s->makespan <= 80 + 2 * 3 + 2, "makespan %.1f", s->makespan);
+	mlens_pipe_prog_free(&p);
+	free(s);
+}
+END_TEST
+
+START_TEST(prog_one_group_and_resident)
+{
+	static const int pieces[3] = { 2, 1, 4 };
+	static const int none[3] = { 0, 0, 0 };
+	struct mlens_pipe_prog p = { 0 };
+	struct sim *s = calloc(1, sizeof(*s));
+
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 3, 1, pieces), 0);
+	s->layers = 3;
+	s->groups = 1;
+	s->pieces = pieces;
+	s->t_ga = s->t_gb = s->t_c = s->t_piece = 1;
+	simulate(s, &p);
+	check_order(s);
+	/* all resident: no copies, no slot events */
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 3, 2, none), 0);
+	for (int i = 0; i < p.n; i++) {
+		ck_assert_int_ne(p.cmd[i].kind, MLENS_PIPE_COPY);
+		ck_assert_int_ne(p.cmd[i].queue, MLENS_PIPE_Q_COPY);
+	}
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 3, 2, NULL), 0);
+	ck_assert_int_eq(p.cmd[0].kind, MLENS_PIPE_HEAD);
+	ck_assert_int_eq(p.cmd[p.n - 1].kind, MLENS_PIPE_TAIL);
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 0, 1, NULL), -EINVAL);
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 2, 3, NULL), -EINVAL);
+	mlens_pipe_prog_free(&p);
+	free(s);
+}
+END_TEST
+
+START_TEST(pieces_split_and_merge)
+{
+	static char host[1000];
+	/* t0, t1 adjacent in host and slot (merged); t2 not adjacent in host */
+	struct mlens_pipe_src src[3] = {
+		{ host, 0, 300 }, { host + 300, 300, 250 }, { host + 600, 550, 400 },
+	};
+	struct mlens_pipe_piece out[16];
+	uint64_t covered = 0;
+	int n = mlens_pipe_pieces(src, 3, 200, NULL, 0);
+
+	ck_assert_int_eq(n, 3 + 2);	/* 550 -> 200,200,150; 400 -> 200,200 */
+	ck_assert_int_eq(mlens_pipe_pieces(src, 3, 200, out, 16), n);
+	for (int i = 0; i < n; i++) {
+		ck_assert_uint_le(out[i].bytes, 200);
+		ck_assert_uint_gt(out[i].bytes, 0);
+		/* host and slot offsets stay paired */
+		if ((const char *)out[i].host < host + 550)
+			ck_assert_uint_eq((uint64_t)((const char *)out[i].host - host), out[i].dst_off);
+		else
+			ck_assert_uint_eq((uint64_t)((const char *)out[i].host - host), out[i].dst_off + 50);
+		covered += out[i].bytes;
+	}
+	ck_assert_uint_eq(covered, 950);
+	ck_assert_uint_eq(out[2].bytes, 150);
+	ck_assert_uint_eq(out[3].dst_off, 550);
+	ck_assert_int_eq(mlens_pipe_pieces(src, 3, 0, out, 16), -EINVAL);
+	ck_assert_int_eq(mlens_pipe_pieces(src, 3, 1000, out, 16), 2);
+}
+END_TEST
+
+
+/* ==== the executor, CPU on both sides ==== */
+
+#define N_SEQ 4
+#define N_STEPS 6
+
+struct side {
+	struct mlens_backend be, attn;
+	struct mlens_engine *e;
+	struct mlens_seq seq[N_SEQ];
+};
+
+static struct mlens_test_spec spec4(void)
+{
+	struct mlens_test_spec s = mlens_test_spec_tiny();
+	s.layers = 4;	/* more than two layers: streaming is the cheapest residency */
+	return s;
+}
+
+/* A budget that holds no resident expert: the minimum for max_tokens. */
+static uint64_t stream_budget(const struct mlens_model *m, int max_tokens)
+{
+	struct mlens_perf_model pm;
+	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
+				       .min_tokens = max_tokens };
+	struct mlens_gpuplan p;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+	return p.minimum;
+}
+
+static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
+		      bool prefill_cpu)
+{
+	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
+					.max_step_tokens = 64, .kv_blocks = 64 };
+	char err[512];
+	memset(sd, 0, sizeof(*sd));
+	ck_assert_int_eq(mlens_backend_cpu_create(&sd->be, &bo), 0);
+	if (hybrid) {
+		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
+		eo.attn_backend = &sd->attn;
+		eo.gpu_budget = stream_budget(m, 64);
+		eo.hybrid_groups = groups;
+		eo.hybrid_prefill_cpu = prefill_cpu;
+	}
+	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
+}
+
+static void side_close(struct side *sd, bool hybrid)
+{
+	for (int i = 0; i < N_SEQ; i++)
+		mlens_seq_fini(mlens_engine_kv(sd->e), &sd->seq[i]);
+	mlens_engine_destroy(sd->e);
+	mlens_backend_destroy(&sd->be);
+	if (hybrid)
+		mlens_backend_destroy(&sd->attn);
+}
+
+static double rel_diff(const float *a, const float *b, size_t n)
+{
+	double d = 0, m = 0;
+	for (size_t i = 0; i < n; i++) {
+		double x = fabs((double)a[i] - (double)b[i]), y = fabs((double)b[i]);
+		d = x > d ? x : d;
+		m = y > m ? y : m;
+	}
+	return m > 0 ? d / m : d;
+}
+
+/* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
+ * prefilling in step 2 beside the others' decode tokens. */
+static void run_equal(int groups, bool prefill_cpu)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	static const int plen[N_SEQ] = { 5, 9, 3, 7 };
+	int32_t prompt[N_SEQ][16], next[2][N_SEQ];
+	struct side sd[2];
+	size_t V = (size_t)ts.vocab;
+	float *lg[2];
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
+
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
+	side_open(&sd[0], m, false, 0, false);
+	side_open(&sd[1], m, true, groups, prefill_cpu);
+	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
+	lg[0] = calloc(N_SEQ * V, sizeof(float));
+	lg[1] = calloc(N_SEQ * V, sizeof(float));
+	for (int step = 0; step < N_STEPS; step++) {
+		for (int s = 0; s < 2; s++) {
+			struct mlens_engine_req r[N_SEQ];
+			int n = 0;
+			memset(r, 0, sizeof(r));
+			for (int i = 0; i < N_SEQ; i++) {
+				bool pre = (i < 3 && step == 0) || (i == 3 && step == 2);
+				if (!pre && (step == 0 || (i == 3 && step < 2)))
+					continue;
+				r[n].seq = &sd[s].seq[i];
+				r[n].tokens = pre ? prompt[i] : &next[s][i];
+				r[n].n_tokens = pre ? plen[i] : 1;
+				r[n].logits = lg[s] + (size_t)i * V;
+				r[n].samp.counter = (uint64_t)step;
+				n++;
+			}
+			ck_assert_int_eq(mlens_engine_step(sd[s].e, r, n), 0);
+			for (int k = 0; k < n; k++)
+				next[s][r[k].seq - sd[s].seq] = r[k].next_token;
+		}
+		for (int i = 0; i < N_SEQ; i++) {
+			if (i == 3 && step < 2)
+				continue;
+			ck_assert_msg(next[0][i] == next[1][i], "step %d seq %d: hybrid token %d, engine %d",
+				      step, i, next[1][i], next[0][i]);
+			ck_assert_msg(rel_diff(lg[1] + i * V, lg[0] + i * V, V) <= 1e-5,
+				      "step %d seq %d: logits differ by %g", step, i,
+				      rel_diff(lg[1] + i * V, lg[0] + i * V, V));
+		}
+		{
+			struct mlens_pipeline *p = mlens_engine_pipeline(sd[1].e);
+			const struct mlens_pipeline_stats *st = mlens_pipeline_stats(p);
+			/* every expert of every layer crossed exactly once */
+			ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
+			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
+			ck_assert(!st->async);
+			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
+		}
+	}
+	free(lg[0]);
+	free(lg[1]);
+	side_close(&sd[0], false);
+	side_close(&sd[1], true);
+	mlens_test_model_free(m);
+}
+
+START_TEST(exec_equal_one_group)
+{
+	run_equal(1, false);
+}
+END_TEST
+
+START_TEST(exec_equal_two_groups)
+{
+	run_equal(2, false);
+}
+END_TEST
+
+START_TEST(exec_equal_prefill_on_cpu)
+{
+	run_equal(2, true);
+}
+END_TEST
+
+/* Small pieces, a refused budget, the cap lowered by the plan. */
+START_TEST(exec_pieces_and_budget)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend g, c;
+	struct mlens_pipeline *p = NULL;
+	struct mlens_pipeline_opts po = { .max_step_tokens = 64, .piece_bytes = 5000,
+					  .kv_blocks = 32, .kv_dtype = -1 };
+	struct mlens_seq seq = { 0 };
+	struct mlens_engine_req r = { 0 };
+	int32_t prompt[6] = { 1, 2, 3, 4, 5, 6 };
+	static int32_t big[65];
+	char err[512];
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
+	po.gpu_budget = stream_budget(m, 64) - 1;	/* one byte short of 64 tokens */
+	po.min_step_tokens = 64;
+	ck_assert_int_eq(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)), -ENOSPC);
+	ck_assert_ptr_nonnull(strstr(err, "at least"));
+	po.min_step_tokens = 8;	/* now the plan lowers the cap instead */
+	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_lt(mlens_pipeline_max_step_tokens(p), 64);
+	ck_assert_int_ge(mlens_pipeline_max_step_tokens(p), 8);
+	ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), po.gpu_budget);
+	r.seq = &seq;
+	r.tokens = prompt;
+	r.n_tokens = 6;
+	ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), 0);
+	ck_assert_int_eq(seq.len, 6);
+	ck_assert_uint_eq(mlens_pipeline_stats(p)->h2d_weight_bytes,
+			  (uint64_t)ts.layers * ts.experts * expert);
+	r.tokens = big;
+	r.n_tokens = 65;
+	ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), -E2BIG);
+	mlens_seq_fini(mlens_pipeline_kv(p), &seq);
+	mlens_pipeline_destroy(p);
+	mlens_backend_destroy(&g);
+	mlens_backend_destroy(&c);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+/* The scheduler, unchanged, drives an engine in hybrid mode: a KV pool
+ * small enough to preempt; every request's tokens as with the engine. */
+#define SREQ 6
+#define SMAX 10
+
+struct stenant {
+	struct mlens_sched_tenant st;	/* first: the emit callback casts back */
+	int32_t tok[SREQ][SMAX];
+	int n[SREQ];
+};
+
+static int stenant_emit(struct mlens_sched_tenant *t, const struct mlens_event *ev)
+{
+	struct stenant *x = (struct stenant *)t;
+	ck_assert_uint_lt(ev->id, SREQ);
+	ck_assert_int_eq(ev->status, 0);
+	if (ev->token >= 0) {
+		ck_assert_int_lt(x->n[ev->id], SMAX);
+		x->tok[ev->id][x->n[ev->id]++] = ev->token;
+	}
+	return 0;
+}
+
+static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uint64_t *preempt)
+{
+	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend be, attn;
+	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 14, .kv_dtype = -1,
+					.max_step_tokens = 64, .prefill_attn = MLENS_PREFILL_OP };
+	struct mlens_sched_opts so = { 0, 0 };
+	struct mlens_quota q = { 0, 0, 1000, 1.0 };
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+	char err[512];
+	int steps = 0;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, &bo), 0);
+	if (hybrid) {
+		ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
+		eo.attn_backend = &attn;
+		eo.gpu_budget = stream_budget(m, 64);
+	}
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
+	memset(t, 0, sizeof(*t));
+	mlens_sched_tenant_init(&t->st, &q, stenant_emit);
+	for (int i = 0; i < SREQ; i++) {
+		int32_t p[12];
+		struct mlens_request_params rp;
+		char why[256] = "";
+		for (int j = 0; j < 12; j++)
+			p[j] = (int32_t)((i * 13 + j * 5 + 1) % 97);
+		memset(&rp, 0, sizeof(rp));
+		rp.id = (uint64_t)i;
+		rp.prompt = p;
+		rp.n_prompt = 6 + i;
+		rp.max_tokens = SMAX;
+		rp.samp.top_p = 1.0f;
+		ck_assert_msg(mlens_sched_submit(s, &t->st, &rp, why, sizeof(why)) == 0, "%s", why);
+	}
+	while (!mlens_sched_idle(s) && steps++ < 500)
+		ck_assert_int_ge(mlens_sched_step(s), 0);
+	ck_assert(mlens_sched_idle(s));
+	*preempt = t->st.preemptions;
+	{
+		/* the pipeline's counters reach the scheduler's statistics */
+		struct mlens_sched_stats st;
+		uint64_t expert = 3ull * (uint64_t)m->cfg.intermediate_size *
+				  (uint64_t)m->cfg.hidden_size * 4;
+		mlens_sched_get_stats(s, &st);
+		ck_assert_int_eq(st.hybrid, hybrid);
+		if (hybrid) {
+			ck_assert_uint_ge(st.pcie_h2d_bytes, st.steps * (uint64_t)m->cfg.num_hidden_layers *
+							     (uint64_t)m->cfg.num_local_experts * expert);
+			ck_assert_uint_gt(st.pcie_d2h_bytes, 0);
+			ck_assert(st.cpu_attn_seconds > 0);
+		} else {
+			ck_assert_uint_eq(st.pcie_h2d_bytes, 0);
+		}
+	}
+	mlens_sched_tenant_remove(s, &t->st, 0, true);
+	mlens_sched_destroy(s);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&be);
+	if (hybrid)
+		mlens_backend_destroy(&attn);
+}
+
+START_TEST(exec_under_scheduler)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct stenant *t = calloc(2, sizeof(*t));
+	uint64_t pre[2];
+
+	sched_run(m, false, &t[0], &pre[0]);
+	sched_run(m, true, &t[1], &pre[1]);
+	ck_assert_uint_gt(pre[0], 0);	/* the pool is small enough to preempt */
+	ck_assert_uint_eq(pre[0], pre[1]);
+	for (int i = 0; i < SREQ; i++) {
+		ck_assert_int_eq(t[0].n[i], SMAX);
+		ck_assert_int_eq(t[1].n[i], SMAX);
+		for (int j = 0; j < SMAX; j++)
+			ck_assert_msg(t[0].tok[i][j] == t[1].tok[i][j],
+				      "request %d token %d: hybrid %d, engine %d", i, j, t[1].tok[i][j],
+				      t[0].tok[i][j]);
+	}
+	free(t);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+	Suite *s = suite_create("hybrid");
+	TCase *t = tcase_create("plan");
+	tcase_add_test(t, plan_mixtral_8gib);
+	tcase_add_test(t, plan_monotone_and_never_above_budget);
+	tcase_add_test(t, plan_refuses_below_minimum);
+	tcase_add_test(t, plan_act_bytes);
+	tcase_add_test(t, plan_mode_choice);
+	suite_add_tcase(s, t);
+	t = tcase_create("program");
+	tcase_add_test(t, prog_two_groups);
+	tcase_add_test(t, prog_copy_bound_hides_compute);
+	tcase_add_test(t, prog_one_group_and_resident);
+	tcase_add_test(t, pieces_split_and_merge);
+	suite_add_tcase(s, t);
+	t = tcase_create("executor");
+	tcase_set_timeout(t, 60);
+	tcase_add_test(t, exec_equal_one_group);
+	tcase_add_test(t, exec_equal_two_groups);
+	tcase_add_test(t, exec_equal_prefill_on_cpu);
+	tcase_add_test(t, exec_pieces_and_budget);
+	tcase_add_test(t, exec_under_scheduler);
+	suite_add_tcase(s, t);
+	return s;
+}
+
+int main(void)
+{
+	SRunner *sr = srunner_create(suite());
+	int failed;
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

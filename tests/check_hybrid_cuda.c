@@ -1,0 +1,221 @@
+/* Description: the hybrid pipeline on the GPU (issue 7; exits 77 without
+ * one). A test model of six layers with every expert streamed: the
+ * pipeline (CUDA for GA/GB, the CPU for KV and decode attention, queues
+ * and events) against the GPU-only engine, teacher-forced on the engine's
+ * greedy tokens over prefill, decode and mixed steps in two token groups,
+ * for an fp32 and a bf16 model: logits within the tolerance below and the
+ * same greedy token wherever the engine's top two are further apart than
+ * that error allows. The GPU memory taken
+ * (cudaMemGetInfo before and after, the backend's own count) stays within
+ * the budget; each layer's experts cross once per step. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cuda_runtime.h>
+#include "daemon/gpuplan.h"
+#include "daemon/pipeline.h"
+#include "tests/testmodel.h"
+
+#define N_SEQ 4
+#define N_STEPS 8
+#define MAX_TOK 256
+/* fp32 models: both sides compute in fp32 and differ only in summation
+ * order (cuBLAS picks kernels by row count, and a group has fewer rows);
+ * bf16 models: the CUDA backend rounds GEMM inputs to bf16, so such an
+ * order difference can flip a rounding, amplified over the layers of a
+ * random model; 0.015 is the bf16 golden fixture's decode tolerance. */
+static const double tols[2] = { 1e-4, 0.015 };
+static const enum mlens_dtype dtypes[2] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16 };
+
+static struct mlens_test_spec spec(enum mlens_dtype dt)
+{
+	struct mlens_test_spec s = { 512, 256, 512, 6, 4, 2, 64, 8, 2, 1024, dt, 10000.0, 7 };
+	return s;
+}
+
+static const int plen[N_SEQ] = { 20, 33, 7, 41 };
+
+static bool in_step(int i, int step)
+{
+	return i < 3 || step >= 3;
+}
+
+static bool is_prefill(int i, int step)
+{
+	return (i < 3 && step == 0) || (i == 3 && step == 3);
+}
+
+/* Run the scenario; with force, step inputs come from force (the
+ * reference's greedy tokens), else from the engine's own. */
+static void run(struct mlens_engine *e, int32_t prompt[N_SEQ][64], int32_t tok[N_STEPS][N_SEQ],
+		float *logits, bool force, int V)
+{
+	struct mlens_seq seq[N_SEQ];
+	memset(seq, 0, sizeof(seq));
+	for (int step = 0; step < N_STEPS; step++) {
+		struct mlens_engine_req r[N_SEQ];
+		int n = 0, idx[N_SEQ];
+		memset(r, 0, sizeof(r));
+		for (int i = 0; i < N_SEQ; i++) {
+			bool pre = is_prefill(i, step);
+			if (!in_step(i, step))
+				continue;
+			r[n].seq = &seq[i];
+			if (pre) {
+				r[n].tokens = prompt[i];
+				r[n].n_tokens = plen[i];
+			} else {
+				int prev = step - 1;
+				r[n].tokens = &tok[prev][i];
+				r[n].n_tokens = 1;
+			}
+			r[n].logits = logits + ((size_t)step * N_SEQ + i) * (size_t)V;
+			idx[n++] = i;
+		}
+		ck_assert_int_eq(mlens_engine_step(e, r, n), 0);
+		for (int k = 0; k < n; k++)
+			if (!force)
+				tok[step][idx[k]] = r[k].next_token;
+	}
+	for (int i = 0; i < N_SEQ; i++)
+		mlens_seq_fini(mlens_engine_kv(e), &seq[i]);
+}
+
+START_TEST(hybrid_equals_gpu_only_within_budget)
+{
+	const double TOL = tols[_i];
+	const enum mlens_dtype dt = dtypes[_i];
+	struct mlens_test_spec ts = spec(dt);
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { 4, 0 };
+	struct mlens_backend g, c;
+	struct mlens_engine *e;
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128 };
+	struct mlens_perf_model pm;
+	struct mlens_gpuplan plan;
+	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
+				       .min_tokens = MAX_TOK };
+	static int32_t prompt[N_SEQ][64], tok[N_STEPS][N_SEQ];
+	size_t V = (size_t)ts.vocab, nlog = (size_t)N_STEPS * N_SEQ * V;
+	float *ref = calloc(nlog, sizeof(float)), *got = calloc(nlog, sizeof(float));
+	size_t free0, free1, total;
+	char err[512];
+	double worst = 0;
+	int same = 0, safe = 0;
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * mlens_dtype_size(dt);
+
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 131 + j * 17 + 5) % ts.vocab);
+
+	/* reference: GPU-only */
+	ck_assert_int_eq(mlens_backend_create(&g, "cuda", &bo), 0);
+	ck_assert_msg(mlens_engine_create(&e, m, &g, &eo, err, sizeof(err)) == 0, "%s", err);
+	run(e, prompt, tok, ref, false, (int)V);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&g);
+
+	/* hybrid, every expert streamed */
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg,
+						      dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16), 0);
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &plan, NULL, 0), 0);
+	ck_assert_int_eq(cudaFree(0), cudaSuccess);
+	ck_assert_int_eq(cudaMemGetInfo(&free0, &total), cudaSuccess);
+	ck_assert_int_eq(mlens_backend_create(&g, "cuda", &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
+	eo.attn_backend = &c;
+	eo.gpu_budget = plan.minimum;
+	ck_assert_msg(mlens_engine_create(&e, m, &g, &eo, err, sizeof(err)) == 0, "%s", err);
+	{
+		struct mlens_pipeline *p = mlens_engine_pipeline(e);
+		char line[512];
+		mlens_gpuplan_format(mlens_pipeline_plan(p), &pm, line, sizeof(line));
+		printf("%s\n", line);
+		ck_assert_int_eq(mlens_pipeline_plan(p)->resident_experts, 0);
+		ck_assert(mlens_pipeline_stats(p)->async);
+		ck_assert(!mlens_pipeline_stats(p)->prefill_cpu);
+	}
+	run(e, prompt, tok, got, true, (int)V);
+	ck_assert_int_eq(cudaMemGetInfo(&free1, &total), cudaSuccess);
+	{
+		struct mlens_pipeline *p = mlens_engine_pipeline(e);
+		const struct mlens_pipeline_stats *st = mlens_pipeline_stats(p);
+		printf("hybrid: budget %llu, backend count %llu, cudaMemGetInfo delta %lld bytes; "
+		       "last step %.3f ms, cpu attention %.3f ms, host waits %.3f ms\n",
+		       (unsigned long long)eo.gpu_budget,
+		       (unsigned long long)mlens_pipeline_gpu_bytes(p),
+		       (long long)free0 - (long long)free1, st->step_s * 1e3, st->cpu_attn_s * 1e3,
+		       st->host_wait_s * 1e3);
+		ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), eo.gpu_budget);
+		ck_assert_int_le((long long)free0 - (long long)free1, (long long)eo.gpu_budget);
+		ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
+	}
+	for (int step = 0; step < N_STEPS; step++) {
+		for (int i = 0; i < N_SEQ; i++) {
+			const float *a = ref + ((size_t)step * N_SEQ + i) * V;
+			const float *b = got + ((size_t)step * N_SEQ + i) * V;
+			double d = 0, mx = 0, t1 = -INFINITY, t2 = -INFINITY;
+			int am = 0, bm = 0;
+			if (!in_step(i, step))
+				continue;
+			for (size_t v = 0; v < V; v++) {
+				d = fmax(d, fabs((double)a[v] - (double)b[v]));
+				mx = fmax(mx, fabs((double)a[v]));
+				if (a[v] > t1) {
+					t2 = t1;
+					t1 = a[v];
+					am = (int)v;
+				} else if (a[v] > t2) {
+					t2 = a[v];
+				}
+				if (b[v] > b[bm])
+					bm = (int)v;
+			}
+			worst = fmax(worst, d / mx);
+			if (t1 - t2 > 2 * TOL * mx) {
+				safe++;
+				same += am == bm;
+				ck_assert_msg(am == bm, "step %d seq %d: hybrid token %d, GPU-only %d", step,
+					      i, bm, am);
+			}
+		}
+	}
+	printf("[%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of %d safe "
+	       "greedy tokens equal\n", mlens_dtype_name(dt), worst, TOL, same, safe);
+	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);
+	ck_assert_int_gt(safe, N_STEPS * N_SEQ / 2);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&g);
+	mlens_backend_destroy(&c);
+	mlens_test_model_free(m);
+	free(ref);
+	free(got);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *s;
+	TCase *tc;
+	SRunner *sr;
+	int failed;
+
+	if (!mlens_cuda_available()) {
+		fprintf(stderr, "check_hybrid_cuda: no CUDA GPU here; skipped\n");
+		return 77;
+	}
+	s = suite_create("hybrid_cuda");
+	tc = tcase_create("pipeline");
+	tcase_set_timeout(tc, 120);
+	tcase_add_loop_test(tc, hybrid_equals_gpu_only_within_budget, 0, 2);
+	suite_add_tcase(s, tc);
+	sr = srunner_create(s);
+	srunner_set_fork_status(sr, CK_NOFORK);	/* CUDA does not survive fork() */
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

@@ -1,0 +1,35 @@
+# tests: the hybrid pipeline's plan, program and executor on the CPU.
+if HAVE_CHECK
+check_PROGRAMS += tests/check_hybrid
+TESTS += tests/check_hybrid
+tests_check_hybrid_SOURCES = tests/check_hybrid.c
+tests_check_hybrid_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_hybrid_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+endif
+
+# the golden checks through the hybrid pipeline (tests/golden/golden.c
+# knows the backend names "hybrid" and "hybrid-cpu")
+EXTRA_DIST += tests/golden/check_golden_hybrid.sh tests/golden/check_golden_hybrid_cpu.sh
+if HAVE_CHECK
+TESTS += tests/golden/check_golden_hybrid_cpu.sh
+if HAVE_CUDA
+TESTS += tests/golden/check_golden_hybrid.sh
+endif
+endif
+
+# the pipeline on the GPU against the GPU-only engine, budget checked
+# against cudaMemGetInfo (exits 77 without a GPU); its benchmark (JSON)
+EXTRA_DIST += tests/check_hybrid_cuda.c tests/bench/bench_hybrid.c
+if HAVE_CUDA
+if HAVE_CHECK
+check_PROGRAMS += tests/check_hybrid_cuda
+TESTS += tests/check_hybrid_cuda
+tests_check_hybrid_cuda_SOURCES = tests/check_hybrid_cuda.c
+tests_check_hybrid_cuda_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(CUDA_CFLAGS)
+tests_check_hybrid_cuda_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) $(CUDA_LIBS) -lm
+endif
+noinst_PROGRAMS += tests/bench/bench_hybrid
+tests_bench_bench_hybrid_SOURCES = tests/bench/bench_hybrid.c
+tests_bench_bench_hybrid_CFLAGS = $(AM_CFLAGS) $(CUDA_CFLAGS)
+tests_bench_bench_hybrid_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CUDA_LIBS) -lm
+endif
