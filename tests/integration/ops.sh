@@ -83,6 +83,7 @@ log_level = debug    # from the file
 kv_cache = 2M
 mlock = false
 threads = 1
+backend = cpu     # the operations under test do not depend on it; on a GPU box auto picks cuda
 EOC
 "$mlensd" --config "$tmp/mlensd.conf" --model "$tmp/m" --foreground --kv-cache 4M \
 	--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" \
