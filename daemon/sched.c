@@ -241,6 +241,10 @@ void mlens_sched_flush(struct mlens_sched *s)
 	for (r = s->running.head; r; r = r->qnext)
 		if (r->has_pending)
 			emit(r, &r->pending);
+	/* evicted while its token waited for room in the ring */
+	for (r = s->waiting.head; r; r = r->qnext)
+		if (r->has_pending)
+			emit(r, &r->pending);
 	for (r = s->finished.head; r; r = next) {
 		next = r->qnext;
 		if (emit(r, &r->pending)) {
@@ -397,7 +401,13 @@ static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
 		struct mlens_sched_tenant *t = r->t;
 		if (preempted_only && !r->preempted)
 			continue;
+		if (r->has_pending)
+			continue;	/* its last token must reach the tenant first */
+		/* a tenant at one of its quotas waits; the others go on */
 		if (t->quota.max_running && t->running >= t->quota.max_running)
+			continue;
+		if (t->quota.max_kv_blocks &&
+		    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) > t->quota.max_kv_blocks)
 			continue;
 		if (!best || t->vtime < best->t->vtime)
 			best = r;
@@ -502,9 +512,6 @@ int mlens_sched_step(struct mlens_sched *s)
 			if (tokens + len > s->cap)
 				break;
 			if (blocks + (running_after ? reserve : 0) > free_blocks)
-				break;
-			if (r->t->quota.max_kv_blocks &&
-			    r->t->kv_blocks + blocks > r->t->quota.max_kv_blocks)
 				break;
 			if (mlens_seq_reserve(s->kv, &r->seq, len))
 				break;
