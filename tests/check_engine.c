@@ -125,7 +125,8 @@ static void fx_open(struct fixture *f, int kv_dtype, uint32_t kv_blocks, int thr
 {
 	struct mlens_test_spec s = mlens_test_spec_tiny();
 	struct mlens_backend_opts bo = { threads, 0 };
-	struct mlens_engine_opts eo = { 4, kv_blocks, kv_dtype, 256, NULL, NULL, prefill };
+	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = kv_blocks, .kv_dtype = kv_dtype,
+					.max_step_tokens = 256, .prefill_attn = prefill };
 	char err[256];
 	f->m = mlens_test_model_new(&s);
 	f->V = s.vocab;

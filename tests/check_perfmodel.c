@@ -485,7 +485,8 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	struct mlens_backend be;
 	struct mlens_engine *e;
 	struct mlens_sched *s;
-	struct mlens_engine_opts eo = { 4, 512, -1, 256, NULL, NULL, MLENS_PREFILL_AUTO };
+	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 512, .kv_dtype = -1,
+					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
 	struct mlens_sched_opts so = { 0, 0 };
 	struct mlens_sched_tenant t;
 	struct mlens_quota q = { 0, 0, 1000, 1.0 };
