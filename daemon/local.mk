@@ -22,3 +22,4 @@ sbin_PROGRAMS += daemon/mlensd
 daemon_mlensd_SOURCES = daemon/mlensd.c
 daemon_mlensd_CFLAGS = $(AM_CFLAGS) $(LIBEVENT_CFLAGS)
 daemon_mlensd_LDADD = daemon/libmlens_core.la $(LIBEVENT_LIBS)
+EXTRA_DIST += daemon/THREADS.md
