@@ -33,3 +33,4 @@ fuzz-shm:
 endif
 .PHONY: fuzz-shm
 CLEANFILES += tests/fuzz/fuzz_shm
+dist_man_MANS += man/mlens-bench.1
