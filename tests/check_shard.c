@@ -1,0 +1,406 @@
+/* Description: several GPUs without GPUs (issue 9). The partitioning
+ * arithmetic against hand-computed Mixtral-8x7B numbers (heads, kv
+ * replication, expert splits even and uneven, streamed bytes, collective
+ * volumes) and its refusals; the sharded forward pass on G fake ranks
+ * (tensor and expert parallel, G = 1, 2, 4, GQA ratios 1 and 4, E % G != 0)
+ * against the unsharded engine on the CPU backend.
+ *
+ * Tolerance of the sharded logits: |sharded - engine| <= 1e-5 x max |engine
+ * logit| of the row. Both are fp32; the sharded path adds partial sums in
+ * another order (per-rank dot products of hd x heads/G or I/G terms, then
+ * the all-reduce), which moves results by a few ulps per layer; the greedy
+ * tokens must be identical. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "daemon/engine.h"
+#include "daemon/shard.h"
+#include "daemon/shard_sim.h"
+#include "tests/testmodel.h"
+
+#define SHARD_TOL 1e-5
+
+static struct mlens_model_config mixtral_config(void)
+{
+	struct mlens_model_config c;
+	memset(&c, 0, sizeof(c));
+	strcpy(c.architecture, "MixtralForCausalLM");
+	c.vocab_size = 32000;
+	c.hidden_size = 4096;
+	c.intermediate_size = 14336;
+	c.num_hidden_layers = 32;
+	c.num_attention_heads = 32;
+	c.num_key_value_heads = 8;
+	c.head_dim = 128;
+	c.num_local_experts = 8;
+	c.num_experts_per_tok = 2;
+	c.max_position_embeddings = 32768;
+	c.dtype = MLENS_DTYPE_BF16;
+	return c;
+}
+
+static void assert_rel(double got, double want, double tol)
+{
+	ck_assert_msg(fabs(got - want) <= tol * fabs(want), "got %.10g want %.10g", got, want);
+}
+
+/* ==== arithmetic ==== */
+
+START_TEST(split_balanced)
+{
+	int st, total = 0;
+	ck_assert_int_eq(mlens_shard_split(8, 3, 0, &st), 3);
+	ck_assert_int_eq(st, 0);
+	ck_assert_int_eq(mlens_shard_split(8, 3, 1, &st), 3);
+	ck_assert_int_eq(st, 3);
+	ck_assert_int_eq(mlens_shard_split(8, 3, 2, &st), 2);
+	ck_assert_int_eq(st, 6);
+	for (int i = 0; i < 7; i++) {
+		int c = mlens_shard_split(50, 7, i, &st);
+		ck_assert_int_eq(st, total);
+		ck_assert(c == 7 || c == 8);
+		total += c;
+	}
+	ck_assert_int_eq(total, 50);
+}
+END_TEST
+
+START_TEST(plan_mixtral)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_shard_plan p;
+	char err[256];
+
+	/* TP over 4: 8 q heads, 2 kv heads, 3584 intermediate rows each */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 4, MLENS_SHARD_TP, err, sizeof(err)), 0);
+	ck_assert_int_eq(p.kv_replicas, 1);
+	for (int r = 0; r < 4; r++) {
+		ck_assert_int_eq(p.rank[r].q_heads, 8);
+		ck_assert_int_eq(p.rank[r].q_head0, 8 * r);
+		ck_assert_int_eq(p.rank[r].kv_heads, 2);
+		ck_assert_int_eq(p.rank[r].kv_head0, 2 * r);
+		ck_assert_int_eq(p.rank[r].inter, 3584);
+		ck_assert_int_eq(p.rank[r].inter0, 3584 * r);
+		ck_assert_int_eq(p.rank[r].experts, 8);
+		ck_assert_int_eq(p.rank[r].vocab, 8000);
+		ck_assert_int_eq(mlens_shard_expert_owner(&p, r), -1);
+	}
+	/* 16 GPUs: 2 q heads each, each kv head on two GPUs */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 16, MLENS_SHARD_TP, err, sizeof(err)), 0);
+	ck_assert_int_eq(p.kv_replicas, 2);
+	for (int r = 0; r < 16; r++) {
+		ck_assert_int_eq(p.rank[r].kv_heads, 1);
+		ck_assert_int_eq(p.rank[r].kv_head0, r / 2);
+		/* its query heads all read that kv head (group of 4) */
+		ck_assert_int_eq(p.rank[r].q_head0 / 4, r / 2);
+		ck_assert_int_eq((p.rank[r].q_head0 + p.rank[r].q_heads - 1) / 4, r / 2);
+	}
+	/* EP over 2: four whole experts each */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 2, MLENS_SHARD_EP, err, sizeof(err)), 0);
+	ck_assert_int_eq(p.rank[1].expert0, 4);
+	ck_assert_int_eq(p.rank[1].experts, 4);
+	ck_assert_int_eq(p.rank[1].inter, 14336);
+	ck_assert_int_eq(mlens_shard_expert_owner(&p, 3), 0);
+	ck_assert_int_eq(mlens_shard_expert_owner(&p, 4), 1);
+}
+END_TEST
+
+START_TEST(plan_refusals)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_shard_plan p;
+	char err[256];
+
+	/* 32 heads over 3 GPUs */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 3, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "32 attention heads"));
+	ck_assert_ptr_nonnull(strstr(err, "gpus"));
+	/* EP over more GPUs than experts */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 16, MLENS_SHARD_EP, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "use tensor parallel"));
+	/* 6 kv heads over 4 GPUs: neither divides the other */
+	c.num_attention_heads = 24;
+	c.num_key_value_heads = 6;
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 4, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "6 key/value heads"));
+	c = mixtral_config();
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 0, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, MLENS_SHARD_MAX_GPUS + 1, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
+	c.hidden_size = 0;
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 1, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
+}
+END_TEST
+
+START_TEST(uneven_experts)
+{
+	/* 6 experts over 4 GPUs: 2, 2, 1, 1; intermediate 50 rows: 13, 13, 12, 12 */
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m;
+	struct mlens_shard_plan p;
+	int want_e[4] = { 2, 2, 1, 1 }, want_e0[4] = { 0, 2, 4, 5 }, want_i[4] = { 13, 13, 12, 12 };
+	sp.experts = 6;
+	sp.inter = 50;
+	m = mlens_test_model_new(&sp);
+	ck_assert_int_eq(mlens_shard_plan(&p, &m->cfg, 4, MLENS_SHARD_EP, NULL, 0), 0);
+	for (int r = 0; r < 4; r++) {
+		ck_assert_int_eq(p.rank[r].experts, want_e[r]);
+		ck_assert_int_eq(p.rank[r].expert0, want_e0[r]);
+	}
+	for (int e = 0; e < 6; e++)
+		ck_assert_int_eq(mlens_shard_expert_owner(&p, e), e < 2 ? 0 : e < 4 ? 1 : e - 2);
+	/* expected rows: n k E_r / E */
+	assert_rel(mlens_shard_routed_rows(&p, 0, 300), 300.0 * 2 * 2 / 6, 1e-15);
+	assert_rel(mlens_shard_routed_rows(&p, 3, 300), 300.0 * 2 * 1 / 6, 1e-15);
+	ck_assert_int_eq(mlens_shard_plan(&p, &m->cfg, 4, MLENS_SHARD_TP, NULL, 0), 0);
+	for (int r = 0; r < 4; r++)
+		ck_assert_int_eq(p.rank[r].inter, want_i[r]);
+	assert_rel(mlens_shard_routed_rows(&p, 2, 300), 600, 1e-15);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+START_TEST(bytes_mixtral)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_shard_plan p;
+	uint64_t H = 4096, I = 14336, expert = 3 * H * I * 2;	/* 352321536 */
+
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 1, MLENS_SHARD_TP, NULL, 0), 0);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 0, 2, 0), 2818572288ull);
+	ck_assert_uint_eq(mlens_shard_attn_bytes(&p, 0, 2), 83886080ull);
+
+	/* TP over 2: every expert's half, 8 x 176160768 */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 2, MLENS_SHARD_TP, NULL, 0), 0);
+	ck_assert_uint_eq(mlens_shard_expert_unit_bytes(&p, 1, 2), expert / 2);
+	ck_assert_int_eq(mlens_shard_expert_units(&p, 1), 8);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 1, 2, 0), 1409286144ull);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 1, 2, 7), expert / 2);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 1, 2, 99), 0);
+	ck_assert_uint_eq(mlens_shard_attn_bytes(&p, 1, 2), 83886080ull / 2);
+	/* EP over 2: four whole experts, the same bytes */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 2, MLENS_SHARD_EP, NULL, 0), 0);
+	ck_assert_uint_eq(mlens_shard_expert_unit_bytes(&p, 0, 2), expert);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 0, 2, 0), 1409286144ull);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 0, 2, 3), expert);
+	/* EP over 3 (24 heads and 3 kv heads, so that 3 GPUs can share the
+	 * attention): 3, 3, 2 experts; the busiest streams 3 */
+	c.num_attention_heads = 24;
+	c.num_key_value_heads = 3;
+	c.head_dim = 128;
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 3, MLENS_SHARD_EP, NULL, 0), 0);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 0, 2, 0), 3 * expert);
+	ck_assert_uint_eq(mlens_shard_stream_bytes(&p, 2, 2, 0), 2 * expert);
+}
+END_TEST
+
+START_TEST(collectives_mixtral)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_shard_plan p;
+	struct mlens_shard_coll co;
+	double X = 1000.0 * 4096 * 2, row = 4096.0 * 2;
+
+	/* P_hit by hand: 1 - C(4,2)/C(8,2) = 1 - 6/28; 1 - C(6,2)/C(8,2) = 1 - 15/28 */
+	assert_rel(mlens_shard_p_hit(8, 2, 4), 22.0 / 28, 1e-15);
+	assert_rel(mlens_shard_p_hit(8, 2, 2), 13.0 / 28, 1e-15);
+	ck_assert(mlens_shard_p_hit(8, 2, 0) == 0);
+	ck_assert(mlens_shard_p_hit(8, 2, 7) == 1);
+
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 1, MLENS_SHARD_TP, NULL, 0), 0);
+	mlens_shard_layer_coll(&p, 1000, 2, &co);
+	ck_assert(co.total == 0 && co.steps == 0);
+	/* TP over 2: two all-reduces of 2 (G-1)/G X each = 2X */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 2, MLENS_SHARD_TP, NULL, 0), 0);
+	mlens_shard_layer_coll(&p, 1000, 2, &co);
+	assert_rel(co.all_reduce, 2 * X, 1e-15);
+	assert_rel(co.total, 2 * X, 1e-15);
+	ck_assert_int_eq(co.steps, 4);
+	/* TP over 4: 4 x 3/4 X */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 4, MLENS_SHARD_TP, NULL, 0), 0);
+	mlens_shard_layer_coll(&p, 1000, 2, &co);
+	assert_rel(co.total, 3 * X, 1e-15);
+	/* EP over 2: RS + AG = X, dispatch = combine = 500 rows x 22/28 */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 2, MLENS_SHARD_EP, NULL, 0), 0);
+	mlens_shard_layer_coll(&p, 1000, 2, &co);
+	assert_rel(co.reduce_scatter + co.all_gather, X, 1e-15);
+	assert_rel(co.dispatch, 500 * row * 22 / 28, 1e-12);
+	assert_rel(co.combine, 500 * row * 22 / 28, 1e-12);
+	assert_rel(co.total, X + 1000 * row * 22 / 28, 1e-12);
+	ck_assert(co.total < 2 * X);	/* less than TP's two all-reduces */
+	/* EP over 4: 1.5X + 2 x 250 rows x 3 peers x 13/28 */
+	ck_assert_int_eq(mlens_shard_plan(&p, &c, 4, MLENS_SHARD_EP, NULL, 0), 0);
+	mlens_shard_layer_coll(&p, 1000, 2, &co);
+	assert_rel(co.total, 1.5 * X + 2 * 250 * row * 3 * 13 / 28, 1e-12);
+	ck_assert_int_eq(co.steps, 12);
+}
+END_TEST
+
+/* ==== the fake-collective path against the engine ==== */
+
+struct run_case {
+	int heads, kv_heads, experts, inter, gpus;
+	enum mlens_shard_scheme scheme;
+};
+
+static void run_one(const struct run_case *rc)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m;
+	struct mlens_backend be;
+	struct mlens_engine *eng;
+	struct mlens_shard_sim *sim;
+	struct mlens_shard_plan plan;
+	struct mlens_engine_opts eo = { 0 };
+	struct mlens_seq es[2] = { { 0 } }, ss[2] = { { 0 } };
+	int32_t p0[5] = { 3, 14, 15, 92, 65 }, p1[3] = { 35, 89, 79 };
+	int64_t rows[MLENS_SHARD_MAX_GPUS] = { 0 }, total_rows = 0, want_rows = 0;
+	float *le, *ls;
+	char err[256] = "";
+	double worst = 0;
+	int32_t next[2] = { 0, 0 };
+
+	sp.heads = rc->heads;
+	sp.kv_heads = rc->kv_heads;
+	sp.experts = rc->experts;
+	sp.inter = rc->inter;
+	sp.seed = 7 + (unsigned long long)rc->heads * 131 + (unsigned long long)rc->experts;
+	m = mlens_test_model_new(&sp);
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	eo.kv_dtype = -1;
+	eo.kv_blocks = 64;
+	ck_assert_msg(mlens_engine_create(&eng, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_shard_plan(&plan, &m->cfg, rc->gpus, rc->scheme, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_shard_sim_create(&sim, m, &be, &plan, 64, 16, err, sizeof(err)) == 0, "%s", err);
+	le = calloc(2 * (size_t)sp.vocab, sizeof(float));
+	ls = calloc(2 * (size_t)sp.vocab, sizeof(float));
+
+	for (int step = 0; step < 4; step++) {
+		struct mlens_engine_req re[2], rs[2];
+		memset(re, 0, sizeof(re));
+		for (int i = 0; i < 2; i++) {
+			re[i].seq = &es[i];
+			re[i].logits = le + (size_t)i * sp.vocab;
+			re[i].samp.temperature = 0;
+		}
+		if (step == 0) {
+			re[0].tokens = p0;
+			re[0].n_tokens = 5;
+			re[1].tokens = p1;
+			re[1].n_tokens = 3;
+		} else {
+			re[0].tokens = &next[0];
+			re[1].tokens = &next[1];
+			re[0].n_tokens = re[1].n_tokens = 1;
+		}
+		memcpy(rs, re, sizeof(rs));
+		for (int i = 0; i < 2; i++) {
+			rs[i].seq = &ss[i];
+			rs[i].logits = ls + (size_t)i * sp.vocab;
+			want_rows += (int64_t)re[i].n_tokens * sp.top_k * sp.layers;
+		}
+		ck_assert_int_eq(mlens_engine_step(eng, re, 2), 0);
+		ck_assert_int_eq(mlens_shard_sim_step(sim, rs, 2, rows), 0);
+		for (int i = 0; i < 2; i++) {
+			const float *a = le + (size_t)i * sp.vocab, *b = ls + (size_t)i * sp.vocab;
+			double mx = 0, d = 0;
+			for (int v = 0; v < sp.vocab; v++) {
+				mx = fmax(mx, fabs(a[v]));
+				d = fmax(d, fabs((double)a[v] - b[v]));
+			}
+			ck_assert_msg(d <= SHARD_TOL * mx,
+				      "G=%d %s heads %d/%d experts %d step %d seq %d: |diff| %.3g, max %.3g",
+				      rc->gpus, mlens_shard_scheme_name(rc->scheme), rc->heads, rc->kv_heads,
+				      rc->experts, step, i, d, mx);
+			worst = fmax(worst, d / mx);
+			ck_assert_int_eq(rs[i].next_token, re[i].next_token);
+			ck_assert_int_eq(ss[i].len, es[i].len);
+			next[i] = re[i].next_token;
+		}
+	}
+	/* EP: every (token, expert) choice was computed exactly once, by its owner */
+	if (rc->scheme == MLENS_SHARD_EP) {
+		for (int r = 0; r < rc->gpus; r++) {
+			ck_assert_msg(rows[r] > 0, "rank %d computed nothing", r);
+			total_rows += rows[r];
+		}
+		ck_assert_int_eq(total_rows, want_rows);
+	}
+	fprintf(stderr, "shard G=%d %-15s heads %d kv %d experts %d inter %d: max rel diff %.2e\n",
+		rc->gpus, mlens_shard_scheme_name(rc->scheme), rc->heads, rc->kv_heads, rc->experts,
+		rc->inter, worst);
+	free(le);
+	free(ls);
+	for (int i = 0; i < 2; i++) {
+		mlens_seq_fini(mlens_engine_kv(eng), &es[i]);
+		mlens_seq_fini(mlens_shard_sim_kv(sim), &ss[i]);
+	}
+	mlens_shard_sim_destroy(sim);
+	mlens_engine_destroy(eng);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+}
+
+/* GQA ratio 1 (4 heads, 4 kv) and 4 (8 heads, 2 kv: kv heads replicated
+ * on G = 4); 4 experts and 6 over 4 GPUs (2, 2, 1, 1), intermediate 48
+ * and 50 (uneven column split). */
+static const struct run_case cases[] = {
+	{ 4, 4, 4, 48, 1, MLENS_SHARD_TP }, { 4, 4, 4, 48, 2, MLENS_SHARD_TP },
+	{ 4, 4, 4, 48, 4, MLENS_SHARD_TP }, { 8, 2, 4, 48, 2, MLENS_SHARD_TP },
+	{ 8, 2, 4, 48, 4, MLENS_SHARD_TP }, { 8, 2, 6, 50, 4, MLENS_SHARD_TP },
+	{ 4, 4, 4, 48, 1, MLENS_SHARD_EP }, { 4, 4, 4, 48, 2, MLENS_SHARD_EP },
+	{ 4, 4, 4, 48, 4, MLENS_SHARD_EP }, { 8, 2, 4, 48, 2, MLENS_SHARD_EP },
+	{ 8, 2, 4, 48, 4, MLENS_SHARD_EP }, { 8, 2, 6, 50, 4, MLENS_SHARD_EP },
+	{ 4, 4, 6, 50, 4, MLENS_SHARD_EP },
+};
+
+START_TEST(sharded_equals_engine)
+{
+	run_one(&cases[_i]);
+}
+END_TEST
+
+START_TEST(sim_refuses_other_plan)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m = mlens_test_model_new(&sp), *m2;
+	struct mlens_backend be;
+	struct mlens_shard_plan plan;
+	struct mlens_shard_sim *sim = NULL;
+	char err[256] = "";
+	sp.experts = 6;
+	m2 = mlens_test_model_new(&sp);
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	ck_assert_int_eq(mlens_shard_plan(&plan, &m2->cfg, 2, MLENS_SHARD_EP, NULL, 0), 0);
+	ck_assert_int_eq(mlens_shard_sim_create(&sim, m, &be, &plan, 16, 16, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "another model"));
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+	mlens_test_model_free(m2);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *s = suite_create("shard");
+	TCase *tc = tcase_create("core");
+	SRunner *sr;
+	int failed;
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, split_balanced);
+	tcase_add_test(tc, plan_mixtral);
+	tcase_add_test(tc, plan_refusals);
+	tcase_add_test(tc, uneven_experts);
+	tcase_add_test(tc, bytes_mixtral);
+	tcase_add_test(tc, collectives_mixtral);
+	tcase_add_loop_test(tc, sharded_equals_engine, 0, (int)(sizeof(cases) / sizeof(cases[0])));
+	tcase_add_test(tc, sim_refuses_other_plan);
+	suite_add_tcase(s, tc);
+	sr = srunner_create(s);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

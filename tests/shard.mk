@@ -1,0 +1,9 @@
+# tests: the sharded math (fake collectives) against the unsharded engine,
+# the partitioning arithmetic and the multi-GPU performance model.
+if HAVE_CHECK
+check_PROGRAMS += tests/check_shard
+TESTS += tests/check_shard
+tests_check_shard_SOURCES = tests/check_shard.c
+tests_check_shard_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_shard_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+endif
