@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/engine.h"
+#include "daemon/perfmodel.h"
 #include "daemon/shard.h"
 #include "daemon/shard_sim.h"
 #include "tests/testmodel.h"
@@ -238,6 +239,230 @@ START_TEST(collectives_mixtral)
 }
 END_TEST
 
+/* ==== the performance model over several GPUs ==== */
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+/* The A40-like GPU and host of check_perfmodel.c (one GPU, its own PCIe 4.0
+ * x16 link at 25 GB/s, 200 GB/s of host memory, 100 GB/s of CPU attention),
+ * budget per GPU; roofline lines of the whole layer. */
+static struct mlens_perf_hw a40(double budget_gib)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_model pm;
+	struct mlens_perf_hw hw;
+	memset(&hw, 0, sizeof(hw));
+	hw.c_gpu = 149.7e12;
+	hw.b_io = 25e9;
+	hw.b_d2h = 25e9;
+	hw.b_hbm = 696e9;
+	hw.b_mem = 200e9;
+	hw.b_attn = 100e9;
+	hw.gpu_workspace = 512ull << 20;
+	hw.gpu_budget = (uint64_t)(budget_gib * GIB);
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	mlens_perf_hw_roofline_lines(&hw, &pm);
+	return hw;
+}
+
+/* GPUs talk over PCIe 4.0 peer-to-peer: 25 GB/s, 10 us a step */
+static struct mlens_perf_multi pcie_peers(int gpus)
+{
+	struct mlens_perf_multi mp = { gpus, MLENS_SHARD_TP, 25e9, 10e-6, 2, 1.0, false };
+	return mp;
+}
+
+/* whole experts per layer resident in the box */
+static int box_resident(const struct mlens_perf_prediction *p, int scheme, int gpus)
+{
+	return scheme == MLENS_SHARD_TP ? p->policy.resident_experts : p->policy.resident_experts * gpus;
+}
+
+START_TEST(multi_one_gpu_is_single)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_model pm;
+	struct mlens_perf_hw hw = a40(24);
+	struct mlens_perf_workload w = { 98, 32, 3e4, 0 };
+	struct mlens_perf_prediction one, multi;
+	char err[512] = "";
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_msg(mlens_perf_choose(&pm, &hw, &w, &one, err, sizeof(err)) == 0, "%s", err);
+	for (int s = MLENS_SHARD_TP; s <= MLENS_SHARD_EP; s++) {
+		struct mlens_perf_multi mp = pcie_peers(1);
+		mp.scheme = s;
+		ck_assert_msg(mlens_perf_multi_choose(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &multi, err,
+						      sizeof(err)) == 0, "%s", err);
+		ck_assert_int_eq(multi.policy.resident_experts, one.policy.resident_experts);
+		assert_rel(multi.total_tok_s, one.total_tok_s, 1e-12);
+		assert_rel(multi.tokens, one.tokens, 1e-12);
+	}
+}
+END_TEST
+
+START_TEST(multi_shard_by_hand)
+{
+	/* TP over 2: half the heads, kv heads, intermediate rows, vocab;
+	 * router whole; lines: the shard's roofline + 2 all-reduces */
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_model full, sh;
+	struct mlens_perf_hw hw = a40(24), shw;
+	struct mlens_perf_multi mp = pcie_peers(2);
+	double H = 4096, I = 14336, C = 149.7e12, hbm = 696e9;
+	char err[256] = "";
+	ck_assert_int_eq(mlens_perf_model_from_config(&full, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_msg(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)) == 0,
+		      "%s", err);
+	ck_assert_uint_eq(sh.expert_bytes, full.expert_bytes / 2);
+	ck_assert_int_eq(sh.experts, 8);
+	ck_assert_uint_eq(sh.attn_bytes, full.attn_bytes / 2);
+	ck_assert_uint_eq(sh.router_bytes, full.router_bytes);
+	ck_assert_uint_eq(sh.kv_token_bytes, full.kv_token_bytes / 2);
+	ck_assert_uint_eq(sh.embed_bytes, full.embed_bytes / 2);
+	assert_rel(sh.flops_gb, 2 * 2048 * H + 2 * H * 8 + 2 * 6 * H * (I / 2), 1e-15);
+	assert_rel(shw.b_mem, 100e9, 1e-15);
+	assert_rel(shw.b_attn, 50e9, 1e-15);
+	assert_rel(shw.ga.b, hw.ga.b / 2, 1e-12);
+	assert_rel(shw.ga.a, hw.ga.a / 2, 1e-12);
+	/* GB: O columns, router, 8 expert halves read; 2 x 2 (G-1)/G x H x 2
+	 * bytes per token over 25 GB/s; 4 ring steps of 10 us */
+	assert_rel(shw.gb.a, (H * 2048 * 2 + 8 * H * 2 + 8 * 3 * H * (I / 2) * 2) / hbm + 4 * 10e-6, 1e-12);
+	assert_rel(shw.gb.b, sh.flops_gb / C + 2 * H * 2 / 25e9, 1e-12);
+	ck_assert(shw.h2d_per_token == 0);
+	/* without NVLink the same bytes also cross each GPU's PCIe link */
+	mp.coll_on_pcie = true;
+	ck_assert_int_eq(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)), 0);
+	assert_rel(shw.h2d_per_token, 2 * H * 2, 1e-15);
+
+	/* EP over 2: four whole experts, a quarter of the routed rows more
+	 * on the busiest GPU when routing is 1.25 x skewed */
+	mp = pcie_peers(2);
+	mp.scheme = MLENS_SHARD_EP;
+	mp.ep_imbalance = 1.25;
+	ck_assert_int_eq(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)), 0);
+	ck_assert_int_eq(sh.experts, 4);
+	ck_assert_uint_eq(sh.expert_bytes, full.expert_bytes);
+	assert_rel(sh.flops_gb, 2 * 2048 * H + 2 * H * 8 + 2 * 0.5 * 1.25 * 6 * H * I, 1e-15);
+	/* refusals name the key and the reason */
+	mp = pcie_peers(3);
+	ck_assert_int_eq(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "attention heads"));
+	mp = pcie_peers(2);
+	mp.b_coll = 0;
+	ck_assert_int_eq(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)), -EINVAL);
+	mp = pcie_peers(2);
+	mp.ep_imbalance = 0.5;
+	ck_assert_int_eq(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)), -EINVAL);
+}
+END_TEST
+
+/* Throughput at 1, 2, 4 GPUs of budget_gib each, best scheme; ratios to 1. */
+static void scaling(double budget_gib, double kv_tokens, double *ratio, int *resident)
+{
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_hw hw = a40(budget_gib);
+	struct mlens_perf_workload w = { 98, 32, kv_tokens, 0 };
+	double base = 0;
+	for (int i = 0, G = 1; G <= 4; G *= 2, i++) {
+		struct mlens_perf_multi mp = pcie_peers(G);
+		struct mlens_perf_prediction pr;
+		char err[512] = "";
+		int scheme = -1;
+		ck_assert_msg(mlens_perf_multi_best(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &pr, &scheme, err,
+						    sizeof(err)) == 0, "%s", err);
+		ck_assert_uint_le(pr.gpu_total, hw.gpu_budget);
+		if (G == 1)
+			base = pr.total_tok_s;
+		ratio[i] = pr.total_tok_s / base;
+		resident[i] = box_resident(&pr, scheme, G);
+		fprintf(stderr, "mixtral-8x7b %.0f GiB/GPU, KV %.0f tokens, %d GPU %s: %d experts/layer "
+			"resident, %.0f tokens/step (%s), bound by %s, %.0f tok/s, x%.2f\n",
+			budget_gib, kv_tokens, G, mlens_shard_scheme_name(scheme), resident[i], pr.tokens,
+			mlens_perf_limit_name(pr.limit), mlens_perf_bind_name(pr.time.bind),
+			pr.total_tok_s, ratio[i]);
+	}
+}
+
+START_TEST(multi_superlinear)
+{
+	/* 24 GiB per GPU, KV for 30000 tokens: the step (PME x M = 1069
+	 * tokens) is far below n_real and PCIe-bound on one GPU, which keeps 1
+	 * expert of 8 resident. Two GPUs keep 3 (each a half of them), four
+	 * keep all 8: each link streams less than 1/G of what one did, so
+	 * throughput grows faster than G. */
+	double ratio[3];
+	int res[3];
+	scaling(24, 3e4, ratio, res);
+	ck_assert_int_eq(res[0], 1);
+	ck_assert_int_gt(res[1], 2 * res[0]);
+	ck_assert_int_eq(res[2], 8);
+	ck_assert_msg(ratio[1] > 2, "2 GPUs x%.2f", ratio[1]);
+	ck_assert_msg(ratio[2] > 4, "4 GPUs x%.2f", ratio[2]);
+}
+END_TEST
+
+START_TEST(multi_not_superlinear)
+{
+	/* 139 GiB per GPU holds the whole model on one GPU: nothing is
+	 * streamed, the GPU binds, and more GPUs only split the compute and
+	 * add collectives: between 1 and G */
+	double ratio[3];
+	int res[3];
+	scaling(139, 1e6, ratio, res);
+	ck_assert_int_eq(res[0], 8);
+	ck_assert_msg(ratio[1] > 1 && ratio[1] < 2, "2 GPUs x%.2f", ratio[1]);
+	ck_assert_msg(ratio[2] > ratio[1] && ratio[2] < 4, "4 GPUs x%.2f", ratio[2]);
+	/* 24 GiB with KV for a million tokens: one GPU already runs at n_real
+	 * (PCIe time = GPU time); the split halves both, and the all-reduces
+	 * over PCIe peers cost more than the extra residency gains */
+	scaling(24, 1e6, ratio, res);
+	ck_assert_msg(ratio[1] > 1 && ratio[1] < 2, "2 GPUs x%.2f", ratio[1]);
+	ck_assert_msg(ratio[2] > ratio[1] && ratio[2] < 4, "4 GPUs x%.2f", ratio[2]);
+}
+END_TEST
+
+START_TEST(multi_tp_or_ep)
+{
+	/* whole model resident on 4 GPUs, GPU-bound: EP sends 1.5 X + the
+	 * all-to-alls (17993 bytes a token) against TP's 3 X (24576): EP wins
+	 * with even routing; with the busiest GPU getting 1.5 x its share of
+	 * the routed rows, TP's balance wins */
+	struct mlens_model_config c = mixtral_config();
+	struct mlens_perf_hw hw = a40(139);
+	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
+	struct mlens_perf_multi mp = pcie_peers(4);
+	struct mlens_perf_prediction best, tp, ep;
+	char err[512] = "";
+	int scheme = -1;
+	ck_assert_int_eq(mlens_perf_multi_best(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &best, &scheme, err, sizeof(err)), 0);
+	ck_assert_int_eq(scheme, MLENS_SHARD_EP);
+	mp.scheme = MLENS_SHARD_TP;
+	ck_assert_int_eq(mlens_perf_multi_choose(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &tp, err, sizeof(err)), 0);
+	mp.scheme = MLENS_SHARD_EP;
+	ck_assert_int_eq(mlens_perf_multi_choose(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &ep, err, sizeof(err)), 0);
+	ck_assert(ep.total_tok_s > tp.total_tok_s);
+	assert_rel(best.total_tok_s, ep.total_tok_s, 1e-15);
+	mp.ep_imbalance = 1.5;
+	ck_assert_int_eq(mlens_perf_multi_best(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &best, &scheme, err, sizeof(err)), 0);
+	ck_assert_int_eq(scheme, MLENS_SHARD_TP);
+	assert_rel(best.total_tok_s, tp.total_tok_s, 1e-15);
+	/* collectives without NVLink also load the links: slower */
+	mp.ep_imbalance = 1;
+	mp.coll_on_pcie = true;
+	mp.scheme = MLENS_SHARD_TP;
+	ck_assert_int_eq(mlens_perf_multi_choose(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &best, err, sizeof(err)), 0);
+	ck_assert(best.total_tok_s <= tp.total_tok_s);
+	/* 16 GPUs: EP is refused (8 experts), TP runs (kv heads replicated) */
+	mp = pcie_peers(16);
+	ck_assert_int_eq(mlens_perf_multi_best(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &best, &scheme, err, sizeof(err)), 0);
+	ck_assert_int_eq(scheme, MLENS_SHARD_TP);
+	/* 3 GPUs: both refused, with the plan's reason */
+	mp = pcie_peers(3);
+	ck_assert_int_eq(mlens_perf_multi_best(&c, MLENS_DTYPE_BF16, &hw, &w, &mp, &best, &scheme, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "attention heads"));
+}
+END_TEST
+
 /* ==== the fake-collective path against the engine ==== */
 
 struct run_case {
@@ -397,6 +622,11 @@ int main(void)
 	tcase_add_test(tc, collectives_mixtral);
 	tcase_add_loop_test(tc, sharded_equals_engine, 0, (int)(sizeof(cases) / sizeof(cases[0])));
 	tcase_add_test(tc, sim_refuses_other_plan);
+	tcase_add_test(tc, multi_one_gpu_is_single);
+	tcase_add_test(tc, multi_shard_by_hand);
+	tcase_add_test(tc, multi_superlinear);
+	tcase_add_test(tc, multi_not_superlinear);
+	tcase_add_test(tc, multi_tp_or_ep);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_run_all(sr, CK_NORMAL);
