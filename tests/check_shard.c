@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/config.h"
 #include "daemon/engine.h"
 #include "daemon/perfmodel.h"
 #include "daemon/shard.h"
@@ -607,6 +608,48 @@ START_TEST(sim_refuses_other_plan)
 }
 END_TEST
 
+/* ==== the gpus key ==== */
+
+START_TEST(config_gpus)
+{
+	struct mlens_config c;
+	int ids[4];
+	char why[256] = "", err[512] = "";
+
+	ck_assert_int_eq(mlens_parse_gpus("0", ids, 4, why, sizeof(why)), 1);
+	ck_assert_int_eq(ids[0], 0);
+	ck_assert_int_eq(mlens_parse_gpus(" 3 , 1,2 ", ids, 4, why, sizeof(why)), 3);
+	ck_assert(ids[0] == 3 && ids[1] == 1 && ids[2] == 2);
+	ck_assert_int_eq(mlens_parse_gpus("0,1,0", ids, 4, why, sizeof(why)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(why, "GPU 0 is listed twice"));
+	ck_assert_int_eq(mlens_parse_gpus("0,a", ids, 4, why, sizeof(why)), -EINVAL);
+	ck_assert_int_eq(mlens_parse_gpus("", ids, 4, why, sizeof(why)), -EINVAL);
+	ck_assert_int_eq(mlens_parse_gpus("0,", ids, 4, why, sizeof(why)), -EINVAL);
+	ck_assert_int_eq(mlens_parse_gpus("-1", ids, 4, why, sizeof(why)), -EINVAL);
+	ck_assert_int_eq(mlens_parse_gpus("1.5", ids, 4, why, sizeof(why)), -EINVAL);
+	ck_assert_int_eq(mlens_parse_gpus("4096", ids, 4, why, sizeof(why)), -ERANGE);
+	ck_assert_int_eq(mlens_parse_gpus("0,1,2,3,4", ids, 4, why, sizeof(why)), -ERANGE);
+
+	/* default one GPU, 0; the file's value parsed; errors name the key */
+	mlens_config_defaults(&c);
+	ck_assert_int_eq(c.n_gpus, 1);
+	ck_assert_int_eq(c.gpu_ids[0], 0);
+	ck_assert_str_eq(c.gpus, "0");
+	ck_assert_int_eq(mlens_config_load_text(&c, "gpus = 2,0\n", "t.conf", err, sizeof(err)), 0);
+	ck_assert_int_eq(c.n_gpus, 2);
+	ck_assert(c.gpu_ids[0] == 2 && c.gpu_ids[1] == 0);
+	ck_assert_int_eq(mlens_config_load_text(&c, "gpus = 1,1\n", "t.conf", err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "t.conf:1: key 'gpus'"));
+	ck_assert_ptr_nonnull(strstr(err, "listed twice"));
+	/* a refused value leaves the last good one */
+	ck_assert_int_eq(c.n_gpus, 2);
+	ck_assert_int_eq(mlens_config_load_text(&c, "gpus = one\n", "t.conf", err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "key 'gpus'"));
+	ck_assert_ptr_nonnull(strstr(err, "not a list of GPU numbers"));
+	mlens_config_free(&c);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("shard");
@@ -627,6 +670,7 @@ int main(void)
 	tcase_add_test(tc, multi_superlinear);
 	tcase_add_test(tc, multi_not_superlinear);
 	tcase_add_test(tc, multi_tp_or_ep);
+	tcase_add_test(tc, config_gpus);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_run_all(sr, CK_NORMAL);

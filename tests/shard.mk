@@ -7,3 +7,7 @@ tests_check_shard_SOURCES = tests/check_shard.c
 tests_check_shard_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_shard_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
+
+# mlensd and the gpus key: several GPUs refused in plain words
+dist_check_SCRIPTS += tests/shard_gpus.sh
+TESTS += tests/shard_gpus.sh
