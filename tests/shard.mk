@@ -11,3 +11,8 @@ endif
 # mlensd and the gpus key: several GPUs refused in plain words
 dist_check_SCRIPTS += tests/shard_gpus.sh
 TESTS += tests/shard_gpus.sh
+
+# the estimates of daemon/MULTINODE.md (JSON; arithmetic only)
+noinst_PROGRAMS += tests/bench/shard_estimates
+tests_bench_shard_estimates_SOURCES = tests/bench/shard_estimates.c
+tests_bench_shard_estimates_LDADD = daemon/libmlens_core.la -lm
