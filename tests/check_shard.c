@@ -602,6 +602,24 @@ START_TEST(sim_refuses_other_plan)
 	ck_assert_int_eq(mlens_shard_plan(&plan, &m2->cfg, 2, MLENS_SHARD_EP, NULL, 0), 0);
 	ck_assert_int_eq(mlens_shard_sim_create(&sim, m, &be, &plan, 16, 16, err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(err, "another model"));
+	/* bad requests change nothing; a step past the KV room is refused */
+	ck_assert_int_eq(mlens_shard_plan(&plan, &m->cfg, 2, MLENS_SHARD_TP, NULL, 0), 0);
+	ck_assert_int_eq(mlens_shard_sim_create(&sim, m, &be, &plan, 1, 4, err, sizeof(err)), 0);
+	{
+		struct mlens_seq seq = { 0 };
+		int32_t toks[5] = { 1, 2, 3, 4, 97 };
+		struct mlens_engine_req r = { .seq = &seq, .tokens = toks, .n_tokens = 5 };
+		ck_assert_int_eq(mlens_shard_sim_step(sim, &r, 1, NULL), -EINVAL);	/* token 97 of 97 */
+		ck_assert_int_eq(mlens_shard_sim_step(sim, &r, 0, NULL), -EINVAL);
+		toks[4] = 5;
+		ck_assert_int_eq(mlens_shard_sim_step(sim, &r, 1, NULL), -ENOSPC);	/* 5 tokens, 1 block of 4 */
+		ck_assert_int_eq(seq.len, 0);
+		r.n_tokens = 4;
+		ck_assert_int_eq(mlens_shard_sim_step(sim, &r, 1, NULL), 0);
+		ck_assert_int_eq(seq.len, 4);
+		mlens_seq_fini(mlens_shard_sim_kv(sim), &seq);
+	}
+	mlens_shard_sim_destroy(sim);
 	mlens_backend_destroy(&be);
 	mlens_test_model_free(m);
 	mlens_test_model_free(m2);
