@@ -42,10 +42,11 @@
  *   reduce-scatter, all-gather  (G-1)/G X each
  *   TP:  all-reduce after the O projection + all-reduce after the MoE:
  *        4 (G-1)/G X.
- *   EP:  reduce-scatter after the O projection (each GPU keeps n_r = n/G, its
- *        balanced share of the tokens, within one row), router on its own tokens, all-to-all
- *        dispatch of each token row to every other GPU owning at least one
- *        of its top-k experts, experts, all-to-all combine back (same rows),
+ *   EP:  reduce-scatter after the O projection (each GPU keeps n_r = n/G
+ *        tokens, its balanced share within one row), router on its own
+ *        tokens, all-to-all dispatch of each token row to every other GPU
+ *        owning at least one of its top-k experts, experts, all-to-all
+ *        combine back (same rows),
  *        all-gather of the residual stream for the next layer's attention:
  *        2 (G-1)/G X + n_r H a x sum over s != r of P_hit(s) (dispatch)
  *        + H a x sum over s != r of n_s P_hit(r) (combine),

@@ -3,7 +3,10 @@
  * replication, expert splits even and uneven, streamed bytes, collective
  * volumes) and its refusals; the sharded forward pass on G fake ranks
  * (tensor and expert parallel, G = 1, 2, 4, GQA ratios 1 and 4, E % G != 0)
- * against the unsharded engine on the CPU backend.
+ * against the unsharded engine on the CPU backend; the performance model
+ * over several GPUs (one GPU equals the single-GPU model, a TP shard by
+ * hand, super-linear and sub-linear scaling of Mixtral-8x7B at 1, 2, 4
+ * GPUs, TP against EP); the gpus key.
  *
  * Tolerance of the sharded logits: |sharded - engine| <= 1e-5 x max |engine
  * logit| of the row. Both are fp32; the sharded path adds partial sums in
