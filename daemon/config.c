@@ -8,7 +8,7 @@
 #include <string.h>
 #include "daemon/config.h"
 
-enum opt_type { T_STR, T_INT, T_SIZE, T_BOOL, T_DOUBLE };
+enum opt_type { T_STR, T_INT, T_SIZE, T_BOOL, T_DOUBLE, T_GPUS };
 
 struct opt {
 	const char *key;
@@ -52,6 +52,7 @@ static const struct opt opts[] = {
 	{ "attn_kernel", T_STR, O(attn_kernel), "auto", 0, 0, "auto|scalar|avx2|avx512", "CPU decode attention kernel" },
 	{ "mlock", T_BOOL, O(mlock), "true", 0, 0, NULL, "lock the pinned pools in memory (fail if it cannot)" },
 	{ "io_uring", T_BOOL, O(io_uring), "true", 0, 0, NULL, "read model files with io_uring (false: mmap copy)" },
+	{ "gpus", T_GPUS, O(gpus), "0", 0, 0, "LIST", "CUDA devices to serve on, comma-separated (this mlensd serves on one)" },
 };
 #undef O
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))
@@ -95,6 +96,48 @@ int mlens_parse_size(const char *s, uint64_t *out)
 	return 0;
 }
 
+int mlens_parse_gpus(const char *s, int *ids, int max, char *why, size_t whylen)
+{
+	const char *p = s;
+	int n = 0;
+	for (;;) {
+		char *end;
+		long v;
+		while (isspace((unsigned char)*p))
+			p++;
+		if (!isdigit((unsigned char)*p)) {
+			snprintf(why, whylen, "'%s' is not a list of GPU numbers like 0,1", s);
+			return -EINVAL;
+		}
+		errno = 0;
+		v = strtol(p, &end, 10);
+		if (errno || v > 1023) {
+			snprintf(why, whylen, "GPU %.*s is out of range (0 to 1023)", (int)(end - p), p);
+			return -ERANGE;
+		}
+		for (int i = 0; i < n; i++)
+			if (ids[i] == (int)v) {
+				snprintf(why, whylen, "GPU %ld is listed twice", v);
+				return -EINVAL;
+			}
+		if (n == max) {
+			snprintf(why, whylen, "more than %d GPUs listed", max);
+			return -ERANGE;
+		}
+		ids[n++] = (int)v;
+		p = end;
+		while (isspace((unsigned char)*p))
+			p++;
+		if (!*p)
+			return n;
+		if (*p != ',') {
+			snprintf(why, whylen, "'%s' is not a list of GPU numbers like 0,1", s);
+			return -EINVAL;
+		}
+		p++;
+	}
+}
+
 static int set_value(struct mlens_config *c, const struct opt *o, const char *val,
 		     char *why, size_t whylen)
 {
@@ -107,6 +150,19 @@ static int set_value(struct mlens_config *c, const struct opt *o, const char *va
 			return -ENOMEM;
 		free(*(char **)p);
 		*(char **)p = d;
+		return 0;
+	}
+	case T_GPUS: {
+		int ids[MLENS_CONFIG_MAX_GPUS], n = mlens_parse_gpus(val, ids, MLENS_CONFIG_MAX_GPUS, why, whylen);
+		char *d;
+		if (n < 0)
+			return n;
+		if (!(d = strdup(val)))
+			return -ENOMEM;
+		free(*(char **)p);
+		*(char **)p = d;
+		memcpy(c->gpu_ids, ids, (size_t)n * sizeof(ids[0]));
+		c->n_gpus = n;
 		return 0;
 	}
 	case T_INT: {
@@ -176,7 +232,7 @@ void mlens_config_defaults(struct mlens_config *c)
 void mlens_config_free(struct mlens_config *c)
 {
 	for (size_t i = 0; i < N_OPTS; i++)
-		if (opts[i].type == T_STR) {
+		if (opts[i].type == T_STR || opts[i].type == T_GPUS) {
 			char **p = (char **)((char *)c + opts[i].off);
 			free(*p);
 			*p = NULL;
@@ -415,7 +471,8 @@ void mlens_config_dump(const struct mlens_config *c, FILE *f)
 		const void *p = (const char *)c + opts[i].off;
 		fprintf(f, "%s = ", opts[i].key);
 		switch (opts[i].type) {
-		case T_STR: fprintf(f, "%s\n", *(char *const *)p ? *(char *const *)p : ""); break;
+		case T_STR:
+		case T_GPUS: fprintf(f, "%s\n", *(char *const *)p ? *(char *const *)p : ""); break;
 		case T_INT: fprintf(f, "%lld\n", (long long)*(const int64_t *)p); break;
 		case T_SIZE: fprintf(f, "%llu\n", (unsigned long long)*(const uint64_t *)p); break;
 		case T_BOOL: fprintf(f, "%s\n", *(const bool *)p ? "true" : "false"); break;

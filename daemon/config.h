@@ -8,6 +8,9 @@
 #include <stdint.h>
 #include <stdio.h>
 
+/* GPUs one daemon may list (the shard plan's limit, daemon/shard.h). */
+#define MLENS_CONFIG_MAX_GPUS 64
+
 struct mlens_config {
 	char *config;		/* the file read, if any */
 	char *model;
@@ -39,6 +42,10 @@ struct mlens_config {
 	char *attn_kernel;
 	bool mlock;
 	bool io_uring;
+	/* gpus = "0,1": CUDA device ordinals, parsed into gpu_ids[n_gpus] */
+	char *gpus;
+	int n_gpus;
+	int gpu_ids[MLENS_CONFIG_MAX_GPUS];
 };
 
 /* Fill in every default. */
@@ -59,6 +66,11 @@ int mlens_config_load_text(struct mlens_config *c, const char *text, const char 
 /* After flags and file: fill in the values derived from others (control
  * and stats sockets beside the tenant socket when not given). */
 int mlens_config_finish(struct mlens_config *c);
+
+/* A GPU list "0,1,3" (spaces allowed around the commas): distinct device
+ * ordinals 0..1023, at least one, at most max. Returns the count, or
+ * -EINVAL / -ERANGE with why set (no key name: the caller adds it). */
+int mlens_parse_gpus(const char *s, int *ids, int max, char *why, size_t whylen);
 
 /* "64K", "2G", "1.5GiB", "1048576": bytes, or -EINVAL / -ERANGE. */
 int mlens_parse_size(const char *s, uint64_t *out);

@@ -243,6 +243,15 @@ int main(int argc, char **argv)
 			D.cfg.attn_kernel);
 		return 2;
 	}
+	if (D.cfg.n_gpus > 1) {
+		/* the split over several GPUs is planned and modelled
+		 * (daemon/shard.h, perfmodel.h) but this daemon drives one GPU:
+		 * say so rather than serve on the first one alone */
+		fprintf(stderr, "mlensd: gpus = %s lists %d GPUs, but this mlensd serves on one GPU only; "
+			"list one GPU (e.g. gpus = %d), or run one mlensd per GPU\n",
+			D.cfg.gpus, D.cfg.n_gpus, D.cfg.gpu_ids[0]);
+		return 2;
+	}
 	if (mlens_stats_check_config(&D.cfg, err, sizeof(err))) {
 		fprintf(stderr, "mlensd: %s\n", err);
 		return 2;
@@ -287,7 +296,7 @@ int main(int argc, char **argv)
 
 	/* backend */
 	bo.n_threads = (int)D.cfg.threads;
-	bo.device = 0;
+	bo.device = D.cfg.gpu_ids[0];
 	rc = mlens_backend_create(&D.be, D.cfg.backend, &bo);
 	if (rc)
 		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "daemon/perfmodel.h"
+#include "daemon/shard.h"
 
 /* ==== accounting ==== */
 
@@ -248,7 +249,7 @@ static double gpu_b(const struct mlens_perf_hw *hw)
 
 double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
 {
-	double t_io, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
+	double t_io, slope, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
 	if (!(hw->b_io > 0))
 		return NAN;
 	t_io = (double)streamed_bytes / hw->b_io;
@@ -256,9 +257,11 @@ double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
 		return INFINITY;	/* nothing to balance: memory and KV bound the step */
 	if (t_io <= fixed)
 		return 0;
-	if (!(gpu_b(hw) > 0))
+	/* per-token link traffic (collectives on PCIe) grows the transfer too */
+	slope = gpu_b(hw) - hw->h2d_per_token / hw->b_io;
+	if (!(slope > 0))
 		return INFINITY;
-	return (t_io - fixed) / gpu_b(hw);
+	return (t_io - fixed) / slope;
 }
 
 /* ==== eq. 3-4 ==== */
@@ -316,6 +319,7 @@ const char *mlens_perf_limit_name(enum mlens_perf_limit l)
 static bool hw_ok(const struct mlens_perf_hw *hw)
 {
 	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
+	       hw->h2d_per_token >= 0 &&
 	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
 }
 
@@ -341,7 +345,8 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	kv_read = st->context * (double)pm->kv_token_bytes;
 	/* H2D: streamed experts + attention outputs of decode tokens;
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
-	h2d = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts) + d * qd * kvb;
+	h2d = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts) + d * qd * kvb +
+	      st->tokens * hw->h2d_per_token;
 	d2h = d * (qd + 2 * kvd) * kvb + P * 2 * kvd * kvb;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
 	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
@@ -577,4 +582,138 @@ int mlens_perf_token_cap(const struct mlens_perf_prediction *pred)
 	if (!(n >= 1))
 		return 1;
 	return n >= (double)INT_MAX ? INT_MAX : (int)n;
+}
+
+/* ==== several GPUs (issue 9; formulas in perfmodel.h) ==== */
+
+/* x scaled by shard/whole, or by 1/G when the roofline term is absent */
+static double line_scale(double x, double shard, double whole, int gpus)
+{
+	return whole > 0 ? x * shard / whole : x / gpus;
+}
+
+int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype kv_dtype,
+			   const struct mlens_perf_hw *hw, const struct mlens_perf_multi *mp,
+			   struct mlens_perf_model *shard, struct mlens_perf_hw *shard_hw,
+			   char *err, size_t errlen)
+{
+	struct mlens_shard_plan plan;
+	struct mlens_model_config sc = *c;
+	struct mlens_perf_model full;
+	struct mlens_perf_hw rf_full, rf_shard;
+	struct mlens_shard_coll co;
+	const struct mlens_shard_rank *k;
+	double imb = mp->ep_imbalance > 0 ? mp->ep_imbalance : 1.0, H, E;
+	int ab = mp->coll_bytes > 0 ? (int)mp->coll_bytes : 2, G = mp->gpus, rc;
+
+	if ((mp->scheme != MLENS_SHARD_TP && mp->scheme != MLENS_SHARD_EP) || !(imb >= 1) ||
+	    !isfinite(imb) || !(mp->lat_coll >= 0) || mp->coll_bytes < 0 || mp->coll_bytes > 8 ||
+	    (G > 1 && !(mp->b_coll > 0))) {
+		seterr(err, errlen, "performance model: a multi-GPU parameter is out of range "
+		       "(scheme, collective bandwidth and latency, imbalance >= 1)");
+		return -EINVAL;
+	}
+	rc = mlens_shard_plan(&plan, c, G, (enum mlens_shard_scheme)mp->scheme, err, errlen);
+	if (rc)
+		return rc;
+	rc = mlens_perf_model_from_config(&full, c, kv_dtype);
+	if (rc) {
+		seterr(err, errlen, "performance model: the model's dimensions are out of range");
+		return rc;
+	}
+	k = &plan.rank[0];
+	sc.num_attention_heads = k->q_heads;
+	sc.num_key_value_heads = k->kv_heads;
+	sc.intermediate_size = k->inter;
+	sc.vocab_size = k->vocab;
+	sc.num_local_experts = k->experts;
+	if (sc.num_experts_per_tok > k->experts)
+		sc.num_experts_per_tok = k->experts;
+	rc = mlens_perf_model_from_config(shard, &sc, kv_dtype);
+	if (rc) {
+		seterr(err, errlen, "performance model: the shard's dimensions are out of range");
+		return rc;
+	}
+	/* the router is whole on every GPU; CPU attention reads each kv head
+	 * once, shared by the G shards; EP: the busiest GPU's share of the
+	 * routed rows */
+	H = (double)full.hidden;
+	E = (double)full.experts;
+	shard->router_bytes = full.router_bytes;
+	shard->layer_bytes = shard->attn_bytes + shard->norm_bytes + shard->router_bytes +
+			     shard->layer_expert_bytes;
+	shard->model_bytes = shard->layer_bytes * (uint64_t)shard->layers + shard->embed_bytes +
+			     shard->lm_head_bytes + shard->final_norm_bytes;
+	shard->kv_token_bytes = (full.kv_token_bytes + (uint64_t)G - 1) / (uint64_t)G;
+	shard->flops_gb = 2.0 * (double)(shard->heads * shard->head_dim) * H + 2.0 * H * E;
+	if (mp->scheme == MLENS_SHARD_TP)
+		shard->flops_gb += (double)full.top_k * 6.0 * H * (double)k->inter;
+	else
+		shard->flops_gb += (double)full.top_k * ((double)k->experts / E) * imb * 6.0 * H *
+				   (double)full.inter;
+
+	*shard_hw = *hw;
+	shard_hw->b_mem = hw->b_mem / G;
+	shard_hw->b_attn = hw->b_attn / G;
+	rf_full = *hw;
+	rf_shard = *hw;
+	mlens_perf_hw_roofline_lines(&rf_full, &full);
+	mlens_perf_hw_roofline_lines(&rf_shard, shard);
+	shard_hw->ga.a = line_scale(hw->ga.a, rf_shard.ga.a, rf_full.ga.a, G);
+	shard_hw->ga.b = line_scale(hw->ga.b, rf_shard.ga.b, rf_full.ga.b, G);
+	shard_hw->gb.a = line_scale(hw->gb.a, rf_shard.gb.a, rf_full.gb.a, G);
+	shard_hw->gb.b = line_scale(hw->gb.b, rf_shard.gb.b, rf_full.gb.b, G);
+	/* collectives of one token group: linear in its tokens */
+	mlens_shard_layer_coll(&plan, 1.0, ab, &co);
+	shard_hw->gb.a += co.steps * mp->lat_coll;
+	if (G > 1)
+		shard_hw->gb.b += co.total / mp->b_coll;
+	if (mp->coll_on_pcie)
+		shard_hw->h2d_per_token += co.total;
+	return 0;
+}
+
+int mlens_perf_multi_choose(const struct mlens_model_config *c, enum mlens_dtype kv_dtype,
+			    const struct mlens_perf_hw *hw, const struct mlens_perf_workload *w,
+			    const struct mlens_perf_multi *mp, struct mlens_perf_prediction *out,
+			    char *err, size_t errlen)
+{
+	struct mlens_perf_model shard;
+	struct mlens_perf_hw shw;
+	int rc = mlens_perf_multi_setup(c, kv_dtype, hw, mp, &shard, &shw, err, errlen);
+	if (rc)
+		return rc;
+	return mlens_perf_choose(&shard, &shw, w, out, err, errlen);
+}
+
+int mlens_perf_multi_best(const struct mlens_model_config *c, enum mlens_dtype kv_dtype,
+			  const struct mlens_perf_hw *hw, const struct mlens_perf_workload *w,
+			  const struct mlens_perf_multi *mp, struct mlens_perf_prediction *out,
+			  int *scheme, char *err, size_t errlen)
+{
+	struct mlens_perf_prediction p;
+	struct mlens_perf_multi m = *mp;
+	char first[512] = "";
+	int rc, first_rc = 0;
+	bool found = false;
+	for (int s = MLENS_SHARD_TP; s <= MLENS_SHARD_EP; s++) {
+		m.scheme = s;
+		rc = mlens_perf_multi_choose(c, kv_dtype, hw, w, &m, &p, first_rc ? NULL : first,
+					     first_rc ? 0 : sizeof(first));
+		if (rc) {
+			if (!first_rc)
+				first_rc = rc;
+			continue;
+		}
+		if (!found || p.total_tok_s > out->total_tok_s * (1 + 1e-12)) {
+			*out = p;
+			*scheme = s;
+			found = true;
+		}
+	}
+	if (!found) {
+		seterr(err, errlen, "%s", first);
+		return first_rc;
+	}
+	return 0;
 }

@@ -154,6 +154,10 @@ struct mlens_perf_hw {
 	uint64_t gpu_budget;	/* bytes the daemon may use on the GPU */
 	uint64_t gpu_workspace;	/* cuBLAS, flash attention */
 	int64_t chunk;		/* MoE / lm_head chunk rows; 0 = MLENS_PERF_CHUNK */
+	/* Extra H2D bytes per token per layer on the link (several GPUs:
+	 * collective traffic that shares PCIe with the weight stream); 0 for
+	 * one GPU. Counted in the PCIe and CPU-memory tiers and in n_eq. */
+	double h2d_per_token;
 };
 
 /* Lines from the roofline when the profiler has not run: intercept = the
@@ -167,9 +171,10 @@ double mlens_perf_n_simple(const struct mlens_perf_model *pm, double c_gpu, doub
 /* eq. 1-2 with attention counted: C_GPU x streamed / (B_IO x (GA+GB FLOPs)). */
 double mlens_perf_n_roofline(const struct mlens_perf_model *pm, double c_gpu, double b_io,
 			     uint64_t streamed_bytes);
-/* From the fitted lines: 2a + b n = streamed / B_IO. INFINITY when nothing
- * is streamed or the GPU time does not grow with n (slope 0); 0 when the
- * transfer hides behind any step; NAN without a B_IO. */
+/* From the fitted lines: 2a + b n = (streamed + n h2d_per_token) / B_IO.
+ * INFINITY when nothing is streamed or the GPU time does not grow with n
+ * faster than the transfer (slope 0); 0 when the transfer hides behind any
+ * step; NAN without a B_IO. */
 double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes);
 
 /* eq. 3 and 4. */
@@ -274,5 +279,71 @@ uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct m
 			       int64_t n_min);
 /* Tokens per step for mlens_sched_set_token_cap: floor(n_real), at least 1. */
 int mlens_perf_token_cap(const struct mlens_perf_prediction *pred);
+
+/* ==== several GPUs in one box (issue 9) ====
+ *
+ * G GPUs work on the same step: attention split by heads, experts by
+ * intermediate rows (TP) or whole experts (EP), as daemon/shard.h plans.
+ * Each GPU has its own budget (gpu_budget is per GPU) and its own PCIe
+ * link (b_io, b_d2h per link); the host's memory bandwidth (b_mem) and
+ * CPU attention (b_attn) are shared by all. The model of one GPU applies
+ * to the busiest GPU's shard (rank 0: most heads, rows, experts, vocab):
+ *   shard model   heads/G, its kv heads, inter_0 (TP) or E_0 experts (EP),
+ *                 vocab_0 rows of embeddings and lm_head; router and norms
+ *                 whole (replicated); KV bytes per token 1/G of the whole
+ *                 (CPU attention is not replicated); EP: experts FLOPs
+ *                 k x (E_0/E) x imbalance x 6 H I per token (the busiest
+ *                 GPU's share of the routed rows).
+ *   host tiers    b_mem / G and b_attn / G against the shard's 1/G of the
+ *                 KV reads: (KV + G x DMA per link) / b_mem and KV / b_attn,
+ *                 the same host work as with one GPU plus G links of DMA.
+ *   GPU lines     the given lines (one GPU, whole layer) times the roofline
+ *                 ratio shard / whole, intercepts by weight bytes, slopes by
+ *                 FLOPs (with roofline lines: the shard's roofline), then
+ *                 collectives added to GB per token group x of n_x tokens:
+ *                 a += steps x lat_coll, b += coll bytes per token / b_coll
+ *                 (shard.h's volumes are linear in n), so n_real, the tiers
+ *                 and the policy search of one GPU apply unchanged.
+ *   PCIe peers    coll_on_pcie: collectives have no NVLink and share each
+ *                 GPU's link: their bytes per token go to h2d_per_token.
+ * Residency r counts the shard's expert units per layer (TP: slices of all
+ * E experts, EP: its E_0 whole experts); with the same per-GPU budget a
+ * slice is 1/G of an expert, so G GPUs keep up to G times as many experts
+ * resident in total and each streams (E - r) slices over its own link:
+ * the super-linear scaling MoE-Lightning reports, until the shared host
+ * (KV capacity, b_mem, b_attn) or the collectives bind. The once-a-step
+ * embedding all-reduce and logits all-gather are left out (they carry
+ * less than 1/(2L) of the layers' collective bytes). */
+struct mlens_perf_multi {
+	int gpus;
+	int scheme;		/* enum mlens_shard_scheme: 0 TP, 1 EP */
+	double b_coll;		/* bytes/s one GPU sends into a collective (NVLink, PCIe P2P) */
+	double lat_coll;	/* seconds per ring step / all-to-all peer */
+	int64_t coll_bytes;	/* bytes per activation element on the wire; 0 = 2 (bf16) */
+	double ep_imbalance;	/* busiest GPU's routed rows / the mean, >= 1; 0 = 1 */
+	bool coll_on_pcie;	/* collectives share the PCIe links (no NVLink) */
+};
+
+/* The busiest GPU's shard as a model of one GPU, and the hardware it sees
+ * (formulas above). -EINVAL with a message for a split the plan refuses
+ * or parameters out of range. */
+int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype kv_dtype,
+			   const struct mlens_perf_hw *hw, const struct mlens_perf_multi *mp,
+			   struct mlens_perf_model *shard, struct mlens_perf_hw *shard_hw,
+			   char *err, size_t errlen);
+/* Residency and split searched for G GPUs of one scheme: the prediction of
+ * mlens_perf_choose on the shard (its throughput is the box's: every GPU
+ * works on every step). Errors as mlens_perf_multi_setup and _choose. */
+int mlens_perf_multi_choose(const struct mlens_model_config *c, enum mlens_dtype kv_dtype,
+			    const struct mlens_perf_hw *hw, const struct mlens_perf_workload *w,
+			    const struct mlens_perf_multi *mp, struct mlens_perf_prediction *out,
+			    char *err, size_t errlen);
+/* TP or EP, whichever predicts more tokens/s (TP on a tie: it has no
+ * routing skew to fear); mp->scheme is ignored and *scheme set. A scheme
+ * the plan refuses is skipped; -EINVAL/-ENOSPC when neither runs. */
+int mlens_perf_multi_best(const struct mlens_model_config *c, enum mlens_dtype kv_dtype,
+			  const struct mlens_perf_hw *hw, const struct mlens_perf_workload *w,
+			  const struct mlens_perf_multi *mp, struct mlens_perf_prediction *out,
+			  int *scheme, char *err, size_t errlen);
 
 #endif
