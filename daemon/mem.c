@@ -32,8 +32,9 @@ static int pci_numa_node(const char *bus_id)
 }
 #endif
 
-int mlens_numa_pick(int want, char *err, size_t errlen)
+int mlens_numa_pick(int want, int gpu, char *err, size_t errlen)
 {
+	(void)gpu;	/* used only where CUDA is built */
 	if (numa_available() < 0)
 		return want > 0 ? (snprintf(err, errlen, "NUMA node %d asked for, but this kernel has no NUMA support", want), -ENODEV) : -1;
 	if (want >= 0) {
@@ -48,7 +49,7 @@ int mlens_numa_pick(int want, char *err, size_t errlen)
 	if (mlens_cuda_available()) {
 		char bus[64];
 		int node;
-		if (mlens_cuda_pci_bus_id(0, bus, sizeof(bus)) == 0 && (node = pci_numa_node(bus)) >= 0 &&
+		if (mlens_cuda_pci_bus_id(gpu, bus, sizeof(bus)) == 0 && (node = pci_numa_node(bus)) >= 0 &&
 		    node <= numa_max_node())
 			return node;
 	}

@@ -15,8 +15,9 @@ struct mlens_pinned {
 	const char *what;	/* "KV cache", "weights": for messages */
 };
 
-/* The NUMA node to use: want >= 0 as given (checked), else 0. */
-int mlens_numa_pick(int want, char *err, size_t errlen);
+/* The NUMA node to use: want >= 0 as given (checked), else the node of
+ * CUDA device gpu when there is one, else 0. */
+int mlens_numa_pick(int want, int gpu, char *err, size_t errlen);
 
 /* Allocate size bytes on node, touching every page; lock them if mlock_it.
  * A failed mlock is an error with a message naming RLIMIT_MEMLOCK. */

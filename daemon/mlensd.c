@@ -275,7 +275,7 @@ int main(int argc, char **argv)
 	rc = mlens_model_open(D.cfg.model, &D.model, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
-	node = mlens_numa_pick((int)D.cfg.numa_node, err, sizeof(err));
+	node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
 	if (node < -1)
 		return fail_start("%s", err);
 	{
