@@ -33,6 +33,7 @@ struct daemon {
 	struct mlens_weights weights;
 	struct mlens_backend be;
 	struct mlens_backend attn;	/* hybrid mode: decode attention, KV pool */
+	bool weights_registered;	/* host_register'ed with the backend */
 	bool hybrid;
 	struct mlens_pinned kv_k, kv_v;
 	struct mlens_engine *engine;
@@ -301,6 +302,17 @@ int main(int argc, char **argv)
 	if (rc)
 		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),
 				  rc == -ENOTSUP ? " (this build has no CUDA)" : "");
+	/* register the weight pages with the device: uploads (GPU-only) and
+	 * expert streaming (hybrid) then run at pinned-copy speed */
+	if (MLENS_BACKEND_HAS(D.be.ops, host_register) && MLENS_BACKEND_HAS(D.be.ops, host_unregister)) {
+		double t = mlens_now();
+		rc = D.be.ops->host_register(D.be.ctx, D.weights.mem.p, D.weights.mem.size);
+		if (rc && rc != -EEXIST)
+			return fail_start("cannot register %.2f GB of weight pages with the %s backend: %s",
+					  D.weights.mem.size / 1e9, D.be.ops->name, strerror(-rc));
+		D.weights_registered = rc == 0;
+		log_info("weight pages registered with the %s backend in %.2f s", D.be.ops->name, mlens_now() - t);
+	}
 
 	/* KV cache in pinned memory on the same node */
 	kv_dt = D.model->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
@@ -458,6 +470,8 @@ int main(int argc, char **argv)
 	mlens_engine_destroy(D.engine);
 	mlens_pinned_free(&D.kv_k);
 	mlens_pinned_free(&D.kv_v);
+	if (D.weights_registered)
+		D.be.ops->host_unregister(D.be.ctx, D.weights.mem.p);
 	mlens_backend_destroy(&D.be);
 	if (D.hybrid)
 		mlens_backend_destroy(&D.attn);
