@@ -39,6 +39,8 @@ struct mlens_config {
 	char *attn_kernel;
 	bool mlock;
 	bool io_uring;
+	bool profile;
+	char *profile_cache;
 };
 
 /* Fill in every default. */

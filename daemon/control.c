@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include "daemon/control.h"
 #include "daemon/log.h"
+#include "daemon/profiler.h"
 
 struct conn {
 	struct mlens_control *c;
@@ -296,6 +297,75 @@ static json_t *cmd_config(struct mlens_control *c)
 	return json_pack("{s:b,s:o}", "ok", 1, "config", o);
 }
 
+/* A workload length: a number in [lo, 1e7], the default when absent. */
+static int length_arg(json_t *req, const char *key, double def, double lo, double *out)
+{
+	json_t *v = json_object_get(req, key);
+	double x;
+	if (!v) {
+		*out = def;
+		return 0;
+	}
+	if (json_is_number(v))
+		x = json_number_value(v);
+	else if (json_is_string(v)) {
+		char *end;
+		x = strtod(json_string_value(v), &end);
+		if (end == json_string_value(v) || *end)
+			return -EINVAL;
+	} else
+		return -EINVAL;
+	if (!isfinite(x) || x < lo || x > 1e7)
+		return -ERANGE;
+	*out = x;
+	return 0;
+}
+
+struct profile_call {
+	struct mlens_profile_state *st;
+	double p, g;
+};
+
+/* On the worker thread: it drives the backends and owns the scheduler. */
+static int profile_on_worker(void *arg, struct mlens_sched *s)
+{
+	struct profile_call *pc = arg;
+	return mlens_profile_state_run(pc->st, s, pc->p, pc->g, false);
+}
+
+static json_t *cmd_profile(struct mlens_control *c, json_t *req)
+{
+	struct mlens_profile_state *st = c->info->profile;
+	struct profile_call pc;
+	bool cached = json_is_true(json_object_get(req, "cached"));
+	json_t *o;
+	int rc;
+	if (!st || !st->model)
+		return fail("profile: this daemon has no profiler");
+	if (length_arg(req, "prompt_len", MLENS_PROFILE_PROMPT, 0, &pc.p))
+		return fail("profile: prompt_len must be a number of tokens in [0, 10000000]");
+	if (length_arg(req, "gen_len", MLENS_PROFILE_GEN, 1, &pc.g))
+		return fail("profile: gen_len must be a number of tokens in [1, 10000000]");
+	pc.st = st;
+	if (cached && st->have) {
+		rc = mlens_profile_state_predict(st, pc.p, pc.g);
+	} else {
+		/* serving pauses while it measures (under a second on the CPU
+		 * backend with a small model, under 30 s on a GPU) */
+		log_info("control: profiling the machine (serving pauses meanwhile)");
+		rc = mlens_worker_call(c->info->worker, profile_on_worker, &pc);
+		if (!rc)
+			log_info("control: profile done in %.2f s: n_real %.0f, %s binds, token cap %d",
+				 st->prof.seconds, st->pred.n_real, mlens_perf_bind_name(st->pred.time.bind),
+				 st->token_cap);
+	}
+	if (rc)
+		return fail("profile: %s", st->err[0] ? st->err : strerror(-rc));
+	o = mlens_profile_state_json(st);
+	json_object_set_new(o, "ok", json_true());
+	return o;
+}
+
 /* Answer one request (a parsed JSON object): a new reference to the reply. */
 static json_t *handle(struct mlens_control *c, json_t *req)
 {
@@ -315,6 +385,8 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 		return cmd_log_level(req);
 	if (!strcmp(cmd, "config"))
 		return cmd_config(c);
+	if (!strcmp(cmd, "profile"))
+		return cmd_profile(c, req);
 	if (!strcmp(cmd, "stats")) {
 		struct mlens_worker_snapshot s;
 		json_t *o;
@@ -344,7 +416,7 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 	if (!strcmp(cmd, "shutdown"))
 		return ok();	/* the caller begins the drain once this is written */
 	return fail("unknown command '%s' (status, tenants, quota, drain, resume, evict, stats, log-level, "
-		    "shutdown, config)", cmd);
+		    "shutdown, config, profile)", cmd);
 }
 
 /* ==== connections ==== */

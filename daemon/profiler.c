@@ -775,18 +775,24 @@ out:
 
 int mlens_profile_state_predict(struct mlens_profile_state *st, double p, double g)
 {
+	struct mlens_perf_workload w = { p, g, st->kv_tokens, 0 };
+	struct mlens_perf_prediction pred;
 	int rc;
 	if (!st->have)
 		return -ENOENT;
-	st->w = (struct mlens_perf_workload){ p, g, st->kv_tokens, 0 };
 	/* hybrid: residency and split searched; resident modes: every expert
-	 * lives where the backend computes, only the split is searched */
+	 * lives where the backend computes, only the split is searched. The
+	 * held prediction changes only when the new one exists. */
 	if (st->hybrid)
-		rc = mlens_perf_choose(&st->pm, &st->hw, &st->w, &st->pred, st->err, sizeof(st->err));
+		rc = mlens_perf_choose(&st->pm, &st->hw, &w, &pred, st->err, sizeof(st->err));
 	else
-		rc = mlens_perf_predict(&st->pm, &st->hw, &st->w, (int)st->pm.experts, &st->pred, st->err,
+		rc = mlens_perf_predict(&st->pm, &st->hw, &w, (int)st->pm.experts, &pred, st->err,
 					sizeof(st->err));
-	return rc;
+	if (rc)
+		return rc;
+	st->w = w;
+	st->pred = pred;
+	return 0;
 }
 
 int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *sched,
@@ -818,17 +824,23 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 	st->have = true;
 	rc = mlens_profile_state_predict(st, p, g);
 	if (rc) {
-		st->have = rc == -ENOSPC;	/* measured; only this workload does not fit */
+		/* measured, but this workload does not fit the budget: no prediction */
+		st->have = false;
 		st->rc = rc;
 		return rc;
 	}
-	if (sched) {
-		if (st->pinned_cap <= 0)
-			mlens_sched_set_token_cap(sched, mlens_perf_token_cap(&st->pred));
-		st->token_cap = mlens_sched_token_cap(sched);
-	}
 	st->rc = 0;
+	if (sched)
+		mlens_profile_state_apply(st, sched);
 	return 0;
+}
+
+int mlens_profile_state_apply(struct mlens_profile_state *st, struct mlens_sched *sched)
+{
+	if (st->have && st->rc == 0 && st->pinned_cap <= 0)
+		mlens_sched_set_token_cap(sched, mlens_perf_token_cap(&st->pred));
+	st->token_cap = mlens_sched_token_cap(sched);
+	return st->token_cap;
 }
 
 double mlens_profile_state_step_seconds(const struct mlens_profile_state *st, double n)

@@ -33,6 +33,10 @@
 
 #define MLENS_PROFILE_POINTS 6		/* token counts per line */
 #define MLENS_PROFILE_VERSION 1		/* of the cache file's layout */
+/* The workload mlensd predicts for at start-up (mlensctl profile takes
+ * others): a prompt of 512 tokens, 128 generated. */
+#define MLENS_PROFILE_PROMPT 512
+#define MLENS_PROFILE_GEN 128
 
 struct mlens_profile_opts {
 	struct mlens_backend *be;	/* GA, GB, GEMM, copies */
@@ -136,6 +140,9 @@ struct mlens_profile_state {
 struct mlens_sched;
 int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *sched,
 			    double p, double g, bool use_cache);
+/* Set the scheduler's cap from the held prediction unless pinned (on the
+ * thread that owns sched); the cap in force afterwards. */
+int mlens_profile_state_apply(struct mlens_profile_state *st, struct mlens_sched *sched);
 /* Predict again for another workload from the measurements held. */
 int mlens_profile_state_predict(struct mlens_profile_state *st, double p, double g);
 /* Predicted seconds of a step of n tokens with the held workload's mix;

@@ -7,3 +7,5 @@ tests_check_profiler_SOURCES = tests/check_profiler.c
 tests_check_profiler_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
 tests_check_profiler_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
+dist_check_SCRIPTS += tests/integration/profile.sh
+TESTS += tests/integration/profile.sh
