@@ -362,6 +362,17 @@ static json_t *cmd_profile(struct mlens_control *c, json_t *req)
 	if (rc)
 		return fail("profile: %s", st->err[0] ? st->err : strerror(-rc));
 	o = mlens_profile_state_json(st);
+	if (json_object_get(req, "step_tokens")) {
+		/* the model's time for a step of the size a run actually had */
+		double n, t;
+		if (length_arg(req, "step_tokens", 1, 1, &n)) {
+			json_decref(o);
+			return fail("profile: step_tokens must be a number of tokens in [1, 10000000]");
+		}
+		t = mlens_profile_state_step_seconds(st, n);
+		json_object_set_new(o, "step", json_pack("{s:f,s:f,s:f}", "tokens", n, "seconds", isfinite(t) ? t : -1.0,
+							 "tokens_per_s", isfinite(t) && t > 0 ? n / t : -1.0));
+	}
 	json_object_set_new(o, "ok", json_true());
 	return o;
 }
