@@ -342,8 +342,11 @@ static int profile_copies(struct mlens_backend *be, double budget, struct mlens_
 		double best = INFINITY;
 		for (int r = 0; r < REPS + 1; r++) {
 			double t0 = now(), t;
+			/* the last event: the pipeline records it only right before
+			 * waiting on it, so no step's ordering depends on it */
 			if ((rc = o->copy_async(be->ctx, 1, dir ? h : d, dir ? d : h, bytes, !dir)) ||
-			    (rc = o->event_record(be->ctx, 1, 0)) || (rc = o->event_sync(be->ctx, 0))) {
+			    (rc = o->event_record(be->ctx, 1, MLENS_BACKEND_EVENTS - 1)) ||
+			    (rc = o->event_sync(be->ctx, MLENS_BACKEND_EVENTS - 1))) {
 				seterr(err, errlen, "profiler: a pinned copy failed: %s", strerror(-rc));
 				goto out;
 			}
