@@ -153,9 +153,9 @@ void mlens_worker_drain(struct mlens_worker *w, double deadline)
 	post(w, c);
 }
 
-int mlens_worker_call(struct mlens_worker *w, mlens_worker_fn fn, void *arg)
+int mlens_worker_call_async(struct mlens_worker *w, mlens_worker_fn fn, void *arg)
 {
-	struct cmd *c = cmd_new(CMD_CALL, true);
+	struct cmd *c = cmd_new(CMD_CALL, false);
 	if (!c)
 		return -ENOMEM;
 	c->fn = fn;

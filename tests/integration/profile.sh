@@ -11,6 +11,7 @@ B="${MLENS_BUILDDIR:-.}"
 mlensd="$B/daemon/mlensd"
 ctlbin="$B/client/mlensctl"
 tenant="$B/tests/integration/ops_tenant"
+raw="$B/tests/integration/ops_raw"
 command -v curl >/dev/null || { echo "SKIP: needs curl for /metrics"; exit 77; }
 tmp=$(mktemp -d) || exit 99
 pid=
@@ -76,6 +77,14 @@ ctl --json profile --cached --gen-len 32 >"$tmp/c.json" || fail "profile --cache
 ctl profile --prompt-len >/dev/null 2>&1; [ $? -eq 2 ] || fail "--prompt-len without a value: not exit 2"
 ctl profile --gen-len 0 2>"$tmp/err"; [ $? -eq 1 ] || fail "gen_len 0: not refused"
 grep -q "gen_len" "$tmp/err" || fail "gen_len 0 message: $(cat "$tmp/err")"
+
+# a connection's later requests wait for its profile and are answered in order
+printf '{"cmd":"profile","gen_len":8}\n{"cmd":"profile","gen_len":9}\n{"cmd":"log-level"}\n' |
+	"$raw" "unix:$tmp/c.sock" 4000 >"$tmp/r"
+[ "$(wc -l <"$tmp/r")" = 3 ] || fail "three requests, replies: $(cat "$tmp/r")"
+sed -n 1p "$tmp/r" | grep -q '"gen_len": *8' || fail "first reply: $(sed -n 1p "$tmp/r")"
+sed -n 2p "$tmp/r" | grep -q '"gen_len": *9' || fail "second reply: $(sed -n 2p "$tmp/r")"
+sed -n 3p "$tmp/r" | grep -q '"level"' || fail "third reply: $(sed -n 3p "$tmp/r")"
 
 # stats and /metrics after some work
 "$tenant" "$tmp/t.sock" gen 2 8 >"$tmp/gen" || fail "tenant: $(cat "$tmp/gen")"
