@@ -18,6 +18,7 @@
 #define EXIT_USAGE 2
 #define EXIT_CONNECT 3
 #define REPLY_TIMEOUT_MS 30000	/* quota and evict wait for a step boundary */
+#define PROFILE_TIMEOUT_MS 120000	/* the profiler takes under 30 s on a GPU */
 #define MAX_REPLY (16u << 20)
 
 static const char *prog = "mlensctl";
@@ -36,6 +37,8 @@ static void usage(FILE *f)
 		"  log-level [LEVEL]           show or set: error, warn, info, debug\n"
 		"  shutdown                    drain, then exit\n"
 		"  config                      the daemon's settings\n"
+		"  profile [--prompt-len P] [--gen-len G] [--cached]\n"
+		"                              measure the machine; n_real, policy, predicted throughput\n"
 		"options:\n"
 		"  -s, --socket PATH           control socket (default $MLENS_CONTROL or /run/mlens/control.sock)\n"
 		"  --json                      print the daemon's JSON reply\n"
@@ -81,7 +84,7 @@ static int connect_to(const char *path)
 }
 
 /* Send req, read one reply line. NULL (message printed) on failure. */
-static json_t *transact(int fd, json_t *req)
+static json_t *transact(int fd, json_t *req, int timeout_ms)
 {
 	char *text = json_dumps(req, JSON_COMPACT), *buf = NULL;
 	size_t len, off = 0, cap = 0, have = 0;
@@ -114,8 +117,8 @@ static json_t *transact(int fd, json_t *req)
 			}
 			buf = nb;
 		}
-		if (poll(&p, 1, REPLY_TIMEOUT_MS) == 0) {
-			fprintf(stderr, "%s: no reply from the daemon in %d s\n", prog, REPLY_TIMEOUT_MS / 1000);
+		if (poll(&p, 1, timeout_ms) == 0) {
+			fprintf(stderr, "%s: no reply from the daemon in %d s\n", prog, timeout_ms / 1000);
 			free(buf);
 			return NULL;
 		}
@@ -244,6 +247,52 @@ static void show_stats(json_t *r)
 	}
 }
 
+static void show_rate(const char *what, double v, const char *unit)
+{
+	if (v > 0)
+		printf("%-16s %.2f %s\n", what, v / 1e9, unit);
+	else
+		printf("%-16s not measured (backend memory is host memory: nothing crosses a bus)\n", what);
+}
+
+static void show_profile(json_t *r)
+{
+	json_t *m = json_object_get(r, "measured"), *ga = json_object_get(m, "ga"), *gb = json_object_get(m, "gb");
+	json_t *pol = json_object_get(r, "policy"), *pr = json_object_get(r, "predicted"), *w = json_object_get(r, "workload");
+	json_t *neq = json_object_get(r, "n_eq");
+	printf("%-16s %s%s%s, %s in %.2f s\n", "profile", gets_(m, "backend"), *gets_(m, "gpu") ? " on " : "",
+	       gets_(m, "gpu"), json_is_true(json_object_get(r, "from_cache")) ? "cached, measured" : "measured",
+	       getf(m, "seconds"));
+	printf("%-16s %.3g s + %.3g s per token (fit of %lld points)\n", "GA per layer", getf(ga, "a"), getf(ga, "b"),
+	       (long long)geti(ga, "n"));
+	printf("%-16s %.3g s + %.3g s per token\n", "GB per layer", getf(gb, "a"), getf(gb, "b"));
+	if (getf(m, "gemm_flops") >= 1e12)
+		printf("%-16s %.2f TFLOP/s\n", "GEMM", getf(m, "gemm_flops") / 1e12);
+	else
+		printf("%-16s %.2f GFLOP/s\n", "GEMM", getf(m, "gemm_flops") / 1e9);
+	show_rate("H2D (pinned)", getf(m, "h2d_bytes_per_s"), "GB/s");
+	show_rate("D2H (pinned)", getf(m, "d2h_bytes_per_s"), "GB/s");
+	show_rate("CPU attention", getf(m, "cpu_attention_bytes_per_s"), "GB/s of KV");
+	show_rate("CPU memory", getf(m, "cpu_memory_bytes_per_s"), "GB/s read");
+	printf("%-16s %.0f tokens per step (%s)\n", "n_real", getf(r, "n_real"),
+	       !json_is_number(neq) ? "nothing streams: the activation memory bounds it"
+	       : getf(r, "n_eq") < getf(r, "n_act") ? "GPU time per layer equals the weight transfer (eq. 2)"
+	       : "the activation memory bounds it below eq. 2");
+	printf("%-16s %lld resident experts per layer (%s); group alpha takes %.0f%% of decode, %.0f%% of prefill tokens\n",
+	       "policy", (long long)geti(pol, "resident_experts"),
+	       strcmp(gets_(r, "mode"), "hybrid") ? "every expert resident" : "searched",
+	       100 * getf(pol, "alpha_decode"), 100 * getf(pol, "alpha_prefill"));
+	printf("%-16s %s\n", "binding", gets_(r, "binding"));
+	printf("%-16s %.1f tokens/s (%.1f generated/s) for %.0f-token prompts and %.0f-token generations, "
+	       "KV %.0f tokens: steps of %.0f tokens (set by %s) in %.4g s\n", "predicted", getf(pr, "tokens_per_s"),
+	       getf(pr, "generated_tokens_per_s"), getf(w, "prompt_len"), getf(w, "gen_len"), getf(w, "kv_tokens"),
+	       getf(pr, "tokens_per_step"), gets_(r, "limit"), getf(pr, "step_seconds"));
+	printf("%-16s %lld tokens per step (%s)\n", "token cap", (long long)geti(r, "token_cap"),
+	       json_is_true(json_object_get(r, "token_cap_pinned")) ? "pinned by max_step_tokens" : "from n_real");
+	if (*gets_(r, "warning"))
+		printf("%-16s %s\n", "warning", gets_(r, "warning"));
+}
+
 static void show_config(json_t *r)
 {
 	const char *k;
@@ -329,6 +378,22 @@ int main(int argc, char **argv)
 			key[eq - args[i]] = 0;
 			json_object_set_new(set, key, json_string(eq + 1));
 		}
+	} else if (!strcmp(cmd, "profile")) {
+		for (int i = 1; i < nargs; i++) {
+			const char *a = args[i];
+			if (!strcmp(a, "--cached")) {
+				json_object_set_new(req, "cached", json_true());
+			} else if (!strcmp(a, "--prompt-len") || !strcmp(a, "--gen-len")) {
+				if (i + 1 >= nargs) {
+					snprintf(why, sizeof(why), "profile: %s needs a number of tokens", a);
+					goto usage;
+				}
+				json_object_set_new(req, a[2] == 'p' ? "prompt_len" : "gen_len", json_string(args[++i]));
+			} else {
+				snprintf(why, sizeof(why), "profile: unknown argument '%s' (--prompt-len P, --gen-len G, --cached)", a);
+				goto usage;
+			}
+		}
 	} else if (!strcmp(cmd, "log-level")) {
 		if (nargs > 2) {
 			snprintf(why, sizeof(why), "log-level takes at most one LEVEL");
@@ -346,7 +411,7 @@ int main(int argc, char **argv)
 		json_decref(req);
 		return EXIT_CONNECT;
 	}
-	rep = transact(fd, req);
+	rep = transact(fd, req, !strcmp(cmd, "profile") ? PROFILE_TIMEOUT_MS : REPLY_TIMEOUT_MS);
 	close(fd);
 	json_decref(req);
 	if (!rep)
@@ -369,6 +434,8 @@ int main(int argc, char **argv)
 		show_stats(rep);
 	} else if (!strcmp(cmd, "config")) {
 		show_config(rep);
+	} else if (!strcmp(cmd, "profile")) {
+		show_profile(rep);
 	} else if (!strcmp(cmd, "log-level")) {
 		printf("%s\n", gets_(rep, "level"));
 	} else if (!strcmp(cmd, "drain")) {

@@ -53,6 +53,8 @@ static const struct opt opts[] = {
 	{ "mlock", T_BOOL, O(mlock), "true", 0, 0, NULL, "lock the pinned pools in memory (fail if it cannot)" },
 	{ "io_uring", T_BOOL, O(io_uring), "true", 0, 0, NULL, "read model files with io_uring (false: mmap copy)" },
 	{ "gpus", T_GPUS, O(gpus), "0", 0, 0, "LIST", "CUDA devices to serve on, comma-separated (this mlensd serves on one)" },
+	{ "profile", T_BOOL, O(profile), "false", 0, 0, NULL, "profile the machine at start-up and set the token cap from n_real" },
+	{ "profile_cache", T_STR, O(profile_cache), "", 0, 0, "PATH", "JSON file of profile results, reused while model, backend, GPU and budget match (empty: none)" },
 };
 #undef O
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))

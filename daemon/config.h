@@ -46,6 +46,8 @@ struct mlens_config {
 	char *gpus;
 	int n_gpus;
 	int gpu_ids[MLENS_CONFIG_MAX_GPUS];
+	bool profile;
+	char *profile_cache;
 };
 
 /* Fill in every default. */

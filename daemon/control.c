@@ -8,10 +8,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include "daemon/control.h"
 #include "daemon/log.h"
+#include "daemon/profiler.h"
 
 struct conn {
 	struct mlens_control *c;
@@ -20,7 +23,24 @@ struct conn {
 	pid_t pid;
 	bool closing;		/* free once the output is written */
 	bool shutdown_after;	/* the shutdown command: act once the reply is out */
+	struct profile_job *job;	/* a profile measuring for it: reading waits */
 	struct conn *next, **prevp;
+};
+
+/* A profile measuring on the worker thread while the main loop goes on
+ * serving (it takes up to 30 s on a GPU). The worker fills its own copy of
+ * the profile state, so that the stats and /metrics the main thread serves
+ * meanwhile read the last results untouched; the copy replaces them when
+ * the job is done. One at a time. */
+struct profile_job {
+	struct mlens_control *c;
+	struct conn *k;		/* NULL once the connection is gone */
+	struct mlens_profile_state st;
+	double p, g;
+	json_t *req;
+	int rc;
+	int efd;		/* the worker writes here when done */
+	struct event *ev;
 };
 
 struct mlens_control {
@@ -34,6 +54,7 @@ struct mlens_control {
 	struct conn *conns;
 	int n_conns;
 	bool drained_by_ctl;	/* admission closed by mlensctl drain */
+	struct profile_job *job;	/* the profile in flight, if any */
 };
 
 /* ==== replies ==== */
@@ -296,6 +317,84 @@ static json_t *cmd_config(struct mlens_control *c)
 	return json_pack("{s:b,s:o}", "ok", 1, "config", o);
 }
 
+/* A workload length: a number in [lo, 1e7], the default when absent. */
+static int length_arg(json_t *req, const char *key, double def, double lo, double *out)
+{
+	json_t *v = json_object_get(req, key);
+	double x;
+	if (!v) {
+		*out = def;
+		return 0;
+	}
+	if (json_is_number(v))
+		x = json_number_value(v);
+	else if (json_is_string(v)) {
+		char *end;
+		x = strtod(json_string_value(v), &end);
+		if (end == json_string_value(v) || *end)
+			return -EINVAL;
+	} else
+		return -EINVAL;
+	if (!isfinite(x) || x < lo || x > 1e7)
+		return -ERANGE;
+	*out = x;
+	return 0;
+}
+
+/* The reply to a profile request from the held state (measured or not). */
+static json_t *profile_reply(struct mlens_profile_state *st, json_t *req)
+{
+	json_t *o = mlens_profile_state_json(st);
+	json_object_set_new(o, "ok", json_true());
+	if (json_object_get(req, "step_tokens")) {
+		/* the model's time for a step of the size a run actually had */
+		double n, t;
+		if (length_arg(req, "step_tokens", 1, 1, &n)) {
+			json_decref(o);
+			return fail("profile: step_tokens must be a number of tokens in [1, 10000000]");
+		}
+		t = mlens_profile_state_step_seconds(st, n);
+		json_object_set_new(o, "step", json_pack("{s:f,s:f,s:f}", "tokens", n, "seconds", isfinite(t) ? t : -1.0,
+							 "tokens_per_s", isfinite(t) && t > 0 ? n / t : -1.0));
+	}
+	return o;
+}
+
+/* Workload lengths of a profile request; NULL or the refusal. */
+static json_t *profile_args(json_t *req, double *p, double *g)
+{
+	if (length_arg(req, "prompt_len", MLENS_PROFILE_PROMPT, 0, p))
+		return fail("profile: prompt_len must be a number of tokens in [0, 10000000]");
+	if (length_arg(req, "gen_len", MLENS_PROFILE_GEN, 1, g))
+		return fail("profile: gen_len must be a number of tokens in [1, 10000000]");
+	return NULL;
+}
+
+/* Whether a profile request measures (else it predicts from what is held). */
+static bool profile_measures(struct mlens_control *c, json_t *req)
+{
+	const char *cmd = json_string_value(json_object_get(req, "cmd"));
+	return cmd && !strcmp(cmd, "profile") && c->info->profile && c->info->profile->model &&
+	       !(json_is_true(json_object_get(req, "cached")) && c->info->profile->have);
+}
+
+/* --cached with results held: arithmetic on the main thread. */
+static json_t *cmd_profile(struct mlens_control *c, json_t *req)
+{
+	struct mlens_profile_state *st = c->info->profile;
+	json_t *bad;
+	double p, g;
+	int rc;
+	if (!st || !st->model)
+		return fail("profile: this daemon has no profiler");
+	if ((bad = profile_args(req, &p, &g)))
+		return bad;
+	rc = mlens_profile_state_predict(st, p, g);
+	if (rc)
+		return fail("profile: %s", st->err[0] ? st->err : strerror(-rc));
+	return profile_reply(st, req);
+}
+
 /* Answer one request (a parsed JSON object): a new reference to the reply. */
 static json_t *handle(struct mlens_control *c, json_t *req)
 {
@@ -315,6 +414,8 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 		return cmd_log_level(req);
 	if (!strcmp(cmd, "config"))
 		return cmd_config(c);
+	if (!strcmp(cmd, "profile"))
+		return cmd_profile(c, req);
 	if (!strcmp(cmd, "stats")) {
 		struct mlens_worker_snapshot s;
 		json_t *o;
@@ -344,7 +445,7 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 	if (!strcmp(cmd, "shutdown"))
 		return ok();	/* the caller begins the drain once this is written */
 	return fail("unknown command '%s' (status, tenants, quota, drain, resume, evict, stats, log-level, "
-		    "shutdown, config)", cmd);
+		    "shutdown, config, profile)", cmd);
 }
 
 /* ==== connections ==== */
@@ -352,6 +453,8 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 static void conn_free(struct conn *k)
 {
 	struct mlens_control *c = k->c;
+	if (k->job)
+		k->job->k = NULL;	/* it finishes; nobody hears the answer */
 	*k->prevp = k->next;
 	if (k->next)
 		k->next->prevp = k->prevp;
@@ -391,11 +494,114 @@ static bool looks_like_http(const char *line)
 	return strstr(line, " HTTP/1.") != NULL;
 }
 
+/* ==== the profile on the worker thread ==== */
+
+static void on_read(struct bufferevent *bev, void *arg);
+
+static int profile_on_worker(void *arg, struct mlens_sched *s)
+{
+	struct profile_job *j = arg;
+	uint64_t one = 1;
+	j->rc = mlens_profile_state_run(&j->st, s, j->p, j->g, false);
+	if (write(j->efd, &one, sizeof(one)) < 0)
+		log_error("control: cannot tell the main loop that the profile is done: %s", strerror(errno));
+	return j->rc;
+}
+
+static void job_free(struct profile_job *j)
+{
+	if (j->ev)
+		event_free(j->ev);
+	if (j->efd >= 0)
+		close(j->efd);
+	json_decref(j->req);
+	free(j);
+}
+
+/* Main thread, the worker done: publish the results, answer, read on. */
+static void job_done(struct profile_job *j)
+{
+	struct mlens_control *c = j->c;
+	struct mlens_profile_state *st = c->info->profile;
+	json_t *rep;
+	if (j->rc == 0) {
+		*st = j->st;
+		log_info("control: profile done in %.2f s: n_real %.0f, %s binds, token cap %d", st->prof.seconds,
+			 st->pred.n_real, mlens_perf_bind_name(st->pred.time.bind), st->token_cap);
+		rep = profile_reply(st, j->req);
+	} else {
+		log_warn("control: profile failed: %s", j->st.err[0] ? j->st.err : strerror(-j->rc));
+		rep = fail("profile: %s", j->st.err[0] ? j->st.err : strerror(-j->rc));
+	}
+	c->job = NULL;
+	if (j->k) {
+		struct conn *k = j->k;
+		k->job = NULL;
+		send_json(k, rep);
+		if (!k->closing) {
+			bufferevent_enable(k->bev, EV_READ);
+			on_read(k->bev, k);	/* lines that came meanwhile */
+		}
+	}
+	json_decref(rep);
+	job_free(j);
+}
+
+static void on_job(evutil_socket_t fd, short what, void *arg)
+{
+	uint64_t v;
+	(void)what;
+	if (read(fd, &v, sizeof(v)) != (ssize_t)sizeof(v))
+		return;	/* not done yet */
+	job_done(arg);
+}
+
+/* Queue a measuring profile for k; k reads no more lines until it is done. */
+static void profile_start(struct conn *k, json_t *req)
+{
+	struct mlens_control *c = k->c;
+	struct profile_job *j;
+	json_t *bad;
+	double p, g;
+	if ((bad = profile_args(req, &p, &g)) ||
+	    (c->job && (bad = fail("profile: one is measuring already; ask again when it is done")))) {
+		send_json(k, bad);
+		json_decref(bad);
+		return;
+	}
+	j = calloc(1, sizeof(*j));
+	if (!j) {
+		bad = fail("profile: out of memory");
+		send_json(k, bad);
+		json_decref(bad);
+		return;
+	}
+	j->c = c;
+	j->k = k;
+	j->st = *c->info->profile;
+	j->p = p;
+	j->g = g;
+	j->req = json_incref(req);
+	j->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	j->ev = j->efd >= 0 ? event_new(c->base, j->efd, EV_READ | EV_PERSIST, on_job, j) : NULL;
+	if (!j->ev || event_add(j->ev, NULL) || mlens_worker_call_async(c->info->worker, profile_on_worker, j)) {
+		job_free(j);
+		bad = fail("profile: cannot start it: out of memory or file descriptors");
+		send_json(k, bad);
+		json_decref(bad);
+		return;
+	}
+	c->job = j;
+	k->job = j;
+	bufferevent_disable(k->bev, EV_READ);
+	log_info("control: profiling the machine on the worker thread (steps pause until it is done)");
+}
+
 static void on_read(struct bufferevent *bev, void *arg)
 {
 	struct conn *k = arg;
 	struct evbuffer *in = bufferevent_get_input(bev);
-	while (!k->closing) {
+	while (!k->closing && !k->job) {
 		size_t eol_len = 0, n;
 		struct evbuffer_ptr p = evbuffer_search_eol(in, NULL, &eol_len, EVBUFFER_EOL_LF);
 		char *line;
@@ -435,6 +641,11 @@ static void on_read(struct bufferevent *bev, void *arg)
 				      "e.g. {\"cmd\":\"status\"}");
 			return;
 		}
+		if (profile_measures(k->c, req)) {
+			profile_start(k, req);
+			json_decref(req);
+			continue;	/* the loop stops while it measures */
+		}
 		rep = handle(k->c, req);
 		if (json_is_true(json_object_get(rep, "ok")) &&
 		    !strcmp(json_string_value(json_object_get(req, "cmd")), "shutdown")) {
@@ -447,7 +658,7 @@ static void on_read(struct bufferevent *bev, void *arg)
 		send_json(k, rep);
 		json_decref(rep);
 	}
-	if (k->closing)
+	if (k->closing || k->job)
 		return;
 	if (evbuffer_get_length(in) > MLENS_CONTROL_MAX_LINE) {
 		close_with(k, "request longer than 64 KiB");
@@ -595,6 +806,17 @@ void mlens_control_destroy(struct mlens_control *c)
 		return;
 	while (c->conns)
 		conn_free(c->conns);
+	if (c->job) {
+		/* the worker still runs it (it stops after the control socket):
+		 * wait, so that it does not write into freed memory */
+		struct pollfd pfd = { c->job->efd, POLLIN, 0 };
+		uint64_t v;
+		while (poll(&pfd, 1, -1) < 0 && errno == EINTR)
+			;
+		if (read(c->job->efd, &v, sizeof(v)) < 0)
+			log_warn("control: profile at shutdown: %s", strerror(errno));
+		job_done(c->job);
+	}
 	if (c->lev)
 		event_free(c->lev);
 	if (c->lfd >= 0) {

@@ -17,6 +17,7 @@
 #include "daemon/gpu_plan.h"
 #include "daemon/gpuplan.h"
 #include "daemon/pipeline.h"
+#include "daemon/profiler.h"
 #include "daemon/log.h"
 #include "daemon/mem.h"
 #include "daemon/sched.h"
@@ -50,6 +51,7 @@ struct daemon {
 	struct mlens_control *control;
 	struct mlens_stats *stats;
 	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/gpu_plan.c) */
+	struct mlens_profile_state prof;	/* the profiler's last results (daemon/profiler.c) */
 	char mode_reason[512];
 };
 
@@ -192,6 +194,56 @@ static uint32_t kv_blocks_for(const struct mlens_model_config *c, enum mlens_dty
 		     (size_t)c->head_dim * mlens_dtype_size(dt);
 	uint64_t n = bytes / (2 * *per_block);
 	return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
+}
+
+/* The profiler's view of this daemon: its backends, the model's byte
+ * counts, the GPU budget the model may plan with, the KV capacity and
+ * whether the cap is pinned; the cache key. */
+static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv_dt)
+{
+	struct mlens_profile_state *st = &D.prof;
+	char gpu[96];
+	st->model = D.model;
+	st->opts.be = &D.be;
+	st->opts.attn = D.hybrid ? &D.attn : NULL;
+	st->opts.n_threads = (int)D.cfg.threads;
+	st->opts.kv_dtype = kv_dt;
+	st->opts.kv_block_size = (int)D.cfg.kv_block_size;
+	st->opts.max_tokens = D.cfg.max_step_tokens > 0 ? D.cfg.max_step_tokens : 4096;
+	st->opts.budget_s = D.be.ops->host_memory ? 0.5 : 20;
+	mlens_perf_model_from_config(&st->pm, &D.model->cfg, kv_dt);
+	st->hybrid = D.hybrid;
+	if (D.be.ops->host_memory) {
+		/* the CPU backend: activations may take the host memory the KV
+		 * pool leaves */
+		long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+		uint64_t phys = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : 0;
+		uint64_t kv = 2ull * blocks * per_block;
+		st->gpu_budget = phys > kv ? phys - kv : 0;
+	} else {
+		/* GPU-only mode keeps the KV pool on the GPU too */
+		st->gpu_budget = D.hybrid ? D.plan.budget : D.plan.budget > D.plan.kv ? D.plan.budget - D.plan.kv : 0;
+		st->gpu_workspace = MLENS_GPUPLAN_WORKSPACE;
+	}
+	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
+	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
+	st->pinned_cap = (int)D.cfg.max_step_tokens;
+	st->cache_path = D.cfg.profile_cache;
+	mlens_profile_gpu_name(&D.be, gpu, sizeof(gpu));
+	mlens_profile_key_make(&st->key, D.model, D.be.ops->name, gpu, D.cfg.gpu_memory, st->opts.budget_s);
+}
+
+static void profile_log(const struct mlens_profile_state *st)
+{
+	const struct mlens_profile *p = &st->prof;
+	log_info("profile%s: GA %.3g + %.3g n s, GB %.3g + %.3g n s per layer; GEMM %.1f TFLOP/s; H2D %.1f GB/s, "
+		 "D2H %.1f GB/s; CPU attention %.1f GB/s, memory %.1f GB/s (%.2f s)",
+		 st->from_cache ? " (cached)" : "", p->ga.a, p->ga.b, p->gb.a, p->gb.b, p->gemm_flops / 1e12,
+		 p->h2d / 1e9, p->d2h / 1e9, p->attn_bw / 1e9, p->mem_bw / 1e9, p->seconds);
+	log_info("profile: n_real %.0f (%s), %d resident experts per layer, %s binds; predicted %.1f tokens/s "
+		 "for %.0f/%.0f-token requests", st->pred.n_real, mlens_perf_limit_name(st->pred.limit),
+		 st->pred.policy.resident_experts, mlens_perf_bind_name(st->pred.time.bind), st->pred.total_tok_s,
+		 st->w.p, st->w.g);
 }
 
 int main(int argc, char **argv)
@@ -350,6 +402,17 @@ int main(int argc, char **argv)
 		if (rc)
 			return fail_start("%s", err);
 	}
+	/* the profiler runs before the engine takes its memory */
+	profile_setup(blocks, per_block, kv_dt);
+	if (D.cfg.profile) {
+		rc = mlens_profile_state_run(&D.prof, NULL, MLENS_PROFILE_PROMPT, MLENS_PROFILE_GEN, true);
+		if (rc)
+			log_warn("profile at start-up failed (%s); the token cap stays as configured", D.prof.err);
+		else
+			profile_log(&D.prof);
+		if (!rc && D.prof.err[0])
+			log_warn("%s", D.prof.err);
+	}
 	memset(&eo, 0, sizeof(eo));
 	eo.kv_block_size = (int)D.cfg.kv_block_size;
 	eo.kv_blocks = blocks;
@@ -383,6 +446,11 @@ int main(int argc, char **argv)
 	rc = mlens_sched_create(&D.sched, D.engine, &so);
 	if (rc)
 		return fail_start("cannot create the scheduler: %s", strerror(-rc));
+	if (D.prof.have) {
+		mlens_profile_state_apply(&D.prof, D.sched);
+		log_info("step cap %d tokens (%s)", D.prof.token_cap,
+			 D.prof.pinned_cap > 0 ? "pinned by max_step_tokens" : "from n_real");
+	}
 
 	/* threads and sockets */
 	D.base = event_base_new();
@@ -426,6 +494,7 @@ int main(int argc, char **argv)
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
+		.profile = &D.prof,
 	};
 	rc = mlens_stats_start(&D.stats, D.base, &D.info, err, sizeof(err));
 	if (rc)

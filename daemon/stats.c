@@ -3,6 +3,7 @@
  * listening-socket helper the control socket shares. Main thread only. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <event2/buffer.h>
 #include <event2/http.h>
 #include <grp.h>
@@ -15,6 +16,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 #include "daemon/log.h"
+#include "daemon/profiler.h"
 #include "daemon/stats.h"
 
 struct mlens_stats {
@@ -177,6 +179,14 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "host_wait_seconds_total", json_real(st->host_wait_seconds));
 	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
+	if (info->profile && info->profile->have) {
+		const struct mlens_profile_state *ps = info->profile;
+		double pred = mlens_profile_state_step_seconds(ps, st->last_step_tokens);
+		json_object_set_new(o, "n_real", json_real(ps->pred.n_real));
+		json_object_set_new(o, "binding_resource", json_string(mlens_perf_bind_name(ps->pred.time.bind)));
+		json_object_set_new(o, "step_seconds_predicted", isfinite(pred) ? json_real(pred) : json_null());
+		json_object_set_new(o, "step_seconds_measured", json_real(st->last_step_seconds));
+	}
 	json_object_set_new(o, "admission", json_string(snap->draining ? "draining" : snap->admission ? "open" : "closed"));
 	json_object_set_new(o, "tenants", json_integer(snap->n_tenants));
 	json_object_set_new(o, "tenants_attached_total", json_integer((json_int_t)snap->tenants_attached_total));
@@ -287,6 +297,22 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_host_wait_seconds_total", "counter",
 			  "Seconds the hybrid pipeline's thread waited for the GPU.");
 		evbuffer_add_printf(b, "mlens_host_wait_seconds_total %.9g\n", st->host_wait_seconds);
+	}
+	if (info->profile && info->profile->have) {
+		const struct mlens_profile_state *ps = info->profile;
+		double pred = mlens_profile_state_step_seconds(ps, st->last_step_tokens);
+		prom_head(b, "mlens_n_real", "gauge",
+			  "Tokens per step at which GPU time per layer equals the weight transfer (the profiler's n_real).");
+		evbuffer_add_printf(b, "mlens_n_real %.0f\n", ps->pred.n_real);
+		prom_head(b, "mlens_binding_resource_info", "gauge",
+			  "The resource the performance model says binds a step (always 1).");
+		evbuffer_add_printf(b, "mlens_binding_resource_info{resource=\"%s\"} 1\n",
+				    mlens_perf_bind_name(ps->pred.time.bind));
+		prom_head(b, "mlens_step_seconds_predicted", "gauge",
+			  "The performance model's time for a step of the last step's token count.");
+		evbuffer_add_printf(b, "mlens_step_seconds_predicted %.9g\n", isfinite(pred) ? pred : 0.0);
+		prom_head(b, "mlens_step_seconds_measured", "gauge", "Seconds the last step took.");
+		evbuffer_add_printf(b, "mlens_step_seconds_measured %.9g\n", st->last_step_seconds);
 	}
 	prom_head(b, "mlens_steps_total", "counter", "Scheduler steps run.");
 	evbuffer_add_printf(b, "mlens_steps_total %llu\n", (unsigned long long)st->steps);

@@ -12,6 +12,8 @@
 #include "daemon/server.h"
 #include "daemon/worker.h"
 
+struct mlens_profile_state;
+
 /* What the daemon knows of itself, for status and stats (main thread). */
 struct mlens_daemon_info {
 	const struct mlens_config *cfg;
@@ -27,6 +29,7 @@ struct mlens_daemon_info {
 	const char *mode;		/* "gpu-only", "hybrid", or NULL: the backend's name says it */
 	const char *mode_reason;	/* why, with the numbers (NULL: derived from the backend) */
 	char stats_http_addr[80];	/* filled by mlens_stats_start: "127.0.0.1:PORT" */
+	struct mlens_profile_state *profile;	/* the profiler's results (NULL: no profiler) */
 };
 
 struct mlens_stats;

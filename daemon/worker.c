@@ -10,7 +10,7 @@
 #include "daemon/log.h"
 #include "daemon/worker.h"
 
-enum cmd_kind { CMD_ATTACH, CMD_DETACH, CMD_QUOTA, CMD_EVICT, CMD_ADMISSION, CMD_DRAIN, CMD_STOP };
+enum cmd_kind { CMD_ATTACH, CMD_DETACH, CMD_QUOTA, CMD_EVICT, CMD_ADMISSION, CMD_DRAIN, CMD_CALL, CMD_STOP };
 
 struct cmd {
 	enum cmd_kind kind;
@@ -19,6 +19,8 @@ struct cmd {
 	struct mlens_quota q;
 	bool flag;
 	double deadline;
+	mlens_worker_fn fn;	/* CMD_CALL */
+	void *arg;
 	/* synchronous commands: the caller waits for done */
 	bool wait;
 	bool done;
@@ -151,6 +153,16 @@ void mlens_worker_drain(struct mlens_worker *w, double deadline)
 	post(w, c);
 }
 
+int mlens_worker_call_async(struct mlens_worker *w, mlens_worker_fn fn, void *arg)
+{
+	struct cmd *c = cmd_new(CMD_CALL, false);
+	if (!c)
+		return -ENOMEM;
+	c->fn = fn;
+	c->arg = arg;
+	return post(w, c);
+}
+
 void mlens_worker_snapshot(struct mlens_worker *w, struct mlens_worker_snapshot *snap)
 {
 	pthread_mutex_lock(&w->lock);
@@ -201,6 +213,8 @@ static void remove_tenant(struct mlens_worker *w, uint32_t id, int status, bool 
 	}
 }
 
+static void publish(struct mlens_worker *w);
+
 static void run_cmd(struct mlens_worker *w, struct cmd *c)
 {
 	struct mlens_tenant *t;
@@ -238,6 +252,10 @@ static void run_cmd(struct mlens_worker *w, struct cmd *c)
 		mlens_sched_set_admission(w->s, false);
 		w->draining = true;
 		w->deadline = c->deadline;
+		break;
+	case CMD_CALL:
+		c->rc = c->fn(c->arg, w->s);
+		publish(w);	/* what it changed (the token cap) shows at once */
 		break;
 	case CMD_STOP:
 		w->stop = true;

@@ -55,6 +55,14 @@ void mlens_worker_set_admission(struct mlens_worker *w, bool open);
  * notify_fd when it is drained (idle with admission closed). */
 void mlens_worker_drain(struct mlens_worker *w, double deadline);
 void mlens_worker_snapshot(struct mlens_worker *w, struct mlens_worker_snapshot *snap);
+/* Run fn(arg, scheduler) on the worker thread between two steps (it owns
+ * the scheduler and drives the engine's backend); steps pause while fn
+ * runs (the profiler). The caller does not wait: fn tells it itself when
+ * it is done (its return value is dropped). -ENOMEM when it cannot be
+ * queued. A call queued before mlens_worker_stop runs before the worker
+ * exits. */
+typedef int (*mlens_worker_fn)(void *arg, struct mlens_sched *s);
+int mlens_worker_call_async(struct mlens_worker *w, mlens_worker_fn fn, void *arg);
 
 double mlens_now(void);
 

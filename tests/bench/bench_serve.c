@@ -36,7 +36,7 @@ struct serve_opts {
 	int n_daemon_args;
 	int prompt_len, gen_len, requests, concurrency, threads, max_step_tokens;
 	double start_timeout, run_timeout;
-	bool json, keep_log;
+	bool json, keep_log, predict;
 };
 
 /* ==== the daemon ==== */
@@ -553,7 +553,10 @@ static void usage(FILE *f)
 		"usage: mlens-bench serve --model DIR [--mlensd PATH] [--backend auto|cpu|cuda]\n"
 		"       [--kv-cache SIZE] [--gpu-memory SIZE] [--max-step-tokens N] [--daemon-arg ARG]...\n"
 		"       [--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T]\n"
-		"       [--start-timeout S] [--timeout S] [--keep-log] [--json]\n");
+		"       [--start-timeout S] [--timeout S] [--keep-log] [--predict] [--json]\n"
+		"  --predict: after the run, ask the daemon's performance model (mlensctl profile;\n"
+		"             it measures unless the daemon profiled already) and print its\n"
+		"             prediction beside the measurement\n");
 }
 
 int mlens_bench_serve(int argc, char **argv)
@@ -564,7 +567,7 @@ int mlens_bench_serve(int argc, char **argv)
 		{ "daemon-arg", 1, 0, 'a' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "requests", 1, 0, 'n' }, { "concurrency", 1, 0, 'c' }, { "threads", 1, 0, 't' },
 		{ "start-timeout", 1, 0, 'S' }, { "timeout", 1, 0, 'T' }, { "keep-log", 0, 0, 'K' },
-		{ "json", 0, 0, 'j' }, { "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
+		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
 	};
 	struct serve_opts o = {
 		.backend = "auto", .kv_cache = "1G", .prompt_len = 512, .gen_len = 128, .requests = 256,
@@ -577,7 +580,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct mlens_model *model = NULL;
 	struct ceilings ceil_ = { 0 };
 	struct bound bd = { 0 };
-	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL;
+	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
 	double *ttft = NULL, wall, busy, kv_tokens, n_cap;
 	uint64_t t0, t1, gen = 0, prompt_tok = 0;
 	int ok = 0, bad = 0, n_ttft = 0, rc = 1, opt;
@@ -618,6 +621,7 @@ int mlens_bench_serve(int argc, char **argv)
 		case 'T': o.run_timeout = (double)v; break;
 		case 'K': o.keep_log = true; break;
 		case 'j': o.json = true; break;
+		case 'P': o.predict = true; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
@@ -692,6 +696,27 @@ int mlens_bench_serve(int argc, char **argv)
 	 * reads tokens back), so this is the share of time the GPU had work
 	 * queued or was waited for: an upper bound of the GPU's busy time. */
 	busy = st1 ? (jnum(st1, "step_seconds_sum") - jnum(st0, "step_seconds_sum")) / wall : 0.0;
+	if (o.predict) {
+		/* the daemon's own model: its last profile (taken at start-up with
+		 * --daemon-arg --profile), or one measured now; the steady state
+		 * of the workload, and a step of the mean size this run had (the
+		 * steady state assumes enough requests in flight to fill the KV
+		 * pool or n_real; a run with fewer has smaller steps) */
+		char req[256];
+		double steps = st1 ? jnum(st1, "steps_total") - jnum(st0, "steps_total") : 0;
+		double mean = steps > 0 ? (jnum(st1, "prompt_tokens_total") - jnum(st0, "prompt_tokens_total") +
+					   jnum(st1, "generation_tokens_total") - jnum(st0, "generation_tokens_total")) / steps : 1;
+		snprintf(req, sizeof(req), "{\"cmd\":\"profile\",\"cached\":true,\"prompt_len\":%d,\"gen_len\":%d,"
+			 "\"step_tokens\":%.3f}\n", o.prompt_len, o.gen_len, mean >= 1 ? mean : 1.0);
+		prof = socket_json(d.control, req);
+		if (!json_is_true(json_object_get(prof, "ok"))) {
+			fprintf(stderr, "serve: --predict: the daemon gave no prediction: %s\n",
+				prof && json_string_value(json_object_get(prof, "error")) ?
+				json_string_value(json_object_get(prof, "error")) : "no reply");
+			json_decref(prof);
+			prof = NULL;
+		}
+	}
 	daemon_stop(&d, o.keep_log || bad || atomic_load(&run.failed_threads));
 
 	kv_tokens = st1 ? jnum(st1, "kv_blocks_total") : 0.0;
@@ -747,6 +772,30 @@ int mlens_bench_serve(int argc, char **argv)
 				"generated_tokens_per_s", bd.gen_tps));
 			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / bd.gen_tps));
 		}
+		if (prof) {
+			json_t *pr = json_object_get(prof, "predicted");
+			double ptps = jnum(pr, "tokens_per_s");
+			json_object_set_new(out, "predicted", json_pack("{s:f,s:f,s:f,s:f,s:f,s:s,s:s,s:i,s:b}",
+				"total_tokens_per_s", ptps, "generated_tokens_per_s", jnum(pr, "generated_tokens_per_s"),
+				"step_seconds", jnum(pr, "step_seconds"), "tokens_per_step", jnum(pr, "tokens_per_step"),
+				"n_real", jnum(prof, "n_real"),
+				"binding", json_string_value(json_object_get(prof, "binding")) ?
+					json_string_value(json_object_get(prof, "binding")) : "?",
+				"limit", json_string_value(json_object_get(prof, "limit")) ?
+					json_string_value(json_object_get(prof, "limit")) : "?",
+				"resident_experts", (int)jnum(json_object_get(prof, "policy"), "resident_experts"),
+				"from_cache", json_is_true(json_object_get(prof, "from_cache"))));
+			/* signed: positive when the model promises more than the box gave */
+			json_object_set_new(out, "prediction_error", json_real(tot_tps > 0 ? (ptps - tot_tps) / tot_tps : 0.0));
+			{
+				json_t *sj = json_object_get(prof, "step");
+				double st_s = jnum(sj, "seconds"), meas_s = steps > 0 ? busy * wall / steps : 0;
+				json_object_set_new(out, "predicted_at_mean_step", json_pack("{s:f,s:f,s:f,s:f}",
+					"tokens", jnum(sj, "tokens"), "step_seconds", st_s,
+					"measured_step_seconds", meas_s,
+					"step_error", meas_s > 0 && st_s > 0 ? (st_s - meas_s) / meas_s : 0.0));
+			}
+		}
 		if (o.json) {
 			json_dumpf(out, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
 			printf("\n");
@@ -768,6 +817,28 @@ int mlens_bench_serve(int argc, char **argv)
 				       "bound", bd.gen_tps, bd.B, bd.n_step, bd.t_step * 1e3);
 				printf("%-26s %.2f\n", "measured / bound", gen_tps / bd.gen_tps);
 			}
+			if (prof) {
+				json_t *pr = json_object_get(prof, "predicted");
+				double ptps = jnum(pr, "tokens_per_s");
+				printf("%-26s %.1f total tokens/s (%.1f generated), steps of %.0f tokens in %.4g s\n",
+				       "predicted", ptps, jnum(pr, "generated_tokens_per_s"), jnum(pr, "tokens_per_step"),
+				       jnum(pr, "step_seconds"));
+				printf("%-26s %.1f total tokens/s (%.1f generated), steps of %.1f tokens\n", "measured",
+				       tot_tps, gen_tps, steps > 0 ? (jnum(st1, "prompt_tokens_total") -
+				       jnum(st0, "prompt_tokens_total") + jnum(st1, "generation_tokens_total") -
+				       jnum(st0, "generation_tokens_total")) / steps : 0.0);
+				{
+					json_t *sj = json_object_get(prof, "step");
+					double meas_s = steps > 0 ? busy * wall / steps : 0;
+					printf("%-26s %.4g s predicted, %.4g s measured (mean step of %.1f tokens, %+.1f %%)\n",
+					       "step time", jnum(sj, "seconds"), meas_s, jnum(sj, "tokens"),
+					       meas_s > 0 ? 100 * (jnum(sj, "seconds") - meas_s) / meas_s : 0.0);
+				}
+				printf("%-26s %+.1f %% (n_real %.0f, %s binds, %s sets the step)\n", "prediction error",
+				       tot_tps > 0 ? 100 * (ptps - tot_tps) / tot_tps : 0.0, jnum(prof, "n_real"),
+				       json_string_value(json_object_get(prof, "binding")),
+				       json_string_value(json_object_get(prof, "limit")));
+			}
 		}
 	}
 	rc = bad || atomic_load(&run.failed_threads) ? 1 : 0;
@@ -779,6 +850,7 @@ out:
 	json_decref(st1);
 	json_decref(status);
 	json_decref(out);
+	json_decref(prof);
 	free(run.recs);
 	free(ca);
 	free(th);

@@ -1,0 +1,889 @@
+/* The pipeline profiler: timing of one layer's GA and GB ops, GEMM rate,
+ * pinned copies, CPU decode attention and memory reads through the real
+ * backends; the JSON cache; the daemon's profile state (prediction, n_real,
+ * the scheduler's cap). What is measured and why is in profiler.h. */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include "daemon/profiler.h"
+#include "daemon/sched.h"
+#include "kernels/cpu/pool.h"
+
+static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t len, const char *fmt, ...)
+{
+	va_list ap;
+	if (!err || !len)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(err, len, fmt, ap);
+	va_end(ap);
+}
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+	*s ^= *s << 13;
+	*s ^= *s >> 7;
+	*s ^= *s << 17;
+	return *s;
+}
+
+static float rng_f(uint64_t *s)	/* [-1, 1) */
+{
+	return (float)((rng_next(s) >> 40) * (1.0 / 8388608.0)) - 1.0f;
+}
+
+/* ==== one layer on the backend ==== */
+
+struct layer {
+	const struct mlens_backend *be;
+	const struct mlens_model_config *c;
+	bool uploaded;
+	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
+	const void **w1, **w2, **w3;
+	struct mlens_moe_weights moe;
+	float *x, *xn, *q, *k, *v, *att, *rlog, *rw, *gout;
+	int32_t *rid, *pos;
+	int64_t n;		/* rows allocated */
+	int qd, kvd;
+};
+
+static const void *put(struct layer *L, const void *host, size_t bytes, int *rc)
+{
+	void *d;
+	if (*rc || !L->uploaded)
+		return *rc ? NULL : host;
+	d = L->be->ops->alloc(L->be->ctx, bytes);
+	if (!d) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	*rc = L->be->ops->upload(L->be->ctx, d, host, bytes);
+	return d;
+}
+
+static void drop(struct layer *L, const void *p)
+{
+	if (L->uploaded && p)
+		L->be->ops->free(L->be->ctx, (void *)p);
+}
+
+static void *act(struct layer *L, size_t bytes, int *rc)
+{
+	void *p;
+	if (*rc)
+		return NULL;
+	p = L->be->ops->alloc(L->be->ctx, bytes ? bytes : 1);
+	if (!p)
+		*rc = -ENOMEM;
+	return p;
+}
+
+static void layer_free(struct layer *L)
+{
+	void *acts[] = { L->x, L->xn, L->q, L->k, L->v, L->att, L->rlog, L->rw, L->gout, L->rid };
+	for (size_t i = 0; i < sizeof(acts) / sizeof(acts[0]); i++)
+		if (acts[i])
+			L->be->ops->free(L->be->ctx, acts[i]);
+	drop(L, L->attn_norm);
+	drop(L, L->wq);
+	drop(L, L->wk);
+	drop(L, L->wv);
+	drop(L, L->wo);
+	drop(L, L->ffn_norm);
+	drop(L, L->router);
+	for (int64_t e = 0; e < L->c->num_local_experts; e++) {
+		if (L->w1)
+			drop(L, L->w1[e]);
+		if (L->w2)
+			drop(L, L->w2[e]);
+		if (L->w3)
+			drop(L, L->w3[e]);
+	}
+	free(L->w1);
+	free(L->w2);
+	free(L->w3);
+	free(L->pos);
+}
+
+/* Random rows [n][cols] into backend memory dst. */
+static int fill_random(struct layer *L, float *dst, int64_t n, int cols, uint64_t *seed)
+{
+	size_t cnt = (size_t)n * (size_t)cols;
+	float *h = malloc(cnt * sizeof(float));
+	int rc;
+	if (!h)
+		return -ENOMEM;
+	for (size_t i = 0; i < cnt; i++)
+		h[i] = rng_f(seed);
+	rc = L->be->ops->upload(L->be->ctx, dst, h, cnt * sizeof(float));
+	free(h);
+	return rc;
+}
+
+static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens_backend *be, int64_t n)
+{
+	const struct mlens_model_config *c = &m->cfg;
+	const struct mlens_layer_weights *w = &m->layers[0];
+	size_t ih = (size_t)c->intermediate_size * (size_t)c->hidden_size * mlens_dtype_size(c->dtype);
+	size_t H = (size_t)c->hidden_size, E = (size_t)c->num_local_experts, K = (size_t)c->num_experts_per_tok;
+	uint64_t seed = 0x9e3779b97f4a7c15ull;
+	int rc = 0;
+	memset(L, 0, sizeof(*L));
+	L->be = be;
+	L->c = c;
+	L->n = n;
+	L->uploaded = !be->ops->host_memory;
+	L->qd = (int)(c->num_attention_heads * c->head_dim);
+	L->kvd = (int)(c->num_key_value_heads * c->head_dim);
+	L->w1 = calloc(E, sizeof(void *));
+	L->w2 = calloc(E, sizeof(void *));
+	L->w3 = calloc(E, sizeof(void *));
+	L->pos = malloc((size_t)n * sizeof(int32_t));
+	if (!L->w1 || !L->w2 || !L->w3 || !L->pos)
+		return -ENOMEM;
+	L->attn_norm = put(L, w->attn_norm->data, w->attn_norm->nbytes, &rc);
+	L->wq = put(L, w->wq->data, w->wq->nbytes, &rc);
+	L->wk = put(L, w->wk->data, w->wk->nbytes, &rc);
+	L->wv = put(L, w->wv->data, w->wv->nbytes, &rc);
+	L->wo = put(L, w->wo->data, w->wo->nbytes, &rc);
+	L->ffn_norm = put(L, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
+	L->router = put(L, w->router->data, w->router->nbytes, &rc);
+	for (size_t e = 0; e < E && !rc; e++) {
+		L->w1[e] = put(L, w->w1[e], ih, &rc);
+		L->w2[e] = put(L, w->w2[e], ih, &rc);
+		L->w3[e] = put(L, w->w3[e], ih, &rc);
+	}
+	L->moe.n_experts = (int)E;
+	L->moe.hidden = (int)H;
+	L->moe.inter = (int)c->intermediate_size;
+	L->moe.dtype = c->dtype;
+	L->moe.w1 = L->w1;
+	L->moe.w2 = L->w2;
+	L->moe.w3 = L->w3;
+	L->x = act(L, (size_t)n * H * 4, &rc);
+	L->xn = act(L, (size_t)n * H * 4, &rc);
+	L->gout = act(L, (size_t)n * (size_t)c->intermediate_size * 4, &rc);
+	L->q = act(L, (size_t)n * (size_t)L->qd * 4, &rc);
+	L->att = act(L, (size_t)n * (size_t)L->qd * 4, &rc);
+	L->k = act(L, (size_t)n * (size_t)L->kvd * 4, &rc);
+	L->v = act(L, (size_t)n * (size_t)L->kvd * 4, &rc);
+	L->rlog = act(L, (size_t)n * E * 4, &rc);
+	L->rw = act(L, (size_t)n * K * 4, &rc);
+	L->rid = act(L, (size_t)n * K * 4, &rc);
+	if (rc)
+		return rc;
+	for (int64_t i = 0; i < n; i++)
+		L->pos[i] = (int32_t)(i % (c->max_position_embeddings > 0 ? c->max_position_embeddings : 1));
+	if ((rc = fill_random(L, L->x, n, (int)H, &seed)) || (rc = fill_random(L, L->att, n, L->qd, &seed)))
+		return rc;
+	return 0;
+}
+
+/* GA of n tokens: what the engine runs before attention. */
+static int run_ga(struct layer *L, int n)
+{
+	const struct mlens_backend_ops *o = L->be->ops;
+	void *cx = L->be->ctx;
+	const struct mlens_model_config *c = L->c;
+	int H = (int)c->hidden_size, rc;
+	if ((rc = o->rmsnorm(cx, L->xn, L->x, L->attn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
+	    (rc = o->gemm(cx, L->q, L->xn, L->wq, c->dtype, n, H, L->qd, false)) ||
+	    (rc = o->gemm(cx, L->k, L->xn, L->wk, c->dtype, n, H, L->kvd, false)) ||
+	    (rc = o->gemm(cx, L->v, L->xn, L->wv, c->dtype, n, H, L->kvd, false)) ||
+	    (rc = o->rope(cx, L->q, L->pos, n, (int)c->num_attention_heads, (int)c->head_dim, (float)c->rope_theta)))
+		return rc;
+	return o->rope(cx, L->k, L->pos, n, (int)c->num_key_value_heads, (int)c->head_dim, (float)c->rope_theta);
+}
+
+/* GB of n tokens: after attention, through the experts, into the residual
+ * x as the engine does (its norm keeps the expert inputs bounded however
+ * often the profile repeats it). */
+static int run_gb(struct layer *L, int n)
+{
+	const struct mlens_backend_ops *o = L->be->ops;
+	void *cx = L->be->ctx;
+	const struct mlens_model_config *c = L->c;
+	int H = (int)c->hidden_size, E = (int)c->num_local_experts, K = (int)c->num_experts_per_tok, rc;
+	if ((rc = o->gemm(cx, L->x, L->att, L->wo, c->dtype, n, L->qd, H, true)) ||
+	    (rc = o->rmsnorm(cx, L->xn, L->x, L->ffn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
+	    (rc = o->gemm(cx, L->rlog, L->xn, L->router, c->dtype, n, H, E, false)) ||
+	    (rc = o->router(cx, L->rid, L->rw, L->rlog, n, E, K)) ||
+	    (rc = o->moe(cx, L->x, L->xn, n, L->rid, L->rw, K, &L->moe)))
+		return rc;
+	return 0;
+}
+
+enum which { W_GA, W_GB, W_GEMM };
+
+static int run_one(struct layer *L, enum which w, int n)
+{
+	const struct mlens_model_config *c = L->c;
+	switch (w) {
+	case W_GA: return run_ga(L, n);
+	case W_GB: return run_gb(L, n);
+	case W_GEMM:
+		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->w1[0], c->dtype, n, (int)c->hidden_size,
+					(int)c->intermediate_size, false);
+	}
+	return -EINVAL;
+}
+
+/* Best of reps runs (after one warm-up) in seconds. */
+static int time_best(struct layer *L, enum which w, int n, int reps, double *best)
+{
+	int rc;
+	*best = INFINITY;
+	if ((rc = run_one(L, w, n)) || (rc = L->be->ops->sync(L->be->ctx)))
+		return rc;
+	for (int r = 0; r < reps; r++) {
+		double t0 = now(), t;
+		if ((rc = run_one(L, w, n)) || (rc = L->be->ops->sync(L->be->ctx)))
+			return rc;
+		t = now() - t0;
+		if (t < *best)
+			*best = t;
+	}
+	return 0;
+}
+
+#define REPS 3
+
+static int profile_layer(const struct mlens_model *m, const struct mlens_profile_opts *o, double budget,
+			 struct mlens_profile *p, char *err, size_t errlen)
+{
+	struct layer L;
+	int64_t nmax = o->max_tokens > 0 ? o->max_tokens : 4096, n = 8, top;
+	double t, per_point = budget / (2.0 * MLENS_PROFILE_POINTS * (REPS + 1));
+	double xs[MLENS_PROFILE_POINTS];
+	int rc;
+	if (nmax < 2 * MLENS_PROFILE_POINTS)
+		nmax = 2 * MLENS_PROFILE_POINTS;
+	rc = layer_init(&L, m, o->be, nmax);
+	if (rc) {
+		seterr(err, errlen, "profiler: cannot place one layer and %lld tokens of activations on the %s "
+		       "backend: %s (profile at start-up, profile = true, before the engine takes the memory)",
+		       (long long)nmax, o->be->ops->name, strerror(-rc));
+		goto out;
+	}
+	/* the largest token count whose GA+GB fits a point's share of the budget */
+	top = n;
+	for (;;) {
+		double ta, tb;
+		if ((rc = time_best(&L, W_GA, (int)n, 1, &ta)) || (rc = time_best(&L, W_GB, (int)n, 1, &tb)))
+			goto op_fail;
+		top = n;
+		if (n >= nmax || 2 * (ta + tb) > per_point)
+			break;
+		n = 2 * n < nmax ? 2 * n : nmax;
+	}
+	if (top < MLENS_PROFILE_POINTS)
+		top = MLENS_PROFILE_POINTS;
+	/* evenly spread points: the line is fitted where the pipeline runs */
+	p->n_points = MLENS_PROFILE_POINTS;
+	for (int i = 0; i < MLENS_PROFILE_POINTS; i++) {
+		int64_t k = top * (i + 1) / MLENS_PROFILE_POINTS;
+		p->tokens[i] = k;
+		xs[i] = (double)k;
+		if ((rc = time_best(&L, W_GA, (int)k, REPS, &p->ga_s[i])) ||
+		    (rc = time_best(&L, W_GB, (int)k, REPS, &p->gb_s[i])))
+			goto op_fail;
+	}
+	if ((rc = mlens_perf_fit_line(xs, p->ga_s, p->n_points, &p->ga)) ||
+	    (rc = mlens_perf_fit_line(xs, p->gb_s, p->n_points, &p->gb))) {
+		seterr(err, errlen, "profiler: the GA/GB timings cannot be fitted");
+		goto out;
+	}
+	if ((rc = time_best(&L, W_GEMM, (int)top, REPS, &t)))
+		goto op_fail;
+	p->gemm_flops = 2.0 * (double)top * (double)m->cfg.hidden_size * (double)m->cfg.intermediate_size / t;
+	goto out;
+op_fail:
+	seterr(err, errlen, "profiler: a %s backend op failed: %s", o->be->ops->name, strerror(-rc));
+out:
+	layer_free(&L);
+	return rc;
+}
+
+/* ==== pinned copies ==== */
+
+static int profile_copies(struct mlens_backend *be, double budget, struct mlens_profile *p,
+			  char *err, size_t errlen)
+{
+	const struct mlens_backend_ops *o = be->ops;
+	size_t bytes = budget >= 5 ? 256u << 20 : 32u << 20;
+	void *h = NULL, *d = NULL;
+	int rc = 0;
+	if (o->host_memory || !MLENS_BACKEND_HAS(o, host_alloc) || !MLENS_BACKEND_HAS(o, copy_async) ||
+	    !MLENS_BACKEND_HAS(o, event_record) || !MLENS_BACKEND_HAS(o, event_sync))
+		return 0;	/* nothing crosses a bus */
+	h = o->host_alloc(be->ctx, bytes);
+	d = o->alloc(be->ctx, bytes);
+	if (!h || !d) {
+		rc = -ENOMEM;
+		seterr(err, errlen, "profiler: cannot allocate %zu MiB of pinned and %s memory for the copy test",
+		       bytes >> 20, o->name);
+		goto out;
+	}
+	memset(h, 1, bytes);
+	for (int dir = 0; dir < 2; dir++) {
+		double best = INFINITY;
+		for (int r = 0; r < REPS + 1; r++) {
+			double t0 = now(), t;
+			/* the last event: the pipeline records it only right before
+			 * waiting on it, so no step's ordering depends on it */
+			if ((rc = o->copy_async(be->ctx, 1, dir ? h : d, dir ? d : h, bytes, !dir)) ||
+			    (rc = o->event_record(be->ctx, 1, MLENS_BACKEND_EVENTS - 1)) ||
+			    (rc = o->event_sync(be->ctx, MLENS_BACKEND_EVENTS - 1))) {
+				seterr(err, errlen, "profiler: a pinned copy failed: %s", strerror(-rc));
+				goto out;
+			}
+			t = now() - t0;
+			if (r && t < best)
+				best = t;
+		}
+		if (dir)
+			p->d2h = (double)bytes / best;
+		else
+			p->h2d = (double)bytes / best;
+	}
+out:
+	if (h)
+		o->host_free(be->ctx, h);
+	if (d)
+		o->free(be->ctx, d);
+	return rc;
+}
+
+/* ==== CPU memory and decode attention ==== */
+
+static size_t big_buffer(double budget)
+{
+	long l3 = -1;
+	size_t b;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+	l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+	b = l3 > 0 ? 4 * (size_t)l3 : 64u << 20;
+	if (b < (32u << 20))
+		b = 32u << 20;
+	/* a short budget (the CPU backend's) trades precision for time */
+	if (b > (budget >= 5 ? 1024u << 20 : 64u << 20))
+		b = budget >= 5 ? 1024u << 20 : 64u << 20;
+	return b;
+}
+
+struct rd {
+	const uint64_t *buf;
+	size_t words, per;
+	uint64_t *sink;		/* one per task, so the reads are not dead */
+};
+
+static void rd_task(void *arg, int task, int thread)
+{
+	struct rd *r = arg;
+	size_t a = (size_t)task * r->per, b = a + r->per < r->words ? a + r->per : r->words;
+	uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+	(void)thread;
+	for (size_t i = a; i + 4 <= b; i += 4) {
+		s0 += r->buf[i];
+		s1 += r->buf[i + 1];
+		s2 += r->buf[i + 2];
+		s3 += r->buf[i + 3];
+	}
+	r->sink[task] = s0 + s1 + s2 + s3;
+}
+
+static int profile_mem(int n_threads, double budget, struct mlens_profile *p, char *err, size_t errlen)
+{
+	struct mlens_pool *pool = NULL;
+	size_t bytes = big_buffer(budget);
+	struct rd r;
+	int tasks, rc;
+	double best = INFINITY;
+	r.words = bytes / 8;
+	r.buf = malloc(bytes);
+	rc = mlens_pool_create(&pool, n_threads, NULL);
+	tasks = pool ? 4 * mlens_pool_size(pool) : 0;
+	r.sink = calloc((size_t)(tasks ? tasks : 1), sizeof(uint64_t));
+	if (!r.buf || rc || !r.sink) {
+		rc = rc ? rc : -ENOMEM;
+		seterr(err, errlen, "profiler: cannot set up the memory read test (%zu MiB): %s", bytes >> 20,
+		       strerror(-rc));
+		goto out;
+	}
+	memset((void *)r.buf, 3, bytes);
+	r.per = (r.words + (size_t)tasks - 1) / (size_t)tasks;
+	for (int i = 0; i < REPS + 1; i++) {
+		double t0 = now(), t;
+		mlens_pool_run(pool, tasks, rd_task, &r);
+		t = now() - t0;
+		if (i && t < best)
+			best = t;
+	}
+	p->mem_bw = (double)bytes / best;
+out:
+	if (pool)
+		mlens_pool_destroy(pool);
+	free((void *)r.buf);
+	free(r.sink);
+	return rc;
+}
+
+static int profile_attn(const struct mlens_model *m, const struct mlens_profile_opts *o, double budget,
+			struct mlens_profile *p, char *err, size_t errlen)
+{
+	const struct mlens_model_config *c = &m->cfg;
+	struct mlens_backend tmp = { 0 }, *be = o->attn;
+	struct mlens_kv_cache kv;
+	struct mlens_attn_query *qr = NULL;
+	uint32_t *table = NULL;
+	float *q = NULL, *out = NULL;
+	size_t kvbytes = big_buffer(budget) / (budget >= 5 ? 1 : 4), tok_bytes, head_elems, elems;
+	int bs = o->kv_block_size > 0 ? o->kv_block_size : 16, qd = (int)(c->num_attention_heads * c->head_dim);
+	int ctx, n_seq, bps, rc = 0;
+	uint64_t seed = 12345;
+	double best = INFINITY;
+
+	if (!be && o->be->ops->host_memory)
+		be = o->be;
+	if (!be) {
+		struct mlens_backend_opts bo = { o->n_threads, 0 };
+		if ((rc = mlens_backend_cpu_create(&tmp, &bo))) {
+			seterr(err, errlen, "profiler: cannot start a cpu backend for the attention test: %s",
+			       strerror(-rc));
+			return rc;
+		}
+		be = &tmp;
+	}
+	memset(&kv, 0, sizeof(kv));
+	kv.dtype = o->kv_dtype;
+	kv.n_layers = 1;
+	kv.n_kv_heads = (int)c->num_key_value_heads;
+	kv.head_dim = (int)c->head_dim;
+	kv.block_size = bs;
+	tok_bytes = 2 * (size_t)kv.n_kv_heads * (size_t)kv.head_dim * mlens_dtype_size(kv.dtype);
+	/* sequences of up to 2048 tokens (or the model's context) filling kvbytes */
+	ctx = c->max_position_embeddings > 1 && c->max_position_embeddings - 1 < 2048 ?
+	      (int)c->max_position_embeddings - 1 : 2048;
+	bps = (ctx + bs - 1) / bs;
+	n_seq = (int)(kvbytes / (tok_bytes * (size_t)bps * (size_t)bs));
+	if (n_seq < 1)
+		n_seq = 1;
+	kv.n_blocks = (uint32_t)n_seq * (uint32_t)bps;
+	head_elems = mlens_kv_bytes(&kv);
+	kv.k = be->ops->alloc(be->ctx, head_elems);
+	kv.v = be->ops->alloc(be->ctx, head_elems);
+	qr = calloc((size_t)n_seq, sizeof(*qr));
+	table = malloc((size_t)kv.n_blocks * sizeof(*table));
+	elems = (size_t)n_seq * (size_t)qd;
+	q = be->ops->alloc(be->ctx, elems * sizeof(float));
+	out = be->ops->alloc(be->ctx, elems * sizeof(float));
+	if (!kv.k || !kv.v || !qr || !table || !q || !out) {
+		rc = -ENOMEM;
+		seterr(err, errlen, "profiler: cannot allocate %zu MiB of KV for the attention test", 2 * head_elems >> 20);
+		goto out;
+	}
+	/* small values of the pool's dtype: 1/128 (bf16 0x3c00, f32 0x3c000000) */
+	if (kv.dtype == MLENS_DTYPE_F32) {
+		for (size_t i = 0; i < head_elems / 4; i++)
+			((float *)kv.k)[i] = ((float *)kv.v)[i] = 1.0f / 128;
+	} else {
+		for (size_t i = 0; i < head_elems / 2; i++)
+			((uint16_t *)kv.k)[i] = ((uint16_t *)kv.v)[i] = 0x3c00;
+	}
+	for (size_t i = 0; i < elems; i++)
+		q[i] = rng_f(&seed);
+	for (uint32_t b = 0; b < kv.n_blocks; b++)
+		table[b] = b;
+	for (int s = 0; s < n_seq; s++) {
+		qr[s].ctx_len = ctx;
+		qr[s].n_blocks = bps;
+		qr[s].block_table = table + (size_t)s * (size_t)bps;
+	}
+	for (int r = 0; r < REPS + 1; r++) {
+		double t0 = now(), t;
+		rc = be->ops->attn_decode(be->ctx, out, q, &kv, 0, qr, n_seq, (int)c->num_attention_heads,
+					  1.0f / sqrtf((float)c->head_dim));
+		if (rc) {
+			seterr(err, errlen, "profiler: decode attention failed: %s", strerror(-rc));
+			goto out;
+		}
+		t = now() - t0;
+		if (r && t < best)
+			best = t;
+	}
+	p->attn_bw = (double)n_seq * (double)ctx * (double)tok_bytes / best;
+out:
+	if (kv.k)
+		be->ops->free(be->ctx, kv.k);
+	if (kv.v)
+		be->ops->free(be->ctx, kv.v);
+	if (q)
+		be->ops->free(be->ctx, q);
+	if (out)
+		be->ops->free(be->ctx, out);
+	free(qr);
+	free(table);
+	if (be == &tmp)
+		mlens_backend_destroy(&tmp);
+	return rc;
+}
+
+int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_opts *o,
+		      struct mlens_profile *out, char *err, size_t errlen)
+{
+	double t0 = now(), budget;
+	int rc;
+	if (!m || !o || !o->be || !o->be->ops || m->cfg.num_hidden_layers < 1 ||
+	    (o->kv_dtype != MLENS_DTYPE_F32 && o->kv_dtype != MLENS_DTYPE_BF16)) {
+		seterr(err, errlen, "profiler: no model, no backend or a KV dtype other than f32/bf16");
+		return -EINVAL;
+	}
+	budget = o->budget_s > 0 ? o->budget_s : o->be->ops->host_memory ? 0.5 : 20;
+	memset(out, 0, sizeof(*out));
+	snprintf(out->backend, sizeof(out->backend), "%s", o->be->ops->name);
+	mlens_profile_gpu_name(o->be, out->gpu, sizeof(out->gpu));
+	/* shares of the budget: the layer sweep takes most */
+	if ((rc = profile_layer(m, o, 0.5 * budget, out, err, errlen)) ||
+	    (rc = profile_copies(o->be, budget, out, err, errlen)) ||
+	    (rc = profile_attn(m, o, budget, out, err, errlen)) ||
+	    (rc = profile_mem(o->n_threads, budget, out, err, errlen)))
+		return rc;
+	out->seconds = now() - t0;
+	return 0;
+}
+
+void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
+{
+	hw->b_io = p->h2d > 0 ? p->h2d : p->mem_bw;
+	hw->b_d2h = p->d2h;
+	hw->b_mem = p->mem_bw;
+	hw->b_attn = p->attn_bw;
+	hw->c_gpu = p->gemm_flops;
+	hw->ga = p->ga;
+	hw->gb = p->gb;
+}
+
+/* ==== the cache ==== */
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	const unsigned char *b = p;
+	for (size_t i = 0; i < n; i++) {
+		h ^= b[i];
+		h *= 0x100000001b3ull;
+	}
+	return h;
+}
+
+void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_model *m,
+			    const char *backend, const char *gpu, uint64_t budget, double budget_s)
+{
+	const struct mlens_model_config *c = &m->cfg;
+	char canon[512];
+	int n;
+	memset(k, 0, sizeof(*k));
+	snprintf(k->model, sizeof(k->model), "%s", m->dir ? m->dir : "");
+	n = snprintf(canon, sizeof(canon), "%s v%lld h%lld i%lld l%lld a%lld kv%lld hd%lld e%lld k%lld p%lld t%d d%s",
+		     c->architecture, (long long)c->vocab_size, (long long)c->hidden_size,
+		     (long long)c->intermediate_size, (long long)c->num_hidden_layers,
+		     (long long)c->num_attention_heads, (long long)c->num_key_value_heads, (long long)c->head_dim,
+		     (long long)c->num_local_experts, (long long)c->num_experts_per_tok,
+		     (long long)c->max_position_embeddings, (int)c->tie_word_embeddings, mlens_dtype_name(c->dtype));
+	k->config_hash = fnv(0xcbf29ce484222325ull, canon, n > 0 ? (size_t)n : 0);
+	snprintf(k->backend, sizeof(k->backend), "%s", backend ? backend : "");
+	snprintf(k->gpu, sizeof(k->gpu), "%s", gpu ? gpu : "");
+	k->budget = budget;
+	k->budget_s = budget_s;
+}
+
+void mlens_profile_gpu_name(const struct mlens_backend *be, char *buf, size_t len)
+{
+	if (len)
+		buf[0] = 0;
+	if (!be || !be->ops || be->ops->host_memory)
+		return;
+#ifdef HAVE_CUDA
+	{
+		char bus[32], path[128], vendor[16] = "", device[16] = "";
+		FILE *f;
+		if (mlens_cuda_pci_bus_id(0, bus, sizeof(bus)))
+			return;
+		for (char *s = bus; *s; s++)
+			if (*s >= 'A' && *s <= 'F')
+				*s = (char)(*s - 'A' + 'a');
+		snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/vendor", bus);
+		if ((f = fopen(path, "r"))) {
+			if (!fgets(vendor, sizeof(vendor), f))
+				vendor[0] = 0;
+			fclose(f);
+		}
+		snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/device", bus);
+		if ((f = fopen(path, "r"))) {
+			if (!fgets(device, sizeof(device), f))
+				device[0] = 0;
+			fclose(f);
+		}
+		vendor[strcspn(vendor, "\n")] = 0;
+		device[strcspn(device, "\n")] = 0;
+		snprintf(buf, len, "%s:%s at %s", vendor[0] ? vendor + (vendor[1] == 'x' ? 2 : 0) : "?",
+			 device[0] ? device + (device[1] == 'x' ? 2 : 0) : "?", bus);
+	}
+#else
+	snprintf(buf, len, "%s", be->ops->name);
+#endif
+}
+
+static json_t *line_json(const struct mlens_perf_line *l)
+{
+	return json_pack("{s:f,s:f,s:f,s:f,s:f,s:i}", "a", l->a, "b", l->b, "se", l->se, "se_a", l->se_a,
+			 "se_b", l->se_b, "n", l->n);
+}
+
+json_t *mlens_profile_json(const struct mlens_profile *p)
+{
+	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}", "backend", p->backend, "gpu", p->gpu,
+			      "gemm_flops", p->gemm_flops, "h2d_bytes_per_s", p->h2d, "d2h_bytes_per_s", p->d2h,
+			      "cpu_attention_bytes_per_s", p->attn_bw, "cpu_memory_bytes_per_s", p->mem_bw,
+			      "seconds", p->seconds, "ga", line_json(&p->ga), "gb", line_json(&p->gb));
+	json_t *pts = json_array();
+	for (int i = 0; i < p->n_points; i++)
+		json_array_append_new(pts, json_pack("{s:I,s:f,s:f}", "tokens", (json_int_t)p->tokens[i],
+						     "ga_seconds", p->ga_s[i], "gb_seconds", p->gb_s[i]));
+	json_object_set_new(o, "points", pts);
+	return o;
+}
+
+static json_t *key_json(const struct mlens_profile_key *k)
+{
+	char h[24];
+	snprintf(h, sizeof(h), "%016llx", (unsigned long long)k->config_hash);
+	return json_pack("{s:s,s:s,s:s,s:s,s:I,s:f}", "model", k->model, "config_hash", h, "backend", k->backend,
+			 "gpu", k->gpu, "budget", (json_int_t)k->budget, "budget_seconds", k->budget_s);
+}
+
+int mlens_profile_save(const char *path, const struct mlens_profile_key *k,
+		       const struct mlens_profile *p, char *err, size_t errlen)
+{
+	json_t *o = json_pack("{s:i,s:o,s:o}", "version", MLENS_PROFILE_VERSION, "key", key_json(k), "profile",
+			      mlens_profile_json(p));
+	char *tmp;
+	size_t n = strlen(path) + 8;
+	int rc = 0;
+	if (!o || !(tmp = malloc(n))) {
+		json_decref(o);
+		seterr(err, errlen, "profile cache %s: out of memory", path);
+		return -ENOMEM;
+	}
+	snprintf(tmp, n, "%s.tmp", path);
+	if (json_dump_file(o, tmp, JSON_INDENT(1) | JSON_PRESERVE_ORDER) || rename(tmp, path)) {
+		rc = errno ? -errno : -EIO;
+		seterr(err, errlen, "cannot write the profile cache %s: %s (check profile_cache)", path, strerror(-rc));
+		unlink(tmp);
+	}
+	free(tmp);
+	json_decref(o);
+	return rc;
+}
+
+static int line_from(json_t *j, struct mlens_perf_line *l)
+{
+	double a, b, se, sa, sb;
+	int n;
+	if (json_unpack(j, "{s:F,s:F,s:F,s:F,s:F,s:i}", "a", &a, "b", &b, "se", &se, "se_a", &sa, "se_b", &sb,
+			"n", &n))
+		return -EINVAL;
+	*l = (struct mlens_perf_line){ a, b, se, sa, sb, n };
+	return isfinite(a) && isfinite(b) ? 0 : -EINVAL;
+}
+
+int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
+		       struct mlens_profile *p, char *err, size_t errlen)
+{
+	json_error_t je;
+	json_t *o = json_load_file(path, JSON_REJECT_DUPLICATES, &je), *kj, *pj, *want, *pts, *pt;
+	const char *be, *gpu;
+	size_t i;
+	int version, rc = 0;
+	if (!o) {
+		if (access(path, F_OK)) {
+			seterr(err, errlen, "no profile cache at %s", path);
+			return -ENOENT;
+		}
+		seterr(err, errlen, "profile cache %s is not JSON (line %d: %s); it is rewritten by the next profile",
+		       path, je.line, je.text);
+		return -EINVAL;
+	}
+	memset(p, 0, sizeof(*p));
+	kj = json_object_get(o, "key");
+	pj = json_object_get(o, "profile");
+	if (json_unpack(o, "{s:i}", "version", &version) || version != MLENS_PROFILE_VERSION || !kj || !pj) {
+		seterr(err, errlen, "profile cache %s: not a version %d profile cache", path, MLENS_PROFILE_VERSION);
+		rc = -EINVAL;
+		goto out;
+	}
+	want = key_json(k);
+	if (!json_equal(want, kj)) {
+		seterr(err, errlen, "profile cache %s was measured for another model, backend, GPU or budget", path);
+		rc = -ESTALE;
+	}
+	json_decref(want);
+	if (rc)
+		goto out;
+	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be, "gpu", &gpu, "gemm_flops",
+			&p->gemm_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
+			"cpu_attention_bytes_per_s", &p->attn_bw, "cpu_memory_bytes_per_s", &p->mem_bw, "seconds",
+			&p->seconds, "points", &pts) ||
+	    line_from(json_object_get(pj, "ga"), &p->ga) || line_from(json_object_get(pj, "gb"), &p->gb) ||
+	    !json_is_array(pts) || json_array_size(pts) > MLENS_PROFILE_POINTS) {
+		seterr(err, errlen, "profile cache %s: a field is missing or out of range", path);
+		rc = -EINVAL;
+		goto out;
+	}
+	snprintf(p->backend, sizeof(p->backend), "%s", be);
+	snprintf(p->gpu, sizeof(p->gpu), "%s", gpu);
+	json_array_foreach(pts, i, pt) {
+		json_int_t t;
+		if (json_unpack(pt, "{s:I,s:F,s:F}", "tokens", &t, "ga_seconds", &p->ga_s[i], "gb_seconds", &p->gb_s[i])) {
+			seterr(err, errlen, "profile cache %s: point %zu is malformed", path, i);
+			rc = -EINVAL;
+			goto out;
+		}
+		p->tokens[i] = t;
+	}
+	p->n_points = (int)json_array_size(pts);
+	if (!(p->mem_bw > 0) || !(p->attn_bw > 0) || !(p->gemm_flops > 0)) {
+		seterr(err, errlen, "profile cache %s: a rate is not positive", path);
+		rc = -EINVAL;
+	}
+out:
+	json_decref(o);
+	return rc;
+}
+
+/* ==== the daemon's state ==== */
+
+int mlens_profile_state_predict(struct mlens_profile_state *st, double p, double g)
+{
+	struct mlens_perf_workload w = { p, g, st->kv_tokens, 0 };
+	struct mlens_perf_prediction pred;
+	int rc;
+	if (!st->have)
+		return -ENOENT;
+	/* hybrid: residency and split searched; resident modes: every expert
+	 * lives where the backend computes, only the split is searched. The
+	 * held prediction changes only when the new one exists. */
+	if (st->hybrid)
+		rc = mlens_perf_choose(&st->pm, &st->hw, &w, &pred, st->err, sizeof(st->err));
+	else
+		rc = mlens_perf_predict(&st->pm, &st->hw, &w, (int)st->pm.experts, &pred, st->err,
+					sizeof(st->err));
+	if (rc)
+		return rc;
+	st->w = w;
+	st->pred = pred;
+	return 0;
+}
+
+int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *sched,
+			    double p, double g, bool use_cache)
+{
+	const char *cache = st->cache_path && st->cache_path[0] ? st->cache_path : NULL;
+	char why[512];
+	int rc = -ENOENT;
+	st->err[0] = 0;
+	st->from_cache = false;
+	if (cache && use_cache) {
+		rc = mlens_profile_load(cache, &st->key, &st->prof, why, sizeof(why));
+		st->from_cache = !rc;
+	}
+	if (rc) {
+		rc = mlens_profile_run(st->model, &st->opts, &st->prof, st->err, sizeof(st->err));
+		if (rc) {
+			st->rc = rc;
+			return rc;
+		}
+		if (cache && mlens_profile_save(cache, &st->key, &st->prof, why, sizeof(why)))
+			snprintf(st->err, sizeof(st->err), "%s", why);	/* measured all the same */
+	}
+	memset(&st->hw, 0, sizeof(st->hw));
+	mlens_profile_hw(&st->prof, &st->hw);
+	st->hw.gpu_budget = st->gpu_budget;
+	st->hw.gpu_workspace = st->gpu_workspace;
+	st->hw.chunk = st->chunk;
+	st->have = true;
+	rc = mlens_profile_state_predict(st, p, g);
+	if (rc) {
+		/* measured, but this workload does not fit the budget: no prediction */
+		st->have = false;
+		st->rc = rc;
+		return rc;
+	}
+	st->rc = 0;
+	if (sched)
+		mlens_profile_state_apply(st, sched);
+	return 0;
+}
+
+int mlens_profile_state_apply(struct mlens_profile_state *st, struct mlens_sched *sched)
+{
+	if (st->have && st->rc == 0 && st->pinned_cap <= 0)
+		mlens_sched_set_token_cap(sched, mlens_perf_token_cap(&st->pred));
+	st->token_cap = mlens_sched_token_cap(sched);
+	return st->token_cap;
+}
+
+double mlens_profile_state_step_seconds(const struct mlens_profile_state *st, double n)
+{
+	struct mlens_perf_step s;
+	struct mlens_perf_step_time t;
+	struct mlens_perf_policy pol;
+	if (!st->have || !(n > 0) || !(st->w.g > 0))
+		return NAN;
+	s = mlens_perf_steady_step(&st->w, n);
+	pol = st->pred.policy;
+	if (mlens_perf_step_time_best(&st->pm, &st->hw, &pol, &s, &t))
+		return NAN;
+	return t.seconds;
+}
+
+json_t *mlens_profile_state_json(const struct mlens_profile_state *st)
+{
+	const struct mlens_perf_prediction *pr = &st->pred;
+	json_t *o = json_object();
+	json_object_set_new(o, "measured", mlens_profile_json(&st->prof));
+	json_object_set_new(o, "from_cache", json_boolean(st->from_cache));
+	json_object_set_new(o, "mode", json_string(st->hybrid ? "hybrid" : "resident"));
+	json_object_set_new(o, "workload", json_pack("{s:f,s:f,s:f}", "prompt_len", st->w.p, "gen_len", st->w.g,
+						     "kv_tokens", st->w.kv_tokens));
+	json_object_set_new(o, "policy", json_pack("{s:i,s:f,s:f}", "resident_experts", pr->policy.resident_experts,
+						   "alpha_decode", pr->policy.alpha_decode, "alpha_prefill",
+						   pr->policy.alpha_prefill));
+	/* n_eq is INFINITY when nothing streams: JSON has no infinity */
+	json_object_set_new(o, "n_eq", isfinite(pr->n_eq) ? json_real(pr->n_eq) : json_null());
+	json_object_set_new(o, "n_act", json_real(pr->n_act));
+	json_object_set_new(o, "n_real", json_real(pr->n_real));
+	json_object_set_new(o, "limit", json_string(mlens_perf_limit_name(pr->limit)));
+	json_object_set_new(o, "binding", json_string(mlens_perf_bind_name(pr->time.bind)));
+	json_object_set_new(o, "predicted", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f}", "tokens_per_step", pr->tokens,
+		"step_seconds", pr->time.seconds, "tokens_per_s", pr->total_tok_s, "generated_tokens_per_s",
+		pr->gen_tok_s, "pme", pr->pme, "t_max", isfinite(pr->t_max) ? pr->t_max : -1.0));
+	json_object_set_new(o, "token_cap", json_integer(st->token_cap));
+	json_object_set_new(o, "token_cap_pinned", json_boolean(st->pinned_cap > 0));
+	if (st->err[0])
+		json_object_set_new(o, "warning", json_string(st->err));
+	return o;
+}

@@ -1,0 +1,231 @@
+/* Description: the profiler on the CPU backend with the in-memory tiny
+ * model gives positive, sane rates and GA/GB lines of positive slope in
+ * well under a second; the cache round-trips and a changed key (budget,
+ * backend, model) invalidates it; the daemon's profile state sets the
+ * scheduler's cap from n_real unless max_step_tokens pins it. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "daemon/profiler.h"
+#include "daemon/sched.h"
+#include "tests/testmodel.h"
+
+static struct mlens_model *tiny(void)
+{
+	struct mlens_test_spec s = mlens_test_spec_tiny();
+	return mlens_test_model_new(&s);
+}
+
+static void profile_tiny(struct mlens_model *m, struct mlens_backend *be, struct mlens_profile *p)
+{
+	struct mlens_profile_opts o;
+	char err[512];
+	memset(&o, 0, sizeof(o));
+	o.be = be;
+	o.kv_dtype = MLENS_DTYPE_F32;
+	o.max_tokens = 1024;
+	ck_assert_msg(mlens_profile_run(m, &o, p, err, sizeof(err)) == 0, "%s", err);
+}
+
+START_TEST(cpu_profile_sane)
+{
+	struct mlens_model *m = tiny();
+	struct mlens_backend be;
+	struct mlens_profile p;
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	profile_tiny(m, &be, &p);
+	printf("profile: %.3f s, GA %.3g + %.3g n s, GB %.3g + %.3g n s, GEMM %.3g FLOP/s, "
+	       "attention %.3g B/s, memory %.3g B/s, points up to %lld tokens\n",
+	       p.seconds, p.ga.a, p.ga.b, p.gb.a, p.gb.b, p.gemm_flops, p.attn_bw, p.mem_bw,
+	       (long long)p.tokens[p.n_points - 1]);
+	ck_assert_str_eq(p.backend, "cpu");
+	ck_assert_str_eq(p.gpu, "");
+	ck_assert_int_eq(p.n_points, MLENS_PROFILE_POINTS);
+	for (int i = 0; i < p.n_points; i++) {
+		ck_assert(p.ga_s[i] > 0 && p.gb_s[i] > 0);
+		if (i)
+			ck_assert_int_gt(p.tokens[i], p.tokens[i - 1]);
+	}
+	ck_assert(p.ga.b > 0);
+	ck_assert(p.gb.b > 0);
+	/* GB (experts) carries far more FLOPs per token than GA for this model */
+	ck_assert(p.gb.b > p.ga.b);
+	ck_assert(p.gemm_flops > 1e6 && p.gemm_flops < 1e14);
+	ck_assert(p.mem_bw > 1e8 && p.mem_bw < 1e13);
+	ck_assert(p.attn_bw > 1e6 && p.attn_bw < 1e13);
+	ck_assert(p.h2d == 0 && p.d2h == 0);	/* host memory: nothing crosses a bus */
+	ck_assert_msg(p.seconds > 0 && p.seconds < 2.0, "the tiny model's profile took %.2f s", p.seconds);
+	{
+		struct mlens_perf_hw hw;
+		memset(&hw, 0, sizeof(hw));
+		mlens_profile_hw(&p, &hw);
+		ck_assert(hw.b_io == p.mem_bw && hw.b_mem == p.mem_bw && hw.b_attn == p.attn_bw);
+		ck_assert(hw.c_gpu == p.gemm_flops && hw.ga.b == p.ga.b && hw.gb.a == p.gb.a);
+	}
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+START_TEST(cache_roundtrip_and_key)
+{
+	struct mlens_model *m = tiny(), *m2;
+	struct mlens_test_spec s2 = mlens_test_spec_tiny();
+	struct mlens_backend be;
+	struct mlens_profile p, q;
+	struct mlens_profile_key k, k2;
+	char path[] = "/tmp/check_profiler_XXXXXX", file[64], err[512];
+	FILE *f;
+	ck_assert_ptr_nonnull(mkdtemp(path));
+	snprintf(file, sizeof(file), "%s/profile.json", path);
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	profile_tiny(m, &be, &p);
+	mlens_profile_key_make(&k, m, "cpu", "", 0, 0.5);
+	ck_assert_int_eq(mlens_profile_load(file, &k, &q, err, sizeof(err)), -ENOENT);
+	ck_assert_msg(mlens_profile_save(file, &k, &p, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_profile_load(file, &k, &q, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(q.n_points, p.n_points);
+	for (int i = 0; i < p.n_points; i++) {
+		ck_assert_int_eq(q.tokens[i], p.tokens[i]);
+		ck_assert_double_eq_tol(q.ga_s[i], p.ga_s[i], 1e-12 + 1e-9 * p.ga_s[i]);
+		ck_assert_double_eq_tol(q.gb_s[i], p.gb_s[i], 1e-12 + 1e-9 * p.gb_s[i]);
+	}
+	ck_assert_double_eq_tol(q.ga.b, p.ga.b, 1e-9 * fabs(p.ga.b));
+	ck_assert_double_eq_tol(q.gb.a, p.gb.a, 1e-9 * fabs(p.gb.a) + 1e-15);
+	ck_assert_double_eq_tol(q.mem_bw, p.mem_bw, 1e-9 * p.mem_bw);
+	ck_assert_double_eq_tol(q.attn_bw, p.attn_bw, 1e-9 * p.attn_bw);
+	ck_assert_double_eq_tol(q.gemm_flops, p.gemm_flops, 1e-9 * p.gemm_flops);
+	ck_assert_str_eq(q.backend, "cpu");
+
+	/* each part of the key invalidates it */
+	mlens_profile_key_make(&k2, m, "cpu", "", 8ull << 30, 0.5);
+	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
+	mlens_profile_key_make(&k2, m, "cuda", "10de:2335 at 0000:3b:00.0", 0, 0.5);
+	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
+	mlens_profile_key_make(&k2, m, "cpu", "", 0, 5);
+	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
+	s2.inter = 64;
+	m2 = mlens_test_model_new(&s2);
+	mlens_profile_key_make(&k2, m2, "cpu", "", 0, 0.5);
+	ck_assert(k2.config_hash != k.config_hash);
+	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
+	mlens_test_model_free(m2);
+
+	/* garbage is refused with a reason, not trusted */
+	f = fopen(file, "w");
+	ck_assert_ptr_nonnull(f);
+	fputs("{\"version\": 1, \"key\": 3", f);
+	fclose(f);
+	ck_assert_int_eq(mlens_profile_load(file, &k, &q, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "not JSON"));
+	unlink(file);
+	rmdir(path);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+/* The daemon's state over a real engine and scheduler: the cap follows n_real. */
+static void state_setup(struct mlens_profile_state *st, struct mlens_model *m, struct mlens_backend *be,
+			uint64_t act_room, int pinned)
+{
+	memset(st, 0, sizeof(*st));
+	st->model = m;
+	st->opts.be = be;
+	st->opts.kv_dtype = MLENS_DTYPE_F32;
+	st->opts.max_tokens = 512;
+	ck_assert_int_eq(mlens_perf_model_from_config(&st->pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	st->gpu_budget = mlens_perf_resident_bytes(&st->pm, (int)st->pm.experts) + act_room;
+	st->kv_tokens = 4096;
+	st->pinned_cap = pinned;
+}
+
+START_TEST(state_sets_cap)
+{
+	struct mlens_model *m = tiny();
+	struct mlens_backend be;
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+	struct mlens_engine_opts eo = { 0 };
+	struct mlens_sched_opts so = { 0 };
+	struct mlens_profile_state st;
+	char err[512];
+	int want;
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	eo.max_step_tokens = 1024;
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
+	ck_assert_int_eq(mlens_sched_token_cap(s), 1024);
+
+	/* resident mode: n_real is what the activation room holds */
+	state_setup(&st, m, &be, 40000, 0);
+	ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
+	for (want = 0; mlens_perf_act_bytes(&st.pm, want + 1, 0) <= 40000; want++)
+		;
+	ck_assert_int_eq(st.pred.limit, MLENS_PERF_LIMIT_ACT);
+	ck_assert_int_eq((int)st.pred.n_real, want);
+	ck_assert_int_lt(want, 1024);
+	ck_assert_int_eq(mlens_sched_token_cap(s), want);
+	ck_assert_int_eq(st.token_cap, want);
+	ck_assert(st.pred.total_tok_s > 0 && st.pred.time.seconds > 0);
+	ck_assert(mlens_profile_state_step_seconds(&st, 10) > 0);
+	ck_assert(mlens_profile_state_step_seconds(&st, 100) > mlens_profile_state_step_seconds(&st, 10));
+	{
+		json_t *j = mlens_profile_state_json(&st);
+		ck_assert_int_eq(json_integer_value(json_object_get(j, "token_cap")), want);
+		ck_assert_double_eq(json_real_value(json_object_get(j, "n_real")), want);
+		ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(j, "policy"), "resident_experts")),
+				 st.pm.experts);
+		json_decref(j);
+	}
+
+	/* room for more than the engine runs: the engine's maximum */
+	state_setup(&st, m, &be, 1ull << 30, 0);
+	ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
+	ck_assert(st.pred.n_real > 1024);
+	ck_assert_int_eq(mlens_sched_token_cap(s), 1024);
+
+	/* pinned: measured and predicted, the cap left alone */
+	mlens_sched_set_token_cap(s, 77);
+	state_setup(&st, m, &be, 40000, 77);
+	ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
+	ck_assert_int_eq((int)st.pred.n_real, want);
+	ck_assert_int_eq(mlens_sched_token_cap(s), 77);
+	ck_assert_int_eq(st.token_cap, 77);
+
+	/* hybrid: residency searched, the budget decides */
+	state_setup(&st, m, &be, 40000, 0);
+	st.hybrid = true;
+	ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
+	ck_assert(st.pred.policy.resident_experts >= 0 && st.pred.policy.resident_experts <= st.pm.experts);
+	ck_assert_int_eq(mlens_sched_token_cap(s), mlens_perf_token_cap(&st.pred) < 1024 ?
+			 mlens_perf_token_cap(&st.pred) : 1024);
+
+	mlens_sched_destroy(s);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *su = suite_create("profiler");
+	TCase *tc = tcase_create("core");
+	SRunner *sr;
+	int failed;
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, cpu_profile_sane);
+	tcase_add_test(tc, cache_roundtrip_and_key);
+	tcase_add_test(tc, state_sets_cap);
+	suite_add_tcase(su, tc);
+	sr = srunner_create(su);
+	srunner_run_all(sr, CK_NORMAL);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

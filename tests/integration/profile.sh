@@ -1,0 +1,126 @@
+#!/bin/sh
+# Description: the profiler in a real mlensd (CPU backend, the tiny model of
+# mlens-mkmodel): mlensctl profile prints n_real and the policy, its JSON
+# agrees with the status' token cap, --cached predicts without measuring,
+# the stats socket and /metrics expose n_real, the binding resource and
+# predicted vs measured step time; profile = true at start-up writes
+# profile_cache and the next start takes it from there; max_step_tokens
+# pins the cap against the profile.
+set -u
+B="${MLENS_BUILDDIR:-.}"
+mlensd="$B/daemon/mlensd"
+ctlbin="$B/client/mlensctl"
+tenant="$B/tests/integration/ops_tenant"
+raw="$B/tests/integration/ops_raw"
+command -v curl >/dev/null || { echo "SKIP: needs curl for /metrics"; exit 77; }
+tmp=$(mktemp -d) || exit 99
+pid=
+cleanup() {
+	[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() {
+	echo "FAIL: $*"
+	[ -f "$tmp/log" ] && { echo "--- daemon log (tail)"; tail -20 "$tmp/log"; }
+	exit 1
+}
+ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
+jfield() { sed -n "s/^ *\"$1\": \"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}\$/\1/p" | head -1; }
+wait_for() {
+	i=0
+	while ! eval "$1"; do
+		i=$((i + 1))
+		[ $i -ge 100 ] && return 1
+		sleep 0.1
+	done
+}
+start() {	# extra flags
+	: >"$tmp/log"
+	"$mlensd" --model "$tmp/m" --foreground --backend cpu --threads 1 --mlock=false --kv-cache 4M \
+		--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" \
+		--stats-http 127.0.0.1:0 --log "$tmp/log" "$@" &
+	pid=$!
+	wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' || fail "daemon did not come up"
+}
+stop() {
+	kill "$pid" && wait "$pid"
+	pid=
+}
+
+"$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
+
+# ==== on demand ====
+start
+ctl profile >"$tmp/human" || fail "mlensctl profile: $(cat "$tmp/human")"
+grep -q "^n_real  *[0-9][0-9]* tokens per step" "$tmp/human" || fail "no n_real in: $(cat "$tmp/human")"
+grep -q "^policy  *[0-9][0-9]* resident experts per layer" "$tmp/human" || fail "no policy in: $(cat "$tmp/human")"
+grep -q "^predicted  *[0-9.]* tokens/s" "$tmp/human" || fail "no prediction in: $(cat "$tmp/human")"
+grep -q "^binding  *[a-z]" "$tmp/human" || fail "no binding resource in: $(cat "$tmp/human")"
+ctl --json profile --prompt-len 64 --gen-len 16 >"$tmp/p.json" || fail "profile --json"
+[ "$(jfield prompt_len <"$tmp/p.json")" = 64.0 ] || fail "prompt_len not 64: $(cat "$tmp/p.json")"
+[ "$(jfield from_cache <"$tmp/p.json")" = false ] || fail "an on-demand profile came from a cache"
+[ "$(jfield token_cap_pinned <"$tmp/p.json")" = false ] || fail "cap pinned without max_step_tokens"
+cap=$(jfield token_cap <"$tmp/p.json")
+nreal=$(jfield n_real <"$tmp/p.json" | sed 's/\..*//')
+[ "$nreal" -ge 64 ] 2>/dev/null || fail "n_real '$nreal' below the prompt"
+# the scheduler's cap is what the profile set: n_real, at most the engine's 4096
+want=$nreal; [ "$want" -gt 4096 ] && want=4096
+[ "$cap" = "$want" ] || fail "profile's token_cap $cap, expected min(n_real $nreal, 4096)"
+[ "$(ctl --json status | jfield token_cap)" = "$cap" ] || fail "status token cap differs from the profile's $cap"
+for k in gemm_flops cpu_attention_bytes_per_s cpu_memory_bytes_per_s; do
+	v=$(jfield $k <"$tmp/p.json")
+	awk -v v="$v" 'BEGIN { exit !(v > 0) }' || fail "$k = '$v' not positive"
+done
+ctl --json profile --cached --gen-len 32 >"$tmp/c.json" || fail "profile --cached"
+[ "$(jfield gen_len <"$tmp/c.json")" = 32.0 ] || fail "--cached did not predict for gen_len 32"
+ctl profile --prompt-len >/dev/null 2>&1; [ $? -eq 2 ] || fail "--prompt-len without a value: not exit 2"
+ctl profile --gen-len 0 2>"$tmp/err"; [ $? -eq 1 ] || fail "gen_len 0: not refused"
+grep -q "gen_len" "$tmp/err" || fail "gen_len 0 message: $(cat "$tmp/err")"
+
+# a connection's later requests wait for its profile and are answered in order
+printf '{"cmd":"profile","gen_len":8}\n{"cmd":"profile","gen_len":9}\n{"cmd":"log-level"}\n' |
+	"$raw" "unix:$tmp/c.sock" 4000 >"$tmp/r"
+[ "$(wc -l <"$tmp/r")" = 3 ] || fail "three requests, replies: $(cat "$tmp/r")"
+sed -n 1p "$tmp/r" | grep -q '"gen_len": *8' || fail "first reply: $(sed -n 1p "$tmp/r")"
+sed -n 2p "$tmp/r" | grep -q '"gen_len": *9' || fail "second reply: $(sed -n 2p "$tmp/r")"
+sed -n 3p "$tmp/r" | grep -q '"level"' || fail "third reply: $(sed -n 3p "$tmp/r")"
+
+# stats and /metrics after some work
+"$tenant" "$tmp/t.sock" gen 2 8 >"$tmp/gen" || fail "tenant: $(cat "$tmp/gen")"
+ctl --json stats >"$tmp/stats" || fail "stats"
+[ -n "$(jfield n_real <"$tmp/stats")" ] || fail "stats: no n_real"
+[ -n "$(jfield binding_resource <"$tmp/stats")" ] || fail "stats: no binding_resource"
+meas=$(jfield step_seconds_measured <"$tmp/stats")
+awk -v v="$meas" 'BEGIN { exit !(v > 0) }' || fail "step_seconds_measured '$meas'"
+pred=$(jfield step_seconds_predicted <"$tmp/stats")
+awk -v v="$pred" 'BEGIN { exit !(v > 0) }' || fail "step_seconds_predicted '$pred'"
+port=$(ctl --json status | jfield stats_http | sed 's/.*://')
+curl -sf "http://127.0.0.1:$port/metrics" >"$tmp/metrics" || fail "/metrics"
+grep -q "^mlens_n_real $nreal$" "$tmp/metrics" || fail "/metrics: mlens_n_real not $nreal"
+grep -q '^mlens_binding_resource_info{resource="[a-z-]*"} 1$' "$tmp/metrics" || fail "/metrics: binding resource"
+grep -q "^mlens_step_seconds_predicted [0-9]" "$tmp/metrics" || fail "/metrics: predicted step time"
+grep -q "^mlens_step_seconds_measured [0-9]" "$tmp/metrics" || fail "/metrics: measured step time"
+stop
+
+# ==== at start-up, with the cache; a pinned cap ====
+start --profile --profile-cache "$tmp/prof.json" --max-step-tokens 100
+[ -s "$tmp/prof.json" ] || fail "profile = true wrote no profile_cache"
+grep -q '"config_hash"' "$tmp/prof.json" || fail "cache without its key"
+grep -q "step cap 100 tokens (pinned by max_step_tokens)" "$tmp/log" || fail "start-up: pinned cap not logged"
+ctl --json profile --cached >"$tmp/s.json" || fail "profile --cached after start-up"
+[ "$(jfield token_cap_pinned <"$tmp/s.json")" = true ] || fail "cap not reported pinned"
+[ "$(jfield token_cap <"$tmp/s.json")" = 100 ] || fail "pinned cap not 100"
+ctl profile >/dev/null || fail "profile with a pinned cap"
+[ "$(ctl --json status | jfield token_cap)" = 100 ] || fail "the profile moved a pinned cap"
+stop
+start --profile --profile-cache "$tmp/prof.json" --max-step-tokens 100
+grep -q "profile (cached)" "$tmp/log" || fail "second start did not take the cache"
+ctl --json profile --cached | jfield from_cache | grep -q true || fail "from_cache not true"
+stop
+# another budget: the cache is measured again
+start --profile --profile-cache "$tmp/prof.json" --gpu-memory 1G
+grep -q "profile (cached)" "$tmp/log" && fail "a changed gpu_memory reused the cache"
+grep -q "profile: n_real" "$tmp/log" || fail "no profile at start-up"
+stop
+echo "profile: n_real $nreal, token cap $cap, predicted step $pred s vs measured $meas s"
