@@ -502,10 +502,12 @@ static int profile_on_worker(void *arg, struct mlens_sched *s)
 {
 	struct profile_job *j = arg;
 	uint64_t one = 1;
-	j->rc = mlens_profile_state_run(&j->st, s, j->p, j->g, false);
+	int rc = mlens_profile_state_run(&j->st, s, j->p, j->g, false);
+	j->rc = rc;
+	/* once written, the main thread may free j at any moment */
 	if (write(j->efd, &one, sizeof(one)) < 0)
 		log_error("control: cannot tell the main loop that the profile is done: %s", strerror(errno));
-	return j->rc;
+	return rc;
 }
 
 static void job_free(struct profile_job *j)
