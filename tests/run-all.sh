@@ -28,7 +28,15 @@ cd "$top"
 
 step "distcheck"
 cd _build
-make -j"$jobs" distcheck >/dev/null || { echo "make distcheck failed"; make distcheck 2>&1 | tail -60; exit 1; }
+if ! make -j"$jobs" distcheck > distcheck.log 2>&1; then
+	echo "make distcheck failed:"
+	grep -E "^(FAIL|ERROR)" distcheck.log
+	for f in $(grep -l -E "^(FAIL|ERROR)" mlens-*/_build/sub/tests/*.log mlens-*/_build/sub/tests/*/*.log 2>/dev/null); do
+		echo "--- $f"; tail -60 "$f"
+	done
+	tail -30 distcheck.log
+	exit 1
+fi
 echo "distcheck: ok"
 echo
 echo "all tests passed"
