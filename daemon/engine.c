@@ -347,6 +347,26 @@ int mlens_engine_max_step_tokens(const struct mlens_engine *e)
 	return e->max_tokens;
 }
 
+int mlens_engine_reqs_check(const struct mlens_model_config *c, const struct mlens_engine_req *reqs,
+			    int n, int64_t *total)
+{
+	*total = 0;
+	if (n <= 0)
+		return -EINVAL;
+	for (int i = 0; i < n; i++) {
+		const struct mlens_engine_req *r = &reqs[i];
+		if (!r->seq || r->n_tokens <= 0 || !r->tokens)
+			return -EINVAL;
+		for (int j = 0; j < r->n_tokens; j++)
+			if (r->tokens[j] < 0 || r->tokens[j] >= c->vocab_size)
+				return -EINVAL;
+		if ((int64_t)r->seq->len + r->n_tokens > c->max_position_embeddings)
+			return -EOVERFLOW;
+		*total += r->n_tokens;
+	}
+	return 0;
+}
+
 uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
 				  int n)
 {
@@ -429,20 +449,9 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 
 	if (e->pipe)
 		return mlens_pipeline_step(e->pipe, reqs, n);
-	if (n <= 0)
-		return -EINVAL;
 	/* validate everything before touching any state */
-	for (int i = 0; i < n; i++) {
-		const struct mlens_engine_req *r = &reqs[i];
-		if (!r->seq || r->n_tokens <= 0 || !r->tokens)
-			return -EINVAL;
-		for (int j = 0; j < r->n_tokens; j++)
-			if (r->tokens[j] < 0 || r->tokens[j] >= V)
-				return -EINVAL;
-		if ((int64_t)r->seq->len + r->n_tokens > c->max_position_embeddings)
-			return -EOVERFLOW;
-		total += r->n_tokens;
-	}
+	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
+		return rc;
 	if (total > e->max_tokens)
 		return -E2BIG;
 	if (mlens_engine_step_blocks(e, reqs, n) > mlens_kv_pool_free_blocks(&e->kv))

@@ -69,6 +69,14 @@ struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e);
 const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e);
 int mlens_engine_max_step_tokens(const struct mlens_engine *e);
 
+/* The checks every step makes before it touches any state (shared by the
+ * engine and the hybrid pipeline): each request names a sequence and at
+ * least one token, every token id is in the vocabulary, no sequence runs
+ * past max_position_embeddings. 0 with *total tokens, -EINVAL or
+ * -EOVERFLOW. */
+int mlens_engine_reqs_check(const struct mlens_model_config *c, const struct mlens_engine_req *reqs,
+			    int n, int64_t *total);
+
 /* KV blocks the step would need beyond what its sequences hold. */
 uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
 				  int n);

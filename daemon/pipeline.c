@@ -858,18 +858,10 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	uint32_t need = 0;
 	double t0 = now();
 
-	if (n <= 0)
-		return -EINVAL;
+	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
+		return rc;
 	for (int i = 0; i < n; i++) {
 		const struct mlens_engine_req *r = &reqs[i];
-		if (!r->seq || r->n_tokens <= 0 || !r->tokens)
-			return -EINVAL;
-		for (int j = 0; j < r->n_tokens; j++)
-			if (r->tokens[j] < 0 || r->tokens[j] >= V)
-				return -EINVAL;
-		if ((int64_t)r->seq->len + r->n_tokens > c->max_position_embeddings)
-			return -EOVERFLOW;
-		total += r->n_tokens;
 		need += mlens_seq_blocks_needed(&p->kv, r->seq, (int64_t)r->seq->len + r->n_tokens);
 		want_logits |= r->logits != NULL;
 	}
