@@ -29,7 +29,6 @@ struct mlens_engine {
 	bool prefill_op;	/* prefill attention through attn_prefill */
 
 	/* weights as the backend sees them */
-	bool uploaded;		/* true: backend copies we must free */
 	const void *embed, *final_norm, *lm_head;
 	struct layer_bind *layers;
 
@@ -78,22 +77,12 @@ static void seterr(char *err, size_t len, const char *fmt, ...)
 
 static const void *bind(struct mlens_engine *e, const void *host, size_t bytes, int *rc)
 {
-	void *d;
-	if (!e->uploaded || *rc)
-		return host;
-	d = e->be->ops->alloc(e->be->ctx, bytes);
-	if (!d) {
-		*rc = -ENOMEM;
-		return NULL;
-	}
-	*rc = e->be->ops->upload(e->be->ctx, d, host, bytes);
-	return d;
+	return mlens_backend_place(e->be, host, bytes, rc);
 }
 
 static void unbind(struct mlens_engine *e, const void *p)
 {
-	if (e->uploaded && p)
-		e->be->ops->free(e->be->ctx, (void *)p);
+	mlens_backend_unplace(e->be, p);
 }
 
 static int bind_weights(struct mlens_engine *e)
@@ -104,7 +93,6 @@ static int bind_weights(struct mlens_engine *e)
 	size_t ih = (size_t)c->intermediate_size * c->hidden_size * es;
 	int rc = 0;
 
-	e->uploaded = !e->be->ops->host_memory;
 	e->layers = calloc((size_t)c->num_hidden_layers, sizeof(*e->layers));
 	if (!e->layers)
 		return -ENOMEM;

@@ -50,7 +50,6 @@ static float rng_f(uint64_t *s)	/* [-1, 1) */
 struct layer {
 	const struct mlens_backend *be;
 	const struct mlens_model_config *c;
-	bool uploaded;
 	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
 	const void **w1, **w2, **w3;
 	struct mlens_moe_weights moe;
@@ -62,22 +61,12 @@ struct layer {
 
 static const void *put(struct layer *L, const void *host, size_t bytes, int *rc)
 {
-	void *d;
-	if (*rc || !L->uploaded)
-		return *rc ? NULL : host;
-	d = L->be->ops->alloc(L->be->ctx, bytes);
-	if (!d) {
-		*rc = -ENOMEM;
-		return NULL;
-	}
-	*rc = L->be->ops->upload(L->be->ctx, d, host, bytes);
-	return d;
+	return mlens_backend_place(L->be, host, bytes, rc);
 }
 
 static void drop(struct layer *L, const void *p)
 {
-	if (L->uploaded && p)
-		L->be->ops->free(L->be->ctx, (void *)p);
+	mlens_backend_unplace(L->be, p);
 }
 
 static void *act(struct layer *L, size_t bytes, int *rc)
@@ -145,7 +134,6 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 	L->be = be;
 	L->c = c;
 	L->n = n;
-	L->uploaded = !be->ops->host_memory;
 	L->qd = (int)(c->num_attention_heads * c->head_dim);
 	L->kvd = (int)(c->num_key_value_heads * c->head_dim);
 	L->w1 = calloc(E, sizeof(void *));

@@ -12,6 +12,7 @@
 #ifndef MLENS_BACKEND_H
 #define MLENS_BACKEND_H
 
+#include <errno.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -157,6 +158,33 @@ bool mlens_cuda_available(void);
 /* name: "cpu", "cuda" or "auto" (CUDA when a GPU is present). */
 int mlens_backend_create(struct mlens_backend *be, const char *name,
 			 const struct mlens_backend_opts *o);
+
+/* Place bytes of host data where the backend's ops read them: the host
+ * pointer itself on a host-memory backend, else a new backend buffer holding
+ * a copy. Chains on *rc: does nothing once *rc is set, sets it on failure. */
+static inline const void *mlens_backend_place(const struct mlens_backend *be, const void *host,
+					      size_t bytes, int *rc)
+{
+	void *d;
+	if (*rc)
+		return NULL;
+	if (be->ops->host_memory)
+		return host;
+	d = be->ops->alloc(be->ctx, bytes);
+	if (!d) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	*rc = be->ops->upload(be->ctx, d, host, bytes);
+	return d;
+}
+
+/* Undo mlens_backend_place (p may be NULL). */
+static inline void mlens_backend_unplace(const struct mlens_backend *be, const void *p)
+{
+	if (!be->ops->host_memory && p)
+		be->ops->free(be->ctx, (void *)p);
+}
 
 static inline void mlens_backend_destroy(struct mlens_backend *be)
 {
