@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "daemon/gpuplan.h"
+#include "daemon/pipeprog.h"
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
 {
@@ -37,9 +38,20 @@ static uint64_t grown(uint64_t need, uint64_t floor)
 	return cap;
 }
 
-uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk)
+int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group)
 {
-	uint64_t T, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
+	int64_t least = (n + MLENS_PIPE_MAX_GROUPS / 4 - 1) / (MLENS_PIPE_MAX_GROUPS / 4);
+	if (group <= 0)
+		group = MLENS_GPUPLAN_GROUP;
+	if (group < least)
+		group = least;	/* a step never needs more groups than the program holds */
+	return n < group ? n : group;
+}
+
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
+				 int64_t chunk)
+{
+	uint64_t T, g, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k, V = (uint64_t)pm->vocab;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
 	uint64_t kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
@@ -50,16 +62,17 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	if (chunk <= 0)
 		chunk = MLENS_GPUPLAN_CHUNK;
 	T = (uint64_t)n;
-	c = (uint64_t)(n < chunk ? n : chunk);
-	/* the pipeline's own buffers, fp32: x, xn, q, att, k, v, router
-	 * logits, top-k weights and ids for every token; logits of a chunk */
-	per = 2 * H + 2 * qd + 2 * kvd + E + 2 * K;
-	acc = sat_mul(sat_mul(T, per), 4);
+	g = (uint64_t)mlens_gpuplan_group_rows(n, group);
+	c = (uint64_t)((int64_t)g < chunk ? (int64_t)g : chunk);
+	/* fp32: the residual x of every token; per set, for a group: xn, q,
+	 * att, k, v, router logits, top-k weights and ids; logits of a chunk */
+	per = H + 2 * qd + 2 * kvd + E + 2 * K;
+	acc = sat_mul(sat_mul(T, H), 4);
+	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4), MLENS_PIPE_SETS));
 	acc = sat_add(acc, align256(sat_mul(sat_mul(c, V), 4)));
 	/* backend scratch, one buffer sized by its largest user */
-	conv = es == 4 ? 0 : sat_mul(sat_mul(T, H > qd ? H : qd), es);
-	rows = sat_mul(c, K);
-	moe = align256(E * 4);
+	conv = es == 4 ? 0 : sat_mul(sat_mul(g, H > qd ? H : qd), es);
+	rows = sat_mul(c, K);	moe = align256(E * 4);
 	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));		/* perm, inv */
 	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), es)));	/* gathered x */
 	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
@@ -97,13 +110,13 @@ static uint64_t fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t w
 }
 
 /* Most tokens (up to cap) whose activations fit room; 0 when none. */
-static int64_t tokens_fit(const struct mlens_perf_model *pm, int64_t chunk, uint64_t room,
-			  int64_t cap)
+static int64_t tokens_fit(const struct mlens_perf_model *pm, int64_t group, int64_t chunk,
+			  uint64_t room, int64_t cap)
 {
 	int64_t lo = 0, hi = cap;
 	while (lo < hi) {
 		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (mlens_gpuplan_act_bytes(pm, mid, chunk) <= room)
+		if (mlens_gpuplan_act_bytes(pm, mid, group, chunk) <= room)
 			lo = mid;
 		else
 			hi = mid - 1;
@@ -117,6 +130,7 @@ int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpu
 	int64_t nmin = in->min_tokens > 0 ? in->min_tokens : 1;
 	uint64_t ws = in->workspace ? in->workspace : MLENS_GPUPLAN_WORKSPACE;
 	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
+	int64_t group = in->group > 0 ? in->group : MLENS_GPUPLAN_GROUP;
 	int E = (int)pm->experts, best_r = -1;
 	uint64_t act_max, best_fixed = UINT64_MAX;
 
@@ -130,12 +144,12 @@ int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpu
 	out->budget = in->budget;
 	out->workspace = ws;
 	out->chunk = chunk;
-	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, chunk);
+	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, group, chunk);
 	out->gpu_only = sat_add(fixed_bytes(pm, E, ws), act_max);
 	out->minimum = UINT64_MAX;
 	for (int r = 0; r <= E; r++) {
 		uint64_t f = fixed_bytes(pm, r, ws);
-		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, chunk));
+		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, group, chunk));
 		if (m < out->minimum)
 			out->minimum = m;
 		if (f < best_fixed) {
@@ -151,7 +165,7 @@ int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpu
 		       "workspace %.2f GiB); raise gpu_memory",
 		       gib(in->budget), gib(out->minimum), gib(mlens_perf_resident_bytes(pm, 0)),
 		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)nmin,
-		       gib(mlens_gpuplan_act_bytes(pm, nmin, chunk)), gib(ws));
+		       gib(mlens_gpuplan_act_bytes(pm, nmin, group, chunk)), gib(ws));
 		return -ENOSPC;
 	}
 	/* most resident experts that still leave the whole token cap */
@@ -164,12 +178,15 @@ int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpu
 	}
 	/* no residency holds the cap: the cheapest one, with fewer tokens */
 	out->resident_experts = best_r;
-	out->tokens = tokens_fit(pm, chunk, in->budget - best_fixed, in->max_tokens);
+	out->tokens = tokens_fit(pm, group, chunk, in->budget - best_fixed, in->max_tokens);
 done:
 	out->resident = mlens_perf_resident_bytes(pm, out->resident_experts);
 	out->slot = mlens_perf_streamed_bytes(pm, out->resident_experts);
 	out->slots = mlens_perf_slot_bytes(pm, out->resident_experts);
-	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, chunk);
+	out->group = mlens_gpuplan_group_rows(out->tokens, group);
+	if (out->chunk > out->group)
+		out->chunk = out->group;
+	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, group, chunk);
 	out->total = sat_add(sat_add(sat_add(out->resident, out->slots), out->act), ws);
 	return 0;
 }
@@ -180,10 +197,10 @@ int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_
 	return snprintf(buf, len,
 			"GPU memory plan: budget %.2f GiB = resident weights %.2f GiB (%d of %lld "
 			"experts per layer) + 2 expert slots %.2f GiB + activations for %lld tokens "
-			"%.2f GiB + workspace %.2f GiB, %.2f GiB used; minimum %.2f GiB, GPU-only "
+			"in groups of %lld %.2f GiB + workspace %.2f GiB, %.2f GiB used; minimum %.2f GiB, GPU-only "
 			"needs %.2f GiB",
 			gib(p->budget), gib(p->resident), p->resident_experts, (long long)pm->experts,
-			gib(p->slots), (long long)p->tokens, gib(p->act), gib(p->workspace),
+			gib(p->slots), (long long)p->tokens, (long long)p->group, gib(p->act), gib(p->workspace),
 			gib(p->total), gib(p->minimum), gib(p->gpu_only));
 }
 
@@ -194,7 +211,7 @@ int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget
 	if (max_tokens <= 0)
 		return -EINVAL;
 	need = sat_add(sat_add(mlens_perf_resident_bytes(pm, (int)pm->experts),
-			       mlens_gpuplan_act_bytes(pm, max_tokens, 0)),
+			       mlens_gpuplan_act_bytes(pm, max_tokens, 0, 0)),
 		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
 	if (!budget) {
 		seterr(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "

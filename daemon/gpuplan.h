@@ -29,19 +29,25 @@
 /* Tokens per MoE (and lm_head) call of the pipeline when chunk is 0: the
  * backend's MoE scratch is sized by it. */
 #define MLENS_GPUPLAN_CHUNK 1024
-
+/* Rows of a token group when group is 0: a step of n tokens runs as
+ * ceil(n / group) groups (at least two), and only two groups' activations
+ * live at once (pipeprog.h), so the residual stream is the only per-token
+ * buffer of the whole step. */
+#define MLENS_GPUPLAN_GROUP 4096
 struct mlens_gpuplan_in {
 	uint64_t budget;	/* bytes the pipeline may hold on the GPU */
 	int64_t max_tokens;	/* token cap wanted per step */
 	int64_t min_tokens;	/* smallest cap that still runs (a whole prompt); 0 = 1 */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
+	int64_t group;		/* rows per token group; 0 = MLENS_GPUPLAN_GROUP */
 };
 
 struct mlens_gpuplan {
 	int resident_experts;	/* per layer: experts 0..r-1 stay on the GPU */
 	int64_t tokens;		/* token cap per step that fits */
-	int64_t chunk;
+	int64_t chunk;		/* <= group */
+	int64_t group;		/* rows of a token group (<= tokens) */
 	uint64_t resident;	/* bytes: always-resident weights + resident experts */
 	uint64_t slot;		/* bytes of one expert slot (one layer's streamed experts) */
 	uint64_t slots;		/* both slots */
@@ -53,13 +59,18 @@ struct mlens_gpuplan {
 	uint64_t gpu_only;	/* budget that holds every expert with max_tokens */
 };
 
-/* Activation and scratch bytes of a step of n tokens on the GPU, chunk
- * tokens per MoE / lm_head call: the pipeline's buffers (residual, norm,
- * q, k, v, attention out, router logits, ids, weights, logits of a chunk)
- * plus the largest scratch one backend op takes (activation rows rounded
- * to the weight dtype for a GEMM, a MoE chunk's gathered rows and
- * intermediates). Saturates at UINT64_MAX. */
-uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk);
+/* Activation and scratch bytes of a step of n tokens on the GPU in groups
+ * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE /
+ * lm_head call: the residual stream of every token; per activation set
+ * (two) the norm, q, k, v, attention out, router logits, ids and weights
+ * of a group; logits of a chunk; plus the largest scratch one backend op
+ * takes (a group's rows rounded to the weight dtype for a GEMM, a MoE
+ * chunk's gathered rows and intermediates). Saturates at UINT64_MAX. */
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
+				 int64_t chunk);
+/* Rows of a group for a step cap of n tokens: group (0: the default),
+ * never above n. */
+int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group);
 
 /* Make the plan. -ENOSPC with a message naming the budget, the minimum and
  * the parts when the budget cannot run min_tokens; -EINVAL for a bad input.

@@ -196,6 +196,18 @@ static uint32_t kv_blocks_for(const struct mlens_model_config *c, enum mlens_dty
 	return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
+/* The token cap asked for: the configured one, else 4096, or in hybrid
+ * mode the most the GPU memory plan may hold (the plan lowers it to what
+ * the budget fits; more tokens per pass over the streamed weights is the
+ * whole point of that mode, DESIGN §1). */
+#define MLENS_HYBRID_MAX_TOKENS 65536
+static int step_cap_wanted(void)
+{
+	if (D.cfg.max_step_tokens > 0)
+		return (int)D.cfg.max_step_tokens;
+	return D.hybrid ? MLENS_HYBRID_MAX_TOKENS : 4096;
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -209,7 +221,9 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->opts.n_threads = (int)D.cfg.threads;
 	st->opts.kv_dtype = kv_dt;
 	st->opts.kv_block_size = (int)D.cfg.kv_block_size;
-	st->opts.max_tokens = D.cfg.max_step_tokens > 0 ? D.cfg.max_step_tokens : 4096;
+	/* the fit extrapolates: a layer with 32768 tokens of activations is
+	 * enough to find the line and stays a few GiB */
+	st->opts.max_tokens = step_cap_wanted() < 32768 ? step_cap_wanted() : 32768;
 	st->opts.budget_s = D.be.ops->host_memory ? 0.5 : 20;
 	mlens_perf_model_from_config(&st->pm, &D.model->cfg, kv_dt);
 	st->hybrid = D.hybrid;
@@ -417,7 +431,7 @@ int main(int argc, char **argv)
 	eo.kv_block_size = (int)D.cfg.kv_block_size;
 	eo.kv_blocks = blocks;
 	eo.kv_dtype = (int)kv_dt;
-	eo.max_step_tokens = D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096;
+	eo.max_step_tokens = step_cap_wanted();
 	eo.kv_mem_k = D.kv_k.p;
 	eo.kv_mem_v = D.kv_v.p;
 	if (D.hybrid) {

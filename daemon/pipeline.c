@@ -1,8 +1,14 @@
 /* The hybrid pipeline executor: weights placed by the GPU memory plan,
  * experts streamed through two slots, decode attention on the CPU pool, a
- * step run as the step program says (pipeprog.h). Rows of a step: group α
- * then group β, each with its prefill sequences first (contiguous, for
- * attn_prefill) and then the tokens that read the paged cache. */
+ * step run as the step program says (pipeprog.h). Rows of a step: its
+ * token groups one after another, each with its prefill sequences first
+ * (contiguous, for attn_prefill) and then the tokens that read the paged
+ * cache. A group holds at most the plan's group rows; a request too long
+ * for one group is cut into segments, and the segments after its first
+ * read the cache like decode tokens (the earlier segment's K/V is in the
+ * pool by then: C of a layer runs group after group on the host). Only the
+ * residual stream is kept for every row; the rest of a group's
+ * activations live in one of two sets. */
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -26,7 +32,21 @@ struct pl_group {
 	int r0, r1;		/* rows [r0, r1) */
 	int P;			/* prefill rows, [r0, r0 + P) */
 	int n_pre;		/* prefill sequences */
-	int32_t *cu;		/* [n_pre + 1], relative to r0 */
+	int32_t *cu;		/* [n_pre + 1], relative to r0 (into the step's cu array) */
+	int s0, s1;		/* segments [s0, s1) of the step's segment list */
+};
+
+/* Tokens [j0, j1) of request req, in one group. */
+struct pl_seg {
+	int req, j0, j1;
+};
+
+/* The activations of a group being worked on: GPU and host (pinned when
+ * the GPU backend can) buffers for the plan's group rows. */
+struct pl_set {
+	float *xn, *q, *k, *v, *att, *rlog, *rw;
+	int32_t *rid;
+	float *hq, *hk, *hv, *hatt;
 };
 
 struct pl_region {
@@ -44,21 +64,21 @@ struct mlens_pipeline {
 	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
+	int group_rows;		/* rows of a group at most (the plan's) */
 	int64_t chunk;
 	uint64_t own;		/* bytes we allocated on g */
 
 	const void *embed, *final_norm, *lm_head;
 	struct pl_layer *layers;
 	void *slot[2];
-	struct mlens_pipe_prog prog;
+	struct mlens_pipe_prog prog;	/* this step's */
+	int *n_pieces;			/* per layer */
 	struct pl_region *reg;	/* host ranges we registered */
 	int n_reg;
 
-	/* GPU activations */
-	float *x, *xn, *q, *k, *v, *att, *rlog, *rw, *logits;
-	int32_t *rid;
-	/* host activations (pinned when the GPU backend can) */
-	float *hq, *hk, *hv, *hatt;
+	/* GPU activations: the residual stream of every row, two sets */
+	float *x, *logits;
+	struct pl_set set[MLENS_PIPE_SETS];
 	bool host_pinned;
 
 	/* host scratch */
@@ -70,6 +90,10 @@ struct mlens_pipeline {
 	float *host_logits;
 	size_t host_logits_rows;
 	struct pl_group grp[MLENS_PIPE_MAX_GROUPS];
+	int n_grp;
+	int32_t *cu;		/* every group's cu, [max_tokens + MLENS_PIPE_MAX_GROUPS] */
+	struct pl_seg *seg;	/* [max_tokens] at most one per row */
+	int n_seg;
 	int n_lrow;
 
 	struct mlens_pipeline_stats st;
@@ -370,6 +394,56 @@ static void free_weights(struct mlens_pipeline *p)
 		gfree(p, p->slot[s], p->plan.slot);
 }
 
+/* ==== activation sets ==== */
+
+static size_t set_floats(const struct mlens_pipeline *p, int which)
+{
+	size_t g = (size_t)p->group_rows;
+	switch (which) {
+	case 0: return g * (size_t)p->cfg.hidden_size;		/* xn */
+	case 1: return g * (size_t)p->qdim;			/* q, att */
+	case 2: return g * (size_t)p->kvdim;			/* k, v */
+	case 3: return g * (size_t)p->cfg.num_local_experts;	/* router logits */
+	default: return g * (size_t)p->cfg.num_experts_per_tok;	/* weights, ids */
+	}
+}
+
+static void set_alloc(struct mlens_pipeline *p, struct pl_set *S, int *rc)
+{
+	S->xn = galloc(p, set_floats(p, 0) * 4, rc);
+	S->q = galloc(p, set_floats(p, 1) * 4, rc);
+	S->att = galloc(p, set_floats(p, 1) * 4, rc);
+	S->k = galloc(p, set_floats(p, 2) * 4, rc);
+	S->v = galloc(p, set_floats(p, 2) * 4, rc);
+	S->rlog = galloc(p, set_floats(p, 3) * 4, rc);
+	S->rw = galloc(p, set_floats(p, 4) * 4, rc);
+	S->rid = galloc(p, set_floats(p, 4) * 4, rc);
+	if (*rc)
+		return;
+	S->hq = halloc(p, set_floats(p, 1) * 4);
+	S->hatt = halloc(p, set_floats(p, 1) * 4);
+	S->hk = halloc(p, set_floats(p, 2) * 4);
+	S->hv = halloc(p, set_floats(p, 2) * 4);
+	if (!S->hq || !S->hatt || !S->hk || !S->hv)
+		*rc = -ENOMEM;
+}
+
+static void set_free(struct mlens_pipeline *p, struct pl_set *S)
+{
+	gfree(p, S->xn, set_floats(p, 0) * 4);
+	gfree(p, S->q, set_floats(p, 1) * 4);
+	gfree(p, S->att, set_floats(p, 1) * 4);
+	gfree(p, S->k, set_floats(p, 2) * 4);
+	gfree(p, S->v, set_floats(p, 2) * 4);
+	gfree(p, S->rlog, set_floats(p, 3) * 4);
+	gfree(p, S->rw, set_floats(p, 4) * 4);
+	gfree(p, S->rid, set_floats(p, 4) * 4);
+	hfree(p, S->hq);
+	hfree(p, S->hatt);
+	hfree(p, S->hk);
+	hfree(p, S->hv);
+}
+
 /* ==== create / destroy ==== */
 
 static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o, char *err,
@@ -413,7 +487,6 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 {
 	struct mlens_pipeline *p;
 	struct mlens_gpuplan_in in;
-	int *n_pieces = NULL;
 	size_t T, H;
 	int rc = 0;
 
@@ -454,10 +527,12 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	in.min_tokens = o->min_step_tokens > 0 ? o->min_step_tokens : 1;
 	in.workspace = o->workspace;
 	in.chunk = o->chunk;
+	in.group = o->group_tokens;
 	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
 	if (rc)
 		goto fail;
 	p->max_tokens = (int)p->plan.tokens;
+	p->group_rows = (int)p->plan.group;
 	p->chunk = p->plan.chunk;
 	/* the backend's own memory (workspace, staging) counts as it stands */
 	rc = place_weights(p, o->piece_bytes ? o->piece_bytes : MLENS_PIPE_PIECE);
@@ -466,17 +541,13 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		       "expert slots on the %s backend: %s", gpu->ops->name, strerror(-rc));
 		goto fail;
 	}
-	n_pieces = calloc((size_t)p->cfg.num_hidden_layers, sizeof(*n_pieces));
-	if (!n_pieces) {
+	p->n_pieces = calloc((size_t)p->cfg.num_hidden_layers, sizeof(*p->n_pieces));
+	if (!p->n_pieces) {
 		rc = -ENOMEM;
 		goto fail;
 	}
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++)
-		n_pieces[l] = p->layers[l].n_pieces;
-	rc = mlens_pipe_prog_build(&p->prog, (int)p->cfg.num_hidden_layers, p->groups, n_pieces);
-	free(n_pieces);
-	if (rc)
-		goto fail;
+		p->n_pieces[l] = p->layers[l].n_pieces;
 	if (p->async && (rc = register_stream(p))) {
 		seterr(err, errlen, "hybrid pipeline: cannot pin the weight pages for the expert "
 		       "stream: %s", strerror(-rc));
@@ -486,25 +557,14 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	T = (size_t)p->max_tokens;
 	H = (size_t)p->cfg.hidden_size;
 	p->x = galloc(p, T * H * 4, &rc);
-	p->xn = galloc(p, T * H * 4, &rc);
-	p->q = galloc(p, T * p->qdim * 4, &rc);
-	p->att = galloc(p, T * p->qdim * 4, &rc);
-	p->k = galloc(p, T * p->kvdim * 4, &rc);
-	p->v = galloc(p, T * p->kvdim * 4, &rc);
-	p->rlog = galloc(p, T * p->cfg.num_local_experts * 4, &rc);
-	p->rw = galloc(p, T * p->cfg.num_experts_per_tok * 4, &rc);
-	p->rid = galloc(p, T * p->cfg.num_experts_per_tok * 4, &rc);
-	p->logits = galloc(p, (size_t)(p->chunk < (int64_t)T ? p->chunk : (int64_t)T) *
-			      (size_t)p->cfg.vocab_size * 4, &rc);
+	p->logits = galloc(p, (size_t)p->chunk * (size_t)p->cfg.vocab_size * 4, &rc);
+	for (int s = 0; s < MLENS_PIPE_SETS; s++)
+		set_alloc(p, &p->set[s], &rc);
 	if (rc) {
-		seterr(err, errlen, "hybrid pipeline: cannot allocate GPU activations for %d tokens: %s",
-		       p->max_tokens, strerror(-rc));
+		seterr(err, errlen, "hybrid pipeline: cannot allocate GPU activations for %d tokens "
+		       "(groups of %d): %s", p->max_tokens, p->group_rows, strerror(-rc));
 		goto fail;
 	}
-	p->hq = halloc(p, T * p->qdim * 4);
-	p->hatt = halloc(p, T * p->qdim * 4);
-	p->hk = halloc(p, T * p->kvdim * 4);
-	p->hv = halloc(p, T * p->kvdim * 4);
 	p->tok = malloc(T * sizeof(*p->tok));
 	p->pos = malloc(T * sizeof(*p->pos));
 	p->row_req = malloc(T * sizeof(*p->row_req));
@@ -514,12 +574,11 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->qry = malloc(T * sizeof(*p->qry));
 	p->logp = malloc(T * sizeof(*p->logp));
 	p->samp = malloc(T * sizeof(*p->samp));
-	for (int x = 0; x < MLENS_PIPE_MAX_GROUPS; x++)
-		p->grp[x].cu = malloc((T + 1) * sizeof(int32_t));
-	if (!p->hq || !p->hatt || !p->hk || !p->hv || !p->tok || !p->pos || !p->row_req ||
-	    !p->lrow || !p->sampled || !p->slots || !p->qry || !p->logp || !p->samp ||
-	    !p->grp[0].cu || !p->grp[1].cu) {
-		rc = -ENOMEM;
+	p->cu = malloc((T + MLENS_PIPE_MAX_GROUPS) * sizeof(*p->cu));
+	p->seg = malloc(T * sizeof(*p->seg));
+	if (!p->tok || !p->pos || !p->row_req || !p->lrow || !p->sampled || !p->slots ||
+	    !p->qry || !p->logp || !p->samp || !p->cu || !p->seg || rc) {
+		rc = rc ? rc : -ENOMEM;
 		seterr(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
 		       p->max_tokens);
 		goto fail;
@@ -537,7 +596,8 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		/* a GPU kernel may cover only some head sizes: ask with no sequence */
 		int32_t cu0 = 0;
 		int hd = (int)p->cfg.head_dim;
-		rc = gpu->ops->attn_prefill(gpu->ctx, p->att, p->q, p->k, p->v, &cu0, 0,
+		rc = gpu->ops->attn_prefill(gpu->ctx, p->set[0].att, p->set[0].q, p->set[0].k,
+					    p->set[0].v, &cu0, 0,
 					    (int)p->cfg.num_attention_heads,
 					    (int)p->cfg.num_key_value_heads, hd, 1.0f / sqrtf((float)hd));
 		if (rc == -ENOTSUP)
@@ -566,27 +626,17 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	T = (size_t)p->max_tokens;
 	H = (size_t)p->cfg.hidden_size;
 	gfree(p, p->x, T * H * 4);
-	gfree(p, p->xn, T * H * 4);
-	gfree(p, p->q, T * p->qdim * 4);
-	gfree(p, p->att, T * p->qdim * 4);
-	gfree(p, p->k, T * p->kvdim * 4);
-	gfree(p, p->v, T * p->kvdim * 4);
-	gfree(p, p->rlog, T * p->cfg.num_local_experts * 4);
-	gfree(p, p->rw, T * p->cfg.num_experts_per_tok * 4);
-	gfree(p, p->rid, T * p->cfg.num_experts_per_tok * 4);
-	gfree(p, p->logits, (size_t)(p->chunk < (int64_t)T ? p->chunk : (int64_t)T) *
-			    (size_t)p->cfg.vocab_size * 4);
+	gfree(p, p->logits, (size_t)p->chunk * (size_t)p->cfg.vocab_size * 4);
+	for (int s = 0; s < MLENS_PIPE_SETS; s++)
+		set_free(p, &p->set[s]);
 	for (int i = 0; i < p->n_reg; i++)
 		p->g->ops->host_unregister(p->g->ctx, p->reg[i].p);
 	free(p->reg);
 	free_weights(p);
 	mlens_pipe_prog_free(&p->prog);
+	free(p->n_pieces);
 	if (p->kv.free_stack)
 		mlens_kv_pool_fini(&p->kv);
-	hfree(p, p->hq);
-	hfree(p, p->hatt);
-	hfree(p, p->hk);
-	hfree(p, p->hv);
 	free(p->tok);
 	free(p->pos);
 	free(p->row_req);
@@ -596,8 +646,8 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	free(p->qry);
 	free(p->logp);
 	free(p->samp);
-	for (int x = 0; x < MLENS_PIPE_MAX_GROUPS; x++)
-		free(p->grp[x].cu);
+	free(p->cu);
+	free(p->seg);
 	free(p->host_logits);
 	free(p);
 }
@@ -647,71 +697,71 @@ static int to_gpu(struct mlens_pipeline *p, void *dst, const void *src, size_t b
 
 /* GA: norm, QKV, RoPE, prefill attention; K/V of every row and q of the
  * cache-reading rows out to the host. */
-static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr)
+static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
+		    const struct pl_set *S)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	const struct pl_layer *b = &p->layers[l];
 	int H = (int)c->hidden_size, hd = (int)c->head_dim, n = gr->r1 - gr->r0, rc;
 	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
 	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
-	/* first row whose q the CPU needs */
-	size_t d0 = p->prefill_cpu ? r0 : r0 + (size_t)gr->P;
+	/* first row (of the group) whose q the CPU needs */
+	size_t d0 = p->prefill_cpu ? 0 : (size_t)gr->P;
 
 	if (!n)
 		return 0;
-	TRY(G->rmsnorm(GC, p->xn + r0 * H, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
+	TRY(G->rmsnorm(GC, S->xn, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
-	TRY(G->gemm(GC, p->q + r0 * qd, p->xn + r0 * H, b->wq, c->dtype, n, H, (int)qd, false));
-	TRY(G->gemm(GC, p->k + r0 * kvd, p->xn + r0 * H, b->wk, c->dtype, n, H, (int)kvd, false));
-	TRY(G->gemm(GC, p->v + r0 * kvd, p->xn + r0 * H, b->wv, c->dtype, n, H, (int)kvd, false));
-	TRY(G->rope(GC, p->q + r0 * qd, p->pos + r0, n, nh, hd, (float)c->rope_theta));
-	TRY(G->rope(GC, p->k + r0 * kvd, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
+	TRY(G->gemm(GC, S->q, S->xn, b->wq, c->dtype, n, H, (int)qd, false));
+	TRY(G->gemm(GC, S->k, S->xn, b->wk, c->dtype, n, H, (int)kvd, false));
+	TRY(G->gemm(GC, S->v, S->xn, b->wv, c->dtype, n, H, (int)kvd, false));
+	TRY(G->rope(GC, S->q, p->pos + r0, n, nh, hd, (float)c->rope_theta));
+	TRY(G->rope(GC, S->k, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
 	if (gr->n_pre && !p->prefill_cpu)
-		TRY(G->attn_prefill(GC, p->att + r0 * qd, p->q + r0 * qd, p->k + r0 * kvd,
-				    p->v + r0 * kvd, gr->cu, gr->n_pre, nh, nkv, hd,
+		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
 				    1.0f / sqrtf((float)hd)));
-	TRY(to_host(p, p->hk + r0 * kvd, p->k + r0 * kvd, (size_t)n * kvd * 4));
-	TRY(to_host(p, p->hv + r0 * kvd, p->v + r0 * kvd, (size_t)n * kvd * 4));
-	if ((size_t)gr->r1 > d0)
-		TRY(to_host(p, p->hq + d0 * qd, p->q + d0 * qd, ((size_t)gr->r1 - d0) * qd * 4));
+	TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
+	TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
+	if ((size_t)n > d0)
+		TRY(to_host(p, S->hq + d0 * qd, S->q + d0 * qd, ((size_t)n - d0) * qd * 4));
 	return 0;
 }
 
 /* C: this step's K/V into the CPU pool, decode attention there, its
  * output back to the GPU. */
-static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr)
+static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
+		   const struct pl_set *S)
 {
 	const struct mlens_model_config *c = &p->cfg;
-	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
-	size_t d0 = r0 + (size_t)gr->P;
-	int n = gr->r1 - gr->r0, nd = gr->r1 - (int)d0, rc;
+	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim;
+	size_t d0 = (size_t)gr->P;
+	int n = gr->r1 - gr->r0, nd = n - gr->P, rc;
 	int hd = (int)c->head_dim;
 	double t0 = now();
 
 	if (!n)
 		return 0;
 	if (p->prefill_cpu && gr->n_pre)
-		TRY(p->c->ops->attn_prefill(p->c->ctx, p->hatt + r0 * qd, p->hq + r0 * qd,
-					    p->hk + r0 * kvd, p->hv + r0 * kvd, gr->cu, gr->n_pre,
-					    (int)c->num_attention_heads,
+		TRY(p->c->ops->attn_prefill(p->c->ctx, S->hatt, S->hq, S->hk, S->hv, gr->cu,
+					    gr->n_pre, (int)c->num_attention_heads,
 					    (int)c->num_key_value_heads, hd, 1.0f / sqrtf((float)hd)));
-	TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, p->hk + r0 * kvd, p->hv + r0 * kvd,
-				 p->slots + r0, n));
+	TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
 	if (nd > 0)
-		TRY(p->c->ops->attn_decode(p->c->ctx, p->hatt + d0 * qd, p->hq + d0 * qd,
-					   &p->kv.cache, l, p->qry + d0, nd,
+		TRY(p->c->ops->attn_decode(p->c->ctx, S->hatt + d0 * qd, S->hq + d0 * qd,
+					   &p->kv.cache, l, p->qry + r0 + d0, nd,
 					   (int)c->num_attention_heads,
 					   1.0f / sqrtf((float)c->head_dim)));
 	p->st.cpu_attn_s += now() - t0;
 	if (p->prefill_cpu)
-		d0 = r0;	/* the prefill rows' output comes back too */
-	if ((size_t)gr->r1 > d0)
-		TRY(to_gpu(p, p->att + d0 * qd, p->hatt + d0 * qd, ((size_t)gr->r1 - d0) * qd * 4));
+		d0 = 0;	/* the prefill rows' output comes back too */
+	if ((size_t)n > d0)
+		TRY(to_gpu(p, S->att + d0 * qd, S->hatt + d0 * qd, ((size_t)n - d0) * qd * 4));
 	return 0;
 }
 
 /* GB: O projection into the residual, norm, router, experts. */
-static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr)
+static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
+		    const struct pl_set *S)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	const struct pl_layer *b = &p->layers[l];
@@ -721,16 +771,15 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr)
 
 	if (!n)
 		return 0;
-	TRY(G->gemm(GC, p->x + r0 * H, p->att + r0 * p->qdim, b->wo, c->dtype, n, p->qdim, H, true));
-	TRY(G->rmsnorm(GC, p->xn + r0 * H, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
+	TRY(G->gemm(GC, p->x + r0 * H, S->att, b->wo, c->dtype, n, p->qdim, H, true));
+	TRY(G->rmsnorm(GC, S->xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
-	TRY(G->gemm(GC, p->rlog + r0 * E, p->xn + r0 * H, b->router, c->dtype, n, H, E, false));
-	TRY(G->router(GC, p->rid + r0 * K, p->rw + r0 * K, p->rlog + r0 * E, n, E, K));
+	TRY(G->gemm(GC, S->rlog, S->xn, b->router, c->dtype, n, H, E, false));
+	TRY(G->router(GC, S->rid, S->rw, S->rlog, n, E, K));
 	for (int t = 0; t < n; t += (int)p->chunk) {
 		int cnt = n - t < (int)p->chunk ? n - t : (int)p->chunk;
-		size_t o = r0 + (size_t)t;
-		TRY(G->moe(GC, p->x + o * H, p->xn + o * H, cnt, p->rid + o * K, p->rw + o * K, K,
-			   &b->moe));
+		TRY(G->moe(GC, p->x + (r0 + (size_t)t) * H, S->xn + (size_t)t * H, cnt,
+			   S->rid + (size_t)t * K, S->rw + (size_t)t * K, K, &b->moe));
 	}
 	return 0;
 }
@@ -754,15 +803,16 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = p->n_lrow, rc;
+	float *xn = p->set[0].xn;	/* the tail runs after every GB (queue order) */
 
 	if (want_logits)
 		TRY(grow_host_logits(p, (size_t)nl));
 	for (int i0 = 0; i0 < nl; i0 += (int)p->chunk) {
 		int cnt = nl - i0 < (int)p->chunk ? nl - i0 : (int)p->chunk;
 		for (int i = 0; i < cnt; i++)
-			TRY(G->rmsnorm(GC, p->xn + (size_t)i * H, p->x + (size_t)p->lrow[i0 + i] * H,
+			TRY(G->rmsnorm(GC, xn + (size_t)i * H, p->x + (size_t)p->lrow[i0 + i] * H,
 				       p->final_norm, c->dtype, 1, H, (float)c->rms_norm_eps));
-		TRY(G->gemm(GC, p->logits, p->xn, p->lm_head, c->dtype, cnt, H, V, false));
+		TRY(G->gemm(GC, p->logits, xn, p->lm_head, c->dtype, cnt, H, V, false));
 		TRY(G->sample(GC, p->sampled + i0, p->logp + i0, p->logits, cnt, V, p->samp + i0));
 		if (want_logits)
 			TRY(G->download(GC, p->host_logits + (size_t)i0 * V, p->logits,
@@ -773,31 +823,91 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 
 /* ==== the step ==== */
 
-/* Rows of group x: its requests, prefill sequences first. */
-static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs, int i0,
-			 int i1, int *row, struct pl_group *gr)
+/* Cut the step's requests into groups of at most group_rows rows, about
+ * total / G each (G: enough groups for the rows, at least the configured
+ * count when there are requests enough); a request longer than what its
+ * group has left continues in the next group as a further segment. */
+static int split_groups(struct mlens_pipeline *p, const struct mlens_engine_req *reqs, int n,
+			int64_t total)
+{
+	int64_t gr = p->group_rows, want, target, cur = 0, cum = 0;
+	int x = 0;
+
+	want = (total + gr - 1) / gr;
+	if (want < p->groups && n >= p->groups)
+		want = p->groups;
+	if (want < 1)
+		want = 1;
+	target = (total + want - 1) / want;
+	p->n_seg = 0;
+	p->grp[0].s0 = 0;
+	for (int i = 0; i < n; i++) {
+		int j = 0, nt = reqs[i].n_tokens;
+		/* a request goes to the group its middle token falls in when
+		 * the rows are cut into want equal parts (balance); rows past
+		 * group_rows go on in the next group as a further segment (bound) */
+		if (cur > 0 && (2 * cum + nt) / (2 * target) > x) {
+			p->grp[x++].s1 = p->n_seg;
+			if (x == MLENS_PIPE_MAX_GROUPS)
+				return -E2BIG;
+			p->grp[x].s0 = p->n_seg;
+			cur = 0;
+		}
+		cum += nt;
+		while (j < nt) {
+			int take = nt - j;
+			if (cur + take > gr)
+				take = (int)(gr - cur);
+			p->seg[p->n_seg].req = i;
+			p->seg[p->n_seg].j0 = j;
+			p->seg[p->n_seg].j1 = j + take;
+			p->n_seg++;
+			j += take;
+			cur += take;
+			if (cur == gr && (j < nt || i + 1 < n)) {
+				p->grp[x++].s1 = p->n_seg;
+				if (x == MLENS_PIPE_MAX_GROUPS)
+					return -E2BIG;
+				p->grp[x].s0 = p->n_seg;
+				cur = 0;
+			}
+		}
+	}
+	p->grp[x].s1 = p->n_seg;
+	p->n_grp = x + 1;
+	return 0;
+}
+
+/* Rows of a group: its segments, prefill ones (the first segment of a
+ * request with nothing cached) first. */
+static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs, int *row,
+			 int32_t **cu, struct pl_group *gr)
 {
 	int bs = p->kv.cache.block_size;
 	gr->r0 = *row;
 	gr->n_pre = 0;
+	gr->cu = *cu;
 	gr->cu[0] = 0;
 	for (int pass = 0; pass < 2; pass++) {
-		for (int i = i0; i < i1; i++) {
-			struct mlens_engine_req *r = &reqs[i];
-			bool pre = r->seq->len == 0;
+		for (int k = gr->s0; k < gr->s1; k++) {
+			const struct pl_seg *sg = &p->seg[k];
+			struct mlens_engine_req *r = &reqs[sg->req];
+			bool pre = r->seq->len == 0 && sg->j0 == 0;
 			if (pre != (pass == 0))
 				continue;
-			for (int j = 0; j < r->n_tokens; j++, (*row)++) {
+			for (int j = sg->j0; j < sg->j1; j++, (*row)++) {
 				int32_t ps = r->seq->len + j;
 				p->tok[*row] = r->tokens[j];
 				p->pos[*row] = ps;
-				p->row_req[*row] = i;
+				p->row_req[*row] = sg->req;
 				p->slots[*row] = (int64_t)r->seq->blocks[ps / bs] * bs + ps % bs;
 				p->qry[*row].ctx_len = ps + 1;
 				p->qry[*row].n_blocks = (int32_t)r->seq->n_blocks;
 				p->qry[*row].block_table = r->seq->blocks;
 				if (r->all_logits || j == r->n_tokens - 1)
 					p->lrow[p->n_lrow++] = *row;
+				if (!pre)
+					p->st.kv_read_tokens += (uint64_t)ps + 1;
 			}
 			if (pre)
 				gr->cu[++gr->n_pre] = *row - gr->r0;
@@ -806,6 +916,7 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 			gr->P = *row - gr->r0;
 	}
 	gr->r1 = *row;
+	*cu += gr->n_pre + 1;
 }
 
 static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, bool want_logits)
@@ -817,13 +928,13 @@ static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, b
 	switch (cmd->kind) {
 	case MLENS_PIPE_HEAD:
 		return G->embed(GC, p->x, p->embed, c->dtype, (int)c->hidden_size, p->tok,
-				p->grp[p->groups - 1].r1);
+				p->grp[p->n_grp - 1].r1);
 	case MLENS_PIPE_GA:
-		return stage_ga(p, cmd->layer, &p->grp[cmd->group]);
+		return stage_ga(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
 	case MLENS_PIPE_C:
-		return stage_c(p, cmd->layer, &p->grp[cmd->group]);
+		return stage_c(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
 	case MLENS_PIPE_GB:
-		return stage_gb(p, cmd->layer, &p->grp[cmd->group]);
+		return stage_gb(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
 	case MLENS_PIPE_TAIL:
 		return stage_tail(p, want_logits);
 	case MLENS_PIPE_COPY: {
@@ -852,8 +963,9 @@ static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, b
 int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs, int n)
 {
 	const struct mlens_model_config *c = &p->cfg;
-	int V = (int)c->vocab_size, row = 0, split, rc = 0;
-	int64_t total = 0, half;
+	int V = (int)c->vocab_size, row = 0, rc = 0;
+	int64_t total = 0;
+	int32_t *cu;
 	bool want_logits = false;
 	uint32_t need = 0;
 	double t0 = now();
@@ -875,21 +987,19 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 			return rc;
 	}
 
-	/* group α: leading requests up to half the tokens; β: the rest */
-	split = n;
-	if (p->groups == 2) {
-		half = 0;
-		for (split = 0; split < n - 1 && 2 * (half + reqs[split].n_tokens) <= total; split++)
-			half += reqs[split].n_tokens;
-		if (split == 0 && n > 1)
-			split = 1;
-	}
+	if ((rc = split_groups(p, reqs, n, total)))
+		return rc;
 	p->n_lrow = 0;
-	layout_group(p, reqs, 0, split, &row, &p->grp[0]);
-	if (p->groups == 2)
-		layout_group(p, reqs, split, n, &row, &p->grp[1]);
+	p->st.kv_read_tokens = 0;
+	cu = p->cu;
+	for (int x = 0; x < p->n_grp; x++)
+		layout_group(p, reqs, &row, &cu, &p->grp[x]);
 	for (int i = 0; i < p->n_lrow; i++)
 		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;
+	if ((rc = mlens_pipe_prog_build(&p->prog, (int)c->num_hidden_layers, p->n_grp,
+					p->n_pieces)))
+		return rc;
+	p->st.groups = p->n_grp;
 
 	p->st.h2d_weight_bytes = p->st.h2d_act_bytes = p->st.d2h_act_bytes = 0;
 	p->st.cpu_attn_s = p->st.host_wait_s = 0;

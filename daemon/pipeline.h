@@ -29,7 +29,8 @@ struct mlens_pipeline_opts {
 	uint64_t gpu_budget;	/* bytes on the GPU backend; 0 = refuse */
 	int max_step_tokens;	/* token cap wanted; 0 = 4096 (the plan may lower it) */
 	int min_step_tokens;	/* smallest cap that may run; 0 = 1 */
-	int groups;		/* token groups, 1 or 2; 0 = 2 */
+	int groups;		/* token groups at least (when there are requests enough), 1 or 2; 0 = 2 */
+	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP */
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
@@ -51,6 +52,8 @@ struct mlens_pipeline_stats {
 	double host_wait_s;	/* host time blocked on the GPU */
 	uint64_t h2d_weight_bytes;	/* streamed expert bytes, last step */
 	uint64_t h2d_act_bytes, d2h_act_bytes;	/* activation copies, last step */
+	uint64_t kv_read_tokens;	/* last step: context positions read per layer */
+	int groups;			/* last step: token groups */
 	uint64_t steps;
 	uint64_t h2d_bytes_total, d2h_bytes_total;
 	double cpu_attn_s_total, host_wait_s_total;

@@ -6,28 +6,34 @@
  * simulated device. Program order is itself a valid sequential order, so
  * an executor without streams runs the commands one after another.
  *
- * The program of a step (L layers, groups x in α, β; slot(l) = l mod 2):
+ * The program of a step (L layers, G token groups; slot(l) = l mod 2). The
+ * step's (layer, group) items run in the order (0,0) (0,1) .. (0,G-1)
+ * (1,0) ..; item i uses activation set(i) = i mod 2 (always 0 when G = 1),
+ * so that only two groups' activations live at once however many groups a
+ * step has:
  *   HEAD                                    GPU: embeddings of all tokens
  *   stream layers 0 and 1 into slots 0, 1   COPY queue (see below)
- *   GA(0, x) for each x                     GPU: norm, QKV, RoPE, prefill
- *                                           attention, D2H of K/V and the
- *                                           decode q; records qkv[x]
- *   for l in 0 .. L-1, for each group x:
- *     C(l, x)        host: waits qkv[x]; KV append and decode attention on
- *                    the CPU pool; queues the H2D of its outputs on GPU
+ *   GA(item 0), RECORD(GPU, qkv[set 0])     GPU: norm, QKV, RoPE, prefill
+ *                                           attention, D2H of K/V and q
+ *   for each item i = (l, x):
+ *     when G > 1: GA(item i+1), RECORD(GPU, qkv[set(i+1)])
+ *     HOST_WAIT(qkv[set(i)]), C(l, x)   host: KV append and decode
+ *                    attention on the CPU pool; queues the H2D of its output
  *     WAIT(GPU, ready[slot(l)])              (before layer l's first GB)
  *     GB(l, x)       GPU: O projection, norm, router, experts
  *     after the last group: RECORD(GPU, freed[slot(l)]) and, when l+2 < L,
  *       stream layer l+2 into slot(l)
- *     GA(l+1, x)     when l+1 < L
+ *     when G = 1: GA(item i+1), RECORD(GPU, qkv[0])
  *   TAIL                                    GPU: final norm, lm_head, sampling
  * "stream layer m into slot s" = WAIT(COPY, freed[s]), COPY of each piece
  * of layer m, RECORD(COPY, ready[s]). So GB(l) runs only after all of
  * layer l's pieces arrived, a slot is overwritten only after every GB of
  * the layer it held, each layer crosses PCIe once per step however many
- * groups use it, and the CPU attention of one group runs while the GPU
- * does GB and the next GA of the other. Without streamed experts (all
- * resident) there are no COPY, ready or freed commands. */
+ * groups use it, and the CPU attention of item i runs while the GPU does
+ * GA of item i+1 and GB of item i-1. A set is rewritten by GA(i+2) only
+ * after GB(i) (queue order) and after C(i) read its host copies (C(i) ran
+ * before GA(i+2) was issued). Without streamed experts (all resident)
+ * there are no COPY, ready or freed commands. */
 #ifndef MLENS_PIPEPROG_H
 #define MLENS_PIPEPROG_H
 
@@ -36,7 +42,10 @@
 
 /* Piece size of the weight stream (DESIGN §1: ~100 MB). */
 #define MLENS_PIPE_PIECE (100ull << 20)
-#define MLENS_PIPE_MAX_GROUPS 2
+/* Groups per step: each holds at most the plan's group rows, so a large
+ * step has many; two activation sets serve them all. */
+#define MLENS_PIPE_MAX_GROUPS 512
+#define MLENS_PIPE_SETS 2
 
 enum mlens_pipe_queue {
 	MLENS_PIPE_Q_GPU = 0,	/* compute stream (also activation copies) */
@@ -57,12 +66,12 @@ enum mlens_pipe_kind {
 	MLENS_PIPE_HOST_WAIT,	/* host waits for event */
 };
 
-/* Events: ready[s] and freed[s] per slot, qkv[x] per group. */
+/* Events: ready[s] and freed[s] per slot, qkv[x] per activation set. */
 enum {
 	MLENS_PIPE_EV_READY = 0,
 	MLENS_PIPE_EV_FREED = 2,
 	MLENS_PIPE_EV_QKV = 4,
-	MLENS_PIPE_EV_N = MLENS_PIPE_EV_QKV + MLENS_PIPE_MAX_GROUPS
+	MLENS_PIPE_EV_N = MLENS_PIPE_EV_QKV + MLENS_PIPE_SETS
 };
 
 struct mlens_pipe_cmd {
@@ -70,6 +79,7 @@ struct mlens_pipe_cmd {
 	enum mlens_pipe_queue queue;
 	int layer;		/* -1 when none */
 	int group;		/* -1 when none */
+	int set;		/* GA, C, GB: activation set of the item; -1 otherwise */
 	int slot;		/* COPY; -1 otherwise */
 	int piece;		/* COPY: index into the layer's pieces */
 	int event;		/* RECORD, WAIT, HOST_WAIT; -1 otherwise */
@@ -81,7 +91,8 @@ struct mlens_pipe_prog {
 };
 
 /* Build the program of a step. n_pieces[l] is the number of pieces of
- * layer l (NULL or all 0: nothing streams). groups is 1 or 2.
+ * layer l (NULL or all 0: nothing streams). groups is 1 to
+ * MLENS_PIPE_MAX_GROUPS.
  * -EINVAL, -ENOMEM. */
 int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 			  const int *n_pieces);

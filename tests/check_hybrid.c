@@ -184,15 +184,25 @@ START_TEST(plan_act_bytes)
 	c.num_experts_per_tok = 2;
 	c.dtype = MLENS_DTYPE_F32;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 8), 0);
-	/* 10 tokens, chunk 8: 2H + 2qd + 2kvd + E + 2K = 32+32+16+4+4 = 88
-	 * floats a token; logits of 8 rows = 3200 B (3328 aligned); scratch:
-	 * MoE chunk of 16 rows is under 1 MiB -> 1 MiB; staging 10*32+4096 ->
-	 * 64 KiB */
-	per = 88 * 4;
-	want = 10 * per + 3328 + (1u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 8), want);
-	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 8), want);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8), 0);
+	/* 10 tokens, one group of 10 rows, chunk 8: the residual of every
+	 * token (H = 16 floats); per set (two) a group's H + 2qd + 2kvd + E +
+	 * 2K = 16+32+16+4+4 = 72 floats a row; logits of 8 rows = 3200 B (3328
+	 * aligned); scratch: MoE chunk of 16 rows is under 1 MiB -> 1 MiB;
+	 * staging 10*32+4096 -> 64 KiB */
+	per = 72 * 4;
+	want = 10 * 16 * 4 + 2 * 10 * per + 3328 + (1u << 20) + (64u << 10);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8), want);
+	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8), want);
+	/* 12 tokens in groups of 4: sets hold 4 rows, lm_head chunks of 4
+	 * (1600 B, 1792 aligned) */
+	want = 12 * 16 * 4 + 2 * 4 * per + 1792 + (1u << 20) + (64u << 10);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8), want);
+	/* the group grows when a step would need more groups than a program holds */
+	ck_assert_int_eq(mlens_gpuplan_group_rows(10, 4), 4);
+	ck_assert_int_eq(mlens_gpuplan_group_rows(3, 4), 3);
+	ck_assert_int_eq(mlens_gpuplan_group_rows(1 << 20, 16),
+			 (1 << 20) / (MLENS_PIPE_MAX_GROUPS / 4));
 }
 END_TEST
 
@@ -208,7 +218,8 @@ struct sim {
 	const int *pieces;
 	double t_ga, t_gb, t_c, t_piece;
 	/* results */
-	struct span ga[16][2], gb[16][2], c[16][2];
+	struct span ga[16][8], gb[16][8], c[16][8];
+	int set_ga[16][8], set_c[16][8], set_gb[16][8];
 	struct span copy[16][64];
 	int copies[16][64];
 	int copy_slot[16][64];
@@ -248,14 +259,17 @@ static void simulate(struct sim *s, const struct mlens_pipe_prog *p)
 		case MLENS_PIPE_GA:
 			dur = s->t_ga;
 			sp = &s->ga[c->layer][c->group];
+			s->set_ga[c->layer][c->group] = c->set;
 			break;
 		case MLENS_PIPE_GB:
 			dur = s->t_gb;
 			sp = &s->gb[c->layer][c->group];
+			s->set_gb[c->layer][c->group] = c->set;
 			break;
 		case MLENS_PIPE_C:
 			dur = s->t_c;
 			sp = &s->c[c->layer][c->group];
+			s->set_c[c->layer][c->group] = c->set;
 			break;
 		case MLENS_PIPE_COPY:
 			ck_assert_int_lt(c->piece, s->pieces[c->layer]);
@@ -298,6 +312,23 @@ static void check_order(const struct sim *s)
 				ck_assert_msg(s->gb[l][x].start >= s->copy[l][i].end,
 					      "GB(%d,%d) starts before piece %d of its experts arrived", l,
 					      x, i);
+			/* an item keeps its activation set through GA, C and GB */
+			ck_assert_int_eq(s->set_c[l][x], s->set_ga[l][x]);
+			ck_assert_int_eq(s->set_gb[l][x], s->set_ga[l][x]);
+			ck_assert(s->set_ga[l][x] >= 0 && s->set_ga[l][x] < MLENS_PIPE_SETS);
+			/* the set is rewritten (GA of a later item) only after this
+			 * item finished with it: its C read the host copies, its GB
+			 * the GPU buffers */
+			for (int j = l * G + x + 1; j < L * G; j++) {
+				int lj = j / G, xj = j % G;
+				if (s->set_ga[lj][xj] != s->set_ga[l][x])
+					continue;
+				ck_assert_msg(s->ga[lj][xj].start >= s->gb[l][x].end &&
+					      s->ga[lj][xj].start >= s->c[l][x].end,
+					      "GA(%d,%d) rewrites set %d before item (%d,%d) is done", lj,
+					      xj, s->set_ga[l][x], l, x);
+				break;
+			}
 		}
 		for (int i = 0; i < s->pieces[l]; i++) {
 			ck_assert_int_eq(s->copies[l][i], 1);
@@ -339,6 +370,44 @@ START_TEST(prog_two_groups)
 	ck_assert_msg(s->makespan < 0.75 * 6 * (10 + 6 + 9), "makespan %.1f", s->makespan);
 	mlens_pipe_prog_free(&p);
 	free(s);
+}
+END_TEST
+
+/* Many groups: two activation sets serve them all, CPU attention of each
+ * group overlaps GPU work of its neighbours, and the stream still moves
+ * each layer once. */
+START_TEST(prog_many_groups)
+{
+	static const int pieces[4] = { 2, 2, 2, 2 };
+	struct mlens_pipe_prog p = { 0 };
+	int overlaps = 0, ga = 0;
+
+	for (int G = 1; G <= 8; G++) {
+		struct sim *s = calloc(1, sizeof(*s));
+		ck_assert_int_eq(mlens_pipe_prog_build(&p, 4, G, pieces), 0);
+		s->layers = 4;
+		s->groups = G;
+		s->pieces = pieces;
+		s->t_ga = 1;
+		s->t_gb = 2;
+		s->t_c = 2;
+		s->t_piece = 1;
+		simulate(s, &p);
+		check_order(s);
+		for (int l = 0; G > 1 && l < 4; l++)
+			for (int x = 1; x < G; x++) {
+				const struct span *c = &s->c[l][x], *g = &s->gb[l][x - 1];
+				overlaps += c->start < g->end && g->start < c->end;
+			}
+		if (G == 5) {
+			for (int i = 0; i < p.n; i++)
+				ga += p.cmd[i].kind == MLENS_PIPE_GA;
+			ck_assert_int_eq(ga, 4 * 5);
+		}
+		free(s);
+	}
+	ck_assert_int_gt(overlaps, 0);
+	mlens_pipe_prog_free(&p);
 }
 END_TEST
 
@@ -390,7 +459,8 @@ START_TEST(prog_one_group_and_resident)
 	ck_assert_int_eq(p.cmd[0].kind, MLENS_PIPE_HEAD);
 	ck_assert_int_eq(p.cmd[p.n - 1].kind, MLENS_PIPE_TAIL);
 	ck_assert_int_eq(mlens_pipe_prog_build(&p, 0, 1, NULL), -EINVAL);
-	ck_assert_int_eq(mlens_pipe_prog_build(&p, 2, 3, NULL), -EINVAL);
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 2, MLENS_PIPE_MAX_GROUPS + 1, NULL), -EINVAL);
+	ck_assert_int_eq(mlens_pipe_prog_build(&p, 2, 0, NULL), -EINVAL);
 	mlens_pipe_prog_free(&p);
 	free(s);
 }
@@ -447,11 +517,11 @@ static struct mlens_test_spec spec4(void)
 }
 
 /* A budget that holds no resident expert: the minimum for max_tokens. */
-static uint64_t stream_budget(const struct mlens_model *m, int max_tokens)
+static uint64_t stream_budget(const struct mlens_model *m, int max_tokens, int64_t group)
 {
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
-				       .min_tokens = max_tokens };
+				       .min_tokens = max_tokens, .group = group };
 	struct mlens_gpuplan p;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
 	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
@@ -459,7 +529,7 @@ static uint64_t stream_budget(const struct mlens_model *m, int max_tokens)
 }
 
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
-		      bool prefill_cpu)
+		      int64_t group_tokens, bool prefill_cpu)
 {
 	struct mlens_backend_opts bo = { 1, 0 };
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
@@ -470,8 +540,9 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
 		eo.attn_backend = &sd->attn;
-		eo.gpu_budget = stream_budget(m, 64);
+		eo.gpu_budget = stream_budget(m, 64, group_tokens);
 		eo.hybrid_groups = groups;
+		eo.hybrid_group_tokens = group_tokens;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
@@ -501,7 +572,7 @@ static double rel_diff(const float *a, const float *b, size_t n)
 
 /* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
  * prefilling in step 2 beside the others' decode tokens. */
-static void run_equal(int groups, bool prefill_cpu)
+static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu)
 {
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
@@ -515,8 +586,8 @@ static void run_equal(int groups, bool prefill_cpu)
 	for (int i = 0; i < N_SEQ; i++)
 		for (int j = 0; j < plen[i]; j++)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
-	side_open(&sd[0], m, false, 0, false);
-	side_open(&sd[1], m, true, groups, prefill_cpu);
+	side_open(&sd[0], m, false, 0, 0, false);
+	side_open(&sd[1], m, true, groups, group_tokens, prefill_cpu);
 	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
 	lg[0] = calloc(N_SEQ * V, sizeof(float));
 	lg[1] = calloc(N_SEQ * V, sizeof(float));
@@ -557,6 +628,11 @@ static void run_equal(int groups, bool prefill_cpu)
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
 			ck_assert(!st->async);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
+			/* step 0: 17 prompt tokens in groups of at most group_tokens */
+			if (step == 0 && group_tokens > 0)
+				ck_assert_int_ge(st->groups, (17 + group_tokens - 1) / group_tokens);
+			if (step == 0 && group_tokens == 0)
+				ck_assert_int_eq(st->groups, groups);
 		}
 	}
 	free(lg[0]);
@@ -568,19 +644,28 @@ static void run_equal(int groups, bool prefill_cpu)
 
 START_TEST(exec_equal_one_group)
 {
-	run_equal(1, false);
+	run_equal(1, 0, false);
 }
 END_TEST
 
 START_TEST(exec_equal_two_groups)
 {
-	run_equal(2, false);
+	run_equal(2, 0, false);
+}
+END_TEST
+
+/* Groups of 4 rows: the 17 prompt tokens of step 0 run as 5 groups, the
+ * 9-token prompt cut into segments whose later parts read the cache. */
+START_TEST(exec_equal_small_groups)
+{
+	run_equal(2, 4, false);
+	run_equal(1, 3, true);
 }
 END_TEST
 
 START_TEST(exec_equal_prefill_on_cpu)
 {
-	run_equal(2, true);
+	run_equal(2, 0, true);
 }
 END_TEST
 
@@ -603,7 +688,7 @@ START_TEST(exec_pieces_and_budget)
 
 	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
-	po.gpu_budget = stream_budget(m, 64) - 1;	/* one byte short of 64 tokens */
+	po.gpu_budget = stream_budget(m, 64, 0) - 1;	/* one byte short of 64 tokens */
 	po.min_step_tokens = 64;
 	ck_assert_int_eq(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)), -ENOSPC);
 	ck_assert_ptr_nonnull(strstr(err, "at least"));
@@ -670,7 +755,7 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
 		eo.attn_backend = &attn;
-		eo.gpu_budget = stream_budget(m, 64);
+		eo.gpu_budget = stream_budget(m, 64, 0);
 	}
 	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
@@ -754,6 +839,7 @@ static Suite *suite(void)
 	suite_add_tcase(s, t);
 	t = tcase_create("program");
 	tcase_add_test(t, prog_two_groups);
+	tcase_add_test(t, prog_many_groups);
 	tcase_add_test(t, prog_copy_bound_hides_compute);
 	tcase_add_test(t, prog_one_group_and_resident);
 	tcase_add_test(t, pieces_split_and_merge);
@@ -762,6 +848,7 @@ static Suite *suite(void)
 	tcase_set_timeout(t, 60);
 	tcase_add_test(t, exec_equal_one_group);
 	tcase_add_test(t, exec_equal_two_groups);
+	tcase_add_test(t, exec_equal_small_groups);
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
