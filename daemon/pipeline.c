@@ -11,6 +11,7 @@
  * activations live in one of two sets. */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,7 @@ struct pl_group {
 /* Tokens [j0, j1) of request req, in one group. */
 struct pl_seg {
 	int req, j0, j1;
+	int grp;
 };
 
 /* The activations of a group being worked on: GPU and host (pinned when
@@ -92,11 +94,29 @@ struct mlens_pipeline {
 	struct pl_group grp[MLENS_PIPE_MAX_GROUPS];
 	int n_grp;
 	int32_t *cu;		/* every group's cu, [max_tokens + MLENS_PIPE_MAX_GROUPS] */
-	struct pl_seg *seg;	/* [max_tokens] at most one per row */
+	struct pl_seg *seg;	/* [max_tokens] at most one per row, in group order */
+	struct pl_seg *tmp;	/* [max_tokens] the same while they are made */
 	int n_seg;
 	int n_lrow;
 
 	struct mlens_pipeline_stats st;
+
+	/* With queues and events the host side of a step (HOST_WAIT, C) runs
+	 * on a thread of its own while the caller issues the GPU and copy
+	 * side: an op that waits for the GPU (the MoE reads its routing
+	 * counts back) then holds up only the GPU side. Each side takes its
+	 * commands in program order and waits only for their deps (pipeprog.h). */
+	struct {
+		pthread_t th;
+		bool on, quit;
+		pthread_mutex_t mu;
+		pthread_cond_t cv;
+		uint64_t job, done;	/* steps handed over, steps finished */
+		int drv;		/* every GPU-side command below this was issued */
+		int host;		/* every host command below this ran */
+		int rc;			/* the first failure of either side */
+		bool want_logits;
+	} hx;
 };
 
 static void seterr(char *err, size_t len, const char *fmt, ...)
@@ -394,6 +414,9 @@ static void free_weights(struct mlens_pipeline *p)
 		gfree(p, p->slot[s], p->plan.slot);
 }
 
+static int hx_start(struct mlens_pipeline *p);
+static void hx_stop(struct mlens_pipeline *p);
+
 /* ==== activation sets ==== */
 
 static size_t set_floats(const struct mlens_pipeline *p, int which)
@@ -576,8 +599,9 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->samp = malloc(T * sizeof(*p->samp));
 	p->cu = malloc((T + MLENS_PIPE_MAX_GROUPS) * sizeof(*p->cu));
 	p->seg = malloc(T * sizeof(*p->seg));
+	p->tmp = malloc(T * sizeof(*p->tmp));
 	if (!p->tok || !p->pos || !p->row_req || !p->lrow || !p->sampled || !p->slots ||
-	    !p->qry || !p->logp || !p->samp || !p->cu || !p->seg || rc) {
+	    !p->qry || !p->logp || !p->samp || !p->cu || !p->seg || !p->tmp || rc) {
 		rc = rc ? rc : -ENOMEM;
 		seterr(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
 		       p->max_tokens);
@@ -606,6 +630,11 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 			goto fail;
 		rc = 0;
 	}
+	if (p->async && (rc = hx_start(p))) {
+		seterr(err, errlen, "hybrid pipeline: cannot start its host thread: %s",
+		       strerror(-rc));
+		goto fail;
+	}
 	p->st.async = p->async;
 	p->st.prefill_cpu = p->prefill_cpu;
 	*out = p;
@@ -620,6 +649,7 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	size_t T, H;
 	if (!p)
 		return;
+	hx_stop(p);
 	p->g->ops->sync(p->g->ctx);
 	if (p->async && !p->g->ops->event_record(p->g->ctx, 1, MLENS_BACKEND_EVENTS - 1))
 		p->g->ops->event_sync(p->g->ctx, MLENS_BACKEND_EVENTS - 1);	/* the weight stream, before unpinning */
@@ -648,6 +678,7 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	free(p->samp);
 	free(p->cu);
 	free(p->seg);
+	free(p->tmp);
 	free(p->host_logits);
 	free(p);
 }
@@ -821,60 +852,252 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 	return 0;
 }
 
+/* ==== the two sides of a step ==== */
+
+static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, bool want_logits);
+
+/* Wait until *pos passes dep (or a side failed); 0 or the failure. */
+static int hx_wait(struct mlens_pipeline *p, const int *pos, int dep)
+{
+	int rc;
+	pthread_mutex_lock(&p->hx.mu);
+	while (!p->hx.rc && *pos <= dep)
+		pthread_cond_wait(&p->hx.cv, &p->hx.mu);
+	rc = p->hx.rc;
+	pthread_mutex_unlock(&p->hx.mu);
+	return rc;
+}
+
+static void hx_post(struct mlens_pipeline *p, int *pos, int v, int rc)
+{
+	pthread_mutex_lock(&p->hx.mu);
+	*pos = v;
+	if (rc && !p->hx.rc)
+		p->hx.rc = rc;
+	pthread_cond_broadcast(&p->hx.cv);
+	pthread_mutex_unlock(&p->hx.mu);
+}
+
+static void *host_side(void *arg)
+{
+	struct mlens_pipeline *p = arg;
+	uint64_t seen = 0;
+	int rc = MLENS_BACKEND_HAS(p->g->ops, bind_thread) ? p->g->ops->bind_thread(p->g->ctx) : 0;
+
+	for (;;) {
+		pthread_mutex_lock(&p->hx.mu);
+		while (!p->hx.quit && p->hx.job == seen)
+			pthread_cond_wait(&p->hx.cv, &p->hx.mu);
+		if (p->hx.quit) {
+			pthread_mutex_unlock(&p->hx.mu);
+			return NULL;
+		}
+		seen = p->hx.job;
+		pthread_mutex_unlock(&p->hx.mu);
+		for (int k = 0; k < p->prog.n; k++) {
+			const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
+			int r = rc;
+			if (c->queue != MLENS_PIPE_Q_HOST)
+				continue;
+			if (!r && c->dep >= 0)
+				r = hx_wait(p, &p->hx.drv, c->dep);
+			if (!r)
+				r = run_cmd(p, c, p->hx.want_logits);
+			hx_post(p, &p->hx.host, k + 1, r);
+			if (r)
+				break;
+		}
+		pthread_mutex_lock(&p->hx.mu);
+		p->hx.done = seen;
+		pthread_cond_broadcast(&p->hx.cv);
+		pthread_mutex_unlock(&p->hx.mu);
+	}
+}
+
+static int hx_start(struct mlens_pipeline *p)
+{
+	if (pthread_mutex_init(&p->hx.mu, NULL))
+		return -ENOMEM;
+	if (pthread_cond_init(&p->hx.cv, NULL)) {
+		pthread_mutex_destroy(&p->hx.mu);
+		return -ENOMEM;
+	}
+	if (pthread_create(&p->hx.th, NULL, host_side, p)) {
+		pthread_cond_destroy(&p->hx.cv);
+		pthread_mutex_destroy(&p->hx.mu);
+		return -EAGAIN;
+	}
+	p->hx.on = true;
+	return 0;
+}
+
+static void hx_stop(struct mlens_pipeline *p)
+{
+	if (!p->hx.on)
+		return;
+	pthread_mutex_lock(&p->hx.mu);
+	p->hx.quit = true;
+	pthread_cond_broadcast(&p->hx.cv);
+	pthread_mutex_unlock(&p->hx.mu);
+	pthread_join(p->hx.th, NULL);
+	pthread_cond_destroy(&p->hx.cv);
+	pthread_mutex_destroy(&p->hx.mu);
+	p->hx.on = false;
+}
+
+/* Run the step's program: on one thread in program order, or split
+ * between the caller (GPU and copy side) and the host thread. */
+static int run_prog(struct mlens_pipeline *p, bool want_logits)
+{
+	int rc = 0, rc2;
+
+	if (!p->hx.on) {
+		for (int i = 0; i < p->prog.n && !rc; i++)
+			rc = run_cmd(p, &p->prog.cmd[i], want_logits);
+		return rc;
+	}
+	pthread_mutex_lock(&p->hx.mu);
+	p->hx.drv = p->hx.host = 0;
+	p->hx.rc = 0;
+	p->hx.want_logits = want_logits;
+	p->hx.job++;
+	pthread_cond_broadcast(&p->hx.cv);
+	pthread_mutex_unlock(&p->hx.mu);
+	for (int k = 0; k < p->prog.n && !rc; k++) {
+		const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
+		if (c->queue != MLENS_PIPE_Q_HOST) {
+			if (c->dep >= 0)
+				rc = hx_wait(p, &p->hx.host, c->dep);
+			if (!rc)
+				rc = run_cmd(p, c, want_logits);
+		}
+		hx_post(p, &p->hx.drv, k + 1, rc);
+	}
+	if (rc)
+		hx_post(p, &p->hx.drv, p->prog.n, rc);	/* wakes the host side to stop */
+	pthread_mutex_lock(&p->hx.mu);
+	while (p->hx.done != p->hx.job)
+		pthread_cond_wait(&p->hx.cv, &p->hx.mu);
+	rc2 = p->hx.rc;
+	pthread_mutex_unlock(&p->hx.mu);
+	if (rc)
+		(void)p->g->ops->sync(p->g->ctx);	/* nothing of this step still runs */
+	return rc ? rc : rc2;
+}
+
 /* ==== the step ==== */
 
-/* Cut the step's requests into groups of at most group_rows rows, about
- * total / G each (G: enough groups for the rows, at least the configured
- * count when there are requests enough); a request longer than what its
- * group has left continues in the next group as a further segment. */
+static int add_seg(struct mlens_pipeline *p, int req, int j0, int j1, int x)
+{
+	if (x >= MLENS_PIPE_MAX_GROUPS)
+		return -E2BIG;
+	p->tmp[p->n_seg].req = req;
+	p->tmp[p->n_seg].j0 = j0;
+	p->tmp[p->n_seg].j1 = j1;
+	p->tmp[p->n_seg].grp = x;
+	p->n_seg++;
+	return 0;
+}
+
+/* Cut the step's requests into groups of at most group_rows rows so that
+ * both sides of the pipe stay busy: G groups (enough for the rows, at
+ * least the configured count when there are requests enough); the
+ * requests that read the cache (decode) spread over the groups by the KV
+ * bytes their attention reads (the CPU's work), then the prefill requests
+ * fill the groups towards equal rows (the GPU's work): one moves on to the
+ * next group when its middle would pass the group's share. A prefill request is
+ * never cut unless it is longer than a group (its later segments would
+ * read the cache on the CPU); one that does not fit what a group has left
+ * goes to the next group, a new one past G if need be. */
 static int split_groups(struct mlens_pipeline *p, const struct mlens_engine_req *reqs, int n,
 			int64_t total)
 {
-	int64_t gr = p->group_rows, want, target, cur = 0, cum = 0;
-	int x = 0;
+	int64_t gr = p->group_rows, want, target, kv_tot = 0, kv_cum = 0;
+	int64_t rows[MLENS_PIPE_MAX_GROUPS];
+	int x = 0, ng, rc;
 
 	want = (total + gr - 1) / gr;
 	if (want < p->groups && n >= p->groups)
 		want = p->groups;
 	if (want < 1)
 		want = 1;
+	if (want > MLENS_PIPE_MAX_GROUPS)
+		return -E2BIG;
+	ng = (int)want;
 	target = (total + want - 1) / want;
+	memset(rows, 0, sizeof(rows));
 	p->n_seg = 0;
-	p->grp[0].s0 = 0;
-	for (int i = 0; i < n; i++) {
-		int j = 0, nt = reqs[i].n_tokens;
-		/* a request goes to the group its middle token falls in when
-		 * the rows are cut into want equal parts (balance); rows past
-		 * group_rows go on in the next group as a further segment (bound) */
-		if (cur > 0 && (2 * cum + nt) / (2 * target) > x) {
-			p->grp[x++].s1 = p->n_seg;
-			if (x == MLENS_PIPE_MAX_GROUPS)
+	for (int i = 0; i < n; i++)
+		if (reqs[i].seq->len > 0)
+			kv_tot += (int64_t)reqs[i].n_tokens * (reqs[i].seq->len + 1);
+	/* decode: contiguous runs of the list, cut by the middle of each
+	 * request's KV reads */
+	for (int i = 0; i < n && kv_tot > 0; i++) {
+		const struct mlens_engine_req *r = &reqs[i];
+		int64_t kv = (int64_t)r->n_tokens * (r->seq->len + 1);
+		int want_x;
+		if (r->seq->len == 0)
+			continue;
+		want_x = (int)((2 * kv_cum + kv) * ng / (2 * kv_tot));
+		kv_cum += kv;
+		if (want_x > x)
+			x = want_x < ng ? want_x : ng - 1;
+		for (int j = 0; j < r->n_tokens;) {
+			int take = r->n_tokens - j;
+			while (rows[x] >= gr)
+				x++;
+			if (x >= MLENS_PIPE_MAX_GROUPS)
 				return -E2BIG;
-			p->grp[x].s0 = p->n_seg;
-			cur = 0;
-		}
-		cum += nt;
-		while (j < nt) {
-			int take = nt - j;
-			if (cur + take > gr)
-				take = (int)(gr - cur);
-			p->seg[p->n_seg].req = i;
-			p->seg[p->n_seg].j0 = j;
-			p->seg[p->n_seg].j1 = j + take;
-			p->n_seg++;
+			if (rows[x] + take > gr)
+				take = (int)(gr - rows[x]);
+			if ((rc = add_seg(p, i, j, j + take, x)))
+				return rc;
+			rows[x] += take;
 			j += take;
-			cur += take;
-			if (cur == gr && (j < nt || i + 1 < n)) {
-				p->grp[x++].s1 = p->n_seg;
-				if (x == MLENS_PIPE_MAX_GROUPS)
-					return -E2BIG;
-				p->grp[x].s0 = p->n_seg;
-				cur = 0;
-			}
+		}
+		if (x + 1 > ng)
+			ng = x + 1;
+	}
+	/* prefill: towards target rows a group, by the middle of each prompt */
+	x = 0;
+	for (int i = 0; i < n; i++) {
+		const struct mlens_engine_req *r = &reqs[i];
+		int nt = r->n_tokens;
+		if (r->seq->len > 0)
+			continue;
+		while (x + 1 < MLENS_PIPE_MAX_GROUPS && rows[x] > 0 &&
+		       ((x + 1 < ng && 2 * rows[x] + nt > 2 * target) ||
+			(nt <= gr && rows[x] + nt > gr)))
+			x++;
+		for (int j = 0; j < nt;) {
+			int take = nt - j;
+			while (rows[x] >= gr)
+				x++;
+			if (x >= MLENS_PIPE_MAX_GROUPS)
+				return -E2BIG;
+			if (rows[x] + take > gr)
+				take = (int)(gr - rows[x]);
+			if ((rc = add_seg(p, i, j, j + take, x)))
+				return rc;
+			rows[x] += take;
+			j += take;
+		}
+		if (x + 1 > ng)
+			ng = x + 1;
+	}
+	/* segments in group order (stable), empty groups dropped */
+	p->n_grp = 0;
+	for (int g = 0, k = 0; g < ng; g++) {
+		int s0 = k;
+		for (int t = 0; t < p->n_seg; t++)
+			if (p->tmp[t].grp == g)
+				p->seg[k++] = p->tmp[t];
+		if (k > s0) {
+			p->grp[p->n_grp].s0 = s0;
+			p->grp[p->n_grp].s1 = k;
+			p->n_grp++;
 		}
 	}
-	p->grp[x].s1 = p->n_seg;
-	p->n_grp = x + 1;
 	return 0;
 }
 
@@ -1003,9 +1226,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 
 	p->st.h2d_weight_bytes = p->st.h2d_act_bytes = p->st.d2h_act_bytes = 0;
 	p->st.cpu_attn_s = p->st.host_wait_s = 0;
-	for (int i = 0; i < p->prog.n && !rc; i++)
-		rc = run_cmd(p, &p->prog.cmd[i], want_logits);
-	if (rc)
+	if ((rc = run_prog(p, want_logits)))
 		return rc;
 	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {
 		fprintf(stderr, "mlens pipeline: the %s backend holds %llu bytes after a step, past the "

@@ -26,6 +26,7 @@ static int push(struct mlens_pipe_prog *p, enum mlens_pipe_kind kind, enum mlens
 	c->piece = piece;
 	c->event = event;
 	c->set = -1;
+	c->dep = -1;
 	return 0;
 }
 
@@ -44,14 +45,15 @@ fail:
 	return rc;
 }
 
-/* GA of item i and the record its C waits for. */
-static int push_ga(struct mlens_pipe_prog *p, int i, int groups)
+/* GA of item i and the record its C waits for (its index in *rec). */
+static int push_ga(struct mlens_pipe_prog *p, int i, int groups, int *rec)
 {
 	int set = groups > 1 ? i % MLENS_PIPE_SETS : 0, rc;
 	PUSH(MLENS_PIPE_GA, MLENS_PIPE_Q_GPU, i / groups, i % groups, -1, -1, -1);
 	p->cmd[p->n - 1].set = set;
 	PUSH(MLENS_PIPE_RECORD, MLENS_PIPE_Q_GPU, i / groups, i % groups, -1, -1,
 	     MLENS_PIPE_EV_QKV + set);
+	rec[set] = p->n - 1;
 	return 0;
 fail:
 	return rc;
@@ -61,7 +63,7 @@ int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 			  const int *n_pieces)
 {
 	bool streams = false;
-	int rc, items;
+	int rc, items, rec[MLENS_PIPE_SETS] = { -1, -1 }, c_at;
 
 	p->n = 0;
 	if (layers <= 0 || groups < 1 || groups > MLENS_PIPE_MAX_GROUPS)
@@ -76,26 +78,29 @@ int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 	for (int m = 0; streams && m < 2 && m < layers; m++)
 		if ((rc = stream_layer(p, m, n_pieces[m])))
 			goto fail;
-	if ((rc = push_ga(p, 0, groups)))
+	if ((rc = push_ga(p, 0, groups, rec)))
 		goto fail;
 	for (int i = 0; i < items; i++) {
 		int l = i / groups, x = i % groups, set = groups > 1 ? i % MLENS_PIPE_SETS : 0;
-		if (groups > 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups)))
+		if (groups > 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups, rec)))
 			goto fail;
 		PUSH(MLENS_PIPE_HOST_WAIT, MLENS_PIPE_Q_HOST, l, x, -1, -1, MLENS_PIPE_EV_QKV + set);
+		p->cmd[p->n - 1].dep = rec[set];
 		PUSH(MLENS_PIPE_C, MLENS_PIPE_Q_HOST, l, x, -1, -1, -1);
 		p->cmd[p->n - 1].set = set;
+		c_at = p->n - 1;
 		if (streams && x == 0)
 			PUSH(MLENS_PIPE_WAIT, MLENS_PIPE_Q_GPU, l, -1, -1, -1, MLENS_PIPE_EV_READY + l % 2);
 		PUSH(MLENS_PIPE_GB, MLENS_PIPE_Q_GPU, l, x, -1, -1, -1);
 		p->cmd[p->n - 1].set = set;
+		p->cmd[p->n - 1].dep = c_at;
 		if (streams && x == groups - 1) {
 			PUSH(MLENS_PIPE_RECORD, MLENS_PIPE_Q_GPU, l, -1, -1, -1,
 			     MLENS_PIPE_EV_FREED + l % 2);
 			if (l + 2 < layers && (rc = stream_layer(p, l + 2, n_pieces[l + 2])))
 				goto fail;
 		}
-		if (groups == 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups)))
+		if (groups == 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups, rec)))
 			goto fail;
 	}
 	PUSH(MLENS_PIPE_TAIL, MLENS_PIPE_Q_GPU, -1, -1, -1, -1, -1);

@@ -33,7 +33,12 @@
  * GA of item i+1 and GB of item i-1. A set is rewritten by GA(i+2) only
  * after GB(i) (queue order) and after C(i) read its host copies (C(i) ran
  * before GA(i+2) was issued). Without streamed experts (all resident)
- * there are no COPY, ready or freed commands. */
+ * there are no COPY, ready or freed commands.
+ *
+ * Driven from two threads (the host side and the GPU/copy side), each
+ * taking its commands in program order and waiting only for each
+ * command's dep, C(i) runs while the GPU side issues (and, where an op
+ * waits for the GPU, waits through) GB(i-1) and GA(i+1). */
 #ifndef MLENS_PIPEPROG_H
 #define MLENS_PIPEPROG_H
 
@@ -83,6 +88,12 @@ struct mlens_pipe_cmd {
 	int slot;		/* COPY; -1 otherwise */
 	int piece;		/* COPY: index into the layer's pieces */
 	int event;		/* RECORD, WAIT, HOST_WAIT; -1 otherwise */
+	/* Index of the command on the other side (host vs GPU and copy
+	 * queues) that must have been issued or run before this one, for an
+	 * executor that drives the two sides from two threads: HOST_WAIT
+	 * depends on the RECORD it waits for, GB on the C of its item; -1
+	 * for none. Program order satisfies every dep. */
+	int dep;
 };
 
 struct mlens_pipe_prog {

@@ -121,6 +121,10 @@ struct mlens_backend_ops {
 	int (*event_sync)(void *ctx, int ev);
 	/* Backend-memory bytes held now (allocations, scratch, workspace). */
 	size_t (*mem_used)(void *ctx);
+	/* Make the calling thread ready to use copy_async and the events (the
+	 * hybrid pipeline's host thread copies and waits from its own thread;
+	 * those three are the only ops a second thread may call). */
+	int (*bind_thread)(void *ctx);
 };
 
 #define MLENS_BACKEND_EVENTS 16

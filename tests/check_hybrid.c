@@ -411,6 +411,51 @@ START_TEST(prog_many_groups)
 }
 END_TEST
 
+/* The deps that let two threads drive the program: HOST_WAIT on the last
+ * RECORD of its event before it, GB on the C of its item; and a set's
+ * GPU buffers are rewritten by C(i)'s copy only after GB(i-2) was issued
+ * (it precedes the record C(i) waits for). */
+START_TEST(prog_deps_for_two_threads)
+{
+	static const int pieces[5] = { 1, 2, 1, 2, 1 };
+	struct mlens_pipe_prog p = { 0 };
+
+	for (int G = 1; G <= 6; G++) {
+		int gb_at[5][6], rec_dep[5][6];
+		ck_assert_int_eq(mlens_pipe_prog_build(&p, 5, G, pieces), 0);
+		for (int i = 0; i < p.n; i++) {
+			const struct mlens_pipe_cmd *c = &p.cmd[i];
+			if (c->kind == MLENS_PIPE_HOST_WAIT) {
+				const struct mlens_pipe_cmd *r = &p.cmd[c->dep];
+				ck_assert_int_ge(c->dep, 0);
+				ck_assert_int_lt(c->dep, i);
+				ck_assert_int_eq(r->kind, MLENS_PIPE_RECORD);
+				ck_assert_int_eq(r->event, c->event);
+				ck_assert_int_eq(r->layer, c->layer);
+				ck_assert_int_eq(r->group, c->group);
+				for (int k = c->dep + 1; k < i; k++)
+					ck_assert(!(p.cmd[k].kind == MLENS_PIPE_RECORD &&
+						    p.cmd[k].event == c->event));
+				rec_dep[c->layer][c->group] = c->dep;
+			} else if (c->kind == MLENS_PIPE_GB) {
+				const struct mlens_pipe_cmd *d = &p.cmd[c->dep];
+				ck_assert_int_eq(d->kind, MLENS_PIPE_C);
+				ck_assert_int_eq(d->layer, c->layer);
+				ck_assert_int_eq(d->group, c->group);
+				gb_at[c->layer][c->group] = i;
+			} else {
+				ck_assert_int_eq(c->dep, -1);
+			}
+		}
+		for (int i = 2; G > 1 && i < 5 * G; i++)
+			ck_assert_int_gt(rec_dep[i / G][i % G], gb_at[(i - 2) / G][(i - 2) % G]);
+		for (int i = 1; G == 1 && i < 5; i++)
+			ck_assert_int_gt(rec_dep[i][0], gb_at[i - 1][0]);
+	}
+	mlens_pipe_prog_free(&p);
+}
+END_TEST
+
 START_TEST(prog_copy_bound_hides_compute)
 {
 	static const int pieces[8] = { 10, 10, 10, 10, 10, 10, 10, 10 };
@@ -528,8 +573,64 @@ static uint64_t stream_budget(const struct mlens_model *m, int max_tokens, int64
 	return p.minimum;
 }
 
+/* The CPU backend with the queue and event ops of a GPU backend, done at
+ * once (copies are memcpy, events always complete): the pipeline then runs
+ * its two-thread executor, host side and GPU side on threads of their own,
+ * as on a GPU. */
+static int fa_register(void *ctx, void *p, size_t bytes)
+{
+	(void)ctx, (void)p, (void)bytes;
+	return 0;
+}
+static void fa_unregister(void *ctx, void *p)
+{
+	(void)ctx, (void)p;
+}
+static void *fa_alloc(void *ctx, size_t bytes)
+{
+	(void)ctx;
+	return malloc(bytes);
+}
+static void fa_free(void *ctx, void *p)
+{
+	(void)ctx;
+	free(p);
+}
+static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t bytes, bool to_device)
+{
+	(void)ctx, (void)queue, (void)to_device;
+	memcpy(dst, src, bytes);
+	return 0;
+}
+static int fa_event(void *ctx, int queue, int ev)
+{
+	(void)ctx, (void)queue, (void)ev;
+	return 0;
+}
+static int fa_sync(void *ctx, int ev)
+{
+	(void)ctx, (void)ev;
+	return 0;
+}
+static struct mlens_backend_ops fa_ops;
+
+static void make_async(struct mlens_backend *be)
+{
+	fa_ops = *be->ops;
+	fa_ops.size = sizeof(fa_ops);
+	fa_ops.host_register = fa_register;
+	fa_ops.host_unregister = fa_unregister;
+	fa_ops.host_alloc = fa_alloc;
+	fa_ops.host_free = fa_free;
+	fa_ops.copy_async = fa_copy;
+	fa_ops.event_record = fa_event;
+	fa_ops.event_wait = fa_event;
+	fa_ops.event_sync = fa_sync;
+	be->ops = &fa_ops;
+}
+
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
-		      int64_t group_tokens, bool prefill_cpu)
+		      int64_t group_tokens, bool prefill_cpu, bool async)
 {
 	struct mlens_backend_opts bo = { 1, 0 };
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
@@ -537,6 +638,8 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 	char err[512];
 	memset(sd, 0, sizeof(*sd));
 	ck_assert_int_eq(mlens_backend_cpu_create(&sd->be, &bo), 0);
+	if (async)
+		make_async(&sd->be);
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
 		eo.attn_backend = &sd->attn;
@@ -572,7 +675,7 @@ static double rel_diff(const float *a, const float *b, size_t n)
 
 /* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
  * prefilling in step 2 beside the others' decode tokens. */
-static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu)
+static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool async)
 {
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
@@ -586,8 +689,8 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu)
 	for (int i = 0; i < N_SEQ; i++)
 		for (int j = 0; j < plen[i]; j++)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
-	side_open(&sd[0], m, false, 0, 0, false);
-	side_open(&sd[1], m, true, groups, group_tokens, prefill_cpu);
+	side_open(&sd[0], m, false, 0, 0, false, false);
+	side_open(&sd[1], m, true, groups, group_tokens, prefill_cpu, async);
 	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
 	lg[0] = calloc(N_SEQ * V, sizeof(float));
 	lg[1] = calloc(N_SEQ * V, sizeof(float));
@@ -626,7 +729,7 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu)
 			/* every expert of every layer crossed exactly once */
 			ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
-			ck_assert(!st->async);
+			ck_assert_int_eq(st->async, async);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
 			/* step 0: 17 prompt tokens in groups of at most group_tokens */
 			if (step == 0 && group_tokens > 0)
@@ -644,13 +747,14 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu)
 
 START_TEST(exec_equal_one_group)
 {
-	run_equal(1, 0, false);
+	run_equal(1, 0, false, false);
 }
 END_TEST
 
 START_TEST(exec_equal_two_groups)
 {
-	run_equal(2, 0, false);
+	run_equal(2, 0, false, false);
+	run_equal(2, 0, false, true);
 }
 END_TEST
 
@@ -658,14 +762,16 @@ END_TEST
  * 9-token prompt cut into segments whose later parts read the cache. */
 START_TEST(exec_equal_small_groups)
 {
-	run_equal(2, 4, false);
-	run_equal(1, 3, true);
+	run_equal(2, 4, false, false);
+	run_equal(1, 3, true, false);
+	run_equal(2, 4, false, true);	/* two threads drive it */
+	run_equal(1, 3, true, true);
 }
 END_TEST
 
 START_TEST(exec_equal_prefill_on_cpu)
 {
-	run_equal(2, 0, true);
+	run_equal(2, 0, true, false);
 }
 END_TEST
 
@@ -840,6 +946,7 @@ static Suite *suite(void)
 	t = tcase_create("program");
 	tcase_add_test(t, prog_two_groups);
 	tcase_add_test(t, prog_many_groups);
+	tcase_add_test(t, prog_deps_for_two_threads);
 	tcase_add_test(t, prog_copy_bound_hides_compute);
 	tcase_add_test(t, prog_one_group_and_resident);
 	tcase_add_test(t, pieces_split_and_merge);

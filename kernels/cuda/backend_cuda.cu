@@ -656,6 +656,13 @@ static int cuda_event_wait(void *ctx, int queue, int ev)
 	return 0;
 }
 
+static int cuda_bind_thread(void *ctx)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	CUDA_RET(cudaSetDevice(c->device));
+	return 0;
+}
+
 static int cuda_event_sync(void *ctx, int ev)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
@@ -733,6 +740,7 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_event_wait,
 	cuda_event_sync,
 	cuda_mem_used,
+	cuda_bind_thread,
 };
 
 extern "C" bool mlens_cuda_available(void)
