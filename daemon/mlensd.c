@@ -291,6 +291,10 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: backend '%s' is not one of auto, cpu, cuda\n", D.cfg.backend);
 		return 2;
 	}
+	if (mlens_gemm_mode_parse(D.cfg.gpu_gemm, &(enum mlens_gemm_mode){ 0 })) {
+		fprintf(stderr, "mlensd: gpu_gemm '%s' is not one of fast, exact\n", D.cfg.gpu_gemm);
+		return 2;
+	}
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is unknown or not supported by this CPU\n",
 			D.cfg.attn_kernel);
@@ -350,6 +354,7 @@ int main(int argc, char **argv)
 	/* backend */
 	bo.n_threads = (int)D.cfg.threads;
 	bo.device = D.cfg.gpu_ids[0];
+	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* checked at start */
 	rc = mlens_backend_create(&D.be, D.cfg.backend, &bo);
 	if (rc)
 		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),
