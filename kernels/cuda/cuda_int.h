@@ -146,8 +146,10 @@ int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtyp
 			    const float *src, const int32_t *gather, int gather_div,
 			    int rows, int cols);
 /* Parts of an exact product (MLENS_GEMM_EXACT): x = p0 + p1 / S + p2 / S^2
- * with each part in dtype dt (F16/BF16) and S = mlens_cuda_split_scale(dt),
- * exact for every fp32 x in dt's range. */
+ * with each part in dtype dt (F16/BF16) and S = mlens_cuda_split_scale(dt).
+ * Exact for every normal fp32 x with bf16; with f16 for 2^-20 <= |x| <=
+ * 65504 (below, off by less than 2^-47; above, inf as fast mode's rounding
+ * gives). Checked on 2e6 random values over 2^-40..2^40 (bf16). */
 #define MLENS_CUDA_SPLIT_PARTS 3
 static inline float mlens_cuda_split_scale(enum mlens_dtype dt)
 {
