@@ -382,7 +382,8 @@ int main(int argc, char **argv)
 	 * weight pages and keeps the KV pool in pinned host memory */
 	if (!D.be.ops->host_memory) {
 		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes, 2ull * blocks * per_block,
-					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.cfg.gpu_memory);
+					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, bo.gemm,
+					D.cfg.gpu_memory);
 		if (rc)
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
 		if (D.plan.fits) {

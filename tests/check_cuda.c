@@ -549,6 +549,74 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 	gfree(kg.k); gfree(kg.v);
 }
 
+/* Enough queries that their partials exceed one launch's area (256 MiB,
+ * DEC_PART_CAP in kernels/cuda/attn_cuda.cu): each query gets only its own
+ * splits and the queries go through in groups. Every query's output must
+ * be bitwise the one it gets alone, and a sample must match the CPU. */
+START_TEST(test_attn_decode_groups)
+{
+	const int nkv = 8, group = 4, hd = 128, nh = nkv * group, bs = 16, layer = 0;
+	const int max_ctx = 8192, nq = 1100, nb = max_ctx / bs;
+	size_t row = (size_t)nkv * hd, qrow = (size_t)nh * hd, kvb;
+	uint32_t *bt = malloc((size_t)nb * 4);
+	struct mlens_attn_query *qs = malloc((size_t)nq * sizeof(*qs));
+	struct mlens_kv_cache kc = { MLENS_DTYPE_BF16, 1, nkv, hd, bs, (uint32_t)nb, NULL, NULL }, kg;
+	float scale = 1.0f / sqrtf((float)hd), *k, *v, *q, *dk, *dv, *dq, *dout, *dalone;
+	float *all, *alone, *ref;
+	int64_t *slots = malloc((size_t)max_ctx * 8);
+	double worst = 0;
+
+	for (int b = 0; b < nb; b++)
+		bt[b] = (uint32_t)(nb - 1 - b);
+	for (int t = 0; t < max_ctx; t++)
+		slots[t] = (int64_t)bt[t / bs] * bs + t % bs;
+	kvb = mlens_kv_bytes(&kc);
+	kc.k = calloc(1, kvb);
+	kc.v = calloc(1, kvb);
+	kg = kc;
+	kg.k = gpu_zeros(kvb);
+	kg.v = gpu_zeros(kvb);
+	k = rnd_floats((size_t)max_ctx * row, 1.0f);
+	v = rnd_floats((size_t)max_ctx * row, 1.0f);
+	dk = to_gpu(k, (size_t)max_ctx * row * 4);
+	dv = to_gpu(v, (size_t)max_ctx * row * 4);
+	ck_assert_int_eq(cpu.ops->kv_append(cpu.ctx, &kc, layer, k, v, slots, max_ctx), 0);
+	ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kg, layer, dk, dv, slots, max_ctx), 0);
+	/* contexts of every length class, the longest ones throughout */
+	for (int i = 0; i < nq; i++) {
+		int len = i % 3 ? 1 + (int)(((uint64_t)i * 7919) % max_ctx) : max_ctx;
+		qs[i] = (struct mlens_attn_query){ len, (len + bs - 1) / bs, bt };
+	}
+	q = rnd_floats((size_t)nq * qrow, 1.0f);
+	dq = to_gpu(q, (size_t)nq * qrow * 4);
+	dout = gpu_zeros((size_t)nq * qrow * 4);
+	dalone = gpu_zeros(qrow * 4);
+	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, dout, dq, &kg, layer, qs, nq, nh, scale), 0);
+	all = from_gpu(dout, (size_t)nq * qrow * 4);
+	for (int i = 0; i < nq; i++) {
+		ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, dalone, dq + (size_t)i * qrow, &kg,
+						       layer, &qs[i], 1, nh, scale), 0);
+		alone = from_gpu(dalone, qrow * 4);
+		ck_assert_msg(!memcmp(alone, all + (size_t)i * qrow, qrow * 4),
+			      "attn_decode: query %d (ctx %d) of %d differs from it alone", i,
+			      qs[i].ctx_len, nq);
+		free(alone);
+	}
+	ref = malloc(qrow * 4);
+	for (int i = 0; i < nq; i += 97) {
+		ck_assert_int_eq(cpu.ops->attn_decode(cpu.ctx, ref, q + (size_t)i * qrow, &kc, layer,
+						      &qs[i], 1, nh, scale), 0);
+		double e = rel_err(ref, all + (size_t)i * qrow, qrow);
+		worst = e > worst ? e : worst;
+	}
+	record("attn_decode groups", 1e-5, worst, "%d queries, ctx 1..%d, bf16 kv=%d group=%d",
+	       nq, max_ctx, nkv, group);
+	free(bt); free(qs); free(slots); free(k); free(v); free(q); free(all); free(ref);
+	free(kc.k); free(kc.v);
+	gfree(kg.k); gfree(kg.v); gfree(dk); gfree(dv); gfree(dq); gfree(dout); gfree(dalone);
+}
+END_TEST
+
 START_TEST(test_attn_decode)
 {
 	decode_case(MLENS_DTYPE_F32, 8, 1, 128);
@@ -668,6 +736,7 @@ int main(void)
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
+	tcase_add_test(tc, test_attn_decode_groups);
 	tcase_add_test(tc, test_sample);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
