@@ -442,8 +442,10 @@ int main(int argc, char **argv)
 		log_info("%s", line);
 		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
-	log_info("backend %s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
-		 D.be.ops->name, blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
+	log_info("backend %s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
+		 D.be.ops->name,
+		 D.be.ops->host_memory ? "" : bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs)" : " (fast GEMMs)",
+		 blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
 		 eo.max_step_tokens);
 
