@@ -98,7 +98,7 @@ static int positions(const struct fx *f, int p, const char *what)
 	for (int i = 0; i <= cut; i++)
 		most = fmax(most, (double)pr->router_rel_shift_fast[i]);
 	printf("golden %s [%s] %s prompt %d: positions 0..%d of %d compared; position %d has "
-	       "relative router gap %.3g <= 2 x %.3g, how far fast GEMMs move router logits\n",
+	       "relative router gap %.3g <= 2 x %.3g, the most fast GEMMs move router logits up to it\n",
 	       f->g->name, label, what, p, cut - 1, all, cut, pr->router_rel_gap[cut], most);
 	fflush(stdout);
 	return cut;
@@ -204,7 +204,8 @@ static void compare_greedy(const struct fx *f, int p, const int32_t *got,
 {
 	int safe = mlens_golden_safe_steps(f->g, ref, tol);
 	int routed = steps(f, p, f->g->n_gen, "greedy");
-	if (routed < safe) {
+	bool cut = routed < safe;
+	if (cut) {
 		printf("golden %s [%s] greedy prompt %d vs %s: %d/%d tokens compared (fast-GEMM "
 		       "router cut)\n", f->g->name, label, p, which, routed, f->g->n_gen);
 		safe = routed;
@@ -213,7 +214,7 @@ static void compare_greedy(const struct fx *f, int p, const int32_t *got,
 		ck_assert_msg(got[s] == ref->greedy[s],
 			      "%s prompt %d: greedy token %d is %d, %s reference has %d",
 			      f->g->name, p, s, got[s], which, ref->greedy[s]);
-	if (safe == routed)
+	if (cut)
 		;	/* said above */
 	else if (safe < f->g->n_gen)
 		printf("golden %s [%s] greedy prompt %d vs %s: %d/%d tokens compared; step %d has "
