@@ -20,6 +20,7 @@ struct mlens_config {
 	char *stats;
 	char *stats_http;
 	char *backend;
+	char *gpu_gemm;		/* "fast" or "exact" (enum mlens_gemm_mode) */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
 	uint64_t gpu_memory;

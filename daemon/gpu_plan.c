@@ -24,12 +24,16 @@ static uint64_t scratch_rounded(uint64_t bytes)
  * their product in the weight dtype, expert outputs in fp32. */
 #define MOE_CHUNK_TOKENS 4096
 /* decode attention splits contexts into pieces of this many keys and keeps
- * fp32 partials (head_dim + 2 per piece) for each query and head */
+ * fp32 partials (head_dim + 2 per piece) for each query and head, each
+ * query only its own pieces, in launches of at most DEC_PART_CAP bytes
+ * unless one query alone needs more (kernels/cuda/attn_cuda.cu) */
 #define DEC_SPLIT 256
+#define DEC_PART_CAP (256ull << 20)
 
 void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_config *c,
 			    uint64_t weight_bytes, uint64_t kv_bytes, int step_tokens,
-			    uint64_t budget, uint64_t dev_free, uint64_t dev_total)
+			    enum mlens_gemm_mode gemm, uint64_t budget, uint64_t dev_free,
+			    uint64_t dev_total)
 {
 	uint64_t T = step_tokens > 0 ? (uint64_t)step_tokens : 4096;
 	uint64_t H = (uint64_t)c->hidden_size, I = (uint64_t)c->intermediate_size;
@@ -38,7 +42,9 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	uint64_t E = (uint64_t)c->num_local_experts, K = (uint64_t)c->num_experts_per_tok;
 	uint64_t V = (uint64_t)c->vocab_size, es = mlens_dtype_size(c->dtype);
 	uint64_t chunk = T < MOE_CHUNK_TOKENS ? T : MOE_CHUNK_TOKENS, rows = chunk * K;
-	uint64_t moe, dec, conv, ctx, kv_es, kv_tok_bytes, kv_tokens;
+	uint64_t moe, dec, one, conv, ctx, kv_es, kv_tok_bytes, kv_tokens;
+	/* exact GEMMs on half-precision weights: three parts per activation */
+	uint64_t np = gemm == MLENS_GEMM_EXACT && c->dtype != MLENS_DTYPE_F32 ? 3 : 1;
 
 	memset(p, 0, sizeof(*p));
 	p->weights = weight_bytes;
@@ -48,18 +54,22 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	p->activations = T * (2 * H + 2 * qd + 2 * kvd + E + 2 * K) * 4 + T * V * 4;
 
 	/* One scratch area serves every op, so it is the largest single need. */
-	moe = rows * 8 + rows * H * es + rows * I * 4 * 2 + rows * I * es + rows * H * 4 + E * 4 + 8 * 256;
-	conv = T * (H > qd ? H : qd) * 2;
-	/* partials are rectangular: every query gets the splits of the longest
-	 * context, which the KV pool and the model's context bound */
+	moe = rows * 8 + np * rows * H * es + rows * I * 4 * 2 + np * rows * I * es + rows * H * 4 +
+	      E * 4 + 8 * 256;
+	conv = np * T * (H > qd ? H : qd) * 2;
+	/* partials: at most every query at the longest context, which the KV
+	 * pool and the model's context bound, and at most one launch's area */
 	kv_es = c->dtype == MLENS_DTYPE_F32 ? 4 : 2;
 	kv_tok_bytes = 2 * (uint64_t)c->num_hidden_layers * kvd * kv_es;
 	kv_tokens = kv_tok_bytes ? kv_bytes / kv_tok_bytes : 0;
 	ctx = (uint64_t)c->max_position_embeddings;
 	if (kv_tokens < ctx)
 		ctx = kv_tokens;
-	dec = T * (uint64_t)c->num_attention_heads * ((ctx + DEC_SPLIT - 1) / DEC_SPLIT) *
+	one = (uint64_t)c->num_attention_heads * ((ctx + DEC_SPLIT - 1) / DEC_SPLIT) *
 	      ((uint64_t)c->head_dim + 2) * 4;
+	dec = T * one;
+	if (dec > DEC_PART_CAP)
+		dec = one > DEC_PART_CAP ? one : DEC_PART_CAP;
 	p->workspace = moe > dec ? moe : dec;
 	if (conv > p->workspace)
 		p->workspace = conv;
@@ -94,7 +104,8 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 
 int mlens_gpu_plan_for(struct mlens_gpu_plan *p, const struct mlens_backend *be,
 		       const struct mlens_model_config *c, uint64_t weight_bytes,
-		       uint64_t kv_bytes, int step_tokens, uint64_t budget)
+		       uint64_t kv_bytes, int step_tokens, enum mlens_gemm_mode gemm,
+		       uint64_t budget)
 {
 	size_t fr = 0, tot = 0;
 	if (!be->ops || be->ops->host_memory)
@@ -108,6 +119,6 @@ int mlens_gpu_plan_for(struct mlens_gpu_plan *p, const struct mlens_backend *be,
 #else
 	return -ENOTSUP;
 #endif
-	mlens_gpu_plan_compute(p, c, weight_bytes, kv_bytes, step_tokens, budget, fr, tot);
+	mlens_gpu_plan_compute(p, c, weight_bytes, kv_bytes, step_tokens, gemm, budget, fr, tot);
 	return 0;
 }

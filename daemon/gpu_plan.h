@@ -30,17 +30,21 @@ struct mlens_gpu_plan {
 };
 
 /* Fill plan for model config c with weight_bytes of weights, kv_bytes of KV
- * pool and steps of at most step_tokens tokens. budget 0: dev_free minus
- * MLENS_GPU_SAFETY_MARGIN. Pure arithmetic (tests call it without a GPU). */
+ * pool, steps of at most step_tokens tokens and the backend's GEMM mode
+ * (exact GEMMs hold split copies of the activations). budget 0: dev_free
+ * minus MLENS_GPU_SAFETY_MARGIN. Pure arithmetic (tests call it without a
+ * GPU). */
 void mlens_gpu_plan_compute(struct mlens_gpu_plan *plan, const struct mlens_model_config *c,
 			    uint64_t weight_bytes, uint64_t kv_bytes, int step_tokens,
-			    uint64_t budget, uint64_t dev_free, uint64_t dev_total);
+			    enum mlens_gemm_mode gemm, uint64_t budget, uint64_t dev_free,
+			    uint64_t dev_total);
 
 /* The same for a live backend: reads the device's free and total memory
  * first. Returns 0, -ENOTSUP for a backend whose memory is host memory,
  * or -errno when the device cannot be asked. */
 int mlens_gpu_plan_for(struct mlens_gpu_plan *plan, const struct mlens_backend *be,
 		       const struct mlens_model_config *c, uint64_t weight_bytes,
-		       uint64_t kv_bytes, int step_tokens, uint64_t budget);
+		       uint64_t kv_bytes, int step_tokens, enum mlens_gemm_mode gemm,
+		       uint64_t budget);
 
 #endif

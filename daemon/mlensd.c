@@ -305,6 +305,10 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: backend '%s' is not one of auto, cpu, cuda\n", D.cfg.backend);
 		return 2;
 	}
+	if (mlens_gemm_mode_parse(D.cfg.gpu_gemm, &(enum mlens_gemm_mode){ 0 })) {
+		fprintf(stderr, "mlensd: gpu_gemm '%s' is not one of fast, exact\n", D.cfg.gpu_gemm);
+		return 2;
+	}
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is unknown or not supported by this CPU\n",
 			D.cfg.attn_kernel);
@@ -364,6 +368,7 @@ int main(int argc, char **argv)
 	/* backend */
 	bo.n_threads = (int)D.cfg.threads;
 	bo.device = D.cfg.gpu_ids[0];
+	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* checked at start */
 	rc = mlens_backend_create(&D.be, D.cfg.backend, &bo);
 	if (rc)
 		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),
@@ -391,7 +396,8 @@ int main(int argc, char **argv)
 	 * weight pages and keeps the KV pool in pinned host memory */
 	if (!D.be.ops->host_memory) {
 		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes, 2ull * blocks * per_block,
-					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.cfg.gpu_memory);
+					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, bo.gemm,
+					D.cfg.gpu_memory);
 		if (rc)
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
 		if (D.plan.fits) {
@@ -450,8 +456,10 @@ int main(int argc, char **argv)
 		log_info("%s", line);
 		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
-	log_info("backend %s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
-		 D.be.ops->name, blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
+	log_info("backend %s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
+		 D.be.ops->name,
+		 D.be.ops->host_memory ? "" : bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs)" : " (fast GEMMs)",
+		 blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
 		 eo.max_step_tokens);
 

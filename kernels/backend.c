@@ -25,6 +25,22 @@ int mlens_backend_create(struct mlens_backend *be, const char *name,
 	return -EINVAL;
 }
 
+int mlens_gemm_mode_parse(const char *s, enum mlens_gemm_mode *out)
+{
+	if (s && !strcmp(s, "fast"))
+		*out = MLENS_GEMM_FAST;
+	else if (s && !strcmp(s, "exact"))
+		*out = MLENS_GEMM_EXACT;
+	else
+		return -EINVAL;
+	return 0;
+}
+
+const char *mlens_gemm_mode_name(enum mlens_gemm_mode m)
+{
+	return m == MLENS_GEMM_EXACT ? "exact" : "fast";
+}
+
 #ifndef HAVE_CUDA
 /* Without the CUDA backend there is no GPU to offer (the CUDA build
  * defines this in kernels/cuda/backend_cuda.cu). */

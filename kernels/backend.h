@@ -138,10 +138,27 @@ struct mlens_backend {
 	void *ctx;
 };
 
+/* How a GPU backend multiplies fp32 activations by bf16/f16 weights.
+ * FAST rounds the activations to the weight dtype and runs one tensor-core
+ * GEMM (about 2^-9 relative per element for bf16). EXACT splits each
+ * activation into three parts of the weight dtype whose sum is the fp32
+ * value and runs three GEMMs with fp32 accumulation: the CPU's result to
+ * fp32 rounding, at three times the tensor-core work. fp32 weights and the
+ * CPU backend are exact either way. */
+enum mlens_gemm_mode {
+	MLENS_GEMM_FAST = 0,
+	MLENS_GEMM_EXACT = 1,
+};
+
 struct mlens_backend_opts {
 	int n_threads;		/* CPU: worker threads, 0 = all online cores */
 	int device;		/* CUDA: device ordinal */
+	enum mlens_gemm_mode gemm;	/* CUDA: half-precision GEMMs (0: FAST) */
 };
+
+/* "fast" or "exact" -> *out; -EINVAL for anything else. */
+int mlens_gemm_mode_parse(const char *s, enum mlens_gemm_mode *out);
+const char *mlens_gemm_mode_name(enum mlens_gemm_mode m);
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
 #ifdef HAVE_CUDA

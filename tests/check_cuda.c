@@ -6,7 +6,9 @@
  * Tolerances: fp32 paths differ only in summation order and libm ulps
  * (1e-5); bf16/fp16 weights round the activations to the weight dtype
  * before the tensor-core GEMM (kernels/cuda/backend_cuda.cu), which costs
- * about 2^-9 (bf16) or 2^-12 (fp16) per element: 1e-2 and 2e-3. Integer
+ * about 2^-9 (bf16) or 2^-12 (fp16) per element: 1e-2 and 2e-3. Exact
+ * GEMMs (MLENS_GEMM_EXACT, a second backend) split the activations instead
+ * and must meet the fp32 tolerance for every weight dtype. Integer
  * results (expert ids, tokens) and stored KV must be identical. */
 #include <check.h>
 #include <errno.h>
@@ -17,7 +19,9 @@
 #include <string.h>
 #include "kernels/backend.h"
 
-static struct mlens_backend cpu, gpu;
+static struct mlens_backend cpu, gpu, gpu_exact;
+/* the CUDA backend under test: gpu (fast GEMMs) or gpu_exact */
+static struct mlens_backend *dev = &gpu;
 
 /* ==== helpers ==== */
 
@@ -58,9 +62,9 @@ static void *rnd_weights(size_t n, enum mlens_dtype dt, float scale)
 
 static void *to_gpu(const void *h, size_t bytes)
 {
-	void *d = gpu.ops->alloc(gpu.ctx, bytes);
+	void *d = dev->ops->alloc(dev->ctx, bytes);
 	ck_assert_ptr_nonnull(d);
-	ck_assert_int_eq(gpu.ops->upload(gpu.ctx, d, h, bytes), 0);
+	ck_assert_int_eq(dev->ops->upload(dev->ctx, d, h, bytes), 0);
 	return d;
 }
 
@@ -78,13 +82,13 @@ static void *from_gpu(const void *d, size_t bytes)
 {
 	void *h = malloc(bytes ? bytes : 1);
 	ck_assert_ptr_nonnull(h);
-	ck_assert_int_eq(gpu.ops->download(gpu.ctx, h, d, bytes), 0);
+	ck_assert_int_eq(dev->ops->download(dev->ctx, h, d, bytes), 0);
 	return h;
 }
 
 static void gfree(void *d)
 {
-	gpu.ops->free(gpu.ctx, d);
+	dev->ops->free(dev->ctx, d);
 }
 
 static double rel_err(const float *ref, const float *got, size_t n)
@@ -148,6 +152,8 @@ static const enum mlens_dtype dtypes[3] = { MLENS_DTYPE_F32, MLENS_DTYPE_F16, ML
 /* GEMM-bound ops' tolerance by weight dtype */
 static double wtol(enum mlens_dtype dt)
 {
+	if (dev == &gpu_exact)
+		return 1e-5;
 	return dt == MLENS_DTYPE_F32 ? 1e-5 : dt == MLENS_DTYPE_F16 ? 2e-3 : 1e-2;
 }
 
@@ -155,7 +161,7 @@ static double wtol(enum mlens_dtype dt)
 
 START_TEST(test_memory)
 {
-	size_t base = mlens_backend_cuda_mem_used(&gpu);
+	size_t base = mlens_backend_cuda_mem_used(dev);
 	size_t n = (1u << 20) + 3;
 	unsigned char *h = malloc(n), *back;
 	void *d;
@@ -164,23 +170,23 @@ START_TEST(test_memory)
 	for (size_t i = 0; i < n; i++)
 		h[i] = (unsigned char)rnd_u32();
 	d = to_gpu(h, n);
-	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base + n);
-	ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+	ck_assert_uint_eq(mlens_backend_cuda_mem_used(dev), base + n);
+	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
 	back = from_gpu(d, n);
 	ck_assert_mem_eq(h, back, n);
 	gfree(d);
-	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base);
+	ck_assert_uint_eq(mlens_backend_cuda_mem_used(dev), base);
 	/* an impossible size fails cleanly and costs nothing */
 	errno = 0;
-	ck_assert_ptr_null(gpu.ops->alloc(gpu.ctx, (size_t)1 << 60));
+	ck_assert_ptr_null(dev->ops->alloc(dev->ctx, (size_t)1 << 60));
 	ck_assert_int_eq(errno, ENOMEM);
-	ck_assert_uint_eq(mlens_backend_cuda_mem_used(&gpu), base);
-	ck_assert_str_eq(gpu.ops->name, "cuda");
-	ck_assert(!gpu.ops->host_memory);
+	ck_assert_uint_eq(mlens_backend_cuda_mem_used(dev), base);
+	ck_assert_str_eq(dev->ops->name, "cuda");
+	ck_assert(!dev->ops->host_memory);
 	{
 		/* with a GPU present, auto picks CUDA */
 		struct mlens_backend a = { 0 };
-		struct mlens_backend_opts o = { 0, 0 };
+		struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 		ck_assert_int_eq(mlens_backend_create(&a, "auto", &o), 0);
 		ck_assert_str_eq(a.ops->name, "cuda");
 		mlens_backend_destroy(&a);
@@ -205,7 +211,7 @@ START_TEST(test_embed)
 		float *ref = malloc((size_t)n * dim * 4), *got;
 		float *dout = gpu_zeros((size_t)n * dim * 4);
 		ck_assert_int_eq(cpu.ops->embed(cpu.ctx, ref, tab, dt, dim, tok, n), 0);
-		ck_assert_int_eq(gpu.ops->embed(gpu.ctx, dout, dtab, dt, dim, tok, n), 0);
+		ck_assert_int_eq(dev->ops->embed(dev->ctx, dout, dtab, dt, dim, tok, n), 0);
 		got = from_gpu(dout, (size_t)n * dim * 4);
 		record("embed", 0.0, rel_err(ref, got, (size_t)n * dim), "%s n=%d dim=%d",
 		       mlens_dtype_name(dt), n, dim);
@@ -229,7 +235,7 @@ START_TEST(test_rmsnorm)
 				float *dx = to_gpu(x, cnt * 4), *dout = gpu_zeros(cnt * 4);
 				void *dw = to_gpu(w, (size_t)dim * mlens_dtype_size(dt));
 				ck_assert_int_eq(cpu.ops->rmsnorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
-				ck_assert_int_eq(gpu.ops->rmsnorm(gpu.ctx, dout, dx, dw, dt, n, dim, 1e-5f), 0);
+				ck_assert_int_eq(dev->ops->rmsnorm(dev->ctx, dout, dx, dw, dt, n, dim, 1e-5f), 0);
 				got = from_gpu(dout, cnt * 4);
 				record("rmsnorm", 1e-6, rel_err(ref, got, cnt), "%s n=%d dim=%d",
 				       mlens_dtype_name(dt), n, dim);
@@ -253,7 +259,7 @@ START_TEST(test_rope)
 			size_t cnt = (size_t)n * nh * hd;
 			float *x = rnd_floats(cnt, 2.0f), *got;
 			float *dx = to_gpu(x, cnt * 4);
-			ck_assert_int_eq(gpu.ops->rope(gpu.ctx, dx, pos, n, nh, hd, thetas[b]), 0);
+			ck_assert_int_eq(dev->ops->rope(dev->ctx, dx, pos, n, nh, hd, thetas[b]), 0);
 			ck_assert_int_eq(cpu.ops->rope(cpu.ctx, x, pos, n, nh, hd, thetas[b]), 0);
 			got = from_gpu(dx, cnt * 4);
 			record("rope", 1e-5, rel_err(x, got, cnt), "hd=%d theta=%g", hd,
@@ -265,6 +271,12 @@ START_TEST(test_rope)
 END_TEST
 
 /* ==== gemm ==== */
+
+/* " exact" for the exact backend, for the op names of the table */
+static const char *mode_name(void)
+{
+	return dev == &gpu_exact ? " exact" : "";
+}
 
 START_TEST(test_gemm)
 {
@@ -283,9 +295,9 @@ START_TEST(test_gemm)
 				void *dw = to_gpu(w, (size_t)m * k * mlens_dtype_size(dt));
 				char op[32];
 				ck_assert_int_eq(cpu.ops->gemm(cpu.ctx, ref, x, w, dt, n, k, m, acc), 0);
-				ck_assert_int_eq(gpu.ops->gemm(gpu.ctx, dout, dx, dw, dt, n, k, m, acc), 0);
+				ck_assert_int_eq(dev->ops->gemm(dev->ctx, dout, dx, dw, dt, n, k, m, acc), 0);
 				got = from_gpu(dout, os * 4);
-				snprintf(op, sizeof(op), "gemm %s", mlens_dtype_name(dt));
+				snprintf(op, sizeof(op), "gemm %s%s", mlens_dtype_name(dt), mode_name());
 				record(op, wtol(dt), rel_err(ref, got, os), "n=%d k=%d m=%d acc=%d",
 				       n, k, m, acc);
 				free(x); free(ref); free(got); free(w);
@@ -306,9 +318,9 @@ START_TEST(test_router)
 	float *dw = gpu_zeros((size_t)n * k * 4);
 
 	l[0] = l[1];	/* a tie: the lower index must win */
-	ck_assert_int_eq(gpu.ops->upload(gpu.ctx, dl, l, (size_t)n * E * 4), 0);
+	ck_assert_int_eq(dev->ops->upload(dev->ctx, dl, l, (size_t)n * E * 4), 0);
 	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k), 0);
-	ck_assert_int_eq(gpu.ops->router(gpu.ctx, dids, dw, dl, n, E, k), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k), 0);
 	idgot = from_gpu(dids, (size_t)n * k * 4);
 	wgot = from_gpu(dw, (size_t)n * k * 4);
 	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
@@ -365,9 +377,9 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I)
 	dids = to_gpu(ids, (size_t)n * k * 4);
 	dwts = to_gpu(wts, (size_t)n * k * 4);
 	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, ref, x, n, ids, wts, k, &wc), 0);
-	ck_assert_int_eq(gpu.ops->moe(gpu.ctx, dout, dx, n, dids, dwts, k, &wg), 0);
+	ck_assert_int_eq(dev->ops->moe(dev->ctx, dout, dx, n, dids, dwts, k, &wg), 0);
 	got = from_gpu(dout, (size_t)n * H * 4);
-	snprintf(op, sizeof(op), "moe %s", mlens_dtype_name(dt));
+	snprintf(op, sizeof(op), "moe %s%s", mlens_dtype_name(dt), mode_name());
 	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2", n, H, I);
 	for (int e = 0; e < E; e++) {
 		free(hw1[e]); free(hw2[e]); free(hw3[e]);
@@ -386,6 +398,47 @@ START_TEST(test_moe)
 	}
 	/* more tokens than one chunk of the CUDA MoE (4096) */
 	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96);
+}
+END_TEST
+
+/* Exact GEMMs: the same cases on the exact backend, plus activations
+ * spread over many binades (where a bf16 rounding of x would show most)
+ * and an accumulate; every dtype within the fp32 tolerance. */
+static void use_exact(void)
+{
+	dev = &gpu_exact;
+}
+
+static void use_fast(void)
+{
+	dev = &gpu;
+}
+
+START_TEST(test_gemm_exact_wide)
+{
+	const int n = 33, k = 1000, m = 300;
+	for (int t = 1; t < 3; t++) {
+		enum mlens_dtype dt = dtypes[t];
+		size_t xs = (size_t)n * k, os = (size_t)n * m;
+		float *x = rnd_floats(xs, 1.0f), *ref = rnd_floats(os, 1.0f), *got;
+		void *w = rnd_weights((size_t)m * k, dt, 1.0f / sqrtf((float)k));
+		float *dx, *dout;
+		void *dw;
+		char op[40];
+		/* magnitudes from 2^-12 to 2^12 (inside f16's range) */
+		for (size_t i = 0; i < xs; i++)
+			x[i] *= ldexpf(1.0f, (int)(rnd_u32() % 25) - 12);
+		dx = to_gpu(x, xs * 4);
+		dout = to_gpu(ref, os * 4);
+		dw = to_gpu(w, (size_t)m * k * mlens_dtype_size(dt));
+		ck_assert_int_eq(cpu.ops->gemm(cpu.ctx, ref, x, w, dt, n, k, m, true), 0);
+		ck_assert_int_eq(dev->ops->gemm(dev->ctx, dout, dx, dw, dt, n, k, m, true), 0);
+		got = from_gpu(dout, os * 4);
+		snprintf(op, sizeof(op), "gemm %s exact, wide x", mlens_dtype_name(dt));
+		record(op, 1e-5, rel_err(ref, got, os), "n=%d k=%d m=%d acc=1", n, k, m);
+		free(x); free(ref); free(got); free(w);
+		gfree(dx); gfree(dout); gfree(dw);
+	}
 }
 END_TEST
 
@@ -413,7 +466,7 @@ START_TEST(test_attn_prefill)
 			float scale = 1.0f / sqrtf((float)hd);
 			ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k, v, cu, ns, nh, nkv,
 							       hd, scale), 0);
-			ck_assert_int_eq(gpu.ops->attn_prefill(gpu.ctx, dout, dq, dk, dv, cu, ns, nh,
+			ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, dout, dq, dk, dv, cu, ns, nh,
 							       nkv, hd, scale), 0);
 			got = from_gpu(dout, qn * 4);
 			record("attn_prefill", 1e-5, rel_err(ref, got, qn),
@@ -466,7 +519,7 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 		for (int t = 0; t < len; t++)
 			slots[t] = (int64_t)tables[i][t / bs] * bs + t % bs;
 		ck_assert_int_eq(cpu.ops->kv_append(cpu.ctx, &kc, layer, k, v, slots, len), 0);
-		ck_assert_int_eq(gpu.ops->kv_append(gpu.ctx, &kg, layer, dk, dv, slots, len), 0);
+		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kg, layer, dk, dv, slots, len), 0);
 		qs[i] = (struct mlens_attn_query){ len, nb, tables[i] };
 		free(slots); free(k); free(v);
 		gfree(dk); gfree(dv);
@@ -484,7 +537,7 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 		float *q = rnd_floats(qn, 1.0f), *ref = malloc(qn * 4), *got;
 		float *dq = to_gpu(q, qn * 4), *dout = gpu_zeros(qn * 4);
 		ck_assert_int_eq(cpu.ops->attn_decode(cpu.ctx, ref, q, &kc, layer, qs, nq, nh, scale), 0);
-		ck_assert_int_eq(gpu.ops->attn_decode(gpu.ctx, dout, dq, &kg, layer, qs, nq, nh, scale), 0);
+		ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, dout, dq, &kg, layer, qs, nq, nh, scale), 0);
 		got = from_gpu(dout, qn * 4);
 		snprintf(op, sizeof(op), "attn_decode %s", mlens_dtype_name(kdt));
 		record(op, 1e-5, rel_err(ref, got, qn), "ctx 1..4096 kv=%d group=%d hd=%d", nkv,
@@ -495,6 +548,74 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 	free(kc.k); free(kc.v); free(perm);
 	gfree(kg.k); gfree(kg.v);
 }
+
+/* Enough queries that their partials exceed one launch's area (256 MiB,
+ * DEC_PART_CAP in kernels/cuda/attn_cuda.cu): each query gets only its own
+ * splits and the queries go through in groups. Every query's output must
+ * be bitwise the one it gets alone, and a sample must match the CPU. */
+START_TEST(test_attn_decode_groups)
+{
+	const int nkv = 8, group = 4, hd = 128, nh = nkv * group, bs = 16, layer = 0;
+	const int max_ctx = 8192, nq = 1100, nb = max_ctx / bs;
+	size_t row = (size_t)nkv * hd, qrow = (size_t)nh * hd, kvb;
+	uint32_t *bt = malloc((size_t)nb * 4);
+	struct mlens_attn_query *qs = malloc((size_t)nq * sizeof(*qs));
+	struct mlens_kv_cache kc = { MLENS_DTYPE_BF16, 1, nkv, hd, bs, (uint32_t)nb, NULL, NULL }, kg;
+	float scale = 1.0f / sqrtf((float)hd), *k, *v, *q, *dk, *dv, *dq, *dout, *dalone;
+	float *all, *alone, *ref;
+	int64_t *slots = malloc((size_t)max_ctx * 8);
+	double worst = 0;
+
+	for (int b = 0; b < nb; b++)
+		bt[b] = (uint32_t)(nb - 1 - b);
+	for (int t = 0; t < max_ctx; t++)
+		slots[t] = (int64_t)bt[t / bs] * bs + t % bs;
+	kvb = mlens_kv_bytes(&kc);
+	kc.k = calloc(1, kvb);
+	kc.v = calloc(1, kvb);
+	kg = kc;
+	kg.k = gpu_zeros(kvb);
+	kg.v = gpu_zeros(kvb);
+	k = rnd_floats((size_t)max_ctx * row, 1.0f);
+	v = rnd_floats((size_t)max_ctx * row, 1.0f);
+	dk = to_gpu(k, (size_t)max_ctx * row * 4);
+	dv = to_gpu(v, (size_t)max_ctx * row * 4);
+	ck_assert_int_eq(cpu.ops->kv_append(cpu.ctx, &kc, layer, k, v, slots, max_ctx), 0);
+	ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kg, layer, dk, dv, slots, max_ctx), 0);
+	/* contexts of every length class, the longest ones throughout */
+	for (int i = 0; i < nq; i++) {
+		int len = i % 3 ? 1 + (int)(((uint64_t)i * 7919) % max_ctx) : max_ctx;
+		qs[i] = (struct mlens_attn_query){ len, (len + bs - 1) / bs, bt };
+	}
+	q = rnd_floats((size_t)nq * qrow, 1.0f);
+	dq = to_gpu(q, (size_t)nq * qrow * 4);
+	dout = gpu_zeros((size_t)nq * qrow * 4);
+	dalone = gpu_zeros(qrow * 4);
+	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, dout, dq, &kg, layer, qs, nq, nh, scale), 0);
+	all = from_gpu(dout, (size_t)nq * qrow * 4);
+	for (int i = 0; i < nq; i++) {
+		ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, dalone, dq + (size_t)i * qrow, &kg,
+						       layer, &qs[i], 1, nh, scale), 0);
+		alone = from_gpu(dalone, qrow * 4);
+		ck_assert_msg(!memcmp(alone, all + (size_t)i * qrow, qrow * 4),
+			      "attn_decode: query %d (ctx %d) of %d differs from it alone", i,
+			      qs[i].ctx_len, nq);
+		free(alone);
+	}
+	ref = malloc(qrow * 4);
+	for (int i = 0; i < nq; i += 97) {
+		ck_assert_int_eq(cpu.ops->attn_decode(cpu.ctx, ref, q + (size_t)i * qrow, &kc, layer,
+						      &qs[i], 1, nh, scale), 0);
+		double e = rel_err(ref, all + (size_t)i * qrow, qrow);
+		worst = e > worst ? e : worst;
+	}
+	record("attn_decode groups", 1e-5, worst, "%d queries, ctx 1..%d, bf16 kv=%d group=%d",
+	       nq, max_ctx, nkv, group);
+	free(bt); free(qs); free(slots); free(k); free(v); free(q); free(all); free(ref);
+	free(kc.k); free(kc.v);
+	gfree(kg.k); gfree(kg.v); gfree(dk); gfree(dv); gfree(dq); gfree(dout); gfree(dalone);
+}
+END_TEST
 
 START_TEST(test_attn_decode)
 {
@@ -529,14 +650,14 @@ START_TEST(test_sample)
 	}
 	dl = to_gpu(l, (size_t)n * vocab * 4);
 	ck_assert_int_eq(cpu.ops->sample(cpu.ctx, tc, lpc, l, n, vocab, sp), 0);
-	ck_assert_int_eq(gpu.ops->sample(gpu.ctx, tg, lpg, dl, n, vocab, sp), 0);
+	ck_assert_int_eq(dev->ops->sample(dev->ctx, tg, lpg, dl, n, vocab, sp), 0);
 	ck_assert_int_eq(tc[0], 7);
 	for (int i = 0; i < n; i++)
 		ck_assert_msg(tc[i] == tg[i], "row %d (temperature %g): cpu token %d, cuda token %d",
 			      i, (double)sp[i].temperature, tc[i], tg[i]);
 	record("sample (logprob)", 1e-5, rel_err(lpc, lpg, (size_t)n), "n=%d vocab=%d", n, vocab);
 	/* without logprobs too */
-	ck_assert_int_eq(gpu.ops->sample(gpu.ctx, tg, NULL, dl, n, vocab, sp), 0);
+	ck_assert_int_eq(dev->ops->sample(dev->ctx, tg, NULL, dl, n, vocab, sp), 0);
 	ck_assert_mem_eq(tc, tg, sizeof(tc));
 	free(l); free(lpg);
 	gfree(dl);
@@ -556,15 +677,15 @@ START_TEST(test_errors)
 
 	kv.k = gpu_zeros(mlens_kv_bytes(&kv));
 	kv.v = gpu_zeros(mlens_kv_bytes(&kv));
-	ck_assert_int_eq(gpu.ops->gemm(gpu.ctx, buf, buf, buf, MLENS_DTYPE_F32, -1, 4, 4, false),
+	ck_assert_int_eq(dev->ops->gemm(dev->ctx, buf, buf, buf, MLENS_DTYPE_F32, -1, 4, 4, false),
 			 -EINVAL);
-	ck_assert_int_eq(gpu.ops->kv_append(gpu.ctx, &kv, 0, buf, buf, &slot, 1), -ERANGE);
-	ck_assert_int_eq(gpu.ops->attn_decode(gpu.ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
-	ck_assert_int_eq(gpu.ops->attn_prefill(gpu.ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
+	ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kv, 0, buf, buf, &slot, 1), -ERANGE);
+	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
+	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
-	ck_assert_int_eq(gpu.ops->router(gpu.ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
 	/* the backend still works afterwards */
-	ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
 	gfree(kv.k);
 	gfree(kv.v);
 	gfree(buf);
@@ -585,7 +706,9 @@ static void print_table(void)
 
 int main(void)
 {
-	struct mlens_backend_opts o = { 0, 0 };
+	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
+	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
+	TCase *tx;
 	Suite *s;
 	TCase *tc;
 	SRunner *sr;
@@ -596,7 +719,8 @@ int main(void)
 		return 77;
 	}
 	/* CUDA does not survive fork(): run the tests in this process */
-	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o)) {
+	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
+	    mlens_backend_create(&gpu_exact, "cuda", &ox)) {
 		fprintf(stderr, "check_cuda: cannot create the backends\n");
 		return 1;
 	}
@@ -612,15 +736,24 @@ int main(void)
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
+	tcase_add_test(tc, test_attn_decode_groups);
 	tcase_add_test(tc, test_sample);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
+	tx = tcase_create("exact gemm");
+	tcase_set_timeout(tx, 120);
+	tcase_add_checked_fixture(tx, use_exact, use_fast);
+	tcase_add_test(tx, test_gemm);
+	tcase_add_test(tx, test_moe);
+	tcase_add_test(tx, test_gemm_exact_wide);
+	suite_add_tcase(s, tx);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);
 	srunner_run_all(sr, CK_NORMAL);
 	failed = srunner_ntests_failed(sr);
 	srunner_free(sr);
 	print_table();
+	mlens_backend_destroy(&gpu_exact);
 	mlens_backend_destroy(&gpu);
 	mlens_backend_destroy(&cpu);
 	return failed ? 1 : 0;

@@ -11,7 +11,7 @@ tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
 
 dist_noinst_DATA += $(GOLDEN_FIXTURES)
 EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
-	tests/golden/check_golden_cuda.sh
+	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh
 
 if HAVE_CHECK
 check_PROGRAMS += tests/check_golden

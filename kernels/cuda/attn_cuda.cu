@@ -450,11 +450,18 @@ int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, in
 
 #define DEC_MAX_GROUP 8		/* query heads per KV head */
 #define DEC_SPLIT 256		/* keys per block; longer contexts split */
+/* Partials of one launch at most (unless one query alone needs more):
+ * queries go through in groups under this, so that a step's workspace is
+ * bounded whatever its queries' contexts (daemon/gpu_plan.c mirrors it). */
+#define DEC_PART_CAP ((size_t)256 << 20)
 
 struct dec_meta {
 	const int32_t *ctx_len;		/* [n] */
 	const int32_t *bt_off;		/* [n]: start of query i's table in bt */
 	const uint32_t *bt;		/* all block tables, back to back */
+	/* [n]: where query i's partials start (in rows of head_dim + 2 floats)
+	 * in its group's area: [n_heads][its own splits][head_dim + 2] */
+	const int32_t *part_off;
 };
 
 /* One block: one query token, one KV head (its `group` query heads), one
@@ -467,8 +474,7 @@ struct dec_meta {
 template <int HD, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS)
 decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_meta meta,
-	      int layer, uint32_t n_blocks, int n_kv, int bs, int group, int n_split,
-	      float scale)
+	      int layer, uint32_t n_blocks, int n_kv, int bs, int group, float scale)
 {
 	constexpr int DPL = HD / 32, VEC = kv_vec<T>::N;
 	__shared__ __align__(16) float Qs[DEC_MAX_GROUP][HD];
@@ -480,10 +486,11 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 	const int ctx = meta.ctx_len[i];
 	const uint32_t *bt = meta.bt + meta.bt_off[i];
 	const int c0 = sp * DEC_SPLIT, c1 = min(ctx, c0 + DEC_SPLIT);
-	float *pp = part + (((size_t)i * n_heads + (size_t)g * group) * n_split + sp) * (HD + 2);
+	const int n_split = (ctx + DEC_SPLIT - 1) / DEC_SPLIT;	/* this query's own */
 
 	if (c0 >= ctx)
-		return;	/* the combine pass reads only splits below ctx */
+		return;	/* a split of a longer query of the launch */
+	float *pp = part + ((size_t)meta.part_off[i] + (size_t)g * group * n_split + sp) * (HD + 2);
 	for (int idx = threadIdx.x; idx < group * HD; idx += ATTN_THREADS)
 		Qs[idx / HD][idx % HD] =
 			q[(size_t)i * n_heads * HD + (size_t)g * group * HD + idx];
@@ -607,11 +614,11 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 
 /* out[i][h] = merge of the splits that hold keys of query i. */
 __global__ void decode_combine_kernel(float *out, const float *part, const int32_t *ctx_len,
-				      int n_heads, int hd, int n_split)
+				      const int32_t *part_off, int n_heads, int hd)
 {
 	const int i = blockIdx.x, h = blockIdx.y;
 	const int ns = (ctx_len[i] + DEC_SPLIT - 1) / DEC_SPLIT;
-	const float *ph = part + ((size_t)i * n_heads + h) * n_split * (hd + 2);
+	const float *ph = part + ((size_t)part_off[i] + (size_t)h * ns) * (hd + 2);
 	float M = -INFINITY;
 	for (int s = 0; s < ns; s++)
 		M = fmaxf(M, ph[(size_t)s * (hd + 2)]);
@@ -633,8 +640,9 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 			   float scale)
 {
 	const int hd = kv->head_dim, bs = kv->block_size;
-	size_t bt_total = 0, o_off, o_bt, used, part_bytes;
-	int max_ctx = 0, group, n_split, rc;
+	size_t bt_total = 0, o_off, o_po, o_bt, used, row_bytes, part_max = 0, acc = 0;
+	int group, rc;
+	int32_t *po;
 	bool tuned;
 	char *h, *d, *part;
 
@@ -660,24 +668,37 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 			if (qr->block_table[b] >= kv->n_blocks)
 				return -ERANGE;
 		bt_total += (size_t)need;
-		max_ctx = qr->ctx_len > max_ctx ? qr->ctx_len : max_ctx;
 	}
-	n_split = (max_ctx + DEC_SPLIT - 1) / DEC_SPLIT;
+	row_bytes = (size_t)n_heads * (size_t)(hd + 2) * 4;
 	o_off = mlens_cuda_align((size_t)n * 4);
-	o_bt = mlens_cuda_align(o_off + (size_t)n * 4);
+	o_po = mlens_cuda_align(o_off + (size_t)n * 4);
+	o_bt = mlens_cuda_align(o_po + (size_t)n * 4);
 	used = o_bt + bt_total * 4;
 	if ((rc = mlens_cuda_stage_begin(c, used, &h, &d)))
 		return rc;
+	/* po: partials of each query, its own splits only (not the longest
+	 * query's), in groups of at most DEC_PART_CAP bytes (a query alone
+	 * may need more); a group starts where po is 0 */
+	po = (int32_t *)(h + o_po);
 	{
 		int32_t *ctx = (int32_t *)h, *off = (int32_t *)(h + o_off);
 		uint32_t *bt = (uint32_t *)(h + o_bt);
 		size_t at = 0;
 		for (int i = 0; i < n; i++) {
 			int need = (queries[i].ctx_len + bs - 1) / bs;
+			size_t b = (size_t)((queries[i].ctx_len + DEC_SPLIT - 1) / DEC_SPLIT) *
+				   row_bytes;
 			ctx[i] = queries[i].ctx_len;
 			off[i] = (int32_t)at;
 			memcpy(bt + at, queries[i].block_table, (size_t)need * 4);
 			at += (size_t)need;
+			if (acc && acc + b > DEC_PART_CAP)
+				acc = 0;
+			if (acc / (size_t)((hd + 2) * 4) > INT32_MAX)
+				return -ERANGE;
+			po[i] = (int32_t)(acc / (size_t)((hd + 2) * 4));
+			acc += b;
+			part_max = acc > part_max ? acc : part_max;
 		}
 	}
 	if ((rc = mlens_cuda_stage_commit(c, used)))
@@ -699,32 +720,43 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 		CUDA_LAUNCHED();
 		return 0;
 	}
-	part_bytes = (size_t)n * n_heads * n_split * (hd + 2) * 4;
-	if ((rc = mlens_cuda_scratch(c, part_bytes, &part)))
+	if ((rc = mlens_cuda_scratch(c, part_max, &part)))
 		return rc;
-	struct dec_meta meta = { (const int32_t *)d, (const int32_t *)(d + o_off),
-				 (const uint32_t *)(d + o_bt) };
-	dim3 grid((unsigned)n, (unsigned)kv->n_kv_heads, (unsigned)n_split);
-	float *pf = (float *)part;
+	/* each group reuses the area: the stream orders it after the last
+	 * (po is still ours to read: the copy only reads it) */
+	for (int a = 0, b; a < n; a = b) {
+		int max_split = 0;
+		for (b = a; b < n && (b == a || po[b]); b++) {
+			int ns = (queries[b].ctx_len + DEC_SPLIT - 1) / DEC_SPLIT;
+			max_split = ns > max_split ? ns : max_split;
+		}
+		struct dec_meta meta = { (const int32_t *)d + a, (const int32_t *)(d + o_off) + a,
+					 (const uint32_t *)(d + o_bt),
+					 (const int32_t *)(d + o_po) + a };
+		dim3 grid((unsigned)(b - a), (unsigned)kv->n_kv_heads, (unsigned)max_split);
+		const float *qa = q + (size_t)a * n_heads * hd;
+		float *pf = (float *)part;
 #define DEC_LAUNCH(HD, T)                                                                  \
 	decode_kernel<HD, T><<<grid, ATTN_THREADS, 0, c->stream>>>(                        \
-		pf, q, (const T *)kv->k, (const T *)kv->v, meta, layer, kv->n_blocks,      \
-		kv->n_kv_heads, bs, group, n_split, scale)
-	if (kv->dtype == MLENS_DTYPE_F32) {
-		if (hd == 64)
-			DEC_LAUNCH(64, float);
-		else
-			DEC_LAUNCH(128, float);
-	} else {
-		if (hd == 64)
-			DEC_LAUNCH(64, __nv_bfloat16);
-		else
-			DEC_LAUNCH(128, __nv_bfloat16);
-	}
+		pf, qa, (const T *)kv->k, (const T *)kv->v, meta, layer, kv->n_blocks,     \
+		kv->n_kv_heads, bs, group, scale)
+		if (kv->dtype == MLENS_DTYPE_F32) {
+			if (hd == 64)
+				DEC_LAUNCH(64, float);
+			else
+				DEC_LAUNCH(128, float);
+		} else {
+			if (hd == 64)
+				DEC_LAUNCH(64, __nv_bfloat16);
+			else
+				DEC_LAUNCH(128, __nv_bfloat16);
+		}
 #undef DEC_LAUNCH
-	CUDA_LAUNCHED();
-	decode_combine_kernel<<<dim3((unsigned)n, (unsigned)n_heads), hd, 0, c->stream>>>(
-		out, pf, meta.ctx_len, n_heads, hd, n_split);
-	CUDA_LAUNCHED();
+		CUDA_LAUNCHED();
+		decode_combine_kernel<<<dim3((unsigned)(b - a), (unsigned)n_heads), hd, 0,
+					c->stream>>>(out + (size_t)a * n_heads * hd, pf, meta.ctx_len,
+						     meta.part_off, n_heads, hd);
+		CUDA_LAUNCHED();
+	}
 	return 0;
 }

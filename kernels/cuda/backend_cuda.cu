@@ -10,7 +10,21 @@
  * element, far faster than converting the weights to fp32 and inside the
  * tolerances that tests/check_cuda.c states. Narrow products (at most
  * GEMM_NARROW_M outputs: the router) widen the weights instead and run in
- * fp32, so that expert choices match the CPU's. */
+ * fp32, so that expert choices match the CPU's.
+ *
+ * MLENS_GEMM_EXACT (the backend option; mlensd's gpu_gemm = exact) keeps
+ * the CPU's numerics for every half-precision GEMM, dense and per expert:
+ * each fp32 activation becomes three parts of the weight dtype (x = p0 +
+ * p1/S + p2/S^2 exactly, mlens_cuda_split_rows) and three tensor-core GEMMs
+ * with fp32 accumulation add p2, p1 and p0 into the output (alpha 1/S^2,
+ * 1/S, 1; beta 1 after the first): products of two 8-bit (bf16) or 11-bit
+ * (f16) significands are exact in fp32, so the only rounding left is the
+ * fp32 accumulation, as on the CPU. Three GEMMs into the output rather than
+ * one over a K-concatenated operand: concatenating along K would need the
+ * weights three times over (cuBLAS cannot repeat an operand), and it adds
+ * no accuracy; the three calls need no extra output buffer nor a summing
+ * kernel. The cost is three times the tensor-core work and weight reads;
+ * the silu(g)*u product of the experts stays fp32 and is split too. */
 #include "kernels/cuda/cuda_int.h"
 
 #include <stdlib.h>
@@ -307,9 +321,8 @@ static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
 /* out[n][m] (+)= x[n][k] . W[m][k]^T with x already in W's dtype. Row-major
  * out is column-major [m][n]: out = W^T(op T on the [k][m] view) . x. */
 static int gemm_typed(struct mlens_cuda_ctx *c, float *out, const void *x, const void *w,
-		      enum mlens_dtype dt, int n, int k, int m, float beta)
+		      enum mlens_dtype dt, int n, int k, int m, float alpha, float beta)
 {
-	const float alpha = 1.0f;
 	cudaDataType_t t = cuda_dtype(dt);
 	int ld = k > 0 ? k : 1;	/* cuBLAS wants ld >= 1 even for k = 0 */
 	CUBLAS_RET(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, t, ld,
@@ -321,6 +334,26 @@ static int gemm_typed(struct mlens_cuda_ctx *c, float *out, const void *x, const
 static int valid_dtype(enum mlens_dtype dt)
 {
 	return dt == MLENS_DTYPE_F32 || dt == MLENS_DTYPE_F16 || dt == MLENS_DTYPE_BF16;
+}
+
+/* The exact product from split activations (see the top of the file):
+ * part j of x[n][k] is at xp + j * part_bytes. */
+static int gemm_parts(struct mlens_cuda_ctx *c, float *out, const char *xp, size_t part_bytes,
+		      const void *w, enum mlens_dtype dt, int n, int k, int m, float beta)
+{
+	const float inv = 1.0f / mlens_cuda_split_scale(dt);
+	float alpha = inv * inv;
+	int rc;
+
+	/* smallest part first, so that each add sees the larger sum last */
+	for (int j = MLENS_CUDA_SPLIT_PARTS - 1; j >= 0; j--) {
+		rc = gemm_typed(c, out, xp + (size_t)j * part_bytes, w, dt, n, k, m, alpha, beta);
+		if (rc)
+			return rc;
+		alpha *= mlens_cuda_split_scale(dt);
+		beta = 1.0f;
+	}
+	return 0;
 }
 
 /* Output widths up to this run fp32 x fp32 on widened weights. */
@@ -339,7 +372,7 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 	if (!n || !m)
 		return 0;
 	if (dt == MLENS_DTYPE_F32)
-		return gemm_typed(c, out, x, w, dt, n, k, m, beta);
+		return gemm_typed(c, out, x, w, dt, n, k, m, 1.0f, beta);
 	if (m <= GEMM_NARROW_M) {
 		/* few output columns (the router: one per expert) decide discrete
 		 * things such as the top-k experts, where rounding the activations
@@ -351,7 +384,17 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 		rc = mlens_cuda_widen(c, (float *)xs, w, dt, (size_t)m * (size_t)k);
 		if (rc)
 			return rc;
-		return gemm_typed(c, out, x, xs, MLENS_DTYPE_F32, n, k, m, beta);
+		return gemm_typed(c, out, x, xs, MLENS_DTYPE_F32, n, k, m, 1.0f, beta);
+	}
+	if (c->gemm_exact) {
+		size_t part = (size_t)n * (size_t)k;
+		rc = mlens_cuda_scratch(c, MLENS_CUDA_SPLIT_PARTS * part * 2, &xs);
+		if (rc)
+			return rc;
+		rc = mlens_cuda_split_rows(c, xs, dt, x, NULL, 1, n, k, part);
+		if (rc)
+			return rc;
+		return gemm_parts(c, out, xs, part * 2, w, dt, n, k, m, beta);
 	}
 	rc = mlens_cuda_scratch(c, (size_t)n * (size_t)k * 2, &xs);
 	if (rc)
@@ -359,10 +402,20 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 	rc = mlens_cuda_convert_rows(c, xs, dt, x, NULL, 1, n, k);
 	if (rc)
 		return rc;
-	return gemm_typed(c, out, xs, w, dt, n, k, m, beta);
+	return gemm_typed(c, out, xs, w, dt, n, k, m, 1.0f, beta);
 }
 
 /* ==== MoE ==== */
+
+/* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
+ * part_bytes set, x is split (parts that far apart) and the product exact. */
+static int expert_gemm(struct mlens_cuda_ctx *c, float *out, const char *x, size_t part_bytes,
+		       const void *w, enum mlens_dtype dt, int n, int k, int m)
+{
+	if (part_bytes)
+		return gemm_parts(c, out, x, part_bytes, w, dt, n, k, m, 0.0f);
+	return gemm_typed(c, out, x, w, dt, n, k, m, 1.0f, 0.0f);
+}
 
 /* Tokens are permuted into expert order on the GPU (stable in token order,
  * as the CPU gathers them), each expert runs three GEMMs over all of its
@@ -375,6 +428,10 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 {
 	int E = w->n_experts, H = w->hidden, I = w->inter;
 	size_t es = mlens_dtype_size(w->dtype), rows = (size_t)n * (size_t)k;
+	/* exact: split copies of the inputs, and the silu product in fp32 (in
+	 * place of g) before it is split too */
+	bool split = c->gemm_exact && w->dtype != MLENS_DTYPE_F32;
+	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1;
 	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total;
 	int32_t *counts_h;
 	char *s;
@@ -388,10 +445,10 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	o_perm = mlens_cuda_align(o_counts + (size_t)E * 4);
 	o_inv = mlens_cuda_align(o_perm + rows * 4);
 	o_xe = mlens_cuda_align(o_inv + rows * 4);
-	o_g = mlens_cuda_align(o_xe + rows * H * es);
+	o_g = mlens_cuda_align(o_xe + np * rows * H * es);
 	o_u = mlens_cuda_align(o_g + rows * I * 4);
 	o_h = mlens_cuda_align(o_u + rows * I * 4);
-	o_y = mlens_cuda_align(o_h + rows * I * es);
+	o_y = mlens_cuda_align(o_h + np * rows * I * es);
 	total = mlens_cuda_align(o_y + rows * H * 4);
 	if ((rc = mlens_cuda_scratch(c, total, &s)))
 		return rc;
@@ -420,29 +477,36 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		return -EINVAL;
 	}
 	/* gather x rows into expert order, already in the weights' dtype */
-	if ((rc = mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H)))
+	rc = split ? mlens_cuda_split_rows(c, xe, w->dtype, x, perm, k, (int)rows, H, rows * H)
+		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
+	if (rc)
 		return rc;
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
 		int cnt = counts_h[e];
 		if (!cnt)
 			continue;
-		if ((rc = gemm_typed(c, g + (size_t)r0 * I, xe + (size_t)r0 * H * es, w->w1[e],
-				     w->dtype, cnt, H, I, 0.0f)) ||
-		    (rc = gemm_typed(c, u + (size_t)r0 * I, xe + (size_t)r0 * H * es, w->w3[e],
-				     w->dtype, cnt, H, I, 0.0f)))
+		if ((rc = expert_gemm(c, g + (size_t)r0 * I, xe + (size_t)r0 * H * es,
+				      split ? rows * H * es : 0, w->w1[e], w->dtype, cnt, H, I)) ||
+		    (rc = expert_gemm(c, u + (size_t)r0 * I, xe + (size_t)r0 * H * es,
+				      split ? rows * H * es : 0, w->w3[e], w->dtype, cnt, H, I)))
 			return rc;
 		r0 += cnt;
 	}
-	if ((rc = mlens_cuda_silu_mul(c, h, w->dtype, g, u, rows * I)))
+	if (split) {
+		if ((rc = mlens_cuda_silu_mul(c, g, MLENS_DTYPE_F32, g, u, rows * I)) ||
+		    (rc = mlens_cuda_split_rows(c, h, w->dtype, g, NULL, 1, (int)rows, I, rows * I)))
+			return rc;
+	} else if ((rc = mlens_cuda_silu_mul(c, h, w->dtype, g, u, rows * I))) {
 		return rc;
+	}
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
 		int cnt = counts_h[e];
 		if (!cnt)
 			continue;
-		if ((rc = gemm_typed(c, y + (size_t)r0 * H, h + (size_t)r0 * I * es, w->w2[e],
-				     w->dtype, cnt, I, H, 0.0f)))
+		if ((rc = expert_gemm(c, y + (size_t)r0 * H, h + (size_t)r0 * I * es,
+				      split ? rows * I * es : 0, w->w2[e], w->dtype, cnt, I, H)))
 			return rc;
 		r0 += cnt;
 	}
@@ -791,6 +855,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	if (!c)
 		return -ENOMEM;
 	c->device = dev;
+	c->gemm_exact = o && o->gemm == MLENS_GEMM_EXACT;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), rc, fail);

@@ -31,6 +31,17 @@ __device__ __forceinline__ void store_elem(void *p, enum mlens_dtype dt, size_t 
 	((float *)p)[i] = v;
 }
 
+/* v rounded to dt (nearest even) and widened back: what store_elem keeps. */
+__device__ __forceinline__ float load_rounded(enum mlens_dtype dt, float v)
+{
+	switch (dt) {
+	case MLENS_DTYPE_F16: return __half2float(__float2half_rn(v));
+	case MLENS_DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
+	case MLENS_DTYPE_F32: break;
+	}
+	return v;
+}
+
 static unsigned blocks_for(size_t count, unsigned threads)
 {
 	size_t b = (count + threads - 1) / threads;
@@ -237,6 +248,40 @@ int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtyp
 		return rows < 0 || cols < 0 ? -EINVAL : 0;
 	convert_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, gather,
 									 gather_div, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void split_rows_kernel(void *dst, enum mlens_dtype dt, const float *src,
+				  const int32_t *gather, int gather_div, int cols,
+				  size_t part_stride, float scale)
+{
+	size_t r = blockIdx.x;
+	size_t sr = gather ? (size_t)(gather[r] / gather_div) : r;
+	const float *s = src + sr * cols;
+	for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+		/* each difference is exact in fp32 (the part is x rounded to
+		 * fewer bits) and so is each power-of-two scaling */
+		float v = s[j];
+		size_t at = r * cols + j;
+		for (int part = 0; part < MLENS_CUDA_SPLIT_PARTS; part++) {
+			float p = load_rounded(dt, v);
+			store_elem(dst, dt, at + part * part_stride, p);
+			v = (v - p) * scale;
+		}
+	}
+}
+
+int mlens_cuda_split_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			  const float *src, const int32_t *gather, int gather_div,
+			  int rows, int cols, size_t part_stride)
+{
+	if (dt != MLENS_DTYPE_F16 && dt != MLENS_DTYPE_BF16)
+		return -EINVAL;
+	if (rows <= 0 || cols <= 0)
+		return rows < 0 || cols < 0 ? -EINVAL : 0;
+	split_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(
+		dst, dt, src, gather, gather_div, cols, part_stride, mlens_cuda_split_scale(dt));
 	CUDA_LAUNCHED();
 	return 0;
 }

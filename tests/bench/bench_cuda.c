@@ -2,7 +2,8 @@
  * the dense bf16 GEMM (M tokens x K=4096 -> N=14336) against a bare cuBLAS
  * call on the same data, the MoE layer (4096 tokens, 8 experts, top-2),
  * prefill flash attention and paged decode attention. Prints one JSON
- * object on stdout and a table on stderr. Not a test: it asserts nothing. */
+ * object on stdout and a table on stderr. Not a test: it asserts nothing.
+ * Usage: bench_cuda [fast|exact], the backend's GEMM mode (default fast). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -269,11 +270,16 @@ static int bench_attn(void)
 	return 0;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
-	struct mlens_backend_opts o = { 0, 0 };
+	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct cudaDeviceProp prop;
 	int rc;
+
+	if (argc > 2 || (argc == 2 && mlens_gemm_mode_parse(argv[1], &o.gemm))) {
+		fprintf(stderr, "usage: bench_cuda [fast|exact]  (the GEMM mode, default fast)\n");
+		return 2;
+	}
 
 	if (!mlens_cuda_available()) {
 		fprintf(stderr, "bench_cuda: no CUDA GPU here\n");
@@ -284,7 +290,8 @@ int main(void)
 		return 1;
 	}
 	cudaGetDeviceProperties(&prop, 0);
-	printf("{\n  \"device\": \"%s\",\n  \"gemm\": [", prop.name);
+	printf("{\n  \"device\": \"%s\",\n  \"gemm_mode\": \"%s\",\n  \"gemm\": [", prop.name,
+	       mlens_gemm_mode_name(o.gemm));
 	if ((rc = bench_gemm(1)))
 		goto out;
 	printf("\n  ]");

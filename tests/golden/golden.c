@@ -200,6 +200,8 @@ void mlens_golden_close(struct mlens_golden *g)
 		free(g->prompts[i].prefill_logits);
 		free_ref(&g->prompts[i].main);
 		free_ref(&g->prompts[i].kv_bf16);
+		free(g->prompts[i].router_rel_gap);
+		free(g->prompts[i].router_rel_shift_fast);
 	}
 	free(g->prompts);
 	free(g->dir);
@@ -271,6 +273,14 @@ int mlens_golden_open(const char *dir, struct mlens_golden **out, char *err, siz
 		if (kv && (rc = read_ref(&r, g, json_array_get(json_object_get(kv, "prompts"), i),
 					 &p->kv_bf16)))
 			goto fail;
+		if (json_object_get(o, "router_rel_gap")) {
+			p->n_router = p->len + g->n_gen - 1;
+			if ((rc = get_array(&r, o, "router_rel_gap", p->n_router, NULL, NULL,
+					    &p->router_rel_gap, 0)) ||
+			    (rc = get_array(&r, o, "router_rel_shift_fast", p->n_router, NULL, NULL,
+					    &p->router_rel_shift_fast, 0)))
+				goto fail;
+		}
 	}
 	json_decref(root);
 	free(jpath);
@@ -389,6 +399,19 @@ int mlens_golden_safe_steps(const struct mlens_golden *g, const struct mlens_gol
 	return g->n_gen;
 }
 
+int mlens_golden_fast_cut(const struct mlens_golden_prompt *p)
+{
+	double most = 0;
+	if (!p->router_rel_gap)
+		return -ENOENT;
+	for (int i = 0; i < p->n_router; i++) {
+		most = fmax(most, (double)p->router_rel_shift_fast[i]);
+		if ((double)p->router_rel_gap[i] <= 2.0 * most)
+			return i;
+	}
+	return p->n_router;
+}
+
 /* ==== engine runs ==== */
 
 const char *mlens_golden_gpu_side(const char *backend)
@@ -417,9 +440,10 @@ static int hybrid_budget(const struct mlens_model *m, int max_tokens, uint64_t *
 }
 
 int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
-			     const char *backend, char *err, size_t errlen)
+			     const char *backend, enum mlens_gemm_mode gemm, char *err,
+			     size_t errlen)
 {
-	struct mlens_backend_opts bo = { 2, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 2, .device = 0, .gemm = gemm };
 	/* prefill through the attention op: the prefill check compares against
 	 * the fp32-KV reference, where a prompt attends over its own unrounded
 	 * K/V (the cache path is what the decode checks exercise) */

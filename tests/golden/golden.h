@@ -26,6 +26,14 @@ struct mlens_golden_prompt {
 	/* bf16 fixtures: the same compute with the KV cache rounded to bf16 as
 	 * mlens stores it; gen_logits are teacher-forced on main.greedy. */
 	struct mlens_golden_ref kv_bf16;
+	/* bf16 fixtures, per position of tokens + main.greedy[0..n_gen-1)
+	 * (position len-1+i gives greedy step i; n_router = len + n_gen - 1),
+	 * the minimum over layers of the router's relative top-k gap, and the
+	 * maximum relative move of the router logits under the CUDA backend's
+	 * fast GEMMs (make_golden.py, router_data); NULL when absent. */
+	int n_router;
+	float *router_rel_gap;
+	float *router_rel_shift_fast;
 };
 
 struct mlens_golden {
@@ -66,6 +74,14 @@ double mlens_golden_rel_diff(const float *got, const float *ref, size_t n);
 int mlens_golden_safe_steps(const struct mlens_golden *g, const struct mlens_golden_ref *r,
 			    double tol);
 
+/* The first position of prompt p (of the n_router above) where fast GEMMs
+ * may pick another expert than the reference: its relative router gap is
+ * at most twice the largest relative router move up to it (both the k-th
+ * and the (k+1)-th logit may move that far). Comparisons of a fast-GEMM
+ * run stop before it. n_router when no position is that close; -ENOENT
+ * when the fixture has no router data. */
+int mlens_golden_fast_cut(const struct mlens_golden_prompt *p);
+
 /* ==== engine runs ==== */
 
 /* A model from a fixture directory on a named backend ("cpu", "cuda", or
@@ -88,7 +104,8 @@ const char *mlens_golden_gpu_side(const char *backend);
 /* -ENOTSUP / -ENODEV (and others) when the backend cannot be created: the
  * caller skips. Other failures name the model and the fault in err. */
 int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
-			     const char *backend, char *err, size_t errlen);
+			     const char *backend, enum mlens_gemm_mode gemm, char *err,
+			     size_t errlen);
 void mlens_golden_engine_close(struct mlens_golden_engine *ge);
 
 /* One sequence: prefill tokens[0..len), then n_steps greedy steps. With

@@ -6,7 +6,10 @@ save_pretrained (fp32, one also bf16, one sharded) and, from the saved files
 reloaded through transformers, writes reference outputs:
 
   golden.json                prompts, greedy continuations, top-2 margins,
-                             tolerances, shapes
+                             tolerances, shapes; bf16 models also the
+                             router's relative top-k gap per position and
+                             how far the CUDA fast GEMMs move the router
+                             logits there (router_data)
   logits_prefill_pN.f32      logits of every position of prompt N (full
                              prefill), [len][vocab], little-endian float32
   logits_gen_pN.f32          logits of the first N_GEN_LOGITS greedy steps
@@ -21,6 +24,7 @@ OUTDIR defaults to the directory of this script. The run is deterministic:
 weights and prompts come from fixed seeds, and every reference is computed
 in float32 with eager attention on the CPU.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -108,6 +112,107 @@ class RouterWatch:
         lg = x @ mod.weight.float().T
         top = torch.topk(lg, self.k + 1, dim=-1).values
         self.min_gap = min(self.min_gap, float((top[:, self.k - 1] - top[:, self.k]).min()))
+
+
+class RouterLogits:
+    """Router logits of every layer for each position the model sees, in
+    order: logits() is [layers][positions][experts]."""
+
+    def __init__(self, model):
+        self.rows = [[] for _ in model.model.layers]
+        self.handles = [layer.mlp.gate.register_forward_hook(self.hook(i))
+                        for i, layer in enumerate(model.model.layers)]
+
+    def hook(self, i):
+        def f(mod, inp, out):
+            x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+            self.rows[i].append(x @ mod.weight.float().T)
+        return f
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+    def logits(self):
+        return torch.stack([torch.cat(r) for r in self.rows])
+
+
+class FastGemm:
+    """Within this context F.linear computes as the CUDA backend's fast GEMM
+    mode (kernels/cuda/backend_cuda.cu): the activations of every expert
+    GEMM, and of every dense GEMM wider than GEMM_NARROW_M outputs, are
+    rounded to bf16 (nearest even) before an fp32-accumulated product; the
+    silu(g)*u input of the down projection is an expert GEMM input too."""
+
+    NARROW_M = 64     # GEMM_NARROW_M in backend_cuda.cu
+
+    def __init__(self, model):
+        self.experts = {p.untyped_storage().data_ptr()
+                        for layer in model.model.layers
+                        for p in layer.mlp.experts.parameters()}
+
+    def __enter__(self):
+        self.orig = torch.nn.functional.linear
+
+        def linear(x, w, b=None):
+            if w.untyped_storage().data_ptr() in self.experts or w.shape[0] > self.NARROW_M:
+                x = x.to(torch.bfloat16).float()
+            return self.orig(x, w, b)
+        torch.nn.functional.linear = linear
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.linear = self.orig
+
+
+@torch.no_grad()
+def router_run(model, prompt, force, fast):
+    """Router logits [layers][positions][experts] of prompt + force[:-1],
+    prefilled then decoded one token at a time with the KV cache; fast: as
+    the engine computes in the CUDA backend's fast mode (FastGemm, and the
+    bf16 KV cache it reads in decode)."""
+    rec = RouterLogits(model)
+    try:
+        with contextlib.ExitStack() as st:
+            if fast:
+                st.enter_context(FastGemm(model))
+                st.enter_context(Bf16KV())
+            r = model(input_ids=torch.tensor([prompt]), use_cache=True)
+            past = r.past_key_values
+            for t in force[:-1]:
+                r = model(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                past = r.past_key_values
+    finally:
+        rec.close()
+    return rec.logits()
+
+
+def router_data(model, k, prompt, greedy):
+    """Per position of prompt + greedy[:-1] (position len-1+i gives greedy
+    step i's logits), the minimum over layers of:
+      rel_gap    (k-th - (k+1)-th router logit) / max |router logit| of the
+                 reference, how far an expert choice is from flipping
+      rel_shift  max |fast-mode router logit - reference| / max |reference
+                 router logit|, how far the fast GEMMs moved them here.
+    tests/check_golden.c stops fast-mode comparisons at the first position
+    whose rel_gap is at most twice the largest rel_shift up to it."""
+    ref = router_run(model, prompt, greedy, False)
+    fast = router_run(model, prompt, greedy, True)
+    scale = ref.abs().amax(dim=-1)
+    top = torch.topk(ref, k + 1, dim=-1).values
+    rel_gap = ((top[..., k - 1] - top[..., k]) / scale).amin(dim=0)
+    rel_shift = ((fast - ref).abs().amax(dim=-1) / scale).amax(dim=0)
+    return [float(v) for v in rel_gap], [float(v) for v in rel_shift]
+
+
+def first_fast_unsafe(rel_gap, rel_shift):
+    """The rule of tests/check_golden.c (golden_fast_cut)."""
+    most = 0.0
+    for i, (g, sh) in enumerate(zip(rel_gap, rel_shift)):
+        most = max(most, sh)
+        if g <= 2 * most:
+            return i
+    return len(rel_gap)
 
 
 class Bf16KV:
@@ -211,6 +316,16 @@ def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None):
         js["kv_bf16"] = bf16_kv_check(d, model, prompts, ref, tol)
         js["informational_hf_bf16"] = bf16_served(d, prompts, ref)
     js["router_min_gap"] = watch.min_gap
+    if bf16_served:
+        # after router_min_gap, which these runs must not change
+        for n, (p, r) in enumerate(zip(prompts, ref)):
+            gap, shift = router_data(model, spec["cfg"]["num_experts_per_tok"], p, r["greedy"])
+            js["prompts"][n]["router_rel_gap"] = gap
+            js["prompts"][n]["router_rel_shift_fast"] = shift
+            cut = first_fast_unsafe(gap, shift)
+            print("  %s prompt %d: fast GEMMs move router logits by up to %.3g (relative) "
+                  "before position %d, where fast-mode checks stop (%d greedy steps compared)"
+                  % (js["name"], n, max(shift[:cut] or [0.0]), cut, max(cut - (len(p) - 1), 0)))
     print("  %s: router min top-k gap %.3g (fp32 runs)" % (js["name"], watch.min_gap))
     with open(os.path.join(d, "golden.json"), "w") as f:
         json.dump(js, f, indent=1)
