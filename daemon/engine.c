@@ -11,6 +11,7 @@
 #include <time.h>
 #include "daemon/engine.h"
 #include "daemon/pipeline.h"
+#include "daemon/trace.h"
 
 struct layer_bind {
 	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
@@ -23,6 +24,7 @@ struct mlens_engine {
 	struct mlens_model_config cfg;
 	struct mlens_backend *be;
 	struct mlens_pipeline *pipe;	/* hybrid mode: steps run there */
+	struct mlens_trace *trace;	/* step traces (mlensctl trace); idle unless armed */
 	struct mlens_kv_pool kv;
 	int max_tokens;
 	int qdim, kvdim;
@@ -201,6 +203,10 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	if (getenv("MLENS_ENGINE_PROFILE"))
 		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
+	if ((rc = mlens_trace_create(&e->trace, 0))) {
+		seterr(err, errlen, "cannot allocate the step trace recorder");
+		goto fail;
+	}
 	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
 	e->prefill_op = o->prefill_attn == MLENS_PREFILL_OP ||
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
@@ -295,6 +301,7 @@ void mlens_engine_destroy(struct mlens_engine *e)
 	if (!e)
 		return;
 	mlens_pipeline_destroy(e->pipe);
+	mlens_trace_destroy(e->trace);
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
 		if (bufs[i])
 			e->be->ops->free(e->be->ctx, bufs[i]);
@@ -323,6 +330,11 @@ struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e)
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e)
 {
 	return e->pipe;
+}
+
+struct mlens_trace *mlens_engine_trace(struct mlens_engine *e)
+{
+	return e->trace;
 }
 
 const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e)
@@ -423,7 +435,67 @@ static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
 	fprintf(stderr, "; ops %.3f, step %.3f\n", 1e3 * sum / e->prof_steps, 1e3 * e->prof_step_t / e->prof_steps);
 }
 
+/* ==== step traces ==== */
+
+static double trace_clock(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Timing mark id on the compute queue while a step is traced (the
+ * engine's own steps: marks 0 .. layers + 1). */
+static void trace_mark(struct mlens_engine *e, int id)
+{
+	if (mlens_trace_on(e->trace) && MLENS_BACKEND_HAS(e->be->ops, timer_mark) &&
+	    MLENS_BACKEND_HAS(e->be->ops, timer_read) && id < MLENS_BACKEND_TIMERS)
+		e->be->ops->timer_mark(e->be->ctx, 0, id);
+}
+
+/* After a traced step (its last op waited for the backend): one span per
+ * part from the marks (0 embed, 1 + l layer l, L + 1 lm_head and
+ * sampling, L + 2 the end), on the backend's track. */
+static void trace_layers(struct mlens_engine *e)
+{
+	int L = (int)e->cfg.num_hidden_layers;
+	const char *track = e->be->ops->host_memory ? "cpu" : "gpu";
+	double t0 = 0, t1;
+	if (!mlens_trace_on(e->trace) || !MLENS_BACKEND_HAS(e->be->ops, timer_read) || L + 3 > MLENS_BACKEND_TIMERS)
+		return;
+	for (int id = 0; id < L + 3; id++, t0 = t1) {
+		int rc = e->be->ops->timer_read(e->be->ctx, id, &t1);
+		if (rc == -EAGAIN && !e->be->ops->sync(e->be->ctx))
+			rc = e->be->ops->timer_read(e->be->ctx, id, &t1);
+		if (rc)
+			return;	/* a step that failed part-way: no more spans */
+		if (id == 1)
+			mlens_trace_span(e->trace, track, "embed", t0, t1);
+		else if (id >= 2 && id <= L + 1)
+			mlens_trace_spanf(e->trace, track, t0, t1, "layer %d", id - 2);
+		else if (id == L + 2)
+			mlens_trace_span(e->trace, track, "lm_head + sample", t0, t1);
+	}
+}
+
+static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n);
+
 int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
+{
+	int rc, tokens = 0;
+	if (!mlens_trace_armed(e->trace))
+		return e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
+	for (int i = 0; i < n; i++)
+		tokens += reqs[i].n_tokens;
+	mlens_trace_step_begin(e->trace, trace_clock());
+	rc = e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
+	if (!rc && !e->pipe)
+		trace_layers(e);
+	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
+	return rc;
+}
+
+static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	const struct mlens_model_config *c = &e->cfg;
 	int H = (int)c->hidden_size, hd = (int)c->head_dim;
@@ -435,8 +507,6 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	int64_t total = 0;
 	double t_step;
 
-	if (e->pipe)
-		return mlens_pipeline_step(e->pipe, reqs, n);
 	/* validate everything before touching any state */
 	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
 		return rc;
@@ -485,9 +555,11 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		n_pre = 0;
 	}
 
+	trace_mark(e, 0);
 	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
 	for (int l = 0; l < (int)c->num_hidden_layers; l++) {
 		const struct layer_bind *b = &e->layers[l];
+		trace_mark(e, 1 + l);
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
 		PTRY(PK_QKV, OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
 		PTRY(PK_QKV, OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
@@ -519,6 +591,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
 				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
+	trace_mark(e, (int)c->num_hidden_layers + 1);
 	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
 
 	/* sample the last row of each request; download logits where asked */
@@ -527,6 +600,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		e->samp[i] = r->samp;
 	}
 	PTRY(PK_SAMPLE, OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
+	trace_mark(e, (int)c->num_hidden_layers + 2);
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)
