@@ -106,6 +106,9 @@ struct mlens_sched_stats {
 	uint64_t last_step_weight_bytes;		/* experts streamed in the last step */
 	double cpu_attn_seconds;			/* KV append + decode attention, total */
 	double host_wait_seconds;			/* the driving thread blocked on the GPU */
+	double gpu_busy_seconds, h2d_busy_seconds;	/* GPU compute / H2D copy busy, totals */
+	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;
+	uint64_t kv_read_bytes;				/* KV bytes CPU decode attention read, total */
 };
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
