@@ -646,3 +646,8 @@ struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s)
 {
 	return s->kv;
 }
+
+struct mlens_engine *mlens_sched_engine(struct mlens_sched *s)
+{
+	return s->e;
+}

@@ -147,6 +147,7 @@ bool mlens_sched_admission(const struct mlens_sched *s);
 void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats *st);
 int mlens_sched_token_cap(const struct mlens_sched *s);
 struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s);
+struct mlens_engine *mlens_sched_engine(struct mlens_sched *s);
 void mlens_sched_set_token_cap(struct mlens_sched *s, int cap);
 
 #endif

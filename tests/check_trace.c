@@ -4,7 +4,8 @@
  * an armed step are ignored; the span cap drops and reports; bad spans,
  * relative, missing and existing paths are refused with a clear message;
  * cancel removes the file. The CPU backend's timing marks are the host
- * clock, and unknown marks are refused. */
+ * clock, and unknown marks are refused. The hybrid pipeline's busy
+ * times and KV bytes reach the stats JSON and /metrics. */
 #include <check.h>
 #include <errno.h>
 #include <jansson.h>
@@ -14,6 +15,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <event2/buffer.h>
+#include "daemon/stats.h"
 #include "daemon/trace.h"
 #include "kernels/backend.h"
 
@@ -280,6 +283,50 @@ START_TEST(cpu_timer_marks)
 }
 END_TEST
 
+START_TEST(pipeline_stats_exposed)
+{
+	struct mlens_daemon_info info;
+	struct mlens_worker_snapshot snap;
+	struct evbuffer *b = evbuffer_new();
+	json_t *o;
+	char *text;
+	memset(&info, 0, sizeof(info));
+	memset(&snap, 0, sizeof(snap));
+	info.started = mlens_now();
+	snap.sched.hybrid = true;
+	snap.sched.gpu_busy_seconds = 12.5;
+	snap.sched.h2d_busy_seconds = 7.25;
+	snap.sched.last_step_gpu_busy_seconds = 0.125;
+	snap.sched.last_step_h2d_busy_seconds = 0.0625;
+	snap.sched.kv_read_bytes = 123456789012ull;
+	o = mlens_stats_json(&info, &snap);
+	ck_assert_double_eq(json_real_value(json_object_get(o, "gpu_busy_seconds_total")), 12.5);
+	ck_assert_double_eq(json_real_value(json_object_get(o, "h2d_busy_seconds_total")), 7.25);
+	ck_assert_double_eq(json_real_value(json_object_get(o, "last_step_gpu_busy_seconds")), 0.125);
+	ck_assert_double_eq(json_real_value(json_object_get(o, "last_step_h2d_busy_seconds")), 0.0625);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "kv_read_bytes_total")), 123456789012ll);
+	json_decref(o);
+	mlens_stats_prometheus(&info, &snap, b);
+	ck_assert_int_eq(evbuffer_add(b, "", 1), 0);
+	text = (char *)evbuffer_pullup(b, -1);
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_gpu_busy_seconds_total 12.5\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_h2d_busy_seconds_total 7.25\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_kv_read_bytes_total 123456789012\n"));
+	ck_assert_ptr_nonnull(strstr(text, "# TYPE mlens_gpu_busy_seconds_total counter\n"));
+	evbuffer_free(b);
+	/* not hybrid: none of them */
+	b = evbuffer_new();
+	snap.sched.hybrid = false;
+	o = mlens_stats_json(&info, &snap);
+	ck_assert_ptr_null(json_object_get(o, "gpu_busy_seconds_total"));
+	json_decref(o);
+	mlens_stats_prometheus(&info, &snap, b);
+	ck_assert_int_eq(evbuffer_add(b, "", 1), 0);
+	ck_assert_ptr_null(strstr((char *)evbuffer_pullup(b, -1), "mlens_gpu_busy_seconds_total"));
+	evbuffer_free(b);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("trace");
@@ -291,6 +338,7 @@ int main(void)
 	tcase_add_test(tc, cap_drops);
 	tcase_add_test(tc, bad_paths);
 	tcase_add_test(tc, cpu_timer_marks);
+	tcase_add_test(tc, pipeline_stats_exposed);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_run_all(sr, CK_NORMAL);
