@@ -25,6 +25,8 @@ struct mlens_engine {
 	struct mlens_backend *be;
 	struct mlens_pipeline *pipe;	/* hybrid mode: steps run there */
 	struct mlens_trace *trace;	/* step traces (mlensctl trace); idle unless armed */
+	struct mlens_step_timer timer;	/* times a traced step's parts on the backend */
+	bool timing;			/* this step is timed */
 	struct mlens_kv_pool kv;
 	int max_tokens;
 	int qdim, kvdim;
@@ -203,7 +205,7 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	if (getenv("MLENS_ENGINE_PROFILE"))
 		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
-	if ((rc = mlens_trace_create(&e->trace, 0))) {
+	if ((rc = mlens_trace_create(&e->trace, 0)) || (rc = mlens_step_timer_init(&e->timer, be))) {
 		seterr(err, errlen, "cannot allocate the step trace recorder");
 		goto fail;
 	}
@@ -302,6 +304,7 @@ void mlens_engine_destroy(struct mlens_engine *e)
 		return;
 	mlens_pipeline_destroy(e->pipe);
 	mlens_trace_destroy(e->trace);
+	mlens_step_timer_fini(&e->timer);
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
 		if (bufs[i])
 			e->be->ops->free(e->be->ctx, bufs[i]);
@@ -444,38 +447,25 @@ static double trace_clock(void)
 	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Timing mark id on the compute queue while a step is traced (the
- * engine's own steps: marks 0 .. layers + 1). */
-static void trace_mark(struct mlens_engine *e, int id)
+/* While a step is traced, its parts (embed, each layer, lm_head and
+ * sampling) are timed on the compute queue and become spans on the
+ * backend's track. */
+static int trace_part_begin(struct mlens_engine *e, int layer, int L)
 {
-	if (mlens_trace_on(e->trace) && MLENS_BACKEND_HAS(e->be->ops, timer_mark) &&
-	    MLENS_BACKEND_HAS(e->be->ops, timer_read) && id < MLENS_BACKEND_TIMERS)
-		e->be->ops->timer_mark(e->be->ctx, 0, id);
+	const char *track = e->be->ops->host_memory ? "cpu" : "gpu";
+	if (!e->timing)
+		return -1;
+	if (layer < 0)
+		return mlens_step_timer_begin(&e->timer, 0, track, "embed");
+	if (layer < L)
+		return mlens_step_timer_begin(&e->timer, 0, track, "layer %d", layer);
+	return mlens_step_timer_begin(&e->timer, 0, track, "lm_head + sample");
 }
 
-/* After a traced step (its last op waited for the backend): one span per
- * part from the marks (0 embed, 1 + l layer l, L + 1 lm_head and
- * sampling, L + 2 the end), on the backend's track. */
-static void trace_layers(struct mlens_engine *e)
+static void trace_part_end(struct mlens_engine *e, int span)
 {
-	int L = (int)e->cfg.num_hidden_layers;
-	const char *track = e->be->ops->host_memory ? "cpu" : "gpu";
-	double t0 = 0, t1;
-	if (!mlens_trace_on(e->trace) || !MLENS_BACKEND_HAS(e->be->ops, timer_read) || L + 3 > MLENS_BACKEND_TIMERS)
-		return;
-	for (int id = 0; id < L + 3; id++, t0 = t1) {
-		int rc = e->be->ops->timer_read(e->be->ctx, id, &t1);
-		if (rc == -EAGAIN && !e->be->ops->sync(e->be->ctx))
-			rc = e->be->ops->timer_read(e->be->ctx, id, &t1);
-		if (rc)
-			return;	/* a step that failed part-way: no more spans */
-		if (id == 1)
-			mlens_trace_span(e->trace, track, "embed", t0, t1);
-		else if (id >= 2 && id <= L + 1)
-			mlens_trace_spanf(e->trace, track, t0, t1, "layer %d", id - 2);
-		else if (id == L + 2)
-			mlens_trace_span(e->trace, track, "lm_head + sample", t0, t1);
-	}
+	if (e->timing && span >= 0)
+		mlens_step_timer_end(&e->timer, span);
 }
 
 static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n);
@@ -488,9 +478,16 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	for (int i = 0; i < n; i++)
 		tokens += reqs[i].n_tokens;
 	mlens_trace_step_begin(e->trace, trace_clock());
-	rc = e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
-	if (!rc && !e->pipe)
-		trace_layers(e);
+	if (e->pipe) {
+		rc = mlens_pipeline_step(e->pipe, reqs, n);
+	} else {
+		double busy[2];
+		e->timing = e->timer.on && !mlens_step_timer_start(&e->timer, e->trace);
+		rc = engine_step(e, reqs, n);
+		if (e->timing)
+			mlens_step_timer_finish(&e->timer, busy);	/* sampling waited for the backend */
+		e->timing = false;
+	}
 	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
 	return rc;
 }
@@ -503,7 +500,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	int K = (int)c->num_experts_per_tok, E = (int)c->num_local_experts;
 	int V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	float scale = 1.0f / sqrtf((float)hd);
-	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row;
+	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
 
@@ -555,11 +552,12 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		n_pre = 0;
 	}
 
-	trace_mark(e, 0);
+	part = trace_part_begin(e, -1, L);
 	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
-	for (int l = 0; l < (int)c->num_hidden_layers; l++) {
+	trace_part_end(e, part);
+	for (int l = 0; l < L; l++) {
 		const struct layer_bind *b = &e->layers[l];
-		trace_mark(e, 1 + l);
+		part = trace_part_begin(e, l, L);
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
 		PTRY(PK_QKV, OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
 		PTRY(PK_QKV, OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
@@ -578,6 +576,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		PTRY(PK_ROUTER, OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
 		PTRY(PK_ROUTER, OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
 		PTRY(PK_MOE, OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
+		trace_part_end(e, part);
 	}
 
 	/* logits for the rows that need them: gather, norm, lm_head */
@@ -591,7 +590,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
 				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
-	trace_mark(e, (int)c->num_hidden_layers + 1);
+	part = trace_part_begin(e, L, L);
 	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
 
 	/* sample the last row of each request; download logits where asked */
@@ -600,7 +599,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		e->samp[i] = r->samp;
 	}
 	PTRY(PK_SAMPLE, OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
-	trace_mark(e, (int)c->num_hidden_layers + 2);
+	trace_part_end(e, part);
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)

@@ -1,7 +1,8 @@
 /* Step traces: the span buffer (grown by doubling up to its cap), the
  * track table, and the Chrome trace-event JSON writer (jansson). The file
  * is created when armed, so that a bad path fails at once, and filled
- * when the last armed step ends. */
+ * when the last armed step ends. Also the step timer: busy time per queue
+ * from a backend's timing marks. */
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -318,4 +319,147 @@ int mlens_trace_step_end(struct mlens_trace *tr, double t, int tokens, int seqs)
 	rc = write_file(tr, why, sizeof(why));
 	finish(tr, rc, why);
 	return rc ? rc : 1;
+}
+
+/* ==== step timing ==== */
+
+int mlens_step_timer_init(struct mlens_step_timer *st, const struct mlens_backend *be)
+{
+	memset(st, 0, sizeof(*st));
+	st->be = be;
+	st->on = MLENS_BACKEND_HAS(be->ops, timer_mark) && MLENS_BACKEND_HAS(be->ops, timer_read);
+	if (!st->on)
+		return 0;
+	st->spans = calloc(MLENS_STEP_TIMER_SPANS, sizeof(*st->spans));
+	return st->spans ? 0 : -ENOMEM;
+}
+
+void mlens_step_timer_fini(struct mlens_step_timer *st)
+{
+	free(st->spans);
+	st->spans = NULL;
+}
+
+int mlens_step_timer_start(struct mlens_step_timer *st, struct mlens_trace *tr)
+{
+	st->n = 0;
+	st->rc = 0;
+	st->tr = mlens_trace_on(tr) ? tr : NULL;
+	if (!st->on)
+		return 0;
+	st->rc = st->be->ops->timer_mark(st->be->ctx, 0, 0);
+	return st->rc;
+}
+
+int mlens_step_timer_begin(struct mlens_step_timer *st, int queue, const char *track, const char *fmt, ...)
+{
+	struct mlens_step_timer_span *sp;
+	int i, rc;
+	if (!st->on)
+		return 0;
+	if (st->n >= MLENS_STEP_TIMER_SPANS)
+		return -ENOSPC;
+	i = st->n;
+	sp = &st->spans[i];
+	sp->queue = queue;
+	sp->track = track;
+	sp->name[0] = 0;
+	sp->ended = false;
+	if (st->tr) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(sp->name, sizeof(sp->name), fmt, ap);
+		va_end(ap);
+	}
+	rc = st->be->ops->timer_mark(st->be->ctx, queue, 1 + 2 * i);
+	if (rc) {
+		if (!st->rc)
+			st->rc = rc;
+		return rc;
+	}
+	st->n++;
+	return i;
+}
+
+int mlens_step_timer_end(struct mlens_step_timer *st, int span)
+{
+	int rc;
+	if (!st->on)
+		return 0;
+	if (span < 0 || span >= st->n)
+		return -EINVAL;
+	rc = st->be->ops->timer_mark(st->be->ctx, st->spans[span].queue, 2 + 2 * span);
+	if (rc && !st->rc)
+		st->rc = rc;
+	st->spans[span].ended = !rc;
+	return rc;
+}
+
+struct interval {
+	double t0, t1;
+};
+
+static int by_start(const void *a, const void *b)
+{
+	const struct interval *x = a, *y = b;
+	return x->t0 < y->t0 ? -1 : x->t0 > y->t0;
+}
+
+/* Seconds covered by the union of iv[0..n) (sorted here). */
+static double union_seconds(struct interval *iv, int n)
+{
+	double sum = 0, a, b;
+	if (!n)
+		return 0;
+	qsort(iv, (size_t)n, sizeof(*iv), by_start);
+	a = iv[0].t0;
+	b = iv[0].t1;
+	for (int i = 1; i < n; i++) {
+		if (iv[i].t0 > b) {
+			sum += b - a;
+			a = iv[i].t0;
+		}
+		if (iv[i].t1 > b)
+			b = iv[i].t1;
+	}
+	return sum + b - a;
+}
+
+int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
+{
+	struct interval *iv[2] = { NULL, NULL };
+	int cnt[2] = { 0, 0 }, rc = st->rc;
+	busy[0] = busy[1] = 0;
+	if (!st->on || rc || !st->n)
+		return rc;
+	iv[0] = malloc((size_t)st->n * sizeof(*iv[0]));
+	iv[1] = malloc((size_t)st->n * sizeof(*iv[1]));
+	if (!iv[0] || !iv[1]) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (int i = 0; i < st->n; i++) {
+		const struct mlens_step_timer_span *sp = &st->spans[i];
+		double t0, t1;
+		int q = sp->queue == 1;
+		if (!sp->ended) {
+			rc = -EINVAL;
+			goto out;
+		}
+		if ((rc = st->be->ops->timer_read(st->be->ctx, 1 + 2 * i, &t0)) ||
+		    (rc = st->be->ops->timer_read(st->be->ctx, 2 + 2 * i, &t1)))
+			goto out;
+		if (t1 < t0)
+			t1 = t0;
+		iv[q][cnt[q]].t0 = t0;
+		iv[q][cnt[q]++].t1 = t1;
+		if (st->tr)
+			mlens_trace_span(st->tr, sp->track, sp->name, t0, t1);
+	}
+	busy[0] = union_seconds(iv[0], cnt[0]);
+	busy[1] = union_seconds(iv[1], cnt[1]);
+out:
+	free(iv[0]);
+	free(iv[1]);
+	return rc;
 }

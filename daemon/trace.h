@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include "kernels/backend.h"
 
 struct mlens_trace;
 
@@ -69,5 +70,52 @@ int mlens_trace_spanf(struct mlens_trace *tr, const char *track, double t0, doub
  * the recorder disarms: returns 1 then (0 otherwise), or the -errno of
  * writing (done has it too). */
 int mlens_trace_step_end(struct mlens_trace *tr, double t, int tokens, int seqs);
+
+/* ==== step timing through a backend's timing marks ====
+ * Busy time of each queue of one step, and its spans for a trace: the
+ * caller brackets the work it enqueues with begin/end (marks on the same
+ * queue as the work), and after the step's work is done (the host waited
+ * for it) finish reads the marks. Works the same on the CPU backend, whose
+ * marks are the host clock. A backend without timing marks gives 0 busy
+ * time and no spans. One step at a time; the thread that drives the
+ * backend. */
+
+#define MLENS_STEP_TIMER_SPANS (MLENS_BACKEND_TIMERS / 2 - 1)
+
+struct mlens_step_timer_span {
+	int queue;
+	const char *track;		/* a string that outlives the step */
+	char name[MLENS_TRACE_NAME];	/* only filled while tracing */
+	bool ended;
+};
+
+struct mlens_step_timer {
+	const struct mlens_backend *be;
+	struct mlens_trace *tr;		/* the step's trace, NULL when not tracing */
+	struct mlens_step_timer_span *spans;
+	int n;				/* spans begun this step */
+	int rc;				/* the first mark that failed this step */
+	bool on;			/* the backend has timing marks */
+};
+
+int mlens_step_timer_init(struct mlens_step_timer *st, const struct mlens_backend *be);
+void mlens_step_timer_fini(struct mlens_step_timer *st);
+/* A step starts: mark 0 on queue 0 ties the backend's clock to the host's
+ * (on CUDA it waits for queue 0 once). tr: the recorder (may be NULL or
+ * not recording; names are formatted only while it records). */
+int mlens_step_timer_start(struct mlens_step_timer *st, struct mlens_trace *tr);
+/* Work on queue (0 compute, 1 copy) starts here: the span's index (for
+ * end), or -ENOSPC past MLENS_STEP_TIMER_SPANS spans, or a mark's -errno
+ * (then the step's busy time is unknown: finish returns the error). */
+int mlens_step_timer_begin(struct mlens_step_timer *st, int queue, const char *track, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+int mlens_step_timer_end(struct mlens_step_timer *st, int span);
+/* After the step's work is done: busy[0] and busy[1] get the seconds each
+ * queue was busy (the union of its spans), and the spans go to the trace
+ * (tracks as given, times on CLOCK_MONOTONIC). 0; -EAGAIN when a mark is
+ * not reached yet (the caller did not wait for its queue); -EINVAL for a
+ * span begun and not ended; a mark's -errno from this step. busy is 0 on
+ * error. */
+int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2]);
 
 #endif

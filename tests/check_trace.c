@@ -4,12 +4,14 @@
  * an armed step are ignored; the span cap drops and reports; bad spans,
  * relative, missing and existing paths are refused with a clear message;
  * cancel removes the file. The CPU backend's timing marks are the host
- * clock, and unknown marks are refused. The hybrid pipeline's busy
+ * clock, and unknown marks are refused; the step timer's busy time is the
+ * union of each queue's spans, which go to the trace. The hybrid pipeline's busy
  * times and KV bytes reach the stats JSON and /metrics. */
 #include <check.h>
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -283,6 +285,97 @@ START_TEST(cpu_timer_marks)
 }
 END_TEST
 
+static void sleep_s(double s)
+{
+	struct timespec ts = { 0, (long)(s * 1e9) };
+	while (nanosleep(&ts, &ts))
+		;
+}
+
+START_TEST(step_timer_busy)
+{
+	struct mlens_backend be, bare;
+	struct mlens_backend_ops small;
+	struct mlens_step_timer st;
+	struct mlens_trace *tr;
+	char path[128], err[256];
+	double busy[2], t_start, t_end;
+	int a, b, c;
+	json_t *root, *ev, *e;
+	snprintf(path, sizeof(path), "%s/timer.json", dir);
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	ck_assert_int_eq(mlens_trace_create(&tr, 0), 0);
+	ck_assert_int_eq(mlens_trace_arm(tr, 1, path, NULL, NULL, err, sizeof(err)), 0);
+	ck_assert_int_eq(mlens_step_timer_init(&st, &be), 0);
+	t_start = host_clock();
+	mlens_trace_step_begin(tr, t_start);
+	ck_assert_int_eq(mlens_step_timer_start(&st, tr), 0);
+	/* queue 0: a 20 ms span with a 10 ms span inside it, then 10 ms apart
+	 * another of 10 ms: busy 30 ms; queue 1: one span of 10 ms */
+	a = mlens_step_timer_begin(&st, 0, "gpu", "GA l%d g%d", 3, 1);
+	ck_assert_int_eq(a, 0);
+	sleep_s(0.005);
+	b = mlens_step_timer_begin(&st, 0, "gpu", "inner");
+	c = mlens_step_timer_begin(&st, 1, "h2d", "COPY l%d", 4);
+	sleep_s(0.010);
+	ck_assert_int_eq(mlens_step_timer_end(&st, b), 0);
+	ck_assert_int_eq(mlens_step_timer_end(&st, c), 0);
+	sleep_s(0.005);
+	ck_assert_int_eq(mlens_step_timer_end(&st, a), 0);
+	sleep_s(0.010);
+	a = mlens_step_timer_begin(&st, 0, "gpu", "GB l%d", 3);
+	sleep_s(0.010);
+	ck_assert_int_eq(mlens_step_timer_end(&st, a), 0);
+	ck_assert_int_eq(mlens_step_timer_end(&st, 7), -EINVAL);
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	printf("step timer: queue 0 busy %.4f s (30 ms asked), queue 1 %.4f s (10 ms)\n", busy[0], busy[1]);
+	/* sleeps overrun, never underrun: bounds from below tight, from above loose */
+	ck_assert(busy[0] >= 0.030 && busy[0] < 0.030 + 0.025);
+	ck_assert(busy[1] >= 0.010 && busy[1] < 0.010 + 0.010);
+	t_end = host_clock();
+	ck_assert_int_eq(mlens_trace_step_end(tr, t_end, 1, 1), 1);
+	root = json_load_file(path, 0, NULL);
+	ck_assert_ptr_nonnull(root);
+	ev = json_object_get(root, "traceEvents");
+	ck_assert_int_eq(count_ph(ev, "X"), 5);
+	e = find_event(ev, "gpu", "GA l3 g1");
+	ck_assert_ptr_nonnull(e);
+	ck_assert(json_real_value(json_object_get(e, "dur")) >= 20000.0);
+	ck_assert(json_real_value(json_object_get(e, "ts")) >= 0.0);
+	ck_assert_ptr_nonnull(find_event(ev, "h2d", "COPY l4"));
+	ck_assert_ptr_nonnull(find_event(ev, "gpu", "GB l3"));
+	json_decref(root);
+
+	/* not tracing: busy time all the same; a span left open is an error */
+	ck_assert_int_eq(mlens_step_timer_start(&st, tr), 0);
+	a = mlens_step_timer_begin(&st, 1, "h2d", "x");
+	sleep_s(0.002);
+	mlens_step_timer_end(&st, a);
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert(busy[1] >= 0.002 && busy[0] == 0);
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	mlens_step_timer_begin(&st, 0, "gpu", "open");
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), -EINVAL);
+	ck_assert(busy[0] == 0 && busy[1] == 0);
+	mlens_step_timer_fini(&st);
+
+	/* a backend whose table ends before the timing marks: no busy time */
+	small = *be.ops;
+	small.size = offsetof(struct mlens_backend_ops, timer_mark);
+	bare.ops = &small;
+	bare.ctx = be.ctx;
+	ck_assert_int_eq(mlens_step_timer_init(&st, &bare), 0);
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	ck_assert_int_eq(mlens_step_timer_begin(&st, 0, "gpu", "x"), 0);
+	ck_assert_int_eq(mlens_step_timer_end(&st, 0), 0);
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert(busy[0] == 0 && busy[1] == 0);
+	mlens_step_timer_fini(&st);
+	mlens_trace_destroy(tr);
+	mlens_backend_destroy(&be);
+}
+END_TEST
+
 START_TEST(pipeline_stats_exposed)
 {
 	struct mlens_daemon_info info;
@@ -338,6 +431,7 @@ int main(void)
 	tcase_add_test(tc, cap_drops);
 	tcase_add_test(tc, bad_paths);
 	tcase_add_test(tc, cpu_timer_marks);
+	tcase_add_test(tc, step_timer_busy);
 	tcase_add_test(tc, pipeline_stats_exposed);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
