@@ -343,6 +343,7 @@ void mlens_step_timer_fini(struct mlens_step_timer *st)
 int mlens_step_timer_start(struct mlens_step_timer *st, struct mlens_trace *tr)
 {
 	st->n = 0;
+	st->finished = false;
 	st->rc = 0;
 	st->tr = mlens_trace_on(tr) ? tr : NULL;
 	if (!st->on)
@@ -451,6 +452,8 @@ int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
 			goto out;
 		if (t1 < t0)
 			t1 = t0;
+		st->spans[i].t0 = t0;
+		st->spans[i].t1 = t1;
 		iv[q][cnt[q]].t0 = t0;
 		iv[q][cnt[q]++].t1 = t1;
 		if (st->tr)
@@ -458,8 +461,29 @@ int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
 	}
 	busy[0] = union_seconds(iv[0], cnt[0]);
 	busy[1] = union_seconds(iv[1], cnt[1]);
+	st->finished = true;
 out:
 	free(iv[0]);
 	free(iv[1]);
 	return rc;
+}
+
+double mlens_step_timer_busy(const struct mlens_step_timer *st, const char *track)
+{
+	struct interval *iv;
+	double busy;
+	int n = 0;
+	if (!st->on || !st->finished || !st->n)
+		return 0;
+	iv = malloc((size_t)st->n * sizeof(*iv));
+	if (!iv)
+		return 0;
+	for (int i = 0; i < st->n; i++)
+		if (!strcmp(st->spans[i].track, track)) {
+			iv[n].t0 = st->spans[i].t0;
+			iv[n++].t1 = st->spans[i].t1;
+		}
+	busy = union_seconds(iv, n);
+	free(iv);
+	return busy;
 }

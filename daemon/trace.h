@@ -87,6 +87,7 @@ struct mlens_step_timer_span {
 	const char *track;		/* a string that outlives the step */
 	char name[MLENS_TRACE_NAME];	/* only filled while tracing */
 	bool ended;
+	double t0, t1;			/* set by finish */
 };
 
 struct mlens_step_timer {
@@ -96,6 +97,7 @@ struct mlens_step_timer {
 	int n;				/* spans begun this step */
 	int rc;				/* the first mark that failed this step */
 	bool on;			/* the backend has timing marks */
+	bool finished;			/* this step's spans are read */
 };
 
 int mlens_step_timer_init(struct mlens_step_timer *st, const struct mlens_backend *be);
@@ -117,5 +119,8 @@ int mlens_step_timer_end(struct mlens_step_timer *st, int span);
  * span begun and not ended; a mark's -errno from this step. busy is 0 on
  * error. */
 int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2]);
+/* After a finish that returned 0: the seconds the spans of one track were
+ * busy (their union), e.g. "h2d" apart from "d2h" on the same queue. */
+double mlens_step_timer_busy(const struct mlens_step_timer *st, const char *track);
 
 #endif

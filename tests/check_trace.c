@@ -332,6 +332,10 @@ START_TEST(step_timer_busy)
 	/* sleeps overrun, never underrun: bounds from below tight, from above loose */
 	ck_assert(busy[0] >= 0.030 && busy[0] < 0.030 + 0.025);
 	ck_assert(busy[1] >= 0.010 && busy[1] < 0.010 + 0.010);
+	/* per track: the same here, one track per queue */
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "gpu"), busy[0]);
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "h2d"), busy[1]);
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "d2h"), 0.0);
 	t_end = host_clock();
 	ck_assert_int_eq(mlens_trace_step_end(tr, t_end, 1, 1), 1);
 	root = json_load_file(path, 0, NULL);
@@ -351,12 +355,20 @@ START_TEST(step_timer_busy)
 	a = mlens_step_timer_begin(&st, 1, "h2d", "x");
 	sleep_s(0.002);
 	mlens_step_timer_end(&st, a);
+	a = mlens_step_timer_begin(&st, 1, "d2h", "y");
+	sleep_s(0.003);
+	mlens_step_timer_end(&st, a);
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
-	ck_assert(busy[1] >= 0.002 && busy[0] == 0);
+	ck_assert(busy[1] >= 0.005 && busy[0] == 0);
+	/* one after the other on queue 1: the tracks split its busy time */
+	ck_assert(mlens_step_timer_busy(&st, "h2d") >= 0.002);
+	ck_assert(mlens_step_timer_busy(&st, "d2h") >= 0.003);
+	ck_assert_double_eq_tol(mlens_step_timer_busy(&st, "h2d") + mlens_step_timer_busy(&st, "d2h"), busy[1], 1e-9);
 	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
 	mlens_step_timer_begin(&st, 0, "gpu", "open");
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), -EINVAL);
 	ck_assert(busy[0] == 0 && busy[1] == 0);
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "gpu"), 0.0);
 	mlens_step_timer_fini(&st);
 
 	/* a backend whose table ends before the timing marks: no busy time */
