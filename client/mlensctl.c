@@ -19,6 +19,7 @@
 #define EXIT_CONNECT 3
 #define REPLY_TIMEOUT_MS 30000	/* quota and evict wait for a step boundary */
 #define PROFILE_TIMEOUT_MS 120000	/* the profiler takes under 30 s on a GPU */
+#define TRACE_TIMEOUT_MS 600000	/* a trace waits for steps to run */
 #define MAX_REPLY (16u << 20)
 
 static const char *prog = "mlensctl";
@@ -39,6 +40,8 @@ static void usage(FILE *f)
 		"  config                      the daemon's settings\n"
 		"  profile [--prompt-len P] [--gen-len G] [--cached]\n"
 		"                              measure the machine; n_real, policy, predicted throughput\n"
+		"  trace [--steps N] FILE | trace --cancel\n"
+		"                              timeline of the next N steps (default 4) as Chrome trace JSON\n"
 		"options:\n"
 		"  -s, --socket PATH           control socket (default $MLENS_CONTROL or /run/mlens/control.sock)\n"
 		"  --json                      print the daemon's JSON reply\n"
@@ -178,7 +181,7 @@ static void show_status(json_t *r)
 {
 	json_t *m = json_object_get(r, "model"), *b = json_object_get(r, "budgets");
 	json_t *kv = json_object_get(b, "kv_cache"), *wp = json_object_get(b, "weight_pages");
-	json_t *sk = json_object_get(r, "sockets");
+	json_t *sk = json_object_get(r, "sockets"), *pl = json_object_get(r, "pipeline");
 	char kvb[32], wpb[32];
 	human_bytes(kvb, sizeof(kvb), (double)geti(kv, "bytes"));
 	human_bytes(wpb, sizeof(wpb), (double)geti(wp, "bytes"));
@@ -195,6 +198,19 @@ static void show_status(json_t *r)
 	       (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
 	       (long long)geti(kv, "block_tokens"), kvb);
 	printf("%-14s %s pinned\n", "weight pages", wpb);
+	if (json_is_object(pl)) {
+		/* busy shares of the pipeline's resources: what bounds a step */
+		double st = getf(pl, "last_step_seconds"), tot = getf(pl, "step_seconds_total");
+		char kvr[32];
+		human_bytes(kvr, sizeof(kvr), getf(pl, "kv_read_bytes_total"));
+		printf("%-14s last step %.4g s: GPU busy %.0f%%, H2D busy %.0f%%\n", "pipeline", st,
+		       st > 0 ? 100 * getf(pl, "last_step_gpu_busy_seconds") / st : 0.0,
+		       st > 0 ? 100 * getf(pl, "last_step_h2d_busy_seconds") / st : 0.0);
+		printf("%-14s all steps %.4g s: GPU busy %.0f%%, H2D busy %.0f%%, CPU attention %.0f%% (%s of KV read)\n",
+		       "", tot, tot > 0 ? 100 * getf(pl, "gpu_busy_seconds_total") / tot : 0.0,
+		       tot > 0 ? 100 * getf(pl, "h2d_busy_seconds_total") / tot : 0.0,
+		       tot > 0 ? 100 * getf(pl, "cpu_attention_seconds_total") / tot : 0.0, kvr);
+	}
 	printf("%-14s tenants %s, control %s, stats %s%s%s\n", "sockets", gets_(sk, "tenant"), gets_(sk, "control"),
 	       gets_(sk, "stats"), *gets_(sk, "stats_http") ? ", http://" : "", gets_(sk, "stats_http"));
 }
@@ -301,6 +317,19 @@ static void show_config(json_t *r)
 		printf("%s = %s\n", k, json_string_value(v));
 }
 
+static void show_trace(json_t *r)
+{
+	if (!json_object_get(r, "path")) {
+		printf("trace cancelled\n");
+		return;
+	}
+	printf("trace of %lld steps written to %s: %lld spans", (long long)geti(r, "steps"), gets_(r, "path"),
+	       (long long)geti(r, "spans"));
+	if (geti(r, "dropped_spans"))
+		printf(" (%lld more dropped past the daemon's cap)", (long long)geti(r, "dropped_spans"));
+	printf("; open it in chrome://tracing or ui.perfetto.dev\n");
+}
+
 /* ==== main ==== */
 
 int main(int argc, char **argv)
@@ -394,6 +423,45 @@ int main(int argc, char **argv)
 				goto usage;
 			}
 		}
+	} else if (!strcmp(cmd, "trace")) {
+		const char *file = NULL;
+		for (int i = 1; i < nargs; i++) {
+			const char *a = args[i];
+			if (!strcmp(a, "--cancel")) {
+				json_object_set_new(req, "cancel", json_true());
+			} else if (!strcmp(a, "--steps")) {
+				if (i + 1 >= nargs) {
+					snprintf(why, sizeof(why), "trace: --steps needs a number of steps");
+					goto usage;
+				}
+				json_object_set_new(req, "steps", json_string(args[++i]));
+			} else if (a[0] == '-' && a[1]) {
+				snprintf(why, sizeof(why), "trace: unknown argument '%s' (--steps N, --cancel)", a);
+				goto usage;
+			} else if (file) {
+				snprintf(why, sizeof(why), "trace takes one FILE");
+				goto usage;
+			} else {
+				file = a;
+			}
+		}
+		if (!file != json_is_true(json_object_get(req, "cancel"))) {
+			snprintf(why, sizeof(why), "trace needs a FILE to write (or --cancel alone)");
+			goto usage;
+		}
+		if (file && file[0] != '/') {
+			/* the daemon writes it: make the name mlensctl's, not the daemon's */
+			char cwd[4096], full[8192];
+			if (!getcwd(cwd, sizeof(cwd))) {
+				fprintf(stderr, "%s: trace: cannot read the working directory: %s\n", prog, strerror(errno));
+				json_decref(req);
+				return EXIT_USAGE;
+			}
+			snprintf(full, sizeof(full), "%s/%s", cwd, file);
+			json_object_set_new(req, "path", json_string(full));
+		} else if (file) {
+			json_object_set_new(req, "path", json_string(file));
+		}
 	} else if (!strcmp(cmd, "log-level")) {
 		if (nargs > 2) {
 			snprintf(why, sizeof(why), "log-level takes at most one LEVEL");
@@ -411,11 +479,17 @@ int main(int argc, char **argv)
 		json_decref(req);
 		return EXIT_CONNECT;
 	}
-	rep = transact(fd, req, !strcmp(cmd, "profile") ? PROFILE_TIMEOUT_MS : REPLY_TIMEOUT_MS);
+	rep = transact(fd, req, !strcmp(cmd, "profile") ? PROFILE_TIMEOUT_MS
+			   : !strcmp(cmd, "trace") ? TRACE_TIMEOUT_MS : REPLY_TIMEOUT_MS);
 	close(fd);
-	json_decref(req);
-	if (!rep)
+	if (!rep) {
+		if (!strcmp(cmd, "trace") && !json_is_true(json_object_get(req, "cancel")))
+			fprintf(stderr, "%s: trace: it stays armed until its steps run; mlensctl trace --cancel stops it\n",
+				prog);
+		json_decref(req);
 		return EXIT_CONNECT;
+	}
+	json_decref(req);
 	if (!json_is_true(json_object_get(rep, "ok"))) {
 		fprintf(stderr, "%s: %s: %s\n", prog, cmd, gets_(rep, "error"));
 		rc = EXIT_REFUSED;
@@ -436,6 +510,8 @@ int main(int argc, char **argv)
 		show_config(rep);
 	} else if (!strcmp(cmd, "profile")) {
 		show_profile(rep);
+	} else if (!strcmp(cmd, "trace")) {
+		show_trace(rep);
 	} else if (!strcmp(cmd, "log-level")) {
 		printf("%s\n", gets_(rep, "level"));
 	} else if (!strcmp(cmd, "drain")) {

@@ -15,6 +15,7 @@
 #include "daemon/control.h"
 #include "daemon/log.h"
 #include "daemon/profiler.h"
+#include "daemon/trace.h"
 
 struct conn {
 	struct mlens_control *c;
@@ -24,6 +25,7 @@ struct conn {
 	bool closing;		/* free once the output is written */
 	bool shutdown_after;	/* the shutdown command: act once the reply is out */
 	struct profile_job *job;	/* a profile measuring for it: reading waits */
+	struct trace_job *tjob;		/* a trace recording for it: reading waits */
 	struct conn *next, **prevp;
 };
 
@@ -43,6 +45,19 @@ struct profile_job {
 	struct event *ev;
 };
 
+/* A step trace armed on the worker's engine: the worker fills res when the
+ * trace is written, fails or is cancelled, and then writes efd; the main
+ * thread answers. One at a time. */
+struct trace_job {
+	struct mlens_control *c;
+	struct conn *k;		/* NULL once the connection is gone */
+	int steps;
+	char path[4096];
+	struct mlens_trace_result res;
+	int efd;
+	struct event *ev;
+};
+
 struct mlens_control {
 	struct event_base *base;
 	struct mlens_daemon_info *info;
@@ -55,6 +70,7 @@ struct mlens_control {
 	int n_conns;
 	bool drained_by_ctl;	/* admission closed by mlensctl drain */
 	struct profile_job *job;	/* the profile in flight, if any */
+	struct trace_job *tjob;		/* the trace armed, if any */
 };
 
 /* ==== replies ==== */
@@ -119,6 +135,16 @@ static json_t *cmd_status(struct mlens_control *c)
 		"budget_bytes", (json_int_t)in->cfg->kv_cache,
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
 		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
+	if (s.sched.hybrid)
+		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
+			"last_step_seconds", s.sched.last_step_seconds,
+			"last_step_gpu_busy_seconds", s.sched.last_step_gpu_busy_seconds,
+			"last_step_h2d_busy_seconds", s.sched.last_step_h2d_busy_seconds,
+			"gpu_busy_seconds_total", s.sched.gpu_busy_seconds,
+			"h2d_busy_seconds_total", s.sched.h2d_busy_seconds,
+			"cpu_attention_seconds_total", s.sched.cpu_attn_seconds,
+			"step_seconds_total", s.sched.step_seconds_sum,
+			"kv_read_bytes_total", (json_int_t)s.sched.kv_read_bytes));
 	json_object_set_new(o, "sockets", json_pack("{s:s,s:s,s:s,s:s}", "tenant", in->cfg->socket,
 		"control", in->cfg->control, "stats", in->cfg->stats, "stats_http", in->stats_http_addr));
 	free(s.tenants);
@@ -395,6 +421,8 @@ static json_t *cmd_profile(struct mlens_control *c, json_t *req)
 	return profile_reply(st, req);
 }
 
+static json_t *cmd_trace_cancel(struct mlens_control *c);
+
 /* Answer one request (a parsed JSON object): a new reference to the reply. */
 static json_t *handle(struct mlens_control *c, json_t *req)
 {
@@ -416,6 +444,8 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 		return cmd_config(c);
 	if (!strcmp(cmd, "profile"))
 		return cmd_profile(c, req);
+	if (!strcmp(cmd, "trace"))
+		return cmd_trace_cancel(c);	/* arming ones went to trace_start */
 	if (!strcmp(cmd, "stats")) {
 		struct mlens_worker_snapshot s;
 		json_t *o;
@@ -445,7 +475,7 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 	if (!strcmp(cmd, "shutdown"))
 		return ok();	/* the caller begins the drain once this is written */
 	return fail("unknown command '%s' (status, tenants, quota, drain, resume, evict, stats, log-level, "
-		    "shutdown, config, profile)", cmd);
+		    "shutdown, config, profile, trace)", cmd);
 }
 
 /* ==== connections ==== */
@@ -455,6 +485,8 @@ static void conn_free(struct conn *k)
 	struct mlens_control *c = k->c;
 	if (k->job)
 		k->job->k = NULL;	/* it finishes; nobody hears the answer */
+	if (k->tjob)
+		k->tjob->k = NULL;	/* the file is still written (and logged) */
 	*k->prevp = k->next;
 	if (k->next)
 		k->next->prevp = k->prevp;
@@ -599,11 +631,183 @@ static void profile_start(struct conn *k, json_t *req)
 	log_info("control: profiling the machine on the worker thread (steps pause until it is done)");
 }
 
+/* ==== step traces on the worker thread ==== */
+
+static void trace_done_cb(void *arg, const struct mlens_trace_result *res)
+{
+	struct trace_job *j = arg;
+	uint64_t one = 1;
+	j->res = *res;
+	/* once written, the main thread may free j at any moment */
+	if (write(j->efd, &one, sizeof(one)) < 0)
+		log_error("control: cannot tell the main loop that the trace is done: %s", strerror(errno));
+}
+
+static int trace_on_worker(void *arg, struct mlens_sched *s)
+{
+	struct trace_job *j = arg;
+	struct mlens_trace_result res;
+	int rc;
+	memset(&res, 0, sizeof(res));
+	rc = mlens_trace_arm(mlens_engine_trace(mlens_sched_engine(s)), j->steps, j->path, trace_done_cb, j,
+			     res.err, sizeof(res.err));
+	if (rc) {
+		res.rc = rc;
+		snprintf(res.path, sizeof(res.path), "%s", j->path);
+		trace_done_cb(j, &res);
+	}
+	return rc;
+}
+
+/* Cancels whatever trace is armed (the arg is not read: the job it served
+ * may be gone by the time this runs). */
+static int trace_cancel_on_worker(void *arg, struct mlens_sched *s)
+{
+	(void)arg;
+	mlens_trace_cancel(mlens_engine_trace(mlens_sched_engine(s)));
+	return 0;
+}
+
+static void tjob_free(struct trace_job *j)
+{
+	if (j->ev)
+		event_free(j->ev);
+	if (j->efd >= 0)
+		close(j->efd);
+	free(j);
+}
+
+static json_t *trace_reply(const struct mlens_trace_result *r)
+{
+	if (r->rc)
+		return fail("trace: %s", r->err[0] ? r->err : strerror(-r->rc));
+	return json_pack("{s:b,s:s,s:I,s:I,s:I}", "ok", 1, "path", r->path, "steps", (json_int_t)r->steps,
+			 "spans", (json_int_t)r->spans, "dropped_spans", (json_int_t)r->dropped);
+}
+
+static void tjob_done(struct trace_job *j)
+{
+	struct mlens_control *c = j->c;
+	json_t *rep = trace_reply(&j->res);
+	if (j->res.rc)
+		log_warn("control: trace to %s: %s", j->path, j->res.err[0] ? j->res.err : strerror(-j->res.rc));
+	else
+		log_info("control: trace of %u steps written to %s (%llu spans, %llu dropped)", j->res.steps,
+			 j->res.path, (unsigned long long)j->res.spans, (unsigned long long)j->res.dropped);
+	c->tjob = NULL;
+	if (j->k) {
+		struct conn *k = j->k;
+		k->tjob = NULL;
+		send_json(k, rep);
+		if (!k->closing) {
+			bufferevent_enable(k->bev, EV_READ);
+			on_read(k->bev, k);	/* lines that came meanwhile */
+		}
+	}
+	json_decref(rep);
+	tjob_free(j);
+}
+
+static void on_tjob(evutil_socket_t fd, short what, void *arg)
+{
+	uint64_t v;
+	(void)what;
+	if (read(fd, &v, sizeof(v)) != (ssize_t)sizeof(v))
+		return;
+	tjob_done(arg);
+}
+
+/* A trace request that arms (the others, cancel and refusals, are answered
+ * by handle()). */
+static bool trace_arms(json_t *req)
+{
+	const char *cmd = json_string_value(json_object_get(req, "cmd"));
+	return cmd && !strcmp(cmd, "trace") && !json_is_true(json_object_get(req, "cancel"));
+}
+
+/* Steps of a trace request: a number or a string of one, default 4. */
+static int trace_steps_arg(json_t *req, int *steps)
+{
+	json_t *v = json_object_get(req, "steps");
+	long long n;
+	char *end;
+	if (!v) {
+		*steps = 4;
+		return 0;
+	}
+	if (json_is_integer(v)) {
+		n = json_integer_value(v);
+	} else if (json_is_string(v)) {
+		n = strtoll(json_string_value(v), &end, 10);
+		if (end == json_string_value(v) || *end)
+			return -EINVAL;
+	} else {
+		return -EINVAL;
+	}
+	if (n < 1 || n > MLENS_TRACE_MAX_STEPS)
+		return -ERANGE;
+	*steps = (int)n;
+	return 0;
+}
+
+/* Arm a trace for k on the worker; k reads no more lines until it is written. */
+static void trace_start(struct conn *k, json_t *req)
+{
+	struct mlens_control *c = k->c;
+	const char *path = json_string_value(json_object_get(req, "path"));
+	struct trace_job *j = NULL;
+	json_t *bad = NULL;
+	int steps;
+	if (trace_steps_arg(req, &steps))
+		bad = fail("trace: steps must be a number in [1, %d]", MLENS_TRACE_MAX_STEPS);
+	else if (!path || path[0] != '/')
+		bad = fail("trace: path must be an absolute file name (the daemon writes the file)");
+	else if (strlen(path) >= sizeof(j->path))
+		bad = fail("trace: path longer than %zu bytes", sizeof(j->path) - 1);
+	else if (c->tjob)
+		bad = fail("trace: one is recording already (to %s); wait for it or cancel it", c->tjob->path);
+	else if (!(j = calloc(1, sizeof(*j))))
+		bad = fail("trace: out of memory");
+	if (bad) {
+		send_json(k, bad);
+		json_decref(bad);
+		return;
+	}
+	j->c = c;
+	j->k = k;
+	j->steps = steps;
+	snprintf(j->path, sizeof(j->path), "%s", path);
+	j->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	j->ev = j->efd >= 0 ? event_new(c->base, j->efd, EV_READ | EV_PERSIST, on_tjob, j) : NULL;
+	if (!j->ev || event_add(j->ev, NULL) || mlens_worker_call_async(c->info->worker, trace_on_worker, j)) {
+		tjob_free(j);
+		bad = fail("trace: cannot start it: out of memory or file descriptors");
+		send_json(k, bad);
+		json_decref(bad);
+		return;
+	}
+	c->tjob = j;
+	k->tjob = j;
+	bufferevent_disable(k->bev, EV_READ);
+	log_info("control: tracing the next %d steps to %s", steps, j->path);
+}
+
+/* trace with cancel: stop the armed trace; its requester hears -ECANCELED. */
+static json_t *cmd_trace_cancel(struct mlens_control *c)
+{
+	if (!c->tjob)
+		return fail("trace: none is recording");
+	if (mlens_worker_call_async(c->info->worker, trace_cancel_on_worker, NULL))
+		return fail("trace: cannot cancel: out of memory");
+	log_info("control: trace to %s cancelled", c->tjob->path);
+	return ok();
+}
+
 static void on_read(struct bufferevent *bev, void *arg)
 {
 	struct conn *k = arg;
 	struct evbuffer *in = bufferevent_get_input(bev);
-	while (!k->closing && !k->job) {
+	while (!k->closing && !k->job && !k->tjob) {
 		size_t eol_len = 0, n;
 		struct evbuffer_ptr p = evbuffer_search_eol(in, NULL, &eol_len, EVBUFFER_EOL_LF);
 		char *line;
@@ -648,6 +852,11 @@ static void on_read(struct bufferevent *bev, void *arg)
 			json_decref(req);
 			continue;	/* the loop stops while it measures */
 		}
+		if (trace_arms(req)) {
+			trace_start(k, req);
+			json_decref(req);
+			continue;	/* the loop stops while it records */
+		}
 		rep = handle(k->c, req);
 		if (json_is_true(json_object_get(rep, "ok")) &&
 		    !strcmp(json_string_value(json_object_get(req, "cmd")), "shutdown")) {
@@ -660,7 +869,7 @@ static void on_read(struct bufferevent *bev, void *arg)
 		send_json(k, rep);
 		json_decref(rep);
 	}
-	if (k->closing || k->job)
+	if (k->closing || k->job || k->tjob)
 		return;
 	if (evbuffer_get_length(in) > MLENS_CONTROL_MAX_LINE) {
 		close_with(k, "request longer than 64 KiB");
@@ -818,6 +1027,19 @@ void mlens_control_destroy(struct mlens_control *c)
 		if (read(c->job->efd, &v, sizeof(v)) < 0)
 			log_warn("control: profile at shutdown: %s", strerror(errno));
 		job_done(c->job);
+	}
+	if (c->tjob) {
+		/* armed on the worker (it stops after the control socket): cancel
+		 * it unless it is done already, and wait for its answer */
+		struct pollfd pfd = { c->tjob->efd, POLLIN, 0 };
+		uint64_t v;
+		if (mlens_worker_call_async(c->info->worker, trace_cancel_on_worker, NULL))
+			log_warn("control: cannot cancel the trace at shutdown: out of memory");
+		while (poll(&pfd, 1, -1) < 0 && errno == EINTR)
+			;
+		if (read(c->tjob->efd, &v, sizeof(v)) < 0)
+			log_warn("control: trace at shutdown: %s", strerror(errno));
+		tjob_done(c->tjob);
 	}
 	if (c->lev)
 		event_free(c->lev);

@@ -11,6 +11,7 @@
 #include <time.h>
 #include "daemon/engine.h"
 #include "daemon/pipeline.h"
+#include "daemon/trace.h"
 
 struct layer_bind {
 	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
@@ -23,6 +24,9 @@ struct mlens_engine {
 	struct mlens_model_config cfg;
 	struct mlens_backend *be;
 	struct mlens_pipeline *pipe;	/* hybrid mode: steps run there */
+	struct mlens_trace *trace;	/* step traces (mlensctl trace); idle unless armed */
+	struct mlens_step_timer timer;	/* times a traced step's parts on the backend */
+	bool timing;			/* this step is timed */
 	struct mlens_kv_pool kv;
 	int max_tokens;
 	int qdim, kvdim;
@@ -201,6 +205,10 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	if (getenv("MLENS_ENGINE_PROFILE"))
 		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
+	if ((rc = mlens_trace_create(&e->trace, 0)) || (rc = mlens_step_timer_init(&e->timer, be))) {
+		seterr(err, errlen, "cannot allocate the step trace recorder");
+		goto fail;
+	}
 	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
 	e->prefill_op = o->prefill_attn == MLENS_PREFILL_OP ||
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
@@ -296,6 +304,8 @@ void mlens_engine_destroy(struct mlens_engine *e)
 	if (!e)
 		return;
 	mlens_pipeline_destroy(e->pipe);
+	mlens_trace_destroy(e->trace);
+	mlens_step_timer_fini(&e->timer);
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
 		if (bufs[i])
 			e->be->ops->free(e->be->ctx, bufs[i]);
@@ -324,6 +334,11 @@ struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e)
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e)
 {
 	return e->pipe;
+}
+
+struct mlens_trace *mlens_engine_trace(struct mlens_engine *e)
+{
+	return e->trace;
 }
 
 const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e)
@@ -424,7 +439,61 @@ static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
 	fprintf(stderr, "; ops %.3f, step %.3f\n", 1e3 * sum / e->prof_steps, 1e3 * e->prof_step_t / e->prof_steps);
 }
 
+/* ==== step traces ==== */
+
+static double trace_clock(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* While a step is traced, its parts (embed, each layer, lm_head and
+ * sampling) are timed on the compute queue and become spans on the
+ * backend's track. */
+static int trace_part_begin(struct mlens_engine *e, int layer, int L)
+{
+	const char *track = e->be->ops->host_memory ? "cpu" : "gpu";
+	if (!e->timing)
+		return -1;
+	if (layer < 0)
+		return mlens_step_timer_begin(&e->timer, 0, track, "embed");
+	if (layer < L)
+		return mlens_step_timer_begin(&e->timer, 0, track, "layer %d", layer);
+	return mlens_step_timer_begin(&e->timer, 0, track, "lm_head + sample");
+}
+
+static void trace_part_end(struct mlens_engine *e, int span)
+{
+	if (e->timing && span >= 0)
+		mlens_step_timer_end(&e->timer, span);
+}
+
+static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n);
+
 int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
+{
+	int rc, tokens = 0;
+	if (!mlens_trace_armed(e->trace))
+		return e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
+	for (int i = 0; i < n; i++)
+		tokens += reqs[i].n_tokens;
+	mlens_trace_step_begin(e->trace, trace_clock());
+	if (e->pipe) {
+		rc = mlens_pipeline_step(e->pipe, reqs, n);
+	} else {
+		double busy[2];
+		e->timing = e->timer.on && !mlens_step_timer_start(&e->timer, e->trace);
+		rc = engine_step(e, reqs, n);
+		if (e->timing)
+			mlens_step_timer_finish(&e->timer, busy);	/* sampling waited for the backend */
+		e->timing = false;
+	}
+	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
+	return rc;
+}
+
+static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	const struct mlens_model_config *c = &e->cfg;
 	int H = (int)c->hidden_size, hd = (int)c->head_dim;
@@ -432,12 +501,10 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	int K = (int)c->num_experts_per_tok, E = (int)c->num_local_experts;
 	int V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	float scale = 1.0f / sqrtf((float)hd);
-	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row;
+	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
 
-	if (e->pipe)
-		return mlens_pipeline_step(e->pipe, reqs, n);
 	/* validate everything before touching any state */
 	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
 		return rc;
@@ -486,9 +553,12 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		n_pre = 0;
 	}
 
+	part = trace_part_begin(e, -1, L);
 	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
-	for (int l = 0; l < (int)c->num_hidden_layers; l++) {
+	trace_part_end(e, part);
+	for (int l = 0; l < L; l++) {
 		const struct layer_bind *b = &e->layers[l];
+		part = trace_part_begin(e, l, L);
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
 		PTRY(PK_QKV, OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
 		PTRY(PK_QKV, OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
@@ -507,6 +577,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		PTRY(PK_ROUTER, OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
 		PTRY(PK_ROUTER, OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
 		PTRY(PK_MOE, OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
+		trace_part_end(e, part);
 	}
 
 	/* logits for the rows that need them: gather, norm, lm_head */
@@ -520,6 +591,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
 				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
+	part = trace_part_begin(e, L, L);
 	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
 
 	/* sample the last row of each request; download logits where asked */
@@ -528,6 +600,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		e->samp[i] = r->samp;
 	}
 	PTRY(PK_SAMPLE, OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
+	trace_part_end(e, part);
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)

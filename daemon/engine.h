@@ -67,6 +67,10 @@ void mlens_engine_destroy(struct mlens_engine *e);
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e);
 /* The hybrid pipeline of an engine in hybrid mode, else NULL. */
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e);
+/* The engine's step trace recorder (daemon/trace.h): armed by mlensctl
+ * trace; each mlens_engine_step is a traced step while armed. The hybrid
+ * pipeline adds its spans to it. */
+struct mlens_trace *mlens_engine_trace(struct mlens_engine *e);
 const struct mlens_model_config *mlens_engine_config(const struct mlens_engine *e);
 int mlens_engine_max_step_tokens(const struct mlens_engine *e);
 

@@ -57,6 +57,12 @@ struct mlens_pipeline_stats {
 	uint64_t steps;
 	uint64_t h2d_bytes_total, d2h_bytes_total;
 	double cpu_attn_s_total, host_wait_s_total;
+	/* busy time (union of the queue's timed spans) from the backend's
+	 * timing marks: GPU compute queue and H2D copies, last step and totals */
+	double gpu_busy_s, h2d_busy_s;
+	double gpu_busy_s_total, h2d_busy_s_total;
+	/* KV bytes the CPU decode attention read, last step and total */
+	uint64_t kv_read_bytes, kv_read_bytes_total;
 	bool async;		/* queues and events in use */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 };

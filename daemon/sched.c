@@ -623,6 +623,11 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 		st->last_step_weight_bytes = ps->h2d_weight_bytes;
 		st->cpu_attn_seconds = ps->cpu_attn_s_total;
 		st->host_wait_seconds = ps->host_wait_s_total;
+		st->gpu_busy_seconds = ps->gpu_busy_s_total;
+		st->h2d_busy_seconds = ps->h2d_busy_s_total;
+		st->last_step_gpu_busy_seconds = ps->gpu_busy_s;
+		st->last_step_h2d_busy_seconds = ps->h2d_busy_s;
+		st->kv_read_bytes = ps->kv_read_bytes_total;
 	}
 }
 
@@ -640,4 +645,9 @@ void mlens_sched_set_token_cap(struct mlens_sched *s, int cap)
 struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s)
 {
 	return s->kv;
+}
+
+struct mlens_engine *mlens_sched_engine(struct mlens_sched *s)
+{
+	return s->e;
 }

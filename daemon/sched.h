@@ -106,6 +106,9 @@ struct mlens_sched_stats {
 	uint64_t last_step_weight_bytes;		/* experts streamed in the last step */
 	double cpu_attn_seconds;			/* KV append + decode attention, total */
 	double host_wait_seconds;			/* the driving thread blocked on the GPU */
+	double gpu_busy_seconds, h2d_busy_seconds;	/* GPU compute / H2D copy busy, totals */
+	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;
+	uint64_t kv_read_bytes;				/* KV bytes CPU decode attention read, total */
 };
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
@@ -144,6 +147,7 @@ bool mlens_sched_admission(const struct mlens_sched *s);
 void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats *st);
 int mlens_sched_token_cap(const struct mlens_sched *s);
 struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s);
+struct mlens_engine *mlens_sched_engine(struct mlens_sched *s);
 void mlens_sched_set_token_cap(struct mlens_sched *s, int cap);
 
 #endif

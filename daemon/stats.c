@@ -177,6 +177,11 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 				    json_integer((json_int_t)st->last_step_weight_bytes));
 		json_object_set_new(o, "cpu_attention_seconds_total", json_real(st->cpu_attn_seconds));
 		json_object_set_new(o, "host_wait_seconds_total", json_real(st->host_wait_seconds));
+		json_object_set_new(o, "gpu_busy_seconds_total", json_real(st->gpu_busy_seconds));
+		json_object_set_new(o, "h2d_busy_seconds_total", json_real(st->h2d_busy_seconds));
+		json_object_set_new(o, "last_step_gpu_busy_seconds", json_real(st->last_step_gpu_busy_seconds));
+		json_object_set_new(o, "last_step_h2d_busy_seconds", json_real(st->last_step_h2d_busy_seconds));
+		json_object_set_new(o, "kv_read_bytes_total", json_integer((json_int_t)st->kv_read_bytes));
 	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
 	if (info->profile && info->profile->have) {
@@ -297,6 +302,15 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_host_wait_seconds_total", "counter",
 			  "Seconds the hybrid pipeline's thread waited for the GPU.");
 		evbuffer_add_printf(b, "mlens_host_wait_seconds_total %.9g\n", st->host_wait_seconds);
+		prom_head(b, "mlens_gpu_busy_seconds_total", "counter",
+			  "Seconds the GPU's compute queue was busy (hybrid pipeline, from the backend's timing marks).");
+		evbuffer_add_printf(b, "mlens_gpu_busy_seconds_total %.9g\n", st->gpu_busy_seconds);
+		prom_head(b, "mlens_h2d_busy_seconds_total", "counter",
+			  "Seconds the host-to-GPU copy queue was busy (hybrid pipeline).");
+		evbuffer_add_printf(b, "mlens_h2d_busy_seconds_total %.9g\n", st->h2d_busy_seconds);
+		prom_head(b, "mlens_kv_read_bytes_total", "counter",
+			  "KV cache bytes the CPU decode attention read (hybrid pipeline).");
+		evbuffer_add_printf(b, "mlens_kv_read_bytes_total %llu\n", (unsigned long long)st->kv_read_bytes);
 	}
 	if (info->profile && info->profile->have) {
 		const struct mlens_profile_state *ps = info->profile;

@@ -121,6 +121,18 @@ struct mlens_backend_ops {
 	int (*event_sync)(void *ctx, int ev);
 	/* Backend-memory bytes held now (allocations, scratch, workspace). */
 	size_t (*mem_used)(void *ctx);
+
+	/* ---- optional: timing marks (busy time, traces) ----
+	 * Record mark id (below MLENS_BACKEND_TIMERS) on queue (0 compute,
+	 * 1 copy): it takes the time at which the queue reaches it. Marking
+	 * id 0 starts a batch: the backend ties its clock to the host's there
+	 * (it may wait for the queue once to do so), so that timer_read gives
+	 * seconds on the host's CLOCK_MONOTONIC timeline, comparable with
+	 * host-side times. Marking an id again replaces the earlier mark. */
+	int (*timer_mark)(void *ctx, int queue, int id);
+	/* The time of mark id: 0, -EAGAIN while the queue has not reached it,
+	 * -ENOENT for a mark never recorded, -EINVAL for an id out of range. */
+	int (*timer_read)(void *ctx, int id, double *seconds);
 	/* Make the calling thread ready to use copy_async and the events (the
 	 * hybrid pipeline's host thread copies and waits from its own thread;
 	 * those three are the only ops a second thread may call). */
@@ -128,6 +140,7 @@ struct mlens_backend_ops {
 };
 
 #define MLENS_BACKEND_EVENTS 16
+#define MLENS_BACKEND_TIMERS 8192
 
 /* True when ops has the optional member m set. */
 #define MLENS_BACKEND_HAS(ops, m)                                                   \

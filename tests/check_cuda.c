@@ -9,7 +9,8 @@
  * about 2^-9 (bf16) or 2^-12 (fp16) per element: 1e-2 and 2e-3. Exact
  * GEMMs (MLENS_GEMM_EXACT, a second backend) split the activations instead
  * and must meet the fp32 tolerance for every weight dtype. Integer
- * results (expert ids, tokens) and stored KV must be identical. */
+ * results (expert ids, tokens) and stored KV must be identical.
+ * Timing marks read on the host's CLOCK_MONOTONIC timeline. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -17,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "kernels/backend.h"
 
 static struct mlens_backend cpu, gpu, gpu_exact;
@@ -704,6 +706,66 @@ static void print_table(void)
 	fflush(stdout);
 }
 
+/* ==== timing marks ==== */
+
+static double host_clock(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+START_TEST(test_timer_marks)
+{
+	const int n = 1024, k = 2048;
+	size_t copy_bytes = 64u << 20;
+	float *x = gpu_zeros((size_t)n * k * 4), *w = gpu_zeros((size_t)k * k * 4), *y = gpu_zeros((size_t)n * k * 4);
+	void *h = gpu.ops->host_alloc(gpu.ctx, copy_bytes), *d = gpu_zeros(copy_bytes);
+	double t_before, t_after, t_done, m0, m1, m2, m3;
+	int rc;
+	ck_assert(MLENS_BACKEND_HAS(gpu.ops, timer_mark) && MLENS_BACKEND_HAS(gpu.ops, timer_read));
+	ck_assert_ptr_nonnull(h);
+	memset(h, 0, copy_bytes);
+	ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, 77, &m0), -ENOENT);
+	ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 0, MLENS_BACKEND_TIMERS), -EINVAL);
+	ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 2, 1), -EINVAL);
+	ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+	t_before = host_clock();
+	ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 0, 0), 0);	/* ties the clocks: waits */
+	t_after = host_clock();
+	for (int i = 0; i < 20; i++)
+		ck_assert_int_eq(gpu.ops->gemm(gpu.ctx, y, x, w, MLENS_DTYPE_F32, n, k, k, false), 0);
+	ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 0, 1), 0);
+	rc = gpu.ops->timer_read(gpu.ctx, 1, &m1);
+	ck_assert(rc == 0 || rc == -EAGAIN);
+	ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 1, 2), 0);
+	ck_assert_int_eq(gpu.ops->copy_async(gpu.ctx, 1, d, h, copy_bytes, true), 0);
+	ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 1, 3), 0);
+	ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+	ck_assert_int_eq(gpu.ops->event_record(gpu.ctx, 1, 0), 0);
+	ck_assert_int_eq(gpu.ops->event_sync(gpu.ctx, 0), 0);
+	t_done = host_clock();
+	ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, 0, &m0), 0);
+	ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, 1, &m1), 0);
+	ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, 2, &m2), 0);
+	ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, 3, &m3), 0);
+	printf("timer marks: 20 GEMMs %.3f ms, 64 MiB H2D %.3f ms (%.1f GB/s), mark 0 %.1f us after the call\n",
+	       (m1 - m0) * 1e3, (m3 - m2) * 1e3, copy_bytes / (m3 - m2) / 1e9, (m0 - t_before) * 1e6);
+	/* on the host's timeline: mark 0 inside the call that waited for it */
+	ck_assert(m0 >= t_before - 1e-4 && m0 <= t_after + 1e-4);
+	ck_assert(m1 > m0 && m1 <= t_done + 1e-4);
+	ck_assert(m3 > m2 && m3 <= t_done + 1e-4);
+	ck_assert(m2 >= m0 - 1e-4);
+	/* a copy of 64 MiB takes between 1 GB/s and 1 TB/s */
+	ck_assert(m3 - m2 > copy_bytes / 1e12 && m3 - m2 < copy_bytes / 1e9);
+	gfree(x);
+	gfree(w);
+	gfree(y);
+	gfree(d);
+	gpu.ops->host_free(gpu.ctx, h);
+}
+END_TEST
+
 int main(void)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
@@ -739,6 +801,7 @@ int main(void)
 	tcase_add_test(tc, test_attn_decode_groups);
 	tcase_add_test(tc, test_sample);
 	tcase_add_test(tc, test_errors);
+	tcase_add_test(tc, test_timer_marks);
 	suite_add_tcase(s, tc);
 	tx = tcase_create("exact gemm");
 	tcase_set_timeout(tx, 120);

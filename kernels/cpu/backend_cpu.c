@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "kernels/cpu/cpu.h"
 
 /* ==== memory ==== */
@@ -508,11 +509,45 @@ static int cpu_sample(void *ctx, int32_t *tokens, float *logprobs, const float *
 	return 0;
 }
 
+/* ==== timing marks ==== */
+
+/* Ops are done when they return, so a mark is the host clock now: the
+ * hybrid pipeline's CPU-only runs go through the same timing code as a GPU. */
+static int cpu_timer_mark(void *ctx, int queue, int id)
+{
+	struct mlens_cpu_ctx *c = ctx;
+	struct timespec ts;
+	if (queue < 0 || queue > 1 || id < 0 || id >= MLENS_BACKEND_TIMERS)
+		return -EINVAL;
+	if (!c->timers) {
+		c->timers = malloc(MLENS_BACKEND_TIMERS * sizeof(*c->timers));
+		if (!c->timers)
+			return -ENOMEM;
+		for (int i = 0; i < MLENS_BACKEND_TIMERS; i++)
+			c->timers[i] = NAN;
+	}
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	c->timers[id] = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+	return 0;
+}
+
+static int cpu_timer_read(void *ctx, int id, double *seconds)
+{
+	struct mlens_cpu_ctx *c = ctx;
+	if (id < 0 || id >= MLENS_BACKEND_TIMERS)
+		return -EINVAL;
+	if (!c->timers || isnan(c->timers[id]))
+		return -ENOENT;
+	*seconds = c->timers[id];
+	return 0;
+}
+
 /* ==== the table ==== */
 
 static void cpu_destroy(void *ctx)
 {
 	struct mlens_cpu_ctx *c = ctx;
+	free(c->timers);
 	mlens_pool_destroy(c->pool);
 	mlens_cpu_attn_ws_fini(&c->attn_ws);
 	free(c);
@@ -538,6 +573,8 @@ static const struct mlens_backend_ops cpu_ops = {
 	.kv_append = cpu_kv_append,
 	.attn_decode = cpu_attn_decode,
 	.sample = cpu_sample,
+	.timer_mark = cpu_timer_mark,
+	.timer_read = cpu_timer_read,
 };
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o)

@@ -9,6 +9,9 @@
 struct mlens_cpu_ctx {
 	struct mlens_pool *pool;
 	struct mlens_cpu_attn_ws attn_ws;
+	/* timing marks: the host clock when marked (ops are synchronous);
+	 * NaN until marked, allocated at the first mark */
+	double *timers;
 };
 
 /* Decode attention of one query token for the query heads [g*group,

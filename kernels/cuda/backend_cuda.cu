@@ -29,6 +29,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 extern "C" {
 #include "kernels/cpu/cpu.h"
@@ -741,6 +742,71 @@ static size_t cuda_mem_used(void *ctx)
 	return ((struct mlens_cuda_ctx *)ctx)->bytes_in_use;
 }
 
+/* ==== timing marks ==== */
+
+static double host_now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Mark 0 (or the first mark ever) records the base event and waits for
+ * it: the host clock right after is the base's time, and every later mark
+ * is the base plus the GPU's elapsed time, on the host's timeline. */
+static int cuda_timer_mark(void *ctx, int queue, int id)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	cudaStream_t s;
+	if (queue < 0 || queue > 1 || id < 0 || id >= MLENS_BACKEND_TIMERS)
+		return -EINVAL;
+	s = queue_stream(c, queue);
+	if (!c->timers) {
+		c->timers = (cudaEvent_t *)calloc(MLENS_BACKEND_TIMERS, sizeof(*c->timers));
+		c->timer_set = (unsigned char *)calloc(MLENS_BACKEND_TIMERS, 1);
+		if (!c->timers || !c->timer_set) {
+			free(c->timers);
+			free(c->timer_set);
+			c->timers = NULL;
+			c->timer_set = NULL;
+			fprintf(stderr, "mlens cuda: no memory for %d timing marks\n", MLENS_BACKEND_TIMERS);
+			return -ENOMEM;
+		}
+	}
+	if (id == 0 || !c->timer_base_ok) {
+		if (!c->timer_base)
+			CUDA_RET(cudaEventCreateWithFlags(&c->timer_base, cudaEventDefault));
+		c->timer_base_ok = false;
+		CUDA_RET(cudaEventRecord(c->timer_base, s));
+		CUDA_RET(cudaEventSynchronize(c->timer_base));
+		c->timer_base_host = host_now();
+		c->timer_base_ok = true;
+	}
+	if (!c->timers[id])
+		CUDA_RET(cudaEventCreateWithFlags(&c->timers[id], cudaEventDefault));
+	CUDA_RET(cudaEventRecord(c->timers[id], s));
+	c->timer_set[id] = 1;
+	return 0;
+}
+
+static int cuda_timer_read(void *ctx, int id, double *seconds)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	cudaError_t e;
+	float ms = 0.0f;
+	if (id < 0 || id >= MLENS_BACKEND_TIMERS)
+		return -EINVAL;
+	if (!c->timers || !c->timer_set[id] || !c->timer_base_ok)
+		return -ENOENT;
+	e = cudaEventQuery(c->timers[id]);
+	if (e == cudaErrorNotReady)
+		return -EAGAIN;
+	CUDA_RET(e);
+	CUDA_RET(cudaEventElapsedTime(&ms, c->timer_base, c->timers[id]));
+	*seconds = c->timer_base_host + ms * 1e-3;
+	return 0;
+}
+
 /* ==== the table ==== */
 
 static void cuda_destroy(void *ctx)
@@ -769,6 +835,13 @@ static void cuda_destroy(void *ctx)
 	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
 		if (c->events[i])
 			cudaEventDestroy(c->events[i]);
+	for (int i = 0; c->timers && i < MLENS_BACKEND_TIMERS; i++)
+		if (c->timers[i])
+			cudaEventDestroy(c->timers[i]);
+	free(c->timers);
+	free(c->timer_set);
+	if (c->timer_base)
+		cudaEventDestroy(c->timer_base);
 	if (c->stream)
 		cudaStreamDestroy(c->stream);
 	free(c->allocs);
@@ -804,6 +877,8 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_event_wait,
 	cuda_event_sync,
 	cuda_mem_used,
+	cuda_timer_mark,
+	cuda_timer_read,
 	cuda_bind_thread,
 };
 

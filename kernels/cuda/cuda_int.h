@@ -68,6 +68,14 @@ struct mlens_cuda_ctx {
 	cudaStream_t copy_stream;
 	cudaEvent_t events[MLENS_BACKEND_EVENTS];
 
+	/* timing marks: events with timing, created at first use; the base
+	 * event of the batch and the host clock when it was reached */
+	cudaEvent_t *timers;		/* [MLENS_BACKEND_TIMERS] */
+	unsigned char *timer_set;	/* recorded since created */
+	cudaEvent_t timer_base;
+	double timer_base_host;
+	bool timer_base_ok;
+
 	/* device bytes held through cudaMalloc (ours and the caller's) */
 	size_t bytes_in_use;
 	struct cuda_alloc_slot *allocs;	/* open addressing: pointer -> size */

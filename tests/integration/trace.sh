@@ -1,0 +1,127 @@
+#!/bin/sh
+# Description: step traces in a real mlensd (CPU backend, the tiny model of
+# mlens-mkmodel; a CPU-only daemon runs the engine, not the hybrid
+# pipeline, so the spans are the engine's per-layer timing marks):
+# mlensctl trace --steps 2 waits for two steps of a request and the file it
+# names is Chrome trace-event JSON with two step events and layer spans
+# inside them; a relative name is taken from mlensctl's directory; a
+# missing directory, an existing file, bad steps and a second trace are
+# refused with the reason; --cancel stops an armed trace and its requester
+# hears so.
+# On the GPU machine: MLENS_TRACE_FLAGS="--backend cuda" (GPU-only mode:
+# layer spans on the "gpu" row) or with a --gpu-memory below the model's
+# need (hybrid mode: the pipeline's rows); the script then prints each
+# row's spans and busy time instead of asserting the CPU layer spans.
+set -u
+flags="${MLENS_TRACE_FLAGS:---backend cpu}"
+B="${MLENS_BUILDDIR:-.}"
+mlensd="$B/daemon/mlensd"
+ctlbin="$B/client/mlensctl"
+tenant="$B/tests/integration/ops_tenant"
+command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
+tmp=$(mktemp -d) || exit 99
+pid=
+cleanup() {
+	[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() {
+	echo "FAIL: $*"
+	[ -f "$tmp/log" ] && { echo "--- daemon log (tail)"; tail -20 "$tmp/log"; }
+	exit 1
+}
+ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
+wait_for() {
+	i=0
+	while ! eval "$1"; do
+		i=$((i + 1))
+		[ $i -ge 100 ] && return 1
+		sleep 0.1
+	done
+}
+
+"$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
+# shellcheck disable=SC2086 # flags are words
+"$mlensd" --model "$tmp/m" --foreground $flags --threads 1 --mlock=false --kv-cache 4M \
+	--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" --stats-http "" \
+	--log "$tmp/log" &
+pid=$!
+wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' || fail "daemon did not come up"
+
+# ==== refusals ====
+ctl trace --steps 2 "$tmp/no/such/dir/t.json" 2>"$tmp/err"; rc=$?
+[ $rc -eq 1 ] || fail "missing directory: exit $rc, not 1"
+grep -q "cannot create the trace file $tmp/no/such/dir/t.json: No such file" "$tmp/err" ||
+	fail "missing directory message: $(cat "$tmp/err")"
+: >"$tmp/exists.json"
+ctl trace "$tmp/exists.json" 2>"$tmp/err"; [ $? -eq 1 ] || fail "existing file not refused"
+grep -q "name a new file" "$tmp/err" || fail "existing file message: $(cat "$tmp/err")"
+ctl trace --steps 0 "$tmp/x.json" 2>"$tmp/err"; [ $? -eq 1 ] || fail "--steps 0 not refused"
+grep -q "steps must be a number in \[1, 64\]" "$tmp/err" || fail "--steps 0 message: $(cat "$tmp/err")"
+ctl trace --steps 2 >/dev/null 2>&1; [ $? -eq 2 ] || fail "trace without FILE: not exit 2"
+ctl trace --cancel 2>"$tmp/err"; [ $? -eq 1 ] || fail "cancel with nothing armed: not refused"
+grep -q "none is recording" "$tmp/err" || fail "cancel message: $(cat "$tmp/err")"
+
+# ==== two steps of a request, named relative to mlensctl's directory ====
+(cd "$tmp" && "$ctlbin" -s "$tmp/c.sock" trace --steps 2 t.json >"$tmp/out" 2>&1; echo $? >"$tmp/rc") &
+wait_for '[ -e "$tmp/t.json" ]' || fail "trace file not created when armed: $(cat "$tmp/out")"
+ctl trace --steps 1 "$tmp/second.json" 2>"$tmp/err"; [ $? -eq 1 ] || fail "second trace not refused"
+grep -q "one is recording already" "$tmp/err" || fail "second trace message: $(cat "$tmp/err")"
+"$tenant" "$tmp/t.sock" gen 1 6 >"$tmp/gen" || fail "tenant: $(cat "$tmp/gen")"
+wait_for '[ -s "$tmp/rc" ]' || fail "mlensctl trace did not return: $(cat "$tmp/out")"
+[ "$(cat "$tmp/rc")" = 0 ] || fail "mlensctl trace: $(cat "$tmp/out")"
+grep -q "^trace of 2 steps written to $tmp/t.json: [0-9]* spans" "$tmp/out" || fail "reply: $(cat "$tmp/out")"
+spans=$(sed -n 's/.*: \([0-9]*\) spans.*/\1/p' "$tmp/out")
+python3 - "$tmp/t.json" "$spans" "$flags" <<'PY' || fail "trace JSON: $(head -c 600 "$tmp/t.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+ev = d["traceEvents"]
+names = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+xs = [e for e in ev if e["ph"] == "X"]
+steps = [e for e in xs if names[e["tid"]] == "step"]
+assert len(xs) == int(sys.argv[2]), (len(xs), sys.argv[2])
+assert [s["name"] for s in steps] == ["step 1", "step 2"], steps
+assert steps[0]["ts"] == 0 and steps[0]["args"]["tokens"] > 1, steps[0]	# the prompt
+assert steps[1]["args"] == {"tokens": 1, "seqs": 1}, steps[1]		# a decode step
+assert steps[1]["ts"] >= steps[0]["ts"] + steps[0]["dur"]
+for e in xs:
+    assert e["dur"] >= 0 and e["pid"] == 1
+    # every span lies inside a step (1 us of rounding)
+    assert any(s["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1 for s in steps), e
+if sys.argv[3] == "--backend cpu":
+    layers = [e for e in xs if names[e["tid"]] == "cpu"]
+    # the tiny model has 2 layers: embed, layer 0, layer 1, lm_head per step
+    assert len(layers) == 8, [e["name"] for e in layers]
+    for s in steps:
+        inner = [e for e in layers if s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1]
+        assert [e["name"] for e in inner] == ["embed", "layer 0", "layer 1", "lm_head + sample"], inner
+else:
+    rows = sorted(set(names[e["tid"]] for e in xs) - {"step"})
+    assert rows, "no spans besides the steps"
+    for r in rows:
+        durs = [e["dur"] for e in xs if names[e["tid"]] == r]
+        print("  row %-10s %4d spans, %.3f ms" % (r, len(durs), sum(durs) / 1e3))
+assert d["otherData"]["steps"] == 2 and d["otherData"]["dropped_spans"] == 0
+print("trace: %d spans, step 1 %.3f ms, step 2 %.3f ms" % (len(xs), steps[0]["dur"] / 1e3, steps[1]["dur"] / 1e3))
+PY
+grep -q "trace of 2 steps written to $tmp/t.json" "$tmp/log" || fail "not logged"
+
+# ==== cancel: the waiting mlensctl hears it, the file goes ====
+rm -f "$tmp/rc"
+(ctl trace --steps 3 "$tmp/c.json" >"$tmp/out" 2>&1; echo $? >"$tmp/rc") &
+wait_for '[ -e "$tmp/c.json" ]' || fail "second trace not armed: $(cat "$tmp/out")"
+ctl trace --cancel >"$tmp/cout" || fail "cancel: $(cat "$tmp/cout")"
+wait_for '[ -s "$tmp/rc" ]' || fail "cancelled mlensctl trace did not return"
+[ "$(cat "$tmp/rc")" = 1 ] || fail "cancelled trace: exit $(cat "$tmp/rc"): $(cat "$tmp/out")"
+grep -q "cancelled" "$tmp/out" || fail "cancelled trace message: $(cat "$tmp/out")"
+[ ! -e "$tmp/c.json" ] || fail "cancelled trace left its file"
+
+# ==== a trace armed at shutdown is cancelled, and the daemon exits ====
+(ctl trace "$tmp/s.json" >/dev/null 2>&1) &
+wait_for '[ -e "$tmp/s.json" ]' || fail "third trace not armed"
+kill "$pid" && wait "$pid"; rc=$?
+pid=
+[ $rc -eq 0 ] || fail "daemon exit $rc with a trace armed"
+[ ! -e "$tmp/s.json" ] || fail "trace at shutdown left its file"
+echo "trace: ok"
