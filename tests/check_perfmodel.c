@@ -584,6 +584,109 @@ START_TEST(sched_respects_activation_cap)
 }
 END_TEST
 
+/* ==== the scheduler's steady state and issue 7's bound ==== */
+
+START_TEST(seq_blocks_occupancy)
+{
+	/* p = 10, g = 4, blocks of 4: ages 0..3 hold 10..13 tokens,
+	 * ceil: 3, 3, 3, 4 blocks -> 13/4 */
+	assert_rel(mlens_perf_seq_blocks(10, 4, 4), 3.25, 1e-15);
+	/* tokens: (10 + 11 + 12 + 13) / 4 = p + (g - 1)/2 */
+	assert_rel(mlens_perf_seq_blocks(10, 4, 0), 11.5, 1e-15);
+	/* p = 512, g = 32, blocks of 16: 512..543 -> 32 x 16 blocks then
+	 * 31 x 34 + 1 x 32 ... by hand: 512 -> 32, 513..528 -> 33 (16 ages),
+	 * 529..543 -> 34 (15 ages): (32 + 16 x 33 + 15 x 34) / 32 */
+	assert_rel(mlens_perf_seq_blocks(512, 32, 16), (32.0 + 16 * 33 + 15 * 34) / 32, 1e-15);
+	ck_assert(isnan(mlens_perf_seq_blocks(0, 4, 16)));
+	ck_assert(isnan(mlens_perf_seq_blocks(10, 0, 16)));
+}
+END_TEST
+
+START_TEST(sched_steady_state)
+{
+	struct mlens_perf_sched_state s;
+	/* the GPU run of issue 7: cap 4096, p 512, g 32: m0 = floor(4096/543)
+	 * = 7, D* = max(31 x 7, 4096 - 8 x 512) = 217, k = 7 */
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 1e9, &s), 0);
+	ck_assert(s.cap_binds);
+	assert_rel(s.prompts, 7, 1e-15);
+	assert_rel(s.tokens, 3801, 1e-15);
+	assert_rel(s.decode, 217, 1e-15);
+	assert_rel(s.seqs, 224, 1e-15);
+	assert_rel(s.generated, 224, 1e-15);
+	assert_rel(s.context, 217.0 * 528, 1e-15);
+	/* admissions alternate: p 10, g 21, cap 50: m0 = 1, D* = max(20, 50 -
+	 * 20) = 30, k = 1.5 (2 and 1 prompts in turn), n = 30 + 15 = 45 */
+	ck_assert_int_eq(mlens_perf_sched_steady(10, 21, 50, 1e9, &s), 0);
+	assert_rel(s.prompts, 1.5, 1e-15);
+	assert_rel(s.tokens, 45, 1e-15);
+	/* g = 1: prompts only, floor(35 / 10) = 3 */
+	ck_assert_int_eq(mlens_perf_sched_steady(10, 1, 35, 1e9, &s), 0);
+	assert_rel(s.prompts, 3, 1e-15);
+	assert_rel(s.tokens, 30, 1e-15);
+	ck_assert(s.decode == 0);
+	/* in-flight bound: 100 sequences, k = 100/32 */
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 100, &s), 0);
+	ck_assert(!s.cap_binds);
+	assert_rel(s.prompts, 3.125, 1e-15);
+	assert_rel(s.tokens, 3.125 * 543, 1e-15);
+	assert_rel(s.generated, 100, 1e-15);
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 511, 100, &s), -EINVAL);
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 0, &s), -EINVAL);
+}
+END_TEST
+
+START_TEST(issue7_bound)
+{
+	/* H 4, I 8, 2 layers, 2 heads of 2 (qd 4), 1 kv head (kvd 2), 4 experts,
+	 * top 2, vocab 10, bf16: GA = 2 x 4 x (4 + 4) = 64, GB = 2 x 4 x 4 +
+	 * 2 x 4 x 4 + 2 x 6 x 4 x 8 = 448 FLOPs per token and layer; K and V of
+	 * a token in a layer 2 x 2 x 2 = 8 bytes */
+	struct mlens_model_config c;
+	struct mlens_perf_model pm;
+	struct mlens_perf_bound b;
+	memset(&c, 0, sizeof(c));
+	c.vocab_size = 10;
+	c.hidden_size = 4;
+	c.intermediate_size = 8;
+	c.num_hidden_layers = 2;
+	c.num_attention_heads = 2;
+	c.num_key_value_heads = 1;
+	c.head_dim = 2;
+	c.num_local_experts = 4;
+	c.num_experts_per_tok = 2;
+	c.dtype = MLENS_DTYPE_BF16;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	assert_rel(pm.flops_ga, 64, 1e-15);
+	assert_rel(pm.flops_gb, 448, 1e-15);
+	ck_assert_uint_eq(pm.kv_token_bytes, 8);
+	/* p 10, g 4, 8 sequences: k = 2, D = 6, n = 26, 8 generated; context
+	 * 6 x 12 = 72 rows, KV 72 x 8 x 2 = 1152 bytes; FLOPs 26 x 2 x 512 +
+	 * 2 x 4 x 4 x 2 x 10 x 11 / 2 + 2 x 4 x 10 x 8 = 26624 + 3520 + 640 */
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 2000, &b), 0);
+	assert_rel(b.st.tokens, 26, 1e-15);
+	assert_rel(b.st.decode, 6, 1e-15);
+	assert_rel(b.kv_bytes, 1152, 1e-15);
+	assert_rel(b.flops, 30784, 1e-15);
+	assert_rel(b.t_pcie, 10, 1e-15);
+	assert_rel(b.t_mem, 2152.0 / 200, 1e-15);
+	assert_rel(b.t_gemm, 15.392, 1e-15);
+	assert_rel(b.t_step, 15.392, 1e-15);
+	ck_assert_str_eq(b.binds, "gpu-gemm");
+	assert_rel(b.gen_tok_s, 8 / 15.392, 1e-15);
+	assert_rel(b.total_tok_s, 2 * 14 / 15.392, 1e-15);
+	/* a faster GPU: memory binds (10.76 s); without a memory rate, PCIe */
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 1e4, &b), 0);
+	ck_assert_str_eq(b.binds, "cpu-memory");
+	assert_rel(b.t_step, 10.76, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 0, 1e4, &b), 0);
+	ck_assert_str_eq(b.binds, "pcie-h2d");
+	assert_rel(b.gen_tok_s, 0.8, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 0, 1000, 100, 200, 1e4, &b), -EINVAL);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 0, 0, 0, &b), -EINVAL);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *su = suite_create("perfmodel");
@@ -605,6 +708,9 @@ int main(void)
 	tcase_add_test(tc, throughput_monotone_in_kv);
 	tcase_add_test(tc, sched_respects_nreal_cap);
 	tcase_add_test(tc, sched_respects_activation_cap);
+	tcase_add_test(tc, seq_blocks_occupancy);
+	tcase_add_test(tc, sched_steady_state);
+	tcase_add_test(tc, issue7_bound);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);
