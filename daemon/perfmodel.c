@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "daemon/perfmodel.h"
 #include "daemon/shard.h"
@@ -599,20 +600,54 @@ double mlens_perf_seq_blocks(double p, double g, int block_tokens)
 	return sum / (double)gi;
 }
 
+/* Admissions per step of the scheduler under cap N with every request p
+ * prompt and g generated tokens: a_t = floor((N - D_t) / p), D_t the
+ * admissions of the last g - 1 steps (still decoding), run from an empty
+ * batch past its transient and averaged over many periods. */
+static double sched_admissions(double p, double g, double cap)
+{
+	int64_t gi = (int64_t)g, w = gi - 1, warm, meas, D = 0, idx = 0, N = (int64_t)cap;
+	int64_t P = (int64_t)p, *ring;
+	double total = 0;
+	if (w < 1)
+		return floor(cap / p);
+	if (gi > MLENS_PERF_SIM_MAX_GEN) {
+		/* the fixed point of the recurrence, exact unless admissions
+		 * alternate (then within a few per cent) */
+		double m0 = floor(cap / (p + g - 1)), d0 = (g - 1) * m0, d1 = cap - (m0 + 1) * p;
+		return (d0 > d1 ? d0 : d1) / (g - 1);
+	}
+	ring = calloc((size_t)w, sizeof(*ring));
+	if (!ring)
+		return NAN;
+	warm = 200 * gi > 1000 ? 200 * gi : 1000;
+	meas = 1000 * gi > 10000 ? 1000 * gi : 10000;
+	for (int64_t t = 0; t < warm + meas; t++) {
+		int64_t a = (N - D) / P;
+		if (t >= warm)
+			total += (double)a;
+		D += a - ring[idx];
+		ring[idx] = a;
+		idx = idx + 1 == w ? 0 : idx + 1;
+	}
+	free(ring);
+	return total / (double)meas;
+}
+
 int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
 			    struct mlens_perf_sched_state *out)
 {
 	double k_cap, k_seq;
-	if (!(p >= 1) || !(g >= 1) || !(cap >= p) || !(max_seqs > 0) || !isfinite(cap) ||
-	    !isfinite(p) || !isfinite(g))
+	if (!(p >= 1) || !(g >= 1) || !(cap >= p) || !(max_seqs > 0) || !(cap <= 1e12) ||
+	    !(p <= 1e12) || !(g <= 1e12))
 		return -EINVAL;
 	memset(out, 0, sizeof(*out));
-	if (g < 2) {
-		k_cap = floor(cap / p);
-	} else {
-		double m0 = floor(cap / (p + g - 1)), d0 = (g - 1) * m0, d1 = cap - (m0 + 1) * p;
-		k_cap = (d0 > d1 ? d0 : d1) / (g - 1);
-	}
+	p = floor(p);
+	g = floor(g);
+	cap = floor(cap);
+	k_cap = sched_admissions(p, g, cap);
+	if (!isfinite(k_cap))
+		return -ENOMEM;
 	k_seq = max_seqs / g;
 	out->cap_binds = k_cap <= k_seq;
 	out->prompts = out->cap_binds ? k_cap : k_seq;

@@ -294,13 +294,17 @@ int mlens_perf_token_cap(const struct mlens_perf_prediction *pred);
  * KV capacity: a sequence holds on average m = (1/g) sum_{a=0}^{g-1}
  * ceil((p + a)/B) blocks, so a pool of K blocks holds S_kv = K / m at once
  * (for g >> 1 and B = 1, M / (p + g/2): DESIGN §1's averaged occupancy).
- * Token cap N (whole prompts, decodes first): a step admits
- * floor((N - D)/p) prompts; D settles where admissions equal finishes,
- * D* = max over integers m of min(N - m p, (g - 1) m)
- *    = max((g - 1) m0, N - (m0 + 1) p),  m0 = floor(N / (p + g - 1)),
- * so k_cap = D* / (g - 1) (g = 1: k_cap = floor(N / p)). With at most S_max
- * sequences in flight (KV capacity, the clients' concurrency),
- * k = min(k_cap, S_max / g). */
+ * Token cap N (whole prompts, decodes first): step t admits
+ * a_t = floor((N - D_t)/p) prompts, D_t = a_{t-1} + ... + a_{t-g+1};
+ * k_cap is the mean of a_t once the recurrence has settled, found by
+ * running it (g <= MLENS_PERF_SIM_MAX_GEN; beyond, its fixed point
+ * D* = max((g - 1) m0, N - (m0 + 1) p), m0 = floor(N / (p + g - 1)),
+ * k_cap = D* / (g - 1), exact unless admissions alternate). Mostly
+ * a_t = m0 every step: n = m0 (p + g - 1), up to p + g - 2 below N; for
+ * N just above m0 (p + g - 1) + p it alternates (p 7, g 6, N 45: 3, 3,
+ * 3, 4, 4, 4, k = 3.5). With at most S_max sequences in flight (KV
+ * capacity, the clients' concurrency), k = min(k_cap, S_max / g). */
+#define MLENS_PERF_SIM_MAX_GEN 65536
 struct mlens_perf_sched_state {
 	double prompts;		/* k: requests admitted (and finished) per step */
 	double seqs;		/* S = k g alive */
@@ -314,7 +318,8 @@ struct mlens_perf_sched_state {
 /* Mean KV blocks a sequence holds over its life (formula above); block_tokens
  * < 1 counts tokens (B = 1). NAN for p < 1 or g < 1. */
 double mlens_perf_seq_blocks(double p, double g, int block_tokens);
-/* The steady state above for cap N >= p and S_max > 0; -EINVAL otherwise. */
+/* The steady state above for cap N >= p and S_max > 0 (lengths and cap are
+ * whole tokens: fractions are dropped); -EINVAL otherwise, -ENOMEM. */
 int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
 			    struct mlens_perf_sched_state *out);
 

@@ -566,6 +566,81 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	mlens_test_model_free(m);
 }
 
+/* mean step tokens of a real scheduler (tiny model, CPU backend) over its
+ * steady steps: after the first request finished, while requests wait */
+static double sched_mean_step(int cap, int p, int g, int n_req)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m = mlens_test_model_new(&sp);
+	struct mlens_backend be;
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 1024, .kv_dtype = -1,
+					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
+	struct mlens_sched_opts so = { cap, 0 };
+	struct mlens_sched_tenant t;
+	struct mlens_quota q = { 0, 0, 100000, 1.0 };
+	struct mlens_sched_stats st;
+	char err[256];
+	double sum = 0;
+	int n = 0, steps = 0;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
+	ck_assert_int_eq(mlens_sched_token_cap(s), cap);
+	mlens_sched_tenant_init(&t, &q, emit_count);
+	for (int i = 0; i < n_req; i++) {
+		int32_t pr[64];
+		struct mlens_request_params rp;
+		char why[200];
+		for (int j = 0; j < p; j++)
+			pr[j] = (int32_t)((i * 31 + j * 7) % 97);
+		memset(&rp, 0, sizeof(rp));
+		rp.id = (uint64_t)i;
+		rp.prompt = pr;
+		rp.n_prompt = p;
+		rp.max_tokens = g;
+		rp.samp.top_p = 1.0f;
+		ck_assert_msg(mlens_sched_submit(s, &t, &rp, why, sizeof(why)) == 0, "%s", why);
+	}
+	while (!mlens_sched_idle(s) && steps < 100000) {
+		ck_assert_int_eq(mlens_sched_step(s), 1);
+		mlens_sched_get_stats(s, &st);
+		if (st.requests_done > 0 && st.waiting > 0) {
+			sum += st.last_step_tokens;
+			n++;
+		}
+		steps++;
+	}
+	mlens_sched_get_stats(s, &st);
+	ck_assert_uint_eq(st.requests_done, (uint64_t)n_req);
+	ck_assert_uint_eq(st.preemptions, 0);
+	ck_assert_int_gt(n, 20);
+	mlens_sched_destroy(s);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+	return sum / n;
+}
+
+START_TEST(sched_steady_matches_scheduler)
+{
+	struct mlens_perf_sched_state ss;
+	double got;
+	/* p 7, g 6, cap 40: m0 = 3, D* = max(15, 12) = 15, k = 3, n = 36 */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 40, 1e9, &ss), 0);
+	assert_rel(ss.tokens, 36, 1e-15);
+	got = sched_mean_step(40, 7, 6, 240);
+	ck_assert_msg(fabs(got - ss.tokens) <= 0.01 * ss.tokens, "scheduler %.2f, model %.2f", got, ss.tokens);
+	/* cap 45: admissions 3, 3, 3, 4, 4, 4 in turn, n = 42 */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 45, 1e9, &ss), 0);
+	assert_rel(ss.tokens, 42, 1e-3);
+	got = sched_mean_step(45, 7, 6, 240);
+	ck_assert_msg(fabs(got - ss.tokens) <= 0.01 * ss.tokens, "scheduler %.2f, model %.2f", got, ss.tokens);
+}
+END_TEST
+
 START_TEST(sched_respects_nreal_cap)
 {
 	run_capped(64ull << 20, MLENS_PERF_LIMIT_NREAL);
@@ -615,11 +690,18 @@ START_TEST(sched_steady_state)
 	assert_rel(s.seqs, 224, 1e-15);
 	assert_rel(s.generated, 224, 1e-15);
 	assert_rel(s.context, 217.0 * 528, 1e-15);
-	/* admissions alternate: p 10, g 21, cap 50: m0 = 1, D* = max(20, 50 -
-	 * 20) = 30, k = 1.5 (2 and 1 prompts in turn), n = 30 + 15 = 45 */
-	ck_assert_int_eq(mlens_perf_sched_steady(10, 21, 50, 1e9, &s), 0);
-	assert_rel(s.prompts, 1.5, 1e-15);
-	assert_rel(s.tokens, 45, 1e-15);
+	/* admissions alternate: p 7, g 6, cap 45 settles into 3, 3, 3, 4, 4,
+	 * 4: before each 3 the last five admissions sum to D = 18 (3+3+4+4+4,
+	 * 3+4+4+4+3, 4+4+4+3+3), floor((45 - 18)/7) = 3; before each 4 to
+	 * D = 17, floor(28/7) = 4. k = 3.5, n = 3.5 x 12 = 42 (the fixed point
+	 * D* = max(15, 45 - 28) would say 3.4) */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 45, 1e9, &s), 0);
+	assert_rel(s.prompts, 3.5, 1e-3);
+	assert_rel(s.tokens, 42, 1e-3);
+	/* p 7, g 6, cap 40: m0 = 3 every step, n = 36 */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 40, 1e9, &s), 0);
+	assert_rel(s.prompts, 3, 1e-15);
+	assert_rel(s.tokens, 36, 1e-15);
 	/* g = 1: prompts only, floor(35 / 10) = 3 */
 	ck_assert_int_eq(mlens_perf_sched_steady(10, 1, 35, 1e9, &s), 0);
 	assert_rel(s.prompts, 3, 1e-15);
@@ -711,6 +793,7 @@ int main(void)
 	tcase_add_test(tc, seq_blocks_occupancy);
 	tcase_add_test(tc, sched_steady_state);
 	tcase_add_test(tc, issue7_bound);
+	tcase_add_test(tc, sched_steady_matches_scheduler);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);
