@@ -106,7 +106,7 @@ set -- --daemon-arg --profile --daemon-arg "--profile-cache=$OUT/profile_cache.j
 for r in $RUNS; do
 	t0=$(date +%s)
 	if [ "$r" = hf ]; then
-		python3 ./tests/bench/hf_baseline.py "$MODEL" --gpu-memory "$(echo "$GPU" | sed 's/G$/GiB/')" \
+		python3 "$(dirname "$0")/hf_baseline.py" "$MODEL" --gpu-memory "$(echo "$GPU" | sed 's/G$/GiB/')" \
 			--prompt-len 128 --gen-len 32 --requests "$HF_REQ" --batch 16 \
 			> "$OUT/hf_baseline.json" 2> "$OUT/hf_baseline.err"
 		rc=$?
