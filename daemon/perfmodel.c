@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "daemon/perfmodel.h"
 #include "daemon/shard.h"
@@ -582,6 +583,123 @@ int mlens_perf_token_cap(const struct mlens_perf_prediction *pred)
 	if (!(n >= 1))
 		return 1;
 	return n >= (double)INT_MAX ? INT_MAX : (int)n;
+}
+
+/* ==== the daemon's steady state and the hardware bound (perfmodel.h) ==== */
+
+double mlens_perf_seq_blocks(double p, double g, int block_tokens)
+{
+	double B = block_tokens > 1 ? (double)block_tokens : 1.0, sum = 0;
+	int64_t gi;
+	if (!(p >= 1) || !(g >= 1) || !isfinite(p) || !isfinite(g) || g > 1e9)
+		return NAN;
+	gi = (int64_t)floor(g);
+	/* a sum of g terms: g is a generation length, at most millions */
+	for (int64_t a = 0; a < gi; a++)
+		sum += ceil((p + (double)a) / B);
+	return sum / (double)gi;
+}
+
+/* Admissions per step of the scheduler under cap N with every request p
+ * prompt and g generated tokens: a_t = floor((N - D_t) / p), D_t the
+ * admissions of the last g - 1 steps (still decoding), run from an empty
+ * batch past its transient and averaged over many periods. */
+static double sched_admissions(double p, double g, double cap)
+{
+	int64_t gi = (int64_t)g, w = gi - 1, warm, meas, D = 0, idx = 0, N = (int64_t)cap;
+	int64_t P = (int64_t)p, *ring;
+	double total = 0;
+	if (w < 1)
+		return floor(cap / p);
+	if (gi > MLENS_PERF_SIM_MAX_GEN) {
+		/* the fixed point of the recurrence, exact unless admissions
+		 * alternate (then within a few per cent) */
+		double m0 = floor(cap / (p + g - 1)), d0 = (g - 1) * m0, d1 = cap - (m0 + 1) * p;
+		return (d0 > d1 ? d0 : d1) / (g - 1);
+	}
+	ring = calloc((size_t)w, sizeof(*ring));
+	if (!ring)
+		return NAN;
+	warm = 200 * gi > 1000 ? 200 * gi : 1000;
+	meas = 1000 * gi > 10000 ? 1000 * gi : 10000;
+	for (int64_t t = 0; t < warm + meas; t++) {
+		int64_t a = (N - D) / P;
+		if (t >= warm)
+			total += (double)a;
+		D += a - ring[idx];
+		ring[idx] = a;
+		idx = idx + 1 == w ? 0 : idx + 1;
+	}
+	free(ring);
+	return total / (double)meas;
+}
+
+int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
+			    struct mlens_perf_sched_state *out)
+{
+	double k_cap, k_seq;
+	if (!(p >= 1) || !(g >= 1) || !(cap >= p) || !(max_seqs > 0) || !(cap <= 1e12) ||
+	    !(p <= 1e12) || !(g <= 1e12))
+		return -EINVAL;
+	memset(out, 0, sizeof(*out));
+	p = floor(p);
+	g = floor(g);
+	cap = floor(cap);
+	k_cap = sched_admissions(p, g, cap);
+	if (!isfinite(k_cap))
+		return -ENOMEM;
+	k_seq = max_seqs / g;
+	out->cap_binds = k_cap <= k_seq;
+	out->prompts = out->cap_binds ? k_cap : k_seq;
+	out->seqs = out->prompts * g;
+	out->decode = out->prompts * (g - 1);
+	out->tokens = out->prompts * (p + g - 1);
+	out->generated = out->seqs;
+	out->context = out->decode * (p + g / 2);
+	return 0;
+}
+
+int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
+		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
+		     struct mlens_perf_bound *out)
+{
+	struct mlens_perf_sched_state *st = &out->st;
+	double L = (double)pm->layers, qd = (double)(pm->heads * pm->head_dim);
+	double k;
+	memset(out, 0, sizeof(*out));
+	if (!(p >= 1) || !(g >= 1) || !(kv_seqs > 0) || !isfinite(kv_seqs) || !(streamed_bytes >= 0) ||
+	    !(b_pcie > 0 || b_mem > 0 || c_gemm > 0))
+		return -EINVAL;
+	k = kv_seqs / g;
+	st->prompts = k;
+	st->seqs = kv_seqs;
+	st->decode = k * (g - 1);
+	st->tokens = k * (p + g - 1);
+	st->generated = kv_seqs;
+	st->context = st->decode * (p + g / 2);
+	out->streamed = streamed_bytes;
+	out->kv_bytes = st->context * (double)pm->kv_token_bytes * L;
+	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
+		     L * 4.0 * qd * k * p * (p + 1) / 2 +
+		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
+	out->t_pcie = b_pcie > 0 ? out->streamed / b_pcie : 0;
+	out->t_mem = b_mem > 0 ? (out->kv_bytes + out->streamed) / b_mem : 0;
+	out->t_gemm = c_gemm > 0 ? out->flops / c_gemm : 0;
+	out->t_step = out->t_pcie;
+	out->binds = "pcie-h2d";
+	if (out->t_mem > out->t_step) {
+		out->t_step = out->t_mem;
+		out->binds = "cpu-memory";
+	}
+	if (out->t_gemm > out->t_step) {
+		out->t_step = out->t_gemm;
+		out->binds = "gpu-gemm";
+	}
+	if (!(out->t_step > 0))
+		return -EINVAL;
+	out->gen_tok_s = st->generated / out->t_step;
+	out->total_tok_s = k * (p + g) / out->t_step;
+	return 0;
 }
 
 /* ==== several GPUs (issue 9; formulas in perfmodel.h) ==== */

@@ -280,6 +280,73 @@ uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct m
 /* Tokens per step for mlens_sched_set_token_cap: floor(n_real), at least 1. */
 int mlens_perf_token_cap(const struct mlens_perf_prediction *pred);
 
+/* ==== the daemon's reachable steady state and the hardware bound ====
+ *
+ * Exact per-request accounting of the scheduler (daemon/sched.c): a request
+ * of p prompt tokens and g generated ones is admitted whole in one step
+ * (its p prompt tokens, which also sample its first token), then decodes
+ * g - 1 steps of one token; it lives g steps and its KV holds p + a tokens
+ * at age a = 0..g-1, in blocks of B tokens reserved as it grows. With k
+ * requests admitted per step on average:
+ *   sequences alive S = k g, decode tokens per step D = k (g - 1),
+ *   step tokens n = k (p + g - 1), generated per step k g = S,
+ *   KV rows read by the decode tokens k (g - 1) (p + g/2).
+ * KV capacity: a sequence holds on average m = (1/g) sum_{a=0}^{g-1}
+ * ceil((p + a)/B) blocks, so a pool of K blocks holds S_kv = K / m at once
+ * (for g >> 1 and B = 1, M / (p + g/2): DESIGN §1's averaged occupancy).
+ * Token cap N (whole prompts, decodes first): step t admits
+ * a_t = floor((N - D_t)/p) prompts, D_t = a_{t-1} + ... + a_{t-g+1};
+ * k_cap is the mean of a_t once the recurrence has settled, found by
+ * running it (g <= MLENS_PERF_SIM_MAX_GEN; beyond, its fixed point
+ * D* = max((g - 1) m0, N - (m0 + 1) p), m0 = floor(N / (p + g - 1)),
+ * k_cap = D* / (g - 1), exact unless admissions alternate). Mostly
+ * a_t = m0 every step: n = m0 (p + g - 1), up to p + g - 2 below N; for
+ * N just above m0 (p + g - 1) + p it alternates (p 7, g 6, N 45: 3, 3,
+ * 3, 4, 4, 4, k = 3.5). With at most S_max sequences in flight (KV
+ * capacity, the clients' concurrency), k = min(k_cap, S_max / g). */
+#define MLENS_PERF_SIM_MAX_GEN 65536
+struct mlens_perf_sched_state {
+	double prompts;		/* k: requests admitted (and finished) per step */
+	double seqs;		/* S = k g alive */
+	double decode;		/* D = k (g - 1) decode tokens per step */
+	double tokens;		/* n = k (p + g - 1) per step */
+	double generated;	/* k g generated per step */
+	double context;		/* KV rows the decode tokens read per step and layer */
+	bool cap_binds;		/* the token cap, not S_max, set k */
+};
+
+/* Mean KV blocks a sequence holds over its life (formula above); block_tokens
+ * < 1 counts tokens (B = 1). NAN for p < 1 or g < 1. */
+double mlens_perf_seq_blocks(double p, double g, int block_tokens);
+/* The steady state above for cap N >= p and S_max > 0 (lengths and cap are
+ * whole tokens: fractions are dropped); -EINVAL otherwise, -ENOMEM. */
+int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
+			    struct mlens_perf_sched_state *out);
+
+/* Issue 7's bound from ceilings measured in the same run, the step's tokens
+ * set by KV capacity alone (no token cap): k = S_kv / g, the accounting above,
+ *   W   streamed weight bytes per step (the whole model's non-resident experts)
+ *   KV  = context x kv_token_bytes x layers, bytes read by CPU attention
+ *   F   = n x layers x (GA + GB FLOPs) + layers x 4 heads*hd x prefill
+ *         (query, key) pairs (k p (p+1)/2, causal) + 2 H V x k g sampled rows
+ *   t_step = max(W / B_pcie, (KV + W) / B_mem, F / C_gemm)
+ * B_mem the CPU memory bandwidth measured while a pinned copy runs (KV
+ * reads and the weight DMA share it). Tokens/s: generated k g / t_step,
+ * total k (p + g) / t_step (the clients' count: each request's p + g).
+ * A ceiling <= 0 leaves its term out. */
+struct mlens_perf_bound {
+	struct mlens_perf_sched_state st;
+	double streamed, kv_bytes, flops;	/* per step */
+	double t_pcie, t_mem, t_gemm, t_step;	/* seconds */
+	double gen_tok_s, total_tok_s;
+	const char *binds;	/* "pcie-h2d", "cpu-memory", "gpu-gemm" */
+};
+
+/* -EINVAL for a workload out of range, S_kv <= 0 or no positive ceiling. */
+int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
+		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
+		     struct mlens_perf_bound *out);
+
 /* ==== several GPUs in one box (issue 9) ====
  *
  * G GPUs work on the same step: attention split by heads, experts by

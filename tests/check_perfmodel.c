@@ -566,6 +566,81 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	mlens_test_model_free(m);
 }
 
+/* mean step tokens of a real scheduler (tiny model, CPU backend) over its
+ * steady steps: after the first request finished, while requests wait */
+static double sched_mean_step(int cap, int p, int g, int n_req)
+{
+	struct mlens_test_spec sp = mlens_test_spec_tiny();
+	struct mlens_model *m = mlens_test_model_new(&sp);
+	struct mlens_backend be;
+	struct mlens_engine *e;
+	struct mlens_sched *s;
+	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 1024, .kv_dtype = -1,
+					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
+	struct mlens_sched_opts so = { cap, 0 };
+	struct mlens_sched_tenant t;
+	struct mlens_quota q = { 0, 0, 100000, 1.0 };
+	struct mlens_sched_stats st;
+	char err[256];
+	double sum = 0;
+	int n = 0, steps = 0;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
+	ck_assert_int_eq(mlens_sched_token_cap(s), cap);
+	mlens_sched_tenant_init(&t, &q, emit_count);
+	for (int i = 0; i < n_req; i++) {
+		int32_t pr[64];
+		struct mlens_request_params rp;
+		char why[200];
+		for (int j = 0; j < p; j++)
+			pr[j] = (int32_t)((i * 31 + j * 7) % 97);
+		memset(&rp, 0, sizeof(rp));
+		rp.id = (uint64_t)i;
+		rp.prompt = pr;
+		rp.n_prompt = p;
+		rp.max_tokens = g;
+		rp.samp.top_p = 1.0f;
+		ck_assert_msg(mlens_sched_submit(s, &t, &rp, why, sizeof(why)) == 0, "%s", why);
+	}
+	while (!mlens_sched_idle(s) && steps < 100000) {
+		ck_assert_int_eq(mlens_sched_step(s), 1);
+		mlens_sched_get_stats(s, &st);
+		if (st.requests_done > 0 && st.waiting > 0) {
+			sum += st.last_step_tokens;
+			n++;
+		}
+		steps++;
+	}
+	mlens_sched_get_stats(s, &st);
+	ck_assert_uint_eq(st.requests_done, (uint64_t)n_req);
+	ck_assert_uint_eq(st.preemptions, 0);
+	ck_assert_int_gt(n, 20);
+	mlens_sched_destroy(s);
+	mlens_engine_destroy(e);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+	return sum / n;
+}
+
+START_TEST(sched_steady_matches_scheduler)
+{
+	struct mlens_perf_sched_state ss;
+	double got;
+	/* p 7, g 6, cap 40: m0 = 3, D* = max(15, 12) = 15, k = 3, n = 36 */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 40, 1e9, &ss), 0);
+	assert_rel(ss.tokens, 36, 1e-15);
+	got = sched_mean_step(40, 7, 6, 240);
+	ck_assert_msg(fabs(got - ss.tokens) <= 0.01 * ss.tokens, "scheduler %.2f, model %.2f", got, ss.tokens);
+	/* cap 45: admissions 3, 3, 3, 4, 4, 4 in turn, n = 42 */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 45, 1e9, &ss), 0);
+	assert_rel(ss.tokens, 42, 1e-3);
+	got = sched_mean_step(45, 7, 6, 240);
+	ck_assert_msg(fabs(got - ss.tokens) <= 0.01 * ss.tokens, "scheduler %.2f, model %.2f", got, ss.tokens);
+}
+END_TEST
+
 START_TEST(sched_respects_nreal_cap)
 {
 	run_capped(64ull << 20, MLENS_PERF_LIMIT_NREAL);
@@ -581,6 +656,116 @@ START_TEST(sched_respects_activation_cap)
 	mlens_test_model_free(m);
 	/* room for activations of 15 tokens and a little: fewer than n_eq */
 	run_capped(mlens_perf_act_bytes(&pm, 15, 64) + 100, MLENS_PERF_LIMIT_ACT);
+}
+END_TEST
+
+/* ==== the scheduler's steady state and issue 7's bound ==== */
+
+START_TEST(seq_blocks_occupancy)
+{
+	/* p = 10, g = 4, blocks of 4: ages 0..3 hold 10..13 tokens,
+	 * ceil: 3, 3, 3, 4 blocks -> 13/4 */
+	assert_rel(mlens_perf_seq_blocks(10, 4, 4), 3.25, 1e-15);
+	/* tokens: (10 + 11 + 12 + 13) / 4 = p + (g - 1)/2 */
+	assert_rel(mlens_perf_seq_blocks(10, 4, 0), 11.5, 1e-15);
+	/* p = 512, g = 32, blocks of 16: 512..543 -> 32 x 16 blocks then
+	 * 31 x 34 + 1 x 32 ... by hand: 512 -> 32, 513..528 -> 33 (16 ages),
+	 * 529..543 -> 34 (15 ages): (32 + 16 x 33 + 15 x 34) / 32 */
+	assert_rel(mlens_perf_seq_blocks(512, 32, 16), (32.0 + 16 * 33 + 15 * 34) / 32, 1e-15);
+	ck_assert(isnan(mlens_perf_seq_blocks(0, 4, 16)));
+	ck_assert(isnan(mlens_perf_seq_blocks(10, 0, 16)));
+}
+END_TEST
+
+START_TEST(sched_steady_state)
+{
+	struct mlens_perf_sched_state s;
+	/* the GPU run of issue 7: cap 4096, p 512, g 32: m0 = floor(4096/543)
+	 * = 7, D* = max(31 x 7, 4096 - 8 x 512) = 217, k = 7 */
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 1e9, &s), 0);
+	ck_assert(s.cap_binds);
+	assert_rel(s.prompts, 7, 1e-15);
+	assert_rel(s.tokens, 3801, 1e-15);
+	assert_rel(s.decode, 217, 1e-15);
+	assert_rel(s.seqs, 224, 1e-15);
+	assert_rel(s.generated, 224, 1e-15);
+	assert_rel(s.context, 217.0 * 528, 1e-15);
+	/* admissions alternate: p 7, g 6, cap 45 settles into 3, 3, 3, 4, 4,
+	 * 4: before each 3 the last five admissions sum to D = 18 (3+3+4+4+4,
+	 * 3+4+4+4+3, 4+4+4+3+3), floor((45 - 18)/7) = 3; before each 4 to
+	 * D = 17, floor(28/7) = 4. k = 3.5, n = 3.5 x 12 = 42 (the fixed point
+	 * D* = max(15, 45 - 28) would say 3.4) */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 45, 1e9, &s), 0);
+	assert_rel(s.prompts, 3.5, 1e-3);
+	assert_rel(s.tokens, 42, 1e-3);
+	/* p 7, g 6, cap 40: m0 = 3 every step, n = 36 */
+	ck_assert_int_eq(mlens_perf_sched_steady(7, 6, 40, 1e9, &s), 0);
+	assert_rel(s.prompts, 3, 1e-15);
+	assert_rel(s.tokens, 36, 1e-15);
+	/* g = 1: prompts only, floor(35 / 10) = 3 */
+	ck_assert_int_eq(mlens_perf_sched_steady(10, 1, 35, 1e9, &s), 0);
+	assert_rel(s.prompts, 3, 1e-15);
+	assert_rel(s.tokens, 30, 1e-15);
+	ck_assert(s.decode == 0);
+	/* in-flight bound: 100 sequences, k = 100/32 */
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 100, &s), 0);
+	ck_assert(!s.cap_binds);
+	assert_rel(s.prompts, 3.125, 1e-15);
+	assert_rel(s.tokens, 3.125 * 543, 1e-15);
+	assert_rel(s.generated, 100, 1e-15);
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 511, 100, &s), -EINVAL);
+	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 0, &s), -EINVAL);
+}
+END_TEST
+
+START_TEST(issue7_bound)
+{
+	/* H 4, I 8, 2 layers, 2 heads of 2 (qd 4), 1 kv head (kvd 2), 4 experts,
+	 * top 2, vocab 10, bf16: GA = 2 x 4 x (4 + 4) = 64, GB = 2 x 4 x 4 +
+	 * 2 x 4 x 4 + 2 x 6 x 4 x 8 = 448 FLOPs per token and layer; K and V of
+	 * a token in a layer 2 x 2 x 2 = 8 bytes */
+	struct mlens_model_config c;
+	struct mlens_perf_model pm;
+	struct mlens_perf_bound b;
+	memset(&c, 0, sizeof(c));
+	c.vocab_size = 10;
+	c.hidden_size = 4;
+	c.intermediate_size = 8;
+	c.num_hidden_layers = 2;
+	c.num_attention_heads = 2;
+	c.num_key_value_heads = 1;
+	c.head_dim = 2;
+	c.num_local_experts = 4;
+	c.num_experts_per_tok = 2;
+	c.dtype = MLENS_DTYPE_BF16;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	assert_rel(pm.flops_ga, 64, 1e-15);
+	assert_rel(pm.flops_gb, 448, 1e-15);
+	ck_assert_uint_eq(pm.kv_token_bytes, 8);
+	/* p 10, g 4, 8 sequences: k = 2, D = 6, n = 26, 8 generated; context
+	 * 6 x 12 = 72 rows, KV 72 x 8 x 2 = 1152 bytes; FLOPs 26 x 2 x 512 +
+	 * 2 x 4 x 4 x 2 x 10 x 11 / 2 + 2 x 4 x 10 x 8 = 26624 + 3520 + 640 */
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 2000, &b), 0);
+	assert_rel(b.st.tokens, 26, 1e-15);
+	assert_rel(b.st.decode, 6, 1e-15);
+	assert_rel(b.kv_bytes, 1152, 1e-15);
+	assert_rel(b.flops, 30784, 1e-15);
+	assert_rel(b.t_pcie, 10, 1e-15);
+	assert_rel(b.t_mem, 2152.0 / 200, 1e-15);
+	assert_rel(b.t_gemm, 15.392, 1e-15);
+	assert_rel(b.t_step, 15.392, 1e-15);
+	ck_assert_str_eq(b.binds, "gpu-gemm");
+	assert_rel(b.gen_tok_s, 8 / 15.392, 1e-15);
+	assert_rel(b.total_tok_s, 2 * 14 / 15.392, 1e-15);
+	/* a faster GPU: memory binds (10.76 s); without a memory rate, PCIe */
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 1e4, &b), 0);
+	ck_assert_str_eq(b.binds, "cpu-memory");
+	assert_rel(b.t_step, 10.76, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 0, 1e4, &b), 0);
+	ck_assert_str_eq(b.binds, "pcie-h2d");
+	assert_rel(b.gen_tok_s, 0.8, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 0, 1000, 100, 200, 1e4, &b), -EINVAL);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 0, 0, 0, &b), -EINVAL);
 }
 END_TEST
 
@@ -605,6 +790,10 @@ int main(void)
 	tcase_add_test(tc, throughput_monotone_in_kv);
 	tcase_add_test(tc, sched_respects_nreal_cap);
 	tcase_add_test(tc, sched_respects_activation_cap);
+	tcase_add_test(tc, seq_blocks_occupancy);
+	tcase_add_test(tc, sched_steady_state);
+	tcase_add_test(tc, issue7_bound);
+	tcase_add_test(tc, sched_steady_matches_scheduler);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);

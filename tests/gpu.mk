@@ -3,7 +3,7 @@
 # `mlens-bench serve` subcommand that drives a real mlensd.
 daemon_libmlens_core_la_SOURCES += daemon/gpu_plan.h daemon/gpu_plan.c
 
-tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c
+tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c tests/bench/readbw.c tests/bench/readbw.h
 tests_bench_mlens_bench_CFLAGS += $(JANSSON_CFLAGS)
 tests_bench_mlens_bench_LDADD += daemon/libmlens_core.la $(JANSSON_LIBS) -lm
 if HAVE_CUDA
@@ -19,4 +19,4 @@ tests_check_gpu_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_gpu_plan_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 EXTRA_DIST += tests/bench/serve_gpu.sh
-EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py
+EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh

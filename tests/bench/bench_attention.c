@@ -4,18 +4,17 @@
  * bandwidth that a plain streaming-read loop reaches in the same run. */
 #include <errno.h>
 #include <getopt.h>
-#include <immintrin.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/attn_int.h"
 #include "kernels/cpu/pool.h"
 #include "tests/bench/bench_attention.h"
+#include "tests/bench/readbw.h"
 
 #define MAX_THREAD_COUNTS 32
 
@@ -44,76 +43,6 @@ static uint32_t rnd(void)
 	rng ^= rng >> 7;
 	rng ^= rng << 17;
 	return (uint32_t)(rng >> 16);
-}
-
-static void *big_alloc(size_t bytes)
-{
-	void *p = NULL;
-	if (posix_memalign(&p, 2u << 20, bytes))
-		return NULL;
-	madvise(p, bytes, MADV_HUGEPAGE);	/* fewer TLB misses, as the daemon's pool */
-	return p;
-}
-
-/* ==== read bandwidth ==== */
-
-#define BW_SLICE (1u << 20)
-
-struct bw_job {
-	const char *buf;
-	uint64_t sink[64];
-};
-
-__attribute__((target("avx512f"))) static uint64_t read_avx512(const char *p, size_t n)
-{
-	__m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-	for (size_t i = 0; i < n; i += 256) {
-		a0 = _mm512_xor_si512(a0, _mm512_load_si512((const void *)(p + i)));
-		a1 = _mm512_xor_si512(a1, _mm512_load_si512((const void *)(p + i + 64)));
-		a2 = _mm512_xor_si512(a2, _mm512_load_si512((const void *)(p + i + 128)));
-		a3 = _mm512_xor_si512(a3, _mm512_load_si512((const void *)(p + i + 192)));
-	}
-	a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-	return (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(a0));
-}
-
-__attribute__((target("avx2"))) static uint64_t read_avx2(const char *p, size_t n)
-{
-	__m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-	for (size_t i = 0; i < n; i += 128) {
-		a0 = _mm256_xor_si256(a0, _mm256_load_si256((const void *)(p + i)));
-		a1 = _mm256_xor_si256(a1, _mm256_load_si256((const void *)(p + i + 32)));
-		a2 = _mm256_xor_si256(a2, _mm256_load_si256((const void *)(p + i + 64)));
-		a3 = _mm256_xor_si256(a3, _mm256_load_si256((const void *)(p + i + 96)));
-	}
-	a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-	return (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(a0));
-}
-
-static bool have_avx512;
-
-static void bw_task(void *arg, int task, int thread)
-{
-	struct bw_job *j = arg;
-	const char *p = j->buf + (size_t)task * BW_SLICE;
-	uint64_t r = have_avx512 ? read_avx512(p, BW_SLICE) : read_avx2(p, BW_SLICE);
-	j->sink[thread % 64] ^= r;
-}
-
-/* Best of a few passes over the buffer, GB/s. */
-static double read_bw(struct mlens_pool *pool, const char *buf, size_t bytes)
-{
-	struct bw_job j = { buf, { 0 } };
-	double best = 0.0;
-	for (int r = 0; r < 5; r++) {
-		double t0 = now(), gbs;
-		mlens_pool_run(pool, (int)(bytes / BW_SLICE), bw_task, &j);
-		gbs = (double)bytes / (now() - t0) / 1e9;
-		best = gbs > best ? gbs : best;
-	}
-	if (j.sink[0] == 42)	/* keeps the loads alive */
-		fputc(' ', stderr);
-	return best;
 }
 
 /* ==== the batch ==== */
@@ -177,8 +106,8 @@ static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *
 	b->kv = (struct mlens_kv_cache){ MLENS_DTYPE_BF16, 1, o->kv_heads, hd, o->block,
 					 (uint32_t)total, NULL, NULL };
 	b->tables = malloc(total * sizeof(*b->tables));
-	b->kv.k = big_alloc(mlens_kv_bytes(&b->kv));
-	b->kv.v = big_alloc(mlens_kv_bytes(&b->kv));
+	b->kv.k = mlens_bench_big_alloc(mlens_kv_bytes(&b->kv));
+	b->kv.v = mlens_bench_big_alloc(mlens_kv_bytes(&b->kv));
 	b->q = malloc((size_t)b->n * o->heads * hd * sizeof(float));
 	b->out = malloc((size_t)b->n * o->heads * hd * sizeof(float));
 	if (!b->tables || !b->kv.k || !b->kv.v || !b->q || !b->out)
@@ -338,7 +267,7 @@ static int parse(struct opts *o, int argc, char **argv)
 	}
 	if (o->seqs < 1 || o->min_ctx < 1 || o->max_ctx < o->min_ctx || o->kv_heads < 1 ||
 	    o->heads < o->kv_heads || o->heads % o->kv_heads || o->head_dim < 1 ||
-	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < BW_SLICE || o->min_time < 0) {
+	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < MLENS_BENCH_BW_SLICE || o->min_time < 0) {
 		fprintf(stderr, "attention: inconsistent sizes (need seqs >= 1, 1 <= min-ctx <= max-ctx, "
 			"heads a multiple of kv-heads, head-dim <= 256, bw-mb >= 1)\n");
 		return -EINVAL;
@@ -368,7 +297,6 @@ int mlens_bench_attention(int argc, char **argv)
 	if (o.prefetch >= 0)
 		mlens_attn_prefetch_tiles = o.prefetch;
 	__builtin_cpu_init();
-	have_avx512 = __builtin_cpu_supports("avx512f");
 	for (int t = 0; t < o.n_threads; t++)
 		max_t = o.threads[t] > max_t ? o.threads[t] : max_t;
 	if ((rc = mlens_pool_create_numa(&fill, 0, max_t, 0)) ||
@@ -382,7 +310,7 @@ int mlens_bench_attention(int argc, char **argv)
 	mlens_pool_destroy(fill);
 
 	/* read bandwidth at each thread count, from a buffer far beyond the LLC */
-	bwbuf = big_alloc(o.bw_bytes);
+	bwbuf = mlens_bench_big_alloc(o.bw_bytes);
 	if (!bwbuf) {
 		fprintf(stderr, "attention: cannot allocate %zu MB for the bandwidth test; lower --bw-mb\n",
 			o.bw_bytes >> 20);
@@ -394,7 +322,7 @@ int mlens_bench_attention(int argc, char **argv)
 		struct mlens_pool *p;
 		if ((rc = mlens_pool_create_numa(&p, 0, o.threads[t], 0)))
 			goto fail;
-		bw_by_t[t] = read_bw(p, bwbuf, o.bw_bytes / BW_SLICE * BW_SLICE);
+		bw_by_t[t] = mlens_bench_read_bw(p, bwbuf, o.bw_bytes / MLENS_BENCH_BW_SLICE * MLENS_BENCH_BW_SLICE);
 		if (o.threads[t] == max_t && bw_by_t[t] > bw_all)
 			bw_all = bw_by_t[t];
 		mlens_pool_destroy(p);

@@ -1,9 +1,14 @@
 /* mlens-bench serve: end-to-end serving throughput of a real mlensd. Starts
  * the daemon on a model, drives it through libmlens from several client
  * threads (each its own connection), stops it, and reports requests, tokens,
- * tokens/s, time to first token and the share of wall time spent in engine
- * steps. Built with CUDA it also measures the GPU's GEMM rate and HBM
- * bandwidth and prints the throughput bound they set for the workload. */
+ * tokens/s (whole run and steady state), time to first token, the share of
+ * wall time spent in engine steps and what the daemon's counters say it
+ * achieved (PCIe, CPU attention, GPU busy). Built with CUDA, before the
+ * daemon starts it measures the ceilings of the box (pinned H2D copies, CPU
+ * memory reads while such a copy runs, the expert GEMM rate, HBM) and
+ * prints the bound they set: issue 7's for the hybrid pipeline, the HBM one
+ * for GPU-only. --predict sets the daemon's performance model beside it at
+ * the step size the scheduler really reaches. Formulas: at the functions. */
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
@@ -21,8 +26,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "mlens.h"
+#include "daemon/config.h"
 #include "daemon/model.h"
+#include "daemon/perfmodel.h"
+#include "kernels/cpu/pool.h"
 #include "tests/bench/bench.h"
+#include "tests/bench/readbw.h"
 #ifdef HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -36,7 +45,7 @@ struct serve_opts {
 	int n_daemon_args;
 	int prompt_len, gen_len, requests, concurrency, threads, max_step_tokens;
 	double start_timeout, run_timeout;
-	bool json, keep_log, predict;
+	bool json, keep_log, predict, no_ceilings;
 };
 
 /* ==== the daemon ==== */
@@ -209,10 +218,18 @@ static double jnum(json_t *o, const char *key)
 	return o ? json_number_value(json_object_get(o, key)) : 0.0;
 }
 
+/* A number of a stats object, NAN when the daemon does not report it (an
+ * older daemon, or a counter of another mode). */
+static double jopt(json_t *o, const char *key)
+{
+	json_t *v = o ? json_object_get(o, key) : NULL;
+	return json_is_number(v) ? json_number_value(v) : NAN;
+}
+
 /* ==== the clients ==== */
 
 struct req_rec {
-	uint64_t t_submit, t_first;
+	uint64_t t_submit, t_first, t_last;
 	int tokens;
 	int finish, status;
 };
@@ -224,8 +241,21 @@ struct serve_run {
 	atomic_int next;	/* next request index to claim */
 	struct req_rec *recs;	/* one per request */
 	atomic_int failed_threads;
-	uint64_t deadline;
+	uint64_t t0, deadline;
+	/* tokens by arrival time in bins of BIN_NS from t0: generated tokens
+	 * as they arrive, a request's prompt tokens at its first token (the
+	 * prefill is done then) */
+	atomic_uint_fast64_t *gen_bins, *prompt_bins;
+	size_t n_bins;
 };
+
+#define BIN_NS 10000000ull	/* 10 ms */
+
+static void bin_add(struct serve_run *r, atomic_uint_fast64_t *bins, uint64_t t, uint64_t n)
+{
+	size_t i = t > r->t0 ? (size_t)((t - r->t0) / BIN_NS) : 0;
+	atomic_fetch_add_explicit(&bins[i < r->n_bins ? i : r->n_bins - 1], n, memory_order_relaxed);
+}
 
 struct client_arg {
 	struct serve_run *run;
@@ -318,14 +348,21 @@ static void *client_main(void *argp)
 		}
 		for (int e = 0; e < rc; e++) {
 			struct req_rec *rec;
+			uint64_t t;
 			if (ev[e].id < 1 || ev[e].id > (uint64_t)n_ids)
 				continue;
+			t = mlens_bench_now_ns();
 			rec = &r->recs[id_req[ev[e].id - 1]];
-			if (ev[e].flags & MLENS_EV_FIRST)
-				rec->t_first = mlens_bench_now_ns();
-			if (ev[e].flags & MLENS_EV_TOKEN)
+			if (ev[e].flags & MLENS_EV_FIRST) {
+				rec->t_first = t;
+				bin_add(r, r->prompt_bins, t, (uint64_t)o->prompt_len);
+			}
+			if (ev[e].flags & MLENS_EV_TOKEN) {
 				rec->tokens++;
+				bin_add(r, r->gen_bins, t, 1);
+			}
 			if (ev[e].flags & MLENS_EV_LAST) {
+				rec->t_last = t;
 				rec->finish = (int)ev[e].finish;
 				rec->status = ev[e].status;
 				inflight--;
@@ -340,6 +377,75 @@ out:
 	free(prompt);
 	free(id_req);
 	return NULL;
+}
+
+/* ==== the daemon's counters over time ==== */
+
+/* The stats the steady-state window and the achieved rates need; the
+ * busy and KV-read counters are newer than the others (NAN when absent). */
+enum { K_GEN, K_PROMPT, K_STEPS, K_STEP_S, K_H2D, K_ATTN_S, K_KV_READ, K_GPU_BUSY, K_H2D_BUSY, K_N };
+static const char *const sample_keys[K_N] = {
+	"generation_tokens_total", "prompt_tokens_total", "steps_total", "step_seconds_sum",
+	"pcie_h2d_bytes_total", "cpu_attention_seconds_total", "kv_read_bytes_total",
+	"gpu_busy_seconds_total", "h2d_busy_seconds_total",
+};
+
+struct sample {
+	uint64_t t;
+	double v[K_N];
+};
+
+#define SAMPLE_NS 250000000ull	/* 4 stats reads a second */
+
+struct sampler {
+	const char *path;
+	atomic_bool stop;
+	struct sample *s;
+	size_t n, cap;
+	int rc;
+};
+
+static void sample_of(struct sample *x, json_t *o, uint64_t t)
+{
+	x->t = t;
+	for (int k = 0; k < K_N; k++)
+		x->v[k] = jopt(o, sample_keys[k]);
+}
+
+static void *sampler_main(void *arg)
+{
+	struct sampler *sp = arg;
+	while (!atomic_load(&sp->stop)) {
+		uint64_t t = mlens_bench_now_ns(), next = t + SAMPLE_NS;
+		json_t *o = socket_json(sp->path, NULL);
+		if (o) {
+			if (sp->n == sp->cap) {
+				size_t cap = sp->cap ? 2 * sp->cap : 1024;
+				struct sample *ns = realloc(sp->s, cap * sizeof(*ns));
+				if (!ns) {
+					sp->rc = -ENOMEM;
+					json_decref(o);
+					break;
+				}
+				sp->s = ns;
+				sp->cap = cap;
+			}
+			sample_of(&sp->s[sp->n++], o, t);
+			json_decref(o);
+		}
+		while (!atomic_load(&sp->stop) && (t = mlens_bench_now_ns()) < next)
+			usleep((useconds_t)((next - t) / 1000 < 20000 ? (next - t) / 1000 + 1 : 20000));
+	}
+	return NULL;
+}
+
+/* Counter k's change from sample a to b per second of wall time, or per
+ * unit of counter kd's change; NAN when either is absent. */
+static double rate(const struct sample *a, const struct sample *b, int k, int kd)
+{
+	double d = b->v[k] - a->v[k];
+	double den = kd < 0 ? (double)(b->t - a->t) / 1e9 : b->v[kd] - a->v[kd];
+	return isfinite(d) && den > 0 ? d / den : NAN;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -360,10 +466,17 @@ static double percentile(const double *sorted, int n, double p)
 /* ==== ceilings and the bound ==== */
 
 struct ceilings {
-	bool have;
+	bool have;		/* GPU: HBM and GEMM */
+	bool have_link;		/* host: pinned copy and memory reads */
 	double hbm_gbs;		/* device-to-device copy, bytes read + written per second */
 	double gemm_tflops;	/* cuBLAS bf16, fp32 accumulate, expert shape at gemm_m rows */
 	int gemm_m;
+	double h2d_gbs;		/* pinned H2D copy alone */
+	double read_gbs;	/* CPU streaming reads alone, all cores */
+	double read_copy_gbs;	/* the same while H2D copies run */
+	double copy_read_gbs;	/* those copies' rate meanwhile */
+	double mem_copy_gbs;	/* CPU memory traffic then: reads + the copies' DMA reads */
+	int read_threads;
 	char device[260];
 };
 
@@ -479,6 +592,90 @@ out:
 		cudaEventDestroy(e1);
 	free(h);
 }
+/* The host side of the hybrid pipeline's ceilings, in this process before
+ * the daemon starts. H2D: cudaMemcpyAsync of 1 GiB from cudaHostAlloc
+ * memory, best of 3 after a warm-up. CPU memory under copy: 16 such copies
+ * queued on a stream (events around them) while every core streams reads
+ * over another 1 GiB buffer (readbw.c); only read passes that end before
+ * the last copy does count, and the copies' own rate over the same time is
+ * kept: the memory then serves both, and issue 7's bound charges KV reads
+ * and the weight DMA to that sum (DESIGN §1: B_mem = B_KV + B_IO). */
+static void measure_host_link(struct ceilings *c)
+{
+	const size_t bytes = 1ull << 30;
+	enum { NC = 16 };
+	void *h = NULL, *d = NULL;
+	char *rb = NULL;
+	struct mlens_pool *pool = NULL;
+	cudaStream_t st = NULL;
+	cudaEvent_t ev[NC + 1] = { 0 };
+	float ms, best = 0;
+	double rd_bytes = 0, rd_s = 0, copy_s = 0;
+
+	CK(cudaHostAlloc(&h, bytes, cudaHostAllocDefault));
+	memset(h, 1, bytes);
+	CK(cudaMalloc(&d, bytes));
+	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+	for (int i = 0; i <= NC; i++)
+		CK(cudaEventCreate(&ev[i]));
+	for (int i = 0; i < 4; i++) {
+		CK(cudaEventRecord(ev[0], st));
+		CK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, st));
+		CK(cudaEventRecord(ev[1], st));
+		CK(cudaEventSynchronize(ev[1]));
+		CK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+		if (i && (best == 0 || ms < best))
+			best = ms;
+	}
+	c->h2d_gbs = (double)bytes / (best * 1e-3) / 1e9;
+
+	rb = mlens_bench_big_alloc(bytes);
+	if (!rb || mlens_pool_create(&pool, 0, NULL)) {
+		fprintf(stderr, "serve: cannot set up the memory read test (1 GiB, a thread per CPU)\n");
+		goto out;
+	}
+	memset(rb, 1, bytes);
+	c->read_threads = mlens_pool_size(pool);
+	c->read_gbs = mlens_bench_read_bw(pool, rb, bytes);
+	for (int round = 0; round < 2; round++) {
+		CK(cudaEventRecord(ev[0], st));
+		for (int i = 0; i < NC; i++) {
+			CK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, st));
+			CK(cudaEventRecord(ev[i + 1], st));
+		}
+		/* the copies start as soon as they are queued: read until the
+		 * last one is done, counting the passes that ended before it */
+		while (cudaEventQuery(ev[NC]) == cudaErrorNotReady) {
+			double t = mlens_bench_read_pass(pool, rb, bytes);
+			if (cudaEventQuery(ev[NC]) == cudaErrorNotReady) {
+				rd_bytes += (double)bytes;
+				rd_s += t;
+			}
+		}
+		CK(cudaEventSynchronize(ev[NC]));
+		CK(cudaEventElapsedTime(&ms, ev[0], ev[NC]));
+		copy_s += ms * 1e-3;
+	}
+	c->copy_read_gbs = 2.0 * NC * (double)bytes / copy_s / 1e9;
+	if (rd_s > 0) {
+		c->read_copy_gbs = rd_bytes / rd_s / 1e9;
+		c->mem_copy_gbs = c->read_copy_gbs + c->copy_read_gbs;
+		c->have_link = true;
+	} else {
+		fprintf(stderr, "serve: no read pass fitted inside the copies: CPU memory under copy not measured\n");
+	}
+out:
+	if (pool)
+		mlens_pool_destroy(pool);
+	free(rb);
+	for (int i = 0; i <= NC; i++)
+		if (ev[i])
+			cudaEventDestroy(ev[i]);
+	if (st)
+		cudaStreamDestroy(st);
+	cudaFree(d);
+	cudaFreeHost(h);
+}
 #endif
 
 /* The bound GPU-only serving can reach on this workload, from the measured
@@ -553,11 +750,104 @@ static void usage(FILE *f)
 		"usage: mlens-bench serve --model DIR [--mlensd PATH] [--backend auto|cpu|cuda]\n"
 		"       [--kv-cache SIZE] [--gpu-memory SIZE] [--max-step-tokens N] [--daemon-arg ARG]...\n"
 		"       [--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T]\n"
-		"       [--start-timeout S] [--timeout S] [--keep-log] [--predict] [--json]\n"
+		"       [--start-timeout S] [--timeout S] [--keep-log] [--predict] [--no-ceilings] [--json]\n"
 		"  --predict: after the run, ask the daemon's performance model (mlensctl profile;\n"
-		"             it measures unless the daemon profiled already) and print its\n"
-		"             prediction beside the measurement\n");
+		"             it measures unless the daemon profiled already) for the step the\n"
+		"             scheduler reaches with its token cap and the requests in flight, and\n"
+		"             print it beside the whole-run and steady-state measurements\n"
+		"  --no-ceilings: skip the CUDA ceilings measured before the daemon starts\n");
 }
+
+static json_t *jnum_or_null(double x)
+{
+	return isfinite(x) ? json_real(x) : json_null();
+}
+
+/* A table cell: the number, or "n/a" when the daemon did not report it. */
+static const char *fmt_num(char *buf, size_t len, int decimals, double x)
+{
+	if (!isfinite(x))
+		return "n/a";
+	snprintf(buf, len, "%.*f", decimals, x);
+	return buf;
+}
+
+static const char *jstr(json_t *o, const char *key, const char *dflt)
+{
+	const char *v = o ? json_string_value(json_object_get(o, key)) : NULL;
+	return v ? v : dflt;
+}
+
+/* The steady-state window (the rule, documented in mlens-bench(1)): from the
+ * first request's last token (the first cohort has gone through: ramp-up
+ * over) to the last request's first token (the last admission: after it
+ * nothing new enters and the batch drains), whole 10 ms bins inside it; at
+ * least 10 bins or no window. */
+struct steady {
+	bool have;
+	double t_start, t_end, seconds;	/* from the start of the run */
+	double gen_tps, total_tps;
+	/* daemon counters between the stats samples inside the window */
+	bool have_stats;
+	double steps, step_tokens, engine_busy, pcie_gbs, gpu_busy;
+};
+
+static void steady_window(struct steady *w, const struct serve_run *run, int n_req,
+			  const struct sampler *sp)
+{
+	uint64_t ta = UINT64_MAX, tb = 0, gen = 0, pr = 0;
+	size_t a, b, i, j;
+	memset(w, 0, sizeof(*w));
+	for (int k = 0; k < n_req; k++) {
+		const struct req_rec *r = &run->recs[k];
+		if (r->t_last && r->t_last < ta)
+			ta = r->t_last;
+		if (r->t_first > tb)
+			tb = r->t_first;
+	}
+	if (ta == UINT64_MAX || tb <= ta)
+		return;
+	a = (size_t)((ta - run->t0 + BIN_NS - 1) / BIN_NS);
+	b = (size_t)((tb - run->t0) / BIN_NS);
+	if (b > run->n_bins - 1)
+		b = run->n_bins - 1;	/* the last bin collects what came later */
+	if (b < a + 10)
+		return;
+	for (i = a; i < b; i++) {
+		gen += atomic_load(&run->gen_bins[i]);
+		pr += atomic_load(&run->prompt_bins[i]);
+	}
+	w->have = true;
+	w->t_start = (double)(a * BIN_NS) / 1e9;
+	w->t_end = (double)(b * BIN_NS) / 1e9;
+	w->seconds = w->t_end - w->t_start;
+	w->gen_tps = (double)gen / w->seconds;
+	w->total_tps = (double)(gen + pr) / w->seconds;
+	for (i = 0; i < sp->n && sp->s[i].t < ta; i++)
+		;
+	for (j = sp->n; j > 0 && sp->s[j - 1].t > tb; j--)
+		;
+	if (j == 0 || i >= j - 1)
+		return;
+	j--;
+	w->have_stats = true;
+	w->steps = sp->s[j].v[K_STEPS] - sp->s[i].v[K_STEPS];
+	w->step_tokens = w->steps > 0 ? (sp->s[j].v[K_GEN] - sp->s[i].v[K_GEN] + sp->s[j].v[K_PROMPT] -
+					 sp->s[i].v[K_PROMPT]) / w->steps : NAN;
+	w->engine_busy = rate(&sp->s[i], &sp->s[j], K_STEP_S, -1);
+	w->pcie_gbs = rate(&sp->s[i], &sp->s[j], K_H2D, -1) / 1e9;
+	w->gpu_busy = rate(&sp->s[i], &sp->s[j], K_GPU_BUSY, -1);
+}
+
+/* Issue 8's prediction at the step the scheduler reaches (perfmodel.h,
+ * mlens_perf_sched_steady): the daemon's token cap as it ran, at most
+ * min(KV sequences, --concurrency) in flight; the step's time from the
+ * daemon's model (profile request with step_tokens), tokens/s from it. */
+struct prediction {
+	bool have;
+	struct mlens_perf_sched_state st;
+	double in_flight, step_seconds, gen_tps, total_tps;
+};
 
 int mlens_bench_serve(int argc, char **argv)
 {
@@ -567,7 +857,8 @@ int mlens_bench_serve(int argc, char **argv)
 		{ "daemon-arg", 1, 0, 'a' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "requests", 1, 0, 'n' }, { "concurrency", 1, 0, 'c' }, { "threads", 1, 0, 't' },
 		{ "start-timeout", 1, 0, 'S' }, { "timeout", 1, 0, 'T' }, { "keep-log", 0, 0, 'K' },
-		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
+		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "no-ceilings", 0, 0, 'N' },
+		{ "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
 	};
 	struct serve_opts o = {
 		.backend = "auto", .kv_cache = "1G", .prompt_len = 512, .gen_len = 128, .requests = 256,
@@ -575,18 +866,29 @@ int mlens_bench_serve(int argc, char **argv)
 	};
 	struct daemon_proc d = { 0 };
 	struct serve_run run = { 0 };
+	struct sampler sp = { 0 };
+	pthread_t sp_th;
+	bool sp_on = false;
 	struct client_arg *ca = NULL;
 	pthread_t *th = NULL;
 	struct mlens_model *model = NULL;
+	struct mlens_perf_model pm;
 	struct ceilings ceil_ = { 0 };
 	struct bound bd = { 0 };
+	struct mlens_perf_bound hb = { 0 };
+	bool have_hb = false, have_bd = false, hybrid;
+	struct steady sw = { 0 };
+	struct prediction pred = { 0 };
 	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
-	double *ttft = NULL, wall, busy, kv_tokens, n_cap;
-	uint64_t t0, t1, gen = 0, prompt_tok = 0;
+	double *ttft = NULL, wall, busy, kv_tokens, kv_seqs, n_cap, block_tokens;
+	double pcie_gbs, attn_gbs, gpu_busy, h2d_busy, attn_bytes;
+	const char *attn_src = "daemon";
+	uint64_t t1, gen = 0, prompt_tok = 0;
 	int ok = 0, bad = 0, n_ttft = 0, rc = 1, opt;
 	char err[512];
 	struct mlens *probe = NULL;
 	struct mlens_limits lim = { .size = sizeof(lim) };
+	double p, g, L;
 
 	optind = 1;
 	while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -622,12 +924,13 @@ int mlens_bench_serve(int argc, char **argv)
 		case 'K': o.keep_log = true; break;
 		case 'j': o.json = true; break;
 		case 'P': o.predict = true; break;
+		case 'N': o.no_ceilings = true; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
 	}
 	if (!o.model || o.prompt_len < 1 || o.gen_len < 1 || o.requests < 1 || o.concurrency < 1 ||
-	    o.threads < 1) {
+	    o.threads < 1 || o.run_timeout < 1) {
 		usage(stderr);
 		return 2;
 	}
@@ -637,6 +940,40 @@ int mlens_bench_serve(int argc, char **argv)
 		fprintf(stderr, "serve: %s\n", err);
 		return 1;
 	}
+	/* the KV pool's dtype as the daemon picks it: f32 models keep f32 KV */
+	if (mlens_perf_model_from_config(&pm, &model->cfg, model->cfg.dtype == MLENS_DTYPE_F32 ?
+					 MLENS_DTYPE_F32 : MLENS_DTYPE_BF16)) {
+		fprintf(stderr, "serve: %s: the model's dimensions are out of range\n", o.model);
+		goto out;
+	}
+	p = o.prompt_len;
+	g = o.gen_len;
+	L = (double)pm.layers;
+
+#ifdef HAVE_CUDA
+	/* ceilings first, while the box is idle; the CUDA context is torn
+	 * down before the daemon starts so that its budget sees a bare GPU */
+	if (!o.no_ceilings && strcmp(o.backend, "cpu")) {
+		int ndev = 0;
+		if (cudaGetDeviceCount(&ndev) == cudaSuccess && ndev > 0) {
+			uint64_t kvb = 0;
+			double rows = 4096;
+			/* the expert GEMM at the bound's step: n k / E rows, n from
+			 * the KV pool's size as configured (the daemon's exact block
+			 * count is known only later; the rate is flat up there) */
+			if (!mlens_parse_size(o.kv_cache, &kvb) && kvb > 0)
+				rows = ceil((double)kvb / (L * (double)pm.kv_token_bytes) /
+					    mlens_perf_seq_blocks(p, g, 1) * (p + g - 1) / g *
+					    (double)pm.top_k / (double)pm.experts);
+			rows = rows < 16 ? 16 : rows > 32768 ? 32768 : rows;
+			measure_ceilings(&ceil_, (int)pm.hidden, (int)pm.inter, (int)rows);
+			measure_host_link(&ceil_);
+			cudaDeviceReset();
+		} else {
+			fprintf(stderr, "serve: no CUDA device: ceilings not measured\n");
+		}
+	}
+#endif
 
 	if (daemon_start(&d, &o))
 		goto out;
@@ -657,13 +994,20 @@ int mlens_bench_serve(int argc, char **argv)
 	run.sock = d.sock;
 	run.vocab = lim.vocab_size;
 	run.recs = calloc((size_t)o.requests, sizeof(*run.recs));
+	run.n_bins = (size_t)(o.run_timeout * 1e9 / (double)BIN_NS) + 2;
+	run.gen_bins = calloc(run.n_bins, sizeof(*run.gen_bins));
+	run.prompt_bins = calloc(run.n_bins, sizeof(*run.prompt_bins));
 	ca = calloc((size_t)o.threads, sizeof(*ca));
 	th = calloc((size_t)o.threads, sizeof(*th));
 	ttft = calloc((size_t)o.requests, sizeof(*ttft));
-	if (!run.recs || !ca || !th || !ttft || !st0)
+	if (!run.recs || !run.gen_bins || !run.prompt_bins || !ca || !th || !ttft || !st0) {
+		fprintf(stderr, "serve: out of memory, or the stats socket did not answer\n");
 		goto out;
-	t0 = mlens_bench_now_ns();
-	run.deadline = t0 + (uint64_t)(o.run_timeout * 1e9);
+	}
+	sp.path = d.stats;
+	sp_on = !pthread_create(&sp_th, NULL, sampler_main, &sp);
+	run.t0 = mlens_bench_now_ns();
+	run.deadline = run.t0 + (uint64_t)(o.run_timeout * 1e9);
 	for (int i = 0; i < o.threads; i++) {
 		ca[i].run = &run;
 		ca[i].idx = i;
@@ -677,7 +1021,11 @@ int mlens_bench_serve(int argc, char **argv)
 		pthread_join(th[i], NULL);
 	t1 = mlens_bench_now_ns();
 	st1 = socket_json(d.stats, NULL);
-	wall = (double)(t1 - t0) / 1e9;
+	if (sp_on) {
+		atomic_store(&sp.stop, true);
+		pthread_join(sp_th, NULL);
+	}
+	wall = (double)(t1 - run.t0) / 1e9;
 	for (int i = 0; i < o.requests; i++) {
 		struct req_rec *r = &run.recs[i];
 		if (r->finish == MLENS_REASON_LENGTH || r->finish == MLENS_REASON_STOP) {
@@ -691,153 +1039,232 @@ int mlens_bench_serve(int argc, char **argv)
 		}
 	}
 	qsort(ttft, (size_t)n_ttft, sizeof(*ttft), cmp_double);
+	steady_window(&sw, &run, o.requests, &sp);
 	/* engine busy: wall time the daemon's worker spent inside steps. The
 	 * CUDA backend waits for the GPU at the end of every step (sampling
 	 * reads tokens back), so this is the share of time the GPU had work
 	 * queued or was waited for: an upper bound of the GPU's busy time. */
 	busy = st1 ? (jnum(st1, "step_seconds_sum") - jnum(st0, "step_seconds_sum")) / wall : 0.0;
+	hybrid = !strcmp(jstr(status, "mode", ""), "hybrid");
+	block_tokens = jnum(json_object_get(json_object_get(status, "budgets"), "kv_cache"), "block_tokens");
+	if (!(block_tokens >= 1))
+		block_tokens = 16;
+	kv_tokens = (st1 ? jnum(st1, "kv_blocks_total") : 0.0) * block_tokens;
+	kv_seqs = (st1 ? jnum(st1, "kv_blocks_total") : 0.0) / mlens_perf_seq_blocks(p, g, (int)block_tokens);
+	n_cap = st1 ? jnum(st1, "token_cap") : 4096.0;
+
+	/* what the daemon's counters say it achieved over the whole run */
+	pcie_gbs = (jopt(st1, "pcie_h2d_bytes_total") - jopt(st0, "pcie_h2d_bytes_total")) / wall / 1e9;
+	gpu_busy = (jopt(st1, "gpu_busy_seconds_total") - jopt(st0, "gpu_busy_seconds_total")) / wall;
+	h2d_busy = (jopt(st1, "h2d_busy_seconds_total") - jopt(st0, "h2d_busy_seconds_total")) / wall;
+	attn_bytes = jopt(st1, "kv_read_bytes_total") - jopt(st0, "kv_read_bytes_total");
+	if (!isfinite(attn_bytes)) {
+		/* no counter: every finished request's decode tokens read its
+		 * context, (g - 1)(p + g/2) rows per layer (re-prefills after a
+		 * preemption read nothing on the CPU; their decodes are counted) */
+		attn_src = "client-estimate";
+		attn_bytes = (double)ok * (g - 1) * (p + g / 2) * (double)pm.kv_token_bytes * L;
+	}
+	attn_gbs = attn_bytes / (jopt(st1, "cpu_attention_seconds_total") -
+				 jopt(st0, "cpu_attention_seconds_total")) / 1e9;
+
+	if (hybrid && ceil_.have && ceil_.have_link && kv_seqs > 0) {
+		/* the weights the daemon streams in a step (its counter of the
+		 * last step), else every expert of every layer */
+		double w = jopt(st1, "last_step_weight_bytes");
+		if (!(w > 0))
+			w = L * (double)mlens_perf_streamed_bytes(&pm, 0);
+		have_hb = !mlens_perf_bound(&pm, p, g, kv_seqs, w, ceil_.h2d_gbs * 1e9, ceil_.mem_copy_gbs * 1e9,
+					    ceil_.gemm_tflops * 1e12, &hb);
+	} else if (!hybrid && ceil_.have) {
+		compute_bound(&bd, &model->cfg, p, g, kv_tokens, n_cap, ceil_.hbm_gbs * 1e9, ceil_.gemm_tflops * 1e12);
+		have_bd = bd.gen_tps > 0;
+	}
+
 	if (o.predict) {
-		/* the daemon's own model: its last profile (taken at start-up with
-		 * --daemon-arg --profile), or one measured now; the steady state
-		 * of the workload, and a step of the mean size this run had (the
-		 * steady state assumes enough requests in flight to fill the KV
-		 * pool or n_real; a run with fewer has smaller steps) */
-		char req[256];
-		double steps = st1 ? jnum(st1, "steps_total") - jnum(st0, "steps_total") : 0;
-		double mean = steps > 0 ? (jnum(st1, "prompt_tokens_total") - jnum(st0, "prompt_tokens_total") +
-					   jnum(st1, "generation_tokens_total") - jnum(st0, "generation_tokens_total")) / steps : 1;
-		snprintf(req, sizeof(req), "{\"cmd\":\"profile\",\"cached\":true,\"prompt_len\":%d,\"gen_len\":%d,"
-			 "\"step_tokens\":%.3f}\n", o.prompt_len, o.gen_len, mean >= 1 ? mean : 1.0);
-		prof = socket_json(d.control, req);
-		if (!json_is_true(json_object_get(prof, "ok"))) {
-			fprintf(stderr, "serve: --predict: the daemon gave no prediction: %s\n",
-				prof && json_string_value(json_object_get(prof, "error")) ?
-				json_string_value(json_object_get(prof, "error")) : "no reply");
-			json_decref(prof);
-			prof = NULL;
+		double in_flight = kv_seqs < o.concurrency ? kv_seqs : o.concurrency;
+		if (mlens_perf_sched_steady(p, g, n_cap, in_flight, &pred.st)) {
+			fprintf(stderr, "serve: --predict: no steady state for p=%d g=%d with a cap of %.0f tokens "
+				"and %.0f sequences in flight\n", o.prompt_len, o.gen_len, n_cap, in_flight);
+		} else {
+			char req[256];
+			snprintf(req, sizeof(req), "{\"cmd\":\"profile\",\"cached\":true,\"prompt_len\":%d,"
+				 "\"gen_len\":%d,\"step_tokens\":%.3f}\n", o.prompt_len, o.gen_len,
+				 pred.st.tokens >= 1 ? pred.st.tokens : 1.0);
+			prof = socket_json(d.control, req);
+			if (!json_is_true(json_object_get(prof, "ok"))) {
+				fprintf(stderr, "serve: --predict: the daemon gave no prediction: %s\n",
+					jstr(prof, "error", "no reply"));
+				json_decref(prof);
+				prof = NULL;
+			} else {
+				pred.in_flight = in_flight;
+				pred.step_seconds = jnum(json_object_get(prof, "step"), "seconds");
+				if (pred.step_seconds > 0) {
+					pred.have = true;
+					pred.gen_tps = pred.st.generated / pred.step_seconds;
+					pred.total_tps = pred.st.prompts * (p + g) / pred.step_seconds;
+				}
+			}
 		}
 	}
 	daemon_stop(&d, o.keep_log || bad || atomic_load(&run.failed_threads));
 
-	kv_tokens = st1 ? jnum(st1, "kv_blocks_total") : 0.0;
-	{
-		json_t *kvb = json_object_get(json_object_get(status, "budgets"), "kv_cache");
-		kv_tokens *= kvb ? jnum(kvb, "block_tokens") : 16.0;
-	}
-	n_cap = st1 ? jnum(st1, "token_cap") : 4096.0;
-	compute_bound(&bd, &model->cfg, o.prompt_len, o.gen_len, kv_tokens, n_cap, 0, 0);
-#ifdef HAVE_CUDA
-	if (status && !strcmp(json_string_value(json_object_get(status, "backend")) ?
-			      json_string_value(json_object_get(status, "backend")) : "", "cuda")) {
-		int m_rows = (int)ceil(bd.n_step * (double)model->cfg.num_experts_per_tok /
-				       (double)model->cfg.num_local_experts);
-		measure_ceilings(&ceil_, (int)model->cfg.hidden_size, (int)model->cfg.intermediate_size,
-				 m_rows < 1 ? 1 : m_rows);
-		if (ceil_.have)
-			compute_bound(&bd, &model->cfg, o.prompt_len, o.gen_len, kv_tokens, n_cap,
-				      ceil_.hbm_gbs * 1e9, ceil_.gemm_tflops * 1e12);
-	}
-#endif
-
 	{
 		double steps = st1 ? jnum(st1, "steps_total") - jnum(st0, "steps_total") : 0;
 		double gen_tps = gen / wall, tot_tps = (gen + prompt_tok) / wall;
-		out = json_pack("{s:s,s:s,s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f}",
-			"bench", "serve", "model", o.model, "backend",
-			status && json_string_value(json_object_get(status, "backend")) ?
-				json_string_value(json_object_get(status, "backend")) : "?",
-			"mode_reason", status && json_string_value(json_object_get(status, "mode_reason")) ?
-				json_string_value(json_object_get(status, "mode_reason")) : "?",
+		double mean_step = steps > 0 ? (jnum(st1, "prompt_tokens_total") - jnum(st0, "prompt_tokens_total") +
+						jnum(st1, "generation_tokens_total") - jnum(st0, "generation_tokens_total")) / steps : 0.0;
+		out = json_pack("{s:s,s:s,s:s,s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f}",
+			"bench", "serve", "model", o.model, "backend", jstr(status, "backend", "?"),
+			"mode", jstr(status, "mode", "?"), "mode_reason", jstr(status, "mode_reason", "?"),
 			"prompt_len", o.prompt_len, "gen_len", o.gen_len, "requests", o.requests,
 			"requests_ok", ok, "requests_failed", bad, "concurrency", o.concurrency,
 			"threads", o.threads, "prompt_tokens", (json_int_t)prompt_tok,
 			"generated_tokens", (json_int_t)gen, "wall_seconds", wall,
 			"generated_tokens_per_s", gen_tps, "total_tokens_per_s", tot_tps,
 			"ttft_p50_s", percentile(ttft, n_ttft, 50), "ttft_p99_s", percentile(ttft, n_ttft, 99),
-			"engine_busy_ratio", busy, "steps", steps,
-			"mean_step_tokens", steps > 0 ? (jnum(st1, "prompt_tokens_total") - jnum(st0, "prompt_tokens_total") +
-							 jnum(st1, "generation_tokens_total") - jnum(st0, "generation_tokens_total")) / steps : 0.0);
+			"engine_busy_ratio", busy, "steps", steps, "mean_step_tokens", mean_step);
 		json_object_set_new(out, "kv_tokens", json_real(kv_tokens));
+		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
 		json_object_set_new(out, "preemptions", json_real(st1 ? jnum(st1, "preemptions_total") - jnum(st0, "preemptions_total") : 0));
-		if (ceil_.have) {
+		json_object_set_new(out, "achieved", json_pack("{s:o,s:o,s:s,s:o,s:o}",
+			"pcie_h2d_gb_per_s", jnum_or_null(pcie_gbs), "cpu_attention_gb_per_s", jnum_or_null(attn_gbs),
+			"cpu_attention_bytes_from", attn_src, "gpu_busy_ratio", jnum_or_null(gpu_busy),
+			"h2d_busy_ratio", jnum_or_null(h2d_busy)));
+		if (sw.have)
+			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o}",
+				"rule", "first request finished .. last request's first token",
+				"start_s", sw.t_start, "end_s", sw.t_end, "seconds", sw.seconds,
+				"generated_tokens_per_s", sw.gen_tps, "total_tokens_per_s", sw.total_tps,
+				"steps", sw.have_stats ? json_real(sw.steps) : json_null(),
+				"mean_step_tokens", jnum_or_null(sw.have_stats ? sw.step_tokens : NAN),
+				"engine_busy_ratio", jnum_or_null(sw.have_stats ? sw.engine_busy : NAN),
+				"pcie_h2d_gb_per_s", jnum_or_null(sw.have_stats ? sw.pcie_gbs : NAN),
+				"gpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.gpu_busy : NAN)));
+		else
+			json_object_set_new(out, "steady", json_null());
+		if (ceil_.have || ceil_.have_link) {
+			json_object_set_new(out, "ceilings", json_pack("{s:s,s:f,s:f,s:i,s:o,s:o,s:o,s:o,s:o,s:i}",
+				"device", ceil_.device, "hbm_gb_per_s", ceil_.hbm_gbs, "gemm_tflops", ceil_.gemm_tflops,
+				"gemm_rows", ceil_.gemm_m,
+				"pcie_h2d_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.h2d_gbs : NAN),
+				"cpu_read_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.read_gbs : NAN),
+				"cpu_read_under_copy_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.read_copy_gbs : NAN),
+				"copy_under_read_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.copy_read_gbs : NAN),
+				"cpu_memory_under_copy_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.mem_copy_gbs : NAN),
+				"read_threads", ceil_.read_threads));
+			/* earlier readers look for these at the top level */
 			json_object_set_new(out, "device", json_string(ceil_.device));
 			json_object_set_new(out, "hbm_gb_per_s", json_real(ceil_.hbm_gbs));
 			json_object_set_new(out, "gemm_tflops", json_real(ceil_.gemm_tflops));
-			json_object_set_new(out, "gemm_rows", json_integer(ceil_.gemm_m));
-			json_object_set_new(out, "bound", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f}",
-				"batch_seqs", bd.B, "step_tokens", bd.n_step, "weight_bytes", bd.w_bytes,
-				"flops", bd.flops, "kv_bytes", bd.kv_bytes, "t_weights_s", bd.t_weights,
-				"t_flops_s", bd.t_flops, "t_kv_s", bd.t_kv, "t_step_s", bd.t_step,
-				"generated_tokens_per_s", bd.gen_tps));
-			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / bd.gen_tps));
+		} else {
+			json_object_set_new(out, "ceilings", json_null());
 		}
-		if (prof) {
+		if (have_hb) {
+			json_object_set_new(out, "bound", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:s,s:f,s:f}",
+				"kind", "hybrid (issue 7)", "sequences", hb.st.seqs, "step_tokens", hb.st.tokens,
+				"decode_tokens", hb.st.decode, "prefill_tokens", hb.st.tokens - hb.st.decode,
+				"streamed_bytes", hb.streamed, "kv_bytes", hb.kv_bytes, "flops", hb.flops,
+				"t_pcie_s", hb.t_pcie, "t_cpu_memory_s", hb.t_mem, "t_gemm_s", hb.t_gemm,
+				"t_step_s", hb.t_step, "binds", hb.binds,
+				"generated_tokens_per_s", hb.gen_tok_s, "total_tokens_per_s", hb.total_tok_s));
+			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / hb.gen_tok_s));
+			json_object_set_new(out, "steady_over_bound", jnum_or_null(sw.have ? sw.gen_tps / hb.gen_tok_s : NAN));
+		} else if (have_bd) {
+			json_object_set_new(out, "gemm_rows", json_integer(ceil_.gemm_m));
+			json_object_set_new(out, "bound", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f}",
+				"kind", "gpu-only (HBM)", "batch_seqs", bd.B, "step_tokens", bd.n_step,
+				"weight_bytes", bd.w_bytes, "flops", bd.flops, "kv_bytes", bd.kv_bytes,
+				"t_weights_s", bd.t_weights, "t_flops_s", bd.t_flops, "t_kv_s", bd.t_kv,
+				"t_step_s", bd.t_step, "generated_tokens_per_s", bd.gen_tps));
+			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / bd.gen_tps));
+			json_object_set_new(out, "steady_over_bound", jnum_or_null(sw.have ? sw.gen_tps / bd.gen_tps : NAN));
+		} else {
+			json_object_set_new(out, "bound", json_null());
+		}
+		if (pred.have) {
 			json_t *pr = json_object_get(prof, "predicted");
-			double ptps = jnum(pr, "tokens_per_s");
-			json_object_set_new(out, "predicted", json_pack("{s:f,s:f,s:f,s:f,s:f,s:s,s:s,s:i,s:b}",
-				"total_tokens_per_s", ptps, "generated_tokens_per_s", jnum(pr, "generated_tokens_per_s"),
-				"step_seconds", jnum(pr, "step_seconds"), "tokens_per_step", jnum(pr, "tokens_per_step"),
-				"n_real", jnum(prof, "n_real"),
-				"binding", json_string_value(json_object_get(prof, "binding")) ?
-					json_string_value(json_object_get(prof, "binding")) : "?",
-				"limit", json_string_value(json_object_get(prof, "limit")) ?
-					json_string_value(json_object_get(prof, "limit")) : "?",
+			json_object_set_new(out, "predicted", json_pack(
+				"{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:b,s:f,s:s,s:s,s:i,s:b,s:{s:f,s:f,s:f,s:s}}",
+				"generated_tokens_per_s", pred.gen_tps, "total_tokens_per_s", pred.total_tps,
+				"step_tokens", pred.st.tokens, "step_seconds", pred.step_seconds,
+				"prompts_per_step", pred.st.prompts, "in_flight", pred.st.seqs,
+				"in_flight_limit", pred.in_flight, "token_cap", n_cap, "cap_binds", pred.st.cap_binds,
+				"n_real", jnum(prof, "n_real"), "binding", jstr(prof, "binding", "?"),
+				"limit", jstr(prof, "limit", "?"),
 				"resident_experts", (int)jnum(json_object_get(prof, "policy"), "resident_experts"),
-				"from_cache", json_is_true(json_object_get(prof, "from_cache"))));
+				"from_cache", json_is_true(json_object_get(prof, "from_cache")),
+				"at_n_real", "tokens_per_step", jnum(pr, "tokens_per_step"),
+				"total_tokens_per_s", jnum(pr, "tokens_per_s"),
+				"generated_tokens_per_s", jnum(pr, "generated_tokens_per_s"),
+				"note", "the daemon's own steady state, unbounded by the cap and the clients"));
 			/* signed: positive when the model promises more than the box gave */
-			json_object_set_new(out, "prediction_error", json_real(tot_tps > 0 ? (ptps - tot_tps) / tot_tps : 0.0));
-			{
-				json_t *sj = json_object_get(prof, "step");
-				double st_s = jnum(sj, "seconds"), meas_s = steps > 0 ? busy * wall / steps : 0;
-				json_object_set_new(out, "predicted_at_mean_step", json_pack("{s:f,s:f,s:f,s:f}",
-					"tokens", jnum(sj, "tokens"), "step_seconds", st_s,
-					"measured_step_seconds", meas_s,
-					"step_error", meas_s > 0 && st_s > 0 ? (st_s - meas_s) / meas_s : 0.0));
-			}
+			json_object_set_new(out, "prediction_error", json_real(gen_tps > 0 ? (pred.gen_tps - gen_tps) / gen_tps : 0.0));
+			json_object_set_new(out, "prediction_error_steady",
+					    jnum_or_null(sw.have && sw.gen_tps > 0 ? (pred.gen_tps - sw.gen_tps) / sw.gen_tps : NAN));
+		} else if (o.predict) {
+			json_object_set_new(out, "predicted", json_null());
 		}
 		if (o.json) {
 			json_dumpf(out, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
 			printf("\n");
 		} else {
-			printf("%-26s %s (%s)\n", "backend", json_string_value(json_object_get(out, "backend")),
-			       json_string_value(json_object_get(out, "mode_reason")));
+			printf("%-26s %s, %s (%s)\n", "backend", jstr(out, "backend", "?"), jstr(out, "mode", "?"),
+			       jstr(out, "mode_reason", "?"));
 			printf("%-26s %d ok, %d failed (p=%d g=%d, %d in flight, %d clients)\n", "requests", ok,
 			       bad, o.prompt_len, o.gen_len, o.concurrency, o.threads);
 			printf("%-26s %llu prompt, %llu generated in %.2f s\n", "tokens",
 			       (unsigned long long)prompt_tok, (unsigned long long)gen, wall);
-			printf("%-26s %.1f generated, %.1f total\n", "tokens/s", gen_tps, tot_tps);
+			printf("%-26s %.1f generated, %.1f total\n", "tokens/s (whole run)", gen_tps, tot_tps);
+			if (sw.have)
+				printf("%-26s %.1f generated, %.1f total (%.2f .. %.2f s)\n", "tokens/s (steady)",
+				       sw.gen_tps, sw.total_tps, sw.t_start, sw.t_end);
 			printf("%-26s p50 %.3f s, p99 %.3f s\n", "time to first token",
 			       percentile(ttft, n_ttft, 50), percentile(ttft, n_ttft, 99));
-			printf("%-26s %.1f %%\n", "engine busy", 100 * busy);
-			if (ceil_.have) {
-				printf("%-26s HBM %.0f GB/s, GEMM %.0f TFLOP/s at %d rows (%s)\n", "ceilings",
+			printf("%-26s %.1f %%, %.0f steps of %.1f tokens (cap %.0f)\n", "engine busy", 100 * busy,
+			       steps, mean_step, n_cap);
+			{
+				char a[32], b[32], c[32], e[32];
+				printf("%-26s PCIe %s GB/s, CPU attention %s GB/s (%s), GPU busy %s %%, H2D busy %s %%\n",
+				       "achieved", fmt_num(a, sizeof(a), 2, pcie_gbs),
+				       fmt_num(b, sizeof(b), 2, attn_gbs), attn_src,
+				       fmt_num(c, sizeof(c), 1, 100 * gpu_busy),
+				       fmt_num(e, sizeof(e), 1, 100 * h2d_busy));
+			}
+			if (ceil_.have_link)
+				printf("%-26s H2D %.1f GB/s; CPU reads %.1f GB/s alone, %.1f under copy (+ copy %.1f = %.1f)\n",
+				       "host ceilings", ceil_.h2d_gbs, ceil_.read_gbs, ceil_.read_copy_gbs,
+				       ceil_.copy_read_gbs, ceil_.mem_copy_gbs);
+			if (ceil_.have)
+				printf("%-26s HBM %.0f GB/s, GEMM %.0f TFLOP/s at %d rows (%s)\n", "GPU ceilings",
 				       ceil_.hbm_gbs, ceil_.gemm_tflops, ceil_.gemm_m, ceil_.device);
+			if (have_hb) {
+				printf("%-26s %.1f generated, %.1f total tokens/s: %.0f seqs, %.0f tokens/step, "
+				       "step %.1f ms = max(PCIe %.1f, memory %.1f, GEMM %.1f) (%s binds)\n", "bound",
+				       hb.gen_tok_s, hb.total_tok_s, hb.st.seqs, hb.st.tokens, hb.t_step * 1e3,
+				       hb.t_pcie * 1e3, hb.t_mem * 1e3, hb.t_gemm * 1e3, hb.binds);
+				printf("%-26s %.2f whole run", "measured / bound", gen_tps / hb.gen_tok_s);
+				if (sw.have)
+					printf(", %.2f steady", sw.gen_tps / hb.gen_tok_s);
+				printf("\n");
+			} else if (have_bd) {
 				printf("%-26s %.0f generated tokens/s (B=%.0f, %.0f tokens/step, step %.2f ms)\n",
-				       "bound", bd.gen_tps, bd.B, bd.n_step, bd.t_step * 1e3);
+				       "bound (HBM)", bd.gen_tps, bd.B, bd.n_step, bd.t_step * 1e3);
 				printf("%-26s %.2f\n", "measured / bound", gen_tps / bd.gen_tps);
 			}
-			if (prof) {
-				json_t *pr = json_object_get(prof, "predicted");
-				double ptps = jnum(pr, "tokens_per_s");
-				printf("%-26s %.1f total tokens/s (%.1f generated), steps of %.0f tokens in %.4g s\n",
-				       "predicted", ptps, jnum(pr, "generated_tokens_per_s"), jnum(pr, "tokens_per_step"),
-				       jnum(pr, "step_seconds"));
-				printf("%-26s %.1f total tokens/s (%.1f generated), steps of %.1f tokens\n", "measured",
-				       tot_tps, gen_tps, steps > 0 ? (jnum(st1, "prompt_tokens_total") -
-				       jnum(st0, "prompt_tokens_total") + jnum(st1, "generation_tokens_total") -
-				       jnum(st0, "generation_tokens_total")) / steps : 0.0);
-				{
-					json_t *sj = json_object_get(prof, "step");
-					double meas_s = steps > 0 ? busy * wall / steps : 0;
-					printf("%-26s %.4g s predicted, %.4g s measured (mean step of %.1f tokens, %+.1f %%)\n",
-					       "step time", jnum(sj, "seconds"), meas_s, jnum(sj, "tokens"),
-					       meas_s > 0 ? 100 * (jnum(sj, "seconds") - meas_s) / meas_s : 0.0);
-				}
-				printf("%-26s %+.1f %% (n_real %.0f, %s binds, %s sets the step)\n", "prediction error",
-				       tot_tps > 0 ? 100 * (ptps - tot_tps) / tot_tps : 0.0, jnum(prof, "n_real"),
-				       json_string_value(json_object_get(prof, "binding")),
-				       json_string_value(json_object_get(prof, "limit")));
+			if (pred.have) {
+				printf("%-26s %.1f generated, %.1f total tokens/s: steps of %.0f tokens (%s) in %.4g s\n",
+				       "predicted", pred.gen_tps, pred.total_tps, pred.st.tokens,
+				       pred.st.cap_binds ? "token cap" : "in flight", pred.step_seconds);
+				printf("%-26s %+.1f %% whole run, ", "prediction error",
+				       100 * (pred.gen_tps - gen_tps) / gen_tps);
+				if (sw.have)
+					printf("%+.1f %% steady", 100 * (pred.gen_tps - sw.gen_tps) / sw.gen_tps);
+				else
+					printf("no steady window");
+				printf(" (n_real %.0f, %s binds)\n", jnum(prof, "n_real"), jstr(prof, "binding", "?"));
 			}
 		}
 	}
@@ -852,6 +1279,9 @@ out:
 	json_decref(out);
 	json_decref(prof);
 	free(run.recs);
+	free(run.gen_bins);
+	free(run.prompt_bins);
+	free(sp.s);
 	free(ca);
 	free(th);
 	free(ttft);

@@ -1,47 +1,175 @@
 #!/bin/sh
-# Issue 7's benchmark set, for the GPU machine, from a configured CUDA build
-# tree: a Mixtral-8x7B-shaped model with 8 layers (bf16, ~23.7 GB, written
-# to /dev/shm once), GPU budget 8 GiB (so mlensd runs the hybrid pipeline),
-# KV pool 40 GiB in pinned host memory; workloads p=512/g=128, p=512/g=32,
-# p=128/g=32 with about three times as many requests as the KV pool holds
-# at once; then the baseline a user would reach for, transformers +
-# accelerate offloading the same model under the same budget
-# (tests/bench/hf_baseline.py), on a workload small enough to finish.
+# Issues 7 and 8's benchmark set, for the GPU machine, from a configured CUDA
+# build tree: a Mixtral-8x7B-shaped model with 8 layers (bf16, ~23.7 GB,
+# written to /dev/shm once), GPU budget 8 GiB (so mlensd runs the hybrid
+# pipeline), KV pool 40 GiB in pinned host memory; workloads p=512/g=128,
+# p=512/g=32 and p=128/g=32, and p=512/g=32 again with a 20 GiB pool (issue
+# 8's two mixes x two KV sizes), each with about three times as many
+# requests as the pool holds at once and --predict; then the baseline a user
+# would reach for, transformers + accelerate offloading the same model under
+# the same budget (tests/bench/hf_baseline.py), on a small workload.
 # JSON per run under $OUT (default ./out), a table last.
+#
 # Usage: hybrid.sh [GPU_MEMORY] [KV_CACHE] [SCALE]
-#   SCALE (default 1.0) multiplies the request counts, to fit a time limit.
+#   SCALE (default 1.0) multiplies the request counts to fit a time limit
+#   (below 1 the runs hold fewer than issue 7's three pool-fulls: said so).
+# Environment:
+#   RUNS             runs to do, in order (default all):
+#                    p512g128 p512g32 p128g32 p512g32kv20 hf
+#   MAX_STEP_TOKENS  passed to mlensd as --max-step-tokens (default: unset,
+#                    the daemon's own cap: n_real from its profile)
+#   EXPECT_TPS       total tokens/s assumed for the time estimate (30000)
+#   STARTUP_S        seconds per run outside the requests (45: model into
+#                    pinned memory, ceilings, profile, shutdown)
+#   HF_REQ           requests of the baseline (16, one batch of 16)
+#   KV2              the second pool size (20G)
+#   BACKEND          mlensd's backend (cuda; cpu to try the script on a
+#                    small model given as MLENS_SERVE_MODEL)
+#   DRY=1            print the plan and its time estimate, run nothing
+# The estimate: a run of R requests of p+g tokens takes about
+#   STARTUP_S + R (p+g) / EXPECT_TPS seconds,
+# R = max(64, 3 x SCALE x S), S = KV tokens / (p + g/2 + 8) the sequences
+# the pool holds at once (8: half a KV block of rounding); the baseline
+# about 60 s of loading + HF_REQ/16 x g x 1.5 s. mlens-bench serve's JSON
+# says what a run really took (wall_seconds): set EXPECT_TPS from it.
 set -u
 OUT=${OUT:-$PWD/out}
 GPU=${1:-8G}
 KV=${2:-40G}
 SCALE=${3:-1.0}
+RUNS=${RUNS:-p512g128 p512g32 p128g32 p512g32kv20 hf}
+EXPECT_TPS=${EXPECT_TPS:-30000}
+STARTUP_S=${STARTUP_S:-45}
+HF_REQ=${HF_REQ:-16}
+KV2=${KV2:-20G}
+BACKEND=${BACKEND:-cuda}
 MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 mkdir -p "$OUT"
+# KV bytes per token: layers * kv_heads * head_dim * 2 (K, V) * 2 (bf16 KV;
+# f32 models keep f32 KV); the 8-layer Mixtral's until the model exists
+per_token=$(python3 -c 'import json,sys
+c = json.load(open(sys.argv[1] + "/config.json"))
+hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+es = 4 if c.get("torch_dtype") == "float32" else 2
+print(c["num_hidden_layers"] * c["num_key_value_heads"] * hd * 2 * es)' "$MODEL" 2>/dev/null) ||
+	per_token=$((8 * 8 * 128 * 2 * 2))
+
+seqs_of() {	# kv p g -> sequences the pool holds at once
+	kvb=$(numfmt --from=iec "$1")
+	awk -v b="$kvb" -v t="$per_token" -v p="$2" -v g="$3" 'BEGIN { s = int(b / t / (p + g / 2 + 8)); print (s < 1 ? 1 : s) }'
+}
+req_of() {	# seqs -> requests
+	awk -v s="$1" -v k="$SCALE" 'BEGIN { r = int(3 * s * k + 0.5); print (r < 64 ? 64 : r) }'
+}
+spec() {	# run name -> "kv p g"
+	case $1 in
+	p512g128) echo "$KV 512 128" ;;
+	p512g32) echo "$KV 512 32" ;;
+	p128g32) echo "$KV 128 32" ;;
+	p512g32kv20) echo "$KV2 512 32" ;;
+	*) echo "" ;;
+	esac
+}
+
+# the plan and its time estimate
+echo "plan (SCALE $SCALE, EXPECT_TPS $EXPECT_TPS total tokens/s, STARTUP_S $STARTUP_S):"
+total=0
+[ -f "$MODEL/config.json" ] || { echo "  model: written to $MODEL first (~60 s)"; total=60; }
+for r in $RUNS; do
+	if [ "$r" = hf ]; then
+		est=$(awk -v n="$HF_REQ" 'BEGIN { printf "%d", 60 + n / 16 * 32 * 1.5 }')
+		echo "  hf: transformers+accelerate, p=128 g=32, $HF_REQ requests: ~$est s"
+	else
+		set -- $(spec "$r")
+		[ $# -eq 3 ] || { echo "hybrid.sh: unknown run '$r'"; exit 2; }
+		s=$(seqs_of "$1" "$2" "$3")
+		n=$(req_of "$s")
+		est=$(awk -v n="$n" -v p="$2" -v g="$3" -v t="$EXPECT_TPS" -v s0="$STARTUP_S" \
+			'BEGIN { printf "%d", s0 + n * (p + g) / t }')
+		echo "  $r: KV $1 p=$2 g=$3, pool holds $s, $n requests ($(awk -v n="$n" -v s="$s" \
+			'BEGIN { printf "%.1f", n / s }') x): ~$est s"
+	fi
+	total=$((total + est))
+done
+echo "  total ~$total s"
+awk -v k="$SCALE" 'BEGIN { exit !(k < 1) }' &&
+	echo "  note: SCALE < 1: fewer requests than issue 7's three pool-fulls"
+[ "${DRY:-0}" = 1 ] && exit 0
+
 if [ ! -f "$MODEL/config.json" ]; then
 	./daemon/mlens-mkmodel -o "$MODEL" --preset mixtral-8x7b --layers 8 --dtype bf16 >/dev/null ||
 		{ echo "hybrid.sh: cannot write the model"; exit 1; }
 fi
-# KV bytes per token: layers * kv_heads * head_dim * 2 (K, V) * 2 (bf16)
-per_token=$((8 * 8 * 128 * 2 * 2))
-kv_bytes=$(numfmt --from=iec "$KV")
-run() {	# name p g
-	seqs=$((kv_bytes / per_token / ($2 + $3)))
-	req=$(awk -v s="$seqs" -v k="$SCALE" 'BEGIN { r = int(3 * s * k); print (r < 64 ? 64 : r) }')
-	./tests/bench/mlens-bench serve --model "$MODEL" --mlensd ./daemon/mlensd --backend cuda \
-		--gpu-memory "$GPU" --kv-cache "$KV" --prompt-len "$2" --gen-len "$3" \
-		--requests "$req" --concurrency "$seqs" --threads 8 --timeout 600 --json \
-		> "$OUT/hybrid_$1.json" 2> "$OUT/hybrid_$1.err"
-	echo "$1: p=$2 g=$3 requests=$req (KV holds $seqs at once): rc $?"
-}
-run p512g128 512 128
-run p512g32 512 32
-run p128g32 128 32
-python3 ./tests/bench/hf_baseline.py "$MODEL" --gpu-memory "$(echo "$GPU" | sed 's/G$/GiB/')" \
-	--prompt-len 128 --gen-len 32 --requests 32 --batch 16 > "$OUT/hf_baseline.json" 2> "$OUT/hf_baseline.err"
-echo "transformers+accelerate: rc $?"
-echo
-printf '%-12s %14s %14s\n' run "generated t/s" "total t/s"
-for f in "$OUT"/hybrid_*.json "$OUT/hf_baseline.json"; do
-	[ -s "$f" ] || continue
-	python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); g=d.get("generated_tokens_per_s", d.get("measured", {}).get("generated_tokens_per_s")); t=d.get("total_tokens_per_s", d.get("measured", {}).get("total_tokens_per_s")); print("%-12s %14s %14s" % (sys.argv[1].split("/")[-1][:-5], g, t))' "$f"
+# one profile for every run: same model, backend, GPU and budget
+set -- --daemon-arg --profile --daemon-arg "--profile-cache=$OUT/profile_cache.json"
+[ -n "${MAX_STEP_TOKENS:-}" ] && set -- "$@" --max-step-tokens "$MAX_STEP_TOKENS"
+for r in $RUNS; do
+	t0=$(date +%s)
+	if [ "$r" = hf ]; then
+		python3 "$(dirname "$0")/hf_baseline.py" "$MODEL" --gpu-memory "$(echo "$GPU" | sed 's/G$/GiB/')" \
+			--prompt-len 128 --gen-len 32 --requests "$HF_REQ" --batch 16 \
+			> "$OUT/hf_baseline.json" 2> "$OUT/hf_baseline.err"
+		rc=$?
+		echo "hf: transformers+accelerate: rc $rc in $(($(date +%s) - t0)) s"
+		continue
+	fi
+	spec_=$(spec "$r")
+	kv=${spec_%% *}
+	rest=${spec_#* }
+	p=${rest%% *}
+	g=${rest#* }
+	s=$(seqs_of "$kv" "$p" "$g")
+	n=$(req_of "$s")
+	tmo=$(awk -v n="$n" -v p="$p" -v g="$g" -v t="$EXPECT_TPS" \
+		'BEGIN { x = 60 + 3 * n * (p + g) / t; printf "%d", (x > 570 ? 570 : x) }')
+	./tests/bench/mlens-bench serve --model "$MODEL" --mlensd ./daemon/mlensd --backend "$BACKEND" \
+		--gpu-memory "$GPU" --kv-cache "$kv" --prompt-len "$p" --gen-len "$g" \
+		--requests "$n" --concurrency "$s" --threads 8 --timeout "$tmo" --predict --json "$@" \
+		> "$OUT/hybrid_$r.json" 2> "$OUT/hybrid_$r.err"
+	rc=$?
+	echo "$r: KV $kv p=$p g=$g requests=$n (pool holds $s at once): rc $rc in $(($(date +%s) - t0)) s"
 done
+echo
+python3 - "$OUT" <<'EOF'
+import glob, json, os, sys
+out = sys.argv[1]
+def f(x, fmt="%.1f"):
+    return "-" if x is None else fmt % x
+rows = []
+hf = None
+for path in sorted(glob.glob(os.path.join(out, "hybrid_*.json"))):
+    try:
+        d = json.load(open(path))
+    except ValueError:
+        print("%s: no JSON (see %s)" % (os.path.basename(path), path[:-5] + ".err"))
+        continue
+    b, p, s, a = d.get("bound") or {}, d.get("predicted") or {}, d.get("steady") or {}, d.get("achieved") or {}
+    rows.append((os.path.basename(path)[7:-5], d, b, p, s, a))
+if os.path.exists(os.path.join(out, "hf_baseline.json")):
+    try:
+        hf = json.load(open(os.path.join(out, "hf_baseline.json")))
+    except ValueError:
+        hf = None
+print("%-12s %9s %9s %9s %9s %6s %9s %7s %7s %7s %-12s %6s %6s %6s" % (
+    "run", "gen t/s", "steady", "total t/s", "bound", "m/b", "predicted", "err", "err st",
+    "step n", "binds", "PCIe", "attn", "GPU%"))
+for name, d, b, p, s, a in rows:
+    print("%-12s %9s %9s %9s %9s %6s %9s %7s %7s %7s %-12s %6s %6s %6s" % (
+        name, f(d.get("generated_tokens_per_s")), f(s.get("generated_tokens_per_s")),
+        f(d.get("total_tokens_per_s")), f(b.get("generated_tokens_per_s")),
+        f(d.get("measured_over_bound"), "%.2f"), f(p.get("generated_tokens_per_s")),
+        f(None if d.get("prediction_error") is None else 100 * d["prediction_error"], "%+.0f%%"),
+        f(None if d.get("prediction_error_steady") is None else 100 * d["prediction_error_steady"], "%+.0f%%"),
+        f(s.get("mean_step_tokens") or d.get("mean_step_tokens"), "%.0f"),
+        (b.get("binds") or "-") + "/" + (p.get("binding") or "-"),
+        f(a.get("pcie_h2d_gb_per_s")), f(a.get("cpu_attention_gb_per_s")),
+        f(None if a.get("gpu_busy_ratio") is None else 100 * a["gpu_busy_ratio"], "%.0f")))
+if hf:
+    print("%-12s %9s %9s %9s   (transformers+accelerate, p=%d g=%d)" % (
+        "hf", f(hf.get("generated_tokens_per_s")), "-", f(hf.get("total_tokens_per_s")),
+        hf.get("prompt_len", 0), hf.get("gen_len", 0)))
+    for name, d, b, p, s, a in rows:
+        if hf.get("generated_tokens_per_s"):
+            print("  %s / hf: %.1fx generated tokens/s" % (name, d["generated_tokens_per_s"] / hf["generated_tokens_per_s"]))
+print("binds: the bound's binding ceiling / the daemon model's binding resource; err: predicted vs measured generated tokens/s")
+EOF
