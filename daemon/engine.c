@@ -227,6 +227,7 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 			.kv_dtype = o->kv_dtype,
 			.kv_mem_k = o->kv_mem_k,
 			.kv_mem_v = o->kv_mem_v,
+			.trace = e->trace,
 		};
 		rc = mlens_pipeline_create(&e->pipe, m, be, o->attn_backend, &po, err, errlen);
 		if (rc)

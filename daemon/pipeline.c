@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
+#include "daemon/trace.h"
 
 struct pl_layer {
 	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
@@ -100,6 +101,14 @@ struct mlens_pipeline {
 	int n_lrow;
 
 	struct mlens_pipeline_stats st;
+
+	/* busy time of the queues (timing marks around each GPU command and
+	 * weight copy) and, when armed, the step's trace; the host side's
+	 * spans wait in hs until the step ends (one thread adds to a trace) */
+	struct mlens_trace *trace;
+	struct mlens_step_timer timer;
+	struct pl_hspan { double t0, t1; int layer, group; bool wait; } *hs;
+	int n_hs, cap_hs;
 
 	/* With queues and events the host side of a step (HOST_WAIT, C) runs
 	 * on a thread of its own while the caller issues the GPU and copy
@@ -635,6 +644,14 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		       strerror(-rc));
 		goto fail;
 	}
+	p->trace = o->trace;
+	p->cap_hs = 2 * (int)p->cfg.num_hidden_layers * MLENS_PIPE_MAX_GROUPS;
+	p->hs = malloc((size_t)p->cap_hs * sizeof(*p->hs));
+	if (!p->hs || (rc = mlens_step_timer_init(&p->timer, gpu))) {
+		rc = rc ? rc : -ENOMEM;
+		seterr(err, errlen, "hybrid pipeline: cannot allocate its step timer");
+		goto fail;
+	}
 	p->st.async = p->async;
 	p->st.prefill_cpu = p->prefill_cpu;
 	*out = p;
@@ -651,6 +668,8 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 		return;
 	hx_stop(p);
 	p->g->ops->sync(p->g->ctx);
+	mlens_step_timer_fini(&p->timer);
+	free(p->hs);
 	if (p->async && !p->g->ops->event_record(p->g->ctx, 1, MLENS_BACKEND_EVENTS - 1))
 		p->g->ops->event_sync(p->g->ctx, MLENS_BACKEND_EVENTS - 1);	/* the weight stream, before unpinning */
 	T = (size_t)p->max_tokens;
@@ -985,6 +1004,30 @@ static int run_prog(struct mlens_pipeline *p, bool want_logits)
 	return rc ? rc : rc2;
 }
 
+/* The step's busy times and KV reads into the stats; its spans into the
+ * trace when one records. */
+static void step_times(struct mlens_pipeline *p)
+{
+	const struct mlens_model_config *c = &p->cfg;
+	double busy[2];
+
+	if (!mlens_step_timer_finish(&p->timer, busy)) {
+		p->st.gpu_busy_s = busy[0];
+		p->st.h2d_busy_s = mlens_step_timer_busy(&p->timer, "h2d");
+	} else {
+		p->st.gpu_busy_s = p->st.h2d_busy_s = 0;
+	}
+	p->st.gpu_busy_s_total += p->st.gpu_busy_s;
+	p->st.h2d_busy_s_total += p->st.h2d_busy_s;
+	p->st.kv_read_bytes = p->st.kv_read_tokens * (uint64_t)c->num_hidden_layers * 2 *
+			      (uint64_t)p->kvdim * mlens_dtype_size(p->kv.cache.dtype);
+	p->st.kv_read_bytes_total += p->st.kv_read_bytes;
+	for (int i = 0; i < p->n_hs && mlens_trace_on(p->trace); i++)
+		mlens_trace_spanf(p->trace, p->hs[i].wait ? "host-wait" : "cpu-attn", p->hs[i].t0,
+				  p->hs[i].t1, "%s l%d g%d", p->hs[i].wait ? "WAIT" : "C",
+				  p->hs[i].layer, p->hs[i].group);
+}
+
 /* ==== the step ==== */
 
 static int add_seg(struct mlens_pipeline *p, int req, int j0, int j1, int x)
@@ -1142,7 +1185,51 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 	*cu += gr->n_pre + 1;
 }
 
+static void host_span(struct mlens_pipeline *p, double t0, double t1,
+		      const struct mlens_pipe_cmd *cmd, bool wait)
+{
+	if (!mlens_trace_on(p->trace) || p->n_hs >= p->cap_hs)
+		return;
+	p->hs[p->n_hs].t0 = t0;
+	p->hs[p->n_hs].t1 = t1;
+	p->hs[p->n_hs].layer = cmd->layer;
+	p->hs[p->n_hs].group = cmd->group;
+	p->hs[p->n_hs].wait = wait;
+	p->n_hs++;
+}
+
+static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd,
+			   bool want_logits);
+
+/* GPU work and weight copies between timing marks on their queue. */
 static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, bool want_logits)
+{
+	static const char *const kind[] = { "HEAD", "GA", "C", "GB", "TAIL" };
+	int sp = -1, rc;
+
+	switch (cmd->kind) {
+	case MLENS_PIPE_HEAD:
+	case MLENS_PIPE_GA:
+	case MLENS_PIPE_GB:
+	case MLENS_PIPE_TAIL:
+		sp = mlens_step_timer_begin(&p->timer, 0, "gpu", "%s l%d g%d", kind[cmd->kind],
+					    cmd->layer, cmd->group);
+		break;
+	case MLENS_PIPE_COPY:
+		sp = mlens_step_timer_begin(&p->timer, 1, "h2d", "COPY l%d p%d", cmd->layer,
+					    cmd->piece);
+		break;
+	default:
+		break;
+	}
+	rc = run_cmd_untimed(p, cmd, want_logits);
+	if (sp >= 0)
+		mlens_step_timer_end(&p->timer, sp);
+	return rc;
+}
+
+static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd,
+			   bool want_logits)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	int rc = 0;
@@ -1155,7 +1242,10 @@ static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, b
 	case MLENS_PIPE_GA:
 		return stage_ga(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
 	case MLENS_PIPE_C:
-		return stage_c(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
+		t0 = now();
+		rc = stage_c(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
+		host_span(p, t0, now(), cmd, false);
+		return rc;
 	case MLENS_PIPE_GB:
 		return stage_gb(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
 	case MLENS_PIPE_TAIL:
@@ -1178,6 +1268,7 @@ static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, b
 		t0 = now();
 		rc = G->event_sync(GC, cmd->event);
 		p->st.host_wait_s += now() - t0;
+		host_span(p, t0, now(), cmd, true);
 		return rc;
 	}
 	return -EINVAL;
@@ -1226,7 +1317,11 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 
 	p->st.h2d_weight_bytes = p->st.h2d_act_bytes = p->st.d2h_act_bytes = 0;
 	p->st.cpu_attn_s = p->st.host_wait_s = 0;
-	if ((rc = run_prog(p, want_logits)))
+	p->n_hs = 0;
+	mlens_step_timer_start(&p->timer, p->trace);
+	rc = run_prog(p, want_logits);
+	step_times(p);
+	if (rc)
 		return rc;
 	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {
 		fprintf(stderr, "mlens pipeline: the %s backend holds %llu bytes after a step, past the "

@@ -43,6 +43,7 @@ struct mlens_pipeline_opts {
 	int kv_dtype;
 	void *kv_mem_k;
 	void *kv_mem_v;
+	struct mlens_trace *trace;	/* step traces (daemon/trace.h), may be NULL */
 };
 
 /* Busy time of the last step and totals (seconds, bytes). */

@@ -731,6 +731,23 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
 			ck_assert_int_eq(st->async, async);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
+			/* KV bytes the decode attention read: every decode token's
+			 * context, K and V, every layer (F32 cache) */
+			{
+				uint64_t ctx = 0, per = (uint64_t)ts.layers * 2 * ts.kv_heads *
+							ts.head_dim * 4;
+				for (int i = 0; i < 3 && step > 0; i++)
+					ctx += (uint64_t)(plen[i] + step);
+				if (step > 2)
+					ctx += (uint64_t)(plen[3] + step - 2);
+				/* (cut prompts: their later segments read the cache too) */
+				if (group_tokens == 0)
+					ck_assert_uint_eq(st->kv_read_bytes, ctx * per);
+				else
+					ck_assert_uint_ge(st->kv_read_bytes, ctx * per);
+			}
+			ck_assert(st->gpu_busy_s > 0);
+			ck_assert(st->gpu_busy_s_total >= st->gpu_busy_s);
 			/* step 0: 17 prompt tokens in groups of at most group_tokens */
 			if (step == 0 && group_tokens > 0)
 				ck_assert_int_ge(st->groups, (17 + group_tokens - 1) / group_tokens);
