@@ -448,7 +448,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	if (!be && o->be->ops->host_memory)
 		be = o->be;
 	if (!be) {
-		struct mlens_backend_opts bo = { o->n_threads, 0 };
+		struct mlens_backend_opts bo = { .n_threads = o->n_threads };
 		if ((rc = mlens_backend_cpu_create(&tmp, &bo))) {
 			seterr(err, errlen, "profiler: cannot start a cpu backend for the attention test: %s",
 			       strerror(-rc));

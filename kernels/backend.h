@@ -135,8 +135,12 @@ struct mlens_backend {
 };
 
 struct mlens_backend_opts {
-	int n_threads;		/* CPU: worker threads, 0 = all online cores */
+	int n_threads;		/* CPU: worker threads, 0 = all cores of numa_node
+				 * less n_reserved (at least 1) */
 	int device;		/* CUDA: device ordinal */
+	int numa_node;		/* CPU: the node whose cores run the workers (the
+				 * KV pool's); < 0 unpinned; 0 when zeroed */
+	int n_reserved;		/* CPU: cores of that node left out of the pool */
 };
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);

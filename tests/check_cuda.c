@@ -180,7 +180,7 @@ START_TEST(test_memory)
 	{
 		/* with a GPU present, auto picks CUDA */
 		struct mlens_backend a = { 0 };
-		struct mlens_backend_opts o = { 0, 0 };
+		struct mlens_backend_opts o = { .n_threads = 0 };
 		ck_assert_int_eq(mlens_backend_create(&a, "auto", &o), 0);
 		ck_assert_str_eq(a.ops->name, "cuda");
 		mlens_backend_destroy(&a);
@@ -585,7 +585,7 @@ static void print_table(void)
 
 int main(void)
 {
-	struct mlens_backend_opts o = { 0, 0 };
+	struct mlens_backend_opts o = { .n_threads = 0 };
 	Suite *s;
 	TCase *tc;
 	SRunner *sr;

@@ -124,7 +124,7 @@ static int prefill = MLENS_PREFILL_OP;
 static void fx_open(struct fixture *f, int kv_dtype, uint32_t kv_blocks, int threads)
 {
 	struct mlens_test_spec s = mlens_test_spec_tiny();
-	struct mlens_backend_opts bo = { threads, 0 };
+	struct mlens_backend_opts bo = { .n_threads = threads };
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = kv_blocks, .kv_dtype = kv_dtype,
 					.max_step_tokens = 256, .prefill_attn = prefill };
 	char err[256];

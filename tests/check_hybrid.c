@@ -461,7 +461,7 @@ static uint64_t stream_budget(const struct mlens_model *m, int max_tokens)
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
 		      bool prefill_cpu)
 {
-	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 1 };
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
 					.max_step_tokens = 64, .kv_blocks = 64 };
 	char err[512];
@@ -589,7 +589,7 @@ START_TEST(exec_pieces_and_budget)
 {
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
-	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 1 };
 	struct mlens_backend g, c;
 	struct mlens_pipeline *p = NULL;
 	struct mlens_pipeline_opts po = { .max_step_tokens = 64, .piece_bytes = 5000,
@@ -655,7 +655,7 @@ static int stenant_emit(struct mlens_sched_tenant *t, const struct mlens_event *
 
 static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uint64_t *preempt)
 {
-	struct mlens_backend_opts bo = { 1, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 1 };
 	struct mlens_backend be, attn;
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 14, .kv_dtype = -1,
 					.max_step_tokens = 64, .prefill_attn = MLENS_PREFILL_OP };

@@ -90,7 +90,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	const enum mlens_dtype dt = dtypes[_i];
 	struct mlens_test_spec ts = spec(dt);
 	struct mlens_model *m = mlens_test_model_new(&ts);
-	struct mlens_backend_opts bo = { 4, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 4 };
 	struct mlens_backend g, c;
 	struct mlens_engine *e;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128 };

@@ -271,7 +271,7 @@ static int bench_attn(void)
 
 int main(void)
 {
-	struct mlens_backend_opts o = { 0, 0 };
+	struct mlens_backend_opts o = { .n_threads = 0 };
 	struct cudaDeviceProp prop;
 	int rc;
 

@@ -95,7 +95,7 @@ int main(int argc, char **argv)
 	struct mlens_test_spec ts = { 4096, 2048, 7168, 4, 16, 4, 128, 8, 2, 4096, MLENS_DTYPE_BF16,
 				      1e6, 3 };
 	int n_seq = 256, ctx = 64, groups = 2, cap;
-	struct mlens_backend_opts bo = { 0, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 0 };
 	struct mlens_backend g, c;
 	struct mlens_engine *e;
 	struct mlens_model *m;

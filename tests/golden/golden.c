@@ -419,7 +419,7 @@ static int hybrid_budget(const struct mlens_model *m, int max_tokens, uint64_t *
 int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 			     const char *backend, char *err, size_t errlen)
 {
-	struct mlens_backend_opts bo = { 2, 0 };
+	struct mlens_backend_opts bo = { .n_threads = 2 };
 	/* prefill through the attention op: the prefill check compares against
 	 * the fp32-KV reference, where a prompt attends over its own unrounded
 	 * K/V (the cache path is what the decode checks exercise) */
