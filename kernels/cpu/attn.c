@@ -15,7 +15,7 @@
 
 struct mlens_attn_tuning mlens_attn_tune = {
 	.prefetch_tiles = 4, .prefetch_bytes = 0, .prefetch_spread = 1, .prefetch_hint = 1,
-	.chunk_tokens = MLENS_ATTN_CHUNK_TOKENS,
+	.prefetch_every = 1, .chunk_tokens = MLENS_ATTN_CHUNK_TOKENS, .heads_per_task = 0,
 };
 
 /* ==== variants ==== */
@@ -96,7 +96,9 @@ static void init_variant(void)
 	env_knob("MLENS_ATTN_PREFETCH_BYTES", &mlens_attn_tune.prefetch_bytes, 0, 1 << 30);
 	env_knob("MLENS_ATTN_PREFETCH_SPREAD", &mlens_attn_tune.prefetch_spread, 0, 1);
 	env_knob("MLENS_ATTN_PREFETCH_HINT", &mlens_attn_tune.prefetch_hint, 0, 3);
+	env_knob("MLENS_ATTN_PREFETCH_EVERY", &mlens_attn_tune.prefetch_every, 1, 1 << 16);
 	env_knob("MLENS_ATTN_CHUNK", &mlens_attn_tune.chunk_tokens, 1, 1 << 20);
+	env_knob("MLENS_ATTN_HEADS_PER_TASK", &mlens_attn_tune.heads_per_task, 0, 1 << 16);
 	/* relaxed: the variants are constant tables; the pointer is the only datum */
 	atomic_store_explicit(&active, &variants[i], memory_order_relaxed);
 }
@@ -303,6 +305,11 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	 * per task only when the batch would otherwise not feed every thread.
 	 * Heads never interact, so this choice does not change any result. */
 	j.hpt = nkv;
+	if (mlens_attn_tune.heads_per_task > 0 && mlens_attn_tune.heads_per_task < nkv) {
+		j.hpt = mlens_attn_tune.heads_per_task;
+		while (nkv % j.hpt)
+			j.hpt--;
+	}
 	while (j.hpt > 1 && n_chunks * (size_t)(nkv / j.hpt) < 4 * (size_t)nt) {
 		int d = j.hpt - 1;
 		while (nkv % d)

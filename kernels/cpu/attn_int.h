@@ -48,7 +48,12 @@ struct mlens_attn_tuning {
 	int prefetch_spread;	/* 1: one line per load, interleaved with the math;
 				 * 0: the whole tile at once before it */
 	int prefetch_hint;	/* 0: prefetcht0, 1: t1, 2: t2, 3: nta */
+	int prefetch_every;	/* spread: prefetch one line in this many (>= 1,
+				 * rounded down to a power of two),
+				 * leaving the rest to the hardware streamer */
 	int chunk_tokens;	/* positions per task of a split sequence */
+	int heads_per_task;	/* KV heads per task at most; 0: all (fewer when
+				 * the batch would not feed every thread) */
 };
 extern struct mlens_attn_tuning mlens_attn_tune;
 

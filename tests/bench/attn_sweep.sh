@@ -36,11 +36,17 @@ run "no prefetch"			--prefetch 0
 run "burst, 4 tiles (old default)"	--prefetch-spread 0 --prefetch 4
 run "spread, 1 tile"			--prefetch 1
 run "spread, 2 tiles"			--prefetch 2
-run "spread, 4 tiles (default)"		--prefetch 4
+run "spread, 4 tiles (default)"
 run "spread, 8 tiles"			--prefetch 8
 run "spread, 16 tiles"			--prefetch 16
-run "spread, 4 tiles, t0"		--prefetch 4 --prefetch-hint t0
-run "spread, 4 tiles, t2"		--prefetch 4 --prefetch-hint t2
-run "spread, 4 tiles, chunk 256"	--prefetch 4 --chunk 256
-run "spread, 4 tiles, chunk 1024"	--prefetch 4 --chunk 1024
-run "spread, 4 tiles, chunk 2048"	--prefetch 4 --chunk 2048
+run "spread, 64 KB"			--prefetch-bytes 65536
+run "spread, 4 tiles, t0"		--prefetch-hint t0
+run "spread, 4 tiles, t2"		--prefetch-hint t2
+run "spread, 4 tiles, every 2nd line"	--prefetch-every 2
+run "spread, 4 tiles, chunk 256"	--chunk 256
+run "spread, 4 tiles, chunk 1024"	--chunk 1024
+run "spread, 4 tiles, 2 heads/task"	--heads-per-task 2
+run "avx2, spread, 4 tiles"		--variant avx2
+threads=1 seqs=${SEQS1:-200}
+run "1 thread, 200 seqs, no prefetch"	--prefetch 0
+run "1 thread, 200 seqs, default"
