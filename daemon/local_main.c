@@ -88,6 +88,8 @@ int main(int argc, char **argv)
 	}
 	bo.n_threads = (int)threads;
 	bo.device = 0;
+	bo.numa_node = 0;
+	bo.n_reserved = 0;
 	rc = mlens_backend_create(&be, backend, &bo);
 	if (rc) {
 		fprintf(stderr, "mlens-local: cannot start the %s backend: %s\n", backend, strerror(-rc));

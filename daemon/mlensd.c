@@ -369,6 +369,10 @@ int main(int argc, char **argv)
 	bo.n_threads = (int)D.cfg.threads;
 	bo.device = D.cfg.gpu_ids[0];
 	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* checked at start */
+	/* the KV cache lives on this node; no core is kept back: the movers
+	 * only run at start-up and the main loop is the pool's thread 0 */
+	bo.numa_node = node;
+	bo.n_reserved = 0;
 	rc = mlens_backend_create(&D.be, D.cfg.backend, &bo);
 	if (rc)
 		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),

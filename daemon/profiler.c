@@ -249,6 +249,17 @@ static int time_best(struct layer *L, enum which w, int n, int reps, double *bes
 
 #define REPS 3
 
+static void origin_line(const double *x, const double *y, int n, struct mlens_perf_line *l)
+{
+	double sxx = 0, sxy = 0;
+	for (int i = 0; i < n; i++) {
+		sxx += x[i] * x[i];
+		sxy += x[i] * y[i];
+	}
+	l->a = 0;
+	l->b = sxx > 0 ? sxy / sxx : 0;
+}
+
 static int profile_layer(const struct mlens_model *m, const struct mlens_profile_opts *o, double budget,
 			 struct mlens_profile *p, char *err, size_t errlen)
 {
@@ -293,6 +304,14 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	    (rc = mlens_perf_fit_line(xs, p->gb_s, p->n_points, &p->gb))) {
 		seterr(err, errlen, "profiler: the GA/GB timings cannot be fitted");
 		goto out;
+	}
+	/* timings that do not grow with the token count (a small model on a
+	 * busy machine: noise above the work) fit a slope at or below zero,
+	 * which predicts nothing; then the line through the origin (times
+	 * are positive, so its slope is too) */
+	if (!(p->ga.b + p->gb.b > 0) || p->ga.a + p->gb.a < 0) {
+		origin_line(xs, p->ga_s, p->n_points, &p->ga);
+		origin_line(xs, p->gb_s, p->n_points, &p->gb);
 	}
 	if ((rc = time_best(&L, W_GEMM, (int)top, REPS, &t)))
 		goto op_fail;

@@ -164,9 +164,13 @@ enum mlens_gemm_mode {
 };
 
 struct mlens_backend_opts {
-	int n_threads;		/* CPU: worker threads, 0 = all online cores */
+	int n_threads;		/* CPU: worker threads, 0 = all cores of numa_node
+				 * less n_reserved (at least 1) */
 	int device;		/* CUDA: device ordinal */
 	enum mlens_gemm_mode gemm;	/* CUDA: half-precision GEMMs (0: FAST) */
+	int numa_node;		/* CPU: the node whose cores run the workers (the
+				 * KV pool's); < 0 unpinned; 0 when zeroed */
+	int n_reserved;		/* CPU: cores of that node left out of the pool */
 };
 
 /* "fast" or "exact" -> *out; -EINVAL for anything else. */

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "kernels/cpu/attn.h"
+#include "kernels/cpu/attn_int.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/pool.h"
 
@@ -266,6 +267,74 @@ START_TEST(test_threads_identical)
 }
 END_TEST
 
+/* The tuning knobs (attn_int.h) change speed, not results: every prefetch
+ * setting and head grouping gives the default's bits; another chunk size
+ * changes the merge order only, so it stays within the tolerance. Shapes:
+ * a block of 16 (tiles align with blocks) and an odd one of 5 (prefetch
+ * targets cross blocks mid-tile), in bf16 and f32. */
+START_TEST(test_tuning_knobs)
+{
+	static const struct shape kshapes[] = {
+		{ MLENS_DTYPE_BF16, 8, 4, 128, 16 },
+		{ MLENS_DTYPE_BF16, 2, 4, 64, 5 },
+		{ MLENS_DTYPE_F32, 4, 2, 128, 16 },
+	};
+	static const int32_t lens[] = { 1, 17, 700, 2049, 5, 1300, 33, 4000 };
+	const struct mlens_attn_tuning def = mlens_attn_tune;
+	struct mlens_attn_tuning set[] = { def, def, def, def, def, def, def, def, def };
+	const char *name = variant_names[_i];
+	struct mlens_pool *pool;
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
+		return;
+	}
+	set[0].prefetch_tiles = 0;
+	set[1].prefetch_spread = 0;
+	set[2].prefetch_bytes = 20000;
+	set[3].prefetch_hint = 0;
+	set[4].prefetch_hint = 3;
+	set[5].prefetch_every = 4;
+	set[6].prefetch_tiles = 37;
+	set[7].heads_per_task = 1;
+	set[8].heads_per_task = 3;
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	ck_assert_int_eq(mlens_pool_create(&pool, 2, NULL), 0);
+	for (int k = 0; k < 3; k++) {
+		const struct shape *sh = &kshapes[k];
+		size_t bytes = sizeof(lens) / sizeof(lens[0]) * (size_t)sh->nkv * sh->group * sh->hd *
+			       sizeof(float);
+		float *a, *b, *ref, scale = 1.0f / sqrtf((float)sh->hd);
+		double worst = 0.0;
+		struct setup s;
+
+		rng_state = 777 + (uint64_t)k;
+		setup_make(&s, sh->dt, 1, sh->nkv, sh->group, sh->hd, sh->bs, lens,
+			   (int)(sizeof(lens) / sizeof(lens[0])));
+		a = run_variant(&s, pool, 0, scale);
+		for (size_t x = 0; x < sizeof(set) / sizeof(set[0]); x++) {
+			mlens_attn_tune = set[x];
+			b = run_variant(&s, pool, 0, scale);
+			mlens_attn_tune = def;
+			if (memcmp(a, b, bytes))
+				ck_abort_msg("%s shape %d: knob setting %zu changed the result", name, k, x);
+			free(b);
+		}
+		mlens_attn_tune.chunk_tokens = 100;
+		b = run_variant(&s, pool, 0, scale);
+		mlens_attn_tune = def;
+		ref = run_ref(&s, 0, scale);
+		ck_assert_int_eq(compare(&s, ref, b, &worst), 0);
+		ck_assert_int_eq(compare(&s, ref, a, &worst), 0);
+		free(a);
+		free(b);
+		free(ref);
+		setup_free(&s);
+	}
+	mlens_pool_destroy(pool);
+}
+END_TEST
+
 /* Values that exercise bf16 rounding: ties both ways, carries into the
  * exponent, subnormals, infinities, NaNs of both signs. */
 static float special(int i)
@@ -426,6 +495,7 @@ int main(void)
 	tcase_add_loop_test(tc, test_variant_vs_reference, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_tuning_knobs, 0, N_VARIANTS);
 	tcase_add_test(tc, test_variant_selection);
 	tcase_add_test(tc, test_env_variant);
 	tcase_add_test(tc, test_decode_errors);

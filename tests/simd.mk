@@ -9,3 +9,5 @@ endif
 
 # The attention benchmark is `mlens-bench attention` (tests/bench/bench_attention.c,
 # built into mlens-bench in tests/shm.mk).
+# One-command sweep of the kernels' tuning knobs on a machine (prints a table).
+dist_noinst_SCRIPTS += tests/bench/attn_sweep.sh

@@ -1,6 +1,6 @@
 /* Decode attention dispatch: picks the kernel variant from CPUID (or the
  * config / MLENS_ATTN_KERNEL), splits the batch into tasks of at most
- * MLENS_ATTN_CHUNK_TOKENS positions of one (sequence, KV head), and merges
+ * MLENS_ATTN_CHUNK_TOKENS (tunable) positions of one (sequence, KV head), and merges
  * the partial results of split sequences in chunk order. */
 #include <errno.h>
 #include <math.h>
@@ -13,7 +13,10 @@
 #include "kernels/cpu/attn_int.h"
 #include "kernels/cpu/cpu.h"
 
-int mlens_attn_prefetch_tiles = 4;
+struct mlens_attn_tuning mlens_attn_tune = {
+	.prefetch_tiles = 4, .prefetch_bytes = 0, .prefetch_spread = 1, .prefetch_hint = 1,
+	.prefetch_every = 1, .chunk_tokens = MLENS_ATTN_CHUNK_TOKENS, .heads_per_task = 0,
+};
 
 /* ==== variants ==== */
 
@@ -65,10 +68,20 @@ static int best_variant(void)
 	return i;
 }
 
+/* An integer tuning knob from the environment, clamped to [lo, hi]. */
+static void env_knob(const char *name, int *dst, int lo, int hi)
+{
+	const char *e = getenv(name);
+	long v;
+	if (!e || !*e)
+		return;
+	v = strtol(e, NULL, 0);
+	*dst = v < lo ? lo : v > hi ? hi : (int)v;
+}
+
 static void init_variant(void)
 {
 	const char *env = getenv("MLENS_ATTN_KERNEL");
-	const char *pf = getenv("MLENS_ATTN_PREFETCH");
 	int i = env ? find_variant(env) : -1;
 
 	if (env && (i < 0 || !cpu_has(i))) {
@@ -79,8 +92,13 @@ static void init_variant(void)
 	}
 	if (i < 0)
 		i = best_variant();
-	if (pf && *pf)
-		mlens_attn_prefetch_tiles = atoi(pf) > 0 ? atoi(pf) : 0;
+	env_knob("MLENS_ATTN_PREFETCH", &mlens_attn_tune.prefetch_tiles, 0, 1 << 16);
+	env_knob("MLENS_ATTN_PREFETCH_BYTES", &mlens_attn_tune.prefetch_bytes, 0, 1 << 30);
+	env_knob("MLENS_ATTN_PREFETCH_SPREAD", &mlens_attn_tune.prefetch_spread, 0, 1);
+	env_knob("MLENS_ATTN_PREFETCH_HINT", &mlens_attn_tune.prefetch_hint, 0, 3);
+	env_knob("MLENS_ATTN_PREFETCH_EVERY", &mlens_attn_tune.prefetch_every, 1, 1 << 16);
+	env_knob("MLENS_ATTN_CHUNK", &mlens_attn_tune.chunk_tokens, 1, 1 << 20);
+	env_knob("MLENS_ATTN_HEADS_PER_TASK", &mlens_attn_tune.heads_per_task, 0, 1 << 16);
 	/* relaxed: the variants are constant tables; the pointer is the only datum */
 	atomic_store_explicit(&active, &variants[i], memory_order_relaxed);
 }
@@ -277,7 +295,9 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 		return 0;
 	}
 
-	j.chunk = (MLENS_ATTN_CHUNK_TOKENS + kv->block_size - 1) / kv->block_size * kv->block_size;
+	j.chunk = mlens_attn_tune.chunk_tokens > 0 ? mlens_attn_tune.chunk_tokens
+						    : MLENS_ATTN_CHUNK_TOKENS;
+	j.chunk = (j.chunk + kv->block_size - 1) / kv->block_size * kv->block_size;
 	for (int i = 0; i < n; i++)
 		n_chunks += ((size_t)queries[i].ctx_len + j.chunk - 1) / j.chunk;
 	/* All KV heads in one task read each block as one run (better for the
@@ -285,6 +305,11 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	 * per task only when the batch would otherwise not feed every thread.
 	 * Heads never interact, so this choice does not change any result. */
 	j.hpt = nkv;
+	if (mlens_attn_tune.heads_per_task > 0 && mlens_attn_tune.heads_per_task < nkv) {
+		j.hpt = mlens_attn_tune.heads_per_task;
+		while (nkv % j.hpt)
+			j.hpt--;
+	}
 	while (j.hpt > 1 && n_chunks * (size_t)(nkv / j.hpt) < 4 * (size_t)nt) {
 		int d = j.hpt - 1;
 		while (nkv % d)

@@ -11,16 +11,23 @@
 #include "kernels/cpu/pool.h"
 
 /* Positions per task when a sequence is split (rounded up to whole blocks);
- * fixed, so that results do not depend on the thread count. */
+ * independent of the thread count, so that results do not depend on it
+ * (MLENS_ATTN_CHUNK=N overrides it for measurements). */
 #define MLENS_ATTN_CHUNK_TOKENS 512
 
 /* Choose the kernel: "scalar", "avx2", "avx512", or "auto" (the best the CPU
  * has; also the default, unless the environment variable MLENS_ATTN_KERNEL
- * names one; MLENS_ATTN_PREFETCH=N sets the prefetch distance in tiles, 0
- * off, for measurements). scalar is the reference; avx2 and avx512 take bf16
- * or f32 caches with head_dim a multiple of 16 (avx2) or 32 (avx512) up to
- * 256, and fall back to the reference for other shapes. Returns 0,
- * -EINVAL for an unknown name, -ENOTSUP when this CPU lacks the ISA.
+ * names one). Tuning knobs for measurements, read once from the environment
+ * (struct mlens_attn_tuning in attn_int.h): MLENS_ATTN_PREFETCH=N prefetch
+ * distance in tiles (0 off), MLENS_ATTN_PREFETCH_BYTES=B in bytes instead,
+ * MLENS_ATTN_PREFETCH_SPREAD=0|1 a burst per tile or lines spread through
+ * the math, MLENS_ATTN_PREFETCH_HINT=0-3 prefetcht0/t1/t2/nta,
+ * MLENS_ATTN_PREFETCH_EVERY=N one line in N, MLENS_ATTN_CHUNK=N positions
+ * per task, MLENS_ATTN_HEADS_PER_TASK=N KV heads per task at most.
+ * scalar is the reference; avx2 and avx512 take bf16 or f32 caches with
+ * head_dim a multiple of 16 (avx2) or 32 (avx512) up to 256, and fall back
+ * to the reference for other shapes. Returns 0, -EINVAL for an unknown name,
+ * -ENOTSUP when this CPU lacks the ISA.
  * Process-wide; call it before attention runs, not during. */
 int mlens_cpu_attn_set_variant(const char *name);
 /* Name of the kernel in use ("scalar", "avx2" or "avx512"). */

@@ -38,10 +38,24 @@ static inline size_t mlens_attn_scratch_floats(int heads, int head_dim)
 	       3 * (size_t)heads + 16;
 }
 
-/* How far ahead the kernels prefetch, in (block, KV head) tiles of their
- * walk; 0 turns prefetch off.
- * A tuning knob for measurement (MLENS_ATTN_PREFETCH), read at dispatch. */
-extern int mlens_attn_prefetch_tiles;
+/* Tuning knobs of the vector kernels and the work split, read at dispatch;
+ * set from the environment once (attn.c) or by mlens-bench attention, for
+ * measurement. None of them changes a result except chunk_tokens (the merge
+ * order), and none depends on the thread count. */
+struct mlens_attn_tuning {
+	int prefetch_tiles;	/* distance in (tile, KV head) steps of the walk; 0 off */
+	int prefetch_bytes;	/* > 0: the distance in K+V bytes instead */
+	int prefetch_spread;	/* 1: one line per load, interleaved with the math;
+				 * 0: the whole tile at once before it */
+	int prefetch_hint;	/* 0: prefetcht0, 1: t1, 2: t2, 3: nta */
+	int prefetch_every;	/* spread: prefetch one line in this many (>= 1,
+				 * rounded down to a power of two),
+				 * leaving the rest to the hardware streamer */
+	int chunk_tokens;	/* positions per task of a split sequence */
+	int heads_per_task;	/* KV heads per task at most; 0: all (fewer when
+				 * the batch would not feed every thread) */
+};
+extern struct mlens_attn_tuning mlens_attn_tune;
 
 /* The kernels of each ISA level (their files are built with its flags).
  * A span fn handles head_dim % (2 * vector width) == 0, head_dim <= 256. */

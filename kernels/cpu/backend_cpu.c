@@ -583,7 +583,13 @@ int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backen
 	int rc;
 	if (!c)
 		return -ENOMEM;
-	rc = mlens_pool_create(&c->pool, o ? o->n_threads : 0, NULL);
+	/* workers pinned to the KV pool's node: attention streams the KV cache
+	 * from that node's memory, so its cores see it at local bandwidth */
+	rc = mlens_pool_create_numa(&c->pool, o ? o->numa_node : 0, o ? o->n_threads : 0,
+				    o ? o->n_reserved : 0);
+	if (rc == -EINVAL)	/* no CPU of that node is ours (a cpuset): unpinned */
+		rc = mlens_pool_create_numa(&c->pool, -1, o ? o->n_threads : 0,
+					    o ? o->n_reserved : 0);
 	if (rc) {
 		free(c);
 		return rc;

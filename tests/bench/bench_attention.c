@@ -25,7 +25,9 @@ struct opts {
 	const char *variant;	/* NULL: every one the CPU has */
 	double min_time;
 	size_t bw_bytes;
-	int prefetch;		/* < 0: the kernels' default */
+	/* kernel tuning (attn_int.h); < 0: the kernels' default */
+	int prefetch, prefetch_bytes, prefetch_spread, prefetch_hint, prefetch_every, chunk;
+	int heads_per_task;
 };
 
 static double now(void)
@@ -207,6 +209,9 @@ static void usage(FILE *f)
 		"         [--min-ctx A --max-ctx B] [--variant scalar|avx2|avx512]\n"
 		"         [--heads H] [--kv-heads K] [--head-dim D] [--block S]\n"
 		"         [--min-time SECONDS] [--bw-mb MB] [--prefetch TILES]\n"
+		"         [--prefetch-bytes B] [--prefetch-spread 0|1]\n"
+		"         [--prefetch-hint t0|t1|t2|nta] [--prefetch-every LINES]\n"
+		"         [--chunk TOKENS] [--heads-per-task N]\n"
 		"Decode attention over a one-layer bf16 paged KV cache: KV bytes read\n"
 		"per second for each kernel variant and thread count, next to the\n"
 		"streaming read bandwidth measured in the same run.\n");
@@ -228,6 +233,12 @@ static int parse(struct opts *o, int argc, char **argv)
 		{ "min-time", required_argument, NULL, 'T' },
 		{ "bw-mb", required_argument, NULL, 'B' },
 		{ "prefetch", required_argument, NULL, 'P' },
+		{ "prefetch-bytes", required_argument, NULL, 'Q' },
+		{ "prefetch-spread", required_argument, NULL, 'R' },
+		{ "prefetch-hint", required_argument, NULL, 'I' },
+		{ "prefetch-every", required_argument, NULL, 'E' },
+		{ "chunk", required_argument, NULL, 'C' },
+		{ "heads-per-task", required_argument, NULL, 'G' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -236,7 +247,9 @@ static int parse(struct opts *o, int argc, char **argv)
 
 	*o = (struct opts){ .seqs = 1000, .min_ctx = 512, .max_ctx = 2048, .heads = 32,
 			    .kv_heads = 8, .head_dim = 128, .block = 16, .min_time = 1.0,
-			    .bw_bytes = (size_t)2048 << 20, .prefetch = -1 };
+			    .bw_bytes = (size_t)2048 << 20, .prefetch = -1,
+			    .prefetch_bytes = -1, .prefetch_spread = -1, .prefetch_hint = -1,
+			    .prefetch_every = -1, .chunk = -1, .heads_per_task = -1 };
 	for (int t = 1; t < ncpu && o->n_threads < MAX_THREAD_COUNTS - 1; t *= 2)
 		o->threads[o->n_threads++] = t;
 	o->threads[o->n_threads++] = ncpu > 0 ? (int)ncpu : 1;
@@ -261,15 +274,33 @@ static int parse(struct opts *o, int argc, char **argv)
 		case 'T': o->min_time = atof(optarg); break;
 		case 'B': o->bw_bytes = (size_t)atol(optarg) << 20; break;
 		case 'P': o->prefetch = atoi(optarg); break;
+		case 'Q': o->prefetch_bytes = atoi(optarg); break;
+		case 'R': o->prefetch_spread = atoi(optarg) != 0; break;
+		case 'I':
+			o->prefetch_hint = !strcmp(optarg, "t0") ? 0 : !strcmp(optarg, "t1") ? 1 :
+					   !strcmp(optarg, "t2") ? 2 : !strcmp(optarg, "nta") ? 3 : -2;
+			if (o->prefetch_hint == -2) {
+				fprintf(stderr, "attention: --prefetch-hint takes t0, t1, t2 or nta\n");
+				return -EINVAL;
+			}
+			break;
+		case 'E': o->prefetch_every = atoi(optarg); break;
+		case 'C': o->chunk = atoi(optarg); break;
+		case 'G': o->heads_per_task = atoi(optarg); break;
 		case 'h': usage(stdout); return 1;
 		default: usage(stderr); return -EINVAL;
 		}
 	}
 	if (o->seqs < 1 || o->min_ctx < 1 || o->max_ctx < o->min_ctx || o->kv_heads < 1 ||
 	    o->heads < o->kv_heads || o->heads % o->kv_heads || o->head_dim < 1 ||
-	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < MLENS_BENCH_BW_SLICE || o->min_time < 0) {
+	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < MLENS_BENCH_BW_SLICE || o->min_time < 0 ||
+	    o->chunk == 0 || o->chunk > (1 << 20) || o->prefetch > (1 << 16) ||
+	    o->prefetch_every == 0 || o->prefetch_every > (1 << 16) || o->heads_per_task > (1 << 16) ||
+	    o->prefetch_bytes > (1 << 30)) {
 		fprintf(stderr, "attention: inconsistent sizes (need seqs >= 1, 1 <= min-ctx <= max-ctx, "
-			"heads a multiple of kv-heads, head-dim <= 256, bw-mb >= 1)\n");
+			"heads a multiple of kv-heads, head-dim <= 256, bw-mb >= 1, "
+			"1 <= chunk <= 1048576, prefetch <= 65536 tiles or 1 GB, "
+			"1 <= prefetch-every <= 65536)\n");
 		return -EINVAL;
 	}
 	if (o->variant && !mlens_cpu_attn_variant_supported(o->variant)) {
@@ -294,8 +325,22 @@ int mlens_bench_attention(int argc, char **argv)
 	rc = parse(&o, argc, argv);
 	if (rc)
 		return rc > 0 ? 0 : 2;
+	/* after the first variant query, so that these win over the environment */
+	(void)mlens_cpu_attn_variant();
 	if (o.prefetch >= 0)
-		mlens_attn_prefetch_tiles = o.prefetch;
+		mlens_attn_tune.prefetch_tiles = o.prefetch;
+	if (o.prefetch_bytes >= 0)
+		mlens_attn_tune.prefetch_bytes = o.prefetch_bytes;
+	if (o.prefetch_spread >= 0)
+		mlens_attn_tune.prefetch_spread = o.prefetch_spread;
+	if (o.prefetch_hint >= 0)
+		mlens_attn_tune.prefetch_hint = o.prefetch_hint;
+	if (o.prefetch_every > 0)
+		mlens_attn_tune.prefetch_every = o.prefetch_every;
+	if (o.chunk > 0)
+		mlens_attn_tune.chunk_tokens = o.chunk;
+	if (o.heads_per_task >= 0)
+		mlens_attn_tune.heads_per_task = o.heads_per_task;
 	__builtin_cpu_init();
 	for (int t = 0; t < o.n_threads; t++)
 		max_t = o.threads[t] > max_t ? o.threads[t] : max_t;
@@ -363,10 +408,15 @@ int mlens_bench_attention(int argc, char **argv)
 			       bw_by_t[t]);
 		printf("],\n \"config\": {\"seqs\": %d, \"min_ctx\": %d, \"max_ctx\": %d, \"heads\": %d, "
 		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"bf16\", "
-		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_tiles\": %d},\n"
+		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_tiles\": %d, "
+		       "\"prefetch_bytes\": %d, \"prefetch_spread\": %d, \"prefetch_hint\": %d, "
+		       "\"prefetch_every\": %d, \"heads_per_task\": %d},\n"
 		       " \"results\": [",
 		       o.seqs, o.min_ctx, o.max_ctx, o.heads, o.kv_heads, o.head_dim, o.block,
-		       b.kv_bytes, MLENS_ATTN_CHUNK_TOKENS, mlens_attn_prefetch_tiles);
+		       b.kv_bytes, mlens_attn_tune.chunk_tokens, mlens_attn_tune.prefetch_tiles,
+		       mlens_attn_tune.prefetch_bytes, mlens_attn_tune.prefetch_spread,
+		       mlens_attn_tune.prefetch_hint, mlens_attn_tune.prefetch_every,
+		       mlens_attn_tune.heads_per_task);
 		for (int i = 0; i < n_res; i++)
 			printf("%s\n  {\"variant\": \"%s\", \"threads\": %d, \"kv_gbs\": %.2f, "
 			       "\"kv_gbs_median\": %.2f, \"passes\": %d, \"read_bw_gbs\": %.2f, "
