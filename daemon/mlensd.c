@@ -211,7 +211,8 @@ static int step_cap_wanted(void)
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
-static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv_dt)
+static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv_dt,
+			  const struct mlens_backend_opts *bo)
 {
 	struct mlens_profile_state *st = &D.prof;
 	char gpu[96];
@@ -227,6 +228,10 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->opts.budget_s = D.be.ops->host_memory ? 0.5 : 20;
 	mlens_perf_model_from_config(&st->pm, &D.model->cfg, kv_dt);
 	st->hybrid = D.hybrid;
+	/* in hybrid mode the pipeline holds the GPU budget to the byte: the
+	 * profile's scratch must not stay in its backend */
+	st->own_backend = D.hybrid;
+	st->own_opts = *bo;
 	if (D.be.ops->host_memory) {
 		/* the CPU backend: activations may take the host memory the KV
 		 * pool leaves */
@@ -427,7 +432,7 @@ int main(int argc, char **argv)
 			return fail_start("%s", err);
 	}
 	/* the profiler runs before the engine takes its memory */
-	profile_setup(blocks, per_block, kv_dt);
+	profile_setup(blocks, per_block, kv_dt, &bo);
 	if (D.cfg.profile) {
 		rc = mlens_profile_state_run(&D.prof, NULL, MLENS_PROFILE_PROMPT, MLENS_PROFILE_GEN, true);
 		if (rc)

@@ -817,7 +817,26 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 		rc = mlens_profile_load(cache, &st->key, &st->prof, why, sizeof(why));
 		st->from_cache = !rc;
 	}
-	if (rc) {
+	if (rc && st->own_backend) {
+		struct mlens_profile_opts o = st->opts;
+		struct mlens_backend be;
+		rc = mlens_backend_create(&be, st->opts.be->ops->name, &st->own_opts);
+		if (rc) {
+			snprintf(st->err, sizeof(st->err), "profiler: cannot make a %s backend of its own: %s",
+				 st->opts.be->ops->name, strerror(-rc));
+			st->rc = rc;
+			return rc;
+		}
+		o.be = &be;
+		rc = mlens_profile_run(st->model, &o, &st->prof, st->err, sizeof(st->err));
+		mlens_backend_destroy(&be);
+		if (rc) {
+			st->rc = rc;
+			return rc;
+		}
+		if (cache && mlens_profile_save(cache, &st->key, &st->prof, why, sizeof(why)))
+			snprintf(st->err, sizeof(st->err), "%s", why);
+	} else if (rc) {
 		rc = mlens_profile_run(st->model, &st->opts, &st->prof, st->err, sizeof(st->err));
 		if (rc) {
 			st->rc = rc;

@@ -113,6 +113,11 @@ struct mlens_profile_state {
 	struct mlens_profile_opts opts;
 	struct mlens_perf_model pm;
 	bool hybrid;			/* experts stream: residency is searched */
+	/* profile on a backend of the same kind made for the run, not on
+	 * opts.be: what the profile grows there (scratch for its token counts)
+	 * is then given back, outside the serving budget (hybrid mode) */
+	bool own_backend;
+	struct mlens_backend_opts own_opts;
 	uint64_t gpu_budget;		/* bytes the backend may hold (model's budget) */
 	uint64_t gpu_workspace;
 	int64_t chunk;

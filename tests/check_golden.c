@@ -78,6 +78,30 @@ static double tol_for(const struct fx *f, double t)
 	return t;
 }
 
+/* A GPU-side backend sums in another order than the CPU (cuBLAS picks its
+ * kernels by row count, and rows group differently batched and alone), so
+ * with a bf16 KV cache a few K/V elements round to the other bf16
+ * neighbour, and that moves logits more than the order itself: measured on
+ * an H200 with exact GEMMs, 1.13e-3 against the bf16-KV reference (the
+ * CPU: 4.3e-4) and 2.7e-4 batched against alone. Such runs get twice the
+ * fixture's bf16-KV tolerance for both comparisons. */
+static bool kv_flips(const struct fx *f)
+{
+	return strcmp(mlens_golden_gpu_side(backend), "cpu") && strcmp(f->g->dtype, "float32");
+}
+
+static double kv_tol(const struct fx *f)
+{
+	return kv_flips(f) ? fmax(tol_for(f, f->g->tol_kv_bf16), 2 * f->g->tol_kv_bf16) :
+			     tol_for(f, f->g->tol_kv_bf16);
+}
+
+static double batched_tol(const struct fx *f)
+{
+	return kv_flips(f) ? fmax(tol_for(f, f->g->tol_prefill), 2 * f->g->tol_kv_bf16) :
+			     tol_for(f, f->g->tol_prefill);
+}
+
 /* Positions of prompt p (prompt tokens, then one per greedy step: step s
  * is position len-1+s) that this run compares: all, or when it rounds,
  * those before mlens_golden_fast_cut, said once per prompt. */
@@ -183,9 +207,9 @@ START_TEST(decode_logits_teacher_forced)
 			if (!f.g->has_kv_bf16)
 				continue;
 			d = mlens_golden_rel_diff(lg + s * f.V, pr->kv_bf16.gen_logits + s * f.V, f.V);
-			ck_assert_msg(d <= tol_for(&f, f.g->tol_kv_bf16),
+			ck_assert_msg(d <= kv_tol(&f),
 				      "%s prompt %d step %d: rel diff %.3g > %.3g vs the bf16-KV reference",
-				      f.g->name, p, s, d, tol_for(&f, f.g->tol_kv_bf16));
+				      f.g->name, p, s, d, kv_tol(&f));
 			worst_kv = d > worst_kv ? d : worst_kv;
 		}
 		free(lg);
@@ -193,7 +217,7 @@ START_TEST(decode_logits_teacher_forced)
 	}
 	report(&f, "decode logits (teacher-forced)", worst, tol_for(&f, f.g->tol_decode));
 	if (f.g->has_kv_bf16)
-		report(&f, "decode logits vs bf16-KV reference", worst_kv, tol_for(&f, f.g->tol_kv_bf16));
+		report(&f, "decode logits vs bf16-KV reference", worst_kv, kv_tol(&f));
 	fx_close(&f);
 }
 END_TEST
@@ -244,7 +268,7 @@ START_TEST(greedy_tokens)
 				 0);
 		compare_greedy(&f, p, tok, &pr->main, tol_for(&f, f.g->tol_decode), "main");
 		if (f.g->has_kv_bf16)
-			compare_greedy(&f, p, tok, &pr->kv_bf16, tol_for(&f, f.g->tol_kv_bf16), "bf16-KV");
+			compare_greedy(&f, p, tok, &pr->kv_bf16, kv_tol(&f), "bf16-KV");
 		free(tok);
 	}
 	fx_close(&f);
@@ -289,13 +313,13 @@ START_TEST(batched_equals_unbatched)
 					      "%s prompt %d step %d: batched logits differ (rel %.3g)",
 					      f.g->name, p, s, d);
 			else
-				ck_assert_msg(d <= tol_for(&f, f.g->tol_prefill),
+				ck_assert_msg(d <= batched_tol(&f),
 					      "%s prompt %d step %d: batched rel diff %.3g", f.g->name,
 					      p, s, d);
 		}
 	}
 	report(&f, exact ? "batched vs unbatched (bitwise)" : "batched vs unbatched", worst,
-	       exact ? 0.0 : tol_for(&f, f.g->tol_prefill));
+	       exact ? 0.0 : batched_tol(&f));
 	free(bt);
 	free(at);
 	free(bl);
