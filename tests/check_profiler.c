@@ -205,6 +205,21 @@ START_TEST(state_sets_cap)
 	ck_assert_int_eq(mlens_sched_token_cap(s), mlens_perf_token_cap(&st.pred) < 1024 ?
 			 mlens_perf_token_cap(&st.pred) : 1024);
 
+	/* on a backend of its own (hybrid mode in mlensd): made, used, given
+	 * back; the engine's backend holds what it held before */
+	{
+		size_t before = MLENS_BACKEND_HAS(be.ops, mem_used) ? be.ops->mem_used(be.ctx) : 0;
+		state_setup(&st, m, &be, 40000, 0);
+		st.hybrid = true;
+		st.own_backend = true;
+		st.own_opts.n_threads = 1;
+		ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
+		ck_assert(st.prof.ga.b + st.prof.gb.b > 0);
+		ck_assert(st.pred.n_real > 0);
+		ck_assert_uint_eq(MLENS_BACKEND_HAS(be.ops, mem_used) ? be.ops->mem_used(be.ctx) : 0,
+				  before);
+	}
+
 	mlens_sched_destroy(s);
 	mlens_engine_destroy(e);
 	mlens_backend_destroy(&be);
