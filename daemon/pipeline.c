@@ -853,15 +853,17 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = p->n_lrow, rc;
-	float *xn = p->set[0].xn;	/* the tail runs after every GB (queue order) */
+	/* the tail runs after every GB (queue order): both sets are free */
+	float *xn = p->set[0].xn, *rows = p->set[1].xn;
 
 	if (want_logits)
 		TRY(grow_host_logits(p, (size_t)nl));
 	for (int i0 = 0; i0 < nl; i0 += (int)p->chunk) {
 		int cnt = nl - i0 < (int)p->chunk ? nl - i0 : (int)p->chunk;
-		for (int i = 0; i < cnt; i++)
-			TRY(G->rmsnorm(GC, xn + (size_t)i * H, p->x + (size_t)p->lrow[i0 + i] * H,
-				       p->final_norm, c->dtype, 1, H, (float)c->rms_norm_eps));
+		/* the chunk's rows gathered (embed is a row gather; x is fp32),
+		 * then normed in one call rather than one call a row */
+		TRY(G->embed(GC, rows, p->x, MLENS_DTYPE_F32, H, p->lrow + i0, cnt));
+		TRY(G->rmsnorm(GC, xn, rows, p->final_norm, c->dtype, cnt, H, (float)c->rms_norm_eps));
 		TRY(G->gemm(GC, p->logits, xn, p->lm_head, c->dtype, cnt, H, V, false));
 		TRY(G->sample(GC, p->sampled + i0, p->logp + i0, p->logits, cnt, V, p->samp + i0));
 		if (want_logits)
