@@ -232,6 +232,9 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	 * profile's scratch must not stay in its backend */
 	st->own_backend = D.hybrid;
 	st->own_opts = *bo;
+	/* time GA and GB as the pipeline runs them: groups, MoE chunks */
+	st->opts.group = D.hybrid ? MLENS_GPUPLAN_GROUP : 0;
+	st->opts.moe_chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
 	if (D.be.ops->host_memory) {
 		/* the CPU backend: activations may take the host memory the KV
 		 * pool leaves */
@@ -250,6 +253,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->cache_path = D.cfg.profile_cache;
 	mlens_profile_gpu_name(&D.be, gpu, sizeof(gpu));
 	mlens_profile_key_make(&st->key, D.model, D.be.ops->name, gpu, D.cfg.gpu_memory, st->opts.budget_s);
+	st->key.group = st->opts.group;
+	st->key.moe_chunk = st->opts.moe_chunk;
 }
 
 static void profile_log(const struct mlens_profile_state *st)

@@ -57,6 +57,7 @@ struct layer {
 	int32_t *rid, *pos;
 	int64_t n;		/* rows allocated */
 	int qd, kvd;
+	int64_t group, moe_chunk;	/* struct mlens_profile_opts */
 };
 
 static const void *put(struct layer *L, const void *host, size_t bytes, int *rc)
@@ -181,36 +182,67 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 }
 
 /* GA of n tokens: what the engine runs before attention. */
-static int run_ga(struct layer *L, int n)
+static int run_ga_rows(struct layer *L, int r0, int n)
 {
 	const struct mlens_backend_ops *o = L->be->ops;
 	void *cx = L->be->ctx;
 	const struct mlens_model_config *c = L->c;
 	int H = (int)c->hidden_size, rc;
-	if ((rc = o->rmsnorm(cx, L->xn, L->x, L->attn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
-	    (rc = o->gemm(cx, L->q, L->xn, L->wq, c->dtype, n, H, L->qd, false)) ||
-	    (rc = o->gemm(cx, L->k, L->xn, L->wk, c->dtype, n, H, L->kvd, false)) ||
-	    (rc = o->gemm(cx, L->v, L->xn, L->wv, c->dtype, n, H, L->kvd, false)) ||
-	    (rc = o->rope(cx, L->q, L->pos, n, (int)c->num_attention_heads, (int)c->head_dim, (float)c->rope_theta)))
+	size_t r = (size_t)r0;
+	float *x = L->x + r * H, *xn = L->xn + r * H, *q = L->q + r * L->qd, *k = L->k + r * L->kvd;
+	if ((rc = o->rmsnorm(cx, xn, x, L->attn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
+	    (rc = o->gemm(cx, q, xn, L->wq, c->dtype, n, H, L->qd, false)) ||
+	    (rc = o->gemm(cx, k, xn, L->wk, c->dtype, n, H, L->kvd, false)) ||
+	    (rc = o->gemm(cx, L->v + r * L->kvd, xn, L->wv, c->dtype, n, H, L->kvd, false)) ||
+	    (rc = o->rope(cx, q, L->pos + r, n, (int)c->num_attention_heads, (int)c->head_dim, (float)c->rope_theta)))
 		return rc;
-	return o->rope(cx, L->k, L->pos, n, (int)c->num_key_value_heads, (int)c->head_dim, (float)c->rope_theta);
+	return o->rope(cx, k, L->pos + r, n, (int)c->num_key_value_heads, (int)c->head_dim, (float)c->rope_theta);
 }
 
-/* GB of n tokens: after attention, through the experts, into the residual
- * x as the engine does (its norm keeps the expert inputs bounded however
- * often the profile repeats it). */
-static int run_gb(struct layer *L, int n)
+/* GB of rows [r0, r0+n): after attention, through the experts, into the
+ * residual x as the engine does (its norm keeps the expert inputs bounded
+ * however often the profile repeats it). */
+static int run_gb_rows(struct layer *L, int r0, int n)
 {
 	const struct mlens_backend_ops *o = L->be->ops;
 	void *cx = L->be->ctx;
 	const struct mlens_model_config *c = L->c;
 	int H = (int)c->hidden_size, E = (int)c->num_local_experts, K = (int)c->num_experts_per_tok, rc;
-	if ((rc = o->gemm(cx, L->x, L->att, L->wo, c->dtype, n, L->qd, H, true)) ||
-	    (rc = o->rmsnorm(cx, L->xn, L->x, L->ffn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
-	    (rc = o->gemm(cx, L->rlog, L->xn, L->router, c->dtype, n, H, E, false)) ||
-	    (rc = o->router(cx, L->rid, L->rw, L->rlog, n, E, K)) ||
-	    (rc = o->moe(cx, L->x, L->xn, n, L->rid, L->rw, K, &L->moe)))
+	int chunk = L->moe_chunk > 0 && L->moe_chunk < n ? (int)L->moe_chunk : n;
+	size_t r = (size_t)r0;
+	float *x = L->x + r * H, *xn = L->xn + r * H;
+	if ((rc = o->gemm(cx, x, L->att + r * L->qd, L->wo, c->dtype, n, L->qd, H, true)) ||
+	    (rc = o->rmsnorm(cx, xn, x, L->ffn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
+	    (rc = o->gemm(cx, L->rlog + r * E, xn, L->router, c->dtype, n, H, E, false)) ||
+	    (rc = o->router(cx, L->rid + r * K, L->rw + r * K, L->rlog + r * E, n, E, K)))
 		return rc;
+	for (int t = 0; t < n; t += chunk) {
+		int cnt = n - t < chunk ? n - t : chunk;
+		size_t o2 = (size_t)t;
+		if ((rc = o->moe(cx, x + o2 * H, xn + o2 * H, cnt, L->rid + (r + o2) * K,
+				 L->rw + (r + o2) * K, K, &L->moe)))
+			return rc;
+	}
+	return 0;
+}
+
+/* GA and GB of n tokens, in groups as the caller asked (struct
+ * mlens_profile_opts: the hybrid pipeline's groups and MoE chunks). */
+static int run_ga(struct layer *L, int n)
+{
+	int g = L->group > 0 && L->group < n ? (int)L->group : n, rc;
+	for (int r = 0; r < n; r += g)
+		if ((rc = run_ga_rows(L, r, n - r < g ? n - r : g)))
+			return rc;
+	return 0;
+}
+
+static int run_gb(struct layer *L, int n)
+{
+	int g = L->group > 0 && L->group < n ? (int)L->group : n, rc;
+	for (int r = 0; r < n; r += g)
+		if ((rc = run_gb_rows(L, r, n - r < g ? n - r : g)))
+			return rc;
 	return 0;
 }
 
@@ -271,6 +303,8 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	if (nmax < 2 * MLENS_PROFILE_POINTS)
 		nmax = 2 * MLENS_PROFILE_POINTS;
 	rc = layer_init(&L, m, o->be, nmax);
+	L.group = o->group;
+	L.moe_chunk = o->moe_chunk;
 	if (rc) {
 		seterr(err, errlen, "profiler: cannot place one layer and %lld tokens of activations on the %s "
 		       "backend: %s (profile at start-up, profile = true, before the engine takes the memory)",
@@ -678,8 +712,10 @@ static json_t *key_json(const struct mlens_profile_key *k)
 {
 	char h[24];
 	snprintf(h, sizeof(h), "%016llx", (unsigned long long)k->config_hash);
-	return json_pack("{s:s,s:s,s:s,s:s,s:I,s:f}", "model", k->model, "config_hash", h, "backend", k->backend,
-			 "gpu", k->gpu, "budget", (json_int_t)k->budget, "budget_seconds", k->budget_s);
+	return json_pack("{s:s,s:s,s:s,s:s,s:I,s:f,s:I,s:I}", "model", k->model, "config_hash", h,
+			 "backend", k->backend, "gpu", k->gpu, "budget", (json_int_t)k->budget,
+			 "budget_seconds", k->budget_s, "group", (json_int_t)k->group, "moe_chunk",
+			 (json_int_t)k->moe_chunk);
 }
 
 int mlens_profile_save(const char *path, const struct mlens_profile_key *k,

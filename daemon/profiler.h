@@ -48,6 +48,10 @@ struct mlens_profile_opts {
 	int kv_block_size;		/* 0 = 16 */
 	int64_t max_tokens;		/* most tokens timed in one step; 0 = 4096 */
 	double budget_s;		/* seconds to aim for; 0 = 0.5 on host memory, 20 else */
+	/* GA and GB as the hybrid pipeline calls them: in groups of at most
+	 * group rows, the MoE in calls of at most moe_chunk tokens (0: all
+	 * the step's tokens in one call, as the engine does) */
+	int64_t group, moe_chunk;
 };
 
 /* Measurements (rates in bytes/s or FLOP/s; 0 = not measured). */
@@ -84,6 +88,7 @@ struct mlens_profile_key {
 	char gpu[96];
 	uint64_t budget;	/* gpu_memory as configured (0 = derived) */
 	double budget_s;	/* the profile's time budget */
+	int64_t group, moe_chunk;	/* how GA/GB were called (struct mlens_profile_opts) */
 };
 
 void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_model *m,

@@ -213,6 +213,8 @@ START_TEST(state_sets_cap)
 		st.hybrid = true;
 		st.own_backend = true;
 		st.own_opts.n_threads = 1;
+		st.opts.group = 100;	/* GA/GB as the pipeline calls them */
+		st.opts.moe_chunk = 16;
 		ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
 		ck_assert(st.prof.ga.b + st.prof.gb.b > 0);
 		ck_assert(st.pred.n_real > 0);
