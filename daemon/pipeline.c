@@ -76,6 +76,8 @@ struct mlens_pipeline {
 	void *slot[2];
 	struct mlens_pipe_prog prog;	/* this step's */
 	int *n_pieces;			/* per layer */
+	bool streams;			/* some experts stream */
+	bool prefetched;		/* the last step left layers 0 and 1 in their slots */
 	struct pl_region *reg;	/* host ranges we registered */
 	int n_reg;
 
@@ -578,8 +580,10 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		rc = -ENOMEM;
 		goto fail;
 	}
-	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++)
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++) {
 		p->n_pieces[l] = p->layers[l].n_pieces;
+		p->streams |= p->n_pieces[l] > 0;
+	}
 	if (p->async && (rc = register_stream(p))) {
 		seterr(err, errlen, "hybrid pipeline: cannot pin the weight pages for the expert "
 		       "stream: %s", strerror(-rc));
@@ -1312,8 +1316,10 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		layout_group(p, reqs, &row, &cu, &p->grp[x]);
 	for (int i = 0; i < p->n_lrow; i++)
 		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;
-	if ((rc = mlens_pipe_prog_build(&p->prog, (int)c->num_hidden_layers, p->n_grp,
-					p->n_pieces)))
+	/* the next step's first two layers stream at the end of this one */
+	if ((rc = mlens_pipe_prog_build_ex(&p->prog, (int)c->num_hidden_layers, p->n_grp,
+					   p->n_pieces, MLENS_PIPE_PREFETCH |
+					   (p->prefetched ? MLENS_PIPE_RESIDENT01 : 0))))
 		return rc;
 	p->st.groups = p->n_grp;
 
@@ -1323,6 +1329,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	mlens_step_timer_start(&p->timer, p->trace);
 	rc = run_prog(p, want_logits);
 	step_times(p);
+	p->prefetched = !rc && p->streams;	/* after a failure, stream them again */
 	if (rc)
 		return rc;
 	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {

@@ -27,18 +27,21 @@ static int push(struct mlens_pipe_prog *p, enum mlens_pipe_kind kind, enum mlens
 	c->event = event;
 	c->set = -1;
 	c->dep = -1;
+	c->next_step = false;
 	return 0;
 }
 
 #define PUSH(...) do { if ((rc = push(p, __VA_ARGS__))) goto fail; } while (0)
 
 /* WAIT(COPY, freed[s]), the pieces of layer m, RECORD(COPY, ready[s]). */
-static int stream_layer(struct mlens_pipe_prog *p, int m, int n_pieces)
+static int stream_layer(struct mlens_pipe_prog *p, int m, int n_pieces, bool next)
 {
 	int s = m % 2, rc;
 	PUSH(MLENS_PIPE_WAIT, MLENS_PIPE_Q_COPY, -1, -1, -1, -1, MLENS_PIPE_EV_FREED + s);
-	for (int i = 0; i < n_pieces; i++)
+	for (int i = 0; i < n_pieces; i++) {
 		PUSH(MLENS_PIPE_COPY, MLENS_PIPE_Q_COPY, m, -1, s, i, -1);
+		p->cmd[p->n - 1].next_step = next;
+	}
 	PUSH(MLENS_PIPE_RECORD, MLENS_PIPE_Q_COPY, -1, -1, -1, -1, MLENS_PIPE_EV_READY + s);
 	return 0;
 fail:
@@ -62,6 +65,12 @@ fail:
 int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 			  const int *n_pieces)
 {
+	return mlens_pipe_prog_build_ex(p, layers, groups, n_pieces, 0);
+}
+
+int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
+			     const int *n_pieces, unsigned flags)
+{
 	bool streams = false;
 	int rc, items, rec[MLENS_PIPE_SETS] = { -1, -1 }, c_at;
 
@@ -75,8 +84,8 @@ int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 	}
 	items = layers * groups;
 	PUSH(MLENS_PIPE_HEAD, MLENS_PIPE_Q_GPU, -1, -1, -1, -1, -1);
-	for (int m = 0; streams && m < 2 && m < layers; m++)
-		if ((rc = stream_layer(p, m, n_pieces[m])))
+	for (int m = 0; streams && !(flags & MLENS_PIPE_RESIDENT01) && m < 2 && m < layers; m++)
+		if ((rc = stream_layer(p, m, n_pieces[m], false)))
 			goto fail;
 	if ((rc = push_ga(p, 0, groups, rec)))
 		goto fail;
@@ -97,7 +106,12 @@ int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 		if (streams && x == groups - 1) {
 			PUSH(MLENS_PIPE_RECORD, MLENS_PIPE_Q_GPU, l, -1, -1, -1,
 			     MLENS_PIPE_EV_FREED + l % 2);
-			if (l + 2 < layers && (rc = stream_layer(p, l + 2, n_pieces[l + 2])))
+			rc = 0;
+			if (l + 2 < layers)
+				rc = stream_layer(p, l + 2, n_pieces[l + 2], false);
+			else if (flags & MLENS_PIPE_PREFETCH)	/* the slot's next user: layer l % 2 */
+				rc = stream_layer(p, l % 2, n_pieces[l % 2], true);
+			if (rc)
 				goto fail;
 		}
 		if (groups == 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups, rec)))

@@ -12,7 +12,8 @@
  * so that only two groups' activations live at once however many groups a
  * step has:
  *   HEAD                                    GPU: embeddings of all tokens
- *   stream layers 0 and 1 into slots 0, 1   COPY queue (see below)
+ *   stream layers 0 and 1 into slots 0, 1   COPY queue (see below), unless
+ *                                           the last step prefetched them
  *   GA(item 0), RECORD(GPU, qkv[set 0])     GPU: norm, QKV, RoPE, prefill
  *                                           attention, D2H of K/V and q
  *   for each item i = (l, x):
@@ -22,7 +23,8 @@
  *     WAIT(GPU, ready[slot(l)])              (before layer l's first GB)
  *     GB(l, x)       GPU: O projection, norm, router, experts
  *     after the last group: RECORD(GPU, freed[slot(l)]) and, when l+2 < L,
- *       stream layer l+2 into slot(l)
+ *       stream layer l+2 into slot(l) (else, with MLENS_PIPE_PREFETCH,
+ *       layer l mod 2 for the next step)
  *     when G = 1: GA(item i+1), RECORD(GPU, qkv[0])
  *   TAIL                                    GPU: final norm, lm_head, sampling
  * "stream layer m into slot s" = WAIT(COPY, freed[s]), COPY of each piece
@@ -88,6 +90,8 @@ struct mlens_pipe_cmd {
 	int slot;		/* COPY; -1 otherwise */
 	int piece;		/* COPY: index into the layer's pieces */
 	int event;		/* RECORD, WAIT, HOST_WAIT; -1 otherwise */
+	/* COPY: for the next step (MLENS_PIPE_PREFETCH), not this one */
+	bool next_step;
 	/* Index of the command on the other side (host vs GPU and copy
 	 * queues) that must have been issued or run before this one, for an
 	 * executor that drives the two sides from two threads: HOST_WAIT
@@ -107,6 +111,16 @@ struct mlens_pipe_prog {
  * -EINVAL, -ENOMEM. */
 int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
 			  const int *n_pieces);
+/* Flags of mlens_pipe_prog_build_ex. PREFETCH: once the last layer using a
+ * slot is done with it, stream the first layer that needs it next step
+ * (layers 0 and 1), so the next step starts with its first two layers in
+ * place instead of waiting for them; RESIDENT01: the previous step did
+ * that (its copies and ready events stand), so this step streams only
+ * layers 2 and up. Each layer still crosses PCIe once per step. */
+#define MLENS_PIPE_PREFETCH 1u
+#define MLENS_PIPE_RESIDENT01 2u
+int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
+			     const int *n_pieces, unsigned flags);
 void mlens_pipe_prog_free(struct mlens_pipe_prog *p);
 
 /* One streamed tensor of a layer: host bytes and where they go in the slot. */

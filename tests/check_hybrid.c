@@ -222,6 +222,8 @@ struct sim {
 	int set_ga[16][8], set_c[16][8], set_gb[16][8];
 	struct span copy[16][64];
 	int copies[16][64];
+	struct span pre[2][64];		/* next-step copies of layers 0, 1 */
+	int pre_n[2];
 	int copy_slot[16][64];
 	double makespan;
 };
@@ -274,6 +276,13 @@ static void simulate(struct sim *s, const struct mlens_pipe_prog *p)
 		case MLENS_PIPE_COPY:
 			ck_assert_int_lt(c->piece, s->pieces[c->layer]);
 			dur = s->t_piece;
+			if (c->next_step) {
+				ck_assert_int_lt(c->layer, 2);
+				ck_assert_int_eq(c->slot, c->layer % 2);
+				sp = &s->pre[c->layer][c->piece];
+				s->pre_n[c->layer]++;
+				break;
+			}
 			sp = &s->copy[c->layer][c->piece];
 			s->copies[c->layer][c->piece]++;
 			s->copy_slot[c->layer][c->piece] = c->slot;
@@ -415,6 +424,61 @@ END_TEST
  * RECORD of its event before it, GB on the C of its item; and a set's
  * GPU buffers are rewritten by C(i)'s copy only after GB(i-2) was issued
  * (it precedes the record C(i) waits for). */
+/* Prefetch for the next step: layers 0 and 1 stream once their slot's
+ * last user of this step is done, and a step built with RESIDENT01 streams
+ * only layers 2 and up; chained steps keep every slot hazard-free. */
+START_TEST(prog_prefetch_next_step)
+{
+	static const int pieces[5] = { 2, 3, 2, 3, 2 };
+	struct mlens_pipe_prog p = { 0 };
+
+	for (int L = 1; L <= 5; L++) {
+		for (int G = 1; G <= 3; G++) {
+			struct sim *s = calloc(1, sizeof(*s));
+			ck_assert_int_eq(mlens_pipe_prog_build_ex(&p, L, G, pieces, MLENS_PIPE_PREFETCH |
+								  MLENS_PIPE_RESIDENT01), 0);
+			s->layers = L;
+			s->groups = G;
+			s->pieces = pieces;
+			s->t_ga = s->t_gb = s->t_c = s->t_piece = 1;
+			/* layers 0 and 1 are in place: mark them arrived at time 0 */
+			for (int m = 0; m < 2 && m < L; m++)
+				for (int i = 0; i < pieces[m]; i++) {
+					s->copies[m][i] = 1;
+					s->copy_slot[m][i] = m;
+					s->copy[m][i].done = true;
+				}
+			simulate(s, &p);
+			check_order(s);
+			for (int m = 0; m < 2; m++) {
+				int last = -1;	/* the last layer of this step in slot m */
+				for (int l = 0; l < L; l++)
+					if (l % 2 == m)
+						last = l;
+				ck_assert_int_eq(s->pre_n[m], last >= 0 ? pieces[m] : 0);
+				for (int i = 0; i < s->pre_n[m]; i++)
+					for (int x = 0; x < G; x++)
+						ck_assert_msg(s->pre[m][i].start >= s->gb[last][x].end,
+							      "L %d G %d: next step's layer %d overwrites "
+							      "slot %d before GB(%d,%d)", L, G, m, m, last, x);
+			}
+			free(s);
+		}
+	}
+	/* without RESIDENT01 the step streams its own 0 and 1 first */
+	ck_assert_int_eq(mlens_pipe_prog_build_ex(&p, 3, 2, pieces, MLENS_PIPE_PREFETCH), 0);
+	{
+		int own = 0, next = 0;
+		for (int i = 0; i < p.n; i++)
+			if (p.cmd[i].kind == MLENS_PIPE_COPY && p.cmd[i].layer < 2)
+				p.cmd[i].next_step ? next++ : own++;
+		ck_assert_int_eq(own, pieces[0] + pieces[1]);
+		ck_assert_int_eq(next, pieces[0] + pieces[1]);
+	}
+	mlens_pipe_prog_free(&p);
+}
+END_TEST
+
 START_TEST(prog_deps_for_two_threads)
 {
 	static const int pieces[5] = { 1, 2, 1, 2, 1 };
@@ -726,8 +790,11 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 		{
 			struct mlens_pipeline *p = mlens_engine_pipeline(sd[1].e);
 			const struct mlens_pipeline_stats *st = mlens_pipeline_stats(p);
-			/* every expert of every layer crossed exactly once */
-			ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
+			/* every expert of every layer crossed exactly once a step;
+			 * the first step also streams its own layers 0 and 1 (later
+			 * steps find them prefetched by the step before) */
+			ck_assert_uint_eq(st->h2d_weight_bytes,
+					  (uint64_t)(ts.layers + (step == 0 ? 2 : 0)) * ts.experts * expert);
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
 			ck_assert_int_eq(st->async, async);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
@@ -825,8 +892,9 @@ START_TEST(exec_pieces_and_budget)
 	r.n_tokens = 6;
 	ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), 0);
 	ck_assert_int_eq(seq.len, 6);
+	/* the first step: its layers, and layers 0 and 1 again for the next */
 	ck_assert_uint_eq(mlens_pipeline_stats(p)->h2d_weight_bytes,
-			  (uint64_t)ts.layers * ts.experts * expert);
+			  (uint64_t)(ts.layers + 2) * ts.experts * expert);
 	r.tokens = big;
 	r.n_tokens = 65;
 	ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), -E2BIG);
@@ -964,6 +1032,7 @@ static Suite *suite(void)
 	tcase_add_test(t, prog_two_groups);
 	tcase_add_test(t, prog_many_groups);
 	tcase_add_test(t, prog_deps_for_two_threads);
+	tcase_add_test(t, prog_prefetch_next_step);
 	tcase_add_test(t, prog_copy_bound_hides_compute);
 	tcase_add_test(t, prog_one_group_and_resident);
 	tcase_add_test(t, pieces_split_and_merge);
