@@ -424,7 +424,15 @@ int main(int argc, char **argv)
 				 "from pinned host memory, decode attention runs on the CPU",
 				 D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0);
 			log_info("hybrid mode: %s", D.mode_reason);
-			if ((rc = mlens_backend_cpu_create(&D.attn, &bo)))
+			/* the worker drives the GPU side of each step and waits for
+			 * the GPU spinning (CUDA's default with fewer contexts than
+			 * cores) while the pool runs decode attention: with threads
+			 * on auto, leave it a core rather than oversubscribe the
+			 * pool, whose static split waits for its slowest thread */
+			struct mlens_backend_opts abo = bo;
+			if (abo.n_threads <= 0)
+				abo.n_reserved = 1;
+			if ((rc = mlens_backend_cpu_create(&D.attn, &abo)))
 				return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
 						  strerror(-rc));
 		}
