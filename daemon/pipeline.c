@@ -112,22 +112,28 @@ struct mlens_pipeline {
 	struct pl_hspan { double t0, t1; int layer, group; bool wait; } *hs;
 	int n_hs, cap_hs;
 
-	/* With queues and events the host side of a step (HOST_WAIT, C) runs
-	 * on a thread of its own while the caller issues the GPU and copy
-	 * side: an op that waits for the GPU (the MoE reads its routing
-	 * counts back) then holds up only the GPU side. Each side takes its
-	 * commands in program order and waits only for their deps (pipeprog.h). */
+	/* With queues and events each queue of the step program has a thread:
+	 * the caller issues the GPU side, a host thread runs HOST_WAIT and C,
+	 * the mover issues the weight copies. An op that waits for the GPU (the
+	 * MoE reads its routing counts back) then holds up only the GPU side.
+	 * Each side takes its commands in program order and waits only for
+	 * their deps (pipeprog.h). */
 	struct {
-		pthread_t th;
+		pthread_t th[MLENS_PIPE_Q_N];	/* [Q_COPY], [Q_HOST]; Q_GPU is the caller */
 		bool on, quit;
 		pthread_mutex_t mu;
 		pthread_cond_t cv;
-		uint64_t job, done;	/* steps handed over, steps finished */
-		int drv;		/* every GPU-side command below this was issued */
-		int host;		/* every host command below this ran */
-		int rc;			/* the first failure of either side */
+		pthread_mutex_t timer_mu;	/* the step timer: the GPU side and the mover */
+		uint64_t job;			/* steps handed over */
+		uint64_t done[MLENS_PIPE_Q_N];	/* steps each side finished */
+		int pos[MLENS_PIPE_Q_N];	/* every command of that side below this ran */
+		int rc;				/* the first failure of any side */
 		bool want_logits;
 	} hx;
+	struct hx_arg {
+		struct mlens_pipeline *p;
+		int side;
+	} hx_arg[MLENS_PIPE_Q_N];
 };
 
 static void seterr(char *err, size_t len, const char *fmt, ...)
@@ -881,33 +887,54 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 
 static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, bool want_logits);
 
-/* Wait until *pos passes dep (or a side failed); 0 or the failure. */
-static int hx_wait(struct mlens_pipeline *p, const int *pos, int dep)
+/* Wait until the side that owns command dep has run it (or a side
+ * failed); 0 or the failure. */
+static int hx_wait(struct mlens_pipeline *p, int dep)
 {
-	int rc;
+	int side = p->prog.cmd[dep].queue, rc;
 	pthread_mutex_lock(&p->hx.mu);
-	while (!p->hx.rc && *pos <= dep)
+	while (!p->hx.rc && p->hx.pos[side] <= dep)
 		pthread_cond_wait(&p->hx.cv, &p->hx.mu);
 	rc = p->hx.rc;
 	pthread_mutex_unlock(&p->hx.mu);
 	return rc;
 }
 
-static void hx_post(struct mlens_pipeline *p, int *pos, int v, int rc)
+static void hx_post(struct mlens_pipeline *p, int side, int v, int rc)
 {
 	pthread_mutex_lock(&p->hx.mu);
-	*pos = v;
+	p->hx.pos[side] = v;
 	if (rc && !p->hx.rc)
 		p->hx.rc = rc;
 	pthread_cond_broadcast(&p->hx.cv);
 	pthread_mutex_unlock(&p->hx.mu);
 }
 
-static void *host_side(void *arg)
+/* One side's commands of this step, in program order; the first failure
+ * stops every side. */
+static int run_side(struct mlens_pipeline *p, int side, bool want_logits)
 {
-	struct mlens_pipeline *p = arg;
+	int rc = 0;
+	for (int k = 0; k < p->prog.n && !rc; k++) {
+		const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
+		if ((int)c->queue != side)
+			continue;
+		if (c->dep >= 0 && (int)p->prog.cmd[c->dep].queue != side)
+			rc = hx_wait(p, c->dep);
+		if (!rc)
+			rc = run_cmd(p, c, want_logits);
+		hx_post(p, side, k + 1, rc);
+	}
+	hx_post(p, side, p->prog.n, rc);
+	return rc;
+}
+
+static void *side_thread(void *arg)
+{
+	struct mlens_pipeline *p = ((struct hx_arg *)arg)->p;
+	int side = ((struct hx_arg *)arg)->side;
 	uint64_t seen = 0;
-	int rc = MLENS_BACKEND_HAS(p->g->ops, bind_thread) ? p->g->ops->bind_thread(p->g->ctx) : 0;
+	int brc = MLENS_BACKEND_HAS(p->g->ops, bind_thread) ? p->g->ops->bind_thread(p->g->ctx) : 0;
 
 	for (;;) {
 		pthread_mutex_lock(&p->hx.mu);
@@ -919,21 +946,12 @@ static void *host_side(void *arg)
 		}
 		seen = p->hx.job;
 		pthread_mutex_unlock(&p->hx.mu);
-		for (int k = 0; k < p->prog.n; k++) {
-			const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
-			int r = rc;
-			if (c->queue != MLENS_PIPE_Q_HOST)
-				continue;
-			if (!r && c->dep >= 0)
-				r = hx_wait(p, &p->hx.drv, c->dep);
-			if (!r)
-				r = run_cmd(p, c, p->hx.want_logits);
-			hx_post(p, &p->hx.host, k + 1, r);
-			if (r)
-				break;
-		}
+		if (brc)
+			hx_post(p, side, p->prog.n, brc);
+		else
+			run_side(p, side, p->hx.want_logits);
 		pthread_mutex_lock(&p->hx.mu);
-		p->hx.done = seen;
+		p->hx.done[side] = seen;
 		pthread_cond_broadcast(&p->hx.cv);
 		pthread_mutex_unlock(&p->hx.mu);
 	}
@@ -941,18 +959,41 @@ static void *host_side(void *arg)
 
 static int hx_start(struct mlens_pipeline *p)
 {
+	static const int sides[2] = { MLENS_PIPE_Q_COPY, MLENS_PIPE_Q_HOST };
+	int started = 0;
+
 	if (pthread_mutex_init(&p->hx.mu, NULL))
 		return -ENOMEM;
-	if (pthread_cond_init(&p->hx.cv, NULL)) {
+	if (pthread_mutex_init(&p->hx.timer_mu, NULL)) {
 		pthread_mutex_destroy(&p->hx.mu);
 		return -ENOMEM;
 	}
-	if (pthread_create(&p->hx.th, NULL, host_side, p)) {
-		pthread_cond_destroy(&p->hx.cv);
+	if (pthread_cond_init(&p->hx.cv, NULL)) {
+		pthread_mutex_destroy(&p->hx.timer_mu);
 		pthread_mutex_destroy(&p->hx.mu);
-		return -EAGAIN;
+		return -ENOMEM;
 	}
 	p->hx.on = true;
+	for (; started < 2; started++) {
+		struct hx_arg *a = &p->hx_arg[sides[started]];
+		a->p = p;
+		a->side = sides[started];
+		if (pthread_create(&p->hx.th[a->side], NULL, side_thread, a))
+			break;
+	}
+	if (started < 2) {
+		pthread_mutex_lock(&p->hx.mu);
+		p->hx.quit = true;
+		pthread_cond_broadcast(&p->hx.cv);
+		pthread_mutex_unlock(&p->hx.mu);
+		for (int i = 0; i < started; i++)
+			pthread_join(p->hx.th[sides[i]], NULL);
+		pthread_cond_destroy(&p->hx.cv);
+		pthread_mutex_destroy(&p->hx.timer_mu);
+		pthread_mutex_destroy(&p->hx.mu);
+		p->hx.on = false;
+		return -EAGAIN;
+	}
 	return 0;
 }
 
@@ -964,14 +1005,16 @@ static void hx_stop(struct mlens_pipeline *p)
 	p->hx.quit = true;
 	pthread_cond_broadcast(&p->hx.cv);
 	pthread_mutex_unlock(&p->hx.mu);
-	pthread_join(p->hx.th, NULL);
+	pthread_join(p->hx.th[MLENS_PIPE_Q_COPY], NULL);
+	pthread_join(p->hx.th[MLENS_PIPE_Q_HOST], NULL);
 	pthread_cond_destroy(&p->hx.cv);
+	pthread_mutex_destroy(&p->hx.timer_mu);
 	pthread_mutex_destroy(&p->hx.mu);
 	p->hx.on = false;
 }
 
-/* Run the step's program: on one thread in program order, or split
- * between the caller (GPU and copy side) and the host thread. */
+/* Run the step's program: on one thread in program order, or a thread
+ * per queue (the caller takes the GPU side). */
 static int run_prog(struct mlens_pipeline *p, bool want_logits)
 {
 	int rc = 0, rc2;
@@ -982,30 +1025,20 @@ static int run_prog(struct mlens_pipeline *p, bool want_logits)
 		return rc;
 	}
 	pthread_mutex_lock(&p->hx.mu);
-	p->hx.drv = p->hx.host = 0;
+	for (int q = 0; q < MLENS_PIPE_Q_N; q++)
+		p->hx.pos[q] = 0;
 	p->hx.rc = 0;
 	p->hx.want_logits = want_logits;
 	p->hx.job++;
 	pthread_cond_broadcast(&p->hx.cv);
 	pthread_mutex_unlock(&p->hx.mu);
-	for (int k = 0; k < p->prog.n && !rc; k++) {
-		const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
-		if (c->queue != MLENS_PIPE_Q_HOST) {
-			if (c->dep >= 0)
-				rc = hx_wait(p, &p->hx.host, c->dep);
-			if (!rc)
-				rc = run_cmd(p, c, want_logits);
-		}
-		hx_post(p, &p->hx.drv, k + 1, rc);
-	}
-	if (rc)
-		hx_post(p, &p->hx.drv, p->prog.n, rc);	/* wakes the host side to stop */
+	rc = run_side(p, MLENS_PIPE_Q_GPU, want_logits);
 	pthread_mutex_lock(&p->hx.mu);
-	while (p->hx.done != p->hx.job)
+	while (p->hx.done[MLENS_PIPE_Q_HOST] != p->hx.job || p->hx.done[MLENS_PIPE_Q_COPY] != p->hx.job)
 		pthread_cond_wait(&p->hx.cv, &p->hx.mu);
 	rc2 = p->hx.rc;
 	pthread_mutex_unlock(&p->hx.mu);
-	if (rc)
+	if (rc || rc2)
 		(void)p->g->ops->sync(p->g->ctx);	/* nothing of this step still runs */
 	return rc ? rc : rc2;
 }
@@ -1213,24 +1246,29 @@ static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, b
 	static const char *const kind[] = { "HEAD", "GA", "C", "GB", "TAIL" };
 	int sp = -1, rc;
 
-	switch (cmd->kind) {
-	case MLENS_PIPE_HEAD:
-	case MLENS_PIPE_GA:
-	case MLENS_PIPE_GB:
-	case MLENS_PIPE_TAIL:
+	bool timed = cmd->kind == MLENS_PIPE_HEAD || cmd->kind == MLENS_PIPE_GA ||
+		     cmd->kind == MLENS_PIPE_GB || cmd->kind == MLENS_PIPE_TAIL ||
+		     cmd->kind == MLENS_PIPE_COPY;
+
+	/* the GPU side and the mover share the step timer */
+	if (timed && p->hx.on)
+		pthread_mutex_lock(&p->hx.timer_mu);
+	if (cmd->kind == MLENS_PIPE_COPY)
+		sp = mlens_step_timer_begin(&p->timer, 1, "h2d", "%s l%d p%d",
+					    cmd->next_step ? "PREFETCH" : "COPY", cmd->layer, cmd->piece);
+	else if (timed)
 		sp = mlens_step_timer_begin(&p->timer, 0, "gpu", "%s l%d g%d", kind[cmd->kind],
 					    cmd->layer, cmd->group);
-		break;
-	case MLENS_PIPE_COPY:
-		sp = mlens_step_timer_begin(&p->timer, 1, "h2d", "COPY l%d p%d", cmd->layer,
-					    cmd->piece);
-		break;
-	default:
-		break;
-	}
+	if (timed && p->hx.on)
+		pthread_mutex_unlock(&p->hx.timer_mu);
 	rc = run_cmd_untimed(p, cmd, want_logits);
-	if (sp >= 0)
+	if (sp >= 0) {
+		if (p->hx.on)
+			pthread_mutex_lock(&p->hx.timer_mu);
 		mlens_step_timer_end(&p->timer, sp);
+		if (p->hx.on)
+			pthread_mutex_unlock(&p->hx.timer_mu);
+	}
 	return rc;
 }
 

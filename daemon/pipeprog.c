@@ -118,6 +118,21 @@ int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
 			goto fail;
 	}
 	PUSH(MLENS_PIPE_TAIL, MLENS_PIPE_Q_GPU, -1, -1, -1, -1, -1);
+	/* a queue's WAIT depends on the RECORD it waits for when another
+	 * queue records it (none in this program: the step before's, done) */
+	{
+		int last[MLENS_PIPE_EV_N];
+		for (int e = 0; e < MLENS_PIPE_EV_N; e++)
+			last[e] = -1;
+		for (int i = 0; i < p->n; i++) {
+			struct mlens_pipe_cmd *c = &p->cmd[i];
+			if (c->kind == MLENS_PIPE_RECORD)
+				last[c->event] = i;
+			else if (c->kind == MLENS_PIPE_WAIT && last[c->event] >= 0 &&
+				 p->cmd[last[c->event]].queue != c->queue)
+				c->dep = last[c->event];
+		}
+	}
 	return 0;
 fail:
 	p->n = 0;

@@ -37,10 +37,11 @@
  * before GA(i+2) was issued). Without streamed experts (all resident)
  * there are no COPY, ready or freed commands.
  *
- * Driven from two threads (the host side and the GPU/copy side), each
+ * Driven from a thread per queue (host, GPU, copy: the mover), each
  * taking its commands in program order and waiting only for each
  * command's dep, C(i) runs while the GPU side issues (and, where an op
- * waits for the GPU, waits through) GB(i-1) and GA(i+1). */
+ * waits for the GPU, waits through) GB(i-1) and GA(i+1), and the mover
+ * queues a layer's pieces as soon as the slot's freed record is issued. */
 #ifndef MLENS_PIPEPROG_H
 #define MLENS_PIPEPROG_H
 
@@ -92,11 +93,11 @@ struct mlens_pipe_cmd {
 	int event;		/* RECORD, WAIT, HOST_WAIT; -1 otherwise */
 	/* COPY: for the next step (MLENS_PIPE_PREFETCH), not this one */
 	bool next_step;
-	/* Index of the command on the other side (host vs GPU and copy
-	 * queues) that must have been issued or run before this one, for an
-	 * executor that drives the two sides from two threads: HOST_WAIT
-	 * depends on the RECORD it waits for, GB on the C of its item; -1
-	 * for none. Program order satisfies every dep. */
+	/* Index of the command of another queue that must have been issued
+	 * or run before this one, for an executor that drives each queue from
+	 * a thread of its own: HOST_WAIT and WAIT depend on the RECORD they
+	 * wait for (when another queue records it), GB on the C of its item;
+	 * -1 for none. Program order satisfies every dep. */
 	int dep;
 };
 

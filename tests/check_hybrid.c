@@ -485,7 +485,7 @@ START_TEST(prog_deps_for_two_threads)
 	struct mlens_pipe_prog p = { 0 };
 
 	for (int G = 1; G <= 6; G++) {
-		int gb_at[5][6], rec_dep[5][6];
+		int gb_at[5][6], rec_dep[5][6], waits = 0;
 		ck_assert_int_eq(mlens_pipe_prog_build(&p, 5, G, pieces), 0);
 		for (int i = 0; i < p.n; i++) {
 			const struct mlens_pipe_cmd *c = &p.cmd[i];
@@ -507,6 +507,17 @@ START_TEST(prog_deps_for_two_threads)
 				ck_assert_int_eq(d->layer, c->layer);
 				ck_assert_int_eq(d->group, c->group);
 				gb_at[c->layer][c->group] = i;
+			} else if (c->kind == MLENS_PIPE_WAIT && c->dep >= 0) {
+				/* the mover's and the GPU side's waits on each other */
+				const struct mlens_pipe_cmd *r = &p.cmd[c->dep];
+				ck_assert_int_lt(c->dep, i);
+				ck_assert_int_eq(r->kind, MLENS_PIPE_RECORD);
+				ck_assert_int_eq(r->event, c->event);
+				ck_assert_int_ne(r->queue, c->queue);
+				for (int k = c->dep + 1; k < i; k++)
+					ck_assert(!(p.cmd[k].kind == MLENS_PIPE_RECORD &&
+						    p.cmd[k].event == c->event));
+				waits++;
 			} else {
 				ck_assert_int_eq(c->dep, -1);
 			}
@@ -515,6 +526,8 @@ START_TEST(prog_deps_for_two_threads)
 			ck_assert_int_gt(rec_dep[i / G][i % G], gb_at[(i - 2) / G][(i - 2) % G]);
 		for (int i = 1; G == 1 && i < 5; i++)
 			ck_assert_int_gt(rec_dep[i][0], gb_at[i - 1][0]);
+		/* every layer's ready wait and every refill's freed wait */
+		ck_assert_int_ge(waits, 5 + 3);
 	}
 	mlens_pipe_prog_free(&p);
 }
