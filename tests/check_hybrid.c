@@ -673,9 +673,15 @@ static void fa_free(void *ctx, void *p)
 	(void)ctx;
 	free(p);
 }
+/* > 0: the copy that takes it to 0 fails (-EIO), from whichever thread */
+static int fa_fail_in;
+
 static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t bytes, bool to_device)
 {
 	(void)ctx, (void)queue, (void)to_device;
+	if (__atomic_load_n(&fa_fail_in, __ATOMIC_SEQ_CST) > 0 &&
+	    __atomic_sub_fetch(&fa_fail_in, 1, __ATOMIC_SEQ_CST) == 0)
+		return -EIO;
 	memcpy(dst, src, bytes);
 	return 0;
 }
@@ -919,6 +925,67 @@ START_TEST(exec_pieces_and_budget)
 }
 END_TEST
 
+/* A copy that fails in the middle of a step (on the mover, the host side
+ * or the GPU side) fails that step with its error and stops every side;
+ * the next step streams layers 0 and 1 again and computes what a fresh
+ * pipeline computes. */
+START_TEST(exec_failure_recovers)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
+	struct mlens_backend g, c;
+	struct mlens_pipeline *p = NULL;
+	struct mlens_pipeline_opts po = { .max_step_tokens = 64, .piece_bytes = 5000,
+					  .kv_blocks = 64, .kv_dtype = -1 };
+	int32_t prompt[7] = { 3, 1, 4, 1, 5, 9, 2 };
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
+	size_t V = (size_t)ts.vocab;
+	float *lg0 = calloc(V, sizeof(float)), *lg1 = calloc(V, sizeof(float));
+	char err[512];
+	int32_t first = -1;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
+	make_async(&g);
+	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
+	po.gpu_budget = stream_budget(m, 64, 0);
+	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(mlens_pipeline_stats(p)->async);
+	for (int round = 0; round < 4; round++) {
+		struct mlens_seq seq = { 0 };
+		struct mlens_engine_req r = { 0 };
+		r.seq = &seq;
+		r.tokens = prompt;
+		r.n_tokens = 7;
+		r.logits = round ? lg1 : lg0;
+		if (round == 1 || round == 2) {
+			/* the 3rd / 40th copy from now: early and late in the step */
+			__atomic_store_n(&fa_fail_in, round == 1 ? 3 : 40, __ATOMIC_SEQ_CST);
+			ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), -EIO);
+			ck_assert_int_eq(seq.len, 0);
+			__atomic_store_n(&fa_fail_in, 0, __ATOMIC_SEQ_CST);
+		} else {
+			ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), 0);
+			ck_assert_int_eq(seq.len, 7);
+			if (round == 0)
+				first = r.next_token;
+			/* after a failure the step streams its own layers 0 and 1 */
+			ck_assert_uint_eq(mlens_pipeline_stats(p)->h2d_weight_bytes,
+					  (uint64_t)(ts.layers + 2) * ts.experts * expert);
+			ck_assert_int_eq(r.next_token, first);
+			ck_assert(!memcmp(lg0, lg1, V * sizeof(float)) || round == 0);
+		}
+		mlens_seq_fini(mlens_pipeline_kv(p), &seq);
+	}
+	mlens_pipeline_destroy(p);
+	mlens_backend_destroy(&g);
+	mlens_backend_destroy(&c);
+	mlens_test_model_free(m);
+	free(lg0);
+	free(lg1);
+}
+END_TEST
+
 /* The scheduler, unchanged, drives an engine in hybrid mode: a KV pool
  * small enough to preempt; every request's tokens as with the engine. */
 #define SREQ 6
@@ -1055,6 +1122,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_one_group);
 	tcase_add_test(t, exec_equal_two_groups);
 	tcase_add_test(t, exec_equal_small_groups);
+	tcase_add_test(t, exec_failure_recovers);
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
