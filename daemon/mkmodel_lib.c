@@ -3,6 +3,7 @@
  * be recomputed on its own and the data is streamed, never held whole. */
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,11 @@
 #include "daemon/model_int.h"
 
 #define CHUNK_ELEMS 65536
+/* Values are a pure function of (stream, index) (draw), so chunks of a
+ * batch are filled by several threads and written in order: the file is
+ * the same bytes whatever the thread count. */
+#define BATCH_PER_THREAD 4
+#define MAX_FILL_THREADS 32
 
 
 int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
@@ -116,7 +122,8 @@ struct writer {
 	int n;
 	char *err;
 	size_t errlen;
-	void *buf;
+	void *buf;		/* a batch: threads x BATCH_PER_THREAD chunks */
+	int threads;
 };
 
 static void add(struct writer *w, enum part_kind kind, int64_t layer, int ndim,
@@ -222,19 +229,61 @@ static const char *dtype_hf(enum mlens_dtype t)
 	return "?";
 }
 
+struct fill_job {
+	void *buf;
+	enum mlens_dtype dt;
+	uint64_t key, first;	/* stream and index of buf's element 0 */
+	size_t n;		/* elements in the batch */
+	bool norm;
+	int part, parts;	/* this thread fills chunks part, part + parts, ... */
+};
+
+static void *fill_part(void *arg)
+{
+	const struct fill_job *j = arg;
+	for (size_t c = (size_t)j->part * CHUNK_ELEMS; c < j->n; c += (size_t)j->parts * CHUNK_ELEMS) {
+		size_t end = j->n - c < CHUNK_ELEMS ? j->n : c + CHUNK_ELEMS;
+		for (size_t k = c; k < end; k++)
+			mlens_store(j->buf, j->dt, k, draw(j->key, j->first + k, j->norm));
+	}
+	return NULL;
+}
+
+/* Fill n values from index first, on up to w->threads threads. */
+static void fill_batch(struct writer *w, uint64_t key, uint64_t first, size_t n, bool norm)
+{
+	struct fill_job job[MAX_FILL_THREADS];
+	pthread_t th[MAX_FILL_THREADS];
+	bool started[MAX_FILL_THREADS] = { false };
+	int parts = (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS);
+
+	if (parts > w->threads)
+		parts = w->threads;
+	for (int t = 0; t < parts; t++) {
+		job[t] = (struct fill_job){ w->buf, w->cfg.dtype, key, first, n, norm, t, parts };
+		/* a thread that cannot start leaves its chunks to the caller */
+		started[t] = t > 0 && !pthread_create(&th[t], NULL, fill_part, &job[t]);
+	}
+	for (int t = 0; t < parts; t++)
+		if (!started[t])
+			fill_part(&job[t]);
+	for (int t = 1; t < parts; t++)
+		if (started[t])
+			pthread_join(th[t], NULL);
+}
+
 /* Stream count values of stream `legacy` starting at element 0. */
 static int emit(struct writer *w, FILE *f, const char *path, const char *legacy, uint64_t count)
 {
-	const enum mlens_dtype dt = w->cfg.dtype;
-	const size_t es = mlens_dtype_size(dt);
+	const size_t es = mlens_dtype_size(w->cfg.dtype);
+	const size_t batch = (size_t)w->threads * BATCH_PER_THREAD * CHUNK_ELEMS;
 	uint64_t key = stream_key(w->o->seed, legacy);
 	bool norm = is_norm(legacy);
 
 	for (uint64_t i = 0; i < count;) {
-		size_t n = count - i < CHUNK_ELEMS ? (size_t)(count - i) : CHUNK_ELEMS;
+		size_t n = count - i < batch ? (size_t)(count - i) : batch;
 
-		for (size_t k = 0; k < n; k++)
-			mlens_store(w->buf, dt, k, draw(key, i + k, norm));
+		fill_batch(w, key, i, n, norm);
 		if (fwrite(w->buf, es, n, f) != n) {
 			mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 			return -EIO;
@@ -436,7 +485,13 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	if (rc)
 		goto out;
 	rc = build_specs(&w);
-	w.buf = malloc(CHUNK_ELEMS * sizeof(float));
+	{
+		/* MLENS_MKMODEL_THREADS: for tests (the bytes must not depend on it) */
+		const char *env = getenv("MLENS_MKMODEL_THREADS");
+		long cpus = env && atoi(env) > 0 ? atoi(env) : sysconf(_SC_NPROCESSORS_ONLN);
+		w.threads = cpus < 1 ? 1 : cpus > MAX_FILL_THREADS ? MAX_FILL_THREADS : (int)cpus;
+	}
+	w.buf = malloc((size_t)w.threads * BATCH_PER_THREAD * CHUNK_ELEMS * sizeof(float));
 	if (rc || !w.buf) {
 		mlens_model_errf(err, errlen, "out of memory");
 		rc = -ENOMEM;

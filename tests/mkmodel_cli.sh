@@ -47,6 +47,12 @@ cmp "$tmp/m/model.safetensors" "$tmp/n/model.safetensors" || fail "same seed, di
 "$bin" -o "$tmp/n" --preset tiny --seed 8 || fail "third write failed"
 cmp -s "$tmp/m/model.safetensors" "$tmp/n/model.safetensors" && fail "seed ignored"
 
+# values are filled by several threads: the bytes do not depend on how many
+big="--hidden 256 --intermediate 512 --vocab 2048 --heads 4 --kv-heads 2 --layers 1"
+MLENS_MKMODEL_THREADS=1 "$bin" -o "$tmp/t1" $big --seed 9 >/dev/null || fail "1-thread write failed"
+MLENS_MKMODEL_THREADS=3 "$bin" -o "$tmp/t3" $big --seed 9 >/dev/null || fail "3-thread write failed"
+cmp "$tmp/t1/model.safetensors" "$tmp/t3/model.safetensors" || fail "bytes depend on the thread count"
+
 if command -v mandoc >/dev/null 2>&1; then
 	mandoc -T lint -W warning "$src/man/mlens-mkmodel.1" || fail "man page lint"
 fi
