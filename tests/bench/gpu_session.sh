@@ -1,0 +1,101 @@
+#!/bin/bash
+# One GPU-machine session's measurements in one command, from an unpacked
+# `make dist` tree configured --with-cuda and built (or a CUDA build tree):
+#   1. the GPU tests: check_cuda, check_hybrid_cuda, the goldens on cuda
+#      and hybrid (exact and fast GEMMs), check_gpu_plan
+#   2. the CPU attention headline (issue 5) and its tuning sweep
+#   3. the 8-layer Mixtral-8x7B-shaped model in /dev/shm (written while 1
+#      runs), a 3-step trace of a hybrid run (issue 7: where the time goes)
+#   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
+#      transformers+accelerate baseline, then the n_real sweep (issue 8)
+# Each part has a time limit (seconds: T_TESTS, T_ATTN, T_TRACE, T_SET,
+# T_SWEEP) so that the whole fits one device call; what a part did not
+# finish is said. Everything goes to $OUT/session.tgz (one file) and a
+# summary to stdout.
+# Usage: gpu_session.sh [SCALE]   (default 0.25: a quarter of issue 7's
+#        three pool-fulls of requests per workload)
+set -u
+SCALE=${1:-0.25}
+OUT=${OUT:-$PWD/out}
+R=$(mktemp -d /tmp/mlens-session.XXXXXX)
+MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
+T_TESTS=${T_TESTS:-150}
+T_ATTN=${T_ATTN:-90}
+T_TRACE=${T_TRACE:-120}
+T_SET=${T_SET:-330}
+T_SWEEP=${T_SWEEP:-0}
+t0=$(date +%s)
+el() { echo "[$(($(date +%s) - t0)) s] $*"; }
+mkdir -p "$OUT"
+
+if [ ! -f "$MODEL/config.json" ]; then
+	( ./daemon/mlens-mkmodel -o "$MODEL" --preset mixtral-8x7b --layers 8 --dtype bf16 \
+		> "$R/mkmodel.log" 2>&1; echo "mkmodel rc $?" >> "$R/mkmodel.log" ) &
+	mk=$!
+else
+	mk=
+fi
+
+timeout "$T_TESTS" make -j8 check TESTS="tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
+	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh tests/check_hybrid" \
+	> "$R/check.log" 2>&1
+el "GPU tests: rc $?"
+grep -E "^(PASS|FAIL|SKIP|ERROR):" "$R/check.log"
+cp tests/check_cuda.log tests/check_hybrid_cuda.log tests/golden/check_golden_cuda.sh.log \
+	tests/golden/check_golden_hybrid.sh.log "$R/" 2>/dev/null
+grep -h -E "^==|Checks" tests/golden/check_golden_cuda.sh.log tests/golden/check_golden_hybrid.sh.log
+
+[ -n "$mk" ] && wait "$mk" && cat "$R/mkmodel.log"
+el "model ready"
+
+B=./tests/bench/mlens-bench
+timeout "$T_ATTN" sh -c "$B attention --threads 1,16 --json --min-time 0.4 > '$R/attn.json' 2> '$R/attn.err';
+	sh ./tests/bench/attn_sweep.sh $B 16 > '$R/attn_sweep.txt' 2>&1"
+el "attention: rc $?"
+python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("read bandwidth", d["read_bw_gbs"], "GB/s")
+for r in d["results"]: print("%-7s %2d threads %7.2f GB/s %5.0f%%" % (r["variant"], r["threads"], r["kv_gbs"], 100 * r["kv_gbs"] / d["read_bw_gbs"]))' \
+	"$R/attn.json" 2>/dev/null
+cat "$R/attn_sweep.txt" 2>/dev/null
+
+# a 3-step trace of a hybrid run at full pipeline, armed once it serves
+d=$R/trace
+mkdir -p "$d"
+./daemon/mlensd --model "$MODEL" --foreground --backend cuda --gpu-memory 8G --kv-cache 40G \
+	--mlock=false --socket "$d/s" --control "$d/c" --stats "$d/st" --log "$d/mlensd.log" &
+pid=$!
+for _ in $(seq 600); do grep -q "serving on" "$d/mlensd.log" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+awk 'BEGIN { srand(7); for (r = 0; r < 2400; r++) { printf "{\"prompt\": ["; for (i = 0; i < 512; i++)
+	printf "%s%d", (i ? ", " : ""), 1 + int(rand() * 31999); printf "], \"max_tokens\": 32}\n" } }' > "$d/in.jsonl"
+timeout "$T_TRACE" ./client/mlens generate -s "$d/s" -i "$d/in.jsonl" -o "$d/out.jsonl" 2> "$d/gen.err" &
+gen=$!
+sleep 20	# past the first, prefill-only steps
+./client/mlensctl -s "$d/c" trace --steps 3 "$R/trace.json" 2>&1
+./client/mlensctl -s "$d/c" status 2>&1 | grep -E "mode|pipeline|step"
+kill $gen 2>/dev/null
+wait $gen 2>/dev/null
+kill -TERM $pid
+wait $pid
+cp "$d/mlensd.log" "$R/trace_mlensd.log"
+python3 - "$R/trace.json" <<'EOF' 2>/dev/null
+import collections, json, sys
+d = json.load(open(sys.argv[1]))
+names = {e["tid"]: e["args"]["name"] for e in d["traceEvents"] if e.get("ph") == "M"}
+busy, n = collections.Counter(), collections.Counter()
+for e in d["traceEvents"]:
+    if e.get("ph") == "X":
+        busy[names.get(e["tid"])] += e["dur"] / 1e3
+        n[names.get(e["tid"])] += 1
+for k in sorted(busy):
+    print("trace %-10s %5d spans %10.1f ms" % (k, n[k], busy[k]))
+EOF
+el "trace done"
+
+OUT=$R RUNS="p512g32 p512g128 p128g32 p512g32kv20 hf" EXPECT_TPS=${EXPECT_TPS:-25000} STARTUP_S=30 \
+	timeout "$T_SET" sh ./tests/bench/hybrid.sh 8G 40G "$SCALE" 2>&1 | tail -20
+el "benchmark set: rc $?"
+if [ "$T_SWEEP" -gt 0 ]; then
+	OUT=$R STEADY_STEPS=12 timeout "$T_SWEEP" sh ./tests/bench/nreal_sweep.sh 512 32 40G 8G 2>&1 | tail -12
+	el "n_real sweep: rc $?"
+fi
+tar czf "$OUT/session.tgz" -C "$(dirname "$R")" "$(basename "$R")"
+el "results in $OUT/session.tgz"
