@@ -28,6 +28,8 @@ struct mlens_config {
 	int64_t numa_node;
 	int64_t movers;
 	int64_t max_step_tokens;
+	int64_t group_tokens;		/* hybrid: rows of a token group */
+	uint64_t weight_piece;		/* hybrid: bytes per weight copy */
 	bool foreground;
 	char *log_level;
 	char *log;

@@ -36,6 +36,7 @@ struct mlens_engine_opts {
 	int hybrid_groups;	/* token groups, 0 = 2 */
 	int hybrid_min_tokens;	/* smallest token cap that may run; 0 = 1 */
 	int64_t hybrid_group_tokens;	/* rows of a token group at most; 0 = the plan default */
+	uint64_t hybrid_piece_bytes;	/* bytes per weight copy; 0 = MLENS_PIPE_PIECE */
 	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
 };
 
