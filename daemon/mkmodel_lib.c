@@ -3,7 +3,6 @@
  * be recomputed on its own and the data is streamed, never held whole. */
 #include <errno.h>
 #include <inttypes.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +13,7 @@
 
 #include "daemon/mkmodel.h"
 #include "daemon/model_int.h"
+#include "kernels/cpu/pool.h"
 
 #define CHUNK_ELEMS 65536
 /* Values are a pure function of (stream, index) (draw), so chunks of a
@@ -124,6 +124,7 @@ struct writer {
 	size_t errlen;
 	void *buf;		/* a batch: threads x BATCH_PER_THREAD chunks */
 	int threads;
+	struct mlens_pool *pool;	/* fills a batch's chunks */
 };
 
 static void add(struct writer *w, enum part_kind kind, int64_t layer, int ndim,
@@ -235,41 +236,16 @@ struct fill_job {
 	uint64_t key, first;	/* stream and index of buf's element 0 */
 	size_t n;		/* elements in the batch */
 	bool norm;
-	int part, parts;	/* this thread fills chunks part, part + parts, ... */
 };
 
-static void *fill_part(void *arg)
+/* Task c of the pool: chunk c of the batch. */
+static void fill_chunk(void *arg, int c, int thread)
 {
 	const struct fill_job *j = arg;
-	for (size_t c = (size_t)j->part * CHUNK_ELEMS; c < j->n; c += (size_t)j->parts * CHUNK_ELEMS) {
-		size_t end = j->n - c < CHUNK_ELEMS ? j->n : c + CHUNK_ELEMS;
-		for (size_t k = c; k < end; k++)
-			mlens_store(j->buf, j->dt, k, draw(j->key, j->first + k, j->norm));
-	}
-	return NULL;
-}
-
-/* Fill n values from index first, on up to w->threads threads. */
-static void fill_batch(struct writer *w, uint64_t key, uint64_t first, size_t n, bool norm)
-{
-	struct fill_job job[MAX_FILL_THREADS];
-	pthread_t th[MAX_FILL_THREADS];
-	bool started[MAX_FILL_THREADS] = { false };
-	int parts = (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS);
-
-	if (parts > w->threads)
-		parts = w->threads;
-	for (int t = 0; t < parts; t++) {
-		job[t] = (struct fill_job){ w->buf, w->cfg.dtype, key, first, n, norm, t, parts };
-		/* a thread that cannot start leaves its chunks to the caller */
-		started[t] = t > 0 && !pthread_create(&th[t], NULL, fill_part, &job[t]);
-	}
-	for (int t = 0; t < parts; t++)
-		if (!started[t])
-			fill_part(&job[t]);
-	for (int t = 1; t < parts; t++)
-		if (started[t])
-			pthread_join(th[t], NULL);
+	size_t k0 = (size_t)c * CHUNK_ELEMS, end = j->n - k0 < CHUNK_ELEMS ? j->n : k0 + CHUNK_ELEMS;
+	(void)thread;
+	for (size_t k = k0; k < end; k++)
+		mlens_store(j->buf, j->dt, k, draw(j->key, j->first + k, j->norm));
 }
 
 /* Stream count values of stream `legacy` starting at element 0. */
@@ -283,7 +259,9 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 	for (uint64_t i = 0; i < count;) {
 		size_t n = count - i < batch ? (size_t)(count - i) : batch;
 
-		fill_batch(w, key, i, n, norm);
+		struct fill_job job = { w->buf, w->cfg.dtype, key, i, n, norm };
+
+		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
 		if (fwrite(w->buf, es, n, f) != n) {
 			mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 			return -EIO;
@@ -492,6 +470,12 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 		w.threads = cpus < 1 ? 1 : cpus > MAX_FILL_THREADS ? MAX_FILL_THREADS : (int)cpus;
 	}
 	w.buf = malloc((size_t)w.threads * BATCH_PER_THREAD * CHUNK_ELEMS * sizeof(float));
+	if (!rc && w.buf && (rc = mlens_pool_create(&w.pool, w.threads, NULL))) {
+		mlens_model_errf(err, errlen, "cannot start %d threads to draw the values: %s", w.threads,
+				 strerror(-rc));
+		w.pool = NULL;
+		goto out;
+	}
 	if (rc || !w.buf) {
 		mlens_model_errf(err, errlen, "out of memory");
 		rc = -ENOMEM;
@@ -555,5 +539,7 @@ out:
 	free(stale);
 	free(w.specs);
 	free(w.buf);
+	if (w.pool)
+		mlens_pool_destroy(w.pool);
 	return rc;
 }
