@@ -1081,6 +1081,27 @@ static int add_seg(struct mlens_pipeline *p, int req, int j0, int j1, int x)
 	return 0;
 }
 
+/* The n tokens of request req from group *x on: what the group has room
+ * for, the rest in the next groups as further segments. */
+static int place_rows(struct mlens_pipeline *p, int64_t *rows, int req, int n, int *x)
+{
+	int64_t gr = p->group_rows;
+	int rc;
+	for (int j = 0; j < n;) {
+		int take = n - j;
+		while (rows[*x] >= gr)
+			if (++*x >= MLENS_PIPE_MAX_GROUPS)
+				return -E2BIG;
+		if (rows[*x] + take > gr)
+			take = (int)(gr - rows[*x]);
+		if ((rc = add_seg(p, req, j, j + take, *x)))
+			return rc;
+		rows[*x] += take;
+		j += take;
+	}
+	return 0;
+}
+
 /* Cut the step's requests into groups of at most group_rows rows so that
  * both sides of the pipe stay busy: G groups (enough for the rows, at
  * least the configured count when there are requests enough); the
@@ -1124,19 +1145,8 @@ static int split_groups(struct mlens_pipeline *p, const struct mlens_engine_req 
 		kv_cum += kv;
 		if (want_x > x)
 			x = want_x < ng ? want_x : ng - 1;
-		for (int j = 0; j < r->n_tokens;) {
-			int take = r->n_tokens - j;
-			while (rows[x] >= gr)
-				x++;
-			if (x >= MLENS_PIPE_MAX_GROUPS)
-				return -E2BIG;
-			if (rows[x] + take > gr)
-				take = (int)(gr - rows[x]);
-			if ((rc = add_seg(p, i, j, j + take, x)))
-				return rc;
-			rows[x] += take;
-			j += take;
-		}
+		if ((rc = place_rows(p, rows, i, r->n_tokens, &x)))
+			return rc;
 		if (x + 1 > ng)
 			ng = x + 1;
 	}
@@ -1151,34 +1161,28 @@ static int split_groups(struct mlens_pipeline *p, const struct mlens_engine_req 
 		       ((x + 1 < ng && 2 * rows[x] + nt > 2 * target) ||
 			(nt <= gr && rows[x] + nt > gr)))
 			x++;
-		for (int j = 0; j < nt;) {
-			int take = nt - j;
-			while (rows[x] >= gr)
-				x++;
-			if (x >= MLENS_PIPE_MAX_GROUPS)
-				return -E2BIG;
-			if (rows[x] + take > gr)
-				take = (int)(gr - rows[x]);
-			if ((rc = add_seg(p, i, j, j + take, x)))
-				return rc;
-			rows[x] += take;
-			j += take;
-		}
+		if ((rc = place_rows(p, rows, i, nt, &x)))
+			return rc;
 		if (x + 1 > ng)
 			ng = x + 1;
 	}
-	/* segments in group order (stable), empty groups dropped */
-	p->n_grp = 0;
-	for (int g = 0, k = 0; g < ng; g++) {
-		int s0 = k;
+	/* segments in group order (stable counting sort), empty groups dropped */
+	{
+		int start[MLENS_PIPE_MAX_GROUPS + 1] = { 0 };
 		for (int t = 0; t < p->n_seg; t++)
-			if (p->tmp[t].grp == g)
-				p->seg[k++] = p->tmp[t];
-		if (k > s0) {
-			p->grp[p->n_grp].s0 = s0;
-			p->grp[p->n_grp].s1 = k;
-			p->n_grp++;
+			start[p->tmp[t].grp + 1]++;
+		for (int g = 0; g < ng; g++)
+			start[g + 1] += start[g];
+		p->n_grp = 0;
+		for (int g = 0; g < ng; g++) {
+			if (start[g + 1] > start[g]) {
+				p->grp[p->n_grp].s0 = start[g];
+				p->grp[p->n_grp].s1 = start[g + 1];
+				p->n_grp++;
+			}
 		}
+		for (int t = 0; t < p->n_seg; t++)
+			p->seg[start[p->tmp[t].grp]++] = p->tmp[t];
 	}
 	return 0;
 }
