@@ -226,22 +226,13 @@ static int run_gb_rows(struct layer *L, int r0, int n)
 	return 0;
 }
 
-/* GA and GB of n tokens, in groups as the caller asked (struct
+/* GA or GB of n tokens, in groups as the caller asked (struct
  * mlens_profile_opts: the hybrid pipeline's groups and MoE chunks). */
-static int run_ga(struct layer *L, int n)
+static int run_grouped(struct layer *L, int n, int (*rows)(struct layer *, int, int))
 {
 	int g = L->group > 0 && L->group < n ? (int)L->group : n, rc;
 	for (int r = 0; r < n; r += g)
-		if ((rc = run_ga_rows(L, r, n - r < g ? n - r : g)))
-			return rc;
-	return 0;
-}
-
-static int run_gb(struct layer *L, int n)
-{
-	int g = L->group > 0 && L->group < n ? (int)L->group : n, rc;
-	for (int r = 0; r < n; r += g)
-		if ((rc = run_gb_rows(L, r, n - r < g ? n - r : g)))
+		if ((rc = rows(L, r, n - r < g ? n - r : g)))
 			return rc;
 	return 0;
 }
@@ -252,8 +243,8 @@ static int run_one(struct layer *L, enum which w, int n)
 {
 	const struct mlens_model_config *c = L->c;
 	switch (w) {
-	case W_GA: return run_ga(L, n);
-	case W_GB: return run_gb(L, n);
+	case W_GA: return run_grouped(L, n, run_ga_rows);
+	case W_GB: return run_grouped(L, n, run_gb_rows);
 	case W_GEMM:
 		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->w1[0], c->dtype, n, (int)c->hidden_size,
 					(int)c->intermediate_size, false);
