@@ -36,12 +36,13 @@ jfield() { sed -n "s/^ *\"$1\": \"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}\$/\1/p" | 
 tenant_use() { ctl tenants | awk -v id="$1" '$1 == id { print $5, $6, $7 }'; }
 # a metric's value from the last /metrics scrape
 metric() { awk -v n="$1" '$1 == n { print $2 }' "$tmp/metrics"; }
-# wait up to 10 s for a condition given as a command
+# wait for a condition given as a command: up to $2 tries (default 100)
+# 0.1 s apart
 wait_for() {
 	i=0
 	while ! eval "$1"; do
 		i=$((i + 1))
-		[ $i -ge 100 ] && return 1
+		[ $i -ge "${2:-100}" ] && return 1
 		sleep 0.1
 	done
 }
@@ -180,21 +181,13 @@ aid=$(sed -n 's/^tenant //p' "$tmp/a.out")
 wait_for '[ "$(tenant_use "$aid" | cut -d" " -f1)" = 3 ]' || fail "A: 3 running expected: $(ctl tenants)"
 # the ring fills within a few thousand steps (seconds; tens of seconds
 # under ASan on a loaded 2-core box); then A's KV stays put
-wait_long() {
-	i=0
-	while ! eval "$1"; do
-		i=$((i + 1))
-		[ $i -ge 250 ] && return 1
-		sleep 0.1
-	done
-}
 kv_settled() {
 	kv1=$(tenant_use "$aid" | cut -d' ' -f3)
 	sleep 0.3
 	kv2=$(tenant_use "$aid" | cut -d' ' -f3)
 	[ "$kv1" -gt 0 ] && [ "$kv1" = "$kv2" ]
 }
-wait_long kv_settled || fail "A: KV blocks should settle with a full ring ($kv1, $kv2)"
+wait_for kv_settled 250 || fail "A: KV blocks should settle with a full ring ($kv1, $kv2)"
 ctl quota "$aid" running=1 kv_blocks=5000 queued=8 weight=0.5 >/dev/null || fail "quota set"
 ctl --json quota "$aid" >"$tmp/q" || fail "quota get"
 [ "$(jfield running <"$tmp/q")" = 1 ] && [ "$(jfield queued <"$tmp/q")" = 8 ] &&
@@ -205,7 +198,7 @@ ctl quota 999 2>"$tmp/err"; [ $? -eq 1 ] && grep -q "no tenant 999" "$tmp/err" |
 touch "$tmp/more"
 wait_for 'grep -q "^submitted 2 more" "$tmp/a.out"' || fail "A did not submit more"
 wait_for '[ "$(tenant_use "$aid" | cut -d" " -f2)" = 2 ]' || fail "A: 2 queued expected (quota below use): $(ctl tenants)"
-wait_long kv_settled || fail "A: KV blocks should settle again"
+wait_for kv_settled 250 || fail "A: KV blocks should settle again"
 [ "$(tenant_use "$aid")" = "3 2 $kv2" ] || fail "A: the lowered quota admitted more: $(tenant_use "$aid")"
 "$tenant" "$tmp/t.sock" other 1 5 >"$tmp/gen" && grep -q '^req 0 status 0 finish 1 tokens 5$' "$tmp/gen" ||
 	fail "B not served while A is over quota: $(cat "$tmp/gen")"
