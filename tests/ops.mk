@@ -6,6 +6,7 @@ tests_integration_ops_tenant_LDADD = shm/libmlens_shm.la
 check_PROGRAMS += tests/integration/ops_raw
 tests_integration_ops_raw_SOURCES = tests/integration/ops_raw.c
 dist_check_SCRIPTS += tests/integration/ops.sh
+EXTRA_DIST += tests/integration/lib.sh
 TESTS += tests/integration/ops.sh
 # lints ALL man/*.[1-8] pages (shared with the client pages)
 dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh

@@ -7,45 +7,20 @@
 # second uid refused (as root, through setpriv), control_group, SIGHUP log
 # reopen, shutdown, and the promised config-file errors.
 set -u
-B="${MLENS_BUILDDIR:-.}"
-mlensd="$B/daemon/mlensd"
-ctlbin="$B/client/mlensctl"
-tenant="$B/tests/integration/ops_tenant"
-raw="$B/tests/integration/ops_raw"
+. "$(dirname "$0")/lib.sh"
 command -v curl >/dev/null || { echo "SKIP: needs curl for /metrics and /health"; exit 77; }
-tmp=$(mktemp -d) || exit 99
-pid=
 apid=
 lpid=
-cleanup() {
+cleanup() {	# the tenants this script leaves running too
 	for p in $apid $lpid $pid; do
 		kill "$p" 2>/dev/null && wait "$p" 2>/dev/null
 	done
 	rm -rf "$tmp"
 }
-trap cleanup EXIT
-fail() {
-	echo "FAIL: $*"
-	[ -f "$tmp/log" ] && { echo "--- daemon log (tail)"; tail -20 "$tmp/log"; }
-	exit 1
-}
-ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
-# the value of "key" in mlensctl --json output (first match; keys are unique where used)
-jfield() { sed -n "s/^ *\"$1\": \"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}\$/\1/p" | head -1; }
 # RUN QUEUED KV of tenant $1
 tenant_use() { ctl tenants | awk -v id="$1" '$1 == id { print $5, $6, $7 }'; }
 # a metric's value from the last /metrics scrape
 metric() { awk -v n="$1" '$1 == n { print $2 }' "$tmp/metrics"; }
-# wait for a condition given as a command: up to $2 tries (default 100)
-# 0.1 s apart
-wait_for() {
-	i=0
-	while ! eval "$1"; do
-		i=$((i + 1))
-		[ $i -ge "${2:-100}" ] && return 1
-		sleep 0.1
-	done
-}
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
 

@@ -7,34 +7,8 @@
 # profile_cache and the next start takes it from there; max_step_tokens
 # pins the cap against the profile.
 set -u
-B="${MLENS_BUILDDIR:-.}"
-mlensd="$B/daemon/mlensd"
-ctlbin="$B/client/mlensctl"
-tenant="$B/tests/integration/ops_tenant"
-raw="$B/tests/integration/ops_raw"
+. "$(dirname "$0")/lib.sh"
 command -v curl >/dev/null || { echo "SKIP: needs curl for /metrics"; exit 77; }
-tmp=$(mktemp -d) || exit 99
-pid=
-cleanup() {
-	[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
-	rm -rf "$tmp"
-}
-trap cleanup EXIT
-fail() {
-	echo "FAIL: $*"
-	[ -f "$tmp/log" ] && { echo "--- daemon log (tail)"; tail -20 "$tmp/log"; }
-	exit 1
-}
-ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
-jfield() { sed -n "s/^ *\"$1\": \"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}\$/\1/p" | head -1; }
-wait_for() {
-	i=0
-	while ! eval "$1"; do
-		i=$((i + 1))
-		[ $i -ge 100 ] && return 1
-		sleep 0.1
-	done
-}
 start() {	# extra flags
 	: >"$tmp/log"
 	"$mlensd" --model "$tmp/m" --foreground --backend cpu --threads 1 --mlock=false --kv-cache 4M \

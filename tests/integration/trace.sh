@@ -14,32 +14,8 @@
 # row's spans and busy time instead of asserting the CPU layer spans.
 set -u
 flags="${MLENS_TRACE_FLAGS:---backend cpu}"
-B="${MLENS_BUILDDIR:-.}"
-mlensd="$B/daemon/mlensd"
-ctlbin="$B/client/mlensctl"
-tenant="$B/tests/integration/ops_tenant"
+. "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
-tmp=$(mktemp -d) || exit 99
-pid=
-cleanup() {
-	[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
-	rm -rf "$tmp"
-}
-trap cleanup EXIT
-fail() {
-	echo "FAIL: $*"
-	[ -f "$tmp/log" ] && { echo "--- daemon log (tail)"; tail -20 "$tmp/log"; }
-	exit 1
-}
-ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
-wait_for() {
-	i=0
-	while ! eval "$1"; do
-		i=$((i + 1))
-		[ $i -ge 100 ] && return 1
-		sleep 0.1
-	done
-}
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
 # shellcheck disable=SC2086 # flags are words

@@ -1,0 +1,34 @@
+# Shared by the integration scripts that drive a real mlensd (sourced, not
+# run): where the binaries are, a scratch folder removed on exit with the
+# daemon in $pid, fail (with the daemon log's tail), mlensctl on the
+# scratch control socket, a JSON field of its --json output, and waiting.
+B="${MLENS_BUILDDIR:-.}"
+mlensd="$B/daemon/mlensd"
+ctlbin="$B/client/mlensctl"
+tenant="$B/tests/integration/ops_tenant"
+raw="$B/tests/integration/ops_raw"
+tmp=$(mktemp -d) || exit 99
+pid=
+cleanup() {
+	[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() {
+	echo "FAIL: $*"
+	[ -f "$tmp/log" ] && { echo "--- daemon log (tail)"; tail -20 "$tmp/log"; }
+	exit 1
+}
+ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
+# the value of "key" in mlensctl --json output (first match; keys are unique where used)
+jfield() { sed -n "s/^ *\"$1\": \"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}\$/\1/p" | head -1; }
+# wait for a condition given as a command: up to $2 tries (default 100)
+# 0.1 s apart
+wait_for() {
+	i=0
+	while ! eval "$1"; do
+		i=$((i + 1))
+		[ $i -ge "${2:-100}" ] && return 1
+		sleep 0.1
+	done
+}
