@@ -37,17 +37,8 @@ STARTUP_S=${STARTUP_S:-45}
 BACKEND=${BACKEND:-cuda}
 MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 mkdir -p "$OUT"
-# KV bytes per token: layers * kv_heads * head_dim * 2 (K, V) * 2 (bf16 KV;
-# f32 models keep f32 KV); the 8-layer Mixtral's until the model exists
-per_token=$(python3 -c 'import json,sys
-c = json.load(open(sys.argv[1] + "/config.json"))
-hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-es = 4 if c.get("torch_dtype") == "float32" else 2
-print(c["num_hidden_layers"] * c["num_key_value_heads"] * hd * 2 * es)' "$MODEL" 2>/dev/null) ||
-	per_token=$((8 * 8 * 128 * 2 * 2))
-kvb=$(numfmt --from=iec "$KV")
-S=$(awk -v b="$kvb" -v t="$per_token" -v p="$P" -v g="$G" \
-	'BEGIN { s = int(b / t / (p + g / 2 + 8)); print (s < 1 ? 1 : s) }')
+. "$(dirname "$0")/kvpool.sh"
+S=$(seqs_of "$KV" "$P" "$G")
 PROF="--daemon-arg --profile --daemon-arg --profile-cache=$OUT/profile_cache.json"
 
 serve() {	# extra args...; JSON on stdout
