@@ -80,6 +80,19 @@ static void *gpu_zeros(size_t bytes)
 	return d;
 }
 
+/* A KV cache in host memory (kc, zeroed) and the same layout on the GPU
+ * (kg, zeroed); the bytes of each of K and V. */
+static size_t kv_pair(struct mlens_kv_cache *kc, struct mlens_kv_cache *kg)
+{
+	size_t b = mlens_kv_bytes(kc);
+	kc->k = calloc(1, b);
+	kc->v = calloc(1, b);
+	*kg = *kc;
+	kg->k = gpu_zeros(b);
+	kg->v = gpu_zeros(b);
+	return b;
+}
+
 static void *from_gpu(const void *d, size_t bytes)
 {
 	void *h = malloc(bytes ? bytes : 1);
@@ -505,12 +518,7 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 		perm[j] = t;
 	}
 	kc = (struct mlens_kv_cache){ kdt, 2, nkv, hd, bs, n_blocks, NULL, NULL };
-	kvb = mlens_kv_bytes(&kc);
-	kc.k = calloc(1, kvb);
-	kc.v = calloc(1, kvb);
-	kg = kc;
-	kg.k = gpu_zeros(kvb);
-	kg.v = gpu_zeros(kvb);
+	kvb = kv_pair(&kc, &kg);
 	for (int i = 0; i < nq; i++) {
 		int nb = (ctxs[i] + bs - 1) / bs, len = ctxs[i];
 		int64_t *slots = malloc((size_t)len * 8);
@@ -559,7 +567,7 @@ START_TEST(test_attn_decode_groups)
 {
 	const int nkv = 8, group = 4, hd = 128, nh = nkv * group, bs = 16, layer = 0;
 	const int max_ctx = 8192, nq = 1100, nb = max_ctx / bs;
-	size_t row = (size_t)nkv * hd, qrow = (size_t)nh * hd, kvb;
+	size_t row = (size_t)nkv * hd, qrow = (size_t)nh * hd;
 	uint32_t *bt = malloc((size_t)nb * 4);
 	struct mlens_attn_query *qs = malloc((size_t)nq * sizeof(*qs));
 	struct mlens_kv_cache kc = { MLENS_DTYPE_BF16, 1, nkv, hd, bs, (uint32_t)nb, NULL, NULL }, kg;
@@ -572,12 +580,7 @@ START_TEST(test_attn_decode_groups)
 		bt[b] = (uint32_t)(nb - 1 - b);
 	for (int t = 0; t < max_ctx; t++)
 		slots[t] = (int64_t)bt[t / bs] * bs + t % bs;
-	kvb = mlens_kv_bytes(&kc);
-	kc.k = calloc(1, kvb);
-	kc.v = calloc(1, kvb);
-	kg = kc;
-	kg.k = gpu_zeros(kvb);
-	kg.v = gpu_zeros(kvb);
+	kv_pair(&kc, &kg);
 	k = rnd_floats((size_t)max_ctx * row, 1.0f);
 	v = rnd_floats((size_t)max_ctx * row, 1.0f);
 	dk = to_gpu(k, (size_t)max_ctx * row * 4);
