@@ -126,13 +126,9 @@ static int bind_weights(struct mlens_engine *e)
 			b->w2[x] = bind(e, w->w2[x], ih, &rc);
 			b->w3[x] = bind(e, w->w3[x], ih, &rc);
 		}
-		b->moe.n_experts = (int)c->num_local_experts;
-		b->moe.hidden = (int)c->hidden_size;
-		b->moe.inter = (int)c->intermediate_size;
-		b->moe.dtype = c->dtype;
-		b->moe.w1 = b->w1;
-		b->moe.w2 = b->w2;
-		b->moe.w3 = b->w3;
+		b->moe = (struct mlens_moe_weights){ .n_experts = (int)c->num_local_experts, .hidden = (int)c->hidden_size,
+			.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = b->w1, .w2 = b->w2,
+			.w3 = b->w3 };
 	}
 	return rc;
 }

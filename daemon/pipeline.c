@@ -383,13 +383,9 @@ static int place_weights(struct mlens_pipeline *p, uint64_t piece)
 		}
 		if (!rc)
 			rc = plan_layer_stream(p, l, piece);
-		b->moe.n_experts = E;
-		b->moe.hidden = (int)c->hidden_size;
-		b->moe.inter = (int)c->intermediate_size;
-		b->moe.dtype = c->dtype;
-		b->moe.w1 = b->w1;
-		b->moe.w2 = b->w2;
-		b->moe.w3 = b->w3;
+		b->moe = (struct mlens_moe_weights){ .n_experts = E, .hidden = (int)c->hidden_size,
+			.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = b->w1, .w2 = b->w2,
+			.w3 = b->w3 };
 	}
 	return rc;
 }

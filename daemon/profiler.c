@@ -155,13 +155,9 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 		L->w2[e] = put(L, w->w2[e], ih, &rc);
 		L->w3[e] = put(L, w->w3[e], ih, &rc);
 	}
-	L->moe.n_experts = (int)E;
-	L->moe.hidden = (int)H;
-	L->moe.inter = (int)c->intermediate_size;
-	L->moe.dtype = c->dtype;
-	L->moe.w1 = L->w1;
-	L->moe.w2 = L->w2;
-	L->moe.w3 = L->w3;
+	L->moe = (struct mlens_moe_weights){ .n_experts = (int)E, .hidden = (int)H,
+		.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = L->w1, .w2 = L->w2,
+		.w3 = L->w3 };
 	L->x = act(L, (size_t)n * H * 4, &rc);
 	L->xn = act(L, (size_t)n * H * 4, &rc);
 	L->gout = act(L, (size_t)n * (size_t)c->intermediate_size * 4, &rc);

@@ -111,13 +111,9 @@ static int bind_rank(struct mlens_shard_sim *s, int r)
 				b->w2[e] = (void *)w->w2[e];
 			}
 		}
-		b->moe.n_experts = E;
-		b->moe.hidden = H;
-		b->moe.inter = k->inter;
-		b->moe.dtype = s->cfg.dtype;
-		b->moe.w1 = b->w1;
-		b->moe.w2 = (const void *const *)b->w2;
-		b->moe.w3 = b->w3;
+		b->moe = (struct mlens_moe_weights){ .n_experts = E, .hidden = H,
+			.inter = k->inter, .dtype = s->cfg.dtype, .w1 = b->w1, .w2 = (const void *const *)b->w2,
+			.w3 = b->w3 };
 	}
 	return 0;
 }
