@@ -34,28 +34,33 @@ struct conn {
  * the profile state, so that the stats and /metrics the main thread serves
  * meanwhile read the last results untouched; the copy replaces them when
  * the job is done. One at a time. */
-struct profile_job {
+/* What a job the worker runs for a control connection has in common: the
+ * worker writes efd when done (from then on the main thread may free the
+ * job at any moment); the main thread answers the connection, if it is
+ * still there, and reads its next lines. */
+struct wjob {
 	struct mlens_control *c;
 	struct conn *k;		/* NULL once the connection is gone */
+	int efd;
+	struct event *ev;
+};
+
+struct profile_job {
+	struct wjob w;		/* first */
 	struct mlens_profile_state st;
 	double p, g;
 	json_t *req;
 	int rc;
-	int efd;		/* the worker writes here when done */
-	struct event *ev;
 };
 
 /* A step trace armed on the worker's engine: the worker fills res when the
  * trace is written, fails or is cancelled, and then writes efd; the main
  * thread answers. One at a time. */
 struct trace_job {
-	struct mlens_control *c;
-	struct conn *k;		/* NULL once the connection is gone */
+	struct wjob w;		/* first */
 	int steps;
 	char path[4096];
 	struct mlens_trace_result res;
-	int efd;
-	struct event *ev;
 };
 
 struct mlens_control {
@@ -484,9 +489,9 @@ static void conn_free(struct conn *k)
 {
 	struct mlens_control *c = k->c;
 	if (k->job)
-		k->job->k = NULL;	/* it finishes; nobody hears the answer */
+		k->job->w.k = NULL;	/* it finishes; nobody hears the answer */
 	if (k->tjob)
-		k->tjob->k = NULL;	/* the file is still written (and logged) */
+		k->tjob->w.k = NULL;	/* the file is still written (and logged) */
 	*k->prevp = k->next;
 	if (k->next)
 		k->next->prevp = k->prevp;
@@ -530,24 +535,87 @@ static bool looks_like_http(const char *line)
 
 static void on_read(struct bufferevent *bev, void *arg);
 
+/* ==== jobs on the worker thread ==== */
+
+/* The worker thread: the job is done (after this the main thread may free
+ * it at any moment). */
+static void wjob_notify(struct wjob *w, const char *what)
+{
+	uint64_t one = 1;
+	if (write(w->efd, &one, sizeof(one)) < 0)
+		log_error("control: cannot tell the main loop that the %s is done: %s", what, strerror(errno));
+}
+
+/* Hand job arg (whose first member is w) to the worker for k; k reads no
+ * more lines until the answer. done runs on the main thread when the worker
+ * notified. 0, or -1 (nothing started: the caller frees the job). */
+static int wjob_start(struct wjob *w, struct conn *k, event_callback_fn done, mlens_worker_fn fn, void *arg)
+{
+	struct mlens_control *c = k->c;
+	w->c = c;
+	w->k = k;
+	w->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	w->ev = w->efd >= 0 ? event_new(c->base, w->efd, EV_READ | EV_PERSIST, done, arg) : NULL;
+	if (!w->ev || event_add(w->ev, NULL) || mlens_worker_call_async(c->info->worker, fn, arg))
+		return -1;
+	bufferevent_disable(k->bev, EV_READ);
+	return 0;
+}
+
+static void wjob_fini(struct wjob *w)
+{
+	if (w->ev)
+		event_free(w->ev);
+	if (w->efd >= 0)
+		close(w->efd);
+}
+
+/* The eventfd has the worker's notice (else a spurious wake-up). */
+static bool wjob_fired(evutil_socket_t fd)
+{
+	uint64_t v;
+	return read(fd, &v, sizeof(v)) == (ssize_t)sizeof(v);
+}
+
+/* At shutdown: wait for the worker's notice (the worker stops after the
+ * control socket, and must not write into freed memory). */
+static void wjob_wait(struct wjob *w, const char *what)
+{
+	struct pollfd pfd = { w->efd, POLLIN, 0 };
+	uint64_t v;
+	while (poll(&pfd, 1, -1) < 0 && errno == EINTR)
+		;
+	if (read(w->efd, &v, sizeof(v)) < 0)
+		log_warn("control: %s at shutdown: %s", what, strerror(errno));
+}
+
+/* Answer the job's connection, if it is still there, and read its next
+ * lines (those that came meanwhile first). Takes rep. */
+static void wjob_answer(struct wjob *w, json_t *rep)
+{
+	struct conn *k = w->k;
+	if (k) {
+		send_json(k, rep);
+		if (!k->closing) {
+			bufferevent_enable(k->bev, EV_READ);
+			on_read(k->bev, k);
+		}
+	}
+	json_decref(rep);
+}
+
 static int profile_on_worker(void *arg, struct mlens_sched *s)
 {
 	struct profile_job *j = arg;
-	uint64_t one = 1;
 	int rc = mlens_profile_state_run(&j->st, s, j->p, j->g, false);
 	j->rc = rc;
-	/* once written, the main thread may free j at any moment */
-	if (write(j->efd, &one, sizeof(one)) < 0)
-		log_error("control: cannot tell the main loop that the profile is done: %s", strerror(errno));
+	wjob_notify(&j->w, "profile");
 	return rc;
 }
 
 static void job_free(struct profile_job *j)
 {
-	if (j->ev)
-		event_free(j->ev);
-	if (j->efd >= 0)
-		close(j->efd);
+	wjob_fini(&j->w);
 	json_decref(j->req);
 	free(j);
 }
@@ -555,7 +623,7 @@ static void job_free(struct profile_job *j)
 /* Main thread, the worker done: publish the results, answer, read on. */
 static void job_done(struct profile_job *j)
 {
-	struct mlens_control *c = j->c;
+	struct mlens_control *c = j->w.c;
 	struct mlens_profile_state *st = c->info->profile;
 	json_t *rep;
 	if (j->rc == 0) {
@@ -568,26 +636,17 @@ static void job_done(struct profile_job *j)
 		rep = fail("profile: %s", j->st.err[0] ? j->st.err : strerror(-j->rc));
 	}
 	c->job = NULL;
-	if (j->k) {
-		struct conn *k = j->k;
-		k->job = NULL;
-		send_json(k, rep);
-		if (!k->closing) {
-			bufferevent_enable(k->bev, EV_READ);
-			on_read(k->bev, k);	/* lines that came meanwhile */
-		}
-	}
-	json_decref(rep);
+	if (j->w.k)
+		j->w.k->job = NULL;
+	wjob_answer(&j->w, rep);
 	job_free(j);
 }
 
 static void on_job(evutil_socket_t fd, short what, void *arg)
 {
-	uint64_t v;
 	(void)what;
-	if (read(fd, &v, sizeof(v)) != (ssize_t)sizeof(v))
-		return;	/* not done yet */
-	job_done(arg);
+	if (wjob_fired(fd))
+		job_done(arg);
 }
 
 /* Queue a measuring profile for k; k reads no more lines until it is done. */
@@ -610,15 +669,11 @@ static void profile_start(struct conn *k, json_t *req)
 		json_decref(bad);
 		return;
 	}
-	j->c = c;
-	j->k = k;
 	j->st = *c->info->profile;
 	j->p = p;
 	j->g = g;
 	j->req = json_incref(req);
-	j->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	j->ev = j->efd >= 0 ? event_new(c->base, j->efd, EV_READ | EV_PERSIST, on_job, j) : NULL;
-	if (!j->ev || event_add(j->ev, NULL) || mlens_worker_call_async(c->info->worker, profile_on_worker, j)) {
+	if (wjob_start(&j->w, k, on_job, profile_on_worker, j)) {
 		job_free(j);
 		bad = fail("profile: cannot start it: out of memory or file descriptors");
 		send_json(k, bad);
@@ -627,7 +682,6 @@ static void profile_start(struct conn *k, json_t *req)
 	}
 	c->job = j;
 	k->job = j;
-	bufferevent_disable(k->bev, EV_READ);
 	log_info("control: profiling the machine on the worker thread (steps pause until it is done)");
 }
 
@@ -636,11 +690,8 @@ static void profile_start(struct conn *k, json_t *req)
 static void trace_done_cb(void *arg, const struct mlens_trace_result *res)
 {
 	struct trace_job *j = arg;
-	uint64_t one = 1;
 	j->res = *res;
-	/* once written, the main thread may free j at any moment */
-	if (write(j->efd, &one, sizeof(one)) < 0)
-		log_error("control: cannot tell the main loop that the trace is done: %s", strerror(errno));
+	wjob_notify(&j->w, "trace");
 }
 
 static int trace_on_worker(void *arg, struct mlens_sched *s)
@@ -670,10 +721,7 @@ static int trace_cancel_on_worker(void *arg, struct mlens_sched *s)
 
 static void tjob_free(struct trace_job *j)
 {
-	if (j->ev)
-		event_free(j->ev);
-	if (j->efd >= 0)
-		close(j->efd);
+	wjob_fini(&j->w);
 	free(j);
 }
 
@@ -687,7 +735,7 @@ static json_t *trace_reply(const struct mlens_trace_result *r)
 
 static void tjob_done(struct trace_job *j)
 {
-	struct mlens_control *c = j->c;
+	struct mlens_control *c = j->w.c;
 	json_t *rep = trace_reply(&j->res);
 	if (j->res.rc)
 		log_warn("control: trace to %s: %s", j->path, j->res.err[0] ? j->res.err : strerror(-j->res.rc));
@@ -695,26 +743,17 @@ static void tjob_done(struct trace_job *j)
 		log_info("control: trace of %u steps written to %s (%llu spans, %llu dropped)", j->res.steps,
 			 j->res.path, (unsigned long long)j->res.spans, (unsigned long long)j->res.dropped);
 	c->tjob = NULL;
-	if (j->k) {
-		struct conn *k = j->k;
-		k->tjob = NULL;
-		send_json(k, rep);
-		if (!k->closing) {
-			bufferevent_enable(k->bev, EV_READ);
-			on_read(k->bev, k);	/* lines that came meanwhile */
-		}
-	}
-	json_decref(rep);
+	if (j->w.k)
+		j->w.k->tjob = NULL;
+	wjob_answer(&j->w, rep);
 	tjob_free(j);
 }
 
 static void on_tjob(evutil_socket_t fd, short what, void *arg)
 {
-	uint64_t v;
 	(void)what;
-	if (read(fd, &v, sizeof(v)) != (ssize_t)sizeof(v))
-		return;
-	tjob_done(arg);
+	if (wjob_fired(fd))
+		tjob_done(arg);
 }
 
 /* A trace request that arms (the others, cancel and refusals, are answered
@@ -773,13 +812,9 @@ static void trace_start(struct conn *k, json_t *req)
 		json_decref(bad);
 		return;
 	}
-	j->c = c;
-	j->k = k;
 	j->steps = steps;
 	snprintf(j->path, sizeof(j->path), "%s", path);
-	j->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	j->ev = j->efd >= 0 ? event_new(c->base, j->efd, EV_READ | EV_PERSIST, on_tjob, j) : NULL;
-	if (!j->ev || event_add(j->ev, NULL) || mlens_worker_call_async(c->info->worker, trace_on_worker, j)) {
+	if (wjob_start(&j->w, k, on_tjob, trace_on_worker, j)) {
 		tjob_free(j);
 		bad = fail("trace: cannot start it: out of memory or file descriptors");
 		send_json(k, bad);
@@ -788,7 +823,6 @@ static void trace_start(struct conn *k, json_t *req)
 	}
 	c->tjob = j;
 	k->tjob = j;
-	bufferevent_disable(k->bev, EV_READ);
 	log_info("control: tracing the next %d steps to %s", steps, j->path);
 }
 
@@ -1020,25 +1054,15 @@ void mlens_control_destroy(struct mlens_control *c)
 	if (c->job) {
 		/* the worker still runs it (it stops after the control socket):
 		 * wait, so that it does not write into freed memory */
-		struct pollfd pfd = { c->job->efd, POLLIN, 0 };
-		uint64_t v;
-		while (poll(&pfd, 1, -1) < 0 && errno == EINTR)
-			;
-		if (read(c->job->efd, &v, sizeof(v)) < 0)
-			log_warn("control: profile at shutdown: %s", strerror(errno));
+		wjob_wait(&c->job->w, "profile");
 		job_done(c->job);
 	}
 	if (c->tjob) {
 		/* armed on the worker (it stops after the control socket): cancel
 		 * it unless it is done already, and wait for its answer */
-		struct pollfd pfd = { c->tjob->efd, POLLIN, 0 };
-		uint64_t v;
 		if (mlens_worker_call_async(c->info->worker, trace_cancel_on_worker, NULL))
 			log_warn("control: cannot cancel the trace at shutdown: out of memory");
-		while (poll(&pfd, 1, -1) < 0 && errno == EINTR)
-			;
-		if (read(c->tjob->efd, &v, sizeof(v)) < 0)
-			log_warn("control: trace at shutdown: %s", strerror(errno));
+		wjob_wait(&c->tjob->w, "trace");
 		tjob_done(c->tjob);
 	}
 	if (c->lev)
