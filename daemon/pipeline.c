@@ -111,6 +111,11 @@ struct mlens_pipeline {
 	struct mlens_step_timer timer;
 	struct pl_hspan { double t0, t1; int layer, group; bool wait; } *hs;
 	int n_hs, cap_hs;
+	/* when a trace records: the GPU side's [0] and the mover's [1] host
+	 * time issuing each command and waiting for its dep (a side that
+	 * stalls shows here, not on the GPU's own timeline); cmd indexes prog */
+	struct pl_ispan { double t0, t1; int cmd; bool dep; } *is[2];
+	int n_is[2], cap_is;
 
 	/* With queues and events each queue of the step program has a thread:
 	 * the caller issues the GPU side, a host thread runs HOST_WAIT and C,
@@ -676,6 +681,8 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	p->g->ops->sync(p->g->ctx);
 	mlens_step_timer_fini(&p->timer);
 	free(p->hs);
+	free(p->is[0]);
+	free(p->is[1]);
 	if (p->async && !p->g->ops->event_record(p->g->ctx, 1, MLENS_BACKEND_EVENTS - 1))
 		p->g->ops->event_sync(p->g->ctx, MLENS_BACKEND_EVENTS - 1);	/* the weight stream, before unpinning */
 	T = (size_t)p->max_tokens;
@@ -906,6 +913,15 @@ static void hx_post(struct mlens_pipeline *p, int side, int v, int rc)
 	pthread_mutex_unlock(&p->hx.mu);
 }
 
+/* A GPU-side or mover span of the trace (the host side has its own). */
+static void issue_span(struct mlens_pipeline *p, int side, double t0, int k, bool dep)
+{
+	int q = side == MLENS_PIPE_Q_GPU ? 0 : side == MLENS_PIPE_Q_COPY ? 1 : -1;
+	if (q < 0 || !mlens_trace_on(p->trace) || p->n_is[q] >= p->cap_is)
+		return;
+	p->is[q][p->n_is[q]++] = (struct pl_ispan){ t0, now(), k, dep };
+}
+
 /* One side's commands of this step, in program order; the first failure
  * stops every side. */
 static int run_side(struct mlens_pipeline *p, int side, bool want_logits)
@@ -915,10 +931,15 @@ static int run_side(struct mlens_pipeline *p, int side, bool want_logits)
 		const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
 		if ((int)c->queue != side)
 			continue;
-		if (c->dep >= 0 && (int)p->prog.cmd[c->dep].queue != side)
+		double t0 = now();
+		if (c->dep >= 0 && (int)p->prog.cmd[c->dep].queue != side) {
 			rc = hx_wait(p, c->dep);
+			issue_span(p, side, t0, k, true);
+			t0 = now();
+		}
 		if (!rc)
 			rc = run_cmd(p, c, want_logits);
+		issue_span(p, side, t0, k, false);
 		hx_post(p, side, k + 1, rc);
 	}
 	hx_post(p, side, p->prog.n, rc);
@@ -1061,6 +1082,15 @@ static void step_times(struct mlens_pipeline *p)
 		mlens_trace_spanf(p->trace, p->hs[i].wait ? "host-wait" : "cpu-attn", p->hs[i].t0,
 				  p->hs[i].t1, "%s l%d g%d", p->hs[i].wait ? "WAIT" : "C",
 				  p->hs[i].layer, p->hs[i].group);
+	for (int q = 0; q < 2 && mlens_trace_on(p->trace); q++)
+		for (int i = 0; i < p->n_is[q]; i++) {
+			const struct pl_ispan *sp = &p->is[q][i];
+			const struct mlens_pipe_cmd *cmd = &p->prog.cmd[sp->cmd];
+			mlens_trace_spanf(p->trace, q ? "mover-thread" : "gpu-thread", sp->t0, sp->t1,
+					  "%s%s l%d g%d p%d", sp->dep ? "dep of " : "",
+					  mlens_pipe_kind_name(cmd->kind), cmd->layer, cmd->group,
+					  cmd->piece);
+		}
 }
 
 /* ==== the step ==== */
@@ -1363,7 +1393,16 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 
 	p->st.h2d_weight_bytes = p->st.h2d_act_bytes = p->st.d2h_act_bytes = 0;
 	p->st.cpu_attn_s = p->st.host_wait_s = 0;
-	p->n_hs = 0;
+	p->n_hs = p->n_is[0] = p->n_is[1] = 0;
+	if (mlens_trace_on(p->trace) && p->cap_is < 2 * p->prog.n) {
+		for (int q = 0; q < 2; q++) {
+			struct pl_ispan *v = realloc(p->is[q], 2 * (size_t)p->prog.n * sizeof(*v));
+			if (!v)
+				return -ENOMEM;
+			p->is[q] = v;
+		}
+		p->cap_is = 2 * p->prog.n;
+	}
 	mlens_step_timer_start(&p->timer, p->trace);
 	rc = run_prog(p, want_logits);
 	step_times(p);

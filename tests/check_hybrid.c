@@ -13,17 +13,22 @@
  * within 1e-5 over prefill, decode and mixed steps, in one and two token
  * groups, through the engine's hybrid mode, and under the unchanged
  * scheduler with preemption (same tokens as the engine); every streamed expert byte
- * crosses once per step; the GPU side stays within the budget. */
+ * crosses once per step; the GPU side stays within the budget. A traced
+ * step driven by threads has the GPU side's and the mover's host-time spans,
+ * one per command and one per wait for another side. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include <jansson.h>
 #include "daemon/gpuplan.h"
 #include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
 #include "daemon/sched.h"
+#include "daemon/trace.h"
 #include "tests/testmodel.h"
 
 #define GIB (1024ull * 1024ull * 1024ull)
@@ -878,6 +883,95 @@ START_TEST(exec_equal_prefill_on_cpu)
 }
 END_TEST
 
+/* Spans of track (by its thread_name) whose name starts with prefix, and
+ * whether each lies inside [t0, t1] (microseconds). */
+static int count_spans(json_t *ev, const char *track, const char *prefix, double t0, double t1)
+{
+	json_int_t tid = -1;
+	size_t i;
+	json_t *e;
+	int n = 0;
+	json_array_foreach(ev, i, e) {
+		json_t *args = json_object_get(e, "args");
+		if (!strcmp(json_string_value(json_object_get(e, "name")), "thread_name") &&
+		    !strcmp(json_string_value(json_object_get(args, "name")), track))
+			tid = json_integer_value(json_object_get(e, "tid"));
+	}
+	json_array_foreach(ev, i, e) {
+		const char *name = json_string_value(json_object_get(e, "name"));
+		double ts, dur;
+		if (strcmp(json_string_value(json_object_get(e, "ph")), "X") ||
+		    json_integer_value(json_object_get(e, "tid")) != tid ||
+		    strncmp(name, prefix, strlen(prefix)))
+			continue;
+		ts = json_number_value(json_object_get(e, "ts"));
+		dur = json_number_value(json_object_get(e, "dur"));
+		ck_assert_msg(dur >= 0 && ts >= t0 - 1 && ts + dur <= t1 + 1,
+			      "%s span %s [%g, %g] outside its step [%g, %g]", track, name, ts,
+			      ts + dur, t0, t1);
+		n++;
+	}
+	return n;
+}
+
+/* A traced step of the two-thread executor: the GPU side queues HEAD, GA
+ * and GB of each of the 4 layers (one group), waiting for each GB's CPU
+ * attention and for each layer's weights; the mover streams layers 0 to 3
+ * and, for the next step, 0 and 1 again, each after the slot's freed
+ * record, which it waits for except for the first two. */
+START_TEST(exec_trace_threads)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct side sd;
+	char dir[] = "/tmp/check_hybrid.XXXXXX", path[64], err[256];
+	int32_t prompt[6] = { 1, 2, 3, 4, 5, 6 };
+	struct mlens_engine_req r = { 0 };
+	json_error_t je;
+	json_t *root, *ev, *e;
+	double t0 = -1, t1 = -1;
+	size_t i;
+	const int L = ts.layers;
+
+	side_open(&sd, m, true, 1, 0, false, true);
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(path, sizeof(path), "%s/t.json", dir);
+	ck_assert_int_eq(mlens_trace_arm(mlens_engine_trace(sd.e), 1, path, NULL, NULL, err,
+					 sizeof(err)), 0);
+	r.seq = &sd.seq[0];
+	r.tokens = prompt;
+	r.n_tokens = 6;
+	ck_assert_int_eq(mlens_engine_step(sd.e, &r, 1), 0);
+	root = json_load_file(path, 0, &je);
+	ck_assert_msg(root != NULL, "%s: %s", path, je.text);
+	ev = json_object_get(root, "traceEvents");
+	json_array_foreach(ev, i, e) {
+		const char *name = json_string_value(json_object_get(e, "name"));
+		if (!strcmp(name, "step 1")) {
+			t0 = json_number_value(json_object_get(e, "ts"));
+			t1 = t0 + json_number_value(json_object_get(e, "dur"));
+		}
+	}
+	ck_assert(t0 >= 0);
+	ck_assert_int_eq(count_spans(ev, "gpu-thread", "HEAD", t0, t1), 1);
+	ck_assert_int_eq(count_spans(ev, "gpu-thread", "GA ", t0, t1), L);
+	ck_assert_int_eq(count_spans(ev, "gpu-thread", "GB ", t0, t1), L);
+	ck_assert_int_eq(count_spans(ev, "gpu-thread", "dep of GB ", t0, t1), L);
+	ck_assert_int_eq(count_spans(ev, "gpu-thread", "dep of WAIT ", t0, t1), L);
+	ck_assert_int_eq(count_spans(ev, "gpu-thread", "TAIL", t0, t1), 1);
+	ck_assert_int_eq(count_spans(ev, "mover-thread", "WAIT ", t0, t1), L + 2);
+	ck_assert_int_eq(count_spans(ev, "mover-thread", "dep of WAIT ", t0, t1), L);
+	ck_assert_int_eq(count_spans(ev, "mover-thread", "RECORD ", t0, t1), L + 2);
+	ck_assert_int_ge(count_spans(ev, "mover-thread", "COPY ", t0, t1), L + 2);
+	ck_assert_int_eq(count_spans(ev, "mover-thread", "GA ", t0, t1), 0);
+	json_decref(root);
+	ck_assert_int_eq(unlink(path), 0);
+	ck_assert_int_eq(rmdir(dir), 0);
+	side_close(&sd, true);
+	mlens_test_model_free(m);
+}
+END_TEST
+
 /* Small pieces, a refused budget, the cap lowered by the plan. */
 START_TEST(exec_pieces_and_budget)
 {
@@ -1126,6 +1220,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
+	tcase_add_test(t, exec_trace_threads);
 	suite_add_tcase(s, t);
 	return s;
 }

@@ -3,14 +3,15 @@
 # `make dist` tree configured --with-cuda and built (or a CUDA build tree):
 #   1. the GPU tests: check_cuda, check_hybrid_cuda, the goldens on cuda
 #      and hybrid (exact and fast GEMMs), check_gpu_plan
-#   2. the CPU attention headline (issue 5) and its tuning sweep
+#   2. the CPU attention headline (issue 5) and its tuning sweep; the
+#      copy-queue probe (tests/bench/bench_copyq.c, issue 7)
 #   3. the 8-layer Mixtral-8x7B-shaped model in /dev/shm (written while 1
 #      runs), a 3-step trace of a hybrid run (issue 7: where the time goes)
 #   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
 #      transformers+accelerate baseline, then the n_real sweep (issue 8)
-# Each part has a time limit (seconds: T_TESTS, T_ATTN, T_TRACE, T_SET,
-# T_SWEEP) so that the whole fits one device call; what a part did not
-# finish is said. Everything goes to $OUT/session.tgz (one file) and a
+# Each part has a time limit (seconds: T_TESTS, T_ATTN, T_COPYQ, T_TRACE, T_SET,
+# T_SWEEP; 0 skips the part) so that the whole fits one device call; what
+# a part did not finish is said. Everything goes to $OUT/session.tgz (one file) and a
 # summary to stdout.
 # Usage: gpu_session.sh [SCALE]   (default 0.25: a quarter of issue 7's
 #        three pool-fulls of requests per workload)
@@ -21,6 +22,7 @@ R=$(mktemp -d /tmp/mlens-session.XXXXXX)
 MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 T_TESTS=${T_TESTS:-150}
 T_ATTN=${T_ATTN:-90}
+T_COPYQ=${T_COPYQ:-40}
 T_TRACE=${T_TRACE:-120}
 T_SET=${T_SET:-330}
 T_SWEEP=${T_SWEEP:-0}
@@ -36,7 +38,7 @@ else
 	mk=
 fi
 
-timeout "$T_TESTS" make -j8 check TESTS="tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
+[ "$T_TESTS" -gt 0 ] && timeout "$T_TESTS" make -j8 check TESTS="tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
 	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh tests/check_hybrid" \
 	> "$R/check.log" 2>&1
 el "GPU tests: rc $?"
@@ -49,7 +51,7 @@ grep -h -E "^==|Checks" tests/golden/check_golden_cuda.sh.log tests/golden/check
 el "model ready"
 
 B=./tests/bench/mlens-bench
-timeout "$T_ATTN" sh -c "$B attention --threads 1,16 --json --min-time 0.4 > '$R/attn.json' 2> '$R/attn.err';
+[ "$T_ATTN" -gt 0 ] && timeout "$T_ATTN" sh -c "$B attention --threads 1,16 --json --min-time 0.4 > '$R/attn.json' 2> '$R/attn.err';
 	sh ./tests/bench/attn_sweep.sh $B 16 > '$R/attn_sweep.txt' 2>&1"
 el "attention: rc $?"
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("read bandwidth", d["read_bw_gbs"], "GB/s")
@@ -57,18 +59,29 @@ for r in d["results"]: print("%-7s %2d threads %7.2f GB/s %5.0f%%" % (r["variant
 	"$R/attn.json" 2>/dev/null
 cat "$R/attn_sweep.txt" 2>/dev/null
 
+# does anything delay the pipeline's activation copies behind the weight
+# stream? (issue 7: once a layer a GPU command lasts as long as the
+# layer's copy); alone, then with the CPU reading memory as the attention
+# does
+if [ "$T_COPYQ" -gt 0 ] && [ -x ./tests/bench/bench_copyq ]; then
+	timeout "$T_COPYQ" sh -c "COPYQ_REGISTER=1 ./tests/bench/bench_copyq > '$R/copyq.json' 2> '$R/copyq.txt';
+		COPYQ_REGISTER=1 COPYQ_CPU_THREADS=14 ./tests/bench/bench_copyq > '$R/copyq_load.json' 2> '$R/copyq_load.txt'"
+	el "copy queue probe: rc $?"
+	cat "$R/copyq_load.txt"
+fi
+
 # a 3-step trace of a hybrid run at full pipeline, armed once it serves
 d=$R/trace
 mkdir -p "$d"
 ./daemon/mlensd --model "$MODEL" --foreground --backend cuda --gpu-memory 8G --kv-cache 40G \
-	--mlock=false --socket "$d/s" --control "$d/c" --stats "$d/st" --log "$d/mlensd.log" &
+	--mlock=false --quota-running 0 ${DAEMON_ARGS:-} --socket "$d/s" --control "$d/c" --stats "$d/st" --log "$d/mlensd.log" &
 pid=$!
 for _ in $(seq 600); do grep -q "serving on" "$d/mlensd.log" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
 awk 'BEGIN { srand(7); for (r = 0; r < 2400; r++) { printf "{\"prompt\": ["; for (i = 0; i < 512; i++)
 	printf "%s%d", (i ? ", " : ""), 1 + int(rand() * 31999); printf "], \"max_tokens\": 32}\n" } }' > "$d/in.jsonl"
-timeout "$T_TRACE" ./client/mlens generate -s "$d/s" -i "$d/in.jsonl" -o "$d/out.jsonl" 2> "$d/gen.err" &
+timeout "$T_TRACE" ./client/mlens generate -s "$d/s" -i "$d/in.jsonl" -o "$d/out.jsonl" -n 2400 -q 2> "$d/gen.err" &
 gen=$!
-sleep 20	# past the first, prefill-only steps
+sleep ${TRACE_AFTER:-25}	# past the first, prefill-only steps
 ./client/mlensctl -s "$d/c" trace --steps 3 "$R/trace.json" 2>&1
 ./client/mlensctl -s "$d/c" status 2>&1 | grep -E "mode|pipeline|step"
 kill $gen 2>/dev/null
@@ -90,9 +103,11 @@ for k in sorted(busy):
 EOF
 el "trace done"
 
-OUT=$R RUNS="p512g32 p512g128 p128g32 p512g32kv20 hf" EXPECT_TPS=${EXPECT_TPS:-25000} STARTUP_S=30 \
-	timeout "$T_SET" sh ./tests/bench/hybrid.sh 8G 40G "$SCALE" 2>&1 | tail -20
-el "benchmark set: rc $?"
+if [ "$T_SET" -gt 0 ]; then
+	OUT=$R RUNS=${RUNS:-"p512g32 p512g128 p128g32 p512g32kv20 hf"} EXPECT_TPS=${EXPECT_TPS:-25000} STARTUP_S=30 \
+		timeout "$T_SET" sh ./tests/bench/hybrid.sh 8G 40G "$SCALE" 2>&1 | tail -20
+	el "benchmark set: rc $?"
+fi
 if [ "$T_SWEEP" -gt 0 ]; then
 	OUT=$R STEADY_STEPS=12 timeout "$T_SWEEP" sh ./tests/bench/nreal_sweep.sh 512 32 40G 8G 2>&1 | tail -12
 	el "n_real sweep: rc $?"
