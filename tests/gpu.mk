@@ -20,4 +20,4 @@ tests_check_gpu_plan_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 EXTRA_DIST += tests/bench/serve_gpu.sh
 EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh \
-	tests/bench/gpu_session.sh tests/bench/kvpool.sh
+	tests/bench/gpu_session.sh tests/bench/kvpool.sh tests/bench/trace_summary.py

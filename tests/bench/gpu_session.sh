@@ -6,7 +6,9 @@
 #   2. the CPU attention headline (issue 5) and its tuning sweep; the
 #      copy-queue probe (tests/bench/bench_copyq.c, issue 7)
 #   3. the 8-layer Mixtral-8x7B-shaped model in /dev/shm (written while 1
-#      runs), a 3-step trace of a hybrid run (issue 7: where the time goes)
+#      runs), 3-step traces of a hybrid run (issue 7: where the time goes),
+#      one per TRACE_VARIANTS entry (e.g. "|--threads 13|--weight-piece 25M"),
+#      summarised by tests/bench/trace_summary.py
 #   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
 #      transformers+accelerate baseline, then the n_real sweep (issue 8)
 # Each part has a time limit (seconds: T_TESTS, T_ATTN, T_COPYQ, T_TRACE, T_SET,
@@ -70,38 +72,48 @@ if [ "$T_COPYQ" -gt 0 ] && [ -x ./tests/bench/bench_copyq ]; then
 	cat "$R/copyq_load.txt"
 fi
 
-# a 3-step trace of a hybrid run at full pipeline, armed once it serves
-d=$R/trace
-mkdir -p "$d"
-./daemon/mlensd --model "$MODEL" --foreground --backend cuda --gpu-memory 8G --kv-cache 40G \
-	--mlock=false --quota-running 0 ${DAEMON_ARGS:-} --socket "$d/s" --control "$d/c" --stats "$d/st" --log "$d/mlensd.log" &
-pid=$!
-for _ in $(seq 600); do grep -q "serving on" "$d/mlensd.log" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
-awk 'BEGIN { srand(7); for (r = 0; r < 2400; r++) { printf "{\"prompt\": ["; for (i = 0; i < 512; i++)
-	printf "%s%d", (i ? ", " : ""), 1 + int(rand() * 31999); printf "], \"max_tokens\": 32}\n" } }' > "$d/in.jsonl"
-timeout "$T_TRACE" ./client/mlens generate -s "$d/s" -i "$d/in.jsonl" -o "$d/out.jsonl" -n 2400 -q 2> "$d/gen.err" &
-gen=$!
-sleep ${TRACE_AFTER:-25}	# past the first, prefill-only steps
-./client/mlensctl -s "$d/c" trace --steps 3 "$R/trace.json" 2>&1
-./client/mlensctl -s "$d/c" status 2>&1 | grep -E "mode|pipeline|step"
-kill $gen 2>/dev/null
-wait $gen 2>/dev/null
-kill -TERM $pid
-wait $pid
-cp "$d/mlensd.log" "$R/trace_mlensd.log"
-python3 - "$R/trace.json" <<'EOF' 2>/dev/null
-import collections, json, sys
-d = json.load(open(sys.argv[1]))
-names = {e["tid"]: e["args"]["name"] for e in d["traceEvents"] if e.get("ph") == "M"}
-busy, n = collections.Counter(), collections.Counter()
-for e in d["traceEvents"]:
-    if e.get("ph") == "X":
-        busy[names.get(e["tid"])] += e["dur"] / 1e3
-        n[names.get(e["tid"])] += 1
-for k in sorted(busy):
-    print("trace %-10s %5d spans %10.1f ms" % (k, n[k], busy[k]))
-EOF
-el "trace done"
+# 3-step traces of a hybrid run at full pipeline, armed once it serves:
+# one per TRACE_VARIANTS entry ('|'-separated mlensd arguments, added to
+# DAEMON_ARGS; default one run as configured), each summarised: step
+# times, each track's busy time, the medians of C, GA and GB, and the GPU
+# commands that ran over 20 ms (a GA or GB alone takes 2-7 ms)
+trace_run() {	# index, extra mlensd arguments
+	d=$R/trace$1
+	mkdir -p "$d"
+	# shellcheck disable=SC2086
+	./daemon/mlensd --model "$MODEL" --foreground --backend cuda --gpu-memory 8G --kv-cache 40G \
+		--mlock=false --quota-running 0 ${DAEMON_ARGS:-} $2 --socket "$d/s" --control "$d/c" \
+		--stats "$d/st" --log "$d/mlensd.log" &
+	pid=$!
+	for _ in $(seq 600); do grep -q "serving on" "$d/mlensd.log" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+	awk 'BEGIN { srand(7); for (r = 0; r < 2400; r++) { printf "{\"prompt\": ["; for (i = 0; i < 512; i++)
+		printf "%s%d", (i ? ", " : ""), 1 + int(rand() * 31999); printf "], \"max_tokens\": 32}\n" } }' > "$d/in.jsonl"
+	timeout "$T_TRACE" ./client/mlens generate -s "$d/s" -i "$d/in.jsonl" -o "$d/out.jsonl" -n 2400 -q 2> "$d/gen.err" &
+	gen=$!
+	sleep "${TRACE_AFTER:-25}"	# past the first, prefill-only steps
+	./client/mlensctl -s "$d/c" trace --steps 3 "$R/trace$1.json" 2>&1
+	./client/mlensctl -s "$d/c" status 2>&1 | grep -E "mode|pipeline|step"
+	kill $gen 2>/dev/null
+	wait $gen 2>/dev/null
+	kill -TERM $pid
+	wait $pid
+	cp "$d/mlensd.log" "$R/trace${1}_mlensd.log"
+	echo "trace $1 (mlensd ${DAEMON_ARGS:-} $2):"
+	python3 ./tests/bench/trace_summary.py "$R/trace$1.json"
+}
+if [ "$T_TRACE" -gt 0 ]; then
+	i=0
+	IFS='|'
+	# shellcheck disable=SC2086
+	set -- ${TRACE_VARIANTS:-""}
+	unset IFS
+	[ $# -eq 0 ] && set -- ""
+	for v in "$@"; do
+		trace_run "$i" "$v"
+		i=$((i + 1))
+	done
+	el "trace done"
+fi
 
 if [ "$T_SET" -gt 0 ]; then
 	OUT=$R RUNS=${RUNS:-"p512g32 p512g128 p128g32 p512g32kv20 hf"} EXPECT_TPS=${EXPECT_TPS:-25000} STARTUP_S=30 \
