@@ -99,7 +99,7 @@ trace_run() {	# index, extra mlensd arguments
 	wait $pid
 	cp "$d/mlensd.log" "$R/trace${1}_mlensd.log"
 	echo "trace $1 (mlensd ${DAEMON_ARGS:-} $2):"
-	python3 ./tests/bench/trace_summary.py "$R/trace$1.json"
+	python3 "$(dirname "$0")/trace_summary.py" "$R/trace$1.json"
 }
 if [ "$T_TRACE" -gt 0 ]; then
 	i=0

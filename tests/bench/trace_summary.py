@@ -13,8 +13,11 @@ def main():
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     long_ms = float(sys.argv[2]) if len(sys.argv) == 3 else 20.0
-    with open(sys.argv[1]) as f:
-        d = json.load(f)
+    try:
+        with open(sys.argv[1]) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit("trace_summary: %s: %s" % (sys.argv[1], e))
     names = {e["tid"]: e["args"]["name"] for e in d["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     ev = [e for e in d["traceEvents"] if e.get("ph") == "X"]
