@@ -358,6 +358,7 @@ START_TEST(test_append_exact)
 	float *k = malloc((size_t)n * row * sizeof(float)), *v = malloc((size_t)n * row * sizeof(float));
 	int64_t slots[37];
 	uint32_t perm[8] = { 5, 2, 7, 0, 3, 6, 1, 4 };
+	struct mlens_pool *pool = NULL;
 
 	if (!mlens_cpu_attn_variant_supported(name)) {
 		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
@@ -377,25 +378,34 @@ START_TEST(test_append_exact)
 	}
 	for (int i = 0; i < n; i++)
 		slots[i] = (int64_t)perm[i / bs] * bs + i % bs;
-	ck_assert_int_eq(mlens_cpu_kv_append(&kv, 1, k, v, slots, n), 0);
-	for (int i = 0; i < n; i++)
-		for (int g = 0; g < nkv; g++) {
-			size_t idx = mlens_kv_index(&kv, 1, perm[i / bs], g, i % bs);
-			const uint16_t *ks = (const uint16_t *)kv.k + idx, *vs = (const uint16_t *)kv.v + idx;
-			for (int d = 0; d < hd; d++) {
-				size_t e = (size_t)i * row + (size_t)g * hd + d;
-				ck_assert_uint_eq(ks[d], mlens_f32_to_bf16(k[e]));
-				ck_assert_uint_eq(vs[d], mlens_f32_to_bf16(v[e]));
+	/* by the caller alone, then split over a pool of 3 (37 rows: two
+	 * tasks, the second short) */
+	ck_assert_int_eq(mlens_pool_create(&pool, 3, NULL), 0);
+	for (int pooled = 0; pooled < 2; pooled++) {
+		memset(kv.k, 0, mlens_kv_bytes(&kv));
+		memset(kv.v, 0, mlens_kv_bytes(&kv));
+		ck_assert_int_eq(mlens_cpu_kv_append(pooled ? pool : NULL, &kv, 1, k, v, slots, n), 0);
+		for (int i = 0; i < n; i++)
+			for (int g = 0; g < nkv; g++) {
+				size_t idx = mlens_kv_index(&kv, 1, perm[i / bs], g, i % bs);
+				const uint16_t *ks = (const uint16_t *)kv.k + idx;
+				const uint16_t *vs = (const uint16_t *)kv.v + idx;
+				for (int d = 0; d < hd; d++) {
+					size_t e = (size_t)i * row + (size_t)g * hd + d;
+					ck_assert_uint_eq(ks[d], mlens_f32_to_bf16(k[e]));
+					ck_assert_uint_eq(vs[d], mlens_f32_to_bf16(v[e]));
+				}
 			}
-		}
+	}
 	/* layer 0 untouched; a bad slot writes nothing */
 	for (size_t e = 0; e < mlens_kv_bytes(&kv) / 2 / 2; e++)
 		ck_assert_uint_eq(((uint16_t *)kv.k)[e], 0);
 	slots[n - 1] = 8 * bs;
-	ck_assert_int_eq(mlens_cpu_kv_append(&kv, 0, k, v, slots, n), -ERANGE);
+	ck_assert_int_eq(mlens_cpu_kv_append(pool, &kv, 0, k, v, slots, n), -ERANGE);
 	for (size_t e = 0; e < mlens_kv_bytes(&kv) / 2 / 2; e++)
 		ck_assert_uint_eq(((uint16_t *)kv.k)[e], 0);
-	ck_assert_int_eq(mlens_cpu_kv_append(&kv, 2, k, v, slots, 1), -ERANGE);
+	ck_assert_int_eq(mlens_cpu_kv_append(NULL, &kv, 2, k, v, slots, 1), -ERANGE);
+	mlens_pool_destroy(pool);
 	free(kv.k);
 	free(kv.v);
 	free(k);

@@ -56,9 +56,10 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 			  int n_heads, float scale);
 
 /* The kv_append op of backend.h: bf16 stores are mlens_f32_to_bf16 values,
- * converted with the chosen kernel's vector code. 0 or -ERANGE (a slot or
- * the layer out of range; then nothing is written). */
-int mlens_cpu_kv_append(struct mlens_kv_cache *kv, int layer, const float *k,
-			const float *v, const int64_t *slots, int n);
+ * converted with the chosen kernel's vector code, rows split over the pool
+ * (NULL: the caller alone); the result does not depend on the split. 0 or
+ * -ERANGE (a slot or the layer out of range; then nothing is written). */
+int mlens_cpu_kv_append(struct mlens_pool *pool, struct mlens_kv_cache *kv, int layer,
+			const float *k, const float *v, const int64_t *slots, int n);
 
 #endif

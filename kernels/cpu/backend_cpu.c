@@ -366,7 +366,7 @@ static int cpu_attn_prefill(void *ctx, float *out, const float *q, const float *
 static int cpu_kv_append(void *ctx, struct mlens_kv_cache *kv, int layer,
 			 const float *k, const float *v, const int64_t *slots, int n)
 {
-	return mlens_cpu_kv_append(kv, layer, k, v, slots, n);
+	return mlens_cpu_kv_append(((struct mlens_cpu_ctx *)ctx)->pool, kv, layer, k, v, slots, n);
 }
 
 void mlens_cpu_attn_decode_group_ref(float *out, const float *q,
