@@ -13,7 +13,10 @@
  * anonymous memory (as mlensd's weight pages) instead of cudaHostAlloc;
  * COPYQ_CPU_THREADS=N keeps N threads reading host memory meanwhile (as
  * the CPU attention does next to the weight stream) and reports their
- * read rate.
+ * read rate; COPYQ_GEMM=1 puts a bf16 GEMM (4096 x 4096 x 14336, an expert
+ * matrix of a group) on the compute stream before the activation copy, as
+ * GA and GB have kernels before their copies (act_ms then includes it;
+ * gemm_alone_ms is printed).
  * On the H200 (no CPU load) neither the weight stream nor pacing it
  * delayed the activation copy, either way, 64 MB or 32 B, from the same
  * thread or another: it ran as fast as alone (1.2 ms for 64 MB). */
@@ -25,6 +28,7 @@
 #include <time.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
@@ -75,9 +79,33 @@ struct act {
 	double at;	/* host time to queue it */
 };
 
+/* COPYQ_GEMM: the GEMM queued before each activation copy */
+static struct {
+	cublasHandle_t h;
+	void *a, *b, *c;
+	int m, n, k;
+} gemm;
+
+static void gemm_queue(cudaStream_t s)
+{
+	const float one = 1.0f, zero = 0.0f;
+	cublasStatus_t st;
+	if (!gemm.h)
+		return;
+	if ((st = cublasSetStream(gemm.h, s)) != CUBLAS_STATUS_SUCCESS ||
+	    (st = cublasGemmEx(gemm.h, CUBLAS_OP_T, CUBLAS_OP_N, gemm.n, gemm.m, gemm.k, &one, gemm.b,
+			       CUDA_R_16BF, gemm.k, gemm.a, CUDA_R_16BF, gemm.k, &zero, gemm.c,
+			       CUDA_R_32F, gemm.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)) !=
+		    CUBLAS_STATUS_SUCCESS) {
+		fprintf(stderr, "bench_copyq: cuBLAS error %d\n", (int)st);
+		exit(1);
+	}
+}
+
 static void act_issue(struct act *a)
 {
 	CK(cudaEventRecord(a->a0, a->cs));
+	gemm_queue(a->cs);
 	CK(a->d2h ? cudaMemcpyAsync(a->ha, a->da, a->bytes, cudaMemcpyDeviceToHost, a->cs)
 		  : cudaMemcpyAsync(a->da, a->ha, a->bytes, cudaMemcpyHostToDevice, a->cs));
 	CK(cudaEventRecord(a->a1, a->cs));
@@ -173,7 +201,7 @@ int main(int argc, char **argv)
 	int n_read = getenv("COPYQ_CPU_THREADS") ? atoi(getenv("COPYQ_CPU_THREADS")) : 0;
 	struct reader *rd = NULL;
 	volatile bool stop = false;
-	double r0;
+	double r0, gemm_ms = 0, act_ms0;
 
 	if (layer == 0 || act == 0 || n_read < 0 || n_read > 1024) {
 		fprintf(stderr, "usage: bench_copyq [layer_MB [act_MB]]\n");
@@ -211,6 +239,30 @@ int main(int argc, char **argv)
 		CK(cudaEventSynchronize(e1));
 	}
 	CK(cudaEventElapsedTime(&ms, e0, e1));
+	act_ms0 = ms;
+	if (getenv("COPYQ_GEMM")) {
+		gemm.m = 4096;
+		gemm.k = 4096;
+		gemm.n = 14336;
+		CK(cudaMalloc(&gemm.a, (size_t)gemm.m * gemm.k * 2));
+		CK(cudaMalloc(&gemm.b, (size_t)gemm.n * gemm.k * 2));
+		CK(cudaMalloc(&gemm.c, (size_t)gemm.m * gemm.n * 4));
+		CK(cudaMemset(gemm.a, 0, (size_t)gemm.m * gemm.k * 2));
+		CK(cudaMemset(gemm.b, 0, (size_t)gemm.n * gemm.k * 2));
+		if (cublasCreate(&gemm.h) != CUBLAS_STATUS_SUCCESS) {
+			fprintf(stderr, "bench_copyq: cannot start cuBLAS\n");
+			return 1;
+		}
+		for (int k = 0; k < 3; k++) {
+			CK(cudaEventRecord(e0, cs[0]));
+			gemm_queue(cs[0]);
+			CK(cudaEventRecord(e1, cs[0]));
+			CK(cudaEventSynchronize(e1));
+		}
+		CK(cudaEventElapsedTime(&ms, e0, e1));
+		fprintf(stderr, "the GEMM alone: %.3f ms\n", ms);
+		gemm_ms = ms;
+	}
 	if (n_read) {
 		rd = calloc((size_t)n_read, sizeof(*rd));
 		if (!rd) {
@@ -234,8 +286,9 @@ int main(int argc, char **argv)
 	}
 	r0 = now();
 	printf("{\"bench\": \"copyq\", \"layer_bytes\": %zu, \"act_bytes\": %zu, \"act_alone_ms\": %.3f, "
-	       "\"cpu_threads\": %d, \"results\": [", layer, act, ms, n_read);
-	fprintf(stderr, "activation copy of %zu MB alone: %.3f ms\n", act >> 20, ms);
+	       "\"cpu_threads\": %d, \"gemm_alone_ms\": %.3f, \"results\": [", layer, act, act_ms0,
+	       n_read, gemm_ms);
+	fprintf(stderr, "activation copy of %zu MB alone: %.3f ms\n", act >> 20, act_ms0);
 	fprintf(stderr, "%-4s %-10s %-9s %-6s %-9s %-8s %12s %12s\n", "dir", "act bytes",
 		"piece MB", "depth", "priority", "thread", "act ms", "weights GB/s");
 	for (int dir = 0; dir < 2; dir++)

@@ -67,9 +67,10 @@ cat "$R/attn_sweep.txt" 2>/dev/null
 # does
 if [ "$T_COPYQ" -gt 0 ] && [ -x ./tests/bench/bench_copyq ]; then
 	timeout "$T_COPYQ" sh -c "COPYQ_REGISTER=1 ./tests/bench/bench_copyq > '$R/copyq.json' 2> '$R/copyq.txt';
-		COPYQ_REGISTER=1 COPYQ_CPU_THREADS=14 ./tests/bench/bench_copyq > '$R/copyq_load.json' 2> '$R/copyq_load.txt'"
+		COPYQ_REGISTER=1 COPYQ_CPU_THREADS=14 ./tests/bench/bench_copyq > '$R/copyq_load.json' 2> '$R/copyq_load.txt';
+		COPYQ_REGISTER=1 COPYQ_GEMM=1 ./tests/bench/bench_copyq > '$R/copyq_gemm.json' 2> '$R/copyq_gemm.txt'"
 	el "copy queue probe: rc $?"
-	cat "$R/copyq_load.txt"
+	cat "$R/copyq_load.txt" "$R/copyq_gemm.txt"
 fi
 
 # 3-step traces of a hybrid run at full pipeline, armed once it serves:
