@@ -35,7 +35,8 @@ struct mlens_engine_opts {
 	uint64_t gpu_budget;
 	int hybrid_groups;	/* token groups, 0 = 2 */
 	int hybrid_min_tokens;	/* smallest token cap that may run; 0 = 1 */
-	int64_t hybrid_group_tokens;	/* rows of a token group at most; 0 = the plan default */
+	int64_t hybrid_group_tokens;	/* rows of a token group at most; 0 = the plan default,
+					 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t hybrid_piece_bytes;	/* bytes per weight copy; 0 = MLENS_PIPE_PIECE */
 	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
 };

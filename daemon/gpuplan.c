@@ -3,6 +3,7 @@
  * refusal with the minimum when it cannot run. Arithmetic only. */
 #include <errno.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include "daemon/gpuplan.h"
@@ -124,8 +125,9 @@ static int64_t tokens_fit(const struct mlens_perf_model *pm, int64_t group, int6
 	return lo;
 }
 
-int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
-		       struct mlens_gpuplan *out, char *err, size_t errlen)
+/* The plan for in->group rows a group (0: the default). */
+static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
+		      struct mlens_gpuplan *out, char *err, size_t errlen)
 {
 	int64_t nmin = in->min_tokens > 0 ? in->min_tokens : 1;
 	uint64_t ws = in->workspace ? in->workspace : MLENS_GPUPLAN_WORKSPACE;
@@ -189,6 +191,50 @@ done:
 	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, group, chunk);
 	out->total = sat_add(sat_add(sat_add(out->resident, out->slots), out->act), ws);
 	return 0;
+}
+
+/* MLENS_GPUPLAN_GROUP_AUTO: halve the group from the default while the
+ * plan falls short of max_tokens, down to the MoE chunk; keep the plan
+ * that holds the most tokens (the larger group on a tie). */
+static int plan_auto(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
+		     struct mlens_gpuplan *out, char *err, size_t errlen)
+{
+	struct mlens_gpuplan_in g = *in;
+	struct mlens_gpuplan p;
+	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
+	bool have = false;
+	int rc, first = 0;
+
+	for (g.group = MLENS_GPUPLAN_GROUP;; g.group /= 2) {
+		/* the default group's refusal is the one reported */
+		rc = plan_group(pm, &g, &p, have || first ? NULL : err, errlen);
+		if (g.group == MLENS_GPUPLAN_GROUP)
+			first = rc;
+		if (!rc && (!have || p.tokens > out->tokens)) {
+			*out = p;
+			have = true;
+		}
+		if ((!rc && p.tokens >= in->max_tokens) || g.group / 2 < chunk || g.group / 2 < 1)
+			break;
+	}
+	if (!have)
+		return first;
+	seterr(err, errlen, "%s", "");
+	return 0;
+}
+
+int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
+		       struct mlens_gpuplan *out, char *err, size_t errlen)
+{
+	if (in->group == MLENS_GPUPLAN_GROUP_AUTO)
+		return plan_auto(pm, in, out, err, errlen);
+	if (in->group < 0) {
+		memset(out, 0, sizeof(*out));
+		seterr(err, errlen, "GPU memory plan: a token group of %lld rows is out of range",
+		       (long long)in->group);
+		return -EINVAL;
+	}
+	return plan_group(pm, in, out, err, errlen);
 }
 
 int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_model *pm,

@@ -36,13 +36,22 @@
  * live at once (pipeprog.h), so the residual stream is the only per-token
  * buffer of the whole step. */
 #define MLENS_GPUPLAN_GROUP 4096
+/* group of mlens_gpuplan_in: let the plan choose. The largest of
+ * MLENS_GPUPLAN_GROUP, half of it, and so on down to the MoE chunk, whose
+ * plan holds max_tokens; failing that the one that holds the most tokens
+ * (a group's activation sets are what the per-token residual competes
+ * with: at 8 GiB the 8-layer 8x7B holds 19,263 tokens in groups of 4096,
+ * 33,547 in 2048 and 40,721 in 1024). */
+#define MLENS_GPUPLAN_GROUP_AUTO (-1)
+
 struct mlens_gpuplan_in {
 	uint64_t budget;	/* bytes the pipeline may hold on the GPU */
 	int64_t max_tokens;	/* token cap wanted per step */
 	int64_t min_tokens;	/* smallest cap that still runs (a whole prompt); 0 = 1 */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
-	int64_t group;		/* rows per token group; 0 = MLENS_GPUPLAN_GROUP */
+	int64_t group;		/* rows per token group; 0 = MLENS_GPUPLAN_GROUP,
+				 * MLENS_GPUPLAN_GROUP_AUTO: chosen (above) */
 };
 
 struct mlens_gpuplan {

@@ -233,7 +233,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->own_backend = D.hybrid;
 	st->own_opts = *bo;
 	/* time GA and GB as the pipeline runs them: groups, MoE chunks */
-	st->opts.group = D.hybrid ? D.cfg.group_tokens : 0;
+	/* with the group left to the plan, the profile times the default one */
+	st->opts.group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP;
 	st->opts.moe_chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
 	if (D.be.ops->host_memory) {
 		/* the CPU backend: activations may take the host memory the KV
@@ -465,7 +466,7 @@ int main(int argc, char **argv)
 	if (D.hybrid) {
 		eo.attn_backend = &D.attn;
 		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
-		eo.hybrid_group_tokens = D.cfg.group_tokens;
+		eo.hybrid_group_tokens = D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));

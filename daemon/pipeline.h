@@ -30,7 +30,8 @@ struct mlens_pipeline_opts {
 	int max_step_tokens;	/* token cap wanted; 0 = 4096 (the plan may lower it) */
 	int min_step_tokens;	/* smallest cap that may run; 0 = 1 */
 	int groups;		/* token groups at least (when there are requests enough), 1 or 2; 0 = 2 */
-	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP */
+	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP,
+				 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */

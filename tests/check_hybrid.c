@@ -92,6 +92,67 @@ START_TEST(plan_mixtral_8gib)
 }
 END_TEST
 
+/* group = MLENS_GPUPLAN_GROUP_AUTO: the largest of 4096, 2048, 1024 whose
+ * plan holds the cap, else the one that holds the most tokens; refused as
+ * the default group is when none fits. */
+START_TEST(plan_auto_group)
+{
+	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_gpuplan_in in = { .budget = 8 * GIB, .max_tokens = 65536, .min_tokens = 512 };
+	struct mlens_gpuplan p, g[3];	/* groups of 4096, 2048, 1024 */
+	char err[512];
+
+	for (int i = 0; i < 3; i++) {
+		in.group = 4096 >> i;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &g[i], NULL, 0), 0);
+		ck_assert_int_eq(g[i].group, 4096 >> i);
+	}
+	/* at 8 GiB each halving frees activation memory for more tokens, none
+	 * reaching 65536: the smallest group, never below the MoE chunk */
+	ck_assert_int_lt(g[0].tokens, g[1].tokens);
+	ck_assert_int_lt(g[1].tokens, g[2].tokens);
+	ck_assert_int_lt(g[2].tokens, 65536);
+	in.group = MLENS_GPUPLAN_GROUP_AUTO;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), 0);
+	ck_assert_str_eq(err, "");
+	check_sum(&p);
+	ck_assert_int_eq(p.group, 1024);
+	ck_assert_int_eq(p.tokens, g[2].tokens);
+	ck_assert_uint_eq(p.act, g[2].act);
+	/* a cap that groups of 2048 hold but 4096 do not */
+	in.max_tokens = (g[0].tokens + g[1].tokens) / 2;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(p.group, 2048);
+	ck_assert_int_eq(p.tokens, in.max_tokens);
+	/* a cap the default group holds: the default */
+	in.max_tokens = g[0].tokens;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(p.group, 4096);
+	ck_assert_int_eq(p.tokens, g[0].tokens);
+	/* MoE calls of 2048 tokens: groups stop at 2048 (1024 would hold more) */
+	in.max_tokens = 65536;
+	in.chunk = 2048;
+	in.budget = 9 * GIB;
+	for (int i = 0; i < 3; i++) {
+		in.group = 4096 >> i;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &g[i], NULL, 0), 0);
+	}
+	ck_assert_int_lt(g[1].tokens, g[2].tokens);
+	in.group = MLENS_GPUPLAN_GROUP_AUTO;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(p.tokens, g[0].tokens > g[1].tokens ? g[0].tokens : g[1].tokens);
+	ck_assert_int_eq(p.group, g[0].tokens > g[1].tokens ? g[0].group : g[1].group);
+	in.chunk = 0;
+	/* too small for any group: the default group's refusal */
+	in.budget = GIB;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), -ENOSPC);
+	ck_assert_ptr_nonnull(strstr(err, "at least"));
+	in.group = -2;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "out of range"));
+}
+END_TEST
+
 START_TEST(plan_monotone_and_never_above_budget)
 {
 	struct mlens_perf_model pm = mixtral(8);
@@ -874,6 +935,7 @@ START_TEST(exec_equal_small_groups)
 	run_equal(1, 3, true, false);
 	run_equal(2, 4, false, true);	/* two threads drive it */
 	run_equal(1, 3, true, true);
+	run_equal(2, MLENS_GPUPLAN_GROUP_AUTO, false, true);	/* the plan's choice */
 }
 END_TEST
 
@@ -1198,6 +1260,7 @@ static Suite *suite(void)
 	TCase *t = tcase_create("plan");
 	tcase_add_test(t, plan_mixtral_8gib);
 	tcase_add_test(t, plan_monotone_and_never_above_budget);
+	tcase_add_test(t, plan_auto_group);
 	tcase_add_test(t, plan_refuses_below_minimum);
 	tcase_add_test(t, plan_act_bytes);
 	tcase_add_test(t, plan_mode_choice);
