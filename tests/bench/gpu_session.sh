@@ -7,7 +7,7 @@
 #      copy-queue probe (tests/bench/bench_copyq.c, issue 7)
 #   3. the 8-layer Mixtral-8x7B-shaped model in /dev/shm (written while 1
 #      runs), 3-step traces of a hybrid run (issue 7: where the time goes),
-#      one per TRACE_VARIANTS entry (e.g. "|--threads 13|--weight-piece 25M"),
+#      one per TRACE_VARIANTS entry (e.g. "|--group-tokens 0|--threads 13"),
 #      summarised by tests/bench/trace_summary.py
 #   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
 #      transformers+accelerate baseline, then the n_real sweep (issue 8)

@@ -18,6 +18,8 @@
 #                    p512g128 p512g32 p128g32 p512g32kv20 hf
 #   MAX_STEP_TOKENS  passed to mlensd as --max-step-tokens (default: unset,
 #                    the daemon's own cap: n_real from its profile)
+#   DAEMON_ARGS      more mlensd arguments, split at blanks (for example
+#                    "--group-tokens 0" or "--threads 13")
 #   EXPECT_TPS       total tokens/s assumed for the time estimate (30000)
 #   STARTUP_S        seconds per run outside the requests (45: model into
 #                    pinned memory, ceilings, profile, shutdown)
@@ -92,6 +94,9 @@ fi
 # one profile for every run: same model, backend, GPU and budget
 set -- --daemon-arg --profile --daemon-arg "--profile-cache=$OUT/profile_cache.json"
 [ -n "${MAX_STEP_TOKENS:-}" ] && set -- "$@" --max-step-tokens "$MAX_STEP_TOKENS"
+for a in ${DAEMON_ARGS:-}; do
+	set -- "$@" --daemon-arg "$a"
+done
 for r in $RUNS; do
 	t0=$(date +%s)
 	if [ "$r" = hf ]; then
