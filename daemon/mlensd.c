@@ -429,7 +429,9 @@ int main(int argc, char **argv)
 			 * the GPU spinning (CUDA's default with fewer contexts than
 			 * cores) while the pool runs decode attention: with threads
 			 * on auto, leave it a core rather than oversubscribe the
-			 * pool, whose static split waits for its slowest thread */
+			 * pool, whose pinned workers cannot move away from it (a
+			 * worker preempted inside a task holds up the end of the
+			 * pool's run) */
 			struct mlens_backend_opts abo = bo;
 			if (abo.n_threads <= 0)
 				abo.n_reserved = 1;
