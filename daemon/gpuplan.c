@@ -88,6 +88,23 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	return sat_add(acc, grown(stage, 64ull << 10));
 }
 
+uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
+				    const void *arg)
+{
+	int64_t group = arg ? *(const int64_t *)arg : 0, c = chunk > 0 ? chunk : MLENS_GPUPLAN_CHUNK;
+	uint64_t best;
+	if (group != MLENS_GPUPLAN_GROUP_AUTO)
+		return mlens_gpuplan_act_bytes(pm, n, group, chunk);
+	/* the groups plan_auto tries: the default, halved down to the chunk */
+	best = mlens_gpuplan_act_bytes(pm, n, MLENS_GPUPLAN_GROUP, chunk);
+	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= c && g >= 1; g /= 2) {
+		uint64_t b = mlens_gpuplan_act_bytes(pm, n, g, chunk);
+		if (b < best)
+			best = b;
+	}
+	return best;
+}
+
 static void seterr(char *err, size_t len, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 static void seterr(char *err, size_t len, const char *fmt, ...)

@@ -79,6 +79,12 @@ struct mlens_gpuplan {
  * chunk's gathered rows and intermediates). Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				 int64_t chunk);
+/* mlens_perf_hw's act_bytes: the bytes above for n tokens with the group
+ * *(const int64_t *)arg (0: the default; MLENS_GPUPLAN_GROUP_AUTO: the
+ * fewest bytes of the groups the plan may choose, so that the model's
+ * n_act is the most tokens any of them holds). */
+uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
+				    const void *arg);
 /* Rows of a group for a step cap of n tokens: group (0: the default),
  * never above n. */
 int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group);

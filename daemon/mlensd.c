@@ -249,6 +249,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		st->gpu_workspace = MLENS_GPUPLAN_WORKSPACE;
 	}
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
+	st->plan_group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;

@@ -449,13 +449,21 @@ static int64_t min_tokens(const struct mlens_perf_workload *w)
 	return w->p >= 1 ? (int64_t)ceil(w->p) : 1;
 }
 
+/* Activation bytes of n tokens: the executor's count when hw has one. */
+static uint64_t act_of(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw, int64_t n)
+{
+	return hw->act_bytes ? hw->act_bytes(pm, n, hw->chunk, hw->act_arg)
+			     : mlens_perf_act_bytes(pm, n, hw->chunk);
+}
+
 /* Most tokens whose activations fit in room bytes (0 when not even one). */
-static int64_t act_fit(const struct mlens_perf_model *pm, int64_t chunk, uint64_t room)
+static int64_t act_fit(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+		       uint64_t room)
 {
 	int64_t lo = 0, hi = (int64_t)1 << 40;
 	while (lo < hi) {
 		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (mlens_perf_act_bytes(pm, mid, chunk) <= room)
+		if (act_of(pm, hw, mid) <= room)
 			lo = mid;
 		else
 			hi = mid - 1;
@@ -474,7 +482,7 @@ uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct m
 		if (x < b)
 			b = x;
 	}
-	b = sat_add(b, mlens_perf_act_bytes(pm, n_min > 0 ? n_min : 1, hw->chunk));
+	b = sat_add(b, act_of(pm, hw, n_min > 0 ? n_min : 1));
 	return sat_add(b, hw->gpu_workspace);
 }
 
@@ -497,7 +505,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	out->gpu_slots = mlens_perf_slot_bytes(pm, resident_experts);
 	fixed = sat_add(sat_add(out->gpu_resident, out->gpu_slots), hw->gpu_workspace);
 	room = hw->gpu_budget > fixed ? hw->gpu_budget - fixed : 0;
-	n_a = (double)act_fit(pm, hw->chunk, room);
+	n_a = (double)act_fit(pm, hw, room);
 	if (n_a < (double)nmin) {
 		seterr(err, errlen,
 		       "GPU budget %.2f GiB cannot hold %d resident experts per layer: weights %.2f GiB, "
@@ -522,7 +530,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		out->tokens = out->n_real;
 		out->limit = out->n_eq < n_a ? MLENS_PERF_LIMIT_NREAL : MLENS_PERF_LIMIT_ACT;
 	}
-	out->gpu_act = mlens_perf_act_bytes(pm, (int64_t)ceil(out->tokens), hw->chunk);
+	out->gpu_act = act_of(pm, hw, (int64_t)ceil(out->tokens));
 	out->gpu_total = sat_add(fixed, out->gpu_act);
 	out->step = mlens_perf_steady_step(w, out->tokens);
 	rc = mlens_perf_step_time_best(pm, hw, &out->policy, &out->step, &out->time);
@@ -571,7 +579,7 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 		       "%.2f GiB); raise gpu_memory",
 		       gib(hw->gpu_budget), gib(need), gib(mlens_perf_resident_bytes(pm, 0)),
 		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)min_tokens(w),
-		       gib(mlens_perf_act_bytes(pm, min_tokens(w), hw->chunk)), gib(hw->gpu_workspace));
+		       gib(act_of(pm, hw, min_tokens(w))), gib(hw->gpu_workspace));
 		return -ENOSPC;
 	}
 	return 0;

@@ -31,8 +31,10 @@
  *     least-squares line of GA+GB time against tokens in one group; n_eq
  *     solves 2a + b n = streamed bytes / B_IO. n_real = min(n_eq, n_act),
  *     n_act the most tokens whose activations fit what the budget leaves
- *     (formula at mlens_perf_act_bytes, DESIGN §5.2), and never below the
- *     workload's min_tokens (a whole prompt) when memory allows it.
+ *     (formula at mlens_perf_act_bytes, DESIGN §5.2, or the executor's own
+ *     count when hw gives one: mlensd gives the hybrid pipeline's plan's),
+ *     and never below the workload's min_tokens (a whole prompt) when
+ *     memory allows it.
  *
  * KV capacity bound (MoE-Lens eq. 3-4, DESIGN §1):
  *   In steady state a sequence holds p + j KV tokens at its j-th decode
@@ -158,6 +160,13 @@ struct mlens_perf_hw {
 	 * collective traffic that shares PCIe with the weight stream); 0 for
 	 * one GPU. Counted in the PCIe and CPU-memory tiers and in n_eq. */
 	double h2d_per_token;
+	/* GPU activation bytes of a step of n tokens as the executor
+	 * allocates them (the hybrid pipeline's memory plan: gpuplan.h, with
+	 * its token groups), so that n_act is the cap the executor can run;
+	 * NULL: mlens_perf_act_bytes, the model's own two-group estimate. */
+	uint64_t (*act_bytes)(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
+			      const void *arg);
+	const void *act_arg;
 };
 
 /* Lines from the roofline when the profiler has not run: intercept = the

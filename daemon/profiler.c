@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include "daemon/gpuplan.h"
 #include "daemon/profiler.h"
 #include "daemon/sched.h"
 #include "kernels/cpu/pool.h"
@@ -873,6 +874,10 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 	st->hw.gpu_budget = st->gpu_budget;
 	st->hw.gpu_workspace = st->gpu_workspace;
 	st->hw.chunk = st->chunk;
+	if (st->plan_group) {
+		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
+		st->hw.act_arg = &st->plan_group;
+	}
 	st->have = true;
 	rc = mlens_profile_state_predict(st, p, g);
 	if (rc) {

@@ -126,6 +126,10 @@ struct mlens_profile_state {
 	uint64_t gpu_budget;		/* bytes the backend may hold (model's budget) */
 	uint64_t gpu_workspace;
 	int64_t chunk;
+	/* hybrid: the pipeline's token group setting (rows, or
+	 * MLENS_GPUPLAN_GROUP_AUTO), so that the model's activation bytes are
+	 * the executor's plan's (gpuplan.h); 0 otherwise: the model's own */
+	int64_t plan_group;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */
 	int pinned_cap;			/* max_step_tokens as configured (> 0: pinned) */
 	const char *cache_path;		/* "" or NULL: no cache */

@@ -153,6 +153,45 @@ START_TEST(plan_auto_group)
 }
 END_TEST
 
+/* The performance model sized with the plan's activation bytes (what
+ * mlensd gives it in hybrid mode): its n_act is the token cap the plan
+ * holds, for a fixed group and for the plan's own choice; without them
+ * it keeps its own estimate. */
+START_TEST(plan_model_n_act)
+{
+	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_hw hw = { .b_io = 55e9, .b_mem = 150e9, .b_attn = 110e9, .c_gpu = 750e12,
+				    .b_hbm = 4.2e12, .gpu_budget = 8 * GIB,
+				    .gpu_workspace = MLENS_GPUPLAN_WORKSPACE,
+				    .chunk = MLENS_GPUPLAN_CHUNK };
+	struct mlens_perf_workload w = { .p = 512, .g = 32, .kv_tokens = 1310720 };
+	struct mlens_perf_prediction pr;
+	static const int64_t groups[] = { 4096, 2048, MLENS_GPUPLAN_GROUP_AUTO };
+	double own;
+
+	mlens_perf_hw_roofline_lines(&hw, &pm);
+	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, NULL, 0), 0);
+	own = pr.n_act;
+	for (int i = 0; i < 3; i++) {
+		struct mlens_gpuplan_in in = { .budget = 8 * GIB, .max_tokens = 1 << 20,
+					       .min_tokens = 512, .group = groups[i] };
+		struct mlens_gpuplan p;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+		ck_assert_int_eq(p.resident_experts, 0);
+		hw.act_bytes = mlens_gpuplan_act_bytes_hw;
+		hw.act_arg = &groups[i];
+		ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, NULL, 0), 0);
+		ck_assert_msg(pr.n_act == (double)p.tokens, "group %lld: model n_act %.0f, plan %lld",
+			      (long long)groups[i], pr.n_act, (long long)p.tokens);
+		ck_assert_uint_eq(pr.gpu_act, mlens_gpuplan_act_bytes_hw(&pm, (int64_t)ceil(pr.tokens),
+									 hw.chunk, &groups[i]));
+	}
+	/* the plan's choice holds more than the default group, which is
+	 * close to the model's own estimate */
+	ck_assert_double_gt(pr.n_act, 2 * own);
+}
+END_TEST
+
 START_TEST(plan_monotone_and_never_above_budget)
 {
 	struct mlens_perf_model pm = mixtral(8);
@@ -1261,6 +1300,7 @@ static Suite *suite(void)
 	tcase_add_test(t, plan_mixtral_8gib);
 	tcase_add_test(t, plan_monotone_and_never_above_budget);
 	tcase_add_test(t, plan_auto_group);
+	tcase_add_test(t, plan_model_n_act);
 	tcase_add_test(t, plan_refuses_below_minimum);
 	tcase_add_test(t, plan_act_bytes);
 	tcase_add_test(t, plan_mode_choice);
