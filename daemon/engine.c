@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "daemon/errf.h"
 #include "daemon/engine.h"
 #include "daemon/pipeline.h"
 #include "daemon/trace.h"
@@ -66,16 +67,6 @@ enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, P
 		 PK_ROUTER, PK_MOE, PK_LM_HEAD, PK_SAMPLE, PK_N };
 static const char *const prof_names[PK_N] = { "embed", "rmsnorm", "qkv gemm", "rope", "kv_append",
 	"attn_prefill", "attn_decode", "o gemm", "router", "moe", "lm_head", "sample" };
-
-static void seterr(char *err, size_t len, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !len)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, len, fmt, ap);
-	va_end(ap);
-}
 
 /* ==== weights ==== */
 
@@ -202,7 +193,7 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
 	if ((rc = mlens_trace_create(&e->trace, 0)) || (rc = mlens_step_timer_init(&e->timer, be))) {
-		seterr(err, errlen, "cannot allocate the step trace recorder");
+		mlens_errf(err, errlen, "cannot allocate the step trace recorder");
 		goto fail;
 	}
 	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
@@ -237,7 +228,7 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
 		       (e->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
 	if (layout.dtype == MLENS_DTYPE_F16) {
-		seterr(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
 		rc = -EINVAL;
 		goto fail;
 	}
@@ -251,13 +242,13 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	layout.k = layout.v = NULL;
 	rc = mlens_kv_pool_init(&e->kv, be, &layout, o->kv_mem_k, o->kv_mem_v);
 	if (rc) {
-		seterr(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens): %s",
+		mlens_errf(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens): %s",
 		       layout.n_blocks, layout.block_size, strerror(-rc));
 		goto fail;
 	}
 	rc = bind_weights(e);
 	if (rc) {
-		seterr(err, errlen, "cannot place the model weights on the %s backend: %s",
+		mlens_errf(err, errlen, "cannot place the model weights on the %s backend: %s",
 		       be->ops->name, strerror(-rc));
 		goto fail;
 	}
@@ -286,7 +277,7 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	if (rc || !e->tok || !e->pos || !e->cu || !e->slots || !e->qry || !e->row_req ||
 	    !e->lrow || !e->sampled || !e->logp || !e->samp) {
 		rc = -ENOMEM;
-		seterr(err, errlen, "cannot allocate activations for %d tokens per step", e->max_tokens);
+		mlens_errf(err, errlen, "cannot allocate activations for %d tokens per step", e->max_tokens);
 		goto fail;
 	}
 	*out = e;

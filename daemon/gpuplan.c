@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include "daemon/errf.h"
 #include "daemon/gpuplan.h"
 #include "daemon/pipeprog.h"
 
@@ -105,18 +106,6 @@ uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n
 	return best;
 }
 
-static void seterr(char *err, size_t len, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t len, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !len)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, len, fmt, ap);
-	va_end(ap);
-}
-
 static double gib(uint64_t b)
 {
 	return (double)b / (1024.0 * 1024.0 * 1024.0);
@@ -154,9 +143,9 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	uint64_t act_max, best_fixed = UINT64_MAX;
 
 	memset(out, 0, sizeof(*out));
-	seterr(err, errlen, "%s", "");
+	mlens_errf(err, errlen, "%s", "");
 	if (in->max_tokens <= 0 || nmin > in->max_tokens || E <= 0) {
-		seterr(err, errlen, "GPU memory plan: token cap %lld (minimum %lld) is out of range",
+		mlens_errf(err, errlen, "GPU memory plan: token cap %lld (minimum %lld) is out of range",
 		       (long long)in->max_tokens, (long long)nmin);
 		return -EINVAL;
 	}
@@ -177,7 +166,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 		}
 	}
 	if (in->budget < out->minimum) {
-		seterr(err, errlen,
+		mlens_errf(err, errlen,
 		       "GPU budget %.2f GiB is too small for this model: the hybrid pipeline needs at "
 		       "least %.2f GiB (attention, norms, routers, embeddings and lm_head %.2f GiB, two "
 		       "slots of one layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, "
@@ -236,7 +225,7 @@ static int plan_auto(const struct mlens_perf_model *pm, const struct mlens_gpupl
 	}
 	if (!have)
 		return first;
-	seterr(err, errlen, "%s", "");
+	mlens_errf(err, errlen, "%s", "");
 	return 0;
 }
 
@@ -247,7 +236,7 @@ int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpu
 		return plan_auto(pm, in, out, err, errlen);
 	if (in->group < 0) {
 		memset(out, 0, sizeof(*out));
-		seterr(err, errlen, "GPU memory plan: a token group of %lld rows is out of range",
+		mlens_errf(err, errlen, "GPU memory plan: a token group of %lld rows is out of range",
 		       (long long)in->group);
 		return -EINVAL;
 	}
@@ -277,17 +266,17 @@ int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget
 			       mlens_gpuplan_act_bytes(pm, max_tokens, 0, 0)),
 		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
 	if (!budget) {
-		seterr(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "
+		mlens_errf(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "
 		       "need %.2f GiB)", gib(need));
 		return 0;
 	}
 	if (need <= budget) {
-		seterr(why, len, "GPU-only mode: gpu_memory %.2f GiB holds the weights, the KV cache "
+		mlens_errf(why, len, "GPU-only mode: gpu_memory %.2f GiB holds the weights, the KV cache "
 		       "and activations for %lld tokens (%.2f GiB)", gib(budget),
 		       (long long)max_tokens, gib(need));
 		return 0;
 	}
-	seterr(why, len, "hybrid mode: gpu_memory %.2f GiB is below the %.2f GiB that GPU-only mode "
+	mlens_errf(why, len, "hybrid mode: gpu_memory %.2f GiB is below the %.2f GiB that GPU-only mode "
 	       "needs (weights %.2f GiB, KV cache %.2f GiB, activations for %lld tokens and "
 	       "workspace), so experts stream from host memory and decode attention runs on the CPU",
 	       gib(budget), gib(need), gib(mlens_perf_resident_bytes(pm, (int)pm->experts)),

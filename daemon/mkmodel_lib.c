@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <jansson.h>
 
+#include "daemon/errf.h"
 #include "daemon/mkmodel.h"
 #include "daemon/model_int.h"
 #include "kernels/cpu/pool.h"
@@ -263,7 +264,7 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 
 		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
 		if (fwrite(w->buf, es, n, f) != n) {
-			mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+			mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 			return -EIO;
 		}
 		i += n;
@@ -315,7 +316,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	int rc = -ENOMEM;
 
 	if (!hdr || !meta || !path) {
-		mlens_model_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
+		mlens_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
 		goto out;
 	}
 	json_object_set_new(meta, "format", json_string("pt"));
@@ -338,7 +339,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	}
 	text = json_dumps(hdr, JSON_COMPACT);
 	if (!text) {
-		mlens_model_errf(w->err, w->errlen, "%s: out of memory", path);
+		mlens_errf(w->err, w->errlen, "%s: out of memory", path);
 		goto out;
 	}
 	/* Pad with spaces so the data starts 8-byte aligned, as safetensors does. */
@@ -346,7 +347,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	f = fopen(path, "wb");
 	if (!f) {
 		rc = -errno;
-		mlens_model_errf(w->err, w->errlen, "%s: cannot create: %s", path, strerror(-rc));
+		mlens_errf(w->err, w->errlen, "%s: cannot create: %s", path, strerror(-rc));
 		goto out;
 	}
 	setvbuf(f, NULL, _IOFBF, 1 << 20);
@@ -354,7 +355,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 		le[i] = (unsigned char)(hlen >> (8 * i));
 	rc = -EIO;
 	if (fwrite(le, 1, 8, f) != 8 || fputs(text, f) < 0) {
-		mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 		goto out;
 	}
 	for (size_t i = strlen(text); i < hlen; i++)
@@ -369,7 +370,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 	rc = fclose(f) ? -errno : 0;
 	f = NULL;
 	if (rc)
-		mlens_model_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(-rc));
+		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(-rc));
 out:
 	if (f)
 		fclose(f);
@@ -386,11 +387,11 @@ static int write_json(struct writer *w, const char *fname, json_t *obj)
 	int rc = 0;
 
 	if (!path || !obj) {
-		mlens_model_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
+		mlens_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
 		rc = -ENOMEM;
 	} else if (json_dump_file(obj, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17))) {
 		rc = -EIO;
-		mlens_model_errf(w->err, w->errlen, "%s: cannot write: %s", path, strerror(errno));
+		mlens_errf(w->err, w->errlen, "%s: cannot write: %s", path, strerror(errno));
 	}
 	free(path);
 	return rc;
@@ -439,12 +440,12 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	int rc;
 
 	if (!o->dir || !*o->dir) {
-		mlens_model_errf(err, errlen, "no output directory given");
+		mlens_errf(err, errlen, "no output directory given");
 		return -EINVAL;
 	}
 	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0) {
 		if (w.cfg.hidden_size % w.cfg.num_attention_heads) {
-			mlens_model_errf(err, errlen, "model settings: hidden size %" PRId64 " is not a multiple of %" PRId64 " heads; give the head dimension explicitly",
+			mlens_errf(err, errlen, "model settings: hidden size %" PRId64 " is not a multiple of %" PRId64 " heads; give the head dimension explicitly",
 					 w.cfg.hidden_size, w.cfg.num_attention_heads);
 			return -EINVAL;
 		}
@@ -455,7 +456,7 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	cj = config_json(&w.cfg);
 	text = cj ? json_dumps(cj, JSON_REAL_PRECISION(17)) : NULL;
 	if (!text) {
-		mlens_model_errf(err, errlen, "out of memory");
+		mlens_errf(err, errlen, "out of memory");
 		rc = -ENOMEM;
 		goto out;
 	}
@@ -471,24 +472,24 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	}
 	w.buf = malloc((size_t)w.threads * BATCH_PER_THREAD * CHUNK_ELEMS * sizeof(float));
 	if (!rc && w.buf && (rc = mlens_pool_create(&w.pool, w.threads, NULL))) {
-		mlens_model_errf(err, errlen, "cannot start %d threads to draw the values: %s", w.threads,
+		mlens_errf(err, errlen, "cannot start %d threads to draw the values: %s", w.threads,
 				 strerror(-rc));
 		w.pool = NULL;
 		goto out;
 	}
 	if (rc || !w.buf) {
-		mlens_model_errf(err, errlen, "out of memory");
+		mlens_errf(err, errlen, "out of memory");
 		rc = -ENOMEM;
 		goto out;
 	}
 	if (shards > w.n) {
-		mlens_model_errf(err, errlen, "%d shards requested but the model has only %d tensors", shards, w.n);
+		mlens_errf(err, errlen, "%d shards requested but the model has only %d tensors", shards, w.n);
 		rc = -EINVAL;
 		goto out;
 	}
 	if (mkdir(o->dir, 0755) < 0 && !(errno == EEXIST && !stat(o->dir, &sb) && S_ISDIR(sb.st_mode))) {
 		rc = errno == EEXIST ? -ENOTDIR : -errno;
-		mlens_model_errf(err, errlen, "%s: cannot create directory: %s", o->dir, strerror(-rc));
+		mlens_errf(err, errlen, "%s: cannot create directory: %s", o->dir, strerror(-rc));
 		goto out;
 	}
 	rc = write_json(&w, "config.json", cj);
@@ -500,7 +501,7 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	stale = mlens_model_path(o->dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
 	if (stale && unlink(stale) < 0 && errno != ENOENT) {
 		rc = -errno;
-		mlens_model_errf(err, errlen, "%s: cannot remove stale file: %s", stale, strerror(-rc));
+		mlens_errf(err, errlen, "%s: cannot remove stale file: %s", stale, strerror(-rc));
 		goto out;
 	}
 	if (shards == 1) {
@@ -512,7 +513,7 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	if (!index || !wm) {
 		json_decref(wm);
 		rc = -ENOMEM;
-		mlens_model_errf(err, errlen, "out of memory");
+		mlens_errf(err, errlen, "out of memory");
 		goto out;
 	}
 	json_object_set_new(index, "weight_map", wm);

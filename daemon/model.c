@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include <jansson.h>
 
+#include "daemon/errf.h"
 #include "daemon/model.h"
 #include "daemon/model_int.h"
 #include "daemon/safetensors.h"
@@ -22,17 +23,6 @@
 #define CONFIG_MAX_BYTES (16u << 20)
 #define INDEX_MAX_BYTES (64u << 20)
 #define MAX_SHARDS 4096
-
-void mlens_model_errf(char *err, size_t errlen, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (!err || !errlen)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-}
 
 char *mlens_model_path(const char *dir, const char *name)
 {
@@ -59,21 +49,21 @@ static int read_small(const char *path, size_t max, char **out, size_t *len,
 	fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0) {
 		rc = -errno;
-		mlens_model_errf(err, errlen, "%s: cannot open: %s", path, strerror(-rc));
+		mlens_errf(err, errlen, "%s: cannot open: %s", path, strerror(-rc));
 		return rc;
 	}
 	if (fstat(fd, &sb) < 0) {
 		rc = -errno;
-		mlens_model_errf(err, errlen, "%s: cannot stat: %s", path, strerror(-rc));
+		mlens_errf(err, errlen, "%s: cannot stat: %s", path, strerror(-rc));
 		goto out;
 	}
 	if (!S_ISREG(sb.st_mode)) {
 		rc = -EINVAL;
-		mlens_model_errf(err, errlen, "%s: not a regular file", path);
+		mlens_errf(err, errlen, "%s: not a regular file", path);
 		goto out;
 	}
 	if ((uint64_t)sb.st_size > max) {
-		mlens_model_errf(err, errlen, "%s: %jd bytes is larger than the %zu-byte limit for this file",
+		mlens_errf(err, errlen, "%s: %jd bytes is larger than the %zu-byte limit for this file",
 		     path, (intmax_t)sb.st_size, max);
 		rc = -EFBIG;
 		goto out;
@@ -81,7 +71,7 @@ static int read_small(const char *path, size_t max, char **out, size_t *len,
 	buf = malloc((size_t)sb.st_size + 1);
 	if (!buf) {
 		rc = -ENOMEM;
-		mlens_model_errf(err, errlen, "%s: out of memory", path);
+		mlens_errf(err, errlen, "%s: out of memory", path);
 		goto out;
 	}
 	while (got < (size_t)sb.st_size) {
@@ -90,7 +80,7 @@ static int read_small(const char *path, size_t max, char **out, size_t *len,
 			continue;
 		if (n <= 0) {
 			rc = n < 0 ? -errno : -EIO;
-			mlens_model_errf(err, errlen, "%s: read failed: %s", path, n < 0 ? strerror(errno) : "file shrank");
+			mlens_errf(err, errlen, "%s: read failed: %s", path, n < 0 ? strerror(errno) : "file shrank");
 			goto out;
 		}
 		got += (size_t)n;
@@ -122,19 +112,19 @@ static int get_int(const struct cfg_ctx *c, json_t *root, const char *key, bool 
 
 	if (!v || json_is_null(v)) {
 		if (required) {
-			mlens_model_errf(c->err, c->errlen, "%s: '%s' is missing", c->path, key);
+			mlens_errf(c->err, c->errlen, "%s: '%s' is missing", c->path, key);
 			return -EINVAL;
 		}
 		*out = def;
 		return 0;
 	}
 	if (!json_is_integer(v)) {
-		mlens_model_errf(c->err, c->errlen, "%s: '%s' must be an integer", c->path, key);
+		mlens_errf(c->err, c->errlen, "%s: '%s' must be an integer", c->path, key);
 		return -EINVAL;
 	}
 	*out = json_integer_value(v);
 	if (*out < lo || *out > hi) {
-		mlens_model_errf(c->err, c->errlen, "%s: '%s' is %" PRId64 "; mlens accepts %" PRId64 " to %" PRId64,
+		mlens_errf(c->err, c->errlen, "%s: '%s' is %" PRId64 "; mlens accepts %" PRId64 " to %" PRId64,
 		     c->path, key, *out, lo, hi);
 		return -EINVAL;
 	}
@@ -151,12 +141,12 @@ static int get_real(const struct cfg_ctx *c, json_t *obj, const char *key, doubl
 		return 0;
 	}
 	if (!json_is_number(v)) {
-		mlens_model_errf(c->err, c->errlen, "%s: '%s' must be a number", c->path, key);
+		mlens_errf(c->err, c->errlen, "%s: '%s' must be a number", c->path, key);
 		return -EINVAL;
 	}
 	*out = json_number_value(v);
 	if (!isfinite(*out) || !(*out > lo) || !(*out < hi)) {
-		mlens_model_errf(c->err, c->errlen, "%s: '%s' is %g; mlens accepts values above %g and below %g",
+		mlens_errf(c->err, c->errlen, "%s: '%s' is %g; mlens accepts values above %g and below %g",
 		     c->path, key, *out, lo, hi);
 		return -EINVAL;
 	}
@@ -170,7 +160,7 @@ static int check_arch(const struct cfg_ctx *c, json_t *root, struct mlens_model_
 	char *found;
 
 	if (!json_is_array(a)) {
-		mlens_model_errf(c->err, c->errlen, "%s: no 'architectures' list; mlens serves MixtralForCausalLM models",
+		mlens_errf(c->err, c->errlen, "%s: no 'architectures' list; mlens serves MixtralForCausalLM models",
 		     c->path);
 		return -EINVAL;
 	}
@@ -181,7 +171,7 @@ static int check_arch(const struct cfg_ctx *c, json_t *root, struct mlens_model_
 		}
 	}
 	found = json_dumps(a, JSON_COMPACT);
-	mlens_model_errf(c->err, c->errlen, "%s: architectures is %.200s; mlens serves only MixtralForCausalLM",
+	mlens_errf(c->err, c->errlen, "%s: architectures is %.200s; mlens serves only MixtralForCausalLM",
 	     c->path, found ? found : "(unprintable)");
 	free(found);
 	return -ENOTSUP;
@@ -199,7 +189,7 @@ static int parse_rope(const struct cfg_ctx *c, json_t *root, struct mlens_model_
 		if (!t)
 			t = json_object_get(rs, "type");
 		if (!json_is_string(t) || strcmp(json_string_value(t), "default")) {
-			mlens_model_errf(c->err, c->errlen, "%s: rope_scaling is set; mlens implements only the default RoPE",
+			mlens_errf(c->err, c->errlen, "%s: rope_scaling is set; mlens implements only the default RoPE",
 			     c->path);
 			return -ENOTSUP;
 		}
@@ -211,12 +201,12 @@ static int parse_rope(const struct cfg_ctx *c, json_t *root, struct mlens_model_
 		json_t *t;
 
 		if (!json_is_object(rp)) {
-			mlens_model_errf(c->err, c->errlen, "%s: 'rope_parameters' must be an object", c->path);
+			mlens_errf(c->err, c->errlen, "%s: 'rope_parameters' must be an object", c->path);
 			return -EINVAL;
 		}
 		t = json_object_get(rp, "rope_type");
 		if (t && !(json_is_string(t) && !strcmp(json_string_value(t), "default"))) {
-			mlens_model_errf(c->err, c->errlen, "%s: rope_parameters.rope_type is %s%.40s%s; mlens implements only \"default\" RoPE",
+			mlens_errf(c->err, c->errlen, "%s: rope_parameters.rope_type is %s%.40s%s; mlens implements only \"default\" RoPE",
 			     c->path, json_is_string(t) ? "\"" : "",
 			     json_is_string(t) ? json_string_value(t) : "not a string",
 			     json_is_string(t) ? "\"" : "");
@@ -251,7 +241,7 @@ static int parse_dtype(const struct cfg_ctx *c, json_t *root, struct mlens_model
 	else if (!strcmp(s, "float32"))
 		cfg->dtype = MLENS_DTYPE_F32;
 	else {
-		mlens_model_errf(c->err, c->errlen, "%s: %s '%.40s' is not supported (mlens reads bfloat16, float16 and float32)",
+		mlens_errf(c->err, c->errlen, "%s: %s '%.40s' is not supported (mlens reads bfloat16, float16 and float32)",
 		     c->path, key, s);
 		return -ENOTSUP;
 	}
@@ -271,12 +261,12 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	memset(cfg, 0, sizeof(*cfg));
 	root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
 	if (!root) {
-		mlens_model_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
+		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
 		     path, jerr.line, jerr.column, jerr.text);
 		return -EINVAL;
 	}
 	if (!json_is_object(root)) {
-		mlens_model_errf(err, errlen, "%s: top level must be a JSON object", path);
+		mlens_errf(err, errlen, "%s: top level must be a JSON object", path);
 		rc = -EINVAL;
 		goto out;
 	}
@@ -285,12 +275,12 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		goto out;
 	v = json_object_get(root, "hidden_act");
 	if (v && !(json_is_string(v) && !strcmp(json_string_value(v), "silu"))) {
-		mlens_model_errf(err, errlen, "%s: hidden_act must be \"silu\" for Mixtral", path);
+		mlens_errf(err, errlen, "%s: hidden_act must be \"silu\" for Mixtral", path);
 		rc = -ENOTSUP;
 		goto out;
 	}
 	if (json_object_get(root, "quantization_config")) {
-		mlens_model_errf(err, errlen, "%s: quantization_config is set; mlens reads unquantized bf16, fp16 or fp32 weights",
+		mlens_errf(err, errlen, "%s: quantization_config is set; mlens reads unquantized bf16, fp16 or fp32 weights",
 		     path);
 		rc = -ENOTSUP;
 		goto out;
@@ -311,7 +301,7 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			  &cfg->max_position_embeddings)))
 		goto out;
 	if (cfg->num_attention_heads % cfg->num_key_value_heads) {
-		mlens_model_errf(err, errlen, "%s: num_attention_heads %" PRId64 " is not a multiple of num_key_value_heads %" PRId64,
+		mlens_errf(err, errlen, "%s: num_attention_heads %" PRId64 " is not a multiple of num_key_value_heads %" PRId64,
 		     path, cfg->num_attention_heads, cfg->num_key_value_heads);
 		rc = -EINVAL;
 		goto out;
@@ -319,7 +309,7 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	v = json_object_get(root, "head_dim");
 	if (!v || json_is_null(v)) {
 		if (cfg->hidden_size % cfg->num_attention_heads) {
-			mlens_model_errf(err, errlen, "%s: head_dim is absent and hidden_size %" PRId64 " is not a multiple of num_attention_heads %" PRId64,
+			mlens_errf(err, errlen, "%s: head_dim is absent and hidden_size %" PRId64 " is not a multiple of num_attention_heads %" PRId64,
 			     path, cfg->hidden_size, cfg->num_attention_heads);
 			rc = -EINVAL;
 			goto out;
@@ -329,7 +319,7 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		goto out;
 	}
 	if (cfg->head_dim % 2) {
-		mlens_model_errf(err, errlen, "%s: head_dim %" PRId64 " is odd; RoPE rotates pairs of dimensions",
+		mlens_errf(err, errlen, "%s: head_dim %" PRId64 " is odd; RoPE rotates pairs of dimensions",
 		     path, cfg->head_dim);
 		rc = -EINVAL;
 		goto out;
@@ -340,7 +330,7 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		goto out;
 	v = json_object_get(root, "tie_word_embeddings");
 	if (v && !json_is_boolean(v)) {
-		mlens_model_errf(err, errlen, "%s: 'tie_word_embeddings' must be true or false", path);
+		mlens_errf(err, errlen, "%s: 'tie_word_embeddings' must be true or false", path);
 		rc = -EINVAL;
 		goto out;
 	}
@@ -348,13 +338,13 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	v = json_object_get(root, "sliding_window");
 	if (v && !json_is_null(v)) {
 		if (!json_is_integer(v)) {
-			mlens_model_errf(err, errlen, "%s: 'sliding_window' must be an integer or null", path);
+			mlens_errf(err, errlen, "%s: 'sliding_window' must be an integer or null", path);
 			rc = -EINVAL;
 			goto out;
 		}
 		sw = json_integer_value(v);
 		if (sw < cfg->max_position_embeddings) {
-			mlens_model_errf(err, errlen, "%s: sliding_window is %" PRId64 " but max_position_embeddings is %" PRId64 "; mlens has no sliding-window attention (set sliding_window to null)",
+			mlens_errf(err, errlen, "%s: sliding_window is %" PRId64 " but max_position_embeddings is %" PRId64 "; mlens has no sliding-window attention (set sliding_window to null)",
 			     path, sw, cfg->max_position_embeddings);
 			rc = -ENOTSUP;
 			goto out;
@@ -412,19 +402,19 @@ static int index_load(const char *path, struct shard_index *ix, char *err, size_
 	ix->root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
 	free(text);
 	if (!ix->root) {
-		mlens_model_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
+		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
 		     path, jerr.line, jerr.column, jerr.text);
 		return -EINVAL;
 	}
 	wm = json_object_get(ix->root, "weight_map");
 	if (!json_is_object(wm) || json_object_size(wm) == 0) {
-		mlens_model_errf(err, errlen, "%s: no 'weight_map' object naming each tensor's shard", path);
+		mlens_errf(err, errlen, "%s: no 'weight_map' object naming each tensor's shard", path);
 		return -EINVAL;
 	}
 	ix->entries = calloc(json_object_size(wm), sizeof(*ix->entries));
 	ix->shards = calloc(MAX_SHARDS, sizeof(*ix->shards));
 	if (!ix->entries || !ix->shards) {
-		mlens_model_errf(err, errlen, "%s: out of memory", path);
+		mlens_errf(err, errlen, "%s: out of memory", path);
 		return -ENOMEM;
 	}
 	json_object_foreach(wm, key, v) {
@@ -432,7 +422,7 @@ static int index_load(const char *path, struct shard_index *ix, char *err, size_
 		int k;
 
 		if (!s || !*s || strchr(s, '/') || !strcmp(s, ".") || !strcmp(s, "..")) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s': shard must be a file name in the model directory",
+			mlens_errf(err, errlen, "%s: tensor '%s': shard must be a file name in the model directory",
 			     path, key);
 			return -EINVAL;
 		}
@@ -441,12 +431,12 @@ static int index_load(const char *path, struct shard_index *ix, char *err, size_
 				break;
 		if (k == ix->n_shards) {
 			if (k == MAX_SHARDS) {
-				mlens_model_errf(err, errlen, "%s: more than %d shards", path, MAX_SHARDS);
+				mlens_errf(err, errlen, "%s: more than %d shards", path, MAX_SHARDS);
 				return -EINVAL;
 			}
 			ix->shards[k] = strdup(s);
 			if (!ix->shards[k]) {
-				mlens_model_errf(err, errlen, "%s: out of memory", path);
+				mlens_errf(err, errlen, "%s: out of memory", path);
 				return -ENOMEM;
 			}
 			ix->n_shards++;
@@ -471,27 +461,27 @@ static int map_file(struct mlens_model *m, const char *name, char *err, size_t e
 	f->fd = -1;
 	f->path = mlens_model_path(m->dir, name);
 	if (!f->path) {
-		mlens_model_errf(err, errlen, "%s: out of memory", m->dir);
+		mlens_errf(err, errlen, "%s: out of memory", m->dir);
 		return -ENOMEM;
 	}
 	m->n_files++;
 	f->fd = open(f->path, O_RDONLY | O_CLOEXEC);
 	if (f->fd < 0) {
 		rc = -errno;
-		mlens_model_errf(err, errlen, "%s: cannot open%s: %s", f->path, why, strerror(-rc));
+		mlens_errf(err, errlen, "%s: cannot open%s: %s", f->path, why, strerror(-rc));
 		return rc;
 	}
 	if (fstat(f->fd, &sb) < 0) {
 		rc = -errno;
-		mlens_model_errf(err, errlen, "%s: cannot stat: %s", f->path, strerror(-rc));
+		mlens_errf(err, errlen, "%s: cannot stat: %s", f->path, strerror(-rc));
 		return rc;
 	}
 	if (!S_ISREG(sb.st_mode)) {
-		mlens_model_errf(err, errlen, "%s: not a regular file", f->path);
+		mlens_errf(err, errlen, "%s: not a regular file", f->path);
 		return -EINVAL;
 	}
 	if ((uint64_t)sb.st_size > SIZE_MAX) {
-		mlens_model_errf(err, errlen, "%s: too large to map", f->path);
+		mlens_errf(err, errlen, "%s: too large to map", f->path);
 		return -EFBIG;
 	}
 	f->size = (size_t)sb.st_size;
@@ -501,7 +491,7 @@ static int map_file(struct mlens_model *m, const char *name, char *err, size_t e
 	if (f->map == MAP_FAILED) {
 		rc = -errno;
 		f->map = NULL;
-		mlens_model_errf(err, errlen, "%s: mmap failed: %s", f->path, strerror(-rc));
+		mlens_errf(err, errlen, "%s: mmap failed: %s", f->path, strerror(-rc));
 		return rc;
 	}
 	return 0;
@@ -519,7 +509,7 @@ static int add_tensors(struct mlens_model *m, int *cap, char *err, size_t errlen
 	if (rc)
 		return rc;
 	if (st.n_tensors > INT32_MAX - m->n_tensors) {
-		mlens_model_errf(err, errlen, "%s: too many tensors in the model", f->path);
+		mlens_errf(err, errlen, "%s: too many tensors in the model", f->path);
 		rc = -EINVAL;
 		goto out;
 	}
@@ -531,7 +521,7 @@ static int add_tensors(struct mlens_model *m, int *cap, char *err, size_t errlen
 			ncap *= 2;
 		nt = realloc(m->tensors, sizeof(*nt) * (size_t)ncap);
 		if (!nt) {
-			mlens_model_errf(err, errlen, "%s: out of memory", f->path);
+			mlens_errf(err, errlen, "%s: out of memory", f->path);
 			rc = -ENOMEM;
 			goto out;
 		}
@@ -583,12 +573,12 @@ static int check_index(struct mlens_model *m, struct shard_index *ix, const char
 
 		e = bsearch(&key, ix->entries, ix->n_entries, sizeof(key), by_entry_name);
 		if (!e) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s' is not listed in %s",
+			mlens_errf(err, errlen, "%s: tensor '%s' is not listed in %s",
 			     m->files[t->file].path, t->name, ixpath);
 			return -EINVAL;
 		}
 		if (e->shard != t->file) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s' is in this shard but %s places it in %s",
+			mlens_errf(err, errlen, "%s: tensor '%s' is in this shard but %s places it in %s",
 			     m->files[t->file].path, t->name, ixpath, ix->shards[e->shard]);
 			return -EINVAL;
 		}
@@ -596,7 +586,7 @@ static int check_index(struct mlens_model *m, struct shard_index *ix, const char
 	}
 	for (size_t i = 0; i < ix->n_entries; i++) {
 		if (!ix->entries[i].seen) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s' is listed in %s but its shard has no such tensor",
+			mlens_errf(err, errlen, "%s: tensor '%s' is listed in %s but its shard has no such tensor",
 			     m->files[ix->entries[i].shard].path, ix->entries[i].name, ixpath);
 			return -EINVAL;
 		}
@@ -643,7 +633,7 @@ static const struct mlens_tensor *need(struct binder *b, const char *name, int n
 	for (int i = 0; i < ndim; i++)
 		off += (size_t)snprintf(exp + off, sizeof(exp) - off, "%s%" PRId64, i ? ", " : "", want[i]);
 	snprintf(exp + off, sizeof(exp) - off, "]");
-	mlens_model_errf(b->err, b->errlen, "%s: tensor '%s': shape %s does not match config.json, which implies %s",
+	mlens_errf(b->err, b->errlen, "%s: tensor '%s': shape %s does not match config.json, which implies %s",
 	     b->m->files[t->file].path, name, have, exp);
 	b->rc = -EINVAL;
 	return NULL;
@@ -665,7 +655,7 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	m->layers = calloc((size_t)L, sizeof(*m->layers));
 	m->expert_table = calloc((size_t)(3 * L * E), sizeof(*m->expert_table));
 	if (!b.used || !m->layers || !m->expert_table) {
-		mlens_model_errf(err, errlen, "%s: out of memory", m->dir);
+		mlens_errf(err, errlen, "%s: out of memory", m->dir);
 		rc = -ENOMEM;
 		goto out;
 	}
@@ -725,7 +715,7 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	if (rc)
 		goto out;
 	if (b.missing) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s' is missing (%d expected tensor%s missing in all; config.json: %" PRId64 " layers, %" PRId64 " experts%s)",
+		mlens_errf(err, errlen, "%s: tensor '%s' is missing (%d expected tensor%s missing in all; config.json: %" PRId64 " layers, %" PRId64 " experts%s)",
 		     m->dir, b.first_missing, b.missing, b.missing == 1 ? " is" : "s are", L, E,
 		     c->tie_word_embeddings ? ", tied embeddings" : "");
 		rc = -EINVAL;
@@ -733,7 +723,7 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	}
 	for (int i = 0; i < m->n_tensors; i++) {
 		if (!b.used[i]) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s' is not part of the Mixtral model config.json describes (%" PRId64 " layers, %" PRId64 " experts)",
+			mlens_errf(err, errlen, "%s: tensor '%s' is not part of the Mixtral model config.json describes (%" PRId64 " layers, %" PRId64 " experts)",
 			     m->files[m->tensors[i].file].path, m->tensors[i].name, L, E);
 			rc = -EINVAL;
 			goto out;
@@ -782,7 +772,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 	if (!m || !(m->dir = strdup(dir)) || !(cpath = mlens_model_path(dir, "config.json")) ||
 	    !(spath = mlens_model_path(dir, "model.safetensors")) ||
 	    !(ipath = mlens_model_path(dir, "model.safetensors.index.json"))) {
-		mlens_model_errf(err, errlen, "%s: out of memory", dir);
+		mlens_errf(err, errlen, "%s: out of memory", dir);
 		rc = -ENOMEM;
 		goto out;
 	}
@@ -796,7 +786,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 	/* As transformers does: a single model.safetensors wins over an index. */
 	sharded = access(spath, F_OK) != 0;
 	if (sharded && access(ipath, F_OK) != 0) {
-		mlens_model_errf(err, errlen, "%s: neither model.safetensors nor model.safetensors.index.json is present",
+		mlens_errf(err, errlen, "%s: neither model.safetensors nor model.safetensors.index.json is present",
 		     dir);
 		rc = -ENOENT;
 		goto out;
@@ -808,7 +798,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 		m->files = calloc((size_t)ix.n_shards, sizeof(*m->files));
 		if (!m->files) {
 			rc = -ENOMEM;
-			mlens_model_errf(err, errlen, "%s: out of memory", dir);
+			mlens_errf(err, errlen, "%s: out of memory", dir);
 			goto out;
 		}
 		for (int i = 0; i < ix.n_shards && !rc; i++) {
@@ -823,7 +813,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 		if (!rc)
 			rc = add_tensors(m, &cap, err, errlen);
 		else if (rc == -ENOMEM)
-			mlens_model_errf(err, errlen, "%s: out of memory", dir);
+			mlens_errf(err, errlen, "%s: out of memory", dir);
 	}
 	if (rc)
 		goto out;
@@ -831,7 +821,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 		qsort(m->tensors, (size_t)m->n_tensors, sizeof(*m->tensors), by_tensor_name);
 	for (int i = 1; i < m->n_tensors; i++) {
 		if (!strcmp(m->tensors[i - 1].name, m->tensors[i].name)) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s' is also in %s", m->files[m->tensors[i].file].path,
+			mlens_errf(err, errlen, "%s: tensor '%s' is also in %s", m->files[m->tensors[i].file].path,
 			     m->tensors[i].name, m->files[m->tensors[i - 1].file].path);
 			rc = -EINVAL;
 			goto out;
@@ -845,7 +835,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 		const struct mlens_tensor *t = &m->tensors[i];
 
 		if (t->dtype != m->cfg.dtype) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s': dtype %s differs from the model's %s (%s)",
+			mlens_errf(err, errlen, "%s: tensor '%s': dtype %s differs from the model's %s (%s)",
 			     m->files[t->file].path, t->name, mlens_dtype_name(t->dtype),
 			     mlens_dtype_name(m->cfg.dtype),
 			     m->cfg.dtype_given ? "config.json" : "the first tensor's");
@@ -853,7 +843,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 			goto out;
 		}
 		if (__builtin_add_overflow(m->weight_bytes, t->nbytes, &m->weight_bytes)) {
-			mlens_model_errf(err, errlen, "%s: total weight size overflows", dir);
+			mlens_errf(err, errlen, "%s: total weight size overflows", dir);
 			rc = -EOVERFLOW;
 			goto out;
 		}

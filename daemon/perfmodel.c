@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/errf.h"
 #include "daemon/perfmodel.h"
 #include "daemon/shard.h"
 
@@ -425,18 +426,6 @@ int mlens_perf_step_time_best(const struct mlens_perf_model *pm, const struct ml
 
 /* ==== prediction and the policy search ==== */
 
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !errlen)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-}
-
 static double gib(uint64_t b)
 {
 	return (double)b / (1024.0 * 1024.0 * 1024.0);
@@ -496,7 +485,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	int rc;
 	if (!hw_ok(hw) || !(w->p >= 0) || !(w->g > 0) || !(w->kv_tokens > 0) ||
 	    resident_experts < 0 || resident_experts > pm->experts) {
-		seterr(err, errlen, "performance model: a ceiling, the workload or the residency is out of range");
+		mlens_errf(err, errlen, "performance model: a ceiling, the workload or the residency is out of range");
 		return -EINVAL;
 	}
 	memset(out, 0, sizeof(*out));
@@ -507,7 +496,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	room = hw->gpu_budget > fixed ? hw->gpu_budget - fixed : 0;
 	n_a = (double)act_fit(pm, hw, room);
 	if (n_a < (double)nmin) {
-		seterr(err, errlen,
+		mlens_errf(err, errlen,
 		       "GPU budget %.2f GiB cannot hold %d resident experts per layer: weights %.2f GiB, "
 		       "streaming slots %.2f GiB and workspace %.2f GiB leave room for %.0f tokens of "
 		       "activations, fewer than the %lld a step needs",
@@ -535,7 +524,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	out->step = mlens_perf_steady_step(w, out->tokens);
 	rc = mlens_perf_step_time_best(pm, hw, &out->policy, &out->step, &out->time);
 	if (rc) {
-		seterr(err, errlen, "performance model: the step is out of range");
+		mlens_errf(err, errlen, "performance model: the step is out of range");
 		return rc;
 	}
 	out->steps_per_s = 1.0 / out->time.seconds;
@@ -562,7 +551,7 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 		if (rc == -ENOSPC)
 			continue;	/* with few layers, more residency can need less */
 		if (rc) {
-			seterr(err, errlen, "performance model: a ceiling or the workload is out of range");
+			mlens_errf(err, errlen, "performance model: a ceiling or the workload is out of range");
 			return rc;
 		}
 		if (!found || p.total_tok_s > out->total_tok_s * (1 + 1e-12)) {
@@ -572,7 +561,7 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 	}
 	if (!found) {
 		uint64_t need = mlens_perf_min_budget(pm, hw, min_tokens(w));
-		seterr(err, errlen,
+		mlens_errf(err, errlen,
 		       "GPU budget %.2f GiB is too small for this model: it needs at least %.2f GiB "
 		       "(attention, norms, routers, embeddings and lm_head %.2f GiB, two slots of one "
 		       "layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, workspace "
@@ -735,7 +724,7 @@ int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype 
 	if ((mp->scheme != MLENS_SHARD_TP && mp->scheme != MLENS_SHARD_EP) || !(imb >= 1) ||
 	    !isfinite(imb) || !(mp->lat_coll >= 0) || mp->coll_bytes < 0 || mp->coll_bytes > 8 ||
 	    (G > 1 && !(mp->b_coll > 0))) {
-		seterr(err, errlen, "performance model: a multi-GPU parameter is out of range "
+		mlens_errf(err, errlen, "performance model: a multi-GPU parameter is out of range "
 		       "(scheme, collective bandwidth and latency, imbalance >= 1)");
 		return -EINVAL;
 	}
@@ -744,7 +733,7 @@ int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype 
 		return rc;
 	rc = mlens_perf_model_from_config(&full, c, kv_dtype);
 	if (rc) {
-		seterr(err, errlen, "performance model: the model's dimensions are out of range");
+		mlens_errf(err, errlen, "performance model: the model's dimensions are out of range");
 		return rc;
 	}
 	k = &plan.rank[0];
@@ -757,7 +746,7 @@ int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype 
 		sc.num_experts_per_tok = k->experts;
 	rc = mlens_perf_model_from_config(shard, &sc, kv_dtype);
 	if (rc) {
-		seterr(err, errlen, "performance model: the shard's dimensions are out of range");
+		mlens_errf(err, errlen, "performance model: the shard's dimensions are out of range");
 		return rc;
 	}
 	/* the router is whole on every GPU; CPU attention reads each kv head
@@ -838,7 +827,7 @@ int mlens_perf_multi_best(const struct mlens_model_config *c, enum mlens_dtype k
 		}
 	}
 	if (!found) {
-		seterr(err, errlen, "%s", first);
+		mlens_errf(err, errlen, "%s", first);
 		return first_rc;
 	}
 	return 0;

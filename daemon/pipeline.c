@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include "daemon/errf.h"
 #include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
 #include "daemon/trace.h"
@@ -140,18 +141,6 @@ struct mlens_pipeline {
 		int side;
 	} hx_arg[MLENS_PIPE_Q_N];
 };
-
-static void seterr(char *err, size_t len, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t len, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !len)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, len, fmt, ap);
-	va_end(ap);
-}
 
 static double now(void)
 {
@@ -495,7 +484,7 @@ static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o
 	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
 		       (p->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
 	if (layout.dtype == MLENS_DTYPE_F16) {
-		seterr(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
 		return -EINVAL;
 	}
 	layout.n_layers = (int)p->cfg.num_hidden_layers;
@@ -508,7 +497,7 @@ static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o
 	layout.k = layout.v = NULL;
 	rc = mlens_kv_pool_init(&p->kv, p->c, &layout, o->kv_mem_k, o->kv_mem_v);
 	if (rc)
-		seterr(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens) on the %s "
+		mlens_errf(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens) on the %s "
 		       "backend: %s", layout.n_blocks, layout.block_size, p->c->ops->name,
 		       strerror(-rc));
 	return rc;
@@ -532,7 +521,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	int rc = 0;
 
 	if (!cpu->ops->host_memory) {
-		seterr(err, errlen, "hybrid pipeline: the attention backend '%s' must use host "
+		mlens_errf(err, errlen, "hybrid pipeline: the attention backend '%s' must use host "
 		       "memory (the cpu backend)", cpu->ops->name);
 		return -EINVAL;
 	}
@@ -549,7 +538,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
 	p->kvdim = (int)(p->cfg.num_key_value_heads * p->cfg.head_dim);
 	if (p->groups > MLENS_PIPE_MAX_GROUPS) {
-		seterr(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
+		mlens_errf(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
 		       p->groups, MLENS_PIPE_MAX_GROUPS);
 		rc = -EINVAL;
 		goto fail;
@@ -559,7 +548,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		goto fail;
 	rc = mlens_perf_model_from_config(&p->pm, &p->cfg, p->kv.cache.dtype);
 	if (rc) {
-		seterr(err, errlen, "hybrid pipeline: the model's dimensions are out of range");
+		mlens_errf(err, errlen, "hybrid pipeline: the model's dimensions are out of range");
 		goto fail;
 	}
 	memset(&in, 0, sizeof(in));
@@ -578,7 +567,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	/* the backend's own memory (workspace, staging) counts as it stands */
 	rc = place_weights(p, o->piece_bytes ? o->piece_bytes : MLENS_PIPE_PIECE);
 	if (rc) {
-		seterr(err, errlen, "hybrid pipeline: cannot place the resident weights and the "
+		mlens_errf(err, errlen, "hybrid pipeline: cannot place the resident weights and the "
 		       "expert slots on the %s backend: %s", gpu->ops->name, strerror(-rc));
 		goto fail;
 	}
@@ -592,7 +581,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		p->streams |= p->n_pieces[l] > 0;
 	}
 	if (p->async && (rc = register_stream(p))) {
-		seterr(err, errlen, "hybrid pipeline: cannot pin the weight pages for the expert "
+		mlens_errf(err, errlen, "hybrid pipeline: cannot pin the weight pages for the expert "
 		       "stream: %s", strerror(-rc));
 		goto fail;
 	}
@@ -604,7 +593,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	for (int s = 0; s < MLENS_PIPE_SETS; s++)
 		set_alloc(p, &p->set[s], &rc);
 	if (rc) {
-		seterr(err, errlen, "hybrid pipeline: cannot allocate GPU activations for %d tokens "
+		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate GPU activations for %d tokens "
 		       "(groups of %d): %s", p->max_tokens, p->group_rows, strerror(-rc));
 		goto fail;
 	}
@@ -623,12 +612,12 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	if (!p->tok || !p->pos || !p->row_req || !p->lrow || !p->sampled || !p->slots ||
 	    !p->qry || !p->logp || !p->samp || !p->cu || !p->seg || !p->tmp || rc) {
 		rc = rc ? rc : -ENOMEM;
-		seterr(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
+		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
 		       p->max_tokens);
 		goto fail;
 	}
 	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {
-		seterr(err, errlen, "hybrid pipeline: the %s backend holds %llu bytes, past the GPU "
+		mlens_errf(err, errlen, "hybrid pipeline: the %s backend holds %llu bytes, past the GPU "
 		       "budget of %llu", gpu->ops->name,
 		       (unsigned long long)mlens_pipeline_gpu_bytes(p),
 		       (unsigned long long)p->plan.budget);
@@ -651,7 +640,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		rc = 0;
 	}
 	if (p->async && (rc = hx_start(p))) {
-		seterr(err, errlen, "hybrid pipeline: cannot start its host thread: %s",
+		mlens_errf(err, errlen, "hybrid pipeline: cannot start its host thread: %s",
 		       strerror(-rc));
 		goto fail;
 	}
@@ -660,7 +649,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->hs = malloc((size_t)p->cap_hs * sizeof(*p->hs));
 	if (!p->hs || (rc = mlens_step_timer_init(&p->timer, gpu))) {
 		rc = rc ? rc : -ENOMEM;
-		seterr(err, errlen, "hybrid pipeline: cannot allocate its step timer");
+		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate its step timer");
 		goto fail;
 	}
 	p->st.async = p->async;

@@ -10,21 +10,11 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include "daemon/errf.h"
 #include "daemon/gpuplan.h"
 #include "daemon/profiler.h"
 #include "daemon/sched.h"
 #include "kernels/cpu/pool.h"
-
-static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t len, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !len)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, len, fmt, ap);
-	va_end(ap);
-}
 
 static double now(void)
 {
@@ -294,7 +284,7 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	L.group = o->group;
 	L.moe_chunk = o->moe_chunk;
 	if (rc) {
-		seterr(err, errlen, "profiler: cannot place one layer and %lld tokens of activations on the %s "
+		mlens_errf(err, errlen, "profiler: cannot place one layer and %lld tokens of activations on the %s "
 		       "backend: %s (profile at start-up, profile = true, before the engine takes the memory)",
 		       (long long)nmax, o->be->ops->name, strerror(-rc));
 		goto out;
@@ -324,7 +314,7 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	}
 	if ((rc = mlens_perf_fit_line(xs, p->ga_s, p->n_points, &p->ga)) ||
 	    (rc = mlens_perf_fit_line(xs, p->gb_s, p->n_points, &p->gb))) {
-		seterr(err, errlen, "profiler: the GA/GB timings cannot be fitted");
+		mlens_errf(err, errlen, "profiler: the GA/GB timings cannot be fitted");
 		goto out;
 	}
 	/* timings that do not grow with the token count (a small model on a
@@ -340,7 +330,7 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	p->gemm_flops = 2.0 * (double)top * (double)m->cfg.hidden_size * (double)m->cfg.intermediate_size / t;
 	goto out;
 op_fail:
-	seterr(err, errlen, "profiler: a %s backend op failed: %s", o->be->ops->name, strerror(-rc));
+	mlens_errf(err, errlen, "profiler: a %s backend op failed: %s", o->be->ops->name, strerror(-rc));
 out:
 	layer_free(&L);
 	return rc;
@@ -362,7 +352,7 @@ static int profile_copies(struct mlens_backend *be, double budget, struct mlens_
 	d = o->alloc(be->ctx, bytes);
 	if (!h || !d) {
 		rc = -ENOMEM;
-		seterr(err, errlen, "profiler: cannot allocate %zu MiB of pinned and %s memory for the copy test",
+		mlens_errf(err, errlen, "profiler: cannot allocate %zu MiB of pinned and %s memory for the copy test",
 		       bytes >> 20, o->name);
 		goto out;
 	}
@@ -376,7 +366,7 @@ static int profile_copies(struct mlens_backend *be, double budget, struct mlens_
 			if ((rc = o->copy_async(be->ctx, 1, dir ? h : d, dir ? d : h, bytes, !dir)) ||
 			    (rc = o->event_record(be->ctx, 1, MLENS_BACKEND_EVENTS - 1)) ||
 			    (rc = o->event_sync(be->ctx, MLENS_BACKEND_EVENTS - 1))) {
-				seterr(err, errlen, "profiler: a pinned copy failed: %s", strerror(-rc));
+				mlens_errf(err, errlen, "profiler: a pinned copy failed: %s", strerror(-rc));
 				goto out;
 			}
 			t = now() - t0;
@@ -449,7 +439,7 @@ static int profile_mem(int n_threads, double budget, struct mlens_profile *p, ch
 	r.sink = calloc((size_t)(tasks ? tasks : 1), sizeof(uint64_t));
 	if (!r.buf || rc || !r.sink) {
 		rc = rc ? rc : -ENOMEM;
-		seterr(err, errlen, "profiler: cannot set up the memory read test (%zu MiB): %s", bytes >> 20,
+		mlens_errf(err, errlen, "profiler: cannot set up the memory read test (%zu MiB): %s", bytes >> 20,
 		       strerror(-rc));
 		goto out;
 	}
@@ -491,7 +481,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	if (!be) {
 		struct mlens_backend_opts bo = { .n_threads = o->n_threads, .device = 0 };
 		if ((rc = mlens_backend_cpu_create(&tmp, &bo))) {
-			seterr(err, errlen, "profiler: cannot start a cpu backend for the attention test: %s",
+			mlens_errf(err, errlen, "profiler: cannot start a cpu backend for the attention test: %s",
 			       strerror(-rc));
 			return rc;
 		}
@@ -522,7 +512,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	out = be->ops->alloc(be->ctx, elems * sizeof(float));
 	if (!kv.k || !kv.v || !qr || !table || !q || !out) {
 		rc = -ENOMEM;
-		seterr(err, errlen, "profiler: cannot allocate %zu MiB of KV for the attention test", 2 * head_elems >> 20);
+		mlens_errf(err, errlen, "profiler: cannot allocate %zu MiB of KV for the attention test", 2 * head_elems >> 20);
 		goto out;
 	}
 	/* small values of the pool's dtype: 1/128 (bf16 0x3c00, f32 0x3c000000) */
@@ -547,7 +537,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 		rc = be->ops->attn_decode(be->ctx, out, q, &kv, 0, qr, n_seq, (int)c->num_attention_heads,
 					  1.0f / sqrtf((float)c->head_dim));
 		if (rc) {
-			seterr(err, errlen, "profiler: decode attention failed: %s", strerror(-rc));
+			mlens_errf(err, errlen, "profiler: decode attention failed: %s", strerror(-rc));
 			goto out;
 		}
 		t = now() - t0;
@@ -578,7 +568,7 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 	int rc;
 	if (!m || !o || !o->be || !o->be->ops || m->cfg.num_hidden_layers < 1 ||
 	    (o->kv_dtype != MLENS_DTYPE_F32 && o->kv_dtype != MLENS_DTYPE_BF16)) {
-		seterr(err, errlen, "profiler: no model, no backend or a KV dtype other than f32/bf16");
+		mlens_errf(err, errlen, "profiler: no model, no backend or a KV dtype other than f32/bf16");
 		return -EINVAL;
 	}
 	budget = o->budget_s > 0 ? o->budget_s : o->be->ops->host_memory ? 0.5 : 20;
@@ -716,13 +706,13 @@ int mlens_profile_save(const char *path, const struct mlens_profile_key *k,
 	int rc = 0;
 	if (!o || !(tmp = malloc(n))) {
 		json_decref(o);
-		seterr(err, errlen, "profile cache %s: out of memory", path);
+		mlens_errf(err, errlen, "profile cache %s: out of memory", path);
 		return -ENOMEM;
 	}
 	snprintf(tmp, n, "%s.tmp", path);
 	if (json_dump_file(o, tmp, JSON_INDENT(1) | JSON_PRESERVE_ORDER) || rename(tmp, path)) {
 		rc = errno ? -errno : -EIO;
-		seterr(err, errlen, "cannot write the profile cache %s: %s (check profile_cache)", path, strerror(-rc));
+		mlens_errf(err, errlen, "cannot write the profile cache %s: %s (check profile_cache)", path, strerror(-rc));
 		unlink(tmp);
 	}
 	free(tmp);
@@ -751,10 +741,10 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	int version, rc = 0;
 	if (!o) {
 		if (access(path, F_OK)) {
-			seterr(err, errlen, "no profile cache at %s", path);
+			mlens_errf(err, errlen, "no profile cache at %s", path);
 			return -ENOENT;
 		}
-		seterr(err, errlen, "profile cache %s is not JSON (line %d: %s); it is rewritten by the next profile",
+		mlens_errf(err, errlen, "profile cache %s is not JSON (line %d: %s); it is rewritten by the next profile",
 		       path, je.line, je.text);
 		return -EINVAL;
 	}
@@ -762,13 +752,13 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	kj = json_object_get(o, "key");
 	pj = json_object_get(o, "profile");
 	if (json_unpack(o, "{s:i}", "version", &version) || version != MLENS_PROFILE_VERSION || !kj || !pj) {
-		seterr(err, errlen, "profile cache %s: not a version %d profile cache", path, MLENS_PROFILE_VERSION);
+		mlens_errf(err, errlen, "profile cache %s: not a version %d profile cache", path, MLENS_PROFILE_VERSION);
 		rc = -EINVAL;
 		goto out;
 	}
 	want = key_json(k);
 	if (!json_equal(want, kj)) {
-		seterr(err, errlen, "profile cache %s was measured for another model, backend, GPU or budget", path);
+		mlens_errf(err, errlen, "profile cache %s was measured for another model, backend, GPU or budget", path);
 		rc = -ESTALE;
 	}
 	json_decref(want);
@@ -780,7 +770,7 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 			&p->seconds, "points", &pts) ||
 	    line_from(json_object_get(pj, "ga"), &p->ga) || line_from(json_object_get(pj, "gb"), &p->gb) ||
 	    !json_is_array(pts) || json_array_size(pts) > MLENS_PROFILE_POINTS) {
-		seterr(err, errlen, "profile cache %s: a field is missing or out of range", path);
+		mlens_errf(err, errlen, "profile cache %s: a field is missing or out of range", path);
 		rc = -EINVAL;
 		goto out;
 	}
@@ -789,7 +779,7 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	json_array_foreach(pts, i, pt) {
 		json_int_t t;
 		if (json_unpack(pt, "{s:I,s:F,s:F}", "tokens", &t, "ga_seconds", &p->ga_s[i], "gb_seconds", &p->gb_s[i])) {
-			seterr(err, errlen, "profile cache %s: point %zu is malformed", path, i);
+			mlens_errf(err, errlen, "profile cache %s: point %zu is malformed", path, i);
 			rc = -EINVAL;
 			goto out;
 		}
@@ -797,7 +787,7 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	}
 	p->n_points = (int)json_array_size(pts);
 	if (!(p->mem_bw > 0) || !(p->attn_bw > 0) || !(p->gemm_flops > 0)) {
-		seterr(err, errlen, "profile cache %s: a rate is not positive", path);
+		mlens_errf(err, errlen, "profile cache %s: a rate is not positive", path);
 		rc = -EINVAL;
 	}
 out:

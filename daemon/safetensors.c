@@ -8,6 +8,7 @@
 #include <string.h>
 #include <jansson.h>
 
+#include "daemon/errf.h"
 #include "daemon/model_int.h"
 #include "daemon/safetensors.h"
 
@@ -73,7 +74,7 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 	char shp[160];
 
 	if (!json_is_object(v)) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': header entry is a JSON %s, not an object",
+		mlens_errf(err, errlen, "%s: tensor '%s': header entry is a JSON %s, not an object",
 		     file, tname, json_kind(v));
 		return -EINVAL;
 	}
@@ -81,17 +82,17 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 	js = json_object_get(v, "shape");
 	jo = json_object_get(v, "data_offsets");
 	if (!json_is_string(jd) || !json_is_array(js) || !json_is_array(jo)) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': header entry needs string 'dtype', array 'shape' and array 'data_offsets'",
+		mlens_errf(err, errlen, "%s: tensor '%s': header entry needs string 'dtype', array 'shape' and array 'data_offsets'",
 		     file, tname);
 		return -EINVAL;
 	}
 	if (mlens_safetensors_dtype(json_string_value(jd), &t->dtype)) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': dtype %.32s is not supported (mlens reads F32, F16 and BF16)",
+		mlens_errf(err, errlen, "%s: tensor '%s': dtype %.32s is not supported (mlens reads F32, F16 and BF16)",
 		     file, tname, json_string_value(jd));
 		return -EINVAL;
 	}
 	if (json_array_size(js) > MLENS_MODEL_MAX_DIMS) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': shape has %zu dimensions; mlens supports at most %d",
+		mlens_errf(err, errlen, "%s: tensor '%s': shape has %zu dimensions; mlens supports at most %d",
 		     file, tname, json_array_size(js), MLENS_MODEL_MAX_DIMS);
 		return -EINVAL;
 	}
@@ -99,7 +100,7 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 	for (int i = 0; i < t->ndim; i++) {
 		json_t *d = json_array_get(js, (size_t)i);
 		if (!json_is_integer(d) || json_integer_value(d) < 0) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s': shape[%d] is not a non-negative integer",
+			mlens_errf(err, errlen, "%s: tensor '%s': shape[%d] is not a non-negative integer",
 			     file, tname, i);
 			return -EINVAL;
 		}
@@ -108,14 +109,14 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 	fmt_shape(shp, sizeof(shp), t->shape, t->ndim);
 	for (int i = 0; i < t->ndim; i++) {
 		if (__builtin_mul_overflow(count, (uint64_t)t->shape[i], &count)) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s': shape %s overflows a 64-bit element count",
+			mlens_errf(err, errlen, "%s: tensor '%s': shape %s overflows a 64-bit element count",
 			     file, tname, shp);
 			return -EINVAL;
 		}
 	}
 	es = mlens_dtype_size(t->dtype);
 	if (__builtin_mul_overflow(count, (uint64_t)es, &nbytes) || nbytes > SIZE_MAX) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': shape %s of %s overflows a 64-bit byte count",
+		mlens_errf(err, errlen, "%s: tensor '%s': shape %s of %s overflows a 64-bit byte count",
 		     file, tname, shp, mlens_dtype_name(t->dtype));
 		return -EINVAL;
 	}
@@ -123,24 +124,24 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 	    !json_is_integer(json_array_get(jo, 1)) ||
 	    json_integer_value(json_array_get(jo, 0)) < 0 ||
 	    json_integer_value(json_array_get(jo, 1)) < 0) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets is not a pair of non-negative integers",
+		mlens_errf(err, errlen, "%s: tensor '%s': data_offsets is not a pair of non-negative integers",
 		     file, tname);
 		return -EINVAL;
 	}
 	t->begin = (uint64_t)json_integer_value(json_array_get(jo, 0));
 	t->end = (uint64_t)json_integer_value(json_array_get(jo, 1));
 	if (t->begin > t->end) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") end before they begin",
+		mlens_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") end before they begin",
 		     file, tname, t->begin, t->end);
 		return -EINVAL;
 	}
 	if (t->end > st->data_len) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") run past the data section (%" PRIu64 " bytes)",
+		mlens_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") run past the data section (%" PRIu64 " bytes)",
 		     file, tname, t->begin, t->end, st->data_len);
 		return -EINVAL;
 	}
 	if (t->end - t->begin != nbytes) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") hold %" PRIu64 " bytes but shape %s of %s needs %" PRIu64,
+		mlens_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") hold %" PRIu64 " bytes but shape %s of %s needs %" PRIu64,
 		     file, tname, t->begin, t->end, t->end - t->begin, shp,
 		     mlens_dtype_name(t->dtype), nbytes);
 		return -EINVAL;
@@ -148,7 +149,7 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 	/* Kernels read elements through typed pointers: misaligned data would
 	 * be undefined behaviour. Files written by safetensors are aligned. */
 	if (__builtin_add_overflow(st->data_start, t->begin, &abs_off) || abs_off % es) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': data at file offset %" PRIu64 " is not aligned to its %zu-byte elements",
+		mlens_errf(err, errlen, "%s: tensor '%s': data at file offset %" PRIu64 " is not aligned to its %zu-byte elements",
 		     file, tname, abs_off, es);
 		return -EINVAL;
 	}
@@ -177,7 +178,7 @@ static int check_coverage(const char *file, const struct mlens_safetensors *st,
 
 	if (st->n_tensors == 0) {
 		if (st->data_len) {
-			mlens_model_errf(err, errlen, "%s: header lists no tensors but %" PRIu64 " data bytes follow it",
+			mlens_errf(err, errlen, "%s: header lists no tensors but %" PRIu64 " data bytes follow it",
 			     file, st->data_len);
 			return -EINVAL;
 		}
@@ -185,7 +186,7 @@ static int check_coverage(const char *file, const struct mlens_safetensors *st,
 	}
 	order = malloc(sizeof(*order) * (size_t)st->n_tensors);
 	if (!order) {
-		mlens_model_errf(err, errlen, "%s: out of memory indexing %d tensors", file, st->n_tensors);
+		mlens_errf(err, errlen, "%s: out of memory indexing %d tensors", file, st->n_tensors);
 		return -ENOMEM;
 	}
 	for (int i = 0; i < st->n_tensors; i++)
@@ -194,16 +195,16 @@ static int check_coverage(const char *file, const struct mlens_safetensors *st,
 	for (int i = 0; i < st->n_tensors; i++) {
 		const struct mlens_st_tensor *t = order[i];
 		if (t->begin < pos) {
-			mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") overlap tensor '%s' [%" PRIu64 ", %" PRIu64 ")",
+			mlens_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") overlap tensor '%s' [%" PRIu64 ", %" PRIu64 ")",
 			     file, t->name, t->begin, t->end, prev->name, prev->begin, prev->end);
 			goto bad;
 		}
 		if (t->begin > pos) {
 			if (prev)
-				mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") leave a gap of %" PRIu64 " bytes after tensor '%s' (ends at %" PRIu64 ")",
+				mlens_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") leave a gap of %" PRIu64 " bytes after tensor '%s' (ends at %" PRIu64 ")",
 				     file, t->name, t->begin, t->end, t->begin - pos, prev->name, pos);
 			else
-				mlens_model_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") leave a gap of %" PRIu64 " bytes at the start of the data section",
+				mlens_errf(err, errlen, "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 ") leave a gap of %" PRIu64 " bytes at the start of the data section",
 				     file, t->name, t->begin, t->end, t->begin);
 			goto bad;
 		}
@@ -211,7 +212,7 @@ static int check_coverage(const char *file, const struct mlens_safetensors *st,
 		prev = t;
 	}
 	if (pos != st->data_len) {
-		mlens_model_errf(err, errlen, "%s: tensor '%s': data ends at %" PRIu64 " but the data section holds %" PRIu64 " bytes; the rest belongs to no tensor",
+		mlens_errf(err, errlen, "%s: tensor '%s': data ends at %" PRIu64 " but the data section holds %" PRIu64 " bytes; the rest belongs to no tensor",
 		     file, prev->name, pos, st->data_len);
 		goto bad;
 	}
@@ -235,19 +236,19 @@ int mlens_safetensors_parse(const void *buf, size_t len, const char *name,
 
 	memset(out, 0, sizeof(*out));
 	if (len < 8) {
-		mlens_model_errf(err, errlen, "%s: file is %zu bytes, too short for the 8-byte header length",
+		mlens_errf(err, errlen, "%s: file is %zu bytes, too short for the 8-byte header length",
 		     name, len);
 		return -EINVAL;
 	}
 	for (int i = 7; i >= 0; i--)
 		hlen = (hlen << 8) | p[i];
 	if (hlen > len - 8) {
-		mlens_model_errf(err, errlen, "%s: header length %" PRIu64 " runs past the end of the file (%zu bytes)",
+		mlens_errf(err, errlen, "%s: header length %" PRIu64 " runs past the end of the file (%zu bytes)",
 		     name, hlen, len);
 		return -EINVAL;
 	}
 	if (hlen > MLENS_SAFETENSORS_MAX_HEADER) {
-		mlens_model_errf(err, errlen, "%s: header length %" PRIu64 " exceeds the %u-byte limit",
+		mlens_errf(err, errlen, "%s: header length %" PRIu64 " exceeds the %u-byte limit",
 		     name, hlen, MLENS_SAFETENSORS_MAX_HEADER);
 		return -EINVAL;
 	}
@@ -257,24 +258,24 @@ int mlens_safetensors_parse(const void *buf, size_t len, const char *name,
 
 	root = json_loadb((const char *)p + 8, (size_t)hlen, JSON_REJECT_DUPLICATES, &jerr);
 	if (!root) {
-		mlens_model_errf(err, errlen, "%s: header is not valid JSON (line %d, column %d): %s",
+		mlens_errf(err, errlen, "%s: header is not valid JSON (line %d, column %d): %s",
 		     name, jerr.line, jerr.column, jerr.text);
 		return -EINVAL;
 	}
 	if (!json_is_object(root)) {
-		mlens_model_errf(err, errlen, "%s: header is a JSON %s, not an object", name, json_kind(root));
+		mlens_errf(err, errlen, "%s: header is a JSON %s, not an object", name, json_kind(root));
 		rc = -EINVAL;
 		goto out;
 	}
 	cap = json_object_size(root);
 	if (cap > (size_t)INT32_MAX) {
-		mlens_model_errf(err, errlen, "%s: header lists too many tensors", name);
+		mlens_errf(err, errlen, "%s: header lists too many tensors", name);
 		rc = -EINVAL;
 		goto out;
 	}
 	out->tensors = calloc(cap ? cap : 1, sizeof(*out->tensors));
 	if (!out->tensors) {
-		mlens_model_errf(err, errlen, "%s: out of memory for %zu tensors", name, cap);
+		mlens_errf(err, errlen, "%s: out of memory for %zu tensors", name, cap);
 		rc = -ENOMEM;
 		goto out;
 	}
@@ -289,7 +290,7 @@ int mlens_safetensors_parse(const void *buf, size_t len, const char *name,
 			goto out;
 		t->name = strdup(key);
 		if (!t->name) {
-			mlens_model_errf(err, errlen, "%s: out of memory", name);
+			mlens_errf(err, errlen, "%s: out of memory", name);
 			rc = -ENOMEM;
 			goto out;
 		}

@@ -5,19 +5,8 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include "daemon/errf.h"
 #include "daemon/shard.h"
-
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !errlen)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-}
 
 const char *mlens_shard_scheme_name(enum mlens_shard_scheme s)
 {
@@ -41,7 +30,7 @@ int mlens_shard_plan(struct mlens_shard_plan *p, const struct mlens_model_config
 {
 	memset(p, 0, sizeof(*p));
 	if (gpus < 1 || gpus > MLENS_SHARD_MAX_GPUS) {
-		seterr(err, errlen, "gpus: %d GPUs asked; list between 1 and %d", gpus,
+		mlens_errf(err, errlen, "gpus: %d GPUs asked; list between 1 and %d", gpus,
 		       MLENS_SHARD_MAX_GPUS);
 		return -EINVAL;
 	}
@@ -51,7 +40,7 @@ int mlens_shard_plan(struct mlens_shard_plan *p, const struct mlens_model_config
 	    !fits_int(c->num_experts_per_tok) || !fits_int(c->vocab_size) ||
 	    c->num_experts_per_tok > c->num_local_experts ||
 	    c->num_attention_heads % c->num_key_value_heads) {
-		seterr(err, errlen, "model: a dimension is not positive or heads/kv heads/experts do not agree");
+		mlens_errf(err, errlen, "model: a dimension is not positive or heads/kv heads/experts do not agree");
 		return -EINVAL;
 	}
 	p->gpus = gpus;
@@ -65,7 +54,7 @@ int mlens_shard_plan(struct mlens_shard_plan *p, const struct mlens_model_config
 	p->top_k = (int)c->num_experts_per_tok;
 	p->vocab = (int)c->vocab_size;
 	if (p->heads % gpus) {
-		seterr(err, errlen,
+		mlens_errf(err, errlen,
 		       "gpus: the model has %d attention heads, which %d GPUs cannot share evenly "
 		       "(tensor-parallel attention splits by heads); list a number of GPUs that divides %d",
 		       p->heads, gpus, p->heads);
@@ -76,14 +65,14 @@ int mlens_shard_plan(struct mlens_shard_plan *p, const struct mlens_model_config
 	} else if (gpus % p->kv_heads == 0) {
 		p->kv_replicas = gpus / p->kv_heads;
 	} else {
-		seterr(err, errlen,
+		mlens_errf(err, errlen,
 		       "gpus: the model has %d key/value heads; %d GPUs must divide them or be a "
 		       "multiple of them (then each kv head is replicated); list another number of GPUs",
 		       p->kv_heads, gpus);
 		return -EINVAL;
 	}
 	if (scheme == MLENS_SHARD_EP && gpus > p->experts) {
-		seterr(err, errlen,
+		mlens_errf(err, errlen,
 		       "gpus: expert parallel over %d GPUs needs at least %d experts per layer, the "
 		       "model has %d; use tensor parallel or fewer GPUs", gpus, gpus, p->experts);
 		return -EINVAL;

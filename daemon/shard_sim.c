@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/errf.h"
 #include "daemon/shard_sim.h"
 
 #define SIM_MAX_TOKENS 4096
@@ -46,18 +47,6 @@ struct mlens_shard_sim {
 	struct mlens_attn_query *qry;
 	int32_t *row_req, *lrow;
 };
-
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-	va_list ap;
-	if (!err || !errlen)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-}
 
 /* Columns [c0, c0+nc) of a [rows][cols] matrix of es-byte elements. */
 static void *copy_cols(const void *src, size_t es, int rows, int cols, int c0, int nc)
@@ -138,12 +127,12 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	int rc = 0, K = (int)m->cfg.num_experts_per_tok;
 
 	if (!be->ops->host_memory) {
-		seterr(err, errlen, "shard simulation: backend %s is not host memory; use cpu", be->ops->name);
+		mlens_errf(err, errlen, "shard simulation: backend %s is not host memory; use cpu", be->ops->name);
 		return -EINVAL;
 	}
 	if (plan->hidden != m->cfg.hidden_size || plan->heads != m->cfg.num_attention_heads ||
 	    plan->experts != m->cfg.num_local_experts || plan->inter != m->cfg.intermediate_size) {
-		seterr(err, errlen, "shard simulation: the plan was made for another model");
+		mlens_errf(err, errlen, "shard simulation: the plan was made for another model");
 		return -EINVAL;
 	}
 	s = calloc(1, sizeof(*s));
@@ -172,7 +161,7 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 		};
 		rc = mlens_kv_pool_init(&rk->kv, be, &layout, NULL, NULL);
 		if (rc) {
-			seterr(err, errlen, "shard simulation: cannot allocate rank %d's KV cache: %s", r,
+			mlens_errf(err, errlen, "shard simulation: cannot allocate rank %d's KV cache: %s", r,
 			       strerror(-rc));
 			goto fail;
 		}
@@ -203,7 +192,7 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	s->qry = calloc(T, sizeof(*s->qry));
 	if (rc || !s->slots || !s->qry) {
 		rc = rc ? rc : -ENOMEM;
-		seterr(err, errlen, "shard simulation: out of memory for %d ranks", plan->gpus);
+		mlens_errf(err, errlen, "shard simulation: out of memory for %d ranks", plan->gpus);
 		goto fail;
 	}
 	*out = s;
