@@ -405,25 +405,17 @@ int mlens_shard_sim_step(struct mlens_shard_sim *s, struct mlens_engine_req *req
 	const struct mlens_shard_plan *p = &s->plan;
 	struct mlens_kv_pool *pool = &s->ranks[0].kv;
 	int H = p->hidden, V = p->vocab, bs = pool->cache.block_size;
-	int T = 0, row = 0, rc = 0;
+	int T, row = 0, rc = 0;
+	int64_t total;
 	uint32_t need = 0;
 
-	if (n <= 0)
-		return -EINVAL;
-	for (int i = 0; i < n; i++) {
-		const struct mlens_engine_req *r = &reqs[i];
-		if (!r->seq || r->n_tokens <= 0 || !r->tokens)
-			return -EINVAL;
-		for (int j = 0; j < r->n_tokens; j++)
-			if (r->tokens[j] < 0 || r->tokens[j] >= V)
-				return -EINVAL;
-		if ((int64_t)r->seq->len + r->n_tokens > s->cfg.max_position_embeddings)
-			return -EOVERFLOW;
-		if (T > SIM_MAX_TOKENS - r->n_tokens)
-			return -E2BIG;
-		T += r->n_tokens;
-		need += mlens_seq_blocks_needed(pool, r->seq, (int64_t)r->seq->len + r->n_tokens);
-	}
+	TRY(mlens_engine_reqs_check(&s->cfg, reqs, n, &total));
+	if (total > SIM_MAX_TOKENS)
+		return -E2BIG;
+	T = (int)total;
+	for (int i = 0; i < n; i++)
+		need += mlens_seq_blocks_needed(pool, reqs[i].seq,
+						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
 	if (need > mlens_kv_pool_free_blocks(pool))
 		return -ENOSPC;
 	for (int i = 0; i < n; i++)
