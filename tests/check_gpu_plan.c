@@ -8,30 +8,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/gpu_plan.h"
+#include "tests/testmodel.h"
 
 #define GIB (1ull << 30)
 
-static struct mlens_model_config mixtral8(void)
-{
-	struct mlens_model_config c;
-	memset(&c, 0, sizeof(c));
-	c.vocab_size = 32000;
-	c.hidden_size = 4096;
-	c.intermediate_size = 14336;
-	c.num_hidden_layers = 8;
-	c.num_attention_heads = 32;
-	c.num_key_value_heads = 8;
-	c.head_dim = 128;
-	c.num_local_experts = 8;
-	c.num_experts_per_tok = 2;
-	c.max_position_embeddings = 32768;
-	c.dtype = MLENS_DTYPE_BF16;
-	return c;
-}
-
 START_TEST(plan_parts)
 {
-	struct mlens_model_config c = mixtral8();
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
 	struct mlens_gpu_plan p;
 	/* 23.7 GB of weights, 40 GiB of KV, the default 4096-token step */
 	mlens_gpu_plan_compute(&p, &c, 23700000000ull, 40 * GIB, 4096, MLENS_GEMM_FAST, 0, 139 * GIB, 140 * GIB);
@@ -57,7 +40,7 @@ END_TEST
 
 START_TEST(plan_small_context_small_scratch)
 {
-	struct mlens_model_config c = mixtral8();
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
 	struct mlens_gpu_plan p;
 	/* a KV pool of 1024 tokens bounds the contexts: partials are small and
 	 * the MoE scratch (1.28 GiB -> 2 GiB) is the largest need */
@@ -69,7 +52,7 @@ END_TEST
 
 START_TEST(plan_exact_gemm)
 {
-	struct mlens_model_config c = mixtral8();
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
 	struct mlens_gpu_plan p, f;
 	/* 3072-token steps: 6144 routed rows take 0.96 GiB of MoE scratch (1
 	 * GiB rounded); exact GEMMs keep three bf16 parts of the inputs and of
@@ -92,7 +75,7 @@ END_TEST
  * plan holds that query's partials. */
 START_TEST(plan_one_long_query)
 {
-	struct mlens_model_config c = mixtral8();
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
 	struct mlens_gpu_plan p;
 	c.max_position_embeddings = 1 << 22;
 	c.num_local_experts = 1;
@@ -106,7 +89,7 @@ END_TEST
 
 START_TEST(plan_refuses)
 {
-	struct mlens_model_config c = mixtral8();
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
 	struct mlens_gpu_plan p;
 	mlens_gpu_plan_compute(&p, &c, 23700000000ull, 120 * GIB, 4096, MLENS_GEMM_FAST, 0, 139 * GIB, 140 * GIB);
 	ck_assert(!p.fits);
@@ -128,7 +111,7 @@ END_TEST
 
 START_TEST(plan_cpu_backend)
 {
-	struct mlens_model_config c = mixtral8();
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
 	struct mlens_backend be;
 	struct mlens_gpu_plan p;
 	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);

@@ -35,21 +35,8 @@
 
 static struct mlens_perf_model mixtral(int layers)
 {
-	struct mlens_model_config c;
+	struct mlens_model_config c = mlens_test_mixtral_config(layers);
 	struct mlens_perf_model pm;
-	memset(&c, 0, sizeof(c));
-	strcpy(c.architecture, "MixtralForCausalLM");
-	c.vocab_size = 32000;
-	c.hidden_size = 4096;
-	c.intermediate_size = 14336;
-	c.num_hidden_layers = layers;
-	c.num_attention_heads = 32;
-	c.num_key_value_heads = 8;
-	c.head_dim = 128;
-	c.num_local_experts = 8;
-	c.num_experts_per_tok = 2;
-	c.max_position_embeddings = 32768;
-	c.dtype = MLENS_DTYPE_BF16;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
 	return pm;
 }

@@ -15,28 +15,9 @@
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
-static struct mlens_model_config mixtral_config(void)
-{
-	struct mlens_model_config c;
-	memset(&c, 0, sizeof(c));
-	strcpy(c.architecture, "MixtralForCausalLM");
-	c.vocab_size = 32000;
-	c.hidden_size = 4096;
-	c.intermediate_size = 14336;
-	c.num_hidden_layers = 32;
-	c.num_attention_heads = 32;
-	c.num_key_value_heads = 8;
-	c.head_dim = 128;
-	c.num_local_experts = 8;
-	c.num_experts_per_tok = 2;
-	c.max_position_embeddings = 32768;
-	c.dtype = MLENS_DTYPE_BF16;
-	return c;
-}
-
 static struct mlens_perf_model mixtral(void)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_model pm;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
 	return pm;
@@ -109,19 +90,19 @@ END_TEST
 
 START_TEST(config_errors)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_model pm;
 	c.num_experts_per_tok = 9;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), -EINVAL);
-	c = mixtral_config();
+	c = mlens_test_mixtral_config(32);
 	c.hidden_size = 0;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), -EINVAL);
-	c = mixtral_config();
+	c = mlens_test_mixtral_config(32);
 	c.intermediate_size = (int64_t)1 << 40;
 	c.hidden_size = (int64_t)1 << 30;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), -EOVERFLOW);
 	/* tied embeddings: no separate lm_head */
-	c = mixtral_config();
+	c = mlens_test_mixtral_config(32);
 	c.tie_word_embeddings = true;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
 	ck_assert_uint_eq(pm.lm_head_bytes, 0);
@@ -425,7 +406,7 @@ START_TEST(minimum_budget_refused)
 
 	/* one layer: its experts resident cost less than two slots of them */
 	{
-		struct mlens_model_config c = mixtral_config();
+		struct mlens_model_config c = mlens_test_mixtral_config(32);
 		struct mlens_perf_model one;
 		c.num_hidden_layers = 1;
 		ck_assert_int_eq(mlens_perf_model_from_config(&one, &c, MLENS_DTYPE_BF16), 0);

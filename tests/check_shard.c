@@ -28,25 +28,6 @@
 
 #define SHARD_TOL 1e-5
 
-static struct mlens_model_config mixtral_config(void)
-{
-	struct mlens_model_config c;
-	memset(&c, 0, sizeof(c));
-	strcpy(c.architecture, "MixtralForCausalLM");
-	c.vocab_size = 32000;
-	c.hidden_size = 4096;
-	c.intermediate_size = 14336;
-	c.num_hidden_layers = 32;
-	c.num_attention_heads = 32;
-	c.num_key_value_heads = 8;
-	c.head_dim = 128;
-	c.num_local_experts = 8;
-	c.num_experts_per_tok = 2;
-	c.max_position_embeddings = 32768;
-	c.dtype = MLENS_DTYPE_BF16;
-	return c;
-}
-
 static void assert_rel(double got, double want, double tol)
 {
 	ck_assert_msg(fabs(got - want) <= tol * fabs(want), "got %.10g want %.10g", got, want);
@@ -75,7 +56,7 @@ END_TEST
 
 START_TEST(plan_mixtral)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_shard_plan p;
 	char err[256];
 
@@ -115,7 +96,7 @@ END_TEST
 
 START_TEST(plan_refusals)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_shard_plan p;
 	char err[256];
 
@@ -131,7 +112,7 @@ START_TEST(plan_refusals)
 	c.num_key_value_heads = 6;
 	ck_assert_int_eq(mlens_shard_plan(&p, &c, 4, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(err, "6 key/value heads"));
-	c = mixtral_config();
+	c = mlens_test_mixtral_config(32);
 	ck_assert_int_eq(mlens_shard_plan(&p, &c, 0, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
 	ck_assert_int_eq(mlens_shard_plan(&p, &c, MLENS_SHARD_MAX_GPUS + 1, MLENS_SHARD_TP, err, sizeof(err)), -EINVAL);
 	c.hidden_size = 0;
@@ -169,7 +150,7 @@ END_TEST
 
 START_TEST(bytes_mixtral)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_shard_plan p;
 	uint64_t H = 4096, I = 14336, expert = 3 * H * I * 2;	/* 352321536 */
 
@@ -203,7 +184,7 @@ END_TEST
 
 START_TEST(collectives_mixtral)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_shard_plan p;
 	struct mlens_shard_coll co;
 	double X = 1000.0 * 4096 * 2, row = 4096.0 * 2;
@@ -252,7 +233,7 @@ END_TEST
  * budget per GPU; roofline lines of the whole layer. */
 static struct mlens_perf_hw a40(double budget_gib)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_model pm;
 	struct mlens_perf_hw hw;
 	memset(&hw, 0, sizeof(hw));
@@ -284,7 +265,7 @@ static int box_resident(const struct mlens_perf_prediction *p, int scheme, int g
 
 START_TEST(multi_one_gpu_is_single)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_model pm;
 	struct mlens_perf_hw hw = a40(24);
 	struct mlens_perf_workload w = { 98, 32, 3e4, 0 };
@@ -308,7 +289,7 @@ START_TEST(multi_shard_by_hand)
 {
 	/* TP over 2: half the heads, kv heads, intermediate rows, vocab;
 	 * router whole; lines: the shard's roofline + 2 all-reduces */
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_model full, sh;
 	struct mlens_perf_hw hw = a40(24), shw;
 	struct mlens_perf_multi mp = pcie_peers(2);
@@ -363,7 +344,7 @@ END_TEST
 /* Throughput at 1, 2, 4 GPUs of budget_gib each, best scheme; ratios to 1. */
 static void scaling(double budget_gib, double kv_tokens, double *ratio, int *resident)
 {
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_hw hw = a40(budget_gib);
 	struct mlens_perf_workload w = { 98, 32, kv_tokens, 0 };
 	double base = 0;
@@ -431,7 +412,7 @@ START_TEST(multi_tp_or_ep)
 	 * all-to-alls (17993 bytes a token) against TP's 3 X (24576): EP wins
 	 * with even routing; with the busiest GPU getting 1.5 x its share of
 	 * the routed rows, TP's balance wins */
-	struct mlens_model_config c = mixtral_config();
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
 	struct mlens_perf_hw hw = a40(139);
 	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
 	struct mlens_perf_multi mp = pcie_peers(4);

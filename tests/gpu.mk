@@ -16,7 +16,7 @@ check_PROGRAMS += tests/check_gpu_plan
 TESTS += tests/check_gpu_plan
 tests_check_gpu_plan_SOURCES = tests/check_gpu_plan.c
 tests_check_gpu_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_gpu_plan_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_gpu_plan_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 EXTRA_DIST += tests/bench/serve_gpu.sh
 EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh \

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/mkmodel.h"
 #include "tests/testmodel.h"
 
 static unsigned long long rng_next(unsigned long long *s)
@@ -120,4 +121,18 @@ void mlens_test_model_free(struct mlens_model *m)
 	free(m->layers);
 	free(m->tensors);
 	free(m);
+}
+
+struct mlens_model_config mlens_test_mixtral_config(int layers)
+{
+	struct mlens_mkmodel_opts o;
+	memset(&o, 0, sizeof(o));
+	if (mlens_mkmodel_preset(&o, "mixtral-8x7b")) {
+		fprintf(stderr, "testmodel: mlens-mkmodel lost its mixtral-8x7b preset\n");
+		abort();
+	}
+	o.cfg.num_hidden_layers = layers;
+	o.cfg.head_dim = o.cfg.hidden_size / o.cfg.num_attention_heads;
+	strcpy(o.cfg.architecture, "MixtralForCausalLM");
+	return o.cfg;
 }
