@@ -98,7 +98,7 @@ uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n
 		return mlens_gpuplan_act_bytes(pm, n, group, chunk);
 	/* the groups plan_auto tries: the default, halved down to the chunk */
 	best = mlens_gpuplan_act_bytes(pm, n, MLENS_GPUPLAN_GROUP, chunk);
-	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= c && g >= 1; g /= 2) {
+	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= c; g /= 2) {
 		uint64_t b = mlens_gpuplan_act_bytes(pm, n, g, chunk);
 		if (b < best)
 			best = b;
@@ -220,7 +220,7 @@ static int plan_auto(const struct mlens_perf_model *pm, const struct mlens_gpupl
 			*out = p;
 			have = true;
 		}
-		if ((!rc && p.tokens >= in->max_tokens) || g.group / 2 < chunk || g.group / 2 < 1)
+		if ((!rc && p.tokens >= in->max_tokens) || g.group / 2 < chunk)
 			break;
 	}
 	if (!have)

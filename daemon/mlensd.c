@@ -208,6 +208,13 @@ static int step_cap_wanted(void)
 	return D.hybrid ? MLENS_HYBRID_MAX_TOKENS : 4096;
 }
 
+/* The hybrid pipeline's token group setting: group_tokens, or the plan's
+ * choice for 0 (gpuplan.h). */
+static int64_t plan_group(void)
+{
+	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -249,7 +256,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		st->gpu_workspace = MLENS_GPUPLAN_WORKSPACE;
 	}
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
-	st->plan_group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
+	st->plan_group = D.hybrid ? plan_group() : 0;
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -469,7 +476,7 @@ int main(int argc, char **argv)
 	if (D.hybrid) {
 		eo.attn_backend = &D.attn;
 		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
-		eo.hybrid_group_tokens = D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
+		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));

@@ -902,11 +902,11 @@ static void hx_post(struct mlens_pipeline *p, int side, int v, int rc)
 	pthread_mutex_unlock(&p->hx.mu);
 }
 
-/* A GPU-side or mover span of the trace (the host side has its own). */
+/* A GPU-side or mover span of a traced step (the host side has its own). */
 static void issue_span(struct mlens_pipeline *p, int side, double t0, int k, bool dep)
 {
 	int q = side == MLENS_PIPE_Q_GPU ? 0 : side == MLENS_PIPE_Q_COPY ? 1 : -1;
-	if (q < 0 || !mlens_trace_on(p->trace) || p->n_is[q] >= p->cap_is)
+	if (q < 0 || p->n_is[q] >= p->cap_is)
 		return;
 	p->is[q][p->n_is[q]++] = (struct pl_ispan){ t0, now(), k, dep };
 }
@@ -920,15 +920,19 @@ static int run_side(struct mlens_pipeline *p, int side, bool want_logits)
 		const struct mlens_pipe_cmd *c = &p->prog.cmd[k];
 		if ((int)c->queue != side)
 			continue;
-		double t0 = now();
+		bool traced = mlens_trace_on(p->trace);
+		double t0 = traced ? now() : 0;
 		if (c->dep >= 0 && (int)p->prog.cmd[c->dep].queue != side) {
 			rc = hx_wait(p, c->dep);
-			issue_span(p, side, t0, k, true);
-			t0 = now();
+			if (traced) {
+				issue_span(p, side, t0, k, true);
+				t0 = now();
+			}
 		}
 		if (!rc)
 			rc = run_cmd(p, c, want_logits);
-		issue_span(p, side, t0, k, false);
+		if (traced)
+			issue_span(p, side, t0, k, false);
 		hx_post(p, side, k + 1, rc);
 	}
 	hx_post(p, side, p->prog.n, rc);

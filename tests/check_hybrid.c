@@ -320,6 +320,24 @@ struct sim {
 	double makespan;
 };
 
+/* A simulated device for a program of `layers` layers in `groups` groups
+ * whose layers move in pieces[l] copies: GA, GB, C and one piece take the
+ * given times. */
+static struct sim *sim_new(int layers, int groups, const int *pieces, double t_ga, double t_gb,
+			   double t_c, double t_piece)
+{
+	struct sim *s = calloc(1, sizeof(*s));
+	ck_assert_ptr_nonnull(s);
+	s->layers = layers;
+	s->groups = groups;
+	s->pieces = pieces;
+	s->t_ga = t_ga;
+	s->t_gb = t_gb;
+	s->t_c = t_c;
+	s->t_piece = t_piece;
+	return s;
+}
+
 /* Queues run their commands in order; an enqueued command starts no
  * earlier than the host reached it; RECORD stamps the queue's time at that
  * point; WAIT moves a queue's clock to the event's stamp (an event never
@@ -447,17 +465,11 @@ START_TEST(prog_two_groups)
 {
 	static const int pieces[6] = { 3, 3, 3, 3, 3, 3 };
 	struct mlens_pipe_prog p = { 0 };
-	struct sim *s = calloc(1, sizeof(*s));
+	/* a piece takes 3: 9 per layer, the stream binds (GPU 10 per layer) */
+	struct sim *s = sim_new(6, 2, pieces, 1, 4, 3, 3);
 	bool overlap = false;
 
 	ck_assert_int_eq(mlens_pipe_prog_build(&p, 6, 2, pieces), 0);
-	s->layers = 6;
-	s->groups = 2;
-	s->pieces = pieces;
-	s->t_ga = 1;
-	s->t_gb = 4;
-	s->t_c = 3;
-	s->t_piece = 3;	/* 9 per layer: the stream binds (GPU 10 per layer) */
 	simulate(s, &p);
 	check_order(s);
 	/* CPU attention of one group overlaps GPU work of the other */
@@ -484,15 +496,8 @@ START_TEST(prog_many_groups)
 	int overlaps = 0, ga = 0;
 
 	for (int G = 1; G <= 8; G++) {
-		struct sim *s = calloc(1, sizeof(*s));
+		struct sim *s = sim_new(4, G, pieces, 1, 2, 2, 1);
 		ck_assert_int_eq(mlens_pipe_prog_build(&p, 4, G, pieces), 0);
-		s->layers = 4;
-		s->groups = G;
-		s->pieces = pieces;
-		s->t_ga = 1;
-		s->t_gb = 2;
-		s->t_c = 2;
-		s->t_piece = 1;
 		simulate(s, &p);
 		check_order(s);
 		for (int l = 0; G > 1 && l < 4; l++)
@@ -512,10 +517,6 @@ START_TEST(prog_many_groups)
 }
 END_TEST
 
-/* The deps that let two threads drive the program: HOST_WAIT on the last
- * RECORD of its event before it, GB on the C of its item; and a set's
- * GPU buffers are rewritten by C(i)'s copy only after GB(i-2) was issued
- * (it precedes the record C(i) waits for). */
 /* Prefetch for the next step: layers 0 and 1 stream once their slot's
  * last user of this step is done, and a step built with RESIDENT01 streams
  * only layers 2 and up; chained steps keep every slot hazard-free. */
@@ -526,13 +527,9 @@ START_TEST(prog_prefetch_next_step)
 
 	for (int L = 1; L <= 5; L++) {
 		for (int G = 1; G <= 3; G++) {
-			struct sim *s = calloc(1, sizeof(*s));
+			struct sim *s = sim_new(L, G, pieces, 1, 1, 1, 1);
 			ck_assert_int_eq(mlens_pipe_prog_build_ex(&p, L, G, pieces, MLENS_PIPE_PREFETCH |
 								  MLENS_PIPE_RESIDENT01), 0);
-			s->layers = L;
-			s->groups = G;
-			s->pieces = pieces;
-			s->t_ga = s->t_gb = s->t_c = s->t_piece = 1;
 			/* layers 0 and 1 are in place: mark them arrived at time 0 */
 			for (int m = 0; m < 2 && m < L; m++)
 				for (int i = 0; i < pieces[m]; i++) {
@@ -571,6 +568,10 @@ START_TEST(prog_prefetch_next_step)
 }
 END_TEST
 
+/* The deps that let two threads drive the program: HOST_WAIT on the last
+ * RECORD of its event before it, GB on the C of its item; and a set's
+ * GPU buffers are rewritten by C(i)'s copy only after GB(i-2) was issued
+ * (it precedes the record C(i) waits for). */
 START_TEST(prog_deps_for_two_threads)
 {
 	static const int pieces[5] = { 1, 2, 1, 2, 1 };
@@ -629,16 +630,10 @@ START_TEST(prog_copy_bound_hides_compute)
 {
 	static const int pieces[8] = { 10, 10, 10, 10, 10, 10, 10, 10 };
 	struct mlens_pipe_prog p = { 0 };
-	struct sim *s = calloc(1, sizeof(*s));
+	/* a piece takes 1: 10 per layer against 3 of GPU */
+	struct sim *s = sim_new(8, 2, pieces, 0.5, 1, 1, 1);
 
 	ck_assert_int_eq(mlens_pipe_prog_build(&p, 8, 2, pieces), 0);
-	s->layers = 8;
-	s->groups = 2;
-	s->pieces = pieces;
-	s->t_ga = 0.5;
-	s->t_gb = 1;
-	s->t_c = 1;
-	s->t_piece = 1;	/* 10 per layer against 3 of GPU */
 	simulate(s, &p);
 	check_order(s);
 	/* copy-bound: the stream of 80 runs back to back but for the first
@@ -654,13 +649,9 @@ START_TEST(prog_one_group_and_resident)
 	static const int pieces[3] = { 2, 1, 4 };
 	static const int none[3] = { 0, 0, 0 };
 	struct mlens_pipe_prog p = { 0 };
-	struct sim *s = calloc(1, sizeof(*s));
+	struct sim *s = sim_new(3, 1, pieces, 1, 1, 1, 1);
 
 	ck_assert_int_eq(mlens_pipe_prog_build(&p, 3, 1, pieces), 0);
-	s->layers = 3;
-	s->groups = 1;
-	s->pieces = pieces;
-	s->t_ga = s->t_gb = s->t_c = s->t_piece = 1;
 	simulate(s, &p);
 	check_order(s);
 	/* all resident: no copies, no slot events */
