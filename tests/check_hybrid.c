@@ -33,14 +33,6 @@
 
 #define GIB (1024ull * 1024ull * 1024ull)
 
-static struct mlens_perf_model mixtral(int layers)
-{
-	struct mlens_model_config c = mlens_test_mixtral_config(layers);
-	struct mlens_perf_model pm;
-	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
-	return pm;
-}
-
 static void check_sum(const struct mlens_gpuplan *p)
 {
 	ck_assert_uint_eq(p->total, p->resident + p->slots + p->act + p->workspace);
@@ -51,7 +43,7 @@ static void check_sum(const struct mlens_gpuplan *p)
 /* Issue 7's benchmark: Mixtral-8x7B shape, 8 layers, 8 GiB. */
 START_TEST(plan_mixtral_8gib)
 {
-	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
 	struct mlens_gpuplan_in in = { .budget = 8 * GIB, .max_tokens = 4096, .min_tokens = 512 };
 	struct mlens_gpuplan p;
 	char err[512];
@@ -84,7 +76,7 @@ END_TEST
  * the default group is when none fits. */
 START_TEST(plan_auto_group)
 {
-	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
 	struct mlens_gpuplan_in in = { .budget = 8 * GIB, .max_tokens = 65536, .min_tokens = 512 };
 	struct mlens_gpuplan p, g[3];	/* groups of 4096, 2048, 1024 */
 	char err[512];
@@ -146,7 +138,7 @@ END_TEST
  * it keeps its own estimate. */
 START_TEST(plan_model_n_act)
 {
-	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
 	struct mlens_perf_hw hw = { .b_io = 55e9, .b_mem = 150e9, .b_attn = 110e9, .c_gpu = 750e12,
 				    .b_hbm = 4.2e12, .gpu_budget = 8 * GIB,
 				    .gpu_workspace = MLENS_GPUPLAN_WORKSPACE,
@@ -181,7 +173,7 @@ END_TEST
 
 START_TEST(plan_monotone_and_never_above_budget)
 {
-	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
 	struct mlens_gpuplan p;
 	int last_r = -1;
 	int64_t last_t = 0;
@@ -209,7 +201,7 @@ END_TEST
 
 START_TEST(plan_refuses_below_minimum)
 {
-	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
 	struct mlens_gpuplan_in in = { .budget = 2 * GIB, .max_tokens = 4096, .min_tokens = 512 };
 	struct mlens_gpuplan p;
 	char err[512], want[64];
@@ -239,7 +231,7 @@ END_TEST
 
 START_TEST(plan_mode_choice)
 {
-	struct mlens_perf_model pm = mixtral(8);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
 	uint64_t kv = 40 * GIB;
 	char why[512];
 

@@ -15,34 +15,6 @@
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
-static struct mlens_perf_model mixtral(void)
-{
-	struct mlens_model_config c = mlens_test_mixtral_config(32);
-	struct mlens_perf_model pm;
-	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
-	return pm;
-}
-
-/* A40-like ceilings, stated here: bf16 dense tensor peak 149.7 TFLOP/s,
- * PCIe 4.0 x16 at 25 GB/s each way, 696 GB/s HBM, a two-socket host with
- * 200 GB/s of memory bandwidth and 100 GB/s through CPU decode attention,
- * 512 MiB of GPU workspace; GPU lines from the roofline. */
-static struct mlens_perf_hw a40(const struct mlens_perf_model *pm, double budget_gib)
-{
-	struct mlens_perf_hw hw;
-	memset(&hw, 0, sizeof(hw));
-	hw.c_gpu = 149.7e12;
-	hw.b_io = 25e9;
-	hw.b_d2h = 25e9;
-	hw.b_hbm = 696e9;
-	hw.b_mem = 200e9;
-	hw.b_attn = 100e9;
-	hw.gpu_workspace = 512ull << 20;
-	hw.gpu_budget = (uint64_t)(budget_gib * GIB);
-	mlens_perf_hw_roofline_lines(&hw, pm);
-	return hw;
-}
-
 static void assert_rel(double got, double want, double tol)
 {
 	ck_assert_msg(fabs(got - want) <= tol * fabs(want), "got %.10g want %.10g (tol %g)", got, want, tol);
@@ -52,7 +24,7 @@ static void assert_rel(double got, double want, double tol)
 
 START_TEST(mixtral_bytes)
 {
-	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
 	uint64_t H = 4096, I = 14336, E = 8, V = 32000, L = 32;
 	uint64_t attn = H * H * 2 + H * H * 2 + H * 1024 * 2 + H * 1024 * 2;
 	uint64_t experts = 3 * H * I * 2 * E;
@@ -112,7 +84,7 @@ END_TEST
 
 START_TEST(activation_bytes)
 {
-	struct mlens_perf_model pm = mixtral();
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
 	uint64_t H = 4096, I = 14336, V = 32000;
 	/* 100 tokens: all rows fit one chunk; group of ceil(75) */
 	uint64_t want = 4 * (100 * (2 * H + 8 + 4) + 75 * (2 * 4096 + 2 * 1024) +
@@ -130,8 +102,8 @@ END_TEST
 
 START_TEST(eq2_mixtral_a40)
 {
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 48);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 48);
 	double C = 149.7e12, B = 25e9;
 	double bytes = 2818572288.0 + 83886080.0;	/* experts + attention */
 	double flops = 2.0 * 4096 * 6144 + 2.0 * 4096 * 4096 + 2.0 * 4096 * 8 + 12.0 * 4096 * 14336;
@@ -236,8 +208,8 @@ END_TEST
 
 START_TEST(step_time_tiers)
 {
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 48);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 48);
 	struct mlens_perf_policy pol = { 0, 0.5, 0.5 };
 	struct mlens_perf_step st = { 1000, 400, 400 * 500.0, 600 * 50.0 };
 	struct mlens_perf_step_time t;
@@ -286,8 +258,8 @@ START_TEST(split_balances_groups)
 	 * other group's work. The chosen split balances the chains; putting
 	 * every decode token in α and every prefill token in β serialises
 	 * the attention behind α's GPU work and the chain binds. */
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 48);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 48);
 	struct mlens_perf_policy best = { 8, 0.5, 0.5 }, skew = { 8, 1.0, 0.0 };
 	struct mlens_perf_step st = { 4000, 2000, 2000 * 1500.0, 2000 * 300.0 };
 	struct mlens_perf_step_time tb, ts;
@@ -325,8 +297,8 @@ END_TEST
 
 START_TEST(policy_tight_budget)
 {
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 12);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 12);
 	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
 	struct mlens_perf_prediction pr;
 	char err[512] = "";
@@ -353,8 +325,8 @@ END_TEST
 
 START_TEST(policy_loose_budget)
 {
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 139);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 139);
 	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
 	struct mlens_perf_prediction pr;
 	char err[512] = "";
@@ -375,8 +347,8 @@ END_TEST
 
 START_TEST(minimum_budget_refused)
 {
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 1);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 1);
 	struct mlens_perf_workload w = { 512, 128, 1e5, 0 };
 	struct mlens_perf_prediction pr;
 	char err[512] = "", want[32];
@@ -423,8 +395,8 @@ END_TEST
 
 START_TEST(throughput_monotone_in_kv)
 {
-	struct mlens_perf_model pm = mixtral();
-	struct mlens_perf_hw hw = a40(&pm, 24);
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 24);
 	struct mlens_perf_prediction pr, prev;
 	char err[512];
 	int kv_limited = 0;

@@ -228,26 +228,12 @@ END_TEST
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
-/* The A40-like GPU and host of check_perfmodel.c (one GPU, its own PCIe 4.0
- * x16 link at 25 GB/s, 200 GB/s of host memory, 100 GB/s of CPU attention),
- * budget per GPU; roofline lines of the whole layer. */
+/* The A40-like GPU and host of testmodel.h (one GPU, its own PCIe 4.0
+ * x16 link at 25 GB/s) for the 32-layer 8x7B, budget per GPU. */
 static struct mlens_perf_hw a40(double budget_gib)
 {
-	struct mlens_model_config c = mlens_test_mixtral_config(32);
-	struct mlens_perf_model pm;
-	struct mlens_perf_hw hw;
-	memset(&hw, 0, sizeof(hw));
-	hw.c_gpu = 149.7e12;
-	hw.b_io = 25e9;
-	hw.b_d2h = 25e9;
-	hw.b_hbm = 696e9;
-	hw.b_mem = 200e9;
-	hw.b_attn = 100e9;
-	hw.gpu_workspace = 512ull << 20;
-	hw.gpu_budget = (uint64_t)(budget_gib * GIB);
-	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
-	mlens_perf_hw_roofline_lines(&hw, &pm);
-	return hw;
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	return mlens_test_a40_hw(&pm, budget_gib);
 }
 
 /* GPUs talk over PCIe 4.0 peer-to-peer: 25 GB/s, 10 us a step */

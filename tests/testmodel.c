@@ -136,3 +136,30 @@ struct mlens_model_config mlens_test_mixtral_config(int layers)
 	strcpy(o.cfg.architecture, "MixtralForCausalLM");
 	return o.cfg;
 }
+
+struct mlens_perf_model mlens_test_mixtral_pm(int layers)
+{
+	struct mlens_model_config c = mlens_test_mixtral_config(layers);
+	struct mlens_perf_model pm;
+	if (mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16)) {
+		fprintf(stderr, "testmodel: no performance model for Mixtral-8x7B\n");
+		abort();
+	}
+	return pm;
+}
+
+struct mlens_perf_hw mlens_test_a40_hw(const struct mlens_perf_model *pm, double budget_gib)
+{
+	struct mlens_perf_hw hw;
+	memset(&hw, 0, sizeof(hw));
+	hw.c_gpu = 149.7e12;
+	hw.b_io = 25e9;
+	hw.b_d2h = 25e9;
+	hw.b_hbm = 696e9;
+	hw.b_mem = 200e9;
+	hw.b_attn = 100e9;
+	hw.gpu_workspace = 512ull << 20;
+	hw.gpu_budget = (uint64_t)(budget_gib * 1024.0 * 1024.0 * 1024.0);
+	mlens_perf_hw_roofline_lines(&hw, pm);
+	return hw;
+}

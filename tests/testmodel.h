@@ -3,6 +3,7 @@
 #define MLENS_TESTMODEL_H
 
 #include "daemon/model.h"
+#include "daemon/perfmodel.h"
 
 struct mlens_test_spec {
 	int vocab, hidden, inter, layers, heads, kv_heads, head_dim, experts, top_k;
@@ -21,5 +22,13 @@ struct mlens_test_spec mlens_test_spec_tiny(void);
  * 8 experts top-2, 32 heads, 8 KV heads) with `layers` layers and its
  * head_dim (128) and architecture spelt out, for arithmetic-only tests. */
 struct mlens_model_config mlens_test_mixtral_config(int layers);
+/* Its performance model with a bf16 KV cache. */
+struct mlens_perf_model mlens_test_mixtral_pm(int layers);
+/* A40-like ceilings, stated here: bf16 dense tensor peak 149.7 TFLOP/s,
+ * PCIe 4.0 x16 at 25 GB/s each way, 696 GB/s HBM, a two-socket host with
+ * 200 GB/s of memory bandwidth and 100 GB/s through CPU decode attention,
+ * 512 MiB of GPU workspace, budget_gib of GPU memory; GPU lines from the
+ * roofline of pm. */
+struct mlens_perf_hw mlens_test_a40_hw(const struct mlens_perf_model *pm, double budget_gib);
 
 #endif
