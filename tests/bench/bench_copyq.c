@@ -16,10 +16,19 @@
  * read rate; COPYQ_GEMM=1 puts a bf16 GEMM (4096 x 4096 x 14336, an expert
  * matrix of a group) on the compute stream before the activation copy, as
  * GA and GB have kernels before their copies (act_ms then includes it;
- * gemm_alone_ms is printed).
- * On the H200 (no CPU load) neither the weight stream nor pacing it
- * delayed the activation copy, either way, 64 MB or 32 B, from the same
- * thread or another: it ran as fast as alone (1.2 ms for 64 MB). */
+ * gemm_alone_ms is printed); COPYQ_BEFORE=1 queues the activation copy
+ * (behind the GEMM with COPYQ_GEMM) just before the first weight piece
+ * instead of 5 ms in, the daemon's order: a GA's copies are queued behind
+ * its kernels while the previous GB still runs, and the layer's pieces
+ * follow as soon as that GB frees the slot.
+ * On the H200, queued 5 ms in, the activation copy ran as fast as alone
+ * (1.2 ms for 64 MB) in every variant, with or without CPU load. Queued
+ * before the pieces behind a GEMM (COPYQ_BEFORE=1 COPYQ_GEMM=1), a 64 MB
+ * host-to-GPU copy waited for the whole layer: 52.4 ms with all pieces or
+ * two queued, 2.3-3.3 ms with one (the copy engine gets a gap between
+ * pieces); 32 B copies and GPU-to-host copies were not delayed. That was
+ * the hybrid pipeline's per-layer stall; mlensd's gpu_copy = sm moves
+ * the compute stream's copies with the SMs instead. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -127,8 +136,8 @@ static void *act_thread(void *arg)
  * and the activation copy queued at 5 ms on stream cs (from another
  * thread when threaded). */
 static struct res run(char *hw, char *dw, size_t layer, size_t piece, int depth, char *ha,
-		      char *da, size_t act, bool d2h, bool threaded, cudaStream_t ws,
-		      cudaStream_t cs)
+		      char *da, size_t act, bool d2h, bool threaded, bool before,
+		      cudaStream_t ws, cudaStream_t cs)
 {
 	static cudaEvent_t pev[MAX_PIECES];
 	struct act a = { ha, da, act, d2h, cs, NULL, NULL, 0 };
@@ -150,6 +159,12 @@ static struct res run(char *hw, char *dw, size_t layer, size_t piece, int depth,
 	CK(cudaDeviceSynchronize());
 	t0 = now();
 	a.at = t0 + 0.005;
+	if (before) {
+		a.at = t0;
+		act_issue(&a);
+		issued = true;
+		threaded = false;
+	}
 	if (threaded && pthread_create(&th, NULL, act_thread, &a)) {
 		fprintf(stderr, "bench_copyq: cannot start a thread\n");
 		exit(1);
@@ -191,7 +206,7 @@ int main(int argc, char **argv)
 	size_t layer = (size_t)(argc > 1 ? atol(argv[1]) : 2688) << 20;
 	size_t act = (size_t)(argc > 2 ? atol(argv[2]) : 64) << 20;
 	static const size_t pieces[] = { 100u << 20, 25u << 20 };
-	static const int depths[] = { 0, 2 };
+	static const int depths[] = { 0, 2, 1 };
 	static const size_t acts[] = { 0, 32 };	/* 0: act_MB */
 	char *hw, *dw, *ha, *da;
 	cudaStream_t ws, cs[2];
@@ -202,6 +217,7 @@ int main(int argc, char **argv)
 	struct reader *rd = NULL;
 	volatile bool stop = false;
 	double r0, gemm_ms = 0, act_ms0;
+	bool before = getenv("COPYQ_BEFORE") != NULL;
 
 	if (layer == 0 || act == 0 || n_read < 0 || n_read > 1024) {
 		fprintf(stderr, "usage: bench_copyq [layer_MB [act_MB]]\n");
@@ -286,24 +302,24 @@ int main(int argc, char **argv)
 	}
 	r0 = now();
 	printf("{\"bench\": \"copyq\", \"layer_bytes\": %zu, \"act_bytes\": %zu, \"act_alone_ms\": %.3f, "
-	       "\"cpu_threads\": %d, \"gemm_alone_ms\": %.3f, \"results\": [", layer, act, act_ms0,
-	       n_read, gemm_ms);
+	       "\"cpu_threads\": %d, \"gemm_alone_ms\": %.3f, \"before\": %s, \"results\": [", layer,
+	       act, act_ms0, n_read, gemm_ms, before ? "true" : "false");
 	fprintf(stderr, "activation copy of %zu MB alone: %.3f ms\n", act >> 20, act_ms0);
 	fprintf(stderr, "%-4s %-10s %-9s %-6s %-9s %-8s %12s %12s\n", "dir", "act bytes",
 		"piece MB", "depth", "priority", "thread", "act ms", "weights GB/s");
 	for (int dir = 0; dir < 2; dir++)
 	for (int ai = 0; ai < 2; ai++)
 	for (int pi = 0; pi < 2; pi++)
-		for (int di = 0; di < 2; di++)
+		for (int di = 0; di < 3; di++)
 			for (int pr = 0; pr < 2; pr++)
 			for (int th = 0; th < 2; th++) {
 				struct res r = { 0, 0 };
 				size_t ab = acts[ai] ? acts[ai] : act;
-				if (pr && th)
-					continue;
+				if ((pr && th) || (before && th))
+					continue;	/* before: queued from the weights' thread */
 				for (int k = 0; k < 2; k++)	/* the second of two */
 					r = run(hw, dw, layer, pieces[pi], depths[di], ha, da, ab, dir,
-						th, ws, cs[pr]);
+						th, before, ws, cs[pr]);
 				printf("%s{\"dir\": \"%s\", \"act_bytes\": %zu, \"piece_mb\": %zu, "
 				       "\"depth\": %d, \"high_priority\": %s, \"threaded\": %s, "
 				       "\"act_ms\": %.3f, \"weights_gbs\": %.2f}", first ? "" : ", ",
@@ -313,7 +329,7 @@ int main(int argc, char **argv)
 				first = 0;
 				fprintf(stderr, "%-4s %-10zu %-9zu %-6s %-9s %-8s %12.3f %12.2f\n",
 					dir ? "d2h" : "h2d", ab, pieces[pi] >> 20,
-					depths[di] ? "2" : "all", pr ? "high" : "normal",
+					depths[di] == 1 ? "1" : depths[di] ? "2" : "all", pr ? "high" : "normal",
 					th ? "other" : "same", r.act_ms, r.weights_gbs);
 			}
 	if (n_read) {

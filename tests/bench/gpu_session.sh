@@ -11,6 +11,7 @@
 #      summarised by tests/bench/trace_summary.py
 #   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
 #      transformers+accelerate baseline, then the n_real sweep (issue 8)
+# GPU_TESTS overrides the tests of part 1.
 # Each part has a time limit (seconds: T_TESTS, T_ATTN, T_COPYQ, T_TRACE, T_SET,
 # T_SWEEP; 0 skips the part) so that the whole fits one device call; what
 # a part did not finish is said. Everything goes to $OUT/session.tgz (one file) and a
@@ -24,7 +25,7 @@ R=$(mktemp -d /tmp/mlens-session.XXXXXX)
 MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 T_TESTS=${T_TESTS:-150}
 T_ATTN=${T_ATTN:-90}
-T_COPYQ=${T_COPYQ:-40}
+T_COPYQ=${T_COPYQ:-60}
 T_TRACE=${T_TRACE:-120}
 T_SET=${T_SET:-330}
 T_SWEEP=${T_SWEEP:-0}
@@ -40,9 +41,9 @@ else
 	mk=
 fi
 
-[ "$T_TESTS" -gt 0 ] && timeout "$T_TESTS" make -j8 check TESTS="tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
-	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh tests/check_hybrid" \
-	> "$R/check.log" 2>&1
+GPU_TESTS=${GPU_TESTS:-"tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
+	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh tests/check_hybrid"}
+[ "$T_TESTS" -gt 0 ] && timeout "$T_TESTS" make -j8 check TESTS="$GPU_TESTS" > "$R/check.log" 2>&1
 el "GPU tests: rc $?"
 grep -E "^(PASS|FAIL|SKIP|ERROR):" "$R/check.log"
 cp tests/check_cuda.log tests/check_hybrid_cuda.log tests/golden/check_golden_cuda.sh.log \
@@ -68,9 +69,10 @@ cat "$R/attn_sweep.txt" 2>/dev/null
 if [ "$T_COPYQ" -gt 0 ] && [ -x ./tests/bench/bench_copyq ]; then
 	timeout "$T_COPYQ" sh -c "COPYQ_REGISTER=1 ./tests/bench/bench_copyq > '$R/copyq.json' 2> '$R/copyq.txt';
 		COPYQ_REGISTER=1 COPYQ_CPU_THREADS=14 ./tests/bench/bench_copyq > '$R/copyq_load.json' 2> '$R/copyq_load.txt';
-		COPYQ_REGISTER=1 COPYQ_GEMM=1 ./tests/bench/bench_copyq > '$R/copyq_gemm.json' 2> '$R/copyq_gemm.txt'"
+		COPYQ_REGISTER=1 COPYQ_GEMM=1 ./tests/bench/bench_copyq > '$R/copyq_gemm.json' 2> '$R/copyq_gemm.txt';
+		COPYQ_REGISTER=1 COPYQ_GEMM=1 COPYQ_BEFORE=1 ./tests/bench/bench_copyq > '$R/copyq_before.json' 2> '$R/copyq_before.txt'"
 	el "copy queue probe: rc $?"
-	cat "$R/copyq_load.txt" "$R/copyq_gemm.txt"
+	for f in copyq_load copyq_gemm copyq_before; do echo "== $f"; cat "$R/$f.txt"; done
 fi
 
 # 3-step traces of a hybrid run at full pipeline, armed once it serves:
