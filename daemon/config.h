@@ -21,6 +21,7 @@ struct mlens_config {
 	char *stats_http;
 	char *backend;
 	char *gpu_gemm;		/* "fast" or "exact" (enum mlens_gemm_mode) */
+	char *gpu_copy;		/* "engine" or "sm": who moves the compute stream's copies */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
 	uint64_t gpu_memory;

@@ -328,6 +328,10 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: gpu_gemm '%s' is not one of fast, exact\n", D.cfg.gpu_gemm);
 		return 2;
 	}
+	if (strcmp(D.cfg.gpu_copy, "engine") && strcmp(D.cfg.gpu_copy, "sm")) {
+		fprintf(stderr, "mlensd: gpu_copy '%s' is not one of engine, sm\n", D.cfg.gpu_copy);
+		return 2;
+	}
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is unknown or not supported by this CPU\n",
 			D.cfg.attn_kernel);
@@ -388,6 +392,7 @@ int main(int argc, char **argv)
 	bo.n_threads = (int)D.cfg.threads;
 	bo.device = D.cfg.gpu_ids[0];
 	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* checked at start */
+	bo.sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
 	bo.numa_node = node;

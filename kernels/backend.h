@@ -168,6 +168,9 @@ struct mlens_backend_opts {
 				 * less n_reserved (at least 1) */
 	int device;		/* CUDA: device ordinal */
 	enum mlens_gemm_mode gemm;	/* CUDA: half-precision GEMMs (0: FAST) */
+	bool sm_copy;		/* CUDA: the compute stream's copies to and from
+				 * pinned host memory by the SMs (mapped memory),
+				 * not a copy engine */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */

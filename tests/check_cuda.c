@@ -21,8 +21,8 @@
 #include <time.h>
 #include "kernels/backend.h"
 
-static struct mlens_backend cpu, gpu, gpu_exact;
-/* the CUDA backend under test: gpu (fast GEMMs) or gpu_exact */
+static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm;
+/* the CUDA backend under test: gpu (fast GEMMs), gpu_exact or gpu_sm */
 static struct mlens_backend *dev = &gpu;
 
 /* ==== helpers ==== */
@@ -208,6 +208,50 @@ START_TEST(test_memory)
 	}
 	free(h);
 	free(back);
+}
+END_TEST
+
+/* Compute-queue copies (copy_async queue 0) both ways: pinned buffers at
+ * odd offsets and lengths (the SM copy's byte path) and aligned ones (its
+ * 16-byte path), and pageable memory, which has no mapping (a copy engine
+ * takes it even with sm_copy); every byte comes back. */
+START_TEST(test_copy_queue)
+{
+	static const size_t lens[] = { 1, 15, 4096, (1u << 20) + 3, 24u << 20 };
+	size_t cap = (24u << 20) + 64;
+	unsigned char *h = dev->ops->host_alloc(dev->ctx, cap);
+	unsigned char *back = dev->ops->host_alloc(dev->ctx, cap);
+	unsigned char *pg = malloc(cap), *pg_back = malloc(cap);
+	char *d = dev->ops->alloc(dev->ctx, cap);
+
+	ck_assert_ptr_nonnull(h);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_ptr_nonnull(pg);
+	ck_assert_ptr_nonnull(pg_back);
+	ck_assert_ptr_nonnull(d);
+	for (size_t i = 0; i < cap; i++)
+		pg[i] = h[i] = (unsigned char)rnd_u32();
+	for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+		for (size_t off = 0; off < 2; off++) {
+			size_t n = lens[li], ho = off ? 3 : 0, doff = off ? 5 : 0;
+			memset(back, 0, n + 8);
+			ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d + doff, h + ho, n, true), 0);
+			ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, back + 1, d + doff, n, false), 0);
+			ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+			ck_assert_mem_eq(back + 1, h + ho, n);
+			ck_assert_int_eq(back[0], 0);	/* nothing written outside */
+			ck_assert_int_eq(back[n + 1], 0);
+		}
+	}
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, pg + 7, 1u << 20, true), 0);
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, pg_back, d, 1u << 20, false), 0);
+	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+	ck_assert_mem_eq(pg_back, pg + 7, 1u << 20);
+	gfree(d);
+	dev->ops->host_free(dev->ctx, h);
+	dev->ops->host_free(dev->ctx, back);
+	free(pg);
+	free(pg_back);
 }
 END_TEST
 
@@ -427,6 +471,13 @@ static void use_exact(void)
 static void use_fast(void)
 {
 	dev = &gpu;
+}
+
+/* The ops that stage tables or read values back, on the backend whose
+ * compute-stream copies the SMs move (sm_copy). */
+static void use_sm(void)
+{
+	dev = &gpu_sm;
 }
 
 START_TEST(test_gemm_exact_wide)
@@ -773,7 +824,8 @@ int main(void)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
-	TCase *tx;
+	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true };
+	TCase *tx, *tsm;
 	Suite *s;
 	TCase *tc;
 	SRunner *sr;
@@ -785,7 +837,8 @@ int main(void)
 	}
 	/* CUDA does not survive fork(): run the tests in this process */
 	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
-	    mlens_backend_create(&gpu_exact, "cuda", &ox)) {
+	    mlens_backend_create(&gpu_exact, "cuda", &ox) ||
+	    mlens_backend_create(&gpu_sm, "cuda", &osm)) {
 		fprintf(stderr, "check_cuda: cannot create the backends\n");
 		return 1;
 	}
@@ -793,6 +846,7 @@ int main(void)
 	tc = tcase_create("ops");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_memory);
+	tcase_add_test(tc, test_copy_queue);
 	tcase_add_test(tc, test_embed);
 	tcase_add_test(tc, test_rmsnorm);
 	tcase_add_test(tc, test_rope);
@@ -813,12 +867,25 @@ int main(void)
 	tcase_add_test(tx, test_moe);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	suite_add_tcase(s, tx);
+	/* the ops that stage tables or read values back, with SM copies */
+	tsm = tcase_create("sm copies");
+	tcase_set_timeout(tsm, 120);
+	tcase_add_checked_fixture(tsm, use_sm, use_fast);
+	tcase_add_test(tsm, test_copy_queue);
+	tcase_add_test(tsm, test_embed);
+	tcase_add_test(tsm, test_rope);
+	tcase_add_test(tsm, test_moe);
+	tcase_add_test(tsm, test_attn_prefill);
+	tcase_add_test(tsm, test_attn_decode);
+	tcase_add_test(tsm, test_sample);
+	suite_add_tcase(s, tsm);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);
 	srunner_run_all(sr, CK_NORMAL);
 	failed = srunner_ntests_failed(sr);
 	srunner_free(sr);
 	print_table();
+	mlens_backend_destroy(&gpu_sm);
 	mlens_backend_destroy(&gpu_exact);
 	mlens_backend_destroy(&gpu);
 	mlens_backend_destroy(&cpu);

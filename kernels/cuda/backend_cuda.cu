@@ -221,6 +221,31 @@ static int cuda_sync(void *ctx)
 	return 0;
 }
 
+/* ==== compute-stream copies ==== */
+
+int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes,
+		    bool to_device)
+{
+	if (!bytes)
+		return 0;
+	if (c->sm_copy) {
+		const void *host = to_device ? src : dst;
+		cudaPointerAttributes a;
+		if (cudaPointerGetAttributes(&a, host) == cudaSuccess &&
+		    a.type == cudaMemoryTypeHost && a.devicePointer) {
+			char *mapped = (char *)a.devicePointer +
+				       ((const char *)host - (const char *)a.hostPointer);
+			return to_device ? mlens_cuda_sm_copy(c, dst, mapped, bytes)
+					 : mlens_cuda_sm_copy(c, mapped, src, bytes);
+		}
+		cudaGetLastError();	/* not mapped: a copy engine does it */
+	}
+	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
+				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+				 c->stream));
+	return 0;
+}
+
 /* ==== staging and scratch ==== */
 
 int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev)
@@ -263,9 +288,11 @@ int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used)
 	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
 
 	c->stage_next = (c->stage_next + 1) % MLENS_CUDA_STAGE_SLOTS;
-	if (used)
-		CUDA_RET(cudaMemcpyAsync(c->d_stage, sl->h, used, cudaMemcpyHostToDevice,
-					 c->stream));
+	if (used) {
+		int rc = mlens_cuda_copy(c, c->d_stage, sl->h, used, true);
+		if (rc)
+			return rc;
+	}
 	CUDA_RET(cudaEventRecord(sl->done, c->stream));
 	return 0;
 }
@@ -462,8 +489,8 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		return rc;
 	if ((rc = mlens_cuda_back(c, (size_t)E * 4, (void **)&counts_h)))
 		return rc;
-	CUDA_RET(cudaMemcpyAsync(counts_h, counts, (size_t)E * 4, cudaMemcpyDeviceToHost,
-				 c->stream));
+	if ((rc = mlens_cuda_copy(c, counts_h, counts, (size_t)E * 4, false)))
+		return rc;
 	CUDA_RET(cudaStreamSynchronize(c->stream));
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
@@ -558,9 +585,9 @@ static int cuda_sample(void *ctx, int32_t *tokens, float *logprobs, const float 
 		return rc;
 	if ((rc = mlens_cuda_back(c, (size_t)n * 8, &back)))
 		return rc;
-	CUDA_RET(cudaMemcpyAsync(back, s, (size_t)n * 4, cudaMemcpyDeviceToHost, c->stream));
-	CUDA_RET(cudaMemcpyAsync((char *)back + (size_t)n * 4, s + o_lp, (size_t)n * 4,
-				 cudaMemcpyDeviceToHost, c->stream));
+	if ((rc = mlens_cuda_copy(c, back, s, (size_t)n * 4, false)) ||
+	    (rc = mlens_cuda_copy(c, (char *)back + (size_t)n * 4, s + o_lp, (size_t)n * 4, false)))
+		return rc;
 	CUDA_RET(cudaStreamSynchronize(c->stream));
 	memcpy(tokens, back, (size_t)n * 4);
 	if (logprobs)
@@ -697,6 +724,8 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 		return -EINVAL;
 	if (!bytes)
 		return 0;
+	if (queue == 0)
+		return mlens_cuda_copy(c, dst, src, bytes, to_device);
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
 				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
 				 queue_stream(c, queue)));
@@ -931,6 +960,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		return -ENOMEM;
 	c->device = dev;
 	c->gemm_exact = o && o->gemm == MLENS_GEMM_EXACT;
+	c->sm_copy = o && o->sm_copy;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), rc, fail);

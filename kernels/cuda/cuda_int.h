@@ -35,6 +35,9 @@ struct mlens_cuda_ctx {
 	cudaStream_t stream;
 	cublasHandle_t blas;
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
+	/* the compute stream's host <-> device copies done by an SM kernel on
+	 * mapped pinned memory rather than a copy engine (opts sm_copy) */
+	bool sm_copy;
 	void *blas_ws;			/* cuBLAS workspace, set once */
 	size_t blas_ws_bytes;
 
@@ -131,6 +134,12 @@ int mlens_cuda_scratch(struct mlens_cuda_ctx *c, size_t bytes, char **dev);
 /* Pinned host area of at least bytes for values read back. */
 int mlens_cuda_back(struct mlens_cuda_ctx *c, size_t bytes, void **host);
 
+/* A copy on the compute stream between pinned host memory and the device
+ * (to_device: host src), by a copy engine or, with sm_copy, by the SMs
+ * through the host memory's mapping (a copy engine when it has none). */
+int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes,
+		    bool to_device);
+
 /* Round a byte offset up to 256 (what cudaMalloc and cuBLAS like). */
 static inline size_t mlens_cuda_align(size_t off)
 {
@@ -184,6 +193,9 @@ int mlens_cuda_moe_route(struct mlens_cuda_ctx *c, int32_t *counts, int32_t *per
 int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
 			   const int32_t *ids, const float *weights, const int32_t *inv,
 			   int n, int k, int hidden);
+/* dst[bytes] = src[bytes] by the SMs, on the stream; either side may be
+ * mapped host memory (its device address). */
+int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes);
 /* Greedy token and log-softmax of it (temperature 1) per row, device out. */
 int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs,
 		      const float *logits, int n, int vocab);

@@ -483,3 +483,41 @@ int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs
 	CUDA_LAUNCHED();
 	return 0;
 }
+
+/* ==== copies by the SMs ==== */
+
+/* 16-byte words when both ends are 16-aligned, else bytes; each thread
+ * keeps several loads in flight, as reads of host memory take ~1 us. */
+__global__ void sm_copy_kernel(char *dst, const char *src, size_t bytes, bool wide)
+{
+	size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+	size_t stride = (size_t)gridDim.x * blockDim.x;
+	size_t done = 0;
+
+	if (wide) {
+		const uint4 *s = (const uint4 *)src;
+		uint4 *d = (uint4 *)dst;
+		size_t words = bytes / 16;
+		for (size_t i = t; i < words; i += stride)
+			d[i] = s[i];
+		done = words * 16;
+	}
+	for (size_t i = done + t; i < bytes; i += stride)
+		dst[i] = src[i];
+}
+
+int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes)
+{
+	bool wide = !(((uintptr_t)dst | (uintptr_t)src) & 15);
+	size_t units = wide ? (bytes + 15) / 16 : bytes;
+	/* up to 8 blocks an SM of an H200 (132 SMs), enough to keep PCIe busy */
+	unsigned blocks = blocks_for(units, MLENS_CUDA_THREADS);
+	if (blocks > 1056)
+		blocks = 1056;
+	if (!bytes)
+		return 0;
+	sm_copy_kernel<<<blocks, MLENS_CUDA_THREADS, 0, c->stream>>>((char *)dst, (const char *)src,
+								      bytes, wide);
+	CUDA_LAUNCHED();
+	return 0;
+}

@@ -42,6 +42,8 @@ expect_config_error "bad.conf:2: key 'mlock': 'maybe' is not a boolean" "
 mlock = maybe"
 expect_config_error "bad.conf:1: key 'threads': 'two' is not an integer" "threads = two"
 expect_config_error "bad.conf:1: expected 'key = value'" "kv_cache 1G"
+expect_config_error "gpu_copy 'dma' is not one of engine, sm" "gpu_copy = dma"
+expect_config_error "gpu_gemm 'exactish' is not one of fast, exact" "gpu_gemm = exactish"
 "$mlensd" --model "$tmp/m" --foreground --bogus-flag >"$tmp/out" 2>&1
 [ $? -eq 2 ] && grep -q "unknown option '--bogus-flag'" "$tmp/out" || fail "unknown flag: $(cat "$tmp/out")"
 # a non-loopback stats listener is refused at start-up, with the reason
