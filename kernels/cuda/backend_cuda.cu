@@ -231,14 +231,16 @@ int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t
 	if (c->sm_copy) {
 		const void *host = to_device ? src : dst;
 		cudaPointerAttributes a;
-		if (cudaPointerGetAttributes(&a, host) == cudaSuccess &&
-		    a.type == cudaMemoryTypeHost && a.devicePointer) {
+		cudaError_t e = cudaPointerGetAttributes(&a, host);
+		if (e == cudaSuccess && a.type == cudaMemoryTypeHost && a.devicePointer) {
 			char *mapped = (char *)a.devicePointer +
 				       ((const char *)host - (const char *)a.hostPointer);
 			return to_device ? mlens_cuda_sm_copy(c, dst, mapped, bytes)
 					 : mlens_cuda_sm_copy(c, mapped, src, bytes);
 		}
-		cudaGetLastError();	/* not mapped: a copy engine does it */
+		if (e != cudaSuccess)
+			cudaGetLastError();	/* clear only the lookup's own error */
+		/* not mapped (pageable memory): a copy engine does it */
 	}
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
 				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
