@@ -289,7 +289,11 @@ static void show_profile(json_t *r)
 	show_rate("H2D (pinned)", getf(m, "h2d_bytes_per_s"), "GB/s");
 	show_rate("D2H (pinned)", getf(m, "d2h_bytes_per_s"), "GB/s");
 	show_rate("CPU attention", getf(m, "cpu_attention_bytes_per_s"), "GB/s of KV");
-	show_rate("CPU memory", getf(m, "cpu_memory_bytes_per_s"), "GB/s read");
+	printf("%-16s %.2f GB/s read alone\n", "CPU memory", getf(m, "cpu_read_bytes_per_s") / 1e9);
+	if (getf(m, "h2d_under_read_bytes_per_s") > 0)
+		printf("%-16s %.2f GB/s read + %.2f GB/s H2D at once = %.2f GB/s (the model's)\n", "",
+		       getf(m, "cpu_read_under_copy_bytes_per_s") / 1e9,
+		       getf(m, "h2d_under_read_bytes_per_s") / 1e9, getf(m, "cpu_memory_bytes_per_s") / 1e9);
 	printf("%-16s %.0f tokens per step (%s)\n", "n_real", getf(r, "n_real"),
 	       !json_is_number(neq) ? "nothing streams: the activation memory bounds it"
 	       : getf(r, "n_eq") < getf(r, "n_act") ? "GPU time per layer equals the weight transfer (eq. 2)"

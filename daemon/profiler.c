@@ -4,6 +4,7 @@
  * the scheduler's cap). What is measured and why is in profiler.h. */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -425,13 +426,148 @@ static void rd_task(void *arg, int task, int thread)
 	r->sink[task] = s0 + s1 + s2 + s3;
 }
 
-static int profile_mem(int n_threads, double budget, struct mlens_profile *p, char *err, size_t errlen)
+/* Host-to-device copies on the copy queue, over and over, as the hybrid
+ * pipeline's weight stream runs beside the CPU attention's KV reads. */
+struct copier {
+	struct mlens_backend *be;
+	void *h, *d;
+	size_t bytes;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool stop, done;
+	int copies;		/* finished */
+	uint64_t moved;		/* bytes after the first copy */
+	double t0, t1;		/* the first copy's end, the last's */
+	int rc;
+};
+
+static void *copier_main(void *arg)
 {
+	struct copier *c = arg;
+	const struct mlens_backend_ops *o = c->be->ops;
+	int rc = MLENS_BACKEND_HAS(o, bind_thread) ? o->bind_thread(c->be->ctx) : 0;
+
+	while (!rc) {
+		double t;
+		bool stop;
+		pthread_mutex_lock(&c->mu);
+		stop = c->stop;
+		pthread_mutex_unlock(&c->mu);
+		if (stop)
+			break;
+		if ((rc = o->copy_async(c->be->ctx, 1, c->d, c->h, c->bytes, true)) ||
+		    (rc = o->event_record(c->be->ctx, 1, MLENS_BACKEND_EVENTS - 1)) ||
+		    (rc = o->event_sync(c->be->ctx, MLENS_BACKEND_EVENTS - 1)))
+			break;
+		t = now();
+		pthread_mutex_lock(&c->mu);
+		if (c->copies++)
+			c->moved += c->bytes;
+		else
+			c->t0 = t;
+		c->t1 = t;
+		pthread_cond_broadcast(&c->cv);
+		pthread_mutex_unlock(&c->mu);
+	}
+	pthread_mutex_lock(&c->mu);
+	c->rc = rc;
+	c->done = true;
+	pthread_cond_broadcast(&c->cv);
+	pthread_mutex_unlock(&c->mu);
+	return NULL;
+}
+
+/* Wait until the copier has finished at least n copies or stopped. */
+static void copier_wait(struct copier *c, int n)
+{
+	pthread_mutex_lock(&c->mu);
+	while (c->copies < n && !c->done)
+		pthread_cond_wait(&c->cv, &c->mu);
+	pthread_mutex_unlock(&c->mu);
+}
+
+/* Best time of REPS pooled reads of the buffer. */
+static double read_best(struct mlens_pool *pool, int tasks, struct rd *r)
+{
+	double best = INFINITY;
+	for (int i = 0; i < REPS + 1; i++) {
+		double t0 = now(), t;
+		mlens_pool_run(pool, tasks, rd_task, r);
+		t = now() - t0;
+		if (i && t < best)
+			best = t;
+	}
+	return best;
+}
+
+/* The reads again while the copier streams: the CPU memory traffic of
+ * KV reads and weight DMA together (the model's B_mem). 0 or -errno. */
+static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_pool *pool, int tasks,
+			  struct rd *r, size_t bytes, struct mlens_profile *p, char *err, size_t errlen)
+{
+	const struct mlens_backend_ops *o = be->ops;
+	struct copier c;
+	pthread_t th;
+	double best;
+	int rc;
+
+	memset(&c, 0, sizeof(c));
+	c.be = be;
+	c.bytes = budget >= 5 ? 256u << 20 : 32u << 20;
+	c.h = o->host_alloc(be->ctx, c.bytes);
+	c.d = o->alloc(be->ctx, c.bytes);
+	if (!c.h || !c.d) {
+		rc = -ENOMEM;
+		mlens_errf(err, errlen, "profiler: cannot allocate %zu MiB of pinned and %s memory for the "
+			   "memory test under copy", c.bytes >> 20, o->name);
+		goto out;
+	}
+	memset(c.h, 1, c.bytes);
+	if (pthread_mutex_init(&c.mu, NULL) || pthread_cond_init(&c.cv, NULL)) {
+		rc = -ENOMEM;
+		mlens_errf(err, errlen, "profiler: cannot set up the copy thread");
+		goto out;
+	}
+	if (pthread_create(&th, NULL, copier_main, &c)) {
+		rc = -EAGAIN;
+		mlens_errf(err, errlen, "profiler: cannot start the copy thread");
+		goto out_sync;
+	}
+	copier_wait(&c, 1);	/* streaming before the reads start */
+	best = read_best(pool, tasks, r);
+	copier_wait(&c, 2);	/* at least one whole copy beside the reads */
+	pthread_mutex_lock(&c.mu);
+	c.stop = true;
+	pthread_mutex_unlock(&c.mu);
+	pthread_join(th, NULL);
+	rc = c.rc;
+	if (rc) {
+		mlens_errf(err, errlen, "profiler: a pinned copy beside the memory reads failed: %s",
+			   strerror(-rc));
+		goto out_sync;
+	}
+	p->mem_read_copy_bw = (double)bytes / best;
+	p->copy_read_bw = (double)c.moved / (c.t1 - c.t0);
+	p->mem_bw = p->mem_read_copy_bw + p->copy_read_bw;
+out_sync:
+	pthread_cond_destroy(&c.cv);
+	pthread_mutex_destroy(&c.mu);
+out:
+	if (c.h)
+		o->host_free(be->ctx, c.h);
+	if (c.d)
+		o->free(be->ctx, c.d);
+	return rc;
+}
+
+static int profile_mem(struct mlens_backend *be, int n_threads, double budget, struct mlens_profile *p,
+		       char *err, size_t errlen)
+{
+	const struct mlens_backend_ops *o = be->ops;
 	struct mlens_pool *pool = NULL;
 	size_t bytes = big_buffer(budget);
 	struct rd r;
 	int tasks, rc;
-	double best = INFINITY;
 	r.words = bytes / 8;
 	r.buf = malloc(bytes);
 	rc = mlens_pool_create(&pool, n_threads, NULL);
@@ -445,14 +581,12 @@ static int profile_mem(int n_threads, double budget, struct mlens_profile *p, ch
 	}
 	memset((void *)r.buf, 3, bytes);
 	r.per = (r.words + (size_t)tasks - 1) / (size_t)tasks;
-	for (int i = 0; i < REPS + 1; i++) {
-		double t0 = now(), t;
-		mlens_pool_run(pool, tasks, rd_task, &r);
-		t = now() - t0;
-		if (i && t < best)
-			best = t;
-	}
-	p->mem_bw = (double)bytes / best;
+	p->mem_read_bw = (double)bytes / read_best(pool, tasks, &r);
+	p->mem_bw = p->mem_read_bw;
+	/* where weights cross a bus, they cross it from this memory */
+	if (!o->host_memory && MLENS_BACKEND_HAS(o, host_alloc) && MLENS_BACKEND_HAS(o, copy_async) &&
+	    MLENS_BACKEND_HAS(o, event_record) && MLENS_BACKEND_HAS(o, event_sync))
+		rc = mem_under_copy(be, budget, pool, tasks, &r, bytes, p, err, errlen);
 out:
 	if (pool)
 		mlens_pool_destroy(pool);
@@ -579,7 +713,7 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 	if ((rc = profile_layer(m, o, 0.5 * budget, out, err, errlen)) ||
 	    (rc = profile_copies(o->be, budget, out, err, errlen)) ||
 	    (rc = profile_attn(m, o, budget, out, err, errlen)) ||
-	    (rc = profile_mem(o->n_threads, budget, out, err, errlen)))
+	    (rc = profile_mem(o->be, o->n_threads, budget, out, err, errlen)))
 		return rc;
 	out->seconds = now() - t0;
 	return 0;
@@ -587,7 +721,7 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 
 void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
 {
-	hw->b_io = p->h2d > 0 ? p->h2d : p->mem_bw;
+	hw->b_io = p->h2d > 0 ? p->h2d : p->mem_read_bw > 0 ? p->mem_read_bw : p->mem_bw;
 	hw->b_d2h = p->d2h;
 	hw->b_mem = p->mem_bw;
 	hw->b_attn = p->attn_bw;
@@ -674,10 +808,13 @@ static json_t *line_json(const struct mlens_perf_line *l)
 
 json_t *mlens_profile_json(const struct mlens_profile *p)
 {
-	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}", "backend", p->backend, "gpu", p->gpu,
-			      "gemm_flops", p->gemm_flops, "h2d_bytes_per_s", p->h2d, "d2h_bytes_per_s", p->d2h,
-			      "cpu_attention_bytes_per_s", p->attn_bw, "cpu_memory_bytes_per_s", p->mem_bw,
-			      "seconds", p->seconds, "ga", line_json(&p->ga), "gb", line_json(&p->gb));
+	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}", "backend", p->backend,
+			      "gpu", p->gpu, "gemm_flops", p->gemm_flops, "h2d_bytes_per_s", p->h2d,
+			      "d2h_bytes_per_s", p->d2h, "cpu_attention_bytes_per_s", p->attn_bw,
+			      "cpu_memory_bytes_per_s", p->mem_bw, "cpu_read_bytes_per_s", p->mem_read_bw,
+			      "cpu_read_under_copy_bytes_per_s", p->mem_read_copy_bw,
+			      "h2d_under_read_bytes_per_s", p->copy_read_bw, "seconds", p->seconds,
+			      "ga", line_json(&p->ga), "gb", line_json(&p->gb));
 	json_t *pts = json_array();
 	for (int i = 0; i < p->n_points; i++)
 		json_array_append_new(pts, json_pack("{s:I,s:f,s:f}", "tokens", (json_int_t)p->tokens[i],
@@ -764,9 +901,11 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	json_decref(want);
 	if (rc)
 		goto out;
-	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be, "gpu", &gpu, "gemm_flops",
-			&p->gemm_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
-			"cpu_attention_bytes_per_s", &p->attn_bw, "cpu_memory_bytes_per_s", &p->mem_bw, "seconds",
+	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be, "gpu", &gpu,
+			"gemm_flops", &p->gemm_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
+			"cpu_attention_bytes_per_s", &p->attn_bw, "cpu_memory_bytes_per_s", &p->mem_bw,
+			"cpu_read_bytes_per_s", &p->mem_read_bw, "cpu_read_under_copy_bytes_per_s",
+			&p->mem_read_copy_bw, "h2d_under_read_bytes_per_s", &p->copy_read_bw, "seconds",
 			&p->seconds, "points", &pts) ||
 	    line_from(json_object_get(pj, "ga"), &p->ga) || line_from(json_object_get(pj, "gb"), &p->gb) ||
 	    !json_is_array(pts) || json_array_size(pts) > MLENS_PROFILE_POINTS) {
@@ -786,7 +925,7 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 		p->tokens[i] = t;
 	}
 	p->n_points = (int)json_array_size(pts);
-	if (!(p->mem_bw > 0) || !(p->attn_bw > 0) || !(p->gemm_flops > 0)) {
+	if (!(p->mem_bw > 0) || !(p->mem_read_bw > 0) || !(p->attn_bw > 0) || !(p->gemm_flops > 0)) {
 		mlens_errf(err, errlen, "profile cache %s: a rate is not positive", path);
 		rc = -EINVAL;
 	}

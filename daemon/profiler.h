@@ -19,7 +19,13 @@
  * queue. CPU attention: decode attention of whole sequences through a
  * host-memory backend's attn_decode (the pooled kernel of attn.h), KV
  * bytes read / time. CPU memory: a pooled read of a buffer several times
- * the last-level cache. */
+ * the last-level cache, alone, and where copies cross a bus again while
+ * the copy queue streams pinned host-to-device copies (the weight
+ * stream): the model's B_mem is then those reads plus that copy rate, the
+ * memory traffic KV reads and weight DMA share (on the H200 the
+ * profiler's reads alone gave 96 GB/s where mlens-bench measured 167-188
+ * GB/s of reads and copies together, so the model named CPU memory where
+ * the traces showed PCIe binding). */
 #ifndef MLENS_PROFILER_H
 #define MLENS_PROFILER_H
 
@@ -32,7 +38,7 @@
 #include "kernels/backend.h"
 
 #define MLENS_PROFILE_POINTS 6		/* token counts per line */
-#define MLENS_PROFILE_VERSION 1		/* of the cache file's layout */
+#define MLENS_PROFILE_VERSION 2		/* of the cache file's layout */
 /* The workload mlensd predicts for at start-up (mlensctl profile takes
  * others): a prompt of 512 tokens, 128 generated. */
 #define MLENS_PROFILE_PROMPT 512
@@ -65,7 +71,12 @@ struct mlens_profile {
 	double gemm_flops;
 	double h2d, d2h;		/* pinned copies; 0 on host memory */
 	double attn_bw;			/* KV bytes/s through CPU decode attention */
-	double mem_bw;			/* CPU memory read */
+	double mem_bw;			/* CPU memory bytes/s for KV reads and DMA
+					 * together (the model's B_mem): reads +
+					 * copies under copy, else mem_read_bw */
+	double mem_read_bw;		/* CPU memory read alone */
+	double mem_read_copy_bw;	/* the read while copies stream; 0 on host memory */
+	double copy_read_bw;		/* those copies' rate; 0 on host memory */
 	double seconds;			/* the run took */
 };
 
@@ -76,7 +87,7 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 
 /* Fill the ceilings and lines of hw from p (budget, workspace and chunk are
  * the caller's). Without copies (host memory) b_io is the memory read rate:
- * the CPU backend's "uploads" are memory copies. */
+ * the CPU backend's "uploads" are memory copies. b_mem is mem_bw. */
 void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw);
 
 /* ==== the cache ==== */

@@ -2,9 +2,15 @@
  * model gives positive, sane rates and GA/GB lines of positive slope in
  * well under a second; the cache round-trips and a changed key (budget,
  * backend, model) invalidates it; the daemon's profile state sets the
- * scheduler's cap from n_real unless max_step_tokens pins it. */
+ * scheduler's cap from n_real unless max_step_tokens pins it. A device
+ * made of the CPU backend (its memory declared not host memory, copies by
+ * memcpy on the caller's thread) takes the profiler's device path: copy
+ * rates, and the memory reads again while a second thread streams copies,
+ * summed into the model's B_mem. */
 #include <check.h>
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,6 +103,7 @@ START_TEST(cache_roundtrip_and_key)
 	ck_assert_double_eq_tol(q.ga.b, p.ga.b, 1e-9 * fabs(p.ga.b));
 	ck_assert_double_eq_tol(q.gb.a, p.gb.a, 1e-9 * fabs(p.gb.a) + 1e-15);
 	ck_assert_double_eq_tol(q.mem_bw, p.mem_bw, 1e-9 * p.mem_bw);
+	ck_assert_double_eq_tol(q.mem_read_bw, p.mem_read_bw, 1e-9 * p.mem_read_bw);
 	ck_assert_double_eq_tol(q.attn_bw, p.attn_bw, 1e-9 * p.attn_bw);
 	ck_assert_double_eq_tol(q.gemm_flops, p.gemm_flops, 1e-9 * p.gemm_flops);
 	ck_assert_str_eq(q.backend, "cpu");
@@ -124,6 +131,108 @@ START_TEST(cache_roundtrip_and_key)
 	ck_assert_ptr_nonnull(strstr(err, "not JSON"));
 	unlink(file);
 	rmdir(path);
+	mlens_backend_destroy(&be);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+/* ==== a device made of the CPU backend ==== */
+
+static struct mlens_backend_ops fake_ops;
+static pthread_t fake_main;		/* the profiling thread */
+static atomic_int fake_copies_other;	/* copies queued from another thread */
+static atomic_bool fake_fail_other;	/* those fail with -EIO */
+
+static void *fake_host_alloc(void *ctx, size_t bytes)
+{
+	(void)ctx;
+	return malloc(bytes ? bytes : 1);
+}
+
+static void fake_host_free(void *ctx, void *p)
+{
+	(void)ctx;
+	free(p);
+}
+
+static int fake_copy(void *ctx, int queue, void *dst, const void *src, size_t bytes, bool to_device)
+{
+	(void)ctx;
+	(void)to_device;
+	if (queue < 0 || queue > 1)
+		return -EINVAL;
+	if (!pthread_equal(pthread_self(), fake_main)) {
+		atomic_fetch_add(&fake_copies_other, 1);
+		if (atomic_load(&fake_fail_other))
+			return -EIO;
+	}
+	memcpy(dst, src, bytes);
+	return 0;
+}
+
+static int fake_record(void *ctx, int queue, int ev)
+{
+	(void)ctx;
+	return queue < 0 || queue > 1 || ev < 0 || ev >= MLENS_BACKEND_EVENTS ? -EINVAL : 0;
+}
+
+static int fake_sync(void *ctx, int ev)
+{
+	(void)ctx;
+	return ev < 0 || ev >= MLENS_BACKEND_EVENTS ? -EINVAL : 0;
+}
+
+static void fake_device(struct mlens_backend *be)
+{
+	ck_assert_int_eq(mlens_backend_cpu_create(be, NULL), 0);
+	fake_ops = *be->ops;
+	fake_ops.name = "fakedev";
+	fake_ops.host_memory = false;
+	fake_ops.host_alloc = fake_host_alloc;
+	fake_ops.host_free = fake_host_free;
+	fake_ops.copy_async = fake_copy;
+	fake_ops.event_record = fake_record;
+	fake_ops.event_sync = fake_sync;
+	be->ops = &fake_ops;
+	fake_main = pthread_self();
+	atomic_store(&fake_copies_other, 0);
+	atomic_store(&fake_fail_other, false);
+}
+
+START_TEST(device_memory_under_copy)
+{
+	struct mlens_model *m = tiny();
+	struct mlens_backend be;
+	struct mlens_profile_opts o;
+	struct mlens_profile p;
+	struct mlens_perf_hw hw;
+	char err[512];
+
+	fake_device(&be);
+	memset(&o, 0, sizeof(o));
+	o.be = &be;
+	o.kv_dtype = MLENS_DTYPE_F32;
+	o.max_tokens = 1024;
+	o.budget_s = 0.5;
+	ck_assert_msg(mlens_profile_run(m, &o, &p, err, sizeof(err)) == 0, "%s", err);
+	printf("fake device: copies %.3g B/s, reads alone %.3g B/s, reads %.3g + copies %.3g B/s at once, "
+	       "%d copies from the copy thread\n", p.h2d, p.mem_read_bw, p.mem_read_copy_bw, p.copy_read_bw,
+	       atomic_load(&fake_copies_other));
+	ck_assert_str_eq(p.backend, "fakedev");
+	ck_assert(p.h2d > 1e8 && p.d2h > 1e8);
+	ck_assert(p.mem_read_bw > 1e8 && p.mem_read_copy_bw > 1e8 && p.copy_read_bw > 1e8);
+	/* the copies ran from a thread of their own, beside the reads: at
+	 * least the warm-up copy and one timed */
+	ck_assert_int_ge(atomic_load(&fake_copies_other), 2);
+	ck_assert_double_eq_tol(p.mem_bw, p.mem_read_copy_bw + p.copy_read_bw, 1e-9 * p.mem_bw);
+	memset(&hw, 0, sizeof(hw));
+	mlens_profile_hw(&p, &hw);
+	ck_assert(hw.b_mem == p.mem_bw && hw.b_io == p.h2d);
+
+	/* a copy of the copy thread that fails fails the profile, saying so */
+	atomic_store(&fake_fail_other, true);
+	ck_assert_int_eq(mlens_profile_run(m, &o, &p, err, sizeof(err)), -EIO);
+	ck_assert_msg(strstr(err, "beside the memory reads failed") != NULL, "%s", err);
 	mlens_backend_destroy(&be);
 	mlens_test_model_free(m);
 }
@@ -238,6 +347,7 @@ int main(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, cpu_profile_sane);
 	tcase_add_test(tc, cache_roundtrip_and_key);
+	tcase_add_test(tc, device_memory_under_copy);
 	tcase_add_test(tc, state_sets_cap);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
