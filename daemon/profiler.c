@@ -523,7 +523,13 @@ static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_
 		goto out;
 	}
 	memset(c.h, 1, c.bytes);
-	if (pthread_mutex_init(&c.mu, NULL) || pthread_cond_init(&c.cv, NULL)) {
+	if (pthread_mutex_init(&c.mu, NULL)) {
+		rc = -ENOMEM;
+		mlens_errf(err, errlen, "profiler: cannot set up the copy thread");
+		goto out;
+	}
+	if (pthread_cond_init(&c.cv, NULL)) {
+		pthread_mutex_destroy(&c.mu);
 		rc = -ENOMEM;
 		mlens_errf(err, errlen, "profiler: cannot set up the copy thread");
 		goto out;
