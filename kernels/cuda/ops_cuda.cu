@@ -486,8 +486,9 @@ int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs
 
 /* ==== copies by the SMs ==== */
 
-/* 16-byte words when both ends are 16-aligned, else bytes; each thread
- * keeps several loads in flight, as reads of host memory take ~1 us. */
+/* 16-byte words when both ends are 16-aligned, else bytes; a grid of up
+ * to 1056 blocks, so that enough loads are in flight at once to cover the
+ * ~1 us a read of host memory takes. */
 __global__ void sm_copy_kernel(char *dst, const char *src, size_t bytes, bool wide)
 {
 	size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
