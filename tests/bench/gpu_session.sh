@@ -119,7 +119,7 @@ if [ "$T_TRACE" -gt 0 ]; then
 fi
 
 if [ "$T_SET" -gt 0 ]; then
-	OUT=$R RUNS=${RUNS:-"p512g32 p512g128 p128g32 p512g32kv20 hf"} EXPECT_TPS=${EXPECT_TPS:-25000} STARTUP_S=30 \
+	OUT=$R RUNS=${RUNS:-"p512g32 p512g128 p128g32 p512g32kv20 p512g128kv20 hf"} EXPECT_TPS=${EXPECT_TPS:-25000} STARTUP_S=30 \
 		timeout "$T_SET" sh ./tests/bench/hybrid.sh 8G 40G "$SCALE" 2>&1 | tail -20
 	el "benchmark set: rc $?"
 fi

@@ -15,7 +15,9 @@
 #   (below 1 the runs hold fewer than issue 7's three pool-fulls: said so).
 # Environment:
 #   RUNS             runs to do, in order (default all):
-#                    p512g128 p512g32 p128g32 p512g32kv20 hf
+#                    p512g128 p512g32 p128g32 p512g32kv20 p512g128kv20 hf
+#                    (the kv20 pair with its 40G pair: issue 8's two mixes
+#                    x two pool sizes)
 #   MAX_STEP_TOKENS  passed to mlensd as --max-step-tokens (default: unset,
 #                    the daemon's own cap: n_real from its profile)
 #   DAEMON_ARGS      more mlensd arguments, split at blanks (for example
@@ -39,7 +41,7 @@ OUT=${OUT:-$PWD/out}
 GPU=${1:-8G}
 KV=${2:-40G}
 SCALE=${3:-1.0}
-RUNS=${RUNS:-p512g128 p512g32 p128g32 p512g32kv20 hf}
+RUNS=${RUNS:-p512g128 p512g32 p128g32 p512g32kv20 p512g128kv20 hf}
 EXPECT_TPS=${EXPECT_TPS:-30000}
 STARTUP_S=${STARTUP_S:-45}
 HF_REQ=${HF_REQ:-16}
@@ -58,6 +60,7 @@ spec() {	# run name -> "kv p g"
 	p512g32) echo "$KV 512 32" ;;
 	p128g32) echo "$KV 128 32" ;;
 	p512g32kv20) echo "$KV2 512 32" ;;
+	p512g128kv20) echo "$KV2 512 128" ;;
 	*) echo "" ;;
 	esac
 }
