@@ -608,8 +608,8 @@ static int cuda_sample(void *ctx, int32_t *tokens, float *logprobs, const float 
 			c->sample_cap = need;
 		}
 		row = (float *)c->h_sample;
-		CUDA_RET(cudaMemcpyAsync(row, logits + (size_t)i * vocab, (size_t)vocab * 4,
-					 cudaMemcpyDeviceToHost, c->stream));
+		if ((rc = mlens_cuda_copy(c, row, logits + (size_t)i * vocab, (size_t)vocab * 4, false)))
+			return rc;
 		CUDA_RET(cudaStreamSynchronize(c->stream));
 		tokens[i] = mlens_cpu_sample_row(row, vocab, &params[i],
 						 logprobs ? &logprobs[i] : NULL, row + vocab);

@@ -136,7 +136,10 @@ int mlens_cuda_back(struct mlens_cuda_ctx *c, size_t bytes, void **host);
 
 /* A copy on the compute stream between pinned host memory and the device
  * (to_device: host src), by a copy engine or, with sm_copy, by the SMs
- * through the host memory's mapping (a copy engine when it has none). */
+ * through the host memory's mapping (a copy engine when it has none).
+ * Every asynchronous copy of the compute stream goes through here; only
+ * the synchronous upload/download ops (set-up, logits a caller asked
+ * for, into the caller's memory) call cudaMemcpyAsync themselves. */
 int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes,
 		    bool to_device);
 
