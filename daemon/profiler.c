@@ -16,6 +16,7 @@
 #include "daemon/profiler.h"
 #include "daemon/sched.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/readbw.h"
 
 static double now(void)
 {
@@ -402,28 +403,7 @@ static size_t big_buffer(double budget)
 	/* a short budget (the CPU backend's) trades precision for time */
 	if (b > (budget >= 5 ? 1024u << 20 : 64u << 20))
 		b = budget >= 5 ? 1024u << 20 : 64u << 20;
-	return b;
-}
-
-struct rd {
-	const uint64_t *buf;
-	size_t words, per;
-	uint64_t *sink;		/* one per task, so the reads are not dead */
-};
-
-static void rd_task(void *arg, int task, int thread)
-{
-	struct rd *r = arg;
-	size_t a = (size_t)task * r->per, b = a + r->per < r->words ? a + r->per : r->words;
-	uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-	(void)thread;
-	for (size_t i = a; i + 4 <= b; i += 4) {
-		s0 += r->buf[i];
-		s1 += r->buf[i + 1];
-		s2 += r->buf[i + 2];
-		s3 += r->buf[i + 3];
-	}
-	r->sink[task] = s0 + s1 + s2 + s3;
+	return b / MLENS_READBW_SLICE * MLENS_READBW_SLICE;	/* whole slices */
 }
 
 /* Host-to-device copies on the copy queue, over and over, as the hybrid
@@ -486,14 +466,13 @@ static void copier_wait(struct copier *c, int n)
 	pthread_mutex_unlock(&c->mu);
 }
 
-/* Best time of REPS pooled reads of the buffer. */
-static double read_best(struct mlens_pool *pool, int tasks, struct rd *r)
+/* Best time of REPS streaming reads of the buffer (kernels/cpu/readbw.h),
+ * after one to warm up. */
+static double read_best(struct mlens_pool *pool, const char *buf, size_t bytes)
 {
 	double best = INFINITY;
 	for (int i = 0; i < REPS + 1; i++) {
-		double t0 = now(), t;
-		mlens_pool_run(pool, tasks, rd_task, r);
-		t = now() - t0;
+		double t = mlens_readbw_pass(pool, buf, bytes);
 		if (i && t < best)
 			best = t;
 	}
@@ -502,8 +481,8 @@ static double read_best(struct mlens_pool *pool, int tasks, struct rd *r)
 
 /* The reads again while the copier streams: the CPU memory traffic of
  * KV reads and weight DMA together (the model's B_mem). 0 or -errno. */
-static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_pool *pool, int tasks,
-			  struct rd *r, size_t bytes, struct mlens_profile *p, char *err, size_t errlen)
+static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_pool *pool,
+			  const char *buf, size_t bytes, struct mlens_profile *p, char *err, size_t errlen)
 {
 	const struct mlens_backend_ops *o = be->ops;
 	struct copier c;
@@ -540,7 +519,7 @@ static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_
 		goto out_sync;
 	}
 	copier_wait(&c, 1);	/* streaming before the reads start */
-	best = read_best(pool, tasks, r);
+	best = read_best(pool, buf, bytes);
 	copier_wait(&c, 2);	/* at least one whole copy beside the reads */
 	pthread_mutex_lock(&c.mu);
 	c.stop = true;
@@ -572,32 +551,25 @@ static int profile_mem(struct mlens_backend *be, int n_threads, double budget, s
 	const struct mlens_backend_ops *o = be->ops;
 	struct mlens_pool *pool = NULL;
 	size_t bytes = big_buffer(budget);
-	struct rd r;
-	int tasks, rc;
-	r.words = bytes / 8;
-	r.buf = malloc(bytes);
-	rc = mlens_pool_create(&pool, n_threads, NULL);
-	tasks = pool ? 4 * mlens_pool_size(pool) : 0;
-	r.sink = calloc((size_t)(tasks ? tasks : 1), sizeof(uint64_t));
-	if (!r.buf || rc || !r.sink) {
+	char *buf = mlens_readbw_alloc(bytes);
+	int rc = mlens_pool_create(&pool, n_threads, NULL);
+	if (!buf || rc) {
 		rc = rc ? rc : -ENOMEM;
 		mlens_errf(err, errlen, "profiler: cannot set up the memory read test (%zu MiB): %s", bytes >> 20,
 		       strerror(-rc));
 		goto out;
 	}
-	memset((void *)r.buf, 3, bytes);
-	r.per = (r.words + (size_t)tasks - 1) / (size_t)tasks;
-	p->mem_read_bw = (double)bytes / read_best(pool, tasks, &r);
+	memset(buf, 3, bytes);
+	p->mem_read_bw = (double)bytes / read_best(pool, buf, bytes);
 	p->mem_bw = p->mem_read_bw;
 	/* where weights cross a bus, they cross it from this memory */
 	if (!o->host_memory && MLENS_BACKEND_HAS(o, host_alloc) && MLENS_BACKEND_HAS(o, copy_async) &&
 	    MLENS_BACKEND_HAS(o, event_record) && MLENS_BACKEND_HAS(o, event_sync))
-		rc = mem_under_copy(be, budget, pool, tasks, &r, bytes, p, err, errlen);
+		rc = mem_under_copy(be, budget, pool, buf, bytes, p, err, errlen);
 out:
 	if (pool)
 		mlens_pool_destroy(pool);
-	free((void *)r.buf);
-	free(r.sink);
+	free(buf);
 	return rc;
 }
 

@@ -18,14 +18,15 @@
  * H2D and D2H between a pinned host buffer and backend memory on the copy
  * queue. CPU attention: decode attention of whole sequences through a
  * host-memory backend's attn_decode (the pooled kernel of attn.h), KV
- * bytes read / time. CPU memory: a pooled read of a buffer several times
- * the last-level cache, alone, and where copies cross a bus again while
- * the copy queue streams pinned host-to-device copies (the weight
- * stream): the model's B_mem is then those reads plus that copy rate, the
- * memory traffic KV reads and weight DMA share (on the H200 the
- * profiler's reads alone gave 96 GB/s where mlens-bench measured 167-188
- * GB/s of reads and copies together, so the model named CPU memory where
- * the traces showed PCIe binding). */
+ * bytes read / time. CPU memory: streaming SIMD reads through the pool
+ * (kernels/cpu/readbw.h, the loop mlens-bench measures with) of a buffer
+ * several times the last-level cache, alone, and where copies cross a bus
+ * again while the copy queue streams pinned host-to-device copies (the
+ * weight stream): the model's B_mem is then those reads plus that copy
+ * rate, the memory traffic KV reads and weight DMA share. (On the H200
+ * the profiler's former scalar reads alone gave 96 GB/s where mlens-bench
+ * measured 167-188 GB/s of reads and copies together, so the model named
+ * CPU memory where the traces showed PCIe binding.) */
 #ifndef MLENS_PROFILER_H
 #define MLENS_PROFILER_H
 

@@ -3,7 +3,7 @@
 # `mlens-bench serve` subcommand that drives a real mlensd.
 daemon_libmlens_core_la_SOURCES += daemon/gpu_plan.h daemon/gpu_plan.c
 
-tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c tests/bench/readbw.c tests/bench/readbw.h
+tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c
 tests_bench_mlens_bench_CFLAGS += $(JANSSON_CFLAGS)
 tests_bench_mlens_bench_LDADD += daemon/libmlens_core.la $(JANSSON_LIBS) -lm
 if HAVE_CUDA

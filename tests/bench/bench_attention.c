@@ -16,7 +16,7 @@
 #include "kernels/cpu/attn_int.h"
 #include "kernels/cpu/pool.h"
 #include "tests/bench/bench_attention.h"
-#include "tests/bench/readbw.h"
+#include "kernels/cpu/readbw.h"
 
 #define MAX_THREAD_COUNTS 32
 
@@ -110,8 +110,8 @@ static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *
 	b->kv = (struct mlens_kv_cache){ MLENS_DTYPE_BF16, 1, o->kv_heads, hd, o->block,
 					 (uint32_t)total, NULL, NULL };
 	b->tables = malloc(total * sizeof(*b->tables));
-	b->kv.k = mlens_bench_big_alloc(mlens_kv_bytes(&b->kv));
-	b->kv.v = mlens_bench_big_alloc(mlens_kv_bytes(&b->kv));
+	b->kv.k = mlens_readbw_alloc(mlens_kv_bytes(&b->kv));
+	b->kv.v = mlens_readbw_alloc(mlens_kv_bytes(&b->kv));
 	b->q = malloc((size_t)b->n * o->heads * hd * sizeof(float));
 	b->out = malloc((size_t)b->n * o->heads * hd * sizeof(float));
 	if (!b->tables || !b->kv.k || !b->kv.v || !b->q || !b->out)
@@ -334,7 +334,7 @@ static int parse(struct opts *o, int argc, char **argv)
 	}
 	if (o->seqs < 1 || o->min_ctx < 1 || o->max_ctx < o->min_ctx || o->kv_heads < 1 ||
 	    o->heads < o->kv_heads || o->heads % o->kv_heads || o->head_dim < 1 ||
-	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < MLENS_BENCH_BW_SLICE || o->min_time < 0 ||
+	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < MLENS_READBW_SLICE || o->min_time < 0 ||
 	    o->chunk == 0 || o->chunk > (1 << 20) || o->prefetch > (1 << 16) ||
 	    o->prefetch_every == 0 || o->prefetch_every > (1 << 16) || o->heads_per_task > (1 << 16) ||
 	    o->prefetch_bytes > (1 << 30)) {
@@ -399,7 +399,7 @@ int mlens_bench_attention(int argc, char **argv)
 	mlens_pool_destroy(fill);
 
 	/* read bandwidth at each thread count, from a buffer far beyond the LLC */
-	bwbuf = mlens_bench_big_alloc(o.bw_bytes);
+	bwbuf = mlens_readbw_alloc(o.bw_bytes);
 	if (!bwbuf) {
 		fprintf(stderr, "attention: cannot allocate %zu MB for the bandwidth test; lower --bw-mb\n",
 			o.bw_bytes >> 20);
@@ -411,7 +411,7 @@ int mlens_bench_attention(int argc, char **argv)
 		struct mlens_pool *p;
 		if ((rc = mlens_pool_create_numa(&p, 0, o.threads[t], 0)))
 			goto fail;
-		bw_by_t[t] = mlens_bench_read_bw(p, bwbuf, o.bw_bytes / MLENS_BENCH_BW_SLICE * MLENS_BENCH_BW_SLICE);
+		bw_by_t[t] = mlens_readbw_best(p, bwbuf, o.bw_bytes / MLENS_READBW_SLICE * MLENS_READBW_SLICE);
 		if (o.threads[t] == max_t && bw_by_t[t] > bw_all)
 			bw_all = bw_by_t[t];
 		mlens_pool_destroy(p);

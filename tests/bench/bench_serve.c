@@ -31,7 +31,7 @@
 #include "daemon/perfmodel.h"
 #include "kernels/cpu/pool.h"
 #include "tests/bench/bench.h"
-#include "tests/bench/readbw.h"
+#include "kernels/cpu/readbw.h"
 #ifdef HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -596,7 +596,7 @@ out:
  * the daemon starts. H2D: cudaMemcpyAsync of 1 GiB from cudaHostAlloc
  * memory, best of 3 after a warm-up. CPU memory under copy: 16 such copies
  * queued on a stream (events around them) while every core streams reads
- * over another 1 GiB buffer (readbw.c); only read passes that end before
+ * over another 1 GiB buffer (kernels/cpu/readbw.c); only read passes that end before
  * the last copy does count, and the copies' own rate over the same time is
  * kept: the memory then serves both, and issue 7's bound charges KV reads
  * and the weight DMA to that sum (DESIGN §1: B_mem = B_KV + B_IO). */
@@ -629,14 +629,14 @@ static void measure_host_link(struct ceilings *c)
 	}
 	c->h2d_gbs = (double)bytes / (best * 1e-3) / 1e9;
 
-	rb = mlens_bench_big_alloc(bytes);
+	rb = mlens_readbw_alloc(bytes);
 	if (!rb || mlens_pool_create(&pool, 0, NULL)) {
 		fprintf(stderr, "serve: cannot set up the memory read test (1 GiB, a thread per CPU)\n");
 		goto out;
 	}
 	memset(rb, 1, bytes);
 	c->read_threads = mlens_pool_size(pool);
-	c->read_gbs = mlens_bench_read_bw(pool, rb, bytes);
+	c->read_gbs = mlens_readbw_best(pool, rb, bytes);
 	for (int round = 0; round < 2; round++) {
 		CK(cudaEventRecord(ev[0], st));
 		for (int i = 0; i < NC; i++) {
@@ -646,7 +646,7 @@ static void measure_host_link(struct ceilings *c)
 		/* the copies start as soon as they are queued: read until the
 		 * last one is done, counting the passes that ended before it */
 		while (cudaEventQuery(ev[NC]) == cudaErrorNotReady) {
-			double t = mlens_bench_read_pass(pool, rb, bytes);
+			double t = mlens_readbw_pass(pool, rb, bytes);
 			if (cudaEventQuery(ev[NC]) == cudaErrorNotReady) {
 				rd_bytes += (double)bytes;
 				rd_s += t;

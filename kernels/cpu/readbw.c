@@ -1,12 +1,13 @@
-/* Streaming read bandwidth (readbw.h): AVX-512 or AVX2 loads over 1 MiB
- * slices claimed by the pool's threads, xor-folded so that the loads stay. */
+/* Streaming read bandwidth (readbw.h): AVX-512 or AVX2 loads (plain 64-bit
+ * loads on a CPU with neither) over 1 MiB slices claimed by the pool's
+ * threads, xor-folded so that the loads stay. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <time.h>
-#include "tests/bench/readbw.h"
+#include "kernels/cpu/readbw.h"
 
 static double now(void)
 {
@@ -15,7 +16,7 @@ static double now(void)
 	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-void *mlens_bench_big_alloc(size_t bytes)
+void *mlens_readbw_alloc(size_t bytes)
 {
 	void *p = NULL;
 	if (posix_memalign(&p, 2u << 20, bytes))
@@ -55,31 +56,45 @@ __attribute__((target("avx2"))) static uint64_t read_avx2(const char *p, size_t 
 	return (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(a0));
 }
 
+static uint64_t read_plain(const char *p, size_t n)
+{
+	const uint64_t *w = (const uint64_t *)(const void *)p;
+	uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+	for (size_t i = 0; i < n / 8; i += 4) {
+		a0 ^= w[i];
+		a1 ^= w[i + 1];
+		a2 ^= w[i + 2];
+		a3 ^= w[i + 3];
+	}
+	return a0 ^ a1 ^ a2 ^ a3;
+}
+
 static void bw_task(void *arg, int task, int thread)
 {
 	struct bw_job *j = arg;
-	const char *p = j->buf + (size_t)task * MLENS_BENCH_BW_SLICE;
-	uint64_t r = __builtin_cpu_supports("avx512f") ? read_avx512(p, MLENS_BENCH_BW_SLICE)
-						       : read_avx2(p, MLENS_BENCH_BW_SLICE);
+	const char *p = j->buf + (size_t)task * MLENS_READBW_SLICE;
+	uint64_t r = __builtin_cpu_supports("avx512f") ? read_avx512(p, MLENS_READBW_SLICE)
+		     : __builtin_cpu_supports("avx2") ? read_avx2(p, MLENS_READBW_SLICE)
+						       : read_plain(p, MLENS_READBW_SLICE);
 	j->sink[thread % 64] ^= r;
 }
 
-double mlens_bench_read_pass(struct mlens_pool *pool, const char *buf, size_t bytes)
+double mlens_readbw_pass(struct mlens_pool *pool, const char *buf, size_t bytes)
 {
 	struct bw_job j = { buf, { 0 } };
 	double t0 = now(), t;
-	mlens_pool_run(pool, (int)(bytes / MLENS_BENCH_BW_SLICE), bw_task, &j);
+	mlens_pool_run(pool, (int)(bytes / MLENS_READBW_SLICE), bw_task, &j);
 	t = now() - t0;
 	if (j.sink[0] == 42)	/* keeps the loads alive */
 		fputc(' ', stderr);
 	return t;
 }
 
-double mlens_bench_read_bw(struct mlens_pool *pool, const char *buf, size_t bytes)
+double mlens_readbw_best(struct mlens_pool *pool, const char *buf, size_t bytes)
 {
 	double best = 0.0;
 	for (int r = 0; r < 5; r++) {
-		double gbs = (double)bytes / mlens_bench_read_pass(pool, buf, bytes) / 1e9;
+		double gbs = (double)bytes / mlens_readbw_pass(pool, buf, bytes) / 1e9;
 		best = gbs > best ? gbs : best;
 	}
 	return best;
