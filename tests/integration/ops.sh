@@ -162,7 +162,7 @@ kv_settled() {
 	kv1=$(tenant_use "$aid" | cut -d' ' -f3)
 	sleep 0.3
 	kv2=$(tenant_use "$aid" | cut -d' ' -f3)
-	[ "$kv1" -gt 0 ] && [ "$kv1" = "$kv2" ]
+	[ -n "$kv1" ] && [ "$kv1" -gt 0 ] && [ "$kv1" = "$kv2" ]
 }
 wait_for kv_settled 250 || fail "A: KV blocks should settle with a full ring ($kv1, $kv2)"
 ctl quota "$aid" running=1 kv_blocks=5000 queued=8 weight=0.5 >/dev/null || fail "quota set"
