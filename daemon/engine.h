@@ -39,6 +39,7 @@ struct mlens_engine_opts {
 					 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t hybrid_piece_bytes;	/* bytes per weight copy; 0 = MLENS_PIPE_PIECE */
 	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
+	enum mlens_gemm_mode hybrid_gemm;	/* the GPU backend's GEMM mode (its scratch) */
 };
 
 enum {

@@ -40,6 +40,11 @@ static uint64_t grown(uint64_t need, uint64_t floor)
 	return cap;
 }
 
+static uint64_t gemm_parts(const struct mlens_perf_model *pm, enum mlens_gemm_mode gemm)
+{
+	return gemm == MLENS_GEMM_EXACT && pm->wbytes != 4 ? MLENS_GEMM_EXACT_PARTS : 1;
+}
+
 int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group)
 {
 	int64_t least = (n + MLENS_PIPE_MAX_GROUPS / 4 - 1) / (MLENS_PIPE_MAX_GROUPS / 4);
@@ -50,14 +55,52 @@ int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group)
 	return n < group ? n : group;
 }
 
-uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
-				 int64_t chunk)
+uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
+				     int64_t chunk, enum mlens_gemm_mode gemm)
 {
-	uint64_t T, g, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
+	uint64_t g, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
+	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k;
+	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
+	uint64_t es = (uint64_t)pm->wbytes, np = gemm_parts(pm, gemm), rows, moe, conv, widen, s;
+
+	if (n <= 0)
+		return 0;
+	if (chunk <= 0)
+		chunk = MLENS_GPUPLAN_CHUNK;
+	g = (uint64_t)mlens_gpuplan_group_rows(n, group);
+	c = (uint64_t)((int64_t)g < chunk ? (int64_t)g : chunk);
+	/* one buffer sized by its largest user (kernels/cuda/backend_cuda.cu):
+	 * a group's rows in the weight dtype for a GEMM (np parts when exact),
+	 * the router's weights widened to fp32, a MoE chunk's gathered rows and
+	 * intermediates, the sampler's tokens and log-probs */
+	conv = es == 4 ? 0 : sat_mul(sat_mul(sat_mul(g, H > qd ? H : qd), es), np);
+	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
+	rows = sat_mul(c, K);
+	moe = align256(E * 4);
+	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));			/* perm, inv */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, H), es), np)));	/* gathered x */
+	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, I), es), np)));	/* silu(g) u */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
+	s = conv > moe ? conv : moe;
+	if (s < widen)
+		s = widen;
+	if (s < sat_mul((uint64_t)n, 8) + 256)
+		s = sat_mul((uint64_t)n, 8) + 256;
+	/* reserved once at its size, in the allocator's 2 MiB granules */
+	return s > UINT64_MAX - MLENS_GPUPLAN_SCRATCH_ALIGN
+		       ? UINT64_MAX
+		       : (s + MLENS_GPUPLAN_SCRATCH_ALIGN - 1) & ~(uint64_t)(MLENS_GPUPLAN_SCRATCH_ALIGN - 1);
+}
+
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
+				 int64_t chunk, enum mlens_gemm_mode gemm)
+{
+	uint64_t T, g, c, H = (uint64_t)pm->hidden;
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k, V = (uint64_t)pm->vocab;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
 	uint64_t kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
-	uint64_t es = (uint64_t)pm->wbytes, per, acc, rows, moe, conv, scratch, stage;
+	uint64_t per, acc, stage;
 
 	if (n <= 0)
 		return 0;
@@ -72,18 +115,7 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	acc = sat_mul(sat_mul(T, H), 4);
 	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4), MLENS_PIPE_SETS));
 	acc = sat_add(acc, align256(sat_mul(sat_mul(c, V), 4)));
-	/* backend scratch, one buffer sized by its largest user */
-	conv = es == 4 ? 0 : sat_mul(sat_mul(g, H > qd ? H : qd), es);
-	rows = sat_mul(c, K);	moe = align256(E * 4);
-	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));		/* perm, inv */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), es)));	/* gathered x */
-	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, I), es)));	/* silu(g) u */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));	/* expert out */
-	scratch = conv > moe ? conv : moe;
-	if (scratch < sat_mul(T, 8) + 256)
-		scratch = sat_mul(T, 8) + 256;		/* sampling: tokens, log-probs */
-	acc = sat_add(acc, grown(scratch, 1ull << 20));
+	acc = sat_add(acc, mlens_gpuplan_scratch_bytes(pm, n, group, chunk, gemm));
 	/* metadata staging: at most a few int32/int64 per token or tile */
 	stage = sat_mul(T, 32) + 4096;
 	return sat_add(acc, grown(stage, 64ull << 10));
@@ -92,14 +124,16 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
 				    const void *arg)
 {
-	int64_t group = arg ? *(const int64_t *)arg : 0, c = chunk > 0 ? chunk : MLENS_GPUPLAN_CHUNK;
+	const struct mlens_gpuplan_in *in = (const struct mlens_gpuplan_in *)arg;
+	int64_t group = in ? in->group : 0, c = chunk > 0 ? chunk : MLENS_GPUPLAN_CHUNK;
+	enum mlens_gemm_mode gemm = in ? in->gemm : MLENS_GEMM_FAST;
 	uint64_t best;
 	if (group != MLENS_GPUPLAN_GROUP_AUTO)
-		return mlens_gpuplan_act_bytes(pm, n, group, chunk);
+		return mlens_gpuplan_act_bytes(pm, n, group, chunk, gemm);
 	/* the groups plan_auto tries: the default, halved down to the chunk */
-	best = mlens_gpuplan_act_bytes(pm, n, MLENS_GPUPLAN_GROUP, chunk);
+	best = mlens_gpuplan_act_bytes(pm, n, MLENS_GPUPLAN_GROUP, chunk, gemm);
 	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= c; g /= 2) {
-		uint64_t b = mlens_gpuplan_act_bytes(pm, n, g, chunk);
+		uint64_t b = mlens_gpuplan_act_bytes(pm, n, g, chunk, gemm);
 		if (b < best)
 			best = b;
 	}
@@ -118,12 +152,12 @@ static uint64_t fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t w
 
 /* Most tokens (up to cap) whose activations fit room; 0 when none. */
 static int64_t tokens_fit(const struct mlens_perf_model *pm, int64_t group, int64_t chunk,
-			  uint64_t room, int64_t cap)
+			  enum mlens_gemm_mode gemm, uint64_t room, int64_t cap)
 {
 	int64_t lo = 0, hi = cap;
 	while (lo < hi) {
 		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (mlens_gpuplan_act_bytes(pm, mid, group, chunk) <= room)
+		if (mlens_gpuplan_act_bytes(pm, mid, group, chunk, gemm) <= room)
 			lo = mid;
 		else
 			hi = mid - 1;
@@ -152,12 +186,12 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	out->budget = in->budget;
 	out->workspace = ws;
 	out->chunk = chunk;
-	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, group, chunk);
+	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, group, chunk, in->gemm);
 	out->gpu_only = sat_add(fixed_bytes(pm, E, ws), act_max);
 	out->minimum = UINT64_MAX;
 	for (int r = 0; r <= E; r++) {
 		uint64_t f = fixed_bytes(pm, r, ws);
-		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, group, chunk));
+		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, group, chunk, in->gemm));
 		if (m < out->minimum)
 			out->minimum = m;
 		if (f < best_fixed) {
@@ -173,7 +207,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 		       "workspace %.2f GiB); raise gpu_memory",
 		       gib(in->budget), gib(out->minimum), gib(mlens_perf_resident_bytes(pm, 0)),
 		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)nmin,
-		       gib(mlens_gpuplan_act_bytes(pm, nmin, group, chunk)), gib(ws));
+		       gib(mlens_gpuplan_act_bytes(pm, nmin, group, chunk, in->gemm)), gib(ws));
 		return -ENOSPC;
 	}
 	/* most resident experts that still leave the whole token cap */
@@ -186,7 +220,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	}
 	/* no residency holds the cap: the cheapest one, with fewer tokens */
 	out->resident_experts = best_r;
-	out->tokens = tokens_fit(pm, group, chunk, in->budget - best_fixed, in->max_tokens);
+	out->tokens = tokens_fit(pm, group, chunk, in->gemm, in->budget - best_fixed, in->max_tokens);
 done:
 	out->resident = mlens_perf_resident_bytes(pm, out->resident_experts);
 	out->slot = mlens_perf_streamed_bytes(pm, out->resident_experts);
@@ -194,7 +228,8 @@ done:
 	out->group = mlens_gpuplan_group_rows(out->tokens, group);
 	if (out->chunk > out->group)
 		out->chunk = out->group;
-	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, group, chunk);
+	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, group, chunk, in->gemm);
+	out->scratch = mlens_gpuplan_scratch_bytes(pm, out->tokens, group, chunk, in->gemm);
 	out->total = sat_add(sat_add(sat_add(out->resident, out->slots), out->act), ws);
 	return 0;
 }
@@ -263,7 +298,7 @@ int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget
 	if (max_tokens <= 0)
 		return -EINVAL;
 	need = sat_add(sat_add(mlens_perf_resident_bytes(pm, (int)pm->experts),
-			       mlens_gpuplan_act_bytes(pm, max_tokens, 0, 0)),
+			       mlens_gpuplan_act_bytes(pm, max_tokens, 0, 0, MLENS_GEMM_FAST)),
 		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
 	if (!budget) {
 		mlens_errf(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "

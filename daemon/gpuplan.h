@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "daemon/perfmodel.h"
+#include "kernels/backend.h"
 
 /* Workspace when the caller gives none: cuBLAS' 32 MiB workspace plus
  * what the GPU gives away outside the backend's byte count: kernel code
@@ -40,9 +41,12 @@
  * MLENS_GPUPLAN_GROUP, half of it, and so on down to the MoE chunk, whose
  * plan holds max_tokens; failing that the one that holds the most tokens
  * (a group's activation sets are what the per-token residual competes
- * with: at 8 GiB the 8-layer 8x7B holds 19,263 tokens in groups of 4096,
- * 33,547 in 2048 and 40,721 in 1024). */
+ * with: at 8 GiB the 8-layer 8x7B holds 30,911 tokens in groups of 4096,
+ * 45,195 in 2048 and 52,369 in 1024). */
 #define MLENS_GPUPLAN_GROUP_AUTO (-1)
+/* The backend's op scratch is reserved once at the plan's size, rounded
+ * to the device allocator's granule. */
+#define MLENS_GPUPLAN_SCRATCH_ALIGN (2ull << 20)
 
 struct mlens_gpuplan_in {
 	uint64_t budget;	/* bytes the pipeline may hold on the GPU */
@@ -52,6 +56,9 @@ struct mlens_gpuplan_in {
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
 	int64_t group;		/* rows per token group; 0 = MLENS_GPUPLAN_GROUP,
 				 * MLENS_GPUPLAN_GROUP_AUTO: chosen (above) */
+	enum mlens_gemm_mode gemm;	/* the GPU backend's: EXACT GEMMs on half-precision
+					 * weights take MLENS_GEMM_EXACT_PARTS times the
+					 * scratch for their split activations */
 };
 
 struct mlens_gpuplan {
@@ -63,6 +70,7 @@ struct mlens_gpuplan {
 	uint64_t slot;		/* bytes of one expert slot (one layer's streamed experts) */
 	uint64_t slots;		/* both slots */
 	uint64_t act;		/* activations and backend scratch for tokens */
+	uint64_t scratch;	/* of act: the backend's op scratch, reserved at start */
 	uint64_t workspace;
 	uint64_t total;		/* resident + slots + act + workspace <= budget */
 	uint64_t budget;
@@ -74,15 +82,22 @@ struct mlens_gpuplan {
  * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE /
  * lm_head call: the residual stream of every token; per activation set
  * (two) the norm, q, k, v, attention out, router logits, ids and weights
- * of a group; logits of a chunk; plus the largest scratch one backend op
- * takes (a group's rows rounded to the weight dtype for a GEMM, a MoE
- * chunk's gathered rows and intermediates). Saturates at UINT64_MAX. */
+ * of a group; logits of a chunk; the backend's op scratch (below); and its
+ * staging of small tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
-				 int64_t chunk);
+				 int64_t chunk, enum mlens_gemm_mode gemm);
+/* The backend's op scratch for such a step, which the pipeline reserves
+ * (backend op scratch_reserve): the largest one op takes (a group's rows
+ * rounded to the weight dtype for a GEMM, a MoE chunk's gathered rows and
+ * intermediates; with EXACT GEMMs the split parts of both), rounded up to
+ * MLENS_GPUPLAN_SCRATCH_ALIGN. */
+uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
+				     int64_t chunk, enum mlens_gemm_mode gemm);
 /* mlens_perf_hw's act_bytes: the bytes above for n tokens with the group
- * *(const int64_t *)arg (0: the default; MLENS_GPUPLAN_GROUP_AUTO: the
- * fewest bytes of the groups the plan may choose, so that the model's
- * n_act is the most tokens any of them holds). */
+ * and GEMM mode of the plan input arg (a const struct mlens_gpuplan_in *;
+ * NULL: the default group, fast GEMMs). With the group
+ * MLENS_GPUPLAN_GROUP_AUTO: the fewest bytes of the groups the plan may
+ * choose, so that the model's n_act is the most tokens any of them holds. */
 uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
 				    const void *arg);
 /* Rows of a group for a step cap of n tokens: group (0: the default),

@@ -256,7 +256,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		st->gpu_workspace = MLENS_GPUPLAN_WORKSPACE;
 	}
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
-	st->plan_group = D.hybrid ? plan_group() : 0;
+	st->plan_in.group = D.hybrid ? plan_group() : 0;
+	st->plan_in.gemm = bo->gemm;
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -482,6 +483,7 @@ int main(int argc, char **argv)
 		eo.attn_backend = &D.attn;
 		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
 		eo.hybrid_group_tokens = plan_group();
+		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));

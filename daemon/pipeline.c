@@ -558,12 +558,21 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	in.workspace = o->workspace;
 	in.chunk = o->chunk;
 	in.group = o->group_tokens;
+	in.gemm = o->gemm;
 	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
 	if (rc)
 		goto fail;
 	p->max_tokens = (int)p->plan.tokens;
 	p->group_rows = (int)p->plan.group;
 	p->chunk = p->plan.chunk;
+	/* the op scratch at the plan's size, held from here on: no step waits
+	 * for it to grow, and an op that would need more fails */
+	if (MLENS_BACKEND_HAS(gpu->ops, scratch_reserve) &&
+	    (rc = gpu->ops->scratch_reserve(gpu->ctx, p->plan.scratch))) {
+		mlens_errf(err, errlen, "hybrid pipeline: cannot reserve %.1f MiB of op scratch on the "
+		       "%s backend: %s", p->plan.scratch / 1048576.0, gpu->ops->name, strerror(-rc));
+		goto fail;
+	}
 	/* the backend's own memory (workspace, staging) counts as it stands */
 	rc = place_weights(p, o->piece_bytes ? o->piece_bytes : MLENS_PIPE_PIECE);
 	if (rc) {
@@ -684,6 +693,8 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 		p->g->ops->host_unregister(p->g->ctx, p->reg[i].p);
 	free(p->reg);
 	free_weights(p);
+	if (MLENS_BACKEND_HAS(p->g->ops, scratch_reserve))
+		p->g->ops->scratch_reserve(p->g->ctx, 0);	/* the backend outlives the pipeline */
 	mlens_pipe_prog_free(&p->prog);
 	free(p->n_pieces);
 	if (p->kv.free_stack)

@@ -35,6 +35,7 @@ struct mlens_pipeline_opts {
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
+	enum mlens_gemm_mode gemm;	/* the GPU backend's GEMM mode: the scratch it needs */
 	/* Prefill attention on the CPU backend too (it is on the GPU unless
 	 * this is set or the GPU backend refuses the model's head_dim). */
 	bool prefill_cpu;

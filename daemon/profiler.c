@@ -981,9 +981,9 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 	st->hw.gpu_budget = st->gpu_budget;
 	st->hw.gpu_workspace = st->gpu_workspace;
 	st->hw.chunk = st->chunk;
-	if (st->plan_group) {
+	if (st->plan_in.group) {
 		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
-		st->hw.act_arg = &st->plan_group;
+		st->hw.act_arg = &st->plan_in;
 	}
 	st->have = true;
 	rc = mlens_profile_state_predict(st, p, g);

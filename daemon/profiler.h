@@ -35,6 +35,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "daemon/model.h"
+#include "daemon/gpuplan.h"
 #include "daemon/perfmodel.h"
 #include "kernels/backend.h"
 
@@ -138,10 +139,11 @@ struct mlens_profile_state {
 	uint64_t gpu_budget;		/* bytes the backend may hold (model's budget) */
 	uint64_t gpu_workspace;
 	int64_t chunk;
-	/* hybrid: the pipeline's token group setting (rows, or
-	 * MLENS_GPUPLAN_GROUP_AUTO), so that the model's activation bytes are
-	 * the executor's plan's (gpuplan.h); 0 otherwise: the model's own */
-	int64_t plan_group;
+	/* hybrid: the pipeline's token group setting (group: rows, or
+	 * MLENS_GPUPLAN_GROUP_AUTO) and GEMM mode, so that the model's
+	 * activation bytes are the executor's plan's (gpuplan.h); group 0
+	 * otherwise: the model's own */
+	struct mlens_gpuplan_in plan_in;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */
 	int pinned_cap;			/* max_step_tokens as configured (> 0: pinned) */
 	const char *cache_path;		/* "" or NULL: no cache */

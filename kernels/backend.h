@@ -137,6 +137,15 @@ struct mlens_backend_ops {
 	 * hybrid pipeline's host thread copies and waits from its own thread;
 	 * those three are the only ops a second thread may call). */
 	int (*bind_thread)(void *ctx);
+
+	/* ---- optional: a fixed op scratch ----
+	 * Allocate the scratch that ops take for their intermediates at bytes
+	 * now, and from then on never grow it: an op that would need more
+	 * fails with -ENOSPC. A pipeline that holds the device to a byte budget
+	 * sizes it from its plan (daemon/gpuplan.h), so that no step waits on
+	 * a reallocation and the budget holds. 0 lifts the limit (the scratch
+	 * grows on demand again). */
+	int (*scratch_reserve)(void *ctx, size_t bytes);
 };
 
 #define MLENS_BACKEND_EVENTS 16
@@ -162,6 +171,8 @@ enum mlens_gemm_mode {
 	MLENS_GEMM_FAST = 0,
 	MLENS_GEMM_EXACT = 1,
 };
+/* The parts an EXACT GEMM splits each activation into. */
+#define MLENS_GEMM_EXACT_PARTS 3
 
 struct mlens_backend_opts {
 	int n_threads;		/* CPU: worker threads, 0 = all cores of numa_node

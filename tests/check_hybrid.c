@@ -111,7 +111,7 @@ START_TEST(plan_auto_group)
 	/* MoE calls of 2048 tokens: groups stop at 2048 (1024 would hold more) */
 	in.max_tokens = 65536;
 	in.chunk = 2048;
-	in.budget = 9 * GIB;
+	in.budget = 8 * GIB;
 	for (int i = 0; i < 3; i++) {
 		in.group = 4096 >> i;
 		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &g[i], NULL, 0), 0);
@@ -158,12 +158,12 @@ START_TEST(plan_model_n_act)
 		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
 		ck_assert_int_eq(p.resident_experts, 0);
 		hw.act_bytes = mlens_gpuplan_act_bytes_hw;
-		hw.act_arg = &groups[i];
+		hw.act_arg = &in;
 		ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, NULL, 0), 0);
 		ck_assert_msg(pr.n_act == (double)p.tokens, "group %lld: model n_act %.0f, plan %lld",
 			      (long long)groups[i], pr.n_act, (long long)p.tokens);
 		ck_assert_uint_eq(pr.gpu_act, mlens_gpuplan_act_bytes_hw(&pm, (int64_t)ceil(pr.tokens),
-									 hw.chunk, &groups[i]));
+									 hw.chunk, &in));
 	}
 	/* the plan's choice holds more than the default group, which is
 	 * close to the model's own estimate */
@@ -268,25 +268,65 @@ START_TEST(plan_act_bytes)
 	c.num_experts_per_tok = 2;
 	c.dtype = MLENS_DTYPE_F32;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8), 0);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8, MLENS_GEMM_FAST), 0);
 	/* 10 tokens, one group of 10 rows, chunk 8: the residual of every
 	 * token (H = 16 floats); per set (two) a group's H + 2qd + 2kvd + E +
 	 * 2K = 16+32+16+4+4 = 72 floats a row; logits of 8 rows = 3200 B (3328
-	 * aligned); scratch: MoE chunk of 16 rows is under 1 MiB -> 1 MiB;
+	 * aligned); scratch: MoE chunk of 16 rows is under 2 MiB -> 2 MiB;
 	 * staging 10*32+4096 -> 64 KiB */
 	per = 72 * 4;
-	want = 10 * 16 * 4 + 2 * 10 * per + 3328 + (1u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8), want);
-	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8), want);
+	want = 10 * 16 * 4 + 2 * 10 * per + 3328 + (2u << 20) + (64u << 10);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8, MLENS_GEMM_FAST), want);
+	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8, MLENS_GEMM_FAST), want);
 	/* 12 tokens in groups of 4: sets hold 4 rows, lm_head chunks of 4
 	 * (1600 B, 1792 aligned) */
-	want = 12 * 16 * 4 + 2 * 4 * per + 1792 + (1u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8), want);
+	want = 12 * 16 * 4 + 2 * 4 * per + 1792 + (2u << 20) + (64u << 10);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST), want);
 	/* the group grows when a step would need more groups than a program holds */
 	ck_assert_int_eq(mlens_gpuplan_group_rows(10, 4), 4);
 	ck_assert_int_eq(mlens_gpuplan_group_rows(3, 4), 3);
 	ck_assert_int_eq(mlens_gpuplan_group_rows(1 << 20, 16),
 			 (1 << 20) / (MLENS_PIPE_MAX_GROUPS / 4));
+}
+END_TEST
+
+/* The op scratch the pipeline reserves, for the 8x7B shape in groups of
+ * 2048 with MoE chunks of 1024 tokens (2048 routed rows), by hand: expert
+ * counts 256 B, perm and inv 8 KiB each, gathered x 2048 x 4096 bf16 =
+ * 16 MiB, gate and up 2048 x 14336 fp32 = 112 MiB each, silu(g)u 2048 x
+ * 14336 bf16 = 56 MiB, expert out 2048 x 4096 fp32 = 32 MiB: 343,949,568
+ * B, rounded up to 2 MiB granules 346,030,080 (it was the next power of
+ * two, 512 MiB). Exact GEMMs split x and silu(g)u in three: 494,944,512
+ * B, 497,025,024 rounded. The plan counts it in its activations. */
+START_TEST(plan_scratch_bytes)
+{
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
+	struct mlens_gpuplan_in in = { .budget = 8 * GIB, .max_tokens = 65536, .min_tokens = 512,
+				       .group = 2048 };
+	struct mlens_gpuplan fast, exact;
+
+	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 33547, 2048, 1024, MLENS_GEMM_FAST),
+			  346030080ull);
+	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 33547, 2048, 1024, MLENS_GEMM_EXACT),
+			  497025024ull);
+	/* a step of 3 tokens: the MoE chunk is the 3 rows' */
+	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 3, 2048, 1024, MLENS_GEMM_FAST),
+			  MLENS_GPUPLAN_SCRATCH_ALIGN);
+	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 0, 2048, 1024, MLENS_GEMM_FAST), 0);
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &fast, NULL, 0), 0);
+	in.gemm = MLENS_GEMM_EXACT;
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &exact, NULL, 0), 0);
+	check_sum(&fast);
+	check_sum(&exact);
+	ck_assert_uint_eq(fast.scratch, 346030080ull);
+	ck_assert_uint_eq(exact.scratch, 497025024ull);
+	ck_assert_uint_lt(fast.scratch, fast.act);
+	/* the exact plan's larger scratch costs it tokens: 16 KiB of residual
+	 * each, so about (497025024 - 346030080) / 16384 = 9216 fewer */
+	ck_assert_int_lt(exact.tokens, fast.tokens);
+	ck_assert_int_ge(fast.tokens - exact.tokens, 9100);
+	ck_assert_int_le(fast.tokens - exact.tokens, 9300);
+	ck_assert_uint_le(exact.total, exact.budget);
 }
 END_TEST
 
@@ -770,6 +810,15 @@ static int fa_sync(void *ctx, int ev)
 	(void)ctx, (void)ev;
 	return 0;
 }
+/* the last scratch_reserve: the pipeline holds its plan's scratch, and
+ * gives the limit back (0) when it goes */
+static size_t fa_reserved = SIZE_MAX;
+static int fa_reserve(void *ctx, size_t bytes)
+{
+	(void)ctx;
+	fa_reserved = bytes;
+	return 0;
+}
 static struct mlens_backend_ops fa_ops;
 
 static void make_async(struct mlens_backend *be)
@@ -784,6 +833,7 @@ static void make_async(struct mlens_backend *be)
 	fa_ops.event_record = fa_event;
 	fa_ops.event_wait = fa_event;
 	fa_ops.event_sync = fa_sync;
+	fa_ops.scratch_reserve = fa_reserve;
 	be->ops = &fa_ops;
 }
 
@@ -848,7 +898,10 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 		for (int j = 0; j < plen[i]; j++)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
 	side_open(&sd[0], m, false, 0, 0, false, false);
+	fa_reserved = SIZE_MAX;
 	side_open(&sd[1], m, true, groups, group_tokens, prefill_cpu, async);
+	if (async)
+		ck_assert_uint_eq(fa_reserved, mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->scratch);
 	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
 	lg[0] = calloc(N_SEQ * V, sizeof(float));
 	lg[1] = calloc(N_SEQ * V, sizeof(float));
@@ -920,6 +973,8 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 	free(lg[1]);
 	side_close(&sd[0], false);
 	side_close(&sd[1], true);
+	if (async)
+		ck_assert_uint_eq(fa_reserved, 0);
 	mlens_test_model_free(m);
 }
 
@@ -1273,6 +1328,7 @@ static Suite *suite(void)
 	tcase_add_test(t, plan_model_n_act);
 	tcase_add_test(t, plan_refuses_below_minimum);
 	tcase_add_test(t, plan_act_bytes);
+	tcase_add_test(t, plan_scratch_bytes);
 	tcase_add_test(t, plan_mode_choice);
 	suite_add_tcase(s, t);
 	t = tcase_create("program");

@@ -3,11 +3,13 @@
  * pipeline (CUDA for GA/GB, the CPU for KV and decode attention, queues
  * and events) against the GPU-only engine, teacher-forced on the engine's
  * greedy tokens over prefill, decode and mixed steps in two token groups,
- * for an fp32 and a bf16 model: logits within the tolerance below and the
- * same greedy token wherever the engine's top two are further apart than
- * that error allows. The GPU memory taken
+ * for an fp32 and a bf16 model, and the bf16 one with exact GEMMs (whose
+ * split activations take three times the scratch): logits within the
+ * tolerance below and the same greedy token wherever the engine's top two
+ * are further apart than that error allows. The GPU memory taken
  * (cudaMemGetInfo before and after, the backend's own count) stays within
- * the budget; each layer's experts cross once per step. */
+ * the budget, the op scratch being held at the plan's size (an op needing
+ * more would fail); each layer's experts cross once per step. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -27,8 +29,9 @@
  * bf16 models: the CUDA backend rounds GEMM inputs to bf16, so such an
  * order difference can flip a rounding, amplified over the layers of a
  * random model; 0.015 is the bf16 golden fixture's decode tolerance. */
-static const double tols[2] = { 1e-4, 0.015 };
-static const enum mlens_dtype dtypes[2] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16 };
+static const double tols[3] = { 1e-4, 0.015, 0.015 };
+static const enum mlens_dtype dtypes[3] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16 };
+static const enum mlens_gemm_mode gemms[3] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_EXACT };
 
 static struct mlens_test_spec spec(enum mlens_dtype dt)
 {
@@ -90,14 +93,15 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	const enum mlens_dtype dt = dtypes[_i];
 	struct mlens_test_spec ts = spec(dt);
 	struct mlens_model *m = mlens_test_model_new(&ts);
-	struct mlens_backend_opts bo = { .n_threads = 4, .device = 0 };
+	struct mlens_backend_opts bo = { .n_threads = 4, .device = 0, .gemm = gemms[_i] };
 	struct mlens_backend g, c;
 	struct mlens_engine *e;
-	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
+					.hybrid_gemm = gemms[_i] };
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan plan;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
-				       .min_tokens = MAX_TOK };
+				       .min_tokens = MAX_TOK, .gemm = gemms[_i] };
 	static int32_t prompt[N_SEQ][64], tok[N_STEPS][N_SEQ];
 	size_t V = (size_t)ts.vocab, nlog = (size_t)N_STEPS * N_SEQ * V;
 	float *ref = calloc(nlog, sizeof(float)), *got = calloc(nlog, sizeof(float));
@@ -183,8 +187,9 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 			}
 		}
 	}
-	printf("[%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of %d safe "
-	       "greedy tokens equal\n", mlens_dtype_name(dt), worst, TOL, same, safe);
+	printf("[%s, %s GEMMs] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
+	       "%d safe greedy tokens equal\n", mlens_dtype_name(dt), mlens_gemm_mode_name(gemms[_i]),
+	       worst, TOL, same, safe);
 	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);
 	ck_assert_int_gt(safe, N_STEPS * N_SEQ / 2);
 	mlens_engine_destroy(e);
@@ -210,7 +215,7 @@ int main(void)
 	s = suite_create("hybrid_cuda");
 	tc = tcase_create("pipeline");
 	tcase_set_timeout(tc, 120);
-	tcase_add_loop_test(tc, hybrid_equals_gpu_only_within_budget, 0, 2);
+	tcase_add_loop_test(tc, hybrid_equals_gpu_only_within_budget, 0, 3);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);	/* CUDA does not survive fork() */

@@ -299,24 +299,47 @@ int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used)
 	return 0;
 }
 
+/* The scratch at exactly cap bytes (cap 0: none). */
+static int scratch_set(struct mlens_cuda_ctx *c, size_t cap)
+{
+	char *d = NULL;
+	dev_free(c, c->d_scratch);	/* cudaFree waits for its users */
+	c->d_scratch = NULL;
+	c->scratch_cap = 0;
+	if (cap && !(d = (char *)dev_alloc(c, cap)))
+		return -errno;
+	c->d_scratch = d;
+	c->scratch_cap = cap;
+	return 0;
+}
+
 int mlens_cuda_scratch(struct mlens_cuda_ctx *c, size_t bytes, char **dev)
 {
 	if (bytes > c->scratch_cap) {
 		size_t cap = c->scratch_cap ? c->scratch_cap : 1 << 20;
-		char *d;
+		int rc;
+		if (c->scratch_fixed) {
+			fprintf(stderr, "mlens cuda: an op needs %zu bytes of scratch, past the %zu "
+				"reserved\n", bytes, c->scratch_cap);
+			return -ENOSPC;
+		}
 		while (cap < bytes)
 			cap *= 2;
-		dev_free(c, c->d_scratch);	/* cudaFree waits for its users */
-		c->d_scratch = NULL;
-		c->scratch_cap = 0;
-		d = (char *)dev_alloc(c, cap);
-		if (!d)
-			return -errno;
-		c->d_scratch = d;
-		c->scratch_cap = cap;
+		if ((rc = scratch_set(c, cap)))
+			return rc;
 	}
 	*dev = c->d_scratch;
 	return 0;
+}
+
+static int cuda_scratch_reserve(void *ctx, size_t bytes)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	int rc = 0;
+	if (bytes != c->scratch_cap)
+		rc = scratch_set(c, bytes);
+	c->scratch_fixed = bytes && !rc;
+	return rc;
 }
 
 int mlens_cuda_back(struct mlens_cuda_ctx *c, size_t bytes, void **host)
@@ -911,6 +934,7 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_timer_mark,
 	cuda_timer_read,
 	cuda_bind_thread,
+	cuda_scratch_reserve,
 };
 
 extern "C" bool mlens_cuda_available(void)

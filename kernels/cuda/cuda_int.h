@@ -53,6 +53,7 @@ struct mlens_cuda_ctx {
 	/* device scratch for converted activations, permutations, partials */
 	char *d_scratch;
 	size_t scratch_cap;
+	bool scratch_fixed;		/* scratch_reserve: never grows */
 
 	/* small pinned area for values read back (expert counts, tokens) */
 	void *h_back;
@@ -170,7 +171,7 @@ int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtyp
  * Exact for every normal fp32 x with bf16; with f16 for 2^-20 <= |x| <=
  * 65504 (below, off by less than 2^-47; above, inf as fast mode's rounding
  * gives). Checked on 2e6 random values over 2^-40..2^40 (bf16). */
-#define MLENS_CUDA_SPLIT_PARTS 3
+#define MLENS_CUDA_SPLIT_PARTS MLENS_GEMM_EXACT_PARTS
 static inline float mlens_cuda_split_scale(enum mlens_dtype dt)
 {
 	/* one part holds 8 (bf16) or 11 (f16) significant bits; scaling each

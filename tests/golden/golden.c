@@ -425,11 +425,12 @@ const char *mlens_golden_gpu_side(const char *backend)
 
 /* The hybrid budget: the least that runs a full step cap, which streams
  * every expert of a model of more than two layers. */
-static int hybrid_budget(const struct mlens_model *m, int max_tokens, uint64_t *out)
+static int hybrid_budget(const struct mlens_model *m, int max_tokens, enum mlens_gemm_mode gemm,
+			 uint64_t *out)
 {
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
-				       .min_tokens = max_tokens };
+				       .min_tokens = max_tokens, .gemm = gemm };
 	struct mlens_gpuplan p;
 	enum mlens_dtype kv = m->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
 	int rc = mlens_perf_model_from_config(&pm, &m->cfg, kv);
@@ -466,7 +467,8 @@ int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 		}
 		ge->have_attn = true;
 		eo.attn_backend = &ge->attn;
-		rc = hybrid_budget(ge->m, 4096, &eo.gpu_budget);
+		eo.hybrid_gemm = gemm;
+		rc = hybrid_budget(ge->m, 4096, gemm, &eo.gpu_budget);
 		if (rc) {
 			fail(err, errlen, rc, "%s: no GPU memory plan for the hybrid pipeline", dir);
 			goto fail;
