@@ -249,7 +249,11 @@ static double gpu_b(const struct mlens_perf_hw *hw)
 	return hw->ga.b + hw->gb.b;
 }
 
-double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
+/* n at which GPU time 2a + (b + gpu_extra) n equals the transfer
+ * (streamed + io_extra n) / B_IO; the extras are per token (seconds,
+ * bytes). */
+static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes, double gpu_extra,
+			double io_extra)
 {
 	double t_io, slope, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
 	if (!(hw->b_io > 0))
@@ -260,10 +264,15 @@ double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
 	if (t_io <= fixed)
 		return 0;
 	/* per-token link traffic (collectives on PCIe) grows the transfer too */
-	slope = gpu_b(hw) - hw->h2d_per_token / hw->b_io;
+	slope = gpu_b(hw) + gpu_extra - io_extra / hw->b_io;
 	if (!(slope > 0))
 		return INFINITY;
 	return (t_io - fixed) / slope;
+}
+
+double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
+{
+	return n_balance(hw, streamed_bytes, 0, hw->h2d_per_token);
 }
 
 /* ==== eq. 3-4 ==== */
@@ -321,7 +330,8 @@ const char *mlens_perf_limit_name(enum mlens_perf_limit l)
 static bool hw_ok(const struct mlens_perf_hw *hw)
 {
 	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
-	       hw->h2d_per_token >= 0 &&
+	       hw->h2d_per_token >= 0 && hw->c_attn >= 0 && hw->b_act_h2d >= 0 &&
+	       hw->b_act_d2h >= 0 &&
 	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
 }
 
@@ -332,12 +342,31 @@ static bool step_ok(const struct mlens_perf_step *st)
 	       isfinite(st->context) && isfinite(st->prefill_pairs);
 }
 
+/* GPU seconds beyond the fitted lines for a group holding fractions fd of
+ * the step's decode tokens and fp of its prefill tokens: prefill attention
+ * at its rate, and the group's activation copies where they hold up the
+ * compute queue. */
+static double step_gpu_extra(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			     const struct mlens_perf_step *st, double fd, double fp)
+{
+	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
+	double ab = (double)pm->abytes, d = st->decode, P = st->tokens - st->decode, t = 0;
+	double c_attn = hw->c_attn > 0 ? hw->c_attn : hw->c_gpu;
+	if (c_attn > 0)
+		t += 4.0 * qd * fp * st->prefill_pairs / c_attn;
+	if (hw->b_act_d2h > 0)
+		t += (fd * d * (qd + 2 * kvd) + fp * P * 2 * kvd) * ab / hw->b_act_d2h;
+	if (hw->b_act_h2d > 0)
+		t += fd * d * qd * ab / hw->b_act_h2d;
+	return t;
+}
+
 int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			 const struct mlens_perf_policy *pol, const struct mlens_perf_step *st,
 			 struct mlens_perf_step_time *out)
 {
 	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
-	double kvb = (double)pm->kvbytes, d = st->decode, P = st->tokens - st->decode;
+	double ab = (double)pm->abytes, d = st->decode, P = st->tokens - st->decode;
 	double kv_read, h2d, d2h, b_d2h, frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
 	if (!hw_ok(hw) || !step_ok(st) || pol->resident_experts < 0 ||
 	    pol->resident_experts > pm->experts || !(pol->alpha_decode >= 0 && pol->alpha_decode <= 1) ||
@@ -347,9 +376,9 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	kv_read = st->context * (double)pm->kv_token_bytes;
 	/* H2D: streamed experts + attention outputs of decode tokens;
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
-	h2d = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts) + d * qd * kvb +
+	h2d = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts) + d * qd * ab +
 	      st->tokens * hw->h2d_per_token;
-	d2h = d * (qd + 2 * kvd) * kvb + P * 2 * kvd * kvb;
+	d2h = d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
 	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
 	out->tier[MLENS_PERF_BIND_D2H] = d2h / b_d2h;
@@ -363,9 +392,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 		if (n_x > 0) {
 			/* an empty group launches nothing; a fitted intercept may
 			 * come out slightly negative: time is never negative */
-			g = gpu_a(hw) + gpu_b(hw) * n_x;
-			if (hw->c_gpu > 0)
-				g += 4.0 * qd * frac_p[x] * st->prefill_pairs / hw->c_gpu;
+			g = gpu_a(hw) + gpu_b(hw) * n_x + step_gpu_extra(pm, hw, st, frac_d[x], frac_p[x]);
 			if (g < 0)
 				g = 0;
 		}
@@ -481,7 +508,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 {
 	uint64_t fixed, room, streamed;
 	int64_t nmin = min_tokens(w);
-	double n_a;
+	double n_a, gpu_x;
 	int rc;
 	if (!hw_ok(hw) || !(w->p >= 0) || !(w->g > 0) || !(w->kv_tokens > 0) ||
 	    resident_experts < 0 || resident_experts > pm->experts) {
@@ -506,7 +533,17 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	}
 	streamed = mlens_perf_streamed_bytes(pm, resident_experts);
 	out->pme = mlens_perf_pme(w->p, w->g);
-	out->n_eq = mlens_perf_n_fit(hw, streamed);
+	{
+		/* the workload's steady steps add, per token, prefill attention
+		 * and activation copies to the GPU's time and the attention
+		 * outputs to the link (linear in n: measured at any n) */
+		const double n1 = 1e4;
+		struct mlens_perf_step s1 = mlens_perf_steady_step(w, n1);
+		double qd = (double)(pm->heads * pm->head_dim), io_x;
+		gpu_x = step_gpu_extra(pm, hw, &s1, 1, 1) / n1;
+		io_x = hw->h2d_per_token + s1.decode * qd * (double)pm->abytes / n1;
+		out->n_eq = n_balance(hw, streamed, gpu_x, io_x);
+	}
 	out->n_act = n_a;
 	out->n_real = out->n_eq < n_a ? floor(out->n_eq) : n_a;
 	if (out->n_real < (double)nmin)
@@ -532,7 +569,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	out->gen_tok_s = out->step.decode * out->steps_per_s;
 	out->delta = (double)pm->layers * (double)streamed / hw->b_io;
 	{
-		double g1 = gpu_a(hw) + gpu_b(hw) * out->n_real;
+		double g1 = gpu_a(hw) + (gpu_b(hw) + gpu_x) * out->n_real;
 		out->t_gpu = g1 > 0 ? out->n_real / ((double)pm->layers * g1) : INFINITY;
 	}
 	out->t_max = mlens_perf_tmax(out->pme, w->kv_tokens, out->delta, out->t_gpu);

@@ -54,10 +54,16 @@
  * layer each tier needs work / rate:
  *   PCIe H2D   (streamed experts + decode attention outputs) / B_IO
  *   PCIe D2H   (decode q,k,v + prefill K/V) / B_D2H
+ *              (these activation copies move abytes an element: the
+ *              pipeline copies its fp32 activations as they are)
  *   CPU memory (KV read + all DMA bytes) / B_mem: DMA and KV reads share
  *              the memory bandwidth (B_mem = B_KV + B_IO)
- *   GPU        sum over the two token groups of a + b n_x (+ prefill
- *              attention FLOPs / C_GPU)
+ *   GPU        sum over the two token groups of a + b n_x + prefill
+ *              attention FLOPs / C_attn (the measured rate of the prefill
+ *              attention kernel; C_GPU when not measured) + the group's
+ *              activation copies / their rate on the compute queue (the
+ *              pipeline queues them between its kernels, which wait for
+ *              them; not counted when no such rate is given)
  *   CPU attn   KV bytes read / measured attention bandwidth
  *   chain      max over groups x of g_x + c_x: group x's GPU work and its
  *              CPU attention cannot overlap each other, only the other
@@ -97,8 +103,9 @@
 struct mlens_perf_model {
 	int64_t hidden, inter, layers, heads, kv_heads, head_dim, experts, top_k, vocab;
 	int64_t wbytes;		/* bytes per weight element */
-	int64_t kvbytes;	/* bytes per KV element (pool dtype; also q,k,v copies) */
-	int64_t abytes;		/* bytes per activation element on the GPU (f32) */
+	int64_t kvbytes;	/* bytes per KV element (pool dtype) */
+	int64_t abytes;		/* bytes per activation element on the GPU (f32),
+				 * also of the q,k,v and attention-output copies */
 	bool tied;		/* lm_head is the embedding matrix */
 	/* derived, bytes per layer unless stated */
 	uint64_t attn_bytes;	/* q, k, v, o */
@@ -150,7 +157,12 @@ struct mlens_perf_hw {
 	double b_d2h;		/* D2H bytes/s; 0 = b_io */
 	double b_mem;		/* CPU memory bytes/s, shared by KV reads and DMA */
 	double b_attn;		/* KV bytes/s through the CPU decode attention */
-	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2, prefill attention) */
+	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2) */
+	double c_attn;		/* GPU prefill attention FLOP/s; 0 = c_gpu */
+	/* bytes/s of the activation copies on the GPU's compute queue, each
+	 * way; > 0: the queue's kernels wait for them, so the GPU tier counts
+	 * them; 0: they overlap the kernels */
+	double b_act_h2d, b_act_d2h;
 	double b_hbm;		/* GPU memory bytes/s */
 	struct mlens_perf_line ga, gb;	/* GPU s per layer vs tokens in one group */
 	uint64_t gpu_budget;	/* bytes the daemon may use on the GPU */

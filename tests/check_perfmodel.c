@@ -213,8 +213,9 @@ START_TEST(step_time_tiers)
 	struct mlens_perf_policy pol = { 0, 0.5, 0.5 };
 	struct mlens_perf_step st = { 1000, 400, 400 * 500.0, 600 * 50.0 };
 	struct mlens_perf_step_time t;
-	double h2d = 2818572288.0 + 400 * 4096 * 2;
-	double d2h = 400 * (4096 + 2048) * 2 + 600 * 2048 * 2;
+	/* activation copies are fp32, as the pipeline moves them */
+	double h2d = 2818572288.0 + 400 * 4096 * 4;
+	double d2h = 400 * (4096 + 2048) * 4 + 600 * 2048 * 4;
 	double kv = 400 * 500.0 * 4096;
 	double g = hw.ga.a + hw.gb.a + (hw.ga.b + hw.gb.b) * 500 + 4.0 * 4096 * 0.5 * 600 * 50 / 149.7e12;
 
@@ -229,6 +230,28 @@ START_TEST(step_time_tiers)
 	ck_assert_int_eq(t.bind, MLENS_PERF_BIND_PCIE);
 	ck_assert_str_eq(mlens_perf_bind_name(t.bind), "pcie-h2d");
 	assert_rel(t.seconds, 32 * h2d / 25e9 + t.tier[MLENS_PERF_BIND_CHAIN], 1e-12);
+
+	/* the prefill attention kernel's own rate, and copies on the compute
+	 * queue at 20 GB/s down and 10 GB/s up: each group's GPU time grows by
+	 * its share (an even split: half of each) */
+	hw.c_attn = 30e12;
+	hw.b_act_d2h = 20e9;
+	hw.b_act_h2d = 10e9;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	{
+		double g2 = hw.ga.a + hw.gb.a + (hw.ga.b + hw.gb.b) * 500 +
+			    4.0 * 4096 * 0.5 * 600 * 50 / 30e12 + d2h / 2 / 20e9 +
+			    400 * 4096 * 4 / 2 / 10e9;
+		assert_rel(t.group_gpu[0], g2, 1e-12);
+		assert_rel(t.tier[MLENS_PERF_BIND_GPU], 2 * g2, 1e-12);
+		/* the links' tiers are unchanged */
+		assert_rel(t.tier[MLENS_PERF_BIND_PCIE], h2d / 25e9, 1e-12);
+		assert_rel(t.tier[MLENS_PERF_BIND_D2H], d2h / 25e9, 1e-12);
+	}
+	hw.c_attn = hw.b_act_d2h = hw.b_act_h2d = 0;
+	hw.b_act_d2h = -1;	/* a negative rate is refused */
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+	hw.b_act_d2h = 0;
 
 	/* everything resident and slow attention: CPU attention binds, and the
 	 * best split moves decode tokens out of the way of the GPU */
@@ -308,9 +331,20 @@ START_TEST(policy_tight_budget)
 	ck_assert_int_le(pr.policy.resident_experts, 1);
 	ck_assert_int_eq(pr.time.bind, MLENS_PERF_BIND_PCIE);
 	ck_assert_uint_le(pr.gpu_total, hw.gpu_budget);
-	/* the step carries n_real tokens: the line meets the transfer there */
+	/* the step carries n_real tokens: the GPU's time meets the transfer
+	 * there. Per token of a steady p 98 / g 32 step, the GPU also runs
+	 * prefill attention (98/130 prefill tokens, 99/2 causal pairs each,
+	 * 4 x 4096 FLOPs a pair at c_gpu) and the link also carries the 32/130
+	 * decode tokens' fp32 attention outputs: by hand
+	 * n = (t_io - 2a) / (b + x_gpu - x_io / B_IO) */
 	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_NREAL);
-	assert_rel(pr.n_eq, mlens_perf_n_fit(&hw, mlens_perf_streamed_bytes(&pm, pr.policy.resident_experts)), 1e-15);
+	{
+		double t_io = (double)mlens_perf_streamed_bytes(&pm, pr.policy.resident_experts) / 25e9;
+		double x_gpu = 4.0 * 4096 * (98.0 / 130) * 99 / 2 / 149.7e12;
+		double x_io = 32.0 / 130 * 4096 * 4;
+		double want = (t_io - 2 * (hw.ga.a + hw.gb.a)) / (hw.ga.b + hw.gb.b + x_gpu - x_io / 25e9);
+		assert_rel(pr.n_eq, want, 1e-9);
+	}
 	ck_assert(pr.n_real == floor(pr.n_eq));
 	ck_assert(pr.n_real <= pr.n_act);
 	ck_assert_int_eq(mlens_perf_token_cap(&pr), (int)pr.n_real);
@@ -471,7 +505,10 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	ck_assert_int_eq(pr.limit, want_limit);
 	cap = mlens_perf_token_cap(&pr);
 	if (want_limit == MLENS_PERF_LIMIT_NREAL)
-		want_cap = (int)floor(((double)streamed / hw.b_io - 2 * 1e-6) / 1e-6);
+		/* 1 µs a token less the link time of the 6/13 decode tokens'
+		 * fp32 attention outputs, which share the transfer */
+		want_cap = (int)floor(((double)streamed / hw.b_io - 2 * 1e-6) /
+				      (1e-6 - 6.0 / 13 * (double)(pm.heads * pm.head_dim) * 4 / hw.b_io));
 	else	/* the most tokens whose activations fit budget_extra */
 		for (want_cap = 0; mlens_perf_act_bytes(&pm, want_cap + 1, 64) <= budget_extra; want_cap++)
 			;
