@@ -286,8 +286,14 @@ static void show_profile(json_t *r)
 		printf("%-16s %.2f TFLOP/s\n", "GEMM", getf(m, "gemm_flops") / 1e12);
 	else
 		printf("%-16s %.2f GFLOP/s\n", "GEMM", getf(m, "gemm_flops") / 1e9);
+	if (getf(m, "prefill_attention_flops") > 0)
+		printf("%-16s %.2f TFLOP/s\n", "prefill attn", getf(m, "prefill_attention_flops") / 1e12);
 	show_rate("H2D (pinned)", getf(m, "h2d_bytes_per_s"), "GB/s");
 	show_rate("D2H (pinned)", getf(m, "d2h_bytes_per_s"), "GB/s");
+	if (getf(m, "compute_queue_d2h_bytes_per_s") > 0)
+		printf("%-16s %.2f GB/s H2D, %.2f GB/s D2H (activations, between the GPU's kernels)\n",
+		       "compute queue", getf(m, "compute_queue_h2d_bytes_per_s") / 1e9,
+		       getf(m, "compute_queue_d2h_bytes_per_s") / 1e9);
 	show_rate("CPU attention", getf(m, "cpu_attention_bytes_per_s"), "GB/s of KV");
 	printf("%-16s %.2f GB/s read alone\n", "CPU memory", getf(m, "cpu_read_bytes_per_s") / 1e9);
 	if (getf(m, "h2d_under_read_bytes_per_s") > 0)

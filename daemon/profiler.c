@@ -261,6 +261,41 @@ static int time_best(struct layer *L, enum which w, int n, int reps, double *bes
 
 #define REPS 3
 
+/* FLOP/s of prefill attention over n tokens (the GA rows' q, k, v) as
+ * prompts of MLENS_PROFILE_PROMPT tokens, counted as the model counts it
+ * (4 q-dims per causal (query, key) pair); 0 when the backend has no
+ * prefill attention for this model's heads. */
+static int time_prefill_attn(struct layer *L, int64_t n, double *flops)
+{
+	const struct mlens_model_config *c = L->c;
+	int64_t seg = n < MLENS_PROFILE_PROMPT ? n : MLENS_PROFILE_PROMPT, nseq = n / seg;
+	int hd = (int)c->head_dim, rc = 0;
+	int32_t *cu = malloc((size_t)(nseq + 1) * sizeof(*cu));
+	double pairs = (double)nseq * (double)seg * (double)(seg + 1) / 2, best = INFINITY;
+
+	*flops = 0;
+	if (!cu)
+		return -ENOMEM;
+	for (int64_t i = 0; i <= nseq; i++)
+		cu[i] = (int32_t)(i * seg);
+	for (int r = 0; r < REPS + 1 && !rc; r++) {
+		double t0 = now();
+		rc = L->be->ops->attn_prefill(L->be->ctx, L->att, L->q, L->k, L->v, cu, (int)nseq,
+					      (int)c->num_attention_heads, (int)c->num_key_value_heads,
+					      hd, 1.0f / sqrtf((float)hd));
+		if (!rc)
+			rc = L->be->ops->sync(L->be->ctx);
+		if (!rc && r && now() - t0 < best)
+			best = now() - t0;
+	}
+	free(cu);
+	if (rc == -ENOTSUP)
+		return 0;	/* the pipeline runs it on the CPU then */
+	if (!rc)
+		*flops = 4.0 * (double)L->qd * pairs / best;
+	return rc;
+}
+
 static void origin_line(const double *x, const double *y, int n, struct mlens_perf_line *l)
 {
 	double sxx = 0, sxy = 0;
@@ -330,6 +365,8 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	if ((rc = time_best(&L, W_GEMM, (int)top, REPS, &t)))
 		goto op_fail;
 	p->gemm_flops = 2.0 * (double)top * (double)m->cfg.hidden_size * (double)m->cfg.intermediate_size / t;
+	if ((rc = time_prefill_attn(&L, top, &p->attn_prefill_flops)))
+		goto op_fail;
 	goto out;
 op_fail:
 	mlens_errf(err, errlen, "profiler: a %s backend op failed: %s", o->be->ops->name, strerror(-rc));
@@ -359,14 +396,17 @@ static int profile_copies(struct mlens_backend *be, double budget, struct mlens_
 		goto out;
 	}
 	memset(h, 1, bytes);
-	for (int dir = 0; dir < 2; dir++) {
-		double best = INFINITY;
+	/* the copy queue (the weight stream's), then the compute queue (the
+	 * pipeline's activations), each way */
+	for (int k = 0; k < 4; k++) {
+		int queue = k < 2 ? 1 : 0, dir = k % 2;
+		double best = INFINITY, rate;
 		for (int r = 0; r < REPS + 1; r++) {
 			double t0 = now(), t;
 			/* the last event: the pipeline records it only right before
 			 * waiting on it, so no step's ordering depends on it */
-			if ((rc = o->copy_async(be->ctx, 1, dir ? h : d, dir ? d : h, bytes, !dir)) ||
-			    (rc = o->event_record(be->ctx, 1, MLENS_BACKEND_EVENTS - 1)) ||
+			if ((rc = o->copy_async(be->ctx, queue, dir ? h : d, dir ? d : h, bytes, !dir)) ||
+			    (rc = o->event_record(be->ctx, queue, MLENS_BACKEND_EVENTS - 1)) ||
 			    (rc = o->event_sync(be->ctx, MLENS_BACKEND_EVENTS - 1))) {
 				mlens_errf(err, errlen, "profiler: a pinned copy failed: %s", strerror(-rc));
 				goto out;
@@ -375,10 +415,8 @@ static int profile_copies(struct mlens_backend *be, double budget, struct mlens_
 			if (r && t < best)
 				best = t;
 		}
-		if (dir)
-			p->d2h = (double)bytes / best;
-		else
-			p->h2d = (double)bytes / best;
+		rate = (double)bytes / best;
+		*(queue ? (dir ? &p->d2h : &p->h2d) : (dir ? &p->act_d2h : &p->act_h2d)) = rate;
 	}
 out:
 	if (h)
@@ -704,6 +742,9 @@ void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
 	hw->b_mem = p->mem_bw;
 	hw->b_attn = p->attn_bw;
 	hw->c_gpu = p->gemm_flops;
+	hw->c_attn = p->attn_prefill_flops;
+	hw->b_act_h2d = p->act_h2d;
+	hw->b_act_d2h = p->act_d2h;
 	hw->ga = p->ga;
 	hw->gb = p->gb;
 }
@@ -786,9 +827,12 @@ static json_t *line_json(const struct mlens_perf_line *l)
 
 json_t *mlens_profile_json(const struct mlens_profile *p)
 {
-	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}", "backend", p->backend,
-			      "gpu", p->gpu, "gemm_flops", p->gemm_flops, "h2d_bytes_per_s", p->h2d,
-			      "d2h_bytes_per_s", p->d2h, "cpu_attention_bytes_per_s", p->attn_bw,
+	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}",
+			      "backend", p->backend, "gpu", p->gpu, "gemm_flops", p->gemm_flops,
+			      "prefill_attention_flops", p->attn_prefill_flops, "h2d_bytes_per_s", p->h2d,
+			      "d2h_bytes_per_s", p->d2h, "compute_queue_h2d_bytes_per_s", p->act_h2d,
+			      "compute_queue_d2h_bytes_per_s", p->act_d2h,
+			      "cpu_attention_bytes_per_s", p->attn_bw,
 			      "cpu_memory_bytes_per_s", p->mem_bw, "cpu_read_bytes_per_s", p->mem_read_bw,
 			      "cpu_read_under_copy_bytes_per_s", p->mem_read_copy_bw,
 			      "h2d_under_read_bytes_per_s", p->copy_read_bw, "seconds", p->seconds,
@@ -879,8 +923,11 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	json_decref(want);
 	if (rc)
 		goto out;
-	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be, "gpu", &gpu,
-			"gemm_flops", &p->gemm_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
+	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be,
+			"gpu", &gpu, "gemm_flops", &p->gemm_flops, "prefill_attention_flops",
+			&p->attn_prefill_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
+			"compute_queue_h2d_bytes_per_s", &p->act_h2d, "compute_queue_d2h_bytes_per_s",
+			&p->act_d2h,
 			"cpu_attention_bytes_per_s", &p->attn_bw, "cpu_memory_bytes_per_s", &p->mem_bw,
 			"cpu_read_bytes_per_s", &p->mem_read_bw, "cpu_read_under_copy_bytes_per_s",
 			&p->mem_read_copy_bw, "h2d_under_read_bytes_per_s", &p->copy_read_bw, "seconds",
@@ -903,7 +950,8 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 		p->tokens[i] = t;
 	}
 	p->n_points = (int)json_array_size(pts);
-	if (!(p->mem_bw > 0) || !(p->mem_read_bw > 0) || !(p->attn_bw > 0) || !(p->gemm_flops > 0)) {
+	if (!(p->mem_bw > 0) || !(p->mem_read_bw > 0) || !(p->attn_bw > 0) || !(p->gemm_flops > 0) ||
+	    !(p->attn_prefill_flops >= 0) || !(p->act_h2d >= 0) || !(p->act_d2h >= 0)) {
 		mlens_errf(err, errlen, "profile cache %s: a rate is not positive", path);
 		rc = -EINVAL;
 	}

@@ -40,7 +40,7 @@
 #include "kernels/backend.h"
 
 #define MLENS_PROFILE_POINTS 6		/* token counts per line */
-#define MLENS_PROFILE_VERSION 2		/* of the cache file's layout */
+#define MLENS_PROFILE_VERSION 3		/* of the cache file's layout */
 /* The workload mlensd predicts for at start-up (mlensctl profile takes
  * others): a prompt of 512 tokens, 128 generated. */
 #define MLENS_PROFILE_PROMPT 512
@@ -71,7 +71,13 @@ struct mlens_profile {
 	double ga_s[MLENS_PROFILE_POINTS], gb_s[MLENS_PROFILE_POINTS];
 	struct mlens_perf_line ga, gb;	/* seconds per layer vs tokens */
 	double gemm_flops;
+	double attn_prefill_flops;	/* the backend's prefill attention over prompts
+					 * of MLENS_PROFILE_PROMPT tokens; 0 when it
+					 * has none for this model */
 	double h2d, d2h;		/* pinned copies; 0 on host memory */
+	/* pinned copies on the compute queue, as the hybrid pipeline moves
+	 * activations between its kernels; 0 on host memory */
+	double act_h2d, act_d2h;
 	double attn_bw;			/* KV bytes/s through CPU decode attention */
 	double mem_bw;			/* CPU memory bytes/s for KV reads and DMA
 					 * together (the model's B_mem): reads +

@@ -64,6 +64,9 @@ START_TEST(cpu_profile_sane)
 	ck_assert(p.mem_bw > 1e8 && p.mem_bw < 1e13);
 	ck_assert(p.attn_bw > 1e6 && p.attn_bw < 1e13);
 	ck_assert(p.h2d == 0 && p.d2h == 0);	/* host memory: nothing crosses a bus */
+	ck_assert(p.act_h2d == 0 && p.act_d2h == 0);
+	/* the CPU backend's prefill attention, timed over the GA rows */
+	ck_assert(p.attn_prefill_flops > 1e6 && p.attn_prefill_flops < 1e14);
 	ck_assert_msg(p.seconds > 0 && p.seconds < 2.0, "the tiny model's profile took %.2f s", p.seconds);
 	{
 		struct mlens_perf_hw hw;
@@ -71,6 +74,8 @@ START_TEST(cpu_profile_sane)
 		mlens_profile_hw(&p, &hw);
 		ck_assert(hw.b_io == p.mem_bw && hw.b_mem == p.mem_bw && hw.b_attn == p.attn_bw);
 		ck_assert(hw.c_gpu == p.gemm_flops && hw.ga.b == p.ga.b && hw.gb.a == p.gb.a);
+		ck_assert(hw.c_attn == p.attn_prefill_flops);
+		ck_assert(hw.b_act_h2d == 0 && hw.b_act_d2h == 0);	/* no copies to count */
 	}
 	mlens_backend_destroy(&be);
 	mlens_test_model_free(m);
@@ -106,6 +111,8 @@ START_TEST(cache_roundtrip_and_key)
 	ck_assert_double_eq_tol(q.mem_read_bw, p.mem_read_bw, 1e-9 * p.mem_read_bw);
 	ck_assert_double_eq_tol(q.attn_bw, p.attn_bw, 1e-9 * p.attn_bw);
 	ck_assert_double_eq_tol(q.gemm_flops, p.gemm_flops, 1e-9 * p.gemm_flops);
+	ck_assert_double_eq_tol(q.attn_prefill_flops, p.attn_prefill_flops, 1e-9 * p.attn_prefill_flops);
+	ck_assert(q.act_h2d == 0 && q.act_d2h == 0);
 	ck_assert_str_eq(q.backend, "cpu");
 
 	/* each part of the key invalidates it */
@@ -142,6 +149,7 @@ static struct mlens_backend_ops fake_ops;
 static pthread_t fake_main;		/* the profiling thread */
 static atomic_int fake_copies_other;	/* copies queued from another thread */
 static atomic_bool fake_fail_other;	/* those fail with -EIO */
+static atomic_int fake_copies_q0;	/* copies on the compute queue */
 
 static void *fake_host_alloc(void *ctx, size_t bytes)
 {
@@ -161,6 +169,8 @@ static int fake_copy(void *ctx, int queue, void *dst, const void *src, size_t by
 	(void)to_device;
 	if (queue < 0 || queue > 1)
 		return -EINVAL;
+	if (queue == 0)
+		atomic_fetch_add(&fake_copies_q0, 1);
 	if (!pthread_equal(pthread_self(), fake_main)) {
 		atomic_fetch_add(&fake_copies_other, 1);
 		if (atomic_load(&fake_fail_other))
@@ -197,6 +207,7 @@ static void fake_device(struct mlens_backend *be)
 	fake_main = pthread_self();
 	atomic_store(&fake_copies_other, 0);
 	atomic_store(&fake_fail_other, false);
+	atomic_store(&fake_copies_q0, 0);
 }
 
 START_TEST(device_memory_under_copy)
@@ -228,6 +239,11 @@ START_TEST(device_memory_under_copy)
 	memset(&hw, 0, sizeof(hw));
 	mlens_profile_hw(&p, &hw);
 	ck_assert(hw.b_mem == p.mem_bw && hw.b_io == p.h2d);
+	/* the compute queue's copies were timed each way (a warm-up and three
+	 * timed copies), and the model counts them in the GPU's time */
+	ck_assert(p.act_h2d > 1e8 && p.act_d2h > 1e8);
+	ck_assert_int_ge(atomic_load(&fake_copies_q0), 8);
+	ck_assert(hw.b_act_h2d == p.act_h2d && hw.b_act_d2h == p.act_d2h);
 
 	/* a copy of the copy thread that fails fails the profile, saying so */
 	atomic_store(&fake_fail_other, true);
