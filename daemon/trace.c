@@ -447,9 +447,15 @@ int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
 			rc = -EINVAL;
 			goto out;
 		}
+		st->spans[i].pending = false;
 		if ((rc = st->be->ops->timer_read(st->be->ctx, 1 + 2 * i, &t0)) ||
-		    (rc = st->be->ops->timer_read(st->be->ctx, 2 + 2 * i, &t1)))
-			goto out;
+		    (rc = st->be->ops->timer_read(st->be->ctx, 2 + 2 * i, &t1))) {
+			if (rc != -EAGAIN || !q)
+				goto out;
+			st->spans[i].pending = true;	/* runs on into the next step */
+			rc = 0;
+			continue;
+		}
 		if (t1 < t0)
 			t1 = t0;
 		st->spans[i].t0 = t0;
@@ -479,7 +485,7 @@ double mlens_step_timer_busy(const struct mlens_step_timer *st, const char *trac
 	if (!iv)
 		return 0;
 	for (int i = 0; i < st->n; i++)
-		if (!strcmp(st->spans[i].track, track)) {
+		if (!st->spans[i].pending && !strcmp(st->spans[i].track, track)) {
 			iv[n].t0 = st->spans[i].t0;
 			iv[n++].t1 = st->spans[i].t1;
 		}

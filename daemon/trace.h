@@ -87,6 +87,7 @@ struct mlens_step_timer_span {
 	const char *track;		/* a string that outlives the step */
 	char name[MLENS_TRACE_NAME];	/* only filled while tracing */
 	bool ended;
+	bool pending;			/* set by finish: a copy still running then */
 	double t0, t1;			/* set by finish */
 };
 
@@ -114,10 +115,12 @@ int mlens_step_timer_begin(struct mlens_step_timer *st, int queue, const char *t
 int mlens_step_timer_end(struct mlens_step_timer *st, int span);
 /* After the step's work is done: busy[0] and busy[1] get the seconds each
  * queue was busy (the union of its spans), and the spans go to the trace
- * (tracks as given, times on CLOCK_MONOTONIC). 0; -EAGAIN when a mark is
- * not reached yet (the caller did not wait for its queue); -EINVAL for a
- * span begun and not ended; a mark's -errno from this step. busy is 0 on
- * error. */
+ * (tracks as given, times on CLOCK_MONOTONIC). A span of the copy queue
+ * that has not finished yet (the hybrid pipeline's prefetch of the next
+ * step's first layers, which runs on past the step's end) is left out of
+ * both (pending). 0; -EAGAIN when a compute-queue mark is not reached yet
+ * (the caller did not wait for its queue); -EINVAL for a span begun and
+ * not ended; a mark's -errno from this step. busy is 0 on error. */
 int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2]);
 /* After a finish that returned 0: the seconds the spans of one track were
  * busy (their union), e.g. "h2d" apart from "d2h" on the same queue. */

@@ -292,6 +292,18 @@ static void sleep_s(double s)
 		;
 }
 
+/* timer_read of the CPU backend, except that the marks of span pend_span
+ * are not reached yet (a copy still running when the step ends) */
+static struct mlens_backend_ops pend_ops;
+static int (*cpu_timer_read)(void *ctx, int id, double *seconds);
+static int pend_span;
+static int pend_read(void *ctx, int id, double *seconds)
+{
+	if (id == 1 + 2 * pend_span || id == 2 + 2 * pend_span)
+		return -EAGAIN;
+	return cpu_timer_read(ctx, id, seconds);
+}
+
 START_TEST(step_timer_busy)
 {
 	struct mlens_backend be, bare;
@@ -381,6 +393,36 @@ START_TEST(step_timer_busy)
 	ck_assert_int_eq(mlens_step_timer_begin(&st, 0, "gpu", "x"), 0);
 	ck_assert_int_eq(mlens_step_timer_end(&st, 0), 0);
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert(busy[0] == 0 && busy[1] == 0);
+	mlens_step_timer_fini(&st);
+
+	/* a copy still running at the step's end (the pipeline's prefetch of
+	 * the next step's layers) counts in no busy time; the rest does. The
+	 * same on the compute queue is an error: its work is done by then */
+	pend_ops = *be.ops;
+	cpu_timer_read = be.ops->timer_read;
+	pend_ops.timer_read = pend_read;
+	bare.ops = &pend_ops;
+	bare.ctx = be.ctx;
+	ck_assert_int_eq(mlens_step_timer_init(&st, &bare), 0);
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	a = mlens_step_timer_begin(&st, 1, "h2d", "x");
+	sleep_s(0.002);
+	mlens_step_timer_end(&st, a);
+	b = mlens_step_timer_begin(&st, 1, "h2d", "prefetch");
+	sleep_s(0.020);
+	mlens_step_timer_end(&st, b);
+	c = mlens_step_timer_begin(&st, 0, "gpu", "GB");
+	sleep_s(0.002);
+	mlens_step_timer_end(&st, c);
+	pend_span = b;
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert_msg(busy[1] >= 0.002 && busy[1] < 0.015, "copy queue busy %g s", busy[1]);
+	ck_assert(busy[0] >= 0.002);
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "h2d"), busy[1]);
+	ck_assert(st.spans[b].pending && !st.spans[a].pending);
+	pend_span = c;
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), -EAGAIN);
 	ck_assert(busy[0] == 0 && busy[1] == 0);
 	mlens_step_timer_fini(&st);
 	mlens_trace_destroy(tr);
