@@ -292,6 +292,16 @@ static void sleep_s(double s)
 		;
 }
 
+/* A span of secs on queue, begun and ended; its index. */
+static int timed_span(struct mlens_step_timer *st, int queue, const char *track, const char *name,
+		      double secs)
+{
+	int i = mlens_step_timer_begin(st, queue, track, "%s", name);
+	sleep_s(secs);
+	ck_assert_int_eq(mlens_step_timer_end(st, i), 0);
+	return i;
+}
+
 /* timer_read of the CPU backend, except that the marks of span pend_span
  * are not reached yet (a copy still running when the step ends) */
 static struct mlens_backend_ops pend_ops;
@@ -364,12 +374,8 @@ START_TEST(step_timer_busy)
 
 	/* not tracing: busy time all the same; a span left open is an error */
 	ck_assert_int_eq(mlens_step_timer_start(&st, tr), 0);
-	a = mlens_step_timer_begin(&st, 1, "h2d", "x");
-	sleep_s(0.002);
-	mlens_step_timer_end(&st, a);
-	a = mlens_step_timer_begin(&st, 1, "d2h", "y");
-	sleep_s(0.003);
-	mlens_step_timer_end(&st, a);
+	timed_span(&st, 1, "h2d", "x", 0.002);
+	timed_span(&st, 1, "d2h", "y", 0.003);
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
 	ck_assert(busy[1] >= 0.005 && busy[0] == 0);
 	/* one after the other on queue 1: the tracks split its busy time */
@@ -406,15 +412,9 @@ START_TEST(step_timer_busy)
 	bare.ctx = be.ctx;
 	ck_assert_int_eq(mlens_step_timer_init(&st, &bare), 0);
 	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
-	a = mlens_step_timer_begin(&st, 1, "h2d", "x");
-	sleep_s(0.002);
-	mlens_step_timer_end(&st, a);
-	b = mlens_step_timer_begin(&st, 1, "h2d", "prefetch");
-	sleep_s(0.020);
-	mlens_step_timer_end(&st, b);
-	c = mlens_step_timer_begin(&st, 0, "gpu", "GB");
-	sleep_s(0.002);
-	mlens_step_timer_end(&st, c);
+	a = timed_span(&st, 1, "h2d", "x", 0.002);
+	b = timed_span(&st, 1, "h2d", "prefetch", 0.020);
+	c = timed_span(&st, 0, "gpu", "GB", 0.002);
 	pend_span = b;
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
 	ck_assert_msg(busy[1] >= 0.002 && busy[1] < 0.015, "copy queue busy %g s", busy[1]);
