@@ -250,10 +250,9 @@ static double gpu_b(const struct mlens_perf_hw *hw)
 }
 
 /* n at which GPU time 2a + (b + gpu_extra) n equals the transfer
- * (streamed + io_extra n) / B_IO; the extras are per token (seconds,
- * bytes). */
+ * streamed / B_IO + link_extra n; the extras are seconds per token. */
 static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes, double gpu_extra,
-			double io_extra)
+			double link_extra)
 {
 	double t_io, slope, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
 	if (!(hw->b_io > 0))
@@ -264,7 +263,7 @@ static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes,
 	if (t_io <= fixed)
 		return 0;
 	/* per-token link traffic (collectives on PCIe) grows the transfer too */
-	slope = gpu_b(hw) + gpu_extra - io_extra / hw->b_io;
+	slope = gpu_b(hw) + gpu_extra - link_extra;
 	if (!(slope > 0))
 		return INFINITY;
 	return (t_io - fixed) / slope;
@@ -272,7 +271,7 @@ static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes,
 
 double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
 {
-	return n_balance(hw, streamed_bytes, 0, hw->h2d_per_token);
+	return n_balance(hw, streamed_bytes, 0, hw->b_io > 0 ? hw->h2d_per_token / hw->b_io : 0);
 }
 
 /* ==== eq. 3-4 ==== */
@@ -331,7 +330,7 @@ static bool hw_ok(const struct mlens_perf_hw *hw)
 {
 	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
 	       hw->h2d_per_token >= 0 && hw->c_attn >= 0 && hw->b_act_h2d >= 0 &&
-	       hw->b_act_d2h >= 0 &&
+	       hw->b_act_d2h >= 0 && hw->b_io_shared >= 0 &&
 	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
 }
 
@@ -381,6 +380,11 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	d2h = d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
 	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
+	if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io) {
+		double t_a = kv_read / hw->b_attn;
+		out->tier[MLENS_PERF_BIND_PCIE] = h2d <= hw->b_io_shared * t_a
+			? h2d / hw->b_io_shared : t_a + (h2d - hw->b_io_shared * t_a) / hw->b_io;
+	}
 	out->tier[MLENS_PERF_BIND_D2H] = d2h / b_d2h;
 	out->tier[MLENS_PERF_BIND_CPU_MEM] = (kv_read + h2d + d2h) / hw->b_mem;
 	frac_d[0] = pol->alpha_decode;
@@ -539,10 +543,12 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		 * outputs to the link (linear in n: measured at any n) */
 		const double n1 = 1e4;
 		struct mlens_perf_step s1 = mlens_perf_steady_step(w, n1);
-		double qd = (double)(pm->heads * pm->head_dim), io_x;
+		double qd = (double)(pm->heads * pm->head_dim), link_x;
 		gpu_x = step_gpu_extra(pm, hw, &s1, 1, 1) / n1;
-		io_x = hw->h2d_per_token + s1.decode * qd * (double)pm->abytes / n1;
-		out->n_eq = n_balance(hw, streamed, gpu_x, io_x);
+		/* the transfer at B_IO (eq. 2's), not slowed by the attention's
+		 * reads: n_real stays where the GPU's time meets the link's */
+		link_x = (hw->h2d_per_token + s1.decode * qd * (double)pm->abytes / n1) / hw->b_io;
+		out->n_eq = n_balance(hw, streamed, gpu_x, link_x);
 	}
 	out->n_act = n_a;
 	out->n_real = out->n_eq < n_a ? floor(out->n_eq) : n_a;

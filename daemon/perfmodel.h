@@ -52,7 +52,12 @@
  *
  * Step time (MoE-Lightning's hierarchical roofline, DESIGN §1 and §5): per
  * layer each tier needs work / rate:
- *   PCIe H2D   (streamed experts + decode attention outputs) / B_IO
+ *   PCIe H2D   (streamed experts + decode attention outputs) / B_IO; with
+ *              B_IO,shared (copies while the CPU attention reads memory)
+ *              the stream moves at that rate for the attention's time
+ *              t_a = KV read / B_attn and at B_IO for the rest:
+ *              t_a + (bytes - B_IO,shared t_a) / B_IO (bytes / B_IO,shared
+ *              when the attention outlasts the stream)
  *   PCIe D2H   (decode q,k,v + prefill K/V) / B_D2H
  *              (these activation copies move abytes an element: the
  *              pipeline copies its fp32 activations as they are)
@@ -163,6 +168,11 @@ struct mlens_perf_hw {
 	 * way; > 0: the queue's kernels wait for them, so the GPU tier counts
 	 * them; 0: they overlap the kernels */
 	double b_act_h2d, b_act_d2h;
+	/* H2D bytes/s while the CPU attention reads the KV cache (the two share
+	 * host memory: the profile's copies under reads); > 0: the weight
+	 * stream runs at this rate for as long as the attention runs, at b_io
+	 * otherwise; 0: at b_io throughout */
+	double b_io_shared;
 	double b_hbm;		/* GPU memory bytes/s */
 	struct mlens_perf_line ga, gb;	/* GPU s per layer vs tokens in one group */
 	uint64_t gpu_budget;	/* bytes the daemon may use on the GPU */

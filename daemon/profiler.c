@@ -745,6 +745,7 @@ void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
 	hw->c_attn = p->attn_prefill_flops;
 	hw->b_act_h2d = p->act_h2d;
 	hw->b_act_d2h = p->act_d2h;
+	hw->b_io_shared = p->copy_read_bw;	/* 0 on host memory */
 	hw->ga = p->ga;
 	hw->gb = p->gb;
 }
@@ -915,8 +916,8 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 		rc = -EINVAL;
 		goto out;
 	}
-	want = key_json(k);
-	if (!json_equal(want, kj)) {
+	want = k ? key_json(k) : NULL;
+	if (want && !json_equal(want, kj)) {
 		mlens_errf(err, errlen, "profile cache %s was measured for another model, backend, GPU or budget", path);
 		rc = -ESTALE;
 	}

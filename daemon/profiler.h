@@ -121,7 +121,8 @@ int mlens_profile_save(const char *path, const struct mlens_profile_key *k,
 		       const struct mlens_profile *p, char *err, size_t errlen);
 /* Read: 0, -ENOENT (no file), -ESTALE (written for another key: model,
  * backend, GPU or budget changed), -EINVAL (not a profile cache; err says
- * why). */
+ * why). k NULL takes the file's key as it is (a replay of recorded
+ * measurements: mlens-bench predict). */
 int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 		       struct mlens_profile *p, char *err, size_t errlen);
 

@@ -249,6 +249,23 @@ START_TEST(step_time_tiers)
 		assert_rel(t.tier[MLENS_PERF_BIND_D2H], d2h / 25e9, 1e-12);
 	}
 	hw.c_attn = hw.b_act_d2h = hw.b_act_h2d = 0;
+	/* the weight stream at 10 GB/s while the attention reads the KV
+	 * (kv / 100 GB/s = 8.192 ms a layer), at 25 GB/s the rest of the way;
+	 * with slow attention (1 GB/s: 819 ms) it runs at 10 GB/s throughout */
+	hw.b_io_shared = 10e9;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_PCIE], kv / 100e9 + (h2d - 10e9 * kv / 100e9) / 25e9, 1e-12);
+	ck_assert(t.tier[MLENS_PERF_BIND_PCIE] > h2d / 25e9);
+	hw.b_attn = 1e9;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_PCIE], h2d / 10e9, 1e-12);
+	hw.b_attn = 100e9;
+	hw.b_io_shared = 30e9;	/* no slower than alone: no change */
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_PCIE], h2d / 25e9, 1e-12);
+	hw.b_io_shared = -1;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+	hw.b_io_shared = 0;
 	hw.b_act_d2h = -1;	/* a negative rate is refused */
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
 	hw.b_act_d2h = 0;

@@ -76,6 +76,7 @@ START_TEST(cpu_profile_sane)
 		ck_assert(hw.c_gpu == p.gemm_flops && hw.ga.b == p.ga.b && hw.gb.a == p.gb.a);
 		ck_assert(hw.c_attn == p.attn_prefill_flops);
 		ck_assert(hw.b_act_h2d == 0 && hw.b_act_d2h == 0);	/* no copies to count */
+		ck_assert(hw.b_io_shared == 0);
 	}
 	mlens_backend_destroy(&be);
 	mlens_test_model_free(m);
@@ -244,6 +245,8 @@ START_TEST(device_memory_under_copy)
 	ck_assert(p.act_h2d > 1e8 && p.act_d2h > 1e8);
 	ck_assert_int_ge(atomic_load(&fake_copies_q0), 8);
 	ck_assert(hw.b_act_h2d == p.act_h2d && hw.b_act_d2h == p.act_d2h);
+	/* the weight stream's rate beside the reads, for the model's PCIe tier */
+	ck_assert(hw.b_io_shared == p.copy_read_bw);
 
 	/* a copy of the copy thread that fails fails the profile, saying so */
 	atomic_store(&fake_fail_other, true);

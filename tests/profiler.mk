@@ -7,5 +7,7 @@ tests_check_profiler_SOURCES = tests/check_profiler.c
 tests_check_profiler_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
 tests_check_profiler_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
+# mlens-bench predict: the model replayed on a recorded profile cache
+tests_bench_mlens_bench_SOURCES += tests/bench/bench_predict.c
 dist_check_SCRIPTS += tests/integration/profile.sh
 TESTS += tests/integration/profile.sh

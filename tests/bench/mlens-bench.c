@@ -22,6 +22,11 @@ static const struct mlens_bench_cmd cmds[] = {
 	{ "attention", mlens_bench_attention,
 	  "[--json] [--threads LIST] [--seqs N] [--min-ctx A --max-ctx B] [--variant V]: CPU decode "
 	  "attention KV GB/s per variant and thread count, next to the measured read bandwidth" },
+	{ "predict", mlens_bench_predict,
+	  "--config FILE --profile FILE [--gpu-memory SIZE] [--kv-cache SIZE] [--group-tokens N] "
+	  "[--prompt-len P] [--gen-len G] [--cap N] [--in-flight S] [--no-shared-io] "
+	  "[--json]: the daemon's "
+	  "performance model replayed on a recorded profile cache (no GPU, no weights)" },
 	{ "client", mlens_bench_client,
 	  "[--json] [--requests N] [--max-tokens T] [--inflight I]: libmlens tokens/s and "
 	  "request round trip against a fake daemon" },

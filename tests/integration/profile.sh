@@ -5,7 +5,8 @@
 # the stats socket and /metrics expose n_real, the binding resource and
 # predicted vs measured step time; profile = true at start-up writes
 # profile_cache and the next start takes it from there; max_step_tokens
-# pins the cap against the profile.
+# pins the cap against the profile. mlens-bench predict replays the model
+# on the cache.
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v curl >/dev/null || { echo "SKIP: needs curl for /metrics"; exit 77; }
@@ -97,4 +98,27 @@ start --profile --profile-cache "$tmp/prof.json" --gpu-memory 1G
 grep -q "profile (cached)" "$tmp/log" && fail "a changed gpu_memory reused the cache"
 grep -q "profile: n_real" "$tmp/log" || fail "no profile at start-up"
 stop
-echo "profile: n_real $nreal, token cap $cap, predicted step $pred s vs measured $meas s"
+
+# ==== the model replayed on the cache (mlens-bench predict) ====
+# the cache of the last start (gpu_memory 1G) as a hybrid daemon would
+# predict from it: n_real, and the steady state at a cap of 64 tokens
+bench=$B/tests/bench/mlens-bench
+"$bench" predict --config "$tmp/m/config.json" --profile "$tmp/prof.json" --gpu-memory 1G \
+	--kv-cache 4M --prompt-len 16 --gen-len 8 --cap 64 --json >"$tmp/rp.json" 2>"$tmp/err" ||
+	fail "mlens-bench predict: $(cat "$tmp/err")"
+rn=$(jfield n_real <"$tmp/rp.json" | sed 's/\..*//')
+[ "$rn" -ge 16 ] 2>/dev/null || fail "replayed n_real '$rn' below the prompt"
+[ "$(jfield cap <"$tmp/rp.json")" = 64 ] || fail "replay cap: $(cat "$tmp/rp.json")"
+awk -v t="$(jfield step_seconds <"$tmp/rp.json")" 'BEGIN { exit !(t > 0) }' ||
+	fail "replay without a steady step: $(cat "$tmp/rp.json")"
+"$bench" predict --config "$tmp/m/config.json" --profile "$tmp/prof.json" --prompt-len 16 \
+	--gen-len 8 --cap 64 >"$tmp/rp.txt" || fail "mlens-bench predict (table)"
+grep -q "^cap 64, .* generated / .* total tokens/s" "$tmp/rp.txt" || fail "replay table: $(cat "$tmp/rp.txt")"
+# bad input: exit 1 with the reason, 2 for an argument
+"$bench" predict --config "$tmp/m/config.json" --profile "$tmp/none.json" 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "no profile cache at" "$tmp/err" || fail "missing cache: $(cat "$tmp/err")"
+"$bench" predict --config "$tmp/prof.json" --profile "$tmp/prof.json" 2>"$tmp/err"
+[ $? -eq 1 ] || fail "a profile cache taken for config.json: $(cat "$tmp/err")"
+"$bench" predict --config "$tmp/m/config.json" --profile "$tmp/prof.json" --gpu-memory lots 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "gpu-memory" "$tmp/err" || fail "bad size: $(cat "$tmp/err")"
+echo "profile: n_real $nreal, token cap $cap, predicted step $pred s vs measured $meas s; replayed n_real $rn"
