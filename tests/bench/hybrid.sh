@@ -94,6 +94,9 @@ if [ ! -f "$MODEL/config.json" ]; then
 	./daemon/mlens-mkmodel -o "$MODEL" --preset mixtral-8x7b --layers 8 --dtype bf16 >/dev/null ||
 		{ echo "hybrid.sh: cannot write the model"; exit 1; }
 fi
+# the model's dimensions beside the profile: mlens-bench predict replays
+# the model on the two later, without the GPU
+cp "$MODEL/config.json" "$OUT/model_config.json"
 # one profile for every run: same model, backend, GPU and budget
 set -- --daemon-arg --profile --daemon-arg "--profile-cache=$OUT/profile_cache.json"
 [ -n "${MAX_STEP_TOKENS:-}" ] && set -- "$@" --max-step-tokens "$MAX_STEP_TOKENS"
