@@ -356,12 +356,17 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 	}
 	/* timings that do not grow with the token count (a small model on a
 	 * busy machine: noise above the work) fit a slope at or below zero,
-	 * which predicts nothing; then the line through the origin (times
-	 * are positive, so its slope is too) */
-	if (!(p->ga.b + p->gb.b > 0) || p->ga.a + p->gb.a < 0) {
+	 * which predicts nothing; then that line through the origin (times
+	 * are positive, so its slope is too): for GA or GB alone when its
+	 * slope is, for both when their intercepts sum below zero */
+	if (p->ga.a + p->gb.a < 0) {
 		origin_line(xs, p->ga_s, p->n_points, &p->ga);
 		origin_line(xs, p->gb_s, p->n_points, &p->gb);
 	}
+	if (!(p->ga.b > 0))
+		origin_line(xs, p->ga_s, p->n_points, &p->ga);
+	if (!(p->gb.b > 0))
+		origin_line(xs, p->gb_s, p->n_points, &p->gb);
 	if ((rc = time_best(&L, W_GEMM, (int)top, REPS, &t)))
 		goto op_fail;
 	p->gemm_flops = 2.0 * (double)top * (double)m->cfg.hidden_size * (double)m->cfg.intermediate_size / t;
