@@ -40,6 +40,7 @@ struct mlens_engine_opts {
 	uint64_t hybrid_piece_bytes;	/* bytes per weight copy; 0 = MLENS_PIPE_PIECE */
 	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
 	enum mlens_gemm_mode hybrid_gemm;	/* the GPU backend's GEMM mode (its scratch) */
+	bool hybrid_side_copy_out;	/* GA's copies to the host on queue 2 (pipeline.h) */
 };
 
 enum {

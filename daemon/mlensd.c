@@ -258,6 +258,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
+	st->side_copy_out = D.hybrid && !strcmp(D.cfg.gpu_copy_out, "side");
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -333,6 +334,10 @@ int main(int argc, char **argv)
 	}
 	if (strcmp(D.cfg.gpu_copy, "engine") && strcmp(D.cfg.gpu_copy, "sm")) {
 		fprintf(stderr, "mlensd: gpu_copy '%s' is not one of engine, sm\n", D.cfg.gpu_copy);
+		return 2;
+	}
+	if (strcmp(D.cfg.gpu_copy_out, "compute") && strcmp(D.cfg.gpu_copy_out, "side")) {
+		fprintf(stderr, "mlensd: gpu_copy_out '%s' is not one of compute, side\n", D.cfg.gpu_copy_out);
 		return 2;
 	}
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
@@ -486,6 +491,7 @@ int main(int argc, char **argv)
 		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
 		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_gemm = bo.gemm;
+		eo.hybrid_side_copy_out = !strcmp(D.cfg.gpu_copy_out, "side");
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));

@@ -65,6 +65,9 @@ struct mlens_pipeline {
 	struct mlens_gpuplan plan;
 	struct mlens_backend *g, *c;	/* GPU side, CPU side */
 	bool async;
+	/* GA's copies to the host on the backend's queue 2, after an event on
+	 * queue 0, rather than between queue 0's kernels (opts side_copy_out) */
+	bool side;
 	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
@@ -533,6 +536,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->g = gpu;
 	p->c = cpu;
 	p->async = has_async(gpu->ops);
+	p->side = p->async && o->side_copy_out && MLENS_BACKEND_HAS(gpu->ops, side_queue);
 	p->host_pinned = p->async;
 	p->groups = o->groups > 0 ? o->groups : 2;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
@@ -662,6 +666,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		goto fail;
 	}
 	p->st.async = p->async;
+	p->st.side_copy_out = p->side;
 	p->st.prefill_cpu = p->prefill_cpu;
 	*out = p;
 	return 0;
@@ -735,18 +740,25 @@ const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipel
 	return &p->st;
 }
 
+/* Backend events past the program's: GA's kernels done, per set (queue 2
+ * starts the set's copies to the host after it). */
+#define PL_EV_GA_DONE MLENS_PIPE_EV_N
+_Static_assert(PL_EV_GA_DONE + MLENS_PIPE_SETS < MLENS_BACKEND_EVENTS - 1,
+	       "the pipeline's events and the last one (kept for waits of its own) fit the backend's");
+
 /* ==== the stages ==== */
 
 #define G (p->g->ops)
 #define GC (p->g->ctx)
 #define TRY(x) do { if ((rc = (x))) return rc; } while (0)
 
-/* Activation copies: on the compute queue when asynchronous. */
+/* Activation copies: on the compute queue when asynchronous (GA's to the
+ * host on queue 2 with p->side). */
 static int to_host(struct mlens_pipeline *p, void *dst, const void *src, size_t bytes)
 {
 	p->st.d2h_act_bytes += bytes;
 	if (p->async)
-		return G->copy_async(GC, 0, dst, src, bytes, false);
+		return G->copy_async(GC, p->side ? 2 : 0, dst, src, bytes, false);
 	return G->download(GC, dst, src, bytes);
 }
 
@@ -783,6 +795,14 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	if (gr->n_pre && !p->prefill_cpu)
 		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
 				    1.0f / sqrtf((float)hd)));
+	if (p->side) {
+		/* queue 2 copies once the kernels above are done; the set's
+		 * next writer, GA(i+2), is issued only after C(i) waited for
+		 * the copies (its qkv record is on queue 2, run_cmd) */
+		int ev = PL_EV_GA_DONE + (S == &p->set[0] ? 0 : 1);
+		TRY(G->event_record(GC, 0, ev));
+		TRY(G->event_wait(GC, 2, ev));
+	}
 	TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
 	TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
 	if ((size_t)n > d0)
@@ -1337,7 +1357,12 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 		return G->upload(GC, dst, pc->host, pc->bytes);
 	}
 	case MLENS_PIPE_RECORD:
-		return p->async ? G->event_record(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event) : 0;
+		if (!p->async)
+			return 0;
+		/* with GA's copies on queue 2, C waits for them there */
+		if (p->side && cmd->event >= MLENS_PIPE_EV_QKV && cmd->event < MLENS_PIPE_EV_N)
+			return G->event_record(GC, 2, cmd->event);
+		return G->event_record(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event);
 	case MLENS_PIPE_WAIT:
 		return p->async ? G->event_wait(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event) : 0;
 	case MLENS_PIPE_HOST_WAIT:

@@ -36,6 +36,11 @@ struct mlens_pipeline_opts {
 	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
 	enum mlens_gemm_mode gemm;	/* the GPU backend's GEMM mode: the scratch it needs */
+	/* GA's K/V/q copies to the host on the backend's second copy queue
+	 * (ops side_queue) rather than between the compute queue's kernels,
+	 * so that the next kernels need not wait for them; ignored without
+	 * such a queue */
+	bool side_copy_out;
 	/* Prefill attention on the CPU backend too (it is on the GPU unless
 	 * this is set or the GPU backend refuses the model's head_dim). */
 	bool prefill_cpu;
@@ -67,6 +72,7 @@ struct mlens_pipeline_stats {
 	/* KV bytes the CPU decode attention read, last step and total */
 	uint64_t kv_read_bytes, kv_read_bytes_total;
 	bool async;		/* queues and events in use */
+	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 };
 

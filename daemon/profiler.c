@@ -1039,6 +1039,8 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
 		st->hw.act_arg = &st->plan_in;
 	}
+	if (st->side_copy_out)
+		st->hw.b_act_d2h = 0;
 	st->have = true;
 	rc = mlens_profile_state_predict(st, p, g);
 	if (rc) {

@@ -151,6 +151,9 @@ struct mlens_profile_state {
 	 * activation bytes are the executor's plan's (gpuplan.h); group 0
 	 * otherwise: the model's own */
 	struct mlens_gpuplan_in plan_in;
+	/* hybrid with gpu_copy_out = side: GA's copies to the host overlap the
+	 * compute queue, so the model does not count them in the GPU's time */
+	bool side_copy_out;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */
 	int pinned_cap;			/* max_step_tokens as configured (> 0: pinned) */
 	const char *cache_path;		/* "" or NULL: no cache */

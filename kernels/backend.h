@@ -146,6 +146,13 @@ struct mlens_backend_ops {
 	 * a reallocation and the budget holds. 0 lifts the limit (the scratch
 	 * grows on demand again). */
 	int (*scratch_reserve)(void *ctx, size_t bytes);
+
+	/* ---- optional: a second copy queue ----
+	 * true: queue 2 exists for copy_async, event_record and event_wait: a
+	 * copy queue of its own beside queue 1, for copies that should
+	 * overlap queue 0's kernels (the hybrid pipeline's activations out,
+	 * ordered after their kernels by an event). */
+	bool side_queue;
 };
 
 #define MLENS_BACKEND_EVENTS 16

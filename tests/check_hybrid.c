@@ -19,6 +19,7 @@
 #include <check.h>
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -791,24 +792,70 @@ static void fa_free(void *ctx, void *p)
 /* > 0: the copy that takes it to 0 fails (-EIO), from whichever thread */
 static int fa_fail_in;
 
+/* Queue 2 (the side copy queue) is as late as it may be: its copies are
+ * held until someone waits for an event recorded on it after them, and
+ * only then done, reading the source as it is by then. A pipeline that
+ * read the host copy before waiting, or wrote the source before the copy
+ * was waited for, gets wrong bytes. */
+#define FA_Q2_MAX 4096
+static pthread_mutex_t fa_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { void *dst; const void *src; size_t bytes; } fa_q2[FA_Q2_MAX];
+static int fa_q2_n, fa_q2_done, fa_q2_copies;
+static int fa_q2_upto[MLENS_BACKEND_EVENTS];	/* the copies before a queue-2 record */
+static bool fa_on_q2[MLENS_BACKEND_EVENTS];	/* the event's last record was on queue 2 */
+
+static void fa_q2_flush(int upto)	/* under fa_mu */
+{
+	for (; fa_q2_done < upto && fa_q2_done < fa_q2_n; fa_q2_done++)
+		memcpy(fa_q2[fa_q2_done].dst, fa_q2[fa_q2_done].src, fa_q2[fa_q2_done].bytes);
+	if (fa_q2_done == fa_q2_n) {
+		fa_q2_n = fa_q2_done = 0;
+		memset(fa_q2_upto, 0, sizeof(fa_q2_upto));
+	}
+}
+
 static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t bytes, bool to_device)
 {
-	(void)ctx, (void)queue, (void)to_device;
+	(void)ctx, (void)to_device;
 	if (__atomic_load_n(&fa_fail_in, __ATOMIC_SEQ_CST) > 0 &&
 	    __atomic_sub_fetch(&fa_fail_in, 1, __ATOMIC_SEQ_CST) == 0)
 		return -EIO;
+	if (queue == 2) {
+		pthread_mutex_lock(&fa_mu);
+		if (fa_q2_n == FA_Q2_MAX)
+			fa_q2_flush(fa_q2_n);	/* a full queue runs (earlier is allowed) */
+		fa_q2[fa_q2_n].dst = dst;
+		fa_q2[fa_q2_n].src = src;
+		fa_q2[fa_q2_n++].bytes = bytes;
+		fa_q2_copies++;
+		pthread_mutex_unlock(&fa_mu);
+		return 0;
+	}
 	memcpy(dst, src, bytes);
 	return 0;
 }
-static int fa_event(void *ctx, int queue, int ev)
+static int fa_record(void *ctx, int queue, int ev)
 {
-	(void)ctx, (void)queue, (void)ev;
+	(void)ctx;
+	pthread_mutex_lock(&fa_mu);
+	fa_on_q2[ev] = queue == 2;
+	fa_q2_upto[ev] = fa_q2_n;
+	pthread_mutex_unlock(&fa_mu);
 	return 0;
 }
 static int fa_sync(void *ctx, int ev)
 {
-	(void)ctx, (void)ev;
+	(void)ctx;
+	pthread_mutex_lock(&fa_mu);
+	if (fa_on_q2[ev])
+		fa_q2_flush(fa_q2_upto[ev]);
+	pthread_mutex_unlock(&fa_mu);
 	return 0;
+}
+static int fa_wait(void *ctx, int queue, int ev)
+{
+	(void)queue;
+	return fa_sync(ctx, ev);	/* the queues of this device run at once */
 }
 /* the last scratch_reserve: the pipeline holds its plan's scratch, and
  * gives the limit back (0) when it goes */
@@ -821,7 +868,7 @@ static int fa_reserve(void *ctx, size_t bytes)
 }
 static struct mlens_backend_ops fa_ops;
 
-static void make_async(struct mlens_backend *be)
+static void make_async(struct mlens_backend *be, bool side)
 {
 	fa_ops = *be->ops;
 	fa_ops.size = sizeof(fa_ops);
@@ -830,15 +877,18 @@ static void make_async(struct mlens_backend *be)
 	fa_ops.host_alloc = fa_alloc;
 	fa_ops.host_free = fa_free;
 	fa_ops.copy_async = fa_copy;
-	fa_ops.event_record = fa_event;
-	fa_ops.event_wait = fa_event;
+	fa_ops.event_record = fa_record;
+	fa_ops.event_wait = fa_wait;
 	fa_ops.event_sync = fa_sync;
 	fa_ops.scratch_reserve = fa_reserve;
+	fa_ops.side_queue = side;
+	fa_q2_n = fa_q2_done = fa_q2_copies = 0;
+	memset(fa_on_q2, 0, sizeof(fa_on_q2));
 	be->ops = &fa_ops;
 }
 
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
-		      int64_t group_tokens, bool prefill_cpu, bool async)
+		      int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
 {
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
@@ -847,7 +897,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 	memset(sd, 0, sizeof(*sd));
 	ck_assert_int_eq(mlens_backend_cpu_create(&sd->be, &bo), 0);
 	if (async)
-		make_async(&sd->be);
+		make_async(&sd->be, side_out);
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
 		eo.attn_backend = &sd->attn;
@@ -855,6 +905,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 		eo.hybrid_groups = groups;
 		eo.hybrid_group_tokens = group_tokens;
 		eo.hybrid_prefill_cpu = prefill_cpu;
+		eo.hybrid_side_copy_out = side_out;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
@@ -883,7 +934,7 @@ static double rel_diff(const float *a, const float *b, size_t n)
 
 /* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
  * prefilling in step 2 beside the others' decode tokens. */
-static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool async)
+static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
 {
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
@@ -897,9 +948,9 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 	for (int i = 0; i < N_SEQ; i++)
 		for (int j = 0; j < plen[i]; j++)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
-	side_open(&sd[0], m, false, 0, 0, false, false);
+	side_open(&sd[0], m, false, 0, 0, false, false, false);
 	fa_reserved = SIZE_MAX;
-	side_open(&sd[1], m, true, groups, group_tokens, prefill_cpu, async);
+	side_open(&sd[1], m, true, groups, group_tokens, prefill_cpu, async, side_out);
 	if (async)
 		ck_assert_uint_eq(fa_reserved, mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->scratch);
 	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
@@ -944,6 +995,7 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 					  (uint64_t)(ts.layers + (step == 0 ? 2 : 0)) * ts.experts * expert);
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
 			ck_assert_int_eq(st->async, async);
+			ck_assert_int_eq(st->side_copy_out, async && side_out);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
 			/* KV bytes the decode attention read: every decode token's
 			 * context, K and V, every layer (F32 cache) */
@@ -980,14 +1032,14 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 
 START_TEST(exec_equal_one_group)
 {
-	run_equal(1, 0, false, false);
+	run_equal(1, 0, false, false, false);
 }
 END_TEST
 
 START_TEST(exec_equal_two_groups)
 {
-	run_equal(2, 0, false, false);
-	run_equal(2, 0, false, true);
+	run_equal(2, 0, false, false, false);
+	run_equal(2, 0, false, true, false);
 }
 END_TEST
 
@@ -995,17 +1047,32 @@ END_TEST
  * 9-token prompt cut into segments whose later parts read the cache. */
 START_TEST(exec_equal_small_groups)
 {
-	run_equal(2, 4, false, false);
-	run_equal(1, 3, true, false);
-	run_equal(2, 4, false, true);	/* two threads drive it */
-	run_equal(1, 3, true, true);
-	run_equal(2, MLENS_GPUPLAN_GROUP_AUTO, false, true);	/* the plan's choice */
+	run_equal(2, 4, false, false, false);
+	run_equal(1, 3, true, false, false);
+	run_equal(2, 4, false, true, false);	/* two threads drive it */
+	run_equal(1, 3, true, true, false);
+	run_equal(2, MLENS_GPUPLAN_GROUP_AUTO, false, true, false);	/* the plan's choice */
+}
+END_TEST
+
+/* GA's copies to the host on a side queue that runs them as late as it
+ * may (fa_copy): the tokens and logits are the engine's all the same, and
+ * the copies went there. */
+START_TEST(exec_equal_side_copies)
+{
+	run_equal(2, 0, false, true, true);
+	ck_assert_int_gt(fa_q2_copies, 0);
+	run_equal(2, 4, false, true, true);
+	ck_assert_int_gt(fa_q2_copies, 0);
+	run_equal(1, 3, true, true, true);	/* prefill on the CPU: every row's q too */
+	ck_assert_int_gt(fa_q2_copies, 0);
+	run_equal(2, 0, false, false, true);	/* no queues: nothing to put there */
 }
 END_TEST
 
 START_TEST(exec_equal_prefill_on_cpu)
 {
-	run_equal(2, 0, true, false);
+	run_equal(2, 0, true, false, false);
 }
 END_TEST
 
@@ -1059,7 +1126,7 @@ START_TEST(exec_trace_threads)
 	size_t i;
 	const int L = ts.layers;
 
-	side_open(&sd, m, true, 1, 0, false, true);
+	side_open(&sd, m, true, 1, 0, false, true, false);
 	ck_assert_ptr_nonnull(mkdtemp(dir));
 	snprintf(path, sizeof(path), "%s/t.json", dir);
 	ck_assert_int_eq(mlens_trace_arm(mlens_engine_trace(sd.e), 1, path, NULL, NULL, err,
@@ -1166,7 +1233,7 @@ START_TEST(exec_failure_recovers)
 	int32_t first = -1;
 
 	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
-	make_async(&g);
+	make_async(&g, false);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
 	po.gpu_budget = stream_budget(m, 64, 0);
 	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
@@ -1347,6 +1414,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_small_groups);
 	tcase_add_test(t, exec_failure_recovers);
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
+	tcase_add_test(t, exec_equal_side_copies);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);

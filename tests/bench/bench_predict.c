@@ -61,7 +61,7 @@ int mlens_bench_predict(int argc, char **argv)
 		{ "kv-cache", 1, 0, 'k' }, { "kv-block", 1, 0, 'b' }, { "group-tokens", 1, 0, 'r' },
 		{ "gemm", 1, 0, 'e' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "cap", 1, 0, 'n' }, { "in-flight", 1, 0, 's' }, { "json", 0, 0, 'j' },
-		{ "no-shared-io", 0, 0, 'S' }, { 0, 0, 0, 0 }
+		{ "no-shared-io", 0, 0, 'S' }, { "gpu-copy-out", 1, 0, 'o' }, { 0, 0, 0, 0 }
 	};
 	const char *config = NULL, *profile = NULL;
 	uint64_t gpu = 8ull << 30, kv = 40ull << 30;
@@ -69,7 +69,7 @@ int mlens_bench_predict(int argc, char **argv)
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
-	bool json = false, no_shared = false;
+	bool json = false, no_shared = false, side = false;
 	struct mlens_model_config cfg;
 	struct mlens_profile_state st;
 	struct mlens_perf_sched_state ss;
@@ -94,6 +94,11 @@ int mlens_bench_predict(int argc, char **argv)
 		case 's': if ((in_flight = (double)mlens_bench_parse_count(optarg)) < 1) return bad("--in-flight '%s' is not a count", optarg); break;
 		case 'j': json = true; break;
 		case 'S': no_shared = true; break;
+		case 'o':
+			if (strcmp(optarg, "compute") && strcmp(optarg, "side"))
+				return bad("--gpu-copy-out '%s' is not compute or side", optarg);
+			side = !strcmp(optarg, "side");
+			break;
 		default: return 2;
 		}
 	}
@@ -137,6 +142,8 @@ int mlens_bench_predict(int argc, char **argv)
 	/* the model as it was before the shared-memory refinement */
 	if (no_shared)
 		st.hw.b_io_shared = 0;
+	if (side)	/* as mlens_profile_state_run does for gpu_copy_out = side */
+		st.hw.b_act_d2h = 0;
 	st.have = true;
 	if ((rc = mlens_profile_state_predict(&st, p, g))) {
 		fprintf(stderr, "predict: %s\n", st.err[0] ? st.err : strerror(-rc));
