@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "daemon/gpu_plan.h"
+#include "daemon/gpuplan.h"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
@@ -44,7 +45,7 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	uint64_t chunk = T < MOE_CHUNK_TOKENS ? T : MOE_CHUNK_TOKENS, rows = chunk * K;
 	uint64_t moe, dec, one, conv, ctx, kv_es, kv_tok_bytes, kv_tokens;
 	/* exact GEMMs on half-precision weights: three parts per activation */
-	uint64_t np = gemm == MLENS_GEMM_EXACT && c->dtype != MLENS_DTYPE_F32 ? 3 : 1;
+	uint64_t np = gemm == MLENS_GEMM_EXACT && c->dtype != MLENS_DTYPE_F32 ? MLENS_GEMM_EXACT_PARTS : 1;
 
 	memset(p, 0, sizeof(*p));
 	p->weights = weight_bytes;
@@ -54,8 +55,7 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	p->activations = T * (2 * H + 2 * qd + 2 * kvd + E + 2 * K) * 4 + T * V * 4;
 
 	/* One scratch area serves every op, so it is the largest single need. */
-	moe = rows * 8 + np * rows * H * es + rows * I * 4 * 2 + np * rows * I * es + rows * H * 4 +
-	      E * 4 + 8 * 256;
+	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, np);
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */

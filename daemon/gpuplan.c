@@ -55,6 +55,17 @@ int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group)
 	return n < group ? n : group;
 }
 
+uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
+				   uint64_t parts)
+{
+	uint64_t moe = align256(sat_mul(E, 4));					/* counts */
+	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));			/* perm, inv */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, H), es), parts)));	/* gathered x */
+	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, I), es), parts)));	/* silu(g) u */
+	return sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
+}
+
 uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				     int64_t chunk, enum mlens_gemm_mode gemm)
 {
@@ -76,12 +87,7 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 	conv = es == 4 ? 0 : sat_mul(sat_mul(sat_mul(g, H > qd ? H : qd), es), np);
 	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
 	rows = sat_mul(c, K);
-	moe = align256(E * 4);
-	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));			/* perm, inv */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, H), es), np)));	/* gathered x */
-	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, I), es), np)));	/* silu(g) u */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
+	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, np);
 	s = conv > moe ? conv : moe;
 	if (s < widen)
 		s = widen;

@@ -86,6 +86,14 @@ struct mlens_gpuplan {
  * staging of small tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				 int64_t chunk, enum mlens_gemm_mode gemm);
+/* Scratch of one MoE call of rows routed rows (tokens x top-k) as the CUDA
+ * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk): expert
+ * counts, permutation and inverse, the gathered rows in the weight dtype
+ * (es bytes, parts of them: MLENS_GEMM_EXACT_PARTS for exact GEMMs, else
+ * 1), gate and up in fp32, silu(g)u in the weight dtype (parts again), the
+ * experts' outputs in fp32; each area 256-byte aligned. */
+uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
+				   uint64_t parts);
 /* The backend's op scratch for such a step, which the pipeline reserves
  * (backend op scratch_reserve): the largest one op takes (a group's rows
  * rounded to the weight dtype for a GEMM, a MoE chunk's gathered rows and
