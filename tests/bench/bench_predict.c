@@ -35,6 +35,18 @@ static int bad(const char *fmt, ...)
 	return 2;
 }
 
+/* A positive count (K/M/G suffixes) into *out; 0, or -1 with the message. */
+static int count_arg(const char *flag, const char *arg, long long *out)
+{
+	long long v = mlens_bench_parse_count(arg);
+	if (v < 1) {
+		bad("%s '%s' is not a positive count", flag, arg);
+		return -1;
+	}
+	*out = v;
+	return 0;
+}
+
 static char *slurp(const char *path, size_t *len)
 {
 	FILE *f = fopen(path, "rb");
@@ -65,7 +77,7 @@ int mlens_bench_predict(int argc, char **argv)
 	};
 	const char *config = NULL, *profile = NULL;
 	uint64_t gpu = 8ull << 30, kv = 40ull << 30;
-	long long block = 16, group = 2048, cap = 0;
+	long long block = 16, group = 2048, cap = 0, n;
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
@@ -83,15 +95,24 @@ int mlens_bench_predict(int argc, char **argv)
 		switch (c) {
 		case 'c': config = optarg; break;
 		case 'f': profile = optarg; break;
-		case 'G': if (mlens_parse_size(optarg, &gpu)) return bad("--gpu-memory '%s' is not a size", optarg); break;
-		case 'k': if (mlens_parse_size(optarg, &kv)) return bad("--kv-cache '%s' is not a size", optarg); break;
-		case 'b': if ((block = mlens_bench_parse_count(optarg)) < 1) return bad("--kv-block '%s' is not a count", optarg); break;
-		case 'r': if ((group = mlens_bench_parse_count(optarg)) < 1) return bad("--group-tokens '%s' is not a count", optarg); break;
-		case 'e': if (mlens_gemm_mode_parse(optarg, &gemm)) return bad("--gemm '%s' is not fast or exact", optarg); break;
-		case 'p': if ((p = (double)mlens_bench_parse_count(optarg)) < 1) return bad("--prompt-len '%s' is not a count", optarg); break;
-		case 'g': if ((g = (double)mlens_bench_parse_count(optarg)) < 1) return bad("--gen-len '%s' is not a count", optarg); break;
-		case 'n': if ((cap = mlens_bench_parse_count(optarg)) < 1) return bad("--cap '%s' is not a count", optarg); break;
-		case 's': if ((in_flight = (double)mlens_bench_parse_count(optarg)) < 1) return bad("--in-flight '%s' is not a count", optarg); break;
+		case 'G':
+			if (mlens_parse_size(optarg, &gpu))
+				return bad("--gpu-memory '%s' is not a size", optarg);
+			break;
+		case 'k':
+			if (mlens_parse_size(optarg, &kv))
+				return bad("--kv-cache '%s' is not a size", optarg);
+			break;
+		case 'b': if (count_arg("--kv-block", optarg, &block)) return 2; break;
+		case 'r': if (count_arg("--group-tokens", optarg, &group)) return 2; break;
+		case 'e':
+			if (mlens_gemm_mode_parse(optarg, &gemm))
+				return bad("--gemm '%s' is not fast or exact", optarg);
+			break;
+		case 'p': if (count_arg("--prompt-len", optarg, &n)) return 2; p = (double)n; break;
+		case 'g': if (count_arg("--gen-len", optarg, &n)) return 2; g = (double)n; break;
+		case 'n': if (count_arg("--cap", optarg, &cap)) return 2; break;
+		case 's': if (count_arg("--in-flight", optarg, &n)) return 2; in_flight = (double)n; break;
 		case 'j': json = true; break;
 		case 'S': no_shared = true; break;
 		case 'o':
@@ -103,7 +124,8 @@ int mlens_bench_predict(int argc, char **argv)
 		}
 	}
 	if (!config || !profile)
-		return bad("%s", "--config FILE (a model's config.json) and --profile FILE (a profile cache) are needed");
+		return bad("%s", "--config FILE (a model's config.json) and --profile FILE (a profile "
+			   "cache) are needed");
 	if (!(text = slurp(config, &len)))
 		return bad("cannot read %s", config);
 	rc = mlens_model_parse_config(text, len, config, &cfg, err, sizeof(err));
@@ -124,7 +146,7 @@ int mlens_bench_predict(int argc, char **argv)
 	}
 	/* as mlensd's profile_setup and mlens_profile_state_run set it up in
 	 * hybrid mode (KV blocks as kv_blocks_for counts them) */
-	per_token = 2.0 * (double)cfg.num_hidden_layers * (double)st.pm.kv_token_bytes / 2.0;
+	per_token = (double)cfg.num_hidden_layers * (double)st.pm.kv_token_bytes;	/* K and V, all layers */
 	kv_tokens = floor((double)kv / (per_token * (double)block)) * (double)block;
 	st.hybrid = true;
 	st.kv_tokens = kv_tokens;
