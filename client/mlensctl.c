@@ -271,6 +271,14 @@ static void show_rate(const char *what, double v, const char *unit)
 		printf("%-16s not measured (backend memory is host memory: nothing crosses a bus)\n", what);
 }
 
+static void show_flops(const char *what, double flops)
+{
+	if (flops >= 1e12)
+		printf("%-16s %.2f TFLOP/s\n", what, flops / 1e12);
+	else
+		printf("%-16s %.2f GFLOP/s\n", what, flops / 1e9);
+}
+
 static void show_profile(json_t *r)
 {
 	json_t *m = json_object_get(r, "measured"), *ga = json_object_get(m, "ga"), *gb = json_object_get(m, "gb");
@@ -282,12 +290,9 @@ static void show_profile(json_t *r)
 	printf("%-16s %.3g s + %.3g s per token (fit of %lld points)\n", "GA per layer", getf(ga, "a"), getf(ga, "b"),
 	       (long long)geti(ga, "n"));
 	printf("%-16s %.3g s + %.3g s per token\n", "GB per layer", getf(gb, "a"), getf(gb, "b"));
-	if (getf(m, "gemm_flops") >= 1e12)
-		printf("%-16s %.2f TFLOP/s\n", "GEMM", getf(m, "gemm_flops") / 1e12);
-	else
-		printf("%-16s %.2f GFLOP/s\n", "GEMM", getf(m, "gemm_flops") / 1e9);
+	show_flops("GEMM", getf(m, "gemm_flops"));
 	if (getf(m, "prefill_attention_flops") > 0)
-		printf("%-16s %.2f TFLOP/s\n", "prefill attn", getf(m, "prefill_attention_flops") / 1e12);
+		show_flops("prefill attn", getf(m, "prefill_attention_flops"));
 	show_rate("H2D (pinned)", getf(m, "h2d_bytes_per_s"), "GB/s");
 	show_rate("D2H (pinned)", getf(m, "d2h_bytes_per_s"), "GB/s");
 	if (getf(m, "compute_queue_d2h_bytes_per_s") > 0)
