@@ -10,7 +10,8 @@
  * GEMMs (MLENS_GEMM_EXACT, a second backend) split the activations instead
  * and must meet the fp32 tolerance for every weight dtype. Integer
  * results (expert ids, tokens) and stored KV must be identical.
- * Timing marks read on the host's CLOCK_MONOTONIC timeline. */
+ * Timing marks read on the host's CLOCK_MONOTONIC timeline. The second
+ * copy queue (queue 2) copies after the event it waits for. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -252,6 +253,50 @@ START_TEST(test_copy_queue)
 	dev->ops->host_free(dev->ctx, back);
 	free(pg);
 	free(pg_back);
+}
+END_TEST
+
+/* Queue 2 (side_queue): a copy to the host there, ordered after queue 0's
+ * work by an event, sees that work's bytes; the host sees the copy after
+ * an event recorded on queue 2 after it. Queue 0 first clears the area,
+ * then fills it through a 24 MB upload that takes a few ms: a queue 2 that
+ * did not wait would read zeros. */
+START_TEST(test_side_queue)
+{
+	size_t n = 24u << 20;
+	unsigned char *h = dev->ops->host_alloc(dev->ctx, n);
+	unsigned char *zero = dev->ops->host_alloc(dev->ctx, n);
+	unsigned char *back = dev->ops->host_alloc(dev->ctx, n);
+	char *d = dev->ops->alloc(dev->ctx, n);
+
+	ck_assert(MLENS_BACKEND_HAS(dev->ops, side_queue));
+	ck_assert_ptr_nonnull(h);
+	ck_assert_ptr_nonnull(zero);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_ptr_nonnull(d);
+	for (size_t i = 0; i < n; i++)
+		h[i] = (unsigned char)(rnd_u32() | 1);	/* never 0 */
+	memset(zero, 0, n);
+	memset(back, 0, n);
+	for (int round = 0; round < 3; round++) {
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, zero, n, true), 0);
+		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, h, n, true), 0);
+		ck_assert_int_eq(dev->ops->event_record(dev->ctx, 0, 8), 0);
+		ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 2, 8), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 2, back, d, n, false), 0);
+		ck_assert_int_eq(dev->ops->event_record(dev->ctx, 2, 9), 0);
+		ck_assert_int_eq(dev->ops->event_sync(dev->ctx, 9), 0);
+		ck_assert_mem_eq(back, h, n);
+		memset(back, 0, n);
+	}
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 3, back, d, 16, false), -EINVAL);
+	ck_assert_int_eq(dev->ops->event_record(dev->ctx, 3, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 3, 9), -EINVAL);
+	gfree(d);
+	dev->ops->host_free(dev->ctx, h);
+	dev->ops->host_free(dev->ctx, zero);
+	dev->ops->host_free(dev->ctx, back);
 }
 END_TEST
 
@@ -847,6 +892,7 @@ int main(void)
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_memory);
 	tcase_add_test(tc, test_copy_queue);
+	tcase_add_test(tc, test_side_queue);
 	tcase_add_test(tc, test_embed);
 	tcase_add_test(tc, test_rmsnorm);
 	tcase_add_test(tc, test_rope);
@@ -872,6 +918,7 @@ int main(void)
 	tcase_set_timeout(tsm, 120);
 	tcase_add_checked_fixture(tsm, use_sm, use_fast);
 	tcase_add_test(tsm, test_copy_queue);
+	tcase_add_test(tsm, test_side_queue);
 	tcase_add_test(tsm, test_embed);
 	tcase_add_test(tsm, test_rope);
 	tcase_add_test(tsm, test_moe);
