@@ -45,7 +45,7 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	uint64_t chunk = T < MOE_CHUNK_TOKENS ? T : MOE_CHUNK_TOKENS, rows = chunk * K;
 	uint64_t moe, dec, one, conv, ctx, kv_es, kv_tok_bytes, kv_tokens;
 	/* exact GEMMs on half-precision weights: three parts per activation */
-	uint64_t np = gemm == MLENS_GEMM_EXACT && c->dtype != MLENS_DTYPE_F32 ? MLENS_GEMM_EXACT_PARTS : 1;
+	uint64_t np = mlens_gpuplan_gemm_parts(gemm, es);
 
 	memset(p, 0, sizeof(*p));
 	p->weights = weight_bytes;

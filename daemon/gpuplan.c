@@ -40,9 +40,9 @@ static uint64_t grown(uint64_t need, uint64_t floor)
 	return cap;
 }
 
-static uint64_t gemm_parts(const struct mlens_perf_model *pm, enum mlens_gemm_mode gemm)
+uint64_t mlens_gpuplan_gemm_parts(enum mlens_gemm_mode gemm, uint64_t weight_bytes)
 {
-	return gemm == MLENS_GEMM_EXACT && pm->wbytes != 4 ? MLENS_GEMM_EXACT_PARTS : 1;
+	return gemm == MLENS_GEMM_EXACT && weight_bytes != 4 ? MLENS_GEMM_EXACT_PARTS : 1;
 }
 
 int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group)
@@ -72,7 +72,7 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 	uint64_t g, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
-	uint64_t es = (uint64_t)pm->wbytes, np = gemm_parts(pm, gemm), rows, moe, conv, widen, s;
+	uint64_t es = (uint64_t)pm->wbytes, np = mlens_gpuplan_gemm_parts(gemm, (uint64_t)pm->wbytes), rows, moe, conv, widen, s;
 
 	if (n <= 0)
 		return 0;

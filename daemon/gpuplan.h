@@ -86,6 +86,10 @@ struct mlens_gpuplan {
  * staging of small tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				 int64_t chunk, enum mlens_gemm_mode gemm);
+/* Parts each activation of a GEMM on weights of weight_bytes per element
+ * is split into: MLENS_GEMM_EXACT_PARTS for EXACT on half-precision
+ * weights, else 1. */
+uint64_t mlens_gpuplan_gemm_parts(enum mlens_gemm_mode gemm, uint64_t weight_bytes);
 /* Scratch of one MoE call of rows routed rows (tokens x top-k) as the CUDA
  * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk): expert
  * counts, permutation and inverse, the gathered rows in the weight dtype

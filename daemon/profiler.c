@@ -990,6 +990,22 @@ int mlens_profile_state_predict(struct mlens_profile_state *st, double p, double
 	return 0;
 }
 
+void mlens_profile_state_hold(struct mlens_profile_state *st)
+{
+	memset(&st->hw, 0, sizeof(st->hw));
+	mlens_profile_hw(&st->prof, &st->hw);
+	st->hw.gpu_budget = st->gpu_budget;
+	st->hw.gpu_workspace = st->gpu_workspace;
+	st->hw.chunk = st->chunk;
+	if (st->plan_in.group) {
+		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
+		st->hw.act_arg = &st->plan_in;
+	}
+	if (st->side_copy_out)
+		st->hw.b_act_d2h = 0;
+	st->have = true;
+}
+
 int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *sched,
 			    double p, double g, bool use_cache)
 {
@@ -1030,18 +1046,7 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 		if (cache && mlens_profile_save(cache, &st->key, &st->prof, why, sizeof(why)))
 			snprintf(st->err, sizeof(st->err), "%s", why);	/* measured all the same */
 	}
-	memset(&st->hw, 0, sizeof(st->hw));
-	mlens_profile_hw(&st->prof, &st->hw);
-	st->hw.gpu_budget = st->gpu_budget;
-	st->hw.gpu_workspace = st->gpu_workspace;
-	st->hw.chunk = st->chunk;
-	if (st->plan_in.group) {
-		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
-		st->hw.act_arg = &st->plan_in;
-	}
-	if (st->side_copy_out)
-		st->hw.b_act_d2h = 0;
-	st->have = true;
+	mlens_profile_state_hold(st);
 	rc = mlens_profile_state_predict(st, p, g);
 	if (rc) {
 		/* measured, but this workload does not fit the budget: no prediction */

@@ -178,6 +178,11 @@ struct mlens_profile_state {
 struct mlens_sched;
 int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *sched,
 			    double p, double g, bool use_cache);
+/* Take st->prof as the held measurements: the model's ceilings from it and
+ * the state's set-up (budget, workspace, chunk, plan, gpu_copy_out). The
+ * run does it after measuring or loading; mlens-bench predict after
+ * loading a recorded cache. */
+void mlens_profile_state_hold(struct mlens_profile_state *st);
 /* Set the scheduler's cap from the held prediction unless pinned (on the
  * thread that owns sched); the cap in force afterwards. */
 int mlens_profile_state_apply(struct mlens_profile_state *st, struct mlens_sched *sched);

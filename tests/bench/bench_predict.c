@@ -155,18 +155,11 @@ int mlens_bench_predict(int argc, char **argv)
 	st.chunk = MLENS_GPUPLAN_CHUNK;
 	st.plan_in.group = group;
 	st.plan_in.gemm = gemm;
-	mlens_profile_hw(&st.prof, &st.hw);
-	st.hw.gpu_budget = st.gpu_budget;
-	st.hw.gpu_workspace = st.gpu_workspace;
-	st.hw.chunk = st.chunk;
-	st.hw.act_bytes = mlens_gpuplan_act_bytes_hw;
-	st.hw.act_arg = &st.plan_in;
+	st.side_copy_out = side;
+	mlens_profile_state_hold(&st);
 	/* the model as it was before the shared-memory refinement */
 	if (no_shared)
 		st.hw.b_io_shared = 0;
-	if (side)	/* as mlens_profile_state_run does for gpu_copy_out = side */
-		st.hw.b_act_d2h = 0;
-	st.have = true;
 	if ((rc = mlens_profile_state_predict(&st, p, g))) {
 		fprintf(stderr, "predict: %s\n", st.err[0] ? st.err : strerror(-rc));
 		return 1;
