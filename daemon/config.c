@@ -31,6 +31,7 @@ static const struct opt opts[] = {
 	{ "stats_http", T_STR, O(stats_http), "", 0, 0, "127.0.0.1:PORT", "Prometheus /metrics and /health over HTTP (empty: off)" },
 	{ "backend", T_STR, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
 	{ "gpu_gemm", T_STR, O(gpu_gemm), "fast", 0, 0, "fast|exact", "GEMMs of bf16/f16 weights on the GPU: fast rounds activations to the weight dtype, exact matches the CPU at 3x the tensor-core work" },
+	{ "gpu_prefill_attention", T_STR, O(gpu_prefill_attention), "auto", 0, 0, "auto|fp32|bf16", "prefill attention on the GPU: bf16 runs both products on tensor cores (Q, K, V and the softmax weights rounded to bf16, fp32 sums), fp32 is exact to the CPU's rounding; auto takes bf16 when gpu_gemm is fast and the weights are bf16 or f16" },
 	{ "gpu_copy", T_STR, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },
 	{ "gpu_copy_out", T_STR, O(gpu_copy_out), "compute", 0, 0, "compute|side", "hybrid mode: GA's K/V/q copies to the host between the compute stream's kernels, or on a copy stream of their own (side) that overlaps the next kernels" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },

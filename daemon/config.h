@@ -22,6 +22,7 @@ struct mlens_config {
 	char *backend;
 	char *gpu_gemm;		/* "fast" or "exact" (enum mlens_gemm_mode) */
 	char *gpu_copy;		/* "engine" or "sm": who moves the compute stream's copies */
+	char *gpu_prefill_attention;	/* "auto", "fp32" or "bf16" */
 	char *gpu_copy_out;	/* "compute" or "side": where GA's copies to the host run */
 	uint64_t kv_cache;
 	int64_t kv_block_size;

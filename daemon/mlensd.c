@@ -222,7 +222,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 			  const struct mlens_backend_opts *bo)
 {
 	struct mlens_profile_state *st = &D.prof;
-	char gpu[96];
+	char gpu[96], bk[32];
 	st->model = D.model;
 	st->opts.be = &D.be;
 	st->opts.attn = D.hybrid ? &D.attn : NULL;
@@ -263,7 +263,14 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
 	mlens_profile_gpu_name(&D.be, gpu, sizeof(gpu));
-	mlens_profile_key_make(&st->key, D.model, D.be.ops->name, gpu, D.cfg.gpu_memory, st->opts.budget_s);
+	/* a GPU backend's numerics change its rates: a cache measured with
+	 * other GEMM or attention kernels is stale */
+	if (D.be.ops->host_memory)
+		snprintf(bk, sizeof(bk), "%s", D.be.ops->name);
+	else
+		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s", D.be.ops->name, mlens_gemm_mode_name(bo->gemm),
+			 bo->prefill_bf16 ? "bf16" : "fp32");
+	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.cfg.gpu_memory, st->opts.budget_s);
 	st->key.group = st->opts.group;
 	st->key.moe_chunk = st->opts.moe_chunk;
 }
@@ -336,6 +343,12 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: gpu_copy '%s' is not one of engine, sm\n", D.cfg.gpu_copy);
 		return 2;
 	}
+	if (strcmp(D.cfg.gpu_prefill_attention, "auto") && strcmp(D.cfg.gpu_prefill_attention, "fp32") &&
+	    strcmp(D.cfg.gpu_prefill_attention, "bf16")) {
+		fprintf(stderr, "mlensd: gpu_prefill_attention '%s' is not one of auto, fp32, bf16\n",
+			D.cfg.gpu_prefill_attention);
+		return 2;
+	}
 	if (strcmp(D.cfg.gpu_copy_out, "compute") && strcmp(D.cfg.gpu_copy_out, "side")) {
 		fprintf(stderr, "mlensd: gpu_copy_out '%s' is not one of compute, side\n", D.cfg.gpu_copy_out);
 		return 2;
@@ -400,6 +413,11 @@ int main(int argc, char **argv)
 	bo.n_threads = (int)D.cfg.threads;
 	bo.device = D.cfg.gpu_ids[0];
 	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* checked at start */
+	/* auto: tensor cores where the fast GEMMs already round activations
+	 * to 16 bits; an fp32 model or exact GEMMs keep fp32 attention */
+	bo.prefill_bf16 = !strcmp(D.cfg.gpu_prefill_attention, "bf16") ||
+			  (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo.gemm == MLENS_GEMM_FAST &&
+			   D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo.sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
@@ -506,9 +524,10 @@ int main(int argc, char **argv)
 		log_info("%s", line);
 		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
-	log_info("backend %s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
+	log_info("backend %s%s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
 		 D.be.ops->name,
-		 D.be.ops->host_memory ? "" : bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs)" : " (fast GEMMs)",
+		 D.be.ops->host_memory ? "" : bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs" : " (fast GEMMs",
+		 D.be.ops->host_memory ? "" : bo.prefill_bf16 ? ", bf16 prefill attention)" : ", fp32 prefill attention)",
 		 blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
 		 eo.max_step_tokens);

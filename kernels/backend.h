@@ -186,6 +186,11 @@ struct mlens_backend_opts {
 				 * less n_reserved (at least 1) */
 	int device;		/* CUDA: device ordinal */
 	enum mlens_gemm_mode gemm;	/* CUDA: half-precision GEMMs (0: FAST) */
+	bool prefill_bf16;	/* CUDA: prefill attention (head_dim 64, 128) on
+				 * tensor cores: Q, K, V and the softmax weights
+				 * rounded to bf16, fp32 accumulation, max and
+				 * sums (about 2^-9 relative, as FAST GEMMs);
+				 * false: fp32 throughout */
 	bool sm_copy;		/* CUDA: the compute stream's copies to and from
 				 * pinned host memory by the SMs (mapped memory),
 				 * not a copy engine */

@@ -9,7 +9,10 @@
  * about 2^-9 (bf16) or 2^-12 (fp16) per element: 1e-2 and 2e-3. Exact
  * GEMMs (MLENS_GEMM_EXACT, a second backend) split the activations instead
  * and must meet the fp32 tolerance for every weight dtype. Integer
- * results (expert ids, tokens) and stored KV must be identical.
+ * results (expert ids, tokens) and stored KV must be identical. Prefill
+ * attention on tensor cores (opts prefill_bf16, a backend of its own)
+ * rounds q, k, v and the softmax weights to bf16: 2e-2, and it must differ
+ * from the fp32 result (else the fp32 kernel ran).
  * Timing marks read on the host's CLOCK_MONOTONIC timeline. The second
  * copy queue (queue 2) copies after the event it waits for. */
 #include <check.h>
@@ -22,7 +25,7 @@
 #include <time.h>
 #include "kernels/backend.h"
 
-static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm;
+static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm, gpu_tc;
 /* the CUDA backend under test: gpu (fast GEMMs), gpu_exact or gpu_sm */
 static struct mlens_backend *dev = &gpu;
 
@@ -588,6 +591,55 @@ START_TEST(test_attn_prefill)
 }
 END_TEST
 
+/* Prefill attention on tensor cores: lengths around the 64-row and
+ * 64-key tiles, GQA 1, 4 and 8, head dims 64 and 128; against the CPU
+ * with the bf16 tolerance. K/V one float off 16-byte alignment take the
+ * fp32 kernel instead (the tensor-core kernel's loads need it): exact. */
+START_TEST(test_attn_prefill_bf16)
+{
+	static const int lens[] = { 1, 63, 64, 65, 128, 130, 300, 777 };
+	static const int cfg[][2] = { { 8, 8 }, { 8, 2 }, { 32, 4 } };	/* heads, kv heads */
+	const int ns = 8;
+	int32_t cu[9];
+	cu[0] = 0;
+	for (int s = 0; s < ns; s++)
+		cu[s + 1] = cu[s] + lens[s];
+	for (int c = 0; c < 3; c++)
+		for (int hd = 64; hd <= 128; hd += 64)
+			for (int shifted = 0; shifted < 2; shifted++) {
+				int nh = cfg[c][0], nkv = cfg[c][1], T = cu[ns];
+				size_t qn = (size_t)T * nh * hd, kn = (size_t)T * nkv * hd;
+				/* q at 3x: scores of about unit spread, a softmax far
+				 * from uniform */
+				float *q = rnd_floats(qn, 3.0f), *k = rnd_floats(kn + 1, 1.0f);
+				float *v = rnd_floats(kn + 1, 1.0f), *ref = malloc(qn * 4), *got;
+				float *dq = to_gpu(q, qn * 4), *dk = to_gpu(k, (kn + 1) * 4);
+				float *dv = to_gpu(v, (kn + 1) * 4), *dout = gpu_zeros(qn * 4);
+				float scale = 1.0f / sqrtf((float)hd);
+				double err;
+				ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k + shifted,
+								       v + shifted, cu, ns, nh, nkv, hd,
+								       scale), 0);
+				ck_assert_int_eq(gpu_tc.ops->attn_prefill(gpu_tc.ctx, dout, dq, dk + shifted,
+									  dv + shifted, cu, ns, nh, nkv,
+									  hd, scale), 0);
+				got = from_gpu(dout, qn * 4);
+				err = rel_err(ref, got, qn);
+				if (shifted) {
+					record("attn_prefill bf16, K/V unaligned", 1e-5, err,
+					       "lens 1..777 heads=%d kv=%d hd=%d", nh, nkv, hd);
+				} else {
+					record("attn_prefill bf16", 2e-2, err,
+					       "lens 1..777 heads=%d kv=%d hd=%d", nh, nkv, hd);
+					ck_assert_msg(err > 1e-6, "bf16 prefill attention equals fp32 (%g): "
+						      "the tensor-core kernel did not run", err);
+				}
+				free(q); free(k); free(v); free(ref); free(got);
+				gfree(dq); gfree(dk); gfree(dv); gfree(dout);
+			}
+}
+END_TEST
+
 /* Sequences get blocks from a shuffled pool; K/V go in with kv_append
  * (layer 1 of 2) on both backends, the caches must be identical, then
  * decode attention reads them. */
@@ -870,6 +922,7 @@ int main(void)
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
 	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true };
+	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true };
 	TCase *tx, *tsm;
 	Suite *s;
 	TCase *tc;
@@ -883,7 +936,7 @@ int main(void)
 	/* CUDA does not survive fork(): run the tests in this process */
 	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
 	    mlens_backend_create(&gpu_exact, "cuda", &ox) ||
-	    mlens_backend_create(&gpu_sm, "cuda", &osm)) {
+	    mlens_backend_create(&gpu_sm, "cuda", &osm) || mlens_backend_create(&gpu_tc, "cuda", &otc)) {
 		fprintf(stderr, "check_cuda: cannot create the backends\n");
 		return 1;
 	}
@@ -900,6 +953,7 @@ int main(void)
 	tcase_add_test(tc, test_router);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
+	tcase_add_test(tc, test_attn_prefill_bf16);
 	tcase_add_test(tc, test_attn_decode);
 	tcase_add_test(tc, test_attn_decode_groups);
 	tcase_add_test(tc, test_sample);
@@ -932,6 +986,7 @@ int main(void)
 	failed = srunner_ntests_failed(sr);
 	srunner_free(sr);
 	print_table();
+	mlens_backend_destroy(&gpu_tc);
 	mlens_backend_destroy(&gpu_sm);
 	mlens_backend_destroy(&gpu_exact);
 	mlens_backend_destroy(&gpu);

@@ -3,8 +3,10 @@
  * pipeline (CUDA for GA/GB, the CPU for KV and decode attention, queues
  * and events) against the GPU-only engine, teacher-forced on the engine's
  * greedy tokens over prefill, decode and mixed steps in two token groups,
- * for an fp32 and a bf16 model, and the bf16 one with exact GEMMs (whose
- * split activations take three times the scratch): logits within the
+ * for an fp32 and a bf16 model, the bf16 one with exact GEMMs (whose
+ * split activations take three times the scratch), and the bf16 one with
+ * GA's copies to the host on the second copy queue (gpu_copy_out = side)
+ * and prefill attention on tensor cores on both sides: logits within the
  * tolerance below and the same greedy token wherever the engine's top two
  * are further apart than that error allows. The GPU memory taken
  * (cudaMemGetInfo before and after, the backend's own count) stays within
@@ -29,9 +31,14 @@
  * bf16 models: the CUDA backend rounds GEMM inputs to bf16, so such an
  * order difference can flip a rounding, amplified over the layers of a
  * random model; 0.015 is the bf16 golden fixture's decode tolerance. */
-static const double tols[3] = { 1e-4, 0.015, 0.015 };
-static const enum mlens_dtype dtypes[3] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16 };
-static const enum mlens_gemm_mode gemms[3] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_EXACT };
+#define N_CASES 4
+static const double tols[N_CASES] = { 1e-4, 0.015, 0.015, 0.015 };
+static const enum mlens_dtype dtypes[N_CASES] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16,
+						  MLENS_DTYPE_BF16 };
+static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_EXACT,
+						     MLENS_GEMM_FAST };
+/* the last case: side copies out, bf16 prefill attention */
+static const bool side_tc[N_CASES] = { false, false, false, true };
 
 static struct mlens_test_spec spec(enum mlens_dtype dt)
 {
@@ -93,11 +100,12 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	const enum mlens_dtype dt = dtypes[_i];
 	struct mlens_test_spec ts = spec(dt);
 	struct mlens_model *m = mlens_test_model_new(&ts);
-	struct mlens_backend_opts bo = { .n_threads = 4, .device = 0, .gemm = gemms[_i] };
+	struct mlens_backend_opts bo = { .n_threads = 4, .device = 0, .gemm = gemms[_i],
+					 .prefill_bf16 = side_tc[_i] };
 	struct mlens_backend g, c;
 	struct mlens_engine *e;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
-					.hybrid_gemm = gemms[_i] };
+					.hybrid_gemm = gemms[_i], .hybrid_side_copy_out = side_tc[_i] };
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan plan;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
@@ -141,6 +149,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert_int_eq(mlens_pipeline_plan(p)->resident_experts, 0);
 		ck_assert(mlens_pipeline_stats(p)->async);
 		ck_assert(!mlens_pipeline_stats(p)->prefill_cpu);
+		ck_assert_int_eq(mlens_pipeline_stats(p)->side_copy_out, side_tc[_i]);
 	}
 	run(e, prompt, tok, got, true, (int)V);
 	ck_assert_int_eq(cudaMemGetInfo(&free1, &total), cudaSuccess);
@@ -187,8 +196,9 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 			}
 		}
 	}
-	printf("[%s, %s GEMMs] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
+	printf("[%s, %s GEMMs%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
 	       "%d safe greedy tokens equal\n", mlens_dtype_name(dt), mlens_gemm_mode_name(gemms[_i]),
+	       side_tc[_i] ? ", side copies out, bf16 prefill attention" : "",
 	       worst, TOL, same, safe);
 	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);
 	ck_assert_int_gt(safe, N_STEPS * N_SEQ / 2);
@@ -215,7 +225,7 @@ int main(void)
 	s = suite_create("hybrid_cuda");
 	tc = tcase_create("pipeline");
 	tcase_set_timeout(tc, 120);
-	tcase_add_loop_test(tc, hybrid_equals_gpu_only_within_budget, 0, 3);
+	tcase_add_loop_test(tc, hybrid_equals_gpu_only_within_budget, 0, N_CASES);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);	/* CUDA does not survive fork() */

@@ -1,8 +1,9 @@
 /* CUDA attention: causal GQA flash attention for prefill (tiled, online
  * softmax, never the n x n matrix), KV append into the paged cache in GPU
  * memory, and split-context decode attention over that cache with a
- * combine pass. fp32 math throughout; KV stored f32 or bf16 (kernels/kv.h
- * layout). Head dims 64 and 128 take tuned kernels; any other up to 256, and
+ * combine pass. fp32 math throughout, except prefill on tensor cores
+ * (opts prefill_bf16: bf16 products, fp32 softmax and sums); KV stored f32
+ * or bf16 (kernels/kv.h layout). Head dims 64 and 128 take tuned kernels; any other up to 256, and
  * GQA groups above 8, a generic one (small test models). */
 #include "kernels/cuda/cuda_int.h"
 
@@ -160,6 +161,197 @@ static int prefill_launch(struct mlens_cuda_ctx *c, dim3 grid, float *out, const
 	return 0;
 }
 
+
+/* ==== prefill on tensor cores (opts prefill_bf16) ====
+ * The same causal GQA flash attention with both products on tensor cores
+ * (mma.sync m16n8k16, bf16 inputs, fp32 accumulation): Q, K, V and the
+ * softmax weights P are rounded to bf16 (about 2^-9 relative each, as the
+ * fast GEMMs round activations); scores, the running max and sums, and
+ * the output stay fp32. A block is TC_BR query rows of one head, 16 a
+ * warp; keys go through shared memory TC_BC at a time, converted to bf16
+ * (K row-major, V transposed so that both B operands are 32-bit loads).
+ * Fragment layouts are PTX's for m16n8k16: a thread (group g = lane / 4,
+ * t = lane % 4) holds rows g and g + 8, columns 2t, 2t + 1 (+ 8). */
+#define TC_WARPS 4
+#define TC_THREADS (TC_WARPS * 32)
+#define TC_BR (TC_WARPS * 16)	/* query rows a block */
+#define TC_BC 64		/* keys a tile */
+#define TC_PAD 8		/* bf16 of row padding: conflict-free fragment loads */
+
+__device__ __forceinline__ uint32_t tc_pack(float lo, float hi)
+{
+	__nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);	/* .x, the lower half: lo */
+	return *(const uint32_t *)&h;
+}
+
+/* d += a . b (16x16 by 16x8, bf16 in, fp32 accumulate) */
+__device__ __forceinline__ void tc_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+				       uint32_t b1)
+{
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+		     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+		     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+		     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int HD>
+__global__ void __launch_bounds__(TC_THREADS)
+prefill_tc_kernel(float *out, const float *q, const float *k, const float *v, const int4 *tiles,
+		  int n_heads, int n_kv, float scale)
+{
+	constexpr int KSTEPS = HD / 16;		/* k-steps of Q K^T */
+	constexpr int NB = HD / 8;		/* n-blocks of the output */
+	constexpr int SB = TC_BC / 8;		/* n-blocks of the scores */
+	constexpr int KLD = HD + TC_PAD;	/* Ks row (bf16) */
+	constexpr int VLD = TC_BC + TC_PAD;	/* Vt row (bf16) */
+	__shared__ __align__(16) __nv_bfloat16 Ks[TC_BC * KLD];
+	__shared__ __align__(16) __nv_bfloat16 Vt[HD * VLD];
+	const int4 tile = tiles[blockIdx.x];
+	const int t0 = tile.x, q0 = tile.y, len = tile.z;
+	const int h = blockIdx.y, kvh = h / (n_heads / n_kv);
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const int gq = lane >> 2, tq = lane & 3;
+	const size_t qs = (size_t)n_heads * HD, ks = (size_t)n_kv * HD;
+	const int r0 = q0 + warp * 16 + gq, r1 = r0 + 8;	/* this thread's rows */
+	/* scores in log2 units: exp2f of (s - max) is exp of the scaled score */
+	const float sl2 = scale * 1.4426950408889634f;
+
+	uint32_t qa[KSTEPS][4];
+	{
+		const float2 z = make_float2(0.0f, 0.0f);
+		const float *p0 = q + (size_t)h * HD + (size_t)(t0 + r0) * qs;
+		const float *p1 = q + (size_t)h * HD + (size_t)(t0 + r1) * qs;
+#pragma unroll
+		for (int kk = 0; kk < KSTEPS; kk++) {
+			const int c = kk * 16 + 2 * tq;
+			float2 a = r0 < len ? *(const float2 *)(p0 + c) : z;
+			float2 b = r1 < len ? *(const float2 *)(p1 + c) : z;
+			float2 e = r0 < len ? *(const float2 *)(p0 + c + 8) : z;
+			float2 f = r1 < len ? *(const float2 *)(p1 + c + 8) : z;
+			qa[kk][0] = tc_pack(a.x, a.y);
+			qa[kk][1] = tc_pack(b.x, b.y);
+			qa[kk][2] = tc_pack(e.x, e.y);
+			qa[kk][3] = tc_pack(f.x, f.y);
+		}
+	}
+
+	float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+	float o[NB][4];
+#pragma unroll
+	for (int nb = 0; nb < NB; nb++)
+		o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.0f;
+
+	const int kend = min(len, q0 + TC_BR);	/* causal: no key after the last row */
+	for (int kb = 0; kb < kend; kb += TC_BC) {
+		__syncthreads();	/* the previous tile is consumed */
+		/* K: a row's 16-byte pieces on consecutive threads (coalesced) */
+		for (int idx = threadIdx.x; idx < TC_BC * HD / 4; idx += TC_THREADS) {
+			const int j = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+			float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+			if (kb + j < len)
+				f = *(const float4 *)(k + (size_t)(t0 + kb + j) * ks + (size_t)kvh * HD + d);
+			*(uint2 *)&Ks[j * KLD + d] = make_uint2(tc_pack(f.x, f.y), tc_pack(f.z, f.w));
+		}
+		/* V transposed: keys on consecutive threads, so that the 2-byte
+		 * stores of a warp fall in 16 consecutive words */
+		for (int idx = threadIdx.x; idx < TC_BC * HD / 4; idx += TC_THREADS) {
+			const int j = idx % TC_BC, d = (idx / TC_BC) * 4;
+			float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+			if (kb + j < len)
+				f = *(const float4 *)(v + (size_t)(t0 + kb + j) * ks + (size_t)kvh * HD + d);
+			Vt[(d + 0) * VLD + j] = __float2bfloat16_rn(f.x);
+			Vt[(d + 1) * VLD + j] = __float2bfloat16_rn(f.y);
+			Vt[(d + 2) * VLD + j] = __float2bfloat16_rn(f.z);
+			Vt[(d + 3) * VLD + j] = __float2bfloat16_rn(f.w);
+		}
+		__syncthreads();
+
+		/* S = Q K^T for this warp's 16 rows and the tile's keys */
+		float s[SB][4];
+#pragma unroll
+		for (int n = 0; n < SB; n++)
+			s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+		for (int kk = 0; kk < KSTEPS; kk++)
+#pragma unroll
+			for (int n = 0; n < SB; n++) {
+				const __nv_bfloat16 *kr = &Ks[(n * 8 + gq) * KLD + kk * 16 + 2 * tq];
+				tc_mma(s[n], qa[kk], *(const uint32_t *)kr, *(const uint32_t *)(kr + 8));
+			}
+
+		/* mask (causal, and keys past the sequence), then the online
+		 * softmax; a row's four threads share its max through shuffles.
+		 * Key kb <= q0 <= the row, so every row has a valid key here and
+		 * the max is finite (rows past len see keys < len: also finite). */
+		float mx0 = m0, mx1 = m1;
+#pragma unroll
+		for (int n = 0; n < SB; n++)
+#pragma unroll
+			for (int e = 0; e < 2; e++) {
+				const int key = kb + n * 8 + 2 * tq + e;
+				const bool in = key < len;
+				s[n][e] = in && key <= r0 ? s[n][e] * sl2 : -INFINITY;
+				s[n][2 + e] = in && key <= r1 ? s[n][2 + e] * sl2 : -INFINITY;
+				mx0 = fmaxf(mx0, s[n][e]);
+				mx1 = fmaxf(mx1, s[n][2 + e]);
+			}
+		mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+		mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+		mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+		mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+		const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);	/* 0 on the first tile */
+		m0 = mx0;
+		m1 = mx1;
+
+		/* P as the A operand of P V: score blocks 2j and 2j + 1 are the
+		 * two column halves of k-step j */
+		uint32_t pa[TC_BC / 16][4];
+		float ls0 = 0.0f, ls1 = 0.0f;
+#pragma unroll
+		for (int n = 0; n < SB; n++) {
+			const float p0 = exp2f(s[n][0] - mx0), p1 = exp2f(s[n][1] - mx0);
+			const float p2 = exp2f(s[n][2] - mx1), p3 = exp2f(s[n][3] - mx1);
+			ls0 += p0 + p1;
+			ls1 += p2 + p3;
+			pa[n >> 1][(n & 1) * 2 + 0] = tc_pack(p0, p1);
+			pa[n >> 1][(n & 1) * 2 + 1] = tc_pack(p2, p3);
+		}
+		/* per-thread partial sums: the factor is the same for the whole
+		 * row, so the four parts are added once at the end */
+		l0 = l0 * c0 + ls0;
+		l1 = l1 * c1 + ls1;
+#pragma unroll
+		for (int nb = 0; nb < NB; nb++) {
+			o[nb][0] *= c0;
+			o[nb][1] *= c0;
+			o[nb][2] *= c1;
+			o[nb][3] *= c1;
+		}
+#pragma unroll
+		for (int j = 0; j < TC_BC / 16; j++)
+#pragma unroll
+			for (int nb = 0; nb < NB; nb++) {
+				const __nv_bfloat16 *vr = &Vt[(nb * 8 + gq) * VLD + j * 16 + 2 * tq];
+				tc_mma(o[nb], pa[j], *(const uint32_t *)vr, *(const uint32_t *)(vr + 8));
+			}
+	}
+	l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+	l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+	l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+	l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+	if (r0 < len) {
+		float *orow = out + (size_t)(t0 + r0) * qs + (size_t)h * HD + 2 * tq;
+#pragma unroll
+		for (int nb = 0; nb < NB; nb++)
+			*(float2 *)(orow + nb * 8) = make_float2(o[nb][0] / l0, o[nb][1] / l0);
+	}
+	if (r1 < len) {
+		float *orow = out + (size_t)(t0 + r1) * qs + (size_t)h * HD + 2 * tq;
+#pragma unroll
+		for (int nb = 0; nb < NB; nb++)
+			*(float2 *)(orow + nb * 8) = make_float2(o[nb][2] / l1, o[nb][3] / l1);
+	}
+}
 
 /* ==== any head_dim and GQA group (the tuned kernels take 64 and 128) ====
  * Small models (tests, the tiny demo model) have head dims such as 16 or
@@ -322,15 +514,21 @@ int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q
 			head_dim, GEN_MAX_HD);
 		return -ENOTSUP;
 	}
+	if (head_dim != 64 && head_dim != 128)
+		return gen_prefill(c, out, q, k, v, cu_seqlens, n_seqs, n_heads, n_kv_heads,
+				   head_dim, scale);
+	/* tensor cores when asked for; their vector loads need 16-byte K/V
+	 * rows and 8-byte Q/out rows (always so for buffers the backend
+	 * allocates: the bases are aligned and head_dim is 64 or 128) */
+	const bool tc = c->prefill_bf16 && !(((uintptr_t)k | (uintptr_t)v) & 15) &&
+			!(((uintptr_t)q | (uintptr_t)out) & 7);
+	const int br = tc ? TC_BR : PF_BR;
 	for (int s = 0; s < n_seqs; s++) {
 		int len = cu_seqlens[s + 1] - cu_seqlens[s];
 		if (len < 0 || cu_seqlens[s] < 0)
 			return -EINVAL;
-		n_tiles += (size_t)(len + PF_BR - 1) / PF_BR;
+		n_tiles += (size_t)(len + br - 1) / br;
 	}
-	if (head_dim != 64 && head_dim != 128)
-		return gen_prefill(c, out, q, k, v, cu_seqlens, n_seqs, n_heads, n_kv_heads,
-				   head_dim, scale);
 	if (!n_tiles)
 		return 0;
 	if (n_tiles > 0x7fffffff)
@@ -340,12 +538,22 @@ int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q
 	int4 *t = (int4 *)h;
 	for (int s = 0; s < n_seqs; s++) {
 		int len = cu_seqlens[s + 1] - cu_seqlens[s];
-		for (int q0 = 0; q0 < len; q0 += PF_BR)
+		for (int q0 = 0; q0 < len; q0 += br)
 			*t++ = make_int4(cu_seqlens[s], q0, len, 0);
 	}
 	if ((rc = mlens_cuda_stage_commit(c, n_tiles * sizeof(int4))))
 		return rc;
 	dim3 grid((unsigned)n_tiles, (unsigned)n_heads);
+	if (tc) {
+		if (head_dim == 64)
+			prefill_tc_kernel<64><<<grid, TC_THREADS, 0, c->stream>>>(
+				out, q, k, v, (const int4 *)d, n_heads, n_kv_heads, scale);
+		else
+			prefill_tc_kernel<128><<<grid, TC_THREADS, 0, c->stream>>>(
+				out, q, k, v, (const int4 *)d, n_heads, n_kv_heads, scale);
+		CUDA_LAUNCHED();
+		return 0;
+	}
 	if (head_dim == 64)
 		return prefill_launch<64>(c, grid, out, q, k, v, (const int4 *)d, n_heads,
 					  n_kv_heads, scale);

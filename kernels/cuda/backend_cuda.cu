@@ -995,6 +995,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		return -ENOMEM;
 	c->device = dev;
 	c->gemm_exact = o && o->gemm == MLENS_GEMM_EXACT;
+	c->prefill_bf16 = o && o->prefill_bf16;
 	c->sm_copy = o && o->sm_copy;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);

@@ -35,6 +35,7 @@ struct mlens_cuda_ctx {
 	cudaStream_t stream;
 	cublasHandle_t blas;
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
+	bool prefill_bf16;		/* prefill attention on tensor cores (bf16) */
 	/* the compute stream's host <-> device copies done by an SM kernel on
 	 * mapped pinned memory rather than a copy engine (opts sm_copy) */
 	bool sm_copy;

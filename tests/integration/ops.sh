@@ -44,6 +44,7 @@ expect_config_error "bad.conf:1: key 'threads': 'two' is not an integer" "thread
 expect_config_error "bad.conf:1: expected 'key = value'" "kv_cache 1G"
 expect_config_error "gpu_copy 'dma' is not one of engine, sm" "gpu_copy = dma"
 expect_config_error "gpu_copy_out 'both' is not one of compute, side" "gpu_copy_out = both"
+expect_config_error "gpu_prefill_attention 'half' is not one of auto, fp32, bf16" "gpu_prefill_attention = half"
 expect_config_error "gpu_gemm 'exactish' is not one of fast, exact" "gpu_gemm = exactish"
 "$mlensd" --model "$tmp/m" --foreground --bogus-flag >"$tmp/out" 2>&1
 [ $? -eq 2 ] && grep -q "unknown option '--bogus-flag'" "$tmp/out" || fail "unknown flag: $(cat "$tmp/out")"
