@@ -26,7 +26,9 @@
 #include "kernels/backend.h"
 
 static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm, gpu_tc;
-/* the CUDA backend under test: gpu (fast GEMMs), gpu_exact or gpu_sm */
+/* the CUDA backend under test: gpu (fast GEMMs), gpu_exact, gpu_sm or
+ * gpu_tc (every buffer of a test is allocated, filled and read back on it:
+ * backends do not order their streams against each other) */
 static struct mlens_backend *dev = &gpu;
 
 /* ==== helpers ==== */
@@ -521,6 +523,12 @@ static void use_fast(void)
 	dev = &gpu;
 }
 
+/* Prefill attention on the tensor-core backend (prefill_bf16). */
+static void use_tc(void)
+{
+	dev = &gpu_tc;
+}
+
 /* The ops that stage tables or read values back, on the backend whose
  * compute-stream copies the SMs move (sm_copy). */
 static void use_sm(void)
@@ -620,9 +628,9 @@ START_TEST(test_attn_prefill_bf16)
 				ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k + shifted,
 								       v + shifted, cu, ns, nh, nkv, hd,
 								       scale), 0);
-				ck_assert_int_eq(gpu_tc.ops->attn_prefill(gpu_tc.ctx, dout, dq, dk + shifted,
-									  dv + shifted, cu, ns, nh, nkv,
-									  hd, scale), 0);
+				ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, dout, dq, dk + shifted,
+								       dv + shifted, cu, ns, nh, nkv, hd,
+								       scale), 0);
 				got = from_gpu(dout, qn * 4);
 				err = rel_err(ref, got, qn);
 				if (shifted) {
@@ -923,7 +931,7 @@ int main(void)
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
 	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true };
 	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true };
-	TCase *tx, *tsm;
+	TCase *tx, *tsm, *ttc;
 	Suite *s;
 	TCase *tc;
 	SRunner *sr;
@@ -953,7 +961,6 @@ int main(void)
 	tcase_add_test(tc, test_router);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
-	tcase_add_test(tc, test_attn_prefill_bf16);
 	tcase_add_test(tc, test_attn_decode);
 	tcase_add_test(tc, test_attn_decode_groups);
 	tcase_add_test(tc, test_sample);
@@ -980,6 +987,11 @@ int main(void)
 	tcase_add_test(tsm, test_attn_decode);
 	tcase_add_test(tsm, test_sample);
 	suite_add_tcase(s, tsm);
+	ttc = tcase_create("tensor-core prefill");
+	tcase_set_timeout(ttc, 120);
+	tcase_add_checked_fixture(ttc, use_tc, use_fast);
+	tcase_add_test(ttc, test_attn_prefill_bf16);
+	suite_add_tcase(s, ttc);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);
 	srunner_run_all(sr, CK_NORMAL);
