@@ -506,6 +506,50 @@ uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct m
 	return sat_add(b, hw->gpu_workspace);
 }
 
+/* GPU tier minus PCIe tier of the workload's steady step of n tokens,
+ * split evenly (seconds per layer). */
+static double tier_gap(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+		       const struct mlens_perf_workload *w, int resident, double n)
+{
+	struct mlens_perf_policy pol = { resident, 0.5, 0.5 };
+	struct mlens_perf_step st = mlens_perf_steady_step(w, n);
+	struct mlens_perf_step_time t;
+	if (mlens_perf_step_time(pm, hw, &pol, &st, &t))
+		return NAN;
+	return t.tier[MLENS_PERF_BIND_GPU] - t.tier[MLENS_PERF_BIND_PCIE];
+}
+
+/* n_eq with the weight stream as the step time counts it: at B_IO,shared
+ * while the CPU attention reads memory. That transfer is never faster
+ * than eq. 2's at B_IO, so the balance lies at or above n0 (the B_IO
+ * one); INFINITY when the GPU's time never catches up with the stream
+ * (the attention's reads grow with n as fast as the GPU's work). */
+static double n_balance_shared(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			       const struct mlens_perf_workload *w, int resident, double n0)
+{
+	double lo = n0 > 1 ? n0 : 1, hi, f = tier_gap(pm, hw, w, resident, lo);
+	if (!(f < 0))
+		return isnan(f) ? n0 : lo;
+	for (hi = 2 * lo;; hi *= 2) {
+		f = tier_gap(pm, hw, w, resident, hi);
+		if (isnan(f))
+			return n0;
+		if (f >= 0)
+			break;
+		if (hi > 1e12)
+			return INFINITY;
+		lo = hi;
+	}
+	while (hi - lo > 0.25) {
+		double mid = lo + (hi - lo) / 2;
+		if (tier_gap(pm, hw, w, resident, mid) < 0)
+			lo = mid;
+		else
+			hi = mid;
+	}
+	return hi;
+}
+
 int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 		       const struct mlens_perf_workload *w, int resident_experts,
 		       struct mlens_perf_prediction *out, char *err, size_t errlen)
@@ -545,10 +589,16 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		struct mlens_perf_step s1 = mlens_perf_steady_step(w, n1);
 		double qd = (double)(pm->heads * pm->head_dim), link_x;
 		gpu_x = step_gpu_extra(pm, hw, &s1, 1, 1) / n1;
-		/* the transfer at B_IO (eq. 2's), not slowed by the attention's
-		 * reads: n_real stays where the GPU's time meets the link's */
+		/* eq. 2's balance with the transfer at B_IO; then, where the
+		 * stream slows while the CPU attention reads memory, the balance
+		 * with the transfer the step really gets (on the H200 the best
+		 * cap of a sweep lay 25% above the B_IO balance, where the
+		 * model's own throughput peaks too) */
 		link_x = (hw->h2d_per_token + s1.decode * qd * (double)pm->abytes / n1) / hw->b_io;
 		out->n_eq = n_balance(hw, streamed, gpu_x, link_x);
+		if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io && isfinite(out->n_eq) &&
+		    streamed > 0)
+			out->n_eq = n_balance_shared(pm, hw, w, resident_experts, out->n_eq);
 	}
 	out->n_act = n_a;
 	out->n_real = out->n_eq < n_a ? floor(out->n_eq) : n_a;

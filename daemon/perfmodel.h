@@ -29,7 +29,12 @@
  *   fitted form (the profiler's, MoE-Lens §Pipeline Profiler): GPU seconds
  *     per layer for n tokens split in two groups = 2a + b n, with a, b the
  *     least-squares line of GA+GB time against tokens in one group; n_eq
- *     solves 2a + b n = streamed bytes / B_IO. n_real = min(n_eq, n_act),
+ *     solves 2a + b n = streamed bytes / B_IO (plus, per token, the GPU's
+ *     and the link's extras below). With B_IO,shared (the stream's rate
+ *     while the CPU attention reads memory) below B_IO, n_eq is instead
+ *     where the step time's GPU tier meets its PCIe tier (both below) for
+ *     the workload's steady step: the transfer the step really gets, so
+ *     n_eq rises with the attention's share. n_real = min(n_eq, n_act),
  *     n_act the most tokens whose activations fit what the budget leaves
  *     (formula at mlens_perf_act_bytes, DESIGN §5.2, or the executor's own
  *     count when hw gives one: mlensd gives the hybrid pipeline's plan's),
