@@ -374,6 +374,68 @@ START_TEST(policy_tight_budget)
 }
 END_TEST
 
+/* The stream slowed while the CPU attention reads memory (B_IO,shared):
+ * n_eq moves up to where the step time's GPU tier meets its PCIe tier for
+ * the workload's steady step; no shared rate (or one no slower than B_IO)
+ * keeps eq. 2's balance; with slow attention the balance lies beyond what
+ * the activations hold, and they cap the step. */
+START_TEST(policy_shared_stream)
+{
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 12);
+	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
+	struct mlens_perf_policy pol = { 0, 0.5, 0.5 };
+	struct mlens_perf_prediction p0, pr;
+	struct mlens_perf_step_time t;
+	struct mlens_perf_step st;
+	char err[512] = "";
+	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &p0, err, sizeof(err)) == 0, "%s", err);
+	hw.b_io_shared = 30e9;	/* no slower than alone: eq. 2's balance */
+	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)), 0);
+	assert_rel(pr.n_eq, p0.n_eq, 1e-12);
+	hw.b_io_shared = 15e9;
+	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)), 0);
+	ck_assert_msg(pr.n_eq > p0.n_eq * 1.01, "%.1f vs %.1f", pr.n_eq, p0.n_eq);
+	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_NREAL);
+	ck_assert(pr.n_real == floor(pr.n_eq));
+	/* the tiers meet at n_eq: the stream binds a token below, the GPU one
+	 * above */
+	st = mlens_perf_steady_step(&w, pr.n_eq);
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_GPU], t.tier[MLENS_PERF_BIND_PCIE], 1e-4);
+	st = mlens_perf_steady_step(&w, pr.n_eq - 1);
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	ck_assert(t.tier[MLENS_PERF_BIND_GPU] < t.tier[MLENS_PERF_BIND_PCIE]);
+	st = mlens_perf_steady_step(&w, pr.n_eq + 1);
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	ck_assert(t.tier[MLENS_PERF_BIND_GPU] > t.tier[MLENS_PERF_BIND_PCIE]);
+	/* the stream outruns the GPU only at n_eq, so the prediction there
+	 * beats the one at eq. 2's n (the cap it had before) */
+	{
+		struct mlens_perf_policy pb = pol;
+		st = mlens_perf_steady_step(&w, p0.n_real);
+		ck_assert_int_eq(mlens_perf_step_time_best(&pm, &hw, &pb, &st, &t), 0);
+		ck_assert_msg(pr.total_tok_s > p0.n_real / t.seconds, "%.1f vs %.1f", pr.total_tok_s,
+			      p0.n_real / t.seconds);
+	}
+	/* attention at 1 GB/s and the stream at 5 GB/s meanwhile: the
+	 * stream takes its slow rate for the whole layer (h2d / 5 GB/s), a
+	 * balance beyond what the activations hold, which cap the step */
+	hw.b_io_shared = 5e9;
+	hw.b_attn = 1e9;
+	w.kv_tokens = 1e7;	/* PME x M above n_act: not the KV capacity */
+	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)), 0);
+	ck_assert_msg(pr.n_eq > pr.n_act, "n_eq %g, n_act %g", pr.n_eq, pr.n_act);
+	st = mlens_perf_steady_step(&w, pr.n_eq);
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_PCIE],
+		   (double)(mlens_perf_streamed_bytes(&pm, 0) + st.decode * 4096 * 4) / 5e9, 1e-12);
+	assert_rel(t.tier[MLENS_PERF_BIND_GPU], t.tier[MLENS_PERF_BIND_PCIE], 1e-4);
+	ck_assert(pr.n_real == pr.n_act);
+	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_ACT);
+}
+END_TEST
+
 START_TEST(policy_loose_budget)
 {
 	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
@@ -792,6 +854,7 @@ int main(void)
 	tcase_add_test(tc, step_time_tiers);
 	tcase_add_test(tc, split_balances_groups);
 	tcase_add_test(tc, policy_tight_budget);
+	tcase_add_test(tc, policy_shared_stream);
 	tcase_add_test(tc, policy_loose_budget);
 	tcase_add_test(tc, minimum_budget_refused);
 	tcase_add_test(tc, throughput_monotone_in_kv);
