@@ -43,20 +43,25 @@ fi
 
 GPU_TESTS=${GPU_TESTS:-"tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
 	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh tests/check_hybrid"}
-[ "$T_TESTS" -gt 0 ] && timeout "$T_TESTS" make -j8 check TESTS="$GPU_TESTS" > "$R/check.log" 2>&1
-el "GPU tests: rc $?"
-grep -E "^(PASS|FAIL|SKIP|ERROR):" "$R/check.log"
-cp tests/check_cuda.log tests/check_hybrid_cuda.log tests/golden/check_golden_cuda.sh.log \
-	tests/golden/check_golden_hybrid.sh.log "$R/" 2>/dev/null
-grep -h -E "^==|Checks" tests/golden/check_golden_cuda.sh.log tests/golden/check_golden_hybrid.sh.log
+if [ "$T_TESTS" -gt 0 ]; then
+	timeout "$T_TESTS" make -j8 check TESTS="$GPU_TESTS" > "$R/check.log" 2>&1
+	el "GPU tests: rc $?"
+	grep -E "^(PASS|FAIL|SKIP|ERROR):" "$R/check.log"
+	cp tests/check_cuda.log tests/check_hybrid_cuda.log tests/golden/check_golden_cuda.sh.log \
+		tests/golden/check_golden_hybrid.sh.log "$R/" 2>/dev/null
+	grep -h -E "^==|Checks" tests/golden/check_golden_cuda.sh.log \
+		tests/golden/check_golden_hybrid.sh.log 2>/dev/null
+fi
 
 [ -n "$mk" ] && wait "$mk" && cat "$R/mkmodel.log"
 el "model ready"
 
 B=./tests/bench/mlens-bench
-[ "$T_ATTN" -gt 0 ] && timeout "$T_ATTN" sh -c "$B attention --threads 1,16 --json --min-time 0.4 > '$R/attn.json' 2> '$R/attn.err';
-	sh ./tests/bench/attn_sweep.sh $B 16 > '$R/attn_sweep.txt' 2>&1"
-el "attention: rc $?"
+if [ "$T_ATTN" -gt 0 ]; then
+	timeout "$T_ATTN" sh -c "$B attention --threads 1,16 --json --min-time 0.4 > '$R/attn.json' 2> '$R/attn.err';
+		sh ./tests/bench/attn_sweep.sh $B 16 > '$R/attn_sweep.txt' 2>&1"
+	el "attention: rc $?"
+fi
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("read bandwidth", d["read_bw_gbs"], "GB/s")
 for r in d["results"]: print("%-7s %2d threads %7.2f GB/s %5.0f%%" % (r["variant"], r["threads"], r["kv_gbs"], 100 * r["kv_gbs"] / d["read_bw_gbs"]))' \
 	"$R/attn.json" 2>/dev/null
@@ -124,7 +129,7 @@ if [ "$T_SET" -gt 0 ]; then
 	el "benchmark set: rc $?"
 fi
 if [ "$T_SWEEP" -gt 0 ]; then
-	OUT=$R STEADY_STEPS=12 timeout "$T_SWEEP" sh ./tests/bench/nreal_sweep.sh 512 32 40G 8G 2>&1 | tail -12
+	OUT=$R timeout "$T_SWEEP" sh ./tests/bench/nreal_sweep.sh 512 32 40G 8G 2>&1 | tail -12
 	el "n_real sweep: rc $?"
 fi
 tar czf "$OUT/session.tgz" -C "$(dirname "$R")" "$(basename "$R")"

@@ -23,6 +23,8 @@
 #   DAEMON_ARGS      more mlensd arguments, split at blanks (for example
 #                    "--group-tokens 0" or "--threads 13")
 #   EXPECT_TPS       total tokens/s assumed for the time estimate (30000)
+#   RUN_TIMEOUT      seconds a run may take before mlens-bench stops it
+#                    (570)
 #   STARTUP_S        seconds per run outside the requests (45: model into
 #                    pinned memory, ceilings, profile, shutdown)
 #   HF_REQ           requests of the baseline (16, one batch of 16)
@@ -120,8 +122,9 @@ for r in $RUNS; do
 	g=${rest#* }
 	s=$(seqs_of "$kv" "$p" "$g")
 	n=$(req_of "$s")
-	tmo=$(awk -v n="$n" -v p="$p" -v g="$g" -v t="$EXPECT_TPS" \
-		'BEGIN { x = 60 + 3 * n * (p + g) / t; printf "%d", (x > 570 ? 570 : x) }')
+	# a run's limit does not follow EXPECT_TPS (an estimate for the
+	# plan): a guess too high once cut a 4-minute run at 221 s
+	tmo=${RUN_TIMEOUT:-570}
 	./tests/bench/mlens-bench serve --model "$MODEL" --mlensd ./daemon/mlensd --backend "$BACKEND" \
 		--gpu-memory "$GPU" --kv-cache "$kv" --prompt-len "$p" --gen-len "$g" \
 		--requests "$n" --concurrency "$s" --threads 8 --timeout "$tmo" --predict --json "$@" \

@@ -13,7 +13,9 @@
 #   N_REAL        the daemon's n_real; else predicted.n_real of
 #                 $OUT/hybrid_p<P>g<G>.json (hybrid.sh, same budget), else
 #                 a short probe run with --predict (one more start-up)
-#   STEADY_STEPS  steps of steady state per point (16)
+#   STEADY_STEPS  steps of steady state per point (40: windows of 10-12
+#                 steps, 5-8 s, read up to 20% low on the H200 against a
+#                 57-s window at the same cap)
 #   EXPECT_TPS    total tokens/s assumed for the time estimate (30000)
 #   STARTUP_S     seconds per run outside the requests (45)
 #   BACKEND       mlensd's backend (cuda)
@@ -31,7 +33,7 @@ G=${2:-32}
 KV=${3:-40G}
 GPU=${4:-8G}
 FACTORS=${FACTORS:-0.5 0.75 1 1.25 1.5}
-STEADY_STEPS=${STEADY_STEPS:-16}
+STEADY_STEPS=${STEADY_STEPS:-40}
 EXPECT_TPS=${EXPECT_TPS:-30000}
 STARTUP_S=${STARTUP_S:-45}
 BACKEND=${BACKEND:-cuda}
@@ -109,8 +111,9 @@ out, nr, factors = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 def f(x, fmt="%.1f"):
     return "-" if x is None else fmt % x
 rows = []
-print("%-6s %7s %10s %10s %8s %8s %10s %7s %s" % ("factor", "cap", "steady g/s", "whole g/s", "step n",
-                                                "pred n", "predicted", "err st", "binding"))
+print("%-6s %7s %10s %8s %10s %8s %8s %10s %7s %s" % ("factor", "cap", "steady g/s", "steady s", "whole g/s",
+                                                     "step n", "pred n", "predicted", "err st", "binding"))
+short = False
 for fa in factors:
     path = os.path.join(out, "nreal_x%s.json" % fa)
     try:
@@ -122,12 +125,18 @@ for fa in factors:
     g = s.get("generated_tokens_per_s") or d.get("generated_tokens_per_s")
     rows.append((d.get("step_token_cap"), g, fa))
     e = d.get("prediction_error_steady")
-    print("%-6s %7.0f %10s %10s %8s %8s %10s %7s %s" % (fa, d.get("step_token_cap") or 0, f(s.get("generated_tokens_per_s")),
-          f(d.get("generated_tokens_per_s")), f(s.get("mean_step_tokens") or d.get("mean_step_tokens"), "%.0f"),
+    short = short or (s.get("seconds") or 0) < 20
+    print("%-6s %7.0f %10s %8s %10s %8s %8s %10s %7s %s" % (fa, d.get("step_token_cap") or 0, f(s.get("generated_tokens_per_s")),
+          f(s.get("seconds")), f(d.get("generated_tokens_per_s")), f(s.get("mean_step_tokens") or d.get("mean_step_tokens"), "%.0f"),
           f(p.get("step_tokens"), "%.0f"), f(p.get("generated_tokens_per_s")), f(None if e is None else 100 * e, "%+.0f%%"), p.get("binding", "-")))
 if rows:
     cap, g, fa = max(rows, key=lambda r: r[1] or 0)
     err = (nr - cap) / cap
+    edge = len(rows) > 1 and cap in (min(r[0] for r in rows), max(r[0] for r in rows))
     print("most generated tokens/s: cap %.0f (x%s of n_real %.0f): n_real is %+.1f%% from it: %s" % (
           cap, fa, nr, 100 * err, "within 10%" if abs(err) <= 0.10 else "NOT within 10%"))
+    if edge:
+        print("  at the edge of the grid: the best cap may lie beyond it (widen FACTORS)")
+    if short:
+        print("  steady windows under 20 s: their rates are noisy (raise STEADY_STEPS)")
 EOF
