@@ -215,6 +215,12 @@ static int64_t plan_group(void)
 	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
 }
 
+/* gpu_copy_out = side (checked at start-up to be side or compute). */
+static bool side_copy_out(void)
+{
+	return !strcmp(D.cfg.gpu_copy_out, "side");
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -258,7 +264,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
-	st->side_copy_out = D.hybrid && !strcmp(D.cfg.gpu_copy_out, "side");
+	st->side_copy_out = D.hybrid && side_copy_out();
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -512,7 +518,7 @@ int main(int argc, char **argv)
 		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
 		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_gemm = bo.gemm;
-		eo.hybrid_side_copy_out = !strcmp(D.cfg.gpu_copy_out, "side");
+		eo.hybrid_side_copy_out = side_copy_out();
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));

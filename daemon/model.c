@@ -758,12 +758,23 @@ void mlens_model_close(struct mlens_model *m)
 	free(m);
 }
 
+int mlens_model_read_config(const char *path, struct mlens_model_config *cfg, char *err,
+			    size_t errlen)
+{
+	char *text = NULL;
+	size_t len;
+	int rc = read_small(path, CONFIG_MAX_BYTES, &text, &len, err, errlen);
+	if (!rc)
+		rc = mlens_model_parse_config(text, len, path, cfg, err, errlen);
+	free(text);
+	return rc;
+}
+
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen)
 {
 	struct mlens_model *m;
 	struct shard_index ix = { 0 };
-	char *text = NULL, *cpath = NULL, *spath = NULL, *ipath = NULL;
-	size_t len;
+	char *cpath = NULL, *spath = NULL, *ipath = NULL;
 	int cap = 0, rc;
 	bool sharded;
 
@@ -776,10 +787,7 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 		rc = -ENOMEM;
 		goto out;
 	}
-	rc = read_small(cpath, CONFIG_MAX_BYTES, &text, &len, err, errlen);
-	if (rc)
-		goto out;
-	rc = mlens_model_parse_config(text, len, cpath, &m->cfg, err, errlen);
+	rc = mlens_model_read_config(cpath, &m->cfg, err, errlen);
 	if (rc)
 		goto out;
 
@@ -851,7 +859,6 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 	rc = bind_weights(m, err, errlen);
 out:
 	index_free(&ix);
-	free(text);
 	free(cpath);
 	free(spath);
 	free(ipath);

@@ -90,6 +90,11 @@ struct mlens_model {
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen);
 void mlens_model_close(struct mlens_model *m);
 
+/* Read and parse a config.json file (mlens_model_open's first step; also
+ * mlens-bench predict's, which needs no weights). */
+int mlens_model_read_config(const char *path, struct mlens_model_config *cfg, char *err,
+			    size_t errlen);
+
 /* Parse config.json text (exposed for tests and the fuzzer). */
 int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			     struct mlens_model_config *cfg, char *err, size_t errlen);

@@ -799,7 +799,7 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		/* queue 2 copies once the kernels above are done; the set's
 		 * next writer, GA(i+2), is issued only after C(i) waited for
 		 * the copies (its qkv record is on queue 2, run_cmd) */
-		int ev = PL_EV_GA_DONE + (S == &p->set[0] ? 0 : 1);
+		int ev = PL_EV_GA_DONE + (int)(S - p->set);
 		TRY(G->event_record(GC, 0, ev));
 		TRY(G->event_wait(GC, 2, ev));
 	}

@@ -509,19 +509,6 @@ static void copier_wait(struct copier *c, int n)
 	pthread_mutex_unlock(&c->mu);
 }
 
-/* Best time of REPS streaming reads of the buffer (kernels/cpu/readbw.h),
- * after one to warm up. */
-static double read_best(struct mlens_pool *pool, const char *buf, size_t bytes)
-{
-	double best = INFINITY;
-	for (int i = 0; i < REPS + 1; i++) {
-		double t = mlens_readbw_pass(pool, buf, bytes);
-		if (i && t < best)
-			best = t;
-	}
-	return best;
-}
-
 /* The reads again while the copier streams: the CPU memory traffic of
  * KV reads and weight DMA together (the model's B_mem). 0 or -errno. */
 static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_pool *pool,
@@ -562,7 +549,7 @@ static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_
 		goto out_sync;
 	}
 	copier_wait(&c, 1);	/* streaming before the reads start */
-	best = read_best(pool, buf, bytes);
+	best = mlens_readbw_best(pool, buf, bytes) * 1e9;
 	copier_wait(&c, 2);	/* at least one whole copy beside the reads */
 	pthread_mutex_lock(&c.mu);
 	c.stop = true;
@@ -574,7 +561,7 @@ static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_
 			   strerror(-rc));
 		goto out_sync;
 	}
-	p->mem_read_copy_bw = (double)bytes / best;
+	p->mem_read_copy_bw = best;
 	p->copy_read_bw = (double)c.moved / (c.t1 - c.t0);
 	p->mem_bw = p->mem_read_copy_bw + p->copy_read_bw;
 out_sync:
@@ -603,7 +590,7 @@ static int profile_mem(struct mlens_backend *be, int n_threads, double budget, s
 		goto out;
 	}
 	memset(buf, 3, bytes);
-	p->mem_read_bw = (double)bytes / read_best(pool, buf, bytes);
+	p->mem_read_bw = mlens_readbw_best(pool, buf, bytes) * 1e9;
 	p->mem_bw = p->mem_read_bw;
 	/* where weights cross a bus, they cross it from this memory */
 	if (!o->host_memory && MLENS_BACKEND_HAS(o, host_alloc) && MLENS_BACKEND_HAS(o, copy_async) &&

@@ -566,36 +566,56 @@ END_TEST
 
 /* ==== attention ==== */
 
+/* One prefill attention case on the backend under test against the CPU:
+ * ns sequences of the given lengths, nh heads over nkv, head dim hd, q of
+ * magnitude qscale, K and V starting kshift floats into their buffers.
+ * The relative error (rel_err). */
+static double prefill_case(const int *lens, int ns, int nh, int nkv, int hd, float qscale,
+			   int kshift)
+{
+	int32_t cu[33];
+	size_t qn, kn;
+	float *q, *k, *v, *ref, *got, *dq, *dk, *dv, *dout;
+	float scale = 1.0f / sqrtf((float)hd);
+	double err;
+
+	ck_assert_int_le(ns, 32);
+	cu[0] = 0;
+	for (int s = 0; s < ns; s++)
+		cu[s + 1] = cu[s] + lens[s];
+	qn = (size_t)cu[ns] * nh * hd;
+	kn = (size_t)cu[ns] * nkv * hd + (size_t)kshift;
+	q = rnd_floats(qn, qscale);
+	k = rnd_floats(kn, 1.0f);
+	v = rnd_floats(kn, 1.0f);
+	ref = malloc(qn * 4);
+	ck_assert_ptr_nonnull(ref);
+	dq = to_gpu(q, qn * 4);
+	dk = to_gpu(k, kn * 4);
+	dv = to_gpu(v, kn * 4);
+	dout = gpu_zeros(qn * 4);
+	ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k + kshift, v + kshift, cu, ns, nh,
+					       nkv, hd, scale), 0);
+	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, dout, dq, dk + kshift, dv + kshift, cu, ns,
+					       nh, nkv, hd, scale), 0);
+	got = from_gpu(dout, qn * 4);
+	err = rel_err(ref, got, qn);
+	free(q); free(k); free(v); free(ref); free(got);
+	gfree(dq); gfree(dk); gfree(dv); gfree(dout);
+	return err;
+}
+
 START_TEST(test_attn_prefill)
 {
 	static const int lens[] = { 1, 2, 15, 16, 17, 33, 100, 300 };
 	static const int cfg[][2] = { { 8, 8 }, { 8, 2 }, { 16, 2 } };	/* heads, kv heads */
-	const int ns = 8;
-	int32_t cu[9];
-	cu[0] = 0;
-	for (int s = 0; s < ns; s++)
-		cu[s + 1] = cu[s] + lens[s];
 	/* 64 and 128 take the tuned kernel, 16 and 32 the generic one */
 	static const int hds[] = { 64, 128, 16, 32 };
 	for (int c = 0; c < 3; c++)
-		for (int hdi = 0; hdi < 4; hdi++) {
-			int nh = cfg[c][0], nkv = cfg[c][1], hd = hds[hdi], T = cu[ns];
-			size_t qn = (size_t)T * nh * hd, kn = (size_t)T * nkv * hd;
-			float *q = rnd_floats(qn, 1.0f), *k = rnd_floats(kn, 1.0f);
-			float *v = rnd_floats(kn, 1.0f), *ref = malloc(qn * 4), *got;
-			float *dq = to_gpu(q, qn * 4), *dk = to_gpu(k, kn * 4), *dv = to_gpu(v, kn * 4);
-			float *dout = gpu_zeros(qn * 4);
-			float scale = 1.0f / sqrtf((float)hd);
-			ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k, v, cu, ns, nh, nkv,
-							       hd, scale), 0);
-			ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, dout, dq, dk, dv, cu, ns, nh,
-							       nkv, hd, scale), 0);
-			got = from_gpu(dout, qn * 4);
-			record("attn_prefill", 1e-5, rel_err(ref, got, qn),
-			       "lens 1..300 heads=%d kv=%d hd=%d", nh, nkv, hd);
-			free(q); free(k); free(v); free(ref); free(got);
-			gfree(dq); gfree(dk); gfree(dv); gfree(dout);
-		}
+		for (int hdi = 0; hdi < 4; hdi++)
+			record("attn_prefill", 1e-5,
+			       prefill_case(lens, 8, cfg[c][0], cfg[c][1], hds[hdi], 1.0f, 0),
+			       "lens 1..300 heads=%d kv=%d hd=%d", cfg[c][0], cfg[c][1], hds[hdi]);
 }
 END_TEST
 
@@ -607,44 +627,20 @@ START_TEST(test_attn_prefill_bf16)
 {
 	static const int lens[] = { 1, 63, 64, 65, 128, 130, 300, 777 };
 	static const int cfg[][2] = { { 8, 8 }, { 8, 2 }, { 32, 4 } };	/* heads, kv heads */
-	const int ns = 8;
-	int32_t cu[9];
-	cu[0] = 0;
-	for (int s = 0; s < ns; s++)
-		cu[s + 1] = cu[s] + lens[s];
 	for (int c = 0; c < 3; c++)
-		for (int hd = 64; hd <= 128; hd += 64)
-			for (int shifted = 0; shifted < 2; shifted++) {
-				int nh = cfg[c][0], nkv = cfg[c][1], T = cu[ns];
-				size_t qn = (size_t)T * nh * hd, kn = (size_t)T * nkv * hd;
-				/* q at 3x: scores of about unit spread, a softmax far
-				 * from uniform */
-				float *q = rnd_floats(qn, 3.0f), *k = rnd_floats(kn + 1, 1.0f);
-				float *v = rnd_floats(kn + 1, 1.0f), *ref = malloc(qn * 4), *got;
-				float *dq = to_gpu(q, qn * 4), *dk = to_gpu(k, (kn + 1) * 4);
-				float *dv = to_gpu(v, (kn + 1) * 4), *dout = gpu_zeros(qn * 4);
-				float scale = 1.0f / sqrtf((float)hd);
-				double err;
-				ck_assert_int_eq(cpu.ops->attn_prefill(cpu.ctx, ref, q, k + shifted,
-								       v + shifted, cu, ns, nh, nkv, hd,
-								       scale), 0);
-				ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, dout, dq, dk + shifted,
-								       dv + shifted, cu, ns, nh, nkv, hd,
-								       scale), 0);
-				got = from_gpu(dout, qn * 4);
-				err = rel_err(ref, got, qn);
-				if (shifted) {
-					record("attn_prefill bf16, K/V unaligned", 1e-5, err,
-					       "lens 1..777 heads=%d kv=%d hd=%d", nh, nkv, hd);
-				} else {
-					record("attn_prefill bf16", 2e-2, err,
-					       "lens 1..777 heads=%d kv=%d hd=%d", nh, nkv, hd);
-					ck_assert_msg(err > 1e-6, "bf16 prefill attention equals fp32 (%g): "
-						      "the tensor-core kernel did not run", err);
-				}
-				free(q); free(k); free(v); free(ref); free(got);
-				gfree(dq); gfree(dk); gfree(dv); gfree(dout);
-			}
+		for (int hd = 64; hd <= 128; hd += 64) {
+			int nh = cfg[c][0], nkv = cfg[c][1];
+			/* q at 3x: scores of about unit spread, a softmax far
+			 * from uniform */
+			double err = prefill_case(lens, 8, nh, nkv, hd, 3.0f, 0);
+			record("attn_prefill bf16", 2e-2, err, "lens 1..777 heads=%d kv=%d hd=%d", nh,
+			       nkv, hd);
+			ck_assert_msg(err > 1e-6, "bf16 prefill attention equals fp32 (%g): "
+				      "the tensor-core kernel did not run", err);
+			record("attn_prefill bf16, K/V unaligned", 1e-5,
+			       prefill_case(lens, 8, nh, nkv, hd, 3.0f, 1),
+			       "lens 1..777 heads=%d kv=%d hd=%d", nh, nkv, hd);
+		}
 }
 END_TEST
 

@@ -47,25 +47,6 @@ static int count_arg(const char *flag, const char *arg, long long *out)
 	return 0;
 }
 
-static char *slurp(const char *path, size_t *len)
-{
-	FILE *f = fopen(path, "rb");
-	char *buf = NULL;
-	long n;
-	if (!f)
-		return NULL;
-	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0 &&
-	    (buf = malloc((size_t)n + 1)) && fread(buf, 1, (size_t)n, f) == (size_t)n) {
-		buf[n] = 0;
-		*len = (size_t)n;
-	} else {
-		free(buf);
-		buf = NULL;
-	}
-	fclose(f);
-	return buf;
-}
-
 int mlens_bench_predict(int argc, char **argv)
 {
 	static const struct option lo[] = {
@@ -85,8 +66,7 @@ int mlens_bench_predict(int argc, char **argv)
 	struct mlens_model_config cfg;
 	struct mlens_profile_state st;
 	struct mlens_perf_sched_state ss;
-	char err[512], *text;
-	size_t len = 0;
+	char err[512];
 	double kv_tokens, per_token, step_s = NAN;
 	int c, rc;
 
@@ -126,11 +106,7 @@ int mlens_bench_predict(int argc, char **argv)
 	if (!config || !profile)
 		return bad("%s", "--config FILE (a model's config.json) and --profile FILE (a profile "
 			   "cache) are needed");
-	if (!(text = slurp(config, &len)))
-		return bad("cannot read %s", config);
-	rc = mlens_model_parse_config(text, len, config, &cfg, err, sizeof(err));
-	free(text);
-	if (rc) {
+	if ((rc = mlens_model_read_config(config, &cfg, err, sizeof(err)))) {
 		fprintf(stderr, "predict: %s\n", err);
 		return 1;
 	}

@@ -119,6 +119,9 @@ grep -q "^cap 64, .* generated / .* total tokens/s" "$tmp/rp.txt" || fail "repla
 [ $? -eq 1 ] && grep -q "no profile cache at" "$tmp/err" || fail "missing cache: $(cat "$tmp/err")"
 "$bench" predict --config "$tmp/prof.json" --profile "$tmp/prof.json" 2>"$tmp/err"
 [ $? -eq 1 ] || fail "a profile cache taken for config.json: $(cat "$tmp/err")"
+"$bench" predict --config "$tmp/none/config.json" --profile "$tmp/prof.json" 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "config.json: cannot open: No such file" "$tmp/err" ||
+	fail "missing config.json: $(cat "$tmp/err")"
 "$bench" predict --config "$tmp/m/config.json" --profile "$tmp/prof.json" --gpu-memory lots 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "gpu-memory" "$tmp/err" || fail "bad size: $(cat "$tmp/err")"
 echo "profile: n_real $nreal, token cap $cap, predicted step $pred s vs measured $meas s; replayed n_real $rn"
