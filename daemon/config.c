@@ -34,6 +34,7 @@ static const struct opt opts[] = {
 	{ "gpu_prefill_attention", T_STR, O(gpu_prefill_attention), "auto", 0, 0, "auto|fp32|bf16", "prefill attention on the GPU: bf16 runs both products on tensor cores (Q, K, V and the softmax weights rounded to bf16, fp32 sums), fp32 is exact to the CPU's rounding; auto takes bf16 when gpu_gemm is fast and the weights are bf16 or f16" },
 	{ "gpu_copy", T_STR, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },
 	{ "gpu_copy_out", T_STR, O(gpu_copy_out), "side", 0, 0, "compute|side", "hybrid mode: GA's K/V/q copies to the host between the compute stream's kernels, or on a copy stream of their own (side) that overlaps the next kernels" },
+	{ "gpu_moe_streams", T_INT, O(gpu_moe_streams), "2", 1, 4, "N", "CUDA streams that the experts of a MoE layer spread over (each with a 32 MiB cuBLAS workspace), so that one expert's GEMM fills the SMs another leaves idle" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
 	{ "kv_block_size", T_INT, O(kv_block_size), "16", 1, 4096, "N", "tokens per KV block" },
 	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget of GPU-only mode (0: the device's free memory minus 768 MiB)" },

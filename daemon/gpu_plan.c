@@ -20,9 +20,8 @@ static uint64_t scratch_rounded(uint64_t bytes)
 	return cap;
 }
 
-/* MoE rows of one chunk (kernels/cuda/backend_cuda.cu, moe_chunk): counts,
- * permutation and inverse, inputs in the weight dtype, gate and up in fp32,
- * their product in the weight dtype, expert outputs in fp32. */
+/* tokens of one MoE chunk of the CUDA backend (kernels/cuda/backend_cuda.cu,
+ * moe_chunk; its scratch: mlens_gpuplan_moe_scratch) */
 #define MOE_CHUNK_TOKENS 4096
 /* decode attention splits contexts into pieces of this many keys and keeps
  * fp32 partials (head_dim + 2 per piece) for each query and head, each
@@ -55,7 +54,7 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	p->activations = T * (2 * H + 2 * qd + 2 * kvd + E + 2 * K) * 4 + T * V * 4;
 
 	/* One scratch area serves every op, so it is the largest single need. */
-	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, np);
+	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, gemm);
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */

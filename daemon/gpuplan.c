@@ -56,13 +56,16 @@ int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group)
 }
 
 uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
-				   uint64_t parts)
+				   enum mlens_gemm_mode gemm)
 {
+	uint64_t parts = mlens_gpuplan_gemm_parts(gemm, es);
+	bool half = mlens_moe_half_gu(gemm, (size_t)es);
 	uint64_t moe = align256(sat_mul(E, 4));					/* counts */
 	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));			/* perm, inv */
 	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, H), es), parts)));	/* gathered x */
-	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), 4)));	/* gate, up */
-	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, I), es), parts)));	/* silu(g) u */
+	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), half ? es : 4)));	/* gate, up */
+	if (!half)
+		moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, I), es), parts)));	/* silu(g) u */
 	return sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
 }
 
@@ -87,7 +90,7 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 	conv = es == 4 ? 0 : sat_mul(sat_mul(sat_mul(g, H > qd ? H : qd), es), np);
 	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
 	rows = sat_mul(c, K);
-	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, np);
+	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, gemm);
 	s = conv > moe ? conv : moe;
 	if (s < widen)
 		s = widen;
@@ -116,11 +119,12 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	g = (uint64_t)mlens_gpuplan_group_rows(n, group);
 	c = (uint64_t)((int64_t)g < chunk ? (int64_t)g : chunk);
 	/* fp32: the residual x of every token; per set, for a group: xn, q,
-	 * att, k, v, router logits, top-k weights and ids; logits of a chunk */
+	 * att, k, v, router logits, top-k weights and ids; logits of the
+	 * tail's rows (a chunk, at most MLENS_GPUPLAN_TAIL_ROWS) */
 	per = H + 2 * qd + 2 * kvd + E + 2 * K;
 	acc = sat_mul(sat_mul(T, H), 4);
 	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4), MLENS_PIPE_SETS));
-	acc = sat_add(acc, align256(sat_mul(sat_mul(c, V), 4)));
+	acc = sat_add(acc, align256(sat_mul(sat_mul((uint64_t)mlens_gpuplan_tail_rows((int64_t)c), V), 4)));
 	acc = sat_add(acc, mlens_gpuplan_scratch_bytes(pm, n, group, chunk, gemm));
 	/* metadata staging: at most a few int32/int64 per token or tile */
 	stage = sat_mul(T, 32) + 4096;

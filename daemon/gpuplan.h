@@ -21,17 +21,31 @@
 #include "daemon/perfmodel.h"
 #include "kernels/backend.h"
 
-/* Workspace when the caller gives none: cuBLAS' 32 MiB workspace plus
+/* Workspace when the caller gives none: cuBLAS' 32 MiB workspaces plus
  * what the GPU gives away outside the backend's byte count: kernel code
  * loaded on first use, cuBLAS' own state and the allocator's rounding of
  * small allocations (measured on an H200 with tests/check_hybrid_cuda.c:
  * 67 MB past the backend's count for the fp32 six-layer test model, 169 MB
  * for the bf16 one once steps run in groups of several sizes, each GEMM
  * shape loading cuBLAS kernels of its own). */
-#define MLENS_GPUPLAN_WORKSPACE (288ull << 20)
-/* Tokens per MoE (and lm_head) call of the pipeline when chunk is 0: the
- * backend's MoE scratch is sized by it. */
-#define MLENS_GPUPLAN_CHUNK 1024
+#define MLENS_GPUPLAN_WORKSPACE mlens_gpuplan_workspace(MLENS_MOE_STREAMS_DEFAULT)
+/* ... with moe_streams MoE streams, a cuBLAS workspace each. */
+static inline uint64_t mlens_gpuplan_workspace(int moe_streams)
+{
+	return (256ull << 20) + (uint64_t)(moe_streams > 0 ? moe_streams : 1) * MLENS_CUDA_BLAS_WS;
+}
+/* Tokens per MoE call of the pipeline when chunk is 0: the backend's MoE
+ * scratch is sized by it. A chunk gives each of Mixtral's experts about a
+ * quarter of its tokens as GEMM rows: on an H200 the MoE of 4096 tokens
+ * ran 1.355 us a token in calls of 1024, 1.165 in calls of 2048 (two MoE
+ * streams; tests/bench/bench_cuda.c). */
+#define MLENS_GPUPLAN_CHUNK 2048
+/* Rows per lm_head call at most (the logits buffer: rows x vocab fp32). */
+#define MLENS_GPUPLAN_TAIL_ROWS 1024
+static inline int64_t mlens_gpuplan_tail_rows(int64_t chunk)
+{
+	return chunk < MLENS_GPUPLAN_TAIL_ROWS ? chunk : MLENS_GPUPLAN_TAIL_ROWS;
+}
 /* Rows of a token group when group is 0: a step of n tokens runs as
  * ceil(n / group) groups (at least two), and only two groups' activations
  * live at once (pipeprog.h), so the residual stream is the only per-token
@@ -41,8 +55,9 @@
  * MLENS_GPUPLAN_GROUP, half of it, and so on down to the MoE chunk, whose
  * plan holds max_tokens; failing that the one that holds the most tokens
  * (a group's activation sets are what the per-token residual competes
- * with: at 8 GiB the 8-layer 8x7B holds 30,911 tokens in groups of 4096,
- * 45,195 in 2048 and 52,369 in 1024). */
+ * with: at 8 GiB the 8-layer 8x7B with fast GEMMs holds 29,375 tokens in
+ * groups of 4096 and 43,659 in 2048, with MoE calls of 2048 tokens; 61,073
+ * in groups of 1024, whose MoE calls are 1024 tokens). */
 #define MLENS_GPUPLAN_GROUP_AUTO (-1)
 /* The backend's op scratch is reserved once at the plan's size, rounded
  * to the device allocator's granule. */
@@ -91,13 +106,15 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
  * weights, else 1. */
 uint64_t mlens_gpuplan_gemm_parts(enum mlens_gemm_mode gemm, uint64_t weight_bytes);
 /* Scratch of one MoE call of rows routed rows (tokens x top-k) as the CUDA
- * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk): expert
- * counts, permutation and inverse, the gathered rows in the weight dtype
- * (es bytes, parts of them: MLENS_GEMM_EXACT_PARTS for exact GEMMs, else
- * 1), gate and up in fp32, silu(g)u in the weight dtype (parts again), the
- * experts' outputs in fp32; each area 256-byte aligned. */
+ * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk) for
+ * weights of es bytes and GEMM mode gemm: expert counts, permutation and
+ * inverse, the gathered rows in the weight dtype (split into
+ * mlens_gpuplan_gemm_parts parts), gate and up (in the weight dtype with
+ * silu(g)u over g where mlens_moe_half_gu, else fp32 and silu(g)u of
+ * its own in the weight dtype, in parts), the experts' outputs in fp32;
+ * each area 256-byte aligned. */
 uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
-				   uint64_t parts);
+				   enum mlens_gemm_mode gemm);
 /* The backend's op scratch for such a step, which the pipeline reserves
  * (backend op scratch_reserve): the largest one op takes (a group's rows
  * rounded to the weight dtype for a GEMM, a MoE chunk's gathered rows and

@@ -228,7 +228,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 			  const struct mlens_backend_opts *bo)
 {
 	struct mlens_profile_state *st = &D.prof;
-	char gpu[96], bk[32];
+	char gpu[96], bk[64];
 	st->model = D.model;
 	st->opts.be = &D.be;
 	st->opts.attn = D.hybrid ? &D.attn : NULL;
@@ -259,7 +259,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	} else {
 		/* GPU-only mode keeps the KV pool on the GPU too */
 		st->gpu_budget = D.hybrid ? D.plan.budget : D.plan.budget > D.plan.kv ? D.plan.budget - D.plan.kv : 0;
-		st->gpu_workspace = MLENS_GPUPLAN_WORKSPACE;
+		st->gpu_workspace = mlens_gpuplan_workspace(bo->moe_streams);
 	}
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
@@ -274,8 +274,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	if (D.be.ops->host_memory)
 		snprintf(bk, sizeof(bk), "%s", D.be.ops->name);
 	else
-		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s", D.be.ops->name, mlens_gemm_mode_name(bo->gemm),
-			 bo->prefill_bf16 ? "bf16" : "fp32");
+		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s moe_streams=%d", D.be.ops->name,
+			 mlens_gemm_mode_name(bo->gemm), bo->prefill_bf16 ? "bf16" : "fp32", bo->moe_streams);
 	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.cfg.gpu_memory, st->opts.budget_s);
 	st->key.group = st->opts.group;
 	st->key.moe_chunk = st->opts.moe_chunk;
@@ -425,6 +425,7 @@ int main(int argc, char **argv)
 			  (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo.gemm == MLENS_GEMM_FAST &&
 			   D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo.sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
+	bo.moe_streams = (int)D.cfg.gpu_moe_streams;
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
 	bo.numa_node = node;
@@ -519,6 +520,7 @@ int main(int argc, char **argv)
 		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_side_copy_out = side_copy_out();
+		eo.hybrid_workspace = mlens_gpuplan_workspace(bo.moe_streams);
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));

@@ -72,7 +72,8 @@ struct mlens_pipeline {
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
 	int group_rows;		/* rows of a group at most (the plan's) */
-	int64_t chunk;
+	int64_t chunk;		/* tokens per MoE call */
+	int64_t tail_rows;	/* rows per lm_head call (the logits buffer's) */
 	uint64_t own;		/* bytes we allocated on g */
 
 	const void *embed, *final_norm, *lm_head;
@@ -569,6 +570,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->max_tokens = (int)p->plan.tokens;
 	p->group_rows = (int)p->plan.group;
 	p->chunk = p->plan.chunk;
+	p->tail_rows = mlens_gpuplan_tail_rows(p->chunk);
 	/* the op scratch at the plan's size, held from here on: no step waits
 	 * for it to grow, and an op that would need more fails */
 	if (MLENS_BACKEND_HAS(gpu->ops, scratch_reserve) &&
@@ -602,7 +604,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	T = (size_t)p->max_tokens;
 	H = (size_t)p->cfg.hidden_size;
 	p->x = galloc(p, T * H * 4, &rc);
-	p->logits = galloc(p, (size_t)p->chunk * (size_t)p->cfg.vocab_size * 4, &rc);
+	p->logits = galloc(p, (size_t)p->tail_rows * (size_t)p->cfg.vocab_size * 4, &rc);
 	for (int s = 0; s < MLENS_PIPE_SETS; s++)
 		set_alloc(p, &p->set[s], &rc);
 	if (rc) {
@@ -691,7 +693,7 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	T = (size_t)p->max_tokens;
 	H = (size_t)p->cfg.hidden_size;
 	gfree(p, p->x, T * H * 4);
-	gfree(p, p->logits, (size_t)p->chunk * (size_t)p->cfg.vocab_size * 4);
+	gfree(p, p->logits, (size_t)p->tail_rows * (size_t)p->cfg.vocab_size * 4);
 	for (int s = 0; s < MLENS_PIPE_SETS; s++)
 		set_free(p, &p->set[s]);
 	for (int i = 0; i < p->n_reg; i++)
@@ -891,8 +893,8 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 
 	if (want_logits)
 		TRY(grow_host_logits(p, (size_t)nl));
-	for (int i0 = 0; i0 < nl; i0 += (int)p->chunk) {
-		int cnt = nl - i0 < (int)p->chunk ? nl - i0 : (int)p->chunk;
+	for (int i0 = 0; i0 < nl; i0 += (int)p->tail_rows) {
+		int cnt = nl - i0 < (int)p->tail_rows ? nl - i0 : (int)p->tail_rows;
 		/* the chunk's rows gathered (embed is a row gather; x is fp32),
 		 * then normed in one call rather than one call a row */
 		TRY(G->embed(GC, rows, p->x, MLENS_DTYPE_F32, H, p->lrow + i0, cnt));

@@ -181,6 +181,22 @@ enum mlens_gemm_mode {
 /* The parts an EXACT GEMM splits each activation into. */
 #define MLENS_GEMM_EXACT_PARTS 3
 
+/* The CUDA backend's MoE (kernels/cuda/backend_cuda.cu). Its experts'
+ * GEMMs spread over this many streams (the compute stream and helpers, one
+ * cuBLAS workspace of MLENS_CUDA_BLAS_WS each), so that one expert's small
+ * GEMM does not leave SMs idle while the next waits behind it. */
+#define MLENS_MOE_STREAMS_DEFAULT 2
+#define MLENS_MOE_STREAMS_MAX 4
+#define MLENS_CUDA_BLAS_WS (32ull << 20)
+/* Fast GEMMs on 16-bit weights write the experts' gate and up outputs in
+ * the weight dtype (as the reference's 16-bit model does) and silu(g) * u
+ * in place over g; else they are fp32 and silu(g) * u has its own buffer
+ * (exact: in parts). weight_bytes: 2 or 4. */
+static inline bool mlens_moe_half_gu(enum mlens_gemm_mode gemm, size_t weight_bytes)
+{
+	return gemm == MLENS_GEMM_FAST && weight_bytes == 2;
+}
+
 struct mlens_backend_opts {
 	int n_threads;		/* CPU: worker threads, 0 = all cores of numa_node
 				 * less n_reserved (at least 1) */
@@ -194,6 +210,8 @@ struct mlens_backend_opts {
 	bool sm_copy;		/* CUDA: the compute stream's copies to and from
 				 * pinned host memory by the SMs (mapped memory),
 				 * not a copy engine */
+	int moe_streams;	/* CUDA: streams a MoE call's experts spread over,
+				 * 1..MLENS_MOE_STREAMS_MAX; 0 = the default */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */

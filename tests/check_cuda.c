@@ -13,6 +13,10 @@
  * attention on tensor cores (opts prefill_bf16, a backend of its own)
  * rounds q, k, v and the softmax weights to bf16: 2e-2, and it must differ
  * from the fp32 result (else the fp32 kernel ran).
+ * The MoE runs its experts on 1, 2 and 4 streams (three of the backends)
+ * and, with fast GEMMs on 16-bit weights, keeps gate and up in the weight
+ * dtype (mlens_moe_half_gu): one more rounding of 2^-9 or 2^-12, inside
+ * the same tolerances.
  * Timing marks read on the host's CLOCK_MONOTONIC timeline. The second
  * copy queue (queue 2) copies after the event it waits for. */
 #include <check.h>
@@ -841,6 +845,15 @@ START_TEST(test_errors)
 	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
 	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
+	{
+		/* MoE streams out of range: refused at creation, by name */
+		struct mlens_backend_opts bad = { .n_threads = 0, .device = 0,
+						  .moe_streams = MLENS_MOE_STREAMS_MAX + 1 };
+		struct mlens_backend b;
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		bad.moe_streams = -1;
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+	}
 	/* the backend still works afterwards */
 	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
 	gfree(kv.k);
@@ -925,8 +938,12 @@ int main(void)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
-	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true };
-	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true };
+	/* the MoE's experts: on 2 streams (the default) in gpu and gpu_exact,
+	 * one after another in gpu_sm, over 4 streams in gpu_tc */
+	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true,
+					  .moe_streams = 1 };
+	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true,
+					  .moe_streams = 4 };
 	TCase *tx, *tsm, *ttc;
 	Suite *s;
 	TCase *tc;
@@ -987,6 +1004,7 @@ int main(void)
 	tcase_set_timeout(ttc, 120);
 	tcase_add_checked_fixture(ttc, use_tc, use_fast);
 	tcase_add_test(ttc, test_attn_prefill_bf16);
+	tcase_add_test(ttc, test_moe);
 	suite_add_tcase(s, ttc);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);

@@ -8,7 +8,8 @@
  * GA's copies to the host on the second copy queue (gpu_copy_out = side)
  * and prefill attention on tensor cores on both sides: logits within the
  * tolerance below and the same greedy token wherever the engine's top two
- * are further apart than that error allows. The GPU memory taken
+ * are further apart than twice the largest difference measured (more than
+ * half of them must be). The GPU memory taken
  * (cudaMemGetInfo before and after, the backend's own count) stays within
  * the budget, the op scratch being held at the plan's size (an op needing
  * more would fail); each layer's experts cross once per step. */
@@ -30,9 +31,14 @@
  * order (cuBLAS picks kernels by row count, and a group has fewer rows);
  * bf16 models: the CUDA backend rounds GEMM inputs to bf16, so such an
  * order difference can flip a rounding, amplified over the layers of a
- * random model; 0.015 is the bf16 golden fixture's decode tolerance. */
+ * random model; 0.015 is the bf16 golden fixture's decode tolerance.
+ * Fast GEMMs on bf16 also round the experts' gate and up outputs
+ * (mlens_moe_half_gu, as the reference's bf16 model does): three rounding
+ * sites an expert where there was one, and on an H200 the largest logit
+ * difference of this random model went from 0.0028 to 0.017 (the goldens
+ * against transformers keep their 0.015): 0.03 for those two cases. */
 #define N_CASES 4
-static const double tols[N_CASES] = { 1e-4, 0.015, 0.015, 0.015 };
+static const double tols[N_CASES] = { 1e-4, 0.03, 0.015, 0.03 };
 static const enum mlens_dtype dtypes[N_CASES] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16,
 						  MLENS_DTYPE_BF16 };
 static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_EXACT,
@@ -166,33 +172,39 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert_int_le((long long)free0 - (long long)free1, (long long)eo.gpu_budget);
 		ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
 	}
-	for (int step = 0; step < N_STEPS; step++) {
-		for (int i = 0; i < N_SEQ; i++) {
-			const float *a = ref + ((size_t)step * N_SEQ + i) * V;
-			const float *b = got + ((size_t)step * N_SEQ + i) * V;
-			double d = 0, mx = 0, t1 = -INFINITY, t2 = -INFINITY;
-			int am = 0, bm = 0;
-			if (!in_step(i, step))
-				continue;
-			for (size_t v = 0; v < V; v++) {
-				d = fmax(d, fabs((double)a[v] - (double)b[v]));
-				mx = fmax(mx, fabs((double)a[v]));
-				if (a[v] > t1) {
-					t2 = t1;
-					t1 = a[v];
-					am = (int)v;
-				} else if (a[v] > t2) {
-					t2 = a[v];
+	/* two passes: the largest difference, then the greedy tokens whose
+	 * top two are further apart than twice that (a difference that large
+	 * could not swap them) must be the same */
+	for (int pass = 0; pass < 2; pass++) {
+		for (int step = 0; step < N_STEPS; step++) {
+			for (int i = 0; i < N_SEQ; i++) {
+				const float *a = ref + ((size_t)step * N_SEQ + i) * V;
+				const float *b = got + ((size_t)step * N_SEQ + i) * V;
+				double d = 0, mx = 0, t1 = -INFINITY, t2 = -INFINITY;
+				int am = 0, bm = 0;
+				if (!in_step(i, step))
+					continue;
+				for (size_t v = 0; v < V; v++) {
+					d = fmax(d, fabs((double)a[v] - (double)b[v]));
+					mx = fmax(mx, fabs((double)a[v]));
+					if (a[v] > t1) {
+						t2 = t1;
+						t1 = a[v];
+						am = (int)v;
+					} else if (a[v] > t2) {
+						t2 = a[v];
+					}
+					if (b[v] > b[bm])
+						bm = (int)v;
 				}
-				if (b[v] > b[bm])
-					bm = (int)v;
-			}
-			worst = fmax(worst, d / mx);
-			if (t1 - t2 > 2 * TOL * mx) {
-				safe++;
-				same += am == bm;
-				ck_assert_msg(am == bm, "step %d seq %d: hybrid token %d, GPU-only %d", step,
-					      i, bm, am);
+				if (!pass) {
+					worst = fmax(worst, d / mx);
+				} else if (t1 - t2 > 2 * worst * mx) {
+					safe++;
+					same += am == bm;
+					ck_assert_msg(am == bm, "step %d seq %d: hybrid token %d, GPU-only %d",
+						      step, i, bm, am);
+				}
 			}
 		}
 	}

@@ -376,15 +376,24 @@ static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
 
 /* out[n][m] (+)= x[n][k] . W[m][k]^T with x already in W's dtype. Row-major
  * out is column-major [m][n]: out = W^T(op T on the [k][m] view) . x. */
-static int gemm_typed(struct mlens_cuda_ctx *c, float *out, const void *x, const void *w,
-		      enum mlens_dtype dt, int n, int k, int m, float alpha, float beta)
+static int gemm_typed_to(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot, const void *x,
+			 const void *w, enum mlens_dtype dt, int n, int k, int m, float alpha,
+			 float beta)
 {
 	cudaDataType_t t = cuda_dtype(dt);
 	int ld = k > 0 ? k : 1;	/* cuBLAS wants ld >= 1 even for k = 0 */
 	CUBLAS_RET(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, t, ld,
-				x, t, ld, &beta, out, CUDA_R_32F, m, CUBLAS_COMPUTE_32F,
+				x, t, ld, &beta, out, cuda_dtype(ot), m, CUBLAS_COMPUTE_32F,
 				CUBLAS_GEMM_DEFAULT));
 	return 0;
+}
+
+/* The same with an fp32 output, as every product but the experts' gate
+ * and up (mlens_moe_half_gu) has. */
+static int gemm_typed(struct mlens_cuda_ctx *c, float *out, const void *x, const void *w,
+		      enum mlens_dtype dt, int n, int k, int m, float alpha, float beta)
+{
+	return gemm_typed_to(c, out, MLENS_DTYPE_F32, x, w, dt, n, k, m, alpha, beta);
 }
 
 static int valid_dtype(enum mlens_dtype dt)
@@ -464,20 +473,111 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 /* ==== MoE ==== */
 
 /* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
- * part_bytes set, x is split (parts that far apart) and the product exact. */
-static int expert_gemm(struct mlens_cuda_ctx *c, float *out, const char *x, size_t part_bytes,
-		       const void *w, enum mlens_dtype dt, int n, int k, int m)
+ * part_bytes set, x is split (parts that far apart) and the product exact;
+ * out of dtype ot (fp32 when split). */
+static int expert_gemm(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot, const char *x,
+		       size_t part_bytes, const void *w, enum mlens_dtype dt, int n, int k, int m)
 {
 	if (part_bytes)
-		return gemm_parts(c, out, x, part_bytes, w, dt, n, k, m, 0.0f);
-	return gemm_typed(c, out, x, w, dt, n, k, m, 1.0f, 0.0f);
+		return gemm_parts(c, (float *)out, x, part_bytes, w, dt, n, k, m, 0.0f);
+	return gemm_typed_to(c, out, ot, x, w, dt, n, k, m, 1.0f, 0.0f);
+}
+
+/* Make MoE stream i the one that the launchers and cuBLAS use, with its
+ * own cuBLAS workspace (cublasSetStream drops the workspace we set). */
+static int moe_use_stream(struct mlens_cuda_ctx *c, int i)
+{
+	c->stream = c->moe_stream[i];
+	CUBLAS_RET(cublasSetStream(c->blas, c->stream));
+	CUBLAS_RET(cublasSetWorkspace(c->blas, (char *)c->blas_ws + (size_t)i * c->blas_ws_bytes,
+				      c->blas_ws_bytes));
+	return 0;
+}
+
+/* The rows of the experts in [e0, e1) (r0 the first) through gate, up,
+ * silu(g) * u and down, on the current stream. */
+static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
+		       const int32_t *counts, int e0, int e1, int r0, size_t rows, bool split,
+		       bool half_gu, const char *xe, char *g, char *u, char *h, float *y)
+{
+	int H = w->hidden, I = w->inter, rc;
+	size_t es = mlens_dtype_size(w->dtype), gs = half_gu ? es : 4;
+	enum mlens_dtype gdt = half_gu ? w->dtype : MLENS_DTYPE_F32;
+	size_t xpart = split ? rows * H * es : 0, hpart = split ? rows * I * es : 0;
+
+	for (int e = e0; e < e1; r0 += counts[e], e++) {
+		int cnt = counts[e];
+		size_t gi = (size_t)r0 * I;
+		if (!cnt)
+			continue;
+		if ((rc = expert_gemm(c, g + gi * gs, gdt, xe + (size_t)r0 * H * es, xpart, w->w1[e],
+				      w->dtype, cnt, H, I)) ||
+		    (rc = expert_gemm(c, u + gi * gs, gdt, xe + (size_t)r0 * H * es, xpart, w->w3[e],
+				      w->dtype, cnt, H, I)))
+			return rc;
+		if (split) {
+			/* the product in fp32 over g, then split for the down GEMM */
+			if ((rc = mlens_cuda_silu_mul(c, g + gi * 4, MLENS_DTYPE_F32, g + gi * 4, u + gi * 4,
+						      MLENS_DTYPE_F32, (size_t)cnt * I)) ||
+			    (rc = mlens_cuda_split_rows(c, h + gi * es, w->dtype, (const float *)(g + gi * 4),
+							NULL, 1, cnt, I, rows * I)))
+				return rc;
+		} else if ((rc = mlens_cuda_silu_mul(c, h + gi * es, w->dtype, g + gi * gs, u + gi * gs,
+						     gdt, (size_t)cnt * I))) {
+			return rc;
+		}
+		if ((rc = expert_gemm(c, y + (size_t)r0 * H, MLENS_DTYPE_F32, h + gi * es, hpart,
+				      w->w2[e], w->dtype, cnt, I, H)))
+			return rc;
+	}
+	return 0;
+}
+
+/* The experts split into moe_streams runs of about equal rows, run i on MoE
+ * stream i; the compute stream waits for all of them. */
+static int moe_spread(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
+		      const int32_t *counts, size_t rows, bool split, bool half_gu, const char *xe,
+		      char *g, char *u, char *h, float *y)
+{
+	int S = c->moe_streams, E = w->n_experts, e0 = 0, r0 = 0, used = 0, rc = 0, rc2;
+
+	if (S <= 1)
+		return moe_experts(c, w, counts, 0, E, 0, rows, split, half_gu, xe, g, u, h, y);
+	CUDA_RET(cudaEventRecord(c->moe_fork, c->moe_stream[0]));
+	for (int i = 0; i < S && e0 < E && !rc; i++) {
+		/* run i ends where the rows so far pass i + 1 shares of the total */
+		size_t want = rows * (size_t)(i + 1) / (size_t)S;
+		int e1 = e0, r1 = r0;
+		while (e1 < E && (i == S - 1 || (size_t)r1 < want || e1 == e0))
+			r1 += counts[e1++];
+		cudaError_t ce = i ? cudaStreamWaitEvent(c->moe_stream[i], c->moe_fork, 0) : cudaSuccess;
+		if (ce != cudaSuccess)
+			rc = mlens_cuda_rc(ce, "MoE stream fork", __FILE__, __LINE__);
+		if (!rc && !(rc = moe_use_stream(c, i)))
+			rc = moe_experts(c, w, counts, e0, e1, r0, rows, split, half_gu, xe, g, u, h, y);
+		used = i + 1;
+		e0 = e1;
+		r0 = r1;
+	}
+	/* back on the compute stream, after every stream that got work, even
+	 * on failure: the scratch must not be reused under a running GEMM */
+	rc2 = moe_use_stream(c, 0);
+	for (int i = 1; i < used; i++) {
+		cudaError_t e = cudaEventRecord(c->moe_join[i], c->moe_stream[i]);
+		if (e == cudaSuccess)
+			e = cudaStreamWaitEvent(c->moe_stream[0], c->moe_join[i], 0);
+		if (e != cudaSuccess && !rc2)
+			rc2 = mlens_cuda_rc(e, "MoE stream join", __FILE__, __LINE__);
+	}
+	return rc ? rc : rc2;
 }
 
 /* Tokens are permuted into expert order on the GPU (stable in token order,
  * as the CPU gathers them), each expert runs three GEMMs over all of its
- * tokens, and the combine kernel adds the experts back into each token's
- * row in id order. Expert row counts are read back (one small copy and a
- * wait) because cuBLAS takes GEMM sizes on the host. */
+ * tokens (experts spread over the MoE streams), and the combine kernel adds
+ * the experts back into each token's row in id order. Expert row counts are
+ * read back (one small copy and a wait) because cuBLAS takes GEMM sizes on
+ * the host. */
 static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n,
 		     const int32_t *ids, const float *weights, int k,
 		     const struct mlens_moe_weights *w)
@@ -487,31 +587,35 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	/* exact: split copies of the inputs, and the silu product in fp32 (in
 	 * place of g) before it is split too */
 	bool split = c->gemm_exact && w->dtype != MLENS_DTYPE_F32;
-	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1;
+	bool half_gu = mlens_moe_half_gu(c->gemm_exact ? MLENS_GEMM_EXACT : MLENS_GEMM_FAST, es);
+	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1, gs = half_gu ? es : 4;
 	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total;
 	int32_t *counts_h;
-	char *s;
+	char *s, *g, *h;
 	int rc, r0;
 
 	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 || !valid_dtype(w->dtype))
 		return -EINVAL;
 	if (!n)
 		return 0;
+	/* the layout that mlens_gpuplan_moe_scratch (daemon/gpuplan.c) counts */
 	o_counts = 0;
 	o_perm = mlens_cuda_align(o_counts + (size_t)E * 4);
 	o_inv = mlens_cuda_align(o_perm + rows * 4);
 	o_xe = mlens_cuda_align(o_inv + rows * 4);
 	o_g = mlens_cuda_align(o_xe + np * rows * H * es);
-	o_u = mlens_cuda_align(o_g + rows * I * 4);
-	o_h = mlens_cuda_align(o_u + rows * I * 4);
-	o_y = mlens_cuda_align(o_h + np * rows * I * es);
+	o_u = mlens_cuda_align(o_g + rows * I * gs);
+	o_h = mlens_cuda_align(o_u + rows * I * gs);
+	o_y = half_gu ? o_h : mlens_cuda_align(o_h + np * rows * I * es);
 	total = mlens_cuda_align(o_y + rows * H * 4);
 	if ((rc = mlens_cuda_scratch(c, total, &s)))
 		return rc;
 	int32_t *counts = (int32_t *)(s + o_counts), *perm = (int32_t *)(s + o_perm);
 	int32_t *inv = (int32_t *)(s + o_inv);
-	char *xe = s + o_xe, *h = s + o_h;
-	float *g = (float *)(s + o_g), *u = (float *)(s + o_u), *y = (float *)(s + o_y);
+	char *xe = s + o_xe;
+	float *y = (float *)(s + o_y);
+	g = s + o_g;
+	h = half_gu ? g : s + o_h;	/* silu(g) * u over g, element by element */
 
 	if ((rc = mlens_cuda_moe_route(c, counts, perm, inv, ids, n, k, E)))
 		return rc;
@@ -537,35 +641,8 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
 	if (rc)
 		return rc;
-	r0 = 0;
-	for (int e = 0; e < E; e++) {
-		int cnt = counts_h[e];
-		if (!cnt)
-			continue;
-		if ((rc = expert_gemm(c, g + (size_t)r0 * I, xe + (size_t)r0 * H * es,
-				      split ? rows * H * es : 0, w->w1[e], w->dtype, cnt, H, I)) ||
-		    (rc = expert_gemm(c, u + (size_t)r0 * I, xe + (size_t)r0 * H * es,
-				      split ? rows * H * es : 0, w->w3[e], w->dtype, cnt, H, I)))
-			return rc;
-		r0 += cnt;
-	}
-	if (split) {
-		if ((rc = mlens_cuda_silu_mul(c, g, MLENS_DTYPE_F32, g, u, rows * I)) ||
-		    (rc = mlens_cuda_split_rows(c, h, w->dtype, g, NULL, 1, (int)rows, I, rows * I)))
-			return rc;
-	} else if ((rc = mlens_cuda_silu_mul(c, h, w->dtype, g, u, rows * I))) {
+	if ((rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, g, s + o_u, h, y)))
 		return rc;
-	}
-	r0 = 0;
-	for (int e = 0; e < E; e++) {
-		int cnt = counts_h[e];
-		if (!cnt)
-			continue;
-		if ((rc = expert_gemm(c, y + (size_t)r0 * H, h + (size_t)r0 * I * es,
-				      split ? rows * I * es : 0, w->w2[e], w->dtype, cnt, I, H)))
-			return rc;
-		r0 += cnt;
-	}
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
 }
 
@@ -897,6 +974,16 @@ static void cuda_destroy(void *ctx)
 	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
 		if (c->events[i])
 			cudaEventDestroy(c->events[i]);
+	for (int i = 1; i < MLENS_MOE_STREAMS_MAX; i++) {
+		if (c->moe_stream[i]) {
+			cudaStreamSynchronize(c->moe_stream[i]);
+			cudaStreamDestroy(c->moe_stream[i]);
+		}
+		if (c->moe_join[i])
+			cudaEventDestroy(c->moe_join[i]);
+	}
+	if (c->moe_fork)
+		cudaEventDestroy(c->moe_fork);
 	for (int i = 0; c->timers && i < MLENS_BACKEND_TIMERS; i++)
 		if (c->timers[i])
 			cudaEventDestroy(c->timers[i]);
@@ -979,7 +1066,14 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 {
 	struct mlens_cuda_ctx *c;
 	int dev = o ? o->device : 0, n = 0, rc = 0;
+	int moe_streams = o && o->moe_streams ? o->moe_streams : MLENS_MOE_STREAMS_DEFAULT;
 	cublasStatus_t bs;
+
+	if (moe_streams < 1 || moe_streams > MLENS_MOE_STREAMS_MAX) {
+		fprintf(stderr, "mlens cuda: %d MoE streams asked for; 1 to %d can be had\n",
+			moe_streams, MLENS_MOE_STREAMS_MAX);
+		return -EINVAL;
+	}
 
 	if (cudaGetDeviceCount(&n) != cudaSuccess || n <= 0) {
 		cudaGetLastError();	/* clear the sticky "no device" */
@@ -1014,10 +1108,17 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		rc = mlens_cublas_rc(bs, "cublasCreate", __FILE__, __LINE__);
 		goto fail;
 	}
-	/* an explicit workspace, so that cuBLAS' memory is in our account too
-	 * (32 MiB is what cuBLAS recommends for Hopper) */
-	c->blas_ws_bytes = 32u << 20;
-	c->blas_ws = dev_alloc(c, c->blas_ws_bytes);
+	/* explicit workspaces, so that cuBLAS' memory is in our account too
+	 * (32 MiB is what cuBLAS recommends for Hopper), one a MoE stream */
+	c->moe_streams = moe_streams;
+	c->moe_stream[0] = c->stream;
+	for (int i = 1; i < c->moe_streams; i++) {
+		CUDA_GOTO(cudaStreamCreateWithFlags(&c->moe_stream[i], cudaStreamNonBlocking), rc, fail);
+		CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_join[i], cudaEventDisableTiming), rc, fail);
+	}
+	CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_fork, cudaEventDisableTiming), rc, fail);
+	c->blas_ws_bytes = MLENS_CUDA_BLAS_WS;
+	c->blas_ws = dev_alloc(c, c->blas_ws_bytes * (size_t)c->moe_streams);
 	if (!c->blas_ws) {
 		rc = -errno;
 		goto fail;

@@ -39,8 +39,13 @@ struct mlens_cuda_ctx {
 	/* the compute stream's host <-> device copies done by an SM kernel on
 	 * mapped pinned memory rather than a copy engine (opts sm_copy) */
 	bool sm_copy;
-	void *blas_ws;			/* cuBLAS workspace, set once */
-	size_t blas_ws_bytes;
+	void *blas_ws;			/* cuBLAS workspaces, one a MoE stream */
+	size_t blas_ws_bytes;		/* of each */
+	/* the MoE's expert streams: moe_stream[0] is the compute stream,
+	 * the others wait for it (moe_fork) and it for them (moe_join[i]) */
+	int moe_streams;
+	cudaStream_t moe_stream[MLENS_MOE_STREAMS_MAX];
+	cudaEvent_t moe_fork, moe_join[MLENS_MOE_STREAMS_MAX];
 
 	/* host metadata goes pinned host -> device staging, one copy per op.
 	 * The host side is a ring, so the host can fill op N+1's metadata while
@@ -185,9 +190,10 @@ static inline float mlens_cuda_split_scale(enum mlens_dtype dt)
 int mlens_cuda_split_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
 			  const float *src, const int32_t *gather, int gather_div,
 			  int rows, int cols, size_t part_stride);
-/* h = silu(g) * u, written as dtype dt. */
+/* h = silu(g) * u, g and u of dtype gdt, written as dtype dt (h may be g
+ * when the dtypes match: each element is read before it is written). */
 int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
-			const float *g, const float *u, size_t count);
+			const void *g, const void *u, enum mlens_dtype gdt, size_t count);
 /* dst[count] = src[count] of dtype dt, widened to fp32. */
 int mlens_cuda_widen(struct mlens_cuda_ctx *c, float *dst, const void *src, enum mlens_dtype dt,
 		     size_t count);

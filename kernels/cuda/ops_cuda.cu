@@ -286,23 +286,23 @@ int mlens_cuda_split_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype 
 	return 0;
 }
 
-__global__ void silu_mul_kernel(void *h, enum mlens_dtype dt, const float *g, const float *u,
-				size_t count)
+__global__ void silu_mul_kernel(void *h, enum mlens_dtype dt, const void *g, const void *u,
+				enum mlens_dtype gdt, size_t count)
 {
 	for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < count;
 	     t += (size_t)gridDim.x * blockDim.x) {
-		float gv = g[t];
-		store_elem(h, dt, t, gv / (1.0f + expf(-gv)) * u[t]);
+		float gv = load_elem(g, gdt, t);
+		store_elem(h, dt, t, gv / (1.0f + expf(-gv)) * load_elem(u, gdt, t));
 	}
 }
 
 int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
-			const float *g, const float *u, size_t count)
+			const void *g, const void *u, enum mlens_dtype gdt, size_t count)
 {
 	if (!count)
 		return 0;
 	silu_mul_kernel<<<blocks_for(count, MLENS_CUDA_THREADS), MLENS_CUDA_THREADS, 0,
-			  c->stream>>>(h, dt, g, u, count);
+			  c->stream>>>(h, dt, g, u, gdt, count);
 	CUDA_LAUNCHED();
 	return 0;
 }

@@ -1,6 +1,8 @@
 /* Benchmark of the CUDA backend's heavy ops at Mixtral-8x7B dimensions:
  * the dense bf16 GEMM (M tokens x K=4096 -> N=14336) against a bare cuBLAS
- * call on the same data, the MoE layer (4096 tokens, 8 experts, top-2),
+ * call on the same data, one expert's GEMMs at the row counts a MoE chunk
+ * gives it, the MoE layer (4096 tokens, 8 experts, top-2) per MoE stream
+ * count and tokens per call,
  * prefill flash attention and paged decode attention. Prints one JSON
  * object on stdout and a table on stderr. Not a test: it asserts nothing.
  * Usage: bench_cuda [fast|exact], the backend's GEMM mode (default fast). */
@@ -118,9 +120,56 @@ static int bench_gemm(int first)
 	return 0;
 }
 
-static int bench_moe(void)
+/* One expert's GEMM shapes alone (rows routed rows): gate/up (K=H, N=I)
+ * and down (K=I, N=H), bare cuBLAS, fp32 and bf16 outputs: what the MoE's
+ * GEMMs reach at the row counts a chunk gives each expert. */
+static int bench_expert_gemm(cublasHandle_t h, const void *w, const void *xb, void *out, int H,
+			     int I)
 {
-	const int n = 4096, E = 8, k = 2, H = 4096, I = 14336, iters = 10;
+	static const int Rs[] = { 128, 256, 512, 1024 };
+	const float alpha = 1.0f, beta = 0.0f;
+	const int iters = 20;
+	int first = 1;
+
+	printf(",\n  \"expert_gemm\": [");
+	for (int a = 0; a < 4; a++)
+		for (int down = 0; down < 2; down++)
+			for (int pass = 0; pass < 2; pass++) {
+				int R = Rs[a], M = down ? H : I, K = down ? I : H;
+				cudaDataType_t ct = pass ? CUDA_R_16BF : CUDA_R_32F;
+				double t0 = 0, t, flop = 2.0 * R * M * K;
+				for (int i = 0; i < iters + 3; i++) {
+					if (i == 3) {
+						cudaDeviceSynchronize();
+						t0 = now();
+					}
+					if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, M, R, K, &alpha, w,
+							 CUDA_R_16BF, K, xb, CUDA_R_16BF, K, &beta, out, ct,
+							 M, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) !=
+					    CUBLAS_STATUS_SUCCESS)
+						FAIL("cublasGemmEx");
+				}
+				cudaDeviceSynchronize();
+				t = (now() - t0) / iters;
+				printf("%s\n    {\"rows\": %d, \"shape\": \"%s\", \"out\": \"%s\", \"us\": %.1f, "
+				       "\"tflops\": %.1f}", first ? "" : ",", R, down ? "down" : "gate_up",
+				       pass ? "bf16" : "fp32", t * 1e6, flop / t * 1e-12);
+				first = 0;
+				fprintf(stderr, "expert gemm %-7s rows=%5d out=%s: %7.1f us %6.1f TFLOP/s\n",
+					down ? "down" : "gate_up", R, pass ? "bf16" : "fp32", t * 1e6,
+					flop / t * 1e-12);
+			}
+	printf("\n  ]");
+	return 0;
+}
+
+/* The MoE op (8 experts, top-2, Mixtral sizes) on backends whose experts
+ * spread over 1..MLENS_MOE_STREAMS_MAX streams, called with 1024, 2048 and
+ * 4096 tokens at a time (the pipeline calls it with its MoE chunk). */
+static int bench_moe(const struct mlens_backend_opts *o)
+{
+	const int n = 4096, E = 8, k = 2, H = 4096, I = 14336, iters = 6;
+	static const int calls[] = { 1024, 2048, 4096 };
 	void *w1[8], *w2[8], *w3[8];
 	int32_t *ids = malloc((size_t)n * k * 4);
 	float *wts = malloc((size_t)n * k * 4);
@@ -129,12 +178,20 @@ static int bench_moe(void)
 	void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
 	float *x = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
 	float *out = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
+	void *xb = dev_random((size_t)1024 * I, MLENS_DTYPE_BF16, 1.0f);
+	void *gout = be.ops->alloc(be.ctx, (size_t)1024 * I * 4);
 	int32_t *dids;
 	float *dwts;
-	double t0, t, flop = 2.0 * n * k * 3.0 * H * I;
+	double flop = 2.0 * n * k * 3.0 * H * I;
+	cublasHandle_t h;
+	int first = 1, rc;
 
-	if (!ids || !wts || !proto || !x || !out)
+	if (!ids || !wts || !proto || !x || !out || !xb || !gout ||
+	    cublasCreate(&h) != CUBLAS_STATUS_SUCCESS)
 		FAIL("moe set-up");
+	if ((rc = bench_expert_gemm(h, proto, xb, gout, H, I)))
+		return rc;
+	cublasDestroy(h);
 	/* every expert gets a copy of one random matrix: generating 2.8 GB of
 	 * random numbers on the host would take longer than the benchmark */
 	for (int e = 0; e < E; e++) {
@@ -162,20 +219,44 @@ static int bench_moe(void)
 	if (!dids || !dwts || be.ops->upload(be.ctx, dids, ids, (size_t)n * k * 4) ||
 	    be.ops->upload(be.ctx, dwts, wts, (size_t)n * k * 4))
 		FAIL("moe routing");
-	for (int i = 0; i < 2; i++)
-		if (be.ops->moe(be.ctx, out, x, n, dids, dwts, k, &mw))
-			FAIL("moe");
-	be.ops->sync(be.ctx);
-	t0 = now();
-	for (int i = 0; i < iters; i++)
-		be.ops->moe(be.ctx, out, x, n, dids, dwts, k, &mw);
-	be.ops->sync(be.ctx);
-	t = (now() - t0) / iters;
-	printf(",\n  \"moe\": {\"tokens\": %d, \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
-	       "\"inter\": %d, \"ms\": %.3f, \"tflops\": %.1f}", n, E, k, H, I, t * 1e3,
-	       flop / t * 1e-12);
-	fprintf(stderr, "moe bf16 %d tokens E=%d top-%d H=%d I=%d: %.3f ms, %.1f TFLOP/s\n", n, E,
-		k, H, I, t * 1e3, flop / t * 1e-12);
+	cudaDeviceSynchronize();
+	printf(",\n  \"moe\": [");
+	for (int S = 1; S <= MLENS_MOE_STREAMS_MAX; S++) {
+		/* a backend of its own; the buffers above are device memory of
+		 * the same device, and every pass ends in a sync */
+		struct mlens_backend_opts os = *o;
+		struct mlens_backend b;
+		os.moe_streams = S;
+		if (mlens_backend_create(&b, "cuda", &os))
+			FAIL("moe backend");
+		for (int c = 0; c < 3; c++) {
+			int per = calls[c];
+			double t0, t;
+			for (int t1 = 0; t1 < n; t1 += per)
+				if (b.ops->moe(b.ctx, out + (size_t)t1 * H, x + (size_t)t1 * H, per,
+					       dids + (size_t)t1 * k, dwts + (size_t)t1 * k, k, &mw))
+					FAIL("moe");
+			b.ops->sync(b.ctx);
+			t0 = now();
+			for (int i = 0; i < iters; i++)
+				for (int t1 = 0; t1 < n; t1 += per)
+					b.ops->moe(b.ctx, out + (size_t)t1 * H, x + (size_t)t1 * H, per,
+						   dids + (size_t)t1 * k, dwts + (size_t)t1 * k, k, &mw);
+			b.ops->sync(b.ctx);
+			t = (now() - t0) / iters;
+			printf("%s\n    {\"streams\": %d, \"tokens_per_call\": %d, \"tokens\": %d, "
+			       "\"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"inter\": %d, "
+			       "\"ms\": %.3f, \"us_per_token\": %.4f, \"tflops\": %.1f}",
+			       first ? "" : ",", S, per, n, E, k, H, I, t * 1e3, t * 1e6 / n,
+			       flop / t * 1e-12);
+			first = 0;
+			fprintf(stderr, "moe bf16 %d tokens in calls of %4d, %d stream(s): %.3f ms, "
+				"%.3f us/token, %.1f TFLOP/s\n", n, per, S, t * 1e3, t * 1e6 / n,
+				flop / t * 1e-12);
+		}
+		mlens_backend_destroy(&b);
+	}
+	printf("\n  ]");
 	for (int e = 0; e < E; e++) {
 		be.ops->free(be.ctx, w1[e]);
 		be.ops->free(be.ctx, w2[e]);
@@ -183,6 +264,8 @@ static int bench_moe(void)
 	}
 	be.ops->free(be.ctx, proto);
 	be.ops->free(be.ctx, x);
+	be.ops->free(be.ctx, xb);
+	be.ops->free(be.ctx, gout);
 	be.ops->free(be.ctx, out);
 	be.ops->free(be.ctx, dids);
 	be.ops->free(be.ctx, dwts);
@@ -295,7 +378,7 @@ int main(int argc, char **argv)
 	if ((rc = bench_gemm(1)))
 		goto out;
 	printf("\n  ]");
-	if ((rc = bench_moe()) || (rc = bench_attn()))
+	if ((rc = bench_moe(&o)) || (rc = bench_attn()))
 		goto out;
 	printf(",\n  \"device_bytes_in_use_at_end\": %zu\n}\n", mlens_backend_cuda_mem_used(&be));
 out:

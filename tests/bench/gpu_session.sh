@@ -4,7 +4,9 @@
 #   1. the GPU tests: check_cuda, check_hybrid_cuda, the goldens on cuda
 #      and hybrid (exact and fast GEMMs), check_gpu_plan
 #   2. the CPU attention headline (issue 5) and its tuning sweep; the
-#      copy-queue probe (tests/bench/bench_copyq.c, issue 7)
+#      copy-queue probe (tests/bench/bench_copyq.c, issue 7); the CUDA
+#      ops benchmark (tests/bench/bench_cuda.c: GEMMs, the MoE per stream
+#      count and chunk)
 #   3. the 8-layer Mixtral-8x7B-shaped model in /dev/shm (written while 1
 #      runs), 3-step traces of a hybrid run (issue 7: where the time goes),
 #      one per TRACE_VARIANTS entry (e.g. "|--group-tokens 0|--threads 13"),
@@ -12,9 +14,10 @@
 #   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
 #      transformers+accelerate baseline, then the n_real sweep (issue 8)
 # GPU_TESTS overrides the tests of part 1.
-# Each part has a time limit (seconds: T_TESTS, T_ATTN, T_COPYQ, T_TRACE, T_SET,
-# T_SWEEP; 0 skips the part) so that the whole fits one device call; what
-# a part did not finish is said. Everything goes to $OUT/session.tgz (one file) and a
+# Each part has a time limit (seconds: T_TESTS, T_ATTN, T_COPYQ, T_BENCH,
+# T_TRACE, T_SET, T_SWEEP; 0 skips the part; T_BENCH and T_SWEEP default
+# 0) so that the whole fits one device call; what a part did not finish
+# is said. Everything goes to $OUT/session.tgz (one file) and a
 # summary to stdout.
 # Usage: gpu_session.sh [SCALE]   (default 0.25: a quarter of issue 7's
 #        three pool-fulls of requests per workload)
@@ -26,6 +29,7 @@ MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 T_TESTS=${T_TESTS:-150}
 T_ATTN=${T_ATTN:-90}
 T_COPYQ=${T_COPYQ:-60}
+T_BENCH=${T_BENCH:-0}
 T_TRACE=${T_TRACE:-120}
 T_SET=${T_SET:-330}
 T_SWEEP=${T_SWEEP:-0}
@@ -78,6 +82,15 @@ if [ "$T_COPYQ" -gt 0 ] && [ -x ./tests/bench/bench_copyq ]; then
 		COPYQ_REGISTER=1 COPYQ_GEMM=1 COPYQ_BEFORE=1 ./tests/bench/bench_copyq > '$R/copyq_before.json' 2> '$R/copyq_before.txt'"
 	el "copy queue probe: rc $?"
 	for f in copyq_load copyq_gemm copyq_before; do echo "== $f"; cat "$R/$f.txt"; done
+fi
+
+# the CUDA backend's heavy ops alone (tests/bench/bench_cuda.c): GEMM
+# rates, one expert's GEMMs at a chunk's row counts, the MoE per stream
+# count and tokens per call, attention
+if [ "$T_BENCH" -gt 0 ] && [ -x ./tests/bench/bench_cuda ]; then
+	timeout "$T_BENCH" ./tests/bench/bench_cuda > "$R/bench_cuda.json" 2> "$R/bench_cuda.txt"
+	el "bench_cuda: rc $?"
+	cat "$R/bench_cuda.txt"
 fi
 
 # 3-step traces of a hybrid run at full pipeline, armed once it serves:
