@@ -300,6 +300,9 @@ static void show_profile(json_t *r)
 		       "compute queue", getf(m, "compute_queue_h2d_bytes_per_s") / 1e9,
 		       getf(m, "compute_queue_d2h_bytes_per_s") / 1e9);
 	show_rate("CPU attention", getf(m, "cpu_attention_bytes_per_s"), "GB/s of KV");
+	if (getf(m, "cpu_attention_under_copy_bytes_per_s") > 0)
+		printf("%-16s %.2f GB/s of KV while the weight stream copies (the model's)\n", "",
+		       getf(m, "cpu_attention_under_copy_bytes_per_s") / 1e9);
 	printf("%-16s %.2f GB/s read alone\n", "CPU memory", getf(m, "cpu_read_bytes_per_s") / 1e9);
 	if (getf(m, "h2d_under_read_bytes_per_s") > 0)
 		printf("%-16s %.2f GB/s read + %.2f GB/s H2D at once = %.2f GB/s (the model's)\n", "",

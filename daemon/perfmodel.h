@@ -167,6 +167,9 @@ struct mlens_perf_hw {
 	double b_d2h;		/* D2H bytes/s; 0 = b_io */
 	double b_mem;		/* CPU memory bytes/s, shared by KV reads and DMA */
 	double b_attn;		/* KV bytes/s through the CPU decode attention */
+	/* the same while the weight stream's DMA reads host memory too; > 0:
+	 * the attention runs at this rate where experts stream; 0: b_attn */
+	double b_attn_shared;
 	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2) */
 	double c_attn;		/* GPU prefill attention FLOP/s; 0 = c_gpu */
 	/* bytes/s of the activation copies on the GPU's compute queue, each

@@ -40,7 +40,7 @@
 #include "kernels/backend.h"
 
 #define MLENS_PROFILE_POINTS 6		/* token counts per line */
-#define MLENS_PROFILE_VERSION 3		/* of the cache file's layout */
+#define MLENS_PROFILE_VERSION 4		/* of the cache file's layout */
 /* The workload mlensd predicts for at start-up (mlensctl profile takes
  * others): a prompt of 512 tokens, 128 generated. */
 #define MLENS_PROFILE_PROMPT 512
@@ -79,6 +79,9 @@ struct mlens_profile {
 	 * activations between its kernels; 0 on host memory */
 	double act_h2d, act_d2h;
 	double attn_bw;			/* KV bytes/s through CPU decode attention */
+	double attn_copy_bw;		/* the same while the copy queue streams pinned
+					 * memory to the device (the hybrid pipeline's
+					 * weight stream); 0 on host memory */
 	double mem_bw;			/* CPU memory bytes/s for KV reads and DMA
 					 * together (the model's B_mem): reads +
 					 * copies under copy, else mem_read_bw */

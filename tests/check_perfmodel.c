@@ -436,6 +436,38 @@ START_TEST(policy_shared_stream)
 }
 END_TEST
 
+/* The CPU attention beside the weight stream: where experts stream, its
+ * tier reads the KV at b_attn_shared (the profile's attention under
+ * copy); with every expert resident nothing streams and b_attn holds; a
+ * shared rate above the one alone, or 0, changes nothing; a negative one
+ * is refused. */
+START_TEST(attention_under_copy)
+{
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 12);
+	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
+	struct mlens_perf_policy pol = { 0, 0.5, 0.5 }, all = { (int)pm.experts, 0.5, 0.5 };
+	struct mlens_perf_step st = mlens_perf_steady_step(&w, 20000);
+	struct mlens_perf_step_time t0, t;
+	double kv = st.context * (double)pm.kv_token_bytes;
+
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t0), 0);
+	assert_rel(t0.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn, 1e-12);
+	hw.b_attn_shared = hw.b_attn / 2;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], 2 * kv / hw.b_attn, 1e-12);
+	assert_rel(t.group_cpu[0] + t.group_cpu[1], 2 * kv / hw.b_attn, 1e-12);
+	ck_assert(t.seconds > t0.seconds);
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &all, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn, 1e-12);
+	hw.b_attn_shared = hw.b_attn * 2;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn, 1e-12);
+	hw.b_attn_shared = -1;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+}
+END_TEST
+
 START_TEST(policy_loose_budget)
 {
 	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
@@ -855,6 +887,7 @@ int main(void)
 	tcase_add_test(tc, split_balances_groups);
 	tcase_add_test(tc, policy_tight_budget);
 	tcase_add_test(tc, policy_shared_stream);
+	tcase_add_test(tc, attention_under_copy);
 	tcase_add_test(tc, policy_loose_budget);
 	tcase_add_test(tc, minimum_budget_refused);
 	tcase_add_test(tc, throughput_monotone_in_kv);

@@ -233,9 +233,10 @@ START_TEST(device_memory_under_copy)
 	ck_assert_str_eq(p.backend, "fakedev");
 	ck_assert(p.h2d > 1e8 && p.d2h > 1e8);
 	ck_assert(p.mem_read_bw > 1e8 && p.mem_read_copy_bw > 1e8 && p.copy_read_bw > 1e8);
-	/* the copies ran from a thread of their own, beside the reads: at
-	 * least the warm-up copy and one timed */
-	ck_assert_int_ge(atomic_load(&fake_copies_other), 2);
+	/* the copies ran from a thread of their own, beside the attention
+	 * and beside the reads: at least the warm-up copy and one timed each */
+	ck_assert_int_ge(atomic_load(&fake_copies_other), 4);
+	ck_assert(p.attn_bw > 1e6 && p.attn_copy_bw > 1e6);
 	ck_assert_double_eq_tol(p.mem_bw, p.mem_read_copy_bw + p.copy_read_bw, 1e-9 * p.mem_bw);
 	memset(&hw, 0, sizeof(hw));
 	mlens_profile_hw(&p, &hw);
@@ -247,11 +248,13 @@ START_TEST(device_memory_under_copy)
 	ck_assert(hw.b_act_h2d == p.act_h2d && hw.b_act_d2h == p.act_d2h);
 	/* the weight stream's rate beside the reads, for the model's PCIe tier */
 	ck_assert(hw.b_io_shared == p.copy_read_bw);
+	/* and the attention's beside the stream, for its tier */
+	ck_assert(hw.b_attn == p.attn_bw && hw.b_attn_shared == p.attn_copy_bw);
 
 	/* a copy of the copy thread that fails fails the profile, saying so */
 	atomic_store(&fake_fail_other, true);
 	ck_assert_int_eq(mlens_profile_run(m, &o, &p, err, sizeof(err)), -EIO);
-	ck_assert_msg(strstr(err, "beside the memory reads failed") != NULL, "%s", err);
+	ck_assert_msg(strstr(err, "beside the attention test failed") != NULL, "%s", err);
 	mlens_backend_destroy(&be);
 	mlens_test_model_free(m);
 }
