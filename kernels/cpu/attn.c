@@ -162,15 +162,31 @@ void mlens_cpu_attn_ws_fini(struct mlens_cpu_attn_ws *ws)
 
 /* ==== decode ==== */
 
-/* One task: chunk c of query i for the KV heads [g, g + heads per task);
- * part < 0 means the query is not split and the task writes its output
- * directly. */
+/* One task: positions [t0, t1) of query i for the KV heads [g, g + heads
+ * per task), into partial record rec, or straight into the output when
+ * rec < 0 (the query is not split). A merge entry: the n = t1 chunks of
+ * (i, g) whose records start at rec. */
 struct attn_task {
 	int32_t i;
 	int32_t g;
-	int32_t c;
-	int32_t part;		/* record index of chunk 0 of this (i, g) */
+	int32_t t0, t1;
+	int32_t rec;
 };
+
+/* The chunks a context of ctx positions is split into: about ctx / chunk
+ * of them (at least one), of equal length rounded up to whole blocks, so
+ * that no chunk is a short remainder (a 528-token context is one task,
+ * not 512 + 16 and a merge). *len: positions per chunk, the last shorter. */
+static int32_t ctx_chunks(int32_t ctx, int chunk, int bs, int32_t *len)
+{
+	int32_t n = (int32_t)(((int64_t)ctx + chunk / 2) / chunk), l;
+	if (n < 1)
+		n = 1;
+	l = (ctx + n - 1) / n;
+	l = (l + bs - 1) / bs * bs;
+	*len = l;
+	return (ctx + l - 1) / l;	/* block rounding can leave fewer */
+}
 
 struct decode_job {
 	float *out;
@@ -209,18 +225,16 @@ static void span_task(void *arg, int task, int thread)
 	struct decode_job *j = arg;
 	const struct attn_task *t = &j->tasks[task];
 	size_t off = head_off(j, t->i, t->g);
-	int32_t t0 = t->c * j->chunk, t1 = t0 + j->chunk;
 	struct mlens_attn_span s = {
 		.kv = j->kv, .layer = j->layer, .g = t->g, .n_g = j->hpt, .group = j->group,
 		.q = j->q + off, .block_table = j->qs[t->i].block_table,
-		.t0 = t0, .scale = j->scale,
+		.t0 = t->t0, .t1 = t->t1, .scale = j->scale,
 	};
 
-	s.t1 = t1 < j->qs[t->i].ctx_len ? t1 : j->qs[t->i].ctx_len;
-	if (t->part < 0) {
+	if (t->rec < 0) {
 		s.out = j->out + off;
 	} else {
-		float *rec = j->part + (size_t)(t->part + t->c) * j->rec_floats;
+		float *rec = j->part + (size_t)t->rec * j->rec_floats;
 		int H = j->hpt * j->group;
 		size_t gh = (size_t)H * j->kv->head_dim;
 		s.acc = rec;
@@ -236,8 +250,7 @@ static void merge_task(void *arg, int task, int thread)
 {
 	struct decode_job *j = arg;
 	const struct attn_task *t = &j->tasks[task];
-	int hd = j->kv->head_dim, G = j->hpt * j->group;
-	int nch = (j->qs[t->i].ctx_len + j->chunk - 1) / j->chunk;
+	int hd = j->kv->head_dim, G = j->hpt * j->group, nch = t->t1;
 	size_t gh = (size_t)G * hd;
 	float *out = j->out + head_off(j, t->i, t->g);
 
@@ -245,13 +258,13 @@ static void merge_task(void *arg, int task, int thread)
 		float M = -INFINITY, L = 0.0f;
 		float *o = out + (size_t)h * hd;
 		for (int c = 0; c < nch; c++) {
-			const float *rec = j->part + (size_t)(t->part + c) * j->rec_floats;
+			const float *rec = j->part + (size_t)(t->rec + c) * j->rec_floats;
 			M = rec[gh + h] > M ? rec[gh + h] : M;
 		}
 		for (int d = 0; d < hd; d++)
 			o[d] = 0.0f;
 		for (int c = 0; c < nch; c++) {
-			const float *rec = j->part + (size_t)(t->part + c) * j->rec_floats;
+			const float *rec = j->part + (size_t)(t->rec + c) * j->rec_floats;
 			float w = expf(rec[gh + h] - M);
 			const float *a = rec + (size_t)h * hd;
 			L += rec[gh + G + h] * w;
@@ -298,8 +311,10 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	j.chunk = mlens_attn_tune.chunk_tokens > 0 ? mlens_attn_tune.chunk_tokens
 						    : MLENS_ATTN_CHUNK_TOKENS;
 	j.chunk = (j.chunk + kv->block_size - 1) / kv->block_size * kv->block_size;
-	for (int i = 0; i < n; i++)
-		n_chunks += ((size_t)queries[i].ctx_len + j.chunk - 1) / j.chunk;
+	for (int i = 0; i < n; i++) {
+		int32_t len;
+		n_chunks += (size_t)ctx_chunks(queries[i].ctx_len, j.chunk, kv->block_size, &len);
+	}
 	/* All KV heads in one task read each block as one run (better for the
 	 * prefetchers and DRAM pages than one 4 KB piece per head); fewer heads
 	 * per task only when the batch would otherwise not feed every thread.
@@ -318,7 +333,8 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	}
 	n_hb = nkv / j.hpt;
 	for (int i = 0; i < n; i++) {
-		size_t nch = ((size_t)queries[i].ctx_len + j.chunk - 1) / j.chunk;
+		int32_t len;
+		size_t nch = (size_t)ctx_chunks(queries[i].ctx_len, j.chunk, kv->block_size, &len);
 		n_tasks += nch * n_hb;
 		if (nch > 1) {
 			n_recs += nch * n_hb;
@@ -345,13 +361,15 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 		size_t k = 0, m = n_tasks;
 		int32_t rec = 0;
 		for (int i = 0; i < n; i++) {
-			int32_t nch = (queries[i].ctx_len + j.chunk - 1) / j.chunk;
+			int32_t ctx = queries[i].ctx_len, len;
+			int32_t nch = ctx_chunks(ctx, j.chunk, kv->block_size, &len);
 			for (int g = 0; g < nkv; g += j.hpt) {
-				int32_t part = nch > 1 ? rec : -1;
-				for (int32_t c = 0; c < nch; c++)
-					tasks[k++] = (struct attn_task){ i, g, c, part };
+				for (int32_t c = 0; c < nch; c++) {
+					int32_t t0 = c * len, t1 = t0 + len < ctx ? t0 + len : ctx;
+					tasks[k++] = (struct attn_task){ i, g, t0, t1, nch > 1 ? rec + c : -1 };
+				}
 				if (nch > 1) {
-					tasks[m++] = (struct attn_task){ i, g, 0, part };
+					tasks[m++] = (struct attn_task){ i, g, 0, nch, rec };
 					rec += nch;
 				}
 			}

@@ -10,8 +10,10 @@
 #include "kernels/kv.h"
 #include "kernels/cpu/pool.h"
 
-/* Positions per task when a sequence is split (rounded up to whole blocks);
- * independent of the thread count, so that results do not depend on it
+/* Positions per task when a sequence is split: a context of n positions
+ * goes as about n / MLENS_ATTN_CHUNK_TOKENS tasks (at least one) of equal
+ * length in whole blocks, never a short remainder of its own. Independent
+ * of the thread count, so that results do not depend on it
  * (MLENS_ATTN_CHUNK=N overrides it for measurements). */
 #define MLENS_ATTN_CHUNK_TOKENS 512
 
