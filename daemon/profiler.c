@@ -382,15 +382,28 @@ out:
 
 /* ==== pinned copies ==== */
 
+/* Whether be is a device backend that can stream pinned copies beside a
+ * CPU measurement, and how many bytes a copy moves there. */
+static bool can_copy(const struct mlens_backend *be)
+{
+	const struct mlens_backend_ops *o = be->ops;
+	return !o->host_memory && MLENS_BACKEND_HAS(o, host_alloc) && MLENS_BACKEND_HAS(o, copy_async) &&
+	       MLENS_BACKEND_HAS(o, event_record) && MLENS_BACKEND_HAS(o, event_sync);
+}
+
+static size_t copy_bytes(double budget)
+{
+	return budget >= 5 ? 256u << 20 : 32u << 20;
+}
+
 static int profile_copies(struct mlens_backend *be, double budget, struct mlens_profile *p,
 			  char *err, size_t errlen)
 {
 	const struct mlens_backend_ops *o = be->ops;
-	size_t bytes = budget >= 5 ? 256u << 20 : 32u << 20;
+	size_t bytes = copy_bytes(budget);
 	void *h = NULL, *d = NULL;
 	int rc = 0;
-	if (o->host_memory || !MLENS_BACKEND_HAS(o, host_alloc) || !MLENS_BACKEND_HAS(o, copy_async) ||
-	    !MLENS_BACKEND_HAS(o, event_record) || !MLENS_BACKEND_HAS(o, event_sync))
+	if (!can_copy(be))
 		return 0;	/* nothing crosses a bus */
 	h = o->host_alloc(be->ctx, bytes);
 	d = o->alloc(be->ctx, bytes);
@@ -583,14 +596,6 @@ static int copier_stop(struct copier *c, pthread_t th, double *rate, const char 
 	return rc;
 }
 
-/* Can be, a device backend, stream pinned copies beside a CPU measurement? */
-static bool can_copy(const struct mlens_backend *be)
-{
-	const struct mlens_backend_ops *o = be->ops;
-	return !o->host_memory && MLENS_BACKEND_HAS(o, host_alloc) && MLENS_BACKEND_HAS(o, copy_async) &&
-	       MLENS_BACKEND_HAS(o, event_record) && MLENS_BACKEND_HAS(o, event_sync);
-}
-
 /* The reads again while the copier streams: the CPU memory traffic of
  * KV reads and weight DMA together (the model's B_mem). 0 or -errno. */
 static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_pool *pool,
@@ -599,8 +604,7 @@ static int mem_under_copy(struct mlens_backend *be, double budget, struct mlens_
 	struct copier c;
 	pthread_t th;
 	double best, rate = 0;
-	int rc = copier_start(&c, &th, be, budget >= 5 ? 256u << 20 : 32u << 20, "memory test", err,
-			      errlen);
+	int rc = copier_start(&c, &th, be, copy_bytes(budget), "memory test", err, errlen);
 	if (rc)
 		return rc;
 	best = mlens_readbw_best(pool, buf, bytes) * 1e9;
@@ -714,8 +718,8 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 		struct copier cp;
 		pthread_t th;
 		double best = INFINITY;
-		if (pass && (rc = copier_start(&cp, &th, o->be, budget >= 5 ? 256u << 20 : 32u << 20,
-					       "attention test", err, errlen)))
+		if (pass && (rc = copier_start(&cp, &th, o->be, copy_bytes(budget), "attention test",
+					       err, errlen)))
 			goto out;
 		for (int r = 0; r < REPS + 1 && !rc; r++) {
 			double t0 = now(), t;
