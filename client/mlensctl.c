@@ -300,6 +300,7 @@ static void show_profile(json_t *r)
 		       "compute queue", getf(m, "compute_queue_h2d_bytes_per_s") / 1e9,
 		       getf(m, "compute_queue_d2h_bytes_per_s") / 1e9);
 	show_rate("CPU attention", getf(m, "cpu_attention_bytes_per_s"), "GB/s of KV");
+	show_rate("KV append", getf(m, "kv_append_bytes_per_s"), "GB/s read + written (fp32 K, V into the pool)");
 	if (getf(m, "cpu_attention_under_copy_bytes_per_s") > 0)
 		printf("%-16s %.2f GB/s of KV while the weight stream copies (the model's)\n", "",
 		       getf(m, "cpu_attention_under_copy_bytes_per_s") / 1e9);

@@ -330,7 +330,7 @@ static bool hw_ok(const struct mlens_perf_hw *hw)
 {
 	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
 	       hw->h2d_per_token >= 0 && hw->c_attn >= 0 && hw->b_act_h2d >= 0 &&
-	       hw->b_act_d2h >= 0 && hw->b_io_shared >= 0 && hw->b_attn_shared >= 0 &&
+	       hw->b_act_d2h >= 0 && hw->b_io_shared >= 0 && hw->b_attn_shared >= 0 && hw->b_append >= 0 &&
 	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
 }
 
@@ -366,7 +366,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 {
 	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
 	double ab = (double)pm->abytes, d = st->decode, P = st->tokens - st->decode;
-	double kv_read, h2d, d2h, b_d2h, b_att, frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
+	double kv_read, h2d, d2h, b_d2h, b_att, t_app, frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
 	if (!hw_ok(hw) || !step_ok(st) || pol->resident_experts < 0 ||
 	    pol->resident_experts > pm->experts || !(pol->alpha_decode >= 0 && pol->alpha_decode <= 1) ||
 	    !(pol->alpha_prefill >= 0 && pol->alpha_prefill <= 1))
@@ -384,6 +384,9 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	b_att = hw->b_attn_shared > 0 && hw->b_attn_shared < hw->b_attn &&
 			mlens_perf_streamed_bytes(pm, pol->resident_experts) > 0
 		? hw->b_attn_shared : hw->b_attn;
+	/* the host side appends every token's K and V to the pool first */
+	t_app = hw->b_append > 0
+		? (2 * kvd * ab + (double)pm->kv_token_bytes) / hw->b_append : 0;
 	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
 	if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io) {
 		double t_a = kv_read / b_att;
@@ -406,7 +409,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 				g = 0;
 		}
 		out->group_gpu[x] = g;
-		out->group_cpu[x] = frac_d[x] * kv_read / b_att;
+		out->group_cpu[x] = frac_d[x] * kv_read / b_att + n_x * t_app;
 		out->tier[MLENS_PERF_BIND_GPU] += g;
 		out->tier[MLENS_PERF_BIND_CPU_ATTN] += out->group_cpu[x];
 		if (g + out->group_cpu[x] > out->tier[MLENS_PERF_BIND_CHAIN])
@@ -869,6 +872,7 @@ int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype 
 	shard_hw->b_mem = hw->b_mem / G;
 	shard_hw->b_attn = hw->b_attn / G;
 	shard_hw->b_attn_shared = hw->b_attn_shared / G;
+	shard_hw->b_append = hw->b_append / G;
 	rf_full = *hw;
 	rf_shard = *hw;
 	mlens_perf_hw_roofline_lines(&rf_full, &full);

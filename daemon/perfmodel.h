@@ -170,6 +170,11 @@ struct mlens_perf_hw {
 	/* the same while the weight stream's DMA reads host memory too; > 0:
 	 * the attention runs at this rate where experts stream; 0: b_attn */
 	double b_attn_shared;
+	/* bytes/s of the KV append on the CPU (each token's fp32 K and V read,
+	 * the pool's dtype written: 2 kv_heads head_dim abytes + kv_token_bytes
+	 * a token and layer), which the attention's host side does before the
+	 * attention; 0: not counted */
+	double b_append;
 	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2) */
 	double c_attn;		/* GPU prefill attention FLOP/s; 0 = c_gpu */
 	/* bytes/s of the activation copies on the GPU's compute queue, each

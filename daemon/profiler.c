@@ -642,6 +642,49 @@ out:
 	return rc;
 }
 
+/* The KV append of the decode step (kernels' kv_append: each row's fp32 K
+ * and V converted into the pool's dtype), rows rows into the first slots
+ * of kv on be: bytes read and written a second into *rate. */
+static int profile_append(struct mlens_backend *be, struct mlens_kv_cache *kv, int rows,
+			  double *rate, char *err, size_t errlen)
+{
+	size_t kvd = (size_t)kv->n_kv_heads * (size_t)kv->head_dim, n = (size_t)rows * kvd;
+	float *k = be->ops->alloc(be->ctx, n * sizeof(float));
+	float *v = be->ops->alloc(be->ctx, n * sizeof(float));
+	int64_t *slots = malloc((size_t)rows * sizeof(*slots));
+	double best = INFINITY;
+	int rc = 0;
+
+	if (!k || !v || !slots) {
+		rc = -ENOMEM;
+		mlens_errf(err, errlen, "profiler: cannot allocate %zu MiB for the KV append test",
+			   2 * n * sizeof(float) >> 20);
+		goto out;
+	}
+	for (size_t i = 0; i < n; i++)
+		k[i] = v[i] = 1.0f / 64;
+	for (int i = 0; i < rows; i++)
+		slots[i] = i;
+	for (int r = 0; r < REPS + 1 && !rc; r++) {
+		double t0 = now(), t;
+		rc = be->ops->kv_append(be->ctx, kv, 0, k, v, slots, rows);
+		t = now() - t0;
+		if (r && t < best)
+			best = t;
+	}
+	if (rc)
+		mlens_errf(err, errlen, "profiler: KV append failed: %s", strerror(-rc));
+	else
+		*rate = (double)rows * (double)(2 * kvd * (sizeof(float) + mlens_dtype_size(kv->dtype))) / best;
+out:
+	if (k)
+		be->ops->free(be->ctx, k);
+	if (v)
+		be->ops->free(be->ctx, v);
+	free(slots);
+	return rc;
+}
+
 static int profile_attn(const struct mlens_model *m, const struct mlens_profile_opts *o, double budget,
 			struct mlens_profile *p, char *err, size_t errlen)
 {
@@ -743,6 +786,9 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 		else
 			p->attn_bw = (double)n_seq * (double)ctx * (double)tok_bytes / best;
 	}
+	/* the rows of a big step, at most the test's KV slots */
+	rc = profile_append(be, &kv, kv.n_blocks * (uint32_t)bs < 8192 ? (int)(kv.n_blocks * (uint32_t)bs) : 8192,
+			    &p->append_bw, err, errlen);
 out:
 	if (kv.k)
 		be->ops->free(be->ctx, kv.k);
@@ -790,6 +836,7 @@ void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
 	hw->b_mem = p->mem_bw;
 	hw->b_attn = p->attn_bw;
 	hw->b_attn_shared = p->attn_copy_bw;	/* 0 on host memory */
+	hw->b_append = p->append_bw;
 	hw->c_gpu = p->gemm_flops;
 	hw->c_attn = p->attn_prefill_flops;
 	hw->b_act_h2d = p->act_h2d;
@@ -877,13 +924,14 @@ static json_t *line_json(const struct mlens_perf_line *l)
 
 json_t *mlens_profile_json(const struct mlens_profile *p)
 {
-	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}",
+	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}",
 			      "backend", p->backend, "gpu", p->gpu, "gemm_flops", p->gemm_flops,
 			      "prefill_attention_flops", p->attn_prefill_flops, "h2d_bytes_per_s", p->h2d,
 			      "d2h_bytes_per_s", p->d2h, "compute_queue_h2d_bytes_per_s", p->act_h2d,
 			      "compute_queue_d2h_bytes_per_s", p->act_d2h,
 			      "cpu_attention_bytes_per_s", p->attn_bw,
 			      "cpu_attention_under_copy_bytes_per_s", p->attn_copy_bw,
+			      "kv_append_bytes_per_s", p->append_bw,
 			      "cpu_memory_bytes_per_s", p->mem_bw, "cpu_read_bytes_per_s", p->mem_read_bw,
 			      "cpu_read_under_copy_bytes_per_s", p->mem_read_copy_bw,
 			      "h2d_under_read_bytes_per_s", p->copy_read_bw, "seconds", p->seconds,
@@ -974,13 +1022,13 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	json_decref(want);
 	if (rc)
 		goto out;
-	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be,
+	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be,
 			"gpu", &gpu, "gemm_flops", &p->gemm_flops, "prefill_attention_flops",
 			&p->attn_prefill_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
 			"compute_queue_h2d_bytes_per_s", &p->act_h2d, "compute_queue_d2h_bytes_per_s",
 			&p->act_d2h,
 			"cpu_attention_bytes_per_s", &p->attn_bw, "cpu_attention_under_copy_bytes_per_s",
-			&p->attn_copy_bw, "cpu_memory_bytes_per_s", &p->mem_bw,
+			&p->attn_copy_bw, "kv_append_bytes_per_s", &p->append_bw, "cpu_memory_bytes_per_s", &p->mem_bw,
 			"cpu_read_bytes_per_s", &p->mem_read_bw, "cpu_read_under_copy_bytes_per_s",
 			&p->mem_read_copy_bw, "h2d_under_read_bytes_per_s", &p->copy_read_bw, "seconds",
 			&p->seconds, "points", &pts) ||
@@ -1003,6 +1051,7 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	}
 	p->n_points = (int)json_array_size(pts);
 	if (!(p->mem_bw > 0) || !(p->mem_read_bw > 0) || !(p->attn_bw > 0) || !(p->attn_copy_bw >= 0) ||
+	    !(p->append_bw >= 0) ||
 	    !(p->gemm_flops > 0) ||
 	    !(p->attn_prefill_flops >= 0) || !(p->act_h2d >= 0) || !(p->act_d2h >= 0)) {
 		mlens_errf(err, errlen, "profile cache %s: a rate is not positive", path);

@@ -40,7 +40,7 @@
 #include "kernels/backend.h"
 
 #define MLENS_PROFILE_POINTS 6		/* token counts per line */
-#define MLENS_PROFILE_VERSION 4		/* of the cache file's layout */
+#define MLENS_PROFILE_VERSION 5		/* of the cache file's layout */
 /* The workload mlensd predicts for at start-up (mlensctl profile takes
  * others): a prompt of 512 tokens, 128 generated. */
 #define MLENS_PROFILE_PROMPT 512
@@ -82,6 +82,8 @@ struct mlens_profile {
 	double attn_copy_bw;		/* the same while the copy queue streams pinned
 					 * memory to the device (the hybrid pipeline's
 					 * weight stream); 0 on host memory */
+	double append_bw;		/* bytes/s through the CPU KV append: each row's
+					 * fp32 K and V read, the pool's dtype written */
 	double mem_bw;			/* CPU memory bytes/s for KV reads and DMA
 					 * together (the model's B_mem): reads +
 					 * copies under copy, else mem_read_bw */

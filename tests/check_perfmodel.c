@@ -440,7 +440,7 @@ END_TEST
  * tier reads the KV at b_attn_shared (the profile's attention under
  * copy); with every expert resident nothing streams and b_attn holds; a
  * shared rate above the one alone, or 0, changes nothing; a negative one
- * is refused. */
+ * is refused. The KV append adds every token's bytes at b_append. */
 START_TEST(attention_under_copy)
 {
 	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
@@ -464,6 +464,16 @@ START_TEST(attention_under_copy)
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
 	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn, 1e-12);
 	hw.b_attn_shared = -1;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+	hw.b_attn_shared = 0;
+	/* the KV append of every token on the host side, before the
+	 * attention: 8 KV heads x 128 read as fp32 (8 KiB) and written as
+	 * bf16 (4 KiB) a token and layer, 12,288 bytes at b_append */
+	hw.b_append = 20e9;
+	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn + st.tokens * 12288.0 / 20e9, 1e-12);
+	assert_rel(t.group_cpu[0] + t.group_cpu[1], t.tier[MLENS_PERF_BIND_CPU_ATTN], 1e-12);
+	hw.b_append = -1;
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
 }
 END_TEST

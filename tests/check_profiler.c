@@ -63,6 +63,8 @@ START_TEST(cpu_profile_sane)
 	ck_assert(p.gemm_flops > 1e6 && p.gemm_flops < 1e14);
 	ck_assert(p.mem_bw > 1e8 && p.mem_bw < 1e13);
 	ck_assert(p.attn_bw > 1e6 && p.attn_bw < 1e13);
+	ck_assert(p.append_bw > 1e6 && p.append_bw < 1e13);
+	ck_assert(p.attn_copy_bw == 0);	/* no copy queue to run beside */
 	ck_assert(p.h2d == 0 && p.d2h == 0);	/* host memory: nothing crosses a bus */
 	ck_assert(p.act_h2d == 0 && p.act_d2h == 0);
 	/* the CPU backend's prefill attention, timed over the GA rows */
@@ -76,7 +78,8 @@ START_TEST(cpu_profile_sane)
 		ck_assert(hw.c_gpu == p.gemm_flops && hw.ga.b == p.ga.b && hw.gb.a == p.gb.a);
 		ck_assert(hw.c_attn == p.attn_prefill_flops);
 		ck_assert(hw.b_act_h2d == 0 && hw.b_act_d2h == 0);	/* no copies to count */
-		ck_assert(hw.b_io_shared == 0);
+		ck_assert(hw.b_io_shared == 0 && hw.b_attn_shared == 0);
+		ck_assert(hw.b_append == p.append_bw);
 	}
 	mlens_backend_destroy(&be);
 	mlens_test_model_free(m);
@@ -111,6 +114,7 @@ START_TEST(cache_roundtrip_and_key)
 	ck_assert_double_eq_tol(q.mem_bw, p.mem_bw, 1e-9 * p.mem_bw);
 	ck_assert_double_eq_tol(q.mem_read_bw, p.mem_read_bw, 1e-9 * p.mem_read_bw);
 	ck_assert_double_eq_tol(q.attn_bw, p.attn_bw, 1e-9 * p.attn_bw);
+	ck_assert_double_eq_tol(q.append_bw, p.append_bw, 1e-9 * p.append_bw);
 	ck_assert_double_eq_tol(q.gemm_flops, p.gemm_flops, 1e-9 * p.gemm_flops);
 	ck_assert_double_eq_tol(q.attn_prefill_flops, p.attn_prefill_flops, 1e-9 * p.attn_prefill_flops);
 	ck_assert(q.act_h2d == 0 && q.act_d2h == 0);

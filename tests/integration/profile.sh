@@ -43,7 +43,7 @@ nreal=$(jfield n_real <"$tmp/p.json" | sed 's/\..*//')
 want=$nreal; [ "$want" -gt 4096 ] && want=4096
 [ "$cap" = "$want" ] || fail "profile's token_cap $cap, expected min(n_real $nreal, 4096)"
 [ "$(ctl --json status | jfield token_cap)" = "$cap" ] || fail "status token cap differs from the profile's $cap"
-for k in gemm_flops cpu_attention_bytes_per_s cpu_memory_bytes_per_s; do
+for k in gemm_flops cpu_attention_bytes_per_s kv_append_bytes_per_s cpu_memory_bytes_per_s; do
 	v=$(jfield $k <"$tmp/p.json")
 	awk -v v="$v" 'BEGIN { exit !(v > 0) }' || fail "$k = '$v' not positive"
 done
