@@ -20,9 +20,6 @@ static uint64_t scratch_rounded(uint64_t bytes)
 	return cap;
 }
 
-/* tokens of one MoE chunk of the CUDA backend (kernels/cuda/backend_cuda.cu,
- * moe_chunk; its scratch: mlens_gpuplan_moe_scratch) */
-#define MOE_CHUNK_TOKENS 4096
 /* decode attention splits contexts into pieces of this many keys and keeps
  * fp32 partials (head_dim + 2 per piece) for each query and head, each
  * query only its own pieces, in launches of at most DEC_PART_CAP bytes
@@ -41,7 +38,7 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	uint64_t kvd = (uint64_t)(c->num_key_value_heads * c->head_dim);
 	uint64_t E = (uint64_t)c->num_local_experts, K = (uint64_t)c->num_experts_per_tok;
 	uint64_t V = (uint64_t)c->vocab_size, es = mlens_dtype_size(c->dtype);
-	uint64_t chunk = T < MOE_CHUNK_TOKENS ? T : MOE_CHUNK_TOKENS, rows = chunk * K;
+	uint64_t chunk = T < MLENS_CUDA_MOE_CHUNK_TOKENS ? T : MLENS_CUDA_MOE_CHUNK_TOKENS, rows = chunk * K;
 	uint64_t moe, dec, one, conv, ctx, kv_es, kv_tok_bytes, kv_tokens;
 	/* exact GEMMs on half-precision weights: three parts per activation */
 	uint64_t np = mlens_gpuplan_gemm_parts(gemm, es);

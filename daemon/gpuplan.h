@@ -68,7 +68,8 @@ struct mlens_gpuplan_in {
 	int64_t max_tokens;	/* token cap wanted per step */
 	int64_t min_tokens;	/* smallest cap that still runs (a whole prompt); 0 = 1 */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
-	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
+	int64_t chunk;		/* tokens per MoE call (lm_head: at most
+				 * MLENS_GPUPLAN_TAIL_ROWS); 0 = MLENS_GPUPLAN_CHUNK */
 	int64_t group;		/* rows per token group; 0 = MLENS_GPUPLAN_GROUP,
 				 * MLENS_GPUPLAN_GROUP_AUTO: chosen (above) */
 	enum mlens_gemm_mode gemm;	/* the GPU backend's: EXACT GEMMs on half-precision
@@ -94,10 +95,11 @@ struct mlens_gpuplan {
 };
 
 /* Activation and scratch bytes of a step of n tokens on the GPU in groups
- * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE /
- * lm_head call: the residual stream of every token; per activation set
- * (two) the norm, q, k, v, attention out, router logits, ids and weights
- * of a group; logits of a chunk; the backend's op scratch (below); and its
+ * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE
+ * call: the residual stream of every token; per activation set (two) the
+ * norm, q, k, v, attention out, router logits, ids and weights of a group;
+ * logits of an lm_head call (mlens_gpuplan_tail_rows of the chunk); the
+ * backend's op scratch (below); and its
  * staging of small tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				 int64_t chunk, enum mlens_gemm_mode gemm);

@@ -366,7 +366,8 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 {
 	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
 	double ab = (double)pm->abytes, d = st->decode, P = st->tokens - st->decode;
-	double kv_read, h2d, d2h, b_d2h, b_att, t_app, frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
+	double kv_read, streamed, h2d, d2h, b_d2h, b_att, t_app;
+	double frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
 	if (!hw_ok(hw) || !step_ok(st) || pol->resident_experts < 0 ||
 	    pol->resident_experts > pm->experts || !(pol->alpha_decode >= 0 && pol->alpha_decode <= 1) ||
 	    !(pol->alpha_prefill >= 0 && pol->alpha_prefill <= 1))
@@ -375,14 +376,13 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	kv_read = st->context * (double)pm->kv_token_bytes;
 	/* H2D: streamed experts + attention outputs of decode tokens;
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
-	h2d = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts) + d * qd * ab +
-	      st->tokens * hw->h2d_per_token;
+	streamed = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts);
+	h2d = streamed + d * qd * ab + st->tokens * hw->h2d_per_token;
 	d2h = d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
 	/* where experts stream, the attention's reads share memory with the
 	 * weight DMA: the attention at its rate under copy */
-	b_att = hw->b_attn_shared > 0 && hw->b_attn_shared < hw->b_attn &&
-			mlens_perf_streamed_bytes(pm, pol->resident_experts) > 0
+	b_att = hw->b_attn_shared > 0 && hw->b_attn_shared < hw->b_attn && streamed > 0
 		? hw->b_attn_shared : hw->b_attn;
 	/* the host side appends every token's K and V to the pool first */
 	t_app = hw->b_append > 0

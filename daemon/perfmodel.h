@@ -74,7 +74,10 @@
  *              activation copies / their rate on the compute queue (the
  *              pipeline queues them between its kernels, which wait for
  *              them; not counted when no such rate is given)
- *   CPU attn   KV bytes read / measured attention bandwidth
+ *   CPU attn   KV bytes read / measured attention bandwidth (the one
+ *              measured while a pinned copy streams, B_attn,shared, where
+ *              experts stream) + every token's KV append (fp32 K and V
+ *              read, the pool's dtype written) / its measured rate
  *   chain      max over groups x of g_x + c_x: group x's GPU work and its
  *              CPU attention cannot overlap each other, only the other
  *              group's (the VSLPipe alternation)

@@ -33,7 +33,8 @@ struct mlens_pipeline_opts {
 	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP,
 				 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
-	int64_t chunk;		/* tokens per MoE / lm_head call; 0 = MLENS_GPUPLAN_CHUNK */
+	int64_t chunk;		/* tokens per MoE call (lm_head: at most
+				 * MLENS_GPUPLAN_TAIL_ROWS); 0 = MLENS_GPUPLAN_CHUNK */
 	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
 	enum mlens_gemm_mode gemm;	/* the GPU backend's GEMM mode: the scratch it needs */
 	/* GA's K/V/q copies to the host on the backend's second copy queue

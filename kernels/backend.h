@@ -188,6 +188,12 @@ enum mlens_gemm_mode {
 #define MLENS_MOE_STREAMS_DEFAULT 2
 #define MLENS_MOE_STREAMS_MAX 4
 #define MLENS_CUDA_BLAS_WS (32ull << 20)
+/* Tokens of one MoE call at most: larger calls go through in chunks of
+ * this many, so that the scratch (mlens_gpuplan_moe_scratch: about 80 KB a
+ * routed row at Mixtral sizes with fast GEMMs, 166 KB exact) stays
+ * bounded; a chunk this large is GEMM-bound, so reading the experts once a
+ * chunk costs little. */
+#define MLENS_CUDA_MOE_CHUNK_TOKENS 4096
 /* Fast GEMMs on 16-bit weights write the experts' gate and up outputs in
  * the weight dtype (as the reference's 16-bit model does) and silu(g) * u
  * in place over g; else they are fp32 and silu(g) * u has its own buffer

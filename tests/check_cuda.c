@@ -934,6 +934,17 @@ START_TEST(test_timer_marks)
 }
 END_TEST
 
+/* A test case of suite s run on the backend that setup selects (use_fast
+ * after each test), added to s. */
+static TCase *backend_tcase(Suite *s, const char *name, void (*setup)(void))
+{
+	TCase *tc = tcase_create(name);
+	tcase_set_timeout(tc, 120);
+	tcase_add_checked_fixture(tc, setup, use_fast);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
 int main(void)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
@@ -962,8 +973,7 @@ int main(void)
 		return 1;
 	}
 	s = suite_create("cuda");
-	tc = tcase_create("ops");
-	tcase_set_timeout(tc, 120);
+	tc = backend_tcase(s, "ops", use_fast);
 	tcase_add_test(tc, test_memory);
 	tcase_add_test(tc, test_copy_queue);
 	tcase_add_test(tc, test_side_queue);
@@ -979,18 +989,12 @@ int main(void)
 	tcase_add_test(tc, test_sample);
 	tcase_add_test(tc, test_errors);
 	tcase_add_test(tc, test_timer_marks);
-	suite_add_tcase(s, tc);
-	tx = tcase_create("exact gemm");
-	tcase_set_timeout(tx, 120);
-	tcase_add_checked_fixture(tx, use_exact, use_fast);
+	tx = backend_tcase(s, "exact gemm", use_exact);
 	tcase_add_test(tx, test_gemm);
 	tcase_add_test(tx, test_moe);
 	tcase_add_test(tx, test_gemm_exact_wide);
-	suite_add_tcase(s, tx);
 	/* the ops that stage tables or read values back, with SM copies */
-	tsm = tcase_create("sm copies");
-	tcase_set_timeout(tsm, 120);
-	tcase_add_checked_fixture(tsm, use_sm, use_fast);
+	tsm = backend_tcase(s, "sm copies", use_sm);
 	tcase_add_test(tsm, test_copy_queue);
 	tcase_add_test(tsm, test_side_queue);
 	tcase_add_test(tsm, test_embed);
@@ -999,13 +1003,9 @@ int main(void)
 	tcase_add_test(tsm, test_attn_prefill);
 	tcase_add_test(tsm, test_attn_decode);
 	tcase_add_test(tsm, test_sample);
-	suite_add_tcase(s, tsm);
-	ttc = tcase_create("tensor-core prefill");
-	tcase_set_timeout(ttc, 120);
-	tcase_add_checked_fixture(ttc, use_tc, use_fast);
+	ttc = backend_tcase(s, "tensor-core prefill", use_tc);
 	tcase_add_test(ttc, test_attn_prefill_bf16);
 	tcase_add_test(ttc, test_moe);
-	suite_add_tcase(s, ttc);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);
 	srunner_run_all(sr, CK_NORMAL);

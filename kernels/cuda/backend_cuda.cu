@@ -646,19 +646,15 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
 }
 
-/* Tokens go through in chunks so that the scratch (about 150 KB a routed
- * row at Mixtral sizes) stays bounded; a chunk this large is GEMM-bound,
- * so reading the experts once per chunk costs little. */
-#define MOE_CHUNK_TOKENS 4096
-
+/* Tokens go through in chunks of MLENS_CUDA_MOE_CHUNK_TOKENS (backend.h). */
 static int cuda_moe(void *ctx, float *out, const float *x, int n, const int32_t *ids,
 		    const float *weights, int k, const struct mlens_moe_weights *w)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
 	if (n < 0 || k <= 0 || w->hidden <= 0)
 		return -EINVAL;
-	for (int t0 = 0; t0 < n; t0 += MOE_CHUNK_TOKENS) {
-		int cnt = n - t0 < MOE_CHUNK_TOKENS ? n - t0 : MOE_CHUNK_TOKENS;
+	for (int t0 = 0; t0 < n; t0 += MLENS_CUDA_MOE_CHUNK_TOKENS) {
+		int cnt = n - t0 < MLENS_CUDA_MOE_CHUNK_TOKENS ? n - t0 : MLENS_CUDA_MOE_CHUNK_TOKENS;
 		size_t xo = (size_t)t0 * w->hidden, ro = (size_t)t0 * k;
 		int rc = moe_chunk(c, out + xo, x + xo, cnt, ids + ro, weights + ro, k, w);
 		if (rc)
@@ -1123,9 +1119,9 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		rc = -errno;
 		goto fail;
 	}
-	if ((bs = cublasSetStream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
-	    (bs = cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_bytes)) != CUBLAS_STATUS_SUCCESS ||
-	    (bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
+	if ((rc = moe_use_stream(c, 0)))	/* the compute stream and its workspace */
+		goto fail;
+	if ((bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
 		rc = mlens_cublas_rc(bs, "cuBLAS set-up", __FILE__, __LINE__);
 		goto fail;
 	}
