@@ -35,6 +35,7 @@ static const struct opt opts[] = {
 	{ "gpu_copy", T_STR, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },
 	{ "gpu_copy_out", T_STR, O(gpu_copy_out), "side", 0, 0, "compute|side", "hybrid mode: GA's K/V/q copies to the host between the compute stream's kernels, or on a copy stream of their own (side) that overlaps the next kernels" },
 	{ "gpu_moe_streams", T_INT, O(gpu_moe_streams), "2", 1, 4, "N", "CUDA streams that the experts of a MoE layer spread over (each with a 32 MiB cuBLAS workspace), so that one expert's GEMM fills the SMs another leaves idle" },
+	{ "gpu_sync", T_STR, O(gpu_sync), "auto", 0, 0, "auto|spin|yield|block", "how host threads wait for the GPU: CUDA's heuristic (auto: spin on a machine with more cores than contexts), busy-wait (spin), busy-wait giving way (yield) or sleep (block); hybrid mode with threads = 0 leaves the GPU side a core unless block" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
 	{ "kv_block_size", T_INT, O(kv_block_size), "16", 1, 4096, "N", "tokens per KV block" },
 	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget of GPU-only mode (0: the device's free memory minus 768 MiB)" },

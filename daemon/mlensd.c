@@ -228,7 +228,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 			  const struct mlens_backend_opts *bo)
 {
 	struct mlens_profile_state *st = &D.prof;
-	char gpu[96], bk[64];
+	char gpu[96], bk[128];
 	st->model = D.model;
 	st->opts.be = &D.be;
 	st->opts.attn = D.hybrid ? &D.attn : NULL;
@@ -274,8 +274,9 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	if (D.be.ops->host_memory)
 		snprintf(bk, sizeof(bk), "%s", D.be.ops->name);
 	else
-		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s moe_streams=%d", D.be.ops->name,
-			 mlens_gemm_mode_name(bo->gemm), bo->prefill_bf16 ? "bf16" : "fp32", bo->moe_streams);
+		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s moe_streams=%d sync=%s threads=%d",
+			 D.be.ops->name, mlens_gemm_mode_name(bo->gemm), bo->prefill_bf16 ? "bf16" : "fp32",
+			 bo->moe_streams, mlens_gpu_sync_name(bo->sync), bo->n_threads);
 	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.cfg.gpu_memory, st->opts.budget_s);
 	st->key.group = st->opts.group;
 	st->key.moe_chunk = st->opts.moe_chunk;
@@ -361,6 +362,10 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: gpu_copy_out '%s' is not one of compute, side\n", D.cfg.gpu_copy_out);
 		return 2;
 	}
+	if (mlens_gpu_sync_parse(D.cfg.gpu_sync, &(enum mlens_gpu_sync){ 0 })) {
+		fprintf(stderr, "mlensd: gpu_sync '%s' is not one of auto, spin, yield, block\n", D.cfg.gpu_sync);
+		return 2;
+	}
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is unknown or not supported by this CPU\n",
 			D.cfg.attn_kernel);
@@ -428,6 +433,7 @@ int main(int argc, char **argv)
 			   D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo.sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
 	bo.moe_streams = (int)D.cfg.gpu_moe_streams;
+	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo.sync);	/* checked at start */
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
 	bo.numa_node = node;
@@ -482,9 +488,10 @@ int main(int argc, char **argv)
 			 * pool's run). The mover shares the rest: on the H200 (16
 			 * cores) leaving it a core too (14 threads) changed neither
 			 * the GPU's time per group nor the step, and slowed the
-			 * CPU attention by 15% */
+			 * CPU attention by 15%. With gpu_sync = block the worker
+			 * sleeps while it waits, and the pool takes every core */
 			struct mlens_backend_opts abo = bo;
-			if (abo.n_threads <= 0)
+			if (abo.n_threads <= 0 && bo.sync != MLENS_GPU_SYNC_BLOCK)
 				abo.n_reserved = 1;
 			if ((rc = mlens_backend_cpu_create(&D.attn, &abo)))
 				return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
@@ -537,10 +544,12 @@ int main(int argc, char **argv)
 		log_info("%s", line);
 		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
-	log_info("backend %s%s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
+	log_info("backend %s%s%s%s%s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
 		 D.be.ops->name,
 		 D.be.ops->host_memory ? "" : bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs" : " (fast GEMMs",
-		 D.be.ops->host_memory ? "" : bo.prefill_bf16 ? ", bf16 prefill attention)" : ", fp32 prefill attention)",
+		 D.be.ops->host_memory ? "" : bo.prefill_bf16 ? ", bf16 prefill attention" : ", fp32 prefill attention",
+		 D.be.ops->host_memory ? "" : ", GPU waits: ",
+		 D.be.ops->host_memory ? "" : mlens_gpu_sync_name(bo.sync), D.be.ops->host_memory ? "" : ")",
 		 blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
 		 eo.max_step_tokens);

@@ -64,7 +64,7 @@ struct mlens_profile_opts {
 
 /* Measurements (rates in bytes/s or FLOP/s; 0 = not measured). */
 struct mlens_profile {
-	char backend[64];
+	char backend[128];
 	char gpu[96];			/* "10de:2335 at 0000:3b:00.0", "" on the CPU */
 	int n_points;
 	int64_t tokens[MLENS_PROFILE_POINTS];
@@ -108,7 +108,7 @@ void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw);
 struct mlens_profile_key {
 	char model[512];	/* path ("" for an in-memory model) */
 	uint64_t config_hash;	/* FNV-1a of the model's dimensions and dtype */
-	char backend[64];
+	char backend[128];
 	char gpu[96];
 	uint64_t budget;	/* gpu_memory as configured (0 = derived) */
 	double budget_s;	/* the profile's time budget */

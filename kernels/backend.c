@@ -41,6 +41,23 @@ const char *mlens_gemm_mode_name(enum mlens_gemm_mode m)
 	return m == MLENS_GEMM_EXACT ? "exact" : "fast";
 }
 
+static const char *const sync_names[] = { "auto", "spin", "yield", "block" };
+
+int mlens_gpu_sync_parse(const char *s, enum mlens_gpu_sync *out)
+{
+	for (size_t i = 0; s && i < sizeof(sync_names) / sizeof(sync_names[0]); i++)
+		if (!strcmp(s, sync_names[i])) {
+			*out = (enum mlens_gpu_sync)i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+const char *mlens_gpu_sync_name(enum mlens_gpu_sync m)
+{
+	return (unsigned)m < sizeof(sync_names) / sizeof(sync_names[0]) ? sync_names[m] : "?";
+}
+
 #ifndef HAVE_CUDA
 /* Without the CUDA backend there is no GPU to offer (the CUDA build
  * defines this in kernels/cuda/backend_cuda.cu). */

@@ -187,6 +187,17 @@ enum mlens_gemm_mode {
  * GEMM does not leave SMs idle while the next waits behind it. */
 #define MLENS_MOE_STREAMS_DEFAULT 2
 #define MLENS_MOE_STREAMS_MAX 4
+
+/* How a host thread waits for the GPU (CUDA's device schedule flags): auto
+ * is CUDA's heuristic (spin when the process has fewer contexts than the
+ * machine has cores), spin busy-waits, yield busy-waits giving way to
+ * other runnable threads, block sleeps until the GPU interrupts. */
+enum mlens_gpu_sync {
+	MLENS_GPU_SYNC_AUTO = 0,
+	MLENS_GPU_SYNC_SPIN,
+	MLENS_GPU_SYNC_YIELD,
+	MLENS_GPU_SYNC_BLOCK,
+};
 #define MLENS_CUDA_BLAS_WS (32ull << 20)
 /* Tokens of one MoE call at most: larger calls go through in chunks of
  * this many, so that the scratch (mlens_gpuplan_moe_scratch: about 80 KB a
@@ -218,6 +229,9 @@ struct mlens_backend_opts {
 				 * not a copy engine */
 	int moe_streams;	/* CUDA: streams a MoE call's experts spread over,
 				 * 1..MLENS_MOE_STREAMS_MAX; 0 = the default */
+	enum mlens_gpu_sync sync;	/* CUDA: how host threads wait for the
+					 * device (its schedule flags, for the
+					 * whole process); 0: CUDA's auto */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */
@@ -226,6 +240,9 @@ struct mlens_backend_opts {
 /* "fast" or "exact" -> *out; -EINVAL for anything else. */
 int mlens_gemm_mode_parse(const char *s, enum mlens_gemm_mode *out);
 const char *mlens_gemm_mode_name(enum mlens_gemm_mode m);
+/* "auto", "spin", "yield" or "block" -> *out; -EINVAL for anything else. */
+int mlens_gpu_sync_parse(const char *s, enum mlens_gpu_sync *out);
+const char *mlens_gpu_sync_name(enum mlens_gpu_sync m);
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
 #ifdef HAVE_CUDA

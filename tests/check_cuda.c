@@ -853,6 +853,10 @@ START_TEST(test_errors)
 		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
 		bad.moe_streams = -1;
 		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		/* a sync mode that is none of auto, spin, yield, block */
+		bad.moe_streams = 0;
+		bad.sync = (enum mlens_gpu_sync)(MLENS_GPU_SYNC_BLOCK + 1);
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
 	}
 	/* the backend still works afterwards */
 	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
@@ -950,11 +954,13 @@ int main(void)
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
 	/* the MoE's experts: on 2 streams (the default) in gpu and gpu_exact,
-	 * one after another in gpu_sm, over 4 streams in gpu_tc */
+	 * one after another in gpu_sm, over 4 streams in gpu_tc. gpu_tc,
+	 * created last, sets the device's sync mode to block for the whole
+	 * process: every test below waits for the GPU asleep */
 	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true,
 					  .moe_streams = 1 };
 	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true,
-					  .moe_streams = 4 };
+					  .moe_streams = 4, .sync = MLENS_GPU_SYNC_BLOCK };
 	TCase *tx, *tsm, *ttc;
 	Suite *s;
 	TCase *tc;

@@ -1088,6 +1088,20 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	c->prefill_bf16 = o && o->prefill_bf16;
 	c->sm_copy = o && o->sm_copy;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
+	if (o && o->sync != MLENS_GPU_SYNC_AUTO) {
+		/* the device's (primary context's) flags, for every thread
+		 * of the process: the last backend created sets them */
+		static const unsigned int flag[] = { cudaDeviceScheduleAuto, cudaDeviceScheduleSpin,
+						     cudaDeviceScheduleYield,
+						     cudaDeviceScheduleBlockingSync };
+		if ((unsigned)o->sync >= sizeof(flag) / sizeof(flag[0])) {
+			fprintf(stderr, "mlens cuda: GPU sync mode %d is not one of auto, spin, yield, block\n",
+				(int)o->sync);
+			rc = -EINVAL;
+			goto fail;
+		}
+		CUDA_GOTO(cudaSetDeviceFlags(flag[o->sync]), rc, fail);
+	}
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->side_stream, cudaStreamNonBlocking), rc, fail);

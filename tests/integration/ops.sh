@@ -46,6 +46,7 @@ expect_config_error "gpu_copy 'dma' is not one of engine, sm" "gpu_copy = dma"
 expect_config_error "gpu_copy_out 'both' is not one of compute, side" "gpu_copy_out = both"
 expect_config_error "gpu_prefill_attention 'half' is not one of auto, fp32, bf16" "gpu_prefill_attention = half"
 expect_config_error "gpu_gemm 'exactish' is not one of fast, exact" "gpu_gemm = exactish"
+expect_config_error "gpu_sync 'sleep' is not one of auto, spin, yield, block" "gpu_sync = sleep"
 expect_config_error "bad.conf:1: key 'gpu_moe_streams': 0 is outside [1, 4]" "gpu_moe_streams = 0"
 expect_config_error "bad.conf:1: key 'gpu_moe_streams': 5 is outside [1, 4]" "gpu_moe_streams = 5"
 "$mlensd" --model "$tmp/m" --foreground --bogus-flag >"$tmp/out" 2>&1
