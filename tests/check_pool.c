@@ -1,8 +1,8 @@
 /* Description: the CPU worker pool (kernels/cpu/pool.c): every task of a run
  * runs exactly once and its results are visible to the caller when
- * mlens_pool_run returns, over many back-to-back runs (the spinning
- * hand-off) and runs far apart (workers asleep), with and without spinning,
- * for 1 to 7 threads, and destroy with workers asleep or spinning. */
+ * mlens_pool_run returns, over many back-to-back runs and runs far apart
+ * (workers asleep), for 1 to 7 threads, unpinned and pinned to a NUMA
+ * node's cores, and destroy with workers just done or asleep. */
 #include <check.h>
 #include <errno.h>
 #include <stdatomic.h>
@@ -82,33 +82,23 @@ START_TEST(test_unpinned)
 }
 END_TEST
 
-/* Pinned to a core each: the workers spin after a run (the default, a
- * short spin set through MLENS_POOL_SPIN_US so that runs 2 ms apart find
- * them asleep, and none). */
-START_TEST(test_numa_spin)
+/* Pinned to the cores of NUMA node 0 (where this process may run there) */
+START_TEST(test_numa)
 {
-	static const char *const spins[] = { NULL, "1", "0" };
 	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
 	int n = ncpu >= 2 ? 2 : 1;
-	for (int i = 0; i < 3; i++) {
-		struct mlens_pool *p;
-		int rc;
-		if (spins[i])
-			setenv("MLENS_POOL_SPIN_US", spins[i], 1);
-		else
-			unsetenv("MLENS_POOL_SPIN_US");
-		rc = mlens_pool_create_numa(&p, 0, n, 0);
-		unsetenv("MLENS_POOL_SPIN_US");
-		if (rc == -EINVAL)	/* no NUMA node 0 this process may use */
-			ck_assert_int_eq(mlens_pool_create(&p, n, NULL), 0);
-		else
-			ck_assert_int_eq(rc, 0);
-		check_runs(p, 5000, 0);
-		check_runs(p, 10, 2000);
-		/* destroy straight after a run: workers spinning */
-		mlens_pool_run(p, 3, task, &(struct job){ .n_threads = n });
-		mlens_pool_destroy(p);
-	}
+	struct mlens_pool *p;
+	int rc = mlens_pool_create_numa(&p, 0, n, 0);
+
+	if (rc == -EINVAL)	/* no NUMA node 0 this process may use */
+		ck_assert_int_eq(mlens_pool_create(&p, n, NULL), 0);
+	else
+		ck_assert_int_eq(rc, 0);
+	check_runs(p, 5000, 0);
+	check_runs(p, 10, 2000);
+	/* destroy straight after a run */
+	mlens_pool_run(p, 3, task, &(struct job){ .n_threads = n });
+	mlens_pool_destroy(p);
 }
 END_TEST
 
@@ -135,7 +125,7 @@ int main(void)
 
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_unpinned);
-	tcase_add_test(tc, test_numa_spin);
+	tcase_add_test(tc, test_numa);
 	tcase_add_test(tc, test_destroy);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
