@@ -141,13 +141,14 @@ static json_t *cmd_status(struct mlens_control *c)
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
 		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
 	if (s.sched.hybrid)
-		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
+		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
 			"last_step_seconds", s.sched.last_step_seconds,
 			"last_step_gpu_busy_seconds", s.sched.last_step_gpu_busy_seconds,
 			"last_step_h2d_busy_seconds", s.sched.last_step_h2d_busy_seconds,
 			"gpu_busy_seconds_total", s.sched.gpu_busy_seconds,
 			"h2d_busy_seconds_total", s.sched.h2d_busy_seconds,
 			"cpu_attention_seconds_total", s.sched.cpu_attn_seconds,
+			"cpu_append_seconds_total", s.sched.cpu_append_seconds,
 			"step_seconds_total", s.sched.step_seconds_sum,
 			"kv_read_bytes_total", (json_int_t)s.sched.kv_read_bytes));
 	json_object_set_new(o, "sockets", json_pack("{s:s,s:s,s:s,s:s}", "tenant", in->cfg->socket,

@@ -830,7 +830,11 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(p->c->ops->attn_prefill(p->c->ctx, S->hatt, S->hq, S->hk, S->hv, gr->cu,
 					    gr->n_pre, (int)c->num_attention_heads,
 					    (int)c->num_key_value_heads, hd, 1.0f / sqrtf((float)hd)));
-	TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
+	{
+		double ta = now();
+		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
+		p->st.cpu_append_s += now() - ta;
+	}
 	if (nd > 0)
 		TRY(p->c->ops->attn_decode(p->c->ctx, S->hatt + d0 * qd, S->hq + d0 * qd,
 					   &p->kv.cache, l, p->qry + r0 + d0, nd,
@@ -1423,7 +1427,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	p->st.groups = p->n_grp;
 
 	p->st.h2d_weight_bytes = p->st.h2d_act_bytes = p->st.d2h_act_bytes = 0;
-	p->st.cpu_attn_s = p->st.host_wait_s = 0;
+	p->st.cpu_attn_s = p->st.cpu_append_s = p->st.host_wait_s = 0;
 	p->n_hs = p->n_is[0] = p->n_is[1] = 0;
 	if (mlens_trace_on(p->trace) && p->cap_is < 2 * p->prog.n) {
 		for (int q = 0; q < 2; q++) {
@@ -1467,6 +1471,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_act_bytes;
 	p->st.d2h_bytes_total += p->st.d2h_act_bytes;
 	p->st.cpu_attn_s_total += p->st.cpu_attn_s;
+	p->st.cpu_append_s_total += p->st.cpu_append_s;
 	p->st.host_wait_s_total += p->st.host_wait_s;
 	p->st.step_s = now() - t0;
 	return 0;

@@ -58,6 +58,7 @@ struct mlens_pipeline_opts {
 struct mlens_pipeline_stats {
 	double step_s;		/* wall time of the last step */
 	double cpu_attn_s;	/* host time in KV append + decode attention */
+	double cpu_append_s;	/* of which in the KV append */
 	double host_wait_s;	/* host time blocked on the GPU */
 	uint64_t h2d_weight_bytes;	/* streamed expert bytes, last step */
 	uint64_t h2d_act_bytes, d2h_act_bytes;	/* activation copies, last step */
@@ -65,7 +66,7 @@ struct mlens_pipeline_stats {
 	int groups;			/* last step: token groups */
 	uint64_t steps;
 	uint64_t h2d_bytes_total, d2h_bytes_total;
-	double cpu_attn_s_total, host_wait_s_total;
+	double cpu_attn_s_total, cpu_append_s_total, host_wait_s_total;
 	/* busy time (union of the queue's timed spans) from the backend's
 	 * timing marks: GPU compute queue and H2D copies, last step and totals */
 	double gpu_busy_s, h2d_busy_s;

@@ -622,6 +622,7 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 		st->pcie_d2h_bytes = ps->d2h_bytes_total;
 		st->last_step_weight_bytes = ps->h2d_weight_bytes;
 		st->cpu_attn_seconds = ps->cpu_attn_s_total;
+		st->cpu_append_seconds = ps->cpu_append_s_total;
 		st->host_wait_seconds = ps->host_wait_s_total;
 		st->gpu_busy_seconds = ps->gpu_busy_s_total;
 		st->h2d_busy_seconds = ps->h2d_busy_s_total;

@@ -105,6 +105,7 @@ struct mlens_sched_stats {
 	uint64_t pcie_h2d_bytes, pcie_d2h_bytes;	/* weights + activations, totals */
 	uint64_t last_step_weight_bytes;		/* experts streamed in the last step */
 	double cpu_attn_seconds;			/* KV append + decode attention, total */
+	double cpu_append_seconds;			/* of which the KV append */
 	double host_wait_seconds;			/* the driving thread blocked on the GPU */
 	double gpu_busy_seconds, h2d_busy_seconds;	/* GPU compute / H2D copy busy, totals */
 	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;

@@ -176,6 +176,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "last_step_weight_bytes",
 				    json_integer((json_int_t)st->last_step_weight_bytes));
 		json_object_set_new(o, "cpu_attention_seconds_total", json_real(st->cpu_attn_seconds));
+		json_object_set_new(o, "cpu_append_seconds_total", json_real(st->cpu_append_seconds));
 		json_object_set_new(o, "host_wait_seconds_total", json_real(st->host_wait_seconds));
 		json_object_set_new(o, "gpu_busy_seconds_total", json_real(st->gpu_busy_seconds));
 		json_object_set_new(o, "h2d_busy_seconds_total", json_real(st->h2d_busy_seconds));
@@ -299,6 +300,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_cpu_attention_seconds_total", "counter",
 			  "Seconds of KV append and decode attention on the CPU (hybrid pipeline).");
 		evbuffer_add_printf(b, "mlens_cpu_attention_seconds_total %.9g\n", st->cpu_attn_seconds);
+		prom_head(b, "mlens_cpu_append_seconds_total", "counter",
+			  "Of mlens_cpu_attention_seconds_total, the seconds in the KV append (hybrid pipeline).");
+		evbuffer_add_printf(b, "mlens_cpu_append_seconds_total %.9g\n", st->cpu_append_seconds);
 		prom_head(b, "mlens_host_wait_seconds_total", "counter",
 			  "Seconds the hybrid pipeline's thread waited for the GPU.");
 		evbuffer_add_printf(b, "mlens_host_wait_seconds_total %.9g\n", st->host_wait_seconds);

@@ -1361,6 +1361,8 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 							     (uint64_t)m->cfg.num_local_experts * expert);
 			ck_assert_uint_gt(st.pcie_d2h_bytes, 0);
 			ck_assert(st.cpu_attn_seconds > 0);
+			/* the append is a part of the host side's time */
+			ck_assert(st.cpu_append_seconds > 0 && st.cpu_append_seconds < st.cpu_attn_seconds);
 		} else {
 			ck_assert_uint_eq(st.pcie_h2d_bytes, 0);
 		}

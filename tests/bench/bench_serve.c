@@ -383,11 +383,12 @@ out:
 
 /* The stats the steady-state window and the achieved rates need; the
  * busy and KV-read counters are newer than the others (NAN when absent). */
-enum { K_GEN, K_PROMPT, K_STEPS, K_STEP_S, K_H2D, K_ATTN_S, K_KV_READ, K_GPU_BUSY, K_H2D_BUSY, K_N };
+enum { K_GEN, K_PROMPT, K_STEPS, K_STEP_S, K_H2D, K_ATTN_S, K_KV_READ, K_GPU_BUSY, K_H2D_BUSY, K_APPEND_S,
+       K_N };
 static const char *const sample_keys[K_N] = {
 	"generation_tokens_total", "prompt_tokens_total", "steps_total", "step_seconds_sum",
 	"pcie_h2d_bytes_total", "cpu_attention_seconds_total", "kv_read_bytes_total",
-	"gpu_busy_seconds_total", "h2d_busy_seconds_total",
+	"gpu_busy_seconds_total", "h2d_busy_seconds_total", "cpu_append_seconds_total",
 };
 
 struct sample {
@@ -790,6 +791,10 @@ struct steady {
 	/* daemon counters between the stats samples inside the window */
 	bool have_stats;
 	double steps, step_tokens, engine_busy, pcie_gbs, gpu_busy;
+	/* the host side: share of the window in KV append + decode attention
+	 * (cpu_busy) and in the append alone, KV GB/s over the attention's
+	 * own seconds (append excluded) */
+	double cpu_busy, append_busy, attn_only_gbs;
 };
 
 static void steady_window(struct steady *w, const struct serve_run *run, int n_req,
@@ -837,6 +842,11 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->engine_busy = rate(&sp->s[i], &sp->s[j], K_STEP_S, -1);
 	w->pcie_gbs = rate(&sp->s[i], &sp->s[j], K_H2D, -1) / 1e9;
 	w->gpu_busy = rate(&sp->s[i], &sp->s[j], K_GPU_BUSY, -1);
+	w->cpu_busy = rate(&sp->s[i], &sp->s[j], K_ATTN_S, -1);
+	w->append_busy = rate(&sp->s[i], &sp->s[j], K_APPEND_S, -1);
+	w->attn_only_gbs = rate(&sp->s[i], &sp->s[j], K_KV_READ, -1) / (w->cpu_busy - w->append_busy) / 1e9;
+	if (!(w->cpu_busy - w->append_busy > 0))
+		w->attn_only_gbs = NAN;
 }
 
 /* Issue 8's prediction at the step the scheduler reaches (perfmodel.h,
@@ -881,7 +891,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct prediction pred = { 0 };
 	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
 	double *ttft = NULL, wall, busy, kv_tokens, kv_seqs, n_cap, block_tokens;
-	double pcie_gbs, attn_gbs, gpu_busy, h2d_busy, attn_bytes;
+	double pcie_gbs, attn_gbs, attn_only_gbs, append_s, gpu_busy, h2d_busy, attn_bytes;
 	const char *attn_src = "daemon";
 	uint64_t t1, gen = 0, prompt_tok = 0;
 	int ok = 0, bad = 0, n_ttft = 0, rc = 1, opt;
@@ -1067,6 +1077,10 @@ int mlens_bench_serve(int argc, char **argv)
 	}
 	attn_gbs = attn_bytes / (jopt(st1, "cpu_attention_seconds_total") -
 				 jopt(st0, "cpu_attention_seconds_total")) / 1e9;
+	/* the append's share (NAN from a daemon without the counter) */
+	append_s = jopt(st1, "cpu_append_seconds_total") - jopt(st0, "cpu_append_seconds_total");
+	attn_only_gbs = attn_bytes / (jopt(st1, "cpu_attention_seconds_total") -
+				      jopt(st0, "cpu_attention_seconds_total") - append_s) / 1e9;
 
 	if (hybrid && ceil_.have && ceil_.have_link && kv_seqs > 0) {
 		/* the weights the daemon streams in a step (its counter of the
@@ -1129,12 +1143,14 @@ int mlens_bench_serve(int argc, char **argv)
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
 		json_object_set_new(out, "preemptions", json_real(st1 ? jnum(st1, "preemptions_total") - jnum(st0, "preemptions_total") : 0));
-		json_object_set_new(out, "achieved", json_pack("{s:o,s:o,s:s,s:o,s:o}",
+		json_object_set_new(out, "achieved", json_pack("{s:o,s:o,s:o,s:o,s:s,s:o,s:o}",
 			"pcie_h2d_gb_per_s", jnum_or_null(pcie_gbs), "cpu_attention_gb_per_s", jnum_or_null(attn_gbs),
+			"cpu_attention_only_gb_per_s", jnum_or_null(attn_only_gbs),
+			"cpu_append_seconds", jnum_or_null(append_s),
 			"cpu_attention_bytes_from", attn_src, "gpu_busy_ratio", jnum_or_null(gpu_busy),
 			"h2d_busy_ratio", jnum_or_null(h2d_busy)));
 		if (sw.have)
-			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o}",
+			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o}",
 				"rule", "first request finished .. last request's first token",
 				"start_s", sw.t_start, "end_s", sw.t_end, "seconds", sw.seconds,
 				"generated_tokens_per_s", sw.gen_tps, "total_tokens_per_s", sw.total_tps,
@@ -1142,7 +1158,10 @@ int mlens_bench_serve(int argc, char **argv)
 				"mean_step_tokens", jnum_or_null(sw.have_stats ? sw.step_tokens : NAN),
 				"engine_busy_ratio", jnum_or_null(sw.have_stats ? sw.engine_busy : NAN),
 				"pcie_h2d_gb_per_s", jnum_or_null(sw.have_stats ? sw.pcie_gbs : NAN),
-				"gpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.gpu_busy : NAN)));
+				"gpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.gpu_busy : NAN),
+				"cpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.cpu_busy : NAN),
+				"cpu_append_ratio", jnum_or_null(sw.have_stats ? sw.append_busy : NAN),
+				"cpu_attention_only_gb_per_s", jnum_or_null(sw.have_stats ? sw.attn_only_gbs : NAN)));
 		else
 			json_object_set_new(out, "steady", json_null());
 		if (ceil_.have || ceil_.have_link) {
