@@ -265,6 +265,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->side_copy_out = D.hybrid && side_copy_out();
+	st->gpu_kv_append = D.hybrid && !strcmp(D.cfg.kv_append, "gpu");
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -303,6 +304,7 @@ int main(int argc, char **argv)
 {
 	char err[1024];
 	int rc, level, node;
+	double t_engine;
 	struct mlens_backend_opts bo;
 	struct mlens_engine_opts eo;
 	struct mlens_sched_opts so;
@@ -360,6 +362,10 @@ int main(int argc, char **argv)
 	}
 	if (strcmp(D.cfg.gpu_copy_out, "compute") && strcmp(D.cfg.gpu_copy_out, "side")) {
 		fprintf(stderr, "mlensd: gpu_copy_out '%s' is not one of compute, side\n", D.cfg.gpu_copy_out);
+		return 2;
+	}
+	if (strcmp(D.cfg.kv_append, "gpu") && strcmp(D.cfg.kv_append, "cpu")) {
+		fprintf(stderr, "mlensd: kv_append '%s' is not one of gpu, cpu\n", D.cfg.kv_append);
 		return 2;
 	}
 	if (mlens_gpu_sync_parse(D.cfg.gpu_sync, &(enum mlens_gpu_sync){ 0 })) {
@@ -529,12 +535,19 @@ int main(int argc, char **argv)
 		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_side_copy_out = side_copy_out();
+		eo.hybrid_gpu_kv_append = !strcmp(D.cfg.kv_append, "gpu");
 		eo.hybrid_workspace = mlens_gpuplan_workspace(bo.moe_streams);
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}
+	t_engine = mlens_now();
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
+	if (D.hybrid) {
+		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
+		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s", mlens_now() - t_engine,
+			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool");
+	}
 	if (D.hybrid) {
 		struct mlens_perf_model pm;
 		char line[512];

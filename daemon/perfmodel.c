@@ -378,14 +378,15 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
 	streamed = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts);
 	h2d = streamed + d * qd * ab + st->tokens * hw->h2d_per_token;
-	d2h = d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
+	d2h = hw->gpu_kv_append ? d * qd * ab + st->tokens * (double)pm->kv_token_bytes
+				: d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
 	/* where experts stream, the attention's reads share memory with the
 	 * weight DMA: the attention at its rate under copy */
 	b_att = hw->b_attn_shared > 0 && hw->b_attn_shared < hw->b_attn && streamed > 0
 		? hw->b_attn_shared : hw->b_attn;
 	/* the host side appends every token's K and V to the pool first */
-	t_app = hw->b_append > 0
+	t_app = hw->b_append > 0 && !hw->gpu_kv_append
 		? (2 * kvd * ab + (double)pm->kv_token_bytes) / hw->b_append : 0;
 	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
 	if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io) {

@@ -178,6 +178,11 @@ struct mlens_perf_hw {
 	 * a token and layer), which the attention's host side does before the
 	 * attention; 0: not counted */
 	double b_append;
+	/* the GPU side writes each token's K and V into the pool (pipeline
+	 * opts gpu_kv_append): no append on the CPU (b_append unused), and
+	 * the D2H link carries kv_token_bytes a token and layer in the pool's
+	 * dtype rather than fp32 K and V */
+	bool gpu_kv_append;
 	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2) */
 	double c_attn;		/* GPU prefill attention FLOP/s; 0 = c_gpu */
 	/* bytes/s of the activation copies on the GPU's compute queue, each

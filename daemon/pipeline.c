@@ -69,6 +69,8 @@ struct mlens_pipeline {
 	 * queue 0, rather than between queue 0's kernels (opts side_copy_out) */
 	bool side;
 	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
+	bool gpu_append;	/* GA appends K/V to the pool (opts gpu_kv_append) */
+	void *kv_reg[2];	/* the pool's K and V as registered with g, or NULL */
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
 	int group_rows;		/* rows of a group at most (the plan's) */
@@ -507,6 +509,47 @@ static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o
 	return rc;
 }
 
+/* opts gpu_kv_append: a backend in host memory writes the pool as it is;
+ * a device needs the pool's K and V registered (pinned and mapped) with
+ * it, whole pages, for its kv_append to store through the mapping. */
+static int kv_register(struct mlens_pipeline *p, char *err, size_t errlen)
+{
+	long pg = sysconf(_SC_PAGESIZE);
+	size_t bytes = mlens_kv_bytes(&p->kv.cache);
+	void *half[2] = { p->kv.cache.k, p->kv.cache.v };
+	int rc;
+
+	if (p->g->ops->host_memory) {
+		p->gpu_append = true;
+		return 0;
+	}
+	if (!p->async) {
+		mlens_errf(err, errlen, "hybrid pipeline: the %s backend cannot write the KV pool in "
+			   "host memory (no host registration); set kv_append = cpu", p->g->ops->name);
+		return -ENOTSUP;
+	}
+	for (int i = 0; i < 2; i++) {
+		if ((uintptr_t)half[i] % (uintptr_t)(pg > 0 ? pg : 4096)) {
+			mlens_errf(err, errlen, "hybrid pipeline: the KV pool's %s is not page-aligned, "
+				   "so the %s backend cannot map it; set kv_append = cpu", i ? "V" : "K",
+				   p->g->ops->name);
+			return -EINVAL;
+		}
+		rc = p->g->ops->host_register(p->g->ctx, half[i], bytes);
+		if (rc == -EEXIST)
+			continue;	/* registered by its owner already */
+		if (rc) {
+			mlens_errf(err, errlen, "hybrid pipeline: cannot register the KV pool's %s (%.2f GB) "
+				   "with the %s backend for its K/V append: %s; set kv_append = cpu",
+				   i ? "V" : "K", bytes / 1e9, p->g->ops->name, strerror(-rc));
+			return rc;
+		}
+		p->kv_reg[i] = half[i];
+	}
+	p->gpu_append = true;
+	return 0;
+}
+
 static bool has_async(const struct mlens_backend_ops *o)
 {
 	return MLENS_BACKEND_HAS(o, host_register) && MLENS_BACKEND_HAS(o, host_unregister) &&
@@ -654,6 +697,8 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 			goto fail;
 		rc = 0;
 	}
+	if (o->gpu_kv_append && (rc = kv_register(p, err, errlen)))
+		goto fail;
 	if (p->async && (rc = hx_start(p))) {
 		mlens_errf(err, errlen, "hybrid pipeline: cannot start its host thread: %s",
 		       strerror(-rc));
@@ -670,6 +715,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->st.async = p->async;
 	p->st.side_copy_out = p->side;
 	p->st.prefill_cpu = p->prefill_cpu;
+	p->st.gpu_kv_append = p->gpu_append;
 	*out = p;
 	return 0;
 fail:
@@ -699,6 +745,9 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	for (int i = 0; i < p->n_reg; i++)
 		p->g->ops->host_unregister(p->g->ctx, p->reg[i].p);
 	free(p->reg);
+	for (int i = 0; i < 2; i++)
+		if (p->kv_reg[i])
+			p->g->ops->host_unregister(p->g->ctx, p->kv_reg[i]);
 	free_weights(p);
 	if (MLENS_BACKEND_HAS(p->g->ops, scratch_reserve))
 		p->g->ops->scratch_reserve(p->g->ctx, 0);	/* the backend outlives the pipeline */
@@ -794,6 +843,13 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	TRY(G->gemm(GC, S->v, S->xn, b->wv, c->dtype, n, H, (int)kvd, false));
 	TRY(G->rope(GC, S->q, p->pos + r0, n, nh, hd, (float)c->rope_theta));
 	TRY(G->rope(GC, S->k, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
+	if (p->gpu_append) {
+		/* every row's K and V into its slot of the pool, stored over
+		 * the link in the pool's dtype; C(l, x) waits for this group's
+		 * qkv record, which follows on the same queue */
+		TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
+		p->st.d2h_act_bytes += (size_t)n * kvd * 2 * mlens_dtype_size(p->kv.cache.dtype);
+	}
 	if (gr->n_pre && !p->prefill_cpu)
 		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
 				    1.0f / sqrtf((float)hd)));
@@ -805,8 +861,10 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(G->event_record(GC, 0, ev));
 		TRY(G->event_wait(GC, 2, ev));
 	}
-	TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
-	TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
+	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
+		TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
+		TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
+	}
 	if ((size_t)n > d0)
 		TRY(to_host(p, S->hq + d0 * qd, S->q + d0 * qd, ((size_t)n - d0) * qd * 4));
 	return 0;
@@ -830,7 +888,7 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(p->c->ops->attn_prefill(p->c->ctx, S->hatt, S->hq, S->hk, S->hv, gr->cu,
 					    gr->n_pre, (int)c->num_attention_heads,
 					    (int)c->num_key_value_heads, hd, 1.0f / sqrtf((float)hd)));
-	{
+	if (!p->gpu_append) {
 		double ta = now();
 		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
 		p->st.cpu_append_s += now() - ta;

@@ -45,6 +45,12 @@ struct mlens_pipeline_opts {
 	/* Prefill attention on the CPU backend too (it is on the GPU unless
 	 * this is set or the GPU backend refuses the model's head_dim). */
 	bool prefill_cpu;
+	/* The GPU side writes each row's K and V into the KV pool (the GPU
+	 * backend's kv_append, through the pool's mapping on a device: the
+	 * pool is registered with it), so the host side only attends and K/V
+	 * do not come down as fp32 copies. Refused (-ENOTSUP, said in err)
+	 * where the GPU backend cannot reach host memory. */
+	bool gpu_kv_append;
 	/* the KV pool, as in struct mlens_engine_opts */
 	int kv_block_size;
 	uint32_t kv_blocks;
@@ -76,6 +82,7 @@ struct mlens_pipeline_stats {
 	bool async;		/* queues and events in use */
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
+	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
 };
 
 int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,

@@ -1099,6 +1099,7 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	}
 	if (st->side_copy_out)
 		st->hw.b_act_d2h = 0;
+	st->hw.gpu_kv_append = st->gpu_kv_append;
 	st->have = true;
 }
 

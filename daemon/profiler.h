@@ -159,6 +159,8 @@ struct mlens_profile_state {
 	/* hybrid with gpu_copy_out = side: GA's copies to the host overlap the
 	 * compute queue, so the model does not count them in the GPU's time */
 	bool side_copy_out;
+	/* hybrid with kv_append = gpu: the GPU writes K/V into the pool */
+	bool gpu_kv_append;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */
 	int pinned_cap;			/* max_step_tokens as configured (> 0: pinned) */
 	const char *cache_path;		/* "" or NULL: no cache */

@@ -649,16 +649,18 @@ START_TEST(test_attn_prefill_bf16)
 END_TEST
 
 /* Sequences get blocks from a shuffled pool; K/V go in with kv_append
- * (layer 1 of 2) on both backends, the caches must be identical, then
- * decode attention reads them. */
+ * (layer 1 of 2) on both backends, and from the device into a third cache
+ * in registered host memory (the hybrid pipeline's pool, kv_append = gpu);
+ * the caches must be identical, then decode attention reads them. The
+ * same host cache unregistered is refused (-EFAULT), nothing written. */
 static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 {
 	static const int ctxs[] = { 1, 17, 300, 1000, 4096 };
 	const int nq = 5, bs = 16, layer = 1, nh = nkv * group;
 	uint32_t n_blocks = 0, *perm, *tables[5], at = 0;
 	struct mlens_attn_query qs[5];
-	struct mlens_kv_cache kc, kg;
-	size_t kvb, row = (size_t)nkv * hd;
+	struct mlens_kv_cache kc, kg, kh;
+	size_t kvb, khb, row = (size_t)nkv * hd;
 	float scale = 1.0f / sqrtf((float)hd);
 	char op[32];
 
@@ -675,6 +677,21 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 	}
 	kc = (struct mlens_kv_cache){ kdt, 2, nkv, hd, bs, n_blocks, NULL, NULL };
 	kvb = kv_pair(&kc, &kg);
+	kh = kc;
+	khb = (kvb + 4095) & ~(size_t)4095;
+	kh.k = aligned_alloc(4096, khb);
+	kh.v = aligned_alloc(4096, khb);
+	ck_assert(kh.k && kh.v);
+	memset(kh.k, 0, khb);
+	memset(kh.v, 0, khb);
+	{
+		int64_t slot0 = 0;
+		float *d1 = gpu_zeros(row * 4);
+		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kh, layer, d1, d1, &slot0, 1), -EFAULT);
+		gfree(d1);
+	}
+	ck_assert_int_eq(dev->ops->host_register(dev->ctx, kh.k, khb), 0);
+	ck_assert_int_eq(dev->ops->host_register(dev->ctx, kh.v, khb), 0);
 	for (int i = 0; i < nq; i++) {
 		int nb = (ctxs[i] + bs - 1) / bs, len = ctxs[i];
 		int64_t *slots = malloc((size_t)len * 8);
@@ -686,6 +703,7 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 			slots[t] = (int64_t)tables[i][t / bs] * bs + t % bs;
 		ck_assert_int_eq(cpu.ops->kv_append(cpu.ctx, &kc, layer, k, v, slots, len), 0);
 		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kg, layer, dk, dv, slots, len), 0);
+		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kh, layer, dk, dv, slots, len), 0);
 		qs[i] = (struct mlens_attn_query){ len, nb, tables[i] };
 		free(slots); free(k); free(v);
 		gfree(dk); gfree(dv);
@@ -694,6 +712,10 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 		void *gk = from_gpu(kg.k, kvb), *gv = from_gpu(kg.v, kvb);
 		ck_assert_msg(!memcmp(gk, kc.k, kvb) && !memcmp(gv, kc.v, kvb),
 			      "kv_append: GPU cache differs from CPU cache (%s)", mlens_dtype_name(kdt));
+		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+		ck_assert_msg(!memcmp(kh.k, kc.k, kvb) && !memcmp(kh.v, kc.v, kvb),
+			      "kv_append: the device's stores into registered host memory differ from "
+			      "the CPU cache (%s)", mlens_dtype_name(kdt));
 		record("kv_append", 0.0, 0.0, "%s kv=%d hd=%d", mlens_dtype_name(kdt), nkv, hd);
 		free(gk);
 		free(gv);
@@ -713,6 +735,9 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 	}
 	free(kc.k); free(kc.v); free(perm);
 	gfree(kg.k); gfree(kg.v);
+	dev->ops->host_unregister(dev->ctx, kh.k);
+	dev->ops->host_unregister(dev->ctx, kh.v);
+	free(kh.k); free(kh.v);
 }
 
 /* Enough queries that their partials exceed one launch's area (256 MiB,

@@ -899,6 +899,10 @@ static void make_async(struct mlens_backend *be, bool side)
 	be->ops = &fa_ops;
 }
 
+/* run_equal's hybrid side: the GPU side appends K/V to the pool (the
+ * pipeline's gpu_kv_append) */
+static bool run_gpu_append;
+
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
 		      int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
 {
@@ -918,6 +922,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 		eo.hybrid_group_tokens = group_tokens;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
+		eo.hybrid_gpu_kv_append = run_gpu_append;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
@@ -1009,6 +1014,12 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			ck_assert_int_eq(st->async, async);
 			ck_assert_int_eq(st->side_copy_out, async && side_out);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
+			/* with the GPU side appending, the host side appends nothing */
+			ck_assert_int_eq(st->gpu_kv_append, run_gpu_append);
+			if (run_gpu_append)
+				ck_assert(st->cpu_append_s == 0);
+			else
+				ck_assert(st->cpu_append_s > 0 && st->cpu_append_s <= st->cpu_attn_s);
 			/* KV bytes the decode attention read: every decode token's
 			 * context, K and V, every layer (F32 cache) */
 			{
@@ -1085,6 +1096,22 @@ END_TEST
 START_TEST(exec_equal_prefill_on_cpu)
 {
 	run_equal(2, 0, true, false, false);
+}
+END_TEST
+
+/* The GPU side writes K/V into the pool (a backend in host memory as the
+ * device): tokens and logits are the engine's, on one thread and two,
+ * with prompts cut into segments whose later parts read what an earlier
+ * group's GA stored, with side copies, and with prefill on the CPU (which
+ * still takes the fp32 K/V copies for its attention). */
+START_TEST(exec_equal_gpu_kv_append)
+{
+	run_gpu_append = true;
+	run_equal(2, 0, false, false, false);
+	run_equal(2, 0, false, true, true);
+	run_equal(2, 4, false, true, false);
+	run_equal(1, 3, true, true, false);
+	run_gpu_append = false;
 }
 END_TEST
 
@@ -1429,6 +1456,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_failure_recovers);
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_equal_side_copies);
+	tcase_add_test(t, exec_equal_gpu_kv_append);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);

@@ -45,6 +45,9 @@ static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM
 						     MLENS_GEMM_FAST };
 /* the last case: side copies out, bf16 prefill attention */
 static const bool side_tc[N_CASES] = { false, false, false, true };
+/* the GPU writes K/V into the pool in host memory (kv_append = gpu): an
+ * f32 and a bf16 pool; the others append on the CPU */
+static const bool gpu_append[N_CASES] = { true, false, false, true };
 
 static struct mlens_test_spec spec(enum mlens_dtype dt)
 {
@@ -112,6 +115,11 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	struct mlens_engine *e;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
 					.hybrid_gemm = gemms[_i], .hybrid_side_copy_out = side_tc[_i] };
+	/* the hybrid pool in page-aligned host memory, as mlensd's (the
+	 * device maps it for kv_append = gpu) */
+	struct mlens_kv_cache pool = { dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16, ts.layers, ts.kv_heads,
+				       ts.head_dim, 16, 128, NULL, NULL };
+	size_t pool_bytes = (mlens_kv_bytes(&pool) + 4095) & ~(size_t)4095;
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan plan;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
@@ -146,6 +154,10 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
 	eo.attn_backend = &c;
 	eo.gpu_budget = plan.minimum;
+	eo.kv_mem_k = pool.k = aligned_alloc(4096, pool_bytes);
+	eo.kv_mem_v = pool.v = aligned_alloc(4096, pool_bytes);
+	ck_assert(pool.k && pool.v);
+	eo.hybrid_gpu_kv_append = gpu_append[_i];
 	ck_assert_msg(mlens_engine_create(&e, m, &g, &eo, err, sizeof(err)) == 0, "%s", err);
 	{
 		struct mlens_pipeline *p = mlens_engine_pipeline(e);
@@ -156,6 +168,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert(mlens_pipeline_stats(p)->async);
 		ck_assert(!mlens_pipeline_stats(p)->prefill_cpu);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->side_copy_out, side_tc[_i]);
+		ck_assert_int_eq(mlens_pipeline_stats(p)->gpu_kv_append, gpu_append[_i]);
 	}
 	run(e, prompt, tok, got, true, (int)V);
 	ck_assert_int_eq(cudaMemGetInfo(&free1, &total), cudaSuccess);
@@ -208,15 +221,18 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 			}
 		}
 	}
-	printf("[%s, %s GEMMs%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
+	printf("[%s, %s GEMMs%s%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
 	       "%d safe greedy tokens equal\n", mlens_dtype_name(dt), mlens_gemm_mode_name(gemms[_i]),
 	       side_tc[_i] ? ", side copies out, bf16 prefill attention" : "",
+	       gpu_append[_i] ? ", K/V appended by the GPU" : "",
 	       worst, TOL, same, safe);
 	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);
 	ck_assert_int_gt(safe, N_STEPS * N_SEQ / 2);
-	mlens_engine_destroy(e);
+	mlens_engine_destroy(e);	/* unregisters the pool */
 	mlens_backend_destroy(&g);
 	mlens_backend_destroy(&c);
+	free(pool.k);
+	free(pool.v);
 	mlens_test_model_free(m);
 	free(ref);
 	free(got);

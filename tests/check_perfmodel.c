@@ -473,6 +473,20 @@ START_TEST(attention_under_copy)
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
 	assert_rel(t.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn + st.tokens * 12288.0 / 20e9, 1e-12);
 	assert_rel(t.group_cpu[0] + t.group_cpu[1], t.tier[MLENS_PERF_BIND_CPU_ATTN], 1e-12);
+	/* the GPU appends (kv_append = gpu): no append in the CPU's time, and
+	 * the D2H link carries decode q (fp32) and every token's K and V in
+	 * the pool's bf16 (4 KiB) instead of fp32 K and V */
+	{
+		struct mlens_perf_step_time tg;
+		double qd = (double)pm.heads * (double)pm.head_dim;
+		hw.gpu_kv_append = true;
+		ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &tg), 0);
+		assert_rel(tg.tier[MLENS_PERF_BIND_CPU_ATTN], kv / hw.b_attn, 1e-12);
+		assert_rel(tg.tier[MLENS_PERF_BIND_D2H],
+			   (st.decode * qd * 4 + st.tokens * 4096.0) / hw.b_d2h, 1e-12);
+		ck_assert(tg.tier[MLENS_PERF_BIND_D2H] < t.tier[MLENS_PERF_BIND_D2H]);
+		hw.gpu_kv_append = false;
+	}
 	hw.b_append = -1;
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
 }

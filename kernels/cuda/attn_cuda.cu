@@ -623,10 +623,53 @@ __global__ void kv_append_kernel(T *kc, T *vc, const float *k, const float *v,
 	}
 }
 
+/* bf16 caches: two elements a thread, so that a warp stores 128 contiguous
+ * bytes (a pool in host memory takes them as PCIe writes); the values are
+ * to_kv's, element by element, as the one-element kernel stores them. */
+__global__ void kv_append_bf16x2_kernel(__nv_bfloat162 *kc, __nv_bfloat162 *vc, const float *k,
+					const float *v, const int64_t *slots, int layer,
+					uint32_t n_blocks, int n_kv, int bs, int hd)
+{
+	int i = blockIdx.x;
+	uint32_t block = (uint32_t)(slots[i] / bs);
+	int off = (int)(slots[i] % bs);
+	for (int t = threadIdx.x; t < n_kv * hd / 2; t += blockDim.x) {
+		int e = 2 * t, g = e / hd, dd = e % hd;
+		size_t b = (size_t)layer * n_blocks + block;
+		size_t idx = ((b * n_kv + g) * bs + off) * hd + dd;
+		size_t src = (size_t)i * n_kv * hd + e;
+		kc[idx / 2] = __halves2bfloat162(to_kv<__nv_bfloat16>(k[src]), to_kv<__nv_bfloat16>(k[src + 1]));
+		vc[idx / 2] = __halves2bfloat162(to_kv<__nv_bfloat16>(v[src]), to_kv<__nv_bfloat16>(v[src + 1]));
+	}
+}
+
+/* Where the device stores to p: device memory as it is, registered host
+ * memory through its mapping; -EFAULT for host memory the device cannot
+ * reach (pageable, not registered). */
+static int device_view(void *p, void **out)
+{
+	cudaPointerAttributes a;
+	cudaError_t e = cudaPointerGetAttributes(&a, p);
+	if (e != cudaSuccess) {
+		cudaGetLastError();
+		return -EFAULT;
+	}
+	if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) {
+		*out = p;
+		return 0;
+	}
+	if (a.type == cudaMemoryTypeHost && a.devicePointer) {
+		*out = (char *)a.devicePointer + ((char *)p - (char *)a.hostPointer);
+		return 0;
+	}
+	return -EFAULT;
+}
+
 int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
 			 const float *k, const float *v, const int64_t *slots, int n)
 {
 	char *h, *d;
+	void *kd, *vd;
 	int rc;
 
 	if (n < 0 || layer < 0 || layer >= kv->n_layers || kv->block_size <= 0 ||
@@ -637,6 +680,10 @@ int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, in
 	for (int i = 0; i < n; i++)
 		if (slots[i] < 0 || (uint64_t)(slots[i] / kv->block_size) >= kv->n_blocks)
 			return -ERANGE;
+	/* the cache on the device, or in host memory registered with it (the
+	 * hybrid pipeline's pool) */
+	if ((rc = device_view(kv->k, &kd)) || (rc = device_view(kv->v, &vd)))
+		return rc;
 	if ((rc = mlens_cuda_stage_begin(c, (size_t)n * 8, &h, &d)))
 		return rc;
 	memcpy(h, slots, (size_t)n * 8);
@@ -644,11 +691,15 @@ int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, in
 		return rc;
 	if (kv->dtype == MLENS_DTYPE_F32)
 		kv_append_kernel<float><<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
-			(float *)kv->k, (float *)kv->v, k, v, (const int64_t *)d, layer,
+			(float *)kd, (float *)vd, k, v, (const int64_t *)d, layer,
 			kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
+	else if (kv->head_dim % 2 == 0)
+		kv_append_bf16x2_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
+			(__nv_bfloat162 *)kd, (__nv_bfloat162 *)vd, k, v, (const int64_t *)d,
+			layer, kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
 	else
 		kv_append_kernel<__nv_bfloat16><<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
-			(__nv_bfloat16 *)kv->k, (__nv_bfloat16 *)kv->v, k, v, (const int64_t *)d,
+			(__nv_bfloat16 *)kd, (__nv_bfloat16 *)vd, k, v, (const int64_t *)d,
 			layer, kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
 	CUDA_LAUNCHED();
 	return 0;

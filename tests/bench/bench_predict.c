@@ -54,7 +54,8 @@ int mlens_bench_predict(int argc, char **argv)
 		{ "kv-cache", 1, 0, 'k' }, { "kv-block", 1, 0, 'b' }, { "group-tokens", 1, 0, 'r' },
 		{ "gemm", 1, 0, 'e' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "cap", 1, 0, 'n' }, { "in-flight", 1, 0, 's' }, { "json", 0, 0, 'j' },
-		{ "no-shared-io", 0, 0, 'S' }, { "gpu-copy-out", 1, 0, 'o' }, { 0, 0, 0, 0 }
+		{ "no-shared-io", 0, 0, 'S' }, { "gpu-copy-out", 1, 0, 'o' },
+		{ "kv-append", 1, 0, 'A' }, { 0, 0, 0, 0 }
 	};
 	const char *config = NULL, *profile = NULL;
 	uint64_t gpu = 8ull << 30, kv = 40ull << 30;
@@ -62,7 +63,7 @@ int mlens_bench_predict(int argc, char **argv)
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
-	bool json = false, no_shared = false, side = true;	/* mlensd's default */
+	bool json = false, no_shared = false, side = true, gpu_append = true;	/* mlensd's defaults */
 	struct mlens_model_config cfg;
 	struct mlens_profile_state st;
 	struct mlens_perf_sched_state ss;
@@ -100,6 +101,11 @@ int mlens_bench_predict(int argc, char **argv)
 				return bad("--gpu-copy-out '%s' is not compute or side", optarg);
 			side = !strcmp(optarg, "side");
 			break;
+		case 'A':
+			if (strcmp(optarg, "gpu") && strcmp(optarg, "cpu"))
+				return bad("--kv-append '%s' is not gpu or cpu", optarg);
+			gpu_append = !strcmp(optarg, "gpu");
+			break;
 		default: return 2;
 		}
 	}
@@ -132,6 +138,7 @@ int mlens_bench_predict(int argc, char **argv)
 	st.plan_in.group = group;
 	st.plan_in.gemm = gemm;
 	st.side_copy_out = side;
+	st.gpu_kv_append = gpu_append;
 	mlens_profile_state_hold(&st);
 	/* the model as it was before the shared-memory refinement */
 	if (no_shared)
