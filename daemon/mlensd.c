@@ -545,12 +545,10 @@ int main(int argc, char **argv)
 		return fail_start("%s", err);
 	if (D.hybrid) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
-		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s", mlens_now() - t_engine,
-			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool");
-	}
-	if (D.hybrid) {
 		struct mlens_perf_model pm;
 		char line[512];
+		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s", mlens_now() - t_engine,
+			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool");
 		mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt);
 		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
 				     sizeof(line));

@@ -1,8 +1,10 @@
 /* The hybrid pipeline executor (issue 7, DESIGN §5, §5.1): one step of a
  * Mixtral model whose experts do not all fit the GPU budget. Two backends:
  * the GPU one (embeddings, norms, QKV, RoPE, prefill attention, O
- * projection, router, experts, lm_head, sampling) and the CPU one (KV
- * append and decode attention on the pinned host KV pool). Resident on the
+ * projection, router, experts, lm_head, sampling; with gpu_kv_append also
+ * the KV append, stored into the pool through its mapping) and the CPU one
+ * (the KV append otherwise, and decode attention on the pinned host KV
+ * pool). Resident on the
  * GPU: embeddings, lm_head, norms, routers, attention and the plan's
  * resident experts; the other experts stream through two slots in pieces,
  * in the order of the step program (daemon/pipeprog.h). The GPU memory

@@ -18,8 +18,9 @@
  *                                           attention, D2H of K/V and q
  *   for each item i = (l, x):
  *     when G > 1: GA(item i+1), RECORD(GPU, qkv[set(i+1)])
- *     HOST_WAIT(qkv[set(i)]), C(l, x)   host: KV append and decode
- *                    attention on the CPU pool; queues the H2D of its output
+ *     HOST_WAIT(qkv[set(i)]), C(l, x)   host: KV append (unless GA stored
+ *                    K/V into the pool itself) and decode attention on the
+ *                    CPU pool; queues the H2D of its output
  *     WAIT(GPU, ready[slot(l)])              (before layer l's first GB)
  *     GB(l, x)       GPU: O projection, norm, router, experts
  *     after the last group: RECORD(GPU, freed[slot(l)]) and, when l+2 < L,

@@ -85,7 +85,9 @@ struct mlens_backend_ops {
 			    const float *v, const int32_t *cu_seqlens, int n_seqs,
 			    int n_heads, int n_kv_heads, int head_dim, float scale);
 	/* Write k,v rows [n][n_kv*hd] of layer into the cache at slots
-	 * (slot = block * block_size + offset). */
+	 * (slot = block * block_size + offset). CUDA: the cache in device
+	 * memory, or in host memory registered with the device (stored
+	 * through its mapping; -EFAULT for host memory it cannot reach). */
 	int (*kv_append)(void *ctx, struct mlens_kv_cache *kv, int layer,
 			 const float *k, const float *v, const int64_t *slots, int n);
 	/* Decode attention over the paged cache: query token i attends to
