@@ -167,6 +167,16 @@ for name, d, b, p, s, a in rows:
         (b.get("binds") or "-") + "/" + (p.get("binding") or "-"),
         f(a.get("pcie_h2d_gb_per_s")), f(a.get("cpu_attention_gb_per_s")),
         f(None if a.get("gpu_busy_ratio") is None else 100 * a["gpu_busy_ratio"], "%.0f")))
+# the steady window's shares (mlens-bench serve's "steady"): where the
+# step's time went on each side
+print("%-12s %6s %6s %6s %7s %10s %6s" % ("steady", "st/b", "GPU%", "host%", "append%",
+                                          "attn GB/s", "PCIe"))
+for name, d, b, p, s, a in rows:
+    pct = lambda x: f(None if x is None else 100 * x, "%.0f")
+    print("%-12s %6s %6s %6s %7s %10s %6s" % (
+        name, f(d.get("steady_over_bound"), "%.2f"), pct(s.get("gpu_busy_ratio")),
+        pct(s.get("cpu_busy_ratio")), pct(s.get("cpu_append_ratio")),
+        f(s.get("cpu_attention_only_gb_per_s")), f(s.get("pcie_h2d_gb_per_s"))))
 if hf:
     print("%-12s %9s %9s %9s   (transformers+accelerate, p=%d g=%d)" % (
         "hf", f(hf.get("generated_tokens_per_s")), "-", f(hf.get("total_tokens_per_s")),
