@@ -75,7 +75,7 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 	uint64_t g, c, H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
-	uint64_t es = (uint64_t)pm->wbytes, np = mlens_gpuplan_gemm_parts(gemm, (uint64_t)pm->wbytes), rows, moe, conv, widen, s;
+	uint64_t es = (uint64_t)pm->wbytes, np = mlens_gpuplan_gemm_parts(gemm, es), rows, moe, conv, widen, s;
 
 	if (n <= 0)
 		return 0;

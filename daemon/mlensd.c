@@ -221,6 +221,12 @@ static bool side_copy_out(void)
 	return !strcmp(D.cfg.gpu_copy_out, "side");
 }
 
+/* kv_append = gpu (checked at start-up to be gpu or cpu). */
+static bool gpu_kv_append(void)
+{
+	return !strcmp(D.cfg.kv_append, "gpu");
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -265,7 +271,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->side_copy_out = D.hybrid && side_copy_out();
-	st->gpu_kv_append = D.hybrid && !strcmp(D.cfg.kv_append, "gpu");
+	st->gpu_kv_append = D.hybrid && gpu_kv_append();
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -535,7 +541,7 @@ int main(int argc, char **argv)
 		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_side_copy_out = side_copy_out();
-		eo.hybrid_gpu_kv_append = !strcmp(D.cfg.kv_append, "gpu");
+		eo.hybrid_gpu_kv_append = gpu_kv_append();
 		eo.hybrid_workspace = mlens_gpuplan_workspace(bo.moe_streams);
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
 	}

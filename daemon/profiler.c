@@ -669,8 +669,10 @@ static int profile_append(struct mlens_backend *be, struct mlens_kv_cache *kv, i
 	for (size_t i = 0; i < n; i++)
 		k[i] = v[i] = 1.0f / 64;
 	{
-		/* the first rows / block_size of a shuffle of kv's blocks */
-		uint32_t nb = kv->n_blocks, *perm = malloc((size_t)nb * sizeof(*perm));
+		/* the blocks the rows fill, drawn without repeats from all of
+		 * kv's (the first `need` places of a Fisher-Yates shuffle) */
+		uint32_t nb = kv->n_blocks, need = (uint32_t)((rows + kv->block_size - 1) / kv->block_size);
+		uint32_t *perm = malloc((size_t)nb * sizeof(*perm));
 		uint64_t seed = 777;
 		if (!perm) {
 			rc = -ENOMEM;
@@ -679,7 +681,7 @@ static int profile_append(struct mlens_backend *be, struct mlens_kv_cache *kv, i
 		}
 		for (uint32_t b = 0; b < nb; b++)
 			perm[b] = b;
-		for (uint32_t b = 0; b < nb - 1; b++) {
+		for (uint32_t b = 0; b < need && b < nb - 1; b++) {
 			uint32_t j = b + (uint32_t)(rng_next(&seed) % (nb - b)), t = perm[b];
 			perm[b] = perm[j];
 			perm[j] = t;

@@ -189,17 +189,6 @@ enum mlens_gemm_mode {
  * GEMM does not leave SMs idle while the next waits behind it. */
 #define MLENS_MOE_STREAMS_DEFAULT 2
 #define MLENS_MOE_STREAMS_MAX 4
-
-/* How a host thread waits for the GPU (CUDA's device schedule flags): auto
- * is CUDA's heuristic (spin when the process has fewer contexts than the
- * machine has cores), spin busy-waits, yield busy-waits giving way to
- * other runnable threads, block sleeps until the GPU interrupts. */
-enum mlens_gpu_sync {
-	MLENS_GPU_SYNC_AUTO = 0,
-	MLENS_GPU_SYNC_SPIN,
-	MLENS_GPU_SYNC_YIELD,
-	MLENS_GPU_SYNC_BLOCK,
-};
 #define MLENS_CUDA_BLAS_WS (32ull << 20)
 /* Tokens of one MoE call at most: larger calls go through in chunks of
  * this many, so that the scratch (mlens_gpuplan_moe_scratch: about 80 KB a
@@ -215,6 +204,17 @@ static inline bool mlens_moe_half_gu(enum mlens_gemm_mode gemm, size_t weight_by
 {
 	return gemm == MLENS_GEMM_FAST && weight_bytes == 2;
 }
+
+/* How a host thread waits for the GPU (CUDA's device schedule flags): auto
+ * is CUDA's heuristic (spin when the process has fewer contexts than the
+ * machine has cores), spin busy-waits, yield busy-waits giving way to
+ * other runnable threads, block sleeps until the GPU interrupts. */
+enum mlens_gpu_sync {
+	MLENS_GPU_SYNC_AUTO = 0,
+	MLENS_GPU_SYNC_SPIN,
+	MLENS_GPU_SYNC_YIELD,
+	MLENS_GPU_SYNC_BLOCK,
+};
 
 struct mlens_backend_opts {
 	int n_threads;		/* CPU: worker threads, 0 = all cores of numa_node

@@ -311,9 +311,16 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	j.chunk = mlens_attn_tune.chunk_tokens > 0 ? mlens_attn_tune.chunk_tokens
 						    : MLENS_ATTN_CHUNK_TOKENS;
 	j.chunk = (j.chunk + kv->block_size - 1) / kv->block_size * kv->block_size;
+	/* chunks in all, and those of split queries (partial records) and
+	 * how many such queries (merges), per head block */
 	for (int i = 0; i < n; i++) {
 		int32_t len;
-		n_chunks += (size_t)ctx_chunks(queries[i].ctx_len, j.chunk, kv->block_size, &len);
+		size_t nch = (size_t)ctx_chunks(queries[i].ctx_len, j.chunk, kv->block_size, &len);
+		n_chunks += nch;
+		if (nch > 1) {
+			n_recs += nch;
+			n_merge++;
+		}
 	}
 	/* All KV heads in one task read each block as one run (better for the
 	 * prefetchers and DRAM pages than one 4 KB piece per head); fewer heads
@@ -332,15 +339,9 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 		j.hpt = d;
 	}
 	n_hb = nkv / j.hpt;
-	for (int i = 0; i < n; i++) {
-		int32_t len;
-		size_t nch = (size_t)ctx_chunks(queries[i].ctx_len, j.chunk, kv->block_size, &len);
-		n_tasks += nch * n_hb;
-		if (nch > 1) {
-			n_recs += nch * n_hb;
-			n_merge += n_hb;
-		}
-	}
+	n_tasks = n_chunks * (size_t)n_hb;
+	n_recs *= (size_t)n_hb;
+	n_merge *= (size_t)n_hb;
 	j.rec_floats = (size_t)j.hpt * j.group * (hd + 2);
 	j.scratch_floats = (mlens_attn_scratch_floats(j.hpt * j.group, hd) + 15) & ~(size_t)15;
 	if (n_tasks + n_merge > (size_t)INT32_MAX || n_recs > (size_t)INT32_MAX ||

@@ -1057,6 +1057,10 @@ extern "C" int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_
 	return 0;
 }
 
+/* CUDA's schedule flags, in enum mlens_gpu_sync's order */
+static const unsigned int sync_flag[] = { cudaDeviceScheduleAuto, cudaDeviceScheduleSpin,
+					  cudaDeviceScheduleYield, cudaDeviceScheduleBlockingSync };
+
 extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 					 const struct mlens_backend_opts *o)
 {
@@ -1068,6 +1072,11 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	if (moe_streams < 1 || moe_streams > MLENS_MOE_STREAMS_MAX) {
 		fprintf(stderr, "mlens cuda: %d MoE streams asked for; 1 to %d can be had\n",
 			moe_streams, MLENS_MOE_STREAMS_MAX);
+		return -EINVAL;
+	}
+	if (o && (unsigned)o->sync >= sizeof(sync_flag) / sizeof(sync_flag[0])) {
+		fprintf(stderr, "mlens cuda: GPU sync mode %d is not one of auto, spin, yield, block\n",
+			(int)o->sync);
 		return -EINVAL;
 	}
 
@@ -1088,20 +1097,10 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	c->prefill_bf16 = o && o->prefill_bf16;
 	c->sm_copy = o && o->sm_copy;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);
-	if (o && o->sync != MLENS_GPU_SYNC_AUTO) {
-		/* the device's (primary context's) flags, for every thread
-		 * of the process: the last backend created sets them */
-		static const unsigned int flag[] = { cudaDeviceScheduleAuto, cudaDeviceScheduleSpin,
-						     cudaDeviceScheduleYield,
-						     cudaDeviceScheduleBlockingSync };
-		if ((unsigned)o->sync >= sizeof(flag) / sizeof(flag[0])) {
-			fprintf(stderr, "mlens cuda: GPU sync mode %d is not one of auto, spin, yield, block\n",
-				(int)o->sync);
-			rc = -EINVAL;
-			goto fail;
-		}
-		CUDA_GOTO(cudaSetDeviceFlags(flag[o->sync]), rc, fail);
-	}
+	/* the device's (primary context's) flags, for every thread of the
+	 * process: the last backend created sets them */
+	if (o && o->sync != MLENS_GPU_SYNC_AUTO)
+		CUDA_GOTO(cudaSetDeviceFlags(sync_flag[o->sync]), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->side_stream, cudaStreamNonBlocking), rc, fail);

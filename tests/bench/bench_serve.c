@@ -844,9 +844,8 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->gpu_busy = rate(&sp->s[i], &sp->s[j], K_GPU_BUSY, -1);
 	w->cpu_busy = rate(&sp->s[i], &sp->s[j], K_ATTN_S, -1);
 	w->append_busy = rate(&sp->s[i], &sp->s[j], K_APPEND_S, -1);
-	w->attn_only_gbs = rate(&sp->s[i], &sp->s[j], K_KV_READ, -1) / (w->cpu_busy - w->append_busy) / 1e9;
-	if (!(w->cpu_busy - w->append_busy > 0))
-		w->attn_only_gbs = NAN;
+	w->attn_only_gbs = w->cpu_busy - w->append_busy > 0
+		? rate(&sp->s[i], &sp->s[j], K_KV_READ, -1) / (w->cpu_busy - w->append_busy) / 1e9 : NAN;
 }
 
 /* Issue 8's prediction at the step the scheduler reaches (perfmodel.h,
@@ -891,7 +890,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct prediction pred = { 0 };
 	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
 	double *ttft = NULL, wall, busy, kv_tokens, kv_seqs, n_cap, block_tokens;
-	double pcie_gbs, attn_gbs, attn_only_gbs, append_s, gpu_busy, h2d_busy, attn_bytes;
+	double pcie_gbs, attn_s, attn_gbs, attn_only_gbs, append_s, gpu_busy, h2d_busy, attn_bytes;
 	const char *attn_src = "daemon";
 	uint64_t t1, gen = 0, prompt_tok = 0;
 	int ok = 0, bad = 0, n_ttft = 0, rc = 1, opt;
@@ -1075,12 +1074,11 @@ int mlens_bench_serve(int argc, char **argv)
 		attn_src = "client-estimate";
 		attn_bytes = (double)ok * (g - 1) * (p + g / 2) * (double)pm.kv_token_bytes * L;
 	}
-	attn_gbs = attn_bytes / (jopt(st1, "cpu_attention_seconds_total") -
-				 jopt(st0, "cpu_attention_seconds_total")) / 1e9;
+	attn_s = jopt(st1, "cpu_attention_seconds_total") - jopt(st0, "cpu_attention_seconds_total");
+	attn_gbs = attn_bytes / attn_s / 1e9;
 	/* the append's share (NAN from a daemon without the counter) */
 	append_s = jopt(st1, "cpu_append_seconds_total") - jopt(st0, "cpu_append_seconds_total");
-	attn_only_gbs = attn_bytes / (jopt(st1, "cpu_attention_seconds_total") -
-				      jopt(st0, "cpu_attention_seconds_total") - append_s) / 1e9;
+	attn_only_gbs = attn_bytes / (attn_s - append_s) / 1e9;
 
 	if (hybrid && ceil_.have && ceil_.have_link && kv_seqs > 0) {
 		/* the weights the daemon streams in a step (its counter of the
