@@ -70,6 +70,9 @@ struct mlens_pipeline {
 	bool side;
 	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
 	bool gpu_append;	/* GA appends K/V to the pool (opts gpu_kv_append) */
+	/* ... on queue 2 after GA's kernels (with side and the backend's
+	 * kv_append_side), so that the stores overlap queue 0's next kernels */
+	bool side_append;
 	void *kv_reg[2];	/* the pool's K and V as registered with g, or NULL */
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
@@ -716,6 +719,8 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->st.side_copy_out = p->side;
 	p->st.prefill_cpu = p->prefill_cpu;
 	p->st.gpu_kv_append = p->gpu_append;
+	p->side_append = p->gpu_append && p->side && MLENS_BACKEND_HAS(gpu->ops, kv_append_side);
+	p->st.kv_append_side = p->side_append;
 	*out = p;
 	return 0;
 fail:
@@ -846,8 +851,10 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	if (p->gpu_append) {
 		/* every row's K and V into its slot of the pool, stored over
 		 * the link in the pool's dtype; C(l, x) waits for this group's
-		 * qkv record, which follows on the same queue */
-		TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
+		 * qkv record, which follows on the same queue (queue 2 with
+		 * side_append: queued below) */
+		if (!p->side_append)
+			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
 		p->st.d2h_act_bytes += (size_t)n * kvd * 2 * mlens_dtype_size(p->kv.cache.dtype);
 	}
 	if (gr->n_pre && !p->prefill_cpu)
@@ -860,6 +867,10 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		int ev = PL_EV_GA_DONE + (int)(S - p->set);
 		TRY(G->event_record(GC, 0, ev));
 		TRY(G->event_wait(GC, 2, ev));
+		/* the stores behind GA's kernels, beside queue 0's next ones;
+		 * S->k and S->v stay as they are until C(i) has waited (above) */
+		if (p->side_append)
+			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
 	}
 	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
 		TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));

@@ -51,7 +51,9 @@ struct mlens_pipeline_opts {
 	 * backend's kv_append, through the pool's mapping on a device: the
 	 * pool is registered with it), so the host side only attends and K/V
 	 * do not come down as fp32 copies. Refused (-ENOTSUP, said in err)
-	 * where the GPU backend cannot reach host memory. */
+	 * where the GPU backend cannot reach host memory. With side_copy_out
+	 * and the backend's kv_append_side the stores run on queue 2, after
+	 * GA's kernels and beside the compute queue's next ones. */
 	bool gpu_kv_append;
 	/* the KV pool, as in struct mlens_engine_opts */
 	int kv_block_size;
@@ -85,6 +87,7 @@ struct mlens_pipeline_stats {
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
+	bool kv_append_side;	/* ... on queue 2, beside the compute queue */
 };
 
 int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,

@@ -155,6 +155,17 @@ struct mlens_backend_ops {
 	 * overlap queue 0's kernels (the hybrid pipeline's activations out,
 	 * ordered after their kernels by an event). */
 	bool side_queue;
+
+	/* ---- optional: the K/V append on queue 2 ----
+	 * kv_append's work, queued on queue 2 (side_queue) behind what queue 2
+	 * was made to wait for (an event recorded on queue 0 after the kernels
+	 * that write k and v), so that the stores into a pool in registered
+	 * host memory run while queue 0's next kernels do. k and v must stay
+	 * as they are, and the slots written must not be read, until an event
+	 * recorded on queue 2 after it is done; slots is read before it
+	 * returns. Errors as kv_append's. */
+	int (*kv_append_side)(void *ctx, struct mlens_kv_cache *kv, int layer,
+			      const float *k, const float *v, const int64_t *slots, int n);
 };
 
 #define MLENS_BACKEND_EVENTS 16

@@ -650,16 +650,19 @@ END_TEST
 
 /* Sequences get blocks from a shuffled pool; K/V go in with kv_append
  * (layer 1 of 2) on both backends, and from the device into a third cache
- * in registered host memory (the hybrid pipeline's pool, kv_append = gpu);
- * the caches must be identical, then decode attention reads them. The
- * same host cache unregistered is refused (-EFAULT), nothing written. */
+ * in registered host memory (the hybrid pipeline's pool, kv_append = gpu)
+ * and, with kv_append_side on queue 2 behind an event on queue 0, into a
+ * fourth (K/V made on queue 0 just before: a queue 2 that did not wait
+ * would store what was there before); the caches must be identical, then
+ * decode attention reads them. The same host cache unregistered is
+ * refused (-EFAULT), nothing written. */
 static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 {
 	static const int ctxs[] = { 1, 17, 300, 1000, 4096 };
 	const int nq = 5, bs = 16, layer = 1, nh = nkv * group;
 	uint32_t n_blocks = 0, *perm, *tables[5], at = 0;
 	struct mlens_attn_query qs[5];
-	struct mlens_kv_cache kc, kg, kh;
+	struct mlens_kv_cache kc, kg, kh, ks;
 	size_t kvb, khb, row = (size_t)nkv * hd;
 	float scale = 1.0f / sqrtf((float)hd);
 	char op[32];
@@ -684,14 +687,24 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 	ck_assert(kh.k && kh.v);
 	memset(kh.k, 0, khb);
 	memset(kh.v, 0, khb);
+	ks = kh;
+	ks.k = aligned_alloc(4096, khb);
+	ks.v = aligned_alloc(4096, khb);
+	ck_assert(ks.k && ks.v);
+	memset(ks.k, 0, khb);
+	memset(ks.v, 0, khb);
 	{
 		int64_t slot0 = 0;
 		float *d1 = gpu_zeros(row * 4);
 		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kh, layer, d1, d1, &slot0, 1), -EFAULT);
+		ck_assert_int_eq(dev->ops->kv_append_side(dev->ctx, &ks, layer, d1, d1, &slot0, 1),
+				 -EFAULT);
 		gfree(d1);
 	}
 	ck_assert_int_eq(dev->ops->host_register(dev->ctx, kh.k, khb), 0);
 	ck_assert_int_eq(dev->ops->host_register(dev->ctx, kh.v, khb), 0);
+	ck_assert_int_eq(dev->ops->host_register(dev->ctx, ks.k, khb), 0);
+	ck_assert_int_eq(dev->ops->host_register(dev->ctx, ks.v, khb), 0);
 	for (int i = 0; i < nq; i++) {
 		int nb = (ctxs[i] + bs - 1) / bs, len = ctxs[i];
 		int64_t *slots = malloc((size_t)len * 8);
@@ -704,6 +717,29 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 		ck_assert_int_eq(cpu.ops->kv_append(cpu.ctx, &kc, layer, k, v, slots, len), 0);
 		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kg, layer, dk, dv, slots, len), 0);
 		ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kh, layer, dk, dv, slots, len), 0);
+		{
+			/* K/V zeroed, then copied in on queue 0 from pinned
+			 * memory right before queue 2 stores them */
+			size_t kb = (size_t)len * row * 4;
+			float *sk = gpu_zeros(kb), *sv = gpu_zeros(kb);
+			float *hk = dev->ops->host_alloc(dev->ctx, kb), *hv = dev->ops->host_alloc(dev->ctx, kb);
+			ck_assert(hk && hv);
+			memcpy(hk, k, kb);
+			memcpy(hv, v, kb);
+			ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+			ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, sk, hk, kb, true), 0);
+			ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, sv, hv, kb, true), 0);
+			ck_assert_int_eq(dev->ops->event_record(dev->ctx, 0, 10), 0);
+			ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 2, 10), 0);
+			ck_assert_int_eq(dev->ops->kv_append_side(dev->ctx, &ks, layer, sk, sv, slots, len),
+					 0);
+			memset(slots, 0xff, (size_t)len * 8);	/* read before it returned */
+			ck_assert_int_eq(dev->ops->event_record(dev->ctx, 2, 11), 0);
+			ck_assert_int_eq(dev->ops->event_sync(dev->ctx, 11), 0);
+			gfree(sk); gfree(sv);
+			dev->ops->host_free(dev->ctx, hk);
+			dev->ops->host_free(dev->ctx, hv);
+		}
 		qs[i] = (struct mlens_attn_query){ len, nb, tables[i] };
 		free(slots); free(k); free(v);
 		gfree(dk); gfree(dv);
@@ -716,6 +752,9 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 		ck_assert_msg(!memcmp(kh.k, kc.k, kvb) && !memcmp(kh.v, kc.v, kvb),
 			      "kv_append: the device's stores into registered host memory differ from "
 			      "the CPU cache (%s)", mlens_dtype_name(kdt));
+		ck_assert_msg(!memcmp(ks.k, kc.k, kvb) && !memcmp(ks.v, kc.v, kvb),
+			      "kv_append_side: the side queue's stores into registered host memory "
+			      "differ from the CPU cache (%s)", mlens_dtype_name(kdt));
 		record("kv_append", 0.0, 0.0, "%s kv=%d hd=%d", mlens_dtype_name(kdt), nkv, hd);
 		free(gk);
 		free(gv);
@@ -737,7 +776,10 @@ static void decode_case(enum mlens_dtype kdt, int nkv, int group, int hd)
 	gfree(kg.k); gfree(kg.v);
 	dev->ops->host_unregister(dev->ctx, kh.k);
 	dev->ops->host_unregister(dev->ctx, kh.v);
+	dev->ops->host_unregister(dev->ctx, ks.k);
+	dev->ops->host_unregister(dev->ctx, ks.v);
 	free(kh.k); free(kh.v);
+	free(ks.k); free(ks.v);
 }
 
 /* Enough queries that their partials exceed one launch's area (256 MiB,
@@ -866,6 +908,8 @@ START_TEST(test_errors)
 	ck_assert_int_eq(dev->ops->gemm(dev->ctx, buf, buf, buf, MLENS_DTYPE_F32, -1, 4, 4, false),
 			 -EINVAL);
 	ck_assert_int_eq(dev->ops->kv_append(dev->ctx, &kv, 0, buf, buf, &slot, 1), -ERANGE);
+	ck_assert_int_eq(dev->ops->kv_append_side(dev->ctx, &kv, 0, buf, buf, &slot, 1), -ERANGE);
+	ck_assert_int_eq(dev->ops->kv_append_side(dev->ctx, &kv, 1, buf, buf, &slot, 1), -EINVAL);
 	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
 	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
@@ -882,6 +926,13 @@ START_TEST(test_errors)
 		bad.moe_streams = 0;
 		bad.sync = (enum mlens_gpu_sync)(MLENS_GPU_SYNC_BLOCK + 1);
 		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		/* a side append block count that is not 1..65535 */
+		bad.sync = MLENS_GPU_SYNC_AUTO;
+		setenv("MLENS_CUDA_APPEND_BLOCKS", "0", 1);
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		setenv("MLENS_CUDA_APPEND_BLOCKS", "12x", 1);
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		unsetenv("MLENS_CUDA_APPEND_BLOCKS");
 	}
 	/* the backend still works afterwards */
 	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
@@ -978,7 +1029,9 @@ int main(void)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
-	/* the MoE's experts: on 2 streams (the default) in gpu and gpu_exact,
+	/* gpu_sm's side K/V append runs in 3 blocks (each takes many tokens);
+	 * the others' in a quarter of the SMs.
+	 * the MoE's experts: on 2 streams (the default) in gpu and gpu_exact,
 	 * one after another in gpu_sm, over 4 streams in gpu_tc. gpu_tc,
 	 * created last, sets the device's sync mode to block for the whole
 	 * process: every test below waits for the GPU asleep */
@@ -999,7 +1052,8 @@ int main(void)
 	/* CUDA does not survive fork(): run the tests in this process */
 	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
 	    mlens_backend_create(&gpu_exact, "cuda", &ox) ||
-	    mlens_backend_create(&gpu_sm, "cuda", &osm) || mlens_backend_create(&gpu_tc, "cuda", &otc)) {
+	    (setenv("MLENS_CUDA_APPEND_BLOCKS", "3", 1), mlens_backend_create(&gpu_sm, "cuda", &osm)) ||
+	    (unsetenv("MLENS_CUDA_APPEND_BLOCKS"), mlens_backend_create(&gpu_tc, "cuda", &otc))) {
 		fprintf(stderr, "check_cuda: cannot create the backends\n");
 		return 1;
 	}

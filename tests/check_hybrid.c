@@ -811,15 +811,52 @@ static int fa_fail_in;
  * was waited for, gets wrong bytes. */
 #define FA_Q2_MAX 4096
 static pthread_mutex_t fa_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct { void *dst; const void *src; size_t bytes; } fa_q2[FA_Q2_MAX];
-static int fa_q2_n, fa_q2_done, fa_q2_copies;
-static int fa_q2_upto[MLENS_BACKEND_EVENTS];	/* the copies before a queue-2 record */
+/* a copy, or (kv set) a K/V append of n rows at slots (kv_append_side) */
+static struct fa_q2_op {
+	void *dst;
+	const void *src;
+	size_t bytes;
+	struct mlens_kv_cache *kv;
+	const float *k, *v;
+	int64_t *slots;
+	int layer, n;
+} fa_q2[FA_Q2_MAX];
+static int fa_q2_n, fa_q2_done, fa_q2_copies, fa_q2_appends;
+static int fa_q2_upto[MLENS_BACKEND_EVENTS];	/* the ops before a queue-2 record */
 static bool fa_on_q2[MLENS_BACKEND_EVENTS];	/* the event's last record was on queue 2 */
+
+/* The append as kv_append stores it (element by element, the pool's dtype),
+ * reading k and v as they are now. */
+static void fa_append_now(const struct fa_q2_op *o)
+{
+	const struct mlens_kv_cache *kv = o->kv;
+	int hd = kv->head_dim, nkv = kv->n_kv_heads;
+	for (int i = 0; i < o->n; i++) {
+		uint32_t b = (uint32_t)(o->slots[i] / kv->block_size);
+		int off = (int)(o->slots[i] % kv->block_size);
+		for (int g = 0; g < nkv; g++) {
+			size_t at = mlens_kv_index(kv, o->layer, b, g, off);
+			for (int d = 0; d < hd; d++) {
+				size_t src = ((size_t)i * nkv + g) * hd + d;
+				mlens_store(kv->k, kv->dtype, at + d, o->k[src]);
+				mlens_store(kv->v, kv->dtype, at + d, o->v[src]);
+			}
+		}
+	}
+}
 
 static void fa_q2_flush(int upto)	/* under fa_mu */
 {
-	for (; fa_q2_done < upto && fa_q2_done < fa_q2_n; fa_q2_done++)
-		memcpy(fa_q2[fa_q2_done].dst, fa_q2[fa_q2_done].src, fa_q2[fa_q2_done].bytes);
+	for (; fa_q2_done < upto && fa_q2_done < fa_q2_n; fa_q2_done++) {
+		struct fa_q2_op *o = &fa_q2[fa_q2_done];
+		if (o->kv) {
+			fa_append_now(o);
+			free(o->slots);
+			o->kv = NULL;
+		} else {
+			memcpy(o->dst, o->src, o->bytes);
+		}
+	}
 	if (fa_q2_done == fa_q2_n) {
 		fa_q2_n = fa_q2_done = 0;
 		memset(fa_q2_upto, 0, sizeof(fa_q2_upto));
@@ -836,6 +873,7 @@ static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t byte
 		pthread_mutex_lock(&fa_mu);
 		if (fa_q2_n == FA_Q2_MAX)
 			fa_q2_flush(fa_q2_n);	/* a full queue runs (earlier is allowed) */
+		fa_q2[fa_q2_n].kv = NULL;
 		fa_q2[fa_q2_n].dst = dst;
 		fa_q2[fa_q2_n].src = src;
 		fa_q2[fa_q2_n++].bytes = bytes;
@@ -844,6 +882,28 @@ static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t byte
 		return 0;
 	}
 	memcpy(dst, src, bytes);
+	return 0;
+}
+/* kv_append_side: held on queue 2 like the copies, the slots read now */
+static int fa_append_side(void *ctx, struct mlens_kv_cache *kv, int layer, const float *k,
+			  const float *v, const int64_t *slots, int n)
+{
+	int64_t *own = malloc((size_t)(n > 0 ? n : 1) * sizeof(*own));
+	(void)ctx;
+	if (!own)
+		return -ENOMEM;
+	memcpy(own, slots, (size_t)n * sizeof(*own));
+	pthread_mutex_lock(&fa_mu);
+	if (fa_q2_n == FA_Q2_MAX)
+		fa_q2_flush(fa_q2_n);
+	fa_q2[fa_q2_n].kv = kv;
+	fa_q2[fa_q2_n].k = k;
+	fa_q2[fa_q2_n].v = v;
+	fa_q2[fa_q2_n].slots = own;
+	fa_q2[fa_q2_n].layer = layer;
+	fa_q2[fa_q2_n++].n = n;
+	fa_q2_appends++;
+	pthread_mutex_unlock(&fa_mu);
 	return 0;
 }
 static int fa_record(void *ctx, int queue, int ev)
@@ -879,6 +939,8 @@ static int fa_reserve(void *ctx, size_t bytes)
 	return 0;
 }
 static struct mlens_backend_ops fa_ops;
+/* make_async gives the device kv_append_side (with a side queue) */
+static bool fa_with_append_side;
 
 static void make_async(struct mlens_backend *be, bool side)
 {
@@ -894,7 +956,8 @@ static void make_async(struct mlens_backend *be, bool side)
 	fa_ops.event_sync = fa_sync;
 	fa_ops.scratch_reserve = fa_reserve;
 	fa_ops.side_queue = side;
-	fa_q2_n = fa_q2_done = fa_q2_copies = 0;
+	fa_ops.kv_append_side = side && fa_with_append_side ? fa_append_side : NULL;
+	fa_q2_n = fa_q2_done = fa_q2_copies = fa_q2_appends = 0;
 	memset(fa_on_q2, 0, sizeof(fa_on_q2));
 	be->ops = &fa_ops;
 }
@@ -1016,6 +1079,8 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
 			/* with the GPU side appending, the host side appends nothing */
 			ck_assert_int_eq(st->gpu_kv_append, run_gpu_append);
+			ck_assert_int_eq(st->kv_append_side, run_gpu_append && async && side_out &&
+							      fa_with_append_side);
 			if (run_gpu_append)
 				ck_assert(st->cpu_append_s == 0);
 			else
@@ -1111,6 +1176,28 @@ START_TEST(exec_equal_gpu_kv_append)
 	run_equal(2, 0, false, true, true);
 	run_equal(2, 4, false, true, false);
 	run_equal(1, 3, true, true, false);
+	run_gpu_append = false;
+}
+END_TEST
+
+/* ... on the side queue (kv_append_side), which stores as late as it may
+ * (fa_append_side: when an event recorded on queue 2 after it is waited
+ * for, from the rows as they are then): a C that attended before waiting,
+ * or a GA that overwrote a set's K/V before, would read or store wrong
+ * values. */
+START_TEST(exec_equal_gpu_kv_append_side)
+{
+	run_gpu_append = true;
+	fa_with_append_side = true;
+	run_equal(2, 0, false, true, true);
+	ck_assert_int_gt(fa_q2_appends, 0);
+	run_equal(2, 4, false, true, true);	/* cut prompts read earlier groups' stores */
+	ck_assert_int_gt(fa_q2_appends, 0);
+	run_equal(1, 3, true, true, true);	/* prefill on the CPU */
+	ck_assert_int_gt(fa_q2_appends, 0);
+	run_equal(2, 0, false, true, false);	/* no side queue: the compute queue's append */
+	ck_assert_int_eq(fa_q2_appends, 0);
+	fa_with_append_side = false;
 	run_gpu_append = false;
 }
 END_TEST
@@ -1457,6 +1544,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_prefill_on_cpu);
 	tcase_add_test(t, exec_equal_side_copies);
 	tcase_add_test(t, exec_equal_gpu_kv_append);
+	tcase_add_test(t, exec_equal_gpu_kv_append_side);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);

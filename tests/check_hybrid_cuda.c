@@ -46,7 +46,8 @@ static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM
 /* the last case: side copies out, bf16 prefill attention */
 static const bool side_tc[N_CASES] = { false, false, false, true };
 /* the GPU writes K/V into the pool in host memory (kv_append = gpu): an
- * f32 and a bf16 pool; the others append on the CPU */
+ * f32 and a bf16 pool, the bf16 one from the side queue (kv_append_side,
+ * with the side copies); the others append on the CPU */
 static const bool gpu_append[N_CASES] = { true, false, false, true };
 
 static struct mlens_test_spec spec(enum mlens_dtype dt)
@@ -169,6 +170,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert(!mlens_pipeline_stats(p)->prefill_cpu);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->side_copy_out, side_tc[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->gpu_kv_append, gpu_append[_i]);
+		ck_assert_int_eq(mlens_pipeline_stats(p)->kv_append_side, gpu_append[_i] && side_tc[_i]);
 	}
 	run(e, prompt, tok, got, true, (int)V);
 	ck_assert_int_eq(cudaMemGetInfo(&free1, &total), cudaSuccess);

@@ -605,21 +605,25 @@ template <> struct kv_vec<__nv_bfloat16> {
 	}
 };
 
+/* Token i of n at slots[i]; a block takes tokens blockIdx.x, + gridDim.x,
+ * ... (one token a block on the compute stream, a grid-stride loop in the
+ * side append's capped grid). */
 template <typename T>
 __global__ void kv_append_kernel(T *kc, T *vc, const float *k, const float *v,
-				 const int64_t *slots, int layer, uint32_t n_blocks, int n_kv,
-				 int bs, int hd)
+				 const int64_t *slots, int n, int layer, uint32_t n_blocks,
+				 int n_kv, int bs, int hd)
 {
-	int i = blockIdx.x;
-	uint32_t block = (uint32_t)(slots[i] / bs);
-	int off = (int)(slots[i] % bs);
-	for (int t = threadIdx.x; t < n_kv * hd; t += blockDim.x) {
-		int g = t / hd, dd = t % hd;
-		size_t b = (size_t)layer * n_blocks + block;
-		size_t idx = ((b * n_kv + g) * bs + off) * hd + dd;
-		size_t src = (size_t)i * n_kv * hd + t;
-		kc[idx] = to_kv<T>(k[src]);
-		vc[idx] = to_kv<T>(v[src]);
+	for (int i = blockIdx.x; i < n; i += gridDim.x) {
+		uint32_t block = (uint32_t)(slots[i] / bs);
+		int off = (int)(slots[i] % bs);
+		for (int t = threadIdx.x; t < n_kv * hd; t += blockDim.x) {
+			int g = t / hd, dd = t % hd;
+			size_t b = (size_t)layer * n_blocks + block;
+			size_t idx = ((b * n_kv + g) * bs + off) * hd + dd;
+			size_t src = (size_t)i * n_kv * hd + t;
+			kc[idx] = to_kv<T>(k[src]);
+			vc[idx] = to_kv<T>(v[src]);
+		}
 	}
 }
 
@@ -627,19 +631,22 @@ __global__ void kv_append_kernel(T *kc, T *vc, const float *k, const float *v,
  * bytes (a pool in host memory takes them as PCIe writes); the values are
  * to_kv's, element by element, as the one-element kernel stores them. */
 __global__ void kv_append_bf16x2_kernel(__nv_bfloat162 *kc, __nv_bfloat162 *vc, const float *k,
-					const float *v, const int64_t *slots, int layer,
+					const float *v, const int64_t *slots, int n, int layer,
 					uint32_t n_blocks, int n_kv, int bs, int hd)
 {
-	int i = blockIdx.x;
-	uint32_t block = (uint32_t)(slots[i] / bs);
-	int off = (int)(slots[i] % bs);
-	for (int t = threadIdx.x; t < n_kv * hd / 2; t += blockDim.x) {
-		int e = 2 * t, g = e / hd, dd = e % hd;
-		size_t b = (size_t)layer * n_blocks + block;
-		size_t idx = ((b * n_kv + g) * bs + off) * hd + dd;
-		size_t src = (size_t)i * n_kv * hd + e;
-		kc[idx / 2] = __halves2bfloat162(to_kv<__nv_bfloat16>(k[src]), to_kv<__nv_bfloat16>(k[src + 1]));
-		vc[idx / 2] = __halves2bfloat162(to_kv<__nv_bfloat16>(v[src]), to_kv<__nv_bfloat16>(v[src + 1]));
+	for (int i = blockIdx.x; i < n; i += gridDim.x) {
+		uint32_t block = (uint32_t)(slots[i] / bs);
+		int off = (int)(slots[i] % bs);
+		for (int t = threadIdx.x; t < n_kv * hd / 2; t += blockDim.x) {
+			int e = 2 * t, g = e / hd, dd = e % hd;
+			size_t b = (size_t)layer * n_blocks + block;
+			size_t idx = ((b * n_kv + g) * bs + off) * hd + dd;
+			size_t src = (size_t)i * n_kv * hd + e;
+			kc[idx / 2] = __halves2bfloat162(to_kv<__nv_bfloat16>(k[src]),
+							 to_kv<__nv_bfloat16>(k[src + 1]));
+			vc[idx / 2] = __halves2bfloat162(to_kv<__nv_bfloat16>(v[src]),
+							 to_kv<__nv_bfloat16>(v[src + 1]));
+		}
 	}
 }
 
@@ -665,12 +672,15 @@ static int device_view(void *p, void **out)
 	return -EFAULT;
 }
 
-int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
-			 const float *k, const float *v, const int64_t *slots, int n)
+/* The append on stream st (its metadata through stager sg), in at most
+ * max_grid blocks. */
+static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaStream_t st,
+			int max_grid, struct mlens_kv_cache *kv, int layer, const float *k,
+			const float *v, const int64_t *slots, int n)
 {
 	char *h, *d;
 	void *kd, *vd;
-	int rc;
+	int rc, grid = n < max_grid ? n : max_grid;
 
 	if (n < 0 || layer < 0 || layer >= kv->n_layers || kv->block_size <= 0 ||
 	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16))
@@ -684,25 +694,38 @@ int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, in
 	 * hybrid pipeline's pool) */
 	if ((rc = device_view(kv->k, &kd)) || (rc = device_view(kv->v, &vd)))
 		return rc;
-	if ((rc = mlens_cuda_stage_begin(c, (size_t)n * 8, &h, &d)))
+	if ((rc = mlens_cuda_stager_begin(c, sg, (size_t)n * 8, &h, &d)))
 		return rc;
 	memcpy(h, slots, (size_t)n * 8);
-	if ((rc = mlens_cuda_stage_commit(c, (size_t)n * 8)))
+	if ((rc = mlens_cuda_stager_commit(c, sg, (size_t)n * 8)))
 		return rc;
 	if (kv->dtype == MLENS_DTYPE_F32)
-		kv_append_kernel<float><<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
-			(float *)kd, (float *)vd, k, v, (const int64_t *)d, layer,
+		kv_append_kernel<float><<<grid, MLENS_CUDA_THREADS, 0, st>>>(
+			(float *)kd, (float *)vd, k, v, (const int64_t *)d, n, layer,
 			kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
 	else if (kv->head_dim % 2 == 0)
-		kv_append_bf16x2_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
-			(__nv_bfloat162 *)kd, (__nv_bfloat162 *)vd, k, v, (const int64_t *)d,
+		kv_append_bf16x2_kernel<<<grid, MLENS_CUDA_THREADS, 0, st>>>(
+			(__nv_bfloat162 *)kd, (__nv_bfloat162 *)vd, k, v, (const int64_t *)d, n,
 			layer, kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
 	else
-		kv_append_kernel<__nv_bfloat16><<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(
-			(__nv_bfloat16 *)kd, (__nv_bfloat16 *)vd, k, v, (const int64_t *)d,
+		kv_append_kernel<__nv_bfloat16><<<grid, MLENS_CUDA_THREADS, 0, st>>>(
+			(__nv_bfloat16 *)kd, (__nv_bfloat16 *)vd, k, v, (const int64_t *)d, n,
 			layer, kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
 	CUDA_LAUNCHED();
 	return 0;
+}
+
+int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
+			 const float *k, const float *v, const int64_t *slots, int n)
+{
+	return kv_append_on(c, &c->stage, c->stream, n, kv, layer, k, v, slots, n);
+}
+
+int mlens_cuda_kv_append_side(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
+			      const float *k, const float *v, const int64_t *slots, int n)
+{
+	return kv_append_on(c, &c->side_stage, c->side_stream, c->side_append_blocks, kv, layer,
+			    k, v, slots, n);
 }
 
 /* ==== decode ==== */

@@ -253,9 +253,10 @@ int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t
 
 /* ==== staging and scratch ==== */
 
-int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev)
+int mlens_cuda_stager_begin(struct mlens_cuda_ctx *c, struct cuda_stager *s, size_t bytes,
+			    char **host, char **dev)
 {
-	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
+	struct cuda_stage_slot *sl = &s->slot[s->next];
 
 	/* the copy that last read this slot must be done */
 	CUDA_RET(cudaEventSynchronize(sl->done));
@@ -269,37 +270,62 @@ int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, 
 		sl->h = h;
 		sl->cap = cap;
 	}
-	if (bytes > c->d_stage_cap) {
-		size_t cap = c->d_stage_cap ? c->d_stage_cap : 64 * 1024;
+	if (bytes > s->d_cap) {
+		size_t cap = s->d_cap ? s->d_cap : 64 * 1024;
 		char *d;
 		while (cap < bytes)
 			cap *= 2;
-		dev_free(c, c->d_stage);	/* cudaFree waits for its readers */
-		c->d_stage = NULL;
-		c->d_stage_cap = 0;
+		dev_free(c, s->d);	/* cudaFree waits for its readers */
+		s->d = NULL;
+		s->d_cap = 0;
 		d = (char *)dev_alloc(c, cap);
 		if (!d)
 			return -errno;
-		c->d_stage = d;
-		c->d_stage_cap = cap;
+		s->d = d;
+		s->d_cap = cap;
 	}
 	*host = sl->h;
-	*dev = c->d_stage;
+	*dev = s->d;
 	return 0;
+}
+
+int mlens_cuda_stager_commit(struct mlens_cuda_ctx *c, struct cuda_stager *s, size_t used)
+{
+	struct cuda_stage_slot *sl = &s->slot[s->next];
+
+	s->next = (s->next + 1) % MLENS_CUDA_STAGE_SLOTS;
+	if (used) {
+		int rc;
+		cudaPointerAttributes a;
+		/* the compute stream's copies go through mlens_cuda_copy
+		 * (sm_copy or an engine); others by the SMs on their stream,
+		 * reading the slot through its mapping: an H2D copy engine
+		 * would queue them behind the weight stream's pieces (on the
+		 * H200 that held the side K/V append ~17 ms a group) */
+		if (s == &c->stage)
+			rc = mlens_cuda_copy(c, s->d, sl->h, used, true);
+		else if (cudaPointerGetAttributes(&a, sl->h) == cudaSuccess && a.devicePointer)
+			rc = mlens_cuda_sm_copy_on(c, s->stream, s->d, a.devicePointer, used);
+		else {	/* cudaHostAlloc memory is mapped wherever UVA is */
+			cudaGetLastError();
+			rc = mlens_cuda_rc(cudaErrorInvalidValue, "mapping a side staging slot",
+					   __FILE__, __LINE__);
+		}
+		if (rc)
+			return rc;
+	}
+	CUDA_RET(cudaEventRecord(sl->done, s->stream));
+	return 0;
+}
+
+int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev)
+{
+	return mlens_cuda_stager_begin(c, &c->stage, bytes, host, dev);
 }
 
 int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used)
 {
-	struct cuda_stage_slot *sl = &c->stage[c->stage_next];
-
-	c->stage_next = (c->stage_next + 1) % MLENS_CUDA_STAGE_SLOTS;
-	if (used) {
-		int rc = mlens_cuda_copy(c, c->d_stage, sl->h, used, true);
-		if (rc)
-			return rc;
-	}
-	CUDA_RET(cudaEventRecord(sl->done, c->stream));
-	return 0;
+	return mlens_cuda_stager_commit(c, &c->stage, used);
 }
 
 /* The scratch at exactly cap bytes (cap 0: none). */
@@ -757,6 +783,12 @@ static int cuda_kv_append(void *ctx, struct mlens_kv_cache *kv, int layer,
 	return mlens_cuda_kv_append((struct mlens_cuda_ctx *)ctx, kv, layer, k, v, slots, n);
 }
 
+static int cuda_kv_append_side(void *ctx, struct mlens_kv_cache *kv, int layer,
+			       const float *k, const float *v, const int64_t *slots, int n)
+{
+	return mlens_cuda_kv_append_side((struct mlens_cuda_ctx *)ctx, kv, layer, k, v, slots, n);
+}
+
 static int cuda_attn_decode(void *ctx, float *out, const float *q,
 			    const struct mlens_kv_cache *kv, int layer,
 			    const struct mlens_attn_query *queries, int n, int n_heads,
@@ -950,12 +982,18 @@ static void cuda_destroy(void *ctx)
 	if (c->blas)
 		cublasDestroy(c->blas);
 	dev_free(c, c->blas_ws);
-	dev_free(c, c->d_stage);
+	if (c->side_stream)
+		cudaStreamSynchronize(c->side_stream);
+	dev_free(c, c->stage.d);
+	dev_free(c, c->side_stage.d);
 	dev_free(c, c->d_scratch);
 	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
-		cudaFreeHost(c->stage[i].h);
-		if (c->stage[i].done)
-			cudaEventDestroy(c->stage[i].done);
+		struct cuda_stage_slot *sl[2] = { &c->stage.slot[i], &c->side_stage.slot[i] };
+		for (int j = 0; j < 2; j++) {
+			cudaFreeHost(sl[j]->h);
+			if (sl[j]->done)
+				cudaEventDestroy(sl[j]->done);
+		}
 	}
 	cudaFreeHost(c->h_back);
 	cudaFreeHost(c->h_sample);
@@ -1027,6 +1065,7 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_bind_thread,
 	cuda_scratch_reserve,
 	true,	/* side_queue */
+	cuda_kv_append_side,
 };
 
 extern "C" bool mlens_cuda_available(void)
@@ -1054,6 +1093,30 @@ extern "C" int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_
 		return -EINVAL;
 	CUDA_RET(cudaSetDevice(((const struct mlens_cuda_ctx *)be->ctx)->device));
 	CUDA_RET(cudaMemGetInfo(free_bytes, total_bytes));
+	return 0;
+}
+
+/* The side K/V append's block count: MLENS_CUDA_APPEND_BLOCKS when set (a
+ * tuning knob, 1 to 65535), else a quarter of the SMs. Its stores cross
+ * PCIe and wait on the link, not on the SMs; a grid of one block a token
+ * would take every SM from queue 0's kernels while it runs. */
+static int side_append_blocks(struct mlens_cuda_ctx *c)
+{
+	const char *e = getenv("MLENS_CUDA_APPEND_BLOCKS");
+	int sms = 0;
+	if (e && *e) {
+		char *end;
+		long v = strtol(e, &end, 10);
+		if (*end || v < 1 || v > 65535) {
+			fprintf(stderr, "mlens cuda: MLENS_CUDA_APPEND_BLOCKS '%s' is not a count "
+				"of 1 to 65535\n", e);
+			return -EINVAL;
+		}
+		c->side_append_blocks = (int)v;
+		return 0;
+	}
+	CUDA_RET(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->device));
+	c->side_append_blocks = sms >= 8 ? sms / 4 : 2;
 	return 0;
 }
 
@@ -1106,11 +1169,18 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->side_stream, cudaStreamNonBlocking), rc, fail);
 	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
 		CUDA_GOTO(cudaEventCreateWithFlags(&c->events[i], cudaEventDisableTiming), rc, fail);
+	c->stage.stream = c->stream;
+	c->side_stage.stream = c->side_stream;
 	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
-		CUDA_GOTO(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming),
-			  rc, fail);
-		CUDA_GOTO(cudaEventRecord(c->stage[i].done, c->stream), rc, fail);
+		struct cuda_stager *st[2] = { &c->stage, &c->side_stage };
+		for (int j = 0; j < 2; j++) {
+			CUDA_GOTO(cudaEventCreateWithFlags(&st[j]->slot[i].done,
+							   cudaEventDisableTiming), rc, fail);
+			CUDA_GOTO(cudaEventRecord(st[j]->slot[i].done, st[j]->stream), rc, fail);
+		}
 	}
+	if ((rc = side_append_blocks(c)))
+		goto fail;
 	bs = cublasCreate(&c->blas);
 	if (bs != CUBLAS_STATUS_SUCCESS) {
 		c->blas = NULL;

@@ -30,6 +30,18 @@ struct cuda_stage_slot {
 	cudaEvent_t done;	/* the copy out of h has finished */
 };
 
+/* One stream's metadata staging. The host side is a ring, so the host can
+ * fill op N+1's metadata while op N's copy still waits in the stream; one
+ * device area suffices since the stream orders each copy after the
+ * kernels that read the last. */
+struct cuda_stager {
+	struct cuda_stage_slot slot[MLENS_CUDA_STAGE_SLOTS];
+	int next;
+	char *d;
+	size_t d_cap;
+	cudaStream_t stream;	/* its copies and their readers */
+};
+
 struct mlens_cuda_ctx {
 	int device;
 	cudaStream_t stream;
@@ -47,14 +59,13 @@ struct mlens_cuda_ctx {
 	cudaStream_t moe_stream[MLENS_MOE_STREAMS_MAX];
 	cudaEvent_t moe_fork, moe_join[MLENS_MOE_STREAMS_MAX];
 
-	/* host metadata goes pinned host -> device staging, one copy per op.
-	 * The host side is a ring, so the host can fill op N+1's metadata while
-	 * op N's copy still waits in the stream; one device area suffices since
-	 * the stream orders each copy after the kernels that read the last. */
-	struct cuda_stage_slot stage[MLENS_CUDA_STAGE_SLOTS];
-	int stage_next;
-	char *d_stage;
-	size_t d_stage_cap;
+	/* host metadata goes pinned host -> device staging, one copy per op:
+	 * the compute stream's ops through stage, the side K/V append (queue
+	 * 2) through side_stage */
+	struct cuda_stager stage, side_stage;
+	/* blocks of the side K/V append kernel at most (a grid-stride loop
+	 * over the tokens), so that it leaves most SMs to queue 0's kernels */
+	int side_append_blocks;
 
 	/* device scratch for converted activations, permutations, partials */
 	char *d_scratch;
@@ -132,7 +143,11 @@ int mlens_cublas_rc(cublasStatus_t s, const char *what, const char *file, int li
 
 /* Staging of host metadata: begin returns the pinned host area (at least
  * bytes long, free to overwrite) and its device twin; commit copies the
- * first used bytes over on the stream. Offsets inside are the caller's. */
+ * first used bytes over on the stager's stream. Offsets inside are the
+ * caller's. The stage_ pair is the compute stream's (c->stage). */
+int mlens_cuda_stager_begin(struct mlens_cuda_ctx *c, struct cuda_stager *s, size_t bytes,
+			    char **host, char **dev);
+int mlens_cuda_stager_commit(struct mlens_cuda_ctx *c, struct cuda_stager *s, size_t used);
 int mlens_cuda_stage_begin(struct mlens_cuda_ctx *c, size_t bytes, char **host, char **dev);
 int mlens_cuda_stage_commit(struct mlens_cuda_ctx *c, size_t used);
 
@@ -208,6 +223,9 @@ int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
 /* dst[bytes] = src[bytes] by the SMs, on the stream; either side may be
  * mapped host memory (its device address). */
 int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes);
+/* The same on stream st. */
+int mlens_cuda_sm_copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, void *dst, const void *src,
+			  size_t bytes);
 /* Greedy token and log-softmax of it (temperature 1) per row, device out. */
 int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs,
 		      const float *logits, int n, int vocab);
@@ -218,6 +236,10 @@ int mlens_cuda_attn_prefill(struct mlens_cuda_ctx *c, float *out, const float *q
 			    int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale);
 int mlens_cuda_kv_append(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
 			 const float *k, const float *v, const int64_t *slots, int n);
+/* The same on the side stream (queue 2), in at most c->side_append_blocks
+ * blocks. */
+int mlens_cuda_kv_append_side(struct mlens_cuda_ctx *c, struct mlens_kv_cache *kv, int layer,
+			      const float *k, const float *v, const int64_t *slots, int n);
 int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 			   const struct mlens_kv_cache *kv, int layer,
 			   const struct mlens_attn_query *queries, int n, int n_heads,

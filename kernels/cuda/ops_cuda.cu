@@ -509,6 +509,12 @@ __global__ void sm_copy_kernel(char *dst, const char *src, size_t bytes, bool wi
 
 int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes)
 {
+	return mlens_cuda_sm_copy_on(c, c->stream, dst, src, bytes);
+}
+
+int mlens_cuda_sm_copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, void *dst, const void *src,
+			  size_t bytes)
+{
 	bool wide = !(((uintptr_t)dst | (uintptr_t)src) & 15);
 	size_t units = wide ? (bytes + 15) / 16 : bytes;
 	/* up to 8 blocks an SM of an H200 (132 SMs), enough to keep PCIe busy */
@@ -517,8 +523,9 @@ int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, siz
 		blocks = 1056;
 	if (!bytes)
 		return 0;
-	sm_copy_kernel<<<blocks, MLENS_CUDA_THREADS, 0, c->stream>>>((char *)dst, (const char *)src,
-								      bytes, wide);
+	(void)c;
+	sm_copy_kernel<<<blocks, MLENS_CUDA_THREADS, 0, st>>>((char *)dst, (const char *)src, bytes,
+							       wide);
 	CUDA_LAUNCHED();
 	return 0;
 }

@@ -3,9 +3,11 @@
  * call on the same data, one expert's GEMMs at the row counts a MoE chunk
  * gives it, the MoE layer (4096 tokens, 8 experts, top-2) per MoE stream
  * count and tokens per call,
- * prefill flash attention and paged decode attention. Prints one JSON
+ * prefill flash attention and paged decode attention, and the K/V append
+ * into a pool in registered host memory (bench_kv_store). Prints one JSON
  * object on stdout and a table on stderr. Not a test: it asserts nothing.
- * Usage: bench_cuda [fast|exact], the backend's GEMM mode (default fast). */
+ * Usage: bench_cuda [fast|exact] [kv-store]: the backend's GEMM mode
+ * (default fast); kv-store runs only the K/V append. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -353,15 +355,203 @@ static int bench_attn(void)
 	return 0;
 }
 
+/* The K/V append into a pool in registered host memory (the hybrid
+ * pipeline's kv_append = gpu): Mixtral's 8 KV heads x 128 in bf16, n rows
+ * of fp32 K and V on the device stored into blocks drawn at random from a
+ * 2 x 2 GiB pool. GB/s of bytes stored: on the compute queue (a block a
+ * row), then on the side queue (kv_append_side) at several block counts
+ * (MLENS_CUDA_APPEND_BLOCKS, a backend each), alone and beside a run of
+ * bf16 GEMMs (4096 x 4096 -> 14336) on queue 0 that takes about twice as
+ * long: when the append is done (what the pipeline's host side waits
+ * for), and how much longer the GEMMs took than alone; then again with
+ * 256 MiB of H2D copies queued on queue 1 first (the weight stream). */
+#define KVS_REPS 5
+static double kvs_time(struct mlens_backend *b, int queue, struct mlens_kv_cache *kv, float *k,
+		       float *v, const int64_t *slots, int n)
+{
+	double best = 1e30;
+	for (int r = 0; r < KVS_REPS + 1; r++) {
+		double t0 = now(), t;
+		int rc = queue ? b->ops->kv_append_side(b->ctx, kv, 0, k, v, slots, n)
+			       : b->ops->kv_append(b->ctx, kv, 0, k, v, slots, n);
+		if (rc || b->ops->event_record(b->ctx, queue ? 2 : 0, 15) ||
+		    b->ops->event_sync(b->ctx, 15))
+			return -1;
+		t = now() - t0;
+		if (r && t < best)
+			best = t;
+	}
+	return best;
+}
+
+static int bench_kv_store(const struct mlens_backend_opts *o)
+{
+	static const char *const blocks[] = { "65535", "132", "66", "33", "16", "8" };
+	const int n = 16384, nkv = 8, hd = 128, bs = 16, M = 4096, K = 4096, N = 14336;
+	struct mlens_kv_cache kv = { MLENS_DTYPE_BF16, 1, nkv, hd, bs, 65536, NULL, NULL };
+	size_t pool = mlens_kv_bytes(&kv), row = (size_t)nkv * hd;
+	double stored = (double)n * (double)row * 2 * 2, t;
+	int64_t *slots = malloc((size_t)n * 8);
+	uint32_t *perm = malloc((size_t)kv.n_blocks * 4);
+	void *hbuf = be.ops->host_alloc(be.ctx, 64u << 20), *dbuf = be.ops->alloc(be.ctx, 64u << 20);
+	const char *env0 = getenv("MLENS_CUDA_APPEND_BLOCKS");
+	char *keep = env0 ? strdup(env0) : NULL;
+	float *k = dev_random((size_t)n * row, MLENS_DTYPE_F32, 1.0f);
+	float *v = dev_random((size_t)n * row, MLENS_DTYPE_F32, 1.0f);
+	int rc = 0;
+
+	kv.k = aligned_alloc(2u << 20, pool);
+	kv.v = aligned_alloc(2u << 20, pool);
+	if (!slots || !perm || !k || !v || !kv.k || !kv.v)
+		FAIL("kv store set-up");
+	memset(kv.k, 0, pool);
+	memset(kv.v, 0, pool);
+	if (be.ops->host_register(be.ctx, kv.k, pool) || be.ops->host_register(be.ctx, kv.v, pool))
+		FAIL("registering the pool");
+	for (uint32_t b = 0; b < kv.n_blocks; b++)
+		perm[b] = b;
+	for (uint32_t b = 0; b < (uint32_t)(n / bs); b++) {	/* a partial Fisher-Yates */
+		uint32_t j, x = perm[b];
+		rnd();
+		j = b + (uint32_t)((rng >> 11) % (kv.n_blocks - b));
+		perm[b] = perm[j];
+		perm[j] = x;
+	}
+	for (int i = 0; i < n; i++)
+		slots[i] = (int64_t)perm[i / bs] * bs + i % bs;
+	if ((t = kvs_time(&be, 0, &kv, k, v, slots, n)) < 0)
+		FAIL("kv_append");
+	printf(",\n  \"kv_store\": {\"rows\": %d, \"bytes\": %.0f, \"compute_queue_gbs\": %.2f, "
+	       "\"side\": [", n, stored, stored / t * 1e-9);
+	fprintf(stderr, "kv store %d rows (%.1f MB, bf16 8x128): compute queue %.2f GB/s\n", n,
+		stored / 1e6, stored / t * 1e-9);
+	for (size_t c = 0; c < sizeof(blocks) / sizeof(blocks[0]) && !rc; c++) {
+		struct mlens_backend b;
+		void *w = NULL;
+		float *x = NULL, *out = NULL;
+		double t_side, t_g1, t_g, t_app, t_both, t_stream = 0, t0;
+		int reps;
+		setenv("MLENS_CUDA_APPEND_BLOCKS", blocks[c], 1);
+		if (mlens_backend_create(&b, "cuda", o)) {
+			rc = 1;
+			break;
+		}
+		w = b.ops->alloc(b.ctx, (size_t)N * K * 2);
+		x = b.ops->alloc(b.ctx, (size_t)M * K * 4);
+		out = b.ops->alloc(b.ctx, (size_t)M * N * 4);
+		/* the pool is registered with the context already (-EEXIST) */
+		b.ops->host_register(b.ctx, kv.k, pool);
+		b.ops->host_register(b.ctx, kv.v, pool);
+		/* k and v are be's, done (synchronised) before this backend's
+		 * queues start: one device, one context */
+		if (!w || !x || !out || (t_side = kvs_time(&b, 2, &kv, k, v, slots, n)) < 0) {
+			rc = 1;
+		} else {
+			b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+			b.ops->sync(b.ctx);
+			t0 = now();
+			for (int i = 0; i < 5; i++)
+				b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+			b.ops->sync(b.ctx);
+			t_g1 = (now() - t0) / 5;
+			reps = (int)(2 * t_side / t_g1) + 1;
+			t0 = now();
+			for (int i = 0; i < reps; i++)
+				b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+			b.ops->sync(b.ctx);
+			t_g = now() - t0;
+			/* as the pipeline: queue 2 waits for an event after the
+			 * first kernel, then the GEMMs go on beside the stores */
+			t0 = now();
+			b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+			b.ops->event_record(b.ctx, 0, 14);
+			b.ops->event_wait(b.ctx, 2, 14);
+			b.ops->kv_append_side(b.ctx, &kv, 0, k, v, slots, n);
+			b.ops->event_record(b.ctx, 2, 15);
+			for (int i = 1; i < reps; i++)
+				b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+			b.ops->event_sync(b.ctx, 15);
+			t_app = now() - t0;
+			b.ops->sync(b.ctx);
+			t_both = now() - t0;
+			/* and with the weight stream's H2D copies queued on queue
+			 * 1 first (4 x 64 MiB): what the pipeline runs beside */
+			if (hbuf && dbuf) {
+				for (int i = 0; i < 4; i++)
+					b.ops->copy_async(b.ctx, 1, dbuf, hbuf, 64u << 20, true);
+				t0 = now();
+				b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+				b.ops->event_record(b.ctx, 0, 14);
+				b.ops->event_wait(b.ctx, 2, 14);
+				b.ops->kv_append_side(b.ctx, &kv, 0, k, v, slots, n);
+				b.ops->event_record(b.ctx, 2, 15);
+				for (int i = 1; i < reps; i++)
+					b.ops->gemm(b.ctx, out, x, w, MLENS_DTYPE_BF16, M, K, N, false);
+				b.ops->event_sync(b.ctx, 15);
+				t_stream = now() - t0;
+				b.ops->event_record(b.ctx, 1, 13);
+				b.ops->event_sync(b.ctx, 13);
+				b.ops->sync(b.ctx);
+			}
+			printf("%s\n    {\"blocks\": %s, \"alone_gbs\": %.2f, \"gemms\": %d, "
+			       "\"gemms_alone_ms\": %.3f, \"with_gemms_done_ms\": %.3f, "
+			       "\"gemms_with_append_ms\": %.3f, \"gemm_slowdown\": %.3f, "
+			       "\"with_gemms_and_h2d_done_ms\": %.3f}",
+			       c ? "," : "", blocks[c], stored / t_side * 1e-9, reps, t_g * 1e3,
+			       t_app * 1e3, t_both * 1e3, t_both / t_g, t_stream * 1e3);
+			fprintf(stderr, "  side, %5s blocks: alone %6.2f GB/s (%.2f ms); beside %d GEMMs "
+				"(%.2f ms alone): stores done at %.2f ms (%.2f GB/s), GEMMs %.2f ms (x%.3f); "
+				"with 256 MiB of H2D queued too: done at %.2f ms\n",
+				blocks[c], stored / t_side * 1e-9, t_side * 1e3, reps, t_g * 1e3,
+				t_app * 1e3, stored / t_app * 1e-9, t_both * 1e3, t_both / t_g,
+				t_stream * 1e3);
+		}
+		if (w)
+			b.ops->free(b.ctx, w);
+		if (x)
+			b.ops->free(b.ctx, x);
+		if (out)
+			b.ops->free(b.ctx, out);
+		mlens_backend_destroy(&b);
+	}
+	printf("\n  ]}");
+	if (keep)
+		setenv("MLENS_CUDA_APPEND_BLOCKS", keep, 1);
+	else
+		unsetenv("MLENS_CUDA_APPEND_BLOCKS");
+	free(keep);
+	be.ops->host_unregister(be.ctx, kv.k);
+	be.ops->host_unregister(be.ctx, kv.v);
+	free(kv.k);
+	free(kv.v);
+	free(slots);
+	free(perm);
+	if (hbuf)
+		be.ops->host_free(be.ctx, hbuf);
+	if (dbuf)
+		be.ops->free(be.ctx, dbuf);
+	be.ops->free(be.ctx, k);
+	be.ops->free(be.ctx, v);
+	if (rc)
+		fprintf(stderr, "bench_cuda: the side append bench failed\n");
+	return rc;
+}
+
 int main(int argc, char **argv)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct cudaDeviceProp prop;
+	bool only_kv_store = false;
 	int rc;
 
-	if (argc > 2 || (argc == 2 && mlens_gemm_mode_parse(argv[1], &o.gemm))) {
-		fprintf(stderr, "usage: bench_cuda [fast|exact]  (the GEMM mode, default fast)\n");
-		return 2;
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "kv-store"))
+			only_kv_store = true;
+		else if (mlens_gemm_mode_parse(argv[i], &o.gemm)) {
+			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store]  (the GEMM mode, "
+				"default fast; kv-store: only the K/V append into host memory)\n");
+			return 2;
+		}
 	}
 
 	if (!mlens_cuda_available()) {
@@ -373,12 +563,17 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	cudaGetDeviceProperties(&prop, 0);
-	printf("{\n  \"device\": \"%s\",\n  \"gemm_mode\": \"%s\",\n  \"gemm\": [", prop.name,
+	printf("{\n  \"device\": \"%s\",\n  \"gemm_mode\": \"%s\"", prop.name,
 	       mlens_gemm_mode_name(o.gemm));
-	if ((rc = bench_gemm(1)))
-		goto out;
-	printf("\n  ]");
-	if ((rc = bench_moe(&o)) || (rc = bench_attn()))
+	if (!only_kv_store) {
+		printf(",\n  \"gemm\": [");
+		if ((rc = bench_gemm(1)))
+			goto out;
+		printf("\n  ]");
+		if ((rc = bench_moe(&o)) || (rc = bench_attn()))
+			goto out;
+	}
+	if ((rc = bench_kv_store(&o)))
 		goto out;
 	printf(",\n  \"device_bytes_in_use_at_end\": %zu\n}\n", mlens_backend_cuda_mem_used(&be));
 out:
