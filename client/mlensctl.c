@@ -299,6 +299,11 @@ static void show_profile(json_t *r)
 		printf("%-16s %.2f GB/s H2D, %.2f GB/s D2H (activations, between the GPU's kernels)\n",
 		       "compute queue", getf(m, "compute_queue_h2d_bytes_per_s") / 1e9,
 		       getf(m, "compute_queue_d2h_bytes_per_s") / 1e9);
+	if (getf(m, "gpu_kv_store_bytes_per_s") > 0)
+		printf("%-16s %.2f GB/s on the compute queue, %.2f GB/s on the side queue (the GPU's "
+		       "K/V stores into host memory)\n", "GPU K/V stores",
+		       getf(m, "gpu_kv_store_bytes_per_s") / 1e9,
+		       getf(m, "gpu_kv_store_side_bytes_per_s") / 1e9);
 	show_rate("CPU attention", getf(m, "cpu_attention_bytes_per_s"), "GB/s of KV");
 	show_rate("KV append", getf(m, "kv_append_bytes_per_s"), "GB/s read + written (fp32 K, V into the pool)");
 	if (getf(m, "cpu_attention_under_copy_bytes_per_s") > 0)

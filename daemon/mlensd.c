@@ -294,11 +294,12 @@ static void profile_log(const struct mlens_profile_state *st)
 	const struct mlens_profile *p = &st->prof;
 	log_info("profile%s: GA %.3g + %.3g n s, GB %.3g + %.3g n s per layer; GEMM %.1f TFLOP/s, prefill "
 		 "attention %.1f TFLOP/s; H2D %.1f GB/s, D2H %.1f GB/s, on the compute queue %.1f / %.1f GB/s; "
+		 "GPU K/V stores into host memory %.1f GB/s (side queue %.1f); "
 		 "CPU attention %.1f GB/s (%.1f under copy), KV append %.1f GB/s, memory read %.1f GB/s, "
 		 "with DMA %.1f GB/s (%.2f s)",
 		 st->from_cache ? " (cached)" : "", p->ga.a, p->ga.b, p->gb.a, p->gb.b, p->gemm_flops / 1e12,
 		 p->attn_prefill_flops / 1e12, p->h2d / 1e9, p->d2h / 1e9, p->act_h2d / 1e9, p->act_d2h / 1e9,
-		 p->attn_bw / 1e9, p->attn_copy_bw / 1e9, p->append_bw / 1e9, p->mem_read_bw / 1e9,
+		 p->kv_store_bw / 1e9, p->kv_store_side_bw / 1e9, p->attn_bw / 1e9, p->attn_copy_bw / 1e9, p->append_bw / 1e9, p->mem_read_bw / 1e9,
 		 p->mem_bw / 1e9, p->seconds);
 	log_info("profile: n_real %.0f (%s), %d resident experts per layer, %s binds; predicted %.1f tokens/s "
 		 "for %.0f/%.0f-token requests", st->pred.n_real, mlens_perf_limit_name(st->pred.limit),

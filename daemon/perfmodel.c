@@ -328,7 +328,7 @@ const char *mlens_perf_limit_name(enum mlens_perf_limit l)
 
 static bool hw_ok(const struct mlens_perf_hw *hw)
 {
-	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
+	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_kv_store >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
 	       hw->h2d_per_token >= 0 && hw->c_attn >= 0 && hw->b_act_h2d >= 0 &&
 	       hw->b_act_d2h >= 0 && hw->b_io_shared >= 0 && hw->b_attn_shared >= 0 && hw->b_append >= 0 &&
 	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
@@ -357,6 +357,9 @@ static double step_gpu_extra(const struct mlens_perf_model *pm, const struct mle
 		t += (fd * d * (qd + 2 * kvd) + fp * P * 2 * kvd) * ab / hw->b_act_d2h;
 	if (hw->b_act_h2d > 0)
 		t += fd * d * qd * ab / hw->b_act_h2d;
+	/* the GPU's K/V stores into the pool, on the compute queue */
+	if (hw->gpu_kv_append && !hw->kv_store_side && hw->b_kv_store > 0)
+		t += (fd * d + fp * P) * (double)pm->kv_token_bytes / hw->b_kv_store;
 	return t;
 }
 
@@ -366,7 +369,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 {
 	double qd = (double)(pm->heads * pm->head_dim), kvd = (double)(pm->kv_heads * pm->head_dim);
 	double ab = (double)pm->abytes, d = st->decode, P = st->tokens - st->decode;
-	double kv_read, streamed, h2d, d2h, b_d2h, b_att, t_app;
+	double kv_read, streamed, h2d, d2h, b_d2h, t_d2h, b_att, t_app;
 	double frac_d[MLENS_PERF_GROUPS], frac_p[MLENS_PERF_GROUPS];
 	if (!hw_ok(hw) || !step_ok(st) || pol->resident_experts < 0 ||
 	    pol->resident_experts > pm->experts || !(pol->alpha_decode >= 0 && pol->alpha_decode <= 1) ||
@@ -381,6 +384,14 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	d2h = hw->gpu_kv_append ? d * qd * ab + st->tokens * (double)pm->kv_token_bytes
 				: d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;
+	t_d2h = d2h / b_d2h;
+	/* the GPU's K/V stores at their measured rate: beside the kernels
+	 * they share the D2H link's time with the q copies; on the compute
+	 * queue the GPU tier has them (step_gpu_extra) */
+	if (hw->gpu_kv_append && hw->b_kv_store > 0) {
+		double kvb = st->tokens * (double)pm->kv_token_bytes;
+		t_d2h = (d2h - kvb) / b_d2h + (hw->kv_store_side ? kvb / hw->b_kv_store : 0);
+	}
 	/* where experts stream, the attention's reads share memory with the
 	 * weight DMA: the attention at its rate under copy */
 	b_att = hw->b_attn_shared > 0 && hw->b_attn_shared < hw->b_attn && streamed > 0
@@ -394,7 +405,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 		out->tier[MLENS_PERF_BIND_PCIE] = h2d <= hw->b_io_shared * t_a
 			? h2d / hw->b_io_shared : t_a + (h2d - hw->b_io_shared * t_a) / hw->b_io;
 	}
-	out->tier[MLENS_PERF_BIND_D2H] = d2h / b_d2h;
+	out->tier[MLENS_PERF_BIND_D2H] = t_d2h;
 	out->tier[MLENS_PERF_BIND_CPU_MEM] = (kv_read + h2d + d2h) / hw->b_mem;
 	frac_d[0] = pol->alpha_decode;
 	frac_d[1] = 1 - pol->alpha_decode;

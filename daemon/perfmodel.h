@@ -183,6 +183,13 @@ struct mlens_perf_hw {
 	 * the D2H link carries kv_token_bytes a token and layer in the pool's
 	 * dtype rather than fp32 K and V */
 	bool gpu_kv_append;
+	/* with gpu_kv_append: bytes/s of those stores (kv_token_bytes a token
+	 * and layer); 0: they count at b_d2h like a copy. kv_store_side: they
+	 * run beside the GPU's kernels (the pipeline's queue 2) and share the
+	 * D2H link with the q copies; else they hold up the compute queue:
+	 * the GPU tier counts them */
+	double b_kv_store;
+	bool kv_store_side;
 	double c_gpu;		/* GPU GEMM FLOP/s (eq. 2) */
 	double c_attn;		/* GPU prefill attention FLOP/s; 0 = c_gpu */
 	/* bytes/s of the activation copies on the GPU's compute queue, each

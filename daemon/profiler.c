@@ -444,6 +444,107 @@ out:
 	return rc;
 }
 
+/* The GPU's K/V stores into the KV pool in host memory (the hybrid
+ * pipeline's kv_append = gpu): the backend's kv_append, and kv_append_side
+ * where it has one, of `rows` rows of fp32 K and V on the device into
+ * blocks drawn at random from a pinned (mapped) host pool of the model's
+ * KV shape: bytes stored a second, each alone on an idle device. */
+static int profile_kv_store(const struct mlens_model *m, const struct mlens_profile_opts *o,
+			    double budget, struct mlens_profile *p, char *err, size_t errlen)
+{
+	const struct mlens_model_config *c = &m->cfg;
+	struct mlens_backend *be = o->be;
+	const struct mlens_backend_ops *ops = be->ops;
+	struct mlens_kv_cache kv;
+	size_t row = (size_t)c->num_key_value_heads * (size_t)c->head_dim, bytes;
+	int rows = 8192, rc = 0;
+	float *k = NULL, *v = NULL;
+	int64_t *slots = NULL;
+	uint64_t seed = 4242;
+
+	if (!can_copy(be))
+		return 0;	/* the GPU side is host memory: no stores cross a bus */
+	memset(&kv, 0, sizeof(kv));
+	kv.dtype = o->kv_dtype;
+	kv.n_layers = 1;
+	kv.n_kv_heads = (int)c->num_key_value_heads;
+	kv.head_dim = (int)c->head_dim;
+	kv.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
+	/* a pool of 2 x copy_bytes(budget), rows at most a tenth of it */
+	bytes = copy_bytes(budget);
+	kv.n_blocks = (uint32_t)(bytes / (row * (size_t)kv.block_size * mlens_dtype_size(kv.dtype)));
+	if ((size_t)rows * 10 > (size_t)kv.n_blocks * (size_t)kv.block_size)
+		rows = (int)((size_t)kv.n_blocks * (size_t)kv.block_size / 10);
+	if (rows < 1)
+		return 0;
+	bytes = mlens_kv_bytes(&kv);
+	kv.k = ops->host_alloc(be->ctx, bytes);
+	kv.v = ops->host_alloc(be->ctx, bytes);
+	k = ops->alloc(be->ctx, (size_t)rows * row * sizeof(float));
+	v = ops->alloc(be->ctx, (size_t)rows * row * sizeof(float));
+	slots = malloc((size_t)rows * sizeof(*slots));
+	if (!kv.k || !kv.v || !k || !v || !slots) {
+		rc = -ENOMEM;
+		mlens_errf(err, errlen, "profiler: cannot allocate %zu MiB of pinned and %s memory for the "
+			   "K/V store test", (2 * bytes + 2 * (size_t)rows * row * 4) >> 20, ops->name);
+		goto out;
+	}
+	memset(kv.k, 0, bytes);
+	memset(kv.v, 0, bytes);
+	{
+		/* the rows' blocks, each once, anywhere in the pool */
+		uint32_t nb = kv.n_blocks, need = (uint32_t)((rows + kv.block_size - 1) / kv.block_size);
+		uint32_t *perm = malloc((size_t)nb * sizeof(*perm));
+		if (!perm) {
+			rc = -ENOMEM;
+			mlens_errf(err, errlen, "profiler: cannot allocate the K/V store test's block list");
+			goto out;
+		}
+		for (uint32_t b = 0; b < nb; b++)
+			perm[b] = b;
+		for (uint32_t b = 0; b < need && b < nb - 1; b++) {
+			uint32_t j = b + (uint32_t)(rng_next(&seed) % (nb - b)), t = perm[b];
+			perm[b] = perm[j];
+			perm[j] = t;
+		}
+		for (int i = 0; i < rows; i++)
+			slots[i] = (int64_t)perm[i / kv.block_size] * kv.block_size + i % kv.block_size;
+		free(perm);
+	}
+	for (int side = 0; side < 1 + MLENS_BACKEND_HAS(ops, kv_append_side) && !rc; side++) {
+		double best = INFINITY;
+		for (int r = 0; r < REPS + 1 && !rc; r++) {
+			double t0 = now(), t;
+			rc = side ? ops->kv_append_side(be->ctx, &kv, 0, k, v, slots, rows)
+				  : ops->kv_append(be->ctx, &kv, 0, k, v, slots, rows);
+			if (!rc)
+				rc = ops->event_record(be->ctx, side ? 2 : 0, MLENS_BACKEND_EVENTS - 1);
+			if (!rc)
+				rc = ops->event_sync(be->ctx, MLENS_BACKEND_EVENTS - 1);
+			t = now() - t0;
+			if (r && t < best)
+				best = t;
+		}
+		if (rc)
+			mlens_errf(err, errlen, "profiler: the %s K/V store into host memory failed: %s",
+				   side ? "side queue's" : "compute queue's", strerror(-rc));
+		else
+			*(side ? &p->kv_store_side_bw : &p->kv_store_bw) =
+				(double)rows * (double)(2 * row * mlens_dtype_size(kv.dtype)) / best;
+	}
+out:
+	if (kv.k)
+		ops->host_free(be->ctx, kv.k);
+	if (kv.v)
+		ops->host_free(be->ctx, kv.v);
+	if (k)
+		ops->free(be->ctx, k);
+	if (v)
+		ops->free(be->ctx, v);
+	free(slots);
+	return rc;
+}
+
 /* ==== CPU memory and decode attention ==== */
 
 static size_t big_buffer(double budget)
@@ -847,6 +948,7 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 	/* shares of the budget: the layer sweep takes most */
 	if ((rc = profile_layer(m, o, 0.5 * budget, out, err, errlen)) ||
 	    (rc = profile_copies(o->be, budget, out, err, errlen)) ||
+	    (rc = profile_kv_store(m, o, budget, out, err, errlen)) ||
 	    (rc = profile_attn(m, o, budget, out, err, errlen)) ||
 	    (rc = profile_mem(o->be, o->n_threads, budget, out, err, errlen)))
 		return rc;
@@ -862,6 +964,7 @@ void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
 	hw->b_attn = p->attn_bw;
 	hw->b_attn_shared = p->attn_copy_bw;	/* 0 on host memory */
 	hw->b_append = p->append_bw;
+	hw->b_kv_store = p->kv_store_bw;	/* 0 on host memory; the side rate: _state_hold */
 	hw->c_gpu = p->gemm_flops;
 	hw->c_attn = p->attn_prefill_flops;
 	hw->b_act_h2d = p->act_h2d;
@@ -949,11 +1052,13 @@ static json_t *line_json(const struct mlens_perf_line *l)
 
 json_t *mlens_profile_json(const struct mlens_profile *p)
 {
-	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}",
+	json_t *o = json_pack("{s:s,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}",
 			      "backend", p->backend, "gpu", p->gpu, "gemm_flops", p->gemm_flops,
 			      "prefill_attention_flops", p->attn_prefill_flops, "h2d_bytes_per_s", p->h2d,
 			      "d2h_bytes_per_s", p->d2h, "compute_queue_h2d_bytes_per_s", p->act_h2d,
 			      "compute_queue_d2h_bytes_per_s", p->act_d2h,
+			      "gpu_kv_store_bytes_per_s", p->kv_store_bw,
+			      "gpu_kv_store_side_bytes_per_s", p->kv_store_side_bw,
 			      "cpu_attention_bytes_per_s", p->attn_bw,
 			      "cpu_attention_under_copy_bytes_per_s", p->attn_copy_bw,
 			      "kv_append_bytes_per_s", p->append_bw,
@@ -1047,11 +1152,13 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	json_decref(want);
 	if (rc)
 		goto out;
-	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}", "backend", &be,
+	if (json_unpack(pj, "{s:s,s:s,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:F,s:o}",
+			"backend", &be,
 			"gpu", &gpu, "gemm_flops", &p->gemm_flops, "prefill_attention_flops",
 			&p->attn_prefill_flops, "h2d_bytes_per_s", &p->h2d, "d2h_bytes_per_s", &p->d2h,
 			"compute_queue_h2d_bytes_per_s", &p->act_h2d, "compute_queue_d2h_bytes_per_s",
-			&p->act_d2h,
+			&p->act_d2h, "gpu_kv_store_bytes_per_s", &p->kv_store_bw,
+			"gpu_kv_store_side_bytes_per_s", &p->kv_store_side_bw,
 			"cpu_attention_bytes_per_s", &p->attn_bw, "cpu_attention_under_copy_bytes_per_s",
 			&p->attn_copy_bw, "kv_append_bytes_per_s", &p->append_bw, "cpu_memory_bytes_per_s", &p->mem_bw,
 			"cpu_read_bytes_per_s", &p->mem_read_bw, "cpu_read_under_copy_bytes_per_s",
@@ -1076,7 +1183,7 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	}
 	p->n_points = (int)json_array_size(pts);
 	if (!(p->mem_bw > 0) || !(p->mem_read_bw > 0) || !(p->attn_bw > 0) || !(p->attn_copy_bw >= 0) ||
-	    !(p->append_bw >= 0) ||
+	    !(p->append_bw >= 0) || !(p->kv_store_bw >= 0) || !(p->kv_store_side_bw >= 0) ||
 	    !(p->gemm_flops > 0) ||
 	    !(p->attn_prefill_flops >= 0) || !(p->act_h2d >= 0) || !(p->act_d2h >= 0)) {
 		mlens_errf(err, errlen, "profile cache %s: a rate is not positive", path);
@@ -1125,6 +1232,12 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	if (st->side_copy_out)
 		st->hw.b_act_d2h = 0;
 	st->hw.gpu_kv_append = st->gpu_kv_append;
+	/* with the side copies the GPU's K/V stores run on queue 2 too
+	 * (pipeline side_append, where the backend has kv_append_side) */
+	if (st->gpu_kv_append && st->side_copy_out && st->prof.kv_store_side_bw > 0) {
+		st->hw.kv_store_side = true;
+		st->hw.b_kv_store = st->prof.kv_store_side_bw;
+	}
 	st->have = true;
 }
 

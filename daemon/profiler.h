@@ -16,7 +16,8 @@
  * the least-squares fits of the perf model. GEMM rate: x[n][H] . w1[I][H]
  * at the largest n. Copies (only where backend memory is not host memory):
  * H2D and D2H between a pinned host buffer and backend memory on the copy
- * queue. CPU attention: decode attention of whole sequences through a
+ * queue; the backend's K/V stores into a pinned host pool (kv_append and
+ * kv_append_side) at random blocks. CPU attention: decode attention of whole sequences through a
  * host-memory backend's attn_decode (the pooled kernel of attn.h), KV
  * bytes read / time. CPU memory: streaming SIMD reads through the pool
  * (kernels/cpu/readbw.h, the loop mlens-bench measures with) of a buffer
@@ -40,7 +41,7 @@
 #include "kernels/backend.h"
 
 #define MLENS_PROFILE_POINTS 6		/* token counts per line */
-#define MLENS_PROFILE_VERSION 5		/* of the cache file's layout */
+#define MLENS_PROFILE_VERSION 6		/* of the cache file's layout */
 /* The workload mlensd predicts for at start-up (mlensctl profile takes
  * others): a prompt of 512 tokens, 128 generated. */
 #define MLENS_PROFILE_PROMPT 512
@@ -78,6 +79,11 @@ struct mlens_profile {
 	/* pinned copies on the compute queue, as the hybrid pipeline moves
 	 * activations between its kernels; 0 on host memory */
 	double act_h2d, act_d2h;
+	/* bytes/s of the GPU's K/V stores into a pinned host pool (kv_append
+	 * through the mapping; the hybrid pipeline's kv_append = gpu): on the
+	 * compute queue, and on queue 2 (kv_append_side; 0 without one); 0 on
+	 * host memory */
+	double kv_store_bw, kv_store_side_bw;
 	double attn_bw;			/* KV bytes/s through CPU decode attention */
 	double attn_copy_bw;		/* the same while the copy queue streams pinned
 					 * memory to the device (the hybrid pipeline's

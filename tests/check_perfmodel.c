@@ -485,6 +485,31 @@ START_TEST(attention_under_copy)
 		assert_rel(tg.tier[MLENS_PERF_BIND_D2H],
 			   (st.decode * qd * 4 + st.tokens * 4096.0) / hw.b_d2h, 1e-12);
 		ck_assert(tg.tier[MLENS_PERF_BIND_D2H] < t.tier[MLENS_PERF_BIND_D2H]);
+		/* the stores at their measured 20 GB/s beside the kernels
+		 * (queue 2): the link's time is the q copies at b_d2h plus the
+		 * stores at 20 GB/s; the GPU and CPU memory tiers unchanged */
+		{
+			struct mlens_perf_step_time ts, tc;
+			double gpu0 = tg.tier[MLENS_PERF_BIND_GPU], n0 = (1 - pol.alpha_decode) * st.decode +
+					(1 - pol.alpha_prefill) * (st.tokens - st.decode);
+			hw.b_kv_store = 20e9;
+			hw.kv_store_side = true;
+			ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &ts), 0);
+			assert_rel(ts.tier[MLENS_PERF_BIND_D2H],
+				   st.decode * qd * 4 / hw.b_d2h + st.tokens * 4096.0 / 20e9, 1e-12);
+			assert_rel(ts.tier[MLENS_PERF_BIND_GPU], gpu0, 1e-12);
+			assert_rel(ts.tier[MLENS_PERF_BIND_CPU_MEM], tg.tier[MLENS_PERF_BIND_CPU_MEM], 1e-12);
+			/* on the compute queue: the link has only the q copies,
+			 * each group's GPU time its tokens' stores */
+			hw.kv_store_side = false;
+			ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &tc), 0);
+			assert_rel(tc.tier[MLENS_PERF_BIND_D2H], st.decode * qd * 4 / hw.b_d2h, 1e-12);
+			assert_rel(tc.tier[MLENS_PERF_BIND_GPU], gpu0 + st.tokens * 4096.0 / 20e9, 1e-12);
+			assert_rel(tc.group_gpu[1], tg.group_gpu[1] + n0 * 4096.0 / 20e9, 1e-12);
+			hw.b_kv_store = -1;
+			ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &tc), -EINVAL);
+			hw.b_kv_store = 0;
+		}
 		hw.gpu_kv_append = false;
 	}
 	hw.b_append = -1;

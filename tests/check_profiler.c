@@ -67,6 +67,7 @@ START_TEST(cpu_profile_sane)
 	ck_assert(p.attn_copy_bw == 0);	/* no copy queue to run beside */
 	ck_assert(p.h2d == 0 && p.d2h == 0);	/* host memory: nothing crosses a bus */
 	ck_assert(p.act_h2d == 0 && p.act_d2h == 0);
+	ck_assert(p.kv_store_bw == 0 && p.kv_store_side_bw == 0);	/* no stores cross a bus */
 	/* the CPU backend's prefill attention, timed over the GA rows */
 	ck_assert(p.attn_prefill_flops > 1e6 && p.attn_prefill_flops < 1e14);
 	ck_assert_msg(p.seconds > 0 && p.seconds < 2.0, "the tiny model's profile took %.2f s", p.seconds);
@@ -188,7 +189,17 @@ static int fake_copy(void *ctx, int queue, void *dst, const void *src, size_t by
 static int fake_record(void *ctx, int queue, int ev)
 {
 	(void)ctx;
-	return queue < 0 || queue > 1 || ev < 0 || ev >= MLENS_BACKEND_EVENTS ? -EINVAL : 0;
+	return queue < 0 || queue > 2 || ev < 0 || ev >= MLENS_BACKEND_EVENTS ? -EINVAL : 0;
+}
+
+/* kv_append_side: the CPU backend's append (fake_base), done at once, counted */
+static const struct mlens_backend_ops *fake_base;
+static atomic_int fake_side_appends;
+static int fake_append_side(void *ctx, struct mlens_kv_cache *kv, int layer, const float *k,
+			    const float *v, const int64_t *slots, int n)
+{
+	atomic_fetch_add(&fake_side_appends, 1);
+	return fake_base->kv_append(ctx, kv, layer, k, v, slots, n);
 }
 
 static int fake_sync(void *ctx, int ev)
@@ -200,6 +211,7 @@ static int fake_sync(void *ctx, int ev)
 static void fake_device(struct mlens_backend *be)
 {
 	ck_assert_int_eq(mlens_backend_cpu_create(be, NULL), 0);
+	fake_base = be->ops;
 	fake_ops = *be->ops;
 	fake_ops.name = "fakedev";
 	fake_ops.host_memory = false;
@@ -208,6 +220,9 @@ static void fake_device(struct mlens_backend *be)
 	fake_ops.copy_async = fake_copy;
 	fake_ops.event_record = fake_record;
 	fake_ops.event_sync = fake_sync;
+	fake_ops.side_queue = true;
+	fake_ops.kv_append_side = fake_append_side;
+	atomic_store(&fake_side_appends, 0);
 	be->ops = &fake_ops;
 	fake_main = pthread_self();
 	atomic_store(&fake_copies_other, 0);
@@ -252,6 +267,23 @@ START_TEST(device_memory_under_copy)
 	ck_assert(hw.b_act_h2d == p.act_h2d && hw.b_act_d2h == p.act_d2h);
 	/* the weight stream's rate beside the reads, for the model's PCIe tier */
 	ck_assert(hw.b_io_shared == p.copy_read_bw);
+	/* the K/V stores into pinned host memory, each queue (a warm-up and
+	 * three timed on queue 2); the model takes the compute queue's, and
+	 * the side queue's where the pipeline stores from there */
+	ck_assert(p.kv_store_bw > 1e6 && p.kv_store_side_bw > 1e6);
+	ck_assert_int_eq(atomic_load(&fake_side_appends), 4);
+	ck_assert(hw.b_kv_store == p.kv_store_bw);
+	{
+		struct mlens_profile_state st;
+		memset(&st, 0, sizeof(st));
+		st.prof = p;
+		st.gpu_kv_append = true;
+		mlens_profile_state_hold(&st);
+		ck_assert(st.hw.gpu_kv_append && !st.hw.kv_store_side && st.hw.b_kv_store == p.kv_store_bw);
+		st.side_copy_out = true;
+		mlens_profile_state_hold(&st);
+		ck_assert(st.hw.kv_store_side && st.hw.b_kv_store == p.kv_store_side_bw);
+	}
 	/* and the attention's beside the stream, for its tier */
 	ck_assert(hw.b_attn == p.attn_bw && hw.b_attn_shared == p.attn_copy_bw);
 
