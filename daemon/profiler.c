@@ -380,6 +380,29 @@ out:
 	return rc;
 }
 
+/* slots[rows]: rows in the blocks they fill, the blocks drawn without
+ * repeats from all of kv's (the first places of a Fisher-Yates shuffle),
+ * a block's rows in order: a prompt's rows fill their blocks, a
+ * long-running pool hands blocks out in no order. -ENOMEM or 0. */
+static int random_slots(const struct mlens_kv_cache *kv, int rows, uint64_t seed, int64_t *slots)
+{
+	uint32_t nb = kv->n_blocks, need = (uint32_t)((rows + kv->block_size - 1) / kv->block_size);
+	uint32_t *perm = malloc((size_t)nb * sizeof(*perm));
+	if (!perm)
+		return -ENOMEM;
+	for (uint32_t b = 0; b < nb; b++)
+		perm[b] = b;
+	for (uint32_t b = 0; b < need && b < nb - 1; b++) {
+		uint32_t j = b + (uint32_t)(rng_next(&seed) % (nb - b)), t = perm[b];
+		perm[b] = perm[j];
+		perm[j] = t;
+	}
+	for (int i = 0; i < rows; i++)
+		slots[i] = (int64_t)perm[i / kv->block_size] * kv->block_size + i % kv->block_size;
+	free(perm);
+	return 0;
+}
+
 /* ==== pinned copies ==== */
 
 /* Whether be is a device backend that can stream pinned copies beside a
@@ -460,7 +483,6 @@ static int profile_kv_store(const struct mlens_model *m, const struct mlens_prof
 	int rows = 8192, rc = 0;
 	float *k = NULL, *v = NULL;
 	int64_t *slots = NULL;
-	uint64_t seed = 4242;
 
 	if (!can_copy(be))
 		return 0;	/* the GPU side is host memory: no stores cross a bus */
@@ -491,25 +513,9 @@ static int profile_kv_store(const struct mlens_model *m, const struct mlens_prof
 	}
 	memset(kv.k, 0, bytes);
 	memset(kv.v, 0, bytes);
-	{
-		/* the rows' blocks, each once, anywhere in the pool */
-		uint32_t nb = kv.n_blocks, need = (uint32_t)((rows + kv.block_size - 1) / kv.block_size);
-		uint32_t *perm = malloc((size_t)nb * sizeof(*perm));
-		if (!perm) {
-			rc = -ENOMEM;
-			mlens_errf(err, errlen, "profiler: cannot allocate the K/V store test's block list");
-			goto out;
-		}
-		for (uint32_t b = 0; b < nb; b++)
-			perm[b] = b;
-		for (uint32_t b = 0; b < need && b < nb - 1; b++) {
-			uint32_t j = b + (uint32_t)(rng_next(&seed) % (nb - b)), t = perm[b];
-			perm[b] = perm[j];
-			perm[j] = t;
-		}
-		for (int i = 0; i < rows; i++)
-			slots[i] = (int64_t)perm[i / kv.block_size] * kv.block_size + i % kv.block_size;
-		free(perm);
+	if ((rc = random_slots(&kv, rows, 4242, slots))) {
+		mlens_errf(err, errlen, "profiler: cannot allocate the K/V store test's block list");
+		goto out;
 	}
 	for (int side = 0; side < 1 + MLENS_BACKEND_HAS(ops, kv_append_side) && !rc; side++) {
 		double best = INFINITY;
@@ -769,27 +775,9 @@ static int profile_append(struct mlens_backend *be, struct mlens_kv_cache *kv, i
 	}
 	for (size_t i = 0; i < n; i++)
 		k[i] = v[i] = 1.0f / 64;
-	{
-		/* the blocks the rows fill, drawn without repeats from all of
-		 * kv's (the first `need` places of a Fisher-Yates shuffle) */
-		uint32_t nb = kv->n_blocks, need = (uint32_t)((rows + kv->block_size - 1) / kv->block_size);
-		uint32_t *perm = malloc((size_t)nb * sizeof(*perm));
-		uint64_t seed = 777;
-		if (!perm) {
-			rc = -ENOMEM;
-			mlens_errf(err, errlen, "profiler: cannot allocate the KV append test's block list");
-			goto out;
-		}
-		for (uint32_t b = 0; b < nb; b++)
-			perm[b] = b;
-		for (uint32_t b = 0; b < need && b < nb - 1; b++) {
-			uint32_t j = b + (uint32_t)(rng_next(&seed) % (nb - b)), t = perm[b];
-			perm[b] = perm[j];
-			perm[j] = t;
-		}
-		for (int i = 0; i < rows; i++)
-			slots[i] = (int64_t)perm[i / kv->block_size] * kv->block_size + i % kv->block_size;
-		free(perm);
+	if ((rc = random_slots(kv, rows, 777, slots))) {
+		mlens_errf(err, errlen, "profiler: cannot allocate the KV append test's block list");
+		goto out;
 	}
 	for (int r = 0; r < REPS + 1 && !rc; r++) {
 		double t0 = now(), t;
