@@ -58,7 +58,7 @@ static const struct opt opts[] = {
 	{ "quota_queued", T_INT, O(quota_queued), "1024", 1, 1 << 20, "N", "default per-tenant queued requests" },
 	{ "quota_weight", T_DOUBLE, O(quota_weight), "1", 0, 0, "W", "default per-tenant share weight (> 0)" },
 	{ "drain_timeout", T_INT, O(drain_timeout), "30", 0, 86400, "SECONDS", "on SIGTERM, time running requests get before they are cancelled" },
-	{ "attn_kernel", T_STR, O(attn_kernel), "auto", 0, 0, "auto|scalar|avx2|avx512|avx512bf16", "CPU decode attention kernel" },
+	{ "attn_kernel", T_STR, O(attn_kernel), "auto", 0, 0, "auto|scalar|avx2|avx512", "CPU decode attention kernel" },
 	{ "mlock", T_BOOL, O(mlock), "true", 0, 0, NULL, "lock the pinned pools in memory (fail if it cannot)" },
 	{ "io_uring", T_BOOL, O(io_uring), "true", 0, 0, NULL, "read model files with io_uring (false: mmap copy)" },
 	{ "gpus", T_GPUS, O(gpus), "0", 0, 0, "LIST", "CUDA devices to serve on, comma-separated (this mlensd serves on one)" },

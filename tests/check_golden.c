@@ -16,7 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kernels/cpu/attn.h"
 #include "tests/golden/golden.h"
 
 static const char *backend = "cpu";
@@ -91,23 +90,10 @@ static bool kv_flips(const struct fx *f)
 	return strcmp(mlens_golden_gpu_side(backend), "cpu") && strcmp(f->g->dtype, "float32");
 }
 
-/* MLENS_ATTN_KERNEL=avx512bf16 (tests/golden/check_golden_attn_bf16.sh):
- * the CPU decode attention over a bf16 cache rounds q and the softmax
- * weights to bf16 as well (2^-9 relative each, fp32 accumulation; within
- * 1e-2 of the output's magnitude, tests/check_attention.c), which the
- * bf16-KV reference does not: the comparisons against it get
- * ATTN_DOT_KV_TOL, twice the worst measured (9.96e-3 on m2-hd32-top3-bf16;
- * the exact kernels: 4.6e-4). Against the main reference it stays within
- * the fixture's own decode tolerance (8.3e-3 of 1.5e-2). f32 caches take
- * the exact kernel, so fp32 fixtures keep their tolerances. */
-#define ATTN_DOT_KV_TOL 2e-2
-static bool attn_dot;
-
 static double kv_tol(const struct fx *f)
 {
-	double t = kv_flips(f) ? fmax(tol_for(f, f->g->tol_kv_bf16), 2 * f->g->tol_kv_bf16) :
-				 tol_for(f, f->g->tol_kv_bf16);
-	return attn_dot ? fmax(t, ATTN_DOT_KV_TOL) : t;
+	return kv_flips(f) ? fmax(tol_for(f, f->g->tol_kv_bf16), 2 * f->g->tol_kv_bf16) :
+			     tol_for(f, f->g->tol_kv_bf16);
 }
 
 static double batched_tol(const struct fx *f)
@@ -414,16 +400,6 @@ int main(void)
 		return 77;
 	}
 	mlens_backend_destroy(&be);
-	env = getenv("MLENS_ATTN_KERNEL");
-	if (env && *env && strcmp(mlens_cpu_attn_variant(), env)) {
-		fprintf(stderr, "check_golden: MLENS_ATTN_KERNEL=%s is not available on this CPU: "
-			"skipped\n", env);
-		return 77;
-	}
-	attn_dot = !strcmp(mlens_cpu_attn_variant(), "avx512bf16");
-	if (attn_dot)
-		snprintf(label + strlen(label), sizeof(label) - strlen(label), ", %s attention",
-			 mlens_cpu_attn_variant());
 	mlens_golden_root(root, sizeof(root));
 	rc = mlens_golden_list(root, &fixtures, &n_fixtures, err, sizeof(err));
 	if (rc || n_fixtures == 0) {

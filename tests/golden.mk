@@ -11,12 +11,11 @@ tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
 
 dist_noinst_DATA += $(GOLDEN_FIXTURES)
 EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
-	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh \
-	tests/golden/check_golden_attn_bf16.sh
+	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh
 
 if HAVE_CHECK
 check_PROGRAMS += tests/check_golden
-TESTS += tests/check_golden tests/golden/check_golden_attn_bf16.sh
+TESTS += tests/check_golden
 tests_check_golden_SOURCES = tests/check_golden.c
 tests_check_golden_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_golden_LDADD = tests/libmlens_golden.la daemon/libmlens_core.la $(CHECK_LIBS)

@@ -31,13 +31,7 @@ static const struct attn_variant variants[] = {
 	{ "scalar", NULL, NULL, 1 },
 	{ "avx2", mlens_attn_span_avx2, mlens_bf16_cvt_avx2, 16 },
 	{ "avx512", mlens_attn_span_avx512, mlens_bf16_cvt_avx512, 32 },
-	/* bf16 dot products: not bit-exact with the fp32 reference (q and p
-	 * rounded to bf16, as a bf16 model's matmuls do), so never chosen
-	 * by "auto"; only when asked for by name */
-	{ "avx512bf16", mlens_attn_span_avx512bf16, mlens_bf16_cvt_avx512, 32 },
 };
-/* "auto" picks among variants[0 .. N_AUTO - 1] only */
-#define N_AUTO 3
 #define N_VARIANTS (int)(sizeof(variants) / sizeof(variants[0]))
 
 static _Atomic(const struct attn_variant *) active;
@@ -54,8 +48,6 @@ static bool cpu_has(int i)
 	case 2:
 		return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
 		       __builtin_cpu_supports("avx512vl");
-	case 3:
-		return cpu_has(2) && __builtin_cpu_supports("avx512bf16");
 	}
 	return false;
 }
@@ -70,7 +62,7 @@ static int find_variant(const char *name)
 
 static int best_variant(void)
 {
-	int i = N_AUTO - 1;
+	int i = N_VARIANTS - 1;
 	while (i > 0 && !cpu_has(i))
 		i--;
 	return i;
@@ -95,7 +87,7 @@ static void init_variant(void)
 	if (env && (i < 0 || !cpu_has(i))) {
 		/* a setting that cannot be honoured is said once, not ignored */
 		fprintf(stderr, "mlens: MLENS_ATTN_KERNEL=%s is not a kernel this CPU can run "
-			"(scalar, avx2, avx512, avx512bf16); using %s\n", env, variants[best_variant()].name);
+			"(scalar, avx2, avx512); using %s\n", env, variants[best_variant()].name);
 		i = -1;
 	}
 	if (i < 0)

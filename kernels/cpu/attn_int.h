@@ -63,8 +63,5 @@ void mlens_attn_span_avx2(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n);
 void mlens_attn_span_avx512(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx512(uint16_t *dst, const float *src, size_t n);
-/* bf16 caches by AVX512_BF16 dot products (q and p rounded to bf16, fp32
- * accumulation); f32 caches by mlens_attn_span_avx512 */
-void mlens_attn_span_avx512bf16(const struct mlens_attn_span *s, float *scratch);
 
 #endif

@@ -247,7 +247,7 @@ static void usage(FILE *f)
 {
 	fprintf(f,
 		"usage: mlens-bench attention [--json] [--threads LIST] [--seqs N]\n"
-		"         [--min-ctx A --max-ctx B] [--variant scalar|avx2|avx512|avx512bf16]\n"
+		"         [--min-ctx A --max-ctx B] [--variant scalar|avx2|avx512]\n"
 		"         [--heads H] [--kv-heads K] [--head-dim D] [--block S]\n"
 		"         [--min-time SECONDS] [--bw-mb MB] [--prefetch TILES]\n"
 		"         [--prefetch-bytes B] [--prefetch-spread 0|1]\n"
@@ -354,14 +354,11 @@ static int parse(struct opts *o, int argc, char **argv)
 
 int mlens_bench_attention(int argc, char **argv)
 {
-	/* every variant the CPU has; avx512bf16 (bf16 dot products) by name only
-	 * in the daemon, but measured here next to the others */
-	static const char *const all[] = { "scalar", "avx2", "avx512", "avx512bf16" };
-	enum { N_ALL = sizeof(all) / sizeof(all[0]) };
+	static const char *const all[] = { "scalar", "avx2", "avx512" };
 	struct opts o;
 	struct batch b;
 	struct mlens_pool *fill = NULL;
-	struct result res[N_ALL * MAX_THREAD_COUNTS];
+	struct result res[3 * MAX_THREAD_COUNTS];
 	double bw_by_t[MAX_THREAD_COUNTS], bw_all = 0.0, scalar_1t = 0.0;
 	double append_gbs[MAX_THREAD_COUNTS];
 	const char *dflt;
@@ -422,7 +419,7 @@ int mlens_bench_attention(int argc, char **argv)
 	free(bwbuf);
 	bwbuf = NULL;
 
-	for (int v = 0; v < N_ALL; v++) {
+	for (int v = 0; v < 3; v++) {
 		if (!mlens_cpu_attn_variant_supported(all[v]) ||
 		    (o.variant && strcmp(o.variant, all[v])))
 			continue;
@@ -443,7 +440,7 @@ int mlens_bench_attention(int argc, char **argv)
 				scalar_1t = r->best_gbs;
 			n_res++;
 			if (!o.json)
-				fprintf(stderr, "  %-10s %3d threads: %7.2f GB/s\n", r->variant,
+				fprintf(stderr, "  %-7s %3d threads: %7.2f GB/s\n", r->variant,
 					r->threads, r->best_gbs);
 		}
 	}
@@ -495,9 +492,9 @@ int mlens_bench_attention(int argc, char **argv)
 		printf("]}\n");
 	} else {
 		printf("read bandwidth (streaming loads, %d threads): %.1f GB/s\n", max_t, bw_all);
-		printf("%-10s %7s %10s %10s %9s\n", "variant", "threads", "KV GB/s", "read GB/s", "of read");
+		printf("%-8s %7s %10s %10s %9s\n", "variant", "threads", "KV GB/s", "read GB/s", "of read");
 		for (int i = 0; i < n_res; i++)
-			printf("%-10s %7d %10.2f %10.2f %8.0f%%\n", res[i].variant, res[i].threads,
+			printf("%-8s %7d %10.2f %10.2f %8.0f%%\n", res[i].variant, res[i].threads,
 			       res[i].best_gbs, res[i].read_bw, 100.0 * res[i].best_gbs / res[i].read_bw);
 		for (int i = 0; i < n_res; i++)
 			if (res[i].threads == 1 && scalar_1t > 0 && strcmp(res[i].variant, "scalar"))
