@@ -10,7 +10,7 @@
 # Usage: nreal_sweep.sh [P] [G] [KV_CACHE] [GPU_MEMORY]
 # Environment:
 #   FACTORS       multiples of n_real to run (0.5 0.75 1 1.25 1.5)
-#   N_REAL        the daemon's n_real; else predicted.n_real of
+#   N_REAL        the grid's centre; else predicted.n_real of
 #                 $OUT/hybrid_p<P>g<G>.json (hybrid.sh, same budget), else
 #                 a short probe run with --predict (one more start-up)
 #   STEADY_STEPS  steps of steady state per point (40: windows of 10-12
@@ -111,6 +111,17 @@ out, nr, factors = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 def f(x, fmt="%.1f"):
     return "-" if x is None else fmt % x
 rows = []
+# the scheduler's own n_real, as the daemon of these runs computed it (its
+# profile, this machine): the one the target is about; nr (the grid's
+# centre) came from elsewhere and may be another machine's
+own = []
+for fa in factors:
+    try:
+        v = (json.load(open(os.path.join(out, "nreal_x%s.json" % fa))).get("predicted") or {}).get("n_real")
+    except (OSError, ValueError):
+        v = None
+    if v:
+        own.append(float(v))
 print("%-6s %7s %10s %8s %10s %8s %8s %10s %7s %s" % ("factor", "cap", "steady g/s", "steady s", "whole g/s",
                                                      "step n", "pred n", "predicted", "err st", "binding"))
 short = False
@@ -131,10 +142,17 @@ for fa in factors:
           f(p.get("step_tokens"), "%.0f"), f(p.get("generated_tokens_per_s")), f(None if e is None else 100 * e, "%+.0f%%"), p.get("binding", "-")))
 if rows:
     cap, g, fa = max(rows, key=lambda r: r[1] or 0)
-    err = (nr - cap) / cap
     edge = len(rows) > 1 and cap in (min(r[0] for r in rows), max(r[0] for r in rows))
-    print("most generated tokens/s: cap %.0f (x%s of n_real %.0f): n_real is %+.1f%% from it: %s" % (
-          cap, fa, nr, 100 * err, "within 10%" if abs(err) <= 0.10 else "NOT within 10%"))
+    print("most generated tokens/s: cap %.0f (x%s of the grid's centre %.0f)" % (cap, fa, nr))
+    for name, n in (("the grid's centre", nr),) + ((("the daemon's own n_real", sum(own) / len(own)),) if own else ()):
+        err = (n - cap) / cap
+        print("  %s %.0f is %+.1f%% from it: %s" % (name, n, 100 * err,
+              "within 10%" if abs(err) <= 0.10 else "NOT within 10%"))
+    if own and max(own) - min(own) > 0.01 * max(own):
+        print("  (the runs' n_real differ: %s)" % ", ".join("%.0f" % v for v in own))
+    lo, hi = min(r[1] or 0 for r in rows), max(r[1] or 0 for r in rows)
+    if lo > 0:
+        print("  spread of the steady rates over the grid: %.1f%%" % (100 * (hi - lo) / lo))
     if edge:
         print("  at the edge of the grid: the best cap may lie beyond it (widen FACTORS)")
     if short:
