@@ -126,7 +126,9 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4), MLENS_PIPE_SETS));
 	acc = sat_add(acc, align256(sat_mul(sat_mul((uint64_t)mlens_gpuplan_tail_rows((int64_t)c), V), 4)));
 	acc = sat_add(acc, mlens_gpuplan_scratch_bytes(pm, n, group, chunk, gemm));
-	/* metadata staging: at most a few int32/int64 per token or tile */
+	/* metadata staging (the CUDA backend's compute stream and side
+	 * queue each hold one area): at most a few int32/int64 per token or
+	 * tile, 8 bytes a group row for the side K/V append's slots */
 	stage = sat_mul(T, 32) + 4096;
 	return sat_add(acc, grown(stage, 64ull << 10));
 }
