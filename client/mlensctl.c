@@ -323,6 +323,19 @@ static void show_profile(json_t *r)
 	       strcmp(gets_(r, "mode"), "hybrid") ? "every expert resident" : "searched",
 	       100 * getf(pol, "alpha_decode"), 100 * getf(pol, "alpha_prefill"));
 	printf("%-16s %s\n", "binding", gets_(r, "binding"));
+	{
+		/* each resource's seconds a layer at that step (the largest
+		 * binds), and the fill and drain once a step */
+		json_t *ls = json_object_get(r, "layer_seconds"), *v;
+		const char *k;
+		if (json_is_object(ls)) {
+			printf("%-16s", "per layer");
+			json_object_foreach(ls, k, v)
+				if (strcmp(k, "fill"))
+					printf(" %s %.2f ms", k, json_number_value(v) * 1e3);
+			printf("; fill %.2f ms a step\n", getf(ls, "fill") * 1e3);
+		}
+	}
 	printf("%-16s %.1f tokens/s (%.1f generated/s) for %.0f-token prompts and %.0f-token generations, "
 	       "KV %.0f tokens: steps of %.0f tokens (set by %s) in %.4g s\n", "predicted", getf(pr, "tokens_per_s"),
 	       getf(pr, "generated_tokens_per_s"), getf(w, "prompt_len"), getf(w, "gen_len"), getf(w, "kv_tokens"),

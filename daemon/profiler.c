@@ -1326,6 +1326,16 @@ json_t *mlens_profile_state_json(const struct mlens_profile_state *st)
 	json_object_set_new(o, "predicted", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f}", "tokens_per_step", pr->tokens,
 		"step_seconds", pr->time.seconds, "tokens_per_s", pr->total_tok_s, "generated_tokens_per_s",
 		pr->gen_tok_s, "pme", pr->pme, "t_max", isfinite(pr->t_max) ? pr->t_max : -1.0));
+	{
+		/* what each resource needs a layer at the predicted step, the
+		 * largest binding; fill and drain once a step */
+		json_t *t = json_object();
+		for (int b = 0; b < MLENS_PERF_BIND_N; b++)
+			json_object_set_new(t, mlens_perf_bind_name((enum mlens_perf_bind)b),
+					    json_real(pr->time.tier[b]));
+		json_object_set_new(t, "fill", json_real(pr->time.fill));
+		json_object_set_new(o, "layer_seconds", t);
+	}
 	json_object_set_new(o, "token_cap", json_integer(st->token_cap));
 	json_object_set_new(o, "token_cap_pinned", json_boolean(st->pinned_cap > 0));
 	if (st->err[0])

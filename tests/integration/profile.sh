@@ -32,11 +32,22 @@ grep -q "^n_real  *[0-9][0-9]* tokens per step" "$tmp/human" || fail "no n_real 
 grep -q "^policy  *[0-9][0-9]* resident experts per layer" "$tmp/human" || fail "no policy in: $(cat "$tmp/human")"
 grep -q "^predicted  *[0-9.]* tokens/s" "$tmp/human" || fail "no prediction in: $(cat "$tmp/human")"
 grep -q "^binding  *[a-z]" "$tmp/human" || fail "no binding resource in: $(cat "$tmp/human")"
+grep -q "^per layer  *pcie-h2d [0-9.]* ms.* gpu [0-9.]* ms.*; fill [0-9.]* ms a step$" "$tmp/human" ||
+	fail "no per-layer tiers in: $(cat "$tmp/human")"
 ctl --json profile --prompt-len 64 --gen-len 16 >"$tmp/p.json" || fail "profile --json"
 [ "$(jfield prompt_len <"$tmp/p.json")" = 64.0 ] || fail "prompt_len not 64: $(cat "$tmp/p.json")"
 [ "$(jfield from_cache <"$tmp/p.json")" = false ] || fail "an on-demand profile came from a cache"
 [ "$(jfield token_cap_pinned <"$tmp/p.json")" = false ] || fail "cap pinned without max_step_tokens"
 cap=$(jfield token_cap <"$tmp/p.json")
+# each resource's seconds a layer: the binding one is the largest
+sed -n '/"layer_seconds": {/,/}/p' "$tmp/p.json" >"$tmp/ls"
+bind=$(jfield binding <"$tmp/p.json")
+bsec=$(jfield "$bind" <"$tmp/ls")
+for k in pcie-h2d pcie-d2h cpu-memory gpu cpu-attention gpu-cpu-chain; do
+	v=$(jfield "$k" <"$tmp/ls")
+	awk -v v="$v" -v b="$bsec" 'BEGIN { exit !(v >= 0 && v <= b && b > 0) }' ||
+		fail "layer_seconds: $k = '$v' against the binding $bind's '$bsec'"
+done
 nreal=$(jfield n_real <"$tmp/p.json" | sed 's/\..*//')
 [ "$nreal" -ge 64 ] 2>/dev/null || fail "n_real '$nreal' below the prompt"
 # the scheduler's cap is what the profile set: n_real, at most the engine's 4096
