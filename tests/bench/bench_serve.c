@@ -41,6 +41,7 @@
 
 struct serve_opts {
 	const char *mlensd, *model, *backend, *kv_cache, *gpu_memory;
+	const char *daemon_log;		/* the daemon's log here, kept; NULL: a temporary */
 	const char *daemon_args[MAX_DAEMON_ARGS];
 	int n_daemon_args;
 	int prompt_len, gen_len, requests, concurrency, threads, max_step_tokens;
@@ -53,16 +54,36 @@ struct serve_opts {
 struct daemon_proc {
 	pid_t pid;
 	char dir[64];
-	char sock[96], control[96], stats[96], log[96];
+	char sock[96], control[96], stats[96], log[4096];
+	bool own_log;		/* log is the caller's file: never removed */
 };
 
+/* The log's last lines on stderr (its last 64 KiB at most). */
 static void print_log_tail(const struct daemon_proc *d, int lines)
 {
-	char cmd[160];
+	static char buf[65536];
+	FILE *f = fopen(d->log, "r");
+	long end, from;
+	size_t n;
+	char *p;
 	fprintf(stderr, "---- last lines of %s\n", d->log);
-	snprintf(cmd, sizeof(cmd), "tail -n %d '%s' >&2", lines, d->log);
-	if (system(cmd) != 0)
+	if (!f || fseek(f, 0, SEEK_END) || (end = ftell(f)) < 0) {
 		fprintf(stderr, "(cannot show the log)\n");
+		if (f)
+			fclose(f);
+		return;
+	}
+	from = end > (long)sizeof(buf) - 1 ? end - (long)sizeof(buf) + 1 : 0;
+	n = fseek(f, from, SEEK_SET) ? 0 : fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	p = buf + n;
+	if (p > buf && p[-1] == '\n')
+		p--;
+	while (p > buf && lines > 0)
+		if (*--p == '\n')
+			lines--;
+	fputs(p + (*p == '\n'), stderr);
 }
 
 static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
@@ -88,7 +109,18 @@ static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
 	snprintf(d->sock, sizeof(d->sock), "%s/sock", d->dir);
 	snprintf(d->control, sizeof(d->control), "%s/control", d->dir);
 	snprintf(d->stats, sizeof(d->stats), "%s/stats", d->dir);
-	snprintf(d->log, sizeof(d->log), "%s/mlensd.log", d->dir);
+	if (o->daemon_log) {
+		/* relative to our directory, whatever the daemon's is */
+		char cwd[2048];
+		int w = o->daemon_log[0] == '/' ? snprintf(d->log, sizeof(d->log), "%s", o->daemon_log)
+			: getcwd(cwd, sizeof(cwd)) ? snprintf(d->log, sizeof(d->log), "%s/%s", cwd, o->daemon_log)
+			: -1;
+		if (w < 0 || w >= (int)sizeof(d->log))
+			return -ENAMETOOLONG;
+		d->own_log = true;
+	} else {
+		snprintf(d->log, sizeof(d->log), "%s/mlensd.log", d->dir);
+	}
 	argv[n++] = exe;
 	argv[n++] = "--model";
 	argv[n++] = o->model;
@@ -171,7 +203,8 @@ static void daemon_stop(struct daemon_proc *d, bool keep_log)
 		d->pid = 0;
 	}
 	if (d->dir[0] && !keep_log) {
-		unlink(d->log);
+		if (!d->own_log)
+			unlink(d->log);
 		unlink(d->sock);
 		unlink(d->control);
 		unlink(d->stats);
@@ -751,7 +784,10 @@ static void usage(FILE *f)
 		"usage: mlens-bench serve --model DIR [--mlensd PATH] [--backend auto|cpu|cuda]\n"
 		"       [--kv-cache SIZE] [--gpu-memory SIZE] [--max-step-tokens N] [--daemon-arg ARG]...\n"
 		"       [--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T]\n"
-		"       [--start-timeout S] [--timeout S] [--keep-log] [--predict] [--no-ceilings] [--json]\n"
+		"       [--start-timeout S] [--timeout S] [--keep-log] [--daemon-log FILE] [--predict]\n"
+		"       [--no-ceilings] [--json]\n"
+		"  --keep-log: keep the daemon's temporary directory and log (kept anyway on failure)\n"
+		"  --daemon-log FILE: the daemon logs to FILE (appended to, kept)\n"
 		"  --predict: after the run, ask the daemon's performance model (mlensctl profile;\n"
 		"             it measures unless the daemon profiled already) for the step the\n"
 		"             scheduler reaches with its token cap and the requests in flight, and\n"
@@ -866,6 +902,7 @@ int mlens_bench_serve(int argc, char **argv)
 		{ "daemon-arg", 1, 0, 'a' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "requests", 1, 0, 'n' }, { "concurrency", 1, 0, 'c' }, { "threads", 1, 0, 't' },
 		{ "start-timeout", 1, 0, 'S' }, { "timeout", 1, 0, 'T' }, { "keep-log", 0, 0, 'K' },
+		{ "daemon-log", 1, 0, 'L' },
 		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "no-ceilings", 0, 0, 'N' },
 		{ "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
 	};
@@ -931,6 +968,7 @@ int mlens_bench_serve(int argc, char **argv)
 		case 'S': o.start_timeout = (double)v; break;
 		case 'T': o.run_timeout = (double)v; break;
 		case 'K': o.keep_log = true; break;
+		case 'L': o.daemon_log = optarg; break;
 		case 'j': o.json = true; break;
 		case 'P': o.predict = true; break;
 		case 'N': o.no_ceilings = true; break;

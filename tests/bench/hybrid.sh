@@ -8,7 +8,8 @@
 # requests as the pool holds at once and --predict; then the baseline a user
 # would reach for, transformers + accelerate offloading the same model under
 # the same budget (tests/bench/hf_baseline.py), on a small workload.
-# JSON per run under $OUT (default ./out), a table last.
+# JSON per run under $OUT (default ./out), with the daemon's log beside it
+# (hybrid_RUN.mlensd.log: its plan, profile and n_real), a table last.
 #
 # Usage: hybrid.sh [GPU_MEMORY] [KV_CACHE] [SCALE]
 #   SCALE (default 1.0) multiplies the request counts to fit a time limit
@@ -127,7 +128,8 @@ for r in $RUNS; do
 	tmo=${RUN_TIMEOUT:-570}
 	./tests/bench/mlens-bench serve --model "$MODEL" --mlensd ./daemon/mlensd --backend "$BACKEND" \
 		--gpu-memory "$GPU" --kv-cache "$kv" --prompt-len "$p" --gen-len "$g" \
-		--requests "$n" --concurrency "$s" --threads 8 --timeout "$tmo" --predict --json "$@" \
+		--requests "$n" --concurrency "$s" --threads 8 --timeout "$tmo" --predict --json \
+		--daemon-log "$OUT/hybrid_$r.mlensd.log" "$@" \
 		> "$OUT/hybrid_$r.json" 2> "$OUT/hybrid_$r.err"
 	rc=$?
 	echo "$r: KV $kv p=$p g=$g requests=$n (pool holds $s at once): rc $rc in $(($(date +%s) - t0)) s"

@@ -100,6 +100,7 @@ for f in $FACTORS; do
 		printf "%d %d\n", cap, r }')
 	t0=$(date +%s)
 	serve --max-step-tokens "$1" --requests "$2" --concurrency "$S" --timeout 570 \
+		--daemon-log "$OUT/nreal_x$f.mlensd.log" \
 		> "$OUT/nreal_x$f.json" 2> "$OUT/nreal_x$f.err"
 	rc=$?
 	echo "x$f: cap $1, $2 requests: rc $rc in $(($(date +%s) - t0)) s"
