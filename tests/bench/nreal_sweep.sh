@@ -13,9 +13,10 @@
 #   N_REAL        the grid's centre; else predicted.n_real of
 #                 $OUT/hybrid_p<P>g<G>.json (hybrid.sh, same budget), else
 #                 a short probe run with --predict (one more start-up)
-#   STEADY_STEPS  steps of steady state per point (40: windows of 10-12
-#                 steps, 5-8 s, read up to 20% low on the H200 against a
-#                 57-s window at the same cap)
+#   STEADY_STEPS  steps of steady state per point (80; 40 gave 39-44
+#                 steps in windows of 18-31 s on the H200 at p512/g32 60G,
+#                 whose rates lay within 4.5% of each other: too close to
+#                 call; 10 read up to 20% low against a 57-s window)
 #   EXPECT_TPS    total tokens/s assumed for the time estimate (30000)
 #   STARTUP_S     seconds per run outside the requests (45)
 #   BACKEND       mlensd's backend (cuda)
@@ -33,7 +34,7 @@ G=${2:-32}
 KV=${3:-40G}
 GPU=${4:-8G}
 FACTORS=${FACTORS:-0.5 0.75 1 1.25 1.5}
-STEADY_STEPS=${STEADY_STEPS:-40}
+STEADY_STEPS=${STEADY_STEPS:-80}
 EXPECT_TPS=${EXPECT_TPS:-30000}
 STARTUP_S=${STARTUP_S:-45}
 BACKEND=${BACKEND:-cuda}
