@@ -8,7 +8,8 @@
 #include <string.h>
 #include "daemon/config.h"
 
-enum opt_type { T_STR, T_INT, T_SIZE, T_BOOL, T_DOUBLE, T_GPUS };
+/* T_ENUM: a string that must be one of the words of arg ("a|b|c"). */
+enum opt_type { T_STR, T_ENUM, T_INT, T_SIZE, T_BOOL, T_DOUBLE, T_GPUS };
 
 struct opt {
 	const char *key;
@@ -29,14 +30,14 @@ static const struct opt opts[] = {
 	{ "control_group", T_STR, O(control_group), "", 0, 0, "GROUP", "group allowed on the control socket (mode 0660)" },
 	{ "stats", T_STR, O(stats), "", 0, 0, "PATH", "stats socket, JSON (empty: stats.sock beside the tenant socket)" },
 	{ "stats_http", T_STR, O(stats_http), "", 0, 0, "127.0.0.1:PORT", "Prometheus /metrics and /health over HTTP (empty: off)" },
-	{ "backend", T_STR, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
-	{ "gpu_gemm", T_STR, O(gpu_gemm), "fast", 0, 0, "fast|exact", "GEMMs of bf16/f16 weights on the GPU: fast rounds activations to the weight dtype, exact matches the CPU at 3x the tensor-core work" },
-	{ "gpu_prefill_attention", T_STR, O(gpu_prefill_attention), "auto", 0, 0, "auto|fp32|bf16", "prefill attention on the GPU: bf16 runs both products on tensor cores (Q, K, V and the softmax weights rounded to bf16, fp32 sums), fp32 is exact to the CPU's rounding; auto takes bf16 when gpu_gemm is fast and the weights are bf16 or f16" },
-	{ "gpu_copy", T_STR, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },
-	{ "gpu_copy_out", T_STR, O(gpu_copy_out), "side", 0, 0, "compute|side", "hybrid mode: GA's K/V/q copies to the host between the compute stream's kernels, or on a copy stream of their own (side) that overlaps the next kernels" },
-	{ "kv_append", T_STR, O(kv_append), "gpu", 0, 0, "gpu|cpu", "hybrid mode: who writes each token's K and V into the KV pool in host memory: the GPU, through the pool's mapping (registered with the device), or the CPU pool after the K/V come down as fp32 copies" },
+	{ "backend", T_ENUM, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
+	{ "gpu_gemm", T_ENUM, O(gpu_gemm), "fast", 0, 0, "fast|exact", "GEMMs of bf16/f16 weights on the GPU: fast rounds activations to the weight dtype, exact matches the CPU at 3x the tensor-core work" },
+	{ "gpu_prefill_attention", T_ENUM, O(gpu_prefill_attention), "auto", 0, 0, "auto|fp32|bf16", "prefill attention on the GPU: bf16 runs both products on tensor cores (Q, K, V and the softmax weights rounded to bf16, fp32 sums), fp32 is exact to the CPU's rounding; auto takes bf16 when gpu_gemm is fast and the weights are bf16 or f16" },
+	{ "gpu_copy", T_ENUM, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },
+	{ "gpu_copy_out", T_ENUM, O(gpu_copy_out), "side", 0, 0, "compute|side", "hybrid mode: GA's K/V/q copies to the host between the compute stream's kernels, or on a copy stream of their own (side) that overlaps the next kernels" },
+	{ "kv_append", T_ENUM, O(kv_append), "gpu", 0, 0, "gpu|cpu", "hybrid mode: who writes each token's K and V into the KV pool in host memory: the GPU, through the pool's mapping (registered with the device), or the CPU pool after the K/V come down as fp32 copies" },
 	{ "gpu_moe_streams", T_INT, O(gpu_moe_streams), "2", 1, 4, "N", "CUDA streams that the experts of a MoE layer spread over (each with a 32 MiB cuBLAS workspace), so that one expert's GEMM fills the SMs another leaves idle" },
-	{ "gpu_sync", T_STR, O(gpu_sync), "auto", 0, 0, "auto|spin|yield|block", "how host threads wait for the GPU: CUDA's heuristic (auto: spin on a machine with more cores than contexts), busy-wait (spin), busy-wait giving way (yield) or sleep (block); hybrid mode with threads = 0 leaves the GPU side a core unless block" },
+	{ "gpu_sync", T_ENUM, O(gpu_sync), "auto", 0, 0, "auto|spin|yield|block", "how host threads wait for the GPU: CUDA's heuristic (auto: spin on a machine with more cores than contexts), busy-wait (spin), busy-wait giving way (yield) or sleep (block); hybrid mode with threads = 0 leaves the GPU side a core unless block" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
 	{ "kv_block_size", T_INT, O(kv_block_size), "16", 1, 4096, "N", "tokens per KV block" },
 	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget of GPU-only mode (0: the device's free memory minus 768 MiB)" },
@@ -58,7 +59,7 @@ static const struct opt opts[] = {
 	{ "quota_queued", T_INT, O(quota_queued), "1024", 1, 1 << 20, "N", "default per-tenant queued requests" },
 	{ "quota_weight", T_DOUBLE, O(quota_weight), "1", 0, 0, "W", "default per-tenant share weight (> 0)" },
 	{ "drain_timeout", T_INT, O(drain_timeout), "30", 0, 86400, "SECONDS", "on SIGTERM, time running requests get before they are cancelled" },
-	{ "attn_kernel", T_STR, O(attn_kernel), "auto", 0, 0, "auto|scalar|avx2|avx512", "CPU decode attention kernel" },
+	{ "attn_kernel", T_ENUM, O(attn_kernel), "auto", 0, 0, "auto|scalar|avx2|avx512", "CPU decode attention kernel" },
 	{ "mlock", T_BOOL, O(mlock), "true", 0, 0, NULL, "lock the pinned pools in memory (fail if it cannot)" },
 	{ "io_uring", T_BOOL, O(io_uring), "true", 0, 0, NULL, "read model files with io_uring (false: mmap copy)" },
 	{ "gpus", T_GPUS, O(gpus), "0", 0, 0, "LIST", "CUDA devices to serve on, comma-separated (this mlensd serves on one)" },
@@ -149,12 +150,41 @@ int mlens_parse_gpus(const char *s, int *ids, int max, char *why, size_t whylen)
 	}
 }
 
+/* Whether val is one of the words of choices ("a|b|c"). */
+static bool is_choice(const char *choices, const char *val)
+{
+	size_t n = strlen(val);
+	for (const char *w = choices; w; w = strchr(w, '|') ? strchr(w, '|') + 1 : NULL) {
+		size_t len = strchr(w, '|') ? (size_t)(strchr(w, '|') - w) : strlen(w);
+		if (len == n && !strncmp(w, val, n))
+			return true;
+	}
+	return false;
+}
+
 static int set_value(struct mlens_config *c, const struct opt *o, const char *val,
 		     char *why, size_t whylen)
 {
 	void *p = (char *)c + o->off;
 	char *end;
 	switch (o->type) {
+	case T_ENUM:
+		if (!is_choice(o->arg, val)) {
+			char list[128];
+			size_t j = 0;
+			for (const char *a = o->arg; *a && j + 3 < sizeof(list); a++) {
+				if (*a == '|') {
+					list[j++] = ',';
+					list[j++] = ' ';
+				} else {
+					list[j++] = *a;
+				}
+			}
+			list[j] = 0;
+			snprintf(why, whylen, "'%s' is not one of %s", val, list);
+			return -EINVAL;
+		}
+		__attribute__((fallthrough));	/* stored as a string */
 	case T_STR: {
 		char *d = strdup(val);
 		if (!d)
@@ -243,7 +273,7 @@ void mlens_config_defaults(struct mlens_config *c)
 void mlens_config_free(struct mlens_config *c)
 {
 	for (size_t i = 0; i < N_OPTS; i++)
-		if (opts[i].type == T_STR || opts[i].type == T_GPUS) {
+		if (opts[i].type == T_STR || opts[i].type == T_ENUM || opts[i].type == T_GPUS) {
 			char **p = (char **)((char *)c + opts[i].off);
 			free(*p);
 			*p = NULL;
@@ -483,6 +513,7 @@ void mlens_config_dump(const struct mlens_config *c, FILE *f)
 		fprintf(f, "%s = ", opts[i].key);
 		switch (opts[i].type) {
 		case T_STR:
+		case T_ENUM:
 		case T_GPUS: fprintf(f, "%s\n", *(char *const *)p ? *(char *const *)p : ""); break;
 		case T_INT: fprintf(f, "%lld\n", (long long)*(const int64_t *)p); break;
 		case T_SIZE: fprintf(f, "%llu\n", (unsigned long long)*(const uint64_t *)p); break;

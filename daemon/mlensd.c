@@ -215,13 +215,13 @@ static int64_t plan_group(void)
 	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
 }
 
-/* gpu_copy_out = side (checked at start-up to be side or compute). */
+/* gpu_copy_out = side (the config allows only side or compute). */
 static bool side_copy_out(void)
 {
 	return !strcmp(D.cfg.gpu_copy_out, "side");
 }
 
-/* kv_append = gpu (checked at start-up to be gpu or cpu). */
+/* kv_append = gpu (the config allows only gpu or cpu). */
 static bool gpu_kv_append(void)
 {
 	return !strcmp(D.cfg.kv_append, "gpu");
@@ -349,38 +349,11 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: log_level '%s' is not one of error, warn, info, debug\n", D.cfg.log_level);
 		return 2;
 	}
-	if (strcmp(D.cfg.backend, "auto") && strcmp(D.cfg.backend, "cpu") && strcmp(D.cfg.backend, "cuda")) {
-		fprintf(stderr, "mlensd: backend '%s' is not one of auto, cpu, cuda\n", D.cfg.backend);
-		return 2;
-	}
-	if (mlens_gemm_mode_parse(D.cfg.gpu_gemm, &(enum mlens_gemm_mode){ 0 })) {
-		fprintf(stderr, "mlensd: gpu_gemm '%s' is not one of fast, exact\n", D.cfg.gpu_gemm);
-		return 2;
-	}
-	if (strcmp(D.cfg.gpu_copy, "engine") && strcmp(D.cfg.gpu_copy, "sm")) {
-		fprintf(stderr, "mlensd: gpu_copy '%s' is not one of engine, sm\n", D.cfg.gpu_copy);
-		return 2;
-	}
-	if (strcmp(D.cfg.gpu_prefill_attention, "auto") && strcmp(D.cfg.gpu_prefill_attention, "fp32") &&
-	    strcmp(D.cfg.gpu_prefill_attention, "bf16")) {
-		fprintf(stderr, "mlensd: gpu_prefill_attention '%s' is not one of auto, fp32, bf16\n",
-			D.cfg.gpu_prefill_attention);
-		return 2;
-	}
-	if (strcmp(D.cfg.gpu_copy_out, "compute") && strcmp(D.cfg.gpu_copy_out, "side")) {
-		fprintf(stderr, "mlensd: gpu_copy_out '%s' is not one of compute, side\n", D.cfg.gpu_copy_out);
-		return 2;
-	}
-	if (strcmp(D.cfg.kv_append, "gpu") && strcmp(D.cfg.kv_append, "cpu")) {
-		fprintf(stderr, "mlensd: kv_append '%s' is not one of gpu, cpu\n", D.cfg.kv_append);
-		return 2;
-	}
-	if (mlens_gpu_sync_parse(D.cfg.gpu_sync, &(enum mlens_gpu_sync){ 0 })) {
-		fprintf(stderr, "mlensd: gpu_sync '%s' is not one of auto, spin, yield, block\n", D.cfg.gpu_sync);
-		return 2;
-	}
+	/* the enumerated keys (backend, gpu_gemm, gpu_copy, gpu_copy_out,
+	 * gpu_prefill_attention, kv_append, gpu_sync, attn_kernel) were
+	 * checked against their choices when read (config.c, T_ENUM) */
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
-		fprintf(stderr, "mlensd: attn_kernel '%s' is unknown or not supported by this CPU\n",
+		fprintf(stderr, "mlensd: attn_kernel '%s' is not supported by this CPU\n",
 			D.cfg.attn_kernel);
 		return 2;
 	}
@@ -438,7 +411,7 @@ int main(int argc, char **argv)
 	/* backend */
 	bo.n_threads = (int)D.cfg.threads;
 	bo.device = D.cfg.gpu_ids[0];
-	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* checked at start */
+	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* one of its names (config) */
 	/* auto: tensor cores where the fast GEMMs already round activations
 	 * to 16 bits; an fp32 model or exact GEMMs keep fp32 attention */
 	bo.prefill_bf16 = !strcmp(D.cfg.gpu_prefill_attention, "bf16") ||
@@ -446,7 +419,7 @@ int main(int argc, char **argv)
 			   D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo.sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
 	bo.moe_streams = (int)D.cfg.gpu_moe_streams;
-	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo.sync);	/* checked at start */
+	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo.sync);	/* one of its names (config) */
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
 	bo.numa_node = node;

@@ -380,6 +380,19 @@ out:
 	return rc;
 }
 
+/* A one-layer KV cache of the model's heads and the options' dtype and
+ * block size (16 unless set), no blocks or memory yet: the tests' pools. */
+static void test_kv(struct mlens_kv_cache *kv, const struct mlens_model_config *c,
+		    const struct mlens_profile_opts *o)
+{
+	memset(kv, 0, sizeof(*kv));
+	kv->dtype = o->kv_dtype;
+	kv->n_layers = 1;
+	kv->n_kv_heads = (int)c->num_key_value_heads;
+	kv->head_dim = (int)c->head_dim;
+	kv->block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
+}
+
 /* slots[rows]: rows in the blocks they fill, the blocks drawn without
  * repeats from all of kv's (the first places of a Fisher-Yates shuffle),
  * a block's rows in order: a prompt's rows fill their blocks, a
@@ -486,12 +499,7 @@ static int profile_kv_store(const struct mlens_model *m, const struct mlens_prof
 
 	if (!can_copy(be))
 		return 0;	/* the GPU side is host memory: no stores cross a bus */
-	memset(&kv, 0, sizeof(kv));
-	kv.dtype = o->kv_dtype;
-	kv.n_layers = 1;
-	kv.n_kv_heads = (int)c->num_key_value_heads;
-	kv.head_dim = (int)c->head_dim;
-	kv.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
+	test_kv(&kv, c, o);
 	/* a pool of 2 x copy_bytes(budget), rows at most a tenth of it */
 	bytes = copy_bytes(budget);
 	kv.n_blocks = (uint32_t)(bytes / (row * (size_t)kv.block_size * mlens_dtype_size(kv.dtype)));
@@ -809,7 +817,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	uint32_t *table = NULL;
 	float *q = NULL, *out = NULL;
 	size_t kvbytes = big_buffer(budget) / (budget >= 5 ? 1 : 4), tok_bytes, head_elems, elems;
-	int bs = o->kv_block_size > 0 ? o->kv_block_size : 16, qd = (int)(c->num_attention_heads * c->head_dim);
+	int bs, qd = (int)(c->num_attention_heads * c->head_dim);
 	int ctx, n_seq, bps, rc = 0;
 	uint64_t seed = 12345;
 
@@ -824,12 +832,8 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 		}
 		be = &tmp;
 	}
-	memset(&kv, 0, sizeof(kv));
-	kv.dtype = o->kv_dtype;
-	kv.n_layers = 1;
-	kv.n_kv_heads = (int)c->num_key_value_heads;
-	kv.head_dim = (int)c->head_dim;
-	kv.block_size = bs;
+	test_kv(&kv, c, o);
+	bs = kv.block_size;
 	tok_bytes = 2 * (size_t)kv.n_kv_heads * (size_t)kv.head_dim * mlens_dtype_size(kv.dtype);
 	/* sequences of up to 2048 tokens (or the model's context) filling kvbytes */
 	ctx = c->max_position_embeddings > 1 && c->max_position_embeddings - 1 < 2048 ?

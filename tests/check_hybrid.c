@@ -863,6 +863,18 @@ static void fa_q2_flush(int upto)	/* under fa_mu */
 	}
 }
 
+/* Queue op onto queue 2 (a full queue runs first: earlier is allowed),
+ * counted in *count. */
+static void fa_q2_push(const struct fa_q2_op *op, int *count)
+{
+	pthread_mutex_lock(&fa_mu);
+	if (fa_q2_n == FA_Q2_MAX)
+		fa_q2_flush(fa_q2_n);
+	fa_q2[fa_q2_n++] = *op;
+	(*count)++;
+	pthread_mutex_unlock(&fa_mu);
+}
+
 static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t bytes, bool to_device)
 {
 	(void)ctx, (void)to_device;
@@ -870,15 +882,7 @@ static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t byte
 	    __atomic_sub_fetch(&fa_fail_in, 1, __ATOMIC_SEQ_CST) == 0)
 		return -EIO;
 	if (queue == 2) {
-		pthread_mutex_lock(&fa_mu);
-		if (fa_q2_n == FA_Q2_MAX)
-			fa_q2_flush(fa_q2_n);	/* a full queue runs (earlier is allowed) */
-		fa_q2[fa_q2_n].kv = NULL;
-		fa_q2[fa_q2_n].dst = dst;
-		fa_q2[fa_q2_n].src = src;
-		fa_q2[fa_q2_n++].bytes = bytes;
-		fa_q2_copies++;
-		pthread_mutex_unlock(&fa_mu);
+		fa_q2_push(&(struct fa_q2_op){ .dst = dst, .src = src, .bytes = bytes }, &fa_q2_copies);
 		return 0;
 	}
 	memcpy(dst, src, bytes);
@@ -893,17 +897,8 @@ static int fa_append_side(void *ctx, struct mlens_kv_cache *kv, int layer, const
 	if (!own)
 		return -ENOMEM;
 	memcpy(own, slots, (size_t)n * sizeof(*own));
-	pthread_mutex_lock(&fa_mu);
-	if (fa_q2_n == FA_Q2_MAX)
-		fa_q2_flush(fa_q2_n);
-	fa_q2[fa_q2_n].kv = kv;
-	fa_q2[fa_q2_n].k = k;
-	fa_q2[fa_q2_n].v = v;
-	fa_q2[fa_q2_n].slots = own;
-	fa_q2[fa_q2_n].layer = layer;
-	fa_q2[fa_q2_n++].n = n;
-	fa_q2_appends++;
-	pthread_mutex_unlock(&fa_mu);
+	fa_q2_push(&(struct fa_q2_op){ .kv = kv, .k = k, .v = v, .slots = own, .layer = layer, .n = n },
+		   &fa_q2_appends);
 	return 0;
 }
 static int fa_record(void *ctx, int queue, int ev)

@@ -42,12 +42,21 @@ expect_config_error "bad.conf:2: key 'mlock': 'maybe' is not a boolean" "
 mlock = maybe"
 expect_config_error "bad.conf:1: key 'threads': 'two' is not an integer" "threads = two"
 expect_config_error "bad.conf:1: expected 'key = value'" "kv_cache 1G"
-expect_config_error "gpu_copy 'dma' is not one of engine, sm" "gpu_copy = dma"
-expect_config_error "gpu_copy_out 'both' is not one of compute, side" "gpu_copy_out = both"
-expect_config_error "gpu_prefill_attention 'half' is not one of auto, fp32, bf16" "gpu_prefill_attention = half"
-expect_config_error "gpu_gemm 'exactish' is not one of fast, exact" "gpu_gemm = exactish"
-expect_config_error "kv_append 'disk' is not one of gpu, cpu" "kv_append = disk"
-expect_config_error "gpu_sync 'sleep' is not one of auto, spin, yield, block" "gpu_sync = sleep"
+expect_config_error "bad.conf:1: key 'gpu_copy': 'dma' is not one of engine, sm" "gpu_copy = dma"
+expect_config_error "bad.conf:1: key 'gpu_copy_out': 'both' is not one of compute, side" "gpu_copy_out = both"
+expect_config_error "bad.conf:1: key 'gpu_prefill_attention': 'half' is not one of auto, fp32, bf16" "gpu_prefill_attention = half"
+expect_config_error "bad.conf:1: key 'gpu_gemm': 'exactish' is not one of fast, exact" "gpu_gemm = exactish"
+expect_config_error "bad.conf:1: key 'kv_append': 'disk' is not one of gpu, cpu" "kv_append = disk"
+expect_config_error "bad.conf:1: key 'gpu_sync': 'sleep' is not one of auto, spin, yield, block" "gpu_sync = sleep"
+expect_config_error "bad.conf:1: key 'backend': 'tpu' is not one of auto, cpu, cuda" "backend = tpu"
+expect_config_error "bad.conf:1: key 'attn_kernel': 'avx1024' is not one of auto, scalar, avx2, avx512" "attn_kernel = avx1024"
+# a word of the list is not a prefix match, nor a list of words
+expect_config_error "bad.conf:1: key 'kv_append': 'gp' is not one of gpu, cpu" "kv_append = gp"
+expect_config_error "bad.conf:1: key 'kv_append': 'gpu|cpu' is not one of gpu, cpu" "kv_append = gpu|cpu"
+# flags the same way
+"$mlensd" --model "$tmp/m" --foreground --kv-append=disk >"$tmp/out" 2>&1
+[ $? -eq 2 ] && grep -qF "option '--kv-append': 'disk' is not one of gpu, cpu" "$tmp/out" ||
+	fail "bad enumerated flag: $(cat "$tmp/out")"
 expect_config_error "bad.conf:1: key 'gpu_moe_streams': 0 is outside [1, 4]" "gpu_moe_streams = 0"
 expect_config_error "bad.conf:1: key 'gpu_moe_streams': 5 is outside [1, 4]" "gpu_moe_streams = 5"
 "$mlensd" --model "$tmp/m" --foreground --bogus-flag >"$tmp/out" 2>&1
