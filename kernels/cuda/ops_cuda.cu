@@ -42,6 +42,27 @@ __device__ __forceinline__ float load_rounded(enum mlens_dtype dt, float v)
 	return v;
 }
 
+/* 16-bit values to and from fp32 by type, for the vectorised kernels. */
+__device__ __forceinline__ float to_float(__nv_bfloat16 v)
+{
+	return __bfloat162float(v);
+}
+
+__device__ __forceinline__ float to_float(__half v)
+{
+	return __half2float(v);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v)
+{
+	return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_float<__half>(float v)
+{
+	return __float2half_rn(v);
+}
+
 static unsigned blocks_for(size_t count, unsigned threads)
 {
 	size_t b = (count + threads - 1) / threads;
@@ -240,14 +261,44 @@ __global__ void convert_rows_kernel(void *dst, enum mlens_dtype dt, const float 
 		store_elem(dst, dt, r * cols + j, s[j]);
 }
 
+/* The same for 16-bit dst T and cols a multiple of 4: four values a
+ * thread (one 16-byte load, one 8-byte store), rounded as store_elem does. */
+template <typename T>
+__global__ void convert_rows4_kernel(uint2 *dst, const float4 *src, const int32_t *gather,
+				     int gather_div, int cols4)
+{
+	size_t r = blockIdx.x;
+	size_t sr = gather ? (size_t)(gather[r] / gather_div) : r;
+	const float4 *s = src + sr * cols4;
+	for (int j = threadIdx.x; j < cols4; j += blockDim.x) {
+		float4 v = s[j];
+		uint2 o;
+		T *oa = (T *)&o;
+		oa[0] = from_float<T>(v.x);
+		oa[1] = from_float<T>(v.y);
+		oa[2] = from_float<T>(v.z);
+		oa[3] = from_float<T>(v.w);
+		dst[r * cols4 + j] = o;
+	}
+}
+
 int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
 			    const float *src, const int32_t *gather, int gather_div,
 			    int rows, int cols)
 {
 	if (rows <= 0 || cols <= 0)
 		return rows < 0 || cols < 0 ? -EINVAL : 0;
-	convert_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, gather,
-									 gather_div, cols);
+	if (dt != MLENS_DTYPE_F32 && !(cols & 3) && !((uintptr_t)src & 15) && !((uintptr_t)dst & 7)) {
+		if (dt == MLENS_DTYPE_BF16)
+			convert_rows4_kernel<__nv_bfloat16><<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(
+				(uint2 *)dst, (const float4 *)src, gather, gather_div, cols / 4);
+		else
+			convert_rows4_kernel<__half><<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(
+				(uint2 *)dst, (const float4 *)src, gather, gather_div, cols / 4);
+	} else {
+		convert_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, gather,
+										 gather_div, cols);
+	}
 	CUDA_LAUNCHED();
 	return 0;
 }
@@ -296,11 +347,44 @@ __global__ void silu_mul_kernel(void *h, enum mlens_dtype dt, const void *g, con
 	}
 }
 
+/* The same with g, u and h all of 16-bit T: eight values a thread (16-byte
+ * loads and store), the same arithmetic and rounding. */
+template <typename T>
+__global__ void silu_mul8_kernel(uint4 *h, const uint4 *g, const uint4 *u, size_t count8)
+{
+	for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < count8;
+	     t += (size_t)gridDim.x * blockDim.x) {
+		uint4 gv = g[t], uv = u[t], hv;
+		const T *ga = (const T *)&gv, *ua = (const T *)&uv;
+		T *ha = (T *)&hv;
+#pragma unroll
+		for (int j = 0; j < 8; j++) {
+			float a = to_float(ga[j]);
+			ha[j] = from_float<T>(a / (1.0f + expf(-a)) * to_float(ua[j]));
+		}
+		h[t] = hv;
+	}
+}
+
 int mlens_cuda_silu_mul(struct mlens_cuda_ctx *c, void *h, enum mlens_dtype dt,
 			const void *g, const void *u, enum mlens_dtype gdt, size_t count)
 {
 	if (!count)
 		return 0;
+	if (dt == gdt && dt != MLENS_DTYPE_F32 && !(count & 7) &&
+	    !(((uintptr_t)h | (uintptr_t)g | (uintptr_t)u) & 15)) {
+		size_t n8 = count / 8;
+		if (dt == MLENS_DTYPE_BF16)
+			silu_mul8_kernel<__nv_bfloat16><<<blocks_for(n8, MLENS_CUDA_THREADS),
+							  MLENS_CUDA_THREADS, 0, c->stream>>>(
+				(uint4 *)h, (const uint4 *)g, (const uint4 *)u, n8);
+		else
+			silu_mul8_kernel<__half><<<blocks_for(n8, MLENS_CUDA_THREADS), MLENS_CUDA_THREADS,
+						   0, c->stream>>>((uint4 *)h, (const uint4 *)g,
+								   (const uint4 *)u, n8);
+		CUDA_LAUNCHED();
+		return 0;
+	}
 	silu_mul_kernel<<<blocks_for(count, MLENS_CUDA_THREADS), MLENS_CUDA_THREADS, 0,
 			  c->stream>>>(h, dt, g, u, gdt, count);
 	CUDA_LAUNCHED();
@@ -399,7 +483,7 @@ int mlens_cuda_moe_route(struct mlens_cuda_ctx *c, int32_t *counts, int32_t *per
 /* Token i adds its experts' rows in ascending expert id, each multiplied
  * and added with single roundings, as the CPU does. */
 __global__ void moe_combine_kernel(float *out, const float *y, const int32_t *ids,
-				   const float *weights, const int32_t *inv, int k, int hidden)
+				   const float *weights, const int32_t *inv, int k, int hidden, bool vec)
 {
 	__shared__ int order[MOE_MAX_K];
 	size_t i = blockIdx.x;
@@ -415,6 +499,24 @@ __global__ void moe_combine_kernel(float *out, const float *y, const int32_t *id
 			}
 	}
 	__syncthreads();
+	if (vec) {
+		/* four columns a thread (16-byte accesses), the same order of sums */
+		float4 *o4 = (float4 *)(out + i * hidden);
+		for (int j = threadIdx.x; j < hidden / 4; j += blockDim.x) {
+			float4 acc = o4[j];
+			for (int s = 0; s < k; s++) {
+				size_t a = i * k + order[s];
+				float w = weights[a];
+				float4 yv = ((const float4 *)(y + (size_t)inv[a] * hidden))[j];
+				acc.x = __fadd_rn(acc.x, __fmul_rn(w, yv.x));
+				acc.y = __fadd_rn(acc.y, __fmul_rn(w, yv.y));
+				acc.z = __fadd_rn(acc.z, __fmul_rn(w, yv.z));
+				acc.w = __fadd_rn(acc.w, __fmul_rn(w, yv.w));
+			}
+			o4[j] = acc;
+		}
+		return;
+	}
 	for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
 		float acc = out[i * hidden + j];
 		for (int s = 0; s < k; s++) {
@@ -431,8 +533,9 @@ int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
 {
 	if (k > MOE_MAX_K)
 		return -EINVAL;
+	bool vec = !(hidden & 3) && !(((uintptr_t)out | (uintptr_t)y) & 15);
 	moe_combine_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(out, y, ids, weights, inv,
-								     k, hidden);
+								     k, hidden, vec);
 	CUDA_LAUNCHED();
 	return 0;
 }

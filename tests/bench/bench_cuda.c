@@ -6,8 +6,9 @@
  * prefill flash attention and paged decode attention, and the K/V append
  * into a pool in registered host memory (bench_kv_store). Prints one JSON
  * object on stdout and a table on stderr. Not a test: it asserts nothing.
- * Usage: bench_cuda [fast|exact] [kv-store]: the backend's GEMM mode
- * (default fast); kv-store runs only the K/V append. */
+ * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm]: the backend's GEMM
+ * mode (default fast); kv-store runs only the K/V append, moe-gemm only
+ * the experts' GEMMs looped and grouped (bench_moe_gemm). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -162,6 +163,172 @@ static int bench_expert_gemm(cublasHandle_t h, const void *w, const void *xb, vo
 					flop / t * 1e-12);
 			}
 	printf("\n  ]");
+	return 0;
+}
+
+/* The experts' GEMMs of one MoE call (8 experts of Mixtral's sizes, rows
+ * rows each, give or take 16 so that the experts' shapes differ as routed
+ * ones do): gate and up then down, (a) expert by expert on one stream, as
+ * the backend's loop does, (b) the experts split over two streams, (c) two
+ * cublasGemmGroupedBatchedEx calls (gate and up of every expert, then every
+ * down). Outputs bf16 throughout: the grouped call has no fp32 output for
+ * bf16 inputs. Prints "moe_gemm" records; no MoE routing or silu. */
+static int bench_moe_gemm(int H, int I)
+{
+	enum { E = 8, iters = 10 };
+	static const int Rs[] = { 512, 1024 };
+	const float one = 1.0f, zero = 0.0f;
+	void *w1[E], *w2[E], *w3[E], *x, *gi, *g, *u, *y;
+	void **dptr;
+	cublasHandle_t h[2];
+	cudaStream_t st[2];
+	int first = 1;
+
+	for (int e = 0; e < E; e++) {
+		w1[e] = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
+		w2[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+		w3[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+		if (!w1[e] || !w2[e] || !w3[e])
+			FAIL("moe_gemm weights");
+		cudaMemcpy(w2[e], w1[e], (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+		cudaMemcpy(w3[e], w1[e], (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+	}
+	x = dev_random((size_t)E * 1040 * H, MLENS_DTYPE_BF16, 1.0f);
+	gi = dev_random((size_t)E * 1040 * I, MLENS_DTYPE_BF16, 1.0f);
+	g = be.ops->alloc(be.ctx, (size_t)E * 1040 * I * 2);
+	u = be.ops->alloc(be.ctx, (size_t)E * 1040 * I * 2);
+	y = be.ops->alloc(be.ctx, (size_t)E * 1040 * H * 2);
+	dptr = be.ops->alloc(be.ctx, 48 * sizeof(void *));
+	if (!x || !gi || !g || !u || !y || !dptr)
+		FAIL("moe_gemm buffers");
+	for (int i = 0; i < 2; i++)
+		if (cudaStreamCreateWithFlags(&st[i], cudaStreamNonBlocking) != cudaSuccess ||
+		    cublasCreate(&h[i]) != CUBLAS_STATUS_SUCCESS ||
+		    cublasSetStream(h[i], st[i]) != CUBLAS_STATUS_SUCCESS)
+			FAIL("moe_gemm streams");
+	printf(",\n  \"moe_gemm\": [");
+	for (int a = 0; a < 2; a++) {
+		int rows[E], off[E], total = 0;
+		int gm[E], gn[E], gk[E], glda[E], gldb[E], gldc[E], gsz[E];
+		int dm[E], dn[E], dk[E], dlda[E], dldb[E], dldc[E], dsz[E];
+		cublasOperation_t ta[E], tb[E];
+		float al[E], be0[E];
+		const void *hp[48];
+		double flop;
+		for (int e = 0; e < E; e++) {
+			rows[e] = Rs[a] + (e % 3 - 1) * 16;
+			off[e] = total;
+			total += rows[e];
+			/* gate/up group e: two problems (w1, w3) of rows[e] rows */
+			gm[e] = I, gn[e] = rows[e], gk[e] = H, glda[e] = H, gldb[e] = H, gldc[e] = I;
+			gsz[e] = 2;
+			dm[e] = H, dn[e] = rows[e], dk[e] = I, dlda[e] = I, dldb[e] = I, dldc[e] = H;
+			dsz[e] = 1;
+			ta[e] = CUBLAS_OP_T, tb[e] = CUBLAS_OP_N, al[e] = 1.0f, be0[e] = 0.0f;
+			hp[2 * e] = w1[e];
+			hp[2 * e + 1] = w3[e];
+			hp[16 + 2 * e] = (const char *)x + (size_t)off[e] * H * 2;
+			hp[16 + 2 * e + 1] = hp[16 + 2 * e];
+			hp[32 + 2 * e] = (const char *)g + (size_t)off[e] * I * 2;
+			hp[32 + 2 * e + 1] = (const char *)u + (size_t)off[e] * I * 2;
+		}
+		flop = 6.0 * H * I * total;
+		for (int v = 0; v < 3; v++) {
+			double t0 = 0, t;
+			for (int it = 0; it < iters + 2; it++) {
+				if (it == 2) {
+					cudaDeviceSynchronize();
+					t0 = now();
+				}
+				if (v == 2) {
+					/* pointer tables: gate/up A, B, C, then down A, B, C */
+					const void *dp[48];
+					memcpy(dp, hp, sizeof(dp));
+					if (cudaMemcpyAsync(dptr, dp, 48 * sizeof(void *), cudaMemcpyHostToDevice,
+							    st[0]) != cudaSuccess)
+						FAIL("moe_gemm pointer upload");
+					if (cublasGemmGroupedBatchedEx(h[0], ta, tb, gm, gn, gk, al,
+						(const void *const *)dptr, CUDA_R_16BF, glda,
+						(const void *const *)(dptr + 16), CUDA_R_16BF, gldb, be0,
+						dptr + 32, CUDA_R_16BF, gldc, E, gsz, CUBLAS_COMPUTE_32F) !=
+					    CUBLAS_STATUS_SUCCESS)
+						FAIL("cublasGemmGroupedBatchedEx gate/up");
+					continue;
+				}
+				for (int e = 0; e < E; e++) {
+					cublasHandle_t hh = h[v == 1 && e >= E / 2];
+					const char *xe = (const char *)x + (size_t)off[e] * H * 2;
+					if (cublasGemmEx(hh, CUBLAS_OP_T, CUBLAS_OP_N, I, rows[e], H, &one, w1[e],
+							 CUDA_R_16BF, H, xe, CUDA_R_16BF, H, &zero,
+							 (char *)g + (size_t)off[e] * I * 2, CUDA_R_16BF, I,
+							 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) ||
+					    cublasGemmEx(hh, CUBLAS_OP_T, CUBLAS_OP_N, I, rows[e], H, &one, w3[e],
+							 CUDA_R_16BF, H, xe, CUDA_R_16BF, H, &zero,
+							 (char *)u + (size_t)off[e] * I * 2, CUDA_R_16BF, I,
+							 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) ||
+					    cublasGemmEx(hh, CUBLAS_OP_T, CUBLAS_OP_N, H, rows[e], I, &one, w2[e],
+							 CUDA_R_16BF, I, (const char *)gi + (size_t)off[e] * I * 2,
+							 CUDA_R_16BF, I, &zero, (char *)y + (size_t)off[e] * H * 2,
+							 CUDA_R_16BF, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
+						FAIL("moe_gemm cublasGemmEx");
+				}
+			}
+			if (v == 2) {
+				/* the down products as a second grouped call, timed alone
+				 * after the gate/up ones: A = w2, B = gi rows, C = y rows */
+				double tg, t1;
+				const void *dp[24];
+				cudaDeviceSynchronize();
+				tg = now() - t0;
+				for (int e = 0; e < E; e++) {
+					dp[e] = w2[e];
+					dp[8 + e] = (const char *)gi + (size_t)off[e] * I * 2;
+					dp[16 + e] = (char *)y + (size_t)off[e] * H * 2;
+				}
+				if (cudaMemcpy(dptr, dp, sizeof(dp), cudaMemcpyHostToDevice) != cudaSuccess)
+					FAIL("moe_gemm pointer upload");
+				t1 = now();
+				for (int it = 0; it < iters; it++)
+					if (cublasGemmGroupedBatchedEx(h[0], ta, tb, dm, dn, dk, al,
+						(const void *const *)dptr, CUDA_R_16BF, dlda,
+						(const void *const *)(dptr + 8), CUDA_R_16BF, dldb, be0,
+						dptr + 16, CUDA_R_16BF, dldc, E, dsz, CUBLAS_COMPUTE_32F) !=
+					    CUBLAS_STATUS_SUCCESS)
+						FAIL("cublasGemmGroupedBatchedEx down");
+				cudaDeviceSynchronize();
+				t = (tg + now() - t1) / iters;
+				fprintf(stderr, "moe gemm grouped rows~%4d: gate/up %.1f us, down %.1f us\n",
+					Rs[a], tg / iters * 1e6, (now() - t1) / iters * 1e6);
+			} else {
+				cudaDeviceSynchronize();
+				t = (now() - t0) / iters;
+			}
+			printf("%s\n    {\"rows_per_expert\": %d, \"experts\": %d, \"variant\": \"%s\", "
+			       "\"us\": %.1f, \"tflops\": %.1f}", first ? "" : ",", Rs[a], E,
+			       v == 0 ? "loop" : v == 1 ? "loop_2_streams" : "grouped", t * 1e6,
+			       flop / t * 1e-12);
+			first = 0;
+			fprintf(stderr, "moe gemm %-14s rows~%4d x %d experts: %8.1f us %6.1f TFLOP/s\n",
+				v == 0 ? "loop" : v == 1 ? "loop 2 streams" : "grouped", Rs[a], E, t * 1e6,
+				flop / t * 1e-12);
+		}
+	}
+	printf("\n  ]");
+	for (int i = 0; i < 2; i++) {
+		cublasDestroy(h[i]);
+		cudaStreamDestroy(st[i]);
+	}
+	for (int e = 0; e < E; e++) {
+		be.ops->free(be.ctx, w1[e]);
+		be.ops->free(be.ctx, w2[e]);
+		be.ops->free(be.ctx, w3[e]);
+	}
+	be.ops->free(be.ctx, x);
+	be.ops->free(be.ctx, gi);
+	be.ops->free(be.ctx, g);
+	be.ops->free(be.ctx, u);
+	be.ops->free(be.ctx, y);
+	be.ops->free(be.ctx, dptr);
 	return 0;
 }
 
@@ -543,15 +710,18 @@ int main(int argc, char **argv)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct cudaDeviceProp prop;
-	bool only_kv_store = false;
+	bool only_kv_store = false, only_moe_gemm = false;
 	int rc;
 
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "kv-store"))
 			only_kv_store = true;
+		else if (!strcmp(argv[i], "moe-gemm"))
+			only_moe_gemm = true;
 		else if (mlens_gemm_mode_parse(argv[i], &o.gemm)) {
-			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store]  (the GEMM mode, "
-				"default fast; kv-store: only the K/V append into host memory)\n");
+			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store|moe-gemm]  (the GEMM "
+				"mode, default fast; kv-store: only the K/V append into host memory; "
+				"moe-gemm: only the experts' GEMMs, looped and grouped)\n");
 			return 2;
 		}
 	}
@@ -567,15 +737,22 @@ int main(int argc, char **argv)
 	cudaGetDeviceProperties(&prop, 0);
 	printf("{\n  \"device\": \"%s\",\n  \"gemm_mode\": \"%s\"", prop.name,
 	       mlens_gemm_mode_name(o.gemm));
+	if (only_moe_gemm) {
+		rc = bench_moe_gemm(4096, 14336);
+		goto out_json;
+	}
 	if (!only_kv_store) {
 		printf(",\n  \"gemm\": [");
 		if ((rc = bench_gemm(1)))
 			goto out;
 		printf("\n  ]");
-		if ((rc = bench_moe(&o)) || (rc = bench_attn()))
+		if ((rc = bench_moe(&o)) || (rc = bench_moe_gemm(4096, 14336)) || (rc = bench_attn()))
 			goto out;
 	}
 	if ((rc = bench_kv_store(&o)))
+		goto out;
+out_json:
+	if (rc)
 		goto out;
 	printf(",\n  \"device_bytes_in_use_at_end\": %zu\n}\n", mlens_backend_cuda_mem_used(&be));
 out:
