@@ -1385,6 +1385,11 @@ static int run_cmd(struct mlens_pipeline *p, const struct mlens_pipe_cmd *cmd, b
 	if (cmd->kind == MLENS_PIPE_COPY)
 		sp = mlens_step_timer_begin(&p->timer, 1, "h2d", "%s l%d p%d",
 					    cmd->next_step ? "PREFETCH" : "COPY", cmd->layer, cmd->piece);
+	else if (timed && (cmd->kind == MLENS_PIPE_GA || cmd->kind == MLENS_PIPE_GB))
+		/* with the group's rows: how full the groups run shows in a trace */
+		sp = mlens_step_timer_begin(&p->timer, 0, "gpu", "%s l%d g%d n%d", kind[cmd->kind],
+					    cmd->layer, cmd->group,
+					    p->grp[cmd->group].r1 - p->grp[cmd->group].r0);
 	else if (timed)
 		sp = mlens_step_timer_begin(&p->timer, 0, "gpu", "%s l%d g%d", kind[cmd->kind],
 					    cmd->layer, cmd->group);

@@ -1278,6 +1278,10 @@ START_TEST(exec_trace_threads)
 	ck_assert_int_eq(count_spans(ev, "mover-thread", "RECORD ", t0, t1), L + 2);
 	ck_assert_int_ge(count_spans(ev, "mover-thread", "COPY ", t0, t1), L + 2);
 	ck_assert_int_eq(count_spans(ev, "mover-thread", "GA ", t0, t1), 0);
+	/* the GPU's spans name each group's rows: the prompt's 6 */
+	ck_assert_int_eq(count_spans(ev, "gpu", "GA l0 g0 n6", t0, t1), 1);
+	ck_assert_int_eq(count_spans(ev, "gpu", "GB l3 g0 n6", t0, t1), 1);
+	ck_assert_int_eq(count_spans(ev, "gpu", "TAIL l-1 g-1", t0, t1), 1);
 	json_decref(root);
 	ck_assert_int_eq(unlink(path), 0);
 	ck_assert_int_eq(rmdir(dir), 0);

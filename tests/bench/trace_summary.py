@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Summarise a hybrid step trace (mlensctl trace FILE): step times, each
 track's span count and busy time, the medians of the CPU attention (C) and
-the GPU's GA and GB per token group, and the GPU commands that ran over a
+the GPU's GA and GB per token group, the GPU commands that ran over a
 threshold (a GA or GB of a 4096-token group takes 2-7 ms on the H200, so
-one much longer waited for something). Usage: trace_summary.py FILE [MS]"""
+one much longer waited for something), and per layer: token groups, the
+GPU's time from the layer's first GA to its last GB, and how long the
+weight stream then stood idle (waiting for a slot: the GPU side is the
+slower one; none: the stream is). Usage: trace_summary.py FILE [MS]"""
 import collections
 import json
 import sys
@@ -41,6 +44,46 @@ def main():
     print("  GPU commands over %g ms: %d, %.1f ms in all%s%s" % (
         long_ms, len(slow), sum(e["dur"] for e in slow) / 1e3, ": " if slow else "",
         ", ".join("%s %.0f" % (e["name"], e["dur"] / 1e3) for e in slow[:12])))
+    layers(ev, names)
+
+
+def layers(ev, names):
+    """Per (step, layer) the GPU span and groups; per layer copied, the
+    stream's idle time before the next layer's first piece."""
+    gpu = sorted((e for e in ev if names.get(e["tid"]) == "gpu"), key=lambda e: e["ts"])
+    h2d = sorted((e for e in ev if names.get(e["tid"]) == "h2d"), key=lambda e: e["ts"])
+    span, groups, rows, step = {}, collections.Counter(), [], -1
+    for e in gpu:
+        kind, layer = e["name"].split()[:2]
+        if kind == "HEAD":
+            step += 1
+        if kind not in ("GA", "GB") or not layer.startswith("l"):
+            continue
+        k = (step, int(layer[1:]))
+        t0, t1 = span.get(k, (e["ts"], e["ts"]))
+        span[k] = (min(t0, e["ts"]), max(t1, e["ts"] + e["dur"]))
+        groups[k] += kind == "GA"
+        rows += [int(w[1:]) for w in e["name"].split()[3:4] if kind == "GA" and w[:1] == "n"]
+    idle = collections.defaultdict(float)
+    for a, b in zip(h2d, h2d[1:]):
+        if a["name"].split()[1] != b["name"].split()[1]:
+            idle[b["name"].split()[1]] += max(0.0, b["ts"] - a["ts"] - a["dur"])
+    if not span:
+        return
+    per = [(v[1] - v[0]) / 1e3 for v in span.values()]
+    g = sorted(groups.values())
+    print("  per layer: %d-%d groups (median %d), GPU %.1f ms median (%.1f-%.1f)" % (
+        g[0], g[-1], g[len(g) // 2], sorted(per)[len(per) // 2], min(per), max(per)))
+    if rows:
+        rows.sort()
+        print("  rows a group: median %d (%d-%d)" % (rows[len(rows) // 2], rows[0], rows[-1]))
+    times = collections.Counter(e["name"].split()[1] for e in h2d if e["name"].endswith(" p0"))
+    busy = collections.Counter()
+    for e in h2d:
+        busy[e["name"].split()[1]] += e["dur"] / 1e3
+    print("  weight stream, per copy of a layer: %s" % ", ".join(
+        "%s %.1f ms busy %.1f idle before" % (l, busy[l] / times[l], idle[l] / 1e3 / times[l])
+        for l in sorted(busy, key=lambda x: int(x[1:])) if times[l]))
 
 
 if __name__ == "__main__":
