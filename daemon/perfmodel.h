@@ -59,10 +59,11 @@
  * layer each tier needs work / rate:
  *   PCIe H2D   (streamed experts + decode attention outputs) / B_IO; with
  *              B_IO,shared (copies while the CPU attention reads memory)
- *              the stream moves at that rate for the attention's time
- *              t_a = KV read / B_attn and at B_IO for the rest:
- *              t_a + (bytes - B_IO,shared t_a) / B_IO (bytes / B_IO,shared
- *              when the attention outlasts the stream)
+ *              measured, bytes / B_IO,shared in a step whose attention
+ *              reads the KV at all: between the attention's passes the
+ *              pipeline's other host traffic keeps the stream below B_IO
+ *              too (measured in the pipeline on an H200: 49 GB/s a
+ *              layer, B_IO 55, B_IO,shared 44-47)
  *   PCIe D2H   (decode q,k,v + prefill K/V) / B_D2H
  *              (these activation copies move abytes an element: the
  *              pipeline copies its fp32 activations as they are)
