@@ -330,25 +330,39 @@ int mlens_step_timer_init(struct mlens_step_timer *st, const struct mlens_backen
 	st->on = MLENS_BACKEND_HAS(be->ops, timer_mark) && MLENS_BACKEND_HAS(be->ops, timer_read);
 	if (!st->on)
 		return 0;
+	st->half = 1;	/* the first step marks in half 0 */
 	st->spans = calloc(MLENS_STEP_TIMER_SPANS, sizeof(*st->spans));
-	return st->spans ? 0 : -ENOMEM;
+	st->carry = calloc(MLENS_STEP_TIMER_SPANS, sizeof(*st->carry));
+	if (!st->spans || !st->carry) {
+		mlens_step_timer_fini(st);
+		return -ENOMEM;
+	}
+	return 0;
 }
 
 void mlens_step_timer_fini(struct mlens_step_timer *st)
 {
 	free(st->spans);
-	st->spans = NULL;
+	free(st->carry);
+	st->spans = st->carry = NULL;
 }
 
 int mlens_step_timer_start(struct mlens_step_timer *st, struct mlens_trace *tr)
 {
+	/* the last step's copies that ran on past its end: their half is
+	 * left alone this step, so the next finish reads them */
+	st->n_carry = 0;
+	for (int i = 0; st->finished && i < st->n; i++)
+		if (st->spans[i].pending)
+			st->carry[st->n_carry++] = st->spans[i];
 	st->n = 0;
 	st->finished = false;
 	st->rc = 0;
 	st->tr = mlens_trace_on(tr) ? tr : NULL;
 	if (!st->on)
 		return 0;
-	st->rc = st->be->ops->timer_mark(st->be->ctx, 0, 0);
+	st->half ^= 1;
+	st->rc = st->be->ops->timer_mark(st->be->ctx, 0, st->half * MLENS_BACKEND_TIMER_HALF);
 	return st->rc;
 }
 
@@ -366,13 +380,14 @@ int mlens_step_timer_begin(struct mlens_step_timer *st, int queue, const char *t
 	sp->track = track;
 	sp->name[0] = 0;
 	sp->ended = false;
+	sp->id = st->half * MLENS_BACKEND_TIMER_HALF + 1 + 2 * i;
 	if (st->tr) {
 		va_list ap;
 		va_start(ap, fmt);
 		vsnprintf(sp->name, sizeof(sp->name), fmt, ap);
 		va_end(ap);
 	}
-	rc = st->be->ops->timer_mark(st->be->ctx, queue, 1 + 2 * i);
+	rc = st->be->ops->timer_mark(st->be->ctx, queue, sp->id);
 	if (rc) {
 		if (!st->rc)
 			st->rc = rc;
@@ -389,7 +404,7 @@ int mlens_step_timer_end(struct mlens_step_timer *st, int span)
 		return 0;
 	if (span < 0 || span >= st->n)
 		return -EINVAL;
-	rc = st->be->ops->timer_mark(st->be->ctx, st->spans[span].queue, 2 + 2 * span);
+	rc = st->be->ops->timer_mark(st->be->ctx, st->spans[span].queue, st->spans[span].id + 1);
 	if (rc && !st->rc)
 		st->rc = rc;
 	st->spans[span].ended = !rc;
@@ -430,14 +445,35 @@ int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
 {
 	struct interval *iv[2] = { NULL, NULL };
 	int cnt[2] = { 0, 0 }, rc = st->rc;
+	double t_start = 0;
 	busy[0] = busy[1] = 0;
 	if (!st->on || rc || !st->n)
 		return rc;
 	iv[0] = malloc((size_t)st->n * sizeof(*iv[0]));
-	iv[1] = malloc((size_t)st->n * sizeof(*iv[1]));
+	iv[1] = malloc((size_t)(st->n + st->n_carry) * sizeof(*iv[1]));
 	if (!iv[0] || !iv[1]) {
 		rc = -ENOMEM;
 		goto out;
+	}
+	/* the last step's copies that ran on: this step's busy and trace
+	 * from its start (the step's first mark) once done, left out when
+	 * still running */
+	if (st->n_carry &&
+	    (rc = st->be->ops->timer_read(st->be->ctx, st->half * MLENS_BACKEND_TIMER_HALF, &t_start)))
+		goto out;
+	for (int i = 0; i < st->n_carry; i++) {
+		struct mlens_step_timer_span *sp = &st->carry[i];
+		double t0, t1;
+		sp->pending = st->be->ops->timer_read(st->be->ctx, sp->id, &t0) ||
+			      st->be->ops->timer_read(st->be->ctx, sp->id + 1, &t1);
+		if (sp->pending)
+			continue;
+		sp->t0 = t0 < t_start ? t_start : t0;
+		sp->t1 = t1 < sp->t0 ? sp->t0 : t1;
+		iv[1][cnt[1]].t0 = sp->t0;
+		iv[1][cnt[1]++].t1 = sp->t1;
+		if (st->tr)
+			mlens_trace_span(st->tr, sp->track, sp->name, sp->t0, sp->t1);
 	}
 	for (int i = 0; i < st->n; i++) {
 		const struct mlens_step_timer_span *sp = &st->spans[i];
@@ -448,8 +484,8 @@ int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
 			goto out;
 		}
 		st->spans[i].pending = false;
-		if ((rc = st->be->ops->timer_read(st->be->ctx, 1 + 2 * i, &t0)) ||
-		    (rc = st->be->ops->timer_read(st->be->ctx, 2 + 2 * i, &t1))) {
+		if ((rc = st->be->ops->timer_read(st->be->ctx, sp->id, &t0)) ||
+		    (rc = st->be->ops->timer_read(st->be->ctx, sp->id + 1, &t1))) {
 			if (rc != -EAGAIN || !q)
 				goto out;
 			st->spans[i].pending = true;	/* runs on into the next step */
@@ -479,15 +515,20 @@ double mlens_step_timer_busy(const struct mlens_step_timer *st, const char *trac
 	struct interval *iv;
 	double busy;
 	int n = 0;
-	if (!st->on || !st->finished || !st->n)
+	if (!st->on || !st->finished || !(st->n + st->n_carry))
 		return 0;
-	iv = malloc((size_t)st->n * sizeof(*iv));
+	iv = malloc((size_t)(st->n + st->n_carry) * sizeof(*iv));
 	if (!iv)
 		return 0;
 	for (int i = 0; i < st->n; i++)
 		if (!st->spans[i].pending && !strcmp(st->spans[i].track, track)) {
 			iv[n].t0 = st->spans[i].t0;
 			iv[n++].t1 = st->spans[i].t1;
+		}
+	for (int i = 0; i < st->n_carry; i++)
+		if (!st->carry[i].pending && !strcmp(st->carry[i].track, track)) {
+			iv[n].t0 = st->carry[i].t0;
+			iv[n++].t1 = st->carry[i].t1;
 		}
 	busy = union_seconds(iv, n);
 	free(iv);

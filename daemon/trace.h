@@ -80,7 +80,10 @@ int mlens_trace_step_end(struct mlens_trace *tr, double t, int tokens, int seqs)
  * time and no spans. One step at a time; the thread that drives the
  * backend. */
 
-#define MLENS_STEP_TIMER_SPANS (MLENS_BACKEND_TIMERS / 2 - 1)
+/* A step's spans take two marks each in one half of the backend's timer
+ * ids, the steps alternating halves, so that a copy still running at a
+ * step's end is read in the next step (its half is not re-based then). */
+#define MLENS_STEP_TIMER_SPANS (MLENS_BACKEND_TIMER_HALF / 2 - 1)
 
 struct mlens_step_timer_span {
 	int queue;
@@ -88,6 +91,7 @@ struct mlens_step_timer_span {
 	char name[MLENS_TRACE_NAME];	/* only filled while tracing */
 	bool ended;
 	bool pending;			/* set by finish: a copy still running then */
+	int id;				/* its first timer mark (the second is id + 1) */
 	double t0, t1;			/* set by finish */
 };
 
@@ -96,6 +100,11 @@ struct mlens_step_timer {
 	struct mlens_trace *tr;		/* the step's trace, NULL when not tracing */
 	struct mlens_step_timer_span *spans;
 	int n;				/* spans begun this step */
+	/* the last step's copies still running at its end: read by this
+	 * step's finish (pending again if still running then: left out) */
+	struct mlens_step_timer_span *carry;
+	int n_carry;
+	int half;			/* of the timer ids this step marks in */
 	int rc;				/* the first mark that failed this step */
 	bool on;			/* the backend has timing marks */
 	bool finished;			/* this step's spans are read */
@@ -118,9 +127,11 @@ int mlens_step_timer_end(struct mlens_step_timer *st, int span);
  * (tracks as given, times on CLOCK_MONOTONIC). A span of the copy queue
  * that has not finished yet (the hybrid pipeline's prefetch of the next
  * step's first layers, which runs on past the step's end) is left out of
- * both (pending). 0; -EAGAIN when a compute-queue mark is not reached yet
- * (the caller did not wait for its queue); -EINVAL for a span begun and
- * not ended; a mark's -errno from this step. busy is 0 on error. */
+ * both (pending) and counts in the next step's, with the next step's
+ * trace, once it is done; one still running at the next step's finish is
+ * left out for good. 0; -EAGAIN when a compute-queue mark is not reached
+ * yet (the caller did not wait for its queue); -EINVAL for a span begun
+ * and not ended; a mark's -errno from this step. busy is 0 on error. */
 int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2]);
 /* After a finish that returned 0: the seconds the spans of one track were
  * busy (their union), e.g. "h2d" apart from "d2h" on the same queue. */

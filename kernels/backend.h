@@ -126,11 +126,16 @@ struct mlens_backend_ops {
 
 	/* ---- optional: timing marks (busy time, traces) ----
 	 * Record mark id (below MLENS_BACKEND_TIMERS) on queue (0 compute,
-	 * 1 copy): it takes the time at which the queue reaches it. Marking
-	 * id 0 starts a batch: the backend ties its clock to the host's there
+	 * 1 copy): it takes the time at which the queue reaches it. The ids
+	 * form two halves, below MLENS_BACKEND_TIMER_HALF and from it on.
+	 * Marking a half's first id (0 or MLENS_BACKEND_TIMER_HALF) starts a
+	 * batch in that half: the backend ties its clock to the host's there
 	 * (it may wait for the queue once to do so), so that timer_read gives
 	 * seconds on the host's CLOCK_MONOTONIC timeline, comparable with
-	 * host-side times. Marking an id again replaces the earlier mark. */
+	 * host-side times. A mark is read against its own half's batch, so
+	 * that a new batch in one half leaves the other half's marks readable
+	 * (a copy that runs on past its step). Marking an id again replaces
+	 * the earlier mark. */
 	int (*timer_mark)(void *ctx, int queue, int id);
 	/* The time of mark id: 0, -EAGAIN while the queue has not reached it,
 	 * -ENOENT for a mark never recorded, -EINVAL for an id out of range. */
@@ -169,7 +174,8 @@ struct mlens_backend_ops {
 };
 
 #define MLENS_BACKEND_EVENTS 16
-#define MLENS_BACKEND_TIMERS 8192
+#define MLENS_BACKEND_TIMERS 16384
+#define MLENS_BACKEND_TIMER_HALF (MLENS_BACKEND_TIMERS / 2)
 
 /* True when ops has the optional member m set. */
 #define MLENS_BACKEND_HAS(ops, m)                                                   \

@@ -1009,6 +1009,23 @@ START_TEST(test_timer_marks)
 	ck_assert(m2 >= m0 - 1e-4);
 	/* a copy of 64 MiB takes between 1 GB/s and 1 TB/s */
 	ck_assert(m3 - m2 > copy_bytes / 1e12 && m3 - m2 < copy_bytes / 1e9);
+	/* a batch in the other half of the ids leaves this half's marks as
+	 * they were (read against their own base), and its own marks come
+	 * after its base */
+	{
+		double h0, h1, again;
+		const int H = MLENS_BACKEND_TIMER_HALF;
+		ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 0, H), 0);
+		ck_assert_int_eq(gpu.ops->timer_mark(gpu.ctx, 1, H + 1), 0);
+		ck_assert_int_eq(gpu.ops->sync(gpu.ctx), 0);
+		ck_assert_int_eq(gpu.ops->event_record(gpu.ctx, 1, 0), 0);
+		ck_assert_int_eq(gpu.ops->event_sync(gpu.ctx, 0), 0);
+		ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, 3, &again), 0);
+		ck_assert_msg(fabs(again - m3) < 1e-6, "mark 3 moved by %g s", again - m3);
+		ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, H, &h0), 0);
+		ck_assert_int_eq(gpu.ops->timer_read(gpu.ctx, H + 1, &h1), 0);
+		ck_assert(h0 >= t_done - 1e-4 && h1 >= h0 - 1e-4 && h1 <= host_clock() + 1e-4);
+	}
 	gfree(x);
 	gfree(w);
 	gfree(y);

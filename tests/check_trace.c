@@ -413,7 +413,7 @@ START_TEST(step_timer_busy)
 	ck_assert_int_eq(mlens_step_timer_init(&st, &bare), 0);
 	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
 	a = timed_span(&st, 1, "h2d", "x", 0.002);
-	b = timed_span(&st, 1, "h2d", "prefetch", 0.020);
+	b = timed_span(&st, 1, "h2d", "prefetch", 0.100);
 	c = timed_span(&st, 0, "gpu", "GB", 0.002);
 	pend_span = b;
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
@@ -421,6 +421,35 @@ START_TEST(step_timer_busy)
 	ck_assert(busy[0] >= 0.002);
 	ck_assert_double_eq(mlens_step_timer_busy(&st, "h2d"), busy[1]);
 	ck_assert(st.spans[b].pending && !st.spans[a].pending);
+	/* the next step (the other half of the marks) reads it once done,
+	 * from its own start on (not its 100 ms before): the copy ends 10 ms
+	 * in (its end mark taken again then), then a 2 ms copy of its own */
+	pend_span = -1;
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	ck_assert_int_eq(st.n_carry, 1);
+	ck_assert_int_eq(st.carry[0].id, 1 + 2 * b);
+	sleep_s(0.010);
+	ck_assert_int_eq(be.ops->timer_mark(be.ctx, 1, st.carry[0].id + 1), 0);
+	a = timed_span(&st, 1, "h2d", "y", 0.002);
+	ck_assert_int_eq(st.spans[a].id, MLENS_BACKEND_TIMER_HALF + 1 + 2 * a);
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert_msg(busy[1] >= 0.012 && busy[1] < 0.08, "copy queue busy %g s", busy[1]);
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "h2d"), busy[1]);
+	/* one still running at that next finish is left out for good */
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	a = timed_span(&st, 1, "h2d", "x", 0.002);
+	b = timed_span(&st, 1, "h2d", "prefetch", 0.002);
+	pend_span = b;
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	ck_assert_int_eq(st.n_carry, 1);
+	c = timed_span(&st, 1, "h2d", "z", 0.002);
+	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+	ck_assert(st.carry[0].pending);
+	ck_assert_double_eq(mlens_step_timer_busy(&st, "h2d"), busy[1]);
+	ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);
+	ck_assert_int_eq(st.n_carry, 0);
+	c = timed_span(&st, 0, "gpu", "GB", 0.002);
 	pend_span = c;
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), -EAGAIN);
 	ck_assert(busy[0] == 0 && busy[1] == 0);

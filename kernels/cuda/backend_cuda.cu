@@ -914,13 +914,15 @@ static double host_now(void)
 	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Mark 0 (or the first mark ever) records the base event and waits for
- * it: the host clock right after is the base's time, and every later mark
- * is the base plus the GPU's elapsed time, on the host's timeline. */
+/* A half's first mark (or its first mark ever) records the half's base
+ * event and waits for it: the host clock right after is the base's time,
+ * and every later mark of the half is the base plus the GPU's elapsed
+ * time, on the host's timeline. */
 static int cuda_timer_mark(void *ctx, int queue, int id)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
 	cudaStream_t s;
+	int h;
 	if (queue < 0 || queue > 1 || id < 0 || id >= MLENS_BACKEND_TIMERS)
 		return -EINVAL;
 	s = queue_stream(c, queue);
@@ -936,14 +938,15 @@ static int cuda_timer_mark(void *ctx, int queue, int id)
 			return -ENOMEM;
 		}
 	}
-	if (id == 0 || !c->timer_base_ok) {
-		if (!c->timer_base)
-			CUDA_RET(cudaEventCreateWithFlags(&c->timer_base, cudaEventDefault));
-		c->timer_base_ok = false;
-		CUDA_RET(cudaEventRecord(c->timer_base, s));
-		CUDA_RET(cudaEventSynchronize(c->timer_base));
-		c->timer_base_host = host_now();
-		c->timer_base_ok = true;
+	h = id >= MLENS_BACKEND_TIMER_HALF;
+	if (id % MLENS_BACKEND_TIMER_HALF == 0 || !c->timer_base_ok[h]) {
+		if (!c->timer_base[h])
+			CUDA_RET(cudaEventCreateWithFlags(&c->timer_base[h], cudaEventDefault));
+		c->timer_base_ok[h] = false;
+		CUDA_RET(cudaEventRecord(c->timer_base[h], s));
+		CUDA_RET(cudaEventSynchronize(c->timer_base[h]));
+		c->timer_base_host[h] = host_now();
+		c->timer_base_ok[h] = true;
 	}
 	if (!c->timers[id])
 		CUDA_RET(cudaEventCreateWithFlags(&c->timers[id], cudaEventDefault));
@@ -957,16 +960,18 @@ static int cuda_timer_read(void *ctx, int id, double *seconds)
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
 	cudaError_t e;
 	float ms = 0.0f;
+	int h;
 	if (id < 0 || id >= MLENS_BACKEND_TIMERS)
 		return -EINVAL;
-	if (!c->timers || !c->timer_set[id] || !c->timer_base_ok)
+	h = id >= MLENS_BACKEND_TIMER_HALF;
+	if (!c->timers || !c->timer_set[id] || !c->timer_base_ok[h])
 		return -ENOENT;
 	e = cudaEventQuery(c->timers[id]);
 	if (e == cudaErrorNotReady)
 		return -EAGAIN;
 	CUDA_RET(e);
-	CUDA_RET(cudaEventElapsedTime(&ms, c->timer_base, c->timers[id]));
-	*seconds = c->timer_base_host + ms * 1e-3;
+	CUDA_RET(cudaEventElapsedTime(&ms, c->timer_base[h], c->timers[id]));
+	*seconds = c->timer_base_host[h] + ms * 1e-3;
 	return 0;
 }
 
@@ -1023,8 +1028,9 @@ static void cuda_destroy(void *ctx)
 			cudaEventDestroy(c->timers[i]);
 	free(c->timers);
 	free(c->timer_set);
-	if (c->timer_base)
-		cudaEventDestroy(c->timer_base);
+	for (int h = 0; h < 2; h++)
+		if (c->timer_base[h])
+			cudaEventDestroy(c->timer_base[h]);
 	if (c->stream)
 		cudaStreamDestroy(c->stream);
 	free(c->allocs);

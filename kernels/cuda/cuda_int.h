@@ -94,9 +94,9 @@ struct mlens_cuda_ctx {
 	 * event of the batch and the host clock when it was reached */
 	cudaEvent_t *timers;		/* [MLENS_BACKEND_TIMERS] */
 	unsigned char *timer_set;	/* recorded since created */
-	cudaEvent_t timer_base;
-	double timer_base_host;
-	bool timer_base_ok;
+	cudaEvent_t timer_base[2];	/* per half of the timer ids (backend.h) */
+	double timer_base_host[2];
+	bool timer_base_ok[2];
 
 	/* device bytes held through cudaMalloc (ours and the caller's) */
 	size_t bytes_in_use;
