@@ -251,11 +251,18 @@ int mlens_cuda_router(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
 
 /* ==== conversion, SiLU-mul ==== */
 
+/* The source row of output row r: gather[r] / gather_div (the MoE's
+ * routed rows, k a token), or r itself without a gather. */
+__device__ __forceinline__ size_t source_row(const int32_t *gather, int gather_div, size_t r)
+{
+	return gather ? (size_t)(gather[r] / gather_div) : r;
+}
+
 __global__ void convert_rows_kernel(void *dst, enum mlens_dtype dt, const float *src,
 				    const int32_t *gather, int gather_div, int cols)
 {
 	size_t r = blockIdx.x;
-	size_t sr = gather ? (size_t)(gather[r] / gather_div) : r;
+	size_t sr = source_row(gather, gather_div, r);
 	const float *s = src + sr * cols;
 	for (int j = threadIdx.x; j < cols; j += blockDim.x)
 		store_elem(dst, dt, r * cols + j, s[j]);
@@ -268,7 +275,7 @@ __global__ void convert_rows4_kernel(uint2 *dst, const float4 *src, const int32_
 				     int gather_div, int cols4)
 {
 	size_t r = blockIdx.x;
-	size_t sr = gather ? (size_t)(gather[r] / gather_div) : r;
+	size_t sr = source_row(gather, gather_div, r);
 	const float4 *s = src + sr * cols4;
 	for (int j = threadIdx.x; j < cols4; j += blockDim.x) {
 		float4 v = s[j];
@@ -308,7 +315,7 @@ __global__ void split_rows_kernel(void *dst, enum mlens_dtype dt, const float *s
 				  size_t part_stride, float scale)
 {
 	size_t r = blockIdx.x;
-	size_t sr = gather ? (size_t)(gather[r] / gather_div) : r;
+	size_t sr = source_row(gather, gather_div, r);
 	const float *s = src + sr * cols;
 	for (int j = threadIdx.x; j < cols; j += blockDim.x) {
 		/* each difference is exact in fp32 (the part is x rounded to

@@ -166,6 +166,16 @@ static int bench_expert_gemm(cublasHandle_t h, const void *w, const void *xb, vo
 	return 0;
 }
 
+/* The E experts' weight matrices of the MoE benches back to the backend. */
+static void free_experts(void **w1, void **w2, void **w3, int E)
+{
+	for (int e = 0; e < E; e++) {
+		be.ops->free(be.ctx, w1[e]);
+		be.ops->free(be.ctx, w2[e]);
+		be.ops->free(be.ctx, w3[e]);
+	}
+}
+
 /* The experts' GEMMs of one MoE call (8 experts of Mixtral's sizes, rows
  * rows each, give or take 16 so that the experts' shapes differ as routed
  * ones do): gate and up then down, (a) expert by expert on one stream, as
@@ -318,11 +328,7 @@ static int bench_moe_gemm(int H, int I)
 		cublasDestroy(h[i]);
 		cudaStreamDestroy(st[i]);
 	}
-	for (int e = 0; e < E; e++) {
-		be.ops->free(be.ctx, w1[e]);
-		be.ops->free(be.ctx, w2[e]);
-		be.ops->free(be.ctx, w3[e]);
-	}
+	free_experts(w1, w2, w3, E);
 	be.ops->free(be.ctx, x);
 	be.ops->free(be.ctx, gi);
 	be.ops->free(be.ctx, g);
@@ -426,11 +432,7 @@ static int bench_moe(const struct mlens_backend_opts *o)
 		mlens_backend_destroy(&b);
 	}
 	printf("\n  ]");
-	for (int e = 0; e < E; e++) {
-		be.ops->free(be.ctx, w1[e]);
-		be.ops->free(be.ctx, w2[e]);
-		be.ops->free(be.ctx, w3[e]);
-	}
+	free_experts(w1, w2, w3, E);
 	be.ops->free(be.ctx, proto);
 	be.ops->free(be.ctx, x);
 	be.ops->free(be.ctx, xb);
