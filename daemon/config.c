@@ -48,7 +48,7 @@ static const struct opt opts[] = {
 	{ "group_tokens", T_INT, O(group_tokens), "2048", 0, 1 << 20, "N", "hybrid mode: rows of a token group (a step runs as groups; activations live for two); 0: the plan chooses" },
 	{ "weight_piece", T_SIZE, O(weight_piece), "100M", 1 << 20, 0, "SIZE", "hybrid mode: bytes per copy of the streamed experts" },
 	{ "foreground", T_BOOL, O(foreground), "false", 0, 0, NULL, "stay in the foreground (no fork)" },
-	{ "log_level", T_STR, O(log_level), "info", 0, 0, "LEVEL", "error, warn, info or debug" },
+	{ "log_level", T_ENUM, O(log_level), "info", 0, 0, "error|warn|warning|info|debug", "least severe message logged (warning: warn)" },
 	{ "log", T_STR, O(log), "stderr", 0, 0, "TARGET", "stderr, syslog or a file path" },
 	{ "pid_file", T_STR, O(pid_file), "", 0, 0, "PATH", "write the daemon's pid here" },
 	{ "allow_users", T_STR, O(allow_users), "", 0, 0, "LIST", "uids or user names allowed to attach (empty: the daemon's own uid; *: anyone)" },
@@ -154,12 +154,15 @@ int mlens_parse_gpus(const char *s, int *ids, int max, char *why, size_t whylen)
 static bool is_choice(const char *choices, const char *val)
 {
 	size_t n = strlen(val);
-	for (const char *w = choices; w; w = strchr(w, '|') ? strchr(w, '|') + 1 : NULL) {
-		size_t len = strchr(w, '|') ? (size_t)(strchr(w, '|') - w) : strlen(w);
+	for (const char *w = choices;; ) {
+		const char *bar = strchr(w, '|');
+		size_t len = bar ? (size_t)(bar - w) : strlen(w);
 		if (len == n && !strncmp(w, val, n))
 			return true;
+		if (!bar)
+			return false;
+		w = bar + 1;
 	}
-	return false;
 }
 
 static int set_value(struct mlens_config *c, const struct opt *o, const char *val,

@@ -344,14 +344,11 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: no model: give --model DIR (or model = DIR in the config file)\n");
 		return 2;
 	}
+	/* the enumerated keys (log_level, backend, gpu_gemm, gpu_copy,
+	 * gpu_copy_out, gpu_prefill_attention, kv_append, gpu_sync,
+	 * attn_kernel) were checked against their choices when read
+	 * (config.c, T_ENUM) */
 	level = mlens_log_parse_level(D.cfg.log_level);
-	if (level < 0) {
-		fprintf(stderr, "mlensd: log_level '%s' is not one of error, warn, info, debug\n", D.cfg.log_level);
-		return 2;
-	}
-	/* the enumerated keys (backend, gpu_gemm, gpu_copy, gpu_copy_out,
-	 * gpu_prefill_attention, kv_append, gpu_sync, attn_kernel) were
-	 * checked against their choices when read (config.c, T_ENUM) */
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is not supported by this CPU\n",
 			D.cfg.attn_kernel);

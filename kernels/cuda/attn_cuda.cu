@@ -650,28 +650,6 @@ __global__ void kv_append_bf16x2_kernel(__nv_bfloat162 *kc, __nv_bfloat162 *vc, 
 	}
 }
 
-/* Where the device stores to p: device memory as it is, registered host
- * memory through its mapping; -EFAULT for host memory the device cannot
- * reach (pageable, not registered). */
-static int device_view(void *p, void **out)
-{
-	cudaPointerAttributes a;
-	cudaError_t e = cudaPointerGetAttributes(&a, p);
-	if (e != cudaSuccess) {
-		cudaGetLastError();
-		return -EFAULT;
-	}
-	if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) {
-		*out = p;
-		return 0;
-	}
-	if (a.type == cudaMemoryTypeHost && a.devicePointer) {
-		*out = (char *)a.devicePointer + ((char *)p - (char *)a.hostPointer);
-		return 0;
-	}
-	return -EFAULT;
-}
-
 /* The append on stream st (its metadata through stager sg), in at most
  * max_grid blocks. */
 static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaStream_t st,
@@ -680,6 +658,7 @@ static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaSt
 {
 	char *h, *d;
 	void *kd, *vd;
+	bool host;
 	int rc, grid = n < max_grid ? n : max_grid;
 
 	if (n < 0 || layer < 0 || layer >= kv->n_layers || kv->block_size <= 0 ||
@@ -692,7 +671,8 @@ static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaSt
 			return -ERANGE;
 	/* the cache on the device, or in host memory registered with it (the
 	 * hybrid pipeline's pool) */
-	if ((rc = device_view(kv->k, &kd)) || (rc = device_view(kv->v, &vd)))
+	if ((rc = mlens_cuda_device_view(kv->k, &kd, &host)) ||
+	    (rc = mlens_cuda_device_view(kv->v, &vd, &host)))
 		return rc;
 	if ((rc = mlens_cuda_stager_begin(c, sg, (size_t)n * 8, &h, &d)))
 		return rc;

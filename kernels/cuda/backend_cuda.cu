@@ -226,23 +226,38 @@ static int cuda_sync(void *ctx)
 
 /* ==== compute-stream copies ==== */
 
+int mlens_cuda_device_view(const void *p, void **dev, bool *host)
+{
+	cudaPointerAttributes a;
+	cudaError_t e = cudaPointerGetAttributes(&a, p);
+	if (e != cudaSuccess) {
+		cudaGetLastError();	/* clear only the lookup's own error */
+		return -EFAULT;
+	}
+	if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) {
+		*dev = (void *)p;
+		*host = false;
+		return 0;
+	}
+	if (a.type == cudaMemoryTypeHost && a.devicePointer) {
+		*dev = (char *)a.devicePointer + ((const char *)p - (const char *)a.hostPointer);
+		*host = true;
+		return 0;
+	}
+	return -EFAULT;
+}
+
 int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes,
 		    bool to_device)
 {
 	if (!bytes)
 		return 0;
 	if (c->sm_copy) {
-		const void *host = to_device ? src : dst;
-		cudaPointerAttributes a;
-		cudaError_t e = cudaPointerGetAttributes(&a, host);
-		if (e == cudaSuccess && a.type == cudaMemoryTypeHost && a.devicePointer) {
-			char *mapped = (char *)a.devicePointer +
-				       ((const char *)host - (const char *)a.hostPointer);
+		void *mapped;
+		bool host;
+		if (!mlens_cuda_device_view(to_device ? src : dst, &mapped, &host) && host)
 			return to_device ? mlens_cuda_sm_copy(c, dst, mapped, bytes)
 					 : mlens_cuda_sm_copy(c, mapped, src, bytes);
-		}
-		if (e != cudaSuccess)
-			cudaGetLastError();	/* clear only the lookup's own error */
 		/* not mapped (pageable memory): a copy engine does it */
 	}
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
@@ -265,10 +280,15 @@ int mlens_cuda_stager_begin(struct mlens_cuda_ctx *c, struct cuda_stager *s, siz
 		char *h = NULL;
 		while (cap < bytes)
 			cap *= 2;
+		bool host;
 		CUDA_RET(cudaHostAlloc((void **)&h, cap, cudaHostAllocDefault));
 		cudaFreeHost(sl->h);
 		sl->h = h;
 		sl->cap = cap;
+		/* where a stager off the compute stream has the SMs read it
+		 * (commit); cudaHostAlloc memory is mapped wherever UVA is */
+		if (mlens_cuda_device_view(h, &sl->hd, &host))
+			sl->hd = NULL;
 	}
 	if (bytes > s->d_cap) {
 		size_t cap = s->d_cap ? s->d_cap : 64 * 1024;
@@ -296,7 +316,6 @@ int mlens_cuda_stager_commit(struct mlens_cuda_ctx *c, struct cuda_stager *s, si
 	s->next = (s->next + 1) % MLENS_CUDA_STAGE_SLOTS;
 	if (used) {
 		int rc;
-		cudaPointerAttributes a;
 		/* the compute stream's copies go through mlens_cuda_copy
 		 * (sm_copy or an engine); others by the SMs on their stream,
 		 * reading the slot through its mapping: an H2D copy engine
@@ -304,13 +323,11 @@ int mlens_cuda_stager_commit(struct mlens_cuda_ctx *c, struct cuda_stager *s, si
 		 * H200 that held the side K/V append ~17 ms a group) */
 		if (s == &c->stage)
 			rc = mlens_cuda_copy(c, s->d, sl->h, used, true);
-		else if (cudaPointerGetAttributes(&a, sl->h) == cudaSuccess && a.devicePointer)
-			rc = mlens_cuda_sm_copy_on(c, s->stream, s->d, a.devicePointer, used);
-		else {	/* cudaHostAlloc memory is mapped wherever UVA is */
-			cudaGetLastError();
+		else if (sl->hd)
+			rc = mlens_cuda_sm_copy_on(c, s->stream, s->d, sl->hd, used);
+		else
 			rc = mlens_cuda_rc(cudaErrorInvalidValue, "mapping a side staging slot",
 					   __FILE__, __LINE__);
-		}
 		if (rc)
 			return rc;
 	}

@@ -26,6 +26,7 @@ extern "C" {
 
 struct cuda_stage_slot {
 	char *h;		/* pinned */
+	void *hd;		/* h through its mapping, where the device reads it */
 	size_t cap;
 	cudaEvent_t done;	/* the copy out of h has finished */
 };
@@ -220,6 +221,11 @@ int mlens_cuda_moe_route(struct mlens_cuda_ctx *c, int32_t *counts, int32_t *per
 int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
 			   const int32_t *ids, const float *weights, const int32_t *inv,
 			   int n, int k, int hidden);
+/* Where the device reaches p: device (or managed) memory as it is, host
+ * memory from cudaHostAlloc or registered with the device through its
+ * mapping (*host set then); -EFAULT for memory it cannot reach (pageable
+ * host memory), the lookup's error cleared. */
+int mlens_cuda_device_view(const void *p, void **dev, bool *host);
 /* dst[bytes] = src[bytes] by the SMs, on the stream; either side may be
  * mapped host memory (its device address). */
 int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes);

@@ -50,6 +50,7 @@ expect_config_error "bad.conf:1: key 'kv_append': 'disk' is not one of gpu, cpu"
 expect_config_error "bad.conf:1: key 'gpu_sync': 'sleep' is not one of auto, spin, yield, block" "gpu_sync = sleep"
 expect_config_error "bad.conf:1: key 'backend': 'tpu' is not one of auto, cpu, cuda" "backend = tpu"
 expect_config_error "bad.conf:1: key 'attn_kernel': 'avx1024' is not one of auto, scalar, avx2, avx512" "attn_kernel = avx1024"
+expect_config_error "bad.conf:1: key 'log_level': 'loud' is not one of error, warn, warning, info, debug" "log_level = loud"
 # a word of the list is not a prefix match, nor a list of words
 expect_config_error "bad.conf:1: key 'kv_append': 'gp' is not one of gpu, cpu" "kv_append = gp"
 expect_config_error "bad.conf:1: key 'kv_append': 'gpu|cpu' is not one of gpu, cpu" "kv_append = gpu|cpu"
