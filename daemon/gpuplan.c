@@ -60,12 +60,16 @@ uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64
 {
 	uint64_t parts = mlens_gpuplan_gemm_parts(gemm, es);
 	bool half = mlens_moe_half_gu(gemm, (size_t)es);
+	uint64_t gu = rows < MLENS_CUDA_MOE_GU_ROWS ? rows : MLENS_CUDA_MOE_GU_ROWS;
+	uint64_t slack = 256 * MLENS_MOE_STREAMS_MAX;
 	uint64_t moe = align256(sat_mul(E, 4));					/* counts */
 	moe = sat_add(moe, 2 * align256(sat_mul(rows, 4)));			/* perm, inv */
 	moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, H), es), parts)));	/* gathered x */
-	moe = sat_add(moe, 2 * align256(sat_mul(sat_mul(rows, I), half ? es : 4)));	/* gate, up */
+	/* gate, up (and silu(g) u unless it goes over g): one piece a MoE
+	 * stream, each slice aligned (mlens_moe_piece_rows) */
+	moe = sat_add(moe, 2 * sat_add(align256(sat_mul(sat_mul(gu, I), half ? es : 4)), slack));
 	if (!half)
-		moe = sat_add(moe, align256(sat_mul(sat_mul(sat_mul(rows, I), es), parts)));	/* silu(g) u */
+		moe = sat_add(moe, sat_add(align256(sat_mul(sat_mul(sat_mul(gu, I), es), parts)), slack));
 	return sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
 }
 

@@ -111,10 +111,12 @@ uint64_t mlens_gpuplan_gemm_parts(enum mlens_gemm_mode gemm, uint64_t weight_byt
  * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk) for
  * weights of es bytes and GEMM mode gemm: expert counts, permutation and
  * inverse, the gathered rows in the weight dtype (split into
- * mlens_gpuplan_gemm_parts parts), gate and up (in the weight dtype with
- * silu(g)u over g where mlens_moe_half_gu, else fp32 and silu(g)u of
- * its own in the weight dtype, in parts), the experts' outputs in fp32;
- * each area 256-byte aligned. */
+ * mlens_gpuplan_gemm_parts parts), gate and up for MLENS_CUDA_MOE_GU_ROWS
+ * rows at most (in the weight dtype with silu(g)u over g where
+ * mlens_moe_half_gu, else fp32 and silu(g)u of its own in the weight
+ * dtype, in parts; sliced between the MoE streams, each slice aligned),
+ * the experts' outputs in fp32; each area 256-byte aligned. An upper
+ * bound for any number of MoE streams. */
 uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
 				   enum mlens_gemm_mode gemm);
 /* The backend's op scratch for such a step, which the pipeline reserves

@@ -213,6 +213,18 @@ enum mlens_gemm_mode {
  * bounded; a chunk this large is GEMM-bound, so reading the experts once a
  * chunk costs little. */
 #define MLENS_CUDA_MOE_CHUNK_TOKENS 4096
+/* Rows of gate/up scratch a MoE call holds at most (CUDA backend): split
+ * evenly between the MoE streams, each stream's experts go through their
+ * piece one after another (an expert with more rows in pieces of about
+ * equal size), so that the scratch does not grow with the call's tokens;
+ * the pieces are slices of one area, each aligned to 256 bytes. */
+#define MLENS_CUDA_MOE_GU_ROWS 2048
+static inline size_t mlens_moe_piece_rows(size_t rows, int streams)
+{
+	size_t gu = rows < MLENS_CUDA_MOE_GU_ROWS ? rows : MLENS_CUDA_MOE_GU_ROWS;
+	size_t p = streams > 1 ? gu / (size_t)streams : gu;
+	return p ? p : 1;
+}
 /* Fast GEMMs on 16-bit weights write the experts' gate and up outputs in
  * the weight dtype (as the reference's 16-bit model does) and silu(g) * u
  * in place over g; else they are fp32 and silu(g) * u has its own buffer

@@ -444,8 +444,11 @@ START_TEST(test_router)
 END_TEST
 
 /* Token counts per expert are uneven on purpose: expert 0 gets most rows,
- * expert 3 none (and has no weights at all on either backend). */
-static void moe_case(enum mlens_dtype dt, int n, int H, int I)
+ * expert 3 none (and has no weights at all on either backend). skew:
+ * every token's first expert is expert 0, so that it holds more rows than
+ * a MoE stream's gate/up piece once the call has more routed rows than
+ * MLENS_CUDA_MOE_GU_ROWS: it runs in pieces. */
+static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
 {
 	const int E = 8, k = 2;
 	size_t es = mlens_dtype_size(dt);
@@ -467,6 +470,10 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I)
 		do
 			b = pick[rnd_u32() % 11];
 		while (b == a);
+		if (skew && b == 0)
+			b = a;
+		if (skew)
+			a = 0;
 		ids[i * k] = a;
 		ids[i * k + 1] = b;
 		float p = 0.5f + 0.5f * fabsf(rnd());
@@ -493,7 +500,8 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I)
 	ck_assert_int_eq(dev->ops->moe(dev->ctx, dout, dx, n, dids, dwts, k, &wg), 0);
 	got = from_gpu(dout, (size_t)n * H * 4);
 	snprintf(op, sizeof(op), "moe %s%s", mlens_dtype_name(dt), mode_name());
-	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2", n, H, I);
+	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2%s", n, H, I,
+	       skew ? " skewed" : "");
 	for (int e = 0; e < E; e++) {
 		free(hw1[e]); free(hw2[e]); free(hw3[e]);
 		gfree(dw1[e]); gfree(dw2[e]); gfree(dw3[e]);
@@ -505,15 +513,17 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I)
 START_TEST(test_moe)
 {
 	for (int t = 0; t < 3; t++) {
-		moe_case(dtypes[t], 1, 64, 96);
-		moe_case(dtypes[t], 7, 256, 320);
-		moe_case(dtypes[t], 300, 512, 1000);
+		moe_case(dtypes[t], 1, 64, 96, false);
+		moe_case(dtypes[t], 7, 256, 320, false);
+		moe_case(dtypes[t], 300, 512, 1000, false);
 		/* sizes that are no multiple of 4 or 8: the conversion, SiLU
 		 * product and combine take their one-value-a-thread kernels */
-		moe_case(dtypes[t], 5, 62, 97);
+		moe_case(dtypes[t], 5, 62, 97, false);
+		/* 3000 routed rows, expert 0 with 1500 of them: pieces */
+		moe_case(dtypes[t], 1500, 64, 96, true);
 	}
 	/* more tokens than one chunk of the CUDA MoE (4096) */
-	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96);
+	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96, false);
 }
 END_TEST
 

@@ -301,10 +301,11 @@ END_TEST
  * 2048 with MoE chunks of 1024 tokens (2048 routed rows), by hand: expert
  * counts 256 B, perm and inv 8 KiB each, gathered x 2048 x 4096 bf16 =
  * 16 MiB, gate and up 2048 x 14336 bf16 = 56 MiB each (silu(g)u goes over
- * gate), expert out 2048 x 4096 fp32 = 32 MiB: 167,788,800 B, rounded up
- * to 2 MiB granules 169,869,312. Exact GEMMs keep gate and up in fp32
- * (112 MiB each) and split x and silu(g)u (2048 x 14336 bf16 = 56 MiB)
- * in three: 494,944,512 B, 497,025,024 rounded. The plan counts it in its
+ * gate) and 1 KiB each for the MoE streams' slices to be aligned, expert
+ * out 2048 x 4096 fp32 = 32 MiB: 167,790,848 B, rounded up to 2 MiB
+ * granules 169,869,312. Exact GEMMs keep gate and up in fp32 (112 MiB
+ * each) and split x and silu(g)u (2048 x 14336 bf16 = 56 MiB) in three:
+ * 494,947,584 B, 497,025,024 rounded. The plan counts it in its
  * activations. */
 START_TEST(plan_scratch_bytes)
 {
@@ -317,11 +318,12 @@ START_TEST(plan_scratch_bytes)
 			  169869312ull);
 	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 33547, 2048, 1024, MLENS_GEMM_EXACT),
 			  497025024ull);
-	/* the default chunk, 2048 tokens (4096 routed rows): counts 256 B,
-	 * perm and inv 16 KiB each, x 32 MiB, gate and up 112 MiB each,
-	 * expert out 64 MiB: 335,577,344 B, 337,641,472 rounded */
+	/* the default chunk, the group's 2048 tokens (4096 routed rows):
+	 * counts 256 B, perm and inv 16 KiB each, x 32 MiB, gate and up still
+	 * 56 MiB + 1 KiB each (MLENS_CUDA_MOE_GU_ROWS), expert out 64 MiB:
+	 * 218,138,880 B, 220,200,960 rounded */
 	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 33547, 2048, 0, MLENS_GEMM_FAST),
-			  337641472ull);
+			  220200960ull);
 	/* a step of 3 tokens: the MoE chunk is the 3 rows' */
 	ck_assert_uint_eq(mlens_gpuplan_scratch_bytes(&pm, 3, 2048, 1024, MLENS_GEMM_FAST),
 			  MLENS_GPUPLAN_SCRATCH_ALIGN);

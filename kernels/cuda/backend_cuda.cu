@@ -537,55 +537,69 @@ static int moe_use_stream(struct mlens_cuda_ctx *c, int i)
 	return 0;
 }
 
+/* Where one MoE stream's experts put their gate, up and silu(g) * u: a
+ * piece of at most piece rows, reused expert after expert on that stream
+ * (the stream's order keeps them apart). */
+struct moe_piece {
+	char *g, *u, *h;	/* h == g when silu(g) * u goes over g */
+	size_t rows;
+};
+
 /* The rows of the experts in [e0, e1) (r0 the first) through gate, up,
- * silu(g) * u and down, on the current stream. */
+ * silu(g) * u and down, on the current stream; an expert with more rows
+ * than the piece holds runs in pieces of about equal rows. */
 static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
 		       const int32_t *counts, int e0, int e1, int r0, size_t rows, bool split,
-		       bool half_gu, const char *xe, char *g, char *u, char *h, float *y)
+		       bool half_gu, const char *xe, const struct moe_piece *pc, float *y)
 {
 	int H = w->hidden, I = w->inter, rc;
-	size_t es = mlens_dtype_size(w->dtype), gs = half_gu ? es : 4;
+	size_t es = mlens_dtype_size(w->dtype);
 	enum mlens_dtype gdt = half_gu ? w->dtype : MLENS_DTYPE_F32;
-	size_t xpart = split ? rows * H * es : 0, hpart = split ? rows * I * es : 0;
+	size_t xpart = split ? rows * H * es : 0, hpart = split ? pc->rows * I * es : 0;
 
 	for (int e = e0; e < e1; r0 += counts[e], e++) {
-		int cnt = counts[e];
-		size_t gi = (size_t)r0 * I;
-		if (!cnt)
-			continue;
-		if ((rc = expert_gemm(c, g + gi * gs, gdt, xe + (size_t)r0 * H * es, xpart, w->w1[e],
-				      w->dtype, cnt, H, I)) ||
-		    (rc = expert_gemm(c, u + gi * gs, gdt, xe + (size_t)r0 * H * es, xpart, w->w3[e],
-				      w->dtype, cnt, H, I)))
-			return rc;
-		if (split) {
-			/* the product in fp32 over g, then split for the down GEMM */
-			if ((rc = mlens_cuda_silu_mul(c, g + gi * 4, MLENS_DTYPE_F32, g + gi * 4, u + gi * 4,
-						      MLENS_DTYPE_F32, (size_t)cnt * I)) ||
-			    (rc = mlens_cuda_split_rows(c, h + gi * es, w->dtype, (const float *)(g + gi * 4),
-							NULL, 1, cnt, I, rows * I)))
+		size_t cnt = (size_t)counts[e], pieces = (cnt + pc->rows - 1) / pc->rows;
+		size_t each = pieces ? (cnt + pieces - 1) / pieces : 0;
+		for (size_t off = 0; off < cnt; off += each) {
+			int n = (int)(cnt - off < each ? cnt - off : each);
+			size_t r = (size_t)r0 + off;
+			/* gate and up as two calls: one strided-batched call of
+			 * both ran 4-5% slower at 512-768 rows an expert on an
+			 * H200 (bench_cuda moe-gemm, "gu batched") */
+			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w->w1[e],
+					      w->dtype, n, H, I)) ||
+			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w->w3[e],
+					      w->dtype, n, H, I)))
 				return rc;
-		} else if ((rc = mlens_cuda_silu_mul(c, h + gi * es, w->dtype, g + gi * gs, u + gi * gs,
-						     gdt, (size_t)cnt * I))) {
-			return rc;
+			if (split) {
+				/* the product in fp32 over g, then split for the down GEMM */
+				if ((rc = mlens_cuda_silu_mul(c, pc->g, MLENS_DTYPE_F32, pc->g, pc->u,
+							      MLENS_DTYPE_F32, (size_t)n * I)) ||
+				    (rc = mlens_cuda_split_rows(c, pc->h, w->dtype, (const float *)pc->g,
+								NULL, 1, n, I, pc->rows * I)))
+					return rc;
+			} else if ((rc = mlens_cuda_silu_mul(c, pc->h, w->dtype, pc->g, pc->u, gdt,
+							     (size_t)n * I))) {
+				return rc;
+			}
+			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w->w2[e],
+					      w->dtype, n, I, H)))
+				return rc;
 		}
-		if ((rc = expert_gemm(c, y + (size_t)r0 * H, MLENS_DTYPE_F32, h + gi * es, hpart,
-				      w->w2[e], w->dtype, cnt, I, H)))
-			return rc;
 	}
 	return 0;
 }
 
 /* The experts split into moe_streams runs of about equal rows, run i on MoE
- * stream i; the compute stream waits for all of them. */
+ * stream i with piece i; the compute stream waits for all of them. */
 static int moe_spread(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
 		      const int32_t *counts, size_t rows, bool split, bool half_gu, const char *xe,
-		      char *g, char *u, char *h, float *y)
+		      const struct moe_piece *pc, float *y)
 {
 	int S = c->moe_streams, E = w->n_experts, e0 = 0, r0 = 0, used = 0, rc = 0, rc2;
 
 	if (S <= 1)
-		return moe_experts(c, w, counts, 0, E, 0, rows, split, half_gu, xe, g, u, h, y);
+		return moe_experts(c, w, counts, 0, E, 0, rows, split, half_gu, xe, pc, y);
 	CUDA_RET(cudaEventRecord(c->moe_fork, c->moe_stream[0]));
 	for (int i = 0; i < S && e0 < E && !rc; i++) {
 		/* run i ends where the rows so far pass i + 1 shares of the total */
@@ -597,7 +611,7 @@ static int moe_spread(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *
 		if (ce != cudaSuccess)
 			rc = mlens_cuda_rc(ce, "MoE stream fork", __FILE__, __LINE__);
 		if (!rc && !(rc = moe_use_stream(c, i)))
-			rc = moe_experts(c, w, counts, e0, e1, r0, rows, split, half_gu, xe, g, u, h, y);
+			rc = moe_experts(c, w, counts, e0, e1, r0, rows, split, half_gu, xe, &pc[i], y);
 		used = i + 1;
 		e0 = e1;
 		r0 = r1;
@@ -616,40 +630,49 @@ static int moe_spread(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *
 }
 
 /* Tokens are permuted into expert order on the GPU (stable in token order,
- * as the CPU gathers them), each expert runs three GEMMs over all of its
- * tokens (experts spread over the MoE streams), and the combine kernel adds
- * the experts back into each token's row in id order. Expert row counts are
+ * as the CPU gathers them), each expert runs three GEMMs over its tokens
+ * (experts spread over the MoE streams, each stream with its own piece of
+ * gate/up scratch: mlens_moe_piece_rows), and the combine kernel adds the
+ * experts back into each token's row in id order. Expert row counts are
  * read back (one small copy and a wait) because cuBLAS takes GEMM sizes on
  * the host. */
 static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n,
 		     const int32_t *ids, const float *weights, int k,
 		     const struct mlens_moe_weights *w)
 {
-	int E = w->n_experts, H = w->hidden, I = w->inter;
+	int E = w->n_experts, H = w->hidden, I = w->inter, S = c->moe_streams;
 	size_t es = mlens_dtype_size(w->dtype), rows = (size_t)n * (size_t)k;
 	/* exact: split copies of the inputs, and the silu product in fp32 (in
 	 * place of g) before it is split too */
 	bool split = c->gemm_exact && w->dtype != MLENS_DTYPE_F32;
 	bool half_gu = mlens_moe_half_gu(c->gemm_exact ? MLENS_GEMM_EXACT : MLENS_GEMM_FAST, es);
 	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1, gs = half_gu ? es : 4;
-	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total;
+	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total, prow, gsl, hsl;
+	struct moe_piece pc[MLENS_MOE_STREAMS_MAX];
 	int32_t *counts_h;
-	char *s, *g, *h;
+	char *s;
 	int rc, r0;
 
 	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 || !valid_dtype(w->dtype))
 		return -EINVAL;
 	if (!n)
 		return 0;
-	/* the layout that mlens_gpuplan_moe_scratch (daemon/gpuplan.c) counts */
+	if (S < 1 || S > MLENS_MOE_STREAMS_MAX)
+		S = 1;
+	/* the layout that mlens_gpuplan_moe_scratch (daemon/gpuplan.c) counts:
+	 * the pieces are slices of one area of mlens_moe_gu_rows rows, each
+	 * slice aligned */
+	prow = mlens_moe_piece_rows(rows, S);
+	gsl = mlens_cuda_align(prow * I * gs);
+	hsl = mlens_cuda_align(np * prow * I * es);
 	o_counts = 0;
 	o_perm = mlens_cuda_align(o_counts + (size_t)E * 4);
 	o_inv = mlens_cuda_align(o_perm + rows * 4);
 	o_xe = mlens_cuda_align(o_inv + rows * 4);
 	o_g = mlens_cuda_align(o_xe + np * rows * H * es);
-	o_u = mlens_cuda_align(o_g + rows * I * gs);
-	o_h = mlens_cuda_align(o_u + rows * I * gs);
-	o_y = half_gu ? o_h : mlens_cuda_align(o_h + np * rows * I * es);
+	o_u = o_g + (size_t)S * gsl;
+	o_h = o_u + (size_t)S * gsl;
+	o_y = half_gu ? o_h : o_h + (size_t)S * hsl;
 	total = mlens_cuda_align(o_y + rows * H * 4);
 	if ((rc = mlens_cuda_scratch(c, total, &s)))
 		return rc;
@@ -657,8 +680,13 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	int32_t *inv = (int32_t *)(s + o_inv);
 	char *xe = s + o_xe;
 	float *y = (float *)(s + o_y);
-	g = s + o_g;
-	h = half_gu ? g : s + o_h;	/* silu(g) * u over g, element by element */
+	for (int i = 0; i < S; i++) {
+		pc[i].g = s + o_g + (size_t)i * gsl;
+		pc[i].u = s + o_u + (size_t)i * gsl;
+		/* silu(g) * u over g, element by element, when it fits */
+		pc[i].h = half_gu ? pc[i].g : s + o_h + (size_t)i * hsl;
+		pc[i].rows = prow;
+	}
 
 	if ((rc = mlens_cuda_moe_route(c, counts, perm, inv, ids, n, k, E)))
 		return rc;
@@ -684,7 +712,7 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
 	if (rc)
 		return rc;
-	if ((rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, g, s + o_u, h, y)))
+	if ((rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, pc, y)))
 		return rc;
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
 }
