@@ -1,7 +1,7 @@
 /* Benchmark of the CUDA backend's heavy ops at Mixtral-8x7B dimensions:
  * the dense bf16 GEMM (M tokens x K=4096 -> N=14336) against a bare cuBLAS
  * call on the same data, one expert's GEMMs at the row counts a MoE chunk
- * gives it, the MoE layer (4096 tokens, 8 experts, top-2) per MoE stream
+ * gives it, the MoE layer (12288 tokens, 8 experts, top-2) per MoE stream
  * count and tokens per call,
  * prefill flash attention and paged decode attention, and the K/V append
  * into a pool in registered host memory (bench_kv_store). Prints one JSON
@@ -178,15 +178,17 @@ static void free_experts(void **w1, void **w2, void **w3, int E)
 
 /* The experts' GEMMs of one MoE call (8 experts of Mixtral's sizes, rows
  * rows each, give or take 16 so that the experts' shapes differ as routed
- * ones do): gate and up then down, (a) expert by expert on one stream, as
- * the backend's loop does, (b) the experts split over two streams, (c) two
+ * ones do): gate and up then down, (a) expert by expert on one stream,
+ * (b) the experts split over two streams, (c) two
  * cublasGemmGroupedBatchedEx calls (gate and up of every expert, then every
- * down). Outputs bf16 throughout: the grouped call has no fp32 output for
- * bf16 inputs. Prints "moe_gemm" records; no MoE routing or silu. */
+ * down), (d) as (a) with each expert's gate and up in one strided-batched
+ * call, as the backend's loop does. Outputs bf16 throughout: the grouped
+ * call has no fp32 output for bf16 inputs. Prints "moe_gemm" records; no
+ * MoE routing or silu. */
 static int bench_moe_gemm(int H, int I)
 {
 	enum { E = 8, iters = 10 };
-	static const int Rs[] = { 512, 1024 };
+	static const int Rs[] = { 512, 768, 1024 };
 	const float one = 1.0f, zero = 0.0f;
 	void *w1[E], *w2[E], *w3[E], *x, *gi, *g, *u, *y;
 	void **dptr;
@@ -217,7 +219,7 @@ static int bench_moe_gemm(int H, int I)
 		    cublasSetStream(h[i], st[i]) != CUBLAS_STATUS_SUCCESS)
 			FAIL("moe_gemm streams");
 	printf(",\n  \"moe_gemm\": [");
-	for (int a = 0; a < 2; a++) {
+	for (int a = 0; a < 3; a++) {
 		int rows[E], off[E], total = 0;
 		int gm[E], gn[E], gk[E], glda[E], gldb[E], gldc[E], gsz[E];
 		int dm[E], dn[E], dk[E], dlda[E], dldb[E], dldc[E], dsz[E];
@@ -243,7 +245,7 @@ static int bench_moe_gemm(int H, int I)
 			hp[32 + 2 * e + 1] = (const char *)u + (size_t)off[e] * I * 2;
 		}
 		flop = 6.0 * H * I * total;
-		for (int v = 0; v < 3; v++) {
+		for (int v = 0; v < 4; v++) {
 			double t0 = 0, t;
 			for (int it = 0; it < iters + 2; it++) {
 				if (it == 2) {
@@ -268,6 +270,30 @@ static int bench_moe_gemm(int H, int I)
 				for (int e = 0; e < E; e++) {
 					cublasHandle_t hh = h[v == 1 && e >= E / 2];
 					const char *xe = (const char *)x + (size_t)off[e] * H * 2;
+					if (v == 3) {
+						/* lower addresses first: positive strides */
+						const char *a0 = w1[e] < w3[e] ? w1[e] : w3[e];
+						const char *a1 = w1[e] < w3[e] ? w3[e] : w1[e];
+						char *c0 = (char *)g + (size_t)off[e] * I * 2;
+						char *c1 = (char *)u + (size_t)off[e] * I * 2;
+						if (c1 < c0) {
+							char *c = c0;
+							c0 = c1;
+							c1 = c;
+						}
+						if (cublasGemmStridedBatchedEx(hh, CUBLAS_OP_T, CUBLAS_OP_N, I,
+							rows[e], H, &one, a0, CUDA_R_16BF, H, (a1 - a0) / 2, xe,
+							CUDA_R_16BF, H, 0, &zero, c0, CUDA_R_16BF, I,
+							(c1 - c0) / 2, 2, CUBLAS_COMPUTE_32F,
+							CUBLAS_GEMM_DEFAULT) ||
+						    cublasGemmEx(hh, CUBLAS_OP_T, CUBLAS_OP_N, H, rows[e], I, &one,
+							w2[e], CUDA_R_16BF, I,
+							(const char *)gi + (size_t)off[e] * I * 2, CUDA_R_16BF, I,
+							&zero, (char *)y + (size_t)off[e] * H * 2, CUDA_R_16BF, H,
+							CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
+							FAIL("moe_gemm batched gate/up");
+						continue;
+					}
 					if (cublasGemmEx(hh, CUBLAS_OP_T, CUBLAS_OP_N, I, rows[e], H, &one, w1[e],
 							 CUDA_R_16BF, H, xe, CUDA_R_16BF, H, &zero,
 							 (char *)g + (size_t)off[e] * I * 2, CUDA_R_16BF, I,
@@ -315,12 +341,14 @@ static int bench_moe_gemm(int H, int I)
 			}
 			printf("%s\n    {\"rows_per_expert\": %d, \"experts\": %d, \"variant\": \"%s\", "
 			       "\"us\": %.1f, \"tflops\": %.1f}", first ? "" : ",", Rs[a], E,
-			       v == 0 ? "loop" : v == 1 ? "loop_2_streams" : "grouped", t * 1e6,
-			       flop / t * 1e-12);
+			       v == 0 ? "loop" : v == 1 ? "loop_2_streams" : v == 2 ? "grouped"
+								  : "loop_batched_gate_up",
+			       t * 1e6, flop / t * 1e-12);
 			first = 0;
 			fprintf(stderr, "moe gemm %-14s rows~%4d x %d experts: %8.1f us %6.1f TFLOP/s\n",
-				v == 0 ? "loop" : v == 1 ? "loop 2 streams" : "grouped", Rs[a], E, t * 1e6,
-				flop / t * 1e-12);
+				v == 0 ? "loop" : v == 1 ? "loop 2 streams" : v == 2 ? "grouped"
+									: "loop gu batched",
+				Rs[a], E, t * 1e6, flop / t * 1e-12);
 		}
 	}
 	printf("\n  ]");
@@ -339,12 +367,14 @@ static int bench_moe_gemm(int H, int I)
 }
 
 /* The MoE op (8 experts, top-2, Mixtral sizes) on backends whose experts
- * spread over 1..MLENS_MOE_STREAMS_MAX streams, called with 1024, 2048 and
- * 4096 tokens at a time (the pipeline calls it with its MoE chunk). */
+ * spread over 1..MLENS_MOE_STREAMS_MAX streams, 12288 tokens called with
+ * 1024 to 4096 tokens at a time (the pipeline calls it with its MoE chunk,
+ * a group's tokens). */
 static int bench_moe(const struct mlens_backend_opts *o)
 {
-	const int n = 4096, E = 8, k = 2, H = 4096, I = 14336, iters = 6;
-	static const int calls[] = { 1024, 2048, 4096 };
+	const int n = 12288, E = 8, k = 2, H = 4096, I = 14336, iters = 4;
+	static const int calls[] = { 1024, 1536, 2048, 3072, 4096 };
+	const int ncalls = (int)(sizeof(calls) / sizeof(calls[0]));
 	void *w1[8], *w2[8], *w3[8];
 	int32_t *ids = malloc((size_t)n * k * 4);
 	float *wts = malloc((size_t)n * k * 4);
@@ -404,7 +434,7 @@ static int bench_moe(const struct mlens_backend_opts *o)
 		os.moe_streams = S;
 		if (mlens_backend_create(&b, "cuda", &os))
 			FAIL("moe backend");
-		for (int c = 0; c < 3; c++) {
+		for (int c = 0; c < ncalls; c++) {
 			int per = calls[c];
 			double t0, t;
 			for (int t1 = 0; t1 < n; t1 += per)
