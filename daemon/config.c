@@ -45,7 +45,7 @@ static const struct opt opts[] = {
 	{ "numa_node", T_INT, O(numa_node), "-1", -1, 1023, "N", "NUMA node of the pinned pools (-1: the GPU's, else 0)" },
 	{ "movers", T_INT, O(movers), "2", 1, 64, "N", "io_uring mover threads that read the model files" },
 	{ "max_step_tokens", T_INT, O(max_step_tokens), "0", 0, 1 << 24, "N", "tokens per step, the scheduler's cap (0: 4096; hybrid mode: what the GPU plan holds, up to 65536)" },
-	{ "group_tokens", T_INT, O(group_tokens), "2048", 0, 1 << 20, "N", "hybrid mode: rows of a token group (a step runs as groups; activations live for two); 0: the plan chooses" },
+	{ "group_tokens", T_INT, O(group_tokens), "3072", 0, 1 << 20, "N", "hybrid mode: rows of a token group (a step runs as groups; activations live for two); 0: the plan chooses" },
 	{ "weight_piece", T_SIZE, O(weight_piece), "100M", 1 << 20, 0, "SIZE", "hybrid mode: bytes per copy of the streamed experts" },
 	{ "foreground", T_BOOL, O(foreground), "false", 0, 0, NULL, "stay in the foreground (no fork)" },
 	{ "log_level", T_ENUM, O(log_level), "info", 0, 0, "error|warn|warning|info|debug", "least severe message logged (warning: warn)" },

@@ -137,18 +137,26 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	return sat_add(acc, grown(stage, 64ull << 10));
 }
 
+/* The smallest group plan_auto tries with MoE calls of chunk tokens (0:
+ * the default): the chunk or MLENS_GPUPLAN_AUTO_GROUP_MIN, the smaller. */
+static int64_t auto_group_floor(int64_t chunk)
+{
+	int64_t c = chunk > 0 ? chunk : MLENS_GPUPLAN_CHUNK;
+	return c < MLENS_GPUPLAN_AUTO_GROUP_MIN ? c : MLENS_GPUPLAN_AUTO_GROUP_MIN;
+}
+
 uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
 				    const void *arg)
 {
 	const struct mlens_gpuplan_in *in = (const struct mlens_gpuplan_in *)arg;
-	int64_t group = in ? in->group : 0, c = chunk > 0 ? chunk : MLENS_GPUPLAN_CHUNK;
+	int64_t group = in ? in->group : 0, least = auto_group_floor(chunk);
 	enum mlens_gemm_mode gemm = in ? in->gemm : MLENS_GEMM_FAST;
 	uint64_t best;
 	if (group != MLENS_GPUPLAN_GROUP_AUTO)
 		return mlens_gpuplan_act_bytes(pm, n, group, chunk, gemm);
-	/* the groups plan_auto tries: the default, halved down to the chunk */
+	/* the groups plan_auto tries: the default, halved down to the least */
 	best = mlens_gpuplan_act_bytes(pm, n, MLENS_GPUPLAN_GROUP, chunk, gemm);
-	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= c; g /= 2) {
+	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= least; g /= 2) {
 		uint64_t b = mlens_gpuplan_act_bytes(pm, n, g, chunk, gemm);
 		if (b < best)
 			best = b;
@@ -251,14 +259,14 @@ done:
 }
 
 /* MLENS_GPUPLAN_GROUP_AUTO: halve the group from the default while the
- * plan falls short of max_tokens, down to the MoE chunk; keep the plan
+ * plan falls short of max_tokens, down to auto_group_floor; keep the plan
  * that holds the most tokens (the larger group on a tie). */
 static int plan_auto(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
 		     struct mlens_gpuplan *out, char *err, size_t errlen)
 {
 	struct mlens_gpuplan_in g = *in;
 	struct mlens_gpuplan p;
-	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
+	int64_t least = auto_group_floor(in->chunk);
 	bool have = false;
 	int rc, first = 0;
 
@@ -271,7 +279,7 @@ static int plan_auto(const struct mlens_perf_model *pm, const struct mlens_gpupl
 			*out = p;
 			have = true;
 		}
-		if ((!rc && p.tokens >= in->max_tokens) || g.group / 2 < chunk)
+		if ((!rc && p.tokens >= in->max_tokens) || g.group / 2 < least)
 			break;
 	}
 	if (!have)

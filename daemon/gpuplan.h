@@ -34,12 +34,17 @@ static inline uint64_t mlens_gpuplan_workspace(int moe_streams)
 {
 	return (256ull << 20) + (uint64_t)(moe_streams > 0 ? moe_streams : 1) * MLENS_CUDA_BLAS_WS;
 }
-/* Tokens per MoE call of the pipeline when chunk is 0: the backend's MoE
- * scratch is sized by it. A chunk gives each of Mixtral's experts about a
- * quarter of its tokens as GEMM rows: on an H200 the MoE of 4096 tokens
- * ran 1.355 us a token in calls of 1024, 1.165 in calls of 2048 (two MoE
- * streams; tests/bench/bench_cuda.c). */
-#define MLENS_GPUPLAN_CHUNK 2048
+/* Tokens per MoE call of the pipeline when chunk is 0, the plan's chunk
+ * being at most the group: a group's MoE is one call. The backend's MoE
+ * scratch grows with the chunk's rows but its gate/up pieces do not
+ * (MLENS_CUDA_MOE_GU_ROWS). Larger calls cost less a token: on an H200
+ * the MoE of 12288 tokens ran 1.124 us a token in calls of 2048, 1.031 in
+ * 3072 and 0.999 in 4096 on one MoE stream (1.212, 1.142, 1.147 on two;
+ * tests/bench/bench_cuda.c). */
+#define MLENS_GPUPLAN_CHUNK MLENS_CUDA_MOE_CHUNK_TOKENS
+/* The smallest group MLENS_GPUPLAN_GROUP_AUTO tries (or the chunk, when
+ * a smaller one is given). */
+#define MLENS_GPUPLAN_AUTO_GROUP_MIN 2048
 /* Rows per lm_head call at most (the logits buffer: rows x vocab fp32). */
 #define MLENS_GPUPLAN_TAIL_ROWS 1024
 static inline int64_t mlens_gpuplan_tail_rows(int64_t chunk)
@@ -52,12 +57,13 @@ static inline int64_t mlens_gpuplan_tail_rows(int64_t chunk)
  * buffer of the whole step. */
 #define MLENS_GPUPLAN_GROUP 4096
 /* group of mlens_gpuplan_in: let the plan choose. The largest of
- * MLENS_GPUPLAN_GROUP, half of it, and so on down to the MoE chunk, whose
- * plan holds max_tokens; failing that the one that holds the most tokens
- * (a group's activation sets are what the per-token residual competes
- * with: at 8 GiB the 8-layer 8x7B with fast GEMMs holds 29,375 tokens in
- * groups of 4096 and 43,659 in 2048, with MoE calls of 2048 tokens; 61,073
- * in groups of 1024, whose MoE calls are 1024 tokens). */
+ * MLENS_GPUPLAN_GROUP, half of it, and so on down to
+ * MLENS_GPUPLAN_AUTO_GROUP_MIN (or a smaller chunk), whose plan holds
+ * max_tokens; failing that the one that holds the most tokens (a group's
+ * activation sets and MoE call are what the per-token residual competes
+ * with: at 8 GiB the 8-layer 8x7B with fast GEMMs holds 30,399 tokens in
+ * groups of 4096, 40,581 in 3072 and 50,827 in 2048, each group's MoE one
+ * call). */
 #define MLENS_GPUPLAN_GROUP_AUTO (-1)
 /* The backend's op scratch is reserved once at the plan's size, rounded
  * to the device allocator's granule. */

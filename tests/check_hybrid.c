@@ -124,7 +124,8 @@ START_TEST(plan_auto_group)
 	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
 	ck_assert_int_eq(p.tokens, g[0].tokens > g[1].tokens ? g[0].tokens : g[1].tokens);
 	ck_assert_int_eq(p.group, g[0].tokens > g[1].tokens ? g[0].group : g[1].group);
-	/* the default chunk is 2048: the same choice */
+	/* the default chunk (a group's MoE in one call, the auto groups not
+	 * below 2048): the same choice */
 	in.chunk = 0;
 	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &g[2], NULL, 0), 0);
 	ck_assert_int_eq(g[2].group, p.group);
