@@ -658,7 +658,7 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	if (!n)
 		return 0;
 	if (S < 1 || S > MLENS_MOE_STREAMS_MAX)
-		S = 1;
+		return -EINVAL;	/* checked when the context was made */
 	/* the layout that mlens_gpuplan_moe_scratch (daemon/gpuplan.c) counts:
 	 * the pieces are slices of one area of mlens_moe_gu_rows rows, each
 	 * slice aligned */
