@@ -19,5 +19,8 @@ tests_check_gpu_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_gpu_plan_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 EXTRA_DIST += tests/bench/serve_gpu.sh
+# mlens-bench serve stopped by a signal mid-run (CPU backend)
+dist_check_SCRIPTS += tests/integration/bench_stop.sh
+TESTS += tests/integration/bench_stop.sh
 EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh \
 	tests/bench/gpu_session.sh tests/bench/kvpool.sh tests/bench/trace_summary.py

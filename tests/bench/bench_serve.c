@@ -49,6 +49,21 @@ struct serve_opts {
 	bool json, keep_log, predict, no_ceilings;
 };
 
+/* SIGTERM or SIGINT while serving: the clients stop with what is in
+ * flight, the results so far are written (marked "stopped_by") and the
+ * daemon is stopped, instead of dying with nothing said. */
+static volatile sig_atomic_t stop_sig;
+
+static void on_stop_signal(int sig)
+{
+	stop_sig = sig;
+}
+
+static const char *stop_name(void)
+{
+	return stop_sig == SIGINT ? "SIGINT" : "SIGTERM";
+}
+
 /* ==== the daemon ==== */
 
 struct daemon_proc {
@@ -167,6 +182,10 @@ static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
 	while (mlens_bench_now_ns() < deadline) {
 		struct mlens *m;
 		int st;
+		if (stop_sig) {
+			fprintf(stderr, "serve: stopped by %s while mlensd started\n", stop_name());
+			return -EINTR;
+		}
 		if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
 			fprintf(stderr, "serve: mlensd exited during start-up (status %d)\n",
 				WIFEXITED(st) ? WEXITSTATUS(st) : -1);
@@ -371,6 +390,12 @@ static void *client_main(void *argp)
 		if (rc < 0) {
 			fprintf(stderr, "serve: client %d: wait: %s\n", a->idx, mlens_strerror(rc));
 			a->rc = rc;
+			goto out;
+		}
+		if (stop_sig) {
+			fprintf(stderr, "serve: client %d: stopped by %s with %d requests in flight\n",
+				a->idx, stop_name(), inflight);
+			a->rc = -EINTR;
 			goto out;
 		}
 		if (mlens_bench_now_ns() > r->deadline) {
@@ -987,6 +1012,14 @@ int mlens_bench_serve(int argc, char **argv)
 		fprintf(stderr, "serve: %s\n", err);
 		return 1;
 	}
+	{
+		struct sigaction sa;
+		memset(&sa, 0, sizeof(sa));
+		sa.sa_handler = on_stop_signal;	/* no SA_RESTART: sleeps end early */
+		sigemptyset(&sa.sa_mask);
+		sigaction(SIGTERM, &sa, NULL);
+		sigaction(SIGINT, &sa, NULL);
+	}
 	/* the KV pool's dtype as the daemon picks it: f32 models keep f32 KV */
 	if (mlens_perf_model_from_config(&pm, &model->cfg, model->cfg.dtype == MLENS_DTYPE_F32 ?
 					 MLENS_DTYPE_F32 : MLENS_DTYPE_BF16)) {
@@ -1085,6 +1118,9 @@ int mlens_bench_serve(int argc, char **argv)
 			bad++;
 		}
 	}
+	if (stop_sig)
+		fprintf(stderr, "serve: stopped by %s after %.1f s: %d of %d requests finished; the "
+			"results cover the run so far\n", stop_name(), wall, ok, o.requests);
 	qsort(ttft, (size_t)n_ttft, sizeof(*ttft), cmp_double);
 	steady_window(&sw, &run, o.requests, &sp);
 	/* engine busy: wall time the daemon's worker spent inside steps. The
@@ -1175,6 +1211,8 @@ int mlens_bench_serve(int argc, char **argv)
 			"generated_tokens_per_s", gen_tps, "total_tokens_per_s", tot_tps,
 			"ttft_p50_s", percentile(ttft, n_ttft, 50), "ttft_p99_s", percentile(ttft, n_ttft, 99),
 			"engine_busy_ratio", busy, "steps", steps, "mean_step_tokens", mean_step);
+		if (stop_sig)
+			json_object_set_new(out, "stopped_by", json_string(stop_name()));
 		json_object_set_new(out, "kv_tokens", json_real(kv_tokens));
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
