@@ -24,6 +24,20 @@ typedef __m256 vec;
 	(o) = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xffff0000u))); \
 } while (0)
 #define VHSUM4(a, b, c, d, s) hsum4_avx2((a), (b), (c), (d), (s))
+/* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od:
+ * per 128-bit lane pick, then put the 64-bit pairs in order */
+#define VDEINT(a, b, ev, od) do { \
+	(ev) = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd( \
+		_mm256_shuffle_ps((a), (b), _MM_SHUFFLE(2, 0, 2, 0))), 0xd8)); \
+	(od) = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd( \
+		_mm256_shuffle_ps((a), (b), _MM_SHUFFLE(3, 1, 3, 1))), 0xd8)); \
+} while (0)
+/* the inverse: ev, od -> a, b in order */
+#define VINTER(ev, od, a, b) do { \
+	__m256 lo_ = _mm256_unpacklo_ps((ev), (od)), hi_ = _mm256_unpackhi_ps((ev), (od)); \
+	(a) = _mm256_permute2f128_ps(lo_, hi_, 0x20); \
+	(b) = _mm256_permute2f128_ps(lo_, hi_, 0x31); \
+} while (0)
 /* 16 registers: 4x2 score accumulators, 2 heads x 2 pairs for p*V */
 #define SC_HB 4
 #define SC_TB 2

@@ -25,6 +25,20 @@ typedef __m512 vec;
 	(o) = _mm512_castsi512_ps(_mm512_and_si512(x_, _mm512_set1_epi32((int)0xffff0000u))); \
 } while (0)
 #define VHSUM4(a, b, c, d, s) hsum4_avx512((a), (b), (c), (d), (s))
+/* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od */
+#define VDEINT(a, b, ev, od) do { \
+	(ev) = _mm512_permutex2var_ps((a), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, \
+					20, 22, 24, 26, 28, 30), (b)); \
+	(od) = _mm512_permutex2var_ps((a), _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, \
+					21, 23, 25, 27, 29, 31), (b)); \
+} while (0)
+/* the inverse: ev, od -> a, b in order */
+#define VINTER(ev, od, a, b) do { \
+	(a) = _mm512_permutex2var_ps((ev), _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, \
+					5, 21, 6, 22, 7, 23), (od)); \
+	(b) = _mm512_permutex2var_ps((ev), _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, \
+					28, 13, 29, 14, 30, 15, 31), (od)); \
+} while (0)
 /* 4x4 score accumulators, 4 heads x 2 pairs of p*V accumulators (24 of 32 registers) */
 #define SC_HB 4
 #define SC_TB 4
