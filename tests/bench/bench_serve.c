@@ -856,13 +856,20 @@ struct steady {
 	 * (cpu_busy) and in the append alone, KV GB/s over the attention's
 	 * own seconds (append excluded) */
 	double cpu_busy, append_busy, attn_only_gbs;
+	/* the window's steps (at the counters' rate) in generation lengths:
+	 * below one, no request's lifetime fits in it, the batch has not
+	 * turned over once and its rates are the ramp's, not a steady
+	 * state's (too few requests) */
+	double generations;
+	bool short_window;
 };
 
-static void steady_window(struct steady *w, const struct serve_run *run, int n_req,
+static void steady_window(struct steady *w, const struct serve_run *run, int n_req, int gen_len,
 			  const struct sampler *sp)
 {
 	uint64_t ta = UINT64_MAX, tb = 0, gen = 0, pr = 0;
 	size_t a, b, i, j;
+	double span;
 	memset(w, 0, sizeof(*w));
 	for (int k = 0; k < n_req; k++) {
 		const struct req_rec *r = &run->recs[k];
@@ -907,6 +914,11 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->append_busy = rate(&sp->s[i], &sp->s[j], K_APPEND_S, -1);
 	w->attn_only_gbs = w->cpu_busy - w->append_busy > 0
 		? rate(&sp->s[i], &sp->s[j], K_KV_READ, -1) / (w->cpu_busy - w->append_busy) / 1e9 : NAN;
+	/* the counters cover the samples' span inside the window: their step
+	 * rate times the window */
+	span = (double)(sp->s[j].t - sp->s[i].t) / 1e9;
+	w->generations = gen_len > 0 && span > 0 ? w->steps / span * w->seconds / gen_len : NAN;
+	w->short_window = w->generations < 1.0;
 }
 
 /* Issue 8's prediction at the step the scheduler reaches (perfmodel.h,
@@ -1122,7 +1134,11 @@ int mlens_bench_serve(int argc, char **argv)
 		fprintf(stderr, "serve: stopped by %s after %.1f s: %d of %d requests finished; the "
 			"results cover the run so far\n", stop_name(), wall, ok, o.requests);
 	qsort(ttft, (size_t)n_ttft, sizeof(*ttft), cmp_double);
-	steady_window(&sw, &run, o.requests, &sp);
+	steady_window(&sw, &run, o.requests, o.gen_len, &sp);
+	if (sw.short_window)
+		fprintf(stderr, "serve: the steady window holds about %.0f steps, less than one generation of %d: "
+			"its rates are the ramp's, not a steady state's (more --requests)\n",
+			sw.generations * o.gen_len, o.gen_len);
 	/* engine busy: wall time the daemon's worker spent inside steps. The
 	 * CUDA backend waits for the GPU at the end of every step (sampling
 	 * reads tokens back), so this is the share of time the GPU had work
@@ -1224,7 +1240,7 @@ int mlens_bench_serve(int argc, char **argv)
 			"cpu_attention_bytes_from", attn_src, "gpu_busy_ratio", jnum_or_null(gpu_busy),
 			"h2d_busy_ratio", jnum_or_null(h2d_busy)));
 		if (sw.have)
-			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o}",
+			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o}",
 				"rule", "first request finished .. last request's first token",
 				"start_s", sw.t_start, "end_s", sw.t_end, "seconds", sw.seconds,
 				"generated_tokens_per_s", sw.gen_tps, "total_tokens_per_s", sw.total_tps,
@@ -1235,7 +1251,9 @@ int mlens_bench_serve(int argc, char **argv)
 				"gpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.gpu_busy : NAN),
 				"cpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.cpu_busy : NAN),
 				"cpu_append_ratio", jnum_or_null(sw.have_stats ? sw.append_busy : NAN),
-				"cpu_attention_only_gb_per_s", jnum_or_null(sw.have_stats ? sw.attn_only_gbs : NAN)));
+				"cpu_attention_only_gb_per_s", jnum_or_null(sw.have_stats ? sw.attn_only_gbs : NAN),
+				"generations", jnum_or_null(sw.have_stats ? sw.generations : NAN),
+				"short", sw.have_stats ? json_boolean(sw.short_window) : json_null()));
 		else
 			json_object_set_new(out, "steady", json_null());
 		if (ceil_.have || ceil_.have_link) {
@@ -1312,8 +1330,9 @@ int mlens_bench_serve(int argc, char **argv)
 			       (unsigned long long)prompt_tok, (unsigned long long)gen, wall);
 			printf("%-26s %.1f generated, %.1f total\n", "tokens/s (whole run)", gen_tps, tot_tps);
 			if (sw.have)
-				printf("%-26s %.1f generated, %.1f total (%.2f .. %.2f s)\n", "tokens/s (steady)",
-				       sw.gen_tps, sw.total_tps, sw.t_start, sw.t_end);
+				printf("%-26s %.1f generated, %.1f total (%.2f .. %.2f s)%s\n", "tokens/s (steady)",
+				       sw.gen_tps, sw.total_tps, sw.t_start, sw.t_end,
+				       sw.short_window ? ": short, less than one generation" : "");
 			printf("%-26s p50 %.3f s, p99 %.3f s\n", "time to first token",
 			       percentile(ttft, n_ttft, 50), percentile(ttft, n_ttft, 99));
 			printf("%-26s %.1f %%, %.0f steps of %.1f tokens (cap %.0f)\n", "engine busy", 100 * busy,

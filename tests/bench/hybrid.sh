@@ -16,9 +16,9 @@
 #   (below 1 the runs hold fewer than issue 7's three pool-fulls: said so).
 # Environment:
 #   RUNS             runs to do, in order (default all):
-#                    p512g128 p512g32 p128g32 p512g32kv20 p512g128kv20 hf
-#                    (the kv20 pair with its 40G pair: issue 8's two mixes
-#                    x two pool sizes)
+#                    p512g128 p512g32 p128g32 p512g32kv20 p512g128kv20 hf,
+#                    or p128g32kv20 (a kv20 run with its 40G pair: issue
+#                    8's two mixes x two pool sizes)
 #   MAX_STEP_TOKENS  passed to mlensd as --max-step-tokens (default: unset,
 #                    the daemon's own cap: n_real from its profile)
 #   DAEMON_ARGS      more mlensd arguments, split at blanks (for example
@@ -64,6 +64,7 @@ spec() {	# run name -> "kv p g"
 	p128g32) echo "$KV 128 32" ;;
 	p512g32kv20) echo "$KV2 512 32" ;;
 	p512g128kv20) echo "$KV2 512 128" ;;
+	p128g32kv20) echo "$KV2 128 32" ;;
 	*) echo "" ;;
 	esac
 }
@@ -176,7 +177,7 @@ print("%-12s %6s %6s %6s %7s %10s %6s" % ("steady", "st/b", "GPU%", "host%", "ap
 for name, d, b, p, s, a in rows:
     pct = lambda x: f(None if x is None else 100 * x, "%.0f")
     print("%-12s %6s %6s %6s %7s %10s %6s" % (
-        name, f(d.get("steady_over_bound"), "%.2f"), pct(s.get("gpu_busy_ratio")),
+        name + ("*" if s.get("short") else ""), f(d.get("steady_over_bound"), "%.2f"), pct(s.get("gpu_busy_ratio")),
         pct(s.get("cpu_busy_ratio")), pct(s.get("cpu_append_ratio")),
         f(s.get("cpu_attention_only_gb_per_s")), f(s.get("pcie_h2d_gb_per_s"))))
 if hf:
@@ -187,4 +188,6 @@ if hf:
         if hf.get("generated_tokens_per_s"):
             print("  %s / hf: %.1fx generated tokens/s" % (name, d["generated_tokens_per_s"] / hf["generated_tokens_per_s"]))
 print("binds: the bound's binding ceiling / the daemon model's binding resource; err: predicted vs measured generated tokens/s")
+if any((s or {}).get("short") for name, d, b, p, s, a in rows):
+    print("*: a steady window of less than one generation: the ramp's rates, not a steady state's (SCALE too small)")
 EOF

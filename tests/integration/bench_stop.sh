@@ -34,6 +34,12 @@ assert d["stopped_by"] == "SIGTERM", d.get("stopped_by")
 assert d["requests_ok"] > 0 and d["generated_tokens"] >= 32 * d["requests_ok"], d
 assert d["requests_ok"] + d["requests_failed"] < 1000000, d
 assert d["generated_tokens_per_s"] > 0, d
+# the steady window (when it has the daemon's counters) in generations of
+# 32: its steps at the counters' rate, at least those counted
+s = d.get("steady")
+if s and s.get("steps") is not None:
+    assert s["generations"] >= s["steps"] / 32 - 1e-9, s
+    assert s["short"] == (s["generations"] < 1), s
 PY
 grep -q "drained: exiting" "$tmp/log" || fail "mlensd was not stopped: $(tail -5 "$tmp/log")"
 ! pgrep -f "mlensd --model $tmp/m" >/dev/null || fail "an mlensd is left running"
