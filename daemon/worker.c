@@ -255,7 +255,6 @@ static void run_cmd(struct mlens_worker *w, struct cmd *c)
 		break;
 	case CMD_CALL:
 		c->rc = c->fn(c->arg, w->s);
-		publish(w);	/* what it changed (the token cap) shows at once */
 		break;
 	case CMD_STOP:
 		w->stop = true;
@@ -273,9 +272,14 @@ static void take_cmds(struct mlens_worker *w)
 	list = w->cmds;
 	w->cmds = w->cmds_tail = NULL;
 	pthread_mutex_unlock(&w->lock);
+	for (c = list; c; c = c->next)
+		run_cmd(w, c);
+	/* a caller that waited reads what its command changed (mlensctl
+	 * quota, then tenants): the snapshot goes out before it wakes */
+	if (list)
+		publish(w);
 	for (c = list; c; c = next) {
 		next = c->next;
-		run_cmd(w, c);
 		if (c->wait) {
 			pthread_mutex_lock(&w->lock);
 			c->done = true;

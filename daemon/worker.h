@@ -44,7 +44,8 @@ int mlens_worker_start(struct mlens_worker **out, struct mlens_sched *s, int not
 void mlens_worker_stop(struct mlens_worker *w);
 
 /* Main thread. Each takes effect at the next step boundary; the calls that
- * answer wait for the worker to get there. */
+ * answer wait for the worker to get there, and once they return the
+ * snapshot shows what they changed. */
 void mlens_worker_attach(struct mlens_worker *w, struct mlens_tenant *t);
 void mlens_worker_detach(struct mlens_worker *w, uint32_t tenant_id);
 int mlens_worker_set_quota(struct mlens_worker *w, uint32_t tenant_id, const struct mlens_quota *q);

@@ -1,13 +1,18 @@
 /* Description: the scheduler over a real engine (CPU backend, random tiny
  * model) with in-process tenants: every request completes with the tokens
  * a lone run gives, under preemption too; quotas, fair share, cancel,
- * a full completion ring, tenant removal and refusals. */
+ * a full completion ring, tenant removal and refusals; the worker thread
+ * publishes what a command changed before its caller returns. */
 #include <check.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include "daemon/sched.h"
+#include "daemon/worker.h"
 #include "tests/testmodel.h"
 
 #define MAXEV 4096
@@ -500,6 +505,80 @@ START_TEST(kv_quota_holds_back_only_its_tenant)
 }
 END_TEST
 
+/* A command the main thread waits for (mlensctl quota, drain, resume) is
+ * seen in the worker's snapshot as soon as the call returns: a control
+ * request that sets and one that reads right after must agree. The snapshot
+ * used to go out after the worker's next step or command; here that next
+ * command (a 100 ms call queued behind the admission change, in the same
+ * batch) would hold it back. */
+static int call_wait_fd(void *arg, struct mlens_sched *s)
+{
+	uint64_t v;
+	(void)s;
+	for (int i = 0; i < 5000 && read(*(int *)arg, &v, sizeof(v)) != sizeof(v); i++)
+		usleep(1000);	/* the test releases it; give up after 5 s */
+	return 0;
+}
+
+static int call_sleep(void *arg, struct mlens_sched *s)
+{
+	(void)arg;
+	(void)s;
+	usleep(100000);
+	return 0;
+}
+
+struct setter {
+	struct mlens_worker *w;
+	bool seen;
+};
+
+static void *set_and_read(void *arg)
+{
+	struct setter *x = arg;
+	struct mlens_worker_snapshot snap;
+	mlens_worker_set_admission(x->w, true);
+	mlens_worker_snapshot(x->w, &snap);
+	free(snap.tenants);
+	x->seen = snap.admission;
+	return NULL;
+}
+
+START_TEST(worker_snapshot_after_command)
+{
+	struct fx f;
+	struct mlens_worker *w;
+	struct mlens_worker_snapshot snap;
+	struct setter x;
+	pthread_t th;
+	uint64_t one = 1;
+	int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), hold = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	ck_assert_int_ge(efd, 0);
+	ck_assert_int_ge(hold, 0);
+	fx_open(&f, 64, 0);
+	ck_assert_int_eq(mlens_worker_start(&w, f.s, efd), 0);
+	mlens_worker_set_admission(w, false);
+	mlens_worker_snapshot(w, &snap);
+	free(snap.tenants);
+	ck_assert(!snap.admission);
+	/* the worker held in a call while the admission change and a slow
+	 * call queue up behind it, in that order */
+	ck_assert_int_eq(mlens_worker_call_async(w, call_wait_fd, &hold), 0);
+	x.w = w;
+	x.seen = false;
+	ck_assert_int_eq(pthread_create(&th, NULL, set_and_read, &x), 0);
+	usleep(50000);
+	ck_assert_int_eq(mlens_worker_call_async(w, call_sleep, NULL), 0);
+		ck_assert_int_eq(write(hold, &one, sizeof(one)), (ssize_t)sizeof(one));
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	ck_assert_msg(x.seen, "the snapshot read right after opening admission still says closed");
+	mlens_worker_stop(w);
+	fx_close(&f);
+	close(hold);
+	close(efd);
+}
+END_TEST
+
 static Suite *sched_suite(void)
 {
 	Suite *s = suite_create("sched");
@@ -515,6 +594,7 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, fair_share_by_weight);
 	tcase_add_test(tc, eviction_while_a_token_waits);
 	tcase_add_test(tc, kv_quota_holds_back_only_its_tenant);
+	tcase_add_test(tc, worker_snapshot_after_command);
 	suite_add_tcase(s, tc);
 	return s;
 }
