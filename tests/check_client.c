@@ -122,6 +122,17 @@ struct expect {
 	int32_t status;
 };
 
+/* The request that e describes (reads e only). */
+static void req_for(struct mlens_request *req, const struct expect *e)
+{
+	memset(req, 0, sizeof(*req));
+	req->size = sizeof(*req);
+	req->prompt = e->prompt;
+	req->n_prompt = e->n_prompt;
+	req->max_tokens = e->max_tokens;
+	req->timeout_ms = -1;
+}
+
 static void req_init(struct mlens_request *req, struct expect *e, int32_t first, uint32_t n,
 		     uint32_t max_tokens)
 {
@@ -131,12 +142,7 @@ static void req_init(struct mlens_request *req, struct expect *e, int32_t first,
 	e->max_tokens = max_tokens;
 	for (uint32_t i = 0; i < n; i++)
 		e->prompt[i] = (first + (int32_t)i * 13) % (int32_t)VOCAB;
-	memset(req, 0, sizeof(*req));
-	req->size = sizeof(*req);
-	req->prompt = e->prompt;
-	req->n_prompt = n;
-	req->max_tokens = max_tokens;
-	req->timeout_ms = -1;
+	req_for(req, e);
 }
 
 /* Check one event against what the fake daemon must have sent. */
@@ -341,12 +347,12 @@ static void client_pressure(struct mlens *m)
 		req_init(&req, &p.es[i], 3 * i, 48 + i % 16, 4);
 		p.es[i].id = (uint64_t)i + 1;	/* ids are issued in order */
 	}
+	/* the reader reads es from now on: the submissions only read it */
 	CHK(pthread_create(&th, NULL, pressure_reader, &p) == 0);
 	for (int i = 0; i < 40; i++) {
 		uint64_t id;
 
-		req_init(&req, &p.es[i], 3 * i, 48 + i % 16, 4);
-		p.es[i].id = (uint64_t)i + 1;
+		req_for(&req, &p.es[i]);
 		CHK(mlens_submit(m, &req, &id) == 0);
 		CHK(id == (uint64_t)i + 1);
 	}

@@ -52,16 +52,17 @@ struct serve_opts {
 /* SIGTERM or SIGINT while serving: the clients stop with what is in
  * flight, the results so far are written (marked "stopped_by") and the
  * daemon is stopped, instead of dying with nothing said. */
-static volatile sig_atomic_t stop_sig;
+static atomic_int stop_sig;	/* lock-free: safe in the handler and read by the client threads */
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the stop flag needs lock-free int atomics");
 
 static void on_stop_signal(int sig)
 {
-	stop_sig = sig;
+	atomic_store(&stop_sig, sig);
 }
 
 static const char *stop_name(void)
 {
-	return stop_sig == SIGINT ? "SIGINT" : "SIGTERM";
+	return atomic_load(&stop_sig) == SIGINT ? "SIGINT" : "SIGTERM";
 }
 
 /* ==== the daemon ==== */
@@ -182,7 +183,7 @@ static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
 	while (mlens_bench_now_ns() < deadline) {
 		struct mlens *m;
 		int st;
-		if (stop_sig) {
+		if (atomic_load(&stop_sig)) {
 			fprintf(stderr, "serve: stopped by %s while mlensd started\n", stop_name());
 			return -EINTR;
 		}
@@ -392,7 +393,7 @@ static void *client_main(void *argp)
 			a->rc = rc;
 			goto out;
 		}
-		if (stop_sig) {
+		if (atomic_load(&stop_sig)) {
 			fprintf(stderr, "serve: client %d: stopped by %s with %d requests in flight\n",
 				a->idx, stop_name(), inflight);
 			a->rc = -EINTR;
@@ -1130,7 +1131,7 @@ int mlens_bench_serve(int argc, char **argv)
 			bad++;
 		}
 	}
-	if (stop_sig)
+	if (atomic_load(&stop_sig))
 		fprintf(stderr, "serve: stopped by %s after %.1f s: %d of %d requests finished; the "
 			"results cover the run so far\n", stop_name(), wall, ok, o.requests);
 	qsort(ttft, (size_t)n_ttft, sizeof(*ttft), cmp_double);
@@ -1227,7 +1228,7 @@ int mlens_bench_serve(int argc, char **argv)
 			"generated_tokens_per_s", gen_tps, "total_tokens_per_s", tot_tps,
 			"ttft_p50_s", percentile(ttft, n_ttft, 50), "ttft_p99_s", percentile(ttft, n_ttft, 99),
 			"engine_busy_ratio", busy, "steps", steps, "mean_step_tokens", mean_step);
-		if (stop_sig)
+		if (atomic_load(&stop_sig))
 			json_object_set_new(out, "stopped_by", json_string(stop_name()));
 		json_object_set_new(out, "kv_tokens", json_real(kv_tokens));
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
