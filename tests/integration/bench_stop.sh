@@ -16,8 +16,9 @@ cleanup() {
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
 # a run far longer than the test: stopped once requests have finished
+# (8 tokens each: a few steps, even in a TSan build on a busy box)
 "$bench" serve --model "$tmp/m" --mlensd "$mlensd" --backend cpu --kv-cache 8M \
-	--prompt-len 16 --gen-len 32 --requests 1000000 --concurrency 32 --threads 2 --json \
+	--prompt-len 16 --gen-len 8 --requests 1000000 --concurrency 32 --threads 2 --json \
 	--daemon-log "$tmp/log" >"$tmp/out.json" 2>"$tmp/err" &
 bpid=$!
 wait_for 'grep -q "tenant 3 attached" "$tmp/log" 2>/dev/null' 300 || fail "the run did not start: $(cat "$tmp/err")"
@@ -31,14 +32,14 @@ python3 - "$tmp/out.json" <<'PY' || fail "JSON: $(head -c 400 "$tmp/out.json")"
 import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["stopped_by"] == "SIGTERM", d.get("stopped_by")
-assert d["requests_ok"] > 0 and d["generated_tokens"] >= 32 * d["requests_ok"], d
+assert d["requests_ok"] > 0 and d["generated_tokens"] >= 8 * d["requests_ok"], d
 assert d["requests_ok"] + d["requests_failed"] < 1000000, d
 assert d["generated_tokens_per_s"] > 0, d
 # the steady window (when it has the daemon's counters) in generations of
-# 32: its steps at the counters' rate, at least those counted
+# 8: its steps at the counters' rate, at least those counted
 s = d.get("steady")
 if s and s.get("steps") is not None:
-    assert s["generations"] >= s["steps"] / 32 - 1e-9, s
+    assert s["generations"] >= s["steps"] / 8 - 1e-9, s
     assert s["short"] == (s["generations"] < 1), s
 PY
 grep -q "drained: exiting" "$tmp/log" || fail "mlensd was not stopped: $(tail -5 "$tmp/log")"
