@@ -1,8 +1,8 @@
 #!/bin/sh
 # The whole test suite from a fresh clone on Debian 12: install what is
 # missing, build (with CUDA when a toolkit is found), run make check, then
-# the same under ASan/UBSan, then make distcheck. Exits non-zero on any
-# failure. Build trees: _build/, _build-asan/.
+# the same under ASan/UBSan and under TSan, then make distcheck. Exits
+# non-zero on any failure. Build trees: _build/, _build-asan/, _build-tsan/.
 set -e
 cd "$(dirname "$0")/.."
 ./tests/setup-deps.sh
@@ -23,6 +23,14 @@ mkdir -p _build-asan && cd _build-asan
 [ -f Makefile ] || "$top/configure" -q --enable-sanitizers
 make -j"$jobs" >/dev/null
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	make -j"$jobs" check || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+cd "$top"
+
+step "sanitizer build (TSan) and check"
+mkdir -p _build-tsan && cd _build-tsan
+[ -f Makefile ] || "$top/configure" -q --enable-sanitizers=thread
+make -j"$jobs" >/dev/null
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
 	make -j"$jobs" check || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
 cd "$top"
 
