@@ -1,0 +1,30 @@
+#!/bin/sh
+# Description: the libFuzzer targets (make fuzz, make fuzz-shm: clang,
+# outside automake's rules) still build and run: each replays the
+# committed corpus and a few thousand generated inputs without a finding.
+# Skips without clang, and in a sanitizer build tree (the targets carry
+# their own ASan/UBSan whatever the tree; the plain tree checks them).
+set -u
+B="${MLENS_BUILDDIR:-.}"
+src="${MLENS_SRCDIR:-.}"
+grep -q '^CLANG = ..*' "$B/Makefile" || { echo "SKIP: configure found no clang"; exit 77; }
+if grep -q '^SAN_CFLAGS = ..*' "$B/Makefile"; then
+	echo "SKIP: a sanitizer build tree (the plain tree checks the fuzz targets)"
+	exit 77
+fi
+tmp=$(mktemp -d) || exit 99
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+# a make of its own, not a job of the make check that runs this
+env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s -C "$B" fuzz fuzz-shm >"$tmp/build" 2>&1 ||
+	fail "make fuzz fuzz-shm: $(tail -20 "$tmp/build")"
+mkdir "$tmp/model" "$tmp/shm"
+cp "$src"/tests/fuzz/corpus/* "$tmp/model/" || fail "no corpus in $src/tests/fuzz/corpus"
+"$B/tests/fuzz/fuzz_model" -runs=4000 -seed=1 -rss_limit_mb=2048 "$tmp/model" >"$tmp/m.log" 2>&1 ||
+	fail "fuzz_model: $(tail -30 "$tmp/m.log")"
+grep -q "Done 4000 runs" "$tmp/m.log" || fail "fuzz_model did not finish its runs: $(tail -5 "$tmp/m.log")"
+"$B/tests/fuzz/fuzz_shm" -runs=20000 -seed=1 "$tmp/shm" >"$tmp/s.log" 2>&1 ||
+	fail "fuzz_shm: $(tail -30 "$tmp/s.log")"
+grep -q "Done 20000 runs" "$tmp/s.log" || fail "fuzz_shm did not finish its runs: $(tail -5 "$tmp/s.log")"
+echo "fuzz targets: built, 4000 model and 20000 region inputs without a finding"
