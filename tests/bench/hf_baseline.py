@@ -19,6 +19,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def budget_bytes(text):
+    """accelerate's max_memory notation ("8GiB", "8GB", "512MiB", bytes)."""
+    units = {"GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    t = text.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            return int(float(t[:-len(u)]) * units[u])
+    return int(t)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -78,10 +88,19 @@ def main():
         "total_tokens_per_s": round((generated + a.requests * a.prompt_len) / wall, 2),
         "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
     }
+    if cuda:
+        # max_memory places the weights; accelerate's hooks then bring each
+        # offloaded module onto the GPU for its forward, past the budget
+        res["gpu_budget_bytes"] = budget_bytes(a.gpu_memory)
+        res["gpu_peak_over_budget"] = res["gpu_peak_bytes"] > res["gpu_budget_bytes"]
     json.dump(res, sys.stdout)
     print()
     print("transformers+accelerate: %d requests, %d generated tokens in %.2f s: %.1f generated tokens/s"
           % (a.requests, generated, wall, res["generated_tokens_per_s"]), file=sys.stderr)
+    if res.get("gpu_peak_over_budget"):
+        print("transformers+accelerate: its GPU peak %.2f GB went past the %s budget (offloaded modules "
+              "are brought onto the GPU for their forward)" % (res["gpu_peak_bytes"] / 1e9, a.gpu_memory),
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

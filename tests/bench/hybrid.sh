@@ -184,9 +184,15 @@ if hf:
     print("%-12s %9s %9s %9s   (transformers+accelerate, p=%d g=%d)" % (
         "hf", f(hf.get("generated_tokens_per_s")), "-", f(hf.get("total_tokens_per_s")),
         hf.get("prompt_len", 0), hf.get("gen_len", 0)))
+    if hf.get("gpu_peak_over_budget"):
+        print("  hf's GPU peak %.2f GB went past its %s budget (accelerate brings offloaded modules onto the GPU)"
+              % (hf["gpu_peak_bytes"] / 1e9, hf.get("gpu_memory")))
     for name, d, b, p, s, a in rows:
         if hf.get("generated_tokens_per_s"):
-            print("  %s / hf: %.1fx generated tokens/s" % (name, d["generated_tokens_per_s"] / hf["generated_tokens_per_s"]))
+            st = s.get("generated_tokens_per_s")
+            print("  %s / hf: %.1fx generated tokens/s over the whole run%s" % (
+                name, d["generated_tokens_per_s"] / hf["generated_tokens_per_s"],
+                ", %.1fx steady" % (st / hf["generated_tokens_per_s"]) if st else ""))
 print("binds: the bound's binding ceiling / the daemon model's binding resource; err: predicted vs measured generated tokens/s")
 if any((s or {}).get("short") for name, d, b, p, s, a in rows):
     print("*: a steady window of less than one generation: the ramp's rates, not a steady state's (SCALE too small)")
