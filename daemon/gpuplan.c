@@ -113,7 +113,7 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k, V = (uint64_t)pm->vocab;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
 	uint64_t kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
-	uint64_t per, acc, stage;
+	uint64_t per, shared, acc, stage;
 
 	if (n <= 0)
 		return 0;
@@ -122,12 +122,16 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	T = (uint64_t)n;
 	g = (uint64_t)mlens_gpuplan_group_rows(n, group);
 	c = (uint64_t)((int64_t)g < chunk ? (int64_t)g : chunk);
-	/* fp32: the residual x of every token; per set, for a group: xn, q,
-	 * att, k, v, router logits, top-k weights and ids; logits of the
-	 * tail's rows (a chunk, at most MLENS_GPUPLAN_TAIL_ROWS) */
-	per = H + 2 * qd + 2 * kvd + E + 2 * K;
+	/* fp32: the residual x of every token; per set, for a group: q, att,
+	 * k, v (they live across the group's CPU attention); once for all
+	 * sets: xn, router logits, top-k weights and ids (GA's and GB's own,
+	 * daemon/pipeline.c's pl_shared); logits of the tail's rows (a chunk,
+	 * at most MLENS_GPUPLAN_TAIL_ROWS) */
+	per = 2 * qd + 2 * kvd;
+	shared = H + E + 2 * K;
 	acc = sat_mul(sat_mul(T, H), 4);
 	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4), MLENS_PIPE_SETS));
+	acc = sat_add(acc, sat_mul(sat_mul(g, shared), 4));
 	acc = sat_add(acc, align256(sat_mul(sat_mul((uint64_t)mlens_gpuplan_tail_rows((int64_t)c), V), 4)));
 	acc = sat_add(acc, mlens_gpuplan_scratch_bytes(pm, n, group, chunk, gemm));
 	/* metadata staging (the CUDA backend's compute stream and side

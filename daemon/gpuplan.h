@@ -61,8 +61,8 @@ static inline int64_t mlens_gpuplan_tail_rows(int64_t chunk)
  * MLENS_GPUPLAN_AUTO_GROUP_MIN (or a smaller chunk), whose plan holds
  * max_tokens; failing that the one that holds the most tokens (a group's
  * activation sets and MoE call are what the per-token residual competes
- * with: at 8 GiB the 8-layer 8x7B with fast GEMMs holds 30,399 tokens in
- * groups of 4096, 40,581 in 3072 and 50,827 in 2048, each group's MoE one
+ * with: at 8 GiB the 8-layer 8x7B with fast GEMMs holds 34,443 tokens in
+ * groups of 4096, 43,662 in 3072 and 52,881 in 2048, each group's MoE one
  * call). */
 #define MLENS_GPUPLAN_GROUP_AUTO (-1)
 /* The backend's op scratch is reserved once at the plan's size, rounded
@@ -102,9 +102,10 @@ struct mlens_gpuplan {
 
 /* Activation and scratch bytes of a step of n tokens on the GPU in groups
  * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE
- * call: the residual stream of every token; per activation set (two) the
- * norm, q, k, v, attention out, router logits, ids and weights of a group;
- * logits of an lm_head call (mlens_gpuplan_tail_rows of the chunk); the
+ * call: the residual stream of every token; per activation set (two) a
+ * group's q, k, v and attention out; once for all sets a group's norm,
+ * router logits, ids and weights (GA's and GB's own, on the in-order
+ * compute queue); logits of an lm_head call (mlens_gpuplan_tail_rows of the chunk); the
  * backend's op scratch (below); and its
  * staging of small tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,

@@ -45,12 +45,20 @@ struct pl_seg {
 	int grp;
 };
 
-/* The activations of a group being worked on: GPU and host (pinned when
- * the GPU backend can) buffers for the plan's group rows. */
+/* The activations of a group that live across its CPU attention (C): GPU
+ * and host (pinned when the GPU backend can) buffers for the plan's group
+ * rows, one set a group in flight. */
 struct pl_set {
-	float *xn, *q, *k, *v, *att, *rlog, *rw;
-	int32_t *rid;
+	float *q, *k, *v, *att;
 	float *hq, *hk, *hv, *hatt;
+};
+
+/* What GA and GB use only inside their own run on the compute queue,
+ * which runs them in order: the normed rows (xn), the router's logits,
+ * weights and expert ids; one area for every set (the TAIL's rows too). */
+struct pl_shared {
+	float *xn, *rlog, *rw;
+	int32_t *rid;
 };
 
 struct pl_region {
@@ -94,6 +102,7 @@ struct mlens_pipeline {
 	/* GPU activations: the residual stream of every row, two sets */
 	float *x, *logits;
 	struct pl_set set[MLENS_PIPE_SETS];
+	struct pl_shared sh;
 	bool host_pinned;
 
 	/* host scratch */
@@ -447,16 +456,28 @@ static size_t set_floats(const struct mlens_pipeline *p, int which)
 	}
 }
 
-static void set_alloc(struct mlens_pipeline *p, struct pl_set *S, int *rc)
+static void shared_alloc(struct mlens_pipeline *p, struct pl_shared *S, int *rc)
 {
 	S->xn = galloc(p, set_floats(p, 0) * 4, rc);
+	S->rlog = galloc(p, set_floats(p, 3) * 4, rc);
+	S->rw = galloc(p, set_floats(p, 4) * 4, rc);
+	S->rid = galloc(p, set_floats(p, 4) * 4, rc);
+}
+
+static void shared_free(struct mlens_pipeline *p, struct pl_shared *S)
+{
+	gfree(p, S->xn, set_floats(p, 0) * 4);
+	gfree(p, S->rlog, set_floats(p, 3) * 4);
+	gfree(p, S->rw, set_floats(p, 4) * 4);
+	gfree(p, S->rid, set_floats(p, 4) * 4);
+}
+
+static void set_alloc(struct mlens_pipeline *p, struct pl_set *S, int *rc)
+{
 	S->q = galloc(p, set_floats(p, 1) * 4, rc);
 	S->att = galloc(p, set_floats(p, 1) * 4, rc);
 	S->k = galloc(p, set_floats(p, 2) * 4, rc);
 	S->v = galloc(p, set_floats(p, 2) * 4, rc);
-	S->rlog = galloc(p, set_floats(p, 3) * 4, rc);
-	S->rw = galloc(p, set_floats(p, 4) * 4, rc);
-	S->rid = galloc(p, set_floats(p, 4) * 4, rc);
 	if (*rc)
 		return;
 	S->hq = halloc(p, set_floats(p, 1) * 4);
@@ -469,14 +490,10 @@ static void set_alloc(struct mlens_pipeline *p, struct pl_set *S, int *rc)
 
 static void set_free(struct mlens_pipeline *p, struct pl_set *S)
 {
-	gfree(p, S->xn, set_floats(p, 0) * 4);
 	gfree(p, S->q, set_floats(p, 1) * 4);
 	gfree(p, S->att, set_floats(p, 1) * 4);
 	gfree(p, S->k, set_floats(p, 2) * 4);
 	gfree(p, S->v, set_floats(p, 2) * 4);
-	gfree(p, S->rlog, set_floats(p, 3) * 4);
-	gfree(p, S->rw, set_floats(p, 4) * 4);
-	gfree(p, S->rid, set_floats(p, 4) * 4);
 	hfree(p, S->hq);
 	hfree(p, S->hatt);
 	hfree(p, S->hk);
@@ -653,6 +670,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->logits = galloc(p, (size_t)p->tail_rows * (size_t)p->cfg.vocab_size * 4, &rc);
 	for (int s = 0; s < MLENS_PIPE_SETS; s++)
 		set_alloc(p, &p->set[s], &rc);
+	shared_alloc(p, &p->sh, &rc);
 	if (rc) {
 		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate GPU activations for %d tokens "
 		       "(groups of %d): %s", p->max_tokens, p->group_rows, strerror(-rc));
@@ -747,6 +765,7 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	gfree(p, p->logits, (size_t)p->tail_rows * (size_t)p->cfg.vocab_size * 4);
 	for (int s = 0; s < MLENS_PIPE_SETS; s++)
 		set_free(p, &p->set[s]);
+	shared_free(p, &p->sh);
 	for (int i = 0; i < p->n_reg; i++)
 		p->g->ops->host_unregister(p->g->ctx, p->reg[i].p);
 	free(p->reg);
@@ -841,11 +860,11 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 
 	if (!n)
 		return 0;
-	TRY(G->rmsnorm(GC, S->xn, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
+	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
-	TRY(G->gemm(GC, S->q, S->xn, b->wq, c->dtype, n, H, (int)qd, false));
-	TRY(G->gemm(GC, S->k, S->xn, b->wk, c->dtype, n, H, (int)kvd, false));
-	TRY(G->gemm(GC, S->v, S->xn, b->wv, c->dtype, n, H, (int)kvd, false));
+	TRY(G->gemm(GC, S->q, p->sh.xn, b->wq, c->dtype, n, H, (int)qd, false));
+	TRY(G->gemm(GC, S->k, p->sh.xn, b->wk, c->dtype, n, H, (int)kvd, false));
+	TRY(G->gemm(GC, S->v, p->sh.xn, b->wv, c->dtype, n, H, (int)kvd, false));
 	TRY(G->rope(GC, S->q, p->pos + r0, n, nh, hd, (float)c->rope_theta));
 	TRY(G->rope(GC, S->k, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
 	if (p->gpu_append) {
@@ -930,14 +949,14 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	if (!n)
 		return 0;
 	TRY(G->gemm(GC, p->x + r0 * H, S->att, b->wo, c->dtype, n, p->qdim, H, true));
-	TRY(G->rmsnorm(GC, S->xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
+	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
-	TRY(G->gemm(GC, S->rlog, S->xn, b->router, c->dtype, n, H, E, false));
-	TRY(G->router(GC, S->rid, S->rw, S->rlog, n, E, K));
+	TRY(G->gemm(GC, p->sh.rlog, p->sh.xn, b->router, c->dtype, n, H, E, false));
+	TRY(G->router(GC, p->sh.rid, p->sh.rw, p->sh.rlog, n, E, K));
 	for (int t = 0; t < n; t += (int)p->chunk) {
 		int cnt = n - t < (int)p->chunk ? n - t : (int)p->chunk;
-		TRY(G->moe(GC, p->x + (r0 + (size_t)t) * H, S->xn + (size_t)t * H, cnt,
-			   S->rid + (size_t)t * K, S->rw + (size_t)t * K, K, &b->moe));
+		TRY(G->moe(GC, p->x + (r0 + (size_t)t) * H, p->sh.xn + (size_t)t * H, cnt,
+			   p->sh.rid + (size_t)t * K, p->sh.rw + (size_t)t * K, K, &b->moe));
 	}
 	return 0;
 }
@@ -961,8 +980,9 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = p->n_lrow, rc;
-	/* the tail runs after every GB (queue order): both sets are free */
-	float *xn = p->set[0].xn, *rows = p->set[1].xn;
+	/* the tail runs after every GB (queue order): the shared xn is free;
+	 * a chunk's rows are gathered into it and normed in place */
+	float *xn = p->sh.xn;
 
 	if (want_logits)
 		TRY(grow_host_logits(p, (size_t)nl));
@@ -970,8 +990,8 @@ static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 		int cnt = nl - i0 < (int)p->tail_rows ? nl - i0 : (int)p->tail_rows;
 		/* the chunk's rows gathered (embed is a row gather; x is fp32),
 		 * then normed in one call rather than one call a row */
-		TRY(G->embed(GC, rows, p->x, MLENS_DTYPE_F32, H, p->lrow + i0, cnt));
-		TRY(G->rmsnorm(GC, xn, rows, p->final_norm, c->dtype, cnt, H, (float)c->rms_norm_eps));
+		TRY(G->embed(GC, xn, p->x, MLENS_DTYPE_F32, H, p->lrow + i0, cnt));
+		TRY(G->rmsnorm(GC, xn, xn, p->final_norm, c->dtype, cnt, H, (float)c->rms_norm_eps));
 		TRY(G->gemm(GC, p->logits, xn, p->lm_head, c->dtype, cnt, H, V, false));
 		TRY(G->sample(GC, p->sampled + i0, p->logp + i0, p->logits, cnt, V, p->samp + i0));
 		if (want_logits)

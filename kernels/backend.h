@@ -60,7 +60,7 @@ struct mlens_backend_ops {
 	/* out[i][:] = table[tokens[i]][:] for i < n. */
 	int (*embed)(void *ctx, float *out, const void *table, enum mlens_dtype dt,
 		     int dim, const int32_t *tokens, int n);
-	/* out[i] = x[i] / rms(x[i]) * w, eps inside the root. */
+	/* out[i] = x[i] / rms(x[i]) * w, eps inside the root; out may be x. */
 	int (*rmsnorm)(void *ctx, float *out, const float *x, const void *w,
 		       enum mlens_dtype dt, int n, int dim, float eps);
 	/* out[n][m] = x[n][k] . W[m][k]^T; accumulate: out += instead of =. */

@@ -263,7 +263,7 @@ START_TEST(plan_act_bytes)
 {
 	struct mlens_model_config c;
 	struct mlens_perf_model pm;
-	uint64_t per, want;
+	uint64_t per, shared, want;
 	memset(&c, 0, sizeof(c));
 	c.vocab_size = 100;
 	c.hidden_size = 16;
@@ -278,17 +278,19 @@ START_TEST(plan_act_bytes)
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
 	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8, MLENS_GEMM_FAST), 0);
 	/* 10 tokens, one group of 10 rows, chunk 8: the residual of every
-	 * token (H = 16 floats); per set (two) a group's H + 2qd + 2kvd + E +
-	 * 2K = 16+32+16+4+4 = 72 floats a row; logits of 8 rows = 3200 B (3328
+	 * token (H = 16 floats); per set (two) a group's 2qd + 2kvd = 32+16 =
+	 * 48 floats a row, once for both sets its H + E + 2K = 16+4+4 = 24
+	 * (xn, router logits, weights, ids); logits of 8 rows = 3200 B (3328
 	 * aligned); scratch: MoE chunk of 16 rows is under 2 MiB -> 2 MiB;
 	 * staging 10*32+4096 -> 64 KiB */
-	per = 72 * 4;
-	want = 10 * 16 * 4 + 2 * 10 * per + 3328 + (2u << 20) + (64u << 10);
+	per = 48 * 4;
+	shared = 24 * 4;
+	want = 10 * 16 * 4 + 2 * 10 * per + 10 * shared + 3328 + (2u << 20) + (64u << 10);
 	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8, MLENS_GEMM_FAST), want);
 	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8, MLENS_GEMM_FAST), want);
 	/* 12 tokens in groups of 4: sets hold 4 rows, lm_head chunks of 4
 	 * (1600 B, 1792 aligned) */
-	want = 12 * 16 * 4 + 2 * 4 * per + 1792 + (2u << 20) + (64u << 10);
+	want = 12 * 16 * 4 + 2 * 4 * per + 4 * shared + 1792 + (2u << 20) + (64u << 10);
 	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST), want);
 	/* the group grows when a step would need more groups than a program holds */
 	ck_assert_int_eq(mlens_gpuplan_group_rows(10, 4), 4);
