@@ -8,6 +8,9 @@ tests_integration_ops_raw_SOURCES = tests/integration/ops_raw.c
 dist_check_SCRIPTS += tests/integration/ops.sh
 EXTRA_DIST += tests/integration/lib.sh
 TESTS += tests/integration/ops.sh
+# random and hostile control and /metrics requests against a live daemon
+dist_check_SCRIPTS += tests/integration/hostile_ops.sh
+TESTS += tests/integration/hostile_ops.sh
 # lints ALL man/*.[1-8] pages (shared with the client pages)
 dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh
 TESTS += tests/manlint.sh tests/man_keys.sh
