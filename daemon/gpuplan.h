@@ -105,9 +105,9 @@ struct mlens_gpuplan {
  * call: the residual stream of every token; per activation set (two) a
  * group's q, k, v and attention out; once for all sets a group's norm,
  * router logits, ids and weights (GA's and GB's own, on the in-order
- * compute queue); logits of an lm_head call (mlens_gpuplan_tail_rows of the chunk); the
- * backend's op scratch (below); and its
- * staging of small tables. Saturates at UINT64_MAX. */
+ * compute queue); logits of an lm_head call (mlens_gpuplan_tail_rows of
+ * the chunk); the backend's op scratch (below); and its staging of small
+ * tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				 int64_t chunk, enum mlens_gemm_mode gemm);
 /* Parts each activation of a GEMM on weights of weight_bytes per element

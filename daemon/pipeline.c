@@ -99,7 +99,8 @@ struct mlens_pipeline {
 	struct pl_region *reg;	/* host ranges we registered */
 	int n_reg;
 
-	/* GPU activations: the residual stream of every row, two sets */
+	/* GPU activations: the residual stream of every row, the sets and
+	 * their shared area */
 	float *x, *logits;
 	struct pl_set set[MLENS_PIPE_SETS];
 	struct pl_shared sh;

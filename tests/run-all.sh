@@ -10,12 +10,14 @@ jobs=$(nproc 2>/dev/null || echo 2)
 top=$(pwd)
 
 step() { printf '\n==== %s ====\n' "$*"; }
+# the failed tree's test logs (the tail), then stop
+logs_fail() { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
 
 step "build and check"
 mkdir -p _build && cd _build
 [ -f Makefile ] || "$top/configure" -q
 make -j"$jobs" >/dev/null
-make -j"$jobs" check || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+make -j"$jobs" check || logs_fail
 cd "$top"
 
 step "sanitizer build (ASan + UBSan) and check"
@@ -23,7 +25,7 @@ mkdir -p _build-asan && cd _build-asan
 [ -f Makefile ] || "$top/configure" -q --enable-sanitizers
 make -j"$jobs" >/dev/null
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	make -j"$jobs" check || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+	make -j"$jobs" check || logs_fail
 cd "$top"
 
 step "sanitizer build (TSan) and check"
@@ -39,11 +41,10 @@ if ! make -j"$jobs" check; then
 	failed=$(grep -l '^:test-result: FAIL' $trs | sed 's/\.trs$//' || true)
 	if [ -z "$failed" ] || grep -q '^:test-result: ERROR' $trs ||
 	   grep -l "WARNING: ThreadSanitizer" $(for t in $failed; do echo "$t.log"; done) 2>/dev/null; then
-		cat tests/*.log tests/*/*.log 2>/dev/null | tail -200
-		exit 1
+		logs_fail
 	fi
 	echo "TSan: no race reported; running again alone:" $failed
-	make check TESTS="$failed" || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+	make check TESTS="$failed" || logs_fail
 fi
 unset TSAN_OPTIONS
 cd "$top"

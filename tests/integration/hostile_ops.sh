@@ -11,13 +11,9 @@ set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3"; exit 77; }
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
-"$mlensd" --model "$tmp/m" --foreground --backend cpu --kv-cache 4M --threads 1 \
-	--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" \
-	--stats-http 127.0.0.1:0 --log "$tmp/log" &
-pid=$!
-wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' 300 || fail "daemon did not come up"
-port=$(sed -n 's|.*Prometheus text at http://127.0.0.1:\([0-9]*\)/metrics.*|\1|p' "$tmp/log" | head -1)
-[ -n "$port" ] || fail "no stats port in the log"
+start_mlensd --model "$tmp/m" --backend cpu --kv-cache 4M --threads 1 --stats-http 127.0.0.1:0
+port=$(stats_port)
+[ -n "$port" ] || fail "no stats_http port in status"
 
 python3 - "$tmp/c.sock" "$port" "${HOSTILE_SEED:-1}" <<'PY' || fail "random requests (seed ${HOSTILE_SEED:-1})"
 import json, random, socket, sys

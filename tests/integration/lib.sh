@@ -22,6 +22,17 @@ fail() {
 ctl() { "$ctlbin" -s "$tmp/c.sock" "$@"; }
 # the value of "key" in mlensctl --json output (first match; keys are unique where used)
 jfield() { sed -n "s/^ *\"$1\": \"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}\$/\1/p" | head -1; }
+# mlensd with the arguments given, on the scratch sockets ($tmp/t.sock,
+# c.sock, s.sock) and log, in the background as $pid; returns once it
+# answers status
+start_mlensd() {
+	"$mlensd" "$@" --foreground --socket "$tmp/t.sock" --control "$tmp/c.sock" \
+		--stats "$tmp/s.sock" --log "$tmp/log" &
+	pid=$!
+	wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' 300 || fail "daemon did not come up"
+}
+# the port of its Prometheus listener (stats_http 127.0.0.1:0 picks one)
+stats_port() { ctl --json status | jfield stats_http | sed 's/.*://'; }
 # wait for a condition given as a command: up to $2 tries (default 100)
 # 0.1 s apart
 wait_for() {

@@ -79,11 +79,7 @@ mlock = false
 threads = 1
 backend = cpu     # the operations under test do not depend on it; on a GPU box auto picks cuda
 EOC
-"$mlensd" --config "$tmp/mlensd.conf" --model "$tmp/m" --foreground --kv-cache 4M \
-	--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" \
-	--stats-http 127.0.0.1:0 --log "$tmp/log" &
-pid=$!
-wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' || fail "daemon did not come up"
+start_mlensd --config "$tmp/mlensd.conf" --model "$tmp/m" --kv-cache 4M --stats-http 127.0.0.1:0
 
 # ==== usage and connection errors ====
 "$ctlbin" >/dev/null 2>&1; [ $? -eq 2 ] || fail "mlensctl without a command: not exit 2"

@@ -19,11 +19,7 @@ command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; 
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
 # shellcheck disable=SC2086 # flags are words
-"$mlensd" --model "$tmp/m" --foreground $flags --threads 1 --mlock=false --kv-cache 4M \
-	--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" --stats-http "" \
-	--log "$tmp/log" &
-pid=$!
-wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' || fail "daemon did not come up"
+start_mlensd --model "$tmp/m" $flags --threads 1 --mlock=false --kv-cache 4M --stats-http ""
 
 # ==== refusals ====
 ctl trace --steps 2 "$tmp/no/such/dir/t.json" 2>"$tmp/err"; rc=$?
