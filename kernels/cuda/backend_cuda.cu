@@ -959,6 +959,29 @@ static double host_now(void)
 	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* Wait for a base event and take the host clock as its time. A blocking
+ * wait returns after the thread wakes (tens of microseconds late, and a
+ * descheduled thread later still: every mark of the batch would be off by
+ * that), so poll first: a queue that is idle or nearly so reaches the
+ * event within the poll, and only a busy one falls back to blocking. */
+static cudaError_t timer_base_wait(cudaEvent_t ev, double *host)
+{
+	const double poll_s = 200e-6;
+	double t0 = host_now(), t;
+	cudaError_t e;
+	do {
+		e = cudaEventQuery(ev);
+		t = host_now();
+		if (e != cudaErrorNotReady) {
+			*host = t;
+			return e;
+		}
+	} while (t - t0 < poll_s);
+	e = cudaEventSynchronize(ev);
+	*host = host_now();
+	return e;
+}
+
 /* A half's first mark (or its first mark ever) records the half's base
  * event and waits for it: the host clock right after is the base's time,
  * and every later mark of the half is the base plus the GPU's elapsed
@@ -989,8 +1012,7 @@ static int cuda_timer_mark(void *ctx, int queue, int id)
 			CUDA_RET(cudaEventCreateWithFlags(&c->timer_base[h], cudaEventDefault));
 		c->timer_base_ok[h] = false;
 		CUDA_RET(cudaEventRecord(c->timer_base[h], s));
-		CUDA_RET(cudaEventSynchronize(c->timer_base[h]));
-		c->timer_base_host[h] = host_now();
+		CUDA_RET(timer_base_wait(c->timer_base[h], &c->timer_base_host[h]));
 		c->timer_base_ok[h] = true;
 	}
 	if (!c->timers[id])
