@@ -58,6 +58,8 @@ struct mlens_sched {
 	int cap;
 	int max_pos;
 	uint32_t reserve;
+	int horizon;		/* steps the admission reserve looks ahead */
+	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];	/* step scratch, [1..horizon] */
 	bool admission;
 	bool preempt_mode;
 	uint64_t serial;
@@ -142,6 +144,9 @@ int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
 	s->cap = o && o->token_cap > 0 && o->token_cap < max ? o->token_cap : max;
 	s->max_pos = (int)mlens_engine_config(e)->max_position_embeddings;
 	s->reserve = o ? o->reserve_blocks : 0;
+	s->horizon = o && o->reserve_horizon > 0 ? o->reserve_horizon : s->kv->cache.block_size;
+	if (s->horizon > MLENS_SCHED_HORIZON_MAX)
+		s->horizon = MLENS_SCHED_HORIZON_MAX;
 	s->admission = true;
 	*out = s;
 	return 0;
@@ -459,6 +464,40 @@ static int append_token(struct mlens_req *r, int32_t tok)
 	return 0;
 }
 
+/* The admission reserve (sched.h): a sequence that holds len0 tokens of
+ * KV after this step and will still generate rem tokens needs, at step h
+ * after this one, blocks for len0 + h while h <= rem (the h-th token
+ * appended), and none once it has finished (its blocks are freed after its
+ * last step). d[h] += sign x (its blocks then - the blocks it holds after
+ * this step), h = 1..horizon. */
+static void demand_add(struct mlens_sched *s, int32_t len0, int32_t rem, int sign)
+{
+	int64_t b0 = mlens_kv_blocks_for(s->kv, len0);
+	for (int h = 1; h <= s->horizon; h++) {
+		int64_t x = h <= rem ? (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + h) - b0 : -b0;
+		s->demand[h] += sign * x;
+	}
+}
+
+/* Tokens r generates after one that it has n_gen generated with: by
+ * max_tokens and the model's positions (stop tokens may end it sooner,
+ * which only frees blocks sooner). */
+static int32_t remaining(const struct mlens_sched *s, const struct mlens_req *r, int32_t n_gen)
+{
+	int32_t by_max = r->max_tokens - n_gen, by_pos = s->max_pos - (r->n_prompt + n_gen);
+	int32_t rem = by_max < by_pos ? by_max : by_pos;
+	return rem > 0 ? rem : 0;
+}
+
+static int64_t demand_peak(const struct mlens_sched *s)
+{
+	int64_t m = 0;
+	for (int h = 1; h <= s->horizon; h++)
+		if (s->demand[h] > m)
+			m = s->demand[h];
+	return m;
+}
+
 int mlens_sched_step(struct mlens_sched *s)
 {
 	struct mlens_req *r;
@@ -498,6 +537,18 @@ int mlens_sched_step(struct mlens_sched *s)
 		tokens++;
 	}
 	free_blocks = mlens_kv_pool_free_blocks(s->kv) - need;
+	/* the running sequences' demand over the horizon: the ones in this
+	 * step after their token, the ones waiting for their tenant as they
+	 * stand (counted as if they went on) */
+	if (!s->reserve) {
+		memset(s->demand, 0, sizeof(s->demand));
+		for (r = s->running.head; r; r = r->qnext) {
+			if (r->has_pending)
+				demand_add(s, r->seq.len, remaining(s, r, r->n_gen), +1);
+			else
+				demand_add(s, r->seq.len + 1, remaining(s, r, r->n_gen + 1), +1);
+		}
+	}
 
 	/* prefill: admit while the token cap, KV blocks (with a reserve for
 	 * growth) and quotas allow. In preemption mode only evicted requests
@@ -508,13 +559,18 @@ int mlens_sched_step(struct mlens_sched *s)
 		while ((r = pick(s, s->preempt_mode))) {
 			int32_t len = r->n_prompt + r->n_gen;
 			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
-			uint32_t reserve = s->reserve ? s->reserve : running_after + 1;
+			int64_t reserve;
 			if (tokens + len > s->cap)
 				break;
-			if (blocks + (running_after ? reserve : 0) > free_blocks)
+			if (!s->reserve)
+				demand_add(s, len, remaining(s, r, r->n_gen + 1), +1);
+			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s);
+			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
+			    mlens_seq_reserve(s->kv, &r->seq, len)) {
+				if (!s->reserve)
+					demand_add(s, len, remaining(s, r, r->n_gen + 1), -1);
 				break;
-			if (mlens_seq_reserve(s->kv, &r->seq, len))
-				break;
+			}
 			free_blocks -= blocks;
 			r->t->kv_blocks += blocks;
 			q_remove(&s->waiting, r);

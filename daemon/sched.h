@@ -71,8 +71,23 @@ struct mlens_sched_tenant {
 
 struct mlens_sched_opts {
 	int token_cap;		/* tokens per step (n_real); 0 = engine's max */
-	uint32_t reserve_blocks;	/* keep free when admitting; 0 = one per running seq */
+	/* KV blocks kept free when admitting (beside the blocks the step's
+	 * own tokens need); 0 = the demand over a horizon (below) */
+	uint32_t reserve_blocks;
+	/* The horizon, steps (0 = the KV block size, at most
+	 * MLENS_SCHED_HORIZON_MAX): a prefill is admitted only if, for each of
+	 * the next h = 1..horizon steps, the blocks the running sequences and
+	 * it then need beyond what they hold, less what the ones that will
+	 * have finished by their max_tokens hold now, fit what is free after
+	 * it. So the sequences admitted grow for that long without a
+	 * preemption, and a pool whose sequences finish (short generations)
+	 * keeps no blocks idle for growth that the finishing ones free first.
+	 * (One block per running sequence, the rule before, is the same
+	 * guarantee with nothing credited for finishing.) */
+	int reserve_horizon;
 };
+
+#define MLENS_SCHED_HORIZON_MAX 64
 
 #define MLENS_LAT_BUCKETS 16
 /* Upper bounds (seconds) of the latency histogram buckets; the last is +Inf. */

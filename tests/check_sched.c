@@ -196,6 +196,64 @@ START_TEST(preemption_keeps_tokens)
 }
 END_TEST
 
+/* Admission looks ahead (sched.h, reserve_horizon): sequences that finish
+ * now leave their blocks to the next ones, growing ones keep room for
+ * their growth. A pool of 10 blocks of 4 tokens. */
+START_TEST(admission_reserve_horizon)
+{
+	struct fx f;
+	struct tenant t;
+	struct mlens_sched_stats st;
+	int32_t p[8];
+
+	/* 10 requests of one block that end with the token of their prefill:
+	 * the reserve credits their blocks, so all run in one step (one block
+	 * kept per running sequence would have let 5 in) */
+	fx_open(&f, 10, 0);
+	tenant_init(&t, q_default());
+	for (int i = 0; i < 10; i++) {
+		struct mlens_request_params rp;
+		prompt(p, 3, (unsigned)i + 1);
+		rp = params((uint64_t)i, p, 3, 1);
+		submit_ok(&f, &t, &rp);
+	}
+	ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.last_step_seqs, 10);
+	ck_assert_uint_eq(st.requests_done, 10);
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
+	fx_close(&f);
+
+	/* 10 requests of a full block that go on for 3 more tokens: each needs
+	 * a second block at its next step, so 5 are admitted (5 + 5 grown),
+	 * the rest as blocks come free, and none is ever preempted */
+	fx_open(&f, 10, 0);
+	tenant_init(&t, q_default());
+	for (int i = 0; i < 10; i++) {
+		struct mlens_request_params rp;
+		prompt(p, 4, (unsigned)i + 1);
+		rp = params((uint64_t)i, p, 4, 4);
+		submit_ok(&f, &t, &rp);
+	}
+	ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.last_step_seqs, 5);
+	ck_assert_uint_eq(st.running, 5);
+	ck_assert_uint_eq(st.waiting, 5);
+	run_until_idle(&f, 1000);
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.requests_done, 10);
+	ck_assert_uint_eq(st.preemptions, 0);
+	for (int i = 0; i < 10; i++) {
+		int32_t got[64];
+		enum mlens_finish fin = MLENS_FINISH_NONE;
+		ck_assert_int_eq(tokens_of(&t, (uint64_t)i, got, &fin), 4);
+		ck_assert_int_eq(fin, MLENS_FINISH_LENGTH);
+	}
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(token_cap_respected)
 {
 	struct fx f;
@@ -585,6 +643,7 @@ static Suite *sched_suite(void)
 	TCase *tc = tcase_create("sched");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, preemption_keeps_tokens);
+	tcase_add_test(tc, admission_reserve_horizon);
 	tcase_add_test(tc, token_cap_respected);
 	tcase_add_test(tc, refusals);
 	tcase_add_test(tc, full_ring_stalls_only_its_tenant);
