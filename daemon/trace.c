@@ -472,8 +472,11 @@ int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2])
 		sp->t1 = t1 < sp->t0 ? sp->t0 : t1;
 		iv[1][cnt[1]].t0 = sp->t0;
 		iv[1][cnt[1]++].t1 = sp->t1;
-		if (st->tr)
-			mlens_trace_span(st->tr, sp->track, sp->name, sp->t0, sp->t1);
+		/* in the trace only the part inside this step; a copy begun
+		 * while no trace recorded has no name of its own */
+		if (st->tr && sp->t1 > sp->t0)
+			mlens_trace_span(st->tr, sp->track, sp->name[0] ? sp->name : MLENS_STEP_TIMER_CARRIED,
+					 sp->t0, sp->t1);
 	}
 	for (int i = 0; i < st->n; i++) {
 		const struct mlens_step_timer_span *sp = &st->spans[i];

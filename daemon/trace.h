@@ -84,6 +84,8 @@ int mlens_trace_step_end(struct mlens_trace *tr, double t, int tokens, int seqs)
  * ids, the steps alternating halves, so that a copy still running at a
  * step's end is read in the next step (its half is not re-based then). */
 #define MLENS_STEP_TIMER_SPANS (MLENS_BACKEND_TIMER_HALF / 2 - 1)
+/* The trace's name of a copy carried from a step that recorded no trace. */
+#define MLENS_STEP_TIMER_CARRIED "copy from the last step"
 
 struct mlens_step_timer_span {
 	int queue;
@@ -129,7 +131,8 @@ int mlens_step_timer_end(struct mlens_step_timer *st, int span);
  * step's first layers, which runs on past the step's end) is left out of
  * both (pending) and counts in the next step's, with the next step's
  * trace, once it is done; one still running at the next step's finish is
- * left out for good. 0; -EAGAIN when a compute-queue mark is not reached
+ * left out for good (a trace shows the part of it inside the step, if
+ * any). 0; -EAGAIN when a compute-queue mark is not reached
  * yet (the caller did not wait for its queue); -EINVAL for a span begun
  * and not ended; a mark's -errno from this step. busy is 0 on error. */
 int mlens_step_timer_finish(struct mlens_step_timer *st, double busy[2]);

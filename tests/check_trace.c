@@ -454,6 +454,49 @@ START_TEST(step_timer_busy)
 	ck_assert_int_eq(mlens_step_timer_finish(&st, busy), -EAGAIN);
 	ck_assert(busy[0] == 0 && busy[1] == 0);
 	mlens_step_timer_fini(&st);
+
+	/* a traced step after an untraced one whose copy ran on: the copy
+	 * shows in the trace, under a name of its own, when it ends inside the
+	 * traced step, and not at all (no empty, zero-length span: the trace
+	 * of the H200 once had 24) when it ended before the step began */
+	for (int inside = 0; inside < 2; inside++) {
+		char p2[160];
+		snprintf(p2, sizeof(p2), "%s/carry%d.json", dir, inside);
+		ck_assert_int_eq(mlens_step_timer_init(&st, &bare), 0);
+		ck_assert_int_eq(mlens_step_timer_start(&st, NULL), 0);	/* half 0, not traced */
+		a = timed_span(&st, 1, "h2d", "x", 0.001);
+		b = timed_span(&st, 1, "h2d", "prefetch", 0.001);
+		pend_span = b;
+		ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+		pend_span = -1;
+		ck_assert_int_eq(mlens_trace_arm(tr, 1, p2, NULL, NULL, err, sizeof(err)), 0);
+		mlens_trace_step_begin(tr, host_clock());
+		ck_assert_int_eq(mlens_step_timer_start(&st, tr), 0);
+		ck_assert_int_eq(st.n_carry, 1);
+		if (inside) {
+			sleep_s(0.005);
+			ck_assert_int_eq(be.ops->timer_mark(be.ctx, 1, st.carry[0].id + 1), 0);
+		}
+		c = timed_span(&st, 1, "h2d", "y", 0.001);
+		ck_assert_int_eq(mlens_step_timer_finish(&st, busy), 0);
+		ck_assert_int_eq(mlens_trace_step_end(tr, host_clock(), 1, 1), 1);
+		root = json_load_file(p2, 0, NULL);
+		ck_assert_ptr_nonnull(root);
+		ev = json_object_get(root, "traceEvents");
+		ck_assert_ptr_nonnull(find_event(ev, "h2d", "y"));
+		ck_assert_ptr_null(find_event(ev, "h2d", ""));
+		e = find_event(ev, "h2d", MLENS_STEP_TIMER_CARRIED);
+		if (inside) {
+			ck_assert_ptr_nonnull(e);
+			ck_assert(json_real_value(json_object_get(e, "dur")) >= 5000.0);
+			ck_assert_int_eq(count_ph(ev, "X"), 3);	/* step, carried, y */
+		} else {
+			ck_assert_ptr_null(e);
+			ck_assert_int_eq(count_ph(ev, "X"), 2);
+		}
+		json_decref(root);
+		mlens_step_timer_fini(&st);
+	}
 	mlens_trace_destroy(tr);
 	mlens_backend_destroy(&be);
 }

@@ -9,7 +9,10 @@ weight stream then stood idle (waiting for a slot: the GPU side is the
 slower one; none: the stream is). Usage: trace_summary.py FILE [MS]"""
 import collections
 import json
+import re
 import sys
+
+PIECE = re.compile(r"^(COPY|PREFETCH) l\d+ p\d+$")
 
 
 def main():
@@ -30,7 +33,7 @@ def main():
         t = names.get(e["tid"], "?")
         busy[t] += e["dur"] / 1e3
         n[t] += 1
-        dur[(t, e["name"].split()[0])].append(e["dur"] / 1e3)
+        dur[(t, (e["name"].split() or ["?"])[0])].append(e["dur"] / 1e3)
     print("  steps (ms):", " ".join("%.0f (%d tokens)" % (e["dur"] / 1e3, e["args"]["tokens"])
                                     for e in ev if names.get(e["tid"]) == "step"))
     for k in sorted(busy):
@@ -51,7 +54,10 @@ def layers(ev, names):
     """Per (step, layer) the GPU span and groups; per layer copied, the
     stream's idle time before the next layer's first piece."""
     gpu = sorted((e for e in ev if names.get(e["tid"]) == "gpu"), key=lambda e: e["ts"])
-    h2d = sorted((e for e in ev if names.get(e["tid"]) == "h2d"), key=lambda e: e["ts"])
+    # the weight pieces ("COPY l3 p7", "PREFETCH l0 p2"), not a copy carried
+    # from an untraced step (daemon/trace.h: MLENS_STEP_TIMER_CARRIED)
+    h2d = sorted((e for e in ev if names.get(e["tid"]) == "h2d" and PIECE.match(e["name"])),
+                 key=lambda e: e["ts"])
     span, groups, rows, step = {}, collections.Counter(), [], -1
     for e in gpu:
         kind, layer = e["name"].split()[:2]
