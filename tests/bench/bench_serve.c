@@ -105,7 +105,7 @@ static void print_log_tail(const struct daemon_proc *d, int lines)
 static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
 {
 	const char *argv[64];
-	char step[32], path[512];
+	char step[32], queued[32], path[512];
 	const char *exe = o->mlensd;
 	int n = 0;
 	uint64_t deadline;
@@ -154,9 +154,14 @@ static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
 	argv[n++] = o->backend;
 	argv[n++] = "--kv-cache";
 	argv[n++] = o->kv_cache;
-	/* every client thread is one tenant: let each run its whole share */
+	/* every client thread is one tenant: let each run and queue its
+	 * whole share (a tenant's queue holds 1024 by default) */
 	argv[n++] = "--quota-running";
 	argv[n++] = "0";
+	snprintf(queued, sizeof(queued), "%d", o->concurrency / o->threads + 1 > 1024 ?
+		 o->concurrency / o->threads + 1 : 1024);
+	argv[n++] = "--quota-queued";
+	argv[n++] = queued;
 	if (o->gpu_memory) {
 		argv[n++] = "--gpu-memory";
 		argv[n++] = o->gpu_memory;
@@ -338,6 +343,7 @@ static void *client_main(void *argp)
 	struct mlens *m = NULL;
 	char name[32];
 	bool more = true;
+	int held = -1;	/* a request claimed whose submit found the rings full */
 
 	a->rc = 0;
 	snprintf(name, sizeof(name), "bench-%d", a->idx);
@@ -355,9 +361,10 @@ static void *client_main(void *argp)
 	}
 	while (more || inflight) {
 		while (more && inflight < cap) {
-			int i = atomic_fetch_add(&r->next, 1);
+			int i = held >= 0 ? held : atomic_fetch_add(&r->next, 1);
 			struct mlens_request q = { .size = sizeof(q) };
 			uint64_t id;
+			held = -1;
 			if (i >= o->requests) {
 				more = false;
 				break;
@@ -367,9 +374,16 @@ static void *client_main(void *argp)
 			q.prompt = prompt;
 			q.n_prompt = (uint32_t)o->prompt_len;
 			q.max_tokens = (uint32_t)o->gen_len;
-			q.timeout_ms = -1;
+			/* not waiting: the daemon takes submissions only while our
+			 * completion ring has room, so with the rings full this
+			 * thread must drain events before it submits again */
+			q.timeout_ms = 0;
 			r->recs[i].t_submit = mlens_bench_now_ns();
 			rc = mlens_submit(m, &q, &id);
+			if (rc == -EAGAIN && inflight) {
+				held = i;	/* submitted first once events are read */
+				break;
+			}
 			if (rc) {
 				fprintf(stderr, "serve: submit: %s\n", mlens_strerror(rc));
 				r->recs[i].finish = MLENS_REASON_ERROR;

@@ -2,7 +2,8 @@
 # Description: mlens-bench serve stopped by SIGTERM mid-run (CPU backend,
 # the tiny model of mlens-mkmodel): it says so, writes the JSON of the run
 # so far marked "stopped_by", exits 1 and leaves no mlensd behind; a TERM
-# while the daemon starts stops it too.
+# while the daemon starts stops it too; one client thread with more
+# requests in flight than its rings hold finishes them all.
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
@@ -59,4 +60,23 @@ if ! grep -q "^serve: stopped by SIGTERM while mlensd started" "$tmp/err2"; then
 	grep -q "^serve: stopped by SIGTERM after" "$tmp/err2" || fail "start-up stop: $(cat "$tmp/err2")"
 fi
 ! pgrep -f "mlensd --model $tmp/m" >/dev/null || fail "an mlensd is left running after start-up stop"
+
+# one client thread with 3000 requests in flight: more than its tenant's
+# submission ring (1024 entries) and queue quota (1024) hold, and more
+# events than its completion ring (8192) holds before it reads them. It
+# submits without waiting and reads events when the rings are full (the
+# daemon takes submissions only while the completion ring has room: a
+# blocking submit waited forever there), and the daemon queues its share:
+# every request finishes
+timeout 120 "$bench" serve --model "$tmp/m" --mlensd "$mlensd" --backend cpu --kv-cache 8M \
+	--prompt-len 16 --gen-len 4 --requests 6000 --concurrency 3000 --threads 1 --json \
+	--daemon-log "$tmp/log3" >"$tmp/out3.json" 2>"$tmp/err3"
+rc=$?
+[ $rc -eq 0 ] || fail "3000 in flight on one thread: exit $rc: $(tail -3 "$tmp/err3")"
+python3 - "$tmp/out3.json" <<'PY' || fail "3000 in flight: $(head -c 400 "$tmp/out3.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["requests_ok"] == 6000 and d["requests_failed"] == 0, d
+assert d["generated_tokens"] == 6000 * 4, d
+PY
 echo "all ok"
