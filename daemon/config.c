@@ -65,6 +65,7 @@ static const struct opt opts[] = {
 	{ "gpus", T_GPUS, O(gpus), "0", 0, 0, "LIST", "CUDA devices to serve on, comma-separated (this mlensd serves on one)" },
 	{ "profile", T_BOOL, O(profile), "false", 0, 0, NULL, "profile the machine at start-up and set the token cap from n_real" },
 	{ "profile_cache", T_STR, O(profile_cache), "", 0, 0, "PATH", "JSON file of profile results, reused while model, backend, GPU and budget match (empty: none)" },
+	{ "workload_follow", T_INT, O(workload_follow), "30", 0, 86400, "SECONDS", "with a profile: every this often, predict for the mean lengths of the requests finished since and set the cap from that n_real when they moved by more than 10% (0: keep the workload the profile was made for)" },
 };
 #undef O
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))

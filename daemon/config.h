@@ -57,6 +57,7 @@ struct mlens_config {
 	int gpu_ids[MLENS_CONFIG_MAX_GPUS];
 	bool profile;
 	char *profile_cache;
+	int64_t workload_follow;
 };
 
 /* Fill in every default. */

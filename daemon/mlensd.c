@@ -43,6 +43,8 @@ struct daemon {
 	struct mlens_server *server;
 	int notify_fd;		/* the worker says: drained */
 	struct event *ev_notify, *ev_term, *ev_int, *ev_hup;
+	struct event *ev_follow;	/* workload_follow's timer */
+	struct mlens_workload_window follow;
 	bool draining;
 	int ready_fd;		/* daemon mode: tell the waiting parent */
 	double started;
@@ -56,6 +58,58 @@ struct daemon {
 };
 
 static struct daemon D;
+
+/* ==== following the traffic (workload_follow) ==== */
+
+static int set_cap_on_worker(void *arg, struct mlens_sched *s)
+{
+	int *cap = arg;
+	mlens_sched_set_token_cap(s, *cap);
+	free(cap);
+	return 0;
+}
+
+/* Every workload_follow seconds: when the requests finished since the last
+ * window moved the mean lengths by more than 10%, predict for them from
+ * the profile held, and set the cap from that n_real (unless pinned). */
+static void on_follow(evutil_socket_t fd, short what, void *arg)
+{
+	struct mlens_worker_snapshot snap;
+	double p, g, old_p = D.prof.w.p, old_g = D.prof.w.g;
+	int old_cap = D.prof.token_cap, *cap;
+	(void)fd;
+	(void)what;
+	(void)arg;
+	if (!D.prof.have || D.draining)
+		return;
+	mlens_worker_snapshot(D.worker, &snap);
+	free(snap.tenants);
+	if (!mlens_workload_follow(&D.follow, snap.sched.prompt_tokens, snap.sched.generated_tokens,
+				   snap.sched.requests_done, old_p, old_g, &p, &g))
+		return;
+	if (mlens_profile_state_predict(&D.prof, p, g)) {
+		/* the held prediction stays as it was */
+		log_warn("workload from the traffic: p=%.0f g=%.0f: no prediction (%s); the cap stays %d",
+			 p, g, D.prof.err[0] ? D.prof.err : "?", old_cap);
+		return;
+	}
+	if (D.prof.pinned_cap <= 0 && (cap = malloc(sizeof(*cap)))) {
+		int max = mlens_engine_max_step_tokens(D.engine);	/* as the scheduler clamps it */
+		*cap = mlens_perf_token_cap(&D.prof.pred);
+		if (*cap > max)
+			*cap = max;
+		if (mlens_worker_call_async(D.worker, set_cap_on_worker, cap)) {
+			free(cap);
+		} else {
+			D.prof.token_cap = *cap;
+		}
+	}
+	log_info("workload from the traffic: p=%.0f g=%.0f (was %.0f/%.0f): n_real %.0f (%s), %s binds, "
+		 "predicted %.1f tokens/s; step cap %d (was %d%s)", p, g, old_p, old_g, D.prof.pred.n_real,
+		 mlens_perf_limit_name(D.prof.pred.limit), mlens_perf_bind_name(D.prof.pred.time.bind),
+		 D.prof.pred.total_tok_s, D.prof.token_cap, old_cap,
+		 D.prof.pinned_cap > 0 ? ", pinned by max_step_tokens" : "");
+}
 
 /* ==== start-up ==== */
 
@@ -612,6 +666,13 @@ int main(int argc, char **argv)
 	event_add(D.ev_term, NULL);
 	event_add(D.ev_int, NULL);
 	event_add(D.ev_hup, NULL);
+	if (D.prof.have && D.cfg.workload_follow > 0) {
+		struct timeval tv = { (time_t)D.cfg.workload_follow, 0 };
+		D.follow.started = true;	/* from the first request on: counters at 0 */
+		D.ev_follow = event_new(D.base, -1, EV_PERSIST, on_follow, NULL);
+		if (!D.ev_follow || event_add(D.ev_follow, &tv))
+			return fail_start("cannot set up the workload_follow timer");
+	}
 
 	if (D.cfg.pid_file[0] && (rc = write_pid_file(D.cfg.pid_file)))
 		return fail_start("cannot write pid file %s: %s", D.cfg.pid_file, strerror(-rc));
@@ -634,6 +695,8 @@ int main(int argc, char **argv)
 	event_free(D.ev_term);
 	event_free(D.ev_int);
 	event_free(D.ev_hup);
+	if (D.ev_follow)
+		event_free(D.ev_follow);
 	event_base_free(D.base);
 	close(D.notify_fd);
 	mlens_sched_destroy(D.sched);

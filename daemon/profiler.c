@@ -1346,3 +1346,39 @@ json_t *mlens_profile_state_json(const struct mlens_profile_state *st)
 		json_object_set_new(o, "warning", json_string(st->err));
 	return o;
 }
+
+/* ==== following the traffic ==== */
+
+static bool moved(double now, double held)
+{
+	if (!(held > 0))
+		return now >= 1;
+	return fabs(now - held) > MLENS_FOLLOW_CHANGE * held;
+}
+
+int mlens_workload_follow(struct mlens_workload_window *win, uint64_t prompt_tokens,
+			  uint64_t generated_tokens, uint64_t requests_done, double held_p,
+			  double held_g, double *p, double *g)
+{
+	uint64_t n;
+	if (!win->started || requests_done < win->requests_done || prompt_tokens < win->prompt_tokens ||
+	    generated_tokens < win->generated_tokens) {
+		/* the first call, or counters that went back: start afresh */
+		win->started = true;
+		win->prompt_tokens = prompt_tokens;
+		win->generated_tokens = generated_tokens;
+		win->requests_done = requests_done;
+		return 0;
+	}
+	n = requests_done - win->requests_done;
+	if (n < MLENS_FOLLOW_MIN_REQUESTS)
+		return 0;
+	*p = (double)(prompt_tokens - win->prompt_tokens) / (double)n;
+	*g = (double)(generated_tokens - win->generated_tokens) / (double)n;
+	win->prompt_tokens = prompt_tokens;
+	win->generated_tokens = generated_tokens;
+	win->requests_done = requests_done;
+	if (!(*g >= 1))
+		return 0;	/* a model needs a generated token a request */
+	return moved(*p, held_p) || moved(*g, held_g);
+}

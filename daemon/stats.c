@@ -189,6 +189,9 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		const struct mlens_profile_state *ps = info->profile;
 		double pred = mlens_profile_state_step_seconds(ps, st->last_step_tokens);
 		json_object_set_new(o, "n_real", json_real(ps->pred.n_real));
+		/* the workload of the prediction (workload_follow moves it) */
+		json_object_set_new(o, "profile_prompt_len", json_real(ps->w.p));
+		json_object_set_new(o, "profile_gen_len", json_real(ps->w.g));
 		json_object_set_new(o, "binding_resource", json_string(mlens_perf_bind_name(ps->pred.time.bind)));
 		json_object_set_new(o, "step_seconds_predicted", isfinite(pred) ? json_real(pred) : json_null());
 		json_object_set_new(o, "step_seconds_measured", json_real(st->last_step_seconds));
@@ -322,6 +325,10 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_n_real", "gauge",
 			  "Tokens per step at which GPU time per layer equals the weight transfer (the profiler's n_real).");
 		evbuffer_add_printf(b, "mlens_n_real %.0f\n", ps->pred.n_real);
+		prom_head(b, "mlens_profile_workload_tokens", "gauge",
+			  "Mean prompt and generated tokens of a request in the workload n_real is predicted for.");
+		evbuffer_add_printf(b, "mlens_profile_workload_tokens{part=\"prompt\"} %.0f\n", ps->w.p);
+		evbuffer_add_printf(b, "mlens_profile_workload_tokens{part=\"generated\"} %.0f\n", ps->w.g);
 		prom_head(b, "mlens_binding_resource_info", "gauge",
 			  "The resource the performance model says binds a step (always 1).");
 		evbuffer_add_printf(b, "mlens_binding_resource_info{resource=\"%s\"} 1\n",

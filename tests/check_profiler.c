@@ -311,6 +311,40 @@ static void state_setup(struct mlens_profile_state *st, struct mlens_model *m, s
 	st->pinned_cap = pinned;
 }
 
+/* workload_follow's window arithmetic: the mean lengths of the requests
+ * finished in a window, and whether they moved from the held workload */
+START_TEST(workload_follow_window)
+{
+	struct mlens_workload_window w = { 0 };
+	double p = -1, g = -1;
+	/* the first look only starts the window */
+	ck_assert_int_eq(mlens_workload_follow(&w, 1000, 500, 10, 512, 128, &p, &g), 0);
+	ck_assert(p == -1 && g == -1);
+	/* 63 more requests: too few, the window goes on */
+	ck_assert_int_eq(mlens_workload_follow(&w, 1000 + 63 * 128, 500 + 63 * 32, 73, 512, 128, &p, &g), 0);
+	ck_assert(p == -1);
+	/* 100 requests of 128/32 since the start: moved from 512/128 */
+	ck_assert_int_eq(mlens_workload_follow(&w, 1000 + 100 * 128, 500 + 100 * 32, 110, 512, 128, &p, &g), 1);
+	ck_assert_double_eq(p, 128.0);
+	ck_assert_double_eq(g, 32.0);
+	/* a new window: 64 requests of 135/33 against 128/32 held: within 10% */
+	ck_assert_int_eq(mlens_workload_follow(&w, 13800 + 64 * 135, 3700 + 64 * 33, 174, 128, 32, &p, &g), 0);
+	ck_assert_double_eq(p, 135.0);
+	ck_assert_double_eq(g, 33.0);
+	/* only the generated length moves (36 > 32 x 1.1) */
+	ck_assert_int_eq(mlens_workload_follow(&w, 22440 + 64 * 128, 5812 + 64 * 36, 238, 128, 32, &p, &g), 1);
+	ck_assert_double_eq(g, 36.0);
+	/* no generated token a request: nothing to predict for */
+	ck_assert_int_eq(mlens_workload_follow(&w, 30632 + 64 * 128, 8116, 302, 128, 36, &p, &g), 0);
+	/* counters that went back (a restarted count) start a new window */
+	ck_assert_int_eq(mlens_workload_follow(&w, 5, 5, 1, 128, 36, &p, &g), 0);
+	ck_assert_int_eq(mlens_workload_follow(&w, 5 + 64 * 16, 5 + 64 * 4, 65, 128, 36, &p, &g), 1);
+	ck_assert(p == 16 && g == 4);
+	/* held_p 0 (prompts of no tokens held): any prompt moves it */
+	ck_assert_int_eq(mlens_workload_follow(&w, 5 + 64 * 17, 5 + 64 * 8, 129, 0, 4, &p, &g), 1);
+}
+END_TEST
+
 START_TEST(state_sets_cap)
 {
 	struct mlens_model *m = tiny();
@@ -407,6 +441,7 @@ int main(void)
 	tcase_add_test(tc, cache_roundtrip_and_key);
 	tcase_add_test(tc, device_memory_under_copy);
 	tcase_add_test(tc, state_sets_cap);
+	tcase_add_test(tc, workload_follow_window);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);

@@ -5,8 +5,9 @@
 # the stats socket and /metrics expose n_real, the binding resource and
 # predicted vs measured step time; profile = true at start-up writes
 # profile_cache and the next start takes it from there; max_step_tokens
-# pins the cap against the profile. mlens-bench predict replays the model
-# on the cache.
+# pins the cap against the profile; the prediction and the cap follow the
+# traffic's lengths (workload_follow). mlens-bench predict replays the
+# model on the cache.
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v curl >/dev/null || { echo "SKIP: needs curl for /metrics"; exit 77; }
@@ -108,6 +109,40 @@ stop
 start --profile --profile-cache "$tmp/prof.json" --gpu-memory 1G
 grep -q "profile (cached)" "$tmp/log" && fail "a changed gpu_memory reused the cache"
 grep -q "profile: n_real" "$tmp/log" || fail "no profile at start-up"
+stop
+
+# ==== the workload follows the traffic (workload_follow) ====
+# 200 requests of 8 prompt tokens and 4 generated against a profile made
+# for 512/128: within a second or two the prediction, the stats, /metrics
+# and the cap are for 8/4; with workload_follow 0 they stay 512/128
+awk 'BEGIN { for (r = 0; r < 200; r++) printf "{\"prompt\": [%d, 5, 6, 7, 8, 9, 10, 11], \"max_tokens\": 4}\n", 1 + r % 90 }' \
+	>"$tmp/in.jsonl"
+start --profile --workload-follow 1 --stats-http 127.0.0.1:0
+[ "$(ctl --json stats | jfield profile_prompt_len)" = 512.0 ] || fail "start-up workload not 512"
+"$B/client/mlens" generate -s "$tmp/t.sock" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" -q ||
+	fail "mlens generate: $(head -3 "$tmp/out.jsonl")"
+wait_for 'grep -q "workload from the traffic: p=8 g=4 (was 512/128)" "$tmp/log"' 50 ||
+	fail "the workload did not follow the traffic"
+[ "$(ctl --json stats | jfield profile_prompt_len)" = 8.0 ] || fail "stats: workload not 8/4"
+[ "$(ctl --json stats | jfield profile_gen_len)" = 4.0 ] || fail "stats: gen_len not 4"
+fcap=$(sed -n 's/.*workload from the traffic: p=8 g=4 .*; step cap \([0-9]*\) (was .*/\1/p' "$tmp/log" | head -1)
+[ -n "$fcap" ] || fail "no cap in: $(grep "workload from" "$tmp/log")"
+wait_for '[ "$(ctl --json status | jfield token_cap)" = "$fcap" ]' 50 ||
+	fail "status token cap $(ctl --json status | jfield token_cap), the log says $fcap"
+curl -sf "http://127.0.0.1:$(stats_port)/metrics" >"$tmp/metrics" || fail "/metrics"
+grep -q '^mlens_profile_workload_tokens{part="prompt"} 8$' "$tmp/metrics" || fail "/metrics: prompt workload"
+grep -q '^mlens_profile_workload_tokens{part="generated"} 4$' "$tmp/metrics" || fail "/metrics: generated workload"
+# the same traffic again: within 10%, no new line
+n=$(grep -c "workload from the traffic" "$tmp/log")
+"$B/client/mlens" generate -s "$tmp/t.sock" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" -q || fail "generate again"
+sleep 2.2
+[ "$(grep -c "workload from the traffic" "$tmp/log")" = "$n" ] || fail "unchanged traffic moved the workload"
+stop
+start --profile --workload-follow 0
+"$B/client/mlens" generate -s "$tmp/t.sock" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" -q || fail "generate (0)"
+sleep 1.5
+grep -q "workload from the traffic" "$tmp/log" && fail "workload_follow 0 followed the traffic"
+[ "$(ctl --json stats | jfield profile_prompt_len)" = 512.0 ] || fail "workload_follow 0: workload moved"
 stop
 
 # ==== the model replayed on the cache (mlens-bench predict) ====
