@@ -84,7 +84,7 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 		return;
 	mlens_worker_snapshot(D.worker, &snap);
 	free(snap.tenants);
-	if (!mlens_workload_follow(&D.follow, snap.sched.prompt_tokens, snap.sched.generated_tokens,
+	if (!mlens_workload_follow(&D.follow, snap.sched.done_prompt_tokens, snap.sched.done_generated_tokens,
 				   snap.sched.requests_done, old_p, old_g, &p, &g))
 		return;
 	if (mlens_profile_state_predict(&D.prof, p, g)) {

@@ -208,9 +208,11 @@ double mlens_profile_state_step_seconds(const struct mlens_profile_state *st, do
  * prediction, cap). */
 json_t *mlens_profile_state_json(const struct mlens_profile_state *st);
 
-/* Following the traffic (config workload_follow): the daemon's counters of
- * prompt tokens, generated tokens and finished requests at the start of a
- * window. */
+/* Following the traffic (config workload_follow): the scheduler's counters
+ * of the requests done and of their prompt and generated tokens (counted
+ * when each is done, so that requests in flight weigh nothing: while the
+ * pool fills, prefill tokens run far ahead of the requests that finish) at
+ * the start of a window. */
 struct mlens_workload_window {
 	bool started;
 	uint64_t prompt_tokens, generated_tokens, requests_done;
@@ -218,10 +220,8 @@ struct mlens_workload_window {
 #define MLENS_FOLLOW_MIN_REQUESTS 64
 #define MLENS_FOLLOW_CHANGE 0.10
 /* The window ends at the counters given (cumulative, as the scheduler's
- * stats): with at least MLENS_FOLLOW_MIN_REQUESTS finished in it, *p and
- * *g get its mean prompt tokens (re-prefills of preempted sequences
- * included: what the steps carried) and generated tokens a request, a new
- * window starts, and 1 is returned when either differs from held_p /
+ * stats): with at least MLENS_FOLLOW_MIN_REQUESTS done in it, *p and *g
+ * get their mean prompt and generated tokens, a new window starts, and 1 is returned when either differs from held_p /
  * held_g by more than MLENS_FOLLOW_CHANGE (relative; held_p 0 counts as a
  * change from any p of a token or more); else 0 (with too few requests the
  * window goes on). The first call only starts a window. */

@@ -225,6 +225,8 @@ static void finish(struct mlens_sched *s, struct mlens_req *r, const struct mlen
 	} else {
 		r->t->requests_done++;
 		s->st.requests_done++;
+		s->st.done_prompt_tokens += (uint64_t)r->n_prompt;
+		s->st.done_generated_tokens += (uint64_t)r->n_gen;
 	}
 	r->state = REQ_FINISHED;
 	if (emit(r, ev))

@@ -109,6 +109,9 @@ struct mlens_sched_stats {
 	uint64_t generated_tokens;
 	uint64_t requests_done;
 	uint64_t requests_failed;
+	/* prompt and generated tokens of the requests done (not failed): their
+	 * mean lengths, whatever is still in flight (workload_follow) */
+	uint64_t done_prompt_tokens, done_generated_tokens;
 	uint32_t running;
 	uint32_t waiting;
 	bool preempt_mode;

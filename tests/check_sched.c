@@ -244,6 +244,9 @@ START_TEST(admission_reserve_horizon)
 	mlens_sched_get_stats(f.s, &st);
 	ck_assert_uint_eq(st.requests_done, 10);
 	ck_assert_uint_eq(st.preemptions, 0);
+	/* what workload_follow reads: the lengths of the requests done */
+	ck_assert_uint_eq(st.done_prompt_tokens, 10 * 4);
+	ck_assert_uint_eq(st.done_generated_tokens, 10 * 4);
 	for (int i = 0; i < 10; i++) {
 		int32_t got[64];
 		enum mlens_finish fin = MLENS_FINISH_NONE;
