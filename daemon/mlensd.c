@@ -95,14 +95,13 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 	}
 	if (D.prof.pinned_cap <= 0 && (cap = malloc(sizeof(*cap)))) {
 		int max = mlens_engine_max_step_tokens(D.engine);	/* as the scheduler clamps it */
-		*cap = mlens_perf_token_cap(&D.prof.pred);
-		if (*cap > max)
-			*cap = max;
-		if (mlens_worker_call_async(D.worker, set_cap_on_worker, cap)) {
+		int want = mlens_perf_token_cap(&D.prof.pred);
+		*cap = want < max ? want : max;
+		want = *cap;	/* the worker frees cap, maybe before the call returns */
+		if (mlens_worker_call_async(D.worker, set_cap_on_worker, cap))
 			free(cap);
-		} else {
-			D.prof.token_cap = *cap;
-		}
+		else
+			D.prof.token_cap = want;
 	}
 	log_info("workload from the traffic: p=%.0f g=%.0f (was %.0f/%.0f): n_real %.0f (%s), %s binds, "
 		 "predicted %.1f tokens/s; step cap %d (was %d%s)", p, g, old_p, old_g, D.prof.pred.n_real,
