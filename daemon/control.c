@@ -392,12 +392,15 @@ static json_t *profile_reply(struct mlens_profile_state *st, json_t *req)
 	return o;
 }
 
-/* Workload lengths of a profile request; NULL or the refusal. */
-static json_t *profile_args(json_t *req, double *p, double *g)
+/* Workload lengths of a profile request; NULL or the refusal. A length not
+ * given is the held prediction's (workload_follow may have moved it from
+ * the start-up 512/128), so that a bare request does not move it back. */
+static json_t *profile_args(const struct mlens_profile_state *st, json_t *req, double *p, double *g)
 {
-	if (length_arg(req, "prompt_len", MLENS_PROFILE_PROMPT, 0, p))
+	bool held = st && st->have && st->w.g >= 1;
+	if (length_arg(req, "prompt_len", held ? st->w.p : MLENS_PROFILE_PROMPT, 0, p))
 		return fail("profile: prompt_len must be a number of tokens in [0, 10000000]");
-	if (length_arg(req, "gen_len", MLENS_PROFILE_GEN, 1, g))
+	if (length_arg(req, "gen_len", held ? st->w.g : MLENS_PROFILE_GEN, 1, g))
 		return fail("profile: gen_len must be a number of tokens in [1, 10000000]");
 	return NULL;
 }
@@ -419,7 +422,7 @@ static json_t *cmd_profile(struct mlens_control *c, json_t *req)
 	int rc;
 	if (!st || !st->model)
 		return fail("profile: this daemon has no profiler");
-	if ((bad = profile_args(req, &p, &g)))
+	if ((bad = profile_args(st, req, &p, &g)))
 		return bad;
 	rc = mlens_profile_state_predict(st, p, g);
 	if (rc)
@@ -657,7 +660,7 @@ static void profile_start(struct conn *k, json_t *req)
 	struct profile_job *j;
 	json_t *bad;
 	double p, g;
-	if ((bad = profile_args(req, &p, &g)) ||
+	if ((bad = profile_args(c->info->profile, req, &p, &g)) ||
 	    (c->job && (bad = fail("profile: one is measuring already; ask again when it is done")))) {
 		send_json(k, bad);
 		json_decref(bad);

@@ -132,6 +132,10 @@ wait_for '[ "$(ctl --json status | jfield token_cap)" = "$fcap" ]' 50 ||
 curl -sf "http://127.0.0.1:$(stats_port)/metrics" >"$tmp/metrics" || fail "/metrics"
 grep -q '^mlens_profile_workload_tokens{part="prompt"} 8$' "$tmp/metrics" || fail "/metrics: prompt workload"
 grep -q '^mlens_profile_workload_tokens{part="generated"} 4$' "$tmp/metrics" || fail "/metrics: generated workload"
+# a bare mlensctl profile --cached predicts for the held workload, 8/4 now
+ctl --json profile --cached >"$tmp/f.json" || fail "profile --cached after following"
+[ "$(jfield prompt_len <"$tmp/f.json")" = 8.0 ] && [ "$(jfield gen_len <"$tmp/f.json")" = 4.0 ] ||
+	fail "profile --cached moved the followed workload: $(grep -E '"(prompt|gen)_len"' "$tmp/f.json")"
 # the same traffic again: within 10%, no new line
 n=$(grep -c "workload from the traffic" "$tmp/log")
 "$B/client/mlens" generate -s "$tmp/t.sock" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" -q || fail "generate again"
