@@ -397,7 +397,7 @@ static json_t *profile_reply(struct mlens_profile_state *st, json_t *req)
  * the start-up 512/128), so that a bare request does not move it back. */
 static json_t *profile_args(const struct mlens_profile_state *st, json_t *req, double *p, double *g)
 {
-	bool held = st && st->have && st->w.g >= 1;
+	bool held = st && st->have;
 	if (length_arg(req, "prompt_len", held ? st->w.p : MLENS_PROFILE_PROMPT, 0, p))
 		return fail("profile: prompt_len must be a number of tokens in [0, 10000000]");
 	if (length_arg(req, "gen_len", held ? st->w.g : MLENS_PROFILE_GEN, 1, g))

@@ -5,6 +5,7 @@
 #include <event2/event.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,11 +62,10 @@ static struct daemon D;
 
 /* ==== following the traffic (workload_follow) ==== */
 
+/* the cap travels in the pointer: nothing to allocate or free */
 static int set_cap_on_worker(void *arg, struct mlens_sched *s)
 {
-	int *cap = arg;
-	mlens_sched_set_token_cap(s, *cap);
-	free(cap);
+	mlens_sched_set_token_cap(s, (int)(intptr_t)arg);
 	return 0;
 }
 
@@ -76,7 +76,7 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 {
 	struct mlens_worker_snapshot snap;
 	double p, g, old_p = D.prof.w.p, old_g = D.prof.w.g;
-	int old_cap = D.prof.token_cap, *cap;
+	int old_cap = D.prof.token_cap;
 	(void)fd;
 	(void)what;
 	(void)arg;
@@ -93,15 +93,10 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 			 p, g, D.prof.err[0] ? D.prof.err : "?", old_cap);
 		return;
 	}
-	if (D.prof.pinned_cap <= 0 && (cap = malloc(sizeof(*cap)))) {
-		int max = mlens_engine_max_step_tokens(D.engine);	/* as the scheduler clamps it */
-		int want = mlens_perf_token_cap(&D.prof.pred);
-		*cap = want < max ? want : max;
-		want = *cap;	/* the worker frees cap, maybe before the call returns */
-		if (mlens_worker_call_async(D.worker, set_cap_on_worker, cap))
-			free(cap);
-		else
-			D.prof.token_cap = want;
+	if (D.prof.pinned_cap <= 0) {
+		int cap = mlens_sched_cap_for(D.sched, mlens_perf_token_cap(&D.prof.pred));
+		if (!mlens_worker_call_async(D.worker, set_cap_on_worker, (void *)(intptr_t)cap))
+			D.prof.token_cap = cap;
 	}
 	log_info("workload from the traffic: p=%.0f g=%.0f (was %.0f/%.0f): n_real %.0f (%s), %s binds, "
 		 "predicted %.1f tokens/s; step cap %d (was %d%s)", p, g, old_p, old_g, D.prof.pred.n_real,

@@ -542,7 +542,7 @@ int mlens_sched_step(struct mlens_sched *s)
 	/* the running sequences' demand over the horizon: the ones in this
 	 * step after their token, the ones waiting for their tenant as they
 	 * stand (counted as if they went on) */
-	if (!s->reserve) {
+	if (!s->reserve && s->waiting.n) {
 		memset(s->demand, 0, sizeof(s->demand));
 		for (r = s->running.head; r; r = r->qnext) {
 			if (r->has_pending)
@@ -559,18 +559,18 @@ int mlens_sched_step(struct mlens_sched *s)
 	{
 		uint32_t running_after = s->running.n;
 		while ((r = pick(s, s->preempt_mode))) {
-			int32_t len = r->n_prompt + r->n_gen;
+			int32_t len = r->n_prompt + r->n_gen, rem = remaining(s, r, r->n_gen + 1);
 			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
 			int64_t reserve;
 			if (tokens + len > s->cap)
 				break;
 			if (!s->reserve)
-				demand_add(s, len, remaining(s, r, r->n_gen + 1), +1);
+				demand_add(s, len, rem, +1);
 			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s);
 			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
 			    mlens_seq_reserve(s->kv, &r->seq, len)) {
 				if (!s->reserve)
-					demand_add(s, len, remaining(s, r, r->n_gen + 1), -1);
+					demand_add(s, len, rem, -1);
 				break;
 			}
 			free_blocks -= blocks;
@@ -695,10 +695,15 @@ int mlens_sched_token_cap(const struct mlens_sched *s)
 	return s->cap;
 }
 
-void mlens_sched_set_token_cap(struct mlens_sched *s, int cap)
+int mlens_sched_cap_for(const struct mlens_sched *s, int cap)
 {
 	int max = mlens_engine_max_step_tokens(s->e);
-	s->cap = cap > 0 && cap < max ? cap : max;
+	return cap > 0 && cap < max ? cap : max;
+}
+
+void mlens_sched_set_token_cap(struct mlens_sched *s, int cap)
+{
+	s->cap = mlens_sched_cap_for(s, cap);
 }
 
 struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s)

@@ -168,5 +168,9 @@ int mlens_sched_token_cap(const struct mlens_sched *s);
 struct mlens_kv_pool *mlens_sched_kv(struct mlens_sched *s);
 struct mlens_engine *mlens_sched_engine(struct mlens_sched *s);
 void mlens_sched_set_token_cap(struct mlens_sched *s, int cap);
+/* The cap that set_token_cap makes of cap (the engine's most when cap is
+ * not above 0 or past it); reads only what is fixed at creation, so any
+ * thread may ask. */
+int mlens_sched_cap_for(const struct mlens_sched *s, int cap);
 
 #endif

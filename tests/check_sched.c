@@ -129,6 +129,20 @@ static void prompt(int32_t *t, int n, unsigned seed)
 		t[i] = (int32_t)((seed * 2654435761u + (unsigned)i * 40503u) % 97u);
 }
 
+/* Submit requests 0..n-1 of len prompt tokens (prompt seed seed0 + i) and
+ * max_tokens each. */
+static void submit_n(struct fx *f, struct tenant *t, int n, int len, int max_tokens, unsigned seed0)
+{
+	int32_t p[64];
+	ck_assert_int_le(len, 64);
+	for (int i = 0; i < n; i++) {
+		struct mlens_request_params rp;
+		prompt(p, len, seed0 + (unsigned)i);
+		rp = params((uint64_t)i, p, len, max_tokens);
+		submit_ok(f, t, &rp);
+	}
+}
+
 /* Reference: each request alone in a roomy scheduler. */
 static void reference(int nreq, const int *lens, int g, int32_t ref[][64], struct mlens_sampling *samp)
 {
@@ -204,19 +218,13 @@ START_TEST(admission_reserve_horizon)
 	struct fx f;
 	struct tenant t;
 	struct mlens_sched_stats st;
-	int32_t p[8];
 
 	/* 10 requests of one block that end with the token of their prefill:
 	 * the reserve credits their blocks, so all run in one step (one block
 	 * kept per running sequence would have let 5 in) */
 	fx_open(&f, 10, 0);
 	tenant_init(&t, q_default());
-	for (int i = 0; i < 10; i++) {
-		struct mlens_request_params rp;
-		prompt(p, 3, (unsigned)i + 1);
-		rp = params((uint64_t)i, p, 3, 1);
-		submit_ok(&f, &t, &rp);
-	}
+	submit_n(&f, &t, 10, 3, 1, 1);
 	ck_assert_int_eq(mlens_sched_step(f.s), 1);
 	mlens_sched_get_stats(f.s, &st);
 	ck_assert_uint_eq(st.last_step_seqs, 10);
@@ -229,12 +237,7 @@ START_TEST(admission_reserve_horizon)
 	 * the rest as blocks come free, and none is ever preempted */
 	fx_open(&f, 10, 0);
 	tenant_init(&t, q_default());
-	for (int i = 0; i < 10; i++) {
-		struct mlens_request_params rp;
-		prompt(p, 4, (unsigned)i + 1);
-		rp = params((uint64_t)i, p, 4, 4);
-		submit_ok(&f, &t, &rp);
-	}
+	submit_n(&f, &t, 10, 4, 4, 1);
 	ck_assert_int_eq(mlens_sched_step(f.s), 1);
 	mlens_sched_get_stats(f.s, &st);
 	ck_assert_uint_eq(st.last_step_seqs, 5);
@@ -265,12 +268,7 @@ START_TEST(token_cap_respected)
 	int32_t p[64];
 	fx_open(&f, 512, 20);
 	tenant_init(&t, q_default());
-	for (int i = 0; i < 10; i++) {
-		struct mlens_request_params rp;
-		prompt(p, 7, (unsigned)i);
-		rp = params((uint64_t)i, p, 7, 5);
-		submit_ok(&f, &t, &rp);
-	}
+	submit_n(&f, &t, 10, 7, 5, 0);
 	while (!mlens_sched_idle(f.s)) {
 		ck_assert_int_eq(mlens_sched_step(f.s), 1);
 		mlens_sched_get_stats(f.s, &st);
@@ -279,7 +277,9 @@ START_TEST(token_cap_respected)
 	/* a prompt longer than the cap can never run: refused at submit */
 	{
 		char why[200];
-		struct mlens_request_params rp = params(99, p, 21, 5);
+		struct mlens_request_params rp;
+		prompt(p, 21, 99);
+		rp = params(99, p, 21, 5);
 		ck_assert_int_eq(mlens_sched_submit(f.s, &t.st, &rp, why, sizeof(why)), -E2BIG);
 		ck_assert_ptr_nonnull(strstr(why, "token cap"));
 	}
