@@ -640,7 +640,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	struct mlens_sched *s;
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 512, .kv_dtype = -1,
 					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
-	struct mlens_sched_opts so = { 0, 0 };
+	struct mlens_sched_opts so = { .token_cap = 0 };
 	struct mlens_sched_tenant t;
 	struct mlens_quota q = { 0, 0, 1000, 1.0 };
 	struct mlens_sched_stats st;
@@ -733,7 +733,7 @@ static double sched_mean_step(int cap, int p, int g, int n_req)
 	struct mlens_sched *s;
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 1024, .kv_dtype = -1,
 					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
-	struct mlens_sched_opts so = { cap, 0 };
+	struct mlens_sched_opts so = { .token_cap = cap };
 	struct mlens_sched_tenant t;
 	struct mlens_quota q = { 0, 0, 100000, 1.0 };
 	struct mlens_sched_stats st;

@@ -48,7 +48,7 @@ static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
 	struct mlens_test_spec sp = mlens_test_spec_tiny();
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = kv_blocks, .kv_dtype = -1,
 					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
-	struct mlens_sched_opts so = { cap, 0 };
+	struct mlens_sched_opts so = { .token_cap = cap };
 	char err[256];
 	f->m = mlens_test_model_new(&sp);
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
