@@ -29,6 +29,9 @@ struct mlens_req {
 	bool has_pending;	/* an event the tenant's ring had no room for */
 	struct mlens_event pending;
 	bool preempted;		/* waiting to re-prefill */
+	struct mlens_req *wnext, *wprev;	/* the tenant's waiting requests */
+	int64_t wseq;		/* place in the waiting queue: smaller is nearer the head */
+	struct mlens_req *hnext;	/* the tenant's id hash chain */
 	double arrival;		/* submit time, CLOCK_MONOTONIC */
 	double last_token;	/* when the previous token was emitted */
 };
@@ -62,6 +65,8 @@ struct mlens_sched {
 	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];	/* step scratch, [1..horizon] */
 	bool admission;
 	bool preempt_mode;
+	struct mlens_sched_tenant *wt_head;	/* tenants with waiting requests */
+	int64_t wseq_head, wseq_tail;	/* the last wseq given at each end */
 	uint64_t serial;
 	struct list waiting;	/* arrival order; preempted requests at the head */
 	struct list running;
@@ -121,6 +126,132 @@ static void q_push_head(struct list *l, struct mlens_req *r)
 	l->n++;
 }
 
+/* The waiting queue: s->waiting, and each tenant's waiting requests in
+ * the same order (an entry goes in at either end of both). */
+static void wait_push(struct mlens_sched *s, struct mlens_req *r, bool head)
+{
+	struct mlens_sched_tenant *t = r->t;
+	if (head) {
+		q_push_head(&s->waiting, r);
+		r->wseq = --s->wseq_head;
+		r->wprev = NULL;
+		r->wnext = t->wait_head;
+		if (t->wait_head)
+			t->wait_head->wprev = r;
+		else
+			t->wait_tail = r;
+		t->wait_head = r;
+	} else {
+		q_push_tail(&s->waiting, r);
+		r->wseq = ++s->wseq_tail;
+		r->wnext = NULL;
+		r->wprev = t->wait_tail;
+		if (t->wait_tail)
+			t->wait_tail->wnext = r;
+		else
+			t->wait_head = r;
+		t->wait_tail = r;
+	}
+	if (!t->in_wt) {
+		t->wt_prev = NULL;
+		t->wt_next = s->wt_head;
+		if (s->wt_head)
+			s->wt_head->wt_prev = t;
+		s->wt_head = t;
+		t->in_wt = true;
+	}
+}
+
+static void wait_remove(struct mlens_sched *s, struct mlens_req *r)
+{
+	struct mlens_sched_tenant *t = r->t;
+	q_remove(&s->waiting, r);
+	if (r->wprev)
+		r->wprev->wnext = r->wnext;
+	else
+		t->wait_head = r->wnext;
+	if (r->wnext)
+		r->wnext->wprev = r->wprev;
+	else
+		t->wait_tail = r->wprev;
+	r->wnext = r->wprev = NULL;
+	if (!t->wait_head && t->in_wt) {
+		if (t->wt_prev)
+			t->wt_prev->wt_next = t->wt_next;
+		else
+			s->wt_head = t->wt_next;
+		if (t->wt_next)
+			t->wt_next->wt_prev = t->wt_prev;
+		t->wt_next = t->wt_prev = NULL;
+		t->in_wt = false;
+	}
+}
+
+/* ==== a tenant's live requests by id ==== */
+
+static uint32_t id_bucket(const struct mlens_sched_tenant *t, uint64_t id)
+{
+	/* splitmix64's finaliser: client ids are often sequential */
+	id ^= id >> 30;
+	id *= 0xbf58476d1ce4e5b9ull;
+	id ^= id >> 27;
+	id *= 0x94d049bb133111ebull;
+	id ^= id >> 31;
+	return (uint32_t)id & (t->n_ids_buckets - 1);
+}
+
+/* Add r (the table grows at two entries a bucket). -ENOMEM. */
+static int ids_add(struct mlens_sched_tenant *t, struct mlens_req *r)
+{
+	if (t->n_ids >= 2 * t->n_ids_buckets) {
+		uint32_t nb = t->n_ids_buckets ? 2 * t->n_ids_buckets : 64;
+		struct mlens_req **old = t->ids, **nt = calloc(nb, sizeof(*nt));
+		uint32_t ob = t->n_ids_buckets;
+		if (!nt)
+			return -ENOMEM;
+		t->ids = nt;
+		t->n_ids_buckets = nb;
+		for (uint32_t b = 0; b < ob; b++)
+			for (struct mlens_req *q = old[b], *next; q; q = next) {
+				uint32_t k = id_bucket(t, q->id);
+				next = q->hnext;
+				q->hnext = nt[k];
+				nt[k] = q;
+			}
+		free(old);
+	}
+	uint32_t k = id_bucket(t, r->id);
+	r->hnext = t->ids[k];
+	t->ids[k] = r;
+	t->n_ids++;
+	return 0;
+}
+
+static void ids_remove(struct mlens_sched_tenant *t, struct mlens_req *r)
+{
+	struct mlens_req **pp = &t->ids[id_bucket(t, r->id)];
+	while (*pp != r)
+		pp = &(*pp)->hnext;
+	*pp = r->hnext;
+	r->hnext = NULL;
+	if (!--t->n_ids) {	/* no live request: no table */
+		free(t->ids);
+		t->ids = NULL;
+		t->n_ids_buckets = 0;
+	}
+}
+
+/* The tenant's request id that has not finished, or NULL. */
+static struct mlens_req *ids_live(const struct mlens_sched_tenant *t, uint64_t id)
+{
+	if (!t->n_ids)
+		return NULL;
+	for (struct mlens_req *r = t->ids[id_bucket(t, id)]; r; r = r->hnext)
+		if (r->id == id && r->state != REQ_FINISHED)
+			return r;
+	return NULL;
+}
+
 static struct list *state_list(struct mlens_sched *s, struct mlens_req *r)
 {
 	switch (r->state) {
@@ -161,6 +292,7 @@ static void req_free(struct mlens_sched *s, struct mlens_req *r)
 		t->reqs = r->tnext;
 	if (r->tnext)
 		r->tnext->tprev = r->tprev;
+	ids_remove(t, r);
 	t->kv_blocks -= r->seq.n_blocks;
 	mlens_seq_fini(s->kv, &r->seq);
 	free(r->tokens);
@@ -175,7 +307,10 @@ void mlens_sched_destroy(struct mlens_sched *s)
 	for (int i = 0; i < 3; i++)
 		while (ls[i]->head) {
 			struct mlens_req *r = ls[i]->head;
-			q_remove(ls[i], r);
+			if (i == 0)
+				wait_remove(s, r);	/* out of its tenant's list too */
+			else
+				q_remove(ls[i], r);
 			req_free(s, r);
 		}
 	free(s->ereq);
@@ -211,8 +346,10 @@ static bool emit(struct mlens_req *r, const struct mlens_event *ev)
 
 static void finish(struct mlens_sched *s, struct mlens_req *r, const struct mlens_event *ev)
 {
-	struct list *l = state_list(s, r);
-	q_remove(l, r);
+	if (r->state == REQ_WAITING)
+		wait_remove(s, r);
+	else
+		q_remove(state_list(s, r), r);
 	if (r->state == REQ_RUNNING)
 		r->t->running--;
 	else if (r->state == REQ_WAITING)
@@ -328,32 +465,33 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 	r->logprobs = p->logprobs;
 	r->state = REQ_WAITING;
 	r->arrival = now();
+	if (ids_add(t, r)) {
+		free(r->tokens);
+		free(r);
+		return -ENOMEM;
+	}
 	r->tnext = t->reqs;
 	if (t->reqs)
 		t->reqs->tprev = r;
 	t->reqs = r;
 	t->queued++;
-	q_push_tail(&s->waiting, r);
+	wait_push(s, r, false);
 	return 0;
 }
 
 bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id)
 {
 	(void)s;
-	for (const struct mlens_req *r = t->reqs; r; r = r->tnext)
-		if (r->id == id && r->state != REQ_FINISHED)
-			return true;
-	return false;
+	return ids_live(t, id) != NULL;
 }
 
 int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint64_t id)
 {
-	for (struct mlens_req *r = t->reqs; r; r = r->tnext)
-		if (r->id == id && r->state != REQ_FINISHED) {
-			fail(s, r, -ECANCELED, MLENS_FINISH_CANCELLED);
-			return 0;
-		}
-	return -ENOENT;
+	struct mlens_req *r = ids_live(t, id);
+	if (!r)
+		return -ENOENT;
+	fail(s, r, -ECANCELED, MLENS_FINISH_CANCELLED);
+	return 0;
 }
 
 void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant *t,
@@ -386,7 +524,7 @@ static void evict(struct mlens_sched *s, struct mlens_req *r)
 	r->t->queued++;
 	r->t->preemptions++;
 	s->st.preemptions++;
-	q_push_head(&s->waiting, r);
+	wait_push(s, r, true);
 }
 
 /* The youngest running request. */
@@ -400,23 +538,33 @@ static struct mlens_req *youngest(struct mlens_sched *s)
 }
 
 /* The waiting request to admit next: among tenants under their quotas, the
- * one with the smallest fair-share clock; within it, queue order. */
+ * one with the smallest fair-share clock (equal clocks: the one whose
+ * request is nearer the queue's head); within it, queue order. Each
+ * tenant with waiting requests is asked for its first that may go. */
 static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
 {
 	struct mlens_req *best = NULL;
-	for (struct mlens_req *r = s->waiting.head; r; r = r->qnext) {
-		struct mlens_sched_tenant *t = r->t;
-		if (preempted_only && !r->preempted)
-			continue;
-		if (r->has_pending)
-			continue;	/* its last token must reach the tenant first */
+	for (struct mlens_sched_tenant *t = s->wt_head; t; t = t->wt_next) {
+		struct mlens_req *r;
 		/* a tenant at one of its quotas waits; the others go on */
 		if (t->quota.max_running && t->running >= t->quota.max_running)
 			continue;
-		if (t->quota.max_kv_blocks &&
-		    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) > t->quota.max_kv_blocks)
-			continue;
-		if (!best || t->vtime < best->t->vtime)
+		if (best && (t->vtime > best->t->vtime ||
+			     (t->vtime == best->t->vtime && t->wait_head->wseq > best->wseq)))
+			continue;	/* its first could not win */
+		for (r = t->wait_head; r; r = r->wnext) {
+			if (preempted_only && !r->preempted)
+				continue;
+			if (r->has_pending)
+				continue;	/* its last token must reach the tenant first */
+			if (t->quota.max_kv_blocks &&
+			    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) >
+				    t->quota.max_kv_blocks)
+				continue;
+			break;
+		}
+		if (r && (!best || t->vtime < best->t->vtime ||
+			  (t->vtime == best->t->vtime && r->wseq < best->wseq)))
 			best = r;
 	}
 	return best;
@@ -575,7 +723,7 @@ int mlens_sched_step(struct mlens_sched *s)
 			}
 			free_blocks -= blocks;
 			r->t->kv_blocks += blocks;
-			q_remove(&s->waiting, r);
+			wait_remove(s, r);
 			r->t->queued--;
 			r->t->running++;
 			r->state = REQ_RUNNING;

@@ -65,8 +65,19 @@ struct mlens_sched_tenant {
 	uint64_t preemptions;
 	double vtime;		/* fair-share clock: admitted tokens / weight */
 	bool attached;
-	/* private list heads */
+	/* private: the scheduler's */
 	struct mlens_req *reqs;	/* every live request of this tenant */
+	/* its waiting requests in the waiting queue's order, and its place in
+	 * the scheduler's list of tenants that have some (admission looks at
+	 * each such tenant's first, not at every waiting request) */
+	struct mlens_req *wait_head, *wait_tail;
+	struct mlens_sched_tenant *wt_next, *wt_prev;
+	bool in_wt;
+	/* its live requests by id (chained through the request), while it
+	 * has any: a submission's duplicate check and a cancel find theirs
+	 * without walking every request of the tenant */
+	struct mlens_req **ids;
+	uint32_t n_ids_buckets, n_ids;
 };
 
 struct mlens_sched_opts {

@@ -484,6 +484,83 @@ START_TEST(fair_share_by_weight)
 }
 END_TEST
 
+/* Equal fair-share clocks go by queue order across tenants: b's request
+ * came first, then a's, then b's, then a's; one 8-token prompt fits a
+ * step. Admission asks each tenant for its first request, so a tie broken
+ * by the tenants' own order (a, the last to have one waiting, first)
+ * would run a's first. */
+START_TEST(equal_clocks_go_by_queue_order)
+{
+	static const uint64_t want[4] = { 100, 200, 101, 201 };
+	struct fx f;
+	struct tenant a, b;
+	int32_t p[8];
+	fx_open(&f, 512, 8);
+	tenant_init(&a, q_default());
+	tenant_init(&b, q_default());
+	prompt(p, 8, 1);
+	for (int i = 0; i < 2; i++) {
+		struct mlens_request_params rp = params(100 + (uint64_t)i, p, 8, 1);
+		submit_ok(&f, &b, &rp);
+		rp = params(200 + (uint64_t)i, p, 8, 1);
+		submit_ok(&f, &a, &rp);
+	}
+	for (int k = 0; k < 4; k++) {
+		int na = a.n_ev, nb = b.n_ev;
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+		ck_assert_int_eq((a.n_ev - na) + (b.n_ev - nb), 1);
+		const struct mlens_event *ev = a.n_ev > na ? &a.ev[na] : &b.ev[nb];
+		ck_assert_msg(ev->id == want[k], "step %d ran request %llu, not %llu", k,
+			      (unsigned long long)ev->id, (unsigned long long)want[k]);
+	}
+	ck_assert(mlens_sched_idle(f.s));
+	fx_close(&f);
+}
+END_TEST
+
+/* A tenant's live ids (the duplicate check at submission, cancel) over
+ * enough requests that the id table grows several times: each submitted
+ * one is live, cancelled ones and finished ones are not, an id may come
+ * back once its request is done. */
+START_TEST(live_ids)
+{
+	struct fx f;
+	struct tenant a, b;
+	int32_t p[4];
+	fx_open(&f, 4096, 0);
+	tenant_init(&a, q_default());
+	tenant_init(&b, q_default());
+	prompt(p, 4, 1);
+	for (uint64_t id = 1000; id < 1300; id++) {
+		struct mlens_request_params rp = params(id, p, 4, 2);
+		submit_ok(&f, &a, &rp);
+	}
+	for (uint64_t id = 1000; id < 1300; id++) {
+		ck_assert_msg(mlens_sched_live(f.s, &a.st, id), "id %llu", (unsigned long long)id);
+		ck_assert(!mlens_sched_live(f.s, &b.st, id));	/* ids are per tenant */
+	}
+	ck_assert(!mlens_sched_live(f.s, &a.st, 999));
+	ck_assert(!mlens_sched_live(f.s, &a.st, 1300));
+	for (uint64_t id = 1000; id < 1300; id += 3)
+		ck_assert_int_eq(mlens_sched_cancel(f.s, &a.st, id), 0);
+	for (uint64_t id = 1000; id < 1300; id++)
+		ck_assert_int_eq(mlens_sched_live(f.s, &a.st, id), (id - 1000) % 3 != 0);
+	ck_assert_int_eq(mlens_sched_cancel(f.s, &a.st, 1000), -ENOENT);
+	ck_assert_int_eq(mlens_sched_cancel(f.s, &b.st, 1001), -ENOENT);
+	run_until_idle(&f, 1000);
+	ck_assert_uint_eq(a.st.requests_done, 300);	/* cancelled ones count as done */
+	for (uint64_t id = 1000; id < 1300; id++)
+		ck_assert(!mlens_sched_live(f.s, &a.st, id));
+	ck_assert_ptr_null(a.st.ids);	/* no live request, no table */
+	struct mlens_request_params rp = params(1001, p, 4, 2);
+	submit_ok(&f, &a, &rp);
+	ck_assert(mlens_sched_live(f.s, &a.st, 1001));
+	run_until_idle(&f, 100);
+	ck_assert(!mlens_sched_live(f.s, &a.st, 1001));
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(eviction_while_a_token_waits)
 {
 	/* tenant a stops reading after 2 events, so its requests hold pending
@@ -654,6 +731,8 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, cancel_and_stop_tokens);
 	tcase_add_test(tc, running_quota);
 	tcase_add_test(tc, fair_share_by_weight);
+	tcase_add_test(tc, equal_clocks_go_by_queue_order);
+	tcase_add_test(tc, live_ids);
 	tcase_add_test(tc, eviction_while_a_token_waits);
 	tcase_add_test(tc, kv_quota_holds_back_only_its_tenant);
 	tcase_add_test(tc, worker_snapshot_after_command);
