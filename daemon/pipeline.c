@@ -76,6 +76,10 @@ struct mlens_pipeline {
 	/* GA's copies to the host on the backend's queue 2, after an event on
 	 * queue 0, rather than between queue 0's kernels (opts side_copy_out) */
 	bool side;
+	/* ... and C's output back on queue 3, which GB waits for by an event:
+	 * it no longer queues behind the kernels issued before it (GA of the
+	 * next item), so queue 0 goes from those straight on to GB */
+	bool up;
 	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
 	bool gpu_append;	/* GA appends K/V to the pool (opts gpu_kv_append) */
 	/* ... on queue 2 after GA's kernels (with side and the backend's
@@ -602,6 +606,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->c = cpu;
 	p->async = has_async(gpu->ops);
 	p->side = p->async && o->side_copy_out && MLENS_BACKEND_HAS(gpu->ops, side_queue);
+	p->up = p->side && MLENS_BACKEND_HAS(gpu->ops, up_queue);
 	p->host_pinned = p->async;
 	p->groups = o->groups > 0 ? o->groups : 2;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
@@ -816,10 +821,12 @@ const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipel
 	return &p->st;
 }
 
-/* Backend events past the program's: GA's kernels done, per set (queue 2
- * starts the set's copies to the host after it). */
+/* Backend events past the program's, per set: GA's kernels done (queue 2
+ * starts the set's copies to the host after it) and C's output uploaded
+ * (on queue 3, with p->up; GB waits for it). */
 #define PL_EV_GA_DONE MLENS_PIPE_EV_N
-_Static_assert(PL_EV_GA_DONE + MLENS_PIPE_SETS < MLENS_BACKEND_EVENTS - 1,
+#define PL_EV_ATT_UP (PL_EV_GA_DONE + MLENS_PIPE_SETS)
+_Static_assert(PL_EV_ATT_UP + MLENS_PIPE_SETS < MLENS_BACKEND_EVENTS - 1,
 	       "the pipeline's events and the last one (kept for waits of its own) fit the backend's");
 
 /* ==== the stages ==== */
@@ -829,7 +836,7 @@ _Static_assert(PL_EV_GA_DONE + MLENS_PIPE_SETS < MLENS_BACKEND_EVENTS - 1,
 #define TRY(x) do { if ((rc = (x))) return rc; } while (0)
 
 /* Activation copies: on the compute queue when asynchronous (GA's to the
- * host on queue 2 with p->side). */
+ * host on queue 2 with p->side, C's back on queue 3 with p->up). */
 static int to_host(struct mlens_pipeline *p, void *dst, const void *src, size_t bytes)
 {
 	p->st.d2h_act_bytes += bytes;
@@ -842,7 +849,7 @@ static int to_gpu(struct mlens_pipeline *p, void *dst, const void *src, size_t b
 {
 	p->st.h2d_act_bytes += bytes;
 	if (p->async)
-		return G->copy_async(GC, 0, dst, src, bytes, true);
+		return G->copy_async(GC, p->up ? 3 : 0, dst, src, bytes, true);
 	return G->upload(GC, dst, src, bytes);
 }
 
@@ -934,6 +941,9 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		d0 = 0;	/* the prefill rows' output comes back too */
 	if ((size_t)n > d0)
 		TRY(to_gpu(p, S->att + d0 * qd, S->hatt + d0 * qd, ((size_t)n - d0) * qd * 4));
+	/* GB (its dep is this C) waits for it on queue 0 */
+	if (p->up)
+		TRY(G->event_record(GC, 3, PL_EV_ATT_UP + (int)(S - p->set)));
 	return 0;
 }
 
@@ -949,6 +959,8 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 
 	if (!n)
 		return 0;
+	if (p->up)	/* C's output, uploaded on queue 3 */
+		TRY(G->event_wait(GC, 0, PL_EV_ATT_UP + (int)(S - p->set)));
 	TRY(G->gemm(GC, p->x + r0 * H, S->att, b->wo, c->dtype, n, p->qdim, H, true));
 	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));

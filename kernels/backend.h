@@ -171,6 +171,14 @@ struct mlens_backend_ops {
 	 * returns. Errors as kv_append's. */
 	int (*kv_append_side)(void *ctx, struct mlens_kv_cache *kv, int layer,
 			      const float *k, const float *v, const int64_t *slots, int n);
+
+	/* ---- optional: an upload queue ----
+	 * true: queue 3 exists for copy_async, event_record and event_wait: a
+	 * copy queue of its own beside queues 1 and 2, for host-to-device
+	 * copies that should run while queue 0 works on what was queued before
+	 * them (the hybrid pipeline's CPU attention output, which queue 0 waits
+	 * for by an event only when it needs it). */
+	bool up_queue;
 };
 
 #define MLENS_BACKEND_EVENTS 16

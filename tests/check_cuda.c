@@ -299,9 +299,50 @@ START_TEST(test_side_queue)
 		ck_assert_mem_eq(back, h, n);
 		memset(back, 0, n);
 	}
-	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 3, back, d, 16, false), -EINVAL);
-	ck_assert_int_eq(dev->ops->event_record(dev->ctx, 3, 9), -EINVAL);
-	ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 3, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 4, back, d, 16, false), -EINVAL);
+	ck_assert_int_eq(dev->ops->event_record(dev->ctx, 4, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 4, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, -1, back, d, 16, false), -EINVAL);
+	gfree(d);
+	dev->ops->host_free(dev->ctx, h);
+	dev->ops->host_free(dev->ctx, zero);
+	dev->ops->host_free(dev->ctx, back);
+}
+END_TEST
+
+/* Queue 3 (up_queue): an upload there, which queue 0 waits for by an
+ * event, is what queue 0's next copy reads. Queue 0 is first held busy by
+ * a 24 MB upload of zeros over the area's other half; an ordering that let
+ * queue 0 read before queue 3's copy was done would read the zeros that
+ * were there before. */
+START_TEST(test_up_queue)
+{
+	size_t n = 24u << 20;
+	unsigned char *h = dev->ops->host_alloc(dev->ctx, n);
+	unsigned char *zero = dev->ops->host_alloc(dev->ctx, n);
+	unsigned char *back = dev->ops->host_alloc(dev->ctx, n);
+	char *d = dev->ops->alloc(dev->ctx, 2 * n);
+
+	ck_assert(MLENS_BACKEND_HAS(dev->ops, up_queue));
+	ck_assert_ptr_nonnull(h);
+	ck_assert_ptr_nonnull(zero);
+	ck_assert_ptr_nonnull(back);
+	ck_assert_ptr_nonnull(d);
+	for (size_t i = 0; i < n; i++)
+		h[i] = (unsigned char)(rnd_u32() | 1);	/* never 0 */
+	memset(zero, 0, n);
+	for (int round = 0; round < 3; round++) {
+		memset(back, 0, n);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, zero, n, true), 0);
+		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d + n, zero, n, true), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 3, d, h, n, true), 0);
+		ck_assert_int_eq(dev->ops->event_record(dev->ctx, 3, 10), 0);
+		ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 0, 10), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, back, d, n, false), 0);
+		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
+		ck_assert_mem_eq(back, h, n);
+	}
 	gfree(d);
 	dev->ops->host_free(dev->ctx, h);
 	dev->ops->host_free(dev->ctx, zero);
@@ -1097,6 +1138,7 @@ int main(void)
 	tcase_add_test(tc, test_memory);
 	tcase_add_test(tc, test_copy_queue);
 	tcase_add_test(tc, test_side_queue);
+	tcase_add_test(tc, test_up_queue);
 	tcase_add_test(tc, test_embed);
 	tcase_add_test(tc, test_rmsnorm);
 	tcase_add_test(tc, test_rope);
@@ -1117,6 +1159,7 @@ int main(void)
 	tsm = backend_tcase(s, "sm copies", use_sm);
 	tcase_add_test(tsm, test_copy_queue);
 	tcase_add_test(tsm, test_side_queue);
+	tcase_add_test(tsm, test_up_queue);
 	tcase_add_test(tsm, test_embed);
 	tcase_add_test(tsm, test_rope);
 	tcase_add_test(tsm, test_moe);

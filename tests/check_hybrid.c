@@ -827,6 +827,7 @@ static struct fa_q2_op {
 	int layer, n;
 } fa_q2[FA_Q2_MAX];
 static int fa_q2_n, fa_q2_done, fa_q2_copies, fa_q2_appends;
+static int fa_q3_copies;	/* uploads on queue 3, held with queue 2's ops */
 static int fa_q2_upto[MLENS_BACKEND_EVENTS];	/* the ops before a queue-2 record */
 static bool fa_on_q2[MLENS_BACKEND_EVENTS];	/* the event's last record was on queue 2 */
 
@@ -886,8 +887,9 @@ static int fa_copy(void *ctx, int queue, void *dst, const void *src, size_t byte
 	if (__atomic_load_n(&fa_fail_in, __ATOMIC_SEQ_CST) > 0 &&
 	    __atomic_sub_fetch(&fa_fail_in, 1, __ATOMIC_SEQ_CST) == 0)
 		return -EIO;
-	if (queue == 2) {
-		fa_q2_push(&(struct fa_q2_op){ .dst = dst, .src = src, .bytes = bytes }, &fa_q2_copies);
+	if (queue == 2 || queue == 3) {
+		fa_q2_push(&(struct fa_q2_op){ .dst = dst, .src = src, .bytes = bytes },
+			   queue == 2 ? &fa_q2_copies : &fa_q3_copies);
 		return 0;
 	}
 	memcpy(dst, src, bytes);
@@ -910,7 +912,7 @@ static int fa_record(void *ctx, int queue, int ev)
 {
 	(void)ctx;
 	pthread_mutex_lock(&fa_mu);
-	fa_on_q2[ev] = queue == 2;
+	fa_on_q2[ev] = queue >= 2;	/* queue 3's ops wait in queue 2's list */
 	fa_q2_upto[ev] = fa_q2_n;
 	pthread_mutex_unlock(&fa_mu);
 	return 0;
@@ -957,7 +959,8 @@ static void make_async(struct mlens_backend *be, bool side)
 	fa_ops.scratch_reserve = fa_reserve;
 	fa_ops.side_queue = side;
 	fa_ops.kv_append_side = side && fa_with_append_side ? fa_append_side : NULL;
-	fa_q2_n = fa_q2_done = fa_q2_copies = fa_q2_appends = 0;
+	fa_ops.up_queue = side;
+	fa_q2_n = fa_q2_done = fa_q2_copies = fa_q2_appends = fa_q3_copies = 0;
 	memset(fa_on_q2, 0, sizeof(fa_on_q2));
 	be->ops = &fa_ops;
 }
@@ -1143,17 +1146,22 @@ START_TEST(exec_equal_small_groups)
 }
 END_TEST
 
-/* GA's copies to the host on a side queue that runs them as late as it
- * may (fa_copy): the tokens and logits are the engine's all the same, and
- * the copies went there. */
+/* GA's copies to the host on a side queue, and C's output back on an
+ * upload queue, that run them as late as they may (fa_copy: when an event
+ * recorded after them is waited for; a GB that read C's output before
+ * waiting would read the last item's): the tokens and logits are the
+ * engine's all the same, and the copies went there. */
 START_TEST(exec_equal_side_copies)
 {
 	run_equal(2, 0, false, true, true);
 	ck_assert_int_gt(fa_q2_copies, 0);
+	ck_assert_int_gt(fa_q3_copies, 0);
 	run_equal(2, 4, false, true, true);
 	ck_assert_int_gt(fa_q2_copies, 0);
+	ck_assert_int_gt(fa_q3_copies, 0);
 	run_equal(1, 3, true, true, true);	/* prefill on the CPU: every row's q too */
 	ck_assert_int_gt(fa_q2_copies, 0);
+	ck_assert_int_gt(fa_q3_copies, 0);
 	run_equal(2, 0, false, false, true);	/* no queues: nothing to put there */
 }
 END_TEST

@@ -218,9 +218,12 @@ static int cuda_sync(void *ctx)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
 	CUDA_RET(cudaStreamSynchronize(c->stream));
-	/* copies on queue 2 read what the compute stream wrote */
+	/* copies on queue 2 read what the compute stream wrote, and queue 3's
+	 * write what it reads */
 	if (c->side_stream)
 		CUDA_RET(cudaStreamSynchronize(c->side_stream));
+	if (c->up_stream)
+		CUDA_RET(cudaStreamSynchronize(c->up_stream));
 	return 0;
 }
 
@@ -847,7 +850,8 @@ static int cuda_attn_decode(void *ctx, float *out, const float *q,
 
 static cudaStream_t queue_stream(struct mlens_cuda_ctx *c, int queue)
 {
-	return queue == 1 ? c->copy_stream : queue == 2 ? c->side_stream : c->stream;
+	return queue == 1 ? c->copy_stream : queue == 2 ? c->side_stream :
+	       queue == 3 ? c->up_stream : c->stream;
 }
 
 static int cuda_host_register(void *ctx, void *p, size_t bytes)
@@ -898,13 +902,13 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 			   bool to_device)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
-	if (queue < 0 || queue > 2)
+	if (queue < 0 || queue > 3)
 		return -EINVAL;
 	if (!bytes)
 		return 0;
 	if (queue == 0)
 		return mlens_cuda_copy(c, dst, src, bytes, to_device);
-	/* queues 1 and 2: a copy engine each way */
+	/* queues 1 to 3: a copy engine each way */
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
 				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
 				 queue_stream(c, queue)));
@@ -914,7 +918,7 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 static int cuda_event_record(void *ctx, int queue, int ev)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
-	if (queue < 0 || queue > 2 || ev < 0 || ev >= MLENS_BACKEND_EVENTS)
+	if (queue < 0 || queue > 3 || ev < 0 || ev >= MLENS_BACKEND_EVENTS)
 		return -EINVAL;
 	CUDA_RET(cudaEventRecord(c->events[ev], queue_stream(c, queue)));
 	return 0;
@@ -923,7 +927,7 @@ static int cuda_event_record(void *ctx, int queue, int ev)
 static int cuda_event_wait(void *ctx, int queue, int ev)
 {
 	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
-	if (queue < 0 || queue > 2 || ev < 0 || ev >= MLENS_BACKEND_EVENTS)
+	if (queue < 0 || queue > 3 || ev < 0 || ev >= MLENS_BACKEND_EVENTS)
 		return -EINVAL;
 	CUDA_RET(cudaStreamWaitEvent(queue_stream(c, queue), c->events[ev], 0));
 	return 0;
@@ -1077,6 +1081,10 @@ static void cuda_destroy(void *ctx)
 		cudaStreamSynchronize(c->side_stream);
 		cudaStreamDestroy(c->side_stream);
 	}
+	if (c->up_stream) {
+		cudaStreamSynchronize(c->up_stream);
+		cudaStreamDestroy(c->up_stream);
+	}
 	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
 		if (c->events[i])
 			cudaEventDestroy(c->events[i]);
@@ -1139,6 +1147,7 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_scratch_reserve,
 	true,	/* side_queue */
 	cuda_kv_append_side,
+	true,	/* up_queue */
 };
 
 extern "C" bool mlens_cuda_available(void)
@@ -1240,6 +1249,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking), rc, fail);
 	CUDA_GOTO(cudaStreamCreateWithFlags(&c->side_stream, cudaStreamNonBlocking), rc, fail);
+	CUDA_GOTO(cudaStreamCreateWithFlags(&c->up_stream, cudaStreamNonBlocking), rc, fail);
 	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
 		CUDA_GOTO(cudaEventCreateWithFlags(&c->events[i], cudaEventDisableTiming), rc, fail);
 	c->stage.stream = c->stream;

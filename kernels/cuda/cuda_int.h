@@ -89,6 +89,7 @@ struct mlens_cuda_ctx {
 	/* the hybrid pipeline's copy queue (queue 1) and events */
 	cudaStream_t copy_stream;
 	cudaStream_t side_stream;	/* queue 2: copies beside the compute stream */
+	cudaStream_t up_stream;		/* queue 3: uploads beside the compute stream */
 	cudaEvent_t events[MLENS_BACKEND_EVENTS];
 
 	/* timing marks: events with timing, created at first use; the base
