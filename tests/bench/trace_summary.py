@@ -6,7 +6,9 @@ threshold (a GA or GB of a 4096-token group takes 2-7 ms on the H200, so
 one much longer waited for something), and per layer: token groups, the
 GPU's time from the layer's first GA to its last GB, and how long the
 weight stream then stood idle (waiting for a slot: the GPU side is the
-slower one; none: the stream is). Usage: trace_summary.py FILE [MS]"""
+slower one; none: the stream is), and where the GPU stood idle: before a
+layer's first GB (the layer's weights, or its C), before another GB (its
+C), before a GA, and between steps. Usage: trace_summary.py FILE [MS]"""
 import collections
 import json
 import re
@@ -48,6 +50,27 @@ def main():
         long_ms, len(slow), sum(e["dur"] for e in slow) / 1e3, ": " if slow else "",
         ", ".join("%s %.0f" % (e["name"], e["dur"] / 1e3) for e in slow[:12])))
     layers(ev, names)
+    gpu_gaps(ev, names)
+
+
+def gpu_gaps(ev, names):
+    """The GPU's idle time between its traced commands, by what came next."""
+    gpu = sorted((e for e in ev if names.get(e["tid"]) == "gpu"), key=lambda e: e["ts"])
+    steps = sum(1 for e in gpu if e["name"].startswith("HEAD"))
+    gap = collections.Counter()
+    for a, b in zip(gpu, gpu[1:]):
+        w = b["name"].split()
+        if w[0] == "HEAD":
+            what = "before HEAD (between steps)"
+        elif w[0] == "GB":
+            what = "before a layer's first GB" if w[2:3] == ["g0"] else "before another GB"
+        else:
+            what = "before " + w[0]
+        gap[what] += max(0.0, b["ts"] - a["ts"] - a["dur"]) / 1e3
+    if not gpu:
+        return
+    print("  GPU idle, ms a step (%d steps): %s" % (max(steps, 1), ", ".join(
+        "%s %.1f" % (k, v / max(steps, 1)) for k, v in sorted(gap.items()))))
 
 
 def layers(ev, names):
