@@ -265,6 +265,37 @@ START_TEST(test_copy_queue)
 }
 END_TEST
 
+/* Pinned host buffers of n bytes for the queue tests: h random and never
+ * 0, zero and back all zeros; d a device buffer of dn bytes. */
+struct qbufs {
+	unsigned char *h, *zero, *back;
+	char *d;
+};
+
+static void qbufs_open(struct qbufs *b, size_t n, size_t dn)
+{
+	b->h = dev->ops->host_alloc(dev->ctx, n);
+	b->zero = dev->ops->host_alloc(dev->ctx, n);
+	b->back = dev->ops->host_alloc(dev->ctx, n);
+	b->d = dev->ops->alloc(dev->ctx, dn);
+	ck_assert_ptr_nonnull(b->h);
+	ck_assert_ptr_nonnull(b->zero);
+	ck_assert_ptr_nonnull(b->back);
+	ck_assert_ptr_nonnull(b->d);
+	for (size_t i = 0; i < n; i++)
+		b->h[i] = (unsigned char)(rnd_u32() | 1);
+	memset(b->zero, 0, n);
+	memset(b->back, 0, n);
+}
+
+static void qbufs_close(struct qbufs *b)
+{
+	gfree(b->d);
+	dev->ops->host_free(dev->ctx, b->h);
+	dev->ops->host_free(dev->ctx, b->zero);
+	dev->ops->host_free(dev->ctx, b->back);
+}
+
 /* Queue 2 (side_queue): a copy to the host there, ordered after queue 0's
  * work by an event, sees that work's bytes; the host sees the copy after
  * an event recorded on queue 2 after it. Queue 0 first clears the area,
@@ -273,80 +304,55 @@ END_TEST
 START_TEST(test_side_queue)
 {
 	size_t n = 24u << 20;
-	unsigned char *h = dev->ops->host_alloc(dev->ctx, n);
-	unsigned char *zero = dev->ops->host_alloc(dev->ctx, n);
-	unsigned char *back = dev->ops->host_alloc(dev->ctx, n);
-	char *d = dev->ops->alloc(dev->ctx, n);
+	struct qbufs b;
 
 	ck_assert(MLENS_BACKEND_HAS(dev->ops, side_queue));
-	ck_assert_ptr_nonnull(h);
-	ck_assert_ptr_nonnull(zero);
-	ck_assert_ptr_nonnull(back);
-	ck_assert_ptr_nonnull(d);
-	for (size_t i = 0; i < n; i++)
-		h[i] = (unsigned char)(rnd_u32() | 1);	/* never 0 */
-	memset(zero, 0, n);
-	memset(back, 0, n);
+	qbufs_open(&b, n, n);
 	for (int round = 0; round < 3; round++) {
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, zero, n, true), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, b.d, b.zero, n, true), 0);
 		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, h, n, true), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, b.d, b.h, n, true), 0);
 		ck_assert_int_eq(dev->ops->event_record(dev->ctx, 0, 8), 0);
 		ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 2, 8), 0);
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 2, back, d, n, false), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 2, b.back, b.d, n, false), 0);
 		ck_assert_int_eq(dev->ops->event_record(dev->ctx, 2, 9), 0);
 		ck_assert_int_eq(dev->ops->event_sync(dev->ctx, 9), 0);
-		ck_assert_mem_eq(back, h, n);
-		memset(back, 0, n);
+		ck_assert_mem_eq(b.back, b.h, n);
+		memset(b.back, 0, n);
 	}
-	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 4, back, d, 16, false), -EINVAL);
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 4, b.back, b.d, 16, false), -EINVAL);
 	ck_assert_int_eq(dev->ops->event_record(dev->ctx, 4, 9), -EINVAL);
 	ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 4, 9), -EINVAL);
-	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, -1, back, d, 16, false), -EINVAL);
-	gfree(d);
-	dev->ops->host_free(dev->ctx, h);
-	dev->ops->host_free(dev->ctx, zero);
-	dev->ops->host_free(dev->ctx, back);
+	ck_assert_int_eq(dev->ops->copy_async(dev->ctx, -1, b.back, b.d, 16, false), -EINVAL);
+	qbufs_close(&b);
 }
 END_TEST
 
 /* Queue 3 (up_queue): an upload there, which queue 0 waits for by an
- * event, is what queue 0's next copy reads. Queue 0 is first held busy by
- * a 24 MB upload of zeros over the area's other half; an ordering that let
- * queue 0 read before queue 3's copy was done would read the zeros that
- * were there before. */
+ * event, is what queue 0's next copy reads. Queue 3 is first held busy by
+ * eight 24 MB uploads elsewhere (a few ms): a queue 0 that did not wait
+ * would read the zeros the area held before. */
 START_TEST(test_up_queue)
 {
 	size_t n = 24u << 20;
-	unsigned char *h = dev->ops->host_alloc(dev->ctx, n);
-	unsigned char *zero = dev->ops->host_alloc(dev->ctx, n);
-	unsigned char *back = dev->ops->host_alloc(dev->ctx, n);
-	char *d = dev->ops->alloc(dev->ctx, 2 * n);
+	struct qbufs b;
 
 	ck_assert(MLENS_BACKEND_HAS(dev->ops, up_queue));
-	ck_assert_ptr_nonnull(h);
-	ck_assert_ptr_nonnull(zero);
-	ck_assert_ptr_nonnull(back);
-	ck_assert_ptr_nonnull(d);
-	for (size_t i = 0; i < n; i++)
-		h[i] = (unsigned char)(rnd_u32() | 1);	/* never 0 */
-	memset(zero, 0, n);
+	qbufs_open(&b, n, 9 * n);
 	for (int round = 0; round < 3; round++) {
-		memset(back, 0, n);
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d, zero, n, true), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, b.d, b.zero, n, true), 0);
 		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, d + n, zero, n, true), 0);
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 3, d, h, n, true), 0);
+		for (size_t i = 1; i < 9; i++)
+			ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 3, b.d + i * n, b.zero, n, true), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 3, b.d, b.h, n, true), 0);
 		ck_assert_int_eq(dev->ops->event_record(dev->ctx, 3, 10), 0);
 		ck_assert_int_eq(dev->ops->event_wait(dev->ctx, 0, 10), 0);
-		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, back, d, n, false), 0);
+		ck_assert_int_eq(dev->ops->copy_async(dev->ctx, 0, b.back, b.d, n, false), 0);
 		ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
-		ck_assert_mem_eq(back, h, n);
+		ck_assert_mem_eq(b.back, b.h, n);
+		memset(b.back, 0, n);
 	}
-	gfree(d);
-	dev->ops->host_free(dev->ctx, h);
-	dev->ops->host_free(dev->ctx, zero);
-	dev->ops->host_free(dev->ctx, back);
+	qbufs_close(&b);
 }
 END_TEST
 
