@@ -280,9 +280,13 @@ START_TEST(device_memory_under_copy)
 		st.gpu_kv_append = true;
 		mlens_profile_state_hold(&st);
 		ck_assert(st.hw.gpu_kv_append && !st.hw.kv_store_side && st.hw.b_kv_store == p.kv_store_bw);
+		ck_assert(st.hw.b_act_h2d == p.act_h2d && st.hw.b_act_d2h == p.act_d2h);
 		st.side_copy_out = true;
 		mlens_profile_state_hold(&st);
 		ck_assert(st.hw.kv_store_side && st.hw.b_kv_store == p.kv_store_side_bw);
+		/* side copies: neither way holds up the compute queue (GA's go
+		 * down on queue 2, C's output up on queue 3) */
+		ck_assert(st.hw.b_act_h2d == 0 && st.hw.b_act_d2h == 0);
 	}
 	/* and the attention's beside the stream, for its tier */
 	ck_assert(hw.b_attn == p.attn_bw && hw.b_attn_shared == p.attn_copy_bw);
