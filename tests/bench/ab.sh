@@ -19,6 +19,8 @@
 #   DAEMON_ARGS_A, DAEMON_ARGS_B   mlensd arguments of each side (on top
 #                  of DAEMON_ARGS): with BUILD_A = BUILD_B, an A/B of a
 #                  setting, e.g. DAEMON_ARGS_B="--gpu-moe-streams 1"
+#   ENV_A, ENV_B   environment of each side's runs (NAME=VALUE ...), e.g.
+#                  ENV_B="MLENS_CUDA_APPEND_BLOCKS=16"
 #   and hybrid.sh's own (RUN_TIMEOUT, STARTUP_S, EXPECT_TPS, BACKEND, ...).
 # Not a test: it asserts nothing. The exit status is 1 when a run failed.
 set -u
@@ -39,9 +41,14 @@ r=1
 while [ "$r" -le "$ROUNDS" ]; do
 	if [ $((r % 2)) -eq 1 ]; then order="A B"; else order="B A"; fi
 	for side in $order; do
-		if [ "$side" = A ]; then dir=$A; extra=${DAEMON_ARGS_A:-}; else dir=$B; extra=${DAEMON_ARGS_B:-}; fi
+		if [ "$side" = A ]; then
+			dir=$A; extra=${DAEMON_ARGS_A:-}; envs=${ENV_A:-}
+		else
+			dir=$B; extra=${DAEMON_ARGS_B:-}; envs=${ENV_B:-}
+		fi
 		t0=$(date +%s)
-		(cd "$dir" && OUT="$OUT/$side$r" RUNS="$RUN" DAEMON_ARGS="${DAEMON_ARGS:-} $extra" \
+		# shellcheck disable=SC2086 (envs: NAME=VALUE words)
+		(cd "$dir" && env $envs OUT="$OUT/$side$r" RUNS="$RUN" DAEMON_ARGS="${DAEMON_ARGS:-} $extra" \
 			sh "$HERE/hybrid.sh" "${GPU:-8G}" "${KV:-40G}" "${SCALE:-0.8}" > "$OUT/$side$r.txt" 2>&1)
 		rc=$?
 		[ -s "$OUT/$side$r/hybrid_$RUN.json" ] || rc=1
