@@ -993,6 +993,12 @@ START_TEST(test_errors)
 		setenv("MLENS_CUDA_APPEND_BLOCKS", "12x", 1);
 		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
 		unsetenv("MLENS_CUDA_APPEND_BLOCKS");
+		/* nor an upload block count that is not 1..1056 */
+		setenv("MLENS_CUDA_UP_BLOCKS", "0", 1);
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		setenv("MLENS_CUDA_UP_BLOCKS", "1057", 1);
+		ck_assert_int_eq(mlens_backend_create(&b, "cuda", &bad), -EINVAL);
+		unsetenv("MLENS_CUDA_UP_BLOCKS");
 	}
 	/* the backend still works afterwards */
 	ck_assert_int_eq(dev->ops->sync(dev->ctx), 0);
@@ -1111,8 +1117,9 @@ int main(void)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct mlens_backend_opts ox = { .n_threads = 0, .device = 0, .gemm = MLENS_GEMM_EXACT };
-	/* gpu_sm's side K/V append runs in 3 blocks (each takes many tokens);
-	 * the others' in a quarter of the SMs.
+	/* gpu_sm's side K/V append runs in 3 blocks (each takes many tokens),
+	 * its upload queue's copies in 2; the others' in a quarter of the SMs
+	 * (and their uploads on a copy engine: no sm_copy).
 	 * the MoE's experts: on 2 streams (the default) in gpu and gpu_exact,
 	 * one after another in gpu_sm, over 4 streams in gpu_tc. gpu_tc,
 	 * created last, sets the device's sync mode to block for the whole
@@ -1134,8 +1141,10 @@ int main(void)
 	/* CUDA does not survive fork(): run the tests in this process */
 	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
 	    mlens_backend_create(&gpu_exact, "cuda", &ox) ||
-	    (setenv("MLENS_CUDA_APPEND_BLOCKS", "3", 1), mlens_backend_create(&gpu_sm, "cuda", &osm)) ||
-	    (unsetenv("MLENS_CUDA_APPEND_BLOCKS"), mlens_backend_create(&gpu_tc, "cuda", &otc))) {
+	    (setenv("MLENS_CUDA_APPEND_BLOCKS", "3", 1), setenv("MLENS_CUDA_UP_BLOCKS", "2", 1),
+	     mlens_backend_create(&gpu_sm, "cuda", &osm)) ||
+	    (unsetenv("MLENS_CUDA_APPEND_BLOCKS"), unsetenv("MLENS_CUDA_UP_BLOCKS"),
+	     mlens_backend_create(&gpu_tc, "cuda", &otc))) {
 		fprintf(stderr, "check_cuda: cannot create the backends\n");
 		return 1;
 	}

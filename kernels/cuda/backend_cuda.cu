@@ -327,7 +327,7 @@ int mlens_cuda_stager_commit(struct mlens_cuda_ctx *c, struct cuda_stager *s, si
 		if (s == &c->stage)
 			rc = mlens_cuda_copy(c, s->d, sl->h, used, true);
 		else if (sl->hd)
-			rc = mlens_cuda_sm_copy_on(c, s->stream, s->d, sl->hd, used);
+			rc = mlens_cuda_sm_copy_on(c, s->stream, s->d, sl->hd, used, 0);
 		else
 			rc = mlens_cuda_rc(cudaErrorInvalidValue, "mapping a side staging slot",
 					   __FILE__, __LINE__);
@@ -908,6 +908,17 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 		return 0;
 	if (queue == 0)
 		return mlens_cuda_copy(c, dst, src, bytes, to_device);
+	if (queue == 3 && c->sm_copy) {
+		/* the SMs, in a few blocks: an upload on a copy engine can wait
+		 * behind every weight piece the mover queued (gpu_copy) */
+		void *mapped;
+		bool host;
+		if (!mlens_cuda_device_view(to_device ? src : dst, &mapped, &host) && host)
+			return to_device ? mlens_cuda_sm_copy_on(c, c->up_stream, dst, mapped, bytes,
+								 (unsigned)c->up_blocks)
+					 : mlens_cuda_sm_copy_on(c, c->up_stream, mapped, src, bytes,
+								 (unsigned)c->up_blocks);
+	}
 	/* queues 1 to 3: a copy engine each way */
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
 				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
@@ -1178,27 +1189,27 @@ extern "C" int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_
 	return 0;
 }
 
-/* The side K/V append's block count: MLENS_CUDA_APPEND_BLOCKS when set (a
- * tuning knob, 1 to 65535), else a quarter of the SMs. Its stores cross
- * PCIe and wait on the link, not on the SMs; a grid of one block a token
+/* A block count for a kernel beside queue 0's: the environment variable
+ * name when set (a tuning knob, 1 to max), else a quarter of the SMs.
+ * Such kernels (the side K/V append's stores, the upload queue's copies)
+ * cross PCIe and wait on the link, not on the SMs; a grid of many blocks
  * would take every SM from queue 0's kernels while it runs. */
-static int side_append_blocks(struct mlens_cuda_ctx *c)
+static int side_blocks(struct mlens_cuda_ctx *c, const char *name, long max, int *out)
 {
-	const char *e = getenv("MLENS_CUDA_APPEND_BLOCKS");
+	const char *e = getenv(name);
 	int sms = 0;
 	if (e && *e) {
 		char *end;
 		long v = strtol(e, &end, 10);
-		if (*end || v < 1 || v > 65535) {
-			fprintf(stderr, "mlens cuda: MLENS_CUDA_APPEND_BLOCKS '%s' is not a count "
-				"of 1 to 65535\n", e);
+		if (*end || v < 1 || v > max) {
+			fprintf(stderr, "mlens cuda: %s '%s' is not a count of 1 to %ld\n", name, e, max);
 			return -EINVAL;
 		}
-		c->side_append_blocks = (int)v;
+		*out = (int)v;
 		return 0;
 	}
 	CUDA_RET(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->device));
-	c->side_append_blocks = sms >= 8 ? sms / 4 : 2;
+	*out = sms >= 8 ? sms / 4 : 2;
 	return 0;
 }
 
@@ -1262,7 +1273,8 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 			CUDA_GOTO(cudaEventRecord(st[j]->slot[i].done, st[j]->stream), rc, fail);
 		}
 	}
-	if ((rc = side_append_blocks(c)))
+	if ((rc = side_blocks(c, "MLENS_CUDA_APPEND_BLOCKS", 65535, &c->side_append_blocks)) ||
+	    (rc = side_blocks(c, "MLENS_CUDA_UP_BLOCKS", 1056, &c->up_blocks)))
 		goto fail;
 	bs = cublasCreate(&c->blas);
 	if (bs != CUBLAS_STATUS_SUCCESS) {

@@ -67,6 +67,9 @@ struct mlens_cuda_ctx {
 	/* blocks of the side K/V append kernel at most (a grid-stride loop
 	 * over the tokens), so that it leaves most SMs to queue 0's kernels */
 	int side_append_blocks;
+	/* blocks of the SM copies on the upload stream (queue 3) at most:
+	 * they run beside queue 0's kernels too */
+	int up_blocks;
 
 	/* device scratch for converted activations, permutations, partials */
 	char *d_scratch;
@@ -230,9 +233,10 @@ int mlens_cuda_device_view(const void *p, void **dev, bool *host);
 /* dst[bytes] = src[bytes] by the SMs, on the stream; either side may be
  * mapped host memory (its device address). */
 int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes);
-/* The same on stream st. */
+/* The same on stream st, in at most max_blocks blocks (0: as many as
+ * keep PCIe busy on an H200 with the SMs to itself). */
 int mlens_cuda_sm_copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, void *dst, const void *src,
-			  size_t bytes);
+			  size_t bytes, unsigned max_blocks);
 /* Greedy token and log-softmax of it (temperature 1) per row, device out. */
 int mlens_cuda_argmax(struct mlens_cuda_ctx *c, int32_t *tokens, float *logprobs,
 		      const float *logits, int n, int vocab);

@@ -619,18 +619,20 @@ __global__ void sm_copy_kernel(char *dst, const char *src, size_t bytes, bool wi
 
 int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes)
 {
-	return mlens_cuda_sm_copy_on(c, c->stream, dst, src, bytes);
+	return mlens_cuda_sm_copy_on(c, c->stream, dst, src, bytes, 0);
 }
 
 int mlens_cuda_sm_copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, void *dst, const void *src,
-			  size_t bytes)
+			  size_t bytes, unsigned max_blocks)
 {
 	bool wide = !(((uintptr_t)dst | (uintptr_t)src) & 15);
 	size_t units = wide ? (bytes + 15) / 16 : bytes;
 	/* up to 8 blocks an SM of an H200 (132 SMs), enough to keep PCIe busy */
 	unsigned blocks = blocks_for(units, MLENS_CUDA_THREADS);
-	if (blocks > 1056)
-		blocks = 1056;
+	if (!max_blocks || max_blocks > 1056)
+		max_blocks = 1056;
+	if (blocks > max_blocks)
+		blocks = max_blocks;
 	if (!bytes)
 		return 0;
 	(void)c;
