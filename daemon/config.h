@@ -23,7 +23,7 @@ struct mlens_config {
 	char *gpu_gemm;		/* "fast" or "exact" (enum mlens_gemm_mode) */
 	char *gpu_copy;		/* "engine" or "sm": who moves the compute stream's copies */
 	char *gpu_prefill_attention;	/* "auto", "fp32" or "bf16" */
-	char *gpu_copy_out;	/* "compute" or "side": where GA's copies to the host run */
+	char *gpu_copy_out;	/* "compute", "down" or "side": where the activation copies run */
 	char *kv_append;	/* "gpu" or "cpu": who appends K/V to the hybrid pool */
 	char *gpu_sync;		/* "auto", "spin", "yield" or "block": host waits for the GPU */
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */

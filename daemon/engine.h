@@ -41,6 +41,7 @@ struct mlens_engine_opts {
 	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
 	enum mlens_gemm_mode hybrid_gemm;	/* the GPU backend's GEMM mode (its scratch) */
 	bool hybrid_side_copy_out;	/* GA's copies to the host on queue 2 (pipeline.h) */
+	bool hybrid_up_copy_in;		/* ... and C's output up on queue 3 (pipeline.h) */
 	bool hybrid_gpu_kv_append;	/* the GPU side appends K/V to the pool (pipeline.h) */
 	uint64_t hybrid_workspace;	/* the GPU backend's own bytes; 0 = MLENS_GPUPLAN_WORKSPACE */
 };

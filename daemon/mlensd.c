@@ -263,8 +263,15 @@ static int64_t plan_group(void)
 	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
 }
 
-/* gpu_copy_out = side (the config allows only side or compute). */
+/* gpu_copy_out = down or side: GA's copies to the host on a queue of their
+ * own (the config allows only compute, down or side). */
 static bool side_copy_out(void)
+{
+	return strcmp(D.cfg.gpu_copy_out, "compute") != 0;
+}
+
+/* gpu_copy_out = side: the CPU attention's output up on a queue of its own too */
+static bool up_copy_in(void)
 {
 	return !strcmp(D.cfg.gpu_copy_out, "side");
 }
@@ -319,6 +326,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->side_copy_out = D.hybrid && side_copy_out();
+	st->up_copy_in = D.hybrid && up_copy_in();
 	st->gpu_kv_append = D.hybrid && gpu_kv_append();
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
@@ -560,6 +568,7 @@ int main(int argc, char **argv)
 		eo.hybrid_group_tokens = plan_group();
 		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_side_copy_out = side_copy_out();
+		eo.hybrid_up_copy_in = up_copy_in();
 		eo.hybrid_gpu_kv_append = gpu_kv_append();
 		eo.hybrid_workspace = mlens_gpuplan_workspace(bo.moe_streams);
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;

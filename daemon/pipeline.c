@@ -76,9 +76,10 @@ struct mlens_pipeline {
 	/* GA's copies to the host on the backend's queue 2, after an event on
 	 * queue 0, rather than between queue 0's kernels (opts side_copy_out) */
 	bool side;
-	/* ... and C's output back on queue 3, which GB waits for by an event:
-	 * it no longer queues behind the kernels issued before it (GA of the
-	 * next item), so queue 0 goes from those straight on to GB */
+	/* ... and C's output back on queue 3 (opts up_copy_in), which GB waits
+	 * for by an event: it no longer queues behind the kernels issued
+	 * before it (GA of the next item), so queue 0 goes from those straight
+	 * on to GB */
 	bool up;
 	bool prefill_cpu;	/* prefill attention on c (q of every row goes down) */
 	bool gpu_append;	/* GA appends K/V to the pool (opts gpu_kv_append) */
@@ -606,7 +607,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->c = cpu;
 	p->async = has_async(gpu->ops);
 	p->side = p->async && o->side_copy_out && MLENS_BACKEND_HAS(gpu->ops, side_queue);
-	p->up = p->side && MLENS_BACKEND_HAS(gpu->ops, up_queue);
+	p->up = p->side && o->up_copy_in && MLENS_BACKEND_HAS(gpu->ops, up_queue);
 	p->host_pinned = p->async;
 	p->groups = o->groups > 0 ? o->groups : 2;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
@@ -741,6 +742,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	}
 	p->st.async = p->async;
 	p->st.side_copy_out = p->side;
+	p->st.up_copy_in = p->up;
 	p->st.prefill_cpu = p->prefill_cpu;
 	p->st.gpu_kv_append = p->gpu_append;
 	p->side_append = p->gpu_append && p->side && MLENS_BACKEND_HAS(gpu->ops, kv_append_side);

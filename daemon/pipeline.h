@@ -44,6 +44,11 @@ struct mlens_pipeline_opts {
 	 * so that the next kernels need not wait for them; ignored without
 	 * such a queue */
 	bool side_copy_out;
+	/* With side_copy_out, the CPU attention's output back on the backend's
+	 * upload queue (ops up_queue), which GB waits for by an event, rather
+	 * than on the compute queue behind the kernels issued before it;
+	 * ignored without such a queue */
+	bool up_copy_in;
 	/* Prefill attention on the CPU backend too (it is on the GPU unless
 	 * this is set or the GPU backend refuses the model's head_dim). */
 	bool prefill_cpu;
@@ -85,6 +90,7 @@ struct mlens_pipeline_stats {
 	uint64_t kv_read_bytes, kv_read_bytes_total;
 	bool async;		/* queues and events in use */
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
+	bool up_copy_in;	/* C's output up on queue 3 */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
 	bool kv_append_side;	/* ... on queue 2, beside the compute queue */

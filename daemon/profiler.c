@@ -1221,11 +1221,13 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
 		st->hw.act_arg = &st->plan_in;
 	}
-	/* side copies: GA's to the host on queue 2 and C's output back on
-	 * queue 3 (the pipeline's up queue; CUDA, the one backend with a side
-	 * queue, has it), beside the compute queue's kernels */
+	/* side copies: GA's to the host on queue 2 and, with up_copy_in, C's
+	 * output back on queue 3 (CUDA, the one backend with a side queue, has
+	 * it), beside the compute queue's kernels */
 	if (st->side_copy_out)
-		st->hw.b_act_d2h = st->hw.b_act_h2d = 0;
+		st->hw.b_act_d2h = 0;
+	if (st->side_copy_out && st->up_copy_in)
+		st->hw.b_act_h2d = 0;
 	st->hw.gpu_kv_append = st->gpu_kv_append;
 	/* with the side copies the GPU's K/V stores run on queue 2 too
 	 * (pipeline side_append, where the backend has kv_append_side) */

@@ -162,9 +162,10 @@ struct mlens_profile_state {
 	 * activation bytes are the executor's plan's (gpuplan.h); group 0
 	 * otherwise: the model's own */
 	struct mlens_gpuplan_in plan_in;
-	/* hybrid with gpu_copy_out = side: GA's copies to the host overlap the
-	 * compute queue, so the model does not count them in the GPU's time */
-	bool side_copy_out;
+	/* hybrid with gpu_copy_out = down or side: GA's copies to the host
+	 * overlap the compute queue, so the model does not count them in the
+	 * GPU's time; with side, the CPU attention's output going up neither */
+	bool side_copy_out, up_copy_in;
 	/* hybrid with kv_append = gpu: the GPU writes K/V into the pool */
 	bool gpu_kv_append;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */

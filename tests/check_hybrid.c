@@ -968,6 +968,9 @@ static void make_async(struct mlens_backend *be, bool side)
 /* run_equal's hybrid side: the GPU side appends K/V to the pool (the
  * pipeline's gpu_kv_append) */
 static bool run_gpu_append;
+/* ... with side copies, C's output up on queue 3 too (up_copy_in; off:
+ * gpu_copy_out = down) */
+static bool run_up_copy = true;
 
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
 		      int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
@@ -988,6 +991,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 		eo.hybrid_group_tokens = group_tokens;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
+		eo.hybrid_up_copy_in = side_out && run_up_copy;
 		eo.hybrid_gpu_kv_append = run_gpu_append;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
@@ -1079,6 +1083,7 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), mlens_pipeline_plan(p)->budget);
 			ck_assert_int_eq(st->async, async);
 			ck_assert_int_eq(st->side_copy_out, async && side_out);
+			ck_assert_int_eq(st->up_copy_in, async && side_out && run_up_copy);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
 			/* with the GPU side appending, the host side appends nothing */
 			ck_assert_int_eq(st->gpu_kv_append, run_gpu_append);
@@ -1162,6 +1167,11 @@ START_TEST(exec_equal_side_copies)
 	run_equal(1, 3, true, true, true);	/* prefill on the CPU: every row's q too */
 	ck_assert_int_gt(fa_q2_copies, 0);
 	ck_assert_int_gt(fa_q3_copies, 0);
+	run_up_copy = false;	/* gpu_copy_out = down: the output up on queue 0 */
+	run_equal(2, 0, false, true, true);
+	ck_assert_int_gt(fa_q2_copies, 0);
+	ck_assert_int_eq(fa_q3_copies, 0);
+	run_up_copy = true;
 	run_equal(2, 0, false, false, true);	/* no queues: nothing to put there */
 }
 END_TEST

@@ -43,7 +43,9 @@ static const enum mlens_dtype dtypes[N_CASES] = { MLENS_DTYPE_F32, MLENS_DTYPE_B
 						  MLENS_DTYPE_BF16 };
 static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_EXACT,
 						     MLENS_GEMM_FAST };
-/* the last case: side copies out, bf16 prefill attention */
+/* the last case: side copies out and C's output up on the upload queue
+ * (gpu_copy_out = side), SM copies for the activations (gpu_copy = sm: the
+ * upload queue's copies too), bf16 prefill attention: mlensd's defaults */
 static const bool side_tc[N_CASES] = { false, false, false, true };
 /* the GPU writes K/V into the pool in host memory (kv_append = gpu): an
  * f32 and a bf16 pool, the bf16 one from the side queue (kv_append_side,
@@ -111,11 +113,12 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	struct mlens_test_spec ts = spec(dt);
 	struct mlens_model *m = mlens_test_model_new(&ts);
 	struct mlens_backend_opts bo = { .n_threads = 4, .device = 0, .gemm = gemms[_i],
-					 .prefill_bf16 = side_tc[_i] };
+					 .prefill_bf16 = side_tc[_i], .sm_copy = side_tc[_i] };
 	struct mlens_backend g, c;
 	struct mlens_engine *e;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
-					.hybrid_gemm = gemms[_i], .hybrid_side_copy_out = side_tc[_i] };
+					.hybrid_gemm = gemms[_i], .hybrid_side_copy_out = side_tc[_i],
+					.hybrid_up_copy_in = side_tc[_i] };
 	/* the hybrid pool in page-aligned host memory, as mlensd's (the
 	 * device maps it for kv_append = gpu) */
 	struct mlens_kv_cache pool = { dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16, ts.layers, ts.kv_heads,
@@ -169,6 +172,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert(mlens_pipeline_stats(p)->async);
 		ck_assert(!mlens_pipeline_stats(p)->prefill_cpu);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->side_copy_out, side_tc[_i]);
+		ck_assert_int_eq(mlens_pipeline_stats(p)->up_copy_in, side_tc[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->gpu_kv_append, gpu_append[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->kv_append_side, gpu_append[_i] && side_tc[_i]);
 	}
@@ -225,7 +229,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	}
 	printf("[%s, %s GEMMs%s%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
 	       "%d safe greedy tokens equal\n", mlens_dtype_name(dt), mlens_gemm_mode_name(gemms[_i]),
-	       side_tc[_i] ? ", side copies out, bf16 prefill attention" : "",
+	       side_tc[_i] ? ", side copies out and up, SM copies, bf16 prefill attention" : "",
 	       gpu_append[_i] ? ", K/V appended by the GPU" : "",
 	       worst, TOL, same, safe);
 	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);

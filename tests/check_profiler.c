@@ -284,8 +284,12 @@ START_TEST(device_memory_under_copy)
 		st.side_copy_out = true;
 		mlens_profile_state_hold(&st);
 		ck_assert(st.hw.kv_store_side && st.hw.b_kv_store == p.kv_store_side_bw);
-		/* side copies: neither way holds up the compute queue (GA's go
-		 * down on queue 2, C's output up on queue 3) */
+		/* gpu_copy_out = down: GA's copies go down on queue 2, C's output
+		 * still up on the compute queue */
+		ck_assert(st.hw.b_act_h2d == p.act_h2d && st.hw.b_act_d2h == 0);
+		/* side: neither way holds up the compute queue */
+		st.up_copy_in = true;
+		mlens_profile_state_hold(&st);
 		ck_assert(st.hw.b_act_h2d == 0 && st.hw.b_act_d2h == 0);
 	}
 	/* and the attention's beside the stream, for its tier */

@@ -63,7 +63,7 @@ int mlens_bench_predict(int argc, char **argv)
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
-	bool json = false, no_shared = false, side = true, gpu_append = true;	/* mlensd's defaults */
+	bool json = false, no_shared = false, side = true, up = true, gpu_append = true;	/* mlensd's defaults */
 	struct mlens_model_config cfg;
 	struct mlens_profile_state st;
 	struct mlens_perf_sched_state ss;
@@ -97,9 +97,10 @@ int mlens_bench_predict(int argc, char **argv)
 		case 'j': json = true; break;
 		case 'S': no_shared = true; break;
 		case 'o':
-			if (strcmp(optarg, "compute") && strcmp(optarg, "side"))
-				return bad("--gpu-copy-out '%s' is not compute or side", optarg);
-			side = !strcmp(optarg, "side");
+			if (strcmp(optarg, "compute") && strcmp(optarg, "down") && strcmp(optarg, "side"))
+				return bad("--gpu-copy-out '%s' is not compute, down or side", optarg);
+			side = strcmp(optarg, "compute") != 0;
+			up = !strcmp(optarg, "side");
 			break;
 		case 'A':
 			if (strcmp(optarg, "gpu") && strcmp(optarg, "cpu"))
@@ -138,6 +139,7 @@ int mlens_bench_predict(int argc, char **argv)
 	st.plan_in.group = group;
 	st.plan_in.gemm = gemm;
 	st.side_copy_out = side;
+	st.up_copy_in = up;
 	st.gpu_kv_append = gpu_append;
 	mlens_profile_state_hold(&st);
 	/* the model as it was before the shared-memory refinement */
