@@ -413,10 +413,12 @@ static bool profile_measures(struct mlens_control *c, json_t *req)
 	       !(json_is_true(json_object_get(req, "cached")) && c->info->profile->have);
 }
 
-/* --cached with results held: arithmetic on the main thread. */
+/* --cached with results held: arithmetic on the main thread, a what-if:
+ * the held prediction (the cap's, the one stats show and workload_follow
+ * compares the traffic with) stays as it is. */
 static json_t *cmd_profile(struct mlens_control *c, json_t *req)
 {
-	struct mlens_profile_state *st = c->info->profile;
+	struct mlens_profile_state *st = c->info->profile, what_if;
 	json_t *bad;
 	double p, g;
 	int rc;
@@ -424,10 +426,11 @@ static json_t *cmd_profile(struct mlens_control *c, json_t *req)
 		return fail("profile: this daemon has no profiler");
 	if ((bad = profile_args(st, req, &p, &g)))
 		return bad;
-	rc = mlens_profile_state_predict(st, p, g);
+	what_if = *st;
+	rc = mlens_profile_state_predict(&what_if, p, g);
 	if (rc)
-		return fail("profile: %s", st->err[0] ? st->err : strerror(-rc));
-	return profile_reply(st, req);
+		return fail("profile: %s", what_if.err[0] ? what_if.err : strerror(-rc));
+	return profile_reply(&what_if, req);
 }
 
 static json_t *cmd_trace_cancel(struct mlens_control *c);

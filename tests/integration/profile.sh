@@ -136,6 +136,12 @@ grep -q '^mlens_profile_workload_tokens{part="generated"} 4$' "$tmp/metrics" || 
 ctl --json profile --cached >"$tmp/f.json" || fail "profile --cached after following"
 [ "$(jfield prompt_len <"$tmp/f.json")" = 8.0 ] && [ "$(jfield gen_len <"$tmp/f.json")" = 4.0 ] ||
 	fail "profile --cached moved the followed workload: $(grep -E '"(prompt|gen)_len"' "$tmp/f.json")"
+# --cached with lengths is a what-if: it answers for them and holds 8/4
+ctl --json profile --cached --prompt-len 300 >"$tmp/w.json" || fail "profile --cached --prompt-len 300"
+[ "$(jfield prompt_len <"$tmp/w.json")" = 300.0 ] || fail "the what-if did not predict for 300"
+[ "$(ctl --json stats | jfield profile_prompt_len)" = 8.0 ] ||
+	fail "profile --cached --prompt-len 300 moved the held workload to $(ctl --json stats | jfield profile_prompt_len)"
+[ "$(ctl --json profile --cached | jfield prompt_len)" = 8.0 ] || fail "a bare --cached after the what-if: not 8"
 # the same traffic again: within 10%, no new line
 n=$(grep -c "workload from the traffic" "$tmp/log")
 "$B/client/mlens" generate -s "$tmp/t.sock" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" -q || fail "generate again"
