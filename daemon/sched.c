@@ -62,7 +62,9 @@ struct mlens_sched {
 	int max_pos;
 	uint32_t reserve;
 	int horizon;		/* steps the admission reserve looks ahead */
-	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];	/* step scratch, [1..horizon] */
+	/* step scratch, [1..horizon]: the running sequences' demand over the
+	 * horizon (built as differences, then summed) */
+	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];
 	bool admission;
 	bool preempt_mode;
 	struct mlens_sched_tenant *wt_head;	/* tenants with waiting requests */
@@ -275,7 +277,7 @@ int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
 	s->cap = o && o->token_cap > 0 && o->token_cap < max ? o->token_cap : max;
 	s->max_pos = (int)mlens_engine_config(e)->max_position_embeddings;
 	s->reserve = o ? o->reserve_blocks : 0;
-	s->horizon = o && o->reserve_horizon > 0 ? o->reserve_horizon : s->kv->cache.block_size;
+	s->horizon = o && o->reserve_horizon > 0 ? o->reserve_horizon : MLENS_SCHED_HORIZON_MAX;
 	if (s->horizon > MLENS_SCHED_HORIZON_MAX)
 		s->horizon = MLENS_SCHED_HORIZON_MAX;
 	s->admission = true;
@@ -619,14 +621,51 @@ static int append_token(struct mlens_req *r, int32_t tok)
  * after this one, blocks for len0 + h while h <= rem (the h-th token
  * appended), and none once it has finished (its blocks are freed after its
  * last step). d[h] += sign x (its blocks then - the blocks it holds after
- * this step), h = 1..horizon. */
-static void demand_add(struct mlens_sched *s, int32_t len0, int32_t rem, int sign)
+ * this step), h = 1..horizon. x grows by one block at the h where len0 + h
+ * first passes a block (every block_size steps from the first). */
+static void demand_add(const struct mlens_sched *s, int64_t *d, int32_t len0, int32_t rem, int sign)
 {
-	int64_t b0 = mlens_kv_blocks_for(s->kv, len0);
+	const int64_t B = s->kv->cache.block_size, b0 = mlens_kv_blocks_for(s->kv, len0);
+	int64_t x = 0, next = b0 * B + 1 - len0;
 	for (int h = 1; h <= s->horizon; h++) {
-		int64_t x = h <= rem ? (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + h) - b0 : -b0;
-		s->demand[h] += sign * x;
+		if (h > rem) {
+			x = -b0;
+		} else if (h == next) {
+			x++;
+			next += B;
+		}
+		d[h] += sign * x;
 	}
+}
+
+/* The same, +1, into differences (d[h] - d[h-1]): a step or two per block
+ * of growth instead of one per step of the horizon, for the whole running
+ * set; mlens_sched_step sums them. */
+static void demand_diff(const struct mlens_sched *s, int64_t *d, int32_t len0, int32_t rem)
+{
+	const int64_t B = s->kv->cache.block_size, H = s->horizon;
+	const int64_t b0 = mlens_kv_blocks_for(s->kv, len0), end = rem < H ? rem : H;
+	for (int64_t h = b0 * B + 1 - len0; h <= end; h += B)
+		d[h] += 1;
+	if ((int64_t)rem + 1 <= H)
+		d[rem + 1] -= (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + rem);
+}
+
+bool mlens_sched_demand_agree(const struct mlens_sched *s, int32_t len0, int32_t rem)
+{
+	int64_t a[MLENS_SCHED_HORIZON_MAX + 1] = { 0 }, b[MLENS_SCHED_HORIZON_MAX + 1] = { 0 };
+	const int64_t b0 = mlens_kv_blocks_for(s->kv, len0);
+	demand_add(s, a, len0, rem, +1);
+	demand_diff(s, b, len0, rem);
+	for (int h = 2; h <= s->horizon; h++)
+		b[h] += b[h - 1];
+	for (int h = 1; h <= s->horizon; h++) {
+		/* the definition, a division a step */
+		int64_t x = h <= rem ? (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + h) - b0 : -b0;
+		if (a[h] != x || b[h] != x)
+			return false;
+	}
+	return true;
 }
 
 /* Tokens r generates after one that it has n_gen generated with: by
@@ -694,10 +733,12 @@ int mlens_sched_step(struct mlens_sched *s)
 		memset(s->demand, 0, sizeof(s->demand));
 		for (r = s->running.head; r; r = r->qnext) {
 			if (r->has_pending)
-				demand_add(s, r->seq.len, remaining(s, r, r->n_gen), +1);
+				demand_diff(s, s->demand, r->seq.len, remaining(s, r, r->n_gen));
 			else
-				demand_add(s, r->seq.len + 1, remaining(s, r, r->n_gen + 1), +1);
+				demand_diff(s, s->demand, r->seq.len + 1, remaining(s, r, r->n_gen + 1));
 		}
+		for (int h = 2; h <= s->horizon; h++)
+			s->demand[h] += s->demand[h - 1];
 	}
 
 	/* prefill: admit while the token cap, KV blocks (with a reserve for
@@ -713,12 +754,12 @@ int mlens_sched_step(struct mlens_sched *s)
 			if (tokens + len > s->cap)
 				break;
 			if (!s->reserve)
-				demand_add(s, len, rem, +1);
+				demand_add(s, s->demand, len, rem, +1);
 			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s);
 			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
 			    mlens_seq_reserve(s->kv, &r->seq, len)) {
 				if (!s->reserve)
-					demand_add(s, len, rem, -1);
+					demand_add(s, s->demand, len, rem, -1);
 				break;
 			}
 			free_blocks -= blocks;

@@ -85,20 +85,21 @@ struct mlens_sched_opts {
 	/* KV blocks kept free when admitting (beside the blocks the step's
 	 * own tokens need); 0 = the demand over a horizon (below) */
 	uint32_t reserve_blocks;
-	/* The horizon, steps (0 = the KV block size, at most
-	 * MLENS_SCHED_HORIZON_MAX): a prefill is admitted only if, for each of
-	 * the next h = 1..horizon steps, the blocks the running sequences and
-	 * it then need beyond what they hold, less what the ones that will
-	 * have finished by their max_tokens hold now, fit what is free after
-	 * it. So the sequences admitted grow for that long without a
-	 * preemption, and a pool whose sequences finish (short generations)
-	 * keeps no blocks idle for growth that the finishing ones free first.
-	 * (One block per running sequence, the rule before, is the same
-	 * guarantee with nothing credited for finishing.) */
+	/* The horizon, steps (0 = MLENS_SCHED_HORIZON_MAX, its largest): a
+	 * prefill is admitted only if, for each of the next h = 1..horizon
+	 * steps, the blocks the running sequences and it then need beyond what
+	 * they hold, less what the ones that will have finished by their
+	 * max_tokens hold now, fit what is free after it. So the sequences
+	 * admitted grow for that long without a preemption (a generation no
+	 * longer than it: to its end, even when a pool-full of them starts and
+	 * grows together), and a pool whose sequences finish keeps no blocks
+	 * idle for growth that the finishing ones free first. (One block per
+	 * running sequence, the rule before, is the same guarantee for one
+	 * step with nothing credited for finishing.) */
 	int reserve_horizon;
 };
 
-#define MLENS_SCHED_HORIZON_MAX 64
+#define MLENS_SCHED_HORIZON_MAX 256
 
 #define MLENS_LAT_BUCKETS 16
 /* Upper bounds (seconds) of the latency histogram buckets; the last is +Inf. */
@@ -170,6 +171,12 @@ int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint
 int mlens_sched_step(struct mlens_sched *s);
 /* Try again to deliver events held back by full completion rings. */
 void mlens_sched_flush(struct mlens_sched *s);
+/* For check_sched: whether the admission reserve's two forms of one
+ * sequence's demand over the horizon (holding len0 tokens after this step,
+ * rem more to generate), the per-step one that candidates add and the
+ * differences that the step sums for the running set, both equal its
+ * definition (a block count a step). */
+bool mlens_sched_demand_agree(const struct mlens_sched *s, int32_t len0, int32_t rem);
 
 bool mlens_sched_idle(const struct mlens_sched *s);
 void mlens_sched_set_admission(struct mlens_sched *s, bool open);

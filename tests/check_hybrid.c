@@ -1450,7 +1450,8 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 	struct mlens_backend be, attn;
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 14, .kv_dtype = -1,
 					.max_step_tokens = 64, .prefill_attn = MLENS_PREFILL_OP };
-	struct mlens_sched_opts so = { .token_cap = 0 };
+	/* a one-step look-ahead: the small pool preempts as sequences grow */
+	struct mlens_sched_opts so = { .token_cap = 0, .reserve_horizon = 1 };
 	struct mlens_quota q = { 0, 0, 1000, 1.0 };
 	struct mlens_engine *e;
 	struct mlens_sched *s;

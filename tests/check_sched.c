@@ -43,17 +43,23 @@ struct fx {
 	struct mlens_sched *s;
 };
 
-static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
+/* horizon: the admission reserve's look-ahead (0: the scheduler's) */
+static void fx_open_h(struct fx *f, uint32_t kv_blocks, int cap, int horizon)
 {
 	struct mlens_test_spec sp = mlens_test_spec_tiny();
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = kv_blocks, .kv_dtype = -1,
 					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
-	struct mlens_sched_opts so = { .token_cap = cap };
+	struct mlens_sched_opts so = { .token_cap = cap, .reserve_horizon = horizon };
 	char err[256];
 	f->m = mlens_test_model_new(&sp);
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
 	ck_assert_msg(mlens_engine_create(&f->e, f->m, &f->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_sched_create(&f->s, f->e, &so), 0);
+}
+
+static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
+{
+	fx_open_h(f, kv_blocks, cap, 0);
 }
 
 static void fx_close(struct fx *f)
@@ -167,7 +173,8 @@ static void reference(int nreq, const int *lens, int g, int32_t ref[][64], struc
 START_TEST(preemption_keeps_tokens)
 {
 	/* 12 requests, a pool of 40 blocks of 4 tokens: they cannot all grow
-	 * to prompt + 24 tokens at once, so the scheduler must preempt */
+	 * to prompt + 24 tokens at once, and the admission looks one step
+	 * ahead only, so the scheduler must preempt */
 	enum { N = 12, G = 24 };
 	int lens[N];
 	int32_t ref[N][64], got[64];
@@ -182,7 +189,7 @@ START_TEST(preemption_keeps_tokens)
 	}
 	reference(N, lens, G, ref, samp);
 
-	fx_open(&f, 40, 0);
+	fx_open_h(&f, 40, 0, 1);
 	tenant_init(&t, q_default());
 	for (int i = 0; i < N; i++) {
 		int32_t p[64];
@@ -256,6 +263,49 @@ START_TEST(admission_reserve_horizon)
 		ck_assert_int_eq(tokens_of(&t, (uint64_t)i, got, &fin), 4);
 		ck_assert_int_eq(fin, MLENS_FINISH_LENGTH);
 	}
+	fx_close(&f);
+
+	/* a pool-full that starts together and grows together past many
+	 * blocks (the ramp of a benchmark, a burst of arrivals): 10 prompts
+	 * of one block that grow to four (12 tokens more) in a pool of 30.
+	 * The reserve looks far enough ahead to see the growth to the end, so
+	 * 7 are admitted (1 + 3 blocks each over their life: 28; the others
+	 * as the first ones near their end) and none is preempted; a
+	 * look-ahead of a block's steps (4) saw two blocks each, let all 10
+	 * in, and preempted when they grew past the pool. */
+	fx_open(&f, 30, 0);
+	tenant_init(&t, q_default());
+	submit_n(&f, &t, 10, 4, 12, 1);
+	ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.last_step_seqs, 7);
+	run_until_idle(&f, 1000);
+	ck_assert(mlens_sched_idle(f.s));
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.requests_done, 10);
+	ck_assert_uint_eq(st.preemptions, 0);
+	fx_close(&f);
+}
+END_TEST
+
+/* The reserve's demand of one sequence two ways (sched.h), per step as a
+ * candidate adds it and as the differences summed for the running set,
+ * against its definition, over lengths around block edges and generations
+ * shorter and longer than the horizon (the default, 256 steps, and 37, no
+ * multiple of the fixture's block of 4). */
+START_TEST(reserve_demand_forms_agree)
+{
+	struct fx f;
+	fx_open(&f, 64, 0);
+	for (int32_t len0 = 0; len0 <= 70; len0++)
+		for (int32_t rem = 0; rem <= MLENS_SCHED_HORIZON_MAX + 40; rem += rem < 40 ? 1 : 7)
+			ck_assert_msg(mlens_sched_demand_agree(f.s, len0, rem), "len0 %d rem %d", len0, rem);
+	fx_close(&f);
+	fx_open_h(&f, 64, 0, 37);	/* a horizon that is no multiple of the block */
+	for (int32_t len0 = 0; len0 <= 70; len0++)
+		for (int32_t rem = 0; rem <= 80; rem++)
+			ck_assert_msg(mlens_sched_demand_agree(f.s, len0, rem), "h 37: len0 %d rem %d", len0,
+				      rem);
 	fx_close(&f);
 }
 END_TEST
@@ -564,8 +614,9 @@ END_TEST
 START_TEST(eviction_while_a_token_waits)
 {
 	/* tenant a stops reading after 2 events, so its requests hold pending
-	 * tokens; the pool is so small that they get evicted in that state.
-	 * Once a reads again, every token arrives once, in order, unchanged. */
+	 * tokens; the pool is so small (and the admission's look-ahead one
+	 * step) that they get evicted in that state. Once a reads again,
+	 * every token arrives once, in order, unchanged. */
 	enum { N = 6, G = 30 };
 	int lens[N];
 	int32_t ref[N][64], got[64];
@@ -575,7 +626,7 @@ START_TEST(eviction_while_a_token_waits)
 	for (int i = 0; i < N; i++)
 		lens[i] = 4 + i;
 	reference(N, lens, G, ref, NULL);
-	fx_open(&f, 24, 0);
+	fx_open_h(&f, 24, 0, 1);
 	tenant_init(&a, q_default());
 	tenant_init(&b, q_default());
 	a.room = 2;
@@ -724,6 +775,7 @@ static Suite *sched_suite(void)
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, preemption_keeps_tokens);
 	tcase_add_test(tc, admission_reserve_horizon);
+	tcase_add_test(tc, reserve_demand_forms_agree);
 	tcase_add_test(tc, token_cap_respected);
 	tcase_add_test(tc, refusals);
 	tcase_add_test(tc, full_ring_stalls_only_its_tenant);

@@ -44,6 +44,7 @@ expect_config_error "bad.conf:1: key 'threads': 'two' is not an integer" "thread
 expect_config_error "bad.conf:1: expected 'key = value'" "kv_cache 1G"
 expect_config_error "bad.conf:1: key 'gpu_copy': 'dma' is not one of engine, sm" "gpu_copy = dma"
 expect_config_error "bad.conf:1: key 'gpu_copy_out': 'both' is not one of compute, down, side" "gpu_copy_out = both"
+expect_config_error "bad.conf:1: key 'admit_lookahead': 300 is outside [1, 256]" "admit_lookahead = 300"
 expect_config_error "bad.conf:1: key 'gpu_prefill_attention': 'half' is not one of auto, fp32, bf16" "gpu_prefill_attention = half"
 expect_config_error "bad.conf:1: key 'gpu_gemm': 'exactish' is not one of fast, exact" "gpu_gemm = exactish"
 expect_config_error "bad.conf:1: key 'kv_append': 'disk' is not one of gpu, cpu" "kv_append = disk"

@@ -140,7 +140,7 @@ fi
 for k in 11 12 13 14; do
 	tc -s "$T/main.sock" --seed $k -n 4 -g 200 > "$T/pl_$k.out" || fail "lone run $k"
 done
-start_daemon small --kv-cache 600K
+start_daemon small --kv-cache 600K --admit-lookahead 1	# admits past what growth will need
 for k in 11 12 13 14; do
 	tc -s "$T/small.sock" --seed $k -n 4 -g 200 > "$T/ps_$k.out" &
 	CL="$CL $!"
