@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 #include "kernels/backend.h"
+#include "tests/gpulock.h"
 
 static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm, gpu_tc;
 /* the CUDA backend under test: gpu (fast GEMMs), gpu_exact, gpu_sm or
@@ -1138,6 +1139,7 @@ int main(void)
 		fprintf(stderr, "check_cuda: no CUDA GPU here; skipped\n");
 		return 77;
 	}
+	mlens_test_gpu_lock("check_cuda");	/* its timing marks, its memory counts */
 	/* CUDA does not survive fork(): run the tests in this process */
 	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
 	    mlens_backend_create(&gpu_exact, "cuda", &ox) ||

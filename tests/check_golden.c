@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "tests/golden/golden.h"
+#include "tests/gpulock.h"
 
 static const char *backend = "cpu";
 static enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
@@ -394,6 +395,8 @@ int main(void)
 		fprintf(stderr, "check_golden: backend '%s': %s\n", backend, strerror(-rc));
 		return 1;
 	}
+	if (!rc && strcmp(mlens_golden_gpu_side(backend), "cpu"))
+		mlens_test_gpu_lock("check_golden");	/* one GPU test at a time */
 	if (rc) {	/* not built in, or no device: skip */
 		fprintf(stderr, "check_golden: backend '%s' unavailable (%s): skipped\n", backend,
 			strerror(-rc));

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 #include "daemon/gpuplan.h"
 #include "daemon/pipeline.h"
+#include "tests/gpulock.h"
 #include "tests/testmodel.h"
 
 #define N_SEQ 4
@@ -256,6 +257,7 @@ int main(void)
 		fprintf(stderr, "check_hybrid_cuda: no CUDA GPU here; skipped\n");
 		return 77;
 	}
+	mlens_test_gpu_lock("check_hybrid_cuda");	/* the budget against cudaMemGetInfo */
 	s = suite_create("hybrid_cuda");
 	tc = tcase_create("pipeline");
 	tcase_set_timeout(tc, 120);

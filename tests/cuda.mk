@@ -5,7 +5,7 @@ if HAVE_CUDA
 if HAVE_CHECK
 check_PROGRAMS += tests/check_cuda
 TESTS += tests/check_cuda
-tests_check_cuda_SOURCES = tests/check_cuda.c
+tests_check_cuda_SOURCES = tests/check_cuda.c tests/gpulock.h
 tests_check_cuda_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_cuda_LDADD = kernels/libmlens_kernels.la $(CHECK_LIBS) $(CUDA_LIBS)
 endif

@@ -16,7 +16,7 @@ EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/fi
 if HAVE_CHECK
 check_PROGRAMS += tests/check_golden
 TESTS += tests/check_golden
-tests_check_golden_SOURCES = tests/check_golden.c
+tests_check_golden_SOURCES = tests/check_golden.c tests/gpulock.h
 tests_check_golden_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_golden_LDADD = tests/libmlens_golden.la daemon/libmlens_core.la $(CHECK_LIBS)
 if HAVE_CUDA

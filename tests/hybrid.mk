@@ -24,7 +24,7 @@ if HAVE_CUDA
 if HAVE_CHECK
 check_PROGRAMS += tests/check_hybrid_cuda
 TESTS += tests/check_hybrid_cuda
-tests_check_hybrid_cuda_SOURCES = tests/check_hybrid_cuda.c
+tests_check_hybrid_cuda_SOURCES = tests/check_hybrid_cuda.c tests/gpulock.h
 tests_check_hybrid_cuda_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(CUDA_CFLAGS)
 tests_check_hybrid_cuda_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) $(CUDA_LIBS) -lm
 endif
