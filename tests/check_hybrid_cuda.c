@@ -46,7 +46,7 @@ static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM
 						     MLENS_GEMM_FAST };
 /* the last case: side copies out and C's output up on the upload queue
  * (gpu_copy_out = side), SM copies for the activations (gpu_copy = sm: the
- * upload queue's copies too), bf16 prefill attention: mlensd's defaults */
+ * upload queue's copies too), bf16 prefill attention */
 static const bool side_tc[N_CASES] = { false, false, false, true };
 /* the GPU writes K/V into the pool in host memory (kv_append = gpu): an
  * f32 and a bf16 pool, the bf16 one from the side queue (kv_append_side,

@@ -63,7 +63,7 @@ int mlens_bench_predict(int argc, char **argv)
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
-	bool json = false, no_shared = false, side = true, up = true, gpu_append = true;	/* mlensd's defaults */
+	bool json = false, no_shared = false, side = true, up = false, gpu_append = true;	/* mlensd's defaults */
 	struct mlens_model_config cfg;
 	struct mlens_profile_state st;
 	struct mlens_perf_sched_state ss;
