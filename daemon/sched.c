@@ -62,8 +62,8 @@ struct mlens_sched {
 	int max_pos;
 	uint32_t reserve;
 	int horizon;		/* steps the admission reserve looks ahead */
-	/* step scratch, [1..horizon]: the running sequences' demand over the
-	 * horizon (built as differences, then summed) */
+	/* step scratch, [1..horizon]: the demand over the horizon of the
+	 * running sequences and the prompts admitted so far, as differences */
 	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];
 	bool admission;
 	bool preempt_mode;
@@ -133,6 +133,13 @@ static void q_push_head(struct list *l, struct mlens_req *r)
 static void wait_push(struct mlens_sched *s, struct mlens_req *r, bool head)
 {
 	struct mlens_sched_tenant *t = r->t;
+	if (!t->wait_head) {	/* its first: the tenant joins the list */
+		t->wt_prev = NULL;
+		t->wt_next = s->wt_head;
+		if (s->wt_head)
+			s->wt_head->wt_prev = t;
+		s->wt_head = t;
+	}
 	if (head) {
 		q_push_head(&s->waiting, r);
 		r->wseq = --s->wseq_head;
@@ -154,14 +161,6 @@ static void wait_push(struct mlens_sched *s, struct mlens_req *r, bool head)
 			t->wait_head = r;
 		t->wait_tail = r;
 	}
-	if (!t->in_wt) {
-		t->wt_prev = NULL;
-		t->wt_next = s->wt_head;
-		if (s->wt_head)
-			s->wt_head->wt_prev = t;
-		s->wt_head = t;
-		t->in_wt = true;
-	}
 }
 
 static void wait_remove(struct mlens_sched *s, struct mlens_req *r)
@@ -177,7 +176,7 @@ static void wait_remove(struct mlens_sched *s, struct mlens_req *r)
 	else
 		t->wait_tail = r->wprev;
 	r->wnext = r->wprev = NULL;
-	if (!t->wait_head && t->in_wt) {
+	if (!t->wait_head) {	/* its last: the tenant leaves the list */
 		if (t->wt_prev)
 			t->wt_prev->wt_next = t->wt_next;
 		else
@@ -185,7 +184,6 @@ static void wait_remove(struct mlens_sched *s, struct mlens_req *r)
 		if (t->wt_next)
 			t->wt_next->wt_prev = t->wt_prev;
 		t->wt_next = t->wt_prev = NULL;
-		t->in_wt = false;
 	}
 }
 
@@ -620,51 +618,52 @@ static int append_token(struct mlens_req *r, int32_t tok)
  * KV after this step and will still generate rem tokens needs, at step h
  * after this one, blocks for len0 + h while h <= rem (the h-th token
  * appended), and none once it has finished (its blocks are freed after its
- * last step). d[h] += sign x (its blocks then - the blocks it holds after
- * this step), h = 1..horizon. x grows by one block at the h where len0 + h
- * first passes a block (every block_size steps from the first). */
-static void demand_add(const struct mlens_sched *s, int64_t *d, int32_t len0, int32_t rem, int sign)
-{
-	const int64_t B = s->kv->cache.block_size, b0 = mlens_kv_blocks_for(s->kv, len0);
-	int64_t x = 0, next = b0 * B + 1 - len0;
-	for (int h = 1; h <= s->horizon; h++) {
-		if (h > rem) {
-			x = -b0;
-		} else if (h == next) {
-			x++;
-			next += B;
-		}
-		d[h] += sign * x;
-	}
-}
-
-/* The same, +1, into differences (d[h] - d[h-1]): a step or two per block
- * of growth instead of one per step of the horizon, for the whole running
- * set; mlens_sched_step sums them. */
-static void demand_diff(const struct mlens_sched *s, int64_t *d, int32_t len0, int32_t rem)
+ * last step): x(h) = its blocks then - the blocks it holds after this
+ * step, h = 1..horizon. It goes into d as differences, d[h] += sign
+ * (x(h) - x(h-1)): +1 where len0 + h first passes a block (every
+ * block_size steps from the first), -blocks(len0 + rem) at rem + 1; so a
+ * sequence costs a step a block of growth, not one a step of the horizon.
+ * demand_peak sums them. */
+static void demand_add(const struct mlens_sched *s, int64_t *d, int32_t len0, int32_t rem,
+		       int sign)
 {
 	const int64_t B = s->kv->cache.block_size, H = s->horizon;
 	const int64_t b0 = mlens_kv_blocks_for(s->kv, len0), end = rem < H ? rem : H;
 	for (int64_t h = b0 * B + 1 - len0; h <= end; h += B)
-		d[h] += 1;
+		d[h] += sign;
 	if ((int64_t)rem + 1 <= H)
-		d[rem + 1] -= (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + rem);
+		d[rem + 1] -= sign * (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + rem);
+}
+
+/* The largest demand over the horizon (0 when none is positive). */
+static int64_t demand_peak(const struct mlens_sched *s, const int64_t *d)
+{
+	int64_t m = 0, x = 0;
+	for (int h = 1; h <= s->horizon; h++) {
+		x += d[h];
+		if (x > m)
+			m = x;
+	}
+	return m;
 }
 
 bool mlens_sched_demand_agree(const struct mlens_sched *s, int32_t len0, int32_t rem)
 {
-	int64_t a[MLENS_SCHED_HORIZON_MAX + 1] = { 0 }, b[MLENS_SCHED_HORIZON_MAX + 1] = { 0 };
+	int64_t d[MLENS_SCHED_HORIZON_MAX + 1] = { 0 }, sum = 0;
 	const int64_t b0 = mlens_kv_blocks_for(s->kv, len0);
-	demand_add(s, a, len0, rem, +1);
-	demand_diff(s, b, len0, rem);
-	for (int h = 2; h <= s->horizon; h++)
-		b[h] += b[h - 1];
+	demand_add(s, d, len0, rem, +1);
 	for (int h = 1; h <= s->horizon; h++) {
 		/* the definition, a division a step */
 		int64_t x = h <= rem ? (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len0 + h) - b0 : -b0;
-		if (a[h] != x || b[h] != x)
+		sum += d[h];
+		if (sum != x)
 			return false;
 	}
+	/* and the peak as the admission takes it */
+	demand_add(s, d, len0, rem, -1);
+	for (int h = 1; h <= s->horizon; h++)
+		if (d[h])
+			return false;
 	return true;
 }
 
@@ -676,15 +675,6 @@ static int32_t remaining(const struct mlens_sched *s, const struct mlens_req *r,
 	int32_t by_max = r->max_tokens - n_gen, by_pos = s->max_pos - (r->n_prompt + n_gen);
 	int32_t rem = by_max < by_pos ? by_max : by_pos;
 	return rem > 0 ? rem : 0;
-}
-
-static int64_t demand_peak(const struct mlens_sched *s)
-{
-	int64_t m = 0;
-	for (int h = 1; h <= s->horizon; h++)
-		if (s->demand[h] > m)
-			m = s->demand[h];
-	return m;
 }
 
 int mlens_sched_step(struct mlens_sched *s)
@@ -733,12 +723,10 @@ int mlens_sched_step(struct mlens_sched *s)
 		memset(s->demand, 0, sizeof(s->demand));
 		for (r = s->running.head; r; r = r->qnext) {
 			if (r->has_pending)
-				demand_diff(s, s->demand, r->seq.len, remaining(s, r, r->n_gen));
+				demand_add(s, s->demand, r->seq.len, remaining(s, r, r->n_gen), +1);
 			else
-				demand_diff(s, s->demand, r->seq.len + 1, remaining(s, r, r->n_gen + 1));
+				demand_add(s, s->demand, r->seq.len + 1, remaining(s, r, r->n_gen + 1), +1);
 		}
-		for (int h = 2; h <= s->horizon; h++)
-			s->demand[h] += s->demand[h - 1];
 	}
 
 	/* prefill: admit while the token cap, KV blocks (with a reserve for
@@ -755,7 +743,7 @@ int mlens_sched_step(struct mlens_sched *s)
 				break;
 			if (!s->reserve)
 				demand_add(s, s->demand, len, rem, +1);
-			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s);
+			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
 			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
 			    mlens_seq_reserve(s->kv, &r->seq, len)) {
 				if (!s->reserve)

@@ -68,11 +68,11 @@ struct mlens_sched_tenant {
 	/* private: the scheduler's */
 	struct mlens_req *reqs;	/* every live request of this tenant */
 	/* its waiting requests in the waiting queue's order, and its place in
-	 * the scheduler's list of tenants that have some (admission looks at
-	 * each such tenant's first, not at every waiting request) */
+	 * the scheduler's list of tenants that have some (it is there exactly
+	 * while wait_head is set; admission looks at each such tenant's
+	 * first, not at every waiting request) */
 	struct mlens_req *wait_head, *wait_tail;
 	struct mlens_sched_tenant *wt_next, *wt_prev;
-	bool in_wt;
 	/* its live requests by id (chained through the request), while it
 	 * has any: a submission's duplicate check and a cancel find theirs
 	 * without walking every request of the tenant */
@@ -171,11 +171,10 @@ int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint
 int mlens_sched_step(struct mlens_sched *s);
 /* Try again to deliver events held back by full completion rings. */
 void mlens_sched_flush(struct mlens_sched *s);
-/* For check_sched: whether the admission reserve's two forms of one
- * sequence's demand over the horizon (holding len0 tokens after this step,
- * rem more to generate), the per-step one that candidates add and the
- * differences that the step sums for the running set, both equal its
- * definition (a block count a step). */
+/* For check_sched: whether the admission reserve's demand of one sequence
+ * over the horizon (holding len0 tokens after this step, rem more to
+ * generate), kept as differences, sums to its definition (a block count a
+ * step) and comes out again when taken back. */
 bool mlens_sched_demand_agree(const struct mlens_sched *s, int32_t len0, int32_t rem);
 
 bool mlens_sched_idle(const struct mlens_sched *s);

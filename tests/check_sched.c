@@ -288,8 +288,7 @@ START_TEST(admission_reserve_horizon)
 }
 END_TEST
 
-/* The reserve's demand of one sequence two ways (sched.h), per step as a
- * candidate adds it and as the differences summed for the running set,
+/* The reserve's demand of one sequence (sched.h), kept as differences,
  * against its definition, over lengths around block edges and generations
  * shorter and longer than the horizon (the default, 256 steps, and 37, no
  * multiple of the fixture's block of 4). */

@@ -250,8 +250,10 @@ int mlens_cuda_device_view(const void *p, void **dev, bool *host)
 	return -EFAULT;
 }
 
-int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes,
-		    bool to_device)
+/* A copy on stream st: with sm_copy and mapped host memory by the SMs
+ * (in at most max_blocks blocks, 0: as many as pay), else a copy engine. */
+static int copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, unsigned max_blocks, void *dst,
+		   const void *src, size_t bytes, bool to_device)
 {
 	if (!bytes)
 		return 0;
@@ -259,14 +261,19 @@ int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t
 		void *mapped;
 		bool host;
 		if (!mlens_cuda_device_view(to_device ? src : dst, &mapped, &host) && host)
-			return to_device ? mlens_cuda_sm_copy(c, dst, mapped, bytes)
-					 : mlens_cuda_sm_copy(c, mapped, src, bytes);
+			return to_device ? mlens_cuda_sm_copy_on(c, st, dst, mapped, bytes, max_blocks)
+					 : mlens_cuda_sm_copy_on(c, st, mapped, src, bytes, max_blocks);
 		/* not mapped (pageable memory): a copy engine does it */
 	}
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
-				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
-				 c->stream));
+				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, st));
 	return 0;
+}
+
+int mlens_cuda_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes,
+		    bool to_device)
+{
+	return copy_on(c, c->stream, 0, dst, src, bytes, to_device);
 }
 
 /* ==== staging and scratch ==== */
@@ -908,18 +915,10 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 		return 0;
 	if (queue == 0)
 		return mlens_cuda_copy(c, dst, src, bytes, to_device);
-	if (queue == 3 && c->sm_copy) {
-		/* the SMs, in a few blocks: an upload on a copy engine can wait
-		 * behind every weight piece the mover queued (gpu_copy) */
-		void *mapped;
-		bool host;
-		if (!mlens_cuda_device_view(to_device ? src : dst, &mapped, &host) && host)
-			return to_device ? mlens_cuda_sm_copy_on(c, c->up_stream, dst, mapped, bytes,
-								 (unsigned)c->up_blocks)
-					 : mlens_cuda_sm_copy_on(c, c->up_stream, mapped, src, bytes,
-								 (unsigned)c->up_blocks);
-	}
-	/* queues 1 to 3: a copy engine each way */
+	if (queue == 3)	/* as queue 0's, in a few blocks: an upload on a copy
+			 * engine can wait behind every weight piece queued */
+		return copy_on(c, c->up_stream, (unsigned)c->up_blocks, dst, src, bytes, to_device);
+	/* queues 1 and 2: a copy engine each way */
 	CUDA_RET(cudaMemcpyAsync(dst, src, bytes,
 				 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
 				 queue_stream(c, queue)));

@@ -617,11 +617,6 @@ __global__ void sm_copy_kernel(char *dst, const char *src, size_t bytes, bool wi
 		dst[i] = src[i];
 }
 
-int mlens_cuda_sm_copy(struct mlens_cuda_ctx *c, void *dst, const void *src, size_t bytes)
-{
-	return mlens_cuda_sm_copy_on(c, c->stream, dst, src, bytes, 0);
-}
-
 int mlens_cuda_sm_copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, void *dst, const void *src,
 			  size_t bytes, unsigned max_blocks)
 {
