@@ -704,7 +704,15 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		return rc;
 	if ((rc = mlens_cuda_copy(c, counts_h, counts, (size_t)E * 4, false)))
 		return rc;
-	CUDA_RET(cudaStreamSynchronize(c->stream));
+	CUDA_RET(cudaEventRecord(c->moe_counts, c->stream));
+	/* gather x rows into expert order, already in the weights' dtype (it
+	 * needs only perm): queued before the host waits for the counts, so
+	 * the GPU has it to do while the host wakes and launches the GEMMs */
+	rc = split ? mlens_cuda_split_rows(c, xe, w->dtype, x, perm, k, (int)rows, H, rows * H)
+		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
+	if (rc)
+		return rc;
+	CUDA_RET(cudaEventSynchronize(c->moe_counts));
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
 		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e]))
@@ -717,11 +725,6 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 			rows - (size_t)r0, rows, E);
 		return -EINVAL;
 	}
-	/* gather x rows into expert order, already in the weights' dtype */
-	rc = split ? mlens_cuda_split_rows(c, xe, w->dtype, x, perm, k, (int)rows, H, rows * H)
-		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
-	if (rc)
-		return rc;
 	if ((rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, pc, y)))
 		return rc;
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
@@ -1108,6 +1111,8 @@ static void cuda_destroy(void *ctx)
 	}
 	if (c->moe_fork)
 		cudaEventDestroy(c->moe_fork);
+	if (c->moe_counts)
+		cudaEventDestroy(c->moe_counts);
 	for (int i = 0; c->timers && i < MLENS_BACKEND_TIMERS; i++)
 		if (c->timers[i])
 			cudaEventDestroy(c->timers[i]);
@@ -1290,6 +1295,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_join[i], cudaEventDisableTiming), rc, fail);
 	}
 	CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_fork, cudaEventDisableTiming), rc, fail);
+	CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_counts, cudaEventDisableTiming), rc, fail);
 	c->blas_ws_bytes = MLENS_CUDA_BLAS_WS;
 	c->blas_ws = dev_alloc(c, c->blas_ws_bytes * (size_t)c->moe_streams);
 	if (!c->blas_ws) {

@@ -59,6 +59,10 @@ struct mlens_cuda_ctx {
 	int moe_streams;
 	cudaStream_t moe_stream[MLENS_MOE_STREAMS_MAX];
 	cudaEvent_t moe_fork, moe_join[MLENS_MOE_STREAMS_MAX];
+	/* recorded after the expert counts' copy to the host: the host waits
+	 * for it, not for the whole stream, so the gather queued behind it
+	 * runs while the host wakes up */
+	cudaEvent_t moe_counts;
 
 	/* host metadata goes pinned host -> device staging, one copy per op:
 	 * the compute stream's ops through stage, the side K/V append (queue
