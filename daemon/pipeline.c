@@ -823,7 +823,7 @@ const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipel
 	return &p->st;
 }
 
-/* Backend events past the program's, per set: GA's kernels done (queue 2
+/* Backend events past the program's, per set: q, k and v final in GA (queue 2
  * starts the set's copies to the host after it) and C's output uploaded
  * (on queue 3, with p->up; GB waits for it). */
 #define PL_EV_GA_DONE MLENS_PIPE_EV_N
@@ -886,21 +886,24 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
 		p->st.d2h_act_bytes += (size_t)n * kvd * 2 * mlens_dtype_size(p->kv.cache.dtype);
 	}
-	if (gr->n_pre && !p->prefill_cpu)
-		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
-				    1.0f / sqrtf((float)hd)));
 	if (p->side) {
-		/* queue 2 copies once the kernels above are done; the set's
-		 * next writer, GA(i+2), is issued only after C(i) waited for
-		 * the copies (its qkv record is on queue 2, run_cmd) */
+		/* queue 2 copies once q, k and v are final (RoPE done), beside
+		 * the prefill attention below, which only reads them: C(i)
+		 * waits for these copies, and a prefill attention before them
+		 * lengthened that wait. The set's next writer, GA(i+2), is
+		 * issued only after C(i) waited for the copies (its qkv record
+		 * is on queue 2, run_cmd) */
 		int ev = PL_EV_GA_DONE + (int)(S - p->set);
 		TRY(G->event_record(GC, 0, ev));
 		TRY(G->event_wait(GC, 2, ev));
-		/* the stores behind GA's kernels, beside queue 0's next ones;
-		 * S->k and S->v stay as they are until C(i) has waited (above) */
+		/* the stores beside queue 0's next kernels; S->k and S->v stay
+		 * as they are until C(i) has waited (above) */
 		if (p->side_append)
 			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
 	}
+	if (gr->n_pre && !p->prefill_cpu)
+		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
+				    1.0f / sqrtf((float)hd)));
 	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
 		TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
 		TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
