@@ -25,6 +25,7 @@ struct mlens_config {
 	char *gpu_prefill_attention;	/* "auto", "fp32" or "bf16" */
 	char *gpu_copy_out;	/* "compute", "down" or "side": where the activation copies run */
 	char *kv_append;	/* "gpu" or "cpu": who appends K/V to the hybrid pool */
+	char *attn_up;		/* "half" or "fp32": the CPU attention's output on its way up */
 	char *gpu_sync;		/* "auto", "spin", "yield" or "block": host waits for the GPU */
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */
 	uint64_t kv_cache;

@@ -42,6 +42,7 @@ struct mlens_engine_opts {
 	enum mlens_gemm_mode hybrid_gemm;	/* the GPU backend's GEMM mode (its scratch) */
 	bool hybrid_side_copy_out;	/* GA's copies to the host on queue 2 (pipeline.h) */
 	bool hybrid_up_copy_in;		/* ... and C's output up on queue 3 (pipeline.h) */
+	bool hybrid_att_up_half;	/* C's output up in the weights' dtype (pipeline.h) */
 	bool hybrid_gpu_kv_append;	/* the GPU side appends K/V to the pool (pipeline.h) */
 	uint64_t hybrid_workspace;	/* the GPU backend's own bytes; 0 = MLENS_GPUPLAN_WORKSPACE */
 };

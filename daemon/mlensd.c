@@ -276,6 +276,13 @@ static bool up_copy_in(void)
 	return !strcmp(D.cfg.gpu_copy_out, "side");
 }
 
+/* attn_up = half (the config allows only half or fp32); the pipeline takes
+ * it where the GPU backend's O projection rounds its input anyway. */
+static bool att_up_half(void)
+{
+	return !strcmp(D.cfg.attn_up, "half");
+}
+
 /* kv_append = gpu (the config allows only gpu or cpu). */
 static bool gpu_kv_append(void)
 {
@@ -328,6 +335,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->side_copy_out = D.hybrid && side_copy_out();
 	st->up_copy_in = D.hybrid && up_copy_in();
 	st->gpu_kv_append = D.hybrid && gpu_kv_append();
+	st->att_up_half = D.hybrid && att_up_half() && mlens_pipeline_half_att(&D.be, &D.attn, &D.model->cfg);
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;
@@ -401,7 +409,7 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	/* the enumerated keys (log_level, backend, gpu_gemm, gpu_copy,
-	 * gpu_copy_out, gpu_prefill_attention, kv_append, gpu_sync,
+	 * gpu_copy_out, gpu_prefill_attention, kv_append, attn_up, gpu_sync,
 	 * attn_kernel) were checked against their choices when read
 	 * (config.c, T_ENUM) */
 	level = mlens_log_parse_level(D.cfg.log_level);
@@ -569,6 +577,7 @@ int main(int argc, char **argv)
 		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_side_copy_out = side_copy_out();
 		eo.hybrid_up_copy_in = up_copy_in();
+		eo.hybrid_att_up_half = att_up_half();
 		eo.hybrid_gpu_kv_append = gpu_kv_append();
 		eo.hybrid_workspace = mlens_gpuplan_workspace(bo.moe_streams);
 		eo.hybrid_piece_bytes = D.cfg.weight_piece;
@@ -581,8 +590,11 @@ int main(int argc, char **argv)
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
 		struct mlens_perf_model pm;
 		char line[512];
-		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s", mlens_now() - t_engine,
-			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool");
+		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s; the CPU attention's output goes up in %s",
+			 mlens_now() - t_engine,
+			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool",
+			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32");
+
 		mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt);
 		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
 				     sizeof(line));

@@ -330,6 +330,7 @@ static bool hw_ok(const struct mlens_perf_hw *hw)
 {
 	return hw->b_io > 0 && hw->b_d2h >= 0 && hw->b_kv_store >= 0 && hw->b_mem > 0 && hw->b_attn > 0 &&
 	       hw->h2d_per_token >= 0 && hw->c_attn >= 0 && hw->b_act_h2d >= 0 &&
+	       hw->att_up_bytes >= 0 &&
 	       hw->b_act_d2h >= 0 && hw->b_io_shared >= 0 && hw->b_attn_shared >= 0 && hw->b_append >= 0 &&
 	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
 }
@@ -356,7 +357,7 @@ static double step_gpu_extra(const struct mlens_perf_model *pm, const struct mle
 	if (hw->b_act_d2h > 0)
 		t += (fd * d * (qd + 2 * kvd) + fp * P * 2 * kvd) * ab / hw->b_act_d2h;
 	if (hw->b_act_h2d > 0)
-		t += fd * d * qd * ab / hw->b_act_h2d;
+		t += fd * d * qd * (hw->att_up_bytes > 0 ? hw->att_up_bytes : ab) / hw->b_act_h2d;
 	/* the GPU's K/V stores into the pool, on the compute queue */
 	if (hw->gpu_kv_append && !hw->kv_store_side && hw->b_kv_store > 0)
 		t += (fd * d + fp * P) * (double)pm->kv_token_bytes / hw->b_kv_store;
@@ -380,7 +381,8 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	/* H2D: streamed experts + attention outputs of decode tokens;
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
 	streamed = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts);
-	h2d = streamed + d * qd * ab + st->tokens * hw->h2d_per_token;
+	h2d = streamed + d * qd * (hw->att_up_bytes > 0 ? hw->att_up_bytes : ab) +
+	      st->tokens * hw->h2d_per_token;
 	d2h = hw->gpu_kv_append ? d * qd * ab + st->tokens * (double)pm->kv_token_bytes
 				: d * (qd + 2 * kvd) * ab + P * 2 * kvd * ab;
 	b_d2h = hw->b_d2h > 0 ? hw->b_d2h : hw->b_io;

@@ -197,6 +197,10 @@ struct mlens_perf_hw {
 	 * way; > 0: the queue's kernels wait for them, so the GPU tier counts
 	 * them; 0: they overlap the kernels */
 	double b_act_h2d, b_act_d2h;
+	/* bytes of each value of the CPU attention's output on its way up: 2
+	 * where it crosses in the weights' dtype (pipeline att_up_half); 0:
+	 * the activation size (abytes) */
+	double att_up_bytes;
 	/* H2D bytes/s while the CPU attention reads the KV cache (the two share
 	 * host memory: the profile's copies under reads); > 0: the weight
 	 * stream runs at this rate for as long as the attention runs, at b_io

@@ -51,7 +51,20 @@ struct pl_seg {
 struct pl_set {
 	float *q, *k, *v, *att;
 	float *hq, *hk, *hv, *hatt;
+	void *hatt_half;	/* with half_att: C's output rounded, for the upload */
 };
+
+/* With half_att, the O projection's input in the weights' dtype lives in
+ * q's buffer (a row there takes half of a q row): GA rounds the prefill
+ * rows into it after the prefill attention, the last reader of those q
+ * rows, and below the decode rows' q (row d0 of q starts past row d0 of
+ * the half rows), which queue 2 may still be copying; C's upload of the
+ * decode rows comes after C waited for those copies; GA(i+2), the set's
+ * next writer of q, runs after GB(i), which read them. */
+static void *att_half(const struct pl_set *S)
+{
+	return S->q;
+}
 
 /* What GA and GB use only inside their own run on the compute queue,
  * which runs them in order: the normed rows (xn), the router's logits,
@@ -86,6 +99,9 @@ struct mlens_pipeline {
 	/* ... on queue 2 after GA's kernels (with side and the backend's
 	 * kv_append_side), so that the stores overlap queue 0's next kernels */
 	bool side_append;
+	/* C's output goes up in the weights' dtype (opts att_up_half, where
+	 * both backends round and the GPU's GEMM takes such rows) */
+	bool half_att;
 	void *kv_reg[2];	/* the pool's K and V as registered with g, or NULL */
 	struct mlens_kv_pool kv;
 	int max_tokens, groups, qdim, kvdim;
@@ -490,7 +506,8 @@ static void set_alloc(struct mlens_pipeline *p, struct pl_set *S, int *rc)
 	S->hatt = halloc(p, set_floats(p, 1) * 4);
 	S->hk = halloc(p, set_floats(p, 2) * 4);
 	S->hv = halloc(p, set_floats(p, 2) * 4);
-	if (!S->hq || !S->hatt || !S->hk || !S->hv)
+	S->hatt_half = p->half_att ? halloc(p, set_floats(p, 1) * 2) : NULL;
+	if (!S->hq || !S->hatt || !S->hk || !S->hv || (p->half_att && !S->hatt_half))
 		*rc = -ENOMEM;
 }
 
@@ -504,6 +521,7 @@ static void set_free(struct mlens_pipeline *p, struct pl_set *S)
 	hfree(p, S->hatt);
 	hfree(p, S->hk);
 	hfree(p, S->hv);
+	hfree(p, S->hatt_half);
 }
 
 /* ==== create / destroy ==== */
@@ -584,6 +602,18 @@ static bool has_async(const struct mlens_backend_ops *o)
 	       MLENS_BACKEND_HAS(o, event_wait) && MLENS_BACKEND_HAS(o, event_sync);
 }
 
+bool mlens_pipeline_half_att(const struct mlens_backend *gpu, const struct mlens_backend *cpu,
+			     const struct mlens_model_config *c)
+{
+	/* the GPU backend says (n = 0) whether its O projection rounds its
+	 * input to the weights' dtype: then C's output may go up so rounded */
+	return MLENS_BACKEND_HAS(gpu->ops, round) && MLENS_BACKEND_HAS(gpu->ops, gemm_half_in) &&
+	       MLENS_BACKEND_HAS(cpu->ops, round) &&
+	       !gpu->ops->gemm_half_in(gpu->ctx, NULL, NULL, NULL, c->dtype, 0,
+				       (int)(c->num_attention_heads * c->head_dim),
+				       (int)c->hidden_size, true);
+}
+
 int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,
 			  struct mlens_backend *gpu, struct mlens_backend *cpu,
 			  const struct mlens_pipeline_opts *o, char *err, size_t errlen)
@@ -612,6 +642,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->groups = o->groups > 0 ? o->groups : 2;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
 	p->kvdim = (int)(p->cfg.num_key_value_heads * p->cfg.head_dim);
+	p->half_att = o->att_up_half && mlens_pipeline_half_att(gpu, cpu, &p->cfg);
 	if (p->groups > MLENS_PIPE_MAX_GROUPS) {
 		mlens_errf(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
 		       p->groups, MLENS_PIPE_MAX_GROUPS);
@@ -743,6 +774,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->st.async = p->async;
 	p->st.side_copy_out = p->side;
 	p->st.up_copy_in = p->up;
+	p->st.att_up_half = p->half_att;
 	p->st.prefill_cpu = p->prefill_cpu;
 	p->st.gpu_kv_append = p->gpu_append;
 	p->side_append = p->gpu_append && p->side && MLENS_BACKEND_HAS(gpu->ops, kv_append_side);
@@ -904,6 +936,8 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	if (gr->n_pre && !p->prefill_cpu)
 		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
 				    1.0f / sqrtf((float)hd)));
+	if (p->half_att && d0)	/* the prefill rows' output, as GB takes it */
+		TRY(G->round(GC, att_half(S), c->dtype, S->att, (int)d0, (int)qd));
 	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
 		TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
 		TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
@@ -941,11 +975,19 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 					   &p->kv.cache, l, p->qry + r0 + d0, nd,
 					   (int)c->num_attention_heads,
 					   1.0f / sqrtf((float)c->head_dim)));
-	p->st.cpu_attn_s += now() - t0;
 	if (p->prefill_cpu)
 		d0 = 0;	/* the prefill rows' output comes back too */
-	if ((size_t)n > d0)
-		TRY(to_gpu(p, S->att + d0 * qd, S->hatt + d0 * qd, ((size_t)n - d0) * qd * 4));
+	if ((size_t)n > d0 && p->half_att) {
+		/* rounded here as GB's GEMM would round it there: half the bytes */
+		char *h = (char *)S->hatt_half + d0 * qd * 2;
+		TRY(p->c->ops->round(p->c->ctx, h, c->dtype, S->hatt + d0 * qd, n - (int)d0, (int)qd));
+		p->st.cpu_attn_s += now() - t0;
+		TRY(to_gpu(p, (char *)att_half(S) + d0 * qd * 2, h, ((size_t)n - d0) * qd * 2));
+	} else {
+		p->st.cpu_attn_s += now() - t0;
+		if ((size_t)n > d0)
+			TRY(to_gpu(p, S->att + d0 * qd, S->hatt + d0 * qd, ((size_t)n - d0) * qd * 4));
+	}
 	/* GB (its dep is this C) waits for it on queue 0 */
 	if (p->up)
 		TRY(G->event_record(GC, 3, PL_EV_ATT_UP + (int)(S - p->set)));
@@ -966,7 +1008,11 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		return 0;
 	if (p->up)	/* C's output, uploaded on queue 3 */
 		TRY(G->event_wait(GC, 0, PL_EV_ATT_UP + (int)(S - p->set)));
-	TRY(G->gemm(GC, p->x + r0 * H, S->att, b->wo, c->dtype, n, p->qdim, H, true));
+	if (p->half_att)
+		TRY(G->gemm_half_in(GC, p->x + r0 * H, att_half(S), b->wo, c->dtype, n, p->qdim, H,
+				    true));
+	else
+		TRY(G->gemm(GC, p->x + r0 * H, S->att, b->wo, c->dtype, n, p->qdim, H, true));
 	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
 	TRY(G->gemm(GC, p->sh.rlog, p->sh.xn, b->router, c->dtype, n, H, E, false));

@@ -49,6 +49,12 @@ struct mlens_pipeline_opts {
 	 * than on the compute queue behind the kernels issued before it;
 	 * ignored without such a queue */
 	bool up_copy_in;
+	/* The CPU attention's output goes up in the weights' dtype (bf16/f16,
+	 * half the bytes of fp32) where the GPU backend's GEMM rounds the O
+	 * projection's input to that dtype anyway (ops round and
+	 * gemm_half_in; fast GEMMs): the same product for half the upload;
+	 * ignored elsewhere */
+	bool att_up_half;
 	/* Prefill attention on the CPU backend too (it is on the GPU unless
 	 * this is set or the GPU backend refuses the model's head_dim). */
 	bool prefill_cpu;
@@ -91,10 +97,17 @@ struct mlens_pipeline_stats {
 	bool async;		/* queues and events in use */
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool up_copy_in;	/* C's output up on queue 3 */
+	bool att_up_half;	/* ... in the weights' dtype (opts att_up_half) */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
 	bool kv_append_side;	/* ... on queue 2, beside the compute queue */
 };
+
+/* Whether a pipeline of these backends and model sends the CPU attention's
+ * output up in the weights' dtype when asked (opts att_up_half): the GPU
+ * backend's O projection rounds its input to that dtype, and both round. */
+bool mlens_pipeline_half_att(const struct mlens_backend *gpu, const struct mlens_backend *cpu,
+			     const struct mlens_model_config *c);
 
 int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model *m,
 			  struct mlens_backend *gpu, struct mlens_backend *cpu,

@@ -1229,6 +1229,7 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	if (st->side_copy_out && st->up_copy_in)
 		st->hw.b_act_h2d = 0;
 	st->hw.gpu_kv_append = st->gpu_kv_append;
+	st->hw.att_up_bytes = st->att_up_half ? 2 : 0;
 	/* with the side copies the GPU's K/V stores run on queue 2 too
 	 * (pipeline side_append, where the backend has kv_append_side) */
 	if (st->gpu_kv_append && st->side_copy_out && st->prof.kv_store_side_bw > 0) {

@@ -166,6 +166,9 @@ struct mlens_profile_state {
 	 * overlap the compute queue, so the model does not count them in the
 	 * GPU's time; with side, the CPU attention's output going up neither */
 	bool side_copy_out, up_copy_in;
+	/* hybrid: the CPU attention's output goes up in the weights' dtype
+	 * (pipeline att_up_half, as the pipeline took it): half the bytes */
+	bool att_up_half;
 	/* hybrid with kv_append = gpu: the GPU writes K/V into the pool */
 	bool gpu_kv_append;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */

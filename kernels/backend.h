@@ -179,6 +179,25 @@ struct mlens_backend_ops {
 	 * them (the hybrid pipeline's CPU attention output, which queue 0 waits
 	 * for by an event only when it needs it). */
 	bool up_queue;
+
+	/* ---- optional: activations that cross in the weights' dtype ----
+	 * round: dst[r][c] = src[r][c] rounded to dt (bf16 or f16, to nearest
+	 * even, bit for bit as mlens_store and the GPU backends' gemm round
+	 * their activations; a NaN stays a NaN, its payload aside), rows x
+	 * cols values, on queue 0. -EINVAL for a dt other than bf16/f16 or
+	 * negative sizes. */
+	int (*round)(void *ctx, void *dst, enum mlens_dtype dt, const float *src, int rows,
+		     int cols);
+	/* gemm with x[n][k] already in the weights' dtype dt: the product
+	 * gemm gives for any fp32 x that rounds to it. Offered where gemm
+	 * rounds its activations to the weights' dtype (a tensor-core
+	 * backend), so that an activation bound for such a product can cross
+	 * to the device in half the bytes; -ENOTSUP where this context's gemm
+	 * of that dt and width does not round them (exact GEMMs, fp32 weights,
+	 * the narrow products that widen the weights instead), so a caller
+	 * may ask with n = 0 first. */
+	int (*gemm_half_in)(void *ctx, float *out, const void *x, const void *w,
+			    enum mlens_dtype dt, int n, int k, int m, bool accumulate);
 };
 
 #define MLENS_BACKEND_EVENTS 16

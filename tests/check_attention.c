@@ -418,6 +418,66 @@ START_TEST(test_append_exact)
 }
 END_TEST
 
+/* The round op (the CPU attention's output on its way up in half the
+ * bytes): every value as mlens_store rounds it, bf16 through the
+ * variant's vector code, by the caller alone and over a pool (a row count
+ * that leaves the last task short); f16 too; other dtypes refused. */
+START_TEST(test_round_exact)
+{
+	const char *name = variant_names[_i];
+	int rows = 37, cols = 4100;	/* 151,700 values: three pool tasks, the last short */
+	size_t n = (size_t)rows * cols;
+	float *src = malloc(n * sizeof(float));
+	uint16_t *dst = malloc(n * 2);
+	struct mlens_pool *pool = NULL;
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
+		free(src);
+		free(dst);
+		return;
+	}
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	ck_assert(src && dst);
+	rng_state = 4242;
+	for (size_t e = 0; e < n; e++) {
+		uint32_t u = rnd() ^ (rnd() << 21);	/* any bit pattern */
+		if (e % 3 == 0)
+			memcpy(&src[e], &u, 4);
+		else
+			src[e] = e % 7 == 0 ? special((int)(e / 7)) : rndf(-100.0f, 100.0f);
+	}
+	ck_assert_int_eq(mlens_pool_create(&pool, 3, NULL), 0);
+	for (int pooled = 0; pooled < 2; pooled++) {
+		memset(dst, 0xa5, n * 2);
+		ck_assert_int_eq(mlens_cpu_round(pooled ? pool : NULL, dst, MLENS_DTYPE_BF16, src, rows,
+						 cols), 0);
+		for (size_t e = 0; e < n; e++)
+			ck_assert_msg(dst[e] == mlens_f32_to_bf16(src[e]), "value %zu (%08x): %04x, not %04x",
+				      e, ((uint32_t *)(void *)src)[e], dst[e], mlens_f32_to_bf16(src[e]));
+		memset(dst, 0xa5, n * 2);
+		ck_assert_int_eq(mlens_cpu_round(pooled ? pool : NULL, dst, MLENS_DTYPE_F16, src, rows,
+						 cols), 0);
+		for (size_t e = 0; e < n; e++) {
+			uint16_t want;
+			mlens_store(&want, MLENS_DTYPE_F16, 0, src[e]);
+			ck_assert_uint_eq(dst[e], want);
+		}
+	}
+	/* rows of 0 write nothing; fp32 and negative sizes are refused */
+	memset(dst, 0xa5, 4);
+	ck_assert_int_eq(mlens_cpu_round(pool, dst, MLENS_DTYPE_BF16, src, 0, cols), 0);
+	ck_assert_uint_eq(dst[0], 0xa5a5);
+	ck_assert_int_eq(mlens_cpu_round(pool, dst, MLENS_DTYPE_F32, src, rows, cols), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_round(pool, dst, MLENS_DTYPE_BF16, src, -1, cols), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_round(pool, dst, MLENS_DTYPE_BF16, src, rows, -1), -EINVAL);
+	ck_assert_uint_eq(dst[0], 0xa5a5);
+	mlens_pool_destroy(pool);
+	free(src);
+	free(dst);
+}
+END_TEST
+
 START_TEST(test_variant_selection)
 {
 	ck_assert_int_eq(mlens_cpu_attn_set_variant("sse9"), -EINVAL);
@@ -510,6 +570,7 @@ int main(void)
 	tcase_add_loop_test(tc, test_variant_vs_reference, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_round_exact, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_tuning_knobs, 0, N_VARIANTS);
 	tcase_add_test(tc, test_variant_selection);
 	tcase_add_test(tc, test_env_variant);

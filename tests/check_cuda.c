@@ -467,6 +467,70 @@ START_TEST(test_gemm)
 }
 END_TEST
 
+/* round and gemm_half_in (the hybrid pipeline's attention output going up
+ * in the weights' dtype): round gives the CPU's values bit for bit, and
+ * gemm_half_in on rows so rounded gives gemm's product of the fp32 rows
+ * bit for bit, where gemm rounds (fast GEMMs of bf16/f16 weights wider
+ * than the narrow products); elsewhere it refuses, n = 0 included. */
+START_TEST(test_round_gemm_half_in)
+{
+	for (int t = 1; t < 3; t++) {
+		enum mlens_dtype dt = dtypes[t];
+		int n = 300, k = 4096, m = 256;
+		size_t xs = (size_t)n * k, os = (size_t)n * m;
+		float *x = rnd_floats(xs, 3.0f);
+		uint16_t *hc = malloc(xs * 2), *hg;
+		void *w = rnd_weights((size_t)m * k, dt, 1.0f / sqrtf((float)k));
+		float *dx = to_gpu(x, xs * 4), *da = gpu_zeros(os * 4), *db = gpu_zeros(os * 4);
+		void *dh = gpu_zeros(xs * 2), *dw = to_gpu(w, (size_t)m * k * 2);
+		float *a, *b;
+
+		/* a few values that round differently: ties, carries, specials */
+		x[0] = 1.00390625f;	/* bf16 tie: to even */
+		x[1] = 1.01171875f;	/* bf16 tie: up */
+		x[2] = 65520.0f;	/* f16: rounds to infinity */
+		x[3] = -0.0f;
+		ck_assert_int_eq(dev->ops->upload(dev->ctx, dx, x, 16), 0);
+		ck_assert_int_eq(cpu.ops->round(cpu.ctx, hc, dt, x, n, k), 0);
+		ck_assert_int_eq(dev->ops->round(dev->ctx, dh, dt, dx, n, k), 0);
+		hg = from_gpu(dh, xs * 2);
+		for (size_t i = 0; i < xs; i++)
+			ck_assert_msg(hc[i] == hg[i], "%s round of value %zu (%a): CPU %04x, GPU %04x",
+				      mlens_dtype_name(dt), i, x[i], hc[i], hg[i]);
+		ck_assert_int_eq(dev->ops->round(dev->ctx, dh, MLENS_DTYPE_F32, dx, n, k), -EINVAL);
+		ck_assert_int_eq(dev->ops->round(dev->ctx, dh, dt, dx, -1, k), -EINVAL);
+		if (dev == &gpu_exact) {
+			/* exact GEMMs do not round: no half input at all */
+			ck_assert_int_eq(dev->ops->gemm_half_in(dev->ctx, NULL, NULL, NULL, dt, 0, k, m,
+								 true), -ENOTSUP);
+		} else {
+			ck_assert_int_eq(dev->ops->gemm_half_in(dev->ctx, NULL, NULL, NULL, dt, 0, k, m,
+								 true), 0);
+			for (int acc = 0; acc < 2; acc++) {
+				ck_assert_int_eq(dev->ops->gemm(dev->ctx, da, dx, dw, dt, n, k, m, acc), 0);
+				ck_assert_int_eq(dev->ops->gemm_half_in(dev->ctx, db, dh, dw, dt, n, k, m,
+									 acc), 0);
+				a = from_gpu(da, os * 4);
+				b = from_gpu(db, os * 4);
+				ck_assert_msg(!memcmp(a, b, os * 4), "%s gemm_half_in acc=%d: differs from "
+					      "gemm by %g", mlens_dtype_name(dt), acc, rel_err(a, b, os));
+				free(a);
+				free(b);
+			}
+			/* the narrow products widen the weights instead: refused */
+			ck_assert_int_eq(dev->ops->gemm_half_in(dev->ctx, db, dh, dw, dt, n, k, 64, false),
+					 -ENOTSUP);
+		}
+		ck_assert_int_eq(dev->ops->gemm_half_in(dev->ctx, db, dh, dw, MLENS_DTYPE_F32, 0, k, m,
+							 false), -ENOTSUP);
+		ck_assert_int_eq(dev->ops->gemm_half_in(dev->ctx, db, dh, dw, dt, -1, k, m, false),
+				 -EINVAL);
+		free(x); free(hc); free(hg); free(w);
+		gfree(dx); gfree(da); gfree(db); gfree(dh); gfree(dw);
+	}
+}
+END_TEST
+
 /* ==== router, moe ==== */
 
 START_TEST(test_router)
@@ -1160,6 +1224,7 @@ int main(void)
 	tcase_add_test(tc, test_rmsnorm);
 	tcase_add_test(tc, test_rope);
 	tcase_add_test(tc, test_gemm);
+	tcase_add_test(tc, test_round_gemm_half_in);
 	tcase_add_test(tc, test_router);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
@@ -1170,6 +1235,7 @@ int main(void)
 	tcase_add_test(tc, test_timer_marks);
 	tx = backend_tcase(s, "exact gemm", use_exact);
 	tcase_add_test(tx, test_gemm);
+	tcase_add_test(tx, test_round_gemm_half_in);
 	tcase_add_test(tx, test_moe);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	/* the ops that stage tables or read values back, with SM copies */

@@ -965,6 +965,66 @@ static void make_async(struct mlens_backend *be, bool side)
 	be->ops = &fa_ops;
 }
 
+/* A device whose gemm rounds its fp32 activations to the weights' dtype
+ * first, as the CUDA backend's fast GEMMs do (fr_round set by
+ * make_rounding): then it offers gemm_half_in, which takes rows so
+ * rounded as they are, and the pipeline may send the CPU attention's
+ * output up rounded (att_up_half). fr_gemm is the CPU backend's gemm. */
+static int (*fr_gemm)(void *ctx, float *out, const float *x, const void *w, enum mlens_dtype dt,
+		      int n, int k, int m, bool accumulate);
+static int fr_half_in_calls;
+
+/* the CPU's product of x as the device would see it: each value loaded
+ * from x in dtype xt (after rounding to dt where xt is fp32) */
+static int fr_product(void *ctx, float *out, const void *x, enum mlens_dtype xt, const void *w,
+		      enum mlens_dtype dt, int n, int k, int m, bool accumulate)
+{
+	size_t N = (size_t)n * (size_t)k;
+	float *xr = malloc(N ? N * sizeof(float) : 1);
+	uint32_t h;	/* a value of dt (room for any) */
+	int rc;
+	if (!xr)
+		return -ENOMEM;
+	for (size_t i = 0; i < N; i++) {
+		if (xt == MLENS_DTYPE_F32) {
+			mlens_store(&h, dt, 0, ((const float *)x)[i]);
+			xr[i] = mlens_load(&h, dt, 0);
+		} else {
+			xr[i] = mlens_load(x, xt, i);
+		}
+	}
+	rc = fr_gemm(ctx, out, xr, w, dt, n, k, m, accumulate);
+	free(xr);
+	return rc;
+}
+
+static int fr_gemm_round(void *ctx, float *out, const float *x, const void *w, enum mlens_dtype dt,
+			 int n, int k, int m, bool accumulate)
+{
+	if (dt == MLENS_DTYPE_F32)
+		return fr_gemm(ctx, out, x, w, dt, n, k, m, accumulate);
+	return fr_product(ctx, out, x, MLENS_DTYPE_F32, w, dt, n, k, m, accumulate);
+}
+
+static int fr_gemm_half_in(void *ctx, float *out, const void *x, const void *w, enum mlens_dtype dt,
+			   int n, int k, int m, bool accumulate)
+{
+	if (dt == MLENS_DTYPE_F32)
+		return -ENOTSUP;
+	if (n)
+		fr_half_in_calls++;
+	return fr_product(ctx, out, x, dt, w, dt, n, k, m, accumulate);
+}
+
+/* make_async's device, with the rounding gemm */
+static void make_rounding(struct mlens_backend *be, bool side)
+{
+	fr_gemm = be->ops->gemm;
+	make_async(be, side);
+	fa_ops.gemm = fr_gemm_round;
+	fa_ops.gemm_half_in = fr_gemm_half_in;
+}
+
 /* run_equal's hybrid side: the GPU side appends K/V to the pool (the
  * pipeline's gpu_kv_append) */
 static bool run_gpu_append;
@@ -1019,6 +1079,31 @@ static double rel_diff(const float *a, const float *b, size_t n)
 	return m > 0 ? d / m : d;
 }
 
+/* One step of run_equal's scenario on sd: sequences 0-2 prefill in step 0,
+ * sequence 3 in step 2 beside the others' decode tokens; next holds each
+ * sequence's last token, logits each one's row. */
+static void scenario_step(struct side *sd, int step, int32_t prompt[N_SEQ][16],
+			  const int plen[N_SEQ], int32_t next[N_SEQ], float *logits, size_t V)
+{
+	struct mlens_engine_req r[N_SEQ];
+	int n = 0;
+	memset(r, 0, sizeof(r));
+	for (int i = 0; i < N_SEQ; i++) {
+		bool pre = (i < 3 && step == 0) || (i == 3 && step == 2);
+		if (!pre && (step == 0 || (i == 3 && step < 2)))
+			continue;
+		r[n].seq = &sd->seq[i];
+		r[n].tokens = pre ? prompt[i] : &next[i];
+		r[n].n_tokens = pre ? plen[i] : 1;
+		r[n].logits = logits + (size_t)i * V;
+		r[n].samp.counter = (uint64_t)step;
+		n++;
+	}
+	ck_assert_int_eq(mlens_engine_step(sd->e, r, n), 0);
+	for (int k = 0; k < n; k++)
+		next[r[k].seq - sd->seq] = r[k].next_token;
+}
+
 /* Steps: sequences 0-2 prefill together; then decode steps, sequence 3
  * prefilling in step 2 beside the others' decode tokens. */
 static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
@@ -1045,23 +1130,7 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 	lg[1] = calloc(N_SEQ * V, sizeof(float));
 	for (int step = 0; step < N_STEPS; step++) {
 		for (int s = 0; s < 2; s++) {
-			struct mlens_engine_req r[N_SEQ];
-			int n = 0;
-			memset(r, 0, sizeof(r));
-			for (int i = 0; i < N_SEQ; i++) {
-				bool pre = (i < 3 && step == 0) || (i == 3 && step == 2);
-				if (!pre && (step == 0 || (i == 3 && step < 2)))
-					continue;
-				r[n].seq = &sd[s].seq[i];
-				r[n].tokens = pre ? prompt[i] : &next[s][i];
-				r[n].n_tokens = pre ? plen[i] : 1;
-				r[n].logits = lg[s] + (size_t)i * V;
-				r[n].samp.counter = (uint64_t)step;
-				n++;
-			}
-			ck_assert_int_eq(mlens_engine_step(sd[s].e, r, n), 0);
-			for (int k = 0; k < n; k++)
-				next[s][r[k].seq - sd[s].seq] = r[k].next_token;
+			scenario_step(&sd[s], step, prompt, plen, next[s], lg[s], V);
 		}
 		for (int i = 0; i < N_SEQ; i++) {
 			if (i == 3 && step < 2)
@@ -1217,6 +1286,88 @@ START_TEST(exec_equal_gpu_kv_append_side)
 	ck_assert_int_eq(fa_q2_appends, 0);
 	fa_with_append_side = false;
 	run_gpu_append = false;
+}
+END_TEST
+
+/* The CPU attention's output up in the weights' dtype (att_up_half) on a
+ * device whose gemm rounds its activations so anyway: the same tokens and
+ * the same logits to the bit as the fp32 upload on that device, with the
+ * upload half the bytes, through the upload queue and the compute queue
+ * (_i & 1: gpu_copy_out side or down), with the prefill rows' output
+ * rounded on the device or (_i & 2: prefill on the CPU) sent up too. The
+ * side queues hold their copies until waited for, so a GB that read the
+ * rows before they arrived, a round that wrote over q rows still to be
+ * copied, or rows at the wrong offset would change a logit. A bf16 model
+ * and pool; the CPU appends K/V (kv_append = cpu) on one run of each, the
+ * GPU side on the other. */
+START_TEST(exec_half_att_same_product)
+{
+	bool side_out = _i & 1, prefill_cpu = _i & 2;
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m;
+	static const int plen[N_SEQ] = { 5, 9, 3, 7 };
+	int32_t prompt[N_SEQ][16], next[2][N_SEQ];
+	struct side sd[2];
+	size_t V;
+	float *lg[2];
+	uint64_t up[2] = { 0, 0 };
+
+	ts.dtype = MLENS_DTYPE_BF16;
+	m = mlens_test_model_new(&ts);
+	V = (size_t)ts.vocab;
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
+	for (int s = 0; s < 2; s++) {
+		struct mlens_backend_opts bo = { .n_threads = 2, .device = 0 };
+		struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
+						.max_step_tokens = 64, .kv_blocks = 64 };
+		char err[512];
+		memset(&sd[s], 0, sizeof(sd[s]));
+		ck_assert_int_eq(mlens_backend_cpu_create(&sd[s].be, &bo), 0);
+		make_rounding(&sd[s].be, side_out);
+		ck_assert_int_eq(mlens_backend_cpu_create(&sd[s].attn, &bo), 0);
+		eo.attn_backend = &sd[s].attn;
+		eo.gpu_budget = stream_budget(m, 64, 0);
+		eo.hybrid_groups = 2;
+		eo.hybrid_prefill_cpu = prefill_cpu;
+		eo.hybrid_side_copy_out = side_out;
+		eo.hybrid_up_copy_in = side_out;
+		eo.hybrid_gpu_kv_append = s;
+		eo.hybrid_att_up_half = s;
+		ck_assert_msg(mlens_engine_create(&sd[s].e, m, &sd[s].be, &eo, err, sizeof(err)) == 0,
+			      "%s", err);
+		ck_assert_int_eq(mlens_pipeline_stats(mlens_engine_pipeline(sd[s].e))->att_up_half, s);
+	}
+	lg[0] = calloc(N_SEQ * V, sizeof(float));
+	lg[1] = calloc(N_SEQ * V, sizeof(float));
+	fr_half_in_calls = 0;
+	for (int step = 0; step < N_STEPS; step++) {
+		for (int s = 0; s < 2; s++) {
+			scenario_step(&sd[s], step, prompt, plen, next[s], lg[s], V);
+			up[s] = mlens_pipeline_stats(mlens_engine_pipeline(sd[s].e))->h2d_act_bytes;
+		}
+		for (int i = 0; i < N_SEQ; i++) {
+			if (i == 3 && step < 2)
+				continue;
+			ck_assert_msg(next[0][i] == next[1][i], "step %d seq %d: half %d, fp32 %d", step, i,
+				      next[1][i], next[0][i]);
+			ck_assert_msg(!memcmp(lg[0] + i * V, lg[1] + i * V, V * sizeof(float)),
+				      "step %d seq %d: logits differ by %g", step, i,
+				      rel_diff(lg[1] + i * V, lg[0] + i * V, V));
+		}
+		/* the same rows went up, in half the bytes (step 0 prefills
+		 * only: its output stays on the device unless the CPU made it) */
+		if (step > 0 || prefill_cpu)
+			ck_assert_uint_gt(up[0], 0);
+		ck_assert_uint_eq(up[1] * 2, up[0]);
+	}
+	ck_assert_int_ge(fr_half_in_calls, N_STEPS * ts.layers);
+	for (int s = 0; s < 2; s++)
+		side_close(&sd[s], true);
+	mlens_test_model_free(m);
+	free(lg[0]);
+	free(lg[1]);
 }
 END_TEST
 
@@ -1568,6 +1719,7 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_side_copies);
 	tcase_add_test(t, exec_equal_gpu_kv_append);
 	tcase_add_test(t, exec_equal_gpu_kv_append_side);
+	tcase_add_loop_test(t, exec_half_att_same_product, 0, 4);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);

@@ -38,20 +38,25 @@
  * sites an expert where there was one, and on an H200 the largest logit
  * difference of this random model went from 0.0028 to 0.017 (the goldens
  * against transformers keep their 0.015): 0.03 for those two cases. */
-#define N_CASES 4
-static const double tols[N_CASES] = { 1e-4, 0.03, 0.015, 0.03 };
+#define N_CASES 5
+static const double tols[N_CASES] = { 1e-4, 0.03, 0.015, 0.03, 0.03 };
 static const enum mlens_dtype dtypes[N_CASES] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16,
-						  MLENS_DTYPE_BF16 };
+						  MLENS_DTYPE_BF16, MLENS_DTYPE_BF16 };
 static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_EXACT,
-						     MLENS_GEMM_FAST };
+						     MLENS_GEMM_FAST, MLENS_GEMM_FAST };
 /* the last case: side copies out and C's output up on the upload queue
  * (gpu_copy_out = side), SM copies for the activations (gpu_copy = sm: the
  * upload queue's copies too), bf16 prefill attention */
-static const bool side_tc[N_CASES] = { false, false, false, true };
+static const bool side_tc[N_CASES] = { false, false, false, true, false };
 /* the GPU writes K/V into the pool in host memory (kv_append = gpu): an
  * f32 and a bf16 pool, the bf16 one from the side queue (kv_append_side,
  * with the side copies); the others append on the CPU */
-static const bool gpu_append[N_CASES] = { true, false, false, true };
+static const bool gpu_append[N_CASES] = { true, false, false, true, false };
+/* the CPU attention's output up in bf16 (attn_up = half) asked for: taken
+ * with fast GEMMs of bf16 weights (the last two cases: on the upload queue
+ * and on the compute queue), not with fp32 weights or exact GEMMs; the
+ * second case sends fp32 */
+static const bool att_half[N_CASES] = { true, false, true, true, true };
 
 static struct mlens_test_spec spec(enum mlens_dtype dt)
 {
@@ -119,7 +124,8 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	struct mlens_engine *e;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
 					.hybrid_gemm = gemms[_i], .hybrid_side_copy_out = side_tc[_i],
-					.hybrid_up_copy_in = side_tc[_i] };
+					.hybrid_up_copy_in = side_tc[_i],
+					.hybrid_att_up_half = att_half[_i] };
 	/* the hybrid pool in page-aligned host memory, as mlensd's (the
 	 * device maps it for kv_append = gpu) */
 	struct mlens_kv_cache pool = { dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16, ts.layers, ts.kv_heads,
@@ -176,6 +182,8 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert_int_eq(mlens_pipeline_stats(p)->up_copy_in, side_tc[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->gpu_kv_append, gpu_append[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->kv_append_side, gpu_append[_i] && side_tc[_i]);
+		ck_assert_int_eq(mlens_pipeline_stats(p)->att_up_half,
+				 att_half[_i] && dt == MLENS_DTYPE_BF16 && gemms[_i] == MLENS_GEMM_FAST);
 	}
 	run(e, prompt, tok, got, true, (int)V);
 	ck_assert_int_eq(cudaMemGetInfo(&free1, &total), cudaSuccess);
@@ -228,10 +236,11 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 			}
 		}
 	}
-	printf("[%s, %s GEMMs%s%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
+	printf("[%s, %s GEMMs%s%s%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
 	       "%d safe greedy tokens equal\n", mlens_dtype_name(dt), mlens_gemm_mode_name(gemms[_i]),
 	       side_tc[_i] ? ", side copies out and up, SM copies, bf16 prefill attention" : "",
 	       gpu_append[_i] ? ", K/V appended by the GPU" : "",
+	       mlens_pipeline_stats(mlens_engine_pipeline(e))->att_up_half ? ", attention output up in bf16" : "",
 	       worst, TOL, same, safe);
 	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);
 	ck_assert_int_gt(safe, N_STEPS * N_SEQ / 2);

@@ -247,6 +247,16 @@ START_TEST(step_time_tiers)
 		/* the links' tiers are unchanged */
 		assert_rel(t.tier[MLENS_PERF_BIND_PCIE], h2d / 25e9, 1e-12);
 		assert_rel(t.tier[MLENS_PERF_BIND_D2H], d2h / 25e9, 1e-12);
+		/* the CPU attention's output up in bf16 (attn_up = half): the
+		 * upload's bytes halve, on the link and on the compute queue */
+		hw.att_up_bytes = 2;
+		ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
+		assert_rel(t.group_gpu[0], g2 - 400 * 4096 * 2 / 2 / 10e9, 1e-12);
+		assert_rel(t.tier[MLENS_PERF_BIND_PCIE], (h2d - 400 * 4096 * 2) / 25e9, 1e-12);
+		assert_rel(t.tier[MLENS_PERF_BIND_D2H], d2h / 25e9, 1e-12);
+		hw.att_up_bytes = -1;	/* not a size */
+		ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), -EINVAL);
+		hw.att_up_bytes = 0;
 	}
 	hw.c_attn = hw.b_act_d2h = hw.b_act_h2d = 0;
 	/* the weight stream at its 10 GB/s beside the CPU's reads for the

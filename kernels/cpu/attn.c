@@ -432,6 +432,53 @@ static void append_task(void *arg, int task, int thread)
 	append_rows(j, i0, i1);
 }
 
+/* ==== round ==== */
+
+/* Values a task of the pooled round converts: 64 Ki fp32 (256 KiB in). */
+#define ROUND_VALUES (64 * 1024)
+
+struct round_job {
+	const struct attn_variant *var;
+	void *dst;
+	enum mlens_dtype dt;
+	const float *src;
+	size_t n;
+};
+
+static void round_span(const struct round_job *j, size_t i0, size_t i1)
+{
+	if (j->dt == MLENS_DTYPE_BF16 && j->var->cvt) {
+		j->var->cvt((uint16_t *)j->dst + i0, j->src + i0, i1 - i0);
+		return;
+	}
+	for (size_t i = i0; i < i1; i++)
+		mlens_store(j->dst, j->dt, i, j->src[i]);
+}
+
+static void round_task(void *arg, int task, int thread)
+{
+	const struct round_job *j = arg;
+	size_t i0 = (size_t)task * ROUND_VALUES, i1 = i0 + ROUND_VALUES < j->n ? i0 + ROUND_VALUES : j->n;
+	(void)thread;
+	round_span(j, i0, i1);
+}
+
+int mlens_cpu_round(struct mlens_pool *pool, void *dst, enum mlens_dtype dt, const float *src,
+		    int rows, int cols)
+{
+	struct round_job j = { get_variant(), dst, dt, src, (size_t)rows * (size_t)cols };
+
+	if (rows < 0 || cols < 0 || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16))
+		return -EINVAL;
+	/* one attention output of a token group (hundreds of rows of 4096)
+	 * took a thread about 2 ms: the pool does it in its tenth */
+	if (pool && j.n > ROUND_VALUES && mlens_pool_size(pool) > 1)
+		mlens_pool_run(pool, (int)((j.n + ROUND_VALUES - 1) / ROUND_VALUES), round_task, &j);
+	else
+		round_span(&j, 0, j.n);
+	return 0;
+}
+
 int mlens_cpu_kv_append(struct mlens_pool *pool, struct mlens_kv_cache *kv, int layer,
 			const float *k, const float *v, const int64_t *slots, int n)
 {

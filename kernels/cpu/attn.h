@@ -61,6 +61,13 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
  * converted with the chosen kernel's vector code, rows split over the pool
  * (NULL: the caller alone); the result does not depend on the split. 0 or
  * -ERANGE (a slot or the layer out of range; then nothing is written). */
+/* The round op of backend.h: rows x cols values of src to dt (bf16 or
+ * f16), each as mlens_store rounds it (bf16 through the chosen kernel's
+ * vector code), spread over the pool (NULL: the caller alone). 0 or
+ * -EINVAL (another dt, a negative size). */
+int mlens_cpu_round(struct mlens_pool *pool, void *dst, enum mlens_dtype dt, const float *src,
+		    int rows, int cols);
+
 int mlens_cpu_kv_append(struct mlens_pool *pool, struct mlens_kv_cache *kv, int layer,
 			const float *k, const float *v, const int64_t *slots, int n);
 

@@ -363,6 +363,12 @@ static int cpu_attn_prefill(void *ctx, float *out, const float *q, const float *
 	return 0;
 }
 
+static int cpu_round(void *ctx, void *dst, enum mlens_dtype dt, const float *src, int rows,
+		     int cols)
+{
+	return mlens_cpu_round(((struct mlens_cpu_ctx *)ctx)->pool, dst, dt, src, rows, cols);
+}
+
 static int cpu_kv_append(void *ctx, struct mlens_kv_cache *kv, int layer,
 			 const float *k, const float *v, const int64_t *slots, int n)
 {
@@ -575,6 +581,9 @@ static const struct mlens_backend_ops cpu_ops = {
 	.sample = cpu_sample,
 	.timer_mark = cpu_timer_mark,
 	.timer_read = cpu_timer_read,
+	/* no gemm_half_in: this gemm multiplies the fp32 activations as they
+	 * are, so a rounded x would change its product */
+	.round = cpu_round,
 };
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o)

@@ -523,6 +523,32 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 	return gemm_typed(c, out, xs, w, dt, n, k, m, 1.0f, beta);
 }
 
+/* x already in dt: the product cuda_gemm gives for the fp32 rows that
+ * round to x (it rounds them with mlens_cuda_convert_rows, as cuda_round
+ * does), where cuda_gemm rounds at all. */
+static int cuda_gemm_half_in(void *ctx, float *out, const void *x, const void *w,
+			     enum mlens_dtype dt, int n, int k, int m, bool accumulate)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+
+	if (n < 0 || k < 0 || m < 0 || !valid_dtype(dt))
+		return -EINVAL;
+	if (dt == MLENS_DTYPE_F32 || c->gemm_exact || m <= GEMM_NARROW_M)
+		return -ENOTSUP;
+	if (!n || !m)
+		return 0;
+	return gemm_typed(c, out, x, w, dt, n, k, m, 1.0f, accumulate ? 1.0f : 0.0f);
+}
+
+static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *src, int rows,
+		      int cols)
+{
+	if (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16)
+		return -EINVAL;
+	return mlens_cuda_convert_rows((struct mlens_cuda_ctx *)ctx, dst, dt, src, NULL, 1, rows,
+				       cols);
+}
+
 /* ==== MoE ==== */
 
 /* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
@@ -1163,6 +1189,8 @@ static const struct mlens_backend_ops cuda_ops = {
 	true,	/* side_queue */
 	cuda_kv_append_side,
 	true,	/* up_queue */
+	cuda_round,
+	cuda_gemm_half_in,
 };
 
 extern "C" bool mlens_cuda_available(void)

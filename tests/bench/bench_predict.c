@@ -55,7 +55,7 @@ int mlens_bench_predict(int argc, char **argv)
 		{ "gemm", 1, 0, 'e' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "cap", 1, 0, 'n' }, { "in-flight", 1, 0, 's' }, { "json", 0, 0, 'j' },
 		{ "no-shared-io", 0, 0, 'S' }, { "gpu-copy-out", 1, 0, 'o' },
-		{ "kv-append", 1, 0, 'A' }, { 0, 0, 0, 0 }
+		{ "kv-append", 1, 0, 'A' }, { "attn-up", 1, 0, 'U' }, { 0, 0, 0, 0 }
 	};
 	const char *config = NULL, *profile = NULL;
 	uint64_t gpu = 8ull << 30, kv = 40ull << 30;
@@ -64,6 +64,7 @@ int mlens_bench_predict(int argc, char **argv)
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
 	bool json = false, no_shared = false, side = true, up = false, gpu_append = true;	/* mlensd's defaults */
+	bool half_up = true;	/* attn_up = half, taken with fast GEMMs of bf16/f16 weights */
 	struct mlens_model_config cfg;
 	struct mlens_profile_state st;
 	struct mlens_perf_sched_state ss;
@@ -107,6 +108,11 @@ int mlens_bench_predict(int argc, char **argv)
 				return bad("--kv-append '%s' is not gpu or cpu", optarg);
 			gpu_append = !strcmp(optarg, "gpu");
 			break;
+		case 'U':
+			if (strcmp(optarg, "half") && strcmp(optarg, "fp32"))
+				return bad("--attn-up '%s' is not half or fp32", optarg);
+			half_up = !strcmp(optarg, "half");
+			break;
 		default: return 2;
 		}
 	}
@@ -141,6 +147,8 @@ int mlens_bench_predict(int argc, char **argv)
 	st.side_copy_out = side;
 	st.up_copy_in = up;
 	st.gpu_kv_append = gpu_append;
+	/* as the CUDA backend takes attn_up = half (mlens_pipeline_half_att) */
+	st.att_up_half = half_up && gemm == MLENS_GEMM_FAST && mlens_dtype_size(cfg.dtype) == 2;
 	mlens_profile_state_hold(&st);
 	/* the model as it was before the shared-memory refinement */
 	if (no_shared)
