@@ -884,10 +884,15 @@ static int cuda_attn_decode(void *ctx, float *out, const float *q,
 
 /* ==== queues and events (the hybrid pipeline) ==== */
 
+/* Queue 0 is the compute stream itself (moe_stream[0]), never c->stream:
+ * the MoE points c->stream at its other streams while it launches their
+ * experts, and the pipeline's host thread queues copies on queue 0 then
+ * (C's output, gpu_copy_out = compute or down), which must land on the
+ * compute stream ahead of the GB that reads them. */
 static cudaStream_t queue_stream(struct mlens_cuda_ctx *c, int queue)
 {
 	return queue == 1 ? c->copy_stream : queue == 2 ? c->side_stream :
-	       queue == 3 ? c->up_stream : c->stream;
+	       queue == 3 ? c->up_stream : c->moe_stream[0];
 }
 
 static int cuda_host_register(void *ctx, void *p, size_t bytes)
@@ -942,8 +947,8 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 		return -EINVAL;
 	if (!bytes)
 		return 0;
-	if (queue == 0)
-		return mlens_cuda_copy(c, dst, src, bytes, to_device);
+	if (queue == 0)	/* on the compute stream (queue_stream), as mlens_cuda_copy's */
+		return copy_on(c, c->moe_stream[0], 0, dst, src, bytes, to_device);
 	if (queue == 3)	/* as queue 0's, in a few blocks: an upload on a copy
 			 * engine can wait behind every weight piece queued */
 		return copy_on(c, c->up_stream, (unsigned)c->up_blocks, dst, src, bytes, to_device);
