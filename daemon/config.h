@@ -37,6 +37,7 @@ struct mlens_config {
 	int64_t movers;
 	int64_t max_step_tokens;
 	int64_t group_tokens;		/* hybrid: rows of a token group */
+	int64_t pipeline_sets;		/* hybrid: activation sets (2 or 3) */
 	uint64_t weight_piece;		/* hybrid: bytes per weight copy */
 	bool foreground;
 	char *log_level;

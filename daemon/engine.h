@@ -34,6 +34,7 @@ struct mlens_engine_opts {
 	struct mlens_backend *attn_backend;
 	uint64_t gpu_budget;
 	int hybrid_groups;	/* token groups, 0 = 2 */
+	int hybrid_sets;	/* activation sets (pipeline.h), 0 = 2 */
 	int hybrid_min_tokens;	/* smallest token cap that may run; 0 = 1 */
 	int64_t hybrid_group_tokens;	/* rows of a token group at most; 0 = the plan default,
 					 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */

@@ -81,6 +81,7 @@ struct mlens_gpuplan_in {
 	enum mlens_gemm_mode gemm;	/* the GPU backend's: EXACT GEMMs on half-precision
 					 * weights take MLENS_GEMM_EXACT_PARTS times the
 					 * scratch for their split activations */
+	int sets;		/* the pipeline's activation sets; 0 = MLENS_PIPE_SETS */
 };
 
 struct mlens_gpuplan {
@@ -102,14 +103,15 @@ struct mlens_gpuplan {
 
 /* Activation and scratch bytes of a step of n tokens on the GPU in groups
  * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE
- * call: the residual stream of every token; per activation set (two) a
+ * call, sets activation sets (0: MLENS_PIPE_SETS, two): the residual
+ * stream of every token; per activation set a
  * group's q, k, v and attention out; once for all sets a group's norm,
  * router logits, ids and weights (GA's and GB's own, on the in-order
  * compute queue); logits of an lm_head call (mlens_gpuplan_tail_rows of
  * the chunk); the backend's op scratch (below); and its staging of small
  * tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
-				 int64_t chunk, enum mlens_gemm_mode gemm);
+				 int64_t chunk, enum mlens_gemm_mode gemm, int sets);
 /* Parts each activation of a GEMM on weights of weight_bytes per element
  * is split into: MLENS_GEMM_EXACT_PARTS for EXACT on half-precision
  * weights, else 1. */
@@ -133,8 +135,8 @@ uint64_t mlens_gpuplan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64
  * MLENS_GPUPLAN_SCRATCH_ALIGN. */
 uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
 				     int64_t chunk, enum mlens_gemm_mode gemm);
-/* mlens_perf_hw's act_bytes: the bytes above for n tokens with the group
- * and GEMM mode of the plan input arg (a const struct mlens_gpuplan_in *;
+/* mlens_perf_hw's act_bytes: the bytes above for n tokens with the group,
+ * GEMM mode and sets of the plan input arg (a const struct mlens_gpuplan_in *;
  * NULL: the default group, fast GEMMs). With the group
  * MLENS_GPUPLAN_GROUP_AUTO: the fewest bytes of the groups the plan may
  * choose, so that the model's n_act is the most tokens any of them holds. */

@@ -332,6 +332,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
+	st->plan_in.sets = (int)D.cfg.pipeline_sets;
 	st->side_copy_out = D.hybrid && side_copy_out();
 	st->up_copy_in = D.hybrid && up_copy_in();
 	st->gpu_kv_append = D.hybrid && gpu_kv_append();
@@ -574,6 +575,7 @@ int main(int argc, char **argv)
 		eo.attn_backend = &D.attn;
 		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
 		eo.hybrid_group_tokens = plan_group();
+		eo.hybrid_sets = (int)D.cfg.pipeline_sets;
 		eo.hybrid_gemm = bo.gemm;
 		eo.hybrid_side_copy_out = side_copy_out();
 		eo.hybrid_up_copy_in = up_copy_in();

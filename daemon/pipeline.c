@@ -123,7 +123,8 @@ struct mlens_pipeline {
 	/* GPU activations: the residual stream of every row, the sets and
 	 * their shared area */
 	float *x, *logits;
-	struct pl_set set[MLENS_PIPE_SETS];
+	struct pl_set set[MLENS_PIPE_SETS_MAX];
+	int sets;		/* of them in use (opts sets) */
 	struct pl_shared sh;
 	bool host_pinned;
 
@@ -640,12 +641,20 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->up = p->side && o->up_copy_in && MLENS_BACKEND_HAS(gpu->ops, up_queue);
 	p->host_pinned = p->async;
 	p->groups = o->groups > 0 ? o->groups : 2;
+	p->sets = o->sets > 0 ? o->sets : MLENS_PIPE_SETS;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
 	p->kvdim = (int)(p->cfg.num_key_value_heads * p->cfg.head_dim);
 	p->half_att = o->att_up_half && mlens_pipeline_half_att(gpu, cpu, &p->cfg);
 	if (p->groups > MLENS_PIPE_MAX_GROUPS) {
 		mlens_errf(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
 		       p->groups, MLENS_PIPE_MAX_GROUPS);
+		rc = -EINVAL;
+		goto fail;
+	}
+	if (p->sets < MLENS_PIPE_SETS || p->sets > MLENS_PIPE_SETS_MAX) {
+		mlens_errf(err, errlen, "hybrid pipeline: %d activation sets asked for; %d or %d",
+			   p->sets, MLENS_PIPE_SETS, MLENS_PIPE_SETS_MAX);
+		p->sets = 0;	/* none allocated */
 		rc = -EINVAL;
 		goto fail;
 	}
@@ -665,6 +674,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	in.chunk = o->chunk;
 	in.group = o->group_tokens;
 	in.gemm = o->gemm;
+	in.sets = p->sets;
 	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
 	if (rc)
 		goto fail;
@@ -706,7 +716,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	H = (size_t)p->cfg.hidden_size;
 	p->x = galloc(p, T * H * 4, &rc);
 	p->logits = galloc(p, (size_t)p->tail_rows * (size_t)p->cfg.vocab_size * 4, &rc);
-	for (int s = 0; s < MLENS_PIPE_SETS; s++)
+	for (int s = 0; s < p->sets; s++)
 		set_alloc(p, &p->set[s], &rc);
 	shared_alloc(p, &p->sh, &rc);
 	if (rc) {
@@ -775,6 +785,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->st.side_copy_out = p->side;
 	p->st.up_copy_in = p->up;
 	p->st.att_up_half = p->half_att;
+	p->st.sets = p->sets;
 	p->st.prefill_cpu = p->prefill_cpu;
 	p->st.gpu_kv_append = p->gpu_append;
 	p->side_append = p->gpu_append && p->side && MLENS_BACKEND_HAS(gpu->ops, kv_append_side);
@@ -803,7 +814,7 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	H = (size_t)p->cfg.hidden_size;
 	gfree(p, p->x, T * H * 4);
 	gfree(p, p->logits, (size_t)p->tail_rows * (size_t)p->cfg.vocab_size * 4);
-	for (int s = 0; s < MLENS_PIPE_SETS; s++)
+	for (int s = 0; s < p->sets; s++)
 		set_free(p, &p->set[s]);
 	shared_free(p, &p->sh);
 	for (int i = 0; i < p->n_reg; i++)
@@ -859,8 +870,8 @@ const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipel
  * starts the set's copies to the host after it) and C's output uploaded
  * (on queue 3, with p->up; GB waits for it). */
 #define PL_EV_GA_DONE MLENS_PIPE_EV_N
-#define PL_EV_ATT_UP (PL_EV_GA_DONE + MLENS_PIPE_SETS)
-_Static_assert(PL_EV_ATT_UP + MLENS_PIPE_SETS < MLENS_BACKEND_EVENTS - 1,
+#define PL_EV_ATT_UP (PL_EV_GA_DONE + MLENS_PIPE_SETS_MAX)
+_Static_assert(PL_EV_ATT_UP + MLENS_PIPE_SETS_MAX < MLENS_BACKEND_EVENTS - 1,
 	       "the pipeline's events and the last one (kept for waits of its own) fit the backend's");
 
 /* ==== the stages ==== */
@@ -1580,6 +1591,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	/* the next step's first two layers stream at the end of this one */
 	if ((rc = mlens_pipe_prog_build_ex(&p->prog, (int)c->num_hidden_layers, p->n_grp,
 					   p->n_pieces, MLENS_PIPE_PREFETCH |
+					   (p->sets == 3 ? MLENS_PIPE_THREE_SETS : 0) |
 					   (p->prefetched ? MLENS_PIPE_RESIDENT01 : 0))))
 		return rc;
 	p->st.groups = p->n_grp;

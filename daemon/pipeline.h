@@ -32,6 +32,9 @@ struct mlens_pipeline_opts {
 	int max_step_tokens;	/* token cap wanted; 0 = 4096 (the plan may lower it) */
 	int min_step_tokens;	/* smallest cap that may run; 0 = 1 */
 	int groups;		/* token groups at least (when there are requests enough), 1 or 2; 0 = 2 */
+	/* activation sets, 2 or 3 (daemon/pipeprog.h: with 3, GA runs two
+	 * groups ahead of GB where a layer has three or more); 0 = 2 */
+	int sets;
 	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP,
 				 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
@@ -98,6 +101,7 @@ struct mlens_pipeline_stats {
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool up_copy_in;	/* C's output up on queue 3 */
 	bool att_up_half;	/* ... in the weights' dtype (opts att_up_half) */
+	int sets;		/* activation sets (opts sets) */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
 	bool kv_append_side;	/* ... on queue 2, beside the compute queue */

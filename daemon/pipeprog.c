@@ -49,9 +49,9 @@ fail:
 }
 
 /* GA of item i and the record its C waits for (its index in *rec). */
-static int push_ga(struct mlens_pipe_prog *p, int i, int groups, int *rec)
+static int push_ga(struct mlens_pipe_prog *p, int i, int groups, int sets, int *rec)
 {
-	int set = groups > 1 ? i % MLENS_PIPE_SETS : 0, rc;
+	int set = i % sets, rc;
 	PUSH(MLENS_PIPE_GA, MLENS_PIPE_Q_GPU, i / groups, i % groups, -1, -1, -1);
 	p->cmd[p->n - 1].set = set;
 	PUSH(MLENS_PIPE_RECORD, MLENS_PIPE_Q_GPU, i / groups, i % groups, -1, -1,
@@ -72,7 +72,13 @@ int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
 			     const int *n_pieces, unsigned flags)
 {
 	bool streams = false;
-	int rc, items, rec[MLENS_PIPE_SETS] = { -1, -1 }, c_at;
+	int rc, items, rec[MLENS_PIPE_SETS_MAX] = { -1, -1, -1 }, c_at;
+	int sets = mlens_pipe_sets(flags);
+	/* items GA runs ahead of GB: at most groups - 1, so that a GA of the
+	 * next layer follows the GB of its group in this one; sets in use:
+	 * one more than that (one when a layer is one group) */
+	int ahead = groups > 1 ? (sets - 1 < groups - 1 ? sets - 1 : groups - 1) : 0;
+	sets = ahead + 1;
 
 	p->n = 0;
 	if (layers <= 0 || groups < 1 || groups > MLENS_PIPE_MAX_GROUPS)
@@ -87,11 +93,12 @@ int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
 	for (int m = 0; streams && !(flags & MLENS_PIPE_RESIDENT01) && m < 2 && m < layers; m++)
 		if ((rc = stream_layer(p, m, n_pieces[m], false)))
 			goto fail;
-	if ((rc = push_ga(p, 0, groups, rec)))
-		goto fail;
+	for (int j = 0; j < (ahead > 1 ? ahead : 1) && j < items; j++)
+		if ((rc = push_ga(p, j, groups, sets, rec)))
+			goto fail;
 	for (int i = 0; i < items; i++) {
-		int l = i / groups, x = i % groups, set = groups > 1 ? i % MLENS_PIPE_SETS : 0;
-		if (groups > 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups, rec)))
+		int l = i / groups, x = i % groups, set = i % sets;
+		if (ahead && i + ahead < items && (rc = push_ga(p, i + ahead, groups, sets, rec)))
 			goto fail;
 		PUSH(MLENS_PIPE_HOST_WAIT, MLENS_PIPE_Q_HOST, l, x, -1, -1, MLENS_PIPE_EV_QKV + set);
 		p->cmd[p->n - 1].dep = rec[set];
@@ -114,7 +121,7 @@ int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
 			if (rc)
 				goto fail;
 		}
-		if (groups == 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups, rec)))
+		if (groups == 1 && i + 1 < items && (rc = push_ga(p, i + 1, groups, sets, rec)))
 			goto fail;
 	}
 	PUSH(MLENS_PIPE_TAIL, MLENS_PIPE_Q_GPU, -1, -1, -1, -1, -1);

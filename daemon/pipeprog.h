@@ -6,18 +6,22 @@
  * simulated device. Program order is itself a valid sequential order, so
  * an executor without streams runs the commands one after another.
  *
- * The program of a step (L layers, G token groups; slot(l) = l mod 2). The
- * step's (layer, group) items run in the order (0,0) (0,1) .. (0,G-1)
- * (1,0) ..; item i uses activation set(i) = i mod 2 (always 0 when G = 1),
- * so that only two groups' activations live at once however many groups a
+ * The program of a step (L layers, G token groups; slot(l) = l mod 2; S
+ * activation sets, two or three: MLENS_PIPE_THREE_SETS). The step's
+ * (layer, group) items run in the order (0,0) (0,1) .. (0,G-1) (1,0) ..;
+ * GA runs a = min(S - 1, G - 1) items ahead of GB (a GA of layer l + 1
+ * needs the GB of its group in layer l, a items back at most), and item i
+ * uses activation set(i) = i mod (a + 1) (always 0 when G = 1), so that
+ * only a + 1 <= S groups' activations live at once however many groups a
  * step has:
  *   HEAD                                    GPU: embeddings of all tokens
  *   stream layers 0 and 1 into slots 0, 1   COPY queue (see below), unless
  *                                           the last step prefetched them
- *   GA(item 0), RECORD(GPU, qkv[set 0])     GPU: norm, QKV, RoPE, prefill
+ *   GA(item j), RECORD(GPU, qkv[set j]) for j < a (at least item 0)
+ *                                           GPU: norm, QKV, RoPE, prefill
  *                                           attention, D2H of K/V and q
  *   for each item i = (l, x):
- *     when G > 1: GA(item i+1), RECORD(GPU, qkv[set(i+1)])
+ *     when G > 1: GA(item i+a), RECORD(GPU, qkv[set(i+a)])
  *     HOST_WAIT(qkv[set(i)]), C(l, x)   host: KV append (unless GA stored
  *                    K/V into the pool itself) and decode attention on the
  *                    CPU pool; queues the H2D of its output
@@ -33,10 +37,13 @@
  * layer l's pieces arrived, a slot is overwritten only after every GB of
  * the layer it held, each layer crosses PCIe once per step however many
  * groups use it, and the CPU attention of item i runs while the GPU does
- * GA of item i+1 and GB of item i-1. A set is rewritten by GA(i+2) only
- * after GB(i) (queue order) and after C(i) read its host copies (C(i) ran
- * before GA(i+2) was issued). Without streamed experts (all resident)
- * there are no COPY, ready or freed commands.
+ * GA of item i+a and GB of item i-1 (with a = 2, GA(i+1) and GB(i-2)
+ * before them too: the copies down, C and its upload have two items of
+ * GPU work to hide in rather than one). A set is rewritten by GA(i+a+1),
+ * issued in item i+1, only after GB(i) (queue order) and after C(i) read
+ * its host copies (C(i) ran before it was issued). Without
+ * streamed experts (all resident) there are no COPY, ready or freed
+ * commands.
  *
  * Driven from a thread per queue (host, GPU, copy: the mover), each
  * taking its commands in program order and waiting only for each
@@ -55,6 +62,7 @@
  * step has many; two activation sets serve them all. */
 #define MLENS_PIPE_MAX_GROUPS 512
 #define MLENS_PIPE_SETS 2
+#define MLENS_PIPE_SETS_MAX 3
 
 enum mlens_pipe_queue {
 	MLENS_PIPE_Q_GPU = 0,	/* compute stream (also activation copies) */
@@ -80,7 +88,7 @@ enum {
 	MLENS_PIPE_EV_READY = 0,
 	MLENS_PIPE_EV_FREED = 2,
 	MLENS_PIPE_EV_QKV = 4,
-	MLENS_PIPE_EV_N = MLENS_PIPE_EV_QKV + MLENS_PIPE_SETS
+	MLENS_PIPE_EV_N = MLENS_PIPE_EV_QKV + MLENS_PIPE_SETS_MAX
 };
 
 struct mlens_pipe_cmd {
@@ -121,6 +129,14 @@ int mlens_pipe_prog_build(struct mlens_pipe_prog *p, int layers, int groups,
  * layers 2 and up. Each layer still crosses PCIe once per step. */
 #define MLENS_PIPE_PREFETCH 1u
 #define MLENS_PIPE_RESIDENT01 2u
+/* Three activation sets rather than two, GA two items ahead of GB where a
+ * layer has three groups or more (see the program above). */
+#define MLENS_PIPE_THREE_SETS 4u
+/* The activation sets a program built with flags uses. */
+static inline int mlens_pipe_sets(unsigned flags)
+{
+	return flags & MLENS_PIPE_THREE_SETS ? 3 : MLENS_PIPE_SETS;
+}
 int mlens_pipe_prog_build_ex(struct mlens_pipe_prog *p, int layers, int groups,
 			     const int *n_pieces, unsigned flags);
 void mlens_pipe_prog_free(struct mlens_pipe_prog *p);

@@ -276,7 +276,7 @@ START_TEST(plan_act_bytes)
 	c.num_experts_per_tok = 2;
 	c.dtype = MLENS_DTYPE_F32;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8, MLENS_GEMM_FAST), 0);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8, MLENS_GEMM_FAST, 0), 0);
 	/* 10 tokens, one group of 10 rows, chunk 8: the residual of every
 	 * token (H = 16 floats); per set (two) a group's 2qd + 2kvd = 32+16 =
 	 * 48 floats a row, once for both sets its H + E + 2K = 16+4+4 = 24
@@ -286,12 +286,15 @@ START_TEST(plan_act_bytes)
 	per = 48 * 4;
 	shared = 24 * 4;
 	want = 10 * 16 * 4 + 2 * 10 * per + 10 * shared + 3328 + (2u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8, MLENS_GEMM_FAST), want);
-	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8, MLENS_GEMM_FAST), want);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8, MLENS_GEMM_FAST, 0), want);
+	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8, MLENS_GEMM_FAST, 0), want);
 	/* 12 tokens in groups of 4: sets hold 4 rows, lm_head chunks of 4
 	 * (1600 B, 1792 aligned) */
 	want = 12 * 16 * 4 + 2 * 4 * per + 4 * shared + 1792 + (2u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST), want);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 0), want);
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 2), want);
+	/* three sets (pipeline_sets = 3): one more group of q, k, v, att */
+	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 3), want + 4 * per);
 	/* the group grows when a step would need more groups than a program holds */
 	ck_assert_int_eq(mlens_gpuplan_group_rows(10, 4), 4);
 	ck_assert_int_eq(mlens_gpuplan_group_rows(3, 4), 3);
@@ -359,6 +362,9 @@ struct sim {
 	int layers, groups;
 	const int *pieces;
 	double t_ga, t_gb, t_c, t_piece;
+	/* the link: a C starts t_lat after its GA's record (the copies
+	 * down), a GB t_lat after its C ended (the upload) */
+	double t_lat;
 	/* results */
 	struct span ga[16][8], gb[16][8], c[16][8];
 	int set_ga[16][8], set_c[16][8], set_gb[16][8];
@@ -411,8 +417,8 @@ static void simulate(struct sim *s, const struct mlens_pipe_prog *p)
 				q[c->queue] = ev[c->event];
 			continue;
 		case MLENS_PIPE_HOST_WAIT:
-			if (ev[c->event] > host)
-				host = ev[c->event];
+			if (ev[c->event] + s->t_lat > host)
+				host = ev[c->event] + s->t_lat;
 			continue;
 		case MLENS_PIPE_HEAD:
 		case MLENS_PIPE_TAIL:
@@ -453,6 +459,8 @@ static void simulate(struct sim *s, const struct mlens_pipe_prog *p)
 			host += dur;
 		} else {
 			start = q[c->queue] > host ? q[c->queue] : host;
+			if (c->kind == MLENS_PIPE_GB && s->c[c->layer][c->group].end + s->t_lat > start)
+				start = s->c[c->layer][c->group].end + s->t_lat;
 			q[c->queue] = start + dur;
 		}
 		if (sp) {
@@ -484,7 +492,7 @@ static void check_order(const struct sim *s)
 			/* an item keeps its activation set through GA, C and GB */
 			ck_assert_int_eq(s->set_c[l][x], s->set_ga[l][x]);
 			ck_assert_int_eq(s->set_gb[l][x], s->set_ga[l][x]);
-			ck_assert(s->set_ga[l][x] >= 0 && s->set_ga[l][x] < MLENS_PIPE_SETS);
+			ck_assert(s->set_ga[l][x] >= 0 && s->set_ga[l][x] < MLENS_PIPE_SETS_MAX);
 			/* the set is rewritten (GA of a later item) only after this
 			 * item finished with it: its C read the host copies, its GB
 			 * the GPU buffers */
@@ -564,6 +572,64 @@ START_TEST(prog_many_groups)
 	}
 	ck_assert_int_gt(overlaps, 0);
 	mlens_pipe_prog_free(&p);
+}
+END_TEST
+
+/* Three activation sets (MLENS_PIPE_THREE_SETS): with three groups or
+ * more GA runs two items ahead of GB (GA(i+2) comes before GB(i) in the
+ * program), each set is rewritten only after the item before finished
+ * with it (check_order), all three are used; with two groups or one the
+ * program is the two-set one. And what it is for: where the copies down
+ * and the upload take time (t_lat), C and its links hide behind two items
+ * of GPU work: a step of 8 groups ends sooner than with two sets, and
+ * no later anywhere. */
+START_TEST(prog_three_sets)
+{
+	static const int pieces[4] = { 2, 2, 2, 2 };
+	struct mlens_pipe_prog p = { 0 }, q = { 0 };
+
+	for (int G = 1; G <= 8; G++) {
+		int ga_at[4][8], used[3] = { 0, 0, 0 };
+		for (int lat = 0; lat < 2; lat++) {
+			struct sim *s3 = sim_new(4, G, pieces, 1, 4, 4, 1);
+			struct sim *s2 = sim_new(4, G, pieces, 1, 4, 4, 1);
+			s3->t_lat = s2->t_lat = lat;
+			ck_assert_int_eq(mlens_pipe_prog_build_ex(&p, 4, G, pieces,
+								  MLENS_PIPE_THREE_SETS), 0);
+			ck_assert_int_eq(mlens_pipe_prog_build_ex(&q, 4, G, pieces, 0), 0);
+			simulate(s3, &p);
+			check_order(s3);
+			simulate(s2, &q);
+			check_order(s2);
+			ck_assert_msg(s3->makespan <= s2->makespan + 1e-9, "G %d lat %d: %.1f vs %.1f", G,
+				      lat, s3->makespan, s2->makespan);
+			if (G == 8 && lat)
+				ck_assert_msg(s3->makespan < 0.95 * s2->makespan, "8 groups: %.1f vs %.1f",
+					      s3->makespan, s2->makespan);
+			if (G <= 2) {	/* nothing to look ahead into: the same program */
+				ck_assert_int_eq(p.n, q.n);
+				ck_assert(!memcmp(p.cmd, q.cmd, (size_t)p.n * sizeof(*p.cmd)));
+			}
+			free(s3);
+			free(s2);
+		}
+		for (int i = 0; i < p.n; i++) {
+			const struct mlens_pipe_cmd *c = &p.cmd[i];
+			if (c->kind == MLENS_PIPE_GA) {
+				ga_at[c->layer][c->group] = i;
+				used[c->set]++;
+			} else if (c->kind == MLENS_PIPE_GB && G >= 3) {
+				int j = c->layer * G + c->group + 2;
+				if (j < 4 * G)
+					ck_assert_msg(ga_at[j / G][j % G] < i, "G %d: GA of item %d after GB(%d,%d)",
+						      G, j, c->layer, c->group);
+			}
+		}
+		for (int k = 0; k < 3; k++)
+			ck_assert_int_eq(used[k] > 0, G >= 3 || (G == 2 && k < 2) || k == 0);
+	}
+	mlens_pipe_prog_free(&p);
+	mlens_pipe_prog_free(&q);
 }
 END_TEST
 
@@ -771,12 +837,13 @@ static struct mlens_test_spec spec4(void)
 	return s;
 }
 
-/* A budget that holds no resident expert: the minimum for max_tokens. */
-static uint64_t stream_budget(const struct mlens_model *m, int max_tokens, int64_t group)
+/* A budget that holds no resident expert: the minimum for max_tokens (with
+ * sets activation sets; 0: two). */
+static uint64_t stream_budget(const struct mlens_model *m, int max_tokens, int64_t group, int sets)
 {
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
-				       .min_tokens = max_tokens, .group = group };
+				       .min_tokens = max_tokens, .group = group, .sets = sets };
 	struct mlens_gpuplan p;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
 	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
@@ -1031,6 +1098,8 @@ static bool run_gpu_append;
 /* ... with side copies, C's output up on queue 3 too (up_copy_in; off:
  * gpu_copy_out = down) */
 static bool run_up_copy = true;
+/* ... its activation sets (pipeline_sets; 0: the default) */
+static int run_sets;
 
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
 		      int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
@@ -1046,13 +1115,14 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
 		eo.attn_backend = &sd->attn;
-		eo.gpu_budget = stream_budget(m, 64, group_tokens);
+		eo.gpu_budget = stream_budget(m, 64, group_tokens, run_sets);
 		eo.hybrid_groups = groups;
 		eo.hybrid_group_tokens = group_tokens;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
 		eo.hybrid_up_copy_in = side_out && run_up_copy;
 		eo.hybrid_gpu_kv_append = run_gpu_append;
+		eo.hybrid_sets = run_sets;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
@@ -1154,6 +1224,7 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			ck_assert_int_eq(st->side_copy_out, async && side_out);
 			ck_assert_int_eq(st->up_copy_in, async && side_out && run_up_copy);
 			ck_assert_int_eq(st->prefill_cpu, prefill_cpu);
+			ck_assert_int_eq(st->sets, run_sets ? run_sets : MLENS_PIPE_SETS);
 			/* with the GPU side appending, the host side appends nothing */
 			ck_assert_int_eq(st->gpu_kv_append, run_gpu_append);
 			ck_assert_int_eq(st->kv_append_side, run_gpu_append && async && side_out &&
@@ -1294,7 +1365,9 @@ END_TEST
  * the same logits to the bit as the fp32 upload on that device, with the
  * upload half the bytes, through the upload queue and the compute queue
  * (_i & 1: gpu_copy_out side or down), with the prefill rows' output
- * rounded on the device or (_i & 2: prefill on the CPU) sent up too. The
+ * rounded on the device or (_i & 2: prefill on the CPU) sent up too, and
+ * (_i & 4) in groups of 4 rows with three sets: prompts cut between
+ * groups (their later rows attend on the CPU), GA two groups ahead. The
  * side queues hold their copies until waited for, so a GB that read the
  * rows before they arrived, a round that wrote over q rows still to be
  * copied, or rows at the wrong offset would change a logit. A bf16 model
@@ -1302,7 +1375,7 @@ END_TEST
  * GPU side on the other. */
 START_TEST(exec_half_att_same_product)
 {
-	bool side_out = _i & 1, prefill_cpu = _i & 2;
+	bool side_out = _i & 1, prefill_cpu = _i & 2, cut = _i & 4;
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m;
 	static const int plen[N_SEQ] = { 5, 9, 3, 7 };
@@ -1328,8 +1401,10 @@ START_TEST(exec_half_att_same_product)
 		make_rounding(&sd[s].be, side_out);
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd[s].attn, &bo), 0);
 		eo.attn_backend = &sd[s].attn;
-		eo.gpu_budget = stream_budget(m, 64, 0);
+		eo.gpu_budget = stream_budget(m, 64, cut ? 4 : 0, cut ? 3 : 0);
 		eo.hybrid_groups = 2;
+		eo.hybrid_group_tokens = cut ? 4 : 0;
+		eo.hybrid_sets = cut ? 3 : 0;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
 		eo.hybrid_up_copy_in = side_out;
@@ -1368,6 +1443,54 @@ START_TEST(exec_half_att_same_product)
 	mlens_test_model_free(m);
 	free(lg[0]);
 	free(lg[1]);
+}
+END_TEST
+
+/* Three activation sets: GA two groups ahead where a layer has three or
+ * more (groups of 4 rows here), on the device that holds its side queues'
+ * copies and stores until waited for (a C that read a set before its
+ * copies, or a GA that rewrote a set an earlier item still used, would
+ * change a token or logit): the engine's tokens and logits, with copies on
+ * the compute queue, down or both ways, the GPU side storing K/V from the
+ * side queue, prefill on the CPU; two groups (nothing to look ahead into)
+ * too. A fourth set is refused. */
+START_TEST(exec_equal_three_sets)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend be, attn;
+	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = 64, .kv_blocks = 64,
+					.hybrid_sets = 4 };
+	struct mlens_engine *e;
+	char err[512];
+
+	run_sets = 3;
+	run_equal(2, 4, false, false, false);
+	run_equal(2, 4, false, true, false);
+	run_equal(2, 4, false, true, true);
+	run_up_copy = false;
+	run_equal(2, 4, false, true, true);
+	run_up_copy = true;
+	run_gpu_append = true;
+	fa_with_append_side = true;
+	run_equal(2, 4, false, true, true);
+	ck_assert_int_gt(fa_q2_appends, 0);
+	fa_with_append_side = false;
+	run_gpu_append = false;
+	run_equal(1, 3, true, true, true);
+	run_equal(2, 0, false, true, true);
+	run_sets = 0;
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
+	eo.attn_backend = &attn;
+	eo.gpu_budget = stream_budget(m, 64, 0, 0);
+	ck_assert_int_eq(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "4 activation sets asked for; 2 or 3"), "%s", err);
+	mlens_backend_destroy(&be);
+	mlens_backend_destroy(&attn);
+	mlens_test_model_free(m);
 }
 END_TEST
 
@@ -1483,7 +1606,7 @@ START_TEST(exec_pieces_and_budget)
 
 	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
-	po.gpu_budget = stream_budget(m, 64, 0) - 1;	/* one byte short of 64 tokens */
+	po.gpu_budget = stream_budget(m, 64, 0, 0) - 1;	/* one byte short of 64 tokens */
 	po.min_step_tokens = 64;
 	ck_assert_int_eq(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)), -ENOSPC);
 	ck_assert_ptr_nonnull(strstr(err, "at least"));
@@ -1534,7 +1657,7 @@ START_TEST(exec_failure_recovers)
 	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
 	make_async(&g, false);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
-	po.gpu_budget = stream_budget(m, 64, 0);
+	po.gpu_budget = stream_budget(m, 64, 0, 0);
 	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
 	ck_assert(mlens_pipeline_stats(p)->async);
 	for (int round = 0; round < 4; round++) {
@@ -1613,7 +1736,7 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
 		eo.attn_backend = &attn;
-		eo.gpu_budget = stream_budget(m, 64, 0);
+		eo.gpu_budget = stream_budget(m, 64, 0, 0);
 	}
 	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
@@ -1703,6 +1826,7 @@ static Suite *suite(void)
 	t = tcase_create("program");
 	tcase_add_test(t, prog_two_groups);
 	tcase_add_test(t, prog_many_groups);
+	tcase_add_test(t, prog_three_sets);
 	tcase_add_test(t, prog_deps_for_two_threads);
 	tcase_add_test(t, prog_prefetch_next_step);
 	tcase_add_test(t, prog_copy_bound_hides_compute);
@@ -1719,7 +1843,8 @@ static Suite *suite(void)
 	tcase_add_test(t, exec_equal_side_copies);
 	tcase_add_test(t, exec_equal_gpu_kv_append);
 	tcase_add_test(t, exec_equal_gpu_kv_append_side);
-	tcase_add_loop_test(t, exec_half_att_same_product, 0, 4);
+	tcase_add_test(t, exec_equal_three_sets);
+	tcase_add_loop_test(t, exec_half_att_same_product, 0, 8);
 	tcase_add_test(t, exec_pieces_and_budget);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);

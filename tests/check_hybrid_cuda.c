@@ -38,6 +38,7 @@
  * sites an expert where there was one, and on an H200 the largest logit
  * difference of this random model went from 0.0028 to 0.017 (the goldens
  * against transformers keep their 0.015): 0.03 for those two cases. */
+#ifndef MLENS_TEST_SMALL_GROUPS
 #define N_CASES 5
 static const double tols[N_CASES] = { 1e-4, 0.03, 0.015, 0.03, 0.03 };
 static const enum mlens_dtype dtypes[N_CASES] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16,
@@ -57,6 +58,38 @@ static const bool gpu_append[N_CASES] = { true, false, false, true, false };
  * and on the compute queue), not with fp32 weights or exact GEMMs; the
  * second case sends fp32 */
 static const bool att_half[N_CASES] = { true, false, true, true, true };
+/* three activation sets (pipeline_sets = 3) asked for in the last two:
+ * the plan holds one more group's activations (the budget checks below);
+ * with the default group a step of this test is one group a layer, so
+ * GA has nothing to run ahead into (tests/check_hybrid.c runs it ahead) */
+static const int sets_tc[N_CASES] = { 0, 0, 0, 3, 3 };
+static const int64_t group_tc[N_CASES] = { 0, 0, 0, 0, 0 };
+#else
+/* check_hybrid_cuda_groups, an expected failure (XFAIL_TESTS): the same
+ * steps in groups of 16 rows, so that prompts are cut between groups and
+ * their later segments attend on the CPU from the pool, and a layer has
+ * three groups or more. On an H200 (2026-12-01) the two bf16 cases tried
+ * this way failed, their logits 0.25 and 0.44 away from GPU-only, the
+ * same with two sets as with three: the bf16 upload on the compute
+ * queue, and side queues with SM copies, the GPU's K/V stores and the
+ * bf16 upload. The pipeline's logic, on check_hybrid's simulated device
+ * with groups of 3, 4 and 16 rows (the bf16 upload too), gives the
+ * engine's tokens: a bug of the CUDA side not yet found. Cases here: fp32;
+ * bf16 with the fp32 upload and two sets (none of this session's
+ * settings); bf16 with the bf16 upload; the side-queue case with three
+ * sets. */
+#define N_CASES 4
+static const double tols[N_CASES] = { 1e-4, 0.03, 0.03, 0.03 };
+static const enum mlens_dtype dtypes[N_CASES] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16, MLENS_DTYPE_BF16,
+						  MLENS_DTYPE_BF16 };
+static const enum mlens_gemm_mode gemms[N_CASES] = { MLENS_GEMM_FAST, MLENS_GEMM_FAST, MLENS_GEMM_FAST,
+						     MLENS_GEMM_FAST };
+static const bool side_tc[N_CASES] = { false, false, false, true };
+static const bool gpu_append[N_CASES] = { false, false, false, true };
+static const bool att_half[N_CASES] = { false, false, true, true };
+static const int sets_tc[N_CASES] = { 0, 0, 0, 3 };
+static const int64_t group_tc[N_CASES] = { 16, 16, 16, 16 };
+#endif
 
 static struct mlens_test_spec spec(enum mlens_dtype dt)
 {
@@ -125,7 +158,9 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
 					.hybrid_gemm = gemms[_i], .hybrid_side_copy_out = side_tc[_i],
 					.hybrid_up_copy_in = side_tc[_i],
-					.hybrid_att_up_half = att_half[_i] };
+					.hybrid_att_up_half = att_half[_i],
+					.hybrid_sets = sets_tc[_i],
+					.hybrid_group_tokens = group_tc[_i] };
 	/* the hybrid pool in page-aligned host memory, as mlensd's (the
 	 * device maps it for kv_append = gpu) */
 	struct mlens_kv_cache pool = { dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16, ts.layers, ts.kv_heads,
@@ -134,7 +169,8 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	struct mlens_perf_model pm;
 	struct mlens_gpuplan plan;
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
-				       .min_tokens = MAX_TOK, .gemm = gemms[_i] };
+				       .min_tokens = MAX_TOK, .gemm = gemms[_i],
+				       .group = group_tc[_i], .sets = sets_tc[_i] };
 	static int32_t prompt[N_SEQ][64], tok[N_STEPS][N_SEQ];
 	size_t V = (size_t)ts.vocab, nlog = (size_t)N_STEPS * N_SEQ * V;
 	float *ref = calloc(nlog, sizeof(float)), *got = calloc(nlog, sizeof(float));
@@ -182,6 +218,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		ck_assert_int_eq(mlens_pipeline_stats(p)->up_copy_in, side_tc[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->gpu_kv_append, gpu_append[_i]);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->kv_append_side, gpu_append[_i] && side_tc[_i]);
+		ck_assert_int_eq(mlens_pipeline_stats(p)->sets, sets_tc[_i] ? sets_tc[_i] : 2);
 		ck_assert_int_eq(mlens_pipeline_stats(p)->att_up_half,
 				 att_half[_i] && dt == MLENS_DTYPE_BF16 && gemms[_i] == MLENS_GEMM_FAST);
 	}
@@ -236,11 +273,12 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 			}
 		}
 	}
-	printf("[%s, %s GEMMs%s%s%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
+	printf("[%s, %s GEMMs%s%s%s%s%s] hybrid vs GPU-only: max rel logit diff %.3g (tolerance %.3g), %d of "
 	       "%d safe greedy tokens equal\n", mlens_dtype_name(dt), mlens_gemm_mode_name(gemms[_i]),
 	       side_tc[_i] ? ", side copies out and up, SM copies, bf16 prefill attention" : "",
 	       gpu_append[_i] ? ", K/V appended by the GPU" : "",
 	       mlens_pipeline_stats(mlens_engine_pipeline(e))->att_up_half ? ", attention output up in bf16" : "",
+	       sets_tc[_i] == 3 ? ", three sets" : "", group_tc[_i] ? ", groups of 16 rows" : "",
 	       worst, TOL, same, safe);
 	ck_assert_msg(worst <= TOL, "max rel logit diff %g", worst);
 	ck_assert_int_gt(safe, N_STEPS * N_SEQ / 2);

@@ -55,11 +55,12 @@ int mlens_bench_predict(int argc, char **argv)
 		{ "gemm", 1, 0, 'e' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "cap", 1, 0, 'n' }, { "in-flight", 1, 0, 's' }, { "json", 0, 0, 'j' },
 		{ "no-shared-io", 0, 0, 'S' }, { "gpu-copy-out", 1, 0, 'o' },
-		{ "kv-append", 1, 0, 'A' }, { "attn-up", 1, 0, 'U' }, { 0, 0, 0, 0 }
+		{ "kv-append", 1, 0, 'A' }, { "attn-up", 1, 0, 'U' },
+		{ "pipeline-sets", 1, 0, 'P' }, { 0, 0, 0, 0 }
 	};
 	const char *config = NULL, *profile = NULL;
 	uint64_t gpu = 8ull << 30, kv = 40ull << 30;
-	long long block = 16, group = 3072, cap = 0, n;
+	long long block = 16, group = 3072, cap = 0, sets = 2, n;
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
@@ -108,6 +109,12 @@ int mlens_bench_predict(int argc, char **argv)
 				return bad("--kv-append '%s' is not gpu or cpu", optarg);
 			gpu_append = !strcmp(optarg, "gpu");
 			break;
+		case 'P':
+			if (count_arg("--pipeline-sets", optarg, &sets))
+				return 2;
+			if (sets != 2 && sets != 3)
+				return bad("--pipeline-sets '%s' is not 2 or 3", optarg);
+			break;
 		case 'U':
 			if (strcmp(optarg, "half") && strcmp(optarg, "fp32"))
 				return bad("--attn-up '%s' is not half or fp32", optarg);
@@ -144,6 +151,7 @@ int mlens_bench_predict(int argc, char **argv)
 	st.chunk = MLENS_GPUPLAN_CHUNK;
 	st.plan_in.group = group;
 	st.plan_in.gemm = gemm;
+	st.plan_in.sets = (int)sets;
 	st.side_copy_out = side;
 	st.up_copy_in = up;
 	st.gpu_kv_append = gpu_append;

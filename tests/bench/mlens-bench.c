@@ -24,7 +24,7 @@ static const struct mlens_bench_cmd cmds[] = {
 	  "attention KV GB/s per variant and thread count, next to the measured read bandwidth" },
 	{ "predict", mlens_bench_predict,
 	  "--config FILE --profile FILE [--gpu-memory SIZE] [--kv-cache SIZE] [--group-tokens N] "
-	  "[--prompt-len P] [--gen-len G] [--cap N] [--in-flight S] [--no-shared-io] [--gpu-copy-out compute|down|side] [--kv-append gpu|cpu] [--attn-up half|fp32] "
+	  "[--prompt-len P] [--gen-len G] [--cap N] [--in-flight S] [--no-shared-io] [--gpu-copy-out compute|down|side] [--kv-append gpu|cpu] [--attn-up half|fp32] [--pipeline-sets 2|3] "
 	  "[--json]: the daemon's "
 	  "performance model replayed on a recorded profile cache (no GPU, no weights)" },
 	{ "client", mlens_bench_client,
