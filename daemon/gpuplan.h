@@ -52,9 +52,9 @@ static inline int64_t mlens_gpuplan_tail_rows(int64_t chunk)
 	return chunk < MLENS_GPUPLAN_TAIL_ROWS ? chunk : MLENS_GPUPLAN_TAIL_ROWS;
 }
 /* Rows of a token group when group is 0: a step of n tokens runs as
- * ceil(n / group) groups (at least two), and only two groups' activations
- * live at once (pipeprog.h), so the residual stream is the only per-token
- * buffer of the whole step. */
+ * ceil(n / group) groups (at least two), and only two or three groups'
+ * activations live at once (pipeprog.h, the pipeline's sets), so the
+ * residual stream is the only per-token buffer of the whole step. */
 #define MLENS_GPUPLAN_GROUP 4096
 /* group of mlens_gpuplan_in: let the plan choose. The largest of
  * MLENS_GPUPLAN_GROUP, half of it, and so on down to

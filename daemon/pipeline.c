@@ -59,8 +59,8 @@ struct pl_set {
  * rows into it after the prefill attention, the last reader of those q
  * rows, and below the decode rows' q (row d0 of q starts past row d0 of
  * the half rows), which queue 2 may still be copying; C's upload of the
- * decode rows comes after C waited for those copies; GA(i+2), the set's
- * next writer of q, runs after GB(i), which read them. */
+ * decode rows comes after C waited for those copies; the GA of the set's
+ * next item, its next writer of q, runs after GB(i), which read them. */
 static void *att_half(const struct pl_set *S)
 {
 	return S->q;
