@@ -8,7 +8,10 @@ GPU's time from the layer's first GA to its last GB, and how long the
 weight stream then stood idle (waiting for a slot: the GPU side is the
 slower one; none: the stream is), and where the GPU stood idle: before a
 layer's first GB (the layer's weights, or its C), before another GB (its
-C), before a GA, and between steps. Usage: trace_summary.py FILE [MS]"""
+C), before a GA, and between steps; the chain of a token group (GA's end
+to C, C, C's end to GB, against the GPU's time from GA's end to GB); and
+the time between steps (the worker's, to the first GPU command, after
+the last). Usage: trace_summary.py FILE [MS]"""
 import collections
 import json
 import re
@@ -41,8 +44,6 @@ def main():
     for k in sorted(busy):
         print("  %-13s %5d spans %9.1f ms" % (k, n[k], busy[k]))
 
-    def med(v):
-        return sorted(v)[len(v) // 2] if v else float("nan")
     print("  median ms: C %.2f  GA %.2f  GB %.2f" % (med(dur[("cpu-attn", "C")]),
           med(dur[("gpu", "GA")]), med(dur[("gpu", "GB")])))
     slow = [e for e in ev if names.get(e["tid"]) == "gpu" and e["dur"] > long_ms * 1e3]
@@ -51,6 +52,67 @@ def main():
         ", ".join("%s %.0f" % (e["name"], e["dur"] / 1e3) for e in slow[:12])))
     layers(ev, names)
     gpu_gaps(ev, names)
+    chain(ev, names)
+    between_steps(ev, names)
+
+
+def med(v):
+    return sorted(v)[len(v) // 2] if v else float("nan")
+
+
+def chain(ev, names):
+    """Per token group, the chain GA -> C -> GB: from GA's end to C's
+    start (the copies down and the host's wake-up), C, from C's end to
+    GB's start (the upload and the queue before GB), against the GPU's
+    time from GA's end to GB's start (what the chain may take before the
+    GPU waits for it)."""
+    steps = sorted((e for e in ev if names.get(e["tid"]) == "step"), key=lambda e: e["ts"])
+
+    def step_of(t):
+        for i, s in enumerate(steps):
+            if s["ts"] <= t <= s["ts"] + s["dur"]:
+                return i
+        return -1
+    span = {}
+    for e in ev:
+        t = names.get(e["tid"])
+        w = e["name"].split()
+        if (t, w[:1]) in (("gpu", ["GA"]), ("gpu", ["GB"]), ("cpu-attn", ["C"])) and len(w) >= 3:
+            span[(w[0], step_of(e["ts"]), w[1], w[2])] = e
+    down, c, up, room = [], [], [], []
+    for (k, s, l, g), ce in span.items():
+        if k != "C":
+            continue
+        ga, gb = span.get(("GA", s, l, g)), span.get(("GB", s, l, g))
+        if not ga or not gb:
+            continue
+        down.append((ce["ts"] - ga["ts"] - ga["dur"]) / 1e3)
+        c.append(ce["dur"] / 1e3)
+        up.append((gb["ts"] - ce["ts"] - ce["dur"]) / 1e3)
+        room.append((gb["ts"] - ga["ts"] - ga["dur"]) / 1e3)
+    if c:
+        print("  chain a group, median ms (%d groups): GA end -> C %.2f, C %.2f, C end -> GB %.2f; "
+              "GA end -> GB %.2f" % (len(c), med(down), med(c), med(up), med(room)))
+
+
+def between_steps(ev, names):
+    """Between the traced steps: the worker's own time (one step's end to
+    the next one's start), the step's start to its first GPU command
+    (HEAD: the batch laid out, the program built), and its last GPU
+    command's end to the step's end (the sampled tokens back)."""
+    steps = sorted((e for e in ev if names.get(e["tid"]) == "step"), key=lambda e: e["ts"])
+    gpu = sorted((e for e in ev if names.get(e["tid"]) == "gpu"), key=lambda e: e["ts"])
+    head, tail, gap = [], [], []
+    for i, s in enumerate(steps):
+        inside = [e for e in gpu if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+        if inside:
+            head.append((inside[0]["ts"] - s["ts"]) / 1e3)
+            tail.append((s["ts"] + s["dur"] - inside[-1]["ts"] - inside[-1]["dur"]) / 1e3)
+        if i + 1 < len(steps):
+            gap.append((steps[i + 1]["ts"] - s["ts"] - s["dur"]) / 1e3)
+    if head:
+        print("  between steps, median ms: worker %.2f, step start -> first GPU command %.2f, "
+              "last GPU command -> step end %.2f" % (med(gap), med(head), med(tail)))
 
 
 def gpu_gaps(ev, names):
