@@ -82,6 +82,9 @@ struct mlens_gpuplan_in {
 					 * weights take MLENS_GEMM_EXACT_PARTS times the
 					 * scratch for their split activations */
 	int sets;		/* the pipeline's activation sets; 0 = MLENS_PIPE_SETS */
+	/* the pipeline's attention output goes up in the weights' dtype
+	 * (pipeline att_up_half): a set holds no fp32 attention output */
+	bool att_half;
 };
 
 struct mlens_gpuplan {
@@ -103,15 +106,15 @@ struct mlens_gpuplan {
 
 /* Activation and scratch bytes of a step of n tokens on the GPU in groups
  * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE
- * call, sets activation sets (0: MLENS_PIPE_SETS, two): the residual
- * stream of every token; per activation set a
+ * call, sets activation sets (0: MLENS_PIPE_SETS, two), att_half as the
+ * plan input's: the residual stream of every token; per activation set a
  * group's q, k, v and attention out; once for all sets a group's norm,
  * router logits, ids and weights (GA's and GB's own, on the in-order
  * compute queue); logits of an lm_head call (mlens_gpuplan_tail_rows of
  * the chunk); the backend's op scratch (below); and its staging of small
  * tables. Saturates at UINT64_MAX. */
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
-				 int64_t chunk, enum mlens_gemm_mode gemm, int sets);
+				 int64_t chunk, enum mlens_gemm_mode gemm, int sets, bool att_half);
 /* Parts each activation of a GEMM on weights of weight_bytes per element
  * is split into: MLENS_GEMM_EXACT_PARTS for EXACT on half-precision
  * weights, else 1. */

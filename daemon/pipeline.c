@@ -68,7 +68,10 @@ static void *att_half(const struct pl_set *S)
 
 /* What GA and GB use only inside their own run on the compute queue,
  * which runs them in order: the normed rows (xn), the router's logits,
- * weights and expert ids; one area for every set (the TAIL's rows too). */
+ * weights and expert ids; one area for every set (the TAIL's rows too).
+ * With half_att a set has no fp32 att on the device: GA's prefill
+ * attention writes into xn (free once the QKV GEMMs read it; rows of
+ * max(hidden, qdim)), and GA rounds it from there into att_half. */
 struct pl_shared {
 	float *xn, *rlog, *rw;
 	int32_t *rid;
@@ -471,12 +474,19 @@ static size_t set_floats(const struct mlens_pipeline *p, int which)
 {
 	size_t g = (size_t)p->group_rows;
 	switch (which) {
-	case 0: return g * (size_t)p->cfg.hidden_size;		/* xn */
+	case 0: return g * (size_t)(p->qdim > (int)p->cfg.hidden_size ? p->qdim	/* xn */
+								       : (int)p->cfg.hidden_size);
 	case 1: return g * (size_t)p->qdim;			/* q, att */
 	case 2: return g * (size_t)p->kvdim;			/* k, v */
 	case 3: return g * (size_t)p->cfg.num_local_experts;	/* router logits */
 	default: return g * (size_t)p->cfg.num_experts_per_tok;	/* weights, ids */
 	}
+}
+
+/* Where GA's prefill attention writes its fp32 rows (see pl_shared). */
+static float *prefill_out(const struct mlens_pipeline *p, const struct pl_set *S)
+{
+	return p->half_att ? p->sh.xn : S->att;
 }
 
 static void shared_alloc(struct mlens_pipeline *p, struct pl_shared *S, int *rc)
@@ -498,7 +508,7 @@ static void shared_free(struct mlens_pipeline *p, struct pl_shared *S)
 static void set_alloc(struct mlens_pipeline *p, struct pl_set *S, int *rc)
 {
 	S->q = galloc(p, set_floats(p, 1) * 4, rc);
-	S->att = galloc(p, set_floats(p, 1) * 4, rc);
+	S->att = p->half_att ? NULL : galloc(p, set_floats(p, 1) * 4, rc);	/* see pl_shared */
 	S->k = galloc(p, set_floats(p, 2) * 4, rc);
 	S->v = galloc(p, set_floats(p, 2) * 4, rc);
 	if (*rc)
@@ -675,6 +685,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	in.group = o->group_tokens;
 	in.gemm = o->gemm;
 	in.sets = p->sets;
+	in.att_half = p->half_att;
 	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
 	if (rc)
 		goto fail;
@@ -756,7 +767,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		/* a GPU kernel may cover only some head sizes: ask with no sequence */
 		int32_t cu0 = 0;
 		int hd = (int)p->cfg.head_dim;
-		rc = gpu->ops->attn_prefill(gpu->ctx, p->set[0].att, p->set[0].q, p->set[0].k,
+		rc = gpu->ops->attn_prefill(gpu->ctx, prefill_out(p, &p->set[0]), p->set[0].q, p->set[0].k,
 					    p->set[0].v, &cu0, 0,
 					    (int)p->cfg.num_attention_heads,
 					    (int)p->cfg.num_key_value_heads, hd, 1.0f / sqrtf((float)hd));
@@ -945,10 +956,10 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
 	}
 	if (gr->n_pre && !p->prefill_cpu)
-		TRY(G->attn_prefill(GC, S->att, S->q, S->k, S->v, gr->cu, gr->n_pre, nh, nkv, hd,
-				    1.0f / sqrtf((float)hd)));
+		TRY(G->attn_prefill(GC, prefill_out(p, S), S->q, S->k, S->v, gr->cu, gr->n_pre, nh,
+				    nkv, hd, 1.0f / sqrtf((float)hd)));
 	if (p->half_att && d0)	/* the prefill rows' output, as GB takes it */
-		TRY(G->round(GC, att_half(S), c->dtype, S->att, (int)d0, (int)qd));
+		TRY(G->round(GC, att_half(S), c->dtype, prefill_out(p, S), (int)d0, (int)qd));
 	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
 		TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
 		TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
