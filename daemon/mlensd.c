@@ -597,7 +597,6 @@ int main(int argc, char **argv)
 			 mlens_now() - t_engine,
 			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool",
 			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32");
-
 		mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt);
 		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
 				     sizeof(line));
