@@ -106,9 +106,11 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 		       : (s + MLENS_GPUPLAN_SCRATCH_ALIGN - 1) & ~(uint64_t)(MLENS_GPUPLAN_SCRATCH_ALIGN - 1);
 }
 
-uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
-				 int64_t chunk, enum mlens_gemm_mode gemm, int sets, bool att_half)
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n,
+				 const struct mlens_gpuplan_in *in)
 {
+	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
+	int sets = in->sets > 0 ? in->sets : MLENS_PIPE_SETS;
 	uint64_t T, g, c, H = (uint64_t)pm->hidden;
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k, V = (uint64_t)pm->vocab;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
@@ -117,10 +119,8 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 
 	if (n <= 0)
 		return 0;
-	if (chunk <= 0)
-		chunk = MLENS_GPUPLAN_CHUNK;
 	T = (uint64_t)n;
-	g = (uint64_t)mlens_gpuplan_group_rows(n, group);
+	g = (uint64_t)mlens_gpuplan_group_rows(n, in->group);
 	c = (uint64_t)((int64_t)g < chunk ? (int64_t)g : chunk);
 	/* fp32: the residual x of every token; per set, for a group: q, att
 	 * (none with att_half: the prefill attention writes into xn), k, v
@@ -128,14 +128,13 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, i
 	 * (rows of the hidden size or qdim, the larger), router logits, top-k
 	 * weights and ids (GA's and GB's own, daemon/pipeline.c's pl_shared);
 	 * logits of the tail's rows (a chunk, at most MLENS_GPUPLAN_TAIL_ROWS) */
-	per = (att_half ? 1 : 2) * qd + 2 * kvd;
+	per = (in->att_half ? 1 : 2) * qd + 2 * kvd;
 	shared = (qd > H ? qd : H) + E + 2 * K;
 	acc = sat_mul(sat_mul(T, H), 4);
-	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4),
-				   (uint64_t)(sets > 0 ? sets : MLENS_PIPE_SETS)));
+	acc = sat_add(acc, sat_mul(sat_mul(sat_mul(g, per), 4), (uint64_t)sets));
 	acc = sat_add(acc, sat_mul(sat_mul(g, shared), 4));
 	acc = sat_add(acc, align256(sat_mul(sat_mul((uint64_t)mlens_gpuplan_tail_rows((int64_t)c), V), 4)));
-	acc = sat_add(acc, mlens_gpuplan_scratch_bytes(pm, n, group, chunk, gemm));
+	acc = sat_add(acc, mlens_gpuplan_scratch_bytes(pm, n, in->group, chunk, in->gemm));
 	/* metadata staging (the CUDA backend's compute stream and side
 	 * queue each hold one area): at most a few int32/int64 per token or
 	 * tile, 8 bytes a group row for the side K/V append's slots */
@@ -154,18 +153,21 @@ static int64_t auto_group_floor(int64_t chunk)
 uint64_t mlens_gpuplan_act_bytes_hw(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
 				    const void *arg)
 {
-	const struct mlens_gpuplan_in *in = (const struct mlens_gpuplan_in *)arg;
-	int64_t group = in ? in->group : 0, least = auto_group_floor(chunk);
-	enum mlens_gemm_mode gemm = in ? in->gemm : MLENS_GEMM_FAST;
-	int sets = in ? in->sets : 0;
-	bool att_half = in && in->att_half;
+	/* the plan input's shape (NULL: the default group, fast GEMMs) with
+	 * the model's chunk */
+	struct mlens_gpuplan_in s = { 0 };
+	int64_t least = auto_group_floor(chunk);
 	uint64_t best;
-	if (group != MLENS_GPUPLAN_GROUP_AUTO)
-		return mlens_gpuplan_act_bytes(pm, n, group, chunk, gemm, sets, att_half);
+	if (arg)
+		s = *(const struct mlens_gpuplan_in *)arg;
+	s.chunk = chunk;
+	if (s.group != MLENS_GPUPLAN_GROUP_AUTO)
+		return mlens_gpuplan_act_bytes(pm, n, &s);
 	/* the groups plan_auto tries: the default, halved down to the least */
-	best = mlens_gpuplan_act_bytes(pm, n, MLENS_GPUPLAN_GROUP, chunk, gemm, sets, att_half);
-	for (int64_t g = MLENS_GPUPLAN_GROUP / 2; g >= least; g /= 2) {
-		uint64_t b = mlens_gpuplan_act_bytes(pm, n, g, chunk, gemm, sets, att_half);
+	s.group = MLENS_GPUPLAN_GROUP;
+	best = mlens_gpuplan_act_bytes(pm, n, &s);
+	for (s.group = MLENS_GPUPLAN_GROUP / 2; s.group >= least; s.group /= 2) {
+		uint64_t b = mlens_gpuplan_act_bytes(pm, n, &s);
 		if (b < best)
 			best = b;
 	}
@@ -183,14 +185,13 @@ static uint64_t fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t w
 }
 
 /* Most tokens (up to cap) whose activations fit room; 0 when none. */
-static int64_t tokens_fit(const struct mlens_perf_model *pm, int64_t group, int64_t chunk,
-			  enum mlens_gemm_mode gemm, int sets, bool att_half, uint64_t room,
-			  int64_t cap)
+static int64_t tokens_fit(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
+			  uint64_t room, int64_t cap)
 {
 	int64_t lo = 0, hi = cap;
 	while (lo < hi) {
 		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (mlens_gpuplan_act_bytes(pm, mid, group, chunk, gemm, sets, att_half) <= room)
+		if (mlens_gpuplan_act_bytes(pm, mid, in) <= room)
 			lo = mid;
 		else
 			hi = mid - 1;
@@ -219,14 +220,12 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	out->budget = in->budget;
 	out->workspace = ws;
 	out->chunk = chunk;
-	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, group, chunk, in->gemm, in->sets,
-					  in->att_half);
+	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, in);
 	out->gpu_only = sat_add(fixed_bytes(pm, E, ws), act_max);
 	out->minimum = UINT64_MAX;
 	for (int r = 0; r <= E; r++) {
 		uint64_t f = fixed_bytes(pm, r, ws);
-		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, group, chunk, in->gemm,
-								 in->sets, in->att_half));
+		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, in));
 		if (m < out->minimum)
 			out->minimum = m;
 		if (f < best_fixed) {
@@ -242,8 +241,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 		       "workspace %.2f GiB); raise gpu_memory",
 		       gib(in->budget), gib(out->minimum), gib(mlens_perf_resident_bytes(pm, 0)),
 		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)nmin,
-		       gib(mlens_gpuplan_act_bytes(pm, nmin, group, chunk, in->gemm, in->sets,
-						   in->att_half)), gib(ws));
+		       gib(mlens_gpuplan_act_bytes(pm, nmin, in)), gib(ws));
 		return -ENOSPC;
 	}
 	/* most resident experts that still leave the whole token cap */
@@ -256,8 +254,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	}
 	/* no residency holds the cap: the cheapest one, with fewer tokens */
 	out->resident_experts = best_r;
-	out->tokens = tokens_fit(pm, group, chunk, in->gemm, in->sets, in->att_half,
-				 in->budget - best_fixed, in->max_tokens);
+	out->tokens = tokens_fit(pm, in, in->budget - best_fixed, in->max_tokens);
 done:
 	out->resident = mlens_perf_resident_bytes(pm, out->resident_experts);
 	out->slot = mlens_perf_streamed_bytes(pm, out->resident_experts);
@@ -265,8 +262,7 @@ done:
 	out->group = mlens_gpuplan_group_rows(out->tokens, group);
 	if (out->chunk > out->group)
 		out->chunk = out->group;
-	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, group, chunk, in->gemm, in->sets,
-					   in->att_half);
+	out->act = mlens_gpuplan_act_bytes(pm, out->tokens, in);
 	out->scratch = mlens_gpuplan_scratch_bytes(pm, out->tokens, group, chunk, in->gemm);
 	out->total = sat_add(sat_add(sat_add(out->resident, out->slots), out->act), ws);
 	return 0;
@@ -332,11 +328,12 @@ int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_
 int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget,
 			      int64_t max_tokens, uint64_t kv_bytes, char *why, size_t len)
 {
+	const struct mlens_gpuplan_in dflt = { 0 };	/* default group and chunk, fast GEMMs */
 	uint64_t need;
 	if (max_tokens <= 0)
 		return -EINVAL;
 	need = sat_add(sat_add(mlens_perf_resident_bytes(pm, (int)pm->experts),
-			       mlens_gpuplan_act_bytes(pm, max_tokens, 0, 0, MLENS_GEMM_FAST, 0, false)),
+			       mlens_gpuplan_act_bytes(pm, max_tokens, &dflt)),
 		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
 	if (!budget) {
 		mlens_errf(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "

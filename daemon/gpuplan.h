@@ -104,17 +104,19 @@ struct mlens_gpuplan {
 	uint64_t gpu_only;	/* budget that holds every expert with max_tokens */
 };
 
-/* Activation and scratch bytes of a step of n tokens on the GPU in groups
- * of at most group rows (0: MLENS_GPUPLAN_GROUP), chunk tokens per MoE
- * call, sets activation sets (0: MLENS_PIPE_SETS, two), att_half as the
- * plan input's: the residual stream of every token; per activation set a
+/* Activation and scratch bytes of a step of n tokens on the GPU, shaped by
+ * the plan input in: groups of at most in->group rows (0:
+ * MLENS_GPUPLAN_GROUP; not MLENS_GPUPLAN_GROUP_AUTO), in->chunk tokens per
+ * MoE call (0: MLENS_GPUPLAN_CHUNK), in->gemm, in->sets activation sets
+ * (0: MLENS_PIPE_SETS), in->att_half: the residual stream of every token;
+ * per activation set a
  * group's q, k, v and attention out; once for all sets a group's norm,
  * router logits, ids and weights (GA's and GB's own, on the in-order
  * compute queue); logits of an lm_head call (mlens_gpuplan_tail_rows of
  * the chunk); the backend's op scratch (below); and its staging of small
  * tables. Saturates at UINT64_MAX. */
-uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
-				 int64_t chunk, enum mlens_gemm_mode gemm, int sets, bool att_half);
+uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n,
+				 const struct mlens_gpuplan_in *in);
 /* Parts each activation of a GEMM on weights of weight_bytes per element
  * is split into: MLENS_GEMM_EXACT_PARTS for EXACT on half-precision
  * weights, else 1. */

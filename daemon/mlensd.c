@@ -337,7 +337,6 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->up_copy_in = D.hybrid && up_copy_in();
 	st->gpu_kv_append = D.hybrid && gpu_kv_append();
 	st->att_up_half = D.hybrid && att_up_half() && mlens_pipeline_half_att(&D.be, &D.attn, &D.model->cfg);
-	st->plan_in.att_half = st->att_up_half;
 	st->kv_tokens = (double)blocks * (double)D.cfg.kv_block_size;
 	st->pinned_cap = (int)D.cfg.max_step_tokens;
 	st->cache_path = D.cfg.profile_cache;

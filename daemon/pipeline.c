@@ -54,24 +54,12 @@ struct pl_set {
 	void *hatt_half;	/* with half_att: C's output rounded, for the upload */
 };
 
-/* With half_att, the O projection's input in the weights' dtype lives in
- * q's buffer (a row there takes half of a q row): GA rounds the prefill
- * rows into it after the prefill attention, the last reader of those q
- * rows, and below the decode rows' q (row d0 of q starts past row d0 of
- * the half rows), which queue 2 may still be copying; C's upload of the
- * decode rows comes after C waited for those copies; the GA of the set's
- * next item, its next writer of q, runs after GB(i), which read them. */
-static void *att_half(const struct pl_set *S)
-{
-	return S->q;
-}
-
 /* What GA and GB use only inside their own run on the compute queue,
  * which runs them in order: the normed rows (xn), the router's logits,
  * weights and expert ids; one area for every set (the TAIL's rows too).
  * With half_att a set has no fp32 att on the device: GA's prefill
  * attention writes into xn (free once the QKV GEMMs read it; rows of
- * max(hidden, qdim)), and GA rounds it from there into att_half. */
+ * max(hidden, qdim)), and GA rounds it from there into att_in. */
 struct pl_shared {
 	float *xn, *rlog, *rw;
 	int32_t *rid;
@@ -487,6 +475,19 @@ static size_t set_floats(const struct mlens_pipeline *p, int which)
 static float *prefill_out(const struct mlens_pipeline *p, const struct pl_set *S)
 {
 	return p->half_att ? p->sh.xn : S->att;
+}
+
+/* The O projection's input on the GPU: att, or with half_att the rows in
+ * the weights' dtype, which live in q's buffer (a row there takes half of
+ * a q row): GA rounds the prefill rows into it after the prefill
+ * attention, the last reader of those q rows, and below the decode rows'
+ * q (row d0 of q starts past row d0 of the half rows), which queue 2 may
+ * still be copying; C's upload of the decode rows comes after C waited
+ * for those copies; the GA of the set's next item, its next writer of q,
+ * runs after GB(i), which read them. */
+static void *att_in(const struct mlens_pipeline *p, const struct pl_set *S)
+{
+	return p->half_att ? (void *)S->q : (void *)S->att;
 }
 
 static void shared_alloc(struct mlens_pipeline *p, struct pl_shared *S, int *rc)
@@ -959,7 +960,7 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(G->attn_prefill(GC, prefill_out(p, S), S->q, S->k, S->v, gr->cu, gr->n_pre, nh,
 				    nkv, hd, 1.0f / sqrtf((float)hd)));
 	if (p->half_att && d0)	/* the prefill rows' output, as GB takes it */
-		TRY(G->round(GC, att_half(S), c->dtype, prefill_out(p, S), (int)d0, (int)qd));
+		TRY(G->round(GC, att_in(p, S), c->dtype, prefill_out(p, S), (int)d0, (int)qd));
 	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
 		TRY(to_host(p, S->hk, S->k, (size_t)n * kvd * 4));
 		TRY(to_host(p, S->hv, S->v, (size_t)n * kvd * 4));
@@ -999,16 +1000,15 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 					   1.0f / sqrtf((float)c->head_dim)));
 	if (p->prefill_cpu)
 		d0 = 0;	/* the prefill rows' output comes back too */
-	if ((size_t)n > d0 && p->half_att) {
-		/* rounded here as GB's GEMM would round it there: half the bytes */
-		char *h = (char *)S->hatt_half + d0 * qd * 2;
-		TRY(p->c->ops->round(p->c->ctx, h, c->dtype, S->hatt + d0 * qd, n - (int)d0, (int)qd));
-		p->st.cpu_attn_s += now() - t0;
-		TRY(to_gpu(p, (char *)att_half(S) + d0 * qd * 2, h, ((size_t)n - d0) * qd * 2));
-	} else {
-		p->st.cpu_attn_s += now() - t0;
-		if ((size_t)n > d0)
-			TRY(to_gpu(p, S->att + d0 * qd, S->hatt + d0 * qd, ((size_t)n - d0) * qd * 4));
+	if ((size_t)n > d0 && p->half_att)	/* rounded here as GB's GEMM would there */
+		TRY(p->c->ops->round(p->c->ctx, (char *)S->hatt_half + d0 * qd * 2, c->dtype,
+				     S->hatt + d0 * qd, n - (int)d0, (int)qd));
+	p->st.cpu_attn_s += now() - t0;
+	if ((size_t)n > d0) {
+		size_t es = p->half_att ? 2 : 4, off = d0 * qd * es;
+		TRY(to_gpu(p, (char *)att_in(p, S) + off,
+			   (const char *)(p->half_att ? S->hatt_half : (void *)S->hatt) + off,
+			   ((size_t)n - d0) * qd * es));
 	}
 	/* GB (its dep is this C) waits for it on queue 0 */
 	if (p->up)
@@ -1031,10 +1031,10 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	if (p->up)	/* C's output, uploaded on queue 3 */
 		TRY(G->event_wait(GC, 0, PL_EV_ATT_UP + (int)(S - p->set)));
 	if (p->half_att)
-		TRY(G->gemm_half_in(GC, p->x + r0 * H, att_half(S), b->wo, c->dtype, n, p->qdim, H,
+		TRY(G->gemm_half_in(GC, p->x + r0 * H, att_in(p, S), b->wo, c->dtype, n, p->qdim, H,
 				    true));
 	else
-		TRY(G->gemm(GC, p->x + r0 * H, S->att, b->wo, c->dtype, n, p->qdim, H, true));
+		TRY(G->gemm(GC, p->x + r0 * H, att_in(p, S), b->wo, c->dtype, n, p->qdim, H, true));
 	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
 	TRY(G->gemm(GC, p->sh.rlog, p->sh.xn, b->router, c->dtype, n, H, E, false));

@@ -1217,6 +1217,7 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	st->hw.gpu_budget = st->gpu_budget;
 	st->hw.gpu_workspace = st->gpu_workspace;
 	st->hw.chunk = st->chunk;
+	st->plan_in.att_half = st->att_up_half;	/* a set then holds no fp32 att */
 	if (st->plan_in.group) {
 		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
 		st->hw.act_arg = &st->plan_in;

@@ -158,8 +158,9 @@ struct mlens_profile_state {
 	uint64_t gpu_workspace;
 	int64_t chunk;
 	/* hybrid: the pipeline's token group setting (group: rows, or
-	 * MLENS_GPUPLAN_GROUP_AUTO) and GEMM mode, so that the model's
-	 * activation bytes are the executor's plan's (gpuplan.h); group 0
+	 * MLENS_GPUPLAN_GROUP_AUTO), GEMM mode and sets, so that the model's
+	 * activation bytes are the executor's plan's (gpuplan.h; att_half is
+	 * att_up_half's, set by mlens_profile_state_hold); group 0
 	 * otherwise: the model's own */
 	struct mlens_gpuplan_in plan_in;
 	/* hybrid with gpu_copy_out = down or side: GA's copies to the host

@@ -259,6 +259,16 @@ START_TEST(plan_mode_choice)
 END_TEST
 
 /* The activation formula: per-token buffers by hand for a tiny model. */
+/* act_bytes of n tokens in groups of group rows, MoE chunks of 8, fast
+ * GEMMs, sets sets, att_half */
+static uint64_t act8(const struct mlens_perf_model *pm, int64_t n, int64_t group, int sets,
+		     bool att_half)
+{
+	struct mlens_gpuplan_in in = { .group = group, .chunk = 8, .gemm = MLENS_GEMM_FAST,
+				       .sets = sets, .att_half = att_half };
+	return mlens_gpuplan_act_bytes(pm, n, &in);
+}
+
 START_TEST(plan_act_bytes)
 {
 	struct mlens_model_config c;
@@ -276,7 +286,7 @@ START_TEST(plan_act_bytes)
 	c.num_experts_per_tok = 2;
 	c.dtype = MLENS_DTYPE_F32;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_F32), 0);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 0, 0, 8, MLENS_GEMM_FAST, 0, false), 0);
+	ck_assert_uint_eq(act8(&pm, 0, 0, 0, false), 0);
 	/* 10 tokens, one group of 10 rows, chunk 8: the residual of every
 	 * token (H = 16 floats); per set (two) a group's 2qd + 2kvd = 32+16 =
 	 * 48 floats a row, once for both sets its H + E + 2K = 16+4+4 = 24
@@ -286,20 +296,20 @@ START_TEST(plan_act_bytes)
 	per = 48 * 4;
 	shared = 24 * 4;
 	want = 10 * 16 * 4 + 2 * 10 * per + 10 * shared + 3328 + (2u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 10, 0, 8, MLENS_GEMM_FAST, 0, false), want);
-	ck_assert_uint_gt(mlens_gpuplan_act_bytes(&pm, 11, 0, 8, MLENS_GEMM_FAST, 0, false), want);
+	ck_assert_uint_eq(act8(&pm, 10, 0, 0, false), want);
+	ck_assert_uint_gt(act8(&pm, 11, 0, 0, false), want);
 	/* 12 tokens in groups of 4: sets hold 4 rows, lm_head chunks of 4
 	 * (1600 B, 1792 aligned) */
 	want = 12 * 16 * 4 + 2 * 4 * per + 4 * shared + 1792 + (2u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 0, false), want);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 2, false), want);
+	ck_assert_uint_eq(act8(&pm, 12, 4, 0, false), want);
+	ck_assert_uint_eq(act8(&pm, 12, 4, 2, false), want);
 	/* three sets (pipeline_sets = 3): one more group of q, k, v, att */
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 3, false), want + 4 * per);
+	ck_assert_uint_eq(act8(&pm, 12, 4, 3, false), want + 4 * per);
 	/* the attention output up in bf16 (att_half): no fp32 att in a set
 	 * (qd = 16 floats a row), the prefill attention's rows in xn */
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 2, true),
+	ck_assert_uint_eq(act8(&pm, 12, 4, 2, true),
 			  want - 2 * 4 * 16 * 4);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 3, true),
+	ck_assert_uint_eq(act8(&pm, 12, 4, 3, true),
 			  want + 4 * per - 3 * 4 * 16 * 4);
 	/* qdim above the hidden size (8 heads of 4: 32 floats): xn takes
 	 * the wider rows, where the prefill attention's output may go */
@@ -308,7 +318,7 @@ START_TEST(plan_act_bytes)
 	per = (2 * 32 + 2 * 8) * 4;
 	shared = (32 + 4 + 4) * 4;
 	want = 12 * 16 * 4 + 2 * 4 * per + 4 * shared + 1792 + (2u << 20) + (64u << 10);
-	ck_assert_uint_eq(mlens_gpuplan_act_bytes(&pm, 12, 4, 8, MLENS_GEMM_FAST, 2, false), want);
+	ck_assert_uint_eq(act8(&pm, 12, 4, 2, false), want);
 	/* the group grows when a step would need more groups than a program holds */
 	ck_assert_int_eq(mlens_gpuplan_group_rows(10, 4), 4);
 	ck_assert_int_eq(mlens_gpuplan_group_rows(3, 4), 3);

@@ -293,10 +293,10 @@ START_TEST(device_memory_under_copy)
 		ck_assert(st.hw.b_act_h2d == 0 && st.hw.b_act_d2h == 0);
 		/* the attention's output up in the weights' dtype: two bytes a
 		 * value, else the activations' four (0) */
-		ck_assert(st.hw.att_up_bytes == 0);
+		ck_assert(st.hw.att_up_bytes == 0 && !st.plan_in.att_half);
 		st.att_up_half = true;
 		mlens_profile_state_hold(&st);
-		ck_assert(st.hw.att_up_bytes == 2);
+		ck_assert(st.hw.att_up_bytes == 2 && st.plan_in.att_half);
 	}
 	/* and the attention's beside the stream, for its tier */
 	ck_assert(hw.b_attn == p.attn_bw && hw.b_attn_shared == p.attn_copy_bw);

@@ -947,8 +947,8 @@ static int cuda_copy_async(void *ctx, int queue, void *dst, const void *src, siz
 		return -EINVAL;
 	if (!bytes)
 		return 0;
-	if (queue == 0)	/* on the compute stream (queue_stream), as mlens_cuda_copy's */
-		return copy_on(c, c->moe_stream[0], 0, dst, src, bytes, to_device);
+	if (queue == 0)	/* as mlens_cuda_copy's, on the compute stream itself */
+		return copy_on(c, queue_stream(c, 0), 0, dst, src, bytes, to_device);
 	if (queue == 3)	/* as queue 0's, in a few blocks: an upload on a copy
 			 * engine can wait behind every weight piece queued */
 		return copy_on(c, c->up_stream, (unsigned)c->up_blocks, dst, src, bytes, to_device);

@@ -157,7 +157,6 @@ int mlens_bench_predict(int argc, char **argv)
 	st.gpu_kv_append = gpu_append;
 	/* as the CUDA backend takes attn_up = half (mlens_pipeline_half_att) */
 	st.att_up_half = half_up && gemm == MLENS_GEMM_FAST && mlens_dtype_size(cfg.dtype) == 2;
-	st.plan_in.att_half = st.att_up_half;
 	mlens_profile_state_hold(&st);
 	/* the model as it was before the shared-memory refinement */
 	if (no_shared)
