@@ -556,9 +556,14 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		const struct layer_bind *b = &e->layers[l];
 		part = trace_part_begin(e, l, L);
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		PTRY(PK_QKV, OPS->gemm(CTX, e->q, e->xn, b->wq, c->dtype, T, H, e->qdim, false));
-		PTRY(PK_QKV, OPS->gemm(CTX, e->k, e->xn, b->wk, c->dtype, T, H, e->kvdim, false));
-		PTRY(PK_QKV, OPS->gemm(CTX, e->v, e->xn, b->wv, c->dtype, T, H, e->kvdim, false));
+		{
+			/* one call: a GPU backend rounds xn once for the three */
+			float *const qkv[3] = { e->q, e->k, e->v };
+			const void *const wqkv[3] = { b->wq, b->wk, b->wv };
+			const int mqkv[3] = { e->qdim, e->kvdim, e->kvdim };
+			PTRY(PK_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, e->xn, wqkv, c->dtype, T, H,
+							      mqkv, 3));
+		}
 		PTRY(PK_ROPE, OPS->rope(CTX, e->q, e->pos, T, nh, hd, (float)c->rope_theta));
 		PTRY(PK_ROPE, OPS->rope(CTX, e->k, e->pos, T, nkv, hd, (float)c->rope_theta));
 		PTRY(PK_KV_APPEND, OPS->kv_append(CTX, &e->kv.cache, l, e->k, e->v, e->slots, T));

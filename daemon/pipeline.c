@@ -927,9 +927,13 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		return 0;
 	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
-	TRY(G->gemm(GC, S->q, p->sh.xn, b->wq, c->dtype, n, H, (int)qd, false));
-	TRY(G->gemm(GC, S->k, p->sh.xn, b->wk, c->dtype, n, H, (int)kvd, false));
-	TRY(G->gemm(GC, S->v, p->sh.xn, b->wv, c->dtype, n, H, (int)kvd, false));
+	{
+		/* one call: the GPU rounds xn once for the three */
+		float *const qkv[3] = { S->q, S->k, S->v };
+		const void *const wqkv[3] = { b->wq, b->wk, b->wv };
+		const int mqkv[3] = { (int)qd, (int)kvd, (int)kvd };
+		TRY(mlens_backend_gemm_multi(G, GC, qkv, p->sh.xn, wqkv, c->dtype, n, H, mqkv, 3));
+	}
 	TRY(G->rope(GC, S->q, p->pos + r0, n, nh, hd, (float)c->rope_theta));
 	TRY(G->rope(GC, S->k, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
 	if (p->gpu_append) {

@@ -179,10 +179,11 @@ static int run_ga_rows(struct layer *L, int r0, int n)
 	int H = (int)c->hidden_size, rc;
 	size_t r = (size_t)r0;
 	float *x = L->x + r * H, *xn = L->xn + r * H, *q = L->q + r * L->qd, *k = L->k + r * L->kvd;
+	float *const qkv[3] = { q, k, L->v + r * L->kvd };
+	const void *const wqkv[3] = { L->wq, L->wk, L->wv };
+	const int mqkv[3] = { L->qd, L->kvd, L->kvd };
 	if ((rc = o->rmsnorm(cx, xn, x, L->attn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
-	    (rc = o->gemm(cx, q, xn, L->wq, c->dtype, n, H, L->qd, false)) ||
-	    (rc = o->gemm(cx, k, xn, L->wk, c->dtype, n, H, L->kvd, false)) ||
-	    (rc = o->gemm(cx, L->v + r * L->kvd, xn, L->wv, c->dtype, n, H, L->kvd, false)) ||
+	    (rc = mlens_backend_gemm_multi(o, cx, qkv, xn, wqkv, c->dtype, n, H, mqkv, 3)) ||
 	    (rc = o->rope(cx, q, L->pos + r, n, (int)c->num_attention_heads, (int)c->head_dim, (float)c->rope_theta)))
 		return rc;
 	return o->rope(cx, k, L->pos + r, n, (int)c->num_key_value_heads, (int)c->head_dim, (float)c->rope_theta);

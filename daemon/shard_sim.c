@@ -295,9 +295,10 @@ static int attention(struct mlens_shard_sim *s, int l, int T)
 		struct rank *rk = &s->ranks[r];
 		const struct rank_layer *b = &rk->layers[l];
 		int qd = k->q_heads * hd, kd = k->kv_heads * hd;
-		TRY(OPS->gemm(CTX, rk->q, s->xn, b->wq, s->cfg.dtype, T, H, qd, false));
-		TRY(OPS->gemm(CTX, rk->k, s->xn, b->wk, s->cfg.dtype, T, H, kd, false));
-		TRY(OPS->gemm(CTX, rk->v, s->xn, b->wv, s->cfg.dtype, T, H, kd, false));
+		float *const qkv[3] = { rk->q, rk->k, rk->v };
+		const void *const wqkv[3] = { b->wq, b->wk, b->wv };
+		const int mqkv[3] = { qd, kd, kd };
+		TRY(mlens_backend_gemm_multi(OPS, CTX, qkv, s->xn, wqkv, s->cfg.dtype, T, H, mqkv, 3));
 		TRY(OPS->rope(CTX, rk->q, s->pos, T, k->q_heads, hd, (float)s->cfg.rope_theta));
 		TRY(OPS->rope(CTX, rk->k, s->pos, T, k->kv_heads, hd, (float)s->cfg.rope_theta));
 		TRY(OPS->kv_append(CTX, &rk->kv.cache, l, rk->k, rk->v, s->slots, T));

@@ -198,7 +198,19 @@ struct mlens_backend_ops {
 	 * may ask with n = 0 first. */
 	int (*gemm_half_in)(void *ctx, float *out, const void *x, const void *w,
 			    enum mlens_dtype dt, int n, int k, int m, bool accumulate);
+
+	/* ---- optional: several products of one input ----
+	 * out[i][n][m[i]] = x[n][k] . W_i[m[i]][k]^T for i < count (1 to
+	 * MLENS_GEMM_MULTI_MAX): bit for bit what count gemm calls without
+	 * accumulate give, but a backend whose gemm first rounds or splits x
+	 * for its tensor cores does that once (the attention's Q, K and V
+	 * projections). Errors as gemm's; -EINVAL for count out of range.
+	 * Callers go through mlens_backend_gemm_multi. */
+	int (*gemm_multi)(void *ctx, float *const *out, const float *x, const void *const *w,
+			  enum mlens_dtype dt, int n, int k, const int *m, int count);
 };
+
+#define MLENS_GEMM_MULTI_MAX 4
 
 #define MLENS_BACKEND_EVENTS 16
 #define MLENS_BACKEND_TIMERS 16384
@@ -347,6 +359,25 @@ static inline void mlens_backend_unplace(const struct mlens_backend *be, const v
 {
 	if (!be->ops->host_memory && p)
 		be->ops->free(be->ctx, (void *)p);
+}
+
+/* ops->gemm_multi where the backend has it, else count gemm calls (the
+ * same products). */
+static inline int mlens_backend_gemm_multi(const struct mlens_backend_ops *ops, void *ctx,
+					   float *const *out, const float *x,
+					   const void *const *w, enum mlens_dtype dt, int n, int k,
+					   const int *m, int count)
+{
+	if (count < 1 || count > MLENS_GEMM_MULTI_MAX)
+		return -EINVAL;
+	if (MLENS_BACKEND_HAS(ops, gemm_multi))
+		return ops->gemm_multi(ctx, out, x, w, dt, n, k, m, count);
+	for (int i = 0; i < count; i++) {
+		int rc = ops->gemm(ctx, out[i], x, w[i], dt, n, k, m[i], false);
+		if (rc)
+			return rc;
+	}
+	return 0;
 }
 
 static inline void mlens_backend_destroy(struct mlens_backend *be)

@@ -531,6 +531,62 @@ START_TEST(test_round_gemm_half_in)
 }
 END_TEST
 
+/* gemm_multi (the Q, K and V projections from one rounding or split of
+ * x): each product bit for bit gemm's, in fast and exact mode, for bf16,
+ * f16 and fp32 weights, a narrow product among them (which widens its
+ * weights instead), and n = 0; bad counts and sizes refused. */
+START_TEST(test_gemm_multi)
+{
+	static const int ms[][3] = { { 256, 64, 64 }, { 256, 100, 100 }, { 37, 129, 256 } };
+	const int n = 300, k = 513;
+	for (int t = 0; t < 3; t++)
+		for (int c = 0; c < 3; c++) {
+			enum mlens_dtype dt = dtypes[t];
+			size_t es = mlens_dtype_size(dt), xs = (size_t)n * k;
+			float *x = rnd_floats(xs, 2.0f), *dx = to_gpu(x, xs * 4);
+			float *da[3], *db[3];
+			void *w[3], *dw[3];
+			for (int i = 0; i < 3; i++) {
+				size_t os = (size_t)n * ms[c][i];
+				w[i] = rnd_weights((size_t)ms[c][i] * k, dt, 1.0f / sqrtf((float)k));
+				dw[i] = to_gpu(w[i], (size_t)ms[c][i] * k * es);
+				da[i] = gpu_zeros(os * 4);
+				db[i] = gpu_zeros(os * 4);
+				ck_assert_int_eq(dev->ops->gemm(dev->ctx, da[i], dx, dw[i], dt, n, k,
+								ms[c][i], false), 0);
+			}
+			ck_assert_int_eq(dev->ops->gemm_multi(dev->ctx, db, dx, (const void *const *)dw,
+							      dt, n, k, ms[c], 3), 0);
+			for (int i = 0; i < 3; i++) {
+				size_t os = (size_t)n * ms[c][i];
+				float *a = from_gpu(da[i], os * 4), *b = from_gpu(db[i], os * 4);
+				ck_assert_msg(!memcmp(a, b, os * 4), "%s%s gemm_multi product %d of m=%d: "
+					      "differs from gemm by %g", mlens_dtype_name(dt),
+					      mode_name(), i, ms[c][i], rel_err(a, b, os));
+				free(a);
+				free(b);
+			}
+			ck_assert_int_eq(dev->ops->gemm_multi(dev->ctx, db, dx, (const void *const *)dw,
+							      dt, 0, k, ms[c], 3), 0);
+			ck_assert_int_eq(dev->ops->gemm_multi(dev->ctx, db, dx, (const void *const *)dw,
+							      dt, n, k, ms[c], 0), -EINVAL);
+			ck_assert_int_eq(dev->ops->gemm_multi(dev->ctx, db, dx, (const void *const *)dw,
+							      dt, n, k, ms[c],
+							      MLENS_GEMM_MULTI_MAX + 1), -EINVAL);
+			ck_assert_int_eq(dev->ops->gemm_multi(dev->ctx, db, dx, (const void *const *)dw,
+							      dt, -1, k, ms[c], 3), -EINVAL);
+			free(x);
+			gfree(dx);
+			for (int i = 0; i < 3; i++) {
+				free(w[i]);
+				gfree(dw[i]);
+				gfree(da[i]);
+				gfree(db[i]);
+			}
+		}
+}
+END_TEST
+
 /* ==== router, moe ==== */
 
 START_TEST(test_router)
@@ -1225,6 +1281,7 @@ int main(void)
 	tcase_add_test(tc, test_rope);
 	tcase_add_test(tc, test_gemm);
 	tcase_add_test(tc, test_round_gemm_half_in);
+	tcase_add_test(tc, test_gemm_multi);
 	tcase_add_test(tc, test_router);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
@@ -1236,6 +1293,7 @@ int main(void)
 	tx = backend_tcase(s, "exact gemm", use_exact);
 	tcase_add_test(tx, test_gemm);
 	tcase_add_test(tx, test_round_gemm_half_in);
+	tcase_add_test(tx, test_gemm_multi);
 	tcase_add_test(tx, test_moe);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	/* the ops that stage tables or read values back, with SM copies */

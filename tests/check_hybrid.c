@@ -1107,6 +1107,22 @@ static int fr_gemm_half_in(void *ctx, float *out, const void *x, const void *w, 
 	return fr_product(ctx, out, x, dt, w, dt, n, k, m, accumulate);
 }
 
+/* its products of one input (the Q, K and V projections), counted */
+static int fr_multi_calls;
+
+static int fr_gemm_multi(void *ctx, float *const *out, const float *x, const void *const *w,
+			 enum mlens_dtype dt, int n, int k, const int *m, int count)
+{
+	int rc = 0;
+	if (count < 1 || count > MLENS_GEMM_MULTI_MAX)
+		return -EINVAL;
+	if (n)
+		fr_multi_calls++;
+	for (int i = 0; i < count && !rc; i++)
+		rc = fr_gemm_round(ctx, out[i], x, w[i], dt, n, k, m[i], false);
+	return rc;
+}
+
 /* make_async's device, with the rounding gemm */
 static void make_rounding(struct mlens_backend *be, bool side)
 {
@@ -1114,6 +1130,7 @@ static void make_rounding(struct mlens_backend *be, bool side)
 	make_async(be, side);
 	fa_ops.gemm = fr_gemm_round;
 	fa_ops.gemm_half_in = fr_gemm_half_in;
+	fa_ops.gemm_multi = fr_gemm_multi;
 }
 
 /* run_equal's hybrid side: the GPU side appends K/V to the pool (the
@@ -1445,7 +1462,7 @@ START_TEST(exec_half_att_same_product)
 	}
 	lg[0] = calloc(N_SEQ * V, sizeof(float));
 	lg[1] = calloc(N_SEQ * V, sizeof(float));
-	fr_half_in_calls = 0;
+	fr_half_in_calls = fr_multi_calls = 0;
 	for (int step = 0; step < N_STEPS; step++) {
 		for (int s = 0; s < 2; s++) {
 			scenario_step(&sd[s], step, prompt, plen, next[s], lg[s], V);
@@ -1467,6 +1484,15 @@ START_TEST(exec_half_att_same_product)
 		ck_assert_uint_eq(up[1] * 2, up[0]);
 	}
 	ck_assert_int_ge(fr_half_in_calls, N_STEPS * ts.layers);
+	/* GA's Q, K and V projections in one call of the device's op, every
+	 * group of every layer of both engines; a count out of range is
+	 * refused before any product */
+	ck_assert_int_ge(fr_multi_calls, 2 * N_STEPS * ts.layers);
+	ck_assert_int_eq(mlens_backend_gemm_multi(&fa_ops, sd[0].be.ctx, NULL, NULL, NULL,
+						  MLENS_DTYPE_BF16, 1, 1, NULL, 0), -EINVAL);
+	ck_assert_int_eq(mlens_backend_gemm_multi(&fa_ops, sd[0].be.ctx, NULL, NULL, NULL,
+						  MLENS_DTYPE_BF16, 1, 1, NULL,
+						  MLENS_GEMM_MULTI_MAX + 1), -EINVAL);
 	for (int s = 0; s < 2; s++)
 		side_close(&sd[s], true);
 	mlens_test_model_free(m);

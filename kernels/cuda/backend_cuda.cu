@@ -477,6 +477,33 @@ static int gemm_parts(struct mlens_cuda_ctx *c, float *out, const char *xp, size
 /* Output widths up to this run fp32 x fp32 on widened weights. */
 #define GEMM_NARROW_M 64
 
+/* x[n][k] as this context's products of bf16/f16 weights take it, in the
+ * scratch: rounded to dt (fast GEMMs) or split into parts (exact). */
+static int gemm_prep(struct mlens_cuda_ctx *c, const float *x, enum mlens_dtype dt, int n, int k,
+		     char **xs)
+{
+	size_t part = (size_t)n * (size_t)k;
+	int rc;
+
+	if (c->gemm_exact) {
+		if ((rc = mlens_cuda_scratch(c, MLENS_CUDA_SPLIT_PARTS * part * 2, xs)))
+			return rc;
+		return mlens_cuda_split_rows(c, *xs, dt, x, NULL, 1, n, k, part);
+	}
+	if ((rc = mlens_cuda_scratch(c, part * 2, xs)))
+		return rc;
+	return mlens_cuda_convert_rows(c, *xs, dt, x, NULL, 1, n, k);
+}
+
+/* One product from gemm_prep's xs. */
+static int gemm_prepped(struct mlens_cuda_ctx *c, float *out, const char *xs, const void *w,
+			enum mlens_dtype dt, int n, int k, int m, float beta)
+{
+	if (c->gemm_exact)
+		return gemm_parts(c, out, xs, (size_t)n * (size_t)k * 2, w, dt, n, k, m, beta);
+	return gemm_typed(c, out, xs, w, dt, n, k, m, 1.0f, beta);
+}
+
 static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 		     enum mlens_dtype dt, int n, int k, int m, bool accumulate)
 {
@@ -504,23 +531,43 @@ static int cuda_gemm(void *ctx, float *out, const float *x, const void *w,
 			return rc;
 		return gemm_typed(c, out, x, xs, MLENS_DTYPE_F32, n, k, m, 1.0f, beta);
 	}
-	if (c->gemm_exact) {
-		size_t part = (size_t)n * (size_t)k;
-		rc = mlens_cuda_scratch(c, MLENS_CUDA_SPLIT_PARTS * part * 2, &xs);
-		if (rc)
-			return rc;
-		rc = mlens_cuda_split_rows(c, xs, dt, x, NULL, 1, n, k, part);
-		if (rc)
-			return rc;
-		return gemm_parts(c, out, xs, part * 2, w, dt, n, k, m, beta);
+	if ((rc = gemm_prep(c, x, dt, n, k, &xs)))
+		return rc;
+	return gemm_prepped(c, out, xs, w, dt, n, k, m, beta);
+}
+
+/* The products of one input: x rounded (or split) once into the scratch,
+ * then each product as cuda_gemm runs it from there. fp32 weights and
+ * the narrow products take x as it is: one cuda_gemm each. */
+static int cuda_gemm_multi(void *ctx, float *const *out, const float *x, const void *const *w,
+			   enum mlens_dtype dt, int n, int k, const int *m, int count)
+{
+	struct mlens_cuda_ctx *c = (struct mlens_cuda_ctx *)ctx;
+	bool each = dt == MLENS_DTYPE_F32;
+	char *xs;
+	int rc;
+
+	if (n < 0 || k < 0 || count < 1 || count > MLENS_GEMM_MULTI_MAX || !valid_dtype(dt))
+		return -EINVAL;
+	for (int i = 0; i < count; i++) {
+		if (m[i] < 0)
+			return -EINVAL;
+		each = each || m[i] <= GEMM_NARROW_M;
 	}
-	rc = mlens_cuda_scratch(c, (size_t)n * (size_t)k * 2, &xs);
-	if (rc)
+	if (!n)
+		return 0;
+	if (each) {
+		for (int i = 0; i < count; i++)
+			if ((rc = cuda_gemm(ctx, out[i], x, w[i], dt, n, k, m[i], false)))
+				return rc;
+		return 0;
+	}
+	if ((rc = gemm_prep(c, x, dt, n, k, &xs)))
 		return rc;
-	rc = mlens_cuda_convert_rows(c, xs, dt, x, NULL, 1, n, k);
-	if (rc)
-		return rc;
-	return gemm_typed(c, out, xs, w, dt, n, k, m, 1.0f, beta);
+	for (int i = 0; i < count; i++)
+		if ((rc = gemm_prepped(c, out[i], xs, w[i], dt, n, k, m[i], 0.0f)))
+			return rc;
+	return 0;
 }
 
 /* x already in dt: the product cuda_gemm gives for the fp32 rows that
@@ -1196,6 +1243,7 @@ static const struct mlens_backend_ops cuda_ops = {
 	true,	/* up_queue */
 	cuda_round,
 	cuda_gemm_half_in,
+	cuda_gemm_multi,
 };
 
 extern "C" bool mlens_cuda_available(void)
