@@ -52,6 +52,14 @@ struct pl_set {
 	float *q, *k, *v, *att;
 	float *hq, *hk, *hv, *hatt;
 	void *hatt_half;	/* with half_att: C's output rounded, for the upload */
+	/* With side_append, the K/V stores of the GA's prefill rows, which
+	 * its C does not read, queued after the qkv record that C waits for
+	 * (kv_late): layer, first row and rows still to queue; late_wait:
+	 * queued, so the set's next GA waits for PL_EV_KV_LATE before it
+	 * writes k and v. GA, the record and the next GA run on the GPU side's
+	 * thread, in that order. */
+	int late_layer, late_r0, late_n;
+	bool late_wait;
 };
 
 /* What GA and GB use only inside their own run on the compute queue,
@@ -879,11 +887,14 @@ const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipel
 }
 
 /* Backend events past the program's, per set: q, k and v final in GA (queue 2
- * starts the set's copies to the host after it) and C's output uploaded
- * (on queue 3, with p->up; GB waits for it). */
+ * starts the set's copies to the host after it), C's output uploaded (on
+ * queue 3, with p->up; GB waits for it) and the prefill rows' K/V stored
+ * (on queue 2 after the qkv record, with side_append; the set's next GA
+ * waits for it). */
 #define PL_EV_GA_DONE MLENS_PIPE_EV_N
 #define PL_EV_ATT_UP (PL_EV_GA_DONE + MLENS_PIPE_SETS_MAX)
-_Static_assert(PL_EV_ATT_UP + MLENS_PIPE_SETS_MAX < MLENS_BACKEND_EVENTS - 1,
+#define PL_EV_KV_LATE (PL_EV_ATT_UP + MLENS_PIPE_SETS_MAX)
+_Static_assert(PL_EV_KV_LATE + MLENS_PIPE_SETS_MAX < MLENS_BACKEND_EVENTS - 1,
 	       "the pipeline's events and the last one (kept for waits of its own) fit the backend's");
 
 /* ==== the stages ==== */
@@ -913,7 +924,7 @@ static int to_gpu(struct mlens_pipeline *p, void *dst, const void *src, size_t b
 /* GA: norm, QKV, RoPE, prefill attention; K/V of every row and q of the
  * cache-reading rows out to the host. */
 static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
-		    const struct pl_set *S)
+		    struct pl_set *S)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	const struct pl_layer *b = &p->layers[l];
@@ -925,6 +936,10 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 
 	if (!n)
 		return 0;
+	if (S->late_wait) {	/* k and v are rewritten below */
+		TRY(G->event_wait(GC, 0, PL_EV_KV_LATE + (int)(S - p->set)));
+		S->late_wait = false;
+	}
 	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
 		       (float)c->rms_norm_eps));
 	{
@@ -956,9 +971,20 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(G->event_record(GC, 0, ev));
 		TRY(G->event_wait(GC, 2, ev));
 		/* the stores beside queue 0's next kernels; S->k and S->v stay
-		 * as they are until C(i) has waited (above) */
-		if (p->side_append)
-			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
+		 * as they are until C(i) has waited (above). Only the rows C
+		 * reads (decode rows, later parts of cut prompts: [P, n)) go
+		 * before the q copy and the qkv record that C waits for; the
+		 * prefill rows' follow the record (kv_late): later groups' and
+		 * steps' C wait for records after them on this queue */
+		if (p->side_append) {
+			int late = p->prefill_cpu ? 0 : gr->P;
+			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k + (size_t)late * kvd,
+					      S->v + (size_t)late * kvd, p->slots + r0 + late,
+					      n - late));
+			S->late_layer = l;
+			S->late_r0 = gr->r0;
+			S->late_n = late;
+		}
 	}
 	if (gr->n_pre && !p->prefill_cpu)
 		TRY(G->attn_prefill(GC, prefill_out(p, S), S->q, S->k, S->v, gr->cu, gr->n_pre, nh,
@@ -971,6 +997,23 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	}
 	if ((size_t)n > d0)
 		TRY(to_host(p, S->hq + d0 * qd, S->q + d0 * qd, ((size_t)n - d0) * qd * 4));
+	return 0;
+}
+
+/* After GA's qkv record on queue 2: its prefill rows' K/V stores (stage_ga),
+ * and the record that the set's next GA waits for before it rewrites k and
+ * v. */
+static int kv_late(struct mlens_pipeline *p, struct pl_set *S)
+{
+	int rc;
+
+	if (!S->late_n)
+		return 0;
+	TRY(G->kv_append_side(GC, &p->kv.cache, S->late_layer, S->k, S->v,
+			      p->slots + S->late_r0, S->late_n));
+	S->late_n = 0;
+	TRY(G->event_record(GC, 2, PL_EV_KV_LATE + (int)(S - p->set)));
+	S->late_wait = true;
 	return 0;
 }
 
@@ -1550,8 +1593,11 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 		if (!p->async)
 			return 0;
 		/* with GA's copies on queue 2, C waits for them there */
-		if (p->side && cmd->event >= MLENS_PIPE_EV_QKV && cmd->event < MLENS_PIPE_EV_N)
-			return G->event_record(GC, 2, cmd->event);
+		if (p->side && cmd->event >= MLENS_PIPE_EV_QKV && cmd->event < MLENS_PIPE_EV_N) {
+			if ((rc = G->event_record(GC, 2, cmd->event)))
+				return rc;
+			return kv_late(p, &p->set[cmd->event - MLENS_PIPE_EV_QKV]);
+		}
 		return G->event_record(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event);
 	case MLENS_PIPE_WAIT:
 		return p->async ? G->event_wait(GC, cmd->queue == MLENS_PIPE_Q_COPY, cmd->event) : 0;
@@ -1623,6 +1669,10 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		}
 		p->cap_is = 2 * p->prog.n;
 	}
+	/* a failed step's GA may have left prefill rows' stores unqueued:
+	 * they are not this step's to make */
+	for (int x = 0; x < MLENS_PIPE_SETS_MAX; x++)
+		p->set[x].late_n = 0;
 	mlens_step_timer_start(&p->timer, p->trace);
 	rc = run_prog(p, want_logits);
 	step_times(p);

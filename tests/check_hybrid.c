@@ -942,6 +942,35 @@ static void fa_append_now(const struct fa_q2_op *o)
 	}
 }
 
+/* Compute-queue writes over the source of a queue-2 op still held: a GPU
+ * would overwrite what the op has yet to read (a pipeline that rewrote a
+ * set's k or v before the stores from it were waited for). Counted by
+ * fa_check_write, which the device's GEMMs call; a run asserts none. */
+static int fa_hazards;
+
+static bool fa_overlap(const void *a, size_t an, const void *b, size_t bn)
+{
+	const char *x = a, *y = b;
+	return an && bn && x < y + bn && y < x + an;
+}
+
+static void fa_check_write(const void *dst, size_t bytes)
+{
+	pthread_mutex_lock(&fa_mu);
+	for (int i = fa_q2_done; i < fa_q2_n; i++) {
+		const struct fa_q2_op *o = &fa_q2[i];
+		if (o->kv) {
+			size_t row = (size_t)o->kv->n_kv_heads * (size_t)o->kv->head_dim * 4;
+			if (fa_overlap(dst, bytes, o->k, row * (size_t)o->n) ||
+			    fa_overlap(dst, bytes, o->v, row * (size_t)o->n))
+				fa_hazards++;
+		} else if (fa_overlap(dst, bytes, o->src, o->bytes)) {
+			fa_hazards++;
+		}
+	}
+	pthread_mutex_unlock(&fa_mu);
+}
+
 static void fa_q2_flush(int upto)	/* under fa_mu */
 {
 	for (; fa_q2_done < upto && fa_q2_done < fa_q2_n; fa_q2_done++) {
@@ -1008,19 +1037,29 @@ static int fa_record(void *ctx, int queue, int ev)
 	pthread_mutex_unlock(&fa_mu);
 	return 0;
 }
-static int fa_sync(void *ctx, int ev)
+static int fa_flush_to(int ev)
 {
-	(void)ctx;
 	pthread_mutex_lock(&fa_mu);
 	if (fa_on_q2[ev])
 		fa_q2_flush(fa_q2_upto[ev]);
 	pthread_mutex_unlock(&fa_mu);
 	return 0;
 }
+/* > 0: a host's wait first sleeps this long (us), so that the GPU side's
+ * thread issues what it may meanwhile: a queue-0 write that only a
+ * queue-0 wait keeps behind a queue-2 op then comes before the op */
+static int fa_host_wait_us;
+static int fa_sync(void *ctx, int ev)
+{
+	(void)ctx;
+	if (fa_host_wait_us > 0)
+		usleep((useconds_t)fa_host_wait_us);
+	return fa_flush_to(ev);
+}
 static int fa_wait(void *ctx, int queue, int ev)
 {
-	(void)queue;
-	return fa_sync(ctx, ev);	/* the queues of this device run at once */
+	(void)ctx, (void)queue;
+	return fa_flush_to(ev);	/* the queues of this device run at once */
 }
 /* the last scratch_reserve: the pipeline holds its plan's scratch, and
  * gives the limit back (0) when it goes */
@@ -1034,11 +1073,23 @@ static int fa_reserve(void *ctx, size_t bytes)
 static struct mlens_backend_ops fa_ops;
 /* make_async gives the device kv_append_side (with a side queue) */
 static bool fa_with_append_side;
+/* the backend's own gemm, under make_async's checked one */
+static int (*fa_base_gemm)(void *ctx, float *out, const float *x, const void *w,
+			   enum mlens_dtype dt, int n, int k, int m, bool accumulate);
+
+static int fa_gemm(void *ctx, float *out, const float *x, const void *w, enum mlens_dtype dt,
+		   int n, int k, int m, bool accumulate)
+{
+	fa_check_write(out, (size_t)n * (size_t)m * 4);
+	return fa_base_gemm(ctx, out, x, w, dt, n, k, m, accumulate);
+}
 
 static void make_async(struct mlens_backend *be, bool side)
 {
 	fa_ops = *be->ops;
 	fa_ops.size = sizeof(fa_ops);
+	fa_base_gemm = be->ops->gemm;
+	fa_ops.gemm = fa_gemm;
 	fa_ops.host_register = fa_register;
 	fa_ops.host_unregister = fa_unregister;
 	fa_ops.host_alloc = fa_alloc;
@@ -1051,7 +1102,7 @@ static void make_async(struct mlens_backend *be, bool side)
 	fa_ops.side_queue = side;
 	fa_ops.kv_append_side = side && fa_with_append_side ? fa_append_side : NULL;
 	fa_ops.up_queue = side;
-	fa_q2_n = fa_q2_done = fa_q2_copies = fa_q2_appends = fa_q3_copies = 0;
+	fa_q2_n = fa_q2_done = fa_q2_copies = fa_q2_appends = fa_q3_copies = fa_hazards = 0;
 	memset(fa_on_q2, 0, sizeof(fa_on_q2));
 	be->ops = &fa_ops;
 }
@@ -1092,6 +1143,7 @@ static int fr_product(void *ctx, float *out, const void *x, enum mlens_dtype xt,
 static int fr_gemm_round(void *ctx, float *out, const float *x, const void *w, enum mlens_dtype dt,
 			 int n, int k, int m, bool accumulate)
 {
+	fa_check_write(out, (size_t)n * (size_t)m * 4);
 	if (dt == MLENS_DTYPE_F32)
 		return fr_gemm(ctx, out, x, w, dt, n, k, m, accumulate);
 	return fr_product(ctx, out, x, MLENS_DTYPE_F32, w, dt, n, k, m, accumulate);
@@ -1100,6 +1152,7 @@ static int fr_gemm_round(void *ctx, float *out, const float *x, const void *w, e
 static int fr_gemm_half_in(void *ctx, float *out, const void *x, const void *w, enum mlens_dtype dt,
 			   int n, int k, int m, bool accumulate)
 {
+	fa_check_write(out, (size_t)n * (size_t)m * 4);
 	if (dt == MLENS_DTYPE_F32)
 		return -ENOTSUP;
 	if (n)
@@ -1291,6 +1344,8 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			}
 			ck_assert(st->gpu_busy_s > 0);
 			ck_assert(st->gpu_busy_s_total >= st->gpu_busy_s);
+			ck_assert_msg(fa_hazards == 0, "step %d: %d compute-queue writes over rows a "
+				      "held queue-2 op has yet to read", step, fa_hazards);
 			/* step 0: 17 prompt tokens in groups of at most group_tokens */
 			if (step == 0 && group_tokens > 0)
 				ck_assert_int_ge(st->groups, (17 + group_tokens - 1) / group_tokens);
@@ -1392,6 +1447,17 @@ START_TEST(exec_equal_gpu_kv_append_side)
 	ck_assert_int_gt(fa_q2_appends, 0);
 	run_equal(2, 4, false, true, true);	/* cut prompts read earlier groups' stores */
 	ck_assert_int_gt(fa_q2_appends, 0);
+	/* C's waits late and its output up on the compute queue (this
+	 * device's queue 3 shares queue 2's list, so GB's wait for an upload
+	 * there would run the stores too): a set's next GA, issued before
+	 * them, must not write its k and v under the prefill rows' stores,
+	 * which follow the record that C waits for */
+	fa_host_wait_us = 2000;
+	run_up_copy = false;
+	run_equal(2, 0, false, true, true);
+	run_equal(2, 4, false, true, true);
+	run_up_copy = true;
+	fa_host_wait_us = 0;
 	run_equal(1, 3, true, true, true);	/* prefill on the CPU */
 	ck_assert_int_gt(fa_q2_appends, 0);
 	run_equal(2, 0, false, true, false);	/* no side queue: the compute queue's append */
@@ -1484,6 +1550,7 @@ START_TEST(exec_half_att_same_product)
 		ck_assert_uint_eq(up[1] * 2, up[0]);
 	}
 	ck_assert_int_ge(fr_half_in_calls, N_STEPS * ts.layers);
+	ck_assert_int_eq(fa_hazards, 0);
 	/* GA's Q, K and V projections in one call of the device's op, every
 	 * group of every layer of both engines; a count out of range is
 	 * refused before any product */
