@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine session's measurements in one command, from an unpacked
 # `make dist` tree configured --with-cuda and built (or a CUDA build tree):
-#   1. the GPU tests: check_cuda, check_hybrid_cuda, the goldens on cuda
+#   1. the GPU tests: check_cuda, check_hybrid_cuda(_groups), the goldens on cuda
 #      and hybrid (exact and fast GEMMs), check_gpu_plan
 #   2. the CPU attention headline (issue 5) and its tuning sweep; the
 #      copy-queue probe (tests/bench/bench_copyq.c, issue 7); the CUDA
@@ -49,13 +49,15 @@ else
 	mk=
 fi
 
-GPU_TESTS=${GPU_TESTS:-"tests/check_cuda tests/check_hybrid_cuda tests/check_gpu_plan \
-	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh tests/check_hybrid"}
+GPU_TESTS=${GPU_TESTS:-"tests/check_cuda tests/check_hybrid_cuda tests/check_hybrid_cuda_groups \
+	tests/check_gpu_plan tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh \
+	tests/check_hybrid"}
 if [ "$T_TESTS" -gt 0 ]; then
 	timeout "$T_TESTS" make -j8 check TESTS="$GPU_TESTS" > "$R/check.log" 2>&1
 	el "GPU tests: rc $?"
 	grep -E "^(PASS|FAIL|SKIP|ERROR):" "$R/check.log"
-	cp tests/check_cuda.log tests/check_hybrid_cuda.log tests/golden/check_golden_cuda.sh.log \
+	cp tests/check_cuda.log tests/check_hybrid_cuda.log tests/check_hybrid_cuda_groups.log \
+		tests/golden/check_golden_cuda.sh.log \
 		tests/golden/check_golden_hybrid.sh.log "$R/" 2>/dev/null
 	grep -h -E "^==|Checks" tests/golden/check_golden_cuda.sh.log \
 		tests/golden/check_golden_hybrid.sh.log 2>/dev/null
