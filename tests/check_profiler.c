@@ -251,7 +251,9 @@ START_TEST(device_memory_under_copy)
 	       atomic_load(&fake_copies_other));
 	ck_assert_str_eq(p.backend, "fakedev");
 	ck_assert(p.h2d > 1e8 && p.d2h > 1e8);
-	ck_assert(p.mem_read_bw > 1e8 && p.mem_read_copy_bw > 1e8 && p.copy_read_bw > 1e8);
+	/* rates in bytes a second, whatever the build: under TSan on two
+	 * cores the copy thread's memcpy beside the reads ran 0.9-1.6e8 */
+	ck_assert(p.mem_read_bw > 1e7 && p.mem_read_copy_bw > 1e7 && p.copy_read_bw > 1e7);
 	/* the copies ran from a thread of their own, beside the attention
 	 * and beside the reads: at least the warm-up copy and one timed each */
 	ck_assert_int_ge(atomic_load(&fake_copies_other), 4);
