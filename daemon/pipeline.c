@@ -52,13 +52,14 @@ struct pl_set {
 	float *q, *k, *v, *att;
 	float *hq, *hk, *hv, *hatt;
 	void *hatt_half;	/* with half_att: C's output rounded, for the upload */
-	/* With side_append, the K/V stores of the GA's prefill rows, which
-	 * its C does not read, queued after the qkv record that C waits for
-	 * (kv_late): layer, first row and rows still to queue; late_wait:
-	 * queued, so the set's next GA waits for PL_EV_KV_LATE before it
-	 * writes k and v. GA, the record and the next GA run on the GPU side's
-	 * thread, in that order. */
-	int late_layer, late_r0, late_n;
+	/* With side_append, the K/V stores of the GA's prefill rows (its
+	 * group's first P), which its C does not read, queued after the qkv
+	 * record that C waits for (kv_late): the group and layer still to
+	 * queue (NULL: none); late_wait: queued, so the set's next GA waits
+	 * for PL_EV_KV_LATE before it writes k and v. GA, the record and the
+	 * next GA run on the GPU side's thread, in that order. */
+	const struct pl_group *late;
+	int late_layer;
 	bool late_wait;
 };
 
@@ -977,13 +978,10 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		 * prefill rows' follow the record (kv_late): later groups' and
 		 * steps' C wait for records after them on this queue */
 		if (p->side_append) {
-			int late = p->prefill_cpu ? 0 : gr->P;
-			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k + (size_t)late * kvd,
-					      S->v + (size_t)late * kvd, p->slots + r0 + late,
-					      n - late));
+			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k + d0 * kvd, S->v + d0 * kvd,
+					      p->slots + r0 + d0, n - (int)d0));
+			S->late = d0 ? gr : NULL;
 			S->late_layer = l;
-			S->late_r0 = gr->r0;
-			S->late_n = late;
 		}
 	}
 	if (gr->n_pre && !p->prefill_cpu)
@@ -1007,11 +1005,11 @@ static int kv_late(struct mlens_pipeline *p, struct pl_set *S)
 {
 	int rc;
 
-	if (!S->late_n)
+	if (!S->late)
 		return 0;
 	TRY(G->kv_append_side(GC, &p->kv.cache, S->late_layer, S->k, S->v,
-			      p->slots + S->late_r0, S->late_n));
-	S->late_n = 0;
+			      p->slots + S->late->r0, S->late->P));
+	S->late = NULL;
 	TRY(G->event_record(GC, 2, PL_EV_KV_LATE + (int)(S - p->set)));
 	S->late_wait = true;
 	return 0;
@@ -1672,7 +1670,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	/* a failed step's GA may have left prefill rows' stores unqueued:
 	 * they are not this step's to make */
 	for (int x = 0; x < MLENS_PIPE_SETS_MAX; x++)
-		p->set[x].late_n = 0;
+		p->set[x].late = NULL;
 	mlens_step_timer_start(&p->timer, p->trace);
 	rc = run_prog(p, want_logits);
 	step_times(p);
