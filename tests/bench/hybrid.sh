@@ -29,6 +29,15 @@
 #   STARTUP_S        seconds per run outside the requests (45: model into
 #                    pinned memory, ceilings, profile, shutdown)
 #   HF_REQ           requests of the baseline (16, one batch of 16)
+#   QUEUE_STEPS      requests the clients keep outstanding beyond what the
+#                    pool holds, in steps' worth of completions (S/g each;
+#                    default 2, 0 for none): a client submits a finished
+#                    request's replacement after the step that finished it,
+#                    so the daemon sees it a step later; with no more
+#                    outstanding than the pool holds, its queue is empty at
+#                    admission and the pool runs ~5% short of full (p=128/
+#                    g=32 on the H200: steps of 40.8k tokens where a full
+#                    pool gives 42.9k), below the bound's full pool
 #   KV2              the second pool size (20G)
 #   BACKEND          mlensd's backend (cuda; cpu to try the script on a
 #                    small model given as MLENS_SERVE_MODEL)
@@ -36,7 +45,8 @@
 # The estimate: a run of R requests of p+g tokens takes about
 #   STARTUP_S + R (p+g) / EXPECT_TPS seconds,
 # R = max(64, 3 x SCALE x S), S = KV tokens / (p + g/2 + 8) the sequences
-# the pool holds at once (8: half a KV block of rounding); the baseline
+# the pool holds at once (8: half a KV block of rounding), S + QUEUE_STEPS x
+# ceil(S/g) of them outstanding (mlens-bench serve --concurrency); the baseline
 # about 60 s of loading + HF_REQ/16 x g x 1.5 s. mlens-bench serve's JSON
 # says what a run really took (wall_seconds): set EXPECT_TPS from it.
 set -u
@@ -48,12 +58,19 @@ RUNS=${RUNS:-p512g128 p512g32 p128g32 p512g32kv20 p512g128kv20 hf}
 EXPECT_TPS=${EXPECT_TPS:-30000}
 STARTUP_S=${STARTUP_S:-45}
 HF_REQ=${HF_REQ:-16}
+QUEUE_STEPS=${QUEUE_STEPS:-2}
+case $QUEUE_STEPS in
+''|*[!0-9]*) echo "hybrid.sh: QUEUE_STEPS must be a whole number of steps (0, 1, 2, ...), not '$QUEUE_STEPS'" >&2; exit 2 ;;
+esac
 KV2=${KV2:-20G}
 BACKEND=${BACKEND:-cuda}
 MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
 mkdir -p "$OUT"
 . "$(dirname "$0")/kvpool.sh"
 
+conc_of() {	# seqs g -> requests outstanding
+	awk -v s="$1" -v g="$2" -v q="$QUEUE_STEPS" 'BEGIN { printf "%d", s + q * int((s + g - 1) / g) }'
+}
 req_of() {	# seqs -> requests
 	awk -v s="$1" -v k="$SCALE" 'BEGIN { r = int(3 * s * k + 0.5); print (r < 64 ? 64 : r) }'
 }
@@ -84,7 +101,7 @@ for r in $RUNS; do
 		n=$(req_of "$s")
 		est=$(awk -v n="$n" -v p="$2" -v g="$3" -v t="$EXPECT_TPS" -v s0="$STARTUP_S" \
 			'BEGIN { printf "%d", s0 + n * (p + g) / t }')
-		echo "  $r: KV $1 p=$2 g=$3, pool holds $s, $n requests ($(awk -v n="$n" -v s="$s" \
+		echo "  $r: KV $1 p=$2 g=$3, pool holds $s ($(conc_of "$s" "$3") outstanding), $n requests ($(awk -v n="$n" -v s="$s" \
 			'BEGIN { printf "%.1f", n / s }') x): ~$est s"
 	fi
 	total=$((total + est))
@@ -124,16 +141,17 @@ for r in $RUNS; do
 	g=${rest#* }
 	s=$(seqs_of "$kv" "$p" "$g")
 	n=$(req_of "$s")
+	c=$(conc_of "$s" "$g")
 	# a run's limit does not follow EXPECT_TPS (an estimate for the
 	# plan): a guess too high once cut a 4-minute run at 221 s
 	tmo=${RUN_TIMEOUT:-570}
 	./tests/bench/mlens-bench serve --model "$MODEL" --mlensd ./daemon/mlensd --backend "$BACKEND" \
 		--gpu-memory "$GPU" --kv-cache "$kv" --prompt-len "$p" --gen-len "$g" \
-		--requests "$n" --concurrency "$s" --threads 8 --timeout "$tmo" --predict --json \
+		--requests "$n" --concurrency "$c" --threads 8 --timeout "$tmo" --predict --json \
 		--daemon-log "$OUT/hybrid_$r.mlensd.log" "$@" \
 		> "$OUT/hybrid_$r.json" 2> "$OUT/hybrid_$r.err"
 	rc=$?
-	echo "$r: KV $kv p=$p g=$g requests=$n (pool holds $s at once): rc $rc in $(($(date +%s) - t0)) s"
+	echo "$r: KV $kv p=$p g=$g requests=$n (pool holds $s at once, $c outstanding): rc $rc in $(($(date +%s) - t0)) s"
 done
 echo
 python3 - "$OUT" <<'EOF'
