@@ -1038,16 +1038,27 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
 		p->st.cpu_append_s += now() - ta;
 	}
-	if (nd > 0)
+	/* the decode rows' output rounded here as GB's GEMM would round it
+	 * there, in the attention's own pool run (with prefill_cpu the prefill
+	 * rows' output is rounded too, all rows in one round below) */
+	if (nd > 0 && p->half_att && !p->prefill_cpu)
+		TRY(mlens_backend_attn_decode_half(p->c->ops, p->c->ctx,
+						   (char *)S->hatt_half + d0 * qd * 2, c->dtype,
+						   S->hatt + d0 * qd, S->hq + d0 * qd, &p->kv.cache,
+						   l, p->qry + r0 + d0, nd,
+						   (int)c->num_attention_heads,
+						   1.0f / sqrtf((float)c->head_dim)));
+	else if (nd > 0)
 		TRY(p->c->ops->attn_decode(p->c->ctx, S->hatt + d0 * qd, S->hq + d0 * qd,
 					   &p->kv.cache, l, p->qry + r0 + d0, nd,
 					   (int)c->num_attention_heads,
 					   1.0f / sqrtf((float)c->head_dim)));
-	if (p->prefill_cpu)
+	if (p->prefill_cpu) {
 		d0 = 0;	/* the prefill rows' output comes back too */
-	if ((size_t)n > d0 && p->half_att)	/* rounded here as GB's GEMM would there */
-		TRY(p->c->ops->round(p->c->ctx, (char *)S->hatt_half + d0 * qd * 2, c->dtype,
-				     S->hatt + d0 * qd, n - (int)d0, (int)qd));
+		if (p->half_att)
+			TRY(p->c->ops->round(p->c->ctx, S->hatt_half, c->dtype, S->hatt, n,
+					     (int)qd));
+	}
 	p->st.cpu_attn_s += now() - t0;
 	if ((size_t)n > d0) {
 		size_t es = p->half_att ? 2 : 4, off = d0 * qd * es;

@@ -208,6 +208,18 @@ struct mlens_backend_ops {
 	 * Callers go through mlens_backend_gemm_multi. */
 	int (*gemm_multi)(void *ctx, float *const *out, const float *x, const void *const *w,
 			  enum mlens_dtype dt, int n, int k, const int *m, int count);
+
+	/* ---- optional: decode attention's output in 16 bits ----
+	 * half[n][n_heads][head_dim] = attn_decode's output rounded to dt
+	 * (bf16 or f16) as round rounds it, bit for bit, without the fp32
+	 * output crossing memory twice (the hybrid pipeline's attention
+	 * output goes up to the GPU in the weights' dtype); out is room for
+	 * the fp32 output, its content unspecified after. -EINVAL for another
+	 * dt. Callers go through mlens_backend_attn_decode_half. */
+	int (*attn_decode_half)(void *ctx, void *half, enum mlens_dtype dt, float *out,
+				const float *q, const struct mlens_kv_cache *kv, int layer,
+				const struct mlens_attn_query *queries, int n, int n_heads,
+				float scale);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4
@@ -378,6 +390,28 @@ static inline int mlens_backend_gemm_multi(const struct mlens_backend_ops *ops, 
 			return rc;
 	}
 	return 0;
+}
+
+/* ops->attn_decode_half where the backend has it, else attn_decode into
+ * out and round into half (the same bits); -ENOTSUP without round. */
+static inline int mlens_backend_attn_decode_half(const struct mlens_backend_ops *ops, void *ctx,
+						 void *half, enum mlens_dtype dt, float *out,
+						 const float *q, const struct mlens_kv_cache *kv,
+						 int layer, const struct mlens_attn_query *queries,
+						 int n, int n_heads, float scale)
+{
+	int rc;
+	if (MLENS_BACKEND_HAS(ops, attn_decode_half))
+		return ops->attn_decode_half(ctx, half, dt, out, q, kv, layer, queries, n, n_heads,
+					     scale);
+	if (!MLENS_BACKEND_HAS(ops, round))
+		return -ENOTSUP;
+	if (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16)
+		return -EINVAL;
+	rc = ops->attn_decode(ctx, out, q, kv, layer, queries, n, n_heads, scale);
+	if (rc || n <= 0)
+		return rc;
+	return ops->round(ctx, half, dt, out, n, n_heads * kv->head_dim);
 }
 
 static inline void mlens_backend_destroy(struct mlens_backend *be)

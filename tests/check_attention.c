@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "kernels/backend.h"
 #include "kernels/cpu/attn.h"
 #include "kernels/cpu/attn_int.h"
 #include "kernels/cpu/cpu.h"
@@ -478,6 +479,129 @@ START_TEST(test_round_exact)
 }
 END_TEST
 
+/* The output in 16 bits from the attention's own run: bit for bit
+ * mlens_cpu_round of the fp32 output, for every shape (split queries go
+ * through the merge, short ones straight from the kernel), bf16 and f16,
+ * one thread and two (a 700-position query alone is split by KV heads
+ * differently for each), and from the backend op and its helper. */
+START_TEST(test_decode_half_exact)
+{
+	const char *name = variant_names[_i];
+	struct mlens_pool *pools[2];
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		printf("check_attention: skipping variant %s: this CPU lacks it\n", name);
+		return;
+	}
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	ck_assert_int_eq(mlens_pool_create(&pools[0], 1, NULL), 0);
+	ck_assert_int_eq(mlens_pool_create(&pools[1], 2, NULL), 0);
+	for (int k = 0; k <= N_SHAPES; k++) {
+		static const int32_t single[] = { 700 };
+		const struct shape *sh = &shapes[k < N_SHAPES ? k : 1];
+		struct setup s;
+		int32_t lens[N_MIXED + 8];
+		int n = 0;
+		float scale = 1.0f / sqrtf((float)sh->hd);
+
+		rng_state = 0x51ed27 + (uint64_t)k;
+		if (k < N_SHAPES) {
+			for (int i = 0; i < N_MIXED; i++)
+				lens[n++] = lens_mixed[i];
+			for (int i = 0; i < 8; i++)
+				lens[n++] = 1 + (int32_t)(rnd() % 2500);
+		} else {
+			lens[n++] = single[0];
+		}
+		setup_make(&s, sh->dt, 2, sh->nkv, sh->group, sh->hd, sh->bs, lens, n);
+		size_t nf = (size_t)s.n * s.n_heads * sh->hd;
+		uint16_t *want = malloc(nf * 2), *got = malloc(nf * 2);
+		float *room = malloc(nf * sizeof(float));
+		ck_assert(want && got && room);
+		for (int t = 0; t < 2; t++) {
+			float *ref = run_variant(&s, pools[t], 1, scale);
+			for (int d = 0; d < 2; d++) {
+				enum mlens_dtype dt = d ? MLENS_DTYPE_F16 : MLENS_DTYPE_BF16;
+				struct mlens_cpu_attn_ws ws = { 0 };
+				ck_assert_int_eq(mlens_cpu_round(NULL, want, dt, ref, s.n,
+								 s.n_heads * sh->hd), 0);
+				memset(got, 0xa5, nf * 2);
+				ck_assert_int_eq(mlens_cpu_attn_decode_half(pools[t], &ws, got, dt, room,
+									    s.q, &s.kv, 1, s.qs, s.n,
+									    s.n_heads, scale), 0);
+				mlens_cpu_attn_ws_fini(&ws);
+				for (size_t e = 0; e < nf; e++)
+					ck_assert_msg(got[e] == want[e],
+						      "%s shape %d %s, %d thread(s): value %zu is %04x, "
+						      "not %04x (round of %.9g)", name, k,
+						      mlens_dtype_name(dt), t + 1, e, got[e], want[e],
+						      ref[e]);
+			}
+			free(ref);
+		}
+		free(want);
+		free(got);
+		free(room);
+		setup_free(&s);
+	}
+	mlens_pool_destroy(pools[0]);
+	mlens_pool_destroy(pools[1]);
+}
+END_TEST
+
+/* The backend op and mlens_backend_attn_decode_half, with the op and
+ * without it (attn_decode, then round): the same bits; fp32 refused. */
+START_TEST(test_decode_half_backend)
+{
+	struct mlens_backend be;
+	struct mlens_backend_opts o = { .n_threads = 2 };
+	struct mlens_backend_ops bare;
+	static const int32_t lens[] = { 5, 600, 1500, 33 };
+	struct setup s;
+	size_t nf;
+	uint16_t *a, *b;
+	float *room;
+
+	ck_assert_int_eq(mlens_backend_create(&be, "cpu", &o), 0);
+	ck_assert(MLENS_BACKEND_HAS(be.ops, attn_decode_half));
+	bare = *be.ops;
+	bare.attn_decode_half = NULL;
+	rng_state = 777;
+	setup_make(&s, MLENS_DTYPE_BF16, 2, 2, 4, 128, 16, lens, 4);
+	nf = (size_t)s.n * s.n_heads * 128;
+	a = malloc(nf * 2);
+	b = malloc(nf * 2);
+	room = malloc(nf * sizeof(float));
+	ck_assert(a && b && room);
+	memset(a, 0xa5, nf * 2);
+	memset(b, 0x5a, nf * 2);
+	ck_assert_int_eq(mlens_backend_attn_decode_half(be.ops, be.ctx, a, MLENS_DTYPE_BF16, room,
+							s.q, &s.kv, 0, s.qs, s.n, s.n_heads,
+							0.0883883f), 0);
+	ck_assert_int_eq(mlens_backend_attn_decode_half(&bare, be.ctx, b, MLENS_DTYPE_BF16, room,
+							s.q, &s.kv, 0, s.qs, s.n, s.n_heads,
+							0.0883883f), 0);
+	ck_assert(memcmp(a, b, nf * 2) == 0);
+	ck_assert_int_eq(mlens_backend_attn_decode_half(be.ops, be.ctx, a, MLENS_DTYPE_F32, room,
+							s.q, &s.kv, 0, s.qs, s.n, s.n_heads,
+							0.0883883f), -EINVAL);
+	ck_assert_int_eq(mlens_backend_attn_decode_half(&bare, be.ctx, a, MLENS_DTYPE_F32, room,
+							s.q, &s.kv, 0, s.qs, s.n, s.n_heads,
+							0.0883883f), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_attn_decode_half(NULL, NULL, NULL, MLENS_DTYPE_BF16, room, s.q,
+						    &s.kv, 0, s.qs, s.n, s.n_heads, 0.1f), -EINVAL);
+	bare.round = NULL;
+	ck_assert_int_eq(mlens_backend_attn_decode_half(&bare, be.ctx, a, MLENS_DTYPE_BF16, room,
+							s.q, &s.kv, 0, s.qs, s.n, s.n_heads,
+							0.0883883f), -ENOTSUP);
+	free(a);
+	free(b);
+	free(room);
+	setup_free(&s);
+	mlens_backend_destroy(&be);
+}
+END_TEST
+
 START_TEST(test_variant_selection)
 {
 	ck_assert_int_eq(mlens_cpu_attn_set_variant("sse9"), -EINVAL);
@@ -571,6 +695,8 @@ int main(void)
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_round_exact, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_decode_half_exact, 0, N_VARIANTS);
+	tcase_add_test(tc, test_decode_half_backend);
 	tcase_add_loop_test(tc, test_tuning_knobs, 0, N_VARIANTS);
 	tcase_add_test(tc, test_variant_selection);
 	tcase_add_test(tc, test_env_variant);

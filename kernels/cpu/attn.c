@@ -190,6 +190,10 @@ static int32_t ctx_chunks(int32_t ctx, int chunk, int bs, int32_t *len)
 
 struct decode_job {
 	float *out;
+	/* set: the output goes here rounded to half_dt (round_into), and the
+	 * vector tasks keep their fp32 output in their thread's scratch */
+	void *half;
+	enum mlens_dtype half_dt;
 	const float *q;
 	const struct mlens_kv_cache *kv;
 	int layer, nh, group, chunk;
@@ -201,8 +205,30 @@ struct decode_job {
 	float *part;
 	size_t rec_floats;	/* one partial: acc[H][hd], m[H], l[H]; H = hpt*group */
 	float *scratch;
-	size_t scratch_floats;
+	size_t scratch_floats;	/* per thread: the kernel's, then (half) a task's output */
+	size_t kern_floats;	/* the kernel's part of it */
 };
+
+/* dst[0..n) = src[0..n) rounded to dt (bf16 or f16) as mlens_store rounds
+ * it, bf16 through the variant's vector code (the same bits) */
+static void round_into(const struct attn_variant *var, void *dst, enum mlens_dtype dt,
+		       const float *src, size_t n)
+{
+	if (dt == MLENS_DTYPE_BF16 && var->cvt) {
+		var->cvt((uint16_t *)dst, src, n);
+		return;
+	}
+	for (size_t i = 0; i < n; i++)
+		mlens_store(dst, dt, i, src[i]);
+}
+
+/* With j->half: the H heads' fp32 output at src into the half output at
+ * element offset off. */
+static void put_half(const struct decode_job *j, size_t off, const float *src, int H)
+{
+	round_into(j->var, (char *)j->half + off * mlens_dtype_size(j->half_dt), j->half_dt, src,
+		   (size_t)H * (size_t)j->kv->head_dim);
+}
 
 static size_t head_off(const struct decode_job *j, int i, int g)
 {
@@ -218,6 +244,8 @@ static void ref_task(void *arg, int task, int thread)
 	size_t off = head_off(j, i, g);
 	mlens_cpu_attn_decode_group_ref(j->out + off, j->q + off, j->kv, j->layer, g,
 					&j->qs[i], j->group, j->scale);
+	if (j->half)	/* from out, which is the caller's room for it */
+		put_half(j, off, j->out + off, j->group);
 }
 
 static void span_task(void *arg, int task, int thread)
@@ -231,8 +259,10 @@ static void span_task(void *arg, int task, int thread)
 		.t0 = t->t0, .t1 = t->t1, .scale = j->scale,
 	};
 
+	float *scratch = j->scratch + (size_t)thread * j->scratch_floats;
+
 	if (t->rec < 0) {
-		s.out = j->out + off;
+		s.out = j->half ? scratch + j->kern_floats : j->out + off;
 	} else {
 		float *rec = j->part + (size_t)t->rec * j->rec_floats;
 		int H = j->hpt * j->group;
@@ -241,7 +271,9 @@ static void span_task(void *arg, int task, int thread)
 		s.m = rec + gh;
 		s.l = rec + gh + H;
 	}
-	j->var->span(&s, j->scratch + (size_t)thread * j->scratch_floats);
+	j->var->span(&s, scratch);
+	if (j->half && t->rec < 0)
+		put_half(j, off, s.out, j->hpt * j->group);
 }
 
 /* Merge the chunks of one split (query, KV heads) in chunk order: the task
@@ -252,7 +284,8 @@ static void merge_task(void *arg, int task, int thread)
 	const struct attn_task *t = &j->tasks[task];
 	int hd = j->kv->head_dim, G = j->hpt * j->group, nch = t->t1;
 	size_t gh = (size_t)G * hd;
-	float *out = j->out + head_off(j, t->i, t->g);
+	float *out = j->half ? j->scratch + (size_t)thread * j->scratch_floats + j->kern_floats
+			     : j->out + head_off(j, t->i, t->g);
 
 	for (int h = 0; h < G; h++) {
 		float M = -INFINITY, L = 0.0f;
@@ -274,16 +307,18 @@ static void merge_task(void *arg, int task, int thread)
 		for (int d = 0; d < hd; d++)
 			o[d] /= L;
 	}
+	if (j->half)
+		put_half(j, head_off(j, t->i, t->g), out, G);
 }
 
-int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
-			  float *out, const float *q, const struct mlens_kv_cache *kv,
-			  int layer, const struct mlens_attn_query *queries, int n,
-			  int n_heads, float scale)
+static int decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws, float *out, void *half,
+		  enum mlens_dtype half_dt, const float *q, const struct mlens_kv_cache *kv,
+		  int layer, const struct mlens_attn_query *queries, int n, int n_heads,
+		  float scale)
 {
 	struct decode_job j = {
-		.out = out, .q = q, .kv = kv, .layer = layer, .nh = n_heads,
-		.qs = queries, .scale = scale, .var = get_variant(),
+		.out = out, .half = half, .half_dt = half_dt, .q = q, .kv = kv, .layer = layer,
+		.nh = n_heads, .qs = queries, .scale = scale, .var = get_variant(),
 	};
 	int nkv = kv->n_kv_heads, hd = kv->head_dim, nt = mlens_pool_size(pool);
 	size_t n_tasks = 0, n_recs = 0, n_merge = 0, n_chunks = 0;
@@ -343,7 +378,10 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 	n_recs *= (size_t)n_hb;
 	n_merge *= (size_t)n_hb;
 	j.rec_floats = (size_t)j.hpt * j.group * (hd + 2);
-	j.scratch_floats = (mlens_attn_scratch_floats(j.hpt * j.group, hd) + 15) & ~(size_t)15;
+	j.kern_floats = (mlens_attn_scratch_floats(j.hpt * j.group, hd) + 15) & ~(size_t)15;
+	j.scratch_floats = j.kern_floats;
+	if (half)	/* a task's fp32 output, rounded from there */
+		j.scratch_floats += ((size_t)j.hpt * j.group * hd + 15) & ~(size_t)15;
 	if (n_tasks + n_merge > (size_t)INT32_MAX || n_recs > (size_t)INT32_MAX ||
 	    ws_reserve(&ws->tasks, &ws->tasks_bytes, (n_tasks + n_merge) * sizeof(*tasks)) ||
 	    ws_reserve((void **)&ws->part, &ws->part_bytes, n_recs * j.rec_floats * sizeof(float)) ||
@@ -382,6 +420,26 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 		mlens_pool_run(pool, (int)n_merge, merge_task, &j);
 	}
 	return 0;
+}
+
+int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
+			  float *out, const float *q, const struct mlens_kv_cache *kv,
+			  int layer, const struct mlens_attn_query *queries, int n,
+			  int n_heads, float scale)
+{
+	return decode(pool, ws, out, NULL, MLENS_DTYPE_F32, q, kv, layer, queries, n, n_heads,
+		      scale);
+}
+
+int mlens_cpu_attn_decode_half(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
+			       void *half, enum mlens_dtype dt, float *out, const float *q,
+			       const struct mlens_kv_cache *kv, int layer,
+			       const struct mlens_attn_query *queries, int n, int n_heads,
+			       float scale)
+{
+	if (!half || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16))
+		return -EINVAL;
+	return decode(pool, ws, out, half, dt, q, kv, layer, queries, n, n_heads, scale);
 }
 
 /* ==== append ==== */
@@ -447,12 +505,8 @@ struct round_job {
 
 static void round_span(const struct round_job *j, size_t i0, size_t i1)
 {
-	if (j->dt == MLENS_DTYPE_BF16 && j->var->cvt) {
-		j->var->cvt((uint16_t *)j->dst + i0, j->src + i0, i1 - i0);
-		return;
-	}
-	for (size_t i = i0; i < i1; i++)
-		mlens_store(j->dst, j->dt, i, j->src[i]);
+	round_into(j->var, (char *)j->dst + i0 * mlens_dtype_size(j->dt), j->dt, j->src + i0,
+		   i1 - i0);
 }
 
 static void round_task(void *arg, int task, int thread)

@@ -57,6 +57,19 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 			  int layer, const struct mlens_attn_query *queries, int n,
 			  int n_heads, float scale);
 
+/* The attn_decode_half op of backend.h: the output rounded to dt (bf16 or
+ * f16) into half [n][n_heads][head_dim], each value as mlens_cpu_round
+ * rounds mlens_cpu_attn_decode's (the same kernel, split and order), in
+ * the same pool run: the vector kernels round each task's output from
+ * their scratch, the scalar one from out, which is room for the fp32
+ * output whose content is unspecified after. Errors as
+ * mlens_cpu_attn_decode's, and -EINVAL for another dt or no half. */
+int mlens_cpu_attn_decode_half(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
+			       void *half, enum mlens_dtype dt, float *out, const float *q,
+			       const struct mlens_kv_cache *kv, int layer,
+			       const struct mlens_attn_query *queries, int n, int n_heads,
+			       float scale);
+
 /* The kv_append op of backend.h: bf16 stores are mlens_f32_to_bf16 values,
  * converted with the chosen kernel's vector code, rows split over the pool
  * (NULL: the caller alone); the result does not depend on the split. 0 or

@@ -420,6 +420,16 @@ static int cpu_attn_decode(void *ctx, float *out, const float *q,
 				     n_heads, scale);
 }
 
+static int cpu_attn_decode_half(void *ctx, void *half, enum mlens_dtype dt, float *out,
+				const float *q, const struct mlens_kv_cache *kv, int layer,
+				const struct mlens_attn_query *queries, int n, int n_heads,
+				float scale)
+{
+	struct mlens_cpu_ctx *c = ctx;
+	return mlens_cpu_attn_decode_half(c->pool, &c->attn_ws, half, dt, out, q, kv, layer,
+					  queries, n, n_heads, scale);
+}
+
 /* ==== sampling ==== */
 
 static uint64_t splitmix64(uint64_t x)
@@ -584,6 +594,7 @@ static const struct mlens_backend_ops cpu_ops = {
 	/* no gemm_half_in: this gemm multiplies the fp32 activations as they
 	 * are, so a rounded x would change its product */
 	.round = cpu_round,
+	.attn_decode_half = cpu_attn_decode_half,
 };
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o)

@@ -30,7 +30,12 @@ struct opts {
 	/* kernel tuning (attn_int.h); < 0: the kernels' default */
 	int prefetch, prefetch_bytes, prefetch_spread, prefetch_hint, prefetch_every, chunk;
 	int heads_per_task;
+	/* the output: fp32 (0), or bf16 as the hybrid pipeline uploads it,
+	 * rounded by a second pool run (1) or in the attention's own (2) */
+	int output;
 };
+
+static const char *const output_names[] = { "fp32", "round", "fused" };
 
 static double now(void)
 {
@@ -56,6 +61,7 @@ struct batch {
 	struct mlens_attn_query *qs;
 	uint32_t *tables;
 	float *q, *out;
+	uint16_t *half;
 	int n, n_heads;
 	double kv_bytes;	/* K and V bytes one pass reads */
 };
@@ -114,7 +120,8 @@ static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *
 	b->kv.v = mlens_readbw_alloc(mlens_kv_bytes(&b->kv));
 	b->q = malloc((size_t)b->n * o->heads * hd * sizeof(float));
 	b->out = malloc((size_t)b->n * o->heads * hd * sizeof(float));
-	if (!b->tables || !b->kv.k || !b->kv.v || !b->q || !b->out)
+	b->half = malloc((size_t)b->n * o->heads * hd * 2);
+	if (!b->tables || !b->kv.k || !b->kv.v || !b->q || !b->out || !b->half)
 		return -ENOMEM;
 	/* blocks handed out in shuffled order, as a long-running pool's are */
 	for (uint32_t x = 0; x < total; x++)
@@ -143,6 +150,7 @@ static void batch_free(struct batch *b)
 	free(b->kv.v);
 	free(b->q);
 	free(b->out);
+	free(b->half);
 }
 
 /* ==== runs ==== */
@@ -172,8 +180,16 @@ static int run_one(const struct opts *o, struct batch *b, struct mlens_pool *poo
 	 * until min_time, at least one */
 	while (n < 64 && (n < 2 || now() - start < o->min_time)) {
 		double t0 = now();
-		rc = mlens_cpu_attn_decode(pool, &ws, b->out, b->q, &b->kv, 0, b->qs, b->n,
-					   o->heads, scale);
+		if (o->output == 2)
+			rc = mlens_cpu_attn_decode_half(pool, &ws, b->half, MLENS_DTYPE_BF16, b->out,
+							b->q, &b->kv, 0, b->qs, b->n, o->heads,
+							scale);
+		else
+			rc = mlens_cpu_attn_decode(pool, &ws, b->out, b->q, &b->kv, 0, b->qs, b->n,
+						   o->heads, scale);
+		if (!rc && o->output == 1)
+			rc = mlens_cpu_round(pool, b->half, MLENS_DTYPE_BF16, b->out, b->n,
+					     o->heads * o->head_dim);
 		if (rc)
 			break;
 		times[n++] = now() - t0;
@@ -252,10 +268,11 @@ static void usage(FILE *f)
 		"         [--min-time SECONDS] [--bw-mb MB] [--prefetch TILES]\n"
 		"         [--prefetch-bytes B] [--prefetch-spread 0|1]\n"
 		"         [--prefetch-hint t0|t1|t2|nta] [--prefetch-every LINES]\n"
-		"         [--chunk TOKENS] [--heads-per-task N]\n"
+		"         [--chunk TOKENS] [--heads-per-task N] [--output fp32|round|fused]\n"
 		"Decode attention over a one-layer bf16 paged KV cache: KV bytes read\n"
 		"per second for each kernel variant and thread count, next to the\n"
-		"streaming read bandwidth measured in the same run.\n");
+		"streaming read bandwidth measured in the same run. --output round and\n"
+		"fused time a bf16 output as well (a second pool run, or the attention's).\n");
 }
 
 static int parse(struct opts *o, int argc, char **argv)
@@ -280,6 +297,7 @@ static int parse(struct opts *o, int argc, char **argv)
 		{ "prefetch-every", required_argument, NULL, 'E' },
 		{ "chunk", required_argument, NULL, 'C' },
 		{ "heads-per-task", required_argument, NULL, 'G' },
+		{ "output", required_argument, NULL, 'O' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -328,6 +346,16 @@ static int parse(struct opts *o, int argc, char **argv)
 		case 'E': o->prefetch_every = atoi(optarg); break;
 		case 'C': o->chunk = atoi(optarg); break;
 		case 'G': o->heads_per_task = atoi(optarg); break;
+		case 'O':
+			o->output = -1;
+			for (int i = 0; i < 3; i++)
+				if (!strcmp(optarg, output_names[i]))
+					o->output = i;
+			if (o->output < 0) {
+				fprintf(stderr, "attention: --output takes fp32, round or fused\n");
+				return -EINVAL;
+			}
+			break;
 		case 'h': usage(stdout); return 1;
 		default: usage(stderr); return -EINVAL;
 		}
@@ -466,13 +494,13 @@ int mlens_bench_attention(int argc, char **argv)
 		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"bf16\", "
 		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_tiles\": %d, "
 		       "\"prefetch_bytes\": %d, \"prefetch_spread\": %d, \"prefetch_hint\": %d, "
-		       "\"prefetch_every\": %d, \"heads_per_task\": %d},\n"
+		       "\"prefetch_every\": %d, \"heads_per_task\": %d, \"output\": \"%s\"},\n"
 		       " \"results\": [",
 		       o.seqs, o.min_ctx, o.max_ctx, o.heads, o.kv_heads, o.head_dim, o.block,
 		       b.kv_bytes, mlens_attn_tune.chunk_tokens, mlens_attn_tune.prefetch_tiles,
 		       mlens_attn_tune.prefetch_bytes, mlens_attn_tune.prefetch_spread,
 		       mlens_attn_tune.prefetch_hint, mlens_attn_tune.prefetch_every,
-		       mlens_attn_tune.heads_per_task);
+		       mlens_attn_tune.heads_per_task, output_names[o.output]);
 		for (int i = 0; i < n_res; i++)
 			printf("%s\n  {\"variant\": \"%s\", \"threads\": %d, \"kv_gbs\": %.2f, "
 			       "\"kv_gbs_median\": %.2f, \"passes\": %d, \"read_bw_gbs\": %.2f, "
@@ -491,7 +519,8 @@ int mlens_bench_attention(int argc, char **argv)
 			       o.threads[t], APPEND_ROWS, append_gbs[t]);
 		printf("]}\n");
 	} else {
-		printf("read bandwidth (streaming loads, %d threads): %.1f GB/s\n", max_t, bw_all);
+		printf("read bandwidth (streaming loads, %d threads): %.1f GB/s; output %s\n", max_t,
+		       bw_all, output_names[o.output]);
 		printf("%-8s %7s %10s %10s %9s\n", "variant", "threads", "KV GB/s", "read GB/s", "of read");
 		for (int i = 0; i < n_res; i++)
 			printf("%-8s %7d %10.2f %10.2f %8.0f%%\n", res[i].variant, res[i].threads,
