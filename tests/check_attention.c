@@ -590,6 +590,8 @@ START_TEST(test_decode_half_backend)
 							0.0883883f), -EINVAL);
 	ck_assert_int_eq(mlens_cpu_attn_decode_half(NULL, NULL, NULL, MLENS_DTYPE_BF16, room, s.q,
 						    &s.kv, 0, s.qs, s.n, s.n_heads, 0.1f), -EINVAL);
+	ck_assert_int_eq(mlens_cpu_attn_decode_half(NULL, NULL, a, MLENS_DTYPE_BF16, NULL, s.q,
+						    &s.kv, 0, s.qs, s.n, s.n_heads, 0.1f), -EINVAL);
 	bare.round = NULL;
 	ck_assert_int_eq(mlens_backend_attn_decode_half(&bare, be.ctx, a, MLENS_DTYPE_BF16, room,
 							s.q, &s.kv, 0, s.qs, s.n, s.n_heads,

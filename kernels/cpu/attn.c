@@ -253,13 +253,12 @@ static void span_task(void *arg, int task, int thread)
 	struct decode_job *j = arg;
 	const struct attn_task *t = &j->tasks[task];
 	size_t off = head_off(j, t->i, t->g);
+	float *scratch = j->scratch + (size_t)thread * j->scratch_floats;
 	struct mlens_attn_span s = {
 		.kv = j->kv, .layer = j->layer, .g = t->g, .n_g = j->hpt, .group = j->group,
 		.q = j->q + off, .block_table = j->qs[t->i].block_table,
 		.t0 = t->t0, .t1 = t->t1, .scale = j->scale,
 	};
-
-	float *scratch = j->scratch + (size_t)thread * j->scratch_floats;
 
 	if (t->rec < 0) {
 		s.out = j->half ? scratch + j->kern_floats : j->out + off;
@@ -437,7 +436,7 @@ int mlens_cpu_attn_decode_half(struct mlens_pool *pool, struct mlens_cpu_attn_ws
 			       const struct mlens_attn_query *queries, int n, int n_heads,
 			       float scale)
 {
-	if (!half || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16))
+	if (!half || !out || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16))
 		return -EINVAL;
 	return decode(pool, ws, out, half, dt, q, kv, layer, queries, n, n_heads, scale);
 }

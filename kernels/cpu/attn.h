@@ -63,7 +63,8 @@ int mlens_cpu_attn_decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
  * the same pool run: the vector kernels round each task's output from
  * their scratch, the scalar one from out, which is room for the fp32
  * output whose content is unspecified after. Errors as
- * mlens_cpu_attn_decode's, and -EINVAL for another dt or no half. */
+ * mlens_cpu_attn_decode's, and -EINVAL for another dt, no half or no
+ * out. */
 int mlens_cpu_attn_decode_half(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws,
 			       void *half, enum mlens_dtype dt, float *out, const float *q,
 			       const struct mlens_kv_cache *kv, int layer,
