@@ -37,6 +37,7 @@ struct pl_group {
 	int n_pre;		/* prefill sequences */
 	int32_t *cu;		/* [n_pre + 1], relative to r0 (into the step's cu array) */
 	int s0, s1;		/* segments [s0, s1) of the step's segment list */
+	int64_t kv_tokens;	/* positions its decode rows' attention reads, a layer */
 };
 
 /* Tokens [j0, j1) of request req, in one group. */
@@ -1339,10 +1340,20 @@ static void step_times(struct mlens_pipeline *p)
 	p->st.kv_read_bytes = p->st.kv_read_tokens * (uint64_t)c->num_hidden_layers * 2 *
 			      (uint64_t)p->kvdim * mlens_dtype_size(p->kv.cache.dtype);
 	p->st.kv_read_bytes_total += p->st.kv_read_bytes;
-	for (int i = 0; i < p->n_hs && mlens_trace_on(p->trace); i++)
-		mlens_trace_spanf(p->trace, p->hs[i].wait ? "host-wait" : "cpu-attn", p->hs[i].t0,
-				  p->hs[i].t1, "%s l%d g%d", p->hs[i].wait ? "WAIT" : "C",
-				  p->hs[i].layer, p->hs[i].group);
+	/* a C span says the KV bytes it read (its group's decode rows, one
+	 * layer): trace_summary.py takes C's rate from it */
+	for (int i = 0; i < p->n_hs && mlens_trace_on(p->trace); i++) {
+		const struct pl_hspan *h = &p->hs[i];
+		if (h->wait || h->group < 0 || h->group >= p->n_grp)
+			mlens_trace_spanf(p->trace, h->wait ? "host-wait" : "cpu-attn", h->t0, h->t1,
+					  "%s l%d g%d", h->wait ? "WAIT" : "C", h->layer, h->group);
+		else
+			mlens_trace_spanf(p->trace, "cpu-attn", h->t0, h->t1, "C l%d g%d kv%lld",
+					  h->layer, h->group,
+					  (long long)((uint64_t)p->grp[h->group].kv_tokens * 2 *
+						      (uint64_t)p->kvdim *
+						      mlens_dtype_size(p->kv.cache.dtype)));
+	}
 	for (int q = 0; q < 2 && mlens_trace_on(p->trace); q++)
 		for (int i = 0; i < p->n_is[q]; i++) {
 			const struct pl_ispan *sp = &p->is[q][i];
@@ -1482,6 +1493,7 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 	int bs = p->kv.cache.block_size;
 	gr->r0 = *row;
 	gr->n_pre = 0;
+	gr->kv_tokens = 0;
 	gr->cu = *cu;
 	gr->cu[0] = 0;
 	for (int pass = 0; pass < 2; pass++) {
@@ -1502,8 +1514,10 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 				p->qry[*row].block_table = r->seq->blocks;
 				if (r->all_logits || j == r->n_tokens - 1)
 					p->lrow[p->n_lrow++] = *row;
-				if (!pre)
+				if (!pre) {
 					p->st.kv_read_tokens += (uint64_t)ps + 1;
+					gr->kv_tokens += (int64_t)ps + 1;
+				}
 			}
 			if (pre)
 				gr->cu[++gr->n_pre] = *row - gr->r0;

@@ -1701,8 +1701,40 @@ START_TEST(exec_trace_threads)
 	ck_assert_int_eq(count_spans(ev, "gpu", "GA l0 g0 n6", t0, t1), 1);
 	ck_assert_int_eq(count_spans(ev, "gpu", "GB l3 g0 n6", t0, t1), 1);
 	ck_assert_int_eq(count_spans(ev, "gpu", "TAIL l-1 g-1", t0, t1), 1);
+	/* a prefill group reads no KV on the CPU */
+	ck_assert_int_eq(count_spans(ev, "cpu-attn", "C l0 g0 kv0", t0, t1), 1);
 	json_decref(root);
 	ck_assert_int_eq(unlink(path), 0);
+
+	/* a decode step: each layer's C names the KV bytes it read, 7
+	 * positions x K and V x 2 KV heads x 8 x 4 bytes (fp32 cache) */
+	{
+		int32_t tok = r.next_token;
+		char want[32];
+		r.tokens = &tok;
+		r.n_tokens = 1;
+		ck_assert_int_eq(mlens_trace_arm(mlens_engine_trace(sd.e), 1, path, NULL, NULL, err,
+						 sizeof(err)), 0);
+		ck_assert_int_eq(mlens_engine_step(sd.e, &r, 1), 0);
+		root = json_load_file(path, 0, &je);
+		ck_assert_msg(root != NULL, "%s: %s", path, je.text);
+		ev = json_object_get(root, "traceEvents");
+		t0 = t1 = -1;
+		json_array_foreach(ev, i, e) {
+			if (!strcmp(json_string_value(json_object_get(e, "name")), "step 1")) {
+				t0 = json_number_value(json_object_get(e, "ts"));
+				t1 = t0 + json_number_value(json_object_get(e, "dur"));
+			}
+		}
+		ck_assert(t0 >= 0);
+		ck_assert_int_eq(ts.kv_heads * ts.head_dim, 16);
+		for (int l = 0; l < L; l++) {
+			snprintf(want, sizeof(want), "C l%d g0 kv896", l);
+			ck_assert_msg(count_spans(ev, "cpu-attn", want, t0, t1) == 1, "no span %s", want);
+		}
+		json_decref(root);
+		ck_assert_int_eq(unlink(path), 0);
+	}
 	ck_assert_int_eq(rmdir(dir), 0);
 	side_close(&sd, true);
 	mlens_test_model_free(m);

@@ -11,7 +11,9 @@ layer's first GB (the layer's weights, or its C), before another GB (its
 C), before a GA, and between steps; the chain of a token group (GA's end
 to C, C, C's end to GB, against the GPU's time from GA's end to GB); and
 the time between steps (the worker's, to the first GPU command, after
-the last). Usage: trace_summary.py FILE [MS]"""
+the last); and the CPU attention's rate per C (the KV bytes its span
+names over its time), for the C spans the weight stream ran beside and
+those it did not. Usage: trace_summary.py FILE [MS]"""
 import collections
 import json
 import re
@@ -54,6 +56,7 @@ def main():
     gpu_gaps(ev, names)
     chain(ev, names)
     between_steps(ev, names)
+    c_rates(ev, names)
 
 
 def med(v):
@@ -93,6 +96,43 @@ def chain(ev, names):
     if c:
         print("  chain a group, median ms (%d groups): GA end -> C %.2f, C %.2f, C end -> GB %.2f; "
               "GA end -> GB %.2f" % (len(c), med(down), med(c), med(up), med(room)))
+
+
+def c_rates(ev, names):
+    """The CPU attention's KV rate per C span ("C l3 g5 kv354123456": the
+    bytes its group's decode rows read in that layer), and how it moves
+    with the weight stream: spans the stream's pieces covered for at
+    least 90% of their time against those covered for at most 10% (the
+    copy and the attention share the host's memory bandwidth)."""
+    pieces = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev
+                    if names.get(e["tid"]) == "h2d" and PIECE.match(e["name"]))
+    merged = []
+    for a, b in pieces:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+
+    def covered(t0, t1):
+        return sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in merged if a < t1 and b > t0)
+    rate, beside, alone = [], [], []
+    for e in ev:
+        if names.get(e["tid"]) != "cpu-attn" or e["dur"] <= 0:
+            continue
+        kv = [w[2:] for w in e["name"].split()[3:] if w.startswith("kv") and w[2:].isdigit()]
+        if e["name"].split()[:1] != ["C"] or not kv or int(kv[0]) == 0:
+            continue
+        gbs = int(kv[0]) / e["dur"] / 1e3	# bytes / us -> GB/s
+        rate.append(gbs)
+        f = covered(e["ts"], e["ts"] + e["dur"]) / e["dur"]
+        if f >= 0.9:
+            beside.append(gbs)
+        elif f <= 0.1:
+            alone.append(gbs)
+    if rate:
+        print("  CPU attention a C, median GB/s: %.1f (%d spans); with the weight stream "
+              "beside it %.1f (%d), without %.1f (%d)" % (med(rate), len(rate), med(beside),
+                                                        len(beside), med(alone), len(alone)))
 
 
 def between_steps(ev, names):
