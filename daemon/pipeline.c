@@ -1322,6 +1322,12 @@ static int run_prog(struct mlens_pipeline *p, bool want_logits)
 	return rc ? rc : rc2;
 }
 
+/* K and V bytes of tokens positions of one layer in the pool. */
+static uint64_t kv_bytes(const struct mlens_pipeline *p, uint64_t tokens)
+{
+	return tokens * 2 * (uint64_t)p->kvdim * mlens_dtype_size(p->kv.cache.dtype);
+}
+
 /* The step's busy times and KV reads into the stats; its spans into the
  * trace when one records. */
 static void step_times(struct mlens_pipeline *p)
@@ -1337,22 +1343,19 @@ static void step_times(struct mlens_pipeline *p)
 	}
 	p->st.gpu_busy_s_total += p->st.gpu_busy_s;
 	p->st.h2d_busy_s_total += p->st.h2d_busy_s;
-	p->st.kv_read_bytes = p->st.kv_read_tokens * (uint64_t)c->num_hidden_layers * 2 *
-			      (uint64_t)p->kvdim * mlens_dtype_size(p->kv.cache.dtype);
+	p->st.kv_read_bytes = kv_bytes(p, p->st.kv_read_tokens) * (uint64_t)c->num_hidden_layers;
 	p->st.kv_read_bytes_total += p->st.kv_read_bytes;
 	/* a C span says the KV bytes it read (its group's decode rows, one
 	 * layer): trace_summary.py takes C's rate from it */
 	for (int i = 0; i < p->n_hs && mlens_trace_on(p->trace); i++) {
 		const struct pl_hspan *h = &p->hs[i];
-		if (h->wait || h->group < 0 || h->group >= p->n_grp)
-			mlens_trace_spanf(p->trace, h->wait ? "host-wait" : "cpu-attn", h->t0, h->t1,
-					  "%s l%d g%d", h->wait ? "WAIT" : "C", h->layer, h->group);
-		else
-			mlens_trace_spanf(p->trace, "cpu-attn", h->t0, h->t1, "C l%d g%d kv%lld",
+		if (h->wait)
+			mlens_trace_spanf(p->trace, "host-wait", h->t0, h->t1, "WAIT l%d g%d",
+					  h->layer, h->group);
+		else	/* a C command always has its group */
+			mlens_trace_spanf(p->trace, "cpu-attn", h->t0, h->t1, "C l%d g%d kv%llu",
 					  h->layer, h->group,
-					  (long long)((uint64_t)p->grp[h->group].kv_tokens * 2 *
-						      (uint64_t)p->kvdim *
-						      mlens_dtype_size(p->kv.cache.dtype)));
+					  (unsigned long long)kv_bytes(p, (uint64_t)p->grp[h->group].kv_tokens));
 	}
 	for (int q = 0; q < 2 && mlens_trace_on(p->trace); q++)
 		for (int i = 0; i < p->n_is[q]; i++) {
@@ -1514,10 +1517,8 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 				p->qry[*row].block_table = r->seq->blocks;
 				if (r->all_logits || j == r->n_tokens - 1)
 					p->lrow[p->n_lrow++] = *row;
-				if (!pre) {
-					p->st.kv_read_tokens += (uint64_t)ps + 1;
+				if (!pre)
 					gr->kv_tokens += (int64_t)ps + 1;
-				}
 			}
 			if (pre)
 				gr->cu[++gr->n_pre] = *row - gr->r0;
@@ -1668,8 +1669,10 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	p->n_lrow = 0;
 	p->st.kv_read_tokens = 0;
 	cu = p->cu;
-	for (int x = 0; x < p->n_grp; x++)
+	for (int x = 0; x < p->n_grp; x++) {
 		layout_group(p, reqs, &row, &cu, &p->grp[x]);
+		p->st.kv_read_tokens += (uint64_t)p->grp[x].kv_tokens;
+	}
 	for (int i = 0; i < p->n_lrow; i++)
 		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;
 	/* the next step's first two layers stream at the end of this one */

@@ -1308,6 +1308,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	struct mlens_cuda_ctx *c;
 	int dev = o ? o->device : 0, n = 0, rc = 0;
 	int moe_streams = o && o->moe_streams ? o->moe_streams : MLENS_MOE_STREAMS_DEFAULT;
+	unsigned wait_flags;	/* of the events a host thread waits on */
 	cublasStatus_t bs;
 
 	if (moe_streams < 1 || moe_streams > MLENS_MOE_STREAMS_MAX) {
@@ -1349,16 +1350,16 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	/* the events a host thread waits on (cudaEventSynchronize) sleep with
 	 * gpu_sync = block, as stream waits do: without cudaEventBlockingSync
 	 * an event wait busy-waits whatever the device's flags */
-	c->wait_flags = cudaEventDisableTiming |
-			(o && o->sync == MLENS_GPU_SYNC_BLOCK ? cudaEventBlockingSync : 0);
+	wait_flags = cudaEventDisableTiming |
+		     (o && o->sync == MLENS_GPU_SYNC_BLOCK ? cudaEventBlockingSync : 0);
 	for (int i = 0; i < MLENS_BACKEND_EVENTS; i++)
-		CUDA_GOTO(cudaEventCreateWithFlags(&c->events[i], c->wait_flags), rc, fail);
+		CUDA_GOTO(cudaEventCreateWithFlags(&c->events[i], wait_flags), rc, fail);
 	c->stage.stream = c->stream;
 	c->side_stage.stream = c->side_stream;
 	for (int i = 0; i < MLENS_CUDA_STAGE_SLOTS; i++) {
 		struct cuda_stager *st[2] = { &c->stage, &c->side_stage };
 		for (int j = 0; j < 2; j++) {
-			CUDA_GOTO(cudaEventCreateWithFlags(&st[j]->slot[i].done, c->wait_flags),
+			CUDA_GOTO(cudaEventCreateWithFlags(&st[j]->slot[i].done, wait_flags),
 				  rc, fail);
 			CUDA_GOTO(cudaEventRecord(st[j]->slot[i].done, st[j]->stream), rc, fail);
 		}
@@ -1381,7 +1382,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_join[i], cudaEventDisableTiming), rc, fail);
 	}
 	CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_fork, cudaEventDisableTiming), rc, fail);
-	CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_counts, c->wait_flags), rc, fail);
+	CUDA_GOTO(cudaEventCreateWithFlags(&c->moe_counts, wait_flags), rc, fail);
 	c->blas_ws_bytes = MLENS_CUDA_BLAS_WS;
 	c->blas_ws = dev_alloc(c, c->blas_ws_bytes * (size_t)c->moe_streams);
 	if (!c->blas_ws) {

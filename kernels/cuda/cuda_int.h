@@ -63,9 +63,6 @@ struct mlens_cuda_ctx {
 	 * for it, not for the whole stream, so the gather queued behind it
 	 * runs while the host wakes up */
 	cudaEvent_t moe_counts;
-	/* flags of the events a host thread waits on (gpu_sync = block: the
-	 * waits sleep) */
-	unsigned wait_flags;
 
 	/* host metadata goes pinned host -> device staging, one copy per op:
 	 * the compute stream's ops through stage, the side K/V append (queue

@@ -98,16 +98,22 @@ def chain(ev, names):
               "GA end -> GB %.2f" % (len(c), med(down), med(c), med(up), med(room)))
 
 
+def weight_pieces(ev, names):
+    """The weight stream's pieces ("COPY l3 p7", "PREFETCH l0 p2") in time
+    order, not a copy carried from an untraced step (daemon/trace.h:
+    MLENS_STEP_TIMER_CARRIED)."""
+    return sorted((e for e in ev if names.get(e["tid"]) == "h2d" and PIECE.match(e["name"])),
+                  key=lambda e: e["ts"])
+
+
 def c_rates(ev, names):
     """The CPU attention's KV rate per C span ("C l3 g5 kv354123456": the
     bytes its group's decode rows read in that layer), and how it moves
     with the weight stream: spans the stream's pieces covered for at
     least 90% of their time against those covered for at most 10% (the
     copy and the attention share the host's memory bandwidth)."""
-    pieces = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev
-                    if names.get(e["tid"]) == "h2d" and PIECE.match(e["name"]))
     merged = []
-    for a, b in pieces:
+    for a, b in ((e["ts"], e["ts"] + e["dur"]) for e in weight_pieces(ev, names)):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
@@ -179,10 +185,7 @@ def layers(ev, names):
     """Per (step, layer) the GPU span and groups; per layer copied, the
     stream's idle time before the next layer's first piece."""
     gpu = sorted((e for e in ev if names.get(e["tid"]) == "gpu"), key=lambda e: e["ts"])
-    # the weight pieces ("COPY l3 p7", "PREFETCH l0 p2"), not a copy carried
-    # from an untraced step (daemon/trace.h: MLENS_STEP_TIMER_CARRIED)
-    h2d = sorted((e for e in ev if names.get(e["tid"]) == "h2d" and PIECE.match(e["name"])),
-                 key=lambda e: e["ts"])
+    h2d = weight_pieces(ev, names)
     span, groups, rows, step = {}, collections.Counter(), [], -1
     for e in gpu:
         kind, layer = e["name"].split()[:2]
