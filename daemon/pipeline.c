@@ -8,7 +8,7 @@
  * read the cache like decode tokens (the earlier segment's K/V is in the
  * pool by then: C of a layer runs group after group on the host). Only the
  * residual stream is kept for every row; the rest of a group's
- * activations live in one of two sets. */
+ * activations live in one of its sets (pipeline_sets: two or three). */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>

@@ -59,7 +59,7 @@
 /* Piece size of the weight stream (DESIGN §1: ~100 MB). */
 #define MLENS_PIPE_PIECE (100ull << 20)
 /* Groups per step: each holds at most the plan's group rows, so a large
- * step has many; two activation sets serve them all. */
+ * step has many; two or three activation sets serve them all. */
 #define MLENS_PIPE_MAX_GROUPS 512
 #define MLENS_PIPE_SETS 2
 #define MLENS_PIPE_SETS_MAX 3

@@ -60,7 +60,7 @@ int mlens_bench_predict(int argc, char **argv)
 	};
 	const char *config = NULL, *profile = NULL;
 	uint64_t gpu = 8ull << 30, kv = 40ull << 30;
-	long long block = 16, group = 3072, cap = 0, sets = 2, n;
+	long long block = 16, group = 3072, cap = 0, sets = 3, n;
 	double in_flight = 0;
 	double p = MLENS_PROFILE_PROMPT, g = MLENS_PROFILE_GEN;
 	enum mlens_gemm_mode gemm = MLENS_GEMM_FAST;
