@@ -971,10 +971,10 @@ int mlens_bench_serve(int argc, char **argv)
 	pthread_t *th = NULL;
 	struct mlens_model *model = NULL;
 	struct mlens_perf_model pm;
-	struct ceilings ceil_ = { 0 };
+	struct ceilings ceil_ = { 0 }, after = { 0 };	/* after: the host's, once the daemon stopped */
 	struct bound bd = { 0 };
-	struct mlens_perf_bound hb = { 0 };
-	bool have_hb = false, have_bd = false, hybrid;
+	struct mlens_perf_bound hb = { 0 }, hb_after = { 0 };
+	bool have_hb = false, have_hb_after = false, have_bd = false, hybrid;
 	struct steady sw = { 0 };
 	struct prediction pred = { 0 };
 	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
@@ -1226,6 +1226,23 @@ int mlens_bench_serve(int argc, char **argv)
 		}
 	}
 	daemon_stop(&d, o.keep_log || bad || atomic_load(&run.failed_threads));
+#ifdef HAVE_CUDA
+	/* the host ceilings again, the daemon gone: a box whose memory or
+	 * link ran slower during the run than before it shows here (the
+	 * bound stays the one from before the run, the box idle) */
+	if (have_hb) {
+		measure_host_link(&after);
+		cudaDeviceReset();
+		if (after.have_link) {
+			double w = jopt(st1, "last_step_weight_bytes");
+			if (!(w > 0))
+				w = L * (double)mlens_perf_streamed_bytes(&pm, 0);
+			have_hb_after = !mlens_perf_bound(&pm, p, g, kv_seqs, w, after.h2d_gbs * 1e9,
+							  after.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12,
+							  &hb_after);
+		}
+	}
+#endif
 
 	{
 		double steps = st1 ? jnum(st1, "steps_total") - jnum(st0, "steps_total") : 0;
@@ -1298,6 +1315,21 @@ int mlens_bench_serve(int argc, char **argv)
 				"generated_tokens_per_s", hb.gen_tok_s, "total_tokens_per_s", hb.total_tok_s));
 			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / hb.gen_tok_s));
 			json_object_set_new(out, "steady_over_bound", jnum_or_null(sw.have ? sw.gen_tps / hb.gen_tok_s : NAN));
+			if (have_hb_after) {
+				json_object_set_new(out, "ceilings_after", json_pack("{s:f,s:f,s:f,s:f,s:f}",
+					"pcie_h2d_gb_per_s", after.h2d_gbs, "cpu_read_gb_per_s", after.read_gbs,
+					"cpu_read_under_copy_gb_per_s", after.read_copy_gbs,
+					"copy_under_read_gb_per_s", after.copy_read_gbs,
+					"cpu_memory_under_copy_gb_per_s", after.mem_copy_gbs));
+				json_object_set_new(out, "bound_after", json_pack("{s:f,s:f,s:f,s:f,s:s,s:f}",
+					"t_pcie_s", hb_after.t_pcie, "t_cpu_memory_s", hb_after.t_mem,
+					"t_gemm_s", hb_after.t_gemm, "t_step_s", hb_after.t_step,
+					"binds", hb_after.binds, "generated_tokens_per_s", hb_after.gen_tok_s));
+				json_object_set_new(out, "steady_over_bound_after",
+						    jnum_or_null(sw.have ? sw.gen_tps / hb_after.gen_tok_s : NAN));
+			} else {
+				json_object_set_new(out, "ceilings_after", json_null());
+			}
 		} else if (have_bd) {
 			json_object_set_new(out, "gemm_rows", json_integer(ceil_.gemm_m));
 			json_object_set_new(out, "bound", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f}",
@@ -1376,6 +1408,16 @@ int mlens_bench_serve(int argc, char **argv)
 				if (sw.have)
 					printf(", %.2f steady", sw.gen_tps / hb.gen_tok_s);
 				printf("\n");
+				if (have_hb_after) {
+					printf("%-26s H2D %.1f GB/s; CPU reads %.1f GB/s alone, %.1f under copy (+ copy %.1f = %.1f)\n",
+					       "host ceilings after", after.h2d_gbs, after.read_gbs,
+					       after.read_copy_gbs, after.copy_read_gbs, after.mem_copy_gbs);
+					printf("%-26s %.1f generated tokens/s (%s binds)", "bound from those",
+					       hb_after.gen_tok_s, hb_after.binds);
+					if (sw.have)
+						printf(", steady %.2f of it", sw.gen_tps / hb_after.gen_tok_s);
+					printf("\n");
+				}
 			} else if (have_bd) {
 				printf("%-26s %.0f generated tokens/s (B=%.0f, %.0f tokens/step, step %.2f ms)\n",
 				       "bound (HBM)", bd.gen_tps, bd.B, bd.n_step, bd.t_step * 1e3);

@@ -190,12 +190,15 @@ for name, d, b, p, s, a in rows:
         f(None if a.get("gpu_busy_ratio") is None else 100 * a["gpu_busy_ratio"], "%.0f")))
 # the steady window's shares (mlens-bench serve's "steady"): where the
 # step's time went on each side
-print("%-12s %6s %6s %6s %7s %10s %6s" % ("steady", "st/b", "GPU%", "host%", "append%",
-                                          "attn GB/s", "PCIe"))
+# st/b after: against the bound from the host ceilings measured again once
+# the daemon stopped (the box's memory and link as they were after the run)
+print("%-12s %6s %6s %6s %6s %7s %10s %6s" % ("steady", "st/b", "after", "GPU%", "host%", "append%",
+                                              "attn GB/s", "PCIe"))
 for name, d, b, p, s, a in rows:
     pct = lambda x: f(None if x is None else 100 * x, "%.0f")
-    print("%-12s %6s %6s %6s %7s %10s %6s" % (
-        name + ("*" if s.get("short") else ""), f(d.get("steady_over_bound"), "%.2f"), pct(s.get("gpu_busy_ratio")),
+    print("%-12s %6s %6s %6s %6s %7s %10s %6s" % (
+        name + ("*" if s.get("short") else ""), f(d.get("steady_over_bound"), "%.2f"),
+        f(d.get("steady_over_bound_after"), "%.2f"), pct(s.get("gpu_busy_ratio")),
         pct(s.get("cpu_busy_ratio")), pct(s.get("cpu_append_ratio")),
         f(s.get("cpu_attention_only_gb_per_s")), f(s.get("pcie_h2d_gb_per_s"))))
 if hf:
