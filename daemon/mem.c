@@ -1,7 +1,9 @@
 /* Pinned NUMA-local allocations. */
 #include <ctype.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <numa.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -113,4 +115,48 @@ void mlens_pinned_free(struct mlens_pinned *m)
 	else
 		munmap(m->p, m->size);
 	m->p = NULL;
+}
+
+int mlens_huge_bytes(const char *smaps, const void *p, size_t len, size_t *huge)
+{
+	uintptr_t a = (uintptr_t)p, b = a + len, start = 0, end = 0;
+	double sum = 0;
+	bool any = false, in = false;
+	char line[512];
+	FILE *f = fopen(smaps ? smaps : "/proc/self/smaps", "r");
+	int rc = 0;
+
+	*huge = 0;
+	if (!f)
+		return -errno;
+	while (fgets(line, sizeof(line), f)) {
+		uintmax_t s0, s1, kb;
+		int n = 0;
+		if (!strchr(line, '\n') && !feof(f)) {	/* a path longer than the buffer */
+			int c;
+			while ((c = fgetc(f)) != EOF && c != '\n')
+				;
+		}
+		/* a mapping's header: "start-end perms offset dev inode [path]" */
+		if (sscanf(line, "%jx-%jx %*4s %n", &s0, &s1, &n) == 2 && n > 0) {
+			if (s1 < s0) {
+				rc = -EINVAL;
+				break;
+			}
+			start = (uintptr_t)s0;
+			end = (uintptr_t)s1;
+			in = end > a && start < b;
+			any |= in;
+		} else if (in && sscanf(line, "AnonHugePages: %ju kB", &kb) == 1) {
+			uintptr_t lo = start > a ? start : a, hi = end < b ? end : b;
+			sum += (double)kb * 1024.0 * (double)(hi - lo) / (double)(end - start);
+		}
+	}
+	fclose(f);
+	if (rc)
+		return rc;
+	if (!any)
+		return -ENOENT;
+	*huge = sum > (double)len ? len : (size_t)sum;
+	return 0;
 }

@@ -25,4 +25,14 @@ int mlens_pinned_alloc(struct mlens_pinned *m, size_t size, int node, bool mlock
 		       const char *what, char *err, size_t errlen);
 void mlens_pinned_free(struct mlens_pinned *m);
 
+/* Bytes of [p, p + len) that the kernel backs with transparent huge pages,
+ * from an smaps file (NULL: /proc/self/smaps): each mapping's
+ * AnonHugePages prorated by its overlap with the range (a mapping the
+ * range covers whole counts whole; the kernel merges neighbours of the
+ * same flags, such as the KV cache's K and V areas, into one). Where the
+ * pool's attention reads the KV cache, 4 KiB pages cost TLB misses that
+ * 2 MiB pages do not. 0, -errno when the file cannot be read, -ENOENT
+ * when no mapping overlaps the range, -EINVAL for a malformed file. */
+int mlens_huge_bytes(const char *smaps, const void *p, size_t len, size_t *huge);
+
 #endif

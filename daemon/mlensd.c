@@ -151,6 +151,33 @@ static int daemonize(void)
 	return p[1];
 }
 
+/* How much of a pinned area (two: the KV cache's K and V) the kernel backs
+ * with huge pages: the CPU attention reads the KV cache at a rate that
+ * 4 KiB pages cost TLB misses in. Under half of an area of 64 MiB or
+ * more: a warning naming the setting (a smaller one may not span a
+ * 2 MiB page at all). */
+#define HUGE_WARN_BYTES (64ull << 20)
+static void log_huge_pages(const struct mlens_pinned *a, const struct mlens_pinned *b,
+			   const char *what)
+{
+	size_t ha = 0, hb = 0, total = a->size + (b ? b->size : 0);
+	int rc = mlens_huge_bytes(NULL, a->p, a->size, &ha);
+	if (!rc && b)
+		rc = mlens_huge_bytes(NULL, b->p, b->size, &hb);
+	if (rc || !total) {
+		log_info("%s: huge pages not known (%s)", what, rc ? strerror(-rc) : "empty");
+		return;
+	}
+	if (2 * (ha + hb) < total && total >= HUGE_WARN_BYTES)
+		log_warn("%s: %.0f of %.0f MiB (%.0f%%) in huge pages: the rest costs TLB misses "
+			 "(/sys/kernel/mm/transparent_hugepage/enabled must say always or madvise, "
+			 "and free memory must not be too fragmented)", what, (ha + hb) / 1048576.0,
+			 total / 1048576.0, 100.0 * (ha + hb) / total);
+	else
+		log_info("%s: %.0f of %.0f MiB (%.0f%%) in huge pages", what, (ha + hb) / 1048576.0,
+			 total / 1048576.0, 100.0 * (ha + hb) / total);
+}
+
 static int fail_start(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int fail_start(const char *fmt, ...)
 {
@@ -468,6 +495,7 @@ int main(int argc, char **argv)
 			 D.weights.used_io_uring ? "io_uring" : "copy",
 			 D.weights.used_io_uring ? (D.weights.direct ? ", O_DIRECT" : ", buffered") : "",
 			 node, D.weights.mem.locked ? ", locked" : "");
+		log_huge_pages(&D.weights.mem, NULL, "weight pages");
 	}
 
 	/* backend */
@@ -552,6 +580,7 @@ int main(int argc, char **argv)
 			rc = mlens_pinned_alloc(&D.kv_v, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (V)", err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
+		log_huge_pages(&D.kv_k, &D.kv_v, "KV cache");
 	}
 	/* the profiler runs before the engine takes its memory */
 	profile_setup(blocks, per_block, kv_dt, &bo);

@@ -1,14 +1,18 @@
 /* Description: KV block pool accounting and the engine's step on the CPU
  * backend: batched equals unbatched, prefill-then-decode equals
  * all-at-once, re-prefill after eviction equals the uninterrupted run,
- * seeded sampling is reproducible, and bad steps fail without side effects. */
+ * seeded sampling is reproducible, and bad steps fail without side effects;
+ * the share of a pinned area in huge pages, from smaps. */
 #include <check.h>
 #include <errno.h>
 #include <stdio.h>
 #include <math.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 #include "daemon/engine.h"
+#include "daemon/mem.h"
 #include "tests/testmodel.h"
 
 /* ==== KV pool ==== */
@@ -442,6 +446,82 @@ START_TEST(position_limit)
 }
 END_TEST
 
+/* ==== pinned memory: huge pages from smaps ==== */
+
+static char *write_smaps(const char *text)
+{
+	static char path[64];
+	FILE *f;
+	snprintf(path, sizeof(path), "/tmp/mlens-smaps-XXXXXX");
+	int fd = mkstemp(path);
+	ck_assert_int_ge(fd, 0);
+	f = fdopen(fd, "w");
+	ck_assert_ptr_nonnull(f);
+	fputs(text, f);
+	fclose(f);
+	return path;
+}
+
+START_TEST(huge_bytes_from_smaps)
+{
+	char longpath[700];
+	memset(longpath, 'x', sizeof(longpath) - 1);
+	longpath[sizeof(longpath) - 1] = 0;
+	char text[2048];
+	snprintf(text, sizeof(text),
+		 "00400000-00600000 r-xp 00000000 08:01 123   /bin/x\n"
+		 "Size:               2048 kB\n"
+		 "AnonHugePages:      2048 kB\n"
+		 "7f0000000000-7f0000800000 rw-p 00000000 00:00 0 \n"
+		 "Size:               8192 kB\n"
+		 "AnonHugePages:      4096 kB\n"
+		 "VmFlags: rd wr mr mw me ac hg\n"
+		 "7f0000800000-7f0001000000 rw-p 00000000 00:00 0   /%s\n"
+		 "Size:               8192 kB\n"
+		 "AnonHugePages:      8192 kB\n"
+		 "7f0002000000-7f0002200000 rw-p 00000000 00:00 0 \n"
+		 "AnonHugePages:         0 kB\n", longpath);
+	char *path = write_smaps(text);
+	size_t h = 1;
+	const char *base = (const char *)(uintptr_t)0x7f0000000000ull;
+
+	/* one mapping whole: its AnonHugePages */
+	ck_assert_int_eq(mlens_huge_bytes(path, base, 8u << 20, &h), 0);
+	ck_assert_uint_eq(h, 4u << 20);
+	/* half of each of two: half of each one's (2 + 4 MiB); the second's
+	 * header line is longer than the parser's buffer */
+	ck_assert_int_eq(mlens_huge_bytes(path, base + (4u << 20), 8u << 20, &h), 0);
+	ck_assert_uint_eq(h, 6u << 20);
+	/* across the gap to the third: 4 MiB of the second, none of the third */
+	ck_assert_int_eq(mlens_huge_bytes(path, base + (12u << 20), 22u << 20, &h), 0);
+	ck_assert_uint_eq(h, 4u << 20);
+	/* no mapping there */
+	h = 1;
+	ck_assert_int_eq(mlens_huge_bytes(path, base + (16u << 20), 4u << 20, &h), -ENOENT);
+	ck_assert_uint_eq(h, 0);
+	unlink(path);
+
+	path = write_smaps("7f0000002000-7f0000001000 rw-p 00000000 00:00 0 \nAnonHugePages: 0 kB\n");
+	ck_assert_int_eq(mlens_huge_bytes(path, base, 4096, &h), -EINVAL);
+	unlink(path);
+	ck_assert_int_eq(mlens_huge_bytes("/nonexistent/smaps", base, 4096, &h), -ENOENT);
+}
+END_TEST
+
+/* This process's own smaps: a pinned area is found, and its huge part is
+ * at most its size (how much the kernel gives depends on the machine). */
+START_TEST(huge_bytes_of_pinned)
+{
+	struct mlens_pinned m;
+	char err[256];
+	size_t h = 0;
+	ck_assert_int_eq(mlens_pinned_alloc(&m, 16u << 20, -1, false, "test area", err, sizeof(err)), 0);
+	ck_assert_int_eq(mlens_huge_bytes(NULL, m.p, m.size, &h), 0);
+	ck_assert_uint_le(h, m.size);
+	mlens_pinned_free(&m);
+}
+END_TEST
+
 static Suite *engine_suite(void)
 {
 	Suite *s = suite_create("engine");
@@ -457,6 +537,10 @@ static Suite *engine_suite(void)
 	tcase_add_test(tc, seeded_sampling);
 	tcase_add_test(tc, bad_steps_change_nothing);
 	tcase_add_test(tc, position_limit);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("pinned");
+	tcase_add_test(tc, huge_bytes_from_smaps);
+	tcase_add_test(tc, huge_bytes_of_pinned);
 	suite_add_tcase(s, tc);
 	return s;
 }
