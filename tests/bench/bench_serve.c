@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include "mlens.h"
 #include "daemon/config.h"
+#include "daemon/mem.h"
 #include "daemon/model.h"
 #include "daemon/perfmodel.h"
 #include "kernels/cpu/pool.h"
@@ -551,6 +552,7 @@ struct ceilings {
 	double copy_read_gbs;	/* those copies' rate meanwhile */
 	double mem_copy_gbs;	/* CPU memory traffic then: reads + the copies' DMA reads */
 	int read_threads;
+	double read_huge;	/* share of the read buffer in huge pages, or NAN */
 	char device[260];
 };
 
@@ -709,6 +711,12 @@ static void measure_host_link(struct ceilings *c)
 		goto out;
 	}
 	memset(rb, 1, bytes);
+	{
+		/* the daemon's KV pool asks for huge pages too (its log says
+		 * how many it got): a read rate without them is not its ceiling */
+		size_t hb;
+		c->read_huge = mlens_huge_bytes(NULL, rb, bytes, &hb) ? NAN : (double)hb / (double)bytes;
+	}
 	c->read_threads = mlens_pool_size(pool);
 	c->read_gbs = mlens_readbw_best(pool, rb, bytes);
 	for (int round = 0; round < 2; round++) {
@@ -1298,6 +1306,8 @@ int mlens_bench_serve(int argc, char **argv)
 				"copy_under_read_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.copy_read_gbs : NAN),
 				"cpu_memory_under_copy_gb_per_s", jnum_or_null(ceil_.have_link ? ceil_.mem_copy_gbs : NAN),
 				"read_threads", ceil_.read_threads));
+			json_object_set_new(json_object_get(out, "ceilings"), "read_buffer_huge_ratio",
+					    jnum_or_null(ceil_.have_link ? ceil_.read_huge : NAN));
 			/* earlier readers look for these at the top level */
 			json_object_set_new(out, "device", json_string(ceil_.device));
 			json_object_set_new(out, "hbm_gb_per_s", json_real(ceil_.hbm_gbs));
@@ -1316,11 +1326,12 @@ int mlens_bench_serve(int argc, char **argv)
 			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / hb.gen_tok_s));
 			json_object_set_new(out, "steady_over_bound", jnum_or_null(sw.have ? sw.gen_tps / hb.gen_tok_s : NAN));
 			if (have_hb_after) {
-				json_object_set_new(out, "ceilings_after", json_pack("{s:f,s:f,s:f,s:f,s:f}",
+				json_object_set_new(out, "ceilings_after", json_pack("{s:f,s:f,s:f,s:f,s:f,s:o}",
 					"pcie_h2d_gb_per_s", after.h2d_gbs, "cpu_read_gb_per_s", after.read_gbs,
 					"cpu_read_under_copy_gb_per_s", after.read_copy_gbs,
 					"copy_under_read_gb_per_s", after.copy_read_gbs,
-					"cpu_memory_under_copy_gb_per_s", after.mem_copy_gbs));
+					"cpu_memory_under_copy_gb_per_s", after.mem_copy_gbs,
+					"read_buffer_huge_ratio", jnum_or_null(after.read_huge)));
 				json_object_set_new(out, "bound_after", json_pack("{s:f,s:f,s:f,s:f,s:s,s:f}",
 					"t_pcie_s", hb_after.t_pcie, "t_cpu_memory_s", hb_after.t_mem,
 					"t_gemm_s", hb_after.t_gemm, "t_step_s", hb_after.t_step,
@@ -1393,9 +1404,10 @@ int mlens_bench_serve(int argc, char **argv)
 				       fmt_num(e, sizeof(e), 1, 100 * h2d_busy));
 			}
 			if (ceil_.have_link)
-				printf("%-26s H2D %.1f GB/s; CPU reads %.1f GB/s alone, %.1f under copy (+ copy %.1f = %.1f)\n",
+				printf("%-26s H2D %.1f GB/s; CPU reads %.1f GB/s alone, %.1f under copy (+ copy %.1f = %.1f); "
+				       "%.0f%% huge pages\n",
 				       "host ceilings", ceil_.h2d_gbs, ceil_.read_gbs, ceil_.read_copy_gbs,
-				       ceil_.copy_read_gbs, ceil_.mem_copy_gbs);
+				       ceil_.copy_read_gbs, ceil_.mem_copy_gbs, 100 * ceil_.read_huge);
 			if (ceil_.have)
 				printf("%-26s HBM %.0f GB/s, GEMM %.0f TFLOP/s at %d rows (%s)\n", "GPU ceilings",
 				       ceil_.hbm_gbs, ceil_.gemm_tflops, ceil_.gemm_m, ceil_.device);
@@ -1409,9 +1421,11 @@ int mlens_bench_serve(int argc, char **argv)
 					printf(", %.2f steady", sw.gen_tps / hb.gen_tok_s);
 				printf("\n");
 				if (have_hb_after) {
-					printf("%-26s H2D %.1f GB/s; CPU reads %.1f GB/s alone, %.1f under copy (+ copy %.1f = %.1f)\n",
+					printf("%-26s H2D %.1f GB/s; CPU reads %.1f GB/s alone, %.1f under copy (+ copy %.1f = %.1f); "
+					       "%.0f%% huge pages\n",
 					       "host ceilings after", after.h2d_gbs, after.read_gbs,
-					       after.read_copy_gbs, after.copy_read_gbs, after.mem_copy_gbs);
+					       after.read_copy_gbs, after.copy_read_gbs, after.mem_copy_gbs,
+					       100 * after.read_huge);
 					printf("%-26s %.1f generated tokens/s (%s binds)", "bound from those",
 					       hb_after.gen_tok_s, hb_after.binds);
 					if (sw.have)
