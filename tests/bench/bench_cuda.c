@@ -6,10 +6,14 @@
  * prefill flash attention and paged decode attention, and the K/V append
  * into a pool in registered host memory (bench_kv_store). Prints one JSON
  * object on stdout and a table on stderr. Not a test: it asserts nothing.
- * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm]: the backend's GEMM
- * mode (default fast); kv-store runs only the K/V append, moe-gemm only
- * the experts' GEMMs looped and grouped (bench_moe_gemm). */
+ * Also one token group's GA and GB of the hybrid pipeline op by op
+ * (bench_group).
+ * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm|group]: the backend's
+ * GEMM mode (default fast); kv-store runs only the K/V append, moe-gemm
+ * only the experts' GEMMs looped and grouped (bench_moe_gemm), group only
+ * bench_group. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -751,11 +755,201 @@ static int bench_kv_store(const struct mlens_backend_opts *o)
 	return rc;
 }
 
+/* ==== one token group's GA and GB ====
+ * The GPU work of one (layer, group) item of the hybrid pipeline
+ * (daemon/pipeline.c stage_ga and stage_gb, fast GEMMs, bf16 weights,
+ * attn_up = half) at Mixtral-8x7B sizes, op by op on a backend made as
+ * mlensd makes it (bf16 prefill attention, its MoE streams), back to back
+ * on the compute queue with a timer mark between ops: each op's span is
+ * the queue's time from its mark to the next, including any wait the op
+ * itself makes (the MoE reads its expert counts back). Median of 15
+ * passes after 3. Two groups: p=512/g=32's (5 prompts of 512 and 150
+ * decode rows) and p=128/g=32's (19 prompts of 128 and 600 decode rows),
+ * each against the GEMM work it must do at the GEMM rate bench_gemm
+ * measured. Left out: the K/V stores into the host pool (bench_kv_store)
+ * and the copies to and from the host. */
+enum { G_OPS = 11 };
+static const char *const g_op_name[G_OPS] = {
+	"GA rmsnorm", "GA qkv gemm_multi", "GA rope q", "GA rope k", "GA attn_prefill",
+	"GA round att", "GB o gemm_half_in", "GB rmsnorm", "GB router gemm", "GB router top-k",
+	"GB moe"
+};
+
+static int cmp_dbl(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static int bench_group(const struct mlens_backend_opts *o)
+{
+	const int H = 4096, nh = 32, nkv = 8, hd = 128, qd = nh * hd, kvd = nkv * hd;
+	const int I = 14336, E = 8, K = 2, warm = 3, iters = 15;
+	const float eps = 1e-5f, theta = 1e6f;
+	static const struct { const char *name; int n_pre, p, decode; } shapes[] = {
+		{ "p512g32", 5, 512, 150 }, { "p128g32", 19, 128, 600 }
+	};
+	struct mlens_backend_opts go = *o;
+	struct mlens_backend b;
+	void *w1[8], *w2[8], *w3[8];
+	struct mlens_moe_weights mw = { E, H, I, MLENS_DTYPE_BF16, (const void *const *)w1,
+					(const void *const *)w2, (const void *const *)w3 };
+	int first = 1, rc = 0;
+
+	go.prefill_bf16 = true;	/* mlensd's default (gpu_prefill_attention) */
+	if (mlens_backend_create(&b, "cuda", &go))
+		FAIL("group backend");
+	if (!b.ops->timer_mark || !b.ops->timer_read || !b.ops->gemm_half_in || !b.ops->round) {
+		mlens_backend_destroy(&b);
+		FAIL("group: the backend's timer marks, gemm_half_in or round");
+	}
+	{
+		void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
+		if (!proto)
+			FAIL("group expert weights");
+		for (int e = 0; e < E; e++) {
+			w1[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+			w2[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+			w3[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
+			if (!w1[e] || !w2[e] || !w3[e])
+				FAIL("group expert weights");
+			cudaMemcpy(w1[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+			cudaMemcpy(w2[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+			cudaMemcpy(w3[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
+		}
+		be.ops->free(be.ctx, proto);
+	}
+	printf(",\n  \"group\": [");
+	for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]) && !rc; si++) {
+		const int n_pre = shapes[si].n_pre, P = n_pre * shapes[si].p;
+		const int n = P + shapes[si].decode;
+		int32_t *pos = malloc((size_t)n * 4), *cu = malloc((size_t)(n_pre + 1) * 4);
+		void *anorm = dev_random((size_t)H, MLENS_DTYPE_BF16, 1.0f);
+		void *fnorm = dev_random((size_t)H, MLENS_DTYPE_BF16, 1.0f);
+		void *wq = dev_random((size_t)qd * H, MLENS_DTYPE_BF16, 0.02f);
+		void *wk = dev_random((size_t)kvd * H, MLENS_DTYPE_BF16, 0.02f);
+		void *wv = dev_random((size_t)kvd * H, MLENS_DTYPE_BF16, 0.02f);
+		void *wo = dev_random((size_t)H * qd, MLENS_DTYPE_BF16, 0.02f);
+		void *wr = dev_random((size_t)E * H, MLENS_DTYPE_BF16, 0.05f);
+		float *x = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
+		float *xn = be.ops->alloc(be.ctx, (size_t)n * H * 4);
+		float *q = be.ops->alloc(be.ctx, (size_t)n * qd * 4);
+		float *k = be.ops->alloc(be.ctx, (size_t)n * kvd * 4);
+		float *v = be.ops->alloc(be.ctx, (size_t)n * kvd * 4);
+		float *pout = be.ops->alloc(be.ctx, (size_t)P * qd * 4);
+		void *att = dev_random((size_t)n * qd, MLENS_DTYPE_BF16, 1.0f);
+		float *rlog = be.ops->alloc(be.ctx, (size_t)n * E * 4);
+		int32_t *rid = be.ops->alloc(be.ctx, (size_t)n * K * 4);
+		float *rw = be.ops->alloc(be.ctx, (size_t)n * K * 4);
+		double t[G_OPS + 1][15], med[G_OPS + 1], ga = 0, gb = 0;
+		double gemm_flop = 2.0 * n * H * (qd + 2.0 * kvd) + 2.0 * n * qd * H +
+				   2.0 * n * K * 3.0 * H * I;
+
+		if (!pos || !cu || !anorm || !fnorm || !wq || !wk || !wv || !wo || !wr || !x || !xn ||
+		    !q || !k || !v || !pout || !att || !rlog || !rid || !rw) {
+			fprintf(stderr, "bench_cuda: group %s: set-up failed\n", shapes[si].name);
+			rc = 1;
+		}
+		for (int s = 0; !rc && s < n_pre; s++) {
+			cu[s] = s * shapes[si].p;
+			for (int j = 0; j < shapes[si].p; j++)
+				pos[s * shapes[si].p + j] = j;
+		}
+		cu[n_pre] = P;
+		for (int r = P; !rc && r < n; r++)
+			pos[r] = shapes[si].p + (r % 32);
+		for (int it = 0; !rc && it < warm + iters; it++) {
+			float *const qkv[3] = { q, k, v };
+			const void *const wqkv[3] = { wq, wk, wv };
+			const int mqkv[3] = { qd, kvd, kvd };
+			int op = 0;
+			/* x takes the O projection and the MoE each pass; its
+			 * values stay finite, and no op's time depends on them */
+#define G_MARK() (rc = rc ? rc : b.ops->timer_mark(b.ctx, 0, op++))
+			G_MARK();
+			rc = rc ? rc : b.ops->rmsnorm(b.ctx, xn, x, anorm, MLENS_DTYPE_BF16, n, H, eps);
+			G_MARK();
+			rc = rc ? rc : mlens_backend_gemm_multi(b.ops, b.ctx, qkv, xn, wqkv,
+								 MLENS_DTYPE_BF16, n, H, mqkv, 3);
+			G_MARK();
+			rc = rc ? rc : b.ops->rope(b.ctx, q, pos, n, nh, hd, theta);
+			G_MARK();
+			rc = rc ? rc : b.ops->rope(b.ctx, k, pos, n, nkv, hd, theta);
+			G_MARK();
+			rc = rc ? rc : b.ops->attn_prefill(b.ctx, pout, q, k, v, cu, n_pre, nh, nkv, hd,
+							   1.0f / sqrtf((float)hd));
+			G_MARK();
+			rc = rc ? rc : b.ops->round(b.ctx, att, MLENS_DTYPE_BF16, pout, P, qd);
+			G_MARK();
+			rc = rc ? rc : b.ops->gemm_half_in(b.ctx, x, att, wo, MLENS_DTYPE_BF16, n, qd, H, true);
+			G_MARK();
+			rc = rc ? rc : b.ops->rmsnorm(b.ctx, xn, x, fnorm, MLENS_DTYPE_BF16, n, H, eps);
+			G_MARK();
+			rc = rc ? rc : b.ops->gemm(b.ctx, rlog, xn, wr, MLENS_DTYPE_BF16, n, H, E, false);
+			G_MARK();
+			rc = rc ? rc : b.ops->router(b.ctx, rid, rw, rlog, n, E, K);
+			G_MARK();
+			rc = rc ? rc : b.ops->moe(b.ctx, x, xn, n, rid, rw, K, &mw);
+			G_MARK();
+#undef G_MARK
+			rc = rc ? rc : b.ops->sync(b.ctx);
+			for (int m = 0; !rc && m < G_OPS; m++) {
+				double a, z;
+				if ((rc = b.ops->timer_read(b.ctx, m, &a)) ||
+				    (rc = b.ops->timer_read(b.ctx, m + 1, &z)))
+					break;
+				if (it >= warm)
+					t[m][it - warm] = z - a;
+			}
+			if (!rc && it >= warm) {
+				double a, z;
+				rc = b.ops->timer_read(b.ctx, 0, &a);
+				rc = rc ? rc : b.ops->timer_read(b.ctx, G_OPS, &z);
+				t[G_OPS][it - warm] = z - a;
+			}
+		}
+		if (rc) {
+			fprintf(stderr, "bench_cuda: group %s: an op failed (%d)\n", shapes[si].name, rc);
+		} else {
+			for (int m = 0; m <= G_OPS; m++) {
+				qsort(t[m], (size_t)iters, sizeof(double), cmp_dbl);
+				med[m] = t[m][iters / 2];
+			}
+			for (int m = 0; m < G_OPS; m++)
+				*(m < 6 ? &ga : &gb) += med[m];
+			printf("%s\n    {\"shape\": \"%s\", \"rows\": %d, \"prefill_rows\": %d, "
+			       "\"prefill_seqs\": %d, \"ops\": {", first ? "" : ",", shapes[si].name, n, P,
+			       n_pre);
+			for (int m = 0; m < G_OPS; m++)
+				printf("%s\"%s\": %.4f", m ? ", " : "", g_op_name[m], med[m] * 1e3);
+			printf("}, \"ga_ms\": %.4f, \"gb_ms\": %.4f, \"total_ms\": %.4f, \"gemm_tflop\": %.4f, "
+			       "\"gemm_tflops_equiv\": %.1f}", ga * 1e3, gb * 1e3, med[G_OPS] * 1e3,
+			       gemm_flop * 1e-12, gemm_flop / med[G_OPS] * 1e-12);
+			first = 0;
+			fprintf(stderr, "group %s: %d rows (%d prefill in %d prompts): GA %.3f ms, GB %.3f ms, "
+				"all %.3f ms (%.1f TFLOP/s of GEMM work)\n", shapes[si].name, n, P, n_pre,
+				ga * 1e3, gb * 1e3, med[G_OPS] * 1e3, gemm_flop / med[G_OPS] * 1e-12);
+			for (int m = 0; m < G_OPS; m++)
+				fprintf(stderr, "  %-20s %8.4f ms\n", g_op_name[m], med[m] * 1e3);
+		}
+		free(pos);
+		free(cu);
+		void *bufs[] = { anorm, fnorm, wq, wk, wv, wo, wr, x, xn, q, k, v, pout, att, rlog, rid, rw };
+		for (size_t j = 0; j < sizeof(bufs) / sizeof(bufs[0]); j++)
+			if (bufs[j])
+				be.ops->free(be.ctx, bufs[j]);
+	}
+	printf("\n  ]");
+	free_experts(w1, w2, w3, E);
+	mlens_backend_destroy(&b);
+	return rc;
+}
+
 int main(int argc, char **argv)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct cudaDeviceProp prop;
-	bool only_kv_store = false, only_moe_gemm = false;
+	bool only_kv_store = false, only_moe_gemm = false, only_group = false;
 	int rc;
 
 	for (int i = 1; i < argc; i++) {
@@ -763,10 +957,13 @@ int main(int argc, char **argv)
 			only_kv_store = true;
 		else if (!strcmp(argv[i], "moe-gemm"))
 			only_moe_gemm = true;
+		else if (!strcmp(argv[i], "group"))
+			only_group = true;
 		else if (mlens_gemm_mode_parse(argv[i], &o.gemm)) {
-			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store|moe-gemm]  (the GEMM "
+			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store|moe-gemm|group]  (the GEMM "
 				"mode, default fast; kv-store: only the K/V append into host memory; "
-				"moe-gemm: only the experts' GEMMs, looped and grouped)\n");
+				"moe-gemm: only the experts' GEMMs, looped and grouped; group: only a "
+				"token group's GA and GB op by op)\n");
 			return 2;
 		}
 	}
@@ -786,12 +983,17 @@ int main(int argc, char **argv)
 		rc = bench_moe_gemm(4096, 14336);
 		goto out_json;
 	}
+	if (only_group) {
+		rc = bench_group(&o);
+		goto out_json;
+	}
 	if (!only_kv_store) {
 		printf(",\n  \"gemm\": [");
 		if ((rc = bench_gemm(1)))
 			goto out;
 		printf("\n  ]");
-		if ((rc = bench_moe(&o)) || (rc = bench_moe_gemm(4096, 14336)) || (rc = bench_attn()))
+		if ((rc = bench_moe(&o)) || (rc = bench_moe_gemm(4096, 14336)) || (rc = bench_attn()) ||
+		    (rc = bench_group(&o)))
 			goto out;
 	}
 	if ((rc = bench_kv_store(&o)))
