@@ -1,7 +1,6 @@
 /* Pinned NUMA-local allocations. */
 #include <ctype.h>
 #include <errno.h>
-#include <inttypes.h>
 #include <numa.h>
 #include <stdint.h>
 #include <stdio.h>
