@@ -41,13 +41,18 @@ def main():
         busy[t] += e["dur"] / 1e3
         n[t] += 1
         dur[(t, (e["name"].split() or ["?"])[0])].append(e["dur"] / 1e3)
-    print("  steps (ms):", " ".join("%.0f (%d tokens)" % (e["dur"] / 1e3, e["args"]["tokens"])
-                                    for e in ev if names.get(e["tid"]) == "step"))
+    print("  steps (ms):", " ".join("%.0f (%d tokens, %.2f us a token)" % (
+        e["dur"] / 1e3, e["args"]["tokens"], e["dur"] / max(e["args"]["tokens"], 1))
+        for e in ev if names.get(e["tid"]) == "step"))
     for k in sorted(busy):
         print("  %-13s %5d spans %9.1f ms" % (k, n[k], busy[k]))
 
     print("  median ms: C %.2f  GA %.2f  GB %.2f" % (med(dur[("cpu-attn", "C")]),
           med(dur[("gpu", "GA")]), med(dur[("gpu", "GB")])))
+    # a slow C stops the GPU (with two sets at once, with three after the
+    # one group the GPU has in hand): the spread says how often
+    print("  spread ms (p25 p50 p75 p90): C %s  GB %s" % (
+        spread(dur[("cpu-attn", "C")]), spread(dur[("gpu", "GB")])))
     slow = [e for e in ev if names.get(e["tid"]) == "gpu" and e["dur"] > long_ms * 1e3]
     print("  GPU commands over %g ms: %d, %.1f ms in all%s%s" % (
         long_ms, len(slow), sum(e["dur"] for e in slow) / 1e3, ": " if slow else "",
@@ -61,6 +66,13 @@ def main():
 
 def med(v):
     return sorted(v)[len(v) // 2] if v else float("nan")
+
+
+def spread(v):
+    if not v:
+        return "-"
+    v = sorted(v)
+    return " ".join("%.2f" % v[min(int(len(v) * q), len(v) - 1)] for q in (0.25, 0.5, 0.75, 0.9))
 
 
 def chain(ev, names):
