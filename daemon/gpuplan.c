@@ -234,14 +234,26 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 		}
 	}
 	if (in->budget < out->minimum) {
+		/* with more activation sets than the fewest, say what the
+		 * fewest would need (one group's q, k, v less) */
+		struct mlens_gpuplan_in two = *in;
+		uint64_t min2;
+		char alt[160] = "";
+		two.sets = MLENS_PIPE_SETS;
+		min2 = out->minimum - mlens_gpuplan_act_bytes(pm, nmin, in) +
+		       mlens_gpuplan_act_bytes(pm, nmin, &two);
+		if (in->sets > MLENS_PIPE_SETS && in->budget >= min2)
+			snprintf(alt, sizeof(alt), ", or set pipeline_sets = %d, which needs %.2f GiB",
+				 MLENS_PIPE_SETS, gib(min2));
 		mlens_errf(err, errlen,
 		       "GPU budget %.2f GiB is too small for this model: the hybrid pipeline needs at "
 		       "least %.2f GiB (attention, norms, routers, embeddings and lm_head %.2f GiB, two "
-		       "slots of one layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, "
-		       "workspace %.2f GiB); raise gpu_memory",
+		       "slots of one layer's experts %.2f GiB, activations for %lld tokens with %d groups' sets "
+		       "%.2f GiB, workspace %.2f GiB); raise gpu_memory%s",
 		       gib(in->budget), gib(out->minimum), gib(mlens_perf_resident_bytes(pm, 0)),
 		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)nmin,
-		       gib(mlens_gpuplan_act_bytes(pm, nmin, in)), gib(ws));
+		       in->sets > 0 ? in->sets : MLENS_PIPE_SETS,
+		       gib(mlens_gpuplan_act_bytes(pm, nmin, in)), gib(ws), alt);
 		return -ENOSPC;
 	}
 	/* most resident experts that still leave the whole token cap */

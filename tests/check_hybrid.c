@@ -226,7 +226,33 @@ START_TEST(plan_refuses_below_minimum)
 	ck_assert_int_eq(p.tokens, 512);
 	ck_assert_uint_eq(p.total, p.minimum);
 	in.budget = p.minimum - 1;
-	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), -ENOSPC);
+	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), -ENOSPC);
+	ck_assert_msg(!strstr(err, "pipeline_sets"), "two sets, nothing fewer to offer: %s", err);
+	/* three sets (mlensd's default) need one group's q, k, v more: a
+	 * budget between the two minima names pipeline_sets = 2 and what it
+	 * needs, which then runs */
+	{
+		uint64_t min2 = p.minimum, min3;
+		in.sets = 3;
+		in.budget = min2;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), -ENOSPC);
+		min3 = p.minimum;
+		ck_assert_uint_gt(min3, min2);
+		snprintf(want, sizeof(want), "pipeline_sets = 2, which needs %.2f GiB",
+			 (double)min2 / (double)GIB);
+		ck_assert_msg(strstr(err, want), "message lacks '%s': %s", want, err);
+		ck_assert_ptr_nonnull(strstr(err, "with 3 groups' sets"));
+		/* below both minima: only gpu_memory helps */
+		in.budget = min2 - 1;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), -ENOSPC);
+		ck_assert_msg(!strstr(err, "pipeline_sets"), "%s", err);
+		in.budget = min3;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), 0);
+		in.sets = 2;
+		in.budget = min2;
+		ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, err, sizeof(err)), 0);
+		in.sets = 0;
+	}
 	/* bad inputs */
 	in.budget = 8 * GIB;
 	in.max_tokens = 0;
