@@ -171,6 +171,25 @@ static int bench_expert_gemm(cublasHandle_t h, const void *w, const void *xb, vo
 }
 
 /* The E experts' weight matrices of the MoE benches back to the backend. */
+/* E experts of bf16 [I][H] gate, down and up, each a copy of the device
+ * matrix proto: generating 2.8 GB of random numbers on the host would
+ * take longer than the benchmark. -1 when an allocation fails. */
+static int copy_experts(void **w1, void **w2, void **w3, int E, const void *proto, int H, int I)
+{
+	size_t bytes = (size_t)I * H * 2;
+	for (int e = 0; e < E; e++) {
+		w1[e] = be.ops->alloc(be.ctx, bytes);
+		w2[e] = be.ops->alloc(be.ctx, bytes);
+		w3[e] = be.ops->alloc(be.ctx, bytes);
+		if (!w1[e] || !w2[e] || !w3[e])
+			return -1;
+		cudaMemcpy(w1[e], proto, bytes, cudaMemcpyDeviceToDevice);
+		cudaMemcpy(w2[e], proto, bytes, cudaMemcpyDeviceToDevice);
+		cudaMemcpy(w3[e], proto, bytes, cudaMemcpyDeviceToDevice);
+	}
+	return 0;
+}
+
 static void free_experts(void **w1, void **w2, void **w3, int E)
 {
 	for (int e = 0; e < E; e++) {
@@ -414,18 +433,8 @@ static int bench_moe(const struct mlens_backend_opts *o)
 	if ((rc = bench_expert_gemm(h, proto, xb, gout, H, I)))
 		return rc;
 	cublasDestroy(h);
-	/* every expert gets a copy of one random matrix: generating 2.8 GB of
-	 * random numbers on the host would take longer than the benchmark */
-	for (int e = 0; e < E; e++) {
-		w1[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
-		w2[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
-		w3[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
-		if (!w1[e] || !w2[e] || !w3[e])
-			FAIL("moe weights");
-		cudaMemcpy(w1[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
-		cudaMemcpy(w2[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
-		cudaMemcpy(w3[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
-	}
+	if (copy_experts(w1, w2, w3, E, proto, H, I))
+		FAIL("moe weights");
 	for (int i = 0; i < n; i++) {
 		int a = (int)((rnd() + 1.0f) * 4.0f) & 7, b;
 		do
@@ -805,18 +814,8 @@ static int bench_group(const struct mlens_backend_opts *o)
 	}
 	{
 		void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
-		if (!proto)
+		if (!proto || copy_experts(w1, w2, w3, E, proto, H, I))
 			FAIL("group expert weights");
-		for (int e = 0; e < E; e++) {
-			w1[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
-			w2[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
-			w3[e] = be.ops->alloc(be.ctx, (size_t)I * H * 2);
-			if (!w1[e] || !w2[e] || !w3[e])
-				FAIL("group expert weights");
-			cudaMemcpy(w1[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
-			cudaMemcpy(w2[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
-			cudaMemcpy(w3[e], proto, (size_t)I * H * 2, cudaMemcpyDeviceToDevice);
-		}
 		be.ops->free(be.ctx, proto);
 	}
 	printf(",\n  \"group\": [");
