@@ -106,11 +106,17 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 		       : (s + MLENS_GPUPLAN_SCRATCH_ALIGN - 1) & ~(uint64_t)(MLENS_GPUPLAN_SCRATCH_ALIGN - 1);
 }
 
+/* The activation sets a plan input asks for (0: the pipeline's fewest). */
+static int plan_sets(const struct mlens_gpuplan_in *in)
+{
+	return in->sets > 0 ? in->sets : MLENS_PIPE_SETS;
+}
+
 uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n,
 				 const struct mlens_gpuplan_in *in)
 {
 	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
-	int sets = in->sets > 0 ? in->sets : MLENS_PIPE_SETS;
+	int sets = plan_sets(in);
 	uint64_t T, g, c, H = (uint64_t)pm->hidden;
 	uint64_t E = (uint64_t)pm->experts, K = (uint64_t)pm->top_k, V = (uint64_t)pm->vocab;
 	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim);
@@ -236,15 +242,18 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	if (in->budget < out->minimum) {
 		/* with more activation sets than the fewest, say what the
 		 * fewest would need (one group's q, k, v less) */
-		struct mlens_gpuplan_in two = *in;
-		uint64_t min2;
+		uint64_t act = mlens_gpuplan_act_bytes(pm, nmin, in);
 		char alt[160] = "";
-		two.sets = MLENS_PIPE_SETS;
-		min2 = out->minimum - mlens_gpuplan_act_bytes(pm, nmin, in) +
-		       mlens_gpuplan_act_bytes(pm, nmin, &two);
-		if (in->sets > MLENS_PIPE_SETS && in->budget >= min2)
-			snprintf(alt, sizeof(alt), ", or set pipeline_sets = %d, which needs %.2f GiB",
-				 MLENS_PIPE_SETS, gib(min2));
+		if (plan_sets(in) > MLENS_PIPE_SETS) {
+			struct mlens_gpuplan_in two = *in;
+			uint64_t min2;
+			two.sets = MLENS_PIPE_SETS;
+			min2 = out->minimum - act + mlens_gpuplan_act_bytes(pm, nmin, &two);
+			if (in->budget >= min2)
+				snprintf(alt, sizeof(alt),
+					 ", or set pipeline_sets = %d, which needs %.2f GiB",
+					 MLENS_PIPE_SETS, gib(min2));
+		}
 		mlens_errf(err, errlen,
 		       "GPU budget %.2f GiB is too small for this model: the hybrid pipeline needs at "
 		       "least %.2f GiB (attention, norms, routers, embeddings and lm_head %.2f GiB, two "
@@ -252,8 +261,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 		       "%.2f GiB, workspace %.2f GiB); raise gpu_memory%s",
 		       gib(in->budget), gib(out->minimum), gib(mlens_perf_resident_bytes(pm, 0)),
 		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)nmin,
-		       in->sets > 0 ? in->sets : MLENS_PIPE_SETS,
-		       gib(mlens_gpuplan_act_bytes(pm, nmin, in)), gib(ws), alt);
+		       plan_sets(in), gib(act), gib(ws), alt);
 		return -ENOSPC;
 	}
 	/* most resident experts that still leave the whole token cap */

@@ -10,7 +10,6 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 #include "daemon/engine.h"
 #include "daemon/mem.h"
 #include "tests/testmodel.h"
@@ -448,18 +447,16 @@ END_TEST
 
 /* ==== pinned memory: huge pages from smaps ==== */
 
-static char *write_smaps(const char *text)
+/* A synthetic smaps in an unnamed temporary file, read back through its
+ * /proc/self/fd path (path: room for it); fclose removes it. */
+static FILE *write_smaps(const char *text, char *path, size_t len)
 {
-	static char path[64];
-	FILE *f;
-	snprintf(path, sizeof(path), "/tmp/mlens-smaps-XXXXXX");
-	int fd = mkstemp(path);
-	ck_assert_int_ge(fd, 0);
-	f = fdopen(fd, "w");
+	FILE *f = tmpfile();
 	ck_assert_ptr_nonnull(f);
-	fputs(text, f);
-	fclose(f);
-	return path;
+	ck_assert_int_ge(fputs(text, f), 0);
+	ck_assert_int_eq(fflush(f), 0);
+	snprintf(path, len, "/proc/self/fd/%d", fileno(f));
+	return f;
 }
 
 START_TEST(huge_bytes_from_smaps)
@@ -481,7 +478,8 @@ START_TEST(huge_bytes_from_smaps)
 		 "AnonHugePages:      8192 kB\n"
 		 "7f0002000000-7f0002200000 rw-p 00000000 00:00 0 \n"
 		 "AnonHugePages:         0 kB\n", longpath);
-	char *path = write_smaps(text);
+	char path[64];
+	FILE *f = write_smaps(text, path, sizeof(path));
 	size_t h = 1;
 	const char *base = (const char *)(uintptr_t)0x7f0000000000ull;
 
@@ -499,11 +497,12 @@ START_TEST(huge_bytes_from_smaps)
 	h = 1;
 	ck_assert_int_eq(mlens_huge_bytes(path, base + (16u << 20), 4u << 20, &h), -ENOENT);
 	ck_assert_uint_eq(h, 0);
-	unlink(path);
+	fclose(f);
 
-	path = write_smaps("7f0000002000-7f0000001000 rw-p 00000000 00:00 0 \nAnonHugePages: 0 kB\n");
+	f = write_smaps("7f0000002000-7f0000001000 rw-p 00000000 00:00 0 \nAnonHugePages: 0 kB\n",
+			path, sizeof(path));
 	ck_assert_int_eq(mlens_huge_bytes(path, base, 4096, &h), -EINVAL);
-	unlink(path);
+	fclose(f);
 	ck_assert_int_eq(mlens_huge_bytes("/nonexistent/smaps", base, 4096, &h), -ENOENT);
 }
 END_TEST

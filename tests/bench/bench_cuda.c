@@ -777,7 +777,7 @@ static int bench_kv_store(const struct mlens_backend_opts *o)
  * each against the GEMM work it must do at the GEMM rate bench_gemm
  * measured. Left out: the K/V stores into the host pool (bench_kv_store)
  * and the copies to and from the host. */
-enum { G_OPS = 11 };
+enum { G_OPS = 11, G_WARM = 3, G_ITERS = 15 };
 static const char *const g_op_name[G_OPS] = {
 	"GA rmsnorm", "GA qkv gemm_multi", "GA rope q", "GA rope k", "GA attn_prefill",
 	"GA round att", "GB o gemm_half_in", "GB rmsnorm", "GB router gemm", "GB router top-k",
@@ -793,7 +793,7 @@ static int cmp_dbl(const void *a, const void *b)
 static int bench_group(const struct mlens_backend_opts *o)
 {
 	const int H = 4096, nh = 32, nkv = 8, hd = 128, qd = nh * hd, kvd = nkv * hd;
-	const int I = 14336, E = 8, K = 2, warm = 3, iters = 15;
+	const int I = 14336, E = 8, K = 2;
 	const float eps = 1e-5f, theta = 1e6f;
 	static const struct { const char *name; int n_pre, p, decode; } shapes[] = {
 		{ "p512g32", 5, 512, 150 }, { "p128g32", 19, 128, 600 }
@@ -840,7 +840,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 		float *rlog = be.ops->alloc(be.ctx, (size_t)n * E * 4);
 		int32_t *rid = be.ops->alloc(be.ctx, (size_t)n * K * 4);
 		float *rw = be.ops->alloc(be.ctx, (size_t)n * K * 4);
-		double t[G_OPS + 1][15], med[G_OPS + 1], ga = 0, gb = 0;
+		double t[G_OPS + 1][G_ITERS], med[G_OPS + 1], ga = 0, gb = 0;
 		double gemm_flop = 2.0 * n * H * (qd + 2.0 * kvd) + 2.0 * n * qd * H +
 				   2.0 * n * K * 3.0 * H * I;
 
@@ -857,7 +857,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 		cu[n_pre] = P;
 		for (int r = P; !rc && r < n; r++)
 			pos[r] = shapes[si].p + (r % 32);
-		for (int it = 0; !rc && it < warm + iters; it++) {
+		for (int it = 0; !rc && it < G_WARM + G_ITERS; it++) {
 			float *const qkv[3] = { q, k, v };
 			const void *const wqkv[3] = { wq, wk, wv };
 			const int mqkv[3] = { qd, kvd, kvd };
@@ -892,27 +892,22 @@ static int bench_group(const struct mlens_backend_opts *o)
 			G_MARK();
 #undef G_MARK
 			rc = rc ? rc : b.ops->sync(b.ctx);
-			for (int m = 0; !rc && m < G_OPS; m++) {
+			/* each op's span, and the pass's (their sum) */
+			for (int m = 0; !rc && it >= G_WARM && m < G_OPS; m++) {
 				double a, z;
 				if ((rc = b.ops->timer_read(b.ctx, m, &a)) ||
 				    (rc = b.ops->timer_read(b.ctx, m + 1, &z)))
 					break;
-				if (it >= warm)
-					t[m][it - warm] = z - a;
-			}
-			if (!rc && it >= warm) {
-				double a, z;
-				rc = b.ops->timer_read(b.ctx, 0, &a);
-				rc = rc ? rc : b.ops->timer_read(b.ctx, G_OPS, &z);
-				t[G_OPS][it - warm] = z - a;
+				t[m][it - G_WARM] = z - a;
+				t[G_OPS][it - G_WARM] = (m ? t[G_OPS][it - G_WARM] : 0) + z - a;
 			}
 		}
 		if (rc) {
 			fprintf(stderr, "bench_cuda: group %s: an op failed (%d)\n", shapes[si].name, rc);
 		} else {
 			for (int m = 0; m <= G_OPS; m++) {
-				qsort(t[m], (size_t)iters, sizeof(double), cmp_dbl);
-				med[m] = t[m][iters / 2];
+				qsort(t[m], G_ITERS, sizeof(double), cmp_dbl);
+				med[m] = t[m][G_ITERS / 2];
 			}
 			for (int m = 0; m < G_OPS; m++)
 				*(m < 6 ? &ga : &gb) += med[m];

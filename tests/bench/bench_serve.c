@@ -983,6 +983,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct bound bd = { 0 };
 	struct mlens_perf_bound hb = { 0 }, hb_after = { 0 };
 	bool have_hb = false, have_hb_after = false, have_bd = false, hybrid;
+	double w_step = 0;	/* hybrid: the weight bytes a step streams (the bound's W) */
 	struct steady sw = { 0 };
 	struct prediction pred = { 0 };
 	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
@@ -1196,11 +1197,11 @@ int mlens_bench_serve(int argc, char **argv)
 	if (hybrid && ceil_.have && ceil_.have_link && kv_seqs > 0) {
 		/* the weights the daemon streams in a step (its counter of the
 		 * last step), else every expert of every layer */
-		double w = jopt(st1, "last_step_weight_bytes");
-		if (!(w > 0))
-			w = L * (double)mlens_perf_streamed_bytes(&pm, 0);
-		have_hb = !mlens_perf_bound(&pm, p, g, kv_seqs, w, ceil_.h2d_gbs * 1e9, ceil_.mem_copy_gbs * 1e9,
-					    ceil_.gemm_tflops * 1e12, &hb);
+		w_step = jopt(st1, "last_step_weight_bytes");
+		if (!(w_step > 0))
+			w_step = L * (double)mlens_perf_streamed_bytes(&pm, 0);
+		have_hb = !mlens_perf_bound(&pm, p, g, kv_seqs, w_step, ceil_.h2d_gbs * 1e9,
+					    ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12, &hb);
 	} else if (!hybrid && ceil_.have) {
 		compute_bound(&bd, &model->cfg, p, g, kv_tokens, n_cap, ceil_.hbm_gbs * 1e9, ceil_.gemm_tflops * 1e12);
 		have_bd = bd.gen_tps > 0;
@@ -1241,14 +1242,10 @@ int mlens_bench_serve(int argc, char **argv)
 	if (have_hb) {
 		measure_host_link(&after);
 		cudaDeviceReset();
-		if (after.have_link) {
-			double w = jopt(st1, "last_step_weight_bytes");
-			if (!(w > 0))
-				w = L * (double)mlens_perf_streamed_bytes(&pm, 0);
-			have_hb_after = !mlens_perf_bound(&pm, p, g, kv_seqs, w, after.h2d_gbs * 1e9,
+		if (after.have_link)
+			have_hb_after = !mlens_perf_bound(&pm, p, g, kv_seqs, w_step, after.h2d_gbs * 1e9,
 							  after.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12,
 							  &hb_after);
-		}
 	}
 #endif
 

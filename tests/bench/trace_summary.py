@@ -20,6 +20,7 @@ import re
 import sys
 
 PIECE = re.compile(r"^(COPY|PREFETCH) l\d+ p\d+$")
+C_SPAN = re.compile(r"^C l\d+ g\d+ kv(\d+)$")	# a C span with the KV bytes it read
 
 
 def main():
@@ -137,10 +138,10 @@ def c_rates(ev, names):
     for e in ev:
         if names.get(e["tid"]) != "cpu-attn" or e["dur"] <= 0:
             continue
-        kv = [w[2:] for w in e["name"].split()[3:] if w.startswith("kv") and w[2:].isdigit()]
-        if e["name"].split()[:1] != ["C"] or not kv or int(kv[0]) == 0:
+        m = C_SPAN.match(e["name"])
+        if not m or int(m.group(1)) == 0:
             continue
-        gbs = int(kv[0]) / e["dur"] / 1e3	# bytes / us -> GB/s
+        gbs = int(m.group(1)) / e["dur"] / 1e3	# bytes / us -> GB/s
         rate.append(gbs)
         f = covered(e["ts"], e["ts"] + e["dur"]) / e["dur"]
         if f >= 0.9:
