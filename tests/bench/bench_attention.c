@@ -30,6 +30,10 @@ struct opts {
 	/* kernel tuning (attn_int.h); < 0: the kernels' default */
 	int prefetch, prefetch_bytes, prefetch_spread, prefetch_hint, prefetch_every, chunk;
 	int heads_per_task;
+	/* the block tables: runs of this many consecutive block ids, the runs
+	 * in shuffled order (1: every block at a random place, as a churned
+	 * pool's; 0: each sequence's blocks in one run) */
+	int block_runs;
 	/* the output: fp32 (0), or bf16 as the hybrid pipeline uploads it,
 	 * rounded by a second pool run (1) or in the attention's own (2) */
 	int output;
@@ -123,13 +127,27 @@ static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *
 	b->half = malloc((size_t)b->n * o->heads * hd * 2);
 	if (!b->tables || !b->kv.k || !b->kv.v || !b->q || !b->out || !b->half)
 		return -ENOMEM;
-	/* blocks handed out in shuffled order, as a long-running pool's are */
+	/* blocks handed out in runs of o->block_runs consecutive ids, the runs
+	 * in shuffled order (runs of one: every block at a random place, as
+	 * a long-running pool's can be; 0: every sequence one run) */
 	for (uint32_t x = 0; x < total; x++)
 		b->tables[x] = x;
-	for (uint32_t x = (uint32_t)total - 1; x > 0; x--) {
-		uint32_t y = rnd() % (x + 1), t = b->tables[x];
-		b->tables[x] = b->tables[y];
-		b->tables[y] = t;
+	if (o->block_runs > 0) {
+		uint32_t r = (uint32_t)o->block_runs, nr = (uint32_t)((total + r - 1) / r);
+		uint32_t *order = malloc((size_t)nr * sizeof(*order)), x = 0;
+		if (!order)
+			return -ENOMEM;
+		for (uint32_t i = 0; i < nr; i++)
+			order[i] = i;
+		for (uint32_t i = nr - 1; i > 0; i--) {
+			uint32_t y = rnd() % (i + 1), t = order[i];
+			order[i] = order[y];
+			order[y] = t;
+		}
+		for (uint32_t i = 0; i < nr; i++)
+			for (uint32_t id = order[i] * r; id < (order[i] + 1) * r && id < total; id++)
+				b->tables[x++] = id;
+		free(order);
 	}
 	for (int i = 0; i < b->n; i++) {
 		b->qs[i].block_table = b->tables + used;
@@ -269,6 +287,7 @@ static void usage(FILE *f)
 		"         [--prefetch-bytes B] [--prefetch-spread 0|1]\n"
 		"         [--prefetch-hint t0|t1|t2|nta] [--prefetch-every LINES]\n"
 		"         [--chunk TOKENS] [--heads-per-task N] [--output fp32|round|fused]\n"
+		"         [--block-runs N]\n"
 		"Decode attention over a one-layer bf16 paged KV cache: KV bytes read\n"
 		"per second for each kernel variant and thread count, next to the\n"
 		"streaming read bandwidth measured in the same run. --output round and\n"
@@ -298,6 +317,7 @@ static int parse(struct opts *o, int argc, char **argv)
 		{ "chunk", required_argument, NULL, 'C' },
 		{ "heads-per-task", required_argument, NULL, 'G' },
 		{ "output", required_argument, NULL, 'O' },
+		{ "block-runs", required_argument, NULL, 'U' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -308,7 +328,8 @@ static int parse(struct opts *o, int argc, char **argv)
 			    .kv_heads = 8, .head_dim = 128, .block = 16, .min_time = 1.0,
 			    .bw_bytes = (size_t)2048 << 20, .prefetch = -1,
 			    .prefetch_bytes = -1, .prefetch_spread = -1, .prefetch_hint = -1,
-			    .prefetch_every = -1, .chunk = -1, .heads_per_task = -1 };
+			    .prefetch_every = -1, .chunk = -1, .heads_per_task = -1,
+			    .block_runs = 1 };
 	for (int t = 1; t < ncpu && o->n_threads < MAX_THREAD_COUNTS - 1; t *= 2)
 		o->threads[o->n_threads++] = t;
 	o->threads[o->n_threads++] = ncpu > 0 ? (int)ncpu : 1;
@@ -346,6 +367,7 @@ static int parse(struct opts *o, int argc, char **argv)
 		case 'E': o->prefetch_every = atoi(optarg); break;
 		case 'C': o->chunk = atoi(optarg); break;
 		case 'G': o->heads_per_task = atoi(optarg); break;
+		case 'U': o->block_runs = atoi(optarg); break;
 		case 'O':
 			o->output = -1;
 			for (int i = 0; i < 3; i++)
@@ -365,11 +387,11 @@ static int parse(struct opts *o, int argc, char **argv)
 	    o->head_dim > 256 || o->block < 1 || o->bw_bytes < MLENS_READBW_SLICE || o->min_time < 0 ||
 	    o->chunk == 0 || o->chunk > (1 << 20) || o->prefetch > (1 << 16) ||
 	    o->prefetch_every == 0 || o->prefetch_every > (1 << 16) || o->heads_per_task > (1 << 16) ||
-	    o->prefetch_bytes > (1 << 30)) {
+	    o->prefetch_bytes > (1 << 30) || o->block_runs < 0) {
 		fprintf(stderr, "attention: inconsistent sizes (need seqs >= 1, 1 <= min-ctx <= max-ctx, "
 			"heads a multiple of kv-heads, head-dim <= 256, bw-mb >= 1, "
 			"1 <= chunk <= 1048576, prefetch <= 65536 tiles or 1 GB, "
-			"1 <= prefetch-every <= 65536)\n");
+			"1 <= prefetch-every <= 65536, block-runs >= 0)\n");
 		return -EINVAL;
 	}
 	if (o->variant && !mlens_cpu_attn_variant_supported(o->variant)) {
@@ -494,13 +516,13 @@ int mlens_bench_attention(int argc, char **argv)
 		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"bf16\", "
 		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_tiles\": %d, "
 		       "\"prefetch_bytes\": %d, \"prefetch_spread\": %d, \"prefetch_hint\": %d, "
-		       "\"prefetch_every\": %d, \"heads_per_task\": %d, \"output\": \"%s\"},\n"
+		       "\"prefetch_every\": %d, \"heads_per_task\": %d, \"output\": \"%s\", \"block_runs\": %d},\n"
 		       " \"results\": [",
 		       o.seqs, o.min_ctx, o.max_ctx, o.heads, o.kv_heads, o.head_dim, o.block,
 		       b.kv_bytes, mlens_attn_tune.chunk_tokens, mlens_attn_tune.prefetch_tiles,
 		       mlens_attn_tune.prefetch_bytes, mlens_attn_tune.prefetch_spread,
 		       mlens_attn_tune.prefetch_hint, mlens_attn_tune.prefetch_every,
-		       mlens_attn_tune.heads_per_task, output_names[o.output]);
+		       mlens_attn_tune.heads_per_task, output_names[o.output], o.block_runs);
 		for (int i = 0; i < n_res; i++)
 			printf("%s\n  {\"variant\": \"%s\", \"threads\": %d, \"kv_gbs\": %.2f, "
 			       "\"kv_gbs_median\": %.2f, \"passes\": %d, \"read_bw_gbs\": %.2f, "
