@@ -30,6 +30,7 @@ struct mlens_config {
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
+	int64_t kv_growth_room;		/* blocks of growth room at admission */
 	int64_t admit_lookahead;	/* steps of the admission's KV look-ahead */
 	uint64_t gpu_memory;
 	int64_t threads;

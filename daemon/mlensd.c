@@ -641,6 +641,7 @@ int main(int argc, char **argv)
 		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
 		 eo.max_step_tokens);
 
+	mlens_kv_pool_set_room(mlens_engine_kv(D.engine), (uint32_t)D.cfg.kv_growth_room);
 	memset(&so, 0, sizeof(so));
 	so.token_cap = eo.max_step_tokens;
 	so.reserve_horizon = (int)D.cfg.admit_lookahead;

@@ -38,6 +38,8 @@ struct pl_group {
 	int32_t *cu;		/* [n_pre + 1], relative to r0 (into the step's cu array) */
 	int s0, s1;		/* segments [s0, s1) of the step's segment list */
 	int64_t kv_tokens;	/* positions its decode rows' attention reads, a layer */
+	uint64_t kv_blocks;	/* blocks they read, a layer */
+	uint64_t kv_runs;	/* ... in runs of consecutive block ids */
 };
 
 /* Tokens [j0, j1) of request req, in one group. */
@@ -1497,6 +1499,7 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 	gr->r0 = *row;
 	gr->n_pre = 0;
 	gr->kv_tokens = 0;
+	gr->kv_blocks = gr->kv_runs = 0;
 	gr->cu = *cu;
 	gr->cu[0] = 0;
 	for (int pass = 0; pass < 2; pass++) {
@@ -1517,8 +1520,12 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 				p->qry[*row].block_table = r->seq->blocks;
 				if (r->all_logits || j == r->n_tokens - 1)
 					p->lrow[p->n_lrow++] = *row;
-				if (!pre)
+				if (!pre) {
+					uint32_t nb = mlens_kv_blocks_for(&p->kv, (int64_t)ps + 1);
 					gr->kv_tokens += (int64_t)ps + 1;
+					gr->kv_blocks += nb;
+					gr->kv_runs += mlens_seq_block_runs(r->seq, nb);
+				}
 			}
 			if (pre)
 				gr->cu[++gr->n_pre] = *row - gr->r0;
@@ -1672,6 +1679,8 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	for (int x = 0; x < p->n_grp; x++) {
 		layout_group(p, reqs, &row, &cu, &p->grp[x]);
 		p->st.kv_read_tokens += (uint64_t)p->grp[x].kv_tokens;
+		p->st.kv_read_blocks_total += p->grp[x].kv_blocks;
+		p->st.kv_read_runs_total += p->grp[x].kv_runs;
 	}
 	for (int i = 0; i < p->n_lrow; i++)
 		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;

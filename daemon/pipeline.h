@@ -97,6 +97,10 @@ struct mlens_pipeline_stats {
 	double gpu_busy_s_total, h2d_busy_s_total;
 	/* KV bytes the CPU decode attention read, last step and total */
 	uint64_t kv_read_bytes, kv_read_bytes_total;
+	/* KV blocks it read (per layer) and the runs of consecutive block
+	 * ids they lay in, totals: blocks / runs is how far it streamed
+	 * unbroken (kv_pool.h, growth room) */
+	uint64_t kv_read_blocks_total, kv_read_runs_total;
 	bool async;		/* queues and events in use */
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool up_copy_in;	/* C's output up on queue 3 */

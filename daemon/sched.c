@@ -745,7 +745,7 @@ int mlens_sched_step(struct mlens_sched *s)
 				demand_add(s, s->demand, len, rem, +1);
 			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
 			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
-			    mlens_seq_reserve(s->kv, &r->seq, len)) {
+			    mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem)) {
 				if (!s->reserve)
 					demand_add(s, s->demand, len, rem, -1);
 				break;
@@ -864,6 +864,8 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 		st->last_step_gpu_busy_seconds = ps->gpu_busy_s;
 		st->last_step_h2d_busy_seconds = ps->h2d_busy_s;
 		st->kv_read_bytes = ps->kv_read_bytes_total;
+		st->kv_read_blocks = ps->kv_read_blocks_total;
+		st->kv_read_runs = ps->kv_read_runs_total;
 	}
 }
 

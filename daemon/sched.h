@@ -140,6 +140,7 @@ struct mlens_sched_stats {
 	double gpu_busy_seconds, h2d_busy_seconds;	/* GPU compute / H2D copy busy, totals */
 	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;
 	uint64_t kv_read_bytes;				/* KV bytes CPU decode attention read, total */
+	uint64_t kv_read_blocks, kv_read_runs;		/* its blocks a layer, their runs, totals */
 };
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,

@@ -183,6 +183,8 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "last_step_gpu_busy_seconds", json_real(st->last_step_gpu_busy_seconds));
 		json_object_set_new(o, "last_step_h2d_busy_seconds", json_real(st->last_step_h2d_busy_seconds));
 		json_object_set_new(o, "kv_read_bytes_total", json_integer((json_int_t)st->kv_read_bytes));
+		json_object_set_new(o, "kv_read_blocks_total", json_integer((json_int_t)st->kv_read_blocks));
+		json_object_set_new(o, "kv_read_block_runs_total", json_integer((json_int_t)st->kv_read_runs));
 	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
 	if (info->profile && info->profile->have) {
@@ -318,6 +320,12 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_kv_read_bytes_total", "counter",
 			  "KV cache bytes the CPU decode attention read (hybrid pipeline).");
 		evbuffer_add_printf(b, "mlens_kv_read_bytes_total %llu\n", (unsigned long long)st->kv_read_bytes);
+		prom_head(b, "mlens_kv_read_blocks_total", "counter",
+			  "KV blocks the CPU decode attention read, one layer's (hybrid pipeline).");
+		evbuffer_add_printf(b, "mlens_kv_read_blocks_total %llu\n", (unsigned long long)st->kv_read_blocks);
+		prom_head(b, "mlens_kv_read_block_runs_total", "counter",
+			  "Runs of consecutive block ids those blocks lay in; blocks / runs is the mean run.");
+		evbuffer_add_printf(b, "mlens_kv_read_block_runs_total %llu\n", (unsigned long long)st->kv_read_runs);
 	}
 	if (info->profile && info->profile->have) {
 		const struct mlens_profile_state *ps = info->profile;

@@ -1225,8 +1225,9 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 		      int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
 {
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
+	/* blocks of 4 tokens: the contexts span several, in runs and not */
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
-					.max_step_tokens = 64, .kv_blocks = 64 };
+					.max_step_tokens = 64, .kv_blocks = 64, .kv_block_size = 4 };
 	char err[512];
 	memset(sd, 0, sizeof(*sd));
 	ck_assert_int_eq(mlens_backend_cpu_create(&sd->be, &bo), 0);
@@ -1357,16 +1358,29 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 			 * context, K and V, every layer (F32 cache) */
 			{
 				uint64_t ctx = 0, per = (uint64_t)ts.layers * 2 * ts.kv_heads *
-							ts.head_dim * 4;
-				for (int i = 0; i < 3 && step > 0; i++)
-					ctx += (uint64_t)(plen[i] + step);
-				if (step > 2)
-					ctx += (uint64_t)(plen[3] + step - 2);
+							ts.head_dim * 4, blocks = 0, runs = 0;
+				const struct mlens_kv_pool *kv = mlens_engine_kv(sd[1].e);
+				static uint64_t blocks0, runs0;
+				for (int i = 0; i < 4; i++) {
+					int64_t c = i < 3 ? (step > 0 ? plen[i] + step : 0)
+							  : (step > 2 ? plen[3] + step - 2 : 0);
+					ctx += (uint64_t)c;
+					blocks += mlens_kv_blocks_for(kv, c);
+					runs += mlens_seq_block_runs(&sd[1].seq[i], mlens_kv_blocks_for(kv, c));
+				}
+				if (step == 0)
+					blocks0 = runs0 = 0;
 				/* (cut prompts: their later segments read the cache too) */
-				if (group_tokens == 0)
+				if (group_tokens == 0) {
 					ck_assert_uint_eq(st->kv_read_bytes, ctx * per);
-				else
+					/* and the blocks they lay in, and their runs */
+					ck_assert_uint_eq(st->kv_read_blocks_total - blocks0, blocks);
+					ck_assert_uint_eq(st->kv_read_runs_total - runs0, runs);
+				} else {
 					ck_assert_uint_ge(st->kv_read_bytes, ctx * per);
+				}
+				blocks0 = st->kv_read_blocks_total;
+				runs0 = st->kv_read_runs_total;
 			}
 			ck_assert(st->gpu_busy_s > 0);
 			ck_assert(st->gpu_busy_s_total >= st->gpu_busy_s);

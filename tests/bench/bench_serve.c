@@ -458,11 +458,12 @@ out:
 /* The stats the steady-state window and the achieved rates need; the
  * busy and KV-read counters are newer than the others (NAN when absent). */
 enum { K_GEN, K_PROMPT, K_STEPS, K_STEP_S, K_H2D, K_ATTN_S, K_KV_READ, K_GPU_BUSY, K_H2D_BUSY, K_APPEND_S,
-       K_N };
+       K_KV_BLOCKS, K_KV_RUNS, K_N };
 static const char *const sample_keys[K_N] = {
 	"generation_tokens_total", "prompt_tokens_total", "steps_total", "step_seconds_sum",
 	"pcie_h2d_bytes_total", "cpu_attention_seconds_total", "kv_read_bytes_total",
 	"gpu_busy_seconds_total", "h2d_busy_seconds_total", "cpu_append_seconds_total",
+	"kv_read_blocks_total", "kv_read_block_runs_total",
 };
 
 struct sample {
@@ -879,6 +880,7 @@ struct steady {
 	 * (cpu_busy) and in the append alone, KV GB/s over the attention's
 	 * own seconds (append excluded) */
 	double cpu_busy, append_busy, attn_only_gbs;
+	double kv_run_blocks;	/* KV blocks the CPU attention read per run of consecutive ids */
 	/* the window's steps (at the counters' rate) in generation lengths:
 	 * below one, no request's lifetime fits in it, the batch has not
 	 * turned over once and its rates are the ramp's, not a steady
@@ -937,6 +939,11 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->append_busy = rate(&sp->s[i], &sp->s[j], K_APPEND_S, -1);
 	w->attn_only_gbs = w->cpu_busy - w->append_busy > 0
 		? rate(&sp->s[i], &sp->s[j], K_KV_READ, -1) / (w->cpu_busy - w->append_busy) / 1e9 : NAN;
+	{
+		double nb = sp->s[j].v[K_KV_BLOCKS] - sp->s[i].v[K_KV_BLOCKS];
+		double nr = sp->s[j].v[K_KV_RUNS] - sp->s[i].v[K_KV_RUNS];
+		w->kv_run_blocks = nr > 0 ? nb / nr : NAN;
+	}
 	/* the counters cover the samples' span inside the window: their step
 	 * rate times the window */
 	span = (double)(sp->s[j].t - sp->s[i].t) / 1e9;
@@ -1277,7 +1284,7 @@ int mlens_bench_serve(int argc, char **argv)
 			"cpu_attention_bytes_from", attn_src, "gpu_busy_ratio", jnum_or_null(gpu_busy),
 			"h2d_busy_ratio", jnum_or_null(h2d_busy)));
 		if (sw.have)
-			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o}",
+			json_object_set_new(out, "steady", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o,s:o}",
 				"rule", "first request finished .. last request's first token",
 				"start_s", sw.t_start, "end_s", sw.t_end, "seconds", sw.seconds,
 				"generated_tokens_per_s", sw.gen_tps, "total_tokens_per_s", sw.total_tps,
@@ -1289,6 +1296,7 @@ int mlens_bench_serve(int argc, char **argv)
 				"cpu_busy_ratio", jnum_or_null(sw.have_stats ? sw.cpu_busy : NAN),
 				"cpu_append_ratio", jnum_or_null(sw.have_stats ? sw.append_busy : NAN),
 				"cpu_attention_only_gb_per_s", jnum_or_null(sw.have_stats ? sw.attn_only_gbs : NAN),
+				"kv_blocks_per_run", jnum_or_null(sw.have_stats ? sw.kv_run_blocks : NAN),
 				"generations", jnum_or_null(sw.have_stats ? sw.generations : NAN),
 				"short", sw.have_stats ? json_boolean(sw.short_window) : json_null()));
 		else
