@@ -83,7 +83,8 @@ static bool room_holds(const struct mlens_kv_pool *p, const struct mlens_seq *s,
 }
 
 /* One more block for s (the caller checked n_free): its own room first,
- * then the free stack, then the newest block of another room. */
+ * then the free stack, then the room list's last entry (mostly the far
+ * end of the newest room, the block its holder needs last). */
 static uint32_t take_block(struct mlens_kv_pool *p, struct mlens_seq *s)
 {
 	uint32_t b;

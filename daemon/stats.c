@@ -164,6 +164,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 	json_object_set_new(o, "generation_tokens_total", json_integer((json_int_t)st->generated_tokens));
 	json_object_set_new(o, "kv_blocks_used", json_integer(snap->kv_blocks_used));
 	json_object_set_new(o, "kv_blocks_total", json_integer(snap->kv_blocks_total));
+	json_object_set_new(o, "kv_room_taken_total", json_integer((json_int_t)snap->kv_room_taken));
 	json_object_set_new(o, "steps_total", json_integer((json_int_t)st->steps));
 	json_object_set_new(o, "step_seconds_sum", json_real(st->step_seconds_sum));
 	json_object_set_new(o, "last_step_tokens", json_integer(st->last_step_tokens));
@@ -292,6 +293,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	PROM_TENANT(b, snap, "mlens_tenant_kv_blocks_used", "gauge", "KV cache blocks held by a tenant's sequences.", kv_blocks);
 	prom_head(b, "mlens_kv_blocks_total", "gauge", "KV cache blocks in the pinned pool.");
 	evbuffer_add_printf(b, "mlens_kv_blocks_total %u\n", snap->kv_blocks_total);
+	prom_head(b, "mlens_kv_room_taken_total", "counter",
+		  "Blocks of a sequence's growth room that other sequences took because nothing else was free.");
+	evbuffer_add_printf(b, "mlens_kv_room_taken_total %llu\n", (unsigned long long)snap->kv_room_taken);
 	prom_hist(b, "mlens_time_to_first_token_seconds", "Time from submission to the first token.", &st->ttft);
 	prom_hist(b, "mlens_time_per_output_token_seconds", "Time between two tokens of a request.", &st->tpot);
 	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");

@@ -30,6 +30,7 @@ struct mlens_tenant_info {
 struct mlens_worker_snapshot {
 	struct mlens_sched_stats sched;
 	uint32_t kv_blocks_total, kv_blocks_used;
+	uint64_t kv_room_taken;		/* growth-room blocks others took, total */
 	int token_cap;
 	bool admission;
 	bool draining;

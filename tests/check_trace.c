@@ -520,6 +520,7 @@ START_TEST(pipeline_stats_exposed)
 	snap.sched.kv_read_bytes = 123456789012ull;
 	snap.sched.kv_read_blocks = 987654;
 	snap.sched.kv_read_runs = 4321;
+	snap.kv_room_taken = 77;
 	o = mlens_stats_json(&info, &snap);
 	ck_assert_double_eq(json_real_value(json_object_get(o, "gpu_busy_seconds_total")), 12.5);
 	ck_assert_double_eq(json_real_value(json_object_get(o, "h2d_busy_seconds_total")), 7.25);
@@ -528,6 +529,7 @@ START_TEST(pipeline_stats_exposed)
 	ck_assert_int_eq(json_integer_value(json_object_get(o, "kv_read_bytes_total")), 123456789012ll);
 	ck_assert_int_eq(json_integer_value(json_object_get(o, "kv_read_blocks_total")), 987654);
 	ck_assert_int_eq(json_integer_value(json_object_get(o, "kv_read_block_runs_total")), 4321);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "kv_room_taken_total")), 77);
 	json_decref(o);
 	mlens_stats_prometheus(&info, &snap, b);
 	ck_assert_int_eq(evbuffer_add(b, "", 1), 0);
@@ -537,6 +539,7 @@ START_TEST(pipeline_stats_exposed)
 	ck_assert_ptr_nonnull(strstr(text, "\nmlens_kv_read_bytes_total 123456789012\n"));
 	ck_assert_ptr_nonnull(strstr(text, "\nmlens_kv_read_blocks_total 987654\n"));
 	ck_assert_ptr_nonnull(strstr(text, "\nmlens_kv_read_block_runs_total 4321\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_kv_room_taken_total 77\n"));
 	ck_assert_ptr_nonnull(strstr(text, "# TYPE mlens_gpu_busy_seconds_total counter\n"));
 	evbuffer_free(b);
 	/* not hybrid: none of them */
