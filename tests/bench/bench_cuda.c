@@ -778,8 +778,12 @@ static int bench_kv_store(const struct mlens_backend_opts *o)
  * prompts of 512 and 150 decode rows) and p=128/g=32's (19 prompts of 128
  * and 600 decode rows), then the first again (a first-shape cost shows as
  * a difference between its two runs), each against the GEMM work it must
- * do at the GEMM rate bench_gemm measured. Left out: the K/V stores into
- * the host pool (bench_kv_store) and the copies to and from the host. */
+ * do at the GEMM rate bench_gemm measured. Then the p=512/g=32 group with
+ * what runs beside it in the pipeline: its K/V stored into a registered
+ * host pool on queue 2 after GA's rope (kv_append = gpu, the default),
+ * and that with 256 MiB of weight-stream copies on queue 1 as well: how
+ * much longer GB's ops take beside them (in the pipeline a group's GA and
+ * GB took 0.67 + 3.62 ms where these ops alone take 0.57 + 3.07). */
 enum { G_OPS = 11, G_WARM = 3, G_ITERS = 15 };
 static const char *const g_op_name[G_OPS] = {
 	"GA rmsnorm", "GA qkv gemm_multi", "GA rope q", "GA rope k", "GA attn_prefill",
@@ -798,9 +802,16 @@ static int bench_group(const struct mlens_backend_opts *o)
 	const int H = 4096, nh = 32, nkv = 8, hd = 128, qd = nh * hd, kvd = nkv * hd;
 	const int I = 14336, E = 8, K = 2;
 	const float eps = 1e-5f, theta = 1e6f;
-	static const struct { const char *name; int n_pre, p, decode; } shapes[] = {
-		{ "p512g32", 5, 512, 150 }, { "p128g32", 19, 128, 600 }, { "p512g32 again", 5, 512, 150 }
+	/* beside: 1 the K/V store on queue 2, 2 and the weight stream on queue 1 */
+	static const struct { const char *name; int n_pre, p, decode, beside; } shapes[] = {
+		{ "p512g32", 5, 512, 150, 0 }, { "p128g32", 19, 128, 600, 0 },
+		{ "p512g32 again", 5, 512, 150, 0 }, { "p512g32 + K/V store", 5, 512, 150, 1 },
+		{ "p512g32 + K/V store + stream", 5, 512, 150, 2 }
 	};
+	const size_t stream_bytes = (size_t)256 << 20;
+	struct mlens_kv_cache kv = { MLENS_DTYPE_BF16, 1, nkv, hd, 16, 4096, NULL, NULL };
+	void *hbuf = NULL, *dbuf = NULL;
+	bool beside_ok;
 	struct mlens_backend_opts go = *o;
 	struct mlens_backend b;
 	void *w1[8], *w2[8], *w3[8];
@@ -821,11 +832,37 @@ static int bench_group(const struct mlens_backend_opts *o)
 			FAIL("group expert weights");
 		be.ops->free(be.ctx, proto);
 	}
+	/* what runs beside: a registered pool of 4096 blocks (65,536 tokens
+	 * of one layer) and a pinned source for the stream's copies */
+	beside_ok = MLENS_BACKEND_HAS(b.ops, kv_append_side) && MLENS_BACKEND_HAS(b.ops, host_alloc) &&
+		    MLENS_BACKEND_HAS(b.ops, copy_async) && MLENS_BACKEND_HAS(b.ops, event_sync) &&
+		    MLENS_BACKEND_HAS(b.ops, event_wait) && MLENS_BACKEND_HAS(b.ops, host_register);
+	if (beside_ok) {
+		size_t pool = mlens_kv_bytes(&kv);
+		kv.k = aligned_alloc(2u << 20, pool);
+		kv.v = aligned_alloc(2u << 20, pool);
+		hbuf = b.ops->host_alloc(b.ctx, stream_bytes);
+		dbuf = b.ops->alloc(b.ctx, stream_bytes);
+		beside_ok = kv.k && kv.v && hbuf && dbuf;
+		if (beside_ok) {
+			memset(kv.k, 0, pool);
+			memset(kv.v, 0, pool);
+			memset(hbuf, 0, stream_bytes);
+			beside_ok = !b.ops->host_register(b.ctx, kv.k, pool) &&
+				    !b.ops->host_register(b.ctx, kv.v, pool);
+		}
+		if (!beside_ok)
+			fprintf(stderr, "bench_cuda: group: no pool or stream buffers; the runs beside "
+				"are left out\n");
+	}
 	printf(",\n  \"group\": [");
 	for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]) && !rc; si++) {
 		const int n_pre = shapes[si].n_pre, P = n_pre * shapes[si].p;
-		const int n = P + shapes[si].decode;
+		const int n = P + shapes[si].decode, beside = shapes[si].beside;
+		if (beside && !beside_ok)
+			continue;
 		int32_t *pos = malloc((size_t)n * 4), *cu = malloc((size_t)(n_pre + 1) * 4);
+		int64_t *slots = malloc((size_t)n * 8);
 		void *anorm = dev_random((size_t)H, MLENS_DTYPE_BF16, 1.0f);
 		void *fnorm = dev_random((size_t)H, MLENS_DTYPE_BF16, 1.0f);
 		void *wq = dev_random((size_t)qd * H, MLENS_DTYPE_BF16, 0.02f);
@@ -849,7 +886,10 @@ static int bench_group(const struct mlens_backend_opts *o)
 
 		for (size_t i = 0; hx && i < (size_t)n * H; i++)
 			hx[i] = rnd();
-		if (!pos || !cu || !anorm || !fnorm || !wq || !wk || !wv || !wo || !wr || !x || !hx || !xn ||
+		/* the rows' slots: blocks of the pool in a scattered order */
+		for (int r = 0; slots && r < n; r++)
+			slots[r] = (int64_t)((uint32_t)(r / 16) * 2654435761u % kv.n_blocks) * 16 + r % 16;
+		if (!pos || !cu || !slots || !anorm || !fnorm || !wq || !wk || !wv || !wo || !wr || !x || !hx || !xn ||
 		    !q || !k || !v || !pout || !att || !rlog || !rid || !rw) {
 			fprintf(stderr, "bench_cuda: group %s: set-up failed\n", shapes[si].name);
 			rc = 1;
@@ -870,6 +910,8 @@ static int bench_group(const struct mlens_backend_opts *o)
 			/* x takes the O projection and the MoE each pass: the
 			 * same rows again before the next */
 			rc = b.ops->upload(b.ctx, x, hx, (size_t)n * H * 4);
+			if (!rc && beside == 2)
+				rc = b.ops->copy_async(b.ctx, 1, dbuf, hbuf, stream_bytes, true);
 #define G_MARK() (rc = rc ? rc : b.ops->timer_mark(b.ctx, 0, op++))
 			G_MARK();
 			rc = rc ? rc : b.ops->rmsnorm(b.ctx, xn, x, anorm, MLENS_DTYPE_BF16, n, H, eps);
@@ -880,6 +922,11 @@ static int bench_group(const struct mlens_backend_opts *o)
 			rc = rc ? rc : b.ops->rope(b.ctx, q, pos, n, nh, hd, theta);
 			G_MARK();
 			rc = rc ? rc : b.ops->rope(b.ctx, k, pos, n, nkv, hd, theta);
+			if (beside) {	/* as the pipeline: the store waits for GA's K */
+				rc = rc ? rc : b.ops->event_record(b.ctx, 0, 14);
+				rc = rc ? rc : b.ops->event_wait(b.ctx, 2, 14);
+				rc = rc ? rc : b.ops->kv_append_side(b.ctx, &kv, 0, k, v, slots, n);
+			}
 			G_MARK();
 			rc = rc ? rc : b.ops->attn_prefill(b.ctx, pout, q, k, v, cu, n_pre, nh, nkv, hd,
 							   1.0f / sqrtf((float)hd));
@@ -898,6 +945,8 @@ static int bench_group(const struct mlens_backend_opts *o)
 			G_MARK();
 #undef G_MARK
 			rc = rc ? rc : b.ops->sync(b.ctx);
+			if (!rc && beside == 2)	/* the stream's copies too */
+				rc = b.ops->event_record(b.ctx, 1, 13) ? -EIO : b.ops->event_sync(b.ctx, 13);
 			/* each op's span, and the pass's (their sum) */
 			for (int m = 0; !rc && it >= G_WARM && m < G_OPS; m++) {
 				double a, z;
@@ -935,6 +984,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 		free(pos);
 		free(cu);
 		free(hx);
+		free(slots);
 		void *bufs[] = { anorm, fnorm, wq, wk, wv, wo, wr, x, xn, q, k, v, pout, att, rlog, rid, rw };
 		for (size_t j = 0; j < sizeof(bufs) / sizeof(bufs[0]); j++)
 			if (bufs[j])
@@ -942,7 +992,17 @@ static int bench_group(const struct mlens_backend_opts *o)
 	}
 	printf("\n  ]");
 	free_experts(w1, w2, w3, E);
+	if (dbuf)
+		b.ops->free(b.ctx, dbuf);
+	if (hbuf)
+		b.ops->host_free(b.ctx, hbuf);
+	if (beside_ok) {
+		b.ops->host_unregister(b.ctx, kv.k);
+		b.ops->host_unregister(b.ctx, kv.v);
+	}
 	mlens_backend_destroy(&b);
+	free(kv.k);
+	free(kv.v);
 	return rc;
 }
 
