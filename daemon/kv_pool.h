@@ -63,6 +63,12 @@ static inline uint32_t mlens_kv_pool_free_blocks(const struct mlens_kv_pool *p)
 	return p->n_free;
 }
 
+/* Free blocks outside any sequence's growth room. */
+static inline uint32_t mlens_kv_pool_unroomed_blocks(const struct mlens_kv_pool *p)
+{
+	return p->n_stack;
+}
+
 static inline uint32_t mlens_kv_pool_used_blocks(const struct mlens_kv_pool *p)
 {
 	return p->cache.n_blocks - p->n_free;

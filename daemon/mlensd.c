@@ -645,6 +645,7 @@ int main(int argc, char **argv)
 	memset(&so, 0, sizeof(so));
 	so.token_cap = eo.max_step_tokens;
 	so.reserve_horizon = (int)D.cfg.admit_lookahead;
+	so.admit_keeps_room = D.cfg.admit_keeps_room;
 	rc = mlens_sched_create(&D.sched, D.engine, &so);
 	if (rc)
 		return fail_start("cannot create the scheduler: %s", strerror(-rc));

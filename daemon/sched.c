@@ -62,6 +62,7 @@ struct mlens_sched {
 	int max_pos;
 	uint32_t reserve;
 	int horizon;		/* steps the admission reserve looks ahead */
+	bool keep_room;		/* opts admit_keeps_room */
 	/* step scratch, [1..horizon]: the demand over the horizon of the
 	 * running sequences and the prompts admitted so far, as differences */
 	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];
@@ -276,6 +277,7 @@ int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
 	s->max_pos = (int)mlens_engine_config(e)->max_position_embeddings;
 	s->reserve = o ? o->reserve_blocks : 0;
 	s->horizon = o && o->reserve_horizon > 0 ? o->reserve_horizon : MLENS_SCHED_HORIZON_MAX;
+	s->keep_room = o && o->admit_keeps_room;
 	if (s->horizon > MLENS_SCHED_HORIZON_MAX)
 		s->horizon = MLENS_SCHED_HORIZON_MAX;
 	s->admission = true;
@@ -745,6 +747,7 @@ int mlens_sched_step(struct mlens_sched *s)
 				demand_add(s, s->demand, len, rem, +1);
 			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
 			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
+			    (s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv)) ||
 			    mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem)) {
 				if (!s->reserve)
 					demand_add(s, s->demand, len, rem, -1);

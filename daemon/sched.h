@@ -97,6 +97,12 @@ struct mlens_sched_opts {
 	 * running sequence, the rule before, is the same guarantee for one
 	 * step with nothing credited for finishing.) */
 	int reserve_horizon;
+	/* Admit a prefill only when the free list outside the running
+	 * sequences' growth room (kv_pool.h) holds its blocks: the look-ahead
+	 * above may otherwise count room as free, and the admission then
+	 * takes other sequences' room, which breaks their tables' runs of
+	 * consecutive blocks. Later admissions, whole tables. */
+	bool admit_keeps_room;
 };
 
 #define MLENS_SCHED_HORIZON_MAX 256

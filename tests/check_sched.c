@@ -2,7 +2,8 @@
  * model) with in-process tenants: every request completes with the tokens
  * a lone run gives, under preemption too; quotas, fair share, cancel,
  * a full completion ring, tenant removal and refusals; the worker thread
- * publishes what a command changed before its caller returns. */
+ * publishes what a command changed before its caller returns; admissions
+ * that keep the growth room leave every table whole. */
 #include <check.h>
 #include <errno.h>
 #include <pthread.h>
@@ -44,17 +45,23 @@ struct fx {
 };
 
 /* horizon: the admission reserve's look-ahead (0: the scheduler's) */
-static void fx_open_h(struct fx *f, uint32_t kv_blocks, int cap, int horizon)
+static void fx_open_o(struct fx *f, uint32_t kv_blocks, int cap, int horizon, bool keep_room)
 {
 	struct mlens_test_spec sp = mlens_test_spec_tiny();
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = kv_blocks, .kv_dtype = -1,
 					.max_step_tokens = 256, .prefill_attn = MLENS_PREFILL_AUTO };
-	struct mlens_sched_opts so = { .token_cap = cap, .reserve_horizon = horizon };
+	struct mlens_sched_opts so = { .token_cap = cap, .reserve_horizon = horizon,
+				       .admit_keeps_room = keep_room };
 	char err[256];
 	f->m = mlens_test_model_new(&sp);
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
 	ck_assert_msg(mlens_engine_create(&f->e, f->m, &f->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_sched_create(&f->s, f->e, &so), 0);
+}
+
+static void fx_open_h(struct fx *f, uint32_t kv_blocks, int cap, int horizon)
+{
+	fx_open_o(f, kv_blocks, cap, horizon, false);
 }
 
 static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
@@ -169,6 +176,79 @@ static void reference(int nreq, const int *lens, int g, int32_t ref[][64], struc
 		fx_close(&f);
 	}
 }
+
+static int finished_of(const struct tenant *t)
+{
+	int n = 0;
+	for (int i = 0; i < t->n_ev; i++)
+		n += t->ev[i].last;
+	return n;
+}
+
+/* Steady churn through the real scheduler: 3 tenants keep 30 requests
+ * each outstanding, prompts of 32 tokens (8 blocks of 4) that generate 8
+ * (10 blocks at the end, 2 of them room), in a pool of 300 blocks where
+ * the step's token cap admits the finished ones' successors in waves.
+ * Steps to the end in *steps; returns the room blocks admissions took. */
+static uint64_t churn_room_taken(bool keep_room, int *steps, int32_t first[3][8])
+{
+	enum { NT = 3, PER = 150, P = 32, G = 8, WINDOW = 30 };
+	struct fx f;
+	struct tenant *t = calloc(NT, sizeof(*t));
+	struct mlens_sched_stats st;
+	int sent[NT] = { 0 };
+	uint64_t taken;
+
+	ck_assert_ptr_nonnull(t);
+	*steps = 0;
+	fx_open_o(&f, 300, 0, 0, keep_room);
+	for (int i = 0; i < NT; i++)
+		tenant_init(&t[i], q_default());
+	for (;;) {
+		bool more = false;
+		for (int i = 0; i < NT; i++) {
+			while (sent[i] < PER && sent[i] - finished_of(&t[i]) < WINDOW) {
+				int32_t p[P];
+				struct mlens_request_params rp;
+				prompt(p, P, (unsigned)(i * 1000 + sent[i]));
+				rp = params((uint64_t)sent[i], p, P, G);
+				submit_ok(&f, &t[i], &rp);
+				sent[i]++;
+			}
+			more |= sent[i] < PER;
+		}
+		if (mlens_sched_idle(f.s) && !more)
+			break;
+		ck_assert_int_ge(mlens_sched_step(f.s), 0);
+		ck_assert_int_lt(++*steps, 5000);
+	}
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.requests_done, NT * PER);
+	ck_assert_uint_eq(st.preemptions, 0);
+	for (int i = 0; i < NT; i++)
+		ck_assert_int_eq(tokens_of(&t[i], 0, first[i], NULL), G);
+	taken = mlens_sched_kv(f.s)->room_stolen;
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_sched_kv(f.s)), 0);
+	fx_close(&f);
+	free(t);
+	return taken;
+}
+
+START_TEST(admissions_keep_room)
+{
+	int32_t a[3][8], b[3][8];
+	int steps_lent, steps_kept;
+	uint64_t lent = churn_room_taken(false, &steps_lent, a);
+	uint64_t kept = churn_room_taken(true, &steps_kept, b);
+	/* the look-ahead counts room as free: admissions take some */
+	ck_assert_msg(lent > 0, "no room taken without admit_keeps_room");
+	/* kept: none, the same tokens, a few steps more at most */
+	ck_assert_msg(kept == 0, "%llu room blocks taken with admit_keeps_room",
+		      (unsigned long long)kept);
+	ck_assert_int_eq(memcmp(a, b, sizeof(a)), 0);
+	ck_assert_int_le(steps_kept, steps_lent + steps_lent / 10);
+}
+END_TEST
 
 START_TEST(preemption_keeps_tokens)
 {
@@ -773,6 +853,7 @@ static Suite *sched_suite(void)
 	TCase *tc = tcase_create("sched");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, preemption_keeps_tokens);
+	tcase_add_test(tc, admissions_keep_room);
 	tcase_add_test(tc, admission_reserve_horizon);
 	tcase_add_test(tc, reserve_demand_forms_agree);
 	tcase_add_test(tc, token_cap_respected);
