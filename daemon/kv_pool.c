@@ -58,7 +58,7 @@ int mlens_kv_pool_init(struct mlens_kv_pool *p, struct mlens_backend *be,
 		p->room_pos[i] = UINT32_MAX;
 		p->room_tag[i] = 0;
 	}
-	p->n_stack = p->n_free = layout->n_blocks;
+	p->n_stack = layout->n_blocks;
 	p->room_max = MLENS_KV_ROOM_MAX;
 	return 0;
 }
@@ -82,9 +82,9 @@ static bool room_holds(const struct mlens_kv_pool *p, const struct mlens_seq *s,
 	return s->tag && p->room_pos[b] != UINT32_MAX && p->room_tag[b] == s->tag;
 }
 
-/* One more block for s (the caller checked n_free): its own room first,
- * then the free stack, then the room list's last entry (mostly the far
- * end of the newest room, the block its holder needs last). */
+/* One more block for s (the caller checked the free count): its own room
+ * first, then the free stack, then the room list's last entry (mostly the
+ * far end of the newest room, the block its holder needs last). */
 static uint32_t take_block(struct mlens_kv_pool *p, struct mlens_seq *s)
 {
 	uint32_t b;
@@ -93,7 +93,6 @@ static uint32_t take_block(struct mlens_kv_pool *p, struct mlens_seq *s)
 		if (room_holds(p, s, b)) {
 			room_remove(p, b);
 			s->n_room--;
-			p->n_free--;
 			return b;
 		}
 		/* taken by another sequence: drop it from the list */
@@ -106,9 +105,8 @@ static uint32_t take_block(struct mlens_kv_pool *p, struct mlens_seq *s)
 	} else {
 		b = p->room[p->n_room - 1];
 		room_remove(p, b);
-		p->room_stolen++;
+		p->room_taken++;
 	}
-	p->n_free--;
 	return b;
 }
 
@@ -155,7 +153,7 @@ int mlens_seq_reserve_grow(struct mlens_kv_pool *p, struct mlens_seq *s, int64_t
 	uint32_t want = mlens_kv_blocks_for(p, new_len), room = 0;
 	if (want <= s->n_blocks)
 		return 0;
-	if (want - s->n_blocks > p->n_free)
+	if (want - s->n_blocks > mlens_kv_pool_free_blocks(p))
 		return -ENOSPC;
 	if (s->n_blocks == 0 && s->n_room == 0 && final_len > new_len && p->room_max > 0) {
 		uint32_t fin = mlens_kv_blocks_for(p, final_len);
@@ -216,10 +214,8 @@ void mlens_seq_release(struct mlens_kv_pool *p, struct mlens_seq *s)
 		}
 	}
 	s->tag = 0;
-	while (s->n_blocks > 0) {
+	while (s->n_blocks > 0)
 		p->free_stack[p->n_stack++] = s->blocks[--s->n_blocks];
-		p->n_free++;
-	}
 	s->len = 0;
 }
 

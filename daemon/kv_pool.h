@@ -28,14 +28,13 @@ struct mlens_kv_pool {
 	struct mlens_kv_cache cache;
 	uint32_t *free_stack;	/* ids of free blocks outside any room */
 	uint32_t n_stack;
-	uint32_t n_free;	/* free blocks: the stack's and the rooms' */
 	uint32_t *room;		/* ids of free blocks held as some sequence's room */
 	uint32_t n_room;
 	uint32_t *room_pos;	/* per block: its index in room[], or UINT32_MAX */
 	uint32_t *room_tag;	/* per block in room[]: the holder's tag */
 	uint32_t next_tag;
 	uint32_t room_max;	/* room a sequence may take (<= MLENS_KV_ROOM_MAX) */
-	uint64_t room_stolen;	/* room blocks taken by other sequences, total
+	uint64_t room_taken;	/* room blocks taken by other sequences, total
 				 * (stats kv_room_taken_total) */
 	struct mlens_backend *be;	/* owner of cache memory, NULL if external */
 };
@@ -58,9 +57,10 @@ int mlens_kv_pool_init(struct mlens_kv_pool *p, struct mlens_backend *be,
 		       const struct mlens_kv_cache *layout, void *mem_k, void *mem_v);
 void mlens_kv_pool_fini(struct mlens_kv_pool *p);
 
+/* Free blocks: the free stack's and the rooms'. */
 static inline uint32_t mlens_kv_pool_free_blocks(const struct mlens_kv_pool *p)
 {
-	return p->n_free;
+	return p->n_stack + p->n_room;
 }
 
 /* Free blocks outside any sequence's growth room. */
@@ -71,7 +71,7 @@ static inline uint32_t mlens_kv_pool_unroomed_blocks(const struct mlens_kv_pool 
 
 static inline uint32_t mlens_kv_pool_used_blocks(const struct mlens_kv_pool *p)
 {
-	return p->cache.n_blocks - p->n_free;
+	return p->cache.n_blocks - mlens_kv_pool_free_blocks(p);
 }
 
 /* Blocks a sequence needs to hold len tokens. */

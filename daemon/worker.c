@@ -321,7 +321,7 @@ static void publish(struct mlens_worker *w)
 	kv = mlens_sched_kv(w->s);
 	w->snap.kv_blocks_total = kv->cache.n_blocks;
 	w->snap.kv_blocks_used = mlens_kv_pool_used_blocks(kv);
-	w->snap.kv_room_taken = kv->room_stolen;
+	w->snap.kv_room_taken = kv->room_taken;
 	w->snap.token_cap = mlens_sched_token_cap(w->s);
 	w->snap.admission = mlens_sched_admission(w->s);
 	w->snap.draining = w->draining;

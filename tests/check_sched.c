@@ -227,7 +227,7 @@ static uint64_t churn_room_taken(bool keep_room, int *steps, int32_t first[3][8]
 	ck_assert_uint_eq(st.preemptions, 0);
 	for (int i = 0; i < NT; i++)
 		ck_assert_int_eq(tokens_of(&t[i], 0, first[i], NULL), G);
-	taken = mlens_sched_kv(f.s)->room_stolen;
+	taken = mlens_sched_kv(f.s)->room_taken;
 	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_sched_kv(f.s)), 0);
 	fx_close(&f);
 	free(t);
