@@ -192,14 +192,17 @@ for name, d, b, p, s, a in rows:
 # step's time went on each side
 # st/b after: against the bound from the host ceilings measured again once
 # the daemon stopped (the box's memory and link as they were after the run)
+# lone: against the bound with the GEMM rate of lone GEMMs (the GPU at its
+# burst clock) instead of the rate it holds under load
 # blk/run: KV blocks the CPU attention read per run of consecutive ids
-print("%-12s %6s %6s %6s %6s %7s %10s %6s %7s" % ("steady", "st/b", "after", "GPU%", "host%", "append%",
-                                                  "attn GB/s", "PCIe", "blk/run"))
+print("%-12s %6s %6s %6s %6s %6s %7s %10s %6s %7s" % ("steady", "st/b", "after", "lone", "GPU%", "host%",
+                                                       "append%", "attn GB/s", "PCIe", "blk/run"))
 for name, d, b, p, s, a in rows:
     pct = lambda x: f(None if x is None else 100 * x, "%.0f")
-    print("%-12s %6s %6s %6s %6s %7s %10s %6s %7s" % (
+    print("%-12s %6s %6s %6s %6s %6s %7s %10s %6s %7s" % (
         name + ("*" if s.get("short") else ""), f(d.get("steady_over_bound"), "%.2f"),
-        f(d.get("steady_over_bound_after"), "%.2f"), pct(s.get("gpu_busy_ratio")),
+        f(d.get("steady_over_bound_after"), "%.2f"),
+        f(d.get("steady_over_bound_burst_gemm"), "%.2f"), pct(s.get("gpu_busy_ratio")),
         pct(s.get("cpu_busy_ratio")), pct(s.get("cpu_append_ratio")),
         f(s.get("cpu_attention_only_gb_per_s")), f(s.get("pcie_h2d_gb_per_s")),
         f(s.get("kv_blocks_per_run"))))
