@@ -597,8 +597,8 @@ static float median_ms(float *t, int n)
  * holds the operand, random data, median of 20 after 3 warm-ups, each
  * GEMM alone (the GPU idle around it, at its burst clock). Then the rate
  * the GPU holds under load: the same GEMMs queued back to back for ~4 s,
- * timed over the last ~2 (a GPU at its power limit lowers its clock within
- * the first second or so; the pipeline keeps it busy for minutes). */
+ * timed over the last ~2 (the first 2 let a GPU that reaches its power
+ * limit settle its clock; the pipeline keeps it busy for minutes). */
 static void measure_ceilings(struct ceilings *c, int H, int I, int m)
 {
 	const size_t copy_bytes = 2ull << 30;
