@@ -22,18 +22,14 @@ int mlens_kv_pool_init(struct mlens_kv_pool *p, struct mlens_backend *be,
 	    __builtin_mul_overflow(bytes, (size_t)layout->n_blocks, &bytes) ||
 	    __builtin_mul_overflow(bytes, (size_t)layout->n_layers, &bytes))
 		return -EOVERFLOW;
-	p->free_stack = malloc((size_t)layout->n_blocks * sizeof(uint32_t));
-	p->room = malloc((size_t)layout->n_blocks * sizeof(uint32_t));
-	p->room_pos = malloc((size_t)layout->n_blocks * sizeof(uint32_t));
-	p->room_tag = malloc((size_t)layout->n_blocks * sizeof(uint32_t));
-	if (!p->free_stack || !p->room || !p->room_pos || !p->room_tag) {
-		free(p->free_stack);
-		free(p->room);
-		free(p->room_pos);
-		free(p->room_tag);
-		memset(p, 0, sizeof(*p));
+	/* the free stack, the room list and the per-block room index and
+	 * tag: four arrays of n_blocks ids in one allocation (free_stack's) */
+	p->free_stack = malloc((size_t)layout->n_blocks * 4 * sizeof(uint32_t));
+	if (!p->free_stack)
 		return -ENOMEM;
-	}
+	p->room = p->free_stack + layout->n_blocks;
+	p->room_pos = p->room + layout->n_blocks;
+	p->room_tag = p->room_pos + layout->n_blocks;
 	if (mem_k && mem_v) {
 		p->cache.k = mem_k;
 		p->cache.v = mem_v;
@@ -45,9 +41,6 @@ int mlens_kv_pool_init(struct mlens_kv_pool *p, struct mlens_backend *be,
 			if (p->cache.k)
 				be->ops->free(be->ctx, p->cache.k);
 			free(p->free_stack);
-			free(p->room);
-			free(p->room_pos);
-			free(p->room_tag);
 			memset(p, 0, sizeof(*p));
 			return -ENOMEM;
 		}
@@ -116,10 +109,7 @@ void mlens_kv_pool_fini(struct mlens_kv_pool *p)
 		p->be->ops->free(p->be->ctx, p->cache.k);
 		p->be->ops->free(p->be->ctx, p->cache.v);
 	}
-	free(p->free_stack);
-	free(p->room);
-	free(p->room_pos);
-	free(p->room_tag);
+	free(p->free_stack);	/* and the room arrays after it */
 	memset(p, 0, sizeof(*p));
 }
 

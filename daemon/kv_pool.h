@@ -28,7 +28,9 @@ struct mlens_kv_pool {
 	struct mlens_kv_cache cache;
 	uint32_t *free_stack;	/* ids of free blocks outside any room */
 	uint32_t n_stack;
-	uint32_t *room;		/* ids of free blocks held as some sequence's room */
+	uint32_t *room;		/* ids of free blocks held as some sequence's room
+				 * (this and the two below live in free_stack's
+				 * allocation) */
 	uint32_t n_room;
 	uint32_t *room_pos;	/* per block: its index in room[], or UINT32_MAX */
 	uint32_t *room_tag;	/* per block in room[]: the holder's tag */

@@ -170,7 +170,6 @@ static int bench_expert_gemm(cublasHandle_t h, const void *w, const void *xb, vo
 	return 0;
 }
 
-/* The E experts' weight matrices of the MoE benches back to the backend. */
 /* E experts of bf16 [I][H] gate, down and up, each a copy of the device
  * matrix proto: generating 2.8 GB of random numbers on the host would
  * take longer than the benchmark. -1 when an allocation fails. */
@@ -190,6 +189,7 @@ static int copy_experts(void **w1, void **w2, void **w3, int E, const void *prot
 	return 0;
 }
 
+/* The E experts' weight matrices of the MoE benches back to the backend. */
 static void free_experts(void **w1, void **w2, void **w3, int E)
 {
 	for (int e = 0; e < E; e++) {

@@ -610,6 +610,7 @@ static void measure_ceilings(struct ceilings *c, int H, int I, int m)
 	struct cudaDeviceProp prop;
 	float t[20], alpha = 1.0f, beta = 0.0f;
 	size_t wn = (size_t)H * I, xn = (size_t)m * H;
+	const double flop = 2.0 * m * (double)H * I;	/* one GEMM's */
 	uint64_t s = 12345;
 
 	memset(c, 0, sizeof(*c));
@@ -655,33 +656,33 @@ static void measure_ceilings(struct ceilings *c, int H, int I, int m)
 	CK(cudaMalloc(&ws, 32u << 20));
 	CB(cublasCreate(&blas));
 	CB(cublasSetWorkspace(blas, ws, 32u << 20));
+	/* one expert GEMM, weight copy i % n_w */
+#define GEMM(i) CB(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, I, m, H, &alpha, w[(i) % n_w], \
+				CUDA_R_16BF, H, x, CUDA_R_16BF, H, &beta, y, CUDA_R_32F, I, \
+				CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
 	for (int i = 0; i < 23; i++) {
 		CK(cudaEventRecord(e0, 0));
-		CB(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, I, m, H, &alpha, w[i % n_w], CUDA_R_16BF, H,
-				x, CUDA_R_16BF, H, &beta, y, CUDA_R_32F, I, CUBLAS_COMPUTE_32F,
-				CUBLAS_GEMM_DEFAULT));
+		GEMM(i);
 		CK(cudaEventRecord(e1, 0));
 		CK(cudaEventSynchronize(e1));
 		if (i >= 3)
 			CK(cudaEventElapsedTime(&t[i - 3], e0, e1));
 	}
-	c->gemm_tflops = 2.0 * m * (double)H * I / (median_ms(t, 20) * 1e-3) / 1e12;
+	c->gemm_tflops = flop / (median_ms(t, 20) * 1e-3) / 1e12;
 	{
-		double one_s = 2.0 * m * (double)H * I / (c->gemm_tflops * 1e12);
-		int n = (int)(2.0 / one_s) + 1;
+		int n = (int)(2.0 * c->gemm_tflops * 1e12 / flop) + 1;	/* ~2 s of them */
 		float ms;
 		for (int half = 0; half < 2; half++) {
 			CK(cudaEventRecord(e0, 0));
 			for (int i = 0; i < n; i++)
-				CB(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, I, m, H, &alpha, w[i % n_w],
-						CUDA_R_16BF, H, x, CUDA_R_16BF, H, &beta, y, CUDA_R_32F, I,
-						CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+				GEMM(i);
 			CK(cudaEventRecord(e1, 0));
 			CK(cudaEventSynchronize(e1));
 		}
 		CK(cudaEventElapsedTime(&ms, e0, e1));
-		c->gemm_sustained_tflops = 2.0 * m * (double)H * I * n / (ms * 1e-3) / 1e12;
+		c->gemm_sustained_tflops = flop * n / (ms * 1e-3) / 1e12;
 	}
+#undef GEMM
 	c->have = true;
 out:
 	if (blas)
