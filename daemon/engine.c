@@ -11,14 +11,9 @@
 #include <time.h>
 #include "daemon/errf.h"
 #include "daemon/engine.h"
+#include "daemon/layer.h"
 #include "daemon/pipeline.h"
 #include "daemon/trace.h"
-
-struct layer_bind {
-	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
-	const void **w1, **w2, **w3;
-	struct mlens_moe_weights moe;
-};
 
 struct mlens_engine {
 	const struct mlens_model *m;
@@ -33,9 +28,11 @@ struct mlens_engine {
 	int qdim, kvdim;
 	bool prefill_op;	/* prefill attention through attn_prefill */
 
-	/* weights as the backend sees them */
-	const void *embed, *final_norm, *lm_head;
-	struct layer_bind *layers;
+	/* the layer's shape and the weights as the backend sees them */
+	struct mlens_layer_desc desc;
+	struct mlens_layer_placer placer;
+	struct mlens_ends_bound ends;
+	struct mlens_layer_bound *layers;
 
 	/* activations, backend memory, max_tokens rows */
 	float *x, *xn, *q, *k, *v, *att, *rlog, *rw;
@@ -60,7 +57,8 @@ struct mlens_engine {
 	 * (a measurement aid: the waits themselves slow the step) */
 	int prof_every;
 	long prof_steps;
-	double prof_t[16], prof_step_t;
+	double prof_t[16], prof_step_t, prof_t0;
+	struct mlens_layer_probe probe;
 };
 
 enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, PK_DECODE, PK_WO,
@@ -68,59 +66,22 @@ enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, P
 static const char *const prof_names[PK_N] = { "embed", "rmsnorm", "qkv gemm", "rope", "kv_append",
 	"attn_prefill", "attn_decode", "o gemm", "router", "moe", "lm_head", "sample" };
 
+static void prof_begin(void *arg);
+static int prof_end(void *arg, enum mlens_layer_op op);
+
 /* ==== weights ==== */
-
-static const void *bind(struct mlens_engine *e, const void *host, size_t bytes, int *rc)
-{
-	return mlens_backend_place(e->be, host, bytes, rc);
-}
-
-static void unbind(struct mlens_engine *e, const void *p)
-{
-	mlens_backend_unplace(e->be, p);
-}
 
 static int bind_weights(struct mlens_engine *e)
 {
 	const struct mlens_model *m = e->m;
-	const struct mlens_model_config *c = &e->cfg;
-	size_t es = mlens_dtype_size(c->dtype);
-	size_t ih = (size_t)c->intermediate_size * c->hidden_size * es;
-	int rc = 0;
+	int E = e->desc.n_experts, rc;
 
-	e->layers = calloc((size_t)c->num_hidden_layers, sizeof(*e->layers));
+	e->layers = calloc((size_t)e->cfg.num_hidden_layers, sizeof(*e->layers));
 	if (!e->layers)
 		return -ENOMEM;
-	e->embed = bind(e, m->embed->data, m->embed->nbytes, &rc);
-	e->final_norm = bind(e, m->final_norm->data, m->final_norm->nbytes, &rc);
-	if (m->lm_head == m->embed)
-		e->lm_head = e->embed;
-	else
-		e->lm_head = bind(e, m->lm_head->data, m->lm_head->nbytes, &rc);
-	for (int64_t l = 0; l < c->num_hidden_layers && !rc; l++) {
-		const struct mlens_layer_weights *w = &m->layers[l];
-		struct layer_bind *b = &e->layers[l];
-		b->attn_norm = bind(e, w->attn_norm->data, w->attn_norm->nbytes, &rc);
-		b->wq = bind(e, w->wq->data, w->wq->nbytes, &rc);
-		b->wk = bind(e, w->wk->data, w->wk->nbytes, &rc);
-		b->wv = bind(e, w->wv->data, w->wv->nbytes, &rc);
-		b->wo = bind(e, w->wo->data, w->wo->nbytes, &rc);
-		b->ffn_norm = bind(e, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
-		b->router = bind(e, w->router->data, w->router->nbytes, &rc);
-		b->w1 = calloc((size_t)c->num_local_experts, sizeof(void *));
-		b->w2 = calloc((size_t)c->num_local_experts, sizeof(void *));
-		b->w3 = calloc((size_t)c->num_local_experts, sizeof(void *));
-		if (!b->w1 || !b->w2 || !b->w3)
-			return -ENOMEM;
-		for (int64_t x = 0; x < c->num_local_experts && !rc; x++) {
-			b->w1[x] = bind(e, w->w1[x], ih, &rc);
-			b->w2[x] = bind(e, w->w2[x], ih, &rc);
-			b->w3[x] = bind(e, w->w3[x], ih, &rc);
-		}
-		b->moe = (struct mlens_moe_weights){ .n_experts = (int)c->num_local_experts, .hidden = (int)c->hidden_size,
-			.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = b->w1, .w2 = b->w2,
-			.w3 = b->w3 };
-	}
+	rc = mlens_ends_bind(&e->ends, m, &e->placer);
+	for (int64_t l = 0; l < e->cfg.num_hidden_layers && !rc; l++)
+		rc = mlens_layer_bind(&e->layers[l], &m->layers[l], &e->desc, E, &e->placer);
 	return rc;
 }
 
@@ -128,31 +89,10 @@ static void unbind_weights(struct mlens_engine *e)
 {
 	if (!e->layers)
 		return;
-	unbind(e, e->embed);
-	unbind(e, e->final_norm);
-	if (e->lm_head != e->embed)
-		unbind(e, e->lm_head);
-	for (int64_t l = 0; l < e->cfg.num_hidden_layers; l++) {
-		struct layer_bind *b = &e->layers[l];
-		unbind(e, b->attn_norm);
-		unbind(e, b->wq);
-		unbind(e, b->wk);
-		unbind(e, b->wv);
-		unbind(e, b->wo);
-		unbind(e, b->ffn_norm);
-		unbind(e, b->router);
-		for (int64_t x = 0; x < e->cfg.num_local_experts; x++) {
-			if (b->w1)
-				unbind(e, b->w1[x]);
-			if (b->w2)
-				unbind(e, b->w2[x]);
-			if (b->w3)
-				unbind(e, b->w3[x]);
-		}
-		free(b->w1);
-		free(b->w2);
-		free(b->w3);
-	}
+	mlens_ends_unbind(&e->ends, e->m, &e->placer);
+	for (int64_t l = 0; l < e->cfg.num_hidden_layers; l++)
+		mlens_layer_unbind(&e->layers[l], &e->m->layers[l], &e->desc, e->desc.n_experts,
+				   &e->placer);
 	free(e->layers);
 	e->layers = NULL;
 }
@@ -192,6 +132,9 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	if (getenv("MLENS_ENGINE_PROFILE"))
 		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
+	mlens_layer_desc_init(&e->desc, &e->cfg);
+	e->placer = mlens_layer_placer_backend(be);
+	e->probe = (struct mlens_layer_probe){ prof_begin, prof_end, e };
 	if ((rc = mlens_trace_create(&e->trace, 0)) || (rc = mlens_step_timer_init(&e->timer, be))) {
 		mlens_errf(err, errlen, "cannot allocate the step trace recorder");
 		goto fail;
@@ -421,6 +364,26 @@ static int prof_add(struct mlens_engine *e, int k, double t0)
 	return rc;
 }
 
+/* The layer's ops timed as PTRY times the engine's own (the probe of
+ * layer.h). */
+static void prof_begin(void *arg)
+{
+	((struct mlens_engine *)arg)->prof_t0 = prof_clock();
+}
+
+static int prof_end(void *arg, enum mlens_layer_op op)
+{
+	static const int kind[MLENS_LAYER_OP_N] = {
+		[MLENS_LAYER_OP_NORM] = PK_NORM, [MLENS_LAYER_OP_QKV] = PK_QKV,
+		[MLENS_LAYER_OP_ROPE] = PK_ROPE, [MLENS_LAYER_OP_KV_APPEND] = PK_KV_APPEND,
+		[MLENS_LAYER_OP_PREFILL] = PK_PREFILL, [MLENS_LAYER_OP_DECODE] = PK_DECODE,
+		[MLENS_LAYER_OP_WO] = PK_WO, [MLENS_LAYER_OP_ROUTER] = PK_ROUTER,
+		[MLENS_LAYER_OP_MOE] = PK_MOE,
+	};
+	struct mlens_engine *e = arg;
+	return prof_add(e, kind[op], e->prof_t0);
+}
+
 static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
 {
 	double sum = 0;
@@ -492,11 +455,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	const struct mlens_model_config *c = &e->cfg;
-	int H = (int)c->hidden_size, hd = (int)c->head_dim;
-	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
-	int K = (int)c->num_experts_per_tok, E = (int)c->num_local_experts;
-	int V = (int)c->vocab_size, bs = e->kv.cache.block_size;
-	float scale = 1.0f / sqrtf((float)hd);
+	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
@@ -550,35 +509,20 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	}
 
 	part = trace_part_begin(e, -1, L);
-	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
+	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, e->tok, T));
 	trace_part_end(e, part);
-	for (int l = 0; l < L; l++) {
-		const struct layer_bind *b = &e->layers[l];
-		part = trace_part_begin(e, l, L);
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		{
-			/* one call: a GPU backend rounds xn once for the three */
-			float *const qkv[3] = { e->q, e->k, e->v };
-			const void *const wqkv[3] = { b->wq, b->wk, b->wv };
-			const int mqkv[3] = { e->qdim, e->kvdim, e->kvdim };
-			PTRY(PK_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, e->xn, wqkv, c->dtype, T, H,
-							      mqkv, 3));
+	{
+		const struct mlens_layer_run run = { e->be, &e->desc,
+						     e->prof_every > 0 ? &e->probe : NULL };
+		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,
+						     e->rw, e->rid };
+		const struct mlens_layer_rows rows = { .n = T, .P = P, .n_pre = n_pre, .pos = e->pos,
+						       .cu = e->cu, .slots = e->slots, .qry = e->qry };
+		for (int l = 0; l < L; l++) {
+			part = trace_part_begin(e, l, L);
+			TRY(mlens_layer_forward(&run, &e->layers[l], &e->kv.cache, l, &act, &rows));
+			trace_part_end(e, part);
 		}
-		PTRY(PK_ROPE, OPS->rope(CTX, e->q, e->pos, T, nh, hd, (float)c->rope_theta));
-		PTRY(PK_ROPE, OPS->rope(CTX, e->k, e->pos, T, nkv, hd, (float)c->rope_theta));
-		PTRY(PK_KV_APPEND, OPS->kv_append(CTX, &e->kv.cache, l, e->k, e->v, e->slots, T));
-		if (n_pre)
-			PTRY(PK_PREFILL, OPS->attn_prefill(CTX, e->att, e->q, e->k, e->v, e->cu, n_pre, nh, nkv, hd, scale));
-		if (T > P)
-			PTRY(PK_DECODE, OPS->attn_decode(CTX, e->att + (size_t)P * e->qdim, e->q + (size_t)P * e->qdim,
-					     &e->kv.cache, l, e->qry + P, T - P, nh, scale));
-		/* residual: x += att . Wo^T */
-		PTRY(PK_WO, OPS->gemm(CTX, e->x, e->att, b->wo, c->dtype, T, e->qdim, H, true));
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->ffn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		PTRY(PK_ROUTER, OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
-		PTRY(PK_ROUTER, OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
-		PTRY(PK_MOE, OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
-		trace_part_end(e, part);
 	}
 
 	/* logits for the rows that need them: gather, norm, lm_head */
@@ -590,10 +534,10 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		for (run = 1; i + run < nl && e->lrow[i + run] == e->lrow[i] + run; run++)
 			;
 		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
-				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
+				 e->ends.final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
 	part = trace_part_begin(e, L, L);
-	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
+	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->ends.lm_head, c->dtype, nl, H, V, false));
 
 	/* sample the last row of each request; download logits where asked */
 	for (int i = 0; i < nl; i++) {
