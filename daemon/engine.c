@@ -13,6 +13,7 @@
 #include "daemon/engine.h"
 #include "daemon/layer.h"
 #include "daemon/pipeline.h"
+#include "daemon/step.h"
 #include "daemon/trace.h"
 
 struct mlens_engine {
@@ -41,16 +42,8 @@ struct mlens_engine {
 	size_t logits_rows;
 
 	/* host scratch, max_tokens entries */
-	int32_t *tok, *pos, *cu;
-	int64_t *slots;
-	struct mlens_attn_query *qry;
-	int32_t *row_req;	/* request index of each row */
-	int32_t *lrow;		/* rows that need logits */
-	int32_t *sampled;
-	float *logp;
-	struct mlens_sampling *samp;
-	float *host_logits;
-	size_t host_logits_rows;
+	struct mlens_step_rows rows;
+	int32_t *cu;
 
 	/* MLENS_ENGINE_PROFILE=N: wait for the backend after every op, add its
 	 * wall time to its kind and print the split every N steps on stderr
@@ -214,18 +207,8 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	e->rlog = balloc(e, T * e->cfg.num_local_experts, 4, &rc);
 	e->rw = balloc(e, T * e->cfg.num_experts_per_tok, 4, &rc);
 	e->rid = balloc(e, T * e->cfg.num_experts_per_tok, 4, &rc);
-	e->tok = malloc(T * sizeof(*e->tok));
-	e->pos = malloc(T * sizeof(*e->pos));
 	e->cu = malloc((T + 1) * sizeof(*e->cu));
-	e->slots = malloc(T * sizeof(*e->slots));
-	e->qry = malloc(T * sizeof(*e->qry));
-	e->row_req = malloc(T * sizeof(*e->row_req));
-	e->lrow = malloc(T * sizeof(*e->lrow));
-	e->sampled = malloc(T * sizeof(*e->sampled));
-	e->logp = malloc(T * sizeof(*e->logp));
-	e->samp = malloc(T * sizeof(*e->samp));
-	if (rc || !e->tok || !e->pos || !e->cu || !e->slots || !e->qry || !e->row_req ||
-	    !e->lrow || !e->sampled || !e->logp || !e->samp) {
+	if (rc || mlens_step_rows_alloc(&e->rows, T) || !e->cu) {
 		rc = -ENOMEM;
 		mlens_errf(err, errlen, "cannot allocate activations for %d tokens per step", e->max_tokens);
 		goto fail;
@@ -251,17 +234,8 @@ void mlens_engine_destroy(struct mlens_engine *e)
 	unbind_weights(e);
 	if (e->kv.free_stack)
 		mlens_kv_pool_fini(&e->kv);
-	free(e->tok);
-	free(e->pos);
+	mlens_step_rows_free(&e->rows);
 	free(e->cu);
-	free(e->slots);
-	free(e->qry);
-	free(e->row_req);
-	free(e->lrow);
-	free(e->sampled);
-	free(e->logp);
-	free(e->samp);
-	free(e->host_logits);
 	free(e);
 }
 
@@ -333,14 +307,7 @@ static int grow_logits(struct mlens_engine *e, size_t rows)
 		if (!e->logits)
 			return -ENOMEM;
 	}
-	if (rows > e->host_logits_rows) {
-		float *h = realloc(e->host_logits, rows * V * sizeof(float));
-		if (!h)
-			return -ENOMEM;
-		e->host_logits = h;
-		e->host_logits_rows = rows;
-	}
-	return 0;
+	return mlens_step_rows_host_logits(&e->rows, rows, (int)V);
 }
 
 #define OPS (e->be->ops)
@@ -455,28 +422,20 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	const struct mlens_model_config *c = &e->cfg;
+	struct mlens_step_rows *sr = &e->rows;
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
-	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row, L = (int)c->num_hidden_layers, part;
+	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
 
-	/* validate everything before touching any state */
-	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
+	if ((rc = mlens_step_reserve(c, &e->kv, reqs, n, e->max_tokens, &total)))
 		return rc;
-	if (total > e->max_tokens)
-		return -E2BIG;
-	if (mlens_engine_step_blocks(e, reqs, n) > mlens_kv_pool_free_blocks(&e->kv))
-		return -ENOSPC;
-	for (int i = 0; i < n; i++) {
-		rc = mlens_seq_reserve(&e->kv, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-		if (rc)
-			return rc;	/* only -ENOMEM here; reserved blocks stay with their seqs */
-	}
 	T = (int)total;
 	t_step = e->prof_every > 0 ? prof_clock() : 0;
 
 	/* rows: prefill sequences first, then the others */
 	row = 0;
+	sr->nl = 0;
 	e->cu[0] = 0;
 	for (int pass = 0; pass < 2; pass++) {
 		for (int i = 0; i < n; i++) {
@@ -484,24 +443,15 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 			bool pre = r->seq->len == 0;
 			if (pre != (pass == 0))
 				continue;
-			for (int j = 0; j < r->n_tokens; j++, row++) {
-				int32_t p = r->seq->len + j;
-				e->tok[row] = r->tokens[j];
-				e->pos[row] = p;
-				e->row_req[row] = i;
-				e->slots[row] = (int64_t)r->seq->blocks[p / bs] * bs + p % bs;
-				e->qry[row].ctx_len = p + 1;
-				e->qry[row].n_blocks = (int32_t)r->seq->n_blocks;
-				e->qry[row].block_table = r->seq->blocks;
-				if (r->all_logits || j == r->n_tokens - 1)
-					e->lrow[nl++] = row;
-			}
+			for (int j = 0; j < r->n_tokens; j++, row++)
+				mlens_step_rows_put(sr, row, i, r, j, bs);
 			if (pre)
 				e->cu[++n_pre] = row;
 		}
 		if (pass == 0)
 			P = row;
 	}
+	nl = sr->nl;
 	if (!e->prefill_op) {
 		/* every row reads the cache, which holds this step's K/V by then */
 		P = 0;
@@ -509,15 +459,15 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	}
 
 	part = trace_part_begin(e, -1, L);
-	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, e->tok, T));
+	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
 	trace_part_end(e, part);
 	{
 		const struct mlens_layer_run run = { e->be, &e->desc,
 						     e->prof_every > 0 ? &e->probe : NULL };
 		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,
 						     e->rw, e->rid };
-		const struct mlens_layer_rows rows = { .n = T, .P = P, .n_pre = n_pre, .pos = e->pos,
-						       .cu = e->cu, .slots = e->slots, .qry = e->qry };
+		const struct mlens_layer_rows rows = { .n = T, .P = P, .n_pre = n_pre, .pos = sr->pos,
+						       .cu = e->cu, .slots = sr->slots, .qry = sr->qry };
 		for (int l = 0; l < L; l++) {
 			part = trace_part_begin(e, l, L);
 			TRY(mlens_layer_forward(&run, &e->layers[l], &e->kv.cache, l, &act, &rows));
@@ -531,43 +481,26 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		/* final norm straight from the residual rows into packed rows, one
 		 * call per run of consecutive rows: decode rows are one run, so a
 		 * step costs a few launches on the GPU rather than one a sequence */
-		for (run = 1; i + run < nl && e->lrow[i + run] == e->lrow[i] + run; run++)
+		for (run = 1; i + run < nl && sr->lrow[i + run] == sr->lrow[i] + run; run++)
 			;
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
+		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)sr->lrow[i] * H,
 				 e->ends.final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
 	}
 	part = trace_part_begin(e, L, L);
 	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->ends.lm_head, c->dtype, nl, H, V, false));
 
 	/* sample the last row of each request; download logits where asked */
-	for (int i = 0; i < nl; i++) {
-		const struct mlens_engine_req *r = &reqs[e->row_req[e->lrow[i]]];
-		e->samp[i] = r->samp;
-	}
-	PTRY(PK_SAMPLE, OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
+	mlens_step_rows_samp(sr, reqs);
+	PTRY(PK_SAMPLE, OPS->sample(CTX, sr->sampled, sr->logp, e->logits, nl, V, sr->samp));
 	trace_part_end(e, part);
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)
 			any |= reqs[i].logits != NULL;
 		if (any)
-			TRY(OPS->download(CTX, e->host_logits, e->logits, (size_t)nl * V * sizeof(float)));
+			TRY(OPS->download(CTX, sr->host_logits, e->logits, (size_t)nl * V * sizeof(float)));
 	}
-	for (int i = 0; i < nl; i++) {
-		int ri = e->row_req[e->lrow[i]];
-		struct mlens_engine_req *r = &reqs[ri];
-		int j = e->pos[e->lrow[i]] - r->seq->len;	/* token index within the request */
-		if (r->logits) {
-			float *dst = r->all_logits ? r->logits + (size_t)j * V : r->logits;
-			memcpy(dst, e->host_logits + (size_t)i * V, (size_t)V * sizeof(float));
-		}
-		if (j == r->n_tokens - 1) {
-			r->next_token = e->sampled[i];
-			r->logprob = e->logp[i];
-		}
-	}
-	for (int i = 0; i < n; i++)
-		reqs[i].seq->len += reqs[i].n_tokens;
+	mlens_step_deliver(sr, reqs, n, V);
 	if (e->prof_every > 0)
 		prof_step_done(e, t_step, T);
 out:

@@ -22,6 +22,7 @@
 #include "daemon/layer.h"
 #include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
+#include "daemon/step.h"
 #include "daemon/trace.h"
 
 struct pl_layer {
@@ -134,20 +135,13 @@ struct mlens_pipeline {
 	bool host_pinned;
 
 	/* host scratch */
-	int32_t *tok, *pos, *row_req, *lrow, *sampled;
-	int64_t *slots;
-	struct mlens_attn_query *qry;
-	float *logp;
-	struct mlens_sampling *samp;
-	float *host_logits;
-	size_t host_logits_rows;
+	struct mlens_step_rows rows;
 	struct pl_group grp[MLENS_PIPE_MAX_GROUPS];
 	int n_grp;
 	int32_t *cu;		/* every group's cu, [max_tokens + MLENS_PIPE_MAX_GROUPS] */
 	struct pl_seg *seg;	/* [max_tokens] at most one per row, in group order */
 	struct pl_seg *tmp;	/* [max_tokens] the same while they are made */
 	int n_seg;
-	int n_lrow;
 
 	struct mlens_pipeline_stats st;
 
@@ -714,20 +708,12 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		       "(groups of %d): %s", p->max_tokens, p->group_rows, strerror(-rc));
 		goto fail;
 	}
-	p->tok = malloc(T * sizeof(*p->tok));
-	p->pos = malloc(T * sizeof(*p->pos));
-	p->row_req = malloc(T * sizeof(*p->row_req));
-	p->lrow = malloc(T * sizeof(*p->lrow));
-	p->sampled = malloc(T * sizeof(*p->sampled));
-	p->slots = malloc(T * sizeof(*p->slots));
-	p->qry = malloc(T * sizeof(*p->qry));
-	p->logp = malloc(T * sizeof(*p->logp));
-	p->samp = malloc(T * sizeof(*p->samp));
+	if (mlens_step_rows_alloc(&p->rows, T))
+		rc = -ENOMEM;
 	p->cu = malloc((T + MLENS_PIPE_MAX_GROUPS) * sizeof(*p->cu));
 	p->seg = malloc(T * sizeof(*p->seg));
 	p->tmp = malloc(T * sizeof(*p->tmp));
-	if (!p->tok || !p->pos || !p->row_req || !p->lrow || !p->sampled || !p->slots ||
-	    !p->qry || !p->logp || !p->samp || !p->cu || !p->seg || !p->tmp || rc) {
+	if (!p->cu || !p->seg || !p->tmp || rc) {
 		rc = rc ? rc : -ENOMEM;
 		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
 		       p->max_tokens);
@@ -817,19 +803,10 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	free(p->n_pieces);
 	if (p->kv.free_stack)
 		mlens_kv_pool_fini(&p->kv);
-	free(p->tok);
-	free(p->pos);
-	free(p->row_req);
-	free(p->lrow);
-	free(p->sampled);
-	free(p->slots);
-	free(p->qry);
-	free(p->logp);
-	free(p->samp);
+	mlens_step_rows_free(&p->rows);
 	free(p->cu);
 	free(p->seg);
 	free(p->tmp);
-	free(p->host_logits);
 	free(p);
 }
 
@@ -907,14 +884,14 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		S->late_wait = false;
 	}
 	TRY(mlens_layer_attn_in(&p->grun, &b->w, p->x + r0 * H, p->sh.xn, S->q, S->k, S->v,
-				p->pos + r0, n));
+				p->rows.pos + r0, n));
 	if (p->gpu_append) {
 		/* every row's K and V into its slot of the pool, stored over
 		 * the link in the pool's dtype; C(l, x) waits for this group's
 		 * qkv record, which follows on the same queue (queue 2 with
 		 * side_append: queued below) */
 		if (!p->side_append)
-			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
+			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->rows.slots + r0, n));
 		p->st.d2h_act_bytes += (size_t)n * kvd * 2 * mlens_dtype_size(p->kv.cache.dtype);
 	}
 	if (p->side) {
@@ -935,7 +912,7 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		 * steps' C wait for records after them on this queue */
 		if (p->side_append) {
 			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k + d0 * kvd, S->v + d0 * kvd,
-					      p->slots + r0 + d0, n - (int)d0));
+					      p->rows.slots + r0 + d0, n - (int)d0));
 			S->late = d0 ? gr : NULL;
 			S->late_layer = l;
 		}
@@ -964,7 +941,7 @@ static int kv_late(struct mlens_pipeline *p, struct pl_set *S)
 	if (!S->late)
 		return 0;
 	TRY(G->kv_append_side(GC, &p->kv.cache, S->late_layer, S->k, S->v,
-			      p->slots + S->late->r0, S->late->P));
+			      p->rows.slots + S->late->r0, S->late->P));
 	S->late = NULL;
 	TRY(G->event_record(GC, 2, PL_EV_KV_LATE + (int)(S - p->set)));
 	S->late_wait = true;
@@ -989,7 +966,7 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 					     gr->n_pre));
 	if (!p->gpu_append) {
 		double ta = now();
-		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
+		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->rows.slots + r0, n));
 		p->st.cpu_append_s += now() - ta;
 	}
 	/* the decode rows' output rounded here as GB's GEMM would round it
@@ -998,10 +975,10 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	if (nd > 0 && p->half_att && !p->prefill_cpu)
 		TRY(mlens_layer_attn_decode_half(&p->crun, (char *)S->hatt_half + d0 * qd * 2,
 						 S->hatt + d0 * qd, S->hq + d0 * qd, &p->kv.cache, l,
-						 p->qry + r0 + d0, nd));
+						 p->rows.qry + r0 + d0, nd));
 	else if (nd > 0)
 		TRY(mlens_layer_attn_decode(&p->crun, S->hatt + d0 * qd, S->hq + d0 * qd, &p->kv.cache,
-					    l, p->qry + r0 + d0, nd));
+					    l, p->rows.qry + r0 + d0, nd));
 	if (p->prefill_cpu) {
 		d0 = 0;	/* the prefill rows' output comes back too */
 		if (p->half_att)
@@ -1036,41 +1013,29 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 			      p->sh.xn, p->sh.rlog, p->sh.rid, p->sh.rw, n, (int)p->chunk);
 }
 
-static int grow_host_logits(struct mlens_pipeline *p, size_t rows)
-{
-	size_t V = (size_t)p->cfg.vocab_size;
-	if (rows > p->host_logits_rows) {
-		float *h = realloc(p->host_logits, rows * V * sizeof(float));
-		if (!h)
-			return -ENOMEM;
-		p->host_logits = h;
-		p->host_logits_rows = rows;
-	}
-	return 0;
-}
-
 /* TAIL: final norm and lm_head of the rows that need logits, in chunks;
  * sampling; logits to the host where a request asked. */
 static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 {
 	const struct mlens_model_config *c = &p->cfg;
-	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = p->n_lrow, rc;
+	struct mlens_step_rows *sr = &p->rows;
+	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = sr->nl, rc;
 	/* the tail runs after every GB (queue order): the shared xn is free;
 	 * a chunk's rows are gathered into it and normed in place */
 	float *xn = p->sh.xn;
 
 	if (want_logits)
-		TRY(grow_host_logits(p, (size_t)nl));
+		TRY(mlens_step_rows_host_logits(sr, (size_t)nl, V));
 	for (int i0 = 0; i0 < nl; i0 += (int)p->tail_rows) {
 		int cnt = nl - i0 < (int)p->tail_rows ? nl - i0 : (int)p->tail_rows;
 		/* the chunk's rows gathered (embed is a row gather; x is fp32),
 		 * then normed in one call rather than one call a row */
-		TRY(G->embed(GC, xn, p->x, MLENS_DTYPE_F32, H, p->lrow + i0, cnt));
+		TRY(G->embed(GC, xn, p->x, MLENS_DTYPE_F32, H, sr->lrow + i0, cnt));
 		TRY(G->rmsnorm(GC, xn, xn, p->ends.final_norm, c->dtype, cnt, H, (float)c->rms_norm_eps));
 		TRY(G->gemm(GC, p->logits, xn, p->ends.lm_head, c->dtype, cnt, H, V, false));
-		TRY(G->sample(GC, p->sampled + i0, p->logp + i0, p->logits, cnt, V, p->samp + i0));
+		TRY(G->sample(GC, sr->sampled + i0, sr->logp + i0, p->logits, cnt, V, sr->samp + i0));
 		if (want_logits)
-			TRY(G->download(GC, p->host_logits + (size_t)i0 * V, p->logits,
+			TRY(G->download(GC, sr->host_logits + (size_t)i0 * V, p->logits,
 					(size_t)cnt * V * sizeof(float)));
 	}
 	return 0;
@@ -1441,15 +1406,7 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 				continue;
 			for (int j = sg->j0; j < sg->j1; j++, (*row)++) {
 				int32_t ps = r->seq->len + j;
-				p->tok[*row] = r->tokens[j];
-				p->pos[*row] = ps;
-				p->row_req[*row] = sg->req;
-				p->slots[*row] = (int64_t)r->seq->blocks[ps / bs] * bs + ps % bs;
-				p->qry[*row].ctx_len = ps + 1;
-				p->qry[*row].n_blocks = (int32_t)r->seq->n_blocks;
-				p->qry[*row].block_table = r->seq->blocks;
-				if (r->all_logits || j == r->n_tokens - 1)
-					p->lrow[p->n_lrow++] = *row;
+				mlens_step_rows_put(&p->rows, *row, sg->req, r, j, bs);
 				if (!pre) {
 					uint32_t nb = mlens_kv_blocks_for(&p->kv, (int64_t)ps + 1);
 					gr->kv_tokens += (int64_t)ps + 1;
@@ -1529,7 +1486,7 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 
 	switch (cmd->kind) {
 	case MLENS_PIPE_HEAD:
-		return G->embed(GC, p->x, p->ends.embed, c->dtype, (int)c->hidden_size, p->tok,
+		return G->embed(GC, p->x, p->ends.embed, c->dtype, (int)c->hidden_size, p->rows.tok,
 				p->grp[p->n_grp - 1].r1);
 	case MLENS_PIPE_GA:
 		return stage_ga(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
@@ -1581,29 +1538,16 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	int64_t total = 0;
 	int32_t *cu;
 	bool want_logits = false;
-	uint32_t need = 0;
 	double t0 = now();
 
-	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
+	if ((rc = mlens_step_reserve(c, &p->kv, reqs, n, p->max_tokens, &total)))
 		return rc;
-	for (int i = 0; i < n; i++) {
-		const struct mlens_engine_req *r = &reqs[i];
-		need += mlens_seq_blocks_needed(&p->kv, r->seq, (int64_t)r->seq->len + r->n_tokens);
-		want_logits |= r->logits != NULL;
-	}
-	if (total > p->max_tokens)
-		return -E2BIG;
-	if (need > mlens_kv_pool_free_blocks(&p->kv))
-		return -ENOSPC;
-	for (int i = 0; i < n; i++) {
-		rc = mlens_seq_reserve(&p->kv, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-		if (rc)
-			return rc;
-	}
+	for (int i = 0; i < n; i++)
+		want_logits |= reqs[i].logits != NULL;
 
 	if ((rc = split_groups(p, reqs, n, total)))
 		return rc;
-	p->n_lrow = 0;
+	p->rows.nl = 0;
 	p->st.kv_read_tokens = 0;
 	cu = p->cu;
 	for (int x = 0; x < p->n_grp; x++) {
@@ -1612,8 +1556,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		p->st.kv_read_blocks_total += p->grp[x].kv_blocks;
 		p->st.kv_read_runs_total += p->grp[x].kv_runs;
 	}
-	for (int i = 0; i < p->n_lrow; i++)
-		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;
+	mlens_step_rows_samp(&p->rows, reqs);
 	/* the next step's first two layers stream at the end of this one */
 	if ((rc = mlens_pipe_prog_build_ex(&p->prog, (int)c->num_hidden_layers, p->n_grp,
 					   p->n_pieces, MLENS_PIPE_PREFETCH |
@@ -1652,21 +1595,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		return -ENOSPC;
 	}
 
-	for (int i = 0; i < p->n_lrow; i++) {
-		int ri = p->row_req[p->lrow[i]];
-		struct mlens_engine_req *r = &reqs[ri];
-		int j = p->pos[p->lrow[i]] - r->seq->len;
-		if (r->logits) {
-			float *dst = r->all_logits ? r->logits + (size_t)j * V : r->logits;
-			memcpy(dst, p->host_logits + (size_t)i * V, (size_t)V * sizeof(float));
-		}
-		if (j == r->n_tokens - 1) {
-			r->next_token = p->sampled[i];
-			r->logprob = p->logp[i];
-		}
-	}
-	for (int i = 0; i < n; i++)
-		reqs[i].seq->len += reqs[i].n_tokens;
+	mlens_step_deliver(&p->rows, reqs, n, V);
 	p->st.steps++;
 	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_act_bytes;
 	p->st.d2h_bytes_total += p->st.d2h_act_bytes;

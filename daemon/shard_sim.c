@@ -12,6 +12,7 @@
 #include <string.h>
 #include "daemon/errf.h"
 #include "daemon/layer.h"
+#include "daemon/step.h"
 #include "daemon/shard_sim.h"
 
 #define SIM_MAX_TOKENS 4096
@@ -406,19 +407,9 @@ int mlens_shard_sim_step(struct mlens_shard_sim *s, struct mlens_engine_req *req
 	int H = p->hidden, V = p->vocab, bs = pool->cache.block_size;
 	int T, row = 0, rc = 0;
 	int64_t total;
-	uint32_t need = 0;
 
-	TRY(mlens_engine_reqs_check(&s->cfg, reqs, n, &total));
-	if (total > SIM_MAX_TOKENS)
-		return -E2BIG;
+	TRY(mlens_step_reserve(&s->cfg, pool, reqs, n, SIM_MAX_TOKENS, &total));
 	T = (int)total;
-	for (int i = 0; i < n; i++)
-		need += mlens_seq_blocks_needed(pool, reqs[i].seq,
-						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-	if (need > mlens_kv_pool_free_blocks(pool))
-		return -ENOSPC;
-	for (int i = 0; i < n; i++)
-		TRY(mlens_seq_reserve(pool, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens));
 	for (int i = 0; i < n; i++) {
 		struct mlens_engine_req *r = &reqs[i];
 		for (int j = 0; j < r->n_tokens; j++, row++) {
