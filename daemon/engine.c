@@ -168,21 +168,9 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 		return 0;
 	}
 
-	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
-		       (e->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
-	if (layout.dtype == MLENS_DTYPE_F16) {
-		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
-		rc = -EINVAL;
+	if ((rc = mlens_kv_layout(&layout, &e->cfg, o->kv_dtype, o->kv_block_size, o->kv_blocks, err,
+				  errlen)))
 		goto fail;
-	}
-	layout.n_layers = (int)e->cfg.num_hidden_layers;
-	layout.n_kv_heads = (int)e->cfg.num_key_value_heads;
-	layout.head_dim = (int)e->cfg.head_dim;
-	layout.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
-	layout.n_blocks = o->kv_blocks ? o->kv_blocks :
-			  (uint32_t)(8 * ((e->cfg.max_position_embeddings + layout.block_size - 1) /
-					  layout.block_size));
-	layout.k = layout.v = NULL;
 	rc = mlens_kv_pool_init(&e->kv, be, &layout, o->kv_mem_k, o->kv_mem_v);
 	if (rc) {
 		mlens_errf(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens): %s",

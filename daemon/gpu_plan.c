@@ -7,6 +7,7 @@
 #include <string.h>
 #include "daemon/gpu_plan.h"
 #include "daemon/gpuplan.h"
+#include "daemon/kv_pool.h"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
@@ -55,7 +56,7 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */
-	kv_es = c->dtype == MLENS_DTYPE_F32 ? 4 : 2;
+	kv_es = mlens_dtype_size(mlens_kv_dtype(c, -1));
 	kv_tok_bytes = 2 * (uint64_t)c->num_hidden_layers * kvd * kv_es;
 	kv_tokens = kv_tok_bytes ? kv_bytes / kv_tok_bytes : 0;
 	ctx = (uint64_t)c->max_position_embeddings;

@@ -511,20 +511,9 @@ static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o
 {
 	struct mlens_kv_cache layout;
 	int rc;
-	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
-		       (p->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
-	if (layout.dtype == MLENS_DTYPE_F16) {
-		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
-		return -EINVAL;
-	}
-	layout.n_layers = (int)p->cfg.num_hidden_layers;
-	layout.n_kv_heads = (int)p->cfg.num_key_value_heads;
-	layout.head_dim = (int)p->cfg.head_dim;
-	layout.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
-	layout.n_blocks = o->kv_blocks ? o->kv_blocks :
-			  (uint32_t)(8 * ((p->cfg.max_position_embeddings + layout.block_size - 1) /
-					  layout.block_size));
-	layout.k = layout.v = NULL;
+	if ((rc = mlens_kv_layout(&layout, &p->cfg, o->kv_dtype, o->kv_block_size, o->kv_blocks, err,
+				  errlen)))
+		return rc;
 	rc = mlens_kv_pool_init(&p->kv, p->c, &layout, o->kv_mem_k, o->kv_mem_v);
 	if (rc)
 		mlens_errf(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens) on the %s "

@@ -163,14 +163,12 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	for (int r = 0; r < plan->gpus && !rc; r++) {
 		struct rank *rk = &s->ranks[r];
 		const struct mlens_shard_rank *k = &plan->rank[r];
-		struct mlens_kv_cache layout = {
-			.dtype = m->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16,
-			.n_layers = (int)m->cfg.num_hidden_layers,
-			.n_kv_heads = k->kv_heads,
-			.head_dim = plan->head_dim,
-			.block_size = block_size > 0 ? block_size : 16,
-			.n_blocks = kv_blocks,
-		};
+		struct mlens_kv_cache layout;
+		/* the model's KV dtype; never F16, so this cannot fail */
+		mlens_kv_layout(&layout, &m->cfg, -1, block_size, kv_blocks, NULL, 0);
+		layout.n_blocks = kv_blocks;
+		layout.n_kv_heads = k->kv_heads;
+		layout.head_dim = plan->head_dim;
 		rc = mlens_kv_pool_init(&rk->kv, be, &layout, NULL, NULL);
 		if (rc) {
 			mlens_errf(err, errlen, "shard simulation: cannot allocate rank %d's KV cache: %s", r,
