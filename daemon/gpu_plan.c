@@ -106,17 +106,11 @@ int mlens_gpu_plan_for(struct mlens_gpu_plan *p, const struct mlens_backend *be,
 		       uint64_t budget)
 {
 	size_t fr = 0, tot = 0;
-	if (!be->ops || be->ops->host_memory)
+	int rc;
+	if (!be->ops || be->ops->host_memory || !MLENS_BACKEND_HAS(be->ops, mem_info))
 		return -ENOTSUP;
-#ifdef HAVE_CUDA
-	{
-		int rc = mlens_backend_cuda_mem_info(be, &fr, &tot);
-		if (rc)
-			return rc;
-	}
-#else
-	return -ENOTSUP;
-#endif
+	if ((rc = be->ops->mem_info(be->ctx, &fr, &tot)))
+		return rc;
 	mlens_gpu_plan_compute(p, c, weight_bytes, kv_bytes, step_tokens, gemm, budget, fr, tot);
 	return 0;
 }

@@ -941,11 +941,14 @@ void mlens_profile_gpu_name(const struct mlens_backend *be, char *buf, size_t le
 		buf[0] = 0;
 	if (!be || !be->ops || be->ops->host_memory)
 		return;
-#ifdef HAVE_CUDA
+	if (!MLENS_BACKEND_HAS(be->ops, bus_id)) {
+		snprintf(buf, len, "%s", be->ops->name);
+		return;
+	}
 	{
 		char bus[32], path[128], vendor[16] = "", device[16] = "";
 		FILE *f;
-		if (mlens_cuda_pci_bus_id(0, bus, sizeof(bus)))
+		if (be->ops->bus_id(be->ctx, bus, sizeof(bus)))
 			return;
 		for (char *s = bus; *s; s++)
 			if (*s >= 'A' && *s <= 'F')
@@ -967,9 +970,6 @@ void mlens_profile_gpu_name(const struct mlens_backend *be, char *buf, size_t le
 		snprintf(buf, len, "%s:%s at %s", vendor[0] ? vendor + (vendor[1] == 'x' ? 2 : 0) : "?",
 			 device[0] ? device + (device[1] == 'x' ? 2 : 0) : "?", bus);
 	}
-#else
-	snprintf(buf, len, "%s", be->ops->name);
-#endif
 }
 
 static json_t *line_json(const struct mlens_perf_line *l)
