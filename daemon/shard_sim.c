@@ -44,10 +44,9 @@ struct mlens_shard_sim {
 	size_t es;
 	struct rank *ranks;
 	float *x, *xn, *sum, *rlog, *rw, *logits;
-	int32_t *rid, *tok, *pos;
-	int64_t *slots;
-	struct mlens_attn_query *qry;
-	int32_t *row_req, *lrow;
+	int32_t *rid;
+	struct mlens_step_rows rows;	/* the step's rows (host memory) */
+	int32_t *last;			/* each request's last row */
 };
 
 /* Columns [c0, c0+nc) of a [rows][cols] matrix of es-byte elements. */
@@ -194,13 +193,8 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	s->rw = salloc(s, T * K, &rc);
 	s->rid = salloc(s, T * K, &rc);
 	s->logits = salloc(s, T * plan->vocab, &rc);
-	s->tok = salloc(s, T, &rc);
-	s->pos = salloc(s, T, &rc);
-	s->row_req = salloc(s, T, &rc);
-	s->lrow = salloc(s, T, &rc);
-	s->slots = calloc(T, sizeof(*s->slots));
-	s->qry = calloc(T, sizeof(*s->qry));
-	if (rc || !s->slots || !s->qry) {
+	s->last = salloc(s, T, &rc);
+	if (rc || mlens_step_rows_alloc(&s->rows, T)) {
 		rc = rc ? rc : -ENOMEM;
 		mlens_errf(err, errlen, "shard simulation: out of memory for %d ranks", plan->gpus);
 		goto fail;
@@ -255,12 +249,8 @@ void mlens_shard_sim_destroy(struct mlens_shard_sim *s)
 	sfree(s, s->rw);
 	sfree(s, s->rid);
 	sfree(s, s->logits);
-	sfree(s, s->tok);
-	sfree(s, s->pos);
-	sfree(s, s->row_req);
-	sfree(s, s->lrow);
-	free(s->slots);
-	free(s->qry);
+	sfree(s, s->last);
+	mlens_step_rows_free(&s->rows);
 	free(s);
 }
 
@@ -294,7 +284,7 @@ static void allreduce_add(struct mlens_shard_sim *s, int r0, int r1)
 static int attention(struct mlens_shard_sim *s, int l, int T)
 {
 	const struct mlens_shard_plan *p = &s->plan;
-	const struct mlens_layer_rows rows = { .n = T, .slots = s->slots, .qry = s->qry };
+	const struct mlens_layer_rows rows = { .n = T, .slots = s->rows.slots, .qry = s->rows.qry };
 	int rc;
 
 	/* the norm is replicated: every rank computes the same rows */
@@ -303,7 +293,7 @@ static int attention(struct mlens_shard_sim *s, int l, int T)
 		struct rank *rk = &s->ranks[r];
 		const struct mlens_layer_bound *b = &rk->layers[l];
 		const struct mlens_layer_act a = { .q = rk->q, .k = rk->k, .v = rk->v, .att = rk->att };
-		TRY(mlens_layer_qkv_rope(&rk->run, b, s->xn, rk->q, rk->k, rk->v, s->pos, T));
+		TRY(mlens_layer_qkv_rope(&rk->run, b, s->xn, rk->q, rk->k, rk->v, s->rows.pos, T));
 		TRY(mlens_layer_attend(&rk->run, &rk->kv.cache, l, &a, &rows));
 		/* partial O projection over its heads' columns */
 		TRY(mlens_layer_out_proj(&rk->run, b, rk->part, rk->att, false, T, false));
@@ -408,22 +398,14 @@ int mlens_shard_sim_step(struct mlens_shard_sim *s, struct mlens_engine_req *req
 
 	TRY(mlens_step_reserve(&s->cfg, pool, reqs, n, SIM_MAX_TOKENS, &total));
 	T = (int)total;
+	s->rows.nl = 0;
 	for (int i = 0; i < n; i++) {
-		struct mlens_engine_req *r = &reqs[i];
-		for (int j = 0; j < r->n_tokens; j++, row++) {
-			int32_t ps = r->seq->len + j;
-			s->tok[row] = r->tokens[j];
-			s->pos[row] = ps;
-			s->row_req[row] = i;
-			s->slots[row] = (int64_t)r->seq->blocks[ps / bs] * bs + ps % bs;
-			s->qry[row].ctx_len = ps + 1;
-			s->qry[row].n_blocks = (int32_t)r->seq->n_blocks;
-			s->qry[row].block_table = r->seq->blocks;
-		}
-		s->lrow[i] = row - 1;
+		for (int j = 0; j < reqs[i].n_tokens; j++, row++)
+			mlens_step_rows_put(&s->rows, row, i, &reqs[i], j, bs);
+		s->last[i] = row - 1;
 	}
 
-	TRY(OPS->embed(CTX, s->x, s->m->embed->data, s->cfg.dtype, H, s->tok, T));
+	TRY(OPS->embed(CTX, s->x, s->m->embed->data, s->cfg.dtype, H, s->rows.tok, T));
 	for (int l = 0; l < (int)s->cfg.num_hidden_layers; l++) {
 		TRY(attention(s, l, T));
 		if (p->scheme == MLENS_SHARD_TP)
@@ -434,7 +416,7 @@ int mlens_shard_sim_step(struct mlens_shard_sim *s, struct mlens_engine_req *req
 	/* logits of each request's last row: norm (replicated), then each rank
 	 * its vocab rows of lm_head, all-gathered into the full rows */
 	for (int i = 0; i < n; i++)
-		TRY(OPS->rmsnorm(CTX, s->xn + (size_t)i * H, s->x + (size_t)s->lrow[i] * H,
+		TRY(OPS->rmsnorm(CTX, s->xn + (size_t)i * H, s->x + (size_t)s->last[i] * H,
 				 s->m->final_norm->data, s->cfg.dtype, 1, H, (float)s->cfg.rms_norm_eps));
 	for (int r = 0; r < p->gpus; r++) {
 		const struct mlens_shard_rank *k = &p->rank[r];
