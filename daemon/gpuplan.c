@@ -344,32 +344,3 @@ int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_
 			gib(p->slots), (long long)p->tokens, (long long)p->group, gib(p->act), gib(p->workspace),
 			gib(p->total), gib(p->minimum), gib(p->gpu_only));
 }
-
-int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget,
-			      int64_t max_tokens, uint64_t kv_bytes, char *why, size_t len)
-{
-	const struct mlens_gpuplan_in dflt = { 0 };	/* default group and chunk, fast GEMMs */
-	uint64_t need;
-	if (max_tokens <= 0)
-		return -EINVAL;
-	need = sat_add(sat_add(mlens_perf_resident_bytes(pm, (int)pm->experts),
-			       mlens_gpuplan_act_bytes(pm, max_tokens, &dflt)),
-		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
-	if (!budget) {
-		mlens_errf(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "
-		       "need %.2f GiB)", gib(need));
-		return 0;
-	}
-	if (need <= budget) {
-		mlens_errf(why, len, "GPU-only mode: gpu_memory %.2f GiB holds the weights, the KV cache "
-		       "and activations for %lld tokens (%.2f GiB)", gib(budget),
-		       (long long)max_tokens, gib(need));
-		return 0;
-	}
-	mlens_errf(why, len, "hybrid mode: gpu_memory %.2f GiB is below the %.2f GiB that GPU-only mode "
-	       "needs (weights %.2f GiB, KV cache %.2f GiB, activations for %lld tokens and "
-	       "workspace), so experts stream from host memory and decode attention runs on the CPU",
-	       gib(budget), gib(need), gib(mlens_perf_resident_bytes(pm, (int)pm->experts)),
-	       gib(kv_bytes), (long long)max_tokens);
-	return 1;
-}
