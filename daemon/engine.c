@@ -333,7 +333,8 @@ static int prof_end(void *arg, enum mlens_layer_op op)
 		[MLENS_LAYER_OP_ROPE] = PK_ROPE, [MLENS_LAYER_OP_KV_APPEND] = PK_KV_APPEND,
 		[MLENS_LAYER_OP_PREFILL] = PK_PREFILL, [MLENS_LAYER_OP_DECODE] = PK_DECODE,
 		[MLENS_LAYER_OP_WO] = PK_WO, [MLENS_LAYER_OP_ROUTER] = PK_ROUTER,
-		[MLENS_LAYER_OP_MOE] = PK_MOE,
+		[MLENS_LAYER_OP_MOE] = PK_MOE, [MLENS_LAYER_OP_LM_HEAD] = PK_LM_HEAD,
+		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE,
 	};
 	struct mlens_engine *e = arg;
 	return prof_add(e, kind[op], e->prof_t0);
@@ -411,6 +412,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 {
 	const struct mlens_model_config *c = &e->cfg;
 	struct mlens_step_rows *sr = &e->rows;
+	const struct mlens_layer_run run = { e->be, &e->desc, e->prof_every > 0 ? &e->probe : NULL };
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
@@ -450,8 +452,6 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
 	trace_part_end(e, part);
 	{
-		const struct mlens_layer_run run = { e->be, &e->desc,
-						     e->prof_every > 0 ? &e->probe : NULL };
 		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,
 						     e->rw, e->rid };
 		const struct mlens_layer_rows rows = { .n = T, .P = P, .n_pre = n_pre, .pos = sr->pos,
@@ -463,30 +463,18 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 		}
 	}
 
-	/* logits for the rows that need them: gather, norm, lm_head */
+	/* logits for the rows that need them: gather, norm, lm_head, sample;
+	 * logits to the host where a request asked */
 	TRY(grow_logits(e, (size_t)nl));
-	for (int i = 0, run; i < nl; i += run) {
-		/* final norm straight from the residual rows into packed rows, one
-		 * call per run of consecutive rows: decode rows are one run, so a
-		 * step costs a few launches on the GPU rather than one a sequence */
-		for (run = 1; i + run < nl && sr->lrow[i + run] == sr->lrow[i] + run; run++)
-			;
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)sr->lrow[i] * H,
-				 e->ends.final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
-	}
-	part = trace_part_begin(e, L, L);
-	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->ends.lm_head, c->dtype, nl, H, V, false));
-
-	/* sample the last row of each request; download logits where asked */
-	mlens_step_rows_samp(sr, reqs);
-	PTRY(PK_SAMPLE, OPS->sample(CTX, sr->sampled, sr->logp, e->logits, nl, V, sr->samp));
-	trace_part_end(e, part);
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)
 			any |= reqs[i].logits != NULL;
-		if (any)
-			TRY(OPS->download(CTX, sr->host_logits, e->logits, (size_t)nl * V * sizeof(float)));
+		mlens_step_rows_samp(sr, reqs);
+		part = trace_part_begin(e, L, L);
+		TRY(mlens_ends_logits(&run, &e->ends, V, e->x, e->xn, e->logits, sr->lrow, nl, nl,
+				      sr->samp, sr->sampled, sr->logp, any ? sr->host_logits : NULL));
+		trace_part_end(e, part);
 	}
 	mlens_step_deliver(sr, reqs, n, V);
 	if (e->prof_every > 0)

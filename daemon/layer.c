@@ -290,3 +290,33 @@ int mlens_layer_forward(const struct mlens_layer_run *r, const struct mlens_laye
 		return rc;
 	return mlens_layer_gb(r, b, a->x, a->att, false, a->xn, a->rlog, a->rid, a->rw, rows->n, 0);
 }
+
+int mlens_ends_logits(const struct mlens_layer_run *r, const struct mlens_ends_bound *e, int vocab,
+		      const float *x, float *xn, float *logits, const int32_t *lrow, int nl,
+		      int chunk, const struct mlens_sampling *samp, int32_t *sampled, float *logp,
+		      float *host_logits)
+{
+	const struct mlens_layer_desc *d = r->d;
+	size_t V = (size_t)vocab;
+	int rc;
+
+	if (chunk <= 0 || chunk > nl)
+		chunk = nl;
+	for (int i0 = 0; i0 < nl; i0 += chunk) {
+		int cnt = nl - i0 < chunk ? nl - i0 : chunk;
+		/* the chunk's rows gathered (embed is a row gather; x is fp32),
+		 * then normed in one call rather than one call a row */
+		OP(MLENS_LAYER_OP_NORM, OPS->embed(CTX, xn, x, MLENS_DTYPE_F32, d->hidden, lrow + i0,
+						   cnt));
+		OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, xn, e->final_norm, d->dtype, cnt,
+						     d->hidden, d->norm_eps));
+		OP(MLENS_LAYER_OP_LM_HEAD, OPS->gemm(CTX, logits, xn, e->lm_head, d->dtype, cnt,
+						     d->hidden, vocab, false));
+		OP(MLENS_LAYER_OP_SAMPLE, OPS->sample(CTX, sampled + i0, logp + i0, logits, cnt, vocab,
+						      samp + i0));
+		if (host_logits && (rc = OPS->download(CTX, host_logits + (size_t)i0 * V, logits,
+							  (size_t)cnt * V * sizeof(float))))
+			return rc;
+	}
+	return 0;
+}

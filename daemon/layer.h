@@ -112,6 +112,8 @@ enum mlens_layer_op {
 	MLENS_LAYER_OP_WO,
 	MLENS_LAYER_OP_ROUTER,
 	MLENS_LAYER_OP_MOE,
+	MLENS_LAYER_OP_LM_HEAD,	/* of mlens_ends_logits */
+	MLENS_LAYER_OP_SAMPLE,
 	MLENS_LAYER_OP_N
 };
 
@@ -194,5 +196,15 @@ int mlens_layer_gb(const struct mlens_layer_run *r, const struct mlens_layer_bou
 int mlens_layer_forward(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			struct mlens_kv_cache *kv, int layer, const struct mlens_layer_act *a,
 			const struct mlens_layer_rows *rows);
+
+/* The model's head for the nl rows listed in lrow (host), chunk rows a
+ * call (<= 0: all in one): a chunk's residual rows gathered from x into
+ * xn, normed there, lm_head into logits [chunk][vocab], one token each
+ * sampled with samp[i] into sampled[i] and logp[i] (host); with
+ * host_logits, the logits copied there too ([nl][vocab]). */
+int mlens_ends_logits(const struct mlens_layer_run *r, const struct mlens_ends_bound *e, int vocab,
+		      const float *x, float *xn, float *logits, const int32_t *lrow, int nl,
+		      int chunk, const struct mlens_sampling *samp, int32_t *sampled, float *logp,
+		      float *host_logits);
 
 #endif

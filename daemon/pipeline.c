@@ -1006,28 +1006,16 @@ static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
  * sampling; logits to the host where a request asked. */
 static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 {
-	const struct mlens_model_config *c = &p->cfg;
 	struct mlens_step_rows *sr = &p->rows;
-	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = sr->nl, rc;
-	/* the tail runs after every GB (queue order): the shared xn is free;
-	 * a chunk's rows are gathered into it and normed in place */
-	float *xn = p->sh.xn;
+	int V = (int)p->cfg.vocab_size, nl = sr->nl, rc;
 
 	if (want_logits)
 		TRY(mlens_step_rows_host_logits(sr, (size_t)nl, V));
-	for (int i0 = 0; i0 < nl; i0 += (int)p->tail_rows) {
-		int cnt = nl - i0 < (int)p->tail_rows ? nl - i0 : (int)p->tail_rows;
-		/* the chunk's rows gathered (embed is a row gather; x is fp32),
-		 * then normed in one call rather than one call a row */
-		TRY(G->embed(GC, xn, p->x, MLENS_DTYPE_F32, H, sr->lrow + i0, cnt));
-		TRY(G->rmsnorm(GC, xn, xn, p->ends.final_norm, c->dtype, cnt, H, (float)c->rms_norm_eps));
-		TRY(G->gemm(GC, p->logits, xn, p->ends.lm_head, c->dtype, cnt, H, V, false));
-		TRY(G->sample(GC, sr->sampled + i0, sr->logp + i0, p->logits, cnt, V, sr->samp + i0));
-		if (want_logits)
-			TRY(G->download(GC, sr->host_logits + (size_t)i0 * V, p->logits,
-					(size_t)cnt * V * sizeof(float)));
-	}
-	return 0;
+	/* the tail runs after every GB (queue order): the shared xn is free
+	 * for a chunk's rows */
+	return mlens_ends_logits(&p->grun, &p->ends, V, p->x, p->sh.xn, p->logits, sr->lrow, nl,
+				 (int)p->tail_rows, sr->samp, sr->sampled, sr->logp,
+				 want_logits ? sr->host_logits : NULL);
 }
 
 /* ==== the two sides of a step ==== */
