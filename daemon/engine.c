@@ -1,5 +1,6 @@
-/* One step of the Mixtral forward pass through the backend ops.
- * Token rows are ordered prefill sequences first (contiguous, for
+/* One step on one backend: the embedding, every layer whole
+ * (daemon/layer.h) and the model's head; in hybrid mode the step goes to
+ * the pipeline instead. Token rows are ordered prefill sequences first (contiguous, for
  * attn_prefill), then the tokens of sequences that already have a cache
  * (decode, or a continuation), which read the paged cache. */
 #include <errno.h>

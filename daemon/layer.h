@@ -8,7 +8,10 @@
  *
  * A family differs from Mixtral's in data here (the desc, the bound
  * tensors) and in small steps of these functions, never in a copy of the
- * layer. Op order, dtypes and rounding are the golden outputs' contract. */
+ * layer: the kind of norm (attn_norm, route), a q/k norm or a clip of q,
+ * k, v after their projection (qkv_rope), projection biases (bound
+ * tensors), the routing rule (route) and shared experts (experts). Op
+ * order, dtypes and rounding are the golden outputs' contract. */
 #ifndef MLENS_LAYER_H
 #define MLENS_LAYER_H
 
