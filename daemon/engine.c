@@ -4,7 +4,6 @@
  * attn_prefill), then the tokens of sequences that already have a cache
  * (decode, or a continuation), which read the paged cache. */
 #include <errno.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -276,11 +275,7 @@ int mlens_engine_reqs_check(const struct mlens_model_config *c, const struct mle
 uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
 				  int n)
 {
-	uint32_t need = 0;
-	for (int i = 0; i < n; i++)
-		need += mlens_seq_blocks_needed(mlens_engine_kv(e), reqs[i].seq,
-						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-	return need;
+	return mlens_step_blocks(mlens_engine_kv(e), reqs, n);
 }
 
 /* ==== the step ==== */

@@ -10,7 +10,6 @@
  * residual stream is kept for every row; the rest of a group's
  * activations live in one of its sets (pipeline_sets: two or three). */
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>

@@ -5,7 +5,6 @@
  * stream is kept once: every rank's replica would be identical, being made
  * by the same collective. */
 #include <errno.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -4,11 +4,20 @@
 #include <string.h>
 #include "daemon/step.h"
 
+uint32_t mlens_step_blocks(const struct mlens_kv_pool *kv, const struct mlens_engine_req *reqs,
+			   int n)
+{
+	uint32_t need = 0;
+	for (int i = 0; i < n; i++)
+		need += mlens_seq_blocks_needed(kv, reqs[i].seq,
+						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
+	return need;
+}
+
 int mlens_step_reserve(const struct mlens_model_config *c, struct mlens_kv_pool *kv,
 		       const struct mlens_engine_req *reqs, int n, int64_t max_tokens,
 		       int64_t *total)
 {
-	uint32_t need = 0;
 	int rc;
 
 	/* validate everything before touching any state */
@@ -16,10 +25,7 @@ int mlens_step_reserve(const struct mlens_model_config *c, struct mlens_kv_pool 
 		return rc;
 	if (*total > max_tokens)
 		return -E2BIG;
-	for (int i = 0; i < n; i++)
-		need += mlens_seq_blocks_needed(kv, reqs[i].seq,
-						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-	if (need > mlens_kv_pool_free_blocks(kv))
+	if (mlens_step_blocks(kv, reqs, n) > mlens_kv_pool_free_blocks(kv))
 		return -ENOSPC;
 	for (int i = 0; i < n; i++)
 		if ((rc = mlens_seq_reserve(kv, reqs[i].seq,

@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include "daemon/engine.h"
 
+/* KV blocks the requests need beyond what their sequences hold. */
+uint32_t mlens_step_blocks(const struct mlens_kv_pool *kv, const struct mlens_engine_req *reqs,
+			   int n);
+
 /* mlens_engine_reqs_check, then more than max_tokens tokens: -E2BIG; more
  * blocks than the pool has free: -ENOSPC; else every request's blocks
  * reserved (-ENOMEM when a block table cannot grow: the blocks reserved
