@@ -13,10 +13,6 @@ int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config 
 {
 	memset(out, 0, sizeof(*out));
 	out->dtype = mlens_kv_dtype(c, dtype);
-	if (out->dtype == MLENS_DTYPE_F16) {
-		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
-		return -EINVAL;
-	}
 	out->n_layers = (int)c->num_hidden_layers;
 	out->n_kv_heads = (int)c->num_key_value_heads;
 	out->head_dim = (int)c->head_dim;
@@ -24,6 +20,10 @@ int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config 
 	out->n_blocks = n_blocks ? n_blocks :
 			(uint32_t)(8 * ((c->max_position_embeddings + out->block_size - 1) /
 					out->block_size));
+	if (out->dtype == MLENS_DTYPE_F16) {
+		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		return -EINVAL;
+	}
 	return 0;
 }
 

@@ -42,10 +42,12 @@ static inline enum mlens_dtype mlens_kv_dtype(const struct mlens_model_config *c
 }
 
 /* The layout of model c's KV cache, without memory: dtype as
- * mlens_kv_dtype (F16: -EINVAL, said in err), block_size tokens a block
- * (<= 0: MLENS_KV_BLOCK_SIZE), n_blocks blocks (0: enough for eight
- * contexts of max_position_embeddings), the model's KV heads and head
- * size (a shard sets its own after). */
+ * mlens_kv_dtype, block_size tokens a block (<= 0: MLENS_KV_BLOCK_SIZE),
+ * n_blocks blocks (0: enough for eight contexts of
+ * max_position_embeddings), the model's layers, KV heads and head size (a
+ * shard or a one-layer test pool sets its own after). The layout is
+ * filled either way; 0, or -EINVAL for F16 (said in err), which the
+ * kernels' cache does not hold. */
 int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config *c, int dtype,
 		    int block_size, uint32_t n_blocks, char *err, size_t errlen);
 

@@ -321,12 +321,9 @@ out:
 static void test_kv(struct mlens_kv_cache *kv, const struct mlens_model_config *c,
 		    const struct mlens_profile_opts *o)
 {
-	memset(kv, 0, sizeof(*kv));
-	kv->dtype = o->kv_dtype;
+	/* the daemon's dtype (never F16); the caller sizes n_blocks */
+	mlens_kv_layout(kv, c, (int)o->kv_dtype, o->kv_block_size, 1, NULL, 0);
 	kv->n_layers = 1;
-	kv->n_kv_heads = (int)c->num_key_value_heads;
-	kv->head_dim = (int)c->head_dim;
-	kv->block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
 }
 
 /* slots[rows]: rows in the blocks they fill, the blocks drawn without
@@ -749,6 +746,8 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	const struct mlens_model_config *c = &m->cfg;
 	struct mlens_backend tmp = { 0 }, *be = o->attn;
 	struct mlens_kv_cache kv;
+	struct mlens_layer_desc d;
+	struct mlens_layer_run run;
 	struct mlens_attn_query *qr = NULL;
 	uint32_t *table = NULL;
 	float *q = NULL, *out = NULL;
@@ -768,9 +767,11 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 		}
 		be = &tmp;
 	}
+	mlens_layer_desc_init(&d, c);
+	run = (struct mlens_layer_run){ be, &d, NULL };
 	test_kv(&kv, c, o);
 	bs = kv.block_size;
-	tok_bytes = 2 * (size_t)kv.n_kv_heads * (size_t)kv.head_dim * mlens_dtype_size(kv.dtype);
+	tok_bytes = 2 * mlens_kv_token_bytes(&kv);	/* K and V, the one layer */
 	/* sequences of up to 2048 tokens (or the model's context) filling kvbytes */
 	ctx = c->max_position_embeddings > 1 && c->max_position_embeddings - 1 < 2048 ?
 	      (int)c->max_position_embeddings - 1 : 2048;
@@ -820,9 +821,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 			goto out;
 		for (int r = 0; r < REPS + 1 && !rc; r++) {
 			double t0 = now(), t;
-			rc = be->ops->attn_decode(be->ctx, out, q, &kv, 0, qr, n_seq,
-						  (int)c->num_attention_heads,
-						  1.0f / sqrtf((float)c->head_dim));
+			rc = mlens_layer_attn_decode(&run, out, q, &kv, 0, qr, n_seq);
 			t = now() - t0;
 			if (r && t < best)
 				best = t;
