@@ -1,9 +1,9 @@
-/* One step of the Mixtral forward pass through the backend ops.
- * Token rows are ordered prefill sequences first (contiguous, for
+/* One step on one backend: the embedding, every layer whole
+ * (daemon/layer.h) and the model's head; in hybrid mode the step goes to
+ * the pipeline instead. Token rows are ordered prefill sequences first (contiguous, for
  * attn_prefill), then the tokens of sequences that already have a cache
  * (decode, or a continuation), which read the paged cache. */
 #include <errno.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,14 +11,10 @@
 #include <time.h>
 #include "daemon/errf.h"
 #include "daemon/engine.h"
+#include "daemon/layer.h"
 #include "daemon/pipeline.h"
+#include "daemon/step.h"
 #include "daemon/trace.h"
-
-struct layer_bind {
-	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
-	const void **w1, **w2, **w3;
-	struct mlens_moe_weights moe;
-};
 
 struct mlens_engine {
 	const struct mlens_model *m;
@@ -33,9 +29,11 @@ struct mlens_engine {
 	int qdim, kvdim;
 	bool prefill_op;	/* prefill attention through attn_prefill */
 
-	/* weights as the backend sees them */
-	const void *embed, *final_norm, *lm_head;
-	struct layer_bind *layers;
+	/* the layer's shape and the weights as the backend sees them */
+	struct mlens_layer_desc desc;
+	struct mlens_layer_placer placer;
+	struct mlens_ends_bound ends;
+	struct mlens_layer_bound *layers;
 
 	/* activations, backend memory, max_tokens rows */
 	float *x, *xn, *q, *k, *v, *att, *rlog, *rw;
@@ -44,23 +42,16 @@ struct mlens_engine {
 	size_t logits_rows;
 
 	/* host scratch, max_tokens entries */
-	int32_t *tok, *pos, *cu;
-	int64_t *slots;
-	struct mlens_attn_query *qry;
-	int32_t *row_req;	/* request index of each row */
-	int32_t *lrow;		/* rows that need logits */
-	int32_t *sampled;
-	float *logp;
-	struct mlens_sampling *samp;
-	float *host_logits;
-	size_t host_logits_rows;
+	struct mlens_step_rows rows;
+	int32_t *cu;
 
 	/* MLENS_ENGINE_PROFILE=N: wait for the backend after every op, add its
 	 * wall time to its kind and print the split every N steps on stderr
 	 * (a measurement aid: the waits themselves slow the step) */
 	int prof_every;
 	long prof_steps;
-	double prof_t[16], prof_step_t;
+	double prof_t[16], prof_step_t, prof_t0;
+	struct mlens_layer_probe probe;
 };
 
 enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, PK_DECODE, PK_WO,
@@ -68,59 +59,22 @@ enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, P
 static const char *const prof_names[PK_N] = { "embed", "rmsnorm", "qkv gemm", "rope", "kv_append",
 	"attn_prefill", "attn_decode", "o gemm", "router", "moe", "lm_head", "sample" };
 
+static void prof_begin(void *arg);
+static int prof_end(void *arg, enum mlens_layer_op op);
+
 /* ==== weights ==== */
-
-static const void *bind(struct mlens_engine *e, const void *host, size_t bytes, int *rc)
-{
-	return mlens_backend_place(e->be, host, bytes, rc);
-}
-
-static void unbind(struct mlens_engine *e, const void *p)
-{
-	mlens_backend_unplace(e->be, p);
-}
 
 static int bind_weights(struct mlens_engine *e)
 {
 	const struct mlens_model *m = e->m;
-	const struct mlens_model_config *c = &e->cfg;
-	size_t es = mlens_dtype_size(c->dtype);
-	size_t ih = (size_t)c->intermediate_size * c->hidden_size * es;
-	int rc = 0;
+	int E = e->desc.n_experts, rc;
 
-	e->layers = calloc((size_t)c->num_hidden_layers, sizeof(*e->layers));
+	e->layers = calloc((size_t)e->cfg.num_hidden_layers, sizeof(*e->layers));
 	if (!e->layers)
 		return -ENOMEM;
-	e->embed = bind(e, m->embed->data, m->embed->nbytes, &rc);
-	e->final_norm = bind(e, m->final_norm->data, m->final_norm->nbytes, &rc);
-	if (m->lm_head == m->embed)
-		e->lm_head = e->embed;
-	else
-		e->lm_head = bind(e, m->lm_head->data, m->lm_head->nbytes, &rc);
-	for (int64_t l = 0; l < c->num_hidden_layers && !rc; l++) {
-		const struct mlens_layer_weights *w = &m->layers[l];
-		struct layer_bind *b = &e->layers[l];
-		b->attn_norm = bind(e, w->attn_norm->data, w->attn_norm->nbytes, &rc);
-		b->wq = bind(e, w->wq->data, w->wq->nbytes, &rc);
-		b->wk = bind(e, w->wk->data, w->wk->nbytes, &rc);
-		b->wv = bind(e, w->wv->data, w->wv->nbytes, &rc);
-		b->wo = bind(e, w->wo->data, w->wo->nbytes, &rc);
-		b->ffn_norm = bind(e, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
-		b->router = bind(e, w->router->data, w->router->nbytes, &rc);
-		b->w1 = calloc((size_t)c->num_local_experts, sizeof(void *));
-		b->w2 = calloc((size_t)c->num_local_experts, sizeof(void *));
-		b->w3 = calloc((size_t)c->num_local_experts, sizeof(void *));
-		if (!b->w1 || !b->w2 || !b->w3)
-			return -ENOMEM;
-		for (int64_t x = 0; x < c->num_local_experts && !rc; x++) {
-			b->w1[x] = bind(e, w->w1[x], ih, &rc);
-			b->w2[x] = bind(e, w->w2[x], ih, &rc);
-			b->w3[x] = bind(e, w->w3[x], ih, &rc);
-		}
-		b->moe = (struct mlens_moe_weights){ .n_experts = (int)c->num_local_experts, .hidden = (int)c->hidden_size,
-			.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = b->w1, .w2 = b->w2,
-			.w3 = b->w3 };
-	}
+	rc = mlens_ends_bind(&e->ends, m, &e->placer);
+	for (int64_t l = 0; l < e->cfg.num_hidden_layers && !rc; l++)
+		rc = mlens_layer_bind(&e->layers[l], &m->layers[l], &e->desc, E, &e->placer);
 	return rc;
 }
 
@@ -128,31 +82,10 @@ static void unbind_weights(struct mlens_engine *e)
 {
 	if (!e->layers)
 		return;
-	unbind(e, e->embed);
-	unbind(e, e->final_norm);
-	if (e->lm_head != e->embed)
-		unbind(e, e->lm_head);
-	for (int64_t l = 0; l < e->cfg.num_hidden_layers; l++) {
-		struct layer_bind *b = &e->layers[l];
-		unbind(e, b->attn_norm);
-		unbind(e, b->wq);
-		unbind(e, b->wk);
-		unbind(e, b->wv);
-		unbind(e, b->wo);
-		unbind(e, b->ffn_norm);
-		unbind(e, b->router);
-		for (int64_t x = 0; x < e->cfg.num_local_experts; x++) {
-			if (b->w1)
-				unbind(e, b->w1[x]);
-			if (b->w2)
-				unbind(e, b->w2[x]);
-			if (b->w3)
-				unbind(e, b->w3[x]);
-		}
-		free(b->w1);
-		free(b->w2);
-		free(b->w3);
-	}
+	mlens_ends_unbind(&e->ends, e->m, &e->placer);
+	for (int64_t l = 0; l < e->cfg.num_hidden_layers; l++)
+		mlens_layer_unbind(&e->layers[l], &e->m->layers[l], &e->desc, e->desc.n_experts,
+				   &e->placer);
 	free(e->layers);
 	e->layers = NULL;
 }
@@ -192,6 +125,9 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	if (getenv("MLENS_ENGINE_PROFILE"))
 		e->prof_every = atoi(getenv("MLENS_ENGINE_PROFILE"));
 	e->be = be;
+	mlens_layer_desc_init(&e->desc, &e->cfg);
+	e->placer = mlens_layer_placer_backend(be);
+	e->probe = (struct mlens_layer_probe){ prof_begin, prof_end, e };
 	if ((rc = mlens_trace_create(&e->trace, 0)) || (rc = mlens_step_timer_init(&e->timer, be))) {
 		mlens_errf(err, errlen, "cannot allocate the step trace recorder");
 		goto fail;
@@ -232,21 +168,9 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 		return 0;
 	}
 
-	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
-		       (e->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
-	if (layout.dtype == MLENS_DTYPE_F16) {
-		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
-		rc = -EINVAL;
+	if ((rc = mlens_kv_layout(&layout, &e->cfg, o->kv_dtype, o->kv_block_size, o->kv_blocks, err,
+				  errlen)))
 		goto fail;
-	}
-	layout.n_layers = (int)e->cfg.num_hidden_layers;
-	layout.n_kv_heads = (int)e->cfg.num_key_value_heads;
-	layout.head_dim = (int)e->cfg.head_dim;
-	layout.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
-	layout.n_blocks = o->kv_blocks ? o->kv_blocks :
-			  (uint32_t)(8 * ((e->cfg.max_position_embeddings + layout.block_size - 1) /
-					  layout.block_size));
-	layout.k = layout.v = NULL;
 	rc = mlens_kv_pool_init(&e->kv, be, &layout, o->kv_mem_k, o->kv_mem_v);
 	if (rc) {
 		mlens_errf(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens): %s",
@@ -271,18 +195,8 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 	e->rlog = balloc(e, T * e->cfg.num_local_experts, 4, &rc);
 	e->rw = balloc(e, T * e->cfg.num_experts_per_tok, 4, &rc);
 	e->rid = balloc(e, T * e->cfg.num_experts_per_tok, 4, &rc);
-	e->tok = malloc(T * sizeof(*e->tok));
-	e->pos = malloc(T * sizeof(*e->pos));
 	e->cu = malloc((T + 1) * sizeof(*e->cu));
-	e->slots = malloc(T * sizeof(*e->slots));
-	e->qry = malloc(T * sizeof(*e->qry));
-	e->row_req = malloc(T * sizeof(*e->row_req));
-	e->lrow = malloc(T * sizeof(*e->lrow));
-	e->sampled = malloc(T * sizeof(*e->sampled));
-	e->logp = malloc(T * sizeof(*e->logp));
-	e->samp = malloc(T * sizeof(*e->samp));
-	if (rc || !e->tok || !e->pos || !e->cu || !e->slots || !e->qry || !e->row_req ||
-	    !e->lrow || !e->sampled || !e->logp || !e->samp) {
+	if (rc || mlens_step_rows_alloc(&e->rows, T) || !e->cu) {
 		rc = -ENOMEM;
 		mlens_errf(err, errlen, "cannot allocate activations for %d tokens per step", e->max_tokens);
 		goto fail;
@@ -308,17 +222,8 @@ void mlens_engine_destroy(struct mlens_engine *e)
 	unbind_weights(e);
 	if (e->kv.free_stack)
 		mlens_kv_pool_fini(&e->kv);
-	free(e->tok);
-	free(e->pos);
+	mlens_step_rows_free(&e->rows);
 	free(e->cu);
-	free(e->slots);
-	free(e->qry);
-	free(e->row_req);
-	free(e->lrow);
-	free(e->sampled);
-	free(e->logp);
-	free(e->samp);
-	free(e->host_logits);
 	free(e);
 }
 
@@ -370,11 +275,7 @@ int mlens_engine_reqs_check(const struct mlens_model_config *c, const struct mle
 uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
 				  int n)
 {
-	uint32_t need = 0;
-	for (int i = 0; i < n; i++)
-		need += mlens_seq_blocks_needed(mlens_engine_kv(e), reqs[i].seq,
-						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-	return need;
+	return mlens_step_blocks(mlens_engine_kv(e), reqs, n);
 }
 
 /* ==== the step ==== */
@@ -390,14 +291,7 @@ static int grow_logits(struct mlens_engine *e, size_t rows)
 		if (!e->logits)
 			return -ENOMEM;
 	}
-	if (rows > e->host_logits_rows) {
-		float *h = realloc(e->host_logits, rows * V * sizeof(float));
-		if (!h)
-			return -ENOMEM;
-		e->host_logits = h;
-		e->host_logits_rows = rows;
-	}
-	return 0;
+	return mlens_step_rows_host_logits(&e->rows, rows, (int)V);
 }
 
 #define OPS (e->be->ops)
@@ -419,6 +313,27 @@ static int prof_add(struct mlens_engine *e, int k, double t0)
 	int rc = OPS->sync(CTX);
 	e->prof_t[k] += prof_clock() - t0;
 	return rc;
+}
+
+/* The layer's ops timed as PTRY times the engine's own (the probe of
+ * layer.h). */
+static void prof_begin(void *arg)
+{
+	((struct mlens_engine *)arg)->prof_t0 = prof_clock();
+}
+
+static int prof_end(void *arg, enum mlens_layer_op op)
+{
+	static const int kind[MLENS_LAYER_OP_N] = {
+		[MLENS_LAYER_OP_NORM] = PK_NORM, [MLENS_LAYER_OP_QKV] = PK_QKV,
+		[MLENS_LAYER_OP_ROPE] = PK_ROPE, [MLENS_LAYER_OP_KV_APPEND] = PK_KV_APPEND,
+		[MLENS_LAYER_OP_PREFILL] = PK_PREFILL, [MLENS_LAYER_OP_DECODE] = PK_DECODE,
+		[MLENS_LAYER_OP_WO] = PK_WO, [MLENS_LAYER_OP_ROUTER] = PK_ROUTER,
+		[MLENS_LAYER_OP_MOE] = PK_MOE, [MLENS_LAYER_OP_LM_HEAD] = PK_LM_HEAD,
+		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE,
+	};
+	struct mlens_engine *e = arg;
+	return prof_add(e, kind[op], e->prof_t0);
 }
 
 static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
@@ -492,32 +407,21 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	const struct mlens_model_config *c = &e->cfg;
-	int H = (int)c->hidden_size, hd = (int)c->head_dim;
-	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
-	int K = (int)c->num_experts_per_tok, E = (int)c->num_local_experts;
-	int V = (int)c->vocab_size, bs = e->kv.cache.block_size;
-	float scale = 1.0f / sqrtf((float)hd);
-	int T = 0, P = 0, n_pre = 0, nl = 0, rc = 0, row, L = (int)c->num_hidden_layers, part;
+	struct mlens_step_rows *sr = &e->rows;
+	const struct mlens_layer_run run = { e->be, &e->desc, e->prof_every > 0 ? &e->probe : NULL };
+	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
+	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
 
-	/* validate everything before touching any state */
-	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
+	if ((rc = mlens_step_reserve(c, &e->kv, reqs, n, e->max_tokens, &total)))
 		return rc;
-	if (total > e->max_tokens)
-		return -E2BIG;
-	if (mlens_engine_step_blocks(e, reqs, n) > mlens_kv_pool_free_blocks(&e->kv))
-		return -ENOSPC;
-	for (int i = 0; i < n; i++) {
-		rc = mlens_seq_reserve(&e->kv, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-		if (rc)
-			return rc;	/* only -ENOMEM here; reserved blocks stay with their seqs */
-	}
 	T = (int)total;
 	t_step = e->prof_every > 0 ? prof_clock() : 0;
 
 	/* rows: prefill sequences first, then the others */
 	row = 0;
+	sr->nl = 0;
 	e->cu[0] = 0;
 	for (int pass = 0; pass < 2; pass++) {
 		for (int i = 0; i < n; i++) {
@@ -525,24 +429,15 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 			bool pre = r->seq->len == 0;
 			if (pre != (pass == 0))
 				continue;
-			for (int j = 0; j < r->n_tokens; j++, row++) {
-				int32_t p = r->seq->len + j;
-				e->tok[row] = r->tokens[j];
-				e->pos[row] = p;
-				e->row_req[row] = i;
-				e->slots[row] = (int64_t)r->seq->blocks[p / bs] * bs + p % bs;
-				e->qry[row].ctx_len = p + 1;
-				e->qry[row].n_blocks = (int32_t)r->seq->n_blocks;
-				e->qry[row].block_table = r->seq->blocks;
-				if (r->all_logits || j == r->n_tokens - 1)
-					e->lrow[nl++] = row;
-			}
+			for (int j = 0; j < r->n_tokens; j++, row++)
+				mlens_step_rows_put(sr, row, i, r, j, bs);
 			if (pre)
 				e->cu[++n_pre] = row;
 		}
 		if (pass == 0)
 			P = row;
 	}
+	nl = sr->nl;
 	if (!e->prefill_op) {
 		/* every row reads the cache, which holds this step's K/V by then */
 		P = 0;
@@ -550,80 +445,34 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	}
 
 	part = trace_part_begin(e, -1, L);
-	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->embed, c->dtype, H, e->tok, T));
+	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
 	trace_part_end(e, part);
-	for (int l = 0; l < L; l++) {
-		const struct layer_bind *b = &e->layers[l];
-		part = trace_part_begin(e, l, L);
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->attn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		{
-			/* one call: a GPU backend rounds xn once for the three */
-			float *const qkv[3] = { e->q, e->k, e->v };
-			const void *const wqkv[3] = { b->wq, b->wk, b->wv };
-			const int mqkv[3] = { e->qdim, e->kvdim, e->kvdim };
-			PTRY(PK_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, e->xn, wqkv, c->dtype, T, H,
-							      mqkv, 3));
+	{
+		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,
+						     e->rw, e->rid };
+		const struct mlens_layer_rows rows = { .n = T, .P = P, .n_pre = n_pre, .pos = sr->pos,
+						       .cu = e->cu, .slots = sr->slots, .qry = sr->qry };
+		for (int l = 0; l < L; l++) {
+			part = trace_part_begin(e, l, L);
+			TRY(mlens_layer_forward(&run, &e->layers[l], &e->kv.cache, l, &act, &rows));
+			trace_part_end(e, part);
 		}
-		PTRY(PK_ROPE, OPS->rope(CTX, e->q, e->pos, T, nh, hd, (float)c->rope_theta));
-		PTRY(PK_ROPE, OPS->rope(CTX, e->k, e->pos, T, nkv, hd, (float)c->rope_theta));
-		PTRY(PK_KV_APPEND, OPS->kv_append(CTX, &e->kv.cache, l, e->k, e->v, e->slots, T));
-		if (n_pre)
-			PTRY(PK_PREFILL, OPS->attn_prefill(CTX, e->att, e->q, e->k, e->v, e->cu, n_pre, nh, nkv, hd, scale));
-		if (T > P)
-			PTRY(PK_DECODE, OPS->attn_decode(CTX, e->att + (size_t)P * e->qdim, e->q + (size_t)P * e->qdim,
-					     &e->kv.cache, l, e->qry + P, T - P, nh, scale));
-		/* residual: x += att . Wo^T */
-		PTRY(PK_WO, OPS->gemm(CTX, e->x, e->att, b->wo, c->dtype, T, e->qdim, H, true));
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn, e->x, b->ffn_norm, c->dtype, T, H, (float)c->rms_norm_eps));
-		PTRY(PK_ROUTER, OPS->gemm(CTX, e->rlog, e->xn, b->router, c->dtype, T, H, E, false));
-		PTRY(PK_ROUTER, OPS->router(CTX, e->rid, e->rw, e->rlog, T, E, K));
-		PTRY(PK_MOE, OPS->moe(CTX, e->x, e->xn, T, e->rid, e->rw, K, &b->moe));
-		trace_part_end(e, part);
 	}
 
-	/* logits for the rows that need them: gather, norm, lm_head */
+	/* logits for the rows that need them: gather, norm, lm_head, sample;
+	 * logits to the host where a request asked */
 	TRY(grow_logits(e, (size_t)nl));
-	for (int i = 0, run; i < nl; i += run) {
-		/* final norm straight from the residual rows into packed rows, one
-		 * call per run of consecutive rows: decode rows are one run, so a
-		 * step costs a few launches on the GPU rather than one a sequence */
-		for (run = 1; i + run < nl && e->lrow[i + run] == e->lrow[i] + run; run++)
-			;
-		PTRY(PK_NORM, OPS->rmsnorm(CTX, e->xn + (size_t)i * H, e->x + (size_t)e->lrow[i] * H,
-				 e->final_norm, c->dtype, run, H, (float)c->rms_norm_eps));
-	}
-	part = trace_part_begin(e, L, L);
-	PTRY(PK_LM_HEAD, OPS->gemm(CTX, e->logits, e->xn, e->lm_head, c->dtype, nl, H, V, false));
-
-	/* sample the last row of each request; download logits where asked */
-	for (int i = 0; i < nl; i++) {
-		const struct mlens_engine_req *r = &reqs[e->row_req[e->lrow[i]]];
-		e->samp[i] = r->samp;
-	}
-	PTRY(PK_SAMPLE, OPS->sample(CTX, e->sampled, e->logp, e->logits, nl, V, e->samp));
-	trace_part_end(e, part);
 	{
 		bool any = false;
 		for (int i = 0; i < n; i++)
 			any |= reqs[i].logits != NULL;
-		if (any)
-			TRY(OPS->download(CTX, e->host_logits, e->logits, (size_t)nl * V * sizeof(float)));
+		mlens_step_rows_samp(sr, reqs);
+		part = trace_part_begin(e, L, L);
+		TRY(mlens_ends_logits(&run, &e->ends, V, e->x, e->xn, e->logits, sr->lrow, nl, nl,
+				      sr->samp, sr->sampled, sr->logp, any ? sr->host_logits : NULL));
+		trace_part_end(e, part);
 	}
-	for (int i = 0; i < nl; i++) {
-		int ri = e->row_req[e->lrow[i]];
-		struct mlens_engine_req *r = &reqs[ri];
-		int j = e->pos[e->lrow[i]] - r->seq->len;	/* token index within the request */
-		if (r->logits) {
-			float *dst = r->all_logits ? r->logits + (size_t)j * V : r->logits;
-			memcpy(dst, e->host_logits + (size_t)i * V, (size_t)V * sizeof(float));
-		}
-		if (j == r->n_tokens - 1) {
-			r->next_token = e->sampled[i];
-			r->logprob = e->logp[i];
-		}
-	}
-	for (int i = 0; i < n; i++)
-		reqs[i].seq->len += reqs[i].n_tokens;
+	mlens_step_deliver(sr, reqs, n, V);
 	if (e->prof_every > 0)
 		prof_step_done(e, t_step, T);
 out:

@@ -7,6 +7,7 @@
 #include <string.h>
 #include "daemon/gpu_plan.h"
 #include "daemon/gpuplan.h"
+#include "daemon/kv_pool.h"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
@@ -39,7 +40,8 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	uint64_t E = (uint64_t)c->num_local_experts, K = (uint64_t)c->num_experts_per_tok;
 	uint64_t V = (uint64_t)c->vocab_size, es = mlens_dtype_size(c->dtype);
 	uint64_t chunk = T < MLENS_CUDA_MOE_CHUNK_TOKENS ? T : MLENS_CUDA_MOE_CHUNK_TOKENS, rows = chunk * K;
-	uint64_t moe, dec, one, conv, ctx, kv_es, kv_tok_bytes, kv_tokens;
+	uint64_t moe, dec, one, conv, ctx, kv_tok_bytes, kv_tokens;
+	struct mlens_kv_cache kv_layout;
 	/* exact GEMMs on half-precision weights: three parts per activation */
 	uint64_t np = mlens_gpuplan_gemm_parts(gemm, es);
 
@@ -55,8 +57,8 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */
-	kv_es = c->dtype == MLENS_DTYPE_F32 ? 4 : 2;
-	kv_tok_bytes = 2 * (uint64_t)c->num_hidden_layers * kvd * kv_es;
+	mlens_kv_layout(&kv_layout, c, -1, 0, 1, NULL, 0);	/* the auto dtype: cannot fail */
+	kv_tok_bytes = 2 * (uint64_t)mlens_kv_token_bytes(&kv_layout);
 	kv_tokens = kv_tok_bytes ? kv_bytes / kv_tok_bytes : 0;
 	ctx = (uint64_t)c->max_position_embeddings;
 	if (kv_tokens < ctx)
@@ -104,17 +106,11 @@ int mlens_gpu_plan_for(struct mlens_gpu_plan *p, const struct mlens_backend *be,
 		       uint64_t budget)
 {
 	size_t fr = 0, tot = 0;
-	if (!be->ops || be->ops->host_memory)
+	int rc;
+	if (!be->ops || be->ops->host_memory || !MLENS_BACKEND_HAS(be->ops, mem_info))
 		return -ENOTSUP;
-#ifdef HAVE_CUDA
-	{
-		int rc = mlens_backend_cuda_mem_info(be, &fr, &tot);
-		if (rc)
-			return rc;
-	}
-#else
-	return -ENOTSUP;
-#endif
+	if ((rc = be->ops->mem_info(be->ctx, &fr, &tot)))
+		return rc;
 	mlens_gpu_plan_compute(p, c, weight_bytes, kv_bytes, step_tokens, gemm, budget, fr, tot);
 	return 0;
 }

@@ -11,9 +11,11 @@
 #include "daemon/model.h"
 #include "kernels/backend.h"
 
-/* Taken off the device's free memory when gpu_memory = 0: room for what
- * the CUDA runtime and cuBLAS allocate outside the backend's account
- * (module images, kernel arguments, library handles). */
+/* gpu_memory = 0: the budget of either mode is the device's free memory
+ * at start-up minus this, room for what the CUDA runtime and cuBLAS
+ * allocate outside the backend's account (module images, kernel
+ * arguments, library handles); config.c's help and mlensd.conf(5) say
+ * the same. */
 #define MLENS_GPU_SAFETY_MARGIN (768ull << 20)
 
 struct mlens_gpu_plan {

@@ -185,24 +185,15 @@ static double gib(uint64_t b)
 	return (double)b / (1024.0 * 1024.0 * 1024.0);
 }
 
-static uint64_t fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws)
-{
-	return sat_add(sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r)), ws);
-}
+struct act_in {
+	const struct mlens_perf_model *pm;
+	const struct mlens_gpuplan_in *in;
+};
 
-/* Most tokens (up to cap) whose activations fit room; 0 when none. */
-static int64_t tokens_fit(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
-			  uint64_t room, int64_t cap)
+static uint64_t act_in(const void *arg, int64_t n)
 {
-	int64_t lo = 0, hi = cap;
-	while (lo < hi) {
-		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (mlens_gpuplan_act_bytes(pm, mid, in) <= room)
-			lo = mid;
-		else
-			hi = mid - 1;
-	}
-	return lo;
+	const struct act_in *a = arg;
+	return mlens_gpuplan_act_bytes(a->pm, n, a->in);
 }
 
 /* The plan for in->group rows a group (0: the default). */
@@ -213,8 +204,8 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	uint64_t ws = in->workspace ? in->workspace : MLENS_GPUPLAN_WORKSPACE;
 	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPUPLAN_CHUNK;
 	int64_t group = in->group > 0 ? in->group : MLENS_GPUPLAN_GROUP;
-	int E = (int)pm->experts, best_r = -1;
-	uint64_t act_max, best_fixed = UINT64_MAX;
+	int E = (int)pm->experts, best_r;
+	uint64_t act_max, best_fixed;
 
 	memset(out, 0, sizeof(*out));
 	mlens_errf(err, errlen, "%s", "");
@@ -227,18 +218,9 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	out->workspace = ws;
 	out->chunk = chunk;
 	act_max = mlens_gpuplan_act_bytes(pm, in->max_tokens, in);
-	out->gpu_only = sat_add(fixed_bytes(pm, E, ws), act_max);
-	out->minimum = UINT64_MAX;
-	for (int r = 0; r <= E; r++) {
-		uint64_t f = fixed_bytes(pm, r, ws);
-		uint64_t m = sat_add(f, mlens_gpuplan_act_bytes(pm, nmin, in));
-		if (m < out->minimum)
-			out->minimum = m;
-		if (f < best_fixed) {
-			best_fixed = f;
-			best_r = r;
-		}
-	}
+	out->gpu_only = sat_add(mlens_perf_fixed_bytes(pm, E, ws), act_max);
+	best_r = mlens_perf_min_fixed(pm, ws, &best_fixed);
+	out->minimum = sat_add(best_fixed, mlens_gpuplan_act_bytes(pm, nmin, in));
 	if (in->budget < out->minimum) {
 		/* with more activation sets than the fewest, say what the
 		 * fewest would need (one group's q, k, v less) */
@@ -266,7 +248,7 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	}
 	/* most resident experts that still leave the whole token cap */
 	for (int r = E; r >= 0; r--) {
-		if (sat_add(fixed_bytes(pm, r, ws), act_max) <= in->budget) {
+		if (sat_add(mlens_perf_fixed_bytes(pm, r, ws), act_max) <= in->budget) {
 			out->resident_experts = r;
 			out->tokens = in->max_tokens;
 			goto done;
@@ -274,7 +256,10 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpup
 	}
 	/* no residency holds the cap: the cheapest one, with fewer tokens */
 	out->resident_experts = best_r;
-	out->tokens = tokens_fit(pm, in, in->budget - best_fixed, in->max_tokens);
+	{
+		const struct act_in a = { pm, in };
+		out->tokens = mlens_perf_tokens_fit(act_in, &a, in->budget - best_fixed, in->max_tokens);
+	}
 done:
 	out->resident = mlens_perf_resident_bytes(pm, out->resident_experts);
 	out->slot = mlens_perf_streamed_bytes(pm, out->resident_experts);
@@ -343,33 +328,4 @@ int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_
 			gib(p->budget), gib(p->resident), p->resident_experts, (long long)pm->experts,
 			gib(p->slots), (long long)p->tokens, (long long)p->group, gib(p->act), gib(p->workspace),
 			gib(p->total), gib(p->minimum), gib(p->gpu_only));
-}
-
-int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget,
-			      int64_t max_tokens, uint64_t kv_bytes, char *why, size_t len)
-{
-	const struct mlens_gpuplan_in dflt = { 0 };	/* default group and chunk, fast GEMMs */
-	uint64_t need;
-	if (max_tokens <= 0)
-		return -EINVAL;
-	need = sat_add(sat_add(mlens_perf_resident_bytes(pm, (int)pm->experts),
-			       mlens_gpuplan_act_bytes(pm, max_tokens, &dflt)),
-		       sat_add(MLENS_GPUPLAN_WORKSPACE, kv_bytes));
-	if (!budget) {
-		mlens_errf(why, len, "GPU-only mode: no gpu_memory budget set (the model and KV cache "
-		       "need %.2f GiB)", gib(need));
-		return 0;
-	}
-	if (need <= budget) {
-		mlens_errf(why, len, "GPU-only mode: gpu_memory %.2f GiB holds the weights, the KV cache "
-		       "and activations for %lld tokens (%.2f GiB)", gib(budget),
-		       (long long)max_tokens, gib(need));
-		return 0;
-	}
-	mlens_errf(why, len, "hybrid mode: gpu_memory %.2f GiB is below the %.2f GiB that GPU-only mode "
-	       "needs (weights %.2f GiB, KV cache %.2f GiB, activations for %lld tokens and "
-	       "workspace), so experts stream from host memory and decode attention runs on the CPU",
-	       gib(budget), gib(need), gib(mlens_perf_resident_bytes(pm, (int)pm->experts)),
-	       gib(kv_bytes), (long long)max_tokens);
-	return 1;
 }

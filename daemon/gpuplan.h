@@ -157,14 +157,6 @@ int64_t mlens_gpuplan_group_rows(int64_t n, int64_t group);
 int mlens_gpuplan_make(const struct mlens_perf_model *pm, const struct mlens_gpuplan_in *in,
 		       struct mlens_gpuplan *out, char *err, size_t errlen);
 
-/* GPU-only or hybrid under a budget: GPU-only (0) when the budget holds
- * every weight, activations for max_tokens, the workspace and kv_bytes of
- * KV cache (GPU-only mode keeps the KV cache on the GPU), or when budget is
- * 0 (no budget); else hybrid (1). why (optional) gets one sentence saying
- * which and why. -EINVAL for max_tokens <= 0. */
-int mlens_gpuplan_choose_mode(const struct mlens_perf_model *pm, uint64_t budget,
-			      int64_t max_tokens, uint64_t kv_bytes, char *why, size_t len);
-
 /* The plan in one line for the start-up log. */
 int mlens_gpuplan_format(const struct mlens_gpuplan *p, const struct mlens_perf_model *pm,
 			 char *buf, size_t len);

@@ -5,7 +5,27 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/errf.h"
 #include "daemon/kv_pool.h"
+
+int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config *c, int dtype,
+		    int block_size, uint32_t n_blocks, char *err, size_t errlen)
+{
+	memset(out, 0, sizeof(*out));
+	out->dtype = mlens_kv_dtype(c, dtype);
+	out->n_layers = (int)c->num_hidden_layers;
+	out->n_kv_heads = (int)c->num_key_value_heads;
+	out->head_dim = (int)c->head_dim;
+	out->block_size = block_size > 0 ? block_size : MLENS_KV_BLOCK_SIZE;
+	out->n_blocks = n_blocks ? n_blocks :
+			(uint32_t)(8 * ((c->max_position_embeddings + out->block_size - 1) /
+					out->block_size));
+	if (out->dtype == MLENS_DTYPE_F16) {
+		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		return -EINVAL;
+	}
+	return 0;
+}
 
 int mlens_kv_pool_init(struct mlens_kv_pool *p, struct mlens_backend *be,
 		       const struct mlens_kv_cache *layout, void *mem_k, void *mem_v)

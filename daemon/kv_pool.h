@@ -18,11 +18,45 @@
 #ifndef MLENS_KV_POOL_H
 #define MLENS_KV_POOL_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include "daemon/model.h"
 #include "kernels/backend.h"
 
 /* Most blocks of growth room a sequence holds (1024 tokens of 16). */
 #define MLENS_KV_ROOM_MAX 64
+
+/* Tokens a KV block holds unless configured. */
+#define MLENS_KV_BLOCK_SIZE 16
+
+/* ==== the layout: one rule for the pool, the engine, the pipeline, the
+ * memory plans and the start-up ==== */
+
+/* The KV cache's dtype for model c: want (an enum mlens_dtype) when >= 0,
+ * else F32 for an F32 model and BF16 for any other. */
+static inline enum mlens_dtype mlens_kv_dtype(const struct mlens_model_config *c, int want)
+{
+	if (want >= 0)
+		return (enum mlens_dtype)want;
+	return c->dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+}
+
+/* The layout of model c's KV cache, without memory: dtype as
+ * mlens_kv_dtype, block_size tokens a block (<= 0: MLENS_KV_BLOCK_SIZE),
+ * n_blocks blocks (0: enough for eight contexts of
+ * max_position_embeddings), the model's layers, KV heads and head size (a
+ * shard or a one-layer test pool sets its own after). The layout is
+ * filled either way; 0, or -EINVAL for F16 (said in err), which the
+ * kernels' cache does not hold. */
+int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config *c, int dtype,
+		    int block_size, uint32_t n_blocks, char *err, size_t errlen);
+
+/* Bytes of K (or of V) one token takes over all layers. */
+static inline size_t mlens_kv_token_bytes(const struct mlens_kv_cache *kv)
+{
+	return (size_t)kv->n_layers * (size_t)kv->n_kv_heads * (size_t)kv->head_dim *
+	       mlens_dtype_size(kv->dtype);
+}
 
 struct mlens_kv_pool {
 	struct mlens_kv_cache cache;

@@ -3,7 +3,8 @@ noinst_LTLIBRARIES += daemon/libmlens_core.la
 daemon_libmlens_core_la_SOURCES = daemon/model.h
 daemon_libmlens_core_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS) $(URING_CFLAGS) $(LIBEVENT_CFLAGS)
 daemon_libmlens_core_la_LIBADD = kernels/libmlens_kernels.la $(JANSSON_LIBS) $(URING_LIBS) $(LIBEVENT_LIBS) $(NUMA_LIBS) $(PTHREAD_LIBS) -lm
-daemon_libmlens_core_la_SOURCES += daemon/kv_pool.h daemon/kv_pool.c daemon/engine.h daemon/engine.c
+daemon_libmlens_core_la_SOURCES += daemon/kv_pool.h daemon/kv_pool.c daemon/engine.h daemon/engine.c \
+	daemon/layer.h daemon/layer.c daemon/step.h daemon/step.c
 daemon_libmlens_core_la_SOURCES += daemon/sched.h daemon/sched.c
 daemon_libmlens_core_la_SOURCES += daemon/log.h daemon/log.c daemon/errf.h daemon/errf.c
 daemon_libmlens_core_la_SOURCES += daemon/config.h daemon/config.c

@@ -11,7 +11,6 @@
 #include "daemon/mem.h"
 #include "kernels/backend.h"
 
-#ifdef HAVE_CUDA
 /* The NUMA node a PCI device sits on (sysfs), or -1. */
 static int pci_numa_node(const char *bus_id)
 {
@@ -31,11 +30,9 @@ static int pci_numa_node(const char *bus_id)
 	}
 	return node;
 }
-#endif
 
 int mlens_numa_pick(int want, int gpu, char *err, size_t errlen)
 {
-	(void)gpu;	/* used only where CUDA is built */
 	if (numa_available() < 0)
 		return want > 0 ? (snprintf(err, errlen, "NUMA node %d asked for, but this kernel has no NUMA support", want), -ENODEV) : -1;
 	if (want >= 0) {
@@ -45,16 +42,14 @@ int mlens_numa_pick(int want, int gpu, char *err, size_t errlen)
 		}
 		return want;
 	}
-#ifdef HAVE_CUDA
 	/* default: the GPU's node, so that DMA to it stays local */
-	if (mlens_cuda_available()) {
+	{
 		char bus[64];
 		int node;
-		if (mlens_cuda_pci_bus_id(gpu, bus, sizeof(bus)) == 0 && (node = pci_numa_node(bus)) >= 0 &&
+		if (mlens_gpu_bus_id(gpu, bus, sizeof(bus)) == 0 && (node = pci_numa_node(bus)) >= 0 &&
 		    node <= numa_max_node())
 			return node;
 	}
-#endif
 	return 0;
 }
 

@@ -265,8 +265,9 @@ static void on_drained(evutil_socket_t fd, short what, void *arg)
 static uint32_t kv_blocks_for(const struct mlens_model_config *c, enum mlens_dtype dt, int bs,
 			      uint64_t bytes, size_t *per_block)
 {
-	*per_block = (size_t)c->num_hidden_layers * (size_t)c->num_key_value_heads * (size_t)bs *
-		     (size_t)c->head_dim * mlens_dtype_size(dt);
+	struct mlens_kv_cache one;
+	mlens_kv_layout(&one, c, (int)dt, bs, 1, NULL, 0);
+	*per_block = mlens_kv_bytes(&one);
 	uint64_t n = bytes / (2 * *per_block);
 	return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
@@ -531,7 +532,7 @@ int main(int argc, char **argv)
 	}
 
 	/* KV cache in pinned memory on the same node */
-	kv_dt = D.model->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+	kv_dt = mlens_kv_dtype(&D.model->cfg, -1);
 	blocks = kv_blocks_for(&D.model->cfg, kv_dt, (int)D.cfg.kv_block_size, D.cfg.kv_cache, &per_block);
 	if (blocks == 0)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",

@@ -127,6 +127,41 @@ uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r)
 	return 2 * mlens_perf_streamed_bytes(pm, r);
 }
 
+uint64_t mlens_perf_fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws)
+{
+	return sat_add(sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r)), ws);
+}
+
+int mlens_perf_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes)
+{
+	/* r = 0 for any model of more than two layers; with one layer keeping
+	 * it all resident costs less than two slots */
+	int best = 0;
+	*bytes = UINT64_MAX;
+	for (int r = 0; r <= (int)pm->experts; r++) {
+		uint64_t f = mlens_perf_fixed_bytes(pm, r, ws);
+		if (f < *bytes) {
+			*bytes = f;
+			best = r;
+		}
+	}
+	return best;
+}
+
+int64_t mlens_perf_tokens_fit(uint64_t (*act)(const void *arg, int64_t n), const void *arg,
+			      uint64_t room, int64_t cap)
+{
+	int64_t lo = 0, hi = cap;
+	while (lo < hi) {
+		int64_t mid = lo + (hi - lo + 1) / 2;
+		if (act(arg, mid) <= room)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
 double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx)
 {
 	return ctx * (double)pm->kv_token_bytes;
@@ -503,34 +538,31 @@ static uint64_t act_of(const struct mlens_perf_model *pm, const struct mlens_per
 			     : mlens_perf_act_bytes(pm, n, hw->chunk);
 }
 
+struct act_at {
+	const struct mlens_perf_model *pm;
+	const struct mlens_perf_hw *hw;
+};
+
+static uint64_t act_at(const void *arg, int64_t n)
+{
+	const struct act_at *a = arg;
+	return act_of(a->pm, a->hw, n);
+}
+
 /* Most tokens whose activations fit in room bytes (0 when not even one). */
 static int64_t act_fit(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 		       uint64_t room)
 {
-	int64_t lo = 0, hi = (int64_t)1 << 40;
-	while (lo < hi) {
-		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (act_of(pm, hw, mid) <= room)
-			lo = mid;
-		else
-			hi = mid - 1;
-	}
-	return lo;
+	const struct act_at a = { pm, hw };
+	return mlens_perf_tokens_fit(act_at, &a, room, (int64_t)1 << 40);
 }
 
 uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			       int64_t n_min)
 {
-	/* r = 0 for any model of more than two layers; with one layer keeping
-	 * it all resident costs less than two slots */
-	uint64_t b = UINT64_MAX;
-	for (int r = 0; r <= (int)pm->experts; r++) {
-		uint64_t x = sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r));
-		if (x < b)
-			b = x;
-	}
-	b = sat_add(b, act_of(pm, hw, n_min > 0 ? n_min : 1));
-	return sat_add(b, hw->gpu_workspace);
+	uint64_t b;
+	mlens_perf_min_fixed(pm, hw->gpu_workspace, &b);
+	return sat_add(b, act_of(pm, hw, n_min > 0 ? n_min : 1));
 }
 
 /* GPU tier minus PCIe tier of the workload's steady step of n tokens,
@@ -594,7 +626,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	out->policy.resident_experts = resident_experts;
 	out->gpu_resident = mlens_perf_resident_bytes(pm, resident_experts);
 	out->gpu_slots = mlens_perf_slot_bytes(pm, resident_experts);
-	fixed = sat_add(sat_add(out->gpu_resident, out->gpu_slots), hw->gpu_workspace);
+	fixed = mlens_perf_fixed_bytes(pm, resident_experts, hw->gpu_workspace);
 	room = hw->gpu_budget > fixed ? hw->gpu_budget - fixed : 0;
 	n_a = (double)act_fit(pm, hw, room);
 	if (n_a < (double)nmin) {

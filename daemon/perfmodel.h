@@ -147,6 +147,18 @@ uint64_t mlens_perf_streamed_bytes(const struct mlens_perf_model *pm, int r);
 uint64_t mlens_perf_resident_bytes(const struct mlens_perf_model *pm, int r);
 /* Two streaming slots, each one layer's non-resident experts; 0 when r = E. */
 uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r);
+/* ==== the GPU memory plan's arithmetic, once: the hybrid pipeline's plan
+ * (gpuplan.h) and the model's prediction both size a residency with these ==== */
+/* GPU bytes of residency r before activations: the resident weights, both
+ * expert slots and the workspace ws (saturating). */
+uint64_t mlens_perf_fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws);
+/* The residency whose fixed bytes are the fewest (the lowest r on a tie);
+ * *bytes gets them. */
+int mlens_perf_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes);
+/* Most tokens n in [0, cap] with act(arg, n) <= room, act growing with n. */
+int64_t mlens_perf_tokens_fit(uint64_t (*act)(const void *arg, int64_t n), const void *arg,
+			      uint64_t room, int64_t cap);
+
 /* KV bytes one decode token with context ctx reads in one layer. */
 double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx);
 /* GPU activation bytes of a step of n tokens (formula in perfmodel.c). */

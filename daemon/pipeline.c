@@ -10,7 +10,6 @@
  * residual stream is kept for every row; the rest of a group's
  * activations live in one of its sets (pipeline_sets: two or three). */
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,14 +18,14 @@
 #include <time.h>
 #include <unistd.h>
 #include "daemon/errf.h"
+#include "daemon/layer.h"
 #include "daemon/pipeline.h"
 #include "daemon/pipeprog.h"
+#include "daemon/step.h"
 #include "daemon/trace.h"
 
 struct pl_layer {
-	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
-	const void **w1, **w2, **w3;	/* GPU: resident or in the layer's slot */
-	struct mlens_moe_weights moe;
+	struct mlens_layer_bound w;	/* GPU: experts resident or in the layer's slot */
 	struct mlens_pipe_piece *pieces;
 	int n_pieces;
 };
@@ -113,7 +112,10 @@ struct mlens_pipeline {
 	int64_t tail_rows;	/* rows per lm_head call (the logits buffer's) */
 	uint64_t own;		/* bytes we allocated on g */
 
-	const void *embed, *final_norm, *lm_head;
+	struct mlens_layer_desc desc;
+	struct mlens_layer_run grun, crun;	/* the layer on the GPU side, on the CPU side */
+	struct mlens_layer_placer placer;	/* weights through galloc */
+	struct mlens_ends_bound ends;
 	struct pl_layer *layers;
 	void *slot[2];
 	struct mlens_pipe_prog prog;	/* this step's */
@@ -132,20 +134,13 @@ struct mlens_pipeline {
 	bool host_pinned;
 
 	/* host scratch */
-	int32_t *tok, *pos, *row_req, *lrow, *sampled;
-	int64_t *slots;
-	struct mlens_attn_query *qry;
-	float *logp;
-	struct mlens_sampling *samp;
-	float *host_logits;
-	size_t host_logits_rows;
+	struct mlens_step_rows rows;
 	struct pl_group grp[MLENS_PIPE_MAX_GROUPS];
 	int n_grp;
 	int32_t *cu;		/* every group's cu, [max_tokens + MLENS_PIPE_MAX_GROUPS] */
 	struct pl_seg *seg;	/* [max_tokens] at most one per row, in group order */
 	struct pl_seg *tmp;	/* [max_tokens] the same while they are made */
 	int n_seg;
-	int n_lrow;
 
 	struct mlens_pipeline_stats st;
 
@@ -234,13 +229,19 @@ static void gfree(struct mlens_pipeline *p, const void *d, size_t bytes)
 	p->own -= bytes;
 }
 
-static const void *place(struct mlens_pipeline *p, const void *host, size_t bytes, int *rc)
+static const void *place(void *arg, const void *host, size_t bytes, int *rc)
 {
+	struct mlens_pipeline *p = arg;
 	void *d = galloc(p, bytes, rc);
 	if (!d)
 		return NULL;
 	*rc = p->g->ops->upload(p->g->ctx, d, host, bytes);
 	return d;
+}
+
+static void unplace(void *arg, const void *d, size_t bytes)
+{
+	gfree(arg, d, bytes);
 }
 
 /* ==== host memory ==== */
@@ -355,11 +356,11 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 	}
 	for (int x = r, k = 0; x < E; x++) {
 		s[k].host = w->w1[x];
-		s[k++].dst = &b->w1[x];
+		s[k++].dst = &b->w.w1[x];
 		s[k].host = w->w2[x];
-		s[k++].dst = &b->w2[x];
+		s[k++].dst = &b->w.w2[x];
 		s[k].host = w->w3[x];
-		s[k++].dst = &b->w3[x];
+		s[k++].dst = &b->w.w3[x];
 	}
 	qsort(s, (size_t)n, sizeof(*s), cmp_src);
 	for (int k = 0; k < n; k++) {
@@ -384,80 +385,34 @@ out:
 static int place_weights(struct mlens_pipeline *p, uint64_t piece)
 {
 	const struct mlens_model *m = p->m;
-	const struct mlens_model_config *c = &p->cfg;
-	size_t ih = (size_t)c->intermediate_size * c->hidden_size * mlens_dtype_size(c->dtype);
-	int E = (int)c->num_local_experts, r = p->plan.resident_experts, rc = 0;
+	int rc;
 
-	p->layers = calloc((size_t)c->num_hidden_layers, sizeof(*p->layers));
+	p->layers = calloc((size_t)p->cfg.num_hidden_layers, sizeof(*p->layers));
 	if (!p->layers)
 		return -ENOMEM;
-	p->embed = place(p, m->embed->data, m->embed->nbytes, &rc);
-	p->final_norm = place(p, m->final_norm->data, m->final_norm->nbytes, &rc);
-	p->lm_head = m->lm_head == m->embed ? p->embed :
-		     place(p, m->lm_head->data, m->lm_head->nbytes, &rc);
+	rc = mlens_ends_bind(&p->ends, m, &p->placer);
 	if (p->plan.slot) {
 		p->slot[0] = galloc(p, p->plan.slot, &rc);
 		p->slot[1] = galloc(p, p->plan.slot, &rc);
 	}
-	for (int64_t l = 0; l < c->num_hidden_layers && !rc; l++) {
-		const struct mlens_layer_weights *w = &m->layers[l];
-		struct pl_layer *b = &p->layers[l];
-		b->attn_norm = place(p, w->attn_norm->data, w->attn_norm->nbytes, &rc);
-		b->wq = place(p, w->wq->data, w->wq->nbytes, &rc);
-		b->wk = place(p, w->wk->data, w->wk->nbytes, &rc);
-		b->wv = place(p, w->wv->data, w->wv->nbytes, &rc);
-		b->wo = place(p, w->wo->data, w->wo->nbytes, &rc);
-		b->ffn_norm = place(p, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
-		b->router = place(p, w->router->data, w->router->nbytes, &rc);
-		b->w1 = calloc((size_t)E, sizeof(void *));
-		b->w2 = calloc((size_t)E, sizeof(void *));
-		b->w3 = calloc((size_t)E, sizeof(void *));
-		if (!b->w1 || !b->w2 || !b->w3)
-			return -ENOMEM;
-		for (int x = 0; x < r && !rc; x++) {
-			b->w1[x] = place(p, w->w1[x], ih, &rc);
-			b->w2[x] = place(p, w->w2[x], ih, &rc);
-			b->w3[x] = place(p, w->w3[x], ih, &rc);
-		}
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers && !rc; l++) {
+		rc = mlens_layer_bind(&p->layers[l].w, &m->layers[l], &p->desc,
+				      p->plan.resident_experts, &p->placer);
 		if (!rc)
 			rc = plan_layer_stream(p, l, piece);
-		b->moe = (struct mlens_moe_weights){ .n_experts = E, .hidden = (int)c->hidden_size,
-			.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = b->w1, .w2 = b->w2,
-			.w3 = b->w3 };
 	}
 	return rc;
 }
 
 static void free_weights(struct mlens_pipeline *p)
 {
-	size_t ih = (size_t)p->cfg.intermediate_size * p->cfg.hidden_size *
-		    mlens_dtype_size(p->cfg.dtype);
-	const struct mlens_model *m = p->m;
 	if (!p->layers)
 		return;
-	gfree(p, p->embed, m->embed->nbytes);
-	gfree(p, p->final_norm, m->final_norm->nbytes);
-	if (p->lm_head != p->embed)
-		gfree(p, p->lm_head, m->lm_head->nbytes);
+	mlens_ends_unbind(&p->ends, p->m, &p->placer);
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++) {
-		const struct mlens_layer_weights *w = &m->layers[l];
-		struct pl_layer *b = &p->layers[l];
-		gfree(p, b->attn_norm, w->attn_norm->nbytes);
-		gfree(p, b->wq, w->wq->nbytes);
-		gfree(p, b->wk, w->wk->nbytes);
-		gfree(p, b->wv, w->wv->nbytes);
-		gfree(p, b->wo, w->wo->nbytes);
-		gfree(p, b->ffn_norm, w->ffn_norm->nbytes);
-		gfree(p, b->router, w->router->nbytes);
-		for (int x = 0; x < p->plan.resident_experts && b->w1 && b->w2 && b->w3; x++) {
-			gfree(p, b->w1[x], ih);
-			gfree(p, b->w2[x], ih);
-			gfree(p, b->w3[x], ih);
-		}
-		free(b->w1);
-		free(b->w2);
-		free(b->w3);
-		free(b->pieces);
+		mlens_layer_unbind(&p->layers[l].w, &p->m->layers[l], &p->desc,
+				   p->plan.resident_experts, &p->placer);
+		free(p->layers[l].pieces);
 	}
 	free(p->layers);
 	p->layers = NULL;
@@ -555,20 +510,9 @@ static int kv_init(struct mlens_pipeline *p, const struct mlens_pipeline_opts *o
 {
 	struct mlens_kv_cache layout;
 	int rc;
-	layout.dtype = o->kv_dtype >= 0 ? (enum mlens_dtype)o->kv_dtype :
-		       (p->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16);
-	if (layout.dtype == MLENS_DTYPE_F16) {
-		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
-		return -EINVAL;
-	}
-	layout.n_layers = (int)p->cfg.num_hidden_layers;
-	layout.n_kv_heads = (int)p->cfg.num_key_value_heads;
-	layout.head_dim = (int)p->cfg.head_dim;
-	layout.block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
-	layout.n_blocks = o->kv_blocks ? o->kv_blocks :
-			  (uint32_t)(8 * ((p->cfg.max_position_embeddings + layout.block_size - 1) /
-					  layout.block_size));
-	layout.k = layout.v = NULL;
+	if ((rc = mlens_kv_layout(&layout, &p->cfg, o->kv_dtype, o->kv_block_size, o->kv_blocks, err,
+				  errlen)))
+		return rc;
 	rc = mlens_kv_pool_init(&p->kv, p->c, &layout, o->kv_mem_k, o->kv_mem_v);
 	if (rc)
 		mlens_errf(err, errlen, "cannot allocate the KV cache (%u blocks of %d tokens) on the %s "
@@ -659,6 +603,10 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->cfg = m->cfg;
 	p->g = gpu;
 	p->c = cpu;
+	mlens_layer_desc_init(&p->desc, &p->cfg);
+	p->grun = (struct mlens_layer_run){ gpu, &p->desc, NULL };
+	p->crun = (struct mlens_layer_run){ cpu, &p->desc, NULL };
+	p->placer = (struct mlens_layer_placer){ place, unplace, p };
 	p->async = has_async(gpu->ops);
 	p->side = p->async && o->side_copy_out && MLENS_BACKEND_HAS(gpu->ops, side_queue);
 	p->up = p->side && o->up_copy_in && MLENS_BACKEND_HAS(gpu->ops, up_queue);
@@ -748,20 +696,12 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		       "(groups of %d): %s", p->max_tokens, p->group_rows, strerror(-rc));
 		goto fail;
 	}
-	p->tok = malloc(T * sizeof(*p->tok));
-	p->pos = malloc(T * sizeof(*p->pos));
-	p->row_req = malloc(T * sizeof(*p->row_req));
-	p->lrow = malloc(T * sizeof(*p->lrow));
-	p->sampled = malloc(T * sizeof(*p->sampled));
-	p->slots = malloc(T * sizeof(*p->slots));
-	p->qry = malloc(T * sizeof(*p->qry));
-	p->logp = malloc(T * sizeof(*p->logp));
-	p->samp = malloc(T * sizeof(*p->samp));
+	if (mlens_step_rows_alloc(&p->rows, T))
+		rc = -ENOMEM;
 	p->cu = malloc((T + MLENS_PIPE_MAX_GROUPS) * sizeof(*p->cu));
 	p->seg = malloc(T * sizeof(*p->seg));
 	p->tmp = malloc(T * sizeof(*p->tmp));
-	if (!p->tok || !p->pos || !p->row_req || !p->lrow || !p->sampled || !p->slots ||
-	    !p->qry || !p->logp || !p->samp || !p->cu || !p->seg || !p->tmp || rc) {
+	if (!p->cu || !p->seg || !p->tmp || rc) {
 		rc = rc ? rc : -ENOMEM;
 		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate host buffers for %d tokens",
 		       p->max_tokens);
@@ -779,11 +719,8 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	if (!p->prefill_cpu && !gpu->ops->host_memory) {
 		/* a GPU kernel may cover only some head sizes: ask with no sequence */
 		int32_t cu0 = 0;
-		int hd = (int)p->cfg.head_dim;
-		rc = gpu->ops->attn_prefill(gpu->ctx, prefill_out(p, &p->set[0]), p->set[0].q, p->set[0].k,
-					    p->set[0].v, &cu0, 0,
-					    (int)p->cfg.num_attention_heads,
-					    (int)p->cfg.num_key_value_heads, hd, 1.0f / sqrtf((float)hd));
+		rc = mlens_layer_attn_prefill(&p->grun, prefill_out(p, &p->set[0]), p->set[0].q,
+					      p->set[0].k, p->set[0].v, &cu0, 0);
 		if (rc == -ENOTSUP)
 			p->prefill_cpu = true;
 		else if (rc)
@@ -854,19 +791,10 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 	free(p->n_pieces);
 	if (p->kv.free_stack)
 		mlens_kv_pool_fini(&p->kv);
-	free(p->tok);
-	free(p->pos);
-	free(p->row_req);
-	free(p->lrow);
-	free(p->sampled);
-	free(p->slots);
-	free(p->qry);
-	free(p->logp);
-	free(p->samp);
+	mlens_step_rows_free(&p->rows);
 	free(p->cu);
 	free(p->seg);
 	free(p->tmp);
-	free(p->host_logits);
 	free(p);
 }
 
@@ -932,8 +860,7 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 {
 	const struct mlens_model_config *c = &p->cfg;
 	const struct pl_layer *b = &p->layers[l];
-	int H = (int)c->hidden_size, hd = (int)c->head_dim, n = gr->r1 - gr->r0, rc;
-	int nh = (int)c->num_attention_heads, nkv = (int)c->num_key_value_heads;
+	int H = (int)c->hidden_size, n = gr->r1 - gr->r0, rc;
 	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim, kvd = (size_t)p->kvdim;
 	/* first row (of the group) whose q the CPU needs */
 	size_t d0 = p->prefill_cpu ? 0 : (size_t)gr->P;
@@ -944,24 +871,15 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		TRY(G->event_wait(GC, 0, PL_EV_KV_LATE + (int)(S - p->set)));
 		S->late_wait = false;
 	}
-	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->attn_norm, c->dtype, n, H,
-		       (float)c->rms_norm_eps));
-	{
-		/* one call: the GPU rounds xn once for the three */
-		float *const qkv[3] = { S->q, S->k, S->v };
-		const void *const wqkv[3] = { b->wq, b->wk, b->wv };
-		const int mqkv[3] = { (int)qd, (int)kvd, (int)kvd };
-		TRY(mlens_backend_gemm_multi(G, GC, qkv, p->sh.xn, wqkv, c->dtype, n, H, mqkv, 3));
-	}
-	TRY(G->rope(GC, S->q, p->pos + r0, n, nh, hd, (float)c->rope_theta));
-	TRY(G->rope(GC, S->k, p->pos + r0, n, nkv, hd, (float)c->rope_theta));
+	TRY(mlens_layer_attn_in(&p->grun, &b->w, p->x + r0 * H, p->sh.xn, S->q, S->k, S->v,
+				p->rows.pos + r0, n));
 	if (p->gpu_append) {
 		/* every row's K and V into its slot of the pool, stored over
 		 * the link in the pool's dtype; C(l, x) waits for this group's
 		 * qkv record, which follows on the same queue (queue 2 with
 		 * side_append: queued below) */
 		if (!p->side_append)
-			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->slots + r0, n));
+			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->rows.slots + r0, n));
 		p->st.d2h_act_bytes += (size_t)n * kvd * 2 * mlens_dtype_size(p->kv.cache.dtype);
 	}
 	if (p->side) {
@@ -982,14 +900,14 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		 * steps' C wait for records after them on this queue */
 		if (p->side_append) {
 			TRY(G->kv_append_side(GC, &p->kv.cache, l, S->k + d0 * kvd, S->v + d0 * kvd,
-					      p->slots + r0 + d0, n - (int)d0));
+					      p->rows.slots + r0 + d0, n - (int)d0));
 			S->late = d0 ? gr : NULL;
 			S->late_layer = l;
 		}
 	}
 	if (gr->n_pre && !p->prefill_cpu)
-		TRY(G->attn_prefill(GC, prefill_out(p, S), S->q, S->k, S->v, gr->cu, gr->n_pre, nh,
-				    nkv, hd, 1.0f / sqrtf((float)hd)));
+		TRY(mlens_layer_attn_prefill(&p->grun, prefill_out(p, S), S->q, S->k, S->v, gr->cu,
+					     gr->n_pre));
 	if (p->half_att && d0)	/* the prefill rows' output, as GB takes it */
 		TRY(G->round(GC, att_in(p, S), c->dtype, prefill_out(p, S), (int)d0, (int)qd));
 	if (!p->gpu_append || p->prefill_cpu) {	/* the host appends, or attends prefill rows */
@@ -1011,7 +929,7 @@ static int kv_late(struct mlens_pipeline *p, struct pl_set *S)
 	if (!S->late)
 		return 0;
 	TRY(G->kv_append_side(GC, &p->kv.cache, S->late_layer, S->k, S->v,
-			      p->slots + S->late->r0, S->late->P));
+			      p->rows.slots + S->late->r0, S->late->P));
 	S->late = NULL;
 	TRY(G->event_record(GC, 2, PL_EV_KV_LATE + (int)(S - p->set)));
 	S->late_wait = true;
@@ -1027,35 +945,28 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 	size_t r0 = (size_t)gr->r0, qd = (size_t)p->qdim;
 	size_t d0 = (size_t)gr->P;
 	int n = gr->r1 - gr->r0, nd = n - gr->P, rc;
-	int hd = (int)c->head_dim;
 	double t0 = now();
 
 	if (!n)
 		return 0;
 	if (p->prefill_cpu && gr->n_pre)
-		TRY(p->c->ops->attn_prefill(p->c->ctx, S->hatt, S->hq, S->hk, S->hv, gr->cu,
-					    gr->n_pre, (int)c->num_attention_heads,
-					    (int)c->num_key_value_heads, hd, 1.0f / sqrtf((float)hd)));
+		TRY(mlens_layer_attn_prefill(&p->crun, S->hatt, S->hq, S->hk, S->hv, gr->cu,
+					     gr->n_pre));
 	if (!p->gpu_append) {
 		double ta = now();
-		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->slots + r0, n));
+		TRY(p->c->ops->kv_append(p->c->ctx, &p->kv.cache, l, S->hk, S->hv, p->rows.slots + r0, n));
 		p->st.cpu_append_s += now() - ta;
 	}
 	/* the decode rows' output rounded here as GB's GEMM would round it
 	 * there, in the attention's own pool run (with prefill_cpu the prefill
 	 * rows' output is rounded too, all rows in one round below) */
 	if (nd > 0 && p->half_att && !p->prefill_cpu)
-		TRY(mlens_backend_attn_decode_half(p->c->ops, p->c->ctx,
-						   (char *)S->hatt_half + d0 * qd * 2, c->dtype,
-						   S->hatt + d0 * qd, S->hq + d0 * qd, &p->kv.cache,
-						   l, p->qry + r0 + d0, nd,
-						   (int)c->num_attention_heads,
-						   1.0f / sqrtf((float)c->head_dim)));
+		TRY(mlens_layer_attn_decode_half(&p->crun, (char *)S->hatt_half + d0 * qd * 2,
+						 S->hatt + d0 * qd, S->hq + d0 * qd, &p->kv.cache, l,
+						 p->rows.qry + r0 + d0, nd));
 	else if (nd > 0)
-		TRY(p->c->ops->attn_decode(p->c->ctx, S->hatt + d0 * qd, S->hq + d0 * qd,
-					   &p->kv.cache, l, p->qry + r0 + d0, nd,
-					   (int)c->num_attention_heads,
-					   1.0f / sqrtf((float)c->head_dim)));
+		TRY(mlens_layer_attn_decode(&p->crun, S->hatt + d0 * qd, S->hq + d0 * qd, &p->kv.cache,
+					    l, p->rows.qry + r0 + d0, nd));
 	if (p->prefill_cpu) {
 		d0 = 0;	/* the prefill rows' output comes back too */
 		if (p->half_att)
@@ -1079,71 +990,31 @@ static int stage_c(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 static int stage_gb(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		    const struct pl_set *S)
 {
-	const struct mlens_model_config *c = &p->cfg;
-	const struct pl_layer *b = &p->layers[l];
-	int H = (int)c->hidden_size, E = (int)c->num_local_experts;
-	int K = (int)c->num_experts_per_tok, n = gr->r1 - gr->r0, rc;
+	int H = (int)p->cfg.hidden_size, n = gr->r1 - gr->r0, rc;
 	size_t r0 = (size_t)gr->r0;
 
 	if (!n)
 		return 0;
 	if (p->up)	/* C's output, uploaded on queue 3 */
 		TRY(G->event_wait(GC, 0, PL_EV_ATT_UP + (int)(S - p->set)));
-	if (p->half_att)
-		TRY(G->gemm_half_in(GC, p->x + r0 * H, att_in(p, S), b->wo, c->dtype, n, p->qdim, H,
-				    true));
-	else
-		TRY(G->gemm(GC, p->x + r0 * H, att_in(p, S), b->wo, c->dtype, n, p->qdim, H, true));
-	TRY(G->rmsnorm(GC, p->sh.xn, p->x + r0 * H, b->ffn_norm, c->dtype, n, H,
-		       (float)c->rms_norm_eps));
-	TRY(G->gemm(GC, p->sh.rlog, p->sh.xn, b->router, c->dtype, n, H, E, false));
-	TRY(G->router(GC, p->sh.rid, p->sh.rw, p->sh.rlog, n, E, K));
-	for (int t = 0; t < n; t += (int)p->chunk) {
-		int cnt = n - t < (int)p->chunk ? n - t : (int)p->chunk;
-		TRY(G->moe(GC, p->x + (r0 + (size_t)t) * H, p->sh.xn + (size_t)t * H, cnt,
-			   p->sh.rid + (size_t)t * K, p->sh.rw + (size_t)t * K, K, &b->moe));
-	}
-	return 0;
-}
-
-static int grow_host_logits(struct mlens_pipeline *p, size_t rows)
-{
-	size_t V = (size_t)p->cfg.vocab_size;
-	if (rows > p->host_logits_rows) {
-		float *h = realloc(p->host_logits, rows * V * sizeof(float));
-		if (!h)
-			return -ENOMEM;
-		p->host_logits = h;
-		p->host_logits_rows = rows;
-	}
-	return 0;
+	return mlens_layer_gb(&p->grun, &p->layers[l].w, p->x + r0 * H, att_in(p, S), p->half_att,
+			      p->sh.xn, p->sh.rlog, p->sh.rid, p->sh.rw, n, (int)p->chunk);
 }
 
 /* TAIL: final norm and lm_head of the rows that need logits, in chunks;
  * sampling; logits to the host where a request asked. */
 static int stage_tail(struct mlens_pipeline *p, bool want_logits)
 {
-	const struct mlens_model_config *c = &p->cfg;
-	int H = (int)c->hidden_size, V = (int)c->vocab_size, nl = p->n_lrow, rc;
-	/* the tail runs after every GB (queue order): the shared xn is free;
-	 * a chunk's rows are gathered into it and normed in place */
-	float *xn = p->sh.xn;
+	struct mlens_step_rows *sr = &p->rows;
+	int V = (int)p->cfg.vocab_size, nl = sr->nl, rc;
 
 	if (want_logits)
-		TRY(grow_host_logits(p, (size_t)nl));
-	for (int i0 = 0; i0 < nl; i0 += (int)p->tail_rows) {
-		int cnt = nl - i0 < (int)p->tail_rows ? nl - i0 : (int)p->tail_rows;
-		/* the chunk's rows gathered (embed is a row gather; x is fp32),
-		 * then normed in one call rather than one call a row */
-		TRY(G->embed(GC, xn, p->x, MLENS_DTYPE_F32, H, p->lrow + i0, cnt));
-		TRY(G->rmsnorm(GC, xn, xn, p->final_norm, c->dtype, cnt, H, (float)c->rms_norm_eps));
-		TRY(G->gemm(GC, p->logits, xn, p->lm_head, c->dtype, cnt, H, V, false));
-		TRY(G->sample(GC, p->sampled + i0, p->logp + i0, p->logits, cnt, V, p->samp + i0));
-		if (want_logits)
-			TRY(G->download(GC, p->host_logits + (size_t)i0 * V, p->logits,
-					(size_t)cnt * V * sizeof(float)));
-	}
-	return 0;
+		TRY(mlens_step_rows_host_logits(sr, (size_t)nl, V));
+	/* the tail runs after every GB (queue order): the shared xn is free
+	 * for a chunk's rows */
+	return mlens_ends_logits(&p->grun, &p->ends, V, p->x, p->sh.xn, p->logits, sr->lrow, nl,
+				 (int)p->tail_rows, sr->samp, sr->sampled, sr->logp,
+				 want_logits ? sr->host_logits : NULL);
 }
 
 /* ==== the two sides of a step ==== */
@@ -1511,15 +1382,7 @@ static void layout_group(struct mlens_pipeline *p, struct mlens_engine_req *reqs
 				continue;
 			for (int j = sg->j0; j < sg->j1; j++, (*row)++) {
 				int32_t ps = r->seq->len + j;
-				p->tok[*row] = r->tokens[j];
-				p->pos[*row] = ps;
-				p->row_req[*row] = sg->req;
-				p->slots[*row] = (int64_t)r->seq->blocks[ps / bs] * bs + ps % bs;
-				p->qry[*row].ctx_len = ps + 1;
-				p->qry[*row].n_blocks = (int32_t)r->seq->n_blocks;
-				p->qry[*row].block_table = r->seq->blocks;
-				if (r->all_logits || j == r->n_tokens - 1)
-					p->lrow[p->n_lrow++] = *row;
+				mlens_step_rows_put(&p->rows, *row, sg->req, r, j, bs);
 				if (!pre) {
 					uint32_t nb = mlens_kv_blocks_for(&p->kv, (int64_t)ps + 1);
 					gr->kv_tokens += (int64_t)ps + 1;
@@ -1599,7 +1462,7 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 
 	switch (cmd->kind) {
 	case MLENS_PIPE_HEAD:
-		return G->embed(GC, p->x, p->embed, c->dtype, (int)c->hidden_size, p->tok,
+		return G->embed(GC, p->x, p->ends.embed, c->dtype, (int)c->hidden_size, p->rows.tok,
 				p->grp[p->n_grp - 1].r1);
 	case MLENS_PIPE_GA:
 		return stage_ga(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
@@ -1651,29 +1514,16 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	int64_t total = 0;
 	int32_t *cu;
 	bool want_logits = false;
-	uint32_t need = 0;
 	double t0 = now();
 
-	if ((rc = mlens_engine_reqs_check(c, reqs, n, &total)))
+	if ((rc = mlens_step_reserve(c, &p->kv, reqs, n, p->max_tokens, &total)))
 		return rc;
-	for (int i = 0; i < n; i++) {
-		const struct mlens_engine_req *r = &reqs[i];
-		need += mlens_seq_blocks_needed(&p->kv, r->seq, (int64_t)r->seq->len + r->n_tokens);
-		want_logits |= r->logits != NULL;
-	}
-	if (total > p->max_tokens)
-		return -E2BIG;
-	if (need > mlens_kv_pool_free_blocks(&p->kv))
-		return -ENOSPC;
-	for (int i = 0; i < n; i++) {
-		rc = mlens_seq_reserve(&p->kv, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-		if (rc)
-			return rc;
-	}
+	for (int i = 0; i < n; i++)
+		want_logits |= reqs[i].logits != NULL;
 
 	if ((rc = split_groups(p, reqs, n, total)))
 		return rc;
-	p->n_lrow = 0;
+	p->rows.nl = 0;
 	p->st.kv_read_tokens = 0;
 	cu = p->cu;
 	for (int x = 0; x < p->n_grp; x++) {
@@ -1682,8 +1532,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		p->st.kv_read_blocks_total += p->grp[x].kv_blocks;
 		p->st.kv_read_runs_total += p->grp[x].kv_runs;
 	}
-	for (int i = 0; i < p->n_lrow; i++)
-		p->samp[i] = reqs[p->row_req[p->lrow[i]]].samp;
+	mlens_step_rows_samp(&p->rows, reqs);
 	/* the next step's first two layers stream at the end of this one */
 	if ((rc = mlens_pipe_prog_build_ex(&p->prog, (int)c->num_hidden_layers, p->n_grp,
 					   p->n_pieces, MLENS_PIPE_PREFETCH |
@@ -1722,21 +1571,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		return -ENOSPC;
 	}
 
-	for (int i = 0; i < p->n_lrow; i++) {
-		int ri = p->row_req[p->lrow[i]];
-		struct mlens_engine_req *r = &reqs[ri];
-		int j = p->pos[p->lrow[i]] - r->seq->len;
-		if (r->logits) {
-			float *dst = r->all_logits ? r->logits + (size_t)j * V : r->logits;
-			memcpy(dst, p->host_logits + (size_t)i * V, (size_t)V * sizeof(float));
-		}
-		if (j == r->n_tokens - 1) {
-			r->next_token = p->sampled[i];
-			r->logprob = p->logp[i];
-		}
-	}
-	for (int i = 0; i < n; i++)
-		reqs[i].seq->len += reqs[i].n_tokens;
+	mlens_step_deliver(&p->rows, reqs, n, V);
 	p->st.steps++;
 	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_act_bytes;
 	p->st.d2h_bytes_total += p->st.d2h_act_bytes;

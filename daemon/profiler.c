@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include "daemon/errf.h"
 #include "daemon/gpuplan.h"
+#include "daemon/layer.h"
 #include "daemon/profiler.h"
 #include "daemon/sched.h"
 #include "kernels/cpu/pool.h"
@@ -41,27 +42,20 @@ static float rng_f(uint64_t *s)	/* [-1, 1) */
 /* ==== one layer on the backend ==== */
 
 struct layer {
-	const struct mlens_backend *be;
+	struct mlens_backend *be;
 	const struct mlens_model_config *c;
-	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
-	const void **w1, **w2, **w3;
-	struct mlens_moe_weights moe;
+	const struct mlens_layer_weights *w;	/* the model's layer 0 */
+	struct mlens_layer_desc d;
+	struct mlens_layer_placer pl;
+	struct mlens_layer_run run;
+	struct mlens_layer_bound b;
+	bool bound;
 	float *x, *xn, *q, *k, *v, *att, *rlog, *rw, *gout;
 	int32_t *rid, *pos;
 	int64_t n;		/* rows allocated */
 	int qd, kvd;
 	int64_t group, moe_chunk;	/* struct mlens_profile_opts */
 };
-
-static const void *put(struct layer *L, const void *host, size_t bytes, int *rc)
-{
-	return mlens_backend_place(L->be, host, bytes, rc);
-}
-
-static void drop(struct layer *L, const void *p)
-{
-	mlens_backend_unplace(L->be, p);
-}
 
 static void *act(struct layer *L, size_t bytes, int *rc)
 {
@@ -80,24 +74,8 @@ static void layer_free(struct layer *L)
 	for (size_t i = 0; i < sizeof(acts) / sizeof(acts[0]); i++)
 		if (acts[i])
 			L->be->ops->free(L->be->ctx, acts[i]);
-	drop(L, L->attn_norm);
-	drop(L, L->wq);
-	drop(L, L->wk);
-	drop(L, L->wv);
-	drop(L, L->wo);
-	drop(L, L->ffn_norm);
-	drop(L, L->router);
-	for (int64_t e = 0; e < L->c->num_local_experts; e++) {
-		if (L->w1)
-			drop(L, L->w1[e]);
-		if (L->w2)
-			drop(L, L->w2[e]);
-		if (L->w3)
-			drop(L, L->w3[e]);
-	}
-	free(L->w1);
-	free(L->w2);
-	free(L->w3);
+	if (L->bound)
+		mlens_layer_unbind(&L->b, L->w, &L->d, L->d.n_experts, &L->pl);
 	free(L->pos);
 }
 
@@ -119,38 +97,24 @@ static int fill_random(struct layer *L, float *dst, int64_t n, int cols, uint64_
 static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens_backend *be, int64_t n)
 {
 	const struct mlens_model_config *c = &m->cfg;
-	const struct mlens_layer_weights *w = &m->layers[0];
-	size_t ih = (size_t)c->intermediate_size * (size_t)c->hidden_size * mlens_dtype_size(c->dtype);
 	size_t H = (size_t)c->hidden_size, E = (size_t)c->num_local_experts, K = (size_t)c->num_experts_per_tok;
 	uint64_t seed = 0x9e3779b97f4a7c15ull;
 	int rc = 0;
 	memset(L, 0, sizeof(*L));
 	L->be = be;
 	L->c = c;
+	L->w = &m->layers[0];
 	L->n = n;
-	L->qd = (int)(c->num_attention_heads * c->head_dim);
-	L->kvd = (int)(c->num_key_value_heads * c->head_dim);
-	L->w1 = calloc(E, sizeof(void *));
-	L->w2 = calloc(E, sizeof(void *));
-	L->w3 = calloc(E, sizeof(void *));
+	mlens_layer_desc_init(&L->d, c);
+	L->pl = mlens_layer_placer_backend(be);
+	L->run = (struct mlens_layer_run){ be, &L->d, NULL };
+	L->qd = mlens_layer_qdim(&L->d);
+	L->kvd = mlens_layer_kvdim(&L->d);
 	L->pos = malloc((size_t)n * sizeof(int32_t));
-	if (!L->w1 || !L->w2 || !L->w3 || !L->pos)
+	if (!L->pos)
 		return -ENOMEM;
-	L->attn_norm = put(L, w->attn_norm->data, w->attn_norm->nbytes, &rc);
-	L->wq = put(L, w->wq->data, w->wq->nbytes, &rc);
-	L->wk = put(L, w->wk->data, w->wk->nbytes, &rc);
-	L->wv = put(L, w->wv->data, w->wv->nbytes, &rc);
-	L->wo = put(L, w->wo->data, w->wo->nbytes, &rc);
-	L->ffn_norm = put(L, w->ffn_norm->data, w->ffn_norm->nbytes, &rc);
-	L->router = put(L, w->router->data, w->router->nbytes, &rc);
-	for (size_t e = 0; e < E && !rc; e++) {
-		L->w1[e] = put(L, w->w1[e], ih, &rc);
-		L->w2[e] = put(L, w->w2[e], ih, &rc);
-		L->w3[e] = put(L, w->w3[e], ih, &rc);
-	}
-	L->moe = (struct mlens_moe_weights){ .n_experts = (int)E, .hidden = (int)H,
-		.inter = (int)c->intermediate_size, .dtype = c->dtype, .w1 = L->w1, .w2 = L->w2,
-		.w3 = L->w3 };
+	L->bound = true;
+	rc = mlens_layer_bind(&L->b, L->w, &L->d, L->d.n_experts, &L->pl);
 	L->x = act(L, (size_t)n * H * 4, &rc);
 	L->xn = act(L, (size_t)n * H * 4, &rc);
 	L->gout = act(L, (size_t)n * (size_t)c->intermediate_size * 4, &rc);
@@ -173,20 +137,9 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 /* GA of n tokens: what the engine runs before attention. */
 static int run_ga_rows(struct layer *L, int r0, int n)
 {
-	const struct mlens_backend_ops *o = L->be->ops;
-	void *cx = L->be->ctx;
-	const struct mlens_model_config *c = L->c;
-	int H = (int)c->hidden_size, rc;
-	size_t r = (size_t)r0;
-	float *x = L->x + r * H, *xn = L->xn + r * H, *q = L->q + r * L->qd, *k = L->k + r * L->kvd;
-	float *const qkv[3] = { q, k, L->v + r * L->kvd };
-	const void *const wqkv[3] = { L->wq, L->wk, L->wv };
-	const int mqkv[3] = { L->qd, L->kvd, L->kvd };
-	if ((rc = o->rmsnorm(cx, xn, x, L->attn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
-	    (rc = mlens_backend_gemm_multi(o, cx, qkv, xn, wqkv, c->dtype, n, H, mqkv, 3)) ||
-	    (rc = o->rope(cx, q, L->pos + r, n, (int)c->num_attention_heads, (int)c->head_dim, (float)c->rope_theta)))
-		return rc;
-	return o->rope(cx, k, L->pos + r, n, (int)c->num_key_value_heads, (int)c->head_dim, (float)c->rope_theta);
+	size_t r = (size_t)r0, H = (size_t)L->d.hidden;
+	return mlens_layer_attn_in(&L->run, &L->b, L->x + r * H, L->xn + r * H, L->q + r * L->qd,
+				   L->k + r * L->kvd, L->v + r * L->kvd, L->pos + r, n);
 }
 
 /* GB of rows [r0, r0+n): after attention, through the experts, into the
@@ -194,26 +147,11 @@ static int run_ga_rows(struct layer *L, int r0, int n)
  * however often the profile repeats it). */
 static int run_gb_rows(struct layer *L, int r0, int n)
 {
-	const struct mlens_backend_ops *o = L->be->ops;
-	void *cx = L->be->ctx;
-	const struct mlens_model_config *c = L->c;
-	int H = (int)c->hidden_size, E = (int)c->num_local_experts, K = (int)c->num_experts_per_tok, rc;
+	size_t r = (size_t)r0, H = (size_t)L->d.hidden, E = (size_t)L->d.n_experts;
+	size_t K = (size_t)L->d.top_k;
 	int chunk = L->moe_chunk > 0 && L->moe_chunk < n ? (int)L->moe_chunk : n;
-	size_t r = (size_t)r0;
-	float *x = L->x + r * H, *xn = L->xn + r * H;
-	if ((rc = o->gemm(cx, x, L->att + r * L->qd, L->wo, c->dtype, n, L->qd, H, true)) ||
-	    (rc = o->rmsnorm(cx, xn, x, L->ffn_norm, c->dtype, n, H, (float)c->rms_norm_eps)) ||
-	    (rc = o->gemm(cx, L->rlog + r * E, xn, L->router, c->dtype, n, H, E, false)) ||
-	    (rc = o->router(cx, L->rid + r * K, L->rw + r * K, L->rlog + r * E, n, E, K)))
-		return rc;
-	for (int t = 0; t < n; t += chunk) {
-		int cnt = n - t < chunk ? n - t : chunk;
-		size_t o2 = (size_t)t;
-		if ((rc = o->moe(cx, x + o2 * H, xn + o2 * H, cnt, L->rid + (r + o2) * K,
-				 L->rw + (r + o2) * K, K, &L->moe)))
-			return rc;
-	}
-	return 0;
+	return mlens_layer_gb(&L->run, &L->b, L->x + r * H, L->att + r * L->qd, false,
+			      L->xn + r * H, L->rlog + r * E, L->rid + r * K, L->rw + r * K, n, chunk);
 }
 
 /* GA or GB of n tokens, in groups as the caller asked (struct
@@ -236,7 +174,7 @@ static int run_one(struct layer *L, enum which w, int n)
 	case W_GA: return run_grouped(L, n, run_ga_rows);
 	case W_GB: return run_grouped(L, n, run_gb_rows);
 	case W_GEMM:
-		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->w1[0], c->dtype, n, (int)c->hidden_size,
+		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->b.w1[0], c->dtype, n, (int)c->hidden_size,
 					(int)c->intermediate_size, false);
 	}
 	return -EINVAL;
@@ -268,9 +206,8 @@ static int time_best(struct layer *L, enum which w, int n, int reps, double *bes
  * prefill attention for this model's heads. */
 static int time_prefill_attn(struct layer *L, int64_t n, double *flops)
 {
-	const struct mlens_model_config *c = L->c;
 	int64_t seg = n < MLENS_PROFILE_PROMPT ? n : MLENS_PROFILE_PROMPT, nseq = n / seg;
-	int hd = (int)c->head_dim, rc = 0;
+	int rc = 0;
 	int32_t *cu = malloc((size_t)(nseq + 1) * sizeof(*cu));
 	double pairs = (double)nseq * (double)seg * (double)(seg + 1) / 2, best = INFINITY;
 
@@ -281,9 +218,7 @@ static int time_prefill_attn(struct layer *L, int64_t n, double *flops)
 		cu[i] = (int32_t)(i * seg);
 	for (int r = 0; r < REPS + 1 && !rc; r++) {
 		double t0 = now();
-		rc = L->be->ops->attn_prefill(L->be->ctx, L->att, L->q, L->k, L->v, cu, (int)nseq,
-					      (int)c->num_attention_heads, (int)c->num_key_value_heads,
-					      hd, 1.0f / sqrtf((float)hd));
+		rc = mlens_layer_attn_prefill(&L->run, L->att, L->q, L->k, L->v, cu, (int)nseq);
 		if (!rc)
 			rc = L->be->ops->sync(L->be->ctx);
 		if (!rc && r && now() - t0 < best)
@@ -386,12 +321,9 @@ out:
 static void test_kv(struct mlens_kv_cache *kv, const struct mlens_model_config *c,
 		    const struct mlens_profile_opts *o)
 {
-	memset(kv, 0, sizeof(*kv));
-	kv->dtype = o->kv_dtype;
+	/* the daemon's dtype (never F16); the caller sizes n_blocks */
+	mlens_kv_layout(kv, c, (int)o->kv_dtype, o->kv_block_size, 1, NULL, 0);
 	kv->n_layers = 1;
-	kv->n_kv_heads = (int)c->num_key_value_heads;
-	kv->head_dim = (int)c->head_dim;
-	kv->block_size = o->kv_block_size > 0 ? o->kv_block_size : 16;
 }
 
 /* slots[rows]: rows in the blocks they fill, the blocks drawn without
@@ -814,6 +746,8 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	const struct mlens_model_config *c = &m->cfg;
 	struct mlens_backend tmp = { 0 }, *be = o->attn;
 	struct mlens_kv_cache kv;
+	struct mlens_layer_desc d;
+	struct mlens_layer_run run;
 	struct mlens_attn_query *qr = NULL;
 	uint32_t *table = NULL;
 	float *q = NULL, *out = NULL;
@@ -833,9 +767,11 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 		}
 		be = &tmp;
 	}
+	mlens_layer_desc_init(&d, c);
+	run = (struct mlens_layer_run){ be, &d, NULL };
 	test_kv(&kv, c, o);
 	bs = kv.block_size;
-	tok_bytes = 2 * (size_t)kv.n_kv_heads * (size_t)kv.head_dim * mlens_dtype_size(kv.dtype);
+	tok_bytes = 2 * mlens_kv_token_bytes(&kv);	/* K and V, the one layer */
 	/* sequences of up to 2048 tokens (or the model's context) filling kvbytes */
 	ctx = c->max_position_embeddings > 1 && c->max_position_embeddings - 1 < 2048 ?
 	      (int)c->max_position_embeddings - 1 : 2048;
@@ -885,9 +821,7 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 			goto out;
 		for (int r = 0; r < REPS + 1 && !rc; r++) {
 			double t0 = now(), t;
-			rc = be->ops->attn_decode(be->ctx, out, q, &kv, 0, qr, n_seq,
-						  (int)c->num_attention_heads,
-						  1.0f / sqrtf((float)c->head_dim));
+			rc = mlens_layer_attn_decode(&run, out, q, &kv, 0, qr, n_seq);
 			t = now() - t0;
 			if (r && t < best)
 				best = t;
@@ -1006,11 +940,14 @@ void mlens_profile_gpu_name(const struct mlens_backend *be, char *buf, size_t le
 		buf[0] = 0;
 	if (!be || !be->ops || be->ops->host_memory)
 		return;
-#ifdef HAVE_CUDA
+	if (!MLENS_BACKEND_HAS(be->ops, bus_id)) {
+		snprintf(buf, len, "%s", be->ops->name);
+		return;
+	}
 	{
 		char bus[32], path[128], vendor[16] = "", device[16] = "";
 		FILE *f;
-		if (mlens_cuda_pci_bus_id(0, bus, sizeof(bus)))
+		if (be->ops->bus_id(be->ctx, bus, sizeof(bus)))
 			return;
 		for (char *s = bus; *s; s++)
 			if (*s >= 'A' && *s <= 'F')
@@ -1032,9 +969,6 @@ void mlens_profile_gpu_name(const struct mlens_backend *be, char *buf, size_t le
 		snprintf(buf, len, "%s:%s at %s", vendor[0] ? vendor + (vendor[1] == 'x' ? 2 : 0) : "?",
 			 device[0] ? device + (device[1] == 'x' ? 2 : 0) : "?", bus);
 	}
-#else
-	snprintf(buf, len, "%s", be->ops->name);
-#endif
 }
 
 static json_t *line_json(const struct mlens_perf_line *l)

@@ -5,27 +5,26 @@
  * stream is kept once: every rank's replica would be identical, being made
  * by the same collective. */
 #include <errno.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/errf.h"
+#include "daemon/layer.h"
+#include "daemon/step.h"
 #include "daemon/shard_sim.h"
 
 #define SIM_MAX_TOKENS 4096
 
-struct rank_layer {
-	const void *wq, *wk, *wv;	/* row slices: pointers into the model */
-	void *wo;			/* [H][q_heads*hd] columns: a copy */
-	const void **w1, **w3;		/* TP: row slices; EP: owned experts, NULL others */
-	void **w2;			/* TP: [H][inter_r] copies; EP: owned, model's */
-	struct mlens_moe_weights moe;
-};
-
+/* A rank's layer: wq, wk, wv row slices (pointers into the model); wo
+ * its [H][q_heads*hd] columns, a copy; w1, w3 TP: row slices, EP: owned
+ * experts, NULL others; w2 TP: [H][inter_r] copies, EP: owned, the
+ * model's; the norms and the router the model's (replicated). */
 struct rank {
 	struct mlens_kv_pool kv;	/* its kv heads; block ids from rank 0's pool */
-	struct rank_layer *layers;
+	struct mlens_layer_desc d;	/* its heads and expert slice */
+	struct mlens_layer_run run;
+	struct mlens_layer_bound *layers;
 	/* scratch, SIM_MAX_TOKENS rows */
 	float *q, *k, *v, *att, *part;	/* part: [T][H] partial sums it contributes */
 	/* EP: rows received for its experts and their outputs */
@@ -39,13 +38,14 @@ struct mlens_shard_sim {
 	struct mlens_model_config cfg;
 	struct mlens_backend *be;
 	struct mlens_shard_plan plan;
+	struct mlens_layer_desc d;	/* the whole layer's (replicated norms, router) */
+	struct mlens_layer_run run;
 	size_t es;
 	struct rank *ranks;
 	float *x, *xn, *sum, *rlog, *rw, *logits;
-	int32_t *rid, *tok, *pos;
-	int64_t *slots;
-	struct mlens_attn_query *qry;
-	int32_t *row_req, *lrow;
+	int32_t *rid;
+	struct mlens_step_rows rows;	/* the step's rows (host memory) */
+	int32_t *last;			/* each request's last row */
 };
 
 /* Columns [c0, c0+nc) of a [rows][cols] matrix of es-byte elements. */
@@ -72,12 +72,20 @@ static int bind_rank(struct mlens_shard_sim *s, int r)
 	struct rank *rk = &s->ranks[r];
 	int H = p->hidden, hd = p->head_dim, E = p->experts, L = (int)s->cfg.num_hidden_layers;
 
+	rk->d = s->d;
+	rk->d.n_heads = k->q_heads;
+	rk->d.n_kv_heads = k->kv_heads;
+	rk->d.inter = k->inter;
+	rk->run = (struct mlens_layer_run){ s->be, &rk->d, NULL };
 	rk->layers = calloc((size_t)L, sizeof(*rk->layers));
 	if (!rk->layers)
 		return -ENOMEM;
 	for (int l = 0; l < L; l++) {
 		const struct mlens_layer_weights *w = &s->m->layers[l];
-		struct rank_layer *b = &rk->layers[l];
+		struct mlens_layer_bound *b = &rk->layers[l];
+		b->attn_norm = w->attn_norm->data;
+		b->ffn_norm = w->ffn_norm->data;
+		b->router = w->router->data;
 		b->wq = rows_at(w->wq->data, s->es, k->q_head0 * hd, H);
 		b->wk = rows_at(w->wk->data, s->es, k->kv_head0 * hd, H);
 		b->wv = rows_at(w->wv->data, s->es, k->kv_head0 * hd, H);
@@ -97,11 +105,11 @@ static int bind_rank(struct mlens_shard_sim *s, int r)
 			} else if (e >= k->expert0 && e < k->expert0 + k->experts) {
 				b->w1[e] = w->w1[e];
 				b->w3[e] = w->w3[e];
-				b->w2[e] = (void *)w->w2[e];
+				b->w2[e] = w->w2[e];
 			}
 		}
 		b->moe = (struct mlens_moe_weights){ .n_experts = E, .hidden = H,
-			.inter = k->inter, .dtype = s->cfg.dtype, .w1 = b->w1, .w2 = (const void *const *)b->w2,
+			.inter = k->inter, .dtype = s->cfg.dtype, .w1 = b->w1, .w2 = b->w2,
 			.w3 = b->w3 };
 	}
 	return 0;
@@ -143,6 +151,8 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	s->be = be;
 	s->plan = *plan;
 	s->es = mlens_dtype_size(m->cfg.dtype);
+	mlens_layer_desc_init(&s->d, &s->cfg);
+	s->run = (struct mlens_layer_run){ be, &s->d, NULL };
 	s->ranks = calloc((size_t)plan->gpus, sizeof(*s->ranks));
 	if (!s->ranks) {
 		rc = -ENOMEM;
@@ -151,14 +161,12 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	for (int r = 0; r < plan->gpus && !rc; r++) {
 		struct rank *rk = &s->ranks[r];
 		const struct mlens_shard_rank *k = &plan->rank[r];
-		struct mlens_kv_cache layout = {
-			.dtype = m->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16,
-			.n_layers = (int)m->cfg.num_hidden_layers,
-			.n_kv_heads = k->kv_heads,
-			.head_dim = plan->head_dim,
-			.block_size = block_size > 0 ? block_size : 16,
-			.n_blocks = kv_blocks,
-		};
+		struct mlens_kv_cache layout;
+		/* the model's KV dtype; never F16, so this cannot fail */
+		mlens_kv_layout(&layout, &m->cfg, -1, block_size, kv_blocks, NULL, 0);
+		layout.n_blocks = kv_blocks;
+		layout.n_kv_heads = k->kv_heads;
+		layout.head_dim = plan->head_dim;
 		rc = mlens_kv_pool_init(&rk->kv, be, &layout, NULL, NULL);
 		if (rc) {
 			mlens_errf(err, errlen, "shard simulation: cannot allocate rank %d's KV cache: %s", r,
@@ -184,13 +192,8 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 	s->rw = salloc(s, T * K, &rc);
 	s->rid = salloc(s, T * K, &rc);
 	s->logits = salloc(s, T * plan->vocab, &rc);
-	s->tok = salloc(s, T, &rc);
-	s->pos = salloc(s, T, &rc);
-	s->row_req = salloc(s, T, &rc);
-	s->lrow = salloc(s, T, &rc);
-	s->slots = calloc(T, sizeof(*s->slots));
-	s->qry = calloc(T, sizeof(*s->qry));
-	if (rc || !s->slots || !s->qry) {
+	s->last = salloc(s, T, &rc);
+	if (rc || mlens_step_rows_alloc(&s->rows, T)) {
 		rc = rc ? rc : -ENOMEM;
 		mlens_errf(err, errlen, "shard simulation: out of memory for %d ranks", plan->gpus);
 		goto fail;
@@ -215,10 +218,10 @@ void mlens_shard_sim_destroy(struct mlens_shard_sim *s)
 	for (int r = 0; s->ranks && r < s->plan.gpus; r++) {
 		struct rank *rk = &s->ranks[r];
 		for (int l = 0; rk->layers && l < s->cfg.num_hidden_layers; l++) {
-			struct rank_layer *b = &rk->layers[l];
-			free(b->wo);
+			struct mlens_layer_bound *b = &rk->layers[l];
+			free((void *)b->wo);
 			for (int e = 0; b->w2 && s->plan.scheme == MLENS_SHARD_TP && e < s->plan.experts; e++)
-				free(b->w2[e]);
+				free((void *)b->w2[e]);
 			free(b->w1);
 			free(b->w2);
 			free(b->w3);
@@ -245,12 +248,8 @@ void mlens_shard_sim_destroy(struct mlens_shard_sim *s)
 	sfree(s, s->rw);
 	sfree(s, s->rid);
 	sfree(s, s->logits);
-	sfree(s, s->tok);
-	sfree(s, s->pos);
-	sfree(s, s->row_req);
-	sfree(s, s->lrow);
-	free(s->slots);
-	free(s->qry);
+	sfree(s, s->last);
+	mlens_step_rows_free(&s->rows);
 	free(s);
 }
 
@@ -284,27 +283,19 @@ static void allreduce_add(struct mlens_shard_sim *s, int r0, int r1)
 static int attention(struct mlens_shard_sim *s, int l, int T)
 {
 	const struct mlens_shard_plan *p = &s->plan;
-	const struct mlens_layer_weights *w = &s->m->layers[l];
-	int H = p->hidden, hd = p->head_dim, rc;
-	float scale = 1.0f / sqrtf((float)hd), eps = (float)s->cfg.rms_norm_eps;
+	const struct mlens_layer_rows rows = { .n = T, .slots = s->rows.slots, .qry = s->rows.qry };
+	int rc;
 
 	/* the norm is replicated: every rank computes the same rows */
-	TRY(OPS->rmsnorm(CTX, s->xn, s->x, w->attn_norm->data, s->cfg.dtype, T, H, eps));
+	TRY(mlens_layer_attn_norm(&s->run, &s->ranks[0].layers[l], s->x, s->xn, T));
 	for (int r = 0; r < p->gpus; r++) {
-		const struct mlens_shard_rank *k = &p->rank[r];
 		struct rank *rk = &s->ranks[r];
-		const struct rank_layer *b = &rk->layers[l];
-		int qd = k->q_heads * hd, kd = k->kv_heads * hd;
-		float *const qkv[3] = { rk->q, rk->k, rk->v };
-		const void *const wqkv[3] = { b->wq, b->wk, b->wv };
-		const int mqkv[3] = { qd, kd, kd };
-		TRY(mlens_backend_gemm_multi(OPS, CTX, qkv, s->xn, wqkv, s->cfg.dtype, T, H, mqkv, 3));
-		TRY(OPS->rope(CTX, rk->q, s->pos, T, k->q_heads, hd, (float)s->cfg.rope_theta));
-		TRY(OPS->rope(CTX, rk->k, s->pos, T, k->kv_heads, hd, (float)s->cfg.rope_theta));
-		TRY(OPS->kv_append(CTX, &rk->kv.cache, l, rk->k, rk->v, s->slots, T));
-		TRY(OPS->attn_decode(CTX, rk->att, rk->q, &rk->kv.cache, l, s->qry, T, k->q_heads, scale));
+		const struct mlens_layer_bound *b = &rk->layers[l];
+		const struct mlens_layer_act a = { .q = rk->q, .k = rk->k, .v = rk->v, .att = rk->att };
+		TRY(mlens_layer_qkv_rope(&rk->run, b, s->xn, rk->q, rk->k, rk->v, s->rows.pos, T));
+		TRY(mlens_layer_attend(&rk->run, &rk->kv.cache, l, &a, &rows));
 		/* partial O projection over its heads' columns */
-		TRY(OPS->gemm(CTX, rk->part, rk->att, b->wo, s->cfg.dtype, T, qd, H, false));
+		TRY(mlens_layer_out_proj(&rk->run, b, rk->part, rk->att, false, T, false));
 	}
 	return 0;
 }
@@ -312,19 +303,17 @@ static int attention(struct mlens_shard_sim *s, int l, int T)
 static int moe_tp(struct mlens_shard_sim *s, int l, int T)
 {
 	const struct mlens_shard_plan *p = &s->plan;
-	const struct mlens_layer_weights *w = &s->m->layers[l];
-	int H = p->hidden, K = p->top_k, rc;
+	int rc;
 
 	allreduce_add(s, 0, T);
-	TRY(OPS->rmsnorm(CTX, s->xn, s->x, w->ffn_norm->data, s->cfg.dtype, T, H,
-			 (float)s->cfg.rms_norm_eps));
-	/* the router is replicated */
-	TRY(OPS->gemm(CTX, s->rlog, s->xn, w->router->data, s->cfg.dtype, T, H, p->experts, false));
-	TRY(OPS->router(CTX, s->rid, s->rw, s->rlog, T, p->experts, K));
+	/* the norm and the router are replicated */
+	TRY(mlens_layer_route(&s->run, &s->ranks[0].layers[l], s->x, s->xn, s->rlog, s->rid, s->rw,
+			      T));
 	for (int r = 0; r < p->gpus; r++) {
 		struct rank *rk = &s->ranks[r];
-		memset(rk->part, 0, (size_t)T * H * sizeof(float));
-		TRY(OPS->moe(CTX, rk->part, s->xn, T, s->rid, s->rw, K, &rk->layers[l].moe));
+		memset(rk->part, 0, (size_t)T * p->hidden * sizeof(float));
+		TRY(mlens_layer_experts(&rk->run, &rk->layers[l].moe, rk->part, s->xn, s->rid, s->rw,
+					T, 0));
 	}
 	allreduce_add(s, 0, T);
 	return 0;
@@ -333,7 +322,6 @@ static int moe_tp(struct mlens_shard_sim *s, int l, int T)
 static int moe_ep(struct mlens_shard_sim *s, int l, int T, int64_t *rows_out)
 {
 	const struct mlens_shard_plan *p = &s->plan;
-	const struct mlens_layer_weights *w = &s->m->layers[l];
 	int H = p->hidden, K = p->top_k, G = p->gpus, rc;
 	size_t rowb = (size_t)H * sizeof(float);
 
@@ -348,12 +336,9 @@ static int moe_ep(struct mlens_shard_sim *s, int l, int T, int64_t *rows_out)
 		int t0, nt = mlens_shard_split(T, G, r, &t0);
 		if (!nt)
 			continue;
-		TRY(OPS->rmsnorm(CTX, s->xn + (size_t)t0 * H, s->x + (size_t)t0 * H, w->ffn_norm->data,
-				 s->cfg.dtype, nt, H, (float)s->cfg.rms_norm_eps));
-		TRY(OPS->gemm(CTX, s->rlog + (size_t)t0 * p->experts, s->xn + (size_t)t0 * H,
-			      w->router->data, s->cfg.dtype, nt, H, p->experts, false));
-		TRY(OPS->router(CTX, s->rid + (size_t)t0 * K, s->rw + (size_t)t0 * K,
-				s->rlog + (size_t)t0 * p->experts, nt, p->experts, K));
+		TRY(mlens_layer_route(&s->run, &s->ranks[r].layers[l], s->x + (size_t)t0 * H,
+				      s->xn + (size_t)t0 * H, s->rlog + (size_t)t0 * p->experts,
+				      s->rid + (size_t)t0 * K, s->rw + (size_t)t0 * K, nt));
 	}
 	/* all-to-all dispatch: destination d receives, from sources in rank
 	 * order, each token row that chose one of d's experts, once, with the
@@ -380,7 +365,8 @@ static int moe_ep(struct mlens_shard_sim *s, int l, int T, int64_t *rows_out)
 		}
 		memset(rk->yout, 0, (size_t)rk->n_in * rowb);
 		if (rk->n_in)
-			TRY(OPS->moe(CTX, rk->yout, rk->xin, rk->n_in, idin, rk->win, K, &rk->layers[l].moe));
+			TRY(mlens_layer_experts(&rk->run, &rk->layers[l].moe, rk->yout, rk->xin, idin,
+						rk->win, rk->n_in, 0));
 	}
 	/* all-to-all combine: each token's owner adds the outputs coming back,
 	 * expert ranks in order 0..G-1, into a zeroed sum, then into x; the
@@ -408,35 +394,17 @@ int mlens_shard_sim_step(struct mlens_shard_sim *s, struct mlens_engine_req *req
 	int H = p->hidden, V = p->vocab, bs = pool->cache.block_size;
 	int T, row = 0, rc = 0;
 	int64_t total;
-	uint32_t need = 0;
 
-	TRY(mlens_engine_reqs_check(&s->cfg, reqs, n, &total));
-	if (total > SIM_MAX_TOKENS)
-		return -E2BIG;
+	TRY(mlens_step_reserve(&s->cfg, pool, reqs, n, SIM_MAX_TOKENS, &total));
 	T = (int)total;
-	for (int i = 0; i < n; i++)
-		need += mlens_seq_blocks_needed(pool, reqs[i].seq,
-						(int64_t)reqs[i].seq->len + reqs[i].n_tokens);
-	if (need > mlens_kv_pool_free_blocks(pool))
-		return -ENOSPC;
-	for (int i = 0; i < n; i++)
-		TRY(mlens_seq_reserve(pool, reqs[i].seq, (int64_t)reqs[i].seq->len + reqs[i].n_tokens));
+	s->rows.nl = 0;
 	for (int i = 0; i < n; i++) {
-		struct mlens_engine_req *r = &reqs[i];
-		for (int j = 0; j < r->n_tokens; j++, row++) {
-			int32_t ps = r->seq->len + j;
-			s->tok[row] = r->tokens[j];
-			s->pos[row] = ps;
-			s->row_req[row] = i;
-			s->slots[row] = (int64_t)r->seq->blocks[ps / bs] * bs + ps % bs;
-			s->qry[row].ctx_len = ps + 1;
-			s->qry[row].n_blocks = (int32_t)r->seq->n_blocks;
-			s->qry[row].block_table = r->seq->blocks;
-		}
-		s->lrow[i] = row - 1;
+		for (int j = 0; j < reqs[i].n_tokens; j++, row++)
+			mlens_step_rows_put(&s->rows, row, i, &reqs[i], j, bs);
+		s->last[i] = row - 1;
 	}
 
-	TRY(OPS->embed(CTX, s->x, s->m->embed->data, s->cfg.dtype, H, s->tok, T));
+	TRY(OPS->embed(CTX, s->x, s->m->embed->data, s->cfg.dtype, H, s->rows.tok, T));
 	for (int l = 0; l < (int)s->cfg.num_hidden_layers; l++) {
 		TRY(attention(s, l, T));
 		if (p->scheme == MLENS_SHARD_TP)
@@ -447,7 +415,7 @@ int mlens_shard_sim_step(struct mlens_shard_sim *s, struct mlens_engine_req *req
 	/* logits of each request's last row: norm (replicated), then each rank
 	 * its vocab rows of lm_head, all-gathered into the full rows */
 	for (int i = 0; i < n; i++)
-		TRY(OPS->rmsnorm(CTX, s->xn + (size_t)i * H, s->x + (size_t)s->lrow[i] * H,
+		TRY(OPS->rmsnorm(CTX, s->xn + (size_t)i * H, s->x + (size_t)s->last[i] * H,
 				 s->m->final_norm->data, s->cfg.dtype, 1, H, (float)s->cfg.rms_norm_eps));
 	for (int r = 0; r < p->gpus; r++) {
 		const struct mlens_shard_rank *k = &p->rank[r];

@@ -1,5 +1,6 @@
 /* Backend selection by name. */
 #include <errno.h>
+#include <limits.h>
 #include <string.h>
 #include "kernels/backend.h"
 
@@ -58,7 +59,10 @@ const char *mlens_gpu_sync_name(enum mlens_gpu_sync m)
 	return (unsigned)m < sizeof(sync_names) / sizeof(sync_names[0]) ? sync_names[m] : "?";
 }
 
-#ifndef HAVE_CUDA
+#ifdef HAVE_CUDA
+/* kernels/cuda/backend_cuda.cu */
+int mlens_cuda_pci_bus_id(int device, char *buf, int len);
+#else
 /* Without the CUDA backend there is no GPU to offer (the CUDA build
  * defines this in kernels/cuda/backend_cuda.cu). */
 bool mlens_cuda_available(void)
@@ -66,3 +70,16 @@ bool mlens_cuda_available(void)
 	return false;
 }
 #endif
+
+int mlens_gpu_bus_id(int device, char *buf, size_t len)
+{
+#ifdef HAVE_CUDA
+	if (len > 0 && mlens_cuda_available())
+		return mlens_cuda_pci_bus_id(device, buf, len > INT_MAX ? INT_MAX : (int)len);
+#else
+	(void)device;
+	(void)buf;
+	(void)len;
+#endif
+	return -ENODEV;
+}

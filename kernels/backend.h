@@ -148,9 +148,9 @@ struct mlens_backend_ops {
 	/* ---- optional: a fixed op scratch ----
 	 * Allocate the scratch that ops take for their intermediates at bytes
 	 * now, and from then on never grow it: an op that would need more
-	 * fails with -ENOSPC. A pipeline that holds the device to a byte budget
-	 * sizes it from its plan (daemon/gpuplan.h), so that no step waits on
-	 * a reallocation and the budget holds. 0 lifts the limit (the scratch
+	 * fails with -ENOSPC. A caller that holds the device to a byte budget
+	 * sizes it from its memory plan, so that no step waits on a
+	 * reallocation and the budget holds. 0 lifts the limit (the scratch
 	 * grows on demand again). */
 	int (*scratch_reserve)(void *ctx, size_t bytes);
 
@@ -220,6 +220,15 @@ struct mlens_backend_ops {
 				const float *q, const struct mlens_kv_cache *kv, int layer,
 				const struct mlens_attn_query *queries, int n, int n_heads,
 				float scale);
+
+	/* ---- optional: the device a backend other than host memory runs on ----
+	 * 0 or -errno; buffers get a NUL-terminated string cut to len. */
+	/* Its free and total memory now. */
+	int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
+	/* Its name ("NVIDIA H200"). */
+	int (*device_name)(void *ctx, char *buf, size_t len);
+	/* Its PCI bus id ("0000:3b:00.0"). */
+	int (*bus_id)(void *ctx, char *buf, size_t len);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4
@@ -259,9 +268,8 @@ enum mlens_gemm_mode {
 #define MLENS_MOE_STREAMS_MAX 4
 #define MLENS_CUDA_BLAS_WS (32ull << 20)
 /* Tokens of one MoE call at most: larger calls go through in chunks of
- * this many, so that the scratch (mlens_gpuplan_moe_scratch: about 80 KB a
- * routed row at Mixtral sizes with fast GEMMs, 166 KB exact) stays
- * bounded; a chunk this large is GEMM-bound, so reading the experts once a
+ * this many, so that the scratch (a few tens of KB a routed row at
+ * Mixtral sizes, twice that with exact GEMMs) stays bounded; a chunk this large is GEMM-bound, so reading the experts once a
  * chunk costs little. */
 #define MLENS_CUDA_MOE_CHUNK_TOKENS 4096
 /* Rows of gate/up scratch a MoE call holds at most (CUDA backend): split
@@ -333,15 +341,13 @@ int mlens_backend_cuda_create(struct mlens_backend *be, const struct mlens_backe
  * allocations plus its own staging, scratch and cuBLAS workspace (0 for a
  * backend that is not CUDA). */
 size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be);
-/* The device's free and total memory now (cudaMemGetInfo); 0 or -errno
- * (-EINVAL for a backend that is not CUDA). */
-int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_t *free_bytes,
-				size_t *total_bytes);
-/* The PCI bus id of a device ("0000:3b:00.0"), for its NUMA node. */
-int mlens_cuda_pci_bus_id(int device, char *buf, int len);
 #endif
 /* True when the CUDA backend is built and a GPU is present. */
 bool mlens_cuda_available(void);
+/* The PCI bus id of GPU ordinal device ("0000:3b:00.0") before any
+ * backend runs on it (its NUMA node at start-up); -ENODEV without one. A
+ * backend's own device: ops->bus_id. */
+int mlens_gpu_bus_id(int device, char *buf, size_t len);
 /* name: "cpu", "cuda" or "auto" (CUDA when a GPU is present). */
 int mlens_backend_create(struct mlens_backend *be, const char *name,
 			 const struct mlens_backend_opts *o);

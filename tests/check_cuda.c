@@ -183,6 +183,33 @@ static double wtol(enum mlens_dtype dt)
 	return dt == MLENS_DTYPE_F32 ? 1e-5 : dt == MLENS_DTYPE_F16 ? 2e-3 : 1e-2;
 }
 
+/* ==== the device ==== */
+
+/* The device ops say what the CUDA runtime says of the backend's device:
+ * its memory, a name, and the bus id mlens_gpu_bus_id gives for it. */
+START_TEST(test_device_ops)
+{
+	size_t fr = 0, tot = 0;
+	char name[128] = "", bus[64] = "", bus0[64] = "";
+
+	ck_assert(MLENS_BACKEND_HAS(dev->ops, mem_info));
+	ck_assert(MLENS_BACKEND_HAS(dev->ops, device_name));
+	ck_assert(MLENS_BACKEND_HAS(dev->ops, bus_id));
+	ck_assert_int_eq(dev->ops->mem_info(dev->ctx, &fr, &tot), 0);
+	ck_assert_uint_gt(tot, 0);
+	ck_assert_uint_le(fr, tot);
+	ck_assert_int_eq(dev->ops->device_name(dev->ctx, name, sizeof(name)), 0);
+	ck_assert_uint_gt(strlen(name), 0);
+	ck_assert_int_eq(dev->ops->bus_id(dev->ctx, bus, sizeof(bus)), 0);
+	ck_assert_int_eq(mlens_gpu_bus_id(0, bus0, sizeof(bus0)), 0);
+	ck_assert_str_eq(bus, bus0);	/* the tests' backends run on device 0 */
+	ck_assert_int_eq(mlens_gpu_bus_id(1 << 20, bus0, sizeof(bus0)), -ENODEV);
+	/* the CPU backend has no device */
+	ck_assert(!MLENS_BACKEND_HAS(cpu.ops, mem_info));
+	ck_assert(!MLENS_BACKEND_HAS(cpu.ops, bus_id));
+}
+END_TEST
+
 /* ==== memory ==== */
 
 START_TEST(test_memory)
@@ -1273,6 +1300,7 @@ int main(void)
 	s = suite_create("cuda");
 	tc = backend_tcase(s, "ops", use_fast);
 	tcase_add_test(tc, test_memory);
+	tcase_add_test(tc, test_device_ops);
 	tcase_add_test(tc, test_copy_queue);
 	tcase_add_test(tc, test_side_queue);
 	tcase_add_test(tc, test_up_queue);

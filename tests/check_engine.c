@@ -3,7 +3,8 @@
  * all-at-once, re-prefill after eviction equals the uninterrupted run,
  * seeded sampling is reproducible, and bad steps fail without side effects;
  * the share of a pinned area in huge pages, from smaps; the pool's growth
- * room keeps tables in runs of consecutive blocks under churn. */
+ * room keeps tables in runs of consecutive blocks under churn; the KV
+ * layout rule. */
 #include <check.h>
 #include <errno.h>
 #include <stdio.h>
@@ -22,6 +23,41 @@ static struct mlens_kv_cache small_layout(uint32_t blocks)
 	struct mlens_kv_cache l = { MLENS_DTYPE_BF16, 2, 2, 8, 4, blocks, NULL, NULL };
 	return l;
 }
+
+/* The one KV layout rule: F32 for an F32 model, else BF16; a dtype asked
+ * for is kept, F16 refused by name; 16 tokens a block and eight full
+ * contexts of blocks by default; a token's bytes over all layers. */
+START_TEST(kv_layout_rule)
+{
+	struct mlens_model_config c = { .num_hidden_layers = 3, .num_key_value_heads = 2,
+					.head_dim = 8, .max_position_embeddings = 100,
+					.dtype = MLENS_DTYPE_BF16 };
+	struct mlens_kv_cache l;
+	char err[128] = "";
+
+	ck_assert_int_eq(mlens_kv_layout(&l, &c, -1, 0, 0, err, sizeof(err)), 0);
+	ck_assert_int_eq(l.dtype, MLENS_DTYPE_BF16);
+	ck_assert_int_eq(l.block_size, MLENS_KV_BLOCK_SIZE);
+	ck_assert_uint_eq(l.n_blocks, 8 * 7);	/* ceil(100 / 16) blocks a context */
+	ck_assert_int_eq(l.n_layers, 3);
+	ck_assert_int_eq(l.n_kv_heads, 2);
+	ck_assert_int_eq(l.head_dim, 8);
+	ck_assert_ptr_null(l.k);
+	ck_assert_uint_eq(mlens_kv_token_bytes(&l), 3 * 2 * 8 * 2);
+	c.dtype = MLENS_DTYPE_F16;
+	ck_assert_int_eq(mlens_kv_dtype(&c, -1), MLENS_DTYPE_BF16);
+	c.dtype = MLENS_DTYPE_F32;
+	ck_assert_int_eq(mlens_kv_layout(&l, &c, -1, 4, 9, err, sizeof(err)), 0);
+	ck_assert_int_eq(l.dtype, MLENS_DTYPE_F32);
+	ck_assert_int_eq(l.block_size, 4);
+	ck_assert_uint_eq(l.n_blocks, 9);
+	ck_assert_uint_eq(mlens_kv_token_bytes(&l), 3 * 2 * 8 * 4);
+	ck_assert_int_eq(mlens_kv_layout(&l, &c, MLENS_DTYPE_BF16, 0, 1, err, sizeof(err)), 0);
+	ck_assert_int_eq(l.dtype, MLENS_DTYPE_BF16);
+	ck_assert_int_eq(mlens_kv_layout(&l, &c, MLENS_DTYPE_F16, 0, 1, err, sizeof(err)), -EINVAL);
+	ck_assert_str_eq(err, "KV cache dtype F16 is not supported (use F32 or BF16)");
+}
+END_TEST
 
 START_TEST(kv_pool_accounting)
 {
@@ -725,6 +761,7 @@ static Suite *engine_suite(void)
 {
 	Suite *s = suite_create("engine");
 	TCase *tc = tcase_create("kv_pool");
+	tcase_add_test(tc, kv_layout_rule);
 	tcase_add_test(tc, kv_pool_accounting);
 	tcase_add_test(tc, kv_pool_random_no_leak);
 	tcase_add_test(tc, kv_pool_room);

@@ -263,27 +263,6 @@ START_TEST(plan_refuses_below_minimum)
 }
 END_TEST
 
-START_TEST(plan_mode_choice)
-{
-	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
-	uint64_t kv = 40 * GIB;
-	char why[512];
-
-	/* issue 7's benchmark: 8 GiB for a 23.7 GB model -> hybrid */
-	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 8 * GIB, 4096, kv, why, sizeof(why)), 1);
-	ck_assert_msg(strstr(why, "hybrid mode: gpu_memory 8.00 GiB is below"), "%s", why);
-	/* the whole model and its KV cache fit -> GPU-only */
-	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 80 * GIB, 4096, kv, why, sizeof(why)), 0);
-	ck_assert_ptr_nonnull(strstr(why, "GPU-only mode"));
-	/* the weights fit but not with the KV cache -> hybrid */
-	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 40 * GIB, 4096, kv, why, sizeof(why)), 1);
-	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 40 * GIB, 4096, 0, why, sizeof(why)), 0);
-	/* no budget: GPU-only */
-	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 0, 4096, kv, why, sizeof(why)), 0);
-	ck_assert_int_eq(mlens_gpuplan_choose_mode(&pm, 8 * GIB, 0, kv, NULL, 0), -EINVAL);
-}
-END_TEST
-
 /* The activation formula: per-token buffers by hand for a tiny model. */
 /* act_bytes of n tokens in groups of group rows, MoE chunks of 8, fast
  * GEMMs, sets sets, att_half */
@@ -2015,7 +1994,6 @@ static Suite *suite(void)
 	tcase_add_test(t, plan_refuses_below_minimum);
 	tcase_add_test(t, plan_act_bytes);
 	tcase_add_test(t, plan_scratch_bytes);
-	tcase_add_test(t, plan_mode_choice);
 	suite_add_tcase(s, t);
 	t = tcase_create("program");
 	tcase_add_test(t, prog_two_groups);

@@ -13,6 +13,14 @@ tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(
 endif
 
 if HAVE_CHECK
+check_PROGRAMS += tests/check_layer
+TESTS += tests/check_layer
+tests_check_layer_SOURCES = tests/check_layer.c
+tests_check_layer_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_layer_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+
+if HAVE_CHECK
 check_PROGRAMS += tests/check_sched
 TESTS += tests/check_sched
 tests_check_sched_SOURCES = tests/check_sched.c

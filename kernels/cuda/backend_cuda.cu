@@ -1205,6 +1205,33 @@ static void cuda_destroy(void *ctx)
 	free(c);
 }
 
+/* ==== the device ==== */
+
+static int cuda_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes)
+{
+	CUDA_RET(cudaSetDevice(((const struct mlens_cuda_ctx *)ctx)->device));
+	CUDA_RET(cudaMemGetInfo(free_bytes, total_bytes));
+	return 0;
+}
+
+static int cuda_device_name(void *ctx, char *buf, size_t len)
+{
+	struct cudaDeviceProp prop;
+	if (!len)
+		return -EINVAL;
+	CUDA_RET(cudaGetDeviceProperties(&prop, ((const struct mlens_cuda_ctx *)ctx)->device));
+	snprintf(buf, len, "%s", prop.name);
+	return 0;
+}
+
+static int cuda_bus_id(void *ctx, char *buf, size_t len)
+{
+	if (!len)
+		return -EINVAL;
+	return mlens_cuda_pci_bus_id(((const struct mlens_cuda_ctx *)ctx)->device, buf,
+				     len > INT_MAX ? INT_MAX : (int)len);
+}
+
 static const struct mlens_backend_ops cuda_ops = {
 	sizeof(struct mlens_backend_ops),
 	"cuda",
@@ -1244,6 +1271,10 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_round,
 	cuda_gemm_half_in,
 	cuda_gemm_multi,
+	NULL,	/* attn_decode_half: attn_decode, then round */
+	cuda_mem_info,
+	cuda_device_name,
+	cuda_bus_id,
 };
 
 extern "C" bool mlens_cuda_available(void)
@@ -1264,15 +1295,6 @@ extern "C" size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be)
 	return ((const struct mlens_cuda_ctx *)be->ctx)->bytes_in_use;
 }
 
-extern "C" int mlens_backend_cuda_mem_info(const struct mlens_backend *be, size_t *free_bytes,
-					   size_t *total_bytes)
-{
-	if (!be || be->ops != &cuda_ops)
-		return -EINVAL;
-	CUDA_RET(cudaSetDevice(((const struct mlens_cuda_ctx *)be->ctx)->device));
-	CUDA_RET(cudaMemGetInfo(free_bytes, total_bytes));
-	return 0;
-}
 
 /* A block count for a kernel beside queue 0's: the environment variable
  * name when set (a tuning knob, 1 to max), else a quarter of the SMs.

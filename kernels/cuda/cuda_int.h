@@ -10,12 +10,16 @@
 #include "config.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 
 extern "C" {
 #include "kernels/backend.h"
+/* The PCI bus id of a device (backend_cuda.cu; kernels/backend.c's
+ * mlens_gpu_bus_id and the ops' bus_id): 0 or -ENODEV. */
+int mlens_cuda_pci_bus_id(int device, char *buf, int len);
 }
 
 /* Blocks of 256 threads unless a kernel says otherwise. */

@@ -18,6 +18,7 @@
 #include <string.h>
 #include "daemon/config.h"
 #include "daemon/gpuplan.h"
+#include "daemon/kv_pool.h"
 #include "daemon/model.h"
 #include "daemon/perfmodel.h"
 #include "daemon/profiler.h"
@@ -131,8 +132,7 @@ int mlens_bench_predict(int argc, char **argv)
 		return 1;
 	}
 	memset(&st, 0, sizeof(st));
-	if (mlens_perf_model_from_config(&st.pm, &cfg,
-					 cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16)) {
+	if (mlens_perf_model_from_config(&st.pm, &cfg, mlens_kv_dtype(&cfg, -1))) {
 		fprintf(stderr, "predict: %s: the model's dimensions are out of range\n", config);
 		return 1;
 	}

@@ -432,7 +432,7 @@ static int hybrid_budget(const struct mlens_model *m, int max_tokens, enum mlens
 	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
 				       .min_tokens = max_tokens, .gemm = gemm };
 	struct mlens_gpuplan p;
-	enum mlens_dtype kv = m->cfg.dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+	enum mlens_dtype kv = mlens_kv_dtype(&m->cfg, -1);
 	int rc = mlens_perf_model_from_config(&pm, &m->cfg, kv);
 	if (!rc)
 		rc = mlens_gpuplan_make(&pm, &in, &p, NULL, 0);
