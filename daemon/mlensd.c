@@ -157,6 +157,18 @@ static int daemonize(void)
  * more: a warning naming the setting (a smaller one may not span a
  * 2 MiB page at all). */
 #define HUGE_WARN_BYTES (64ull << 20)
+/* What a new user asks first: where generation stops, how much to send. */
+static void log_eos_and_room(const struct mlens_model_config *c, const struct mlens_region_limits *l)
+{
+	char ids[MLENS_MODEL_MAX_EOS * 12 + 8] = "none (generation runs to max_tokens)";
+	size_t n = 0;
+
+	for (int i = 0; i < c->n_eos; i++)
+		n += (size_t)snprintf(ids + n, sizeof(ids) - n, "%s%d", i ? ", " : "", c->eos[i]);
+	log_info("EOS token ids: %s; a tenant runs up to %u sequences at once and queues %u more",
+		 ids, l->max_running, l->max_queued);
+}
+
 static void log_huge_pages(const struct mlens_pinned *a, const struct mlens_pinned *b,
 			   const char *what)
 {
@@ -675,6 +687,15 @@ int main(int argc, char **argv)
 	sv.region = (struct mlens_region_params)MLENS_REGION_PARAMS_DEFAULT;
 	{
 		int64_t ctx = D.model->cfg.max_position_embeddings;
+		uint32_t most = mlens_sched_max_running(D.sched);
+
+		/* quota_queued 0: room to queue a whole machine's worth twice */
+		if (!sv.quota.max_queued)
+			sv.quota.max_queued = most <= (1u << 30) ? 2 * most : most;
+		sv.limits.max_running = sv.quota.max_running && sv.quota.max_running < most ?
+			sv.quota.max_running : most;
+		sv.limits.max_queued = sv.quota.max_queued;
+		log_eos_and_room(&D.model->cfg, &sv.limits);
 		sv.limits.max_prompt_tokens = (uint32_t)(eo.max_step_tokens < ctx - 1 ? eo.max_step_tokens : ctx - 1);
 		sv.limits.max_tokens = (uint32_t)(ctx - 1);
 		sv.limits.max_context = (uint32_t)ctx;

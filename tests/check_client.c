@@ -82,7 +82,8 @@ static void fake_listen(struct mlens_fake *f, enum scenario sc)
 {
 	memset(f, 0, sizeof(*f));
 	f->params = (struct mlens_region_params){ SUB_ENTRIES, CMPL_ENTRIES, PROMPT_BYTES };
-	f->limits = (struct mlens_region_limits){ MAX_PROMPT, MAX_GEN, CONTEXT, VOCAB, 0, { 0 } };
+	f->limits = (struct mlens_region_limits){ .max_prompt_tokens = MAX_PROMPT, .max_tokens = MAX_GEN,
+						  .max_context = CONTEXT, .vocab_size = VOCAB };
 	f->hold = sc == SC_CANCEL;
 	f->post_limit = sc == SC_HANGUP ? 3 : 0;
 	ck_assert_int_eq(mlens_fake_listen(f), 0);
