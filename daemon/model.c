@@ -284,26 +284,36 @@ static int parse_eos(const struct cfg_ctx *c, json_t *root, struct mlens_model_c
 	return 0;
 }
 
+/* A config file's text as a JSON object, or NULL with the message. */
+static json_t *load_object(const char *json, size_t len, const char *path, char *err,
+			   size_t errlen)
+{
+	json_error_t jerr;
+	json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
+
+	if (!root) {
+		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
+		     path, jerr.line, jerr.column, jerr.text);
+		return NULL;
+	}
+	if (!json_is_object(root)) {
+		mlens_errf(err, errlen, "%s: top level must be a JSON object", path);
+		json_decref(root);
+		return NULL;
+	}
+	return root;
+}
+
 int mlens_model_parse_generation_config(const char *json, size_t len, const char *path,
 					struct mlens_model_config *cfg, char *err, size_t errlen)
 {
 	struct cfg_ctx c = { path, err, errlen };
-	json_error_t jerr;
-	json_t *root;
+	json_t *root = load_object(json, len, path, err, errlen);
 	int rc;
 
-	root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
-	if (!root) {
-		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
-		     path, jerr.line, jerr.column, jerr.text);
+	if (!root)
 		return -EINVAL;
-	}
-	if (!json_is_object(root)) {
-		mlens_errf(err, errlen, "%s: top level must be a JSON object", path);
-		rc = -EINVAL;
-	} else {
-		rc = parse_eos(&c, root, cfg);
-	}
+	rc = parse_eos(&c, root, cfg);
 	json_decref(root);
 	return rc;
 }
@@ -312,23 +322,14 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			     struct mlens_model_config *cfg, char *err, size_t errlen)
 {
 	struct cfg_ctx c = { path, err, errlen };
-	json_error_t jerr;
 	json_t *root, *v;
 	int64_t sw;
 	int rc;
 
 	memset(cfg, 0, sizeof(*cfg));
-	root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
-	if (!root) {
-		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
-		     path, jerr.line, jerr.column, jerr.text);
+	root = load_object(json, len, path, err, errlen);
+	if (!root)
 		return -EINVAL;
-	}
-	if (!json_is_object(root)) {
-		mlens_errf(err, errlen, "%s: top level must be a JSON object", path);
-		rc = -EINVAL;
-		goto out;
-	}
 	rc = check_arch(&c, root, cfg);
 	if (rc)
 		goto out;
