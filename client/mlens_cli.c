@@ -113,15 +113,18 @@ static void on_stop_signal(int sig)
 	stop_signal = sig;
 }
 
-/* Without SA_RESTART, so that a wait returns early to notice it. */
+/* Without SA_RESTART, so that a wait returns early to notice it. A SIGINT
+ * ignored from the start stays ignored: a shell's background job is not
+ * meant to hear the terminal's Ctrl-C. */
 static void catch_stop_signals(void)
 {
-	struct sigaction sa;
+	struct sigaction sa, old;
 
 	memset(&sa, 0, sizeof(sa));
 	sa.sa_handler = on_stop_signal;
 	sigemptyset(&sa.sa_mask);
-	sigaction(SIGINT, &sa, NULL);
+	if (!sigaction(SIGINT, NULL, &old) && old.sa_handler != SIG_IGN)
+		sigaction(SIGINT, &sa, NULL);
 	sigaction(SIGTERM, &sa, NULL);
 }
 
