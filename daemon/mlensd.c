@@ -715,6 +715,7 @@ int main(int argc, char **argv)
 		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.hybrid ? "hybrid (cuda + cpu attention)" : D.be.ops->name,
 		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
+		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,

@@ -44,6 +44,7 @@ serve() {
 grep -q '"eos_token_id": 2,' "$tmp/m/config.json" || fail "mkmodel: eos_token_id 2 not in config.json"
 serve
 grep -q "EOS token ids: 2;" "$tmp/log" || fail "start-up log does not name EOS id 2"
+ctl status | grep -q "^EOS token ids  *2 (generation ends there)" || fail "status: $(ctl status)"
 
 # ==== EOS of config.json (2) ====
 P='"prompt": [5, 6, 7], "max_tokens": 24'
@@ -88,6 +89,7 @@ kill "$pid" && wait "$pid"
 pid=
 serve
 grep -q "EOS token ids: $y, $x;" "$tmp/log" || fail "start-up log does not name EOS ids $y, $x"
+ctl status | grep -q "^EOS token ids  *$y, $x (generation" || fail "status: $(ctl status)"
 echo "{$P}" >"$tmp/in"
 echo "{$P, \"ignore_eos\": true}" >>"$tmp/in"
 "$mlens" generate -q -s "$tmp/t.sock" -i "$tmp/in" -o "$tmp/out" || fail "generate"
