@@ -151,12 +151,6 @@ static int daemonize(void)
 	return p[1];
 }
 
-/* How much of a pinned area (two: the KV cache's K and V) the kernel backs
- * with huge pages: the CPU attention reads the KV cache at a rate that
- * 4 KiB pages cost TLB misses in. Under half of an area of 64 MiB or
- * more: a warning naming the setting (a smaller one may not span a
- * 2 MiB page at all). */
-#define HUGE_WARN_BYTES (64ull << 20)
 /* What a new user asks first: where generation stops, how much to send. */
 static void log_eos_and_room(const struct mlens_model_config *c, const struct mlens_region_limits *l)
 {
@@ -169,6 +163,12 @@ static void log_eos_and_room(const struct mlens_model_config *c, const struct ml
 		 ids, l->max_running, l->max_queued);
 }
 
+/* How much of a pinned area (two: the KV cache's K and V) the kernel backs
+ * with huge pages: the CPU attention reads the KV cache at a rate that
+ * 4 KiB pages cost TLB misses in. Under half of an area of 64 MiB or
+ * more: a warning naming the setting (a smaller one may not span a
+ * 2 MiB page at all). */
+#define HUGE_WARN_BYTES (64ull << 20)
 static void log_huge_pages(const struct mlens_pinned *a, const struct mlens_pinned *b,
 			   const char *what)
 {
