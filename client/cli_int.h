@@ -24,12 +24,14 @@ struct mlens_cli_req {
 	int32_t stop[MLENS_REQ_MAX_STOP];
 	uint32_t n_stop;
 	bool logprobs;
+	bool ignore_eos;	/* generate past the model's EOS ids */
 };
 
 /* Parse one line (len bytes, no newline needed). Returns 0, or -EINVAL
  * with a sentence naming the field in err; r is then empty. Fields: prompt
  * (required: a non-empty array of token ids), max_tokens, temperature,
- * top_k, top_p, seed, stop (at most MLENS_REQ_MAX_STOP ids), logprobs; any
+ * top_k, top_p, seed, stop (at most MLENS_REQ_MAX_STOP ids), logprobs,
+ * ignore_eos; any
  * other key is an error (a misspelt field would otherwise be ignored). */
 int mlens_cli_request_parse(const char *line, size_t len, struct mlens_cli_req *r, char *err,
 			    size_t errlen);

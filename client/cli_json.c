@@ -136,10 +136,12 @@ static int parse_fields(json_t *o, struct mlens_cli_req *r, char *err, size_t er
 					return rc;
 			}
 			r->n_stop = (uint32_t)n;
-		} else if (!strcmp(key, "logprobs")) {
+		} else if (!strcmp(key, "logprobs") || !strcmp(key, "ignore_eos")) {
+			bool *flag = !strcmp(key, "logprobs") ? &r->logprobs : &r->ignore_eos;
+
 			if (!json_is_boolean(v))
-				return bad(err, errlen, "logprobs is not true or false");
-			r->logprobs = json_is_true(v);
+				return bad(err, errlen, "%s is not true or false", key);
+			*flag = json_is_true(v);
 		} else {
 			return bad(err, errlen, "unknown field \"%.64s\"", key);
 		}
@@ -194,7 +196,7 @@ void mlens_cli_request_to_api(const struct mlens_cli_req *r, struct mlens_reques
 	req->top_p = r->top_p;
 	req->top_k = r->top_k;
 	req->seed = r->seed;
-	req->flags = r->logprobs ? MLENS_REQ_LOGPROBS : 0;
+	req->flags = (r->logprobs ? MLENS_REQ_LOGPROBS : 0) | (r->ignore_eos ? MLENS_REQ_IGNORE_EOS : 0);
 	memcpy(req->stop, r->stop, sizeof(req->stop));
 	req->n_stop = r->n_stop;
 	req->timeout_ms = 0;

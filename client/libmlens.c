@@ -27,6 +27,8 @@
 
 _Static_assert(MLENS_REQ_MAX_STOP == MLENS_MAX_STOP, "stop token count matches the protocol");
 _Static_assert(MLENS_REQ_LOGPROBS == MLENS_SUB_LOGPROBS, "logprobs flag matches the protocol");
+_Static_assert(MLENS_REQ_IGNORE_EOS == MLENS_SUB_IGNORE_EOS, "ignore-EOS flag matches the protocol");
+#define REQ_FLAGS_KNOWN (MLENS_REQ_LOGPROBS | MLENS_REQ_IGNORE_EOS)
 
 /* How long mlens_open waits for the daemon's welcome. */
 #define WELCOME_TIMEOUT_MS 10000
@@ -460,6 +462,8 @@ int mlens_limits(struct mlens *m, struct mlens_limits *lim)
 	l.sub_entries = m->rg.sub.entries;
 	l.cmpl_entries = m->rg.cmpl.entries;
 	l.prompt_ring_bytes = m->rg.prompt.ring.entries;
+	l.max_running = m->rg.limits.max_running;
+	l.max_queued = m->rg.limits.max_queued;
 	n = lim->size < sizeof(l) ? lim->size : sizeof(l);
 	l.size = lim->size;
 	memcpy(lim, &l, n);
@@ -492,11 +496,11 @@ static int request_to_sub(struct mlens *m, const struct mlens_request *r, struct
 {
 	int err;
 
-	if (!r->prompt || r->n_stop > MLENS_REQ_MAX_STOP || (r->flags & ~MLENS_REQ_LOGPROBS))
+	if (!r->prompt || r->n_stop > MLENS_REQ_MAX_STOP || (r->flags & ~REQ_FLAGS_KNOWN))
 		return -EINVAL;
 	memset(s, 0, sizeof(*s));
 	s->op = MLENS_OP_GENERATE;
-	s->flags = (uint16_t)(r->flags & MLENS_SUB_LOGPROBS);
+	s->flags = (uint16_t)r->flags;
 	s->n_stop = (uint8_t)r->n_stop;
 	s->prompt_off = 0;
 	s->prompt_len = r->n_prompt;

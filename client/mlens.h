@@ -20,6 +20,7 @@ struct mlens;
 
 /* Request flags. */
 #define MLENS_REQ_LOGPROBS (1u << 0)	/* events carry each token's log-probability */
+#define MLENS_REQ_IGNORE_EOS (1u << 1)	/* go on past the model's EOS tokens (stop[] still ends it) */
 
 /* A generation request. Set size to sizeof(struct mlens_request): fields
  * added later go at the end, and a library reading an older, smaller struct
@@ -52,6 +53,9 @@ struct mlens_limits {
 	uint32_t sub_entries;		/* submissions the ring holds before submit waits */
 	uint32_t cmpl_entries;		/* events the ring holds before the daemon waits */
 	uint32_t prompt_ring_bytes;	/* prompt tokens in flight, in bytes (4 a token) */
+	/* 0 when the daemon does not say: */
+	uint32_t max_running;		/* requests of this connection that can run at once */
+	uint32_t max_queued;		/* requests it may have waiting beyond those */
 	uint32_t reserved;
 };
 
@@ -65,7 +69,8 @@ struct mlens_limits {
 enum mlens_finish_reason {
 	MLENS_REASON_NONE = 0,		/* not the last event */
 	MLENS_REASON_LENGTH = 1,	/* max_tokens generated */
-	MLENS_REASON_STOP = 2,		/* a stop token was generated (it is in token) */
+	MLENS_REASON_STOP = 2,		/* a stop token or the model's EOS was generated
+					 * (it is in token) */
 	MLENS_REASON_ERROR = 3,		/* the request failed: status says why */
 	MLENS_REASON_CANCELLED = 4,	/* mlens_cancel(), or the daemon is draining */
 };

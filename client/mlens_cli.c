@@ -1,10 +1,12 @@
 /* mlens: the batch client. `mlens generate` reads requests as JSON lines,
- * keeps up to --max-inflight of them running in mlensd through libmlens,
- * and writes one result line per input line, in input order, with a
- * progress bar and a closing summary on stderr. */
+ * keeps as many of them running in mlensd through libmlens as the daemon
+ * can take (or --max-inflight), and writes one result line per input line,
+ * in input order, with a progress bar and a closing summary on stderr. */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <math.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,10 +21,15 @@
 #define EXIT_ALL_OK 0
 #define EXIT_SOME_FAILED 1
 #define EXIT_TROUBLE 2
+/* interrupted: 128 + the signal (130 SIGINT, 143 SIGTERM) */
 
 #define DEFAULT_SOCKET "/run/mlens/mlensd.sock"
-#define DEFAULT_MAX_INFLIGHT 64
+#define MAX_INFLIGHT 1000000
+/* in flight when the daemon does not say what it can run (an older one) */
+#define FALLBACK_INFLIGHT 64
 #define EVENT_BATCH 256
+/* after an interrupt, how long cancelled requests get to report their end */
+#define CANCEL_WAIT_S 5.0
 
 enum job_state { JOB_PARSED, JOB_RUNNING, JOB_DONE };
 
@@ -34,6 +41,7 @@ struct job {
 	size_t n_tokens, cap;
 	uint32_t finish;
 	char *error;
+	uint64_t id;		/* libmlens's, once submitted */
 	double t_submit;
 	double ttft;		/* seconds to the first token; < 0 when none came */
 };
@@ -41,7 +49,10 @@ struct job {
 struct run {
 	struct mlens *m;
 	struct mlens_limits lim;
-	FILE *in, *out;
+	FILE *in;
+	int out_fd;
+	bool out_regular;	/* a failed write can be cut back to a whole line */
+	off_t out_off;		/* bytes of whole lines written */
 	const char *out_name;
 	struct job *jobs;
 	size_t n_jobs, cap_jobs;
@@ -49,7 +60,7 @@ struct run {
 	size_t *line_of_id;	/* by id - 1: ids are issued 1, 2, 3, ... */
 	size_t cap_ids;
 	uint64_t n_ids;
-	size_t inflight, max_inflight;
+	size_t inflight, max_inflight, most_inflight;
 	bool eof, lost, progress, write_failed;
 	size_t total_lines;	/* for the progress bar; 0 when unknown */
 	double t_start, t_last_bar;
@@ -76,25 +87,63 @@ static void usage(FILE *f)
 		"  -s, --socket PATH       mlensd's tenant socket (default $MLENS_SOCKET, else %s)\n"
 		"  -i, --input FILE        requests, one JSON object a line ('-': stdin)\n"
 		"  -o, --output FILE       results, one a line, in input order ('-': stdout)\n"
-		"  -n, --max-inflight N    requests running at once (default %d)\n"
+		"  -n, --max-inflight N    requests in flight at once (default: as many as mlensd\n"
+		"                          can run for this tenant, twice over, within its queue quota)\n"
 		"  -q, --quiet             no progress bar and no summary\n"
 		"\n"
 		"A request line: {\"prompt\": [ids], \"max_tokens\": 16, \"temperature\": 0, \"top_k\": 0,\n"
-		"  \"top_p\": 1, \"seed\": 0, \"stop\": [ids], \"logprobs\": false} (all but prompt optional).\n"
-		"Exit status: 0 all requests completed, 1 some failed, 2 usage, file or daemon trouble.\n",
-		DEFAULT_SOCKET, DEFAULT_MAX_INFLIGHT);
+		"  \"top_p\": 1, \"seed\": 0, \"stop\": [ids], \"logprobs\": false, \"ignore_eos\": false}\n"
+		"  (all but prompt optional). Generation ends at the model's EOS unless ignore_eos.\n"
+		"Exit status: 0 all requests completed, 1 some failed, 2 usage, file or daemon trouble,\n"
+		"130 interrupted (SIGINT; 143 SIGTERM): unfinished requests are reported \"cancelled\".\n",
+		DEFAULT_SOCKET);
+}
+
+/* ==== Signals ==== */
+
+/* The signal that asked mlens to stop (0: none). The first lets the run
+ * cancel what is in flight and still write every result; a second exits at
+ * once (the output holds whole lines only: each is one write). */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int sig)
+{
+	if (stop_signal)
+		_exit(128 + sig);
+	stop_signal = sig;
+}
+
+/* Without SA_RESTART, so that a wait returns early to notice it. A SIGINT
+ * ignored from the start stays ignored: a shell's background job is not
+ * meant to hear the terminal's Ctrl-C. */
+static void catch_stop_signals(void)
+{
+	struct sigaction sa, old;
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_stop_signal;
+	sigemptyset(&sa.sa_mask);
+	if (!sigaction(SIGINT, NULL, &old) && old.sa_handler != SIG_IGN)
+		sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
 }
 
 /* ==== Jobs ==== */
 
-static void job_fail(struct run *rn, struct job *j, const char *why)
+/* Settle job j with finish (an error or a cancel); why for errors. */
+static void job_end(struct run *rn, struct job *j, uint32_t finish, const char *why)
 {
 	if (j->state == JOB_RUNNING)
 		rn->inflight--;
 	j->state = JOB_DONE;
-	j->finish = MLENS_REASON_ERROR;
+	j->finish = finish;
 	free(j->error);
-	j->error = strdup(why);
+	j->error = why ? strdup(why) : NULL;
+}
+
+static void job_fail(struct run *rn, struct job *j, const char *why)
+{
+	job_end(rn, j, MLENS_REASON_ERROR, why);
 }
 
 static int job_add_token(struct job *j, int32_t tok, float lp)
@@ -239,8 +288,10 @@ static int submit_job(struct run *rn, struct job *j)
 	}
 	rn->line_of_id[rn->n_ids++] = (size_t)(j - rn->jobs);
 	j->state = JOB_RUNNING;
+	j->id = id;
 	j->t_submit = now_s();
-	rn->inflight++;
+	if (++rn->inflight > rn->most_inflight)
+		rn->most_inflight = rn->inflight;
 	rn->prompt_tokens += j->req.n_prompt;
 	return 1;
 }
@@ -273,6 +324,42 @@ static int handle_event(struct run *rn, const struct mlens_event *e)
 	return 0;
 }
 
+/* Write one result line (s, malloc'd, taken) with one write: a reader, a
+ * crash or a second interrupt never leaves part of a line. A failed write
+ * is cut back to the last whole line where the output is a file. */
+static int write_line(struct run *rn, char *s)
+{
+	size_t len = strlen(s), done = 0;
+	char *line = realloc(s, len + 2);
+	ssize_t n;
+
+	if (!line) {
+		free(s);
+		return -ENOMEM;
+	}
+	line[len++] = '\n';
+	while (!rn->write_failed && done < len) {
+		n = write(rn->out_fd, line + done, len - done);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			rn->write_failed = true;
+			fprintf(stderr, "mlens: cannot write %s: %s\n", rn->out_name,
+				n < 0 ? strerror(errno) : "nothing written");
+			if (rn->out_regular && (ftruncate(rn->out_fd, rn->out_off) ||
+						lseek(rn->out_fd, rn->out_off, SEEK_SET) < 0))
+				fprintf(stderr, "mlens: %s may end in part of a line: %s\n",
+					rn->out_name, strerror(errno));
+			break;
+		}
+		done += (size_t)n;
+	}
+	if (!rn->write_failed)
+		rn->out_off += (off_t)len;
+	free(line);
+	return 0;
+}
+
 /* Write the results that are next in input order. */
 static int flush_results(struct run *rn)
 {
@@ -285,13 +372,8 @@ static int flush_results(struct run *rn)
 		};
 		char *s = mlens_cli_result_format(&r);
 
-		if (!s)
+		if (!s || write_line(rn, s))
 			return -ENOMEM;
-		if (fprintf(rn->out, "%s\n", s) < 0 && !rn->write_failed) {
-			rn->write_failed = true;
-			fprintf(stderr, "mlens: cannot write %s: %s\n", rn->out_name, strerror(errno));
-		}
-		free(s);
 		if (j->finish == MLENS_REASON_LENGTH || j->finish == MLENS_REASON_STOP)
 			rn->ok++;
 		else
@@ -363,6 +445,8 @@ static void summary(struct run *rn, const double *ttft, size_t n_ttft)
 		fprintf(stderr, "mlens: time to first token: p50 %.1f ms, p99 %.1f ms (%zu requests)\n",
 			percentile(ttft, n_ttft, 50) * 1e3, percentile(ttft, n_ttft, 99) * 1e3,
 			n_ttft);
+	fprintf(stderr, "mlens: up to %zu requests in flight (limit %zu)\n", rn->most_inflight,
+		rn->max_inflight);
 }
 
 /* Lines in a regular file (the progress bar's total), then rewind. */
@@ -395,6 +479,8 @@ static int generate_loop(struct run *rn)
 	for (;;) {
 		bool ring_full = false;
 
+		if (stop_signal)
+			return -EINTR;
 		while (!rn->lost && rn->inflight < rn->max_inflight) {
 			if (rn->next_submit == rn->n_jobs) {
 				if (rn->eof)
@@ -444,27 +530,80 @@ static int generate_loop(struct run *rn)
 	}
 }
 
-/* After the daemon left: every request not yet finished, and every line
- * not yet read, gets an error result, so that the output still has one
- * line per input line. */
-static int settle_lost(struct run *rn)
+/* Every request not yet finished, and every line not yet read (up to
+ * max_lines more), ends with finish (why for errors), so that the output
+ * still has one line per input line. */
+static int settle_rest(struct run *rn, uint32_t finish, const char *why, size_t max_lines)
 {
-	const char *why = mlens_strerror(-ECONNRESET);
 	int rc;
 
 	for (;;) {
 		for (size_t i = rn->next_write; i < rn->n_jobs; i++)
 			if (rn->jobs[i].state != JOB_DONE)
-				job_fail(rn, &rn->jobs[i], why);
+				job_end(rn, &rn->jobs[i], finish, why);
 		rn->next_submit = rn->n_jobs;
 		if ((rc = flush_results(rn)))
 			return rc;
-		if (rn->eof)
+		if (rn->eof || !max_lines--)
 			return 0;
 		rc = read_job(rn);
 		if (rc < 0)
 			return rc;
 	}
+}
+
+/* After the daemon left: every unfinished request is an error. */
+static int settle_lost(struct run *rn)
+{
+	return settle_rest(rn, MLENS_REASON_ERROR, mlens_strerror(-ECONNRESET), SIZE_MAX);
+}
+
+/* After SIGINT or SIGTERM: cancel what runs and let the daemon say how each
+ * ended (for a while); what never ran, and the rest of an input file, is
+ * "cancelled". A pipe or terminal is not read further: it may never end. */
+static int settle_interrupted(struct run *rn)
+{
+	struct mlens_event evs[EVENT_BATCH];
+	struct stat st;
+	double until = now_s() + CANCEL_WAIT_S;
+	int rc = 0, n;
+
+	fprintf(stderr, "\nmlens: %s: cancelling %zu running requests (again to quit at once)\n",
+		strsignal(stop_signal), rn->inflight);
+	for (size_t i = rn->next_write; i < rn->n_jobs && !rn->lost; i++) {
+		struct job *j = &rn->jobs[i];
+
+		if (j->state == JOB_RUNNING && mlens_cancel(rn->m, j->id) == -ECONNRESET)
+			rn->lost = true;
+	}
+	while (!rn->lost && rn->inflight && now_s() < until) {
+		n = mlens_wait(rn->m, evs, EVENT_BATCH, 100);
+		if (n < 0) {
+			rn->lost = n == -ECONNRESET;
+			break;
+		}
+		for (int i = 0; i < n && !rc; i++)
+			rc = handle_event(rn, &evs[i]);
+		if (rc)
+			return rc;
+	}
+	return settle_rest(rn, MLENS_REASON_CANCELLED, NULL,
+			   !fstat(fileno(rn->in), &st) && S_ISREG(st.st_mode) ? SIZE_MAX : 0);
+}
+
+/* How many requests to keep in flight unless -n says: every sequence the
+ * daemon can run for this tenant, and as many again waiting to take a
+ * finished one's place; never more than its queue quota, since all may
+ * arrive before any is admitted. */
+static size_t inflight_from_limits(const struct mlens_limits *l)
+{
+	uint64_t n = 2ull * l->max_running;
+
+	if (!l->max_running)
+		return FALLBACK_INFLIGHT;
+	if (l->max_queued && n > l->max_queued)
+		n = l->max_queued;
+	return n > MAX_INFLIGHT ? MAX_INFLIGHT : n ? (size_t)n : 1;
 }
 
 static int cmd_generate(int argc, char **argv)
@@ -479,8 +618,9 @@ static int cmd_generate(int argc, char **argv)
 		{ NULL, 0, NULL, 0 },
 	};
 	const char *sock = getenv("MLENS_SOCKET"), *in_name = NULL, *out_name = NULL;
+	struct stat st;
 	struct run rn;
-	bool quiet = false;
+	bool quiet = false, interrupted = false;
 	double *ttft = NULL;
 	size_t n_ttft = 0;
 	long v;
@@ -488,7 +628,7 @@ static int cmd_generate(int argc, char **argv)
 	int c, rc, status = EXIT_TROUBLE;
 
 	memset(&rn, 0, sizeof(rn));
-	rn.max_inflight = DEFAULT_MAX_INFLIGHT;
+	rn.out_fd = -1;
 	if (!sock || !*sock)
 		sock = DEFAULT_SOCKET;
 	while ((c = getopt_long(argc, argv, "s:i:o:n:qh", opts, NULL)) != -1) {
@@ -505,9 +645,9 @@ static int cmd_generate(int argc, char **argv)
 		case 'n':
 			errno = 0;
 			v = strtol(optarg, &end, 10);
-			if (errno || *end || v < 1 || v > 1000000) {
+			if (errno || *end || v < 1 || v > MAX_INFLIGHT) {
 				fprintf(stderr, "mlens: --max-inflight %s: want a number from 1 to "
-					"1000000\n", optarg);
+					"%d\n", optarg, MAX_INFLIGHT);
 				return EXIT_TROUBLE;
 			}
 			rn.max_inflight = (size_t)v;
@@ -530,17 +670,24 @@ static int cmd_generate(int argc, char **argv)
 		return EXIT_TROUBLE;
 	}
 
+	/* from here on an interrupt still gives every line read a result */
+	catch_stop_signals();
 	rn.in = strcmp(in_name, "-") ? fopen(in_name, "r") : stdin;
 	if (!rn.in) {
 		fprintf(stderr, "mlens: cannot read %s: %s\n", in_name, strerror(errno));
 		return EXIT_TROUBLE;
 	}
 	rn.out_name = out_name;
-	rn.out = strcmp(out_name, "-") ? fopen(out_name, "w") : stdout;
-	if (!rn.out) {
+	rn.out_fd = strcmp(out_name, "-") ? open(out_name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
+						 0666) : STDOUT_FILENO;
+	if (rn.out_fd < 0) {
 		fprintf(stderr, "mlens: cannot write %s: %s\n", out_name, strerror(errno));
 		goto close_in;
 	}
+	rn.out_regular = !fstat(rn.out_fd, &st) && S_ISREG(st.st_mode);
+	rn.out_off = rn.out_regular ? lseek(rn.out_fd, 0, SEEK_CUR) : 0;
+	if (rn.out_off < 0)
+		rn.out_off = 0;
 	rn.progress = !quiet && isatty(STDERR_FILENO);
 	if (rn.progress)
 		rn.total_lines = count_lines(rn.in);
@@ -557,9 +704,14 @@ static int cmd_generate(int argc, char **argv)
 		fprintf(stderr, "mlens: cannot read mlensd's limits: %s\n", mlens_strerror(rc));
 		goto close_m;
 	}
+	if (!rn.max_inflight)
+		rn.max_inflight = inflight_from_limits(&rn.lim);
 
 	rn.t_start = now_s();
 	rc = generate_loop(&rn);
+	interrupted = rc == -EINTR;
+	if (interrupted)
+		rc = settle_interrupted(&rn);
 	if (rc == -ECONNRESET) {
 		fprintf(stderr, "\nmlens: %s; unfinished requests are reported as errors\n",
 			mlens_strerror(rc));
@@ -581,12 +733,13 @@ static int cmd_generate(int argc, char **argv)
 	if (!quiet)
 		summary(&rn, ttft, n_ttft);
 	if (!rc && !rn.write_failed)
-		status = rn.failed ? EXIT_SOME_FAILED : EXIT_ALL_OK;
+		status = interrupted ? 128 + stop_signal :
+			 rn.failed ? EXIT_SOME_FAILED : EXIT_ALL_OK;
 	free(ttft);
 close_m:
 	mlens_close(rn.m);
 close_out:
-	if (rn.out != stdout ? fclose(rn.out) : fflush(rn.out)) {
+	if (rn.out_fd != STDOUT_FILENO && close(rn.out_fd)) {
 		fprintf(stderr, "mlens: cannot write %s: %s\n", out_name, strerror(errno));
 		status = EXIT_TROUBLE;
 	}

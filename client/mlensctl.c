@@ -188,6 +188,15 @@ static void show_status(json_t *r)
 	printf("mlensd %s, pid %lld, up %.0f s\n", gets_(r, "version"), (long long)geti(r, "pid"), getf(r, "uptime_seconds"));
 	printf("%-14s %s (%s, %lld layers, %lld experts, top-%lld)\n", "model", gets_(m, "path"), gets_(m, "dtype"),
 	       (long long)geti(m, "layers"), (long long)geti(m, "experts"), (long long)geti(m, "top_k"));
+	{
+		json_t *ids = json_object_get(m, "eos_token_ids"), *v;
+		size_t i;
+
+		printf("%-14s", "EOS token ids");
+		json_array_foreach(ids, i, v)
+			printf("%s%lld", i ? ", " : " ", (long long)json_integer_value(v));
+		printf("%s\n", json_array_size(ids) ? " (generation ends there)" : " none");
+	}
 	printf("%-14s %s\n", "backend", gets_(r, "backend"));
 	printf("%-14s %s: %s\n", "mode", gets_(r, "mode"), gets_(r, "mode_reason"));
 	printf("%-14s %s\n", "admission", gets_(r, "admission"));

@@ -134,6 +134,13 @@ static json_t *cmd_status(struct mlens_control *c)
 		"requests_running", (json_int_t)s.sched.running, "requests_waiting", (json_int_t)s.sched.waiting,
 		"admission", admission_word(c, &s), "token_cap", (json_int_t)s.token_cap,
 		"tenants", (json_int_t)s.n_tenants);
+	{
+		json_t *ids = json_array();
+
+		for (int i = 0; i < in->n_eos; i++)
+			json_array_append_new(ids, json_integer(in->eos[i]));
+		json_object_set_new(json_object_get(o, "model"), "eos_token_ids", ids);
+	}
 	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:I}}",
 		"kv_cache", "bytes", (json_int_t)in->kv_bytes, "blocks_total", (json_int_t)s.kv_blocks_total,
 		"blocks_used", (json_int_t)s.kv_blocks_used, "block_tokens", (json_int_t)in->kv_block_size,

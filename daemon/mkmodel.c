@@ -15,7 +15,7 @@
 enum {
 	OPT_LAYERS = 256, OPT_DTYPE, OPT_SEED, OPT_SHARDS, OPT_VOCAB, OPT_HIDDEN,
 	OPT_INTER, OPT_HEADS, OPT_KV, OPT_HEAD_DIM, OPT_EXPERTS, OPT_TOPK,
-	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED,
+	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED, OPT_EOS,
 };
 
 static const struct option longopts[] = {
@@ -37,6 +37,7 @@ static const struct option longopts[] = {
 	{ "max-pos", required_argument, NULL, OPT_MAXPOS },
 	{ "tie", no_argument, NULL, OPT_TIE },
 	{ "fused-experts", no_argument, NULL, OPT_FUSED },
+	{ "eos-token-id", required_argument, NULL, OPT_EOS },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
 };
@@ -48,6 +49,7 @@ static void usage(FILE *f)
 	      "                     [--vocab N] [--hidden N] [--intermediate N] [--heads N]\n"
 	      "                     [--kv-heads N] [--head-dim N] [--experts N] [--top-k N]\n"
 	      "                     [--rope-theta X] [--max-pos N] [--tie] [--fused-experts]\n"
+	      "                     [--eos-token-id ID[,ID...]|none]\n"
 	      "Writes a random-weight Mixtral model directory in Hugging Face format.\n"
 	      "See mlens-mkmodel(1).\n", f);
 }
@@ -84,13 +86,44 @@ static int num(const char *flag, const char *s, int64_t lo, int64_t hi, int64_t 
 	return 0;
 }
 
+/* --eos-token-id: ids separated by commas, or "none" (no EOS). The
+ * vocabulary bound is checked when the config is validated. */
+static int parse_eos(const char *s, struct mlens_model_config *cfg)
+{
+	char buf[256], *tok, *save = NULL;
+	int64_t v;
+	int n = 0;
+
+	if (!strcmp(s, "none")) {
+		cfg->n_eos = 0;
+		return 0;
+	}
+	snprintf(buf, sizeof(buf), "%s", s);
+	for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		if (n == MLENS_MODEL_MAX_EOS) {
+			fprintf(stderr, "mlens-mkmodel: --eos-token-id '%s': at most %d ids\n", s,
+				MLENS_MODEL_MAX_EOS);
+			return -1;
+		}
+		if (num("eos-token-id", tok, 0, INT32_MAX, &v))
+			return -1;
+		cfg->eos[n++] = (int32_t)v;
+	}
+	if (n == 0) {
+		fprintf(stderr, "mlens-mkmodel: --eos-token-id '%s': give token ids or none\n", s);
+		return -1;
+	}
+	cfg->n_eos = n;
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	/* Dimension flags are kept until the preset is applied. */
 	int64_t dims[OPT_FUSED + 1];
 	bool set[OPT_FUSED + 1] = { false };
 	struct mlens_mkmodel_opts o = { .seed = 0, .shards = 1 };
-	const char *preset = "tiny", *dtype = NULL, *theta = NULL;
+	const char *preset = "tiny", *dtype = NULL, *theta = NULL, *eos = NULL;
 	char err[1024];
 	int c, rc;
 
@@ -112,6 +145,9 @@ int main(int argc, char **argv)
 			break;
 		case OPT_THETA:
 			theta = optarg;
+			break;
+		case OPT_EOS:
+			eos = optarg;
 			break;
 		case OPT_TIE:
 		case OPT_FUSED:
@@ -165,6 +201,8 @@ int main(int argc, char **argv)
 		if (errno || end == theta || *end || !isfinite(o.cfg.rope_theta) || o.cfg.rope_theta <= 0)
 			return bad("--rope-theta '%s' is not a positive number", theta);
 	}
+	if (eos && parse_eos(eos, &o.cfg))
+		return 2;
 #define APPLY(opt, field) do { if (set[opt]) o.cfg.field = dims[opt]; } while (0)
 	APPLY(OPT_LAYERS, num_hidden_layers);
 	APPLY(OPT_VOCAB, vocab_size);

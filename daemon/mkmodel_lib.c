@@ -33,6 +33,8 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 	c->rms_norm_eps = 1e-5;
 	c->dtype = MLENS_DTYPE_BF16;
 	c->dtype_given = true;
+	c->eos[0] = 2;		/* Mixtral's </s> */
+	c->n_eos = 1;
 	if (!strcmp(name, "tiny")) {
 		c->vocab_size = 512;
 		c->hidden_size = 64;
@@ -397,13 +399,28 @@ static int write_json(struct writer *w, const char *fname, json_t *obj)
 	return rc;
 }
 
+/* eos_token_id as Hugging Face writes it: one id, a list, or null. */
+static json_t *eos_json(const struct mlens_model_config *c)
+{
+	json_t *a;
+
+	if (c->n_eos == 1)
+		return json_integer(c->eos[0]);
+	if (c->n_eos <= 0)
+		return json_null();
+	a = json_array();
+	for (int i = 0; a && i < c->n_eos; i++)
+		json_array_append_new(a, json_integer(c->eos[i]));
+	return a;
+}
+
 static json_t *config_json(const struct mlens_model_config *c)
 {
-	return json_pack("{s:[s], s:f, s:i, s:i, s:I, s:s, s:I, s:f, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:b, s:f, s:f, s:f, s:n, s:b, s:s, s:s, s:b, s:I}",
+	return json_pack("{s:[s], s:f, s:i, s:o, s:I, s:s, s:I, s:f, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:b, s:f, s:f, s:f, s:n, s:b, s:s, s:s, s:b, s:I}",
 			 "architectures", "MixtralForCausalLM",
 			 "attention_dropout", 0.0,
 			 "bos_token_id", 1,
-			 "eos_token_id", 2,
+			 "eos_token_id", eos_json(c),
 			 "head_dim", (json_int_t)c->head_dim,
 			 "hidden_act", "silu",
 			 "hidden_size", (json_int_t)c->hidden_size,

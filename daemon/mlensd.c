@@ -151,6 +151,18 @@ static int daemonize(void)
 	return p[1];
 }
 
+/* What a new user asks first: where generation stops, how much to send. */
+static void log_eos_and_room(const struct mlens_model_config *c, const struct mlens_region_limits *l)
+{
+	char ids[MLENS_MODEL_MAX_EOS * 12 + 8] = "none (generation runs to max_tokens)";
+	size_t n = 0;
+
+	for (int i = 0; i < c->n_eos; i++)
+		n += (size_t)snprintf(ids + n, sizeof(ids) - n, "%s%d", i ? ", " : "", c->eos[i]);
+	log_info("EOS token ids: %s; a tenant runs up to %u sequences at once and queues %u more",
+		 ids, l->max_running, l->max_queued);
+}
+
 /* How much of a pinned area (two: the KV cache's K and V) the kernel backs
  * with huge pages: the CPU attention reads the KV cache at a rate that
  * 4 KiB pages cost TLB misses in. Under half of an area of 64 MiB or
@@ -676,6 +688,15 @@ int main(int argc, char **argv)
 	sv.region = (struct mlens_region_params)MLENS_REGION_PARAMS_DEFAULT;
 	{
 		int64_t ctx = D.model->cfg.max_position_embeddings;
+		uint32_t most = mlens_sched_max_running(D.sched);
+
+		/* quota_queued 0: room to queue a whole machine's worth twice */
+		if (!sv.quota.max_queued)
+			sv.quota.max_queued = most <= (1u << 30) ? 2 * most : most;
+		sv.limits.max_running = sv.quota.max_running && sv.quota.max_running < most ?
+			sv.quota.max_running : most;
+		sv.limits.max_queued = sv.quota.max_queued;
+		log_eos_and_room(&D.model->cfg, &sv.limits);
 		sv.limits.max_prompt_tokens = (uint32_t)(eo.max_step_tokens < ctx - 1 ? eo.max_step_tokens : ctx - 1);
 		sv.limits.max_tokens = (uint32_t)(ctx - 1);
 		sv.limits.max_context = (uint32_t)ctx;
@@ -695,6 +716,7 @@ int main(int argc, char **argv)
 		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.hybrid ? "hybrid (cuda + cpu attention)" : D.be.ops->name,
 		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
+		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,

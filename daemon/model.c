@@ -249,27 +249,87 @@ static int parse_dtype(const struct cfg_ctx *c, json_t *root, struct mlens_model
 	return 0;
 }
 
+/* eos_token_id: absent or null leaves cfg's ids alone; an id or a list of
+ * ids (each inside the vocabulary) replaces them. */
+static int parse_eos(const struct cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
+{
+	json_t *v = json_object_get(root, "eos_token_id"), *e;
+	int32_t ids[MLENS_MODEL_MAX_EOS];
+	size_t i, n;
+
+	if (!v || json_is_null(v))
+		return 0;
+	if (json_is_array(v) && json_array_size(v) > MLENS_MODEL_MAX_EOS) {
+		mlens_errf(c->err, c->errlen, "%s: 'eos_token_id' lists %zu ids; mlens takes at most %d",
+			   c->path, json_array_size(v), MLENS_MODEL_MAX_EOS);
+		return -EINVAL;
+	}
+	n = json_is_array(v) ? json_array_size(v) : 1;
+	for (i = 0; i < n; i++) {
+		e = json_is_array(v) ? json_array_get(v, i) : v;
+		if (!json_is_integer(e)) {
+			mlens_errf(c->err, c->errlen, "%s: 'eos_token_id' must be a token id or a list of them",
+				   c->path);
+			return -EINVAL;
+		}
+		if (json_integer_value(e) < 0 || json_integer_value(e) >= cfg->vocab_size) {
+			mlens_errf(c->err, c->errlen, "%s: 'eos_token_id' %" JSON_INTEGER_FORMAT " is outside the vocabulary [0, %" PRId64 ")",
+				   c->path, json_integer_value(e), cfg->vocab_size);
+			return -EINVAL;
+		}
+		ids[i] = (int32_t)json_integer_value(e);
+	}
+	memcpy(cfg->eos, ids, n * sizeof(ids[0]));
+	cfg->n_eos = (int)n;
+	return 0;
+}
+
+/* A config file's text as a JSON object, or NULL with the message. */
+static json_t *load_object(const char *json, size_t len, const char *path, char *err,
+			   size_t errlen)
+{
+	json_error_t jerr;
+	json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
+
+	if (!root) {
+		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
+		     path, jerr.line, jerr.column, jerr.text);
+		return NULL;
+	}
+	if (!json_is_object(root)) {
+		mlens_errf(err, errlen, "%s: top level must be a JSON object", path);
+		json_decref(root);
+		return NULL;
+	}
+	return root;
+}
+
+int mlens_model_parse_generation_config(const char *json, size_t len, const char *path,
+					struct mlens_model_config *cfg, char *err, size_t errlen)
+{
+	struct cfg_ctx c = { path, err, errlen };
+	json_t *root = load_object(json, len, path, err, errlen);
+	int rc;
+
+	if (!root)
+		return -EINVAL;
+	rc = parse_eos(&c, root, cfg);
+	json_decref(root);
+	return rc;
+}
+
 int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			     struct mlens_model_config *cfg, char *err, size_t errlen)
 {
 	struct cfg_ctx c = { path, err, errlen };
-	json_error_t jerr;
 	json_t *root, *v;
 	int64_t sw;
 	int rc;
 
 	memset(cfg, 0, sizeof(*cfg));
-	root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
-	if (!root) {
-		mlens_errf(err, errlen, "%s: malformed JSON at line %d, column %d: %s",
-		     path, jerr.line, jerr.column, jerr.text);
+	root = load_object(json, len, path, err, errlen);
+	if (!root)
 		return -EINVAL;
-	}
-	if (!json_is_object(root)) {
-		mlens_errf(err, errlen, "%s: top level must be a JSON object", path);
-		rc = -EINVAL;
-		goto out;
-	}
 	rc = check_arch(&c, root, cfg);
 	if (rc)
 		goto out;
@@ -326,7 +386,8 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	}
 	if ((rc = parse_rope(&c, root, cfg)) ||
 	    (rc = get_real(&c, root, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)) ||
-	    (rc = parse_dtype(&c, root, cfg)))
+	    (rc = parse_dtype(&c, root, cfg)) ||
+	    (rc = parse_eos(&c, root, cfg)))
 		goto out;
 	v = json_object_get(root, "tie_word_embeddings");
 	if (v && !json_is_boolean(v)) {
@@ -770,6 +831,26 @@ int mlens_model_read_config(const char *path, struct mlens_model_config *cfg, ch
 	return rc;
 }
 
+/* generation_config.json, when the directory has one (its EOS ids win). */
+static int read_generation_config(const char *dir, struct mlens_model_config *cfg, char *err,
+				  size_t errlen)
+{
+	char *path = mlens_model_path(dir, "generation_config.json"), *text = NULL;
+	size_t len;
+	int rc;
+
+	if (!path) {
+		mlens_errf(err, errlen, "%s: out of memory", dir);
+		return -ENOMEM;
+	}
+	rc = access(path, F_OK) ? 0 : read_small(path, CONFIG_MAX_BYTES, &text, &len, err, errlen);
+	if (!rc && text)
+		rc = mlens_model_parse_generation_config(text, len, path, cfg, err, errlen);
+	free(text);
+	free(path);
+	return rc;
+}
+
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen)
 {
 	struct mlens_model *m;
@@ -788,6 +869,8 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 		goto out;
 	}
 	rc = mlens_model_read_config(cpath, &m->cfg, err, errlen);
+	if (!rc)
+		rc = read_generation_config(dir, &m->cfg, err, errlen);
 	if (rc)
 		goto out;
 

@@ -12,6 +12,7 @@
 #include "kernels/dtype.h"
 
 #define MLENS_MODEL_MAX_DIMS 4
+#define MLENS_MODEL_MAX_EOS 8	/* EOS token ids a model may name */
 
 struct mlens_model_config {
 	char architecture[64];	/* "MixtralForCausalLM" */
@@ -31,6 +32,10 @@ struct mlens_model_config {
 	enum mlens_dtype dtype;	/* dtype of the weights (all tensors agree) */
 	bool dtype_given;	/* config.json named it (torch_dtype or dtype);
 				 * otherwise the loader takes the files' dtype */
+	/* eos_token_id (an id or a list) of generation_config.json where it
+	 * gives one, else of config.json: generation stops at these */
+	int32_t eos[MLENS_MODEL_MAX_EOS];
+	int n_eos;
 };
 
 struct mlens_tensor {
@@ -98,6 +103,13 @@ int mlens_model_read_config(const char *path, struct mlens_model_config *cfg, ch
 /* Parse config.json text (exposed for tests and the fuzzer). */
 int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			     struct mlens_model_config *cfg, char *err, size_t errlen);
+
+/* Parse generation_config.json text (path names it in messages) over a
+ * parsed config: an eos_token_id there replaces cfg's EOS ids; its other
+ * keys are not used. mlens_model_open reads the file when the directory
+ * has one. */
+int mlens_model_parse_generation_config(const char *json, size_t len, const char *path,
+					struct mlens_model_config *cfg, char *err, size_t errlen);
 
 /* Find a tensor by name, NULL if absent. */
 const struct mlens_tensor *mlens_model_tensor(const struct mlens_model *m, const char *name);

@@ -25,6 +25,7 @@ struct mlens_req {
 	int32_t stop[MLENS_MAX_STOP];
 	int n_stop;
 	bool logprobs;
+	bool ignore_eos;
 	struct mlens_seq seq;
 	bool has_pending;	/* an event the tenant's ring had no room for */
 	struct mlens_event pending;
@@ -465,6 +466,7 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 	memcpy(r->stop, p->stop, sizeof(r->stop));
 	r->n_stop = p->n_stop;
 	r->logprobs = p->logprobs;
+	r->ignore_eos = p->ignore_eos;
 	r->state = REQ_WAITING;
 	r->arrival = now();
 	if (ids_add(t, r)) {
@@ -818,9 +820,8 @@ int mlens_sched_step(struct mlens_sched *s)
 		else
 			hist_add(&s->st.tpot, t0 - r->last_token);
 		r->last_token = t0;
-		for (int k = 0; k < r->n_stop; k++)
-			if (r->stop[k] == tok)
-				ev.finish = MLENS_FINISH_STOP;
+		if (mlens_sched_is_stop(mlens_engine_config(s->e), r->stop, r->n_stop, r->ignore_eos, tok))
+			ev.finish = MLENS_FINISH_STOP;
 		if (!ev.finish && (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= s->max_pos))
 			ev.finish = MLENS_FINISH_LENGTH;
 		ev.last = ev.finish != MLENS_FINISH_NONE;
@@ -830,6 +831,25 @@ int mlens_sched_step(struct mlens_sched *s)
 			emit(r, &ev);
 	}
 	return 1;
+}
+
+bool mlens_sched_is_stop(const struct mlens_model_config *c, const int32_t *stop, int n_stop,
+			 bool ignore_eos, int32_t token)
+{
+	for (int k = 0; k < n_stop; k++)
+		if (stop[k] == token)
+			return true;
+	for (int k = 0; !ignore_eos && k < c->n_eos; k++)
+		if (c->eos[k] == token)
+			return true;
+	return false;
+}
+
+uint32_t mlens_sched_max_running(const struct mlens_sched *s)
+{
+	uint32_t cap = (uint32_t)mlens_sched_cap_for(s, 0);
+
+	return cap < s->kv->cache.n_blocks ? cap : s->kv->cache.n_blocks;
 }
 
 bool mlens_sched_idle(const struct mlens_sched *s)

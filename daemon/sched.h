@@ -30,6 +30,7 @@ struct mlens_request_params {
 	int32_t stop[MLENS_MAX_STOP];
 	int n_stop;
 	bool logprobs;
+	bool ignore_eos;	/* the model's EOS ids do not end it (stop[] still does) */
 };
 
 /* One generated token (or the end of a request) for a tenant. */
@@ -172,6 +173,15 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id);
 /* Cancel the tenant's request id: -ENOENT when unknown. */
 int mlens_sched_cancel(struct mlens_sched *s, struct mlens_sched_tenant *t, uint64_t id);
+
+/* Does token end a request (stop ids stop[0..n_stop), EOS ids of c unless
+ * ignore_eos)? Then it is the request's last token, finish STOP. */
+bool mlens_sched_is_stop(const struct mlens_model_config *c, const int32_t *stop, int n_stop,
+			 bool ignore_eos, int32_t token);
+/* The most sequences that can ever run at once: each takes a token of the
+ * step cap's most and a KV block (what a tenant may usefully keep in
+ * flight; any thread may ask). */
+uint32_t mlens_sched_max_running(const struct mlens_sched *s);
 
 /* Run one step if there is work: 1 when a step ran, 0 when idle, -errno on
  * an engine failure (the step's requests are failed, the daemon goes on). */

@@ -22,6 +22,8 @@ struct mlens_daemon_info {
 	const char *backend;		/* the backend's name: "cpu", "cuda" */
 	const char *model_dtype;
 	int64_t n_layers, n_experts, top_k;
+	const int32_t *eos;		/* the model's EOS token ids, n_eos of them */
+	int n_eos;
 	uint64_t weight_bytes;		/* pinned weight pages */
 	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
 	int kv_block_size;

@@ -165,6 +165,7 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		memcpy(p.stop, sub.stop, sizeof(p.stop));
 		p.n_stop = sub.n_stop;
 		p.logprobs = (sub.flags & MLENS_SUB_LOGPROBS) != 0;
+		p.ignore_eos = (sub.flags & MLENS_SUB_IGNORE_EOS) != 0;
 		status = mlens_sched_submit(s, &t->st, &p, why, sizeof(why));
 		if (status) {
 			t->refused++;

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MLENS_PROTO_VERSION 1u
+#define MLENS_PROTO_VERSION 2u
 
 /* ==== Limits ==== */
 
@@ -20,7 +20,12 @@ struct mlens_region_limits {
 	uint32_t max_context;		/* prompt + generated */
 	uint32_t vocab_size;		/* token ids are in [0, vocab_size) */
 	uint32_t prompt_bytes;		/* size of the prompt byte ring */
-	uint32_t reserved[3];		/* zero */
+	/* What a client may keep in flight (0: not said): the most sequences
+	 * this tenant can have running at once (the daemon's most, within the
+	 * tenant's running quota) and the requests it may have waiting. */
+	uint32_t max_running;
+	uint32_t max_queued;
+	uint32_t reserved[1];		/* zero */
 };
 _Static_assert(sizeof(struct mlens_region_limits) == 32, "limits are 32 bytes");
 
@@ -33,7 +38,8 @@ enum mlens_sub_op {
 
 /* Submission flags. */
 #define MLENS_SUB_LOGPROBS (1u << 0)	/* completions carry the token's logprob */
-#define MLENS_SUB_FLAGS_KNOWN (MLENS_SUB_LOGPROBS)
+#define MLENS_SUB_IGNORE_EOS (1u << 1)	/* generate past the model's EOS tokens */
+#define MLENS_SUB_FLAGS_KNOWN (MLENS_SUB_LOGPROBS | MLENS_SUB_IGNORE_EOS)
 
 #define MLENS_MAX_STOP 8
 #define MLENS_TEMPERATURE_MAX 100.0f
@@ -79,7 +85,7 @@ _Static_assert(offsetof(struct mlens_sub, reserved) == 80, "sub layout");
 enum mlens_finish {
 	MLENS_FINISH_NONE = 0,		/* not the last completion */
 	MLENS_FINISH_LENGTH = 1,	/* max_tokens reached */
-	MLENS_FINISH_STOP = 2,		/* a stop token was generated */
+	MLENS_FINISH_STOP = 2,		/* a stop token or the model's EOS was generated */
 	MLENS_FINISH_ERROR = 3,		/* status says why */
 	MLENS_FINISH_CANCELLED = 4,	/* a CANCEL arrived, or the daemon drained */
 };

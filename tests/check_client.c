@@ -82,7 +82,9 @@ static void fake_listen(struct mlens_fake *f, enum scenario sc)
 {
 	memset(f, 0, sizeof(*f));
 	f->params = (struct mlens_region_params){ SUB_ENTRIES, CMPL_ENTRIES, PROMPT_BYTES };
-	f->limits = (struct mlens_region_limits){ MAX_PROMPT, MAX_GEN, CONTEXT, VOCAB, 0, { 0 } };
+	f->limits = (struct mlens_region_limits){ .max_prompt_tokens = MAX_PROMPT, .max_tokens = MAX_GEN,
+						  .max_context = CONTEXT, .vocab_size = VOCAB,
+						  .max_running = 7, .max_queued = 30 };
 	f->hold = sc == SC_CANCEL;
 	f->post_limit = sc == SC_HANGUP ? 3 : 0;
 	ck_assert_int_eq(mlens_fake_listen(f), 0);
@@ -199,10 +201,12 @@ static void client_basic(struct mlens *m)
 	CHK(lim.max_context == CONTEXT && lim.vocab_size == VOCAB);
 	CHK(lim.sub_entries == SUB_ENTRIES && lim.cmpl_entries == CMPL_ENTRIES);
 	CHK(lim.prompt_ring_bytes == PROMPT_BYTES);
+	CHK(lim.max_running == 7 && lim.max_queued == 30);
 	CHK(mlens_fd(m) >= 0);
 
-	/* plain greedy */
+	/* plain greedy, past EOS */
 	req_init(&req, &es[0], 5, 3, 4);
+	req.flags = MLENS_REQ_IGNORE_EOS;
 	CHK(mlens_submit(m, &req, &es[0].id) == 0 && es[0].id == 1);
 	/* with logprobs */
 	req_init(&req, &es[1], 100, 10, 6);
@@ -907,7 +911,7 @@ START_TEST(test_json_request_full)
 
 	ck_assert_int_eq(parse("{\"prompt\": [1, 2, 3], \"max_tokens\": 5, \"temperature\": 0.7,"
 			       " \"top_k\": 40, \"top_p\": 0.9, \"seed\": 12345678901,"
-			       " \"stop\": [7, 8], \"logprobs\": true}\n", &r, err), 0);
+			       " \"stop\": [7, 8], \"logprobs\": true, \"ignore_eos\": true}\n", &r, err), 0);
 	ck_assert_str_eq(err, "");
 	ck_assert_uint_eq(r.n_prompt, 3);
 	ck_assert_int_eq(r.prompt[0], 1);
@@ -920,10 +924,11 @@ START_TEST(test_json_request_full)
 	ck_assert_uint_eq(r.n_stop, 2);
 	ck_assert_int_eq(r.stop[1], 8);
 	ck_assert(r.logprobs);
+	ck_assert(r.ignore_eos);
 	mlens_cli_request_to_api(&r, &req);
 	ck_assert_uint_eq(req.size, sizeof(req));
 	ck_assert_ptr_eq(req.prompt, r.prompt);
-	ck_assert_uint_eq(req.flags, MLENS_REQ_LOGPROBS);
+	ck_assert_uint_eq(req.flags, MLENS_REQ_LOGPROBS | MLENS_REQ_IGNORE_EOS);
 	ck_assert_uint_eq(req.n_stop, 2);
 	ck_assert_int_eq(req.stop[0], 7);
 	mlens_cli_request_free(&r);
@@ -945,6 +950,7 @@ START_TEST(test_json_request_defaults)
 	ck_assert_uint_eq(r.seed, 0);
 	ck_assert_uint_eq(r.n_stop, 0);
 	ck_assert(!r.logprobs);
+	ck_assert(!r.ignore_eos);
 	mlens_cli_request_free(&r);
 	/* an integer temperature is a number too */
 	ck_assert_int_eq(parse("{\"prompt\":[1],\"temperature\":1}\r\n", &r, err), 0);
@@ -977,6 +983,7 @@ START_TEST(test_json_request_bad)
 		{ "{\"prompt\": [1], \"stop\": [1,2,3,4,5,6,7,8,9]}", "stop has 9 tokens" },
 		{ "{\"prompt\": [1], \"stop\": 5}", "stop is not an array" },
 		{ "{\"prompt\": [1], \"logprobs\": 1}", "logprobs is not true or false" },
+		{ "{\"prompt\": [1], \"ignore_eos\": \"yes\"}", "ignore_eos is not true or false" },
 		{ "{\"prompt\": [1], \"max_token\": 5}", "unknown field \"max_token\"" },
 		{ "{\"prompt\": [1], \"prompt\": [2]}", "not JSON" },
 	};

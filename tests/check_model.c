@@ -742,6 +742,82 @@ START_TEST(config_refusals)
 }
 END_TEST
 
+/* EOS ids: one or a list in config.json; generation_config.json's win
+ * where it gives one; ids outside the vocabulary or of the wrong type are
+ * refused naming the file. */
+START_TEST(config_eos)
+{
+	struct mlens_model_config c;
+	const char *gen;
+
+	ck_assert_int_eq(cfg_parse("", &c), 0);
+	ck_assert_int_eq(c.n_eos, 0);
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": 2", &c), 0);
+	ck_assert_int_eq(c.n_eos, 1);
+	ck_assert_int_eq(c.eos[0], 2);
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": [7, 0, 99]", &c), 0);
+	ck_assert_int_eq(c.n_eos, 3);
+	ck_assert(c.eos[0] == 7 && c.eos[1] == 0 && c.eos[2] == 99);
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": null", &c), 0);
+	ck_assert_int_eq(c.n_eos, 0);
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": 100", &c), -EINVAL);
+	assert_err("t/config.json: 'eos_token_id' 100 is outside the vocabulary [0, 100)");
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": [1, \"</s>\"]", &c), -EINVAL);
+	assert_err("t/config.json: 'eos_token_id' must be a token id or a list of them");
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": [1, 2, 3, 4, 5, 6, 7, 8, 9]", &c), -EINVAL);
+	assert_err("'eos_token_id' lists 9 ids; mlens takes at most 8");
+
+	/* generation_config.json over config.json's 2 */
+	ck_assert_int_eq(cfg_parse(", \"eos_token_id\": 2", &c), 0);
+	gen = "{\"bos_token_id\": 1, \"do_sample\": true}";
+	ck_assert_int_eq(mlens_model_parse_generation_config(gen, strlen(gen), "t/generation_config.json",
+							     &c, err, sizeof(err)), 0);
+	ck_assert(c.n_eos == 1 && c.eos[0] == 2);
+	gen = "{\"eos_token_id\": [5, 6]}";
+	ck_assert_int_eq(mlens_model_parse_generation_config(gen, strlen(gen), "t/generation_config.json",
+							     &c, err, sizeof(err)), 0);
+	ck_assert(c.n_eos == 2 && c.eos[0] == 5 && c.eos[1] == 6);
+	gen = "{\"eos_token_id\": -1}";
+	ck_assert_int_eq(mlens_model_parse_generation_config(gen, strlen(gen), "t/generation_config.json",
+							     &c, err, sizeof(err)), -EINVAL);
+	assert_err("t/generation_config.json: 'eos_token_id' -1 is outside the vocabulary");
+	gen = "[1]";
+	ck_assert_int_eq(mlens_model_parse_generation_config(gen, strlen(gen), "t/generation_config.json",
+							     &c, err, sizeof(err)), -EINVAL);
+	assert_err("t/generation_config.json: top level must be a JSON object");
+}
+END_TEST
+
+/* mlens_model_open reads generation_config.json beside config.json. */
+START_TEST(file_generation_config)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct mlens_model *m;
+	FILE *f;
+
+	o.cfg.eos[0] = 3;
+	o.cfg.eos[1] = 4;
+	o.cfg.n_eos = 2;
+	make(&o);
+	m = open_ok(o.dir);
+	ck_assert(m->cfg.n_eos == 2 && m->cfg.eos[0] == 3 && m->cfg.eos[1] == 4);
+	mlens_model_close(m);
+	f = fopen(sub("m/generation_config.json"), "w");
+	ck_assert_ptr_nonnull(f);
+	fputs("{\"eos_token_id\": 9}", f);
+	ck_assert_int_eq(fclose(f), 0);
+	m = open_ok(o.dir);
+	ck_assert(m->cfg.n_eos == 1 && m->cfg.eos[0] == 9);
+	mlens_model_close(m);
+	f = fopen(sub("m/generation_config.json"), "w");
+	ck_assert_ptr_nonnull(f);
+	fputs("{\"eos_token_id\": 9,}", f);
+	ck_assert_int_eq(fclose(f), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/generation_config.json: malformed JSON");
+}
+END_TEST
+
 /* Each range limit on its own, from a valid base. */
 static const struct {
 	const char *json;
@@ -803,6 +879,8 @@ static Suite *model_suite(void)
 	tcase_add_test(tc, tied_embeddings);
 	tcase_add_test(tc, seed_changes_weights);
 	tcase_add_test(tc, config_variants);
+	tcase_add_test(tc, config_eos);
+	tcase_add_test(tc, file_generation_config);
 	suite_add_tcase(s, tc);
 
 	tcase_add_checked_fixture(bad, setup, teardown);

@@ -44,8 +44,10 @@ struct fx {
 	struct mlens_sched *s;
 };
 
-/* horizon: the admission reserve's look-ahead (0: the scheduler's) */
-static void fx_open_o(struct fx *f, uint32_t kv_blocks, int cap, int horizon, bool keep_room)
+/* horizon: the admission reserve's look-ahead (0: the scheduler's); the
+ * model's EOS ids eos[0..n_eos) */
+static void fx_open_eos(struct fx *f, uint32_t kv_blocks, int cap, int horizon, bool keep_room,
+			const int32_t *eos, int n_eos)
 {
 	struct mlens_test_spec sp = mlens_test_spec_tiny();
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = kv_blocks, .kv_dtype = -1,
@@ -54,9 +56,17 @@ static void fx_open_o(struct fx *f, uint32_t kv_blocks, int cap, int horizon, bo
 				       .admit_keeps_room = keep_room };
 	char err[256];
 	f->m = mlens_test_model_new(&sp);
+	ck_assert_int_le(n_eos, MLENS_MODEL_MAX_EOS);
+	memcpy(f->m->cfg.eos, eos, (size_t)n_eos * sizeof(*eos));
+	f->m->cfg.n_eos = n_eos;
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
 	ck_assert_msg(mlens_engine_create(&f->e, f->m, &f->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_sched_create(&f->s, f->e, &so), 0);
+}
+
+static void fx_open_o(struct fx *f, uint32_t kv_blocks, int cap, int horizon, bool keep_room)
+{
+	fx_open_eos(f, kv_blocks, cap, horizon, keep_room, NULL, 0);
 }
 
 static void fx_open_h(struct fx *f, uint32_t kv_blocks, int cap, int horizon)
@@ -553,6 +563,57 @@ START_TEST(cancel_and_stop_tokens)
 }
 END_TEST
 
+/* The model's EOS ids end a request like a stop token (the EOS token
+ * delivered last, finish STOP) unless it asks to ignore them; its own stop
+ * tokens end it either way. */
+START_TEST(eos_ends_unless_ignored)
+{
+	struct mlens_model_config c = { .eos = { 7, 9 }, .n_eos = 2 };
+	const int32_t stop[1] = { 8 };
+	struct fx f;
+	struct tenant a;
+	int32_t p[16], got[64], ref[1][64], eos;
+	int lens[1] = { 5 }, k = 2;
+	enum mlens_finish fin = MLENS_FINISH_NONE;
+
+	ck_assert(mlens_sched_is_stop(&c, NULL, 0, false, 7));
+	ck_assert(mlens_sched_is_stop(&c, NULL, 0, false, 9));
+	ck_assert(!mlens_sched_is_stop(&c, NULL, 0, false, 8));
+	ck_assert(!mlens_sched_is_stop(&c, NULL, 0, true, 7));
+	ck_assert(mlens_sched_is_stop(&c, stop, 1, true, 8));
+	ck_assert(mlens_sched_is_stop(&c, stop, 1, false, 9));
+
+	/* EOS: the first generated token from the 3rd on not seen before it */
+	reference(1, lens, 16, ref, NULL);
+	for (;; k++) {
+		int seen = 0;
+		ck_assert_int_lt(k, 16);
+		for (int i = 0; i < k; i++)
+			seen |= ref[0][i] == ref[0][k];
+		if (!seen)
+			break;
+	}
+	eos = ref[0][k];
+	fx_open_eos(&f, 512, 0, 0, false, &eos, 1);
+	tenant_init(&a, q_default());
+	prompt(p, 5, 1);
+	struct mlens_request_params rp = params(0, p, 5, 16);
+	submit_ok(&f, &a, &rp);
+	rp = params(1, p, 5, 16);
+	rp.ignore_eos = true;
+	submit_ok(&f, &a, &rp);
+	run_until_idle(&f, 100);
+	ck_assert_int_eq(tokens_of(&a, 0, got, &fin), k + 1);
+	ck_assert_int_eq(memcmp(got, ref[0], (size_t)(k + 1) * sizeof(*got)), 0);
+	ck_assert_int_eq(got[k], eos);
+	ck_assert_int_eq(fin, MLENS_FINISH_STOP);
+	ck_assert_int_eq(tokens_of(&a, 1, got, &fin), 16);
+	ck_assert_int_eq(memcmp(got, ref[0], 16 * sizeof(*got)), 0);
+	ck_assert_int_eq(fin, MLENS_FINISH_LENGTH);
+	fx_close(&f);
+}
+END_TEST
+
 START_TEST(running_quota)
 {
 	struct fx f;
@@ -861,6 +922,7 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, full_ring_stalls_only_its_tenant);
 	tcase_add_test(tc, tenant_removal_frees_kv);
 	tcase_add_test(tc, cancel_and_stop_tokens);
+	tcase_add_test(tc, eos_ends_unless_ignored);
 	tcase_add_test(tc, running_quota);
 	tcase_add_test(tc, fair_share_by_weight);
 	tcase_add_test(tc, equal_clocks_go_by_queue_order);

@@ -16,6 +16,10 @@ tests_check_client_LDADD = client/libmlens.la client/libmlens_cli.la tests/libml
 	$(CHECK_LIBS) $(JANSSON_LIBS) $(PTHREAD_LIBS)
 endif
 
+# mlens generate against a real mlensd: EOS, in-flight defaults, SIGINT.
+dist_check_SCRIPTS += tests/integration/generate.sh
+TESTS += tests/integration/generate.sh
+
 # Each public header compiles alone (as libqb checks): a .c file holding
 # only its #include, compiled as C99 and as C++.
 dist_check_SCRIPTS += tests/headers_alone.sh

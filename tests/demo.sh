@@ -1,8 +1,9 @@
 #!/bin/sh
 # The mlens demo on a fresh Debian 12 machine: install what is missing,
 # build, write a small random-weight Mixtral model, start mlensd on it, run
-# several tenant processes against it at once (mlens generate), then show
-# what an operator sees: mlensctl status and a few lines of /metrics.
+# several tenant processes against it at once (mlens generate) and show,
+# while they run, what an operator sees: mlensctl status and a few lines of
+# /metrics; then each tenant's summary and the total rate.
 set -e
 cd "$(dirname "$0")/.."
 ./tests/setup-deps.sh
@@ -20,7 +21,7 @@ trap cleanup EXIT INT TERM
 echo "== a random-weight Mixtral (tiny preset) in $T/model"
 "$B/daemon/mlens-mkmodel" -o "$T/model" --preset tiny --seed 7
 
-echo "== mlensd (CPU backend)"
+echo "== mlensd (backend auto: CUDA where a GPU is, else the CPU)"
 "$B/daemon/mlensd" --model "$T/model" --foreground --mlock=false --kv-cache 64M \
 	--socket "$T/mlensd.sock" --control "$T/control.sock" --stats "$T/stats.sock" \
 	--stats-http "127.0.0.1:$port" --log "$T/mlensd.log" &
@@ -31,36 +32,49 @@ for i in $(seq 100); do
 	sleep 0.1
 done
 sed 's/^[^ ]* //' "$T/mlensd.log"
+ctl() { "$B/client/mlensctl" -s "$T/control.sock" "$@"; }
+echo "-- the mode it chose: $(ctl status | sed -n 's/^mode  *//p')"
 
-# four tenants, each with its own batch of 8 prompts (token ids)
+# four tenants, each with its own batch of 64 prompts (token ids of the
+# model's 512); generation ends at max_tokens or at the model's EOS (id 2)
 for t in 1 2 3 4; do
-	: > "$T/in$t.jsonl"
-	for r in 1 2 3 4 5 6 7 8; do
-		awk -v s=$((t * 100 + r)) 'BEGIN { srand(s); printf "{\"prompt\": ["; n = 8 + int(rand() * 24);
-			for (i = 0; i < n; i++) printf "%s%d", (i ? ", " : ""), int(rand() * 512);
-			printf "], \"max_tokens\": 48, \"temperature\": %s, \"seed\": %d}\n", (s % 2 ? "0.8" : "0"), s }' >> "$T/in$t.jsonl"
-	done
+	awk -v t=$t 'BEGIN { for (r = 1; r <= 64; r++) { s = t * 100 + r; srand(s);
+		printf "{\"prompt\": ["; n = 8 + int(rand() * 24);
+		for (i = 0; i < n; i++) printf "%s%d", (i ? ", " : ""), int(rand() * 512);
+		printf "], \"max_tokens\": 256, \"temperature\": %s, \"seed\": %d}\n", (s % 2 ? "0.8" : "0"), s } }' \
+		> "$T/in$t.jsonl"
 done
 echo
-echo "== 4 tenant processes at once: mlens generate, 8 requests each"
+echo "== 4 tenant processes at once: mlens generate, 64 requests each"
+t0=$(date +%s.%N)
 clients=
 for t in 1 2 3 4; do
 	"$B/client/mlens" generate -s "$T/mlensd.sock" -i "$T/in$t.jsonl" -o "$T/out$t.jsonl" 2> "$T/summary$t.txt" &
 	clients="$clients $!"
 done
+# what an operator sees while they run: once half the requests run (or 4 s)
+running() { ctl --json status 2>/dev/null | sed -n 's/^ *"requests_running": \([0-9]*\),*$/\1/p'; }
+for i in $(seq 80); do
+	[ "$(running)" -ge 128 ] 2>/dev/null && break
+	sleep 0.05
+done
+echo
+echo "-- mlensctl status, while the tenants run"
+ctl status
+echo
+echo "-- a few lines of http://127.0.0.1:$port/metrics, while the tenants run"
+curl -s "http://127.0.0.1:$port/metrics" | grep -E '^mlens_(requests_running|requests_waiting|generation_tokens_total|prompt_tokens_total|kv_blocks_used|preemptions_total|time_to_first_token_seconds_count)' | head -12
 for p in $clients; do wait "$p" || echo "(a tenant exited with status $?)"; done
+t1=$(date +%s.%N)
+echo
 for t in 1 2 3 4; do
 	echo "-- tenant $t"; cat "$T/summary$t.txt"
 done
+cat "$T"/summary*.txt | sed -n 's/.*, \([0-9]*\) generated tokens in .*/\1/p' |
+	awk -v t0="$t0" -v t1="$t1" '{ n += $1 } END { printf "-- all 4 tenants: %d generated tokens in %.2f s: %.1f tokens/s\n", n, t1 - t0, n / (t1 - t0) }'
 echo
 echo "-- tenant 1, first result:"
 head -1 "$T/out1.jsonl"
-echo
-echo "== mlensctl status"
-"$B/client/mlensctl" -s "$T/control.sock" status
-echo
-echo "== a few lines of http://127.0.0.1:$port/metrics"
-curl -s "http://127.0.0.1:$port/metrics" | grep -E '^mlens_(requests_running|generation_tokens_total|prompt_tokens_total|kv_blocks_used|preemptions_total|time_to_first_token_seconds_count)' | head -12
 kill -TERM "$daemon_pid"
 wait "$daemon_pid" && echo && echo "== mlensd drained and exited cleanly"
 daemon_pid=

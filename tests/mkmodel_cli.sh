@@ -34,12 +34,21 @@ grep -q '"head_dim": 12' "$tmp/m/config.json" || fail "head_dim not written"
 "$bin" -o "$tmp/m" --experts 2 --top-k 3 2>"$tmp/err" && fail "top-k > experts accepted"
 grep -q num_experts_per_tok "$tmp/err" || fail "top-k error: $(cat "$tmp/err")"
 
+# EOS ids: 2 by default, a list, none; outside the vocabulary refused
+"$bin" -o "$tmp/m" --eos-token-id 5,7 >/dev/null || fail "--eos-token-id 5,7 refused"
+tr -d ' \n' <"$tmp/m/config.json" | grep -q '"eos_token_id":\[5,7\]' || fail "eos list not written"
+"$bin" -o "$tmp/m" --eos-token-id none >/dev/null || fail "--eos-token-id none refused"
+grep -q '"eos_token_id": null' "$tmp/m/config.json" || fail "eos none not written as null"
+"$bin" -o "$tmp/m" --eos-token-id 512 2>"$tmp/err" && fail "eos 512 (vocab 512) accepted"
+grep -q "'eos_token_id' 512 is outside the vocabulary" "$tmp/err" || fail "eos error: $(cat "$tmp/err")"
+
 "$bin" -o "$tmp/m" --preset tiny --seed 7 --shards 2 >"$tmp/out" || fail "tiny model not written"
 for f in config.json model.safetensors.index.json model-00001-of-00002.safetensors \
 	 model-00002-of-00002.safetensors; do
 	[ -s "$tmp/m/$f" ] || fail "$f missing"
 done
 grep -q '"MixtralForCausalLM"' "$tmp/m/config.json" || fail "architectures not written"
+grep -q '"eos_token_id": 2,' "$tmp/m/config.json" || fail "default eos_token_id 2 not written"
 "$bin" -o "$tmp/m" --preset tiny --seed 7 || fail "single-file rewrite failed"
 [ -e "$tmp/m/model.safetensors.index.json" ] && fail "stale index left behind"
 "$bin" -o "$tmp/n" --preset tiny --seed 7 || fail "second write failed"

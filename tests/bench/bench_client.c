@@ -181,7 +181,8 @@ int mlens_bench_client(int argc, char **argv)
 		}
 	}
 
-	f.limits = (struct mlens_region_limits){ 2048, 2048, 4096, 32000, 0, { 0 } };
+	f.limits = (struct mlens_region_limits){ .max_prompt_tokens = 2048, .max_tokens = 2048,
+						 .max_context = 4096, .vocab_size = 32000 };
 	err = mlens_fake_listen(&f);
 	if (err) {
 		fprintf(stderr, "mlens-bench client: fake daemon socket: %s\n", strerror(-err));

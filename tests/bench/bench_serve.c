@@ -375,6 +375,7 @@ static void *client_main(void *argp)
 			q.prompt = prompt;
 			q.n_prompt = (uint32_t)o->prompt_len;
 			q.max_tokens = (uint32_t)o->gen_len;
+			q.flags = MLENS_REQ_IGNORE_EOS;	/* every request gen_len tokens */
 			/* not waiting: the daemon takes submissions only while our
 			 * completion ring has room, so with the rings full this
 			 * thread must drain events before it submits again */

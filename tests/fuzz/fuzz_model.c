@@ -1,6 +1,7 @@
 /* libFuzzer target for the model parsers: the same bytes go to the
- * safetensors header parser and to the config.json parser, both of which
- * work from memory. Also linked into tests/fuzz/replay for make check. */
+ * safetensors header parser, the config.json parser and (over a parsed
+ * config) the generation_config.json parser, all of which work from
+ * memory. Also linked into tests/fuzz/replay for make check. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,6 +18,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 	if (mlens_safetensors_parse(data, size, "fuzz.safetensors", &st, err, sizeof(err)) == 0)
 		mlens_safetensors_free(&st);
-	mlens_model_parse_config((const char *)data, size, "fuzz/config.json", &cfg, err, sizeof(err));
+	if (mlens_model_parse_config((const char *)data, size, "fuzz/config.json", &cfg, err,
+				     sizeof(err)))
+		cfg = (struct mlens_model_config){ .vocab_size = 32000 };
+	mlens_model_parse_generation_config((const char *)data, size, "fuzz/generation_config.json",
+					    &cfg, err, sizeof(err));
 	return 0;
 }

@@ -1,5 +1,6 @@
 /* A tenant for the integration tests, on the public libmlens API: submits
- * deterministic requests, reads every event, prints one line per request
+ * deterministic requests (each runs to max-tokens, past the model's EOS:
+ * the tests load the daemon by length), reads every event, prints one line per request
  * ("INDEX FINISH STATUS TOKENS...") in request order. Modes for the bad
  * cases: --no-read (never reads its completions), --die-after N (SIGKILLs
  * itself after N events). Exit: 0 all requests ended with length or stop,
@@ -79,6 +80,7 @@ int main(int argc, char **argv)
 		q.prompt = p;
 		q.n_prompt = (uint32_t)plen;
 		q.max_tokens = (uint32_t)g;
+		q.flags = MLENS_REQ_IGNORE_EOS;
 		q.temperature = temp;
 		q.top_p = 1.0f;
 		q.seed = seed * 1000u + (unsigned)i;
