@@ -37,6 +37,22 @@ int tok_buf_reserve(struct tok_buf *b, size_t more)
 	return 0;
 }
 
+int tok_grow(void **v, size_t *cap, size_t n, size_t size)
+{
+	size_t c = *cap ? *cap : 16;
+	void *p;
+
+	if (n <= *cap)
+		return 0;
+	while (c < n)
+		c *= 2;
+	if (c > SIZE_MAX / size || !(p = realloc(*v, c * size)))
+		return -ENOMEM;
+	*v = p;
+	*cap = c;
+	return 0;
+}
+
 int tok_buf_add(struct tok_buf *b, const void *s, size_t n)
 {
 	/* even an empty add leaves p pointing somewhere: offsets into it stay defined */
@@ -58,15 +74,8 @@ int tok_list_add(struct tok_list *l, const void *s, size_t n, bool first)
 {
 	size_t off = l->bytes.len;
 
-	if (l->n == l->cap) {
-		size_t cap = l->cap ? l->cap * 2 : 16;
-		struct tok_piece *v = realloc(l->v, cap * sizeof(*v));
-
-		if (!v)
-			return -ENOMEM;
-		l->v = v;
-		l->cap = cap;
-	}
+	if (TOK_GROW(l->v, l->cap, l->n + 1))
+		return -ENOMEM;
 	if (tok_buf_add(&l->bytes, s, n))
 		return -ENOMEM;
 	l->v[l->n++] = (struct tok_piece){ off, n, first };
@@ -209,36 +218,38 @@ size_t tok_utf8_encode(uint32_t cp, char *out)
 }
 
 /* GPT-2's map: printable Latin-1 bytes stand for themselves, the rest
- * take the code points from 256 up, in byte order. */
+ * take the code points from 256 up, in byte order; both directions are
+ * built once. */
+static uint32_t byte_map[256];
+static int16_t char_map[256 + 68];
+static pthread_once_t maps_once = PTHREAD_ONCE_INIT;
+
+static void maps_build(void)
+{
+	uint32_t n = 0;
+
+	for (int i = 0; i < 256 + 68; i++)
+		char_map[i] = -1;
+	for (int i = 0; i < 256; i++) {
+		bool keep = (i >= '!' && i <= '~') || (i >= 0xA1 && i <= 0xAC) || i >= 0xAE;
+
+		byte_map[i] = keep ? (uint32_t)i : 256 + n++;
+		char_map[byte_map[i]] = (int16_t)i;
+	}
+}
+
 uint32_t tok_byte_char(uint8_t b)
 {
-	static uint32_t map[256];
-	static int done;
-
-	if (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) {
-		uint32_t n = 0;
-
-		for (int i = 0; i < 256; i++) {
-			bool keep = (i >= '!' && i <= '~') || (i >= 0xA1 && i <= 0xAC) || i >= 0xAE;
-
-			map[i] = keep ? (uint32_t)i : 256 + n++;
-		}
-		/* pairs with the acquire above: map is whole before done reads 1 */
-		__atomic_store_n(&done, 1, __ATOMIC_RELEASE);
-	}
-	return map[b];
+	pthread_once(&maps_once, maps_build);
+	return byte_map[b];
 }
 
 int tok_char_byte(uint32_t cp)
 {
-	if ((cp >= '!' && cp <= '~') || (cp >= 0xA1 && cp <= 0xAC) || (cp >= 0xAE && cp <= 0xFF))
-		return (int)cp;
-	if (cp < 256 || cp >= 256 + 68)
+	if (cp >= 256 + 68)
 		return -1;
-	for (int b = 0; b < 256; b++)
-		if (tok_byte_char((uint8_t)b) == cp)
-			return b;
-	return -1;
+	pthread_once(&maps_once, maps_build);
+	return char_map[cp];
 }
 
 /* ==== Hash tables ==== */
@@ -448,7 +459,8 @@ static int pattern_parse(struct load *ld, json_t *o, const char *what, struct to
 		return fail(ld, -EINVAL, "%s: regex at offset %zu does not compile: %s", what,
 			    (size_t)off, (const char *)msg);
 	}
-	pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE);	/* the interpreter serves if JIT cannot */
+	/* the interpreter serves if JIT cannot */
+	p->jit = pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE) == 0;
 	return 0;
 }
 
@@ -483,7 +495,8 @@ int tok_pattern_each(const struct tok_pattern *p, pcre2_match_data *md, const ch
 	while (at <= n) {
 		PCRE2_SIZE *ov;
 
-		rc = pcre2_match(p->re, (PCRE2_SPTR)text, n, at, PCRE2_NO_UTF_CHECK, md, NULL);
+		rc = p->jit ? pcre2_jit_match(p->re, (PCRE2_SPTR)text, n, at, 0, md, NULL)
+			    : pcre2_match(p->re, (PCRE2_SPTR)text, n, at, PCRE2_NO_UTF_CHECK, md, NULL);
 		if (rc == PCRE2_ERROR_NOMATCH)
 			return 0;
 		if (rc < 0)
@@ -636,7 +649,7 @@ static int regex_fixed(struct load *ld, const char *re, struct tok_pattern *p)
 			      &off, NULL);
 	if (!p->re)
 		return fail(ld, -EINVAL, "built-in regex does not compile (PCRE2 without Unicode?)");
-	pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE);
+	p->jit = pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE) == 0;
 	return 0;
 }
 
@@ -797,12 +810,11 @@ static void dec_free(struct tok_dec *d)
 
 static int ids_add(int32_t **v, size_t *n, int32_t id)
 {
-	int32_t *p = realloc(*v, (*n + 1) * sizeof(*p));
+	size_t cap = *n;	/* grown one at a time: these lists hold a few ids */
 
-	if (!p)
+	if (tok_grow((void **)v, &cap, *n + 1, sizeof(**v)))
 		return -ENOMEM;
-	p[(*n)++] = id;
-	*v = p;
+	(*v)[(*n)++] = id;
 	return 0;
 }
 

@@ -398,15 +398,8 @@ int mlens_detok_push(struct mlens_detok *d, int32_t id, const char **text, size_
 	*len = 0;
 	if (id < 0 || (uint32_t)id >= d->tok->n_ids || !d->tok->id_text[id])
 		return -EINVAL;
-	if (d->n == d->cap) {
-		size_t cap = d->cap ? d->cap * 2 : 64;
-		int32_t *p = realloc(d->ids, cap * sizeof(*p));
-
-		if (!p)
-			return -ENOMEM;
-		d->ids = p;
-		d->cap = cap;
-	}
+	if (TOK_GROW(d->ids, d->cap, d->n + 1))
+		return -ENOMEM;
 	d->ids[d->n++] = id;
 	if ((rc = detok_step(d, false)))
 		return rc;

@@ -23,6 +23,10 @@ struct tok_buf {
 };
 
 int tok_buf_reserve(struct tok_buf *b, size_t more);
+/* Room for n elements of size bytes in the array *v of capacity *cap
+ * (doubling); 0 or -ENOMEM. TOK_GROW names the array once. */
+int tok_grow(void **v, size_t *cap, size_t n, size_t size);
+#define TOK_GROW(v, cap, n) tok_grow((void **)&(v), &(cap), (n), sizeof(*(v)))
 int tok_buf_add(struct tok_buf *b, const void *s, size_t n);
 void tok_buf_free(struct tok_buf *b);
 
@@ -61,7 +65,8 @@ size_t tok_utf8_encode(uint32_t cp, char *out);
 struct tok_pattern {
 	char *lit;		/* literal, when re is NULL */
 	size_t lit_len;
-	pcre2_code *re;		/* JIT-compiled, UTF + UCP */
+	pcre2_code *re;		/* UTF + UCP */
+	bool jit;		/* re is JIT-compiled: matched by pcre2_jit_match */
 };
 
 /* Calls fn for each match [s, e) of p in text[0, n), left to right, not
