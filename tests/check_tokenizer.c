@@ -265,7 +265,7 @@ static int check_goldens(const char *name)
 	return bad;
 }
 
-static const char *const fixtures[] = { "bytelevel", "gpt2", "spm", "metaspace", "mistral_v1", "qwen" };
+static const char *const fixtures[] = { "bytelevel", "gpt2", "llama3", "spm", "metaspace", "mistral_v1", "qwen" };
 
 START_TEST(test_golden)
 {
@@ -343,6 +343,15 @@ START_TEST(test_detok_byte_fallback)
 
 		expect_stream(tok, 0, ids, 3, want, "");
 	}
+	{
+		/* a whole decode turns the run E4 B8 AD FF into four U+FFFD (as
+		 * HF's ByteFallback); the stream has shown 中 already and goes
+		 * on with one U+FFFD for FF */
+		int32_t ids[] = { e4, b8, ad, ff, x };
+		static const char *const want[] = { "", "", "中", "\xEF\xBF\xBD", "x" };
+
+		expect_stream(tok, 0, ids, 5, want, "");
+	}
 	/* the leading space SentencePiece strips only at the real start, and
 	 * a skipped BOS changes nothing */
 	ck_assert_int_eq(mlens_tokenizer_encode(tok, "Hello world", 11, MLENS_TOK_ADD_SPECIAL, hello, 8, &n), 0);
@@ -397,6 +406,15 @@ START_TEST(test_lookups)
 	ck_assert_int_eq(mlens_tokenizer_eos(tok, eos, 4), 2);
 	ck_assert_int_eq(eos[1], 151643);
 	ck_assert_uint_eq(mlens_tokenizer_vocab_size(tok), 151646);
+	mlens_tokenizer_free(tok);
+
+	/* Llama 3 style: no tokenizer_config; BOS and EOS ids from
+	 * generation_config, the template adding BOS */
+	tok = open_fixture("llama3");
+	ck_assert_int_eq(mlens_tokenizer_bos(tok), 0);
+	ck_assert_int_eq(mlens_tokenizer_eos(tok, eos, 4), 2);
+	ck_assert_int_eq(eos[0], 1);
+	ck_assert_int_eq(eos[1], 2);
 	mlens_tokenizer_free(tok);
 
 	/* byte-level fixture: no BOS at all, EOS from tokenizer_config only */

@@ -24,6 +24,10 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# Llama 3's (and cl100k's, DBRX's) pattern: digits in threes.
+LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 # Training text: plain English plus every script the hard strings use, so
 # that merges exist across them; some rare characters stay out of it so
 # that byte fallback and unknown paths are exercised.
@@ -124,6 +128,29 @@ def byte_level(out):
     save(os.path.join(out, "bytelevel"), tok,
          config={"bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False},
          extra_ids=[[tok.token_to_id("Ä")], [tok.token_to_id("æ"), tok.token_to_id("Ŀ")]])
+
+
+def llama3(out):
+    """Llama 3 style: regex Split then ByteLevel, ignore_merges, no
+    normalizer, BOS by TemplateProcessing, EOS ids from
+    generation_config.json."""
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_RE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|begin_of_text|>",
+                                                                   "<|end_of_text|>", "<|eot_id|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([TRAIN], trainer)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                      special_tokens=[("<|begin_of_text|>", 0)])])
+    save(os.path.join(out, "llama3"), tok, strings=HARD + ["1234567 12 123456789 0.5"])
+    with open(os.path.join(out, "llama3", "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": [1, 2]}, f)
 
 
 def gpt2(out):
@@ -296,7 +323,7 @@ def qwen(out):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "fixtures")
-    which = sys.argv[2:] or ["bytelevel", "gpt2", "spm", "mistral_v1", "qwen"]
+    which = sys.argv[2:] or ["bytelevel", "gpt2", "llama3", "spm", "mistral_v1", "qwen"]
     for w in which:
         {"bytelevel": byte_level, "spm": spm_style}.get(w, globals().get(w))(out)
         print("wrote", w)
