@@ -547,8 +547,48 @@ int tok_replace_all(const struct tok_pattern *p, pcre2_match_data *md, const cha
 
 #define MAX_DEPTH 16
 
+/* A Sequence's members: the array under key, each parsed by parse into
+ * an element of size bytes of a new array. */
+typedef int (*member_parse_fn)(struct load *ld, json_t *o, void *member, int depth);
+
+static int seq_parse(struct load *ld, json_t *o, const char *key, const char *what, size_t size,
+		     member_parse_fn parse, void **sub, size_t *n_sub, int depth)
+{
+	json_t *a = json_object_get(o, key);
+	int rc;
+
+	if (!json_is_array(a))
+		return fail(ld, -EINVAL, "%s Sequence without a \"%s\" array", what, key);
+	if (!(*sub = calloc(json_array_size(a) + 1, size)))
+		return -ENOMEM;
+	for (size_t i = 0; i < json_array_size(a); i++) {
+		*n_sub = i + 1;
+		if ((rc = parse(ld, json_array_get(a, i), (char *)*sub + i * size, depth + 1)))
+			return rc;
+	}
+	return 0;
+}
+
 static int norm_parse(struct load *ld, json_t *o, struct tok_norm *nm, int depth);
+static int pre_parse(struct load *ld, json_t *o, struct tok_pre *pt, int depth);
+static int dec_parse(struct load *ld, json_t *o, struct tok_dec *d, int depth);
 static void norm_free(struct tok_norm *nm);
+
+/* seq_parse's view of each parser */
+static int norm_member(struct load *ld, json_t *o, void *m, int depth)
+{
+	return norm_parse(ld, o, m, depth);
+}
+
+static int pre_member(struct load *ld, json_t *o, void *m, int depth)
+{
+	return pre_parse(ld, o, m, depth);
+}
+
+static int dec_member(struct load *ld, json_t *o, void *m, int depth)
+{
+	return dec_parse(ld, o, m, depth);
+}
 
 static int norm_parse(struct load *ld, json_t *o, struct tok_norm *nm, int depth)
 {
@@ -587,21 +627,9 @@ static int norm_parse(struct load *ld, json_t *o, struct tok_norm *nm, int depth
 		return 0;
 	}
 	if (!strcmp(t, "Sequence")) {
-		json_t *a = json_object_get(o, "normalizers");
-		size_t i;
-		int rc;
-
 		nm->kind = TN_SEQ;
-		if (!json_is_array(a))
-			return fail(ld, -EINVAL, "normalizer Sequence without a \"normalizers\" array");
-		if (!(nm->sub = calloc(json_array_size(a) + 1, sizeof(*nm->sub))))
-			return -ENOMEM;
-		for (i = 0; i < json_array_size(a); i++) {
-			nm->n_sub = i + 1;
-			if ((rc = norm_parse(ld, json_array_get(a, i), &nm->sub[i], depth + 1)))
-				return rc;
-		}
-		return 0;
+		return seq_parse(ld, o, "normalizers", "normalizer", sizeof(*nm->sub),
+				 norm_member, (void **)&nm->sub, &nm->n_sub, depth);
 	}
 	return fail(ld, -ENOTSUP, "normalizer \"%s\" is not supported (this library implements NFC, "
 		    "NFD, NFKC, NFKD, Replace, Prepend, Strip and Sequence)", t);
@@ -703,20 +731,9 @@ static int pre_parse(struct load *ld, json_t *o, struct tok_pre *pt, int depth)
 		return regex_fixed(ld, pt->individual_digits ? "\\p{N}" : "\\p{N}+", &pt->pat);
 	}
 	if (!strcmp(t, "Sequence")) {
-		json_t *a = json_object_get(o, "pretokenizers");
-		int rc;
-
 		pt->kind = TPT_SEQ;
-		if (!json_is_array(a))
-			return fail(ld, -EINVAL, "pre_tokenizer Sequence without a \"pretokenizers\" array");
-		if (!(pt->sub = calloc(json_array_size(a) + 1, sizeof(*pt->sub))))
-			return -ENOMEM;
-		for (size_t i = 0; i < json_array_size(a); i++) {
-			pt->n_sub = i + 1;
-			if ((rc = pre_parse(ld, json_array_get(a, i), &pt->sub[i], depth + 1)))
-				return rc;
-		}
-		return 0;
+		return seq_parse(ld, o, "pretokenizers", "pre_tokenizer", sizeof(*pt->sub),
+				 pre_member, (void **)&pt->sub, &pt->n_sub, depth);
 	}
 	return fail(ld, -ENOTSUP, "pre_tokenizer \"%s\" is not supported (this library implements "
 		    "ByteLevel, Split, Metaspace, Digits and Sequence)", t);
@@ -781,19 +798,9 @@ static int dec_parse(struct load *ld, json_t *o, struct tok_dec *d, int depth)
 		return prepend_parse(ld, o, "decoder Metaspace", &d->prepend);
 	}
 	if (!strcmp(t, "Sequence")) {
-		json_t *a = json_object_get(o, "decoders");
-
 		d->kind = TD_SEQ;
-		if (!json_is_array(a))
-			return fail(ld, -EINVAL, "decoder Sequence without a \"decoders\" array");
-		if (!(d->sub = calloc(json_array_size(a) + 1, sizeof(*d->sub))))
-			return -ENOMEM;
-		for (size_t i = 0; i < json_array_size(a); i++) {
-			d->n_sub = i + 1;
-			if ((rc = dec_parse(ld, json_array_get(a, i), &d->sub[i], depth + 1)))
-				return rc;
-		}
-		return 0;
+		return seq_parse(ld, o, "decoders", "decoder", sizeof(*d->sub),
+				 dec_member, (void **)&d->sub, &d->n_sub, depth);
 	}
 	return fail(ld, -ENOTSUP, "decoder \"%s\" is not supported (this library implements "
 		    "ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace and Sequence)", t);

@@ -108,15 +108,21 @@ def save(dirname, tok, config=None, gz=False, strings=None, extra_ids=()):
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
-def byte_level(out):
-    """Qwen2-style: NFC, regex Split then ByteLevel, ByteLevel decoder."""
-    tok = Tokenizer(models.BPE(ignore_merges=True))
+def qwen2_pipeline(tok):
+    """Qwen2's components around a BPE model: NFC, the Qwen2 regex Split
+    then ByteLevel, the ByteLevel decoder."""
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_RE), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def byte_level(out):
+    """Qwen2-style: NFC, regex Split then ByteLevel, ByteLevel decoder."""
+    tok = qwen2_pipeline(Tokenizer(models.BPE(ignore_merges=True)))
     trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
@@ -294,13 +300,7 @@ def qwen(out):
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
             merges.append((s(parts[0]), s(parts[1])))
-    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_RE), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok = qwen2_pipeline(Tokenizer(models.BPE(vocab, merges, ignore_merges=False)))
     n = len(ranks)
     tok.add_special_tokens([AddedToken(t, normalized=False) for t in
                             ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
