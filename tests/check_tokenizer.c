@@ -265,7 +265,7 @@ static int check_goldens(const char *name)
 	return bad;
 }
 
-static const char *const fixtures[] = { "bytelevel", "gpt2", "llama3", "spm", "metaspace", "mistral_v1", "qwen" };
+static const char *const fixtures[] = { "bytelevel", "gpt2", "llama3", "misc", "spm", "metaspace", "mistral_v1", "qwen" };
 
 START_TEST(test_golden)
 {

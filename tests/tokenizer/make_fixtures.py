@@ -179,6 +179,38 @@ def gpt2(out):
     save(os.path.join(out, "gpt2"), tok)
 
 
+def misc(out):
+    """The rest of what the library implements, in one odd pipeline: Strip,
+    Replace (regex) and NFKC normalizers; Split in every behavior, invert,
+    Digits, Metaspace splitting with prepend_scheme always; a BPE model with
+    a subword prefix and suffix and unfused unknowns; Replace and
+    Metaspace decoders."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]", continuing_subword_prefix="##",
+                               end_of_word_suffix="</w>", fuse_unk=False))
+    tok.normalizer = normalizers.Sequence([
+        normalizers.Strip(left=True, right=True), normalizers.NFKC(),
+        normalizers.Replace(Regex(r"[\t ]{2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(",", behavior="removed"),
+        pre_tokenizers.Split(Regex(r"[.;]"), behavior="merged_with_previous"),
+        pre_tokenizers.Split(Regex(r"[!?]"), behavior="merged_with_next"),
+        pre_tokenizers.Split(Regex(r"\p{L}+"), behavior="contiguous", invert=True),
+        pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated", invert=True),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)])
+    tok.decoder = decoders.Sequence([decoders.Replace("##", ""), decoders.Replace("</w>", ""),
+                                     decoders.Metaspace(replacement="▁", prepend_scheme="always",
+                                                        split=True)])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["[UNK]", "[BOS]"],
+                                  continuing_subword_prefix="##", end_of_word_suffix="</w>",
+                                  limit_alphabet=80, show_progress=False)
+    tok.train_from_iterator(TRAIN.split("\n"), trainer)
+    tok.add_tokens([AddedToken("<sep>", single_word=True, lstrip=True, normalized=True)])
+    save(os.path.join(out, "misc"), tok, strings=HARD + [
+        "a,b,,c", "end. next; more", "what?! yes!", "x1y22z333", "  padded\t\ttext  ",
+        "word <sep> word<sep>word <sep>", "ﬁ ① ²"])
+
+
 def spm_style(out):
     """Llama/Mistral style SentencePiece BPE: Prepend+Replace normalizers,
     byte fallback, Replace/ByteFallback/Fuse/Strip decoders, <s> by
@@ -323,7 +355,7 @@ def qwen(out):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "fixtures")
-    which = sys.argv[2:] or ["bytelevel", "gpt2", "llama3", "spm", "mistral_v1", "qwen"]
+    which = sys.argv[2:] or ["bytelevel", "gpt2", "llama3", "misc", "spm", "mistral_v1", "qwen"]
     for w in which:
         {"bytelevel": byte_level, "spm": spm_style}.get(w, globals().get(w))(out)
         print("wrote", w)
