@@ -282,7 +282,7 @@ static size_t table_size(size_t n)
 	return s;
 }
 
-/* The model's own strings for vocab, the added tokens' content for all. */
+/* The string a table's slot stands for (defined with the loader). */
 static const char *vocab_text(const struct mlens_tokenizer *tok, const struct tok_vocab *v,
 			      uint32_t id, size_t *len);
 
@@ -384,8 +384,8 @@ static int fail(struct load *ld, int rc, const char *fmt, ...)
 static const char *vocab_text(const struct mlens_tokenizer *tok, const struct tok_vocab *v,
 			      uint32_t id, size_t *len)
 {
-	/* vocab compares against the model's strings, which live in the
-	 * slots of id_text unless an added token took the id */
+	/* vocab holds the model's own strings; all the text an id decodes
+	 * from (an added token's content where one took the id) */
 	if (v == &tok->vocab) {
 		*len = tok->model_len[id];
 		return tok->model_text[id];
@@ -1383,8 +1383,11 @@ static int read_file(const char *path, char **buf, size_t *len)
 
 	if (fd < 0)
 		return -errno;
-	if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-		rc = S_ISREG(st.st_mode) ? -errno : -EINVAL;
+	if (fstat(fd, &st))
+		rc = -errno;
+	else if (!S_ISREG(st.st_mode))
+		rc = -EINVAL;	/* a directory or a device: not a tokenizer.json */
+	if (rc) {
 		close(fd);
 		return rc;
 	}
