@@ -1427,7 +1427,8 @@ int mlens_tokenizer_open(const char *dir, struct mlens_tokenizer **tok, char *er
 		return -ENAMETOOLONG;
 	if ((rc = read_file(path, &json, &len))) {
 		if (err && err_len)
-			snprintf(err, err_len, "%s: %s%s", path, strerror(-rc),
+			snprintf(err, err_len, "%s: %s%s", path,
+				 rc == -EINVAL ? "not a regular file" : strerror(-rc),
 				 rc == -ENOENT ? " (the model directory needs a tokenizer.json)" : "");
 		return rc;
 	}

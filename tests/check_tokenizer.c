@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <jansson.h>
 #include "client/mlens_tokenizer.h"
@@ -525,6 +526,16 @@ START_TEST(test_bad_files)
 	ck_assert_ptr_null(tok);
 	ck_assert_ptr_nonnull(strstr(err, "/nonexistent-mlens-dir/tokenizer.json"));
 
+	{
+		char dir[512], path[600];
+
+		snprintf(dir, sizeof(dir), "%s/dir.XXXXXX", tmp_root);
+		ck_assert_ptr_nonnull(mkdtemp(dir));
+		snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+		ck_assert_int_eq(mkdir(path, 0700), 0);
+		ck_assert_int_eq(mlens_tokenizer_open(dir, &tok, err, sizeof(err)), -EINVAL);
+		ck_assert_ptr_nonnull(strstr(err, "tokenizer.json: not a regular file"));
+	}
 	ck_assert_int_eq(open_text("{\"model\": {", err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(err, "not valid JSON"));
 	ck_assert_int_eq(open_text("{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}", err, sizeof(err)), -ENOTSUP);
