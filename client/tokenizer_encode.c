@@ -62,10 +62,20 @@ static uint32_t last_char(const char *s, size_t n, size_t *len)
 	return cp;
 }
 
+/* A word character as HF's single_word check has it: Unicode \\w
+ * (Alphabetic, marks, decimal digits, connector punctuation, the joiners),
+ * with Alphabetic as the letters plus the letter-like numbers and the
+ * circled and squared letters. */
 static bool is_word_char(uint32_t c)
 {
-	return c == '_' || utf8proc_category_string((utf8proc_int32_t)c)[0] == 'L' ||
-	       utf8proc_category_string((utf8proc_int32_t)c)[0] == 'N';
+	const char *cat = utf8proc_category_string((utf8proc_int32_t)c);
+
+	if (cat[0] == 'L' || cat[0] == 'M' || !strcmp(cat, "Nd") || !strcmp(cat, "Nl") ||
+	    !strcmp(cat, "Pc"))
+		return true;
+	return c == 0x200C || c == 0x200D || (c >= 0x24B6 && c <= 0x24E9) ||
+	       (c >= 0x1F130 && c <= 0x1F149) || (c >= 0x1F150 && c <= 0x1F169) ||
+	       (c >= 0x1F170 && c <= 0x1F189);
 }
 
 /* ==== Normalizers ==== */

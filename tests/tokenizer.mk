@@ -47,3 +47,4 @@ CLEANFILES += tests/fuzz/fuzz_tokenizer
 
 # mlens-bench tokenizer
 tests_bench_mlens_bench_SOURCES += tests/bench/bench_tokenizer.c
+EXTRA_DIST += tests/tokenizer/hf_random.py

@@ -70,6 +70,8 @@ HARD = [
     "!!!???...,,,;;;", "$%^&*()_+-=[]{}|\\:\";'<>?,./~`",
     "\u0000 nul and \u007f del", "\U0001F600\U0001F601" * 20, "𝓗𝓮𝓵𝓵𝓸 math bold",
     "Ünïcödé ÀÉÎÕÜ", "ǅ titlecase", "İstanbul ß ΣΑΣ",
+    # what single_word takes for a word character (Unicode \w)
+    "x\u0301fox", "²fox", "①fox", "\u200bfox", "fox①", "fox\u200d", "_fox", "Ⓐfox",
 ]
 # Invalid UTF-8 inputs: encode takes them as UTF-8 with each maximal
 # invalid subpart replaced by U+FFFD (what Rust's from_utf8_lossy does).
