@@ -235,8 +235,9 @@ bool tok_merge_get(const struct tok_merges *m, int32_t left, int32_t right, uint
 uint32_t tok_byte_char(uint8_t b);
 int tok_char_byte(uint32_t cp);
 
-/* Apply a decoder tree to a list of token strings in place; *cut tells
- * whether the byte decoders ended inside a UTF-8 character. */
-int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, bool *cut);
+/* Apply a decoder tree to a list of token strings in place; *tail gets
+ * how many bytes at the end the byte decoders made U+FFFD for a cut
+ * UTF-8 character (0 when none). */
+int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, size_t *tail);
 
 #endif
