@@ -70,6 +70,12 @@ struct mlens_sched {
 	bool preempt_mode;
 	struct mlens_sched_tenant *wt_head;	/* tenants with waiting requests */
 	int64_t wseq_head, wseq_tail;	/* the last wseq given at each end */
+	/* the fair-share clock of the tenant admitted last, before that
+	 * admission: the smallest among the tenants that could go then. A
+	 * tenant that starts waiting (new, back after a reconnect, or idle
+	 * for a while) starts from here, so it neither starves the others
+	 * while it catches up nor cashes in time it did not wait. */
+	double vnow;
 	uint64_t serial;
 	struct list waiting;	/* arrival order; preempted requests at the head */
 	struct list running;
@@ -135,6 +141,8 @@ static void wait_push(struct mlens_sched *s, struct mlens_req *r, bool head)
 {
 	struct mlens_sched_tenant *t = r->t;
 	if (!t->wait_head) {	/* its first: the tenant joins the list */
+		if (t->vtime < s->vnow)
+			t->vtime = s->vnow;
 		t->wt_prev = NULL;
 		t->wt_next = s->wt_head;
 		if (s->wt_head)
@@ -761,6 +769,7 @@ int mlens_sched_step(struct mlens_sched *s)
 			r->state = REQ_RUNNING;
 			r->admit_serial = ++s->serial;
 			r->preempted = false;
+			s->vnow = r->t->vtime;
 			r->t->vtime += len / r->t->quota.weight;
 			q_push_tail(&s->running, r);
 			running_after++;

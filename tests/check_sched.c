@@ -613,6 +613,44 @@ START_TEST(fair_share_by_weight)
 }
 END_TEST
 
+/* A tenant that starts waiting late (attached, or reconnected, after a has
+ * run a while) starts its fair-share clock where a's stands, not at 0: of
+ * the next 16 admissions (two prefills of 8 a step) each gets about half.
+ * From 0 it took all 16 while its clock caught up with a's 240. */
+START_TEST(late_tenant_shares_at_once)
+{
+	struct fx f;
+	struct tenant a, b;
+	int32_t p[8];
+	uint64_t a0;
+	fx_open(&f, 512, 16);
+	tenant_init(&a, q_default());
+	prompt(p, 8, 1);
+	for (int i = 0; i < 30; i++) {
+		struct mlens_request_params rp = params((uint64_t)i, p, 8, 1);
+		submit_ok(&f, &a, &rp);
+	}
+	run_until_idle(&f, 100);
+	ck_assert_uint_eq(a.st.requests_done, 30);
+	a0 = a.st.requests_done;
+	tenant_init(&b, q_default());
+	for (int i = 0; i < 20; i++) {
+		struct mlens_request_params rp = params(100 + (uint64_t)i, p, 8, 1);
+		submit_ok(&f, &a, &rp);
+		submit_ok(&f, &b, &rp);
+	}
+	for (int i = 0; i < 8; i++)
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	ck_assert_uint_eq(a.st.requests_done - a0 + b.st.requests_done, 16);
+	ck_assert_msg(a.st.requests_done - a0 >= 7 && b.st.requests_done >= 7,
+		      "of 16 admissions the old tenant got %llu, the new one %llu",
+		      (unsigned long long)(a.st.requests_done - a0), (unsigned long long)b.st.requests_done);
+	run_until_idle(&f, 100);
+	ck_assert_uint_eq(b.st.requests_done, 20);
+	fx_close(&f);
+}
+END_TEST
+
 /* Equal fair-share clocks go by queue order across tenants: b's request
  * came first, then a's, then b's, then a's; one 8-token prompt fits a
  * step. Admission asks each tenant for its first request, so a tie broken
@@ -864,6 +902,7 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, running_quota);
 	tcase_add_test(tc, fair_share_by_weight);
 	tcase_add_test(tc, equal_clocks_go_by_queue_order);
+	tcase_add_test(tc, late_tenant_shares_at_once);
 	tcase_add_test(tc, live_ids);
 	tcase_add_test(tc, eviction_while_a_token_waits);
 	tcase_add_test(tc, kv_quota_holds_back_only_its_tenant);
