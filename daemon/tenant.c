@@ -35,6 +35,11 @@ static int tenant_emit(struct mlens_sched_tenant *st, const struct mlens_event *
 	c.id = ev->id;
 	c.status = ev->status;
 	c.finish = (uint8_t)(ev->last ? ev->finish : MLENS_FINISH_NONE);
+	if (c.finish == MLENS_FINISH_ERROR && ev->detail.what) {
+		c.detail = ev->detail.what;
+		c.need = ev->detail.need;
+		c.have = ev->detail.have;
+	}
 	if (ev->first)
 		c.flags |= MLENS_CMPL_FIRST;
 	if (ev->last)
@@ -144,11 +149,15 @@ void mlens_tenant_hang_up(struct mlens_tenant *t)
 		log_warn("tenant %u: cannot hang up: %s", t->id, strerror(errno));
 }
 
-/* Tell the client that a request failed before it was queued. */
-static void refuse(struct mlens_tenant *t, uint64_t id, int status, const char *why)
+/* Tell the client that a request failed before it was queued; detail
+ * (may be NULL) names the limit it ran into. */
+static void refuse(struct mlens_tenant *t, uint64_t id, int status, const char *why,
+		   const struct mlens_detail *detail)
 {
 	struct mlens_event ev = { .id = id, .token = -1, .first = true, .last = true,
 				  .finish = MLENS_FINISH_ERROR, .status = status };
+	if (detail)
+		ev.detail = *detail;
 	log_debug("tenant %u (pid %d): request %llu refused: %s", t->id, (int)t->pid,
 		  (unsigned long long)id, why);
 	if (tenant_emit(&t->st, &ev))
@@ -177,7 +186,7 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		n++;
 		if (status) {
 			t->bad_entries++;	/* a malformed entry: an error completion */
-			refuse(t, sub.id, status, why);
+			refuse(t, sub.id, status, why, NULL);
 			continue;
 		}
 		if (sub.op == MLENS_OP_CANCEL) {
@@ -186,7 +195,7 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		}
 		if (mlens_sched_live(s, &t->st, sub.id)) {
 			t->refused++;
-			refuse(t, sub.id, -EEXIST, "a request with this id is still running");
+			refuse(t, sub.id, -EEXIST, "a request with this id is still running", NULL);
 			continue;
 		}
 		struct mlens_request_params p;
@@ -205,7 +214,7 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		status = mlens_sched_submit(s, &t->st, &p, why, sizeof(why));
 		if (status) {
 			t->refused++;
-			refuse(t, sub.id, status, why);
+			refuse(t, sub.id, status, why, &t->st.refused);
 		}
 	}
 	if (rc < 0)	/* a corrupt index: nothing more can be read from it */

@@ -251,7 +251,7 @@ static void run_cmd(struct mlens_worker *w, struct cmd *c)
 	case CMD_QUOTA:
 		t = find(w, c->id, NULL);
 		if (t)
-			t->st.quota = c->q;
+			mlens_sched_set_quota(w->s, &t->st, &c->q);
 		else
 			c->rc = -ENOENT;
 		break;

@@ -1,0 +1,50 @@
+#!/bin/sh
+# Description: a request that runs into a limit ends with that limit's
+# words and numbers at the client (mlens_event_strerror): a prompt +
+# max_tokens larger than the KV pool says how many blocks it needs and the
+# pool holds; requests waiting when mlensctl quota lowers kv_blocks below
+# what they need fail with the quota's numbers instead of waiting for
+# ever, while the running one finishes.
+set -u
+. "$(dirname "$0")/lib.sh"
+tc() { timeout 60 "$B/tests/integration/tclient" -s "$tmp/t.sock" -T 50 --why "$@"; }
+# columns of mlensctl tenants: id ... running queued kv_blocks
+tenant_use() { ctl tenants | awk -v id="$1" '$1 == id { print $5, $6 }'; }
+
+stop_daemon() { kill "$pid" && wait "$pid"; pid=; }
+"$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny --seed 3 >/dev/null || fail "mlens-mkmodel"
+
+# ==== above the KV pool: the numbers reach the client ====
+start_mlensd --model "$tmp/m" --backend cpu --threads 1 --mlock=false --kv-cache 256K
+# 64 blocks of 16 tokens; 1000 + 100 tokens need 69
+tc -n 1 -p 1000 -g 100 >"$tmp/pool.out"
+grep -q "^0 3 -7$" "$tmp/pool.out" || fail "over the pool: not E2BIG: $(cat "$tmp/pool.out")"
+grep -q "^0 why prompt + max_tokens need 69 KV blocks; mlensd's KV pool has 64" "$tmp/pool.out" ||
+	fail "over the pool, no numbers: $(cat "$tmp/pool.out")"
+echo "ok: a request above the KV pool says: $(sed -n 's/^0 why //p' "$tmp/pool.out")"
+stop_daemon
+
+# ==== a KV quota lowered below what waiting requests need ====
+: >"$tmp/log"
+# 4096 blocks of 16 tokens; one request runs at a time
+start_mlensd --model "$tmp/m" --backend cpu --threads 1 --mlock=false --kv-cache 16M --quota-running 1
+# prompts of 1000 tokens hold 63 blocks and need 188 by their end
+tc -n 5 -p 1000 -g 2000 >"$tmp/quota.out" &
+cpid=$!
+wait_for '[ -n "$(ctl tenants | awk '"'"'$1 ~ /^[0-9]+$/ { print $1; exit }'"'"')" ]' ||
+	fail "the client did not attach"
+id=$(ctl tenants | awk '$1 ~ /^[0-9]+$/ { print $1; exit }')
+wait_for '[ "$(tenant_use "$id")" = "1 4" ]' || fail "expected 1 running, 4 queued: $(ctl tenants)"
+ctl quota "$id" kv_blocks=10 >/dev/null || fail "mlensctl quota"
+wait "$cpid"
+[ -s "$tmp/quota.out" ] && ! grep -q "^wait:" "$tmp/quota.out" || fail "the client hung: $(cut -c1-60 "$tmp/quota.out")"
+nfail=$(grep -c "^[0-9] 3 -122$" "$tmp/quota.out")
+nok=$(grep -c "^[0-9] 1 0 " "$tmp/quota.out")
+[ "$nfail" -ge 3 ] && [ $((nfail + nok)) -eq 5 ] || fail "5 requests: $nok done, $nfail over quota: $(cut -c1-40 "$tmp/quota.out")"
+[ "$(grep -c "why prompt + max_tokens need 188 KV blocks; this tenant's kv_blocks quota is 10" "$tmp/quota.out")" = "$nfail" ] ||
+	fail "over quota without the numbers: $(grep why "$tmp/quota.out")"
+[ "$(tenant_use "$id")" = "" ] || fail "tenant still listed: $(ctl tenants)"
+st=$(ctl --json status)
+[ "$(echo "$st" | jfield requests_waiting)" = 0 ] && [ "$(echo "$st" | jfield requests_running)" = 0 ] ||
+	fail "requests left behind: $st"
+echo "ok: a lowered KV quota fails $nfail waiting requests with its numbers; $nok finished"
