@@ -894,6 +894,20 @@ const char *mlens_strerror(int err)
 	}
 }
 
+/* What each detail of shm/proto.h says: words, need, words, have, words. */
+static const char *const detail_words[MLENS_DETAIL_MAX + 1][3] = {
+	[MLENS_DETAIL_KV_POOL] = { "prompt + max_tokens need ", " KV blocks; mlensd's KV pool has ",
+				   ": shorten them, or give mlensd a larger kv_cache" },
+	[MLENS_DETAIL_KV_QUOTA] = { "prompt + max_tokens need ", " KV blocks; this tenant's kv_blocks quota is ",
+				    " (mlensctl quota): shorten them, or raise the quota" },
+	[MLENS_DETAIL_STEP_CAP] = { "a prompt of ", " tokens exceeds mlensd's ",
+				    " tokens a step (max_step_tokens): shorten it" },
+	[MLENS_DETAIL_CONTEXT] = { "a prompt of ", " tokens leaves no room in the model's ",
+				   " positions: shorten it" },
+	[MLENS_DETAIL_QUEUED] = { "this would be the tenant's request ", " queued; its queued quota is ",
+				  " (mlensctl quota): submit fewer at a time" },
+};
+
 const char *mlens_event_strerror(struct mlens *m, const struct mlens_event *ev)
 {
 	static __thread char buf[256];
@@ -907,28 +921,9 @@ const char *mlens_event_strerror(struct mlens *m, const struct mlens_event *ev)
 			d = m->details[ev->detail % DETAILS];
 		pthread_mutex_unlock(&m->detail_lock);
 	}
-	switch (d.what) {
-	case MLENS_DETAIL_KV_POOL:
-		snprintf(buf, sizeof(buf), "prompt + max_tokens need %u KV blocks; mlensd's KV pool has "
-			 "%u: shorten them, or give mlensd a larger kv_cache", d.need, d.have);
-		return buf;
-	case MLENS_DETAIL_KV_QUOTA:
-		snprintf(buf, sizeof(buf), "prompt + max_tokens need %u KV blocks; this tenant's kv_blocks "
-			 "quota is %u (mlensctl quota): shorten them, or raise the quota", d.need, d.have);
-		return buf;
-	case MLENS_DETAIL_STEP_CAP:
-		snprintf(buf, sizeof(buf), "a prompt of %u tokens exceeds mlensd's %u tokens a step "
-			 "(max_step_tokens): shorten it", d.need, d.have);
-		return buf;
-	case MLENS_DETAIL_CONTEXT:
-		snprintf(buf, sizeof(buf), "a prompt of %u tokens leaves no room in the model's %u "
-			 "positions: shorten it", d.need, d.have);
-		return buf;
-	case MLENS_DETAIL_QUEUED:
-		snprintf(buf, sizeof(buf), "this would be the tenant's request %u queued; its queued quota "
-			 "is %u (mlensctl quota): submit fewer at a time", d.need, d.have);
-		return buf;
-	default:
+	if (d.what == MLENS_DETAIL_NONE || d.what > MLENS_DETAIL_MAX)
 		return mlens_strerror(ev->status);
-	}
+	snprintf(buf, sizeof(buf), "%s%u%s%u%s", detail_words[d.what][0], d.need, detail_words[d.what][1],
+		 d.have, detail_words[d.what][2]);
+	return buf;
 }
