@@ -1,8 +1,8 @@
 #!/bin/sh
 # Description: a request that runs into a limit ends with that limit's
-# words and numbers at the client (mlens_event_strerror): a prompt +
-# max_tokens larger than the KV pool says how many blocks it needs and the
-# pool holds; requests waiting when mlensctl quota lowers kv_blocks below
+# words and numbers at the client (mlens_event_strerror, and mlens
+# generate's result line): a prompt + max_tokens larger than the KV pool
+# says how many blocks it needs and the pool holds; requests waiting when mlensctl quota lowers kv_blocks below
 # what they need fail with the quota's numbers instead of waiting for
 # ever, while the running one finishes.
 set -u
@@ -21,6 +21,13 @@ tc -n 1 -p 1000 -g 100 >"$tmp/pool.out"
 grep -q "^0 3 -7$" "$tmp/pool.out" || fail "over the pool: not E2BIG: $(cat "$tmp/pool.out")"
 grep -q "^0 why prompt + max_tokens need 69 KV blocks; mlensd's KV pool has 64" "$tmp/pool.out" ||
 	fail "over the pool, no numbers: $(cat "$tmp/pool.out")"
+# mlens generate puts the same words in the result line's error
+awk 'BEGIN { printf "{\"prompt\": ["; for (i = 0; i < 1000; i++) printf "%s%d", i ? "," : "", i % 50; print "], \"max_tokens\": 100}" }' \
+	>"$tmp/req.jsonl"
+"$B/client/mlens" generate -q -s "$tmp/t.sock" -i "$tmp/req.jsonl" -o "$tmp/res.jsonl"
+[ $? -eq 1 ] || fail "mlens generate over the pool: not exit 1: $(cat "$tmp/res.jsonl")"
+grep -q "\"error\": *\"prompt + max_tokens need 69 KV blocks; mlensd's KV pool has 64" "$tmp/res.jsonl" ||
+	fail "mlens generate: no numbers in the error: $(cat "$tmp/res.jsonl")"
 echo "ok: a request above the KV pool says: $(sed -n 's/^0 why //p' "$tmp/pool.out")"
 stop_daemon
 
