@@ -564,7 +564,8 @@ static void evict(struct mlens_sched *s, struct mlens_req *r)
 	r->t->preemptions++;
 	s->st.preemptions++;
 	wait_push(s, r, true);
-	s->quota_check = true;	/* its quota may have been lowered while it ran */
+	if (r->t->quota.max_kv_blocks)
+		s->quota_check = true;	/* it may have been lowered while it ran */
 }
 
 /* Fail the waiting requests that can never fit their tenant's KV quota as

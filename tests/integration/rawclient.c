@@ -186,25 +186,26 @@ int main(int argc, char **argv)
 		printf("corrupt-index: written\n");
 		return 0;
 	} else if (!strcmp(mode, "stall")) {
-		/* submit until the completion ring is full, then a few more that
-		 * stay in the submission ring; read nothing until killed */
+		/* requests that generate more than the completion ring holds,
+		 * then, once it is full, a few more that stay in the submission
+		 * ring; read nothing until killed */
 		uint64_t id = 1;
-		int tries = 0;
-		while (mlens_ring_count(&rg.cmpl) < (int)rg.cmpl.entries && tries++ < 600) {
-			if (submit_only(id, 64) == 0)
-				id++;
-			else
-				usleep(10000);
-			usleep(1000);
-		}
+		for (; id <= 16; id++)
+			if (submit_only(id, 1000)) {
+				printf("stall: cannot submit\n");
+				return 1;
+			}
+		for (int tries = 0; tries < 6000 && mlens_ring_count(&rg.cmpl) < (int)rg.cmpl.entries; tries++)
+			usleep(10000);
 		if (mlens_ring_count(&rg.cmpl) < (int)rg.cmpl.entries) {
 			printf("stall: the completion ring never filled\n");
 			return 1;
 		}
 		for (int k = 0; k < 4; k++)
-			submit_only(id++, 64);
-		printf("stalled: %d completions unread, %d submissions waiting\n",
-		       mlens_ring_count(&rg.cmpl), mlens_ring_count(&rg.sub));
+			submit_only(id++, 1000);
+		usleep(200000);	/* the daemon had a look: they stay */
+		printf("stalled: %d completions unread, %d submissions waiting\n", mlens_ring_count(&rg.cmpl),
+		       (int)rg.sub.entries - mlens_ring_free_count(&rg.sub));
 		fflush(stdout);
 		for (;;)
 			pause();

@@ -20,8 +20,8 @@ tc --seed 5 -n 3 -g 20 >"$tmp/lone.out" || fail "lone run: $(cat "$tmp/lone.out"
 # ==== a tenant that stops reading, submissions queued behind a full ring ====
 "$rawc" "$tmp/t.sock" stall >"$tmp/stall.out" &
 spid=$!
-wait_for 'grep -q "^stalled" "$tmp/stall.out"' 300 || fail "stall client: $(cat "$tmp/stall.out")"
-grep -q "submissions waiting" "$tmp/stall.out" || fail "stall client: $(cat "$tmp/stall.out")"
+wait_for 'grep -q "^stall" "$tmp/stall.out"' 700 || fail "stall client: $(cat "$tmp/stall.out")"
+grep -q "^stalled: .*, 4 submissions waiting$" "$tmp/stall.out" || fail "stall client: $(cat "$tmp/stall.out")"
 sleep 0.3
 c0=$(cpu_ticks)
 sleep 1
