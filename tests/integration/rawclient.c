@@ -190,8 +190,8 @@ int main(int argc, char **argv)
 		 * then, once it is full, a few more that stay in the submission
 		 * ring; read nothing until killed */
 		uint64_t id = 1;
-		for (; id <= 16; id++)
-			if (submit_only(id, 1000)) {
+		for (; id <= 64; id++)	/* many at once: few steps fill it */
+			if (submit_only(id, 160)) {
 				printf("stall: cannot submit\n");
 				return 1;
 			}
@@ -202,7 +202,7 @@ int main(int argc, char **argv)
 			return 1;
 		}
 		for (int k = 0; k < 4; k++)
-			submit_only(id++, 1000);
+			submit_only(id++, 160);
 		usleep(200000);	/* the daemon had a look: they stay */
 		printf("stalled: %d completions unread, %d submissions waiting\n", mlens_ring_count(&rg.cmpl),
 		       (int)rg.sub.entries - mlens_ring_free_count(&rg.sub));
