@@ -6,9 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
 #include <unistd.h>
 #include "daemon/config.h"
+#include "daemon/infile.h"
 
 /* T_ENUM: a string that must be one of the words of arg ("a|b|c"). */
 enum opt_type { T_STR, T_ENUM, T_INT, T_SIZE, T_BOOL, T_DOUBLE, T_GPUS };
@@ -478,42 +478,6 @@ int mlens_config_finish(struct mlens_config *c)
 			return -ENOMEM;
 	}
 	return 0;
-}
-
-static const char *file_kind(mode_t m)
-{
-	return S_ISFIFO(m) ? "a FIFO" : S_ISDIR(m) ? "a directory" : S_ISCHR(m) ? "a character device" :
-	       S_ISBLK(m) ? "a block device" : S_ISSOCK(m) ? "a socket" : "not a plain file";
-}
-
-int mlens_open_regular(const char *path, const char *why, struct stat *sb, char *err,
-		       size_t errlen)
-{
-	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK), rc;
-	if (fd < 0) {
-		rc = -errno;
-		snprintf(err, errlen, "%s: cannot open%s: %s", path, why, strerror(-rc));
-		return rc;
-	}
-	if (fstat(fd, sb) < 0) {
-		rc = -errno;
-		snprintf(err, errlen, "%s: cannot stat: %s", path, strerror(-rc));
-		close(fd);
-		return rc;
-	}
-	if (!S_ISREG(sb->st_mode)) {
-		snprintf(err, errlen, "%s: not a regular file (%s): give the path of a file", path,
-			 file_kind(sb->st_mode));
-		close(fd);
-		return -EINVAL;
-	}
-	if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) < 0) {
-		rc = -errno;
-		snprintf(err, errlen, "%s: fcntl: %s", path, strerror(-rc));
-		close(fd);
-		return rc;
-	}
-	return fd;
 }
 
 int mlens_config_load_file(struct mlens_config *c, const char *path, char *err, size_t errlen)

@@ -7,7 +7,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <sys/stat.h>
 
 /* GPUs one daemon may list (the shard plan's limit, daemon/shard.h). */
 #define MLENS_CONFIG_MAX_GPUS 64
@@ -96,14 +95,5 @@ int mlens_parse_size(const char *s, uint64_t *out);
 /* Write every key and its value (mlensctl status, mlensd --print-config). */
 void mlens_config_dump(const struct mlens_config *c, FILE *f);
 void mlens_config_usage(FILE *f);
-
-/* Open a file the daemon reads at start-up (mlensd.conf, a model's
- * config.json and safetensors): without blocking, so that a FIFO or a
- * device cannot hang start-up, and only if fstat says it is a regular file
- * (*sb gets its stat). Returns the descriptor (close-on-exec, blocking
- * again), or -errno with a message naming the file in err: why follows
- * "cannot open" there (may be ""). */
-int mlens_open_regular(const char *path, const char *why, struct stat *sb, char *err,
-		       size_t errlen);
 
 #endif

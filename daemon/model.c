@@ -15,8 +15,8 @@
 #include <unistd.h>
 #include <jansson.h>
 
-#include "daemon/config.h"
 #include "daemon/errf.h"
+#include "daemon/infile.h"
 #include "daemon/model.h"
 #include "daemon/model_int.h"
 #include "daemon/safetensors.h"
