@@ -242,18 +242,20 @@ bool mlens_tenant_arm(struct mlens_tenant *t)
 		return false;	/* nothing more is read from it */
 	/* Completion room first: without it intake takes nothing, so what
 	 * waits in the submission ring is no work. Ask the client to ring
-	 * when it frees some; its read then wakes us. */
-	mlens_ring_prod_arm(&t->rg.cmpl);
+	 * when it frees some (arm, then look again: a read in between is not
+	 * missed); its read then wakes us. */
 	room = mlens_ring_free_count(&t->rg.cmpl);
+	if (room == 0) {
+		t->cmpl_full = true;	/* disarm clears the flag with it */
+		mlens_ring_prod_arm(&t->rg.cmpl);
+		room = mlens_ring_free_count(&t->rg.cmpl);
+		if (room == 0)
+			return false;
+	}
 	if (room < 0)
 		return true;	/* a corrupt index: intake sees it and cuts it off */
-	if (room == 0) {
-		t->cmpl_full = true;
-		return false;
-	}
 	if (t->cmpl_full)
 		return true;	/* room came back: deliver what waited */
-	mlens_ring_prod_disarm(&t->rg.cmpl);
 	mlens_ring_cons_arm(&t->rg.sub);
 	/* entries, or a corrupt index that intake must see and cut off */
 	return mlens_ring_count(&t->rg.sub) != 0;
