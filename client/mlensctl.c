@@ -323,10 +323,21 @@ static void show_profile(json_t *r)
 		printf("%-16s %.2f GB/s read + %.2f GB/s H2D at once = %.2f GB/s (the model's)\n", "",
 		       getf(m, "cpu_read_under_copy_bytes_per_s") / 1e9,
 		       getf(m, "h2d_under_read_bytes_per_s") / 1e9, getf(m, "cpu_memory_bytes_per_s") / 1e9);
-	printf("%-16s %.0f tokens per step (%s)\n", "n_real", getf(r, "n_real"),
-	       !json_is_number(neq) ? "nothing streams: the activation memory bounds it"
-	       : getf(r, "n_eq") < getf(r, "n_act") ? "GPU time per layer equals the weight transfer (eq. 2)"
-	       : "the activation memory bounds it below eq. 2");
+	{
+		/* what bounds n_real, as the daemon says (older daemons: from
+		 * n_eq and n_act) */
+		const char *by = gets_(r, "n_real_bound");
+		bool host = json_is_true(json_object_get(r, "host_compute"));
+		if (!*by)
+			by = json_is_number(neq) && getf(r, "n_eq") < getf(r, "n_act") ? "n_real" : "activation-memory";
+		printf("%-16s %.0f tokens per step (%s)\n", "n_real", getf(r, "n_real"),
+		       !strcmp(by, "n_real") ? "GPU time per layer equals the weight transfer (eq. 2)"
+		       : !strcmp(by, "largest-step") ? (host ? "CPU backend: no PCIe, nothing streams; the engine's "
+							       "largest step bounds it"
+							     : "nothing streams: the engine's largest step bounds it")
+		       : json_is_number(neq) ? "the activation memory bounds it below eq. 2"
+		       : "nothing streams: the activation memory bounds it");
+	}
 	printf("%-16s %lld resident experts per layer (%s); group alpha takes %.0f%% of decode, %.0f%% of prefill tokens\n",
 	       "policy", (long long)geti(pol, "resident_experts"),
 	       strcmp(gets_(r, "mode"), "hybrid") ? "every expert resident" : "searched",
@@ -349,8 +360,12 @@ static void show_profile(json_t *r)
 	       "KV %.0f tokens: steps of %.0f tokens (set by %s) in %.4g s\n", "predicted", getf(pr, "tokens_per_s"),
 	       getf(pr, "generated_tokens_per_s"), getf(w, "prompt_len"), getf(w, "gen_len"), getf(w, "kv_tokens"),
 	       getf(pr, "tokens_per_step"), gets_(r, "limit"), getf(pr, "step_seconds"));
-	printf("%-16s %lld tokens per step (%s)\n", "token cap", (long long)geti(r, "token_cap"),
-	       json_is_true(json_object_get(r, "token_cap_pinned")) ? "pinned by max_step_tokens" : "from n_real");
+	{
+		const char *src = gets_(r, "token_cap_source");
+		printf("%-16s %lld tokens per step (%s)\n", "token cap", (long long)geti(r, "token_cap"),
+		       json_is_true(json_object_get(r, "token_cap_pinned")) ? "pinned by max_step_tokens"
+		       : !strcmp(src, "largest-step") ? "the engine's largest step, below n_real" : "from n_real");
+	}
 	if (*gets_(r, "warning"))
 		printf("%-16s %s\n", "warning", gets_(r, "warning"));
 }

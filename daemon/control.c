@@ -643,7 +643,7 @@ static void job_done(struct profile_job *j)
 	if (j->rc == 0) {
 		*st = j->st;
 		log_info("control: profile done in %.2f s: n_real %.0f, %s binds, token cap %d", st->prof.seconds,
-			 st->pred.n_real, mlens_perf_bind_name(st->pred.time.bind), st->token_cap);
+			 st->pred.n_real, mlens_perf_tier_name(&st->hw, st->pred.time.bind), st->token_cap);
 		rep = profile_reply(st, j->req);
 	} else {
 		log_warn("control: profile failed: %s", j->st.err[0] ? j->st.err : strerror(-j->rc));

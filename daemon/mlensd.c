@@ -100,7 +100,7 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 	}
 	log_info("workload from the traffic: p=%.0f g=%.0f (was %.0f/%.0f): n_real %.0f (%s), %s binds, "
 		 "predicted %.1f tokens/s; step cap %d (was %d%s)", p, g, old_p, old_g, D.prof.pred.n_real,
-		 mlens_perf_limit_name(D.prof.pred.limit), mlens_perf_bind_name(D.prof.pred.time.bind),
+		 mlens_perf_limit_name(D.prof.pred.limit), mlens_perf_tier_name(&D.prof.hw, D.prof.pred.time.bind),
 		 D.prof.pred.total_tok_s, D.prof.token_cap, old_cap,
 		 D.prof.pinned_cap > 0 ? ", pinned by max_step_tokens" : "");
 }
@@ -408,7 +408,7 @@ static void profile_log(const struct mlens_profile_state *st)
 		 p->mem_bw / 1e9, p->seconds);
 	log_info("profile: n_real %.0f (%s), %d resident experts per layer, %s binds; predicted %.1f tokens/s "
 		 "for %.0f/%.0f-token requests", st->pred.n_real, mlens_perf_limit_name(st->pred.limit),
-		 st->pred.policy.resident_experts, mlens_perf_bind_name(st->pred.time.bind), st->pred.total_tok_s,
+		 st->pred.policy.resident_experts, mlens_perf_tier_name(&st->hw, st->pred.time.bind), st->pred.total_tok_s,
 		 st->w.p, st->w.g);
 }
 

@@ -207,6 +207,7 @@ static void on_hello(evutil_socket_t fd, short what, void *arg)
 		send_welcome(c->fd, 0, t->id, t->size, fds, "");
 	}
 	c->tenant_id = t->id;
+	mlens_tenant_hold_conn(t, c->fd);
 	s->n_attached++;
 	log_info("tenant %u attached: uid %u gid %u pid %d name '%s'", t->id, (unsigned)c->uid,
 		 (unsigned)c->gid, (int)c->pid, h.name);

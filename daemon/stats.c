@@ -195,7 +195,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		/* the workload of the prediction (workload_follow moves it) */
 		json_object_set_new(o, "profile_prompt_len", json_real(ps->w.p));
 		json_object_set_new(o, "profile_gen_len", json_real(ps->w.g));
-		json_object_set_new(o, "binding_resource", json_string(mlens_perf_bind_name(ps->pred.time.bind)));
+		json_object_set_new(o, "binding_resource", json_string(mlens_perf_tier_name(&ps->hw, ps->pred.time.bind)));
 		json_object_set_new(o, "step_seconds_predicted", isfinite(pred) ? json_real(pred) : json_null());
 		json_object_set_new(o, "step_seconds_measured", json_real(st->last_step_seconds));
 	}
@@ -344,7 +344,7 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_binding_resource_info", "gauge",
 			  "The resource the performance model says binds a step (always 1).");
 		evbuffer_add_printf(b, "mlens_binding_resource_info{resource=\"%s\"} 1\n",
-				    mlens_perf_bind_name(ps->pred.time.bind));
+				    mlens_perf_tier_name(&ps->hw, ps->pred.time.bind));
 		prom_head(b, "mlens_step_seconds_predicted", "gauge",
 			  "The performance model's time for a step of the last step's token count.");
 		evbuffer_add_printf(b, "mlens_step_seconds_predicted %.9g\n", isfinite(pred) ? pred : 0.0);

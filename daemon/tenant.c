@@ -6,9 +6,22 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include "daemon/log.h"
 #include "daemon/tenant.h"
+
+/* The tenant scribbled an impossible index into one of its rings: nothing
+ * more is read from it or written to it, and the worker evicts it. Counted
+ * once, however often the ring is looked at before that. */
+static void tenant_break(struct mlens_tenant *t, const char *ring)
+{
+	if (t->broken)
+		return;
+	t->broken = true;
+	t->broken_why = ring;
+	t->bad_entries++;
+}
 
 static int tenant_emit(struct mlens_sched_tenant *st, const struct mlens_event *ev)
 {
@@ -16,10 +29,17 @@ static int tenant_emit(struct mlens_sched_tenant *st, const struct mlens_event *
 	struct mlens_cmpl c;
 	int rc;
 
+	if (t->broken)
+		return 0;	/* cut off: its events are dropped */
 	memset(&c, 0, sizeof(c));
 	c.id = ev->id;
 	c.status = ev->status;
 	c.finish = (uint8_t)(ev->last ? ev->finish : MLENS_FINISH_NONE);
+	if (c.finish == MLENS_FINISH_ERROR && ev->detail.what) {
+		c.detail = ev->detail.what;
+		c.need = ev->detail.need;
+		c.have = ev->detail.have;
+	}
 	if (ev->first)
 		c.flags |= MLENS_CMPL_FIRST;
 	if (ev->last)
@@ -49,9 +69,10 @@ static int tenant_emit(struct mlens_sched_tenant *st, const struct mlens_event *
 		}
 		return -EAGAIN;
 	}
-	/* a corrupt consumer index: the tenant broke its own ring */
-	t->bad_entries++;
-	return -EAGAIN;
+	/* a corrupt consumer index (head past tail, or more than the ring
+	 * apart): the tenant broke its own ring */
+	tenant_break(t, "completion ring");
+	return 0;
 }
 
 int mlens_tenant_create(struct mlens_tenant **out, uint32_t id, uid_t uid, gid_t gid, pid_t pid,
@@ -64,7 +85,7 @@ int mlens_tenant_create(struct mlens_tenant **out, uint32_t id, uid_t uid, gid_t
 
 	if (!t)
 		return -ENOMEM;
-	t->memfd = t->efd_in = t->efd_out = -1;
+	t->memfd = t->efd_in = t->efd_out = t->sock = -1;
 	t->id = id;
 	t->uid = uid;
 	t->gid = gid;
@@ -108,15 +129,35 @@ void mlens_tenant_destroy(struct mlens_tenant *t)
 		close(t->efd_in);
 	if (t->efd_out >= 0)
 		close(t->efd_out);
+	if (t->sock >= 0)
+		close(t->sock);
 	free(t->prompt_buf);
 	free(t);
 }
 
-/* Tell the client that a request failed before it was queued. */
-static void refuse(struct mlens_tenant *t, uint64_t id, int status, const char *why)
+void mlens_tenant_hold_conn(struct mlens_tenant *t, int sock)
+{
+	t->sock = fcntl(sock, F_DUPFD_CLOEXEC, 0);
+	if (t->sock < 0)
+		log_warn("tenant %u: cannot keep its connection (%s): a broken ring will only stop "
+			 "its reads", t->id, strerror(errno));
+}
+
+void mlens_tenant_hang_up(struct mlens_tenant *t)
+{
+	if (t->sock >= 0 && shutdown(t->sock, SHUT_RDWR) && errno != ENOTCONN)
+		log_warn("tenant %u: cannot hang up: %s", t->id, strerror(errno));
+}
+
+/* Tell the client that a request failed before it was queued; detail
+ * (may be NULL) names the limit it ran into. */
+static void refuse(struct mlens_tenant *t, uint64_t id, int status, const char *why,
+		   const struct mlens_detail *detail)
 {
 	struct mlens_event ev = { .id = id, .token = -1, .first = true, .last = true,
 				  .finish = MLENS_FINISH_ERROR, .status = status };
+	if (detail)
+		ev.detail = *detail;
 	log_debug("tenant %u (pid %d): request %llu refused: %s", t->id, (int)t->pid,
 		  (unsigned long long)id, why);
 	if (tenant_emit(&t->st, &ev))
@@ -133,14 +174,19 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 	if (t->broken)
 		return 0;
 	/* keep room to report an error for what we take */
-	while (n < max && mlens_ring_free_count(&t->rg.cmpl) > 0) {
+	while (n < max) {
+		int room = mlens_ring_free_count(&t->rg.cmpl);
+		if (room < 0)
+			tenant_break(t, "completion ring");
+		if (room <= 0)
+			break;
 		rc = mlens_region_take(&t->rg, &sub, t->prompt_buf, &status, why, sizeof(why));
 		if (rc <= 0)
 			break;
 		n++;
 		if (status) {
-			t->bad_entries++;
-			refuse(t, sub.id, status, why);
+			t->bad_entries++;	/* a malformed entry: an error completion */
+			refuse(t, sub.id, status, why, NULL);
 			continue;
 		}
 		if (sub.op == MLENS_OP_CANCEL) {
@@ -149,7 +195,7 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		}
 		if (mlens_sched_live(s, &t->st, sub.id)) {
 			t->refused++;
-			refuse(t, sub.id, -EEXIST, "a request with this id is still running");
+			refuse(t, sub.id, -EEXIST, "a request with this id is still running", NULL);
 			continue;
 		}
 		struct mlens_request_params p;
@@ -169,17 +215,12 @@ int mlens_tenant_intake(struct mlens_tenant *t, struct mlens_sched *s, int max)
 		status = mlens_sched_submit(s, &t->st, &p, why, sizeof(why));
 		if (status) {
 			t->refused++;
-			refuse(t, sub.id, status, why);
+			refuse(t, sub.id, status, why, &t->st.refused);
 		}
 	}
-	if (rc < 0) {
-		/* a corrupt ring index: nothing more can be read from this tenant */
-		t->broken = true;
-		t->bad_entries++;
-		log_warn("tenant %u (pid %d): submission ring corrupt (%s): no longer read", t->id,
-			 (int)t->pid, strerror(-rc));
-	}
-	if (n) {
+	if (rc < 0)	/* a corrupt index: nothing more can be read from it */
+		tenant_break(t, "submission ring");
+	if (n && !t->broken) {
 		mlens_ring_wake_prod(&t->rg.sub, t->efd_out);
 		mlens_ring_wake_prod(&t->rg.prompt.ring, t->efd_out);
 	}
@@ -196,15 +237,29 @@ void mlens_tenant_kick(struct mlens_tenant *t)
 
 bool mlens_tenant_arm(struct mlens_tenant *t)
 {
+	int room;
+
 	if (t->broken)
 		return false;	/* nothing more is read from it */
+	/* Completion room first: without it intake takes nothing, so what
+	 * waits in the submission ring is no work. Ask the client to ring
+	 * when it frees some (arm, then look again: a read in between is not
+	 * missed); its read then wakes us. */
+	room = mlens_ring_free_count(&t->rg.cmpl);
+	if (room == 0) {
+		t->cmpl_full = true;	/* disarm clears the flag with it */
+		mlens_ring_prod_arm(&t->rg.cmpl);
+		room = mlens_ring_free_count(&t->rg.cmpl);
+		if (room == 0)
+			return false;
+	}
+	if (room < 0)
+		return true;	/* a corrupt index: intake sees it and cuts it off */
+	if (t->cmpl_full)
+		return true;	/* room came back: deliver what waited */
 	mlens_ring_cons_arm(&t->rg.sub);
 	/* entries, or a corrupt index that intake must see and cut off */
-	if (mlens_ring_count(&t->rg.sub) != 0)
-		return true;
-	if (t->cmpl_full && mlens_ring_free_count(&t->rg.cmpl) > 0)
-		return true;
-	return false;
+	return mlens_ring_count(&t->rg.sub) != 0;
 }
 
 void mlens_tenant_disarm(struct mlens_tenant *t)
