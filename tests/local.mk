@@ -27,6 +27,15 @@ tests_check_sched_SOURCES = tests/check_sched.c
 tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
+
+# mlensd.conf and the flags (daemon/config.c)
+if HAVE_CHECK
+check_PROGRAMS += tests/check_config
+TESTS += tests/check_config
+tests_check_config_SOURCES = tests/check_config.c tests/check_common.h
+tests_check_config_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_config_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
 dist_noinst_SCRIPTS += tests/setup-deps.sh tests/run-all.sh tests/demo.sh
 
 # integration: real mlensd processes and real tenant processes
