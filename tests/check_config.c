@@ -362,7 +362,13 @@ START_TEST(flag_errors)
 	/* flags are spelt with dashes only */
 	ck_assert_int_eq(ARGS("--kv_cache", "1G"), -EINVAL);
 	ERR_IS("unknown option '--kv_cache' (see --help)");
-	/* --no- never with a value */
+	/* --no- only for booleans: not taken as the key itself */
+	ck_assert_int_eq(ARGS("--no-threads", "5"), -EINVAL);
+	ERR_IS("unknown option '--no-threads' (see --help)");
+	ck_assert_int_eq(c.threads, 0);
+	ck_assert_int_eq(ARGS("--no-log-level"), -EINVAL);
+	ERR_IS("unknown option '--no-log-level' (see --help)");
+	/* and never with a value */
 	ck_assert_int_eq(ARGS("--no-mlock=true"), -EINVAL);
 	ERR_IS("unknown option '--no-mlock' (see --help)");
 	ck_assert_int_eq(ARGS("model"), -EINVAL);
