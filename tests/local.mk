@@ -12,6 +12,18 @@ tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
+# the KV block pool (daemon/kv_pool.c) and pinned memory (daemon/mem.c)
+if HAVE_CHECK
+check_PROGRAMS += tests/check_kv_pool tests/check_mem
+TESTS += tests/check_kv_pool tests/check_mem
+tests_check_kv_pool_SOURCES = tests/check_kv_pool.c tests/check_common.h
+tests_check_kv_pool_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_kv_pool_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_mem_SOURCES = tests/check_mem.c tests/check_common.h
+tests_check_mem_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_mem_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+
 if HAVE_CHECK
 check_PROGRAMS += tests/check_layer
 TESTS += tests/check_layer
