@@ -24,6 +24,15 @@ tests_check_mem_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_mem_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
+# the weight pages (daemon/weights.c): model files read into pinned memory
+if HAVE_CHECK
+check_PROGRAMS += tests/check_weights
+TESTS += tests/check_weights
+tests_check_weights_SOURCES = tests/check_weights.c tests/check_common.h
+tests_check_weights_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_weights_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+
 if HAVE_CHECK
 check_PROGRAMS += tests/check_layer
 TESTS += tests/check_layer
