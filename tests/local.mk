@@ -12,10 +12,14 @@ tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
-# the KV block pool (daemon/kv_pool.c) and pinned memory (daemon/mem.c)
+# the KV block pool (daemon/kv_pool.c), pinned memory (daemon/mem.c) and
+# what a step does around its layers (daemon/step.c)
 if HAVE_CHECK
-check_PROGRAMS += tests/check_kv_pool tests/check_mem
-TESTS += tests/check_kv_pool tests/check_mem
+check_PROGRAMS += tests/check_kv_pool tests/check_mem tests/check_step
+TESTS += tests/check_kv_pool tests/check_mem tests/check_step
+tests_check_step_SOURCES = tests/check_step.c tests/check_common.h
+tests_check_step_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_step_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 tests_check_kv_pool_SOURCES = tests/check_kv_pool.c tests/check_common.h
 tests_check_kv_pool_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_kv_pool_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
