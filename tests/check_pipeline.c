@@ -852,7 +852,7 @@ START_TEST(exec_trace_threads)
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
 	struct side sd;
-	char dir[] = "/tmp/check_hybrid.XXXXXX", path[64], err[256];
+	char dir[] = "/tmp/check_pipeline.XXXXXX", path[64], err[256];
 	int32_t prompt[6] = { 1, 2, 3, 4, 5, 6 };
 	struct mlens_engine_req r = { 0 };
 	json_error_t je;
