@@ -357,10 +357,15 @@ int mlens_config_parse_args(struct mlens_config *c, int argc, char **argv, char 
 		eq = strchr(a, '=');
 		len = eq ? (size_t)(eq - a) : strlen(a);
 		o = find(a, len, true);
-		if (!o && !eq && !strncmp(a, "no-", 3) && (o = find(a + 3, len - 3, true)) &&
-		    o->type == T_BOOL)
-			val = "false";
-		else if (!o || (val && o->type != T_BOOL)) {
+		if (!o && !eq && !strncmp(a, "no-", 3)) {
+			/* --no-KEY: false, for booleans only */
+			const struct opt *b = find(a + 3, len - 3, true);
+			if (b && b->type == T_BOOL) {
+				o = b;
+				val = "false";
+			}
+		}
+		if (!o) {
 			snprintf(err, errlen, "unknown option '--%.*s' (see --help)", (int)len, a);
 			return -EINVAL;
 		}
