@@ -828,7 +828,8 @@ static void teardown(void)
 {
 	mlens_control_destroy(D.control);
 	mlens_stats_destroy(D.stats);
-	mlens_worker_stop(D.worker);
+	if (D.worker)
+		mlens_worker_stop(D.worker);
 	mlens_server_destroy(D.server);
 	if (D.ev_notify)
 		event_free(D.ev_notify);
@@ -844,8 +845,10 @@ static void teardown(void)
 		event_base_free(D.base);
 	if (D.notify_fd >= 0)
 		close(D.notify_fd);
-	mlens_sched_destroy(D.sched);
-	mlens_engine_destroy(D.engine);
+	if (D.sched)
+		mlens_sched_destroy(D.sched);
+	if (D.engine)
+		mlens_engine_destroy(D.engine);
 	mlens_pinned_free(&D.kv_k);
 	mlens_pinned_free(&D.kv_v);
 	if (D.weights_registered)
@@ -854,7 +857,8 @@ static void teardown(void)
 	if (D.hybrid)
 		mlens_backend_destroy(&D.attn);
 	mlens_weights_free(&D.weights);
-	mlens_model_close(D.model);
+	if (D.model)
+		mlens_model_close(D.model);
 	if (D.pid_written)
 		unlink(D.cfg.pid_file);
 	if (D.ready_fd >= 0)

@@ -23,6 +23,7 @@ struct mlens_stats {
 	struct event_base *base;
 	struct mlens_listener l;
 	struct mlens_access access;
+	int http_fd;		/* bound at start-up; evhttp owns it once listening */
 	struct evhttp *http;
 };
 
@@ -442,6 +443,49 @@ int mlens_stats_check_config(const struct mlens_config *c, char *err, size_t err
 	return 0;
 }
 
+/* The HTTP listener's socket, bound (a port in use is refused before the
+ * model loads), not listening yet. The fd or -errno with err set. */
+static int http_bind(const char *spec, char *err, size_t errlen)
+{
+	char host[48];
+	unsigned port;
+	union {
+		struct sockaddr_in v4;
+		struct sockaddr_in6 v6;
+	} sa;
+	socklen_t sl;
+	int fd, one = 1, rc = parse_http_addr(spec, host, sizeof(host), &port, err, errlen);
+	if (rc)
+		return rc;
+	memset(&sa, 0, sizeof(sa));
+	if (strchr(host, ':')) {
+		sa.v6.sin6_family = AF_INET6;
+		sa.v6.sin6_port = htons((uint16_t)port);
+		inet_pton(AF_INET6, host, &sa.v6.sin6_addr);
+		sl = sizeof(sa.v6);
+	} else {
+		sa.v4.sin_family = AF_INET;
+		sa.v4.sin_port = htons((uint16_t)port);
+		inet_pton(AF_INET, host, &sa.v4.sin_addr);
+		sl = sizeof(sa.v4);
+	}
+	fd = socket(strchr(host, ':') ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0) {
+		rc = -errno;
+		snprintf(err, errlen, "stats_http %s: socket: %s", spec, strerror(-rc));
+		return rc;
+	}
+	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	if (bind(fd, (struct sockaddr *)&sa, sl)) {
+		rc = -errno;
+		snprintf(err, errlen, "stats_http %s: cannot listen there (%s)%s", spec, strerror(-rc),
+			 rc == -EADDRINUSE ? "; the port is taken: give another" : "");
+		close(fd);
+		return rc;
+	}
+	return fd;
+}
+
 int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *c, char *err, size_t errlen)
 {
 	struct mlens_stats *s = calloc(1, sizeof(*s));
@@ -451,16 +495,25 @@ int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *c, cha
 		return -ENOMEM;
 	}
 	mlens_listener_init(&s->l);
+	s->http_fd = -1;
 	if (c->stats && c->stats[0]) {
 		rc = mlens_listener_bind(&s->l, c->stats, SOCK_STREAM, 0600, c->control_group, "stats socket",
 					 err, errlen);
-		if (rc) {
-			free(s);
-			return rc;
+		if (rc)
+			goto fail;
+	}
+	if (c->stats_http && c->stats_http[0]) {
+		s->http_fd = http_bind(c->stats_http, err, errlen);
+		if (s->http_fd < 0) {
+			rc = s->http_fd;
+			goto fail;
 		}
 	}
 	*out = s;
 	return 0;
+fail:
+	mlens_stats_destroy(s);
+	return rc;
 }
 
 int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mlens_daemon_info *info,
@@ -477,7 +530,7 @@ int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mle
 		if (rc)
 			return rc;
 	}
-	if (c->stats_http && c->stats_http[0]) {
+	if (s->http_fd >= 0) {
 		char host[48];
 		unsigned port;
 		struct evhttp_bound_socket *bs;
@@ -486,6 +539,11 @@ int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mle
 		rc = parse_http_addr(c->stats_http, host, sizeof(host), &port, err, errlen);
 		if (rc)
 			return rc;
+		if (listen(s->http_fd, 128)) {
+			rc = -errno;
+			snprintf(err, errlen, "stats_http %s: listen: %s", c->stats_http, strerror(-rc));
+			return rc;
+		}
 		s->http = evhttp_new(base);
 		if (!s->http) {
 			snprintf(err, errlen, "stats_http: out of memory");
@@ -497,12 +555,12 @@ int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mle
 		evhttp_set_max_body_size(s->http, 0);
 		evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_HEAD);
 		evhttp_set_gencb(s->http, on_http, s);
-		bs = evhttp_bind_socket_with_handle(s->http, host, (uint16_t)port);
+		bs = evhttp_accept_socket_with_handle(s->http, s->http_fd);
 		if (!bs) {
-			snprintf(err, errlen, "stats_http %s: cannot listen there (%s); is the port taken?",
-				 c->stats_http, strerror(errno));
-			return -EADDRINUSE;
+			snprintf(err, errlen, "stats_http %s: out of memory", c->stats_http);
+			return -ENOMEM;
 		}
+		s->http_fd = -1;	/* evhttp closes it */
 		if (!getsockname(evhttp_bound_socket_get_fd(bs), (struct sockaddr *)&ss, &sl)) {
 			if (ss.ss_family == AF_INET6)
 				snprintf(info->stats_http_addr, sizeof(info->stats_http_addr), "[::1]:%u",
@@ -522,6 +580,8 @@ void mlens_stats_destroy(struct mlens_stats *s)
 		return;
 	if (s->http)
 		evhttp_free(s->http);
+	if (s->http_fd >= 0)
+		close(s->http_fd);
 	mlens_listener_close(&s->l);
 	free(s);
 }

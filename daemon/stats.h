@@ -34,8 +34,9 @@ struct mlens_daemon_info {
 
 struct mlens_stats;
 
-/* Bind the stats socket at cfg->stats ("" = none) before the model loads:
- * a bad path is refused at once. 0 or -errno with err set. */
+/* Bind the stats socket at cfg->stats ("" = none) and the HTTP listener's
+ * port (cfg->stats_http) before the model loads: a bad path or a port in
+ * use is refused at once. 0 or -errno with err set. */
 int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *cfg, char *err, size_t errlen);
 /* Serve the stats socket (to the daemon's user, root and control_group)
  * and cfg->stats_http ("127.0.0.1:PORT"; "" = none; port 0 picks a free

@@ -11,6 +11,9 @@ TESTS += tests/integration/ops.sh
 # random and hostile control and /metrics requests against a live daemon
 dist_check_SCRIPTS += tests/integration/hostile_ops.sh
 TESTS += tests/integration/hostile_ops.sh
+# the sockets against careless and hostile local users
+dist_check_SCRIPTS += tests/integration/sockets.sh
+TESTS += tests/integration/sockets.sh
 # lints ALL man/*.[1-8] pages (shared with the client pages)
 dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh
 TESTS += tests/manlint.sh tests/man_keys.sh
