@@ -192,7 +192,8 @@ static int clear_path(const char *path, const struct sockaddr_un *sa, int type, 
 			 "file (move it away or give another path)", what, path, file_kind(st.st_mode));
 		return -EEXIST;
 	}
-	fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
+	/* non-blocking: a live listener with a full backlog answers EAGAIN */
+	fd = socket(AF_UNIX, type | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0) {
 		int e = errno;
 		snprintf(err, errlen, "%s %s: socket: %s", what, path, strerror(e));
