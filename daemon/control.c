@@ -254,8 +254,8 @@ static json_t *cmd_quota(struct mlens_control *c, json_t *req)
 				rc = quota_int(v, 1, 1 << 20, &q.max_queued);
 				range = "a whole number in [1, 1048576]";
 			} else if (!strcmp(key, "weight")) {
-				range = "a number above 0, at most 1000000";
 				double w = -1;
+				range = "a number above 0, at most 1000000";
 				if (json_is_number(v))
 					w = json_number_value(v);
 				else if (json_is_string(v)) {

@@ -1,6 +1,7 @@
-/* mlensd: the resident daemon. Start-up (config, model, pinned memory,
- * backend, engine, scheduler, worker, sockets), then the libevent loop on
- * the main thread until SIGTERM/SIGINT drains it. */
+/* mlensd: the resident daemon. Start-up steps (config, log, sockets bound,
+ * fork, model, backend, KV cache, engine and scheduler, worker, sockets
+ * listening), then the libevent loop on the main thread until
+ * SIGTERM/SIGINT drains it; one teardown for every way out. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>

@@ -140,7 +140,7 @@ END_TEST
 START_TEST(listeners)
 {
 	struct mlens_listener a, b;
-	char path[128], other[128], err[512], expect[512];
+	char path[100], other[128], err[512], expect[512];
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	struct stat st;
 	FILE *f;
