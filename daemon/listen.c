@@ -1,15 +1,17 @@
-/* Listening Unix sockets: the start-up lock of a path, the checks of what
- * is there already, bind now and listen later, accept with SO_PEERCRED and
- * a pause when descriptors run out, and the access rules. */
+/* Listening Unix sockets: the start-up lock of a path (a lock file beside
+ * it), the checks of what is there already, bind now and listen later,
+ * accept with SO_PEERCRED and a pause when descriptors run out, and the
+ * access rules. */
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <libgen.h>
 #include <limits.h>
-#include <stddef.h>
 #include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -90,72 +92,84 @@ bool mlens_access_allowed(const struct mlens_access *a, uid_t uid, gid_t gid)
 
 /* ==== the start-up lock ==== */
 
-/* An abstract socket named after the path, held from bind to close: a
- * second daemon starting on the same path finds it taken even while the
- * first one is still loading (its socket is bound, not listening yet, and
- * would look stale). The kernel drops it when the process dies. */
+/* "the directory D does not exist ...": what a failure to create a file
+ * beside the socket means. */
+static void create_error(char *err, size_t errlen, const char *what, const char *path, int e)
+{
+	char copy[PATH_MAX];
+	snprintf(copy, sizeof(copy), "%s", path);
+	snprintf(err, errlen, "%s %s: cannot create it: %s%s%s%s", what, path, strerror(e),
+		 e == ENOENT || e == EACCES ? " (the directory " : "", e == ENOENT || e == EACCES ? dirname(copy) : "",
+		 e == ENOENT ? " does not exist: create it, writable by the daemon's user)"
+		 : e == EACCES ? " is not writable by the daemon's user)" : "");
+}
+
+/* PATH.lock beside the socket, locked (flock) from bind to close: a second
+ * daemon starting on the same path finds it taken even while the first is
+ * still loading (its socket is bound, not listening yet, and would look
+ * stale). The kernel drops the lock when the process dies; the directory's
+ * permissions keep other users from holding it. The fd, or -errno. */
 static int lock_path(const char *path, char *err, size_t errlen, const char *what)
 {
-	struct sockaddr_un sa;
-	char dir[PATH_MAX], real[PATH_MAX], copy[PATH_MAX], base[PATH_MAX], key[2 * PATH_MAX + 2];
-	unsigned long long h = 14695981039346656037ull;
-	size_t len;
-	int fd;
+	char lp[PATH_MAX], pid[32];
+	struct stat a, b;
+	int fd, n;
 
-	snprintf(copy, sizeof(copy), "%s", path);
-	snprintf(dir, sizeof(dir), "%s", dirname(copy));
-	snprintf(copy, sizeof(copy), "%s", path);
-	snprintf(base, sizeof(base), "%s", basename(copy));
-	if (realpath(dir, real))
-		snprintf(key, sizeof(key), "%s/%s", real, base);
-	else
-		snprintf(key, sizeof(key), "%s", path);
-	memset(&sa, 0, sizeof(sa));
-	sa.sun_family = AF_UNIX;
-	len = strlen(key);
-	if (len + 14 <= sizeof(sa.sun_path) - 1) {
-		len = (size_t)snprintf(sa.sun_path + 1, sizeof(sa.sun_path) - 1, "mlensd-lock:%s", key);
-	} else {
-		for (const char *p = key; *p; p++)
-			h = (h ^ (unsigned char)*p) * 1099511628211ull;
-		len = (size_t)snprintf(sa.sun_path + 1, sizeof(sa.sun_path) - 1, "mlensd-lock:%016llx", h);
+	if ((size_t)snprintf(lp, sizeof(lp), "%s.lock", path) >= sizeof(lp)) {
+		snprintf(err, errlen, "%s %s: the path is too long", what, path);
+		return -ENAMETOOLONG;
 	}
-	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-	if (fd < 0) {
-		int e = errno;
-		snprintf(err, errlen, "%s %s: socket: %s", what, path, strerror(e));
-		return -e;
-	}
-	if (bind(fd, (struct sockaddr *)&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + len)) == 0 &&
-	    listen(fd, 1) == 0)
-		return fd;
-	if (errno == EADDRINUSE) {
-		/* who holds it: the lock listens, so its owner's pid is one connect away */
-		int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-		struct ucred cr = { 0, 0, 0 };
-		socklen_t cl = sizeof(cr);
-		if (probe >= 0) {
-			if (connect(probe, (struct sockaddr *)&sa,
-				    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + len)) ||
-			    getsockopt(probe, SOL_SOCKET, SO_PEERCRED, &cr, &cl))
-				cr.pid = 0;
-			close(probe);
+	for (;;) {
+		fd = open(lp, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+		if (fd < 0) {
+			int e = errno;
+			if (e == ENOENT || (e == EACCES && lstat(lp, &a)))
+				create_error(err, errlen, what, path, e);
+			else
+				snprintf(err, errlen, "%s %s: cannot open its lock %s: %s", what, path, lp, strerror(e));
+			return -e;
 		}
-		if (cr.pid > 0)
-			snprintf(err, errlen, "%s %s: mlensd pid %d is already serving or starting on it "
-				 "(stop it, or give this daemon another path)", what, path, (int)cr.pid);
-		else
-			snprintf(err, errlen, "%s %s: another mlensd is already serving or starting on it "
-				 "(stop it, or give this daemon another path)", what, path);
+		if (flock(fd, LOCK_EX | LOCK_NB)) {
+			int e = errno;
+			n = e == EWOULDBLOCK ? (int)pread(fd, pid, sizeof(pid) - 1, 0) : -1;
+			close(fd);
+			if (e != EWOULDBLOCK) {
+				snprintf(err, errlen, "%s %s: cannot lock %s: %s", what, path, lp, strerror(e));
+				return -e;
+			}
+			pid[n > 0 ? n : 0] = 0;
+			pid[strcspn(pid, "\n")] = 0;
+			if (pid[0])
+				snprintf(err, errlen, "%s %s: mlensd pid %s is already serving or starting on it "
+					 "(stop it, or give this daemon another path)", what, path, pid);
+			else
+				snprintf(err, errlen, "%s %s: another mlensd is already serving or starting on it "
+					 "(stop it, or give this daemon another path)", what, path);
+			return -EADDRINUSE;
+		}
+		/* the lock of a file its last owner removed meanwhile locks nothing */
+		if (!fstat(fd, &a) && !lstat(lp, &b) && a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+			break;
 		close(fd);
-		return -EADDRINUSE;
 	}
-	{
-		int e = errno;
-		snprintf(err, errlen, "%s %s: cannot take its lock: %s", what, path, strerror(e));
-		close(fd);
-		return -e;
+	n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+	if (ftruncate(fd, 0) || pwrite(fd, pid, (size_t)n, 0) != n) {
+		/* the pid only makes a second daemon's message precise */
 	}
+	return fd;
+}
+
+/* Remove PATH.lock if it is still the file fd locks, then unlock. */
+static void unlock_path(const char *path, int fd)
+{
+	char lp[PATH_MAX];
+	struct stat a, b;
+	if (fd < 0)
+		return;
+	snprintf(lp, sizeof(lp), "%s.lock", path);
+	if (!fstat(fd, &a) && !lstat(lp, &b) && a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+		unlink(lp);
+	close(fd);
 }
 
 /* ==== bind, listen, close ==== */
@@ -266,13 +280,7 @@ int mlens_listener_bind(struct mlens_listener *l, const char *path, int type, mo
 	rc = bind(l->fd, (struct sockaddr *)&sa, sizeof(sa)) ? -errno : 0;
 	umask(old);
 	if (rc) {
-		char copy[sizeof(sa.sun_path)];
-		snprintf(copy, sizeof(copy), "%s", path);
-		snprintf(err, errlen, "%s %s: cannot create it: %s%s%s%s", what, path, strerror(-rc),
-			 rc == -ENOENT ? " (the directory " : rc == -EACCES ? " (the directory " : "",
-			 rc == -ENOENT || rc == -EACCES ? dirname(copy) : "",
-			 rc == -ENOENT ? " does not exist: create it, writable by the daemon's user)"
-			 : rc == -EACCES ? " is not writable by the daemon's user)" : "");
+		create_error(err, errlen, what, path, -rc);
 		goto fail;
 	}
 	if (!lstat(path, &st)) {
@@ -369,8 +377,8 @@ void mlens_listener_close(struct mlens_listener *l)
 	if (l->made && !lstat(l->path, &st) && S_ISSOCK(st.st_mode) && st.st_dev == l->dev && st.st_ino == l->ino)
 		unlink(l->path);
 	l->made = false;
-	if (l->lock_fd >= 0)
-		close(l->lock_fd);
+	if (l->path)
+		unlock_path(l->path, l->lock_fd);
 	l->lock_fd = -1;
 	free(l->path);
 	l->path = NULL;

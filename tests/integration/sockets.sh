@@ -83,7 +83,7 @@ for key in socket control stats; do
 	[ $rc -eq 1 ] || fail "second daemon on --$key: exit $rc: $(cat "$tmp/out")"
 	grep -q "$tmp/$(echo $key | cut -c1).sock: mlensd pid $pid is already serving or starting on it" "$tmp/out" ||
 		fail "second daemon on --$key: $(cat "$tmp/out")"
-	for s in t2 c2 s2; do [ ! -e "$tmp/$s.sock" ] || fail "second daemon left $s.sock"; done
+	for s in t2 c2 s2; do [ ! -e "$tmp/$s.sock" ] && [ ! -e "$tmp/$s.sock.lock" ] || fail "second daemon left $s.sock"; done
 done
 for s in t c s; do [ -S "$tmp/$s.sock" ] || fail "the second daemon removed the first's $s.sock"; done
 ctl status >/dev/null || fail "the first daemon is not reachable after the second was refused"
@@ -210,6 +210,9 @@ else
 fi
 ctl shutdown >/dev/null && wait "$pid"
 pid=
+for f in t.sock c.sock s.sock t.sock.lock c.sock.lock s.sock.lock; do
+	[ ! -e "$tmp/$f" ] || fail "$f left behind after shutdown"
+done
 
 # ==== out of descriptors: accepting pauses, the log stays small ====
 mv "$tmp/log" "$tmp/log.1"
