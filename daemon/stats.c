@@ -5,6 +5,7 @@
 #include <math.h>
 #include <event2/buffer.h>
 #include <event2/http.h>
+#include <event2/listener.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -386,6 +387,27 @@ done:
 		evhttp_uri_free(u);
 }
 
+static void on_http_retry(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	evconnlistener_enable(arg);
+}
+
+/* accept failed for a reason retrying at once does not mend (out of
+ * descriptors): pause the listener a moment rather than spin on it */
+static void on_http_accept_error(struct evconnlistener *lev, void *arg)
+{
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(5, 10.0);
+	struct timeval tv = { 0, 250000 };
+	int e = EVUTIL_SOCKET_ERROR();
+	(void)arg;
+	evconnlistener_disable(lev);
+	if (event_base_once(evconnlistener_get_base(lev), -1, EV_TIMEOUT, on_http_retry, lev, &tv))
+		evconnlistener_enable(lev);
+	mlens_log_limited(&lim, MLENS_LOG_WARN, "stats_http: accept: %s (accepting pauses)", strerror(e));
+}
+
 /* "127.0.0.1:PORT", "localhost:PORT", "[::1]:PORT": host and port, or an
  * error when the host is not loopback (the listener has no authentication). */
 static int parse_http_addr(const char *spec, char *host, size_t hostlen, unsigned *port, char *err, size_t errlen)
@@ -561,6 +583,7 @@ int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mle
 			return -ENOMEM;
 		}
 		s->http_fd = -1;	/* evhttp closes it */
+		evconnlistener_set_error_cb(evhttp_bound_socket_get_listener(bs), on_http_accept_error);
 		if (!getsockname(evhttp_bound_socket_get_fd(bs), (struct sockaddr *)&ss, &sl)) {
 			if (ss.ss_family == AF_INET6)
 				snprintf(info->stats_http_addr, sizeof(info->stats_http_addr), "[::1]:%u",
