@@ -104,6 +104,17 @@ static void create_error(char *err, size_t errlen, const char *what, const char 
 		 : e == EACCES ? " is not writable by the daemon's user)" : "");
 }
 
+/* Write this process's pid into the lock file (after a fork too): it only
+ * makes a second daemon's message name the one holding the path. */
+static void lock_note_pid(int fd)
+{
+	char pid[32];
+	int n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+	if (ftruncate(fd, 0) || pwrite(fd, pid, (size_t)n, 0) != n) {
+		/* the message is vaguer then, nothing more */
+	}
+}
+
 /* PATH.lock beside the socket, locked (flock) from bind to close: a second
  * daemon starting on the same path finds it taken even while the first is
  * still loading (its socket is bound, not listening yet, and would look
@@ -152,10 +163,7 @@ static int lock_path(const char *path, char *err, size_t errlen, const char *wha
 			break;
 		close(fd);
 	}
-	n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
-	if (ftruncate(fd, 0) || pwrite(fd, pid, (size_t)n, 0) != n) {
-		/* the pid only makes a second daemon's message precise */
-	}
+	lock_note_pid(fd);
 	return fd;
 }
 
@@ -348,6 +356,7 @@ int mlens_listener_start(struct mlens_listener *l, struct event_base *base, mlen
 {
 	l->fn = fn;
 	l->arg = arg;
+	lock_note_pid(l->lock_fd);	/* the daemon forked since the bind */
 	if (listen(l->fd, LISTEN_BACKLOG)) {
 		int e = errno;
 		snprintf(err, errlen, "%s %s: listen: %s", l->what, l->path, strerror(e));

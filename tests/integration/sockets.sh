@@ -253,6 +253,10 @@ timeout 20 sh -c '"$0" --model "$1/m" --backend cpu --threads 1 --mlock=false --
 [ -n "$dpid" ] && kill -0 "$dpid" || fail "the forked daemon is not running"
 [ ! -s "$tmp/piped" ] || fail "the forked daemon wrote to the terminal: $(head -c 300 "$tmp/piped")"
 ctl status >/dev/null || fail "the forked daemon does not answer"
+# a second daemon hears the pid of the one that serves, not of its parent
+daemon --control "$tmp/c2.sock" --stats "$tmp/s2.sock" --log "$tmp/log2" >"$tmp/out" 2>&1
+grep -q "tenant socket $tmp/t.sock: mlensd pid $dpid is already serving" "$tmp/out" ||
+	fail "second daemon beside a forked one (pid $dpid): $(cat "$tmp/out")"
 kill "$dpid"
 wait_for '! kill -0 "$dpid" 2>/dev/null' 100 || fail "the forked daemon did not exit"
 dpid=
