@@ -466,6 +466,17 @@ static int step_config(int argc, char **argv)
 	return 0;
 }
 
+/* libevent's own warnings (an accept that fails, a bad request) into the
+ * daemon's log, at a bounded rate: a peer can provoke them. */
+static void on_libevent_log(int severity, const char *msg)
+{
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(10, 10.0);
+	enum mlens_log_level level = severity >= EVENT_LOG_ERR ? MLENS_LOG_ERROR
+				     : severity == EVENT_LOG_WARN ? MLENS_LOG_WARN
+				     : severity == EVENT_LOG_MSG ? MLENS_LOG_INFO : MLENS_LOG_DEBUG;
+	mlens_log_limited(&lim, level, "libevent: %s", msg);
+}
+
 /* The log; in daemon mode stderr goes to /dev/null at the fork, so a log
  * on stderr becomes syslog there. */
 static int step_log(void)
@@ -480,6 +491,7 @@ static int step_log(void)
 		return 1;
 	}
 	D.log_open = true;
+	event_set_log_callback(on_libevent_log);
 	return 0;
 }
 
