@@ -115,6 +115,9 @@ static void refuse_fd(int fd, uid_t uid, pid_t pid, int status, const char *msg)
 	mlens_log_limited(&refusal_log, MLENS_LOG_WARN, "tenant connection from uid %u pid %d refused: %s",
 			  (unsigned)uid, (int)pid, msg);
 	send_welcome(fd, status, 0, 0, NULL, msg);
+	/* a hello that came meanwhile (a peer refused at accept) */
+	for (int i = 0; i < 4 && recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0; i++)
+		;
 }
 
 static void refuse(struct conn *c, int status, const char *fmt, ...)
