@@ -180,7 +180,7 @@ if [ -n "$nbpy" ]; then
 	# and a real tenant is served meanwhile
 	log0=$(wc -c <"$tmp/log")
 	$nobody "$nbpy" - "$tmp/t.sock" 800 4 >"$tmp/n" 2>&1 <<'PY' &
-import socket, sys, time
+import socket, struct, sys, time
 path, n, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 held, refused = [], 0
 end = time.time() + secs
@@ -188,10 +188,19 @@ for _ in range(n):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(path)
     held.append(s)
+# the last one says hello only after the daemon has answered and closed:
+# the answer is still there to read
+time.sleep(0.3)
+try:
+    held[-1].send(struct.pack("<IIII48s", 0x4c4c4548, 1, 0, 0, b"late"))
+except OSError:
+    pass
 for s in held:
     s.settimeout(max(0.01, end - time.time()))
     try:
-        if len(s.recv(512)) > 0:
+        w = s.recv(512)
+        # the welcome: magic, version, status -EACCES, and why
+        if struct.unpack("<IIi", w[:12]) == (0x434c4557, 1, -13) and b"is not allowed to attach" in w:
             refused += 1
     except OSError:
         pass
