@@ -2,7 +2,8 @@
  * local users. Tenant names: printable UTF-8 passes, control and bidi
  * characters, bad or overlong UTF-8 and an unterminated name are refused
  * with the byte named, a character cut by the client at the end is
- * dropped; escaping leaves nothing unprintable. The log: a line that
+ * dropped; escaping leaves nothing unprintable, and a tenant's JSON shows
+ * a bad name escaped rather than leave the tenant out. The log: a line that
  * repeats is written once and then counted, a call site's rate limit
  * passes its burst and reports the suppressed count. Access rules: root
  * and the own uid always, "*", names and ids. Listening sockets: a regular
@@ -20,6 +21,7 @@
 #include <unistd.h>
 #include "daemon/listen.h"
 #include "daemon/log.h"
+#include "daemon/stats.h"
 #include "daemon/tenant.h"
 
 static char dir[] = "/tmp/check_ops.XXXXXX";
@@ -80,6 +82,26 @@ START_TEST(names)
 	ck_assert_str_eq(out, "x\\x1b[2J\\x0az\\\\\\xff");
 	mlens_name_escape("\x1b\x1b\x1b\x1b", out, 8);	/* cut at a whole escape */
 	ck_assert_str_eq(out, "\\x1b");
+}
+END_TEST
+
+/* A name that is not UTF-8 (one from before the check, or a bug) still
+ * shows, escaped: the tenant is never left out of the JSON. */
+START_TEST(tenant_json_escapes)
+{
+	struct mlens_tenant_info t;
+	json_t *a = json_array(), *o;
+	memset(&t, 0, sizeof(t));
+	t.id = 7;
+	t.pid = 4711;
+	snprintf(t.name, sizeof(t.name), "ab\xff\x1b[2J");
+	ck_assert_int_eq(mlens_tenant_json_append(a, &t), 0);
+	ck_assert_uint_eq(json_array_size(a), 1);
+	o = json_array_get(a, 0);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "id")), 7);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "pid")), 4711);
+	ck_assert_str_eq(json_string_value(json_object_get(o, "name")), "ab\\xff\\x1b[2J");
+	json_decref(a);
 }
 END_TEST
 
@@ -219,6 +241,7 @@ int main(void)
 	int failed;
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, names);
+	tcase_add_test(tc, tenant_json_escapes);
 	tcase_add_test(tc, log_limits);
 	tcase_add_test(tc, access_rules);
 	tcase_add_test(tc, listeners);
