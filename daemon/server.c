@@ -20,8 +20,8 @@
 
 /* Connections that have not said hello yet hold a descriptor each and
  * cost the peer nothing: at most this many in all, and per uid. */
-#define MAX_PENDING 64
-#define MAX_PENDING_PER_UID 8
+#define MAX_PENDING 128
+#define MAX_PENDING_PER_UID 32
 
 struct conn {
 	struct mlens_server *s;
