@@ -298,8 +298,11 @@ static int handshake(int sock, const char *name, int fds[MLENS_ATTACH_FDS],
 	do {
 		n = send(sock, &h, sizeof(h), MSG_NOSIGNAL);
 	} while (n < 0 && errno == EINTR);
-	if (n < 0)
-		return errno == EPIPE ? -ECONNRESET : -errno;
+	/* a daemon that refuses a peer at once (not allowed to attach) may
+	 * answer and close before the hello is sent: its answer is still
+	 * there to read */
+	if (n < 0 && errno != EPIPE && errno != ECONNRESET)
+		return -errno;
 
 	do {
 		rc = poll(&p, 1, WELCOME_TIMEOUT_MS);
@@ -312,8 +315,12 @@ static int handshake(int sock, const char *name, int fds[MLENS_ATTACH_FDS],
 	do {
 		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
 	} while (n < 0 && errno == EINTR);
+	/* the reset of a close that found the hello unread comes first, once;
+	 * the answer queued before it comes next */
+	if (n < 0 && errno == ECONNRESET)
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
 	if (n < 0)
-		return -errno;
+		return errno == EAGAIN || errno == EPIPE ? -ECONNRESET : -errno;
 
 	for (c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
 		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)

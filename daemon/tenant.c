@@ -1,6 +1,7 @@
 /* Tenant regions and the trust boundary: every submission is copied out of
  * shared memory once, validated, and only the copy is used. */
 #include <errno.h>
+#include <stdbool.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -269,4 +270,98 @@ void mlens_tenant_disarm(struct mlens_tenant *t)
 		t->cmpl_full = false;
 		mlens_ring_prod_disarm(&t->rg.cmpl);
 	}
+}
+
+/* ==== names ==== */
+
+/* The code point of the UTF-8 sequence at s (n bytes left) and its length,
+ * or 0 for an invalid, overlong or cut sequence. */
+static int utf8_next(const unsigned char *s, size_t n, uint32_t *cp)
+{
+	int len = s[0] < 0x80 ? 1 : (s[0] & 0xe0) == 0xc0 ? 2 : (s[0] & 0xf0) == 0xe0 ? 3
+		  : (s[0] & 0xf8) == 0xf0 ? 4 : 0;
+	uint32_t c;
+	if (!len || (size_t)len > n)
+		return 0;
+	c = len == 1 ? s[0] : s[0] & (0x7f >> len);
+	for (int i = 1; i < len; i++) {
+		if ((s[i] & 0xc0) != 0x80)
+			return 0;
+		c = c << 6 | (s[i] & 0x3f);
+	}
+	if ((len == 2 && c < 0x80) || (len == 3 && c < 0x800) || (len == 4 && c < 0x10000) || c > 0x10ffff ||
+	    (c >= 0xd800 && c <= 0xdfff))
+		return 0;
+	*cp = c;
+	return len;
+}
+
+/* Control characters (C0, DEL, C1) and the bidirectional formatting ones
+ * that reorder what a terminal shows. */
+static bool cp_printable(uint32_t c)
+{
+	return !(c < 0x20 || (c >= 0x7f && c <= 0x9f) || (c >= 0x202a && c <= 0x202e) ||
+		 (c >= 0x2066 && c <= 0x2069) || c == 0x2028 || c == 0x2029 || c == 0x200e || c == 0x200f);
+}
+
+int mlens_tenant_name_check(char *name, size_t cap, char *why, size_t whylen)
+{
+	size_t len = strnlen(name, cap), i = 0;
+	if (len == cap) {
+		snprintf(why, whylen, "the name does not end within %zu bytes", cap);
+		return -EINVAL;
+	}
+	while (i < len) {
+		uint32_t c;
+		int n = utf8_next((const unsigned char *)name + i, len - i, &c);
+		if (!n) {
+			bool cut = len == cap - 1 && len - i < 4 && (name[i] & 0xc0) == 0xc0;
+			for (size_t j = i + 1; cut && j < len; j++)
+				cut = (name[j] & 0xc0) == 0x80;
+			if (cut) {
+				name[i] = 0;	/* cut by the client inside a character */
+				return 0;
+			}
+			snprintf(why, whylen, "the name is not valid UTF-8 (byte %zu is 0x%02x)", i,
+				 (unsigned char)name[i]);
+			return -EINVAL;
+		}
+		if (!cp_printable(c)) {
+			snprintf(why, whylen, "the name holds a control character (U+%04X at byte %zu): "
+				 "give a printable name", (unsigned)c, i);
+			return -EINVAL;
+		}
+		i += (size_t)n;
+	}
+	return 0;
+}
+
+void mlens_name_escape(const char *name, char *out, size_t outlen)
+{
+	const unsigned char *s = (const unsigned char *)name;
+	size_t len = strlen(name), i = 0, j = 0;
+	if (!outlen)
+		return;
+	while (i < len) {
+		uint32_t c;
+		int n = utf8_next(s + i, len - i, &c);
+		if (n && cp_printable(c) && c != '\\') {
+			if (j + (size_t)n >= outlen)
+				break;
+			memcpy(out + j, s + i, (size_t)n);
+			j += (size_t)n;
+			i += (size_t)n;
+		} else {
+			if (j + 4 >= outlen)
+				break;
+			if (s[i] == '\\') {
+				out[j++] = '\\';
+				out[j++] = '\\';
+			} else {
+				j += (size_t)snprintf(out + j, outlen - j, "\\x%02x", s[i]);
+			}
+			i++;
+		}
+	}
+	out[j] = 0;
 }

@@ -63,4 +63,16 @@ void mlens_tenant_kick(struct mlens_tenant *t);
 bool mlens_tenant_arm(struct mlens_tenant *t);
 void mlens_tenant_disarm(struct mlens_tenant *t);
 
+/* ==== names ==== */
+
+/* A tenant's name as its hello gave it (cap bytes from a peer): it must end
+ * within them and be printable UTF-8 (no control or bidirectional-format
+ * characters), since logs, terminals and JSON show it. A name that fills
+ * the buffer and ends inside a character (the client cut it) loses that
+ * character. 0, or -EINVAL with why saying what is wrong. */
+int mlens_tenant_name_check(char *name, size_t cap, char *why, size_t whylen);
+/* name with each byte that is not printable UTF-8 written as \xNN (and a
+ * backslash as \\): safe to print anywhere. out is always terminated. */
+void mlens_name_escape(const char *name, char *out, size_t outlen);
+
 #endif
