@@ -179,9 +179,10 @@ if [ -n "$nbpy" ]; then
 	# a uid the rules do not allow holds nothing: each is closed at once,
 	# and a real tenant is served meanwhile
 	log0=$(wc -c <"$tmp/log")
-	$nobody "$nbpy" - "$tmp/t.sock" 800 4 >"$tmp/n" 2>&1 <<'PY' &
+	ver=$(sed -n 's/^#define MLENS_PROTO_VERSION \([0-9]*\)u.*/\1/p' "$MLENS_SRCDIR/shm/proto.h")
+	$nobody "$nbpy" - "$tmp/t.sock" 800 4 "$ver" >"$tmp/n" 2>&1 <<'PY' &
 import socket, struct, sys, time
-path, n, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+path, n, secs, ver = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 held, refused = [], 0
 end = time.time() + secs
 for _ in range(n):
@@ -192,7 +193,7 @@ for _ in range(n):
 # the answer is still there to read
 time.sleep(0.3)
 try:
-    held[-1].send(struct.pack("<IIII48s", 0x4c4c4548, 1, 0, 0, b"late"))
+    held[-1].send(struct.pack("<IIII48s", 0x4c4c4548, ver, 0, 0, b"late"))
 except OSError:
     pass
 for s in held:
@@ -200,7 +201,7 @@ for s in held:
     try:
         w = s.recv(512)
         # the welcome: magic, version, status -EACCES, and why
-        if struct.unpack("<IIi", w[:12]) == (0x434c4557, 1, -13) and b"is not allowed to attach" in w:
+        if struct.unpack("<IIi", w[:12]) == (0x434c4557, ver, -13) and b"is not allowed to attach" in w:
             refused += 1
     except OSError:
         pass
