@@ -53,4 +53,8 @@ const char *mlens_cli_finish_name(uint32_t finish);
  * memory. */
 char *mlens_cli_result_format(const struct mlens_cli_result *r);
 
+/* mlens tokenize (detok false) and mlens detokenize: argv[0] is the
+ * subcommand; returns the exit status (client/cli_text.c). */
+int mlens_cli_text(int argc, char **argv, bool detok);
+
 #endif

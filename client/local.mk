@@ -5,6 +5,13 @@ include_HEADERS += client/mlens.h
 client_libmlens_la_SOURCES = client/libmlens.c
 client_libmlens_la_CFLAGS = $(AM_CFLAGS)
 client_libmlens_la_LIBADD = shm/libmlens_shm.la $(PTHREAD_LIBS)
+# The tokenizer (client/mlens_tokenizer.h): tokenizer.json through jansson,
+# regexes through PCRE2, Unicode normalization through utf8proc.
+include_HEADERS += client/mlens_tokenizer.h
+client_libmlens_la_SOURCES += client/tokenizer_int.h client/tokenizer.c \
+	client/tokenizer_encode.c client/tokenizer_decode.c
+client_libmlens_la_CFLAGS += $(JANSSON_CFLAGS) $(PCRE2_CFLAGS) $(UTF8PROC_CFLAGS)
+client_libmlens_la_LIBADD += $(JANSSON_LIBS) $(PCRE2_LIBS) $(UTF8PROC_LIBS)
 client_libmlens_la_LDFLAGS = $(AM_LDFLAGS) -no-undefined \
 	-version-info @LIBMLENS_LT_VERSION@ \
 	-Wl,--version-script=$(top_srcdir)/client/libmlens.map
@@ -23,7 +30,7 @@ client_libmlens_cli_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 client_libmlens_cli_la_LIBADD = $(JANSSON_LIBS)
 
 bin_PROGRAMS += client/mlens
-client_mlens_SOURCES = client/mlens_cli.c
+client_mlens_SOURCES = client/mlens_cli.c client/cli_text.c
 client_mlens_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 client_mlens_LDADD = client/libmlens_cli.la client/libmlens.la $(JANSSON_LIBS) -lm
 

@@ -71,6 +71,8 @@ static void usage(FILE *f)
 {
 	fprintf(f,
 		"usage: mlens generate [-s SOCKET] -i IN.jsonl -o OUT.jsonl [--max-inflight N] [--quiet]\n"
+		"       mlens tokenize --model DIR [--add-special] [-i IN.jsonl] [-o OUT.jsonl]\n"
+		"       mlens detokenize --model DIR [--skip-special] [-i IN.jsonl] [-o OUT.jsonl]\n"
 		"       mlens --help | --version\n"
 		"\n"
 		"  -s, --socket PATH       mlensd's tenant socket (default $MLENS_SOCKET, else %s)\n"
@@ -609,6 +611,8 @@ int main(int argc, char **argv)
 {
 	if (argc >= 2 && !strcmp(argv[1], "generate"))
 		return cmd_generate(argc - 1, argv + 1);
+	if (argc >= 2 && (!strcmp(argv[1], "tokenize") || !strcmp(argv[1], "detokenize")))
+		return mlens_cli_text(argc - 1, argv + 1, argv[1][0] == 'd');
 	if (argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
 		usage(stdout);
 		return EXIT_ALL_OK;

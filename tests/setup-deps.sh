@@ -3,7 +3,7 @@
 # then generate the build system. Used by tests/demo.sh and tests/run-all.sh.
 set -e
 pkgs="build-essential autoconf automake libtool pkg-config liburing-dev libnuma-dev
-libevent-dev libjansson-dev check libsubunit-dev mandoc procps curl"
+libevent-dev libjansson-dev libpcre2-dev libutf8proc-dev check libsubunit-dev mandoc procps curl"
 missing=
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
