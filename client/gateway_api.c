@@ -259,9 +259,10 @@ static int parse_prompt(struct gw *gw, struct gw_call *c, const json_t *p,
 
 static int parse_messages(struct gw *gw, struct gw_call *c, const json_t *m, struct gw_err *e)
 {
-	char why[256], *text = NULL;
+	char why[256];
 	int32_t *ids;
 	uint32_t n;
+	size_t cnt;
 	int rc;
 
 	if (!json_is_array(m) || !json_array_size(m))
@@ -281,7 +282,7 @@ static int parse_messages(struct gw *gw, struct gw_call *c, const json_t *m, str
 	}
 	if (!gw->text)
 		return no_text(e, "messages", "chat");
-	rc = gw_text_chat(gw->text, m, true, &text, why, sizeof(why));
+	rc = gw_text_chat(gw->text, m, true, &ids, &cnt, why, sizeof(why));
 	if (rc == -ENOENT) {
 		gw_err_set(e, 400, "messages", "no_chat_template", "the model has no chat "
 			   "template (chat_template in tokenizer_config.json): use /v1/completions");
@@ -289,11 +290,11 @@ static int parse_messages(struct gw *gw, struct gw_call *c, const json_t *m, str
 	}
 	if (rc)
 		return bad(e, "messages", "the chat template refused the messages: %s", why);
-	rc = encode(gw, text, strlen(text), !gw_text_chat_has_bos(gw->text), "messages", &ids,
-		    &n, e);
-	free(text);
-	if (rc)
-		return -1;
+	if (!cnt) {
+		free(ids);
+		return bad(e, "messages", "the chat renders to no tokens");
+	}
+	n = (uint32_t)cnt;
 	return add_prompt(c, ids, n) ? bad(e, "messages", "out of memory") : 0;
 }
 
@@ -709,7 +710,7 @@ json_t *gw_tokenize(struct gw *gw, const json_t *b, const struct mlens_limits *l
 	bool add_special = true;
 	int32_t *ids = NULL;
 	size_t n = 0;
-	char *text = NULL, why[256];
+	char why[256];
 	json_t *r;
 	int rc;
 
@@ -726,22 +727,18 @@ json_t *gw_tokenize(struct gw *gw, const json_t *b, const struct mlens_limits *l
 			return bad(e, "messages", "'messages' must be an array"), NULL;
 		if (get_bool(b, "add_generation_prompt", &gen, e))
 			return NULL;
-		rc = gw_text_chat(gw->text, msgs, gen, &text, why, sizeof(why));
+		rc = gw_text_chat(gw->text, msgs, gen, &ids, &n, why, sizeof(why));
 		if (rc)
 			return bad(e, "messages", "cannot render the chat: %s", why), NULL;
-		add_special = !gw_text_chat_has_bos(gw->text);
 	} else if (json_is_string(p)) {
-		text = strdup(json_string_value(p));
+		rc = gw_text_encode(gw->text, json_string_value(p), json_string_length(p),
+				    add_special, &ids, &n);
+		if (rc)
+			return bad(e, "prompt", "cannot tokenize: %s", strerror(-rc)), NULL;
 	} else {
 		return bad(e, "prompt", "'prompt' (or 'content') must be text, or give "
 			   "'messages'"), NULL;
 	}
-	if (!text)
-		return bad(e, NULL, "out of memory"), NULL;
-	rc = gw_text_encode(gw->text, text, strlen(text), add_special, &ids, &n);
-	free(text);
-	if (rc)
-		return bad(e, "prompt", "cannot tokenize: %s", strerror(-rc)), NULL;
 	r = json_pack("{s:o, s:I, s:I}", "tokens", ids_json(ids, n), "count", (json_int_t)n,
 		      "max_model_len", (json_int_t)lim->max_context);
 	free(ids);

@@ -1,60 +1,167 @@
-/* mlens-gateway's text side over libmlens's tokenizer and chat template.
- * (Placeholder until the tokenizer is in: every call says it is missing,
- * so the gateway serves token-id prompts only.) */
+/* mlens-gateway's text side over libmlens's tokenizer (mlens_tokenizer.h)
+ * and chat templates. */
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include "client/gateway_text.h"
+#include "client/mlens_tokenizer.h"
+
+struct gw_text {
+	struct mlens_tokenizer *tok;
+};
+
+struct gw_detok {
+	struct mlens_detok *d;
+};
 
 int gw_text_open(const char *dir, struct gw_text **out, char *why, size_t why_len)
 {
+	struct gw_text *tx = calloc(1, sizeof(*tx));
+	int rc;
+
 	*out = NULL;
-	snprintf(why, why_len, "this mlens-gateway was built without a tokenizer");
-	return -ENOTSUP;
+	if (!tx) {
+		snprintf(why, why_len, "out of memory");
+		return -ENOMEM;
+	}
+	rc = mlens_tokenizer_open(dir, &tx->tok, why, why_len);
+	if (rc) {
+		free(tx);
+		return rc;
+	}
+	*out = tx;
+	return 0;
 }
 
 void gw_text_close(struct gw_text *tx)
 {
+	if (!tx)
+		return;
+	mlens_tokenizer_free(tx->tok);
+	free(tx);
 }
 
 int gw_text_encode(struct gw_text *tx, const char *s, size_t len, bool add_special,
 		   int32_t **ids, size_t *n)
 {
-	return -ENOTSUP;
+	unsigned flags = add_special ? MLENS_TOK_ADD_SPECIAL : 0;
+	size_t cap = len + 8;
+	int32_t *buf = NULL;
+	int rc;
+
+	/* a byte is at most one token, the special ones aside: one try
+	 * nearly always, a second when -ENOBUFS gives the real count */
+	for (int i = 0; i < 2; i++) {
+		int32_t *nb = realloc(buf, cap * sizeof(*buf));
+
+		if (!nb) {
+			free(buf);
+			return -ENOMEM;
+		}
+		buf = nb;
+		rc = mlens_tokenizer_encode(tx->tok, s, len, flags, buf, cap, n);
+		if (rc != -ENOBUFS)
+			break;
+		cap = *n;
+	}
+	if (rc) {
+		free(buf);
+		return rc;
+	}
+	*ids = buf;
+	return 0;
 }
 
 int gw_text_decode(struct gw_text *tx, const int32_t *ids, size_t n, bool skip_special,
 		   char **s, size_t *len)
 {
-	return -ENOTSUP;
+	unsigned flags = skip_special ? MLENS_TOK_SKIP_SPECIAL : 0;
+	size_t cap = n * 8 + 16;
+	char *buf = NULL;
+	int rc;
+
+	for (int i = 0; i < 2; i++) {
+		char *nb = realloc(buf, cap);
+
+		if (!nb) {
+			free(buf);
+			return -ENOMEM;
+		}
+		buf = nb;
+		rc = mlens_tokenizer_decode(tx->tok, ids, n, flags, buf, cap, len);
+		if (rc != -ENOBUFS)
+			break;
+		cap = *len + 1;
+	}
+	if (rc) {
+		free(buf);
+		return rc == -EINVAL ? -ERANGE : rc;
+	}
+	*s = buf;
+	return 0;
 }
 
 int gw_text_chat(struct gw_text *tx, const json_t *messages, bool add_generation_prompt,
-		 char **prompt, char *why, size_t why_len)
+		 int32_t **ids, size_t *n, char *why, size_t why_len)
 {
 	snprintf(why, why_len, "no chat template");
 	return -ENOENT;
 }
 
-bool gw_text_chat_has_bos(const struct gw_text *tx)
-{
-	return false;
-}
-
 struct gw_detok *gw_detok_new(struct gw_text *tx)
 {
-	return NULL;
+	struct gw_detok *d = calloc(1, sizeof(*d));
+
+	if (d && mlens_detok_new(tx->tok, MLENS_TOK_SKIP_SPECIAL, &d->d)) {
+		free(d);
+		d = NULL;
+	}
+	return d;
 }
 
 void gw_detok_free(struct gw_detok *d)
 {
+	if (!d)
+		return;
+	mlens_detok_free(d->d);
+	free(d);
+}
+
+static int append(const char *p, size_t pl, char **buf, size_t *len, size_t *cap)
+{
+	if (*len + pl + 1 > *cap) {
+		size_t nc = *cap ? *cap : 64;
+		char *nb;
+
+		while (nc < *len + pl + 1)
+			nc *= 2;
+		nb = realloc(*buf, nc);
+		if (!nb)
+			return -ENOMEM;
+		*buf = nb;
+		*cap = nc;
+	}
+	memcpy(*buf + *len, p, pl);
+	*len += pl;
+	(*buf)[*len] = 0;
+	return 0;
 }
 
 int gw_detok_push(struct gw_detok *d, int32_t id, char **buf, size_t *len, size_t *cap)
 {
-	return -ENOTSUP;
+	const char *p;
+	size_t pl;
+	int rc = mlens_detok_push(d->d, id, &p, &pl);
+
+	return rc ? rc : append(p, pl, buf, len, cap);
 }
 
 int gw_detok_flush(struct gw_detok *d, char **buf, size_t *len, size_t *cap)
 {
-	return -ENOTSUP;
+	const char *p;
+	size_t pl;
+	int rc = mlens_detok_flush(d->d, &p, &pl);
+
+	return rc ? rc : append(p, pl, buf, len, cap);
 }

@@ -31,16 +31,13 @@ int gw_text_encode(struct gw_text *tx, const char *s, size_t len, bool add_speci
 int gw_text_decode(struct gw_text *tx, const int32_t *ids, size_t n, bool skip_special,
 		   char **s, size_t *len);
 
-/* The prompt of a chat (an OpenAI messages array) rendered by the model's
- * template, ending with the assistant's turn when add_generation_prompt:
- * a new string in *prompt (free()). -ENOENT no template, -EINVAL a message
- * the template refused (why says which and why). */
+/* The token ids of a chat (an OpenAI messages array) rendered by the
+ * model's template, ending with the assistant's turn when
+ * add_generation_prompt, in a new array (*ids, free()); the BOS is added
+ * only when the template did not write it. -ENOENT no template, -EINVAL a
+ * message the template refused (why says which and why). */
 int gw_text_chat(struct gw_text *tx, const json_t *messages, bool add_generation_prompt,
-		 char **prompt, char *why, size_t why_len);
-
-/* Whether the chat template encodes the BOS itself (then a rendered chat is
- * encoded without special tokens). */
-bool gw_text_chat_has_bos(const struct gw_text *tx);
+		 int32_t **ids, size_t *n, char *why, size_t why_len);
 
 /* An incremental detokenizer over tx: each pushed id appends the text that
  * became certain (never half a UTF-8 character) to out, which grows. */
