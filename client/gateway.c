@@ -308,7 +308,8 @@ static void choice_stream(struct gw_call *c, struct gw_choice *ch)
 {
 	size_t upto = ch->done ? ch->text_len : ch->text_safe;
 
-	if (!c->stream || !c->req || c->failed)
+	/* an error before anything was sent is an HTTP status (call_fail) */
+	if (!c->stream || !c->req || c->failed || ch->finish == MLENS_REASON_ERROR)
 		return;
 	if (!c->headers_sent)
 		stream_start(c);

@@ -154,6 +154,10 @@ int gw_detok_push(struct gw_detok *d, int32_t id, char **buf, size_t *len, size_
 	size_t pl;
 	int rc = mlens_detok_push(d->d, id, &p, &pl);
 
+	/* models pad their vocabulary past the tokenizer's: such an id has
+	 * no text */
+	if (rc == -EINVAL)
+		return 0;
 	return rc ? rc : append(p, pl, buf, len, cap);
 }
 
