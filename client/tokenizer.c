@@ -39,7 +39,8 @@ int tok_buf_reserve(struct tok_buf *b, size_t more)
 
 int tok_buf_add(struct tok_buf *b, const void *s, size_t n)
 {
-	if (tok_buf_reserve(b, n))
+	/* even an empty add leaves p pointing somewhere: offsets into it stay defined */
+	if (tok_buf_reserve(b, n ? n : 1))
 		return -ENOMEM;
 	if (n)
 		memcpy(b->p + b->len, s, n);
@@ -128,6 +129,8 @@ int tok_utf8_lossy(struct tok_buf *b, const char *s, size_t n)
 	const uint8_t *u = (const uint8_t *)s;
 	size_t i = 0, run = 0, bad, k;
 
+	if (!n)
+		return 0;
 	while (i < n) {
 		k = tok_utf8_char(u + i, n - i, &bad);
 		if (k) {
@@ -1137,6 +1140,8 @@ static int ids_finish(struct load *ld)
 	return 0;
 }
 
+static void ws_split_detect(struct mlens_tokenizer *tok);
+
 int tok_load_json(const char *json, size_t len, const char *name, struct mlens_tokenizer **out,
 		  char *err, size_t err_len)
 {
@@ -1201,6 +1206,7 @@ int tok_load_json(const char *json, size_t len, const char *name, struct mlens_t
 	}
 	if ((rc = post_parse(&ld, json_object_get(root, "post_processor"), 0)))
 		goto out;
+	ws_split_detect(ld.tok);
 	if (!(ld.tok->cache = calloc(1, sizeof(*ld.tok->cache)))) {
 		rc = -ENOMEM;
 		goto out;
@@ -1216,6 +1222,44 @@ out:
 	}
 	*out = ld.tok;
 	return 0;
+}
+
+/* Whether pieces may be cut before a replacement character (▁) that
+ * follows another character: exact when no vocabulary token holds ▁ after
+ * its start (bar runs of ▁ alone), since then no merge joins a word to
+ * the ▁ that starts the next, and the words' merges do not interact. It
+ * lets such models use the word cache. */
+static void ws_split_detect(struct mlens_tokenizer *tok)
+{
+	uint32_t rep = 0x2581;
+	char r[4];
+	size_t rl;
+
+	if (tok->pre) {
+		if (tok->pre->kind != TPT_METASPACE || tok->pre->split)
+			return;
+		rep = tok->pre->replacement;
+	}
+	if (tok->prefix_len || tok->suffix_len || tok->ignore_merges)
+		return;
+	rl = tok_utf8_encode(rep, r);
+	if (tok_vocab_get(tok, &tok->vocab, r, rl) < 0)
+		return;
+	for (uint32_t id = 0; id < tok->n_ids; id++) {
+		const char *s = tok->model_text[id];
+		size_t n = tok->model_len[id], i;
+		const char *hit;
+
+		if (!s || n <= rl || !(hit = memmem(s + 1, n - 1, r, rl)))
+			continue;
+		for (i = 0; i + rl <= n && !memcmp(s + i, r, rl); i += rl)
+			;
+		if (i != n)
+			return;	/* a ▁ inside a token with other text */
+	}
+	tok->ws_split = true;
+	memcpy(tok->ws_rep, r, rl);
+	tok->ws_rep_len = rl;
 }
 
 /* ==== tokenizer_config.json, generation_config.json ==== */

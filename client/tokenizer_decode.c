@@ -340,6 +340,8 @@ int mlens_detok_new(const struct mlens_tokenizer *tok, unsigned flags, struct ml
 
 static void cut_front(struct tok_buf *b, size_t n)
 {
+	if (!n)
+		return;
 	memmove(b->p, b->p + n, b->len - n);
 	b->len -= n;
 }
@@ -353,6 +355,8 @@ static int detok_step(struct mlens_detok *d, bool final)
 
 	d->text.len = 0;
 	d->window.len = 0;
+	if (!d->n)
+		return 0;
 	if ((rc = decode_to(d->tok, d->ids + d->prefix, d->n - d->prefix, d->flags, &d->text, &cut)))
 		return rc;
 	if (cut && !final && d->n - d->read < HOLD_MAX) {
@@ -362,7 +366,7 @@ static int detok_step(struct mlens_detok *d, bool final)
 	if ((rc = decode_to(d->tok, d->ids + d->prefix, d->read - d->prefix, d->flags, &d->window,
 			    &wcut)))
 		return rc;
-	if (d->text.len >= d->window.len && !memcmp(d->text.p, d->window.p, d->window.len)) {
+	if (d->text.len >= d->window.len && (!d->window.len || !memcmp(d->text.p, d->window.p, d->window.len))) {
 		cut_front(&d->text, d->window.len);
 	} else {
 		/* the decoders rewrote the window's end (ByteFallback turns a

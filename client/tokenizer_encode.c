@@ -624,7 +624,8 @@ static void cache_put(const struct mlens_tokenizer *tok, const char *w, size_t n
 	c->store.len += n + pad;
 	c->slot[i].ids_off = (uint32_t)c->store.len;
 	c->slot[i].n_ids = (uint32_t)n_ids;
-	memcpy(c->store.p + c->store.len, ids, n_ids * sizeof(int32_t));
+	if (n_ids)
+		memcpy(c->store.p + c->store.len, ids, n_ids * sizeof(int32_t));
 	c->store.len += n_ids * sizeof(int32_t);
 	c->used++;
 out:
@@ -692,7 +693,7 @@ static int bpe_word(struct enc *e, const char *w, size_t n)
 			return rc;
 done:
 	if (!rc && cacheable)
-		cache_put(tok, w, n, h, e->ids + first, e->n - first);
+		cache_put(tok, w, n, h, e->n > first ? e->ids + first : NULL, e->n - first);
 	return rc;
 }
 
@@ -780,9 +781,25 @@ static int model_piece(struct enc *e, const char *s, size_t n, bool first)
 		return rc;
 	if (e->tok->pre && (rc = pretokenize(e, e->tok->pre)))
 		return rc;
-	for (size_t k = 0; k < e->pa.n && !rc; k++)
-		if (e->pa.v[k].len)
-			rc = bpe_word(e, e->pa.bytes.p + e->pa.v[k].off, e->pa.v[k].len);
+	for (size_t k = 0; k < e->pa.n && !rc; k++) {
+		const char *w = e->pa.bytes.p + e->pa.v[k].off, *r = e->tok->ws_rep;
+		size_t wn = e->pa.v[k].len, rl = e->tok->ws_rep_len, start = 0;
+
+		if (!e->tok->ws_split || e->bytes_mapped) {
+			if (wn)
+				rc = bpe_word(e, w, wn);
+			continue;
+		}
+		/* cut before each ▁ that follows another character */
+		for (size_t i = 1; i + rl <= wn && !rc; i++)
+			if (!memcmp(w + i, r, rl) && (i < rl || memcmp(w + i - rl, r, rl)) &&
+			    i > start) {
+				rc = bpe_word(e, w + start, i - start);
+				start = i;
+			}
+		if (!rc && start < wn)
+			rc = bpe_word(e, w + start, wn - start);
+	}
 	return rc;
 }
 

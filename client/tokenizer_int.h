@@ -184,6 +184,12 @@ struct mlens_tokenizer {
 	int32_t unk_id;			/* -1 when none */
 	char *prefix, *suffix;		/* continuing_subword_prefix, end_of_word_suffix */
 	size_t prefix_len, suffix_len;
+	/* SentencePiece-style models without a splitting pre-tokenizer: a
+	 * piece may be cut before each word's leading replacement character
+	 * (no merge can cross there, see ws_split_detect) */
+	bool ws_split;
+	char ws_rep[4];
+	size_t ws_rep_len;
 	int32_t byte_id[256];		/* ByteLevel: id of each byte's char, -1 none */
 	int32_t fallback_id[256];	/* <0xNN> ids, -1 none */
 

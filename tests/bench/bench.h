@@ -28,6 +28,9 @@ int mlens_bench_serve(int argc, char **argv);
  * config.json: n_real and the predicted steady state (bench_predict.c). */
 int mlens_bench_predict(int argc, char **argv);
 
+/* libmlens's tokenizer: encode/decode MB/s and tokens/s (bench_tokenizer.c). */
+int mlens_bench_tokenizer(int argc, char **argv);
+
 /* ==== Helpers shared by subcommands ==== */
 
 /* Monotonic time in nanoseconds. */

@@ -27,6 +27,9 @@ static const struct mlens_bench_cmd cmds[] = {
 	  "[--prompt-len P] [--gen-len G] [--cap N] [--in-flight S] [--no-shared-io] [--gpu-copy-out compute|down|side] [--kv-append gpu|cpu] [--attn-up half|fp32] [--pipeline-sets 2|3] "
 	  "[--json]: the daemon's "
 	  "performance model replayed on a recorded profile cache (no GPU, no weights)" },
+	{ "tokenizer", mlens_bench_tokenizer,
+	  "--model DIR [--input FILE] [--bytes N] [--chunk N] [--json]: the tokenizer on one "
+	  "thread: encode and decode MB/s and tokens/s over a file or generated English-like text" },
 	{ "client", mlens_bench_client,
 	  "[--json] [--requests N] [--max-tokens T] [--inflight I]: libmlens tokens/s and "
 	  "request round trip against a fake daemon" },

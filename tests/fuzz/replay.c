@@ -10,6 +10,12 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* The corpus under the source tree, unless argv[1] names one; each
+ * target's replay program sets its own. */
+#ifndef REPLAY_CORPUS
+#define REPLAY_CORPUS "tests/fuzz/corpus"
+#endif
+
 /* Exactly sized heap copy, so an overread trips ASan. */
 static int replay(const char *path)
 {
@@ -47,7 +53,7 @@ int main(int argc, char **argv)
 	if (argc > 1)
 		snprintf(dir, sizeof(dir), "%s", argv[1]);
 	else
-		snprintf(dir, sizeof(dir), "%s/tests/fuzz/corpus", src ? src : ".");
+		snprintf(dir, sizeof(dir), "%s/" REPLAY_CORPUS, src ? src : ".");
 	d = opendir(dir);
 	if (!d) {
 		fprintf(stderr, "replay: %s: %s\n", dir, strerror(errno));
