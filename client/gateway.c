@@ -1007,6 +1007,8 @@ static int setup_model(struct gw *gw)
 		fprintf(stderr, "mlens-gateway: tokenizer in %s: %s\n", dir, why);
 		return rc;
 	}
+	if (gw_text_chat_problem(gw->text))
+		gw_log("%s: chat requests are refused: %s", dir, gw_text_chat_problem(gw->text));
 	return 0;
 }
 

@@ -284,8 +284,8 @@ static int parse_messages(struct gw *gw, struct gw_call *c, const json_t *m, str
 		return no_text(e, "messages", "chat");
 	rc = gw_text_chat(gw->text, m, true, &ids, &cnt, why, sizeof(why));
 	if (rc == -ENOENT) {
-		gw_err_set(e, 400, "messages", "no_chat_template", "the model has no chat "
-			   "template (chat_template in tokenizer_config.json): use /v1/completions");
+		gw_err_set(e, 400, "messages", "no_chat_template", "this server has no chat "
+			   "template for the model (%s): use /v1/completions", why);
 		return -1;
 	}
 	if (rc)

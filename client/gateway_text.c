@@ -1,14 +1,17 @@
 /* mlens-gateway's text side over libmlens's tokenizer (mlens_tokenizer.h)
- * and chat templates. */
+ * and chat templates (mlens_chat.h). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "client/gateway_text.h"
+#include "client/mlens_chat.h"
 #include "client/mlens_tokenizer.h"
 
 struct gw_text {
 	struct mlens_tokenizer *tok;
+	struct mlens_chat_template *tpl;	/* NULL: no template */
+	char *tpl_problem;	/* why there is none */
 };
 
 struct gw_detok {
@@ -30,8 +33,22 @@ int gw_text_open(const char *dir, struct gw_text **out, char *why, size_t why_le
 		free(tx);
 		return rc;
 	}
+	/* a template that will not load leaves completions working */
+	rc = mlens_chat_template_open(dir, &tx->tpl, &tx->tpl_problem);
+	if (rc && !tx->tpl_problem)
+		tx->tpl_problem = strdup(strerror(-rc));
+	if (rc == -ENOMEM) {
+		gw_text_close(tx);
+		snprintf(why, why_len, "out of memory");
+		return rc;
+	}
 	*out = tx;
 	return 0;
+}
+
+const char *gw_text_chat_problem(const struct gw_text *tx)
+{
+	return tx->tpl ? NULL : tx->tpl_problem ? tx->tpl_problem : "no chat template";
 }
 
 void gw_text_close(struct gw_text *tx)
@@ -39,6 +56,8 @@ void gw_text_close(struct gw_text *tx)
 	if (!tx)
 		return;
 	mlens_tokenizer_free(tx->tok);
+	mlens_chat_template_free(tx->tpl);
+	free(tx->tpl_problem);
 	free(tx);
 }
 
@@ -102,11 +121,45 @@ int gw_text_decode(struct gw_text *tx, const int32_t *ids, size_t n, bool skip_s
 	return 0;
 }
 
+/* Does text begin with the BOS token's text (a template that writes it)? */
+static bool starts_with_bos(const struct gw_text *tx, const char *text)
+{
+	int32_t bos = mlens_tokenizer_bos(tx->tok);
+	size_t len;
+	const char *s = bos >= 0 ? mlens_tokenizer_id_token(tx->tok, bos, &len) : NULL;
+
+	return s && len && !strncmp(text, s, len);
+}
+
 int gw_text_chat(struct gw_text *tx, const json_t *messages, bool add_generation_prompt,
 		 int32_t **ids, size_t *n, char *why, size_t why_len)
 {
-	snprintf(why, why_len, "no chat template");
-	return -ENOENT;
+	char *msgs, *text = NULL, *err = NULL;
+	size_t len;
+	int rc;
+
+	if (!tx->tpl) {
+		snprintf(why, why_len, "%s", gw_text_chat_problem(tx));
+		return -ENOENT;
+	}
+	msgs = json_dumps(messages, JSON_COMPACT);
+	if (!msgs) {
+		snprintf(why, why_len, "out of memory");
+		return -ENOMEM;
+	}
+	rc = mlens_chat_template_render(tx->tpl, msgs, add_generation_prompt, NULL, &text, &len,
+					&err);
+	free(msgs);
+	if (rc) {
+		snprintf(why, why_len, "%s", err ? err : strerror(-rc));
+		free(err);
+		return rc == -ENOMEM ? rc : -EINVAL;
+	}
+	rc = gw_text_encode(tx, text, len, !starts_with_bos(tx, text), ids, n);
+	free(text);
+	if (rc)
+		snprintf(why, why_len, "cannot tokenize the rendered chat: %s", strerror(-rc));
+	return rc;
 }
 
 struct gw_detok *gw_detok_new(struct gw_text *tx)

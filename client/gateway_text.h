@@ -16,7 +16,8 @@ struct gw_detok;
 /* Open the tokenizer (tokenizer.json) and the chat template of model
  * directory dir. Returns 0 and *out, -ENOENT when dir holds no
  * tokenizer.json, another -errno with why filled otherwise. A directory
- * without a chat template still opens: chat requests are then refused. */
+ * without a chat template (or with one that does not load) still opens:
+ * chat requests are then refused. */
 int gw_text_open(const char *dir, struct gw_text **out, char *why, size_t why_len);
 void gw_text_close(struct gw_text *tx);
 
@@ -38,6 +39,10 @@ int gw_text_decode(struct gw_text *tx, const int32_t *ids, size_t n, bool skip_s
  * message the template refused (why says which and why). */
 int gw_text_chat(struct gw_text *tx, const json_t *messages, bool add_generation_prompt,
 		 int32_t **ids, size_t *n, char *why, size_t why_len);
+
+/* Why chat is unavailable (no template, or one that did not load), or
+ * NULL when it is. */
+const char *gw_text_chat_problem(const struct gw_text *tx);
 
 /* An incremental detokenizer over tx: each pushed id appends the text that
  * became certain (never half a UTF-8 character) to out, which grows. */

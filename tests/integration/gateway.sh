@@ -237,7 +237,7 @@ assert j['usage']['completion_tokens'] < 30, j['usage']
 	expect_err 400 invalid_request_error prompt invalid_value POST "$U/v1/completions" '{"prompt": ["Hi", []]}'
 	echo "ok: /tokenize, /detokenize, text prompts, stop strings"
 	# the official client
-	python3 "$src/tests/integration/gateway_openai.py" "$U/v1" m --no-chat-ok
+	python3 "$src/tests/integration/gateway_openai.py" "$U/v1" m
 	rc=$?
 	[ $rc -eq 77 ] && echo "note: the openai Python package is not installed: its part is skipped"
 	[ $rc -eq 0 ] || [ $rc -eq 77 ] || fail "the openai client"
