@@ -191,7 +191,7 @@ static void call_free(struct gw_call *c)
  * none of its requests (their ids must find it until their LAST event). */
 static void call_maybe_free(struct gw_call *c)
 {
-	if (c->req || c->closed)
+	if (c->req || c->closed || c->starting)
 		return;
 	for (uint32_t i = 0; i < c->n_ch; i++)
 		if (c->ch[i].in_daemon || c->ch[i].pending)
@@ -653,6 +653,8 @@ static void call_start(struct gw_call *c)
 {
 	struct gw_tenant *t = c->t;
 
+	/* a choice failing here may finish the call: free it only at the end */
+	c->starting = true;
 	for (uint32_t i = 0; i < c->n_ch && !c->failed; i++) {
 		struct gw_choice *ch = &c->ch[i];
 		int rc = t->pend_head ? -EAGAIN : choice_submit(ch);
@@ -681,7 +683,7 @@ static void call_start(struct gw_call *c)
 			choice_fail(ch, rc);
 			if (rc == -ECONNRESET) {
 				tenant_lost(t);
-				return;
+				break;
 			}
 		}
 	}
@@ -690,6 +692,7 @@ static void call_start(struct gw_call *c)
 
 		evtimer_add(t->gw->retry, &tv);
 	}
+	c->starting = false;
 	call_maybe_free(c);
 }
 

@@ -121,6 +121,7 @@ struct gw_call {
 	bool headers_sent;	/* stream: 200 and the event-stream began */
 	bool gone;		/* the client left: nothing more is sent */
 	bool failed;		/* an error reply went out (or is going) */
+	bool starting;		/* call_start is submitting its choices */
 };
 
 struct gw {

@@ -234,6 +234,18 @@ assert c['finish_reason'] == 'stop', c
 assert c['text'] == full[:full.index(stop)], (c['text'], full, stop)
 assert j['usage']['completion_tokens'] < 30, j['usage']
 " || fail "stop string: $(cat "$tmp/body") (full text $full, stop $stop)"
+	# streamed: no piece of the stop string goes out before the cut
+	curl -s -N -m 30 -o "$tmp/sse" "$U/v1/completions" --data-binary \
+		"{\"prompt\": \"Hello\", \"max_tokens\": 30, \"temperature\": 0, \"stop\": [$stop], \"stream\": true}" ||
+		fail "streamed stop"
+	python3 -c "
+import json
+full = json.loads('''$full'''); stop = json.loads('''$stop''')
+ev = [json.loads(e[6:]) for e in open('$tmp/sse').read().split('\n\n') if e.startswith('data: {')]
+text = ''.join(e['choices'][0]['text'] for e in ev)
+assert text == full[:full.index(stop)], (text, full, stop)
+assert ev[-1]['choices'][0]['finish_reason'] == 'stop', ev[-1]
+" || fail "streamed stop string: $(cat "$tmp/sse") (full text $full, stop $stop)"
 	expect_err 400 invalid_request_error prompt invalid_value POST "$U/v1/completions" '{"prompt": ["Hi", []]}'
 	echo "ok: /tokenize, /detokenize, text prompts, stop strings"
 	# the official client
@@ -251,7 +263,10 @@ wait "$pid"
 pid=
 expect_err 503 server_error None daemon_unavailable POST "$U/v1/completions" '{"prompt": [1], "max_tokens": 2}'
 [ "$(req GET "$U/health")" = 200 ] || fail "gateway down after the daemon left"
-kill "$gpid"
-wait "$gpid" || fail "mlens-gateway exit status $? on SIGTERM"
-gpid=
+for g in gpid kpid; do
+	eval "p=\$$g"
+	kill "$p"
+	wait "$p" || { rc=$?; tail -20 "$tmp/gw.log" "$tmp/gwk.log"; fail "mlens-gateway exit status $rc on SIGTERM"; }
+	eval "$g="
+done
 echo "ok: the daemon gone is 503; SIGTERM stops the gateway cleanly"
