@@ -389,7 +389,8 @@ int gw_call_parse(struct gw *gw, struct gw_call *c, const json_t *b,
 	    get_num(b, "top_p", 0, 1, &top_p, e) ||
 	    get_int(b, "top_k", -1, lim->vocab_size, &top_k, e) ||
 	    get_int(b, "n", 1, gw->conf.max_n, &n, e) ||
-	    get_bool(b, "return_token_ids", &c->return_token_ids, e))
+	    get_bool(b, "return_token_ids", &c->return_token_ids, e) ||
+	    get_bool(b, "ignore_eos", &c->ignore_eos, e))
 		return -1;
 	if ((v = json_object_get(b, "seed")) && !json_is_null(v)) {
 		if (!json_is_integer(v))

@@ -101,7 +101,7 @@ struct gw_call {
 	char id[48];
 	long long created;
 	/* parameters */
-	bool stream, include_usage, logprobs, return_token_ids, has_seed;
+	bool stream, include_usage, logprobs, return_token_ids, has_seed, ignore_eos;
 	int top_logprobs;	/* completions: logprobs N; chat: top_logprobs */
 	uint32_t max_tokens;	/* 0: as many as the context allows */
 	float temperature, top_p;

@@ -194,7 +194,7 @@ running() { ctl --json status | jfield requests_running; }
 gen_of() { ctl tenants | awk -v n="$1" '$4 == n { print $9 }'; }
 g0=$(gen_of carol)
 curl -s -N -m 30 -o "$tmp/cut" -H 'Authorization: Bearer key-carol-003' "$K/v1/completions" \
-	--data-binary '{"prompt": [1, 2], "max_tokens": 4000, "temperature": 0, "stream": true}' &
+	--data-binary '{"prompt": [1, 2], "max_tokens": 4000, "temperature": 0, "stream": true, "ignore_eos": true}' &
 cpid=$!
 wait_for "[ -s '$tmp/cut' ]" 100 || fail "no stream began"
 kill "$cpid"
@@ -204,7 +204,7 @@ g1=$(gen_of carol)
 [ $((g1 - g0)) -lt 3500 ] || fail "carol's request ran to the end ($((g1 - g0)) tokens) after its client left"
 # the same without streaming
 curl -s -m 0.5 -o /dev/null -H 'Authorization: Bearer key-carol-003' "$K/v1/completions" \
-	--data-binary '{"prompt": [1, 2], "max_tokens": 4000, "temperature": 0}'
+	--data-binary '{"prompt": [1, 2], "max_tokens": 4000, "temperature": 0, "ignore_eos": true}'
 wait_for '[ "$(running)" = 0 ]' 30 || fail "the unstreamed request of a client gone still runs"
 g2=$(gen_of carol)
 [ $((g2 - g1)) -lt 3500 ] || fail "carol's unstreamed request ran to the end ($((g2 - g1)) tokens)"
