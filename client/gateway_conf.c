@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include "client/gateway_int.h"
 
 #define DEFAULT_SOCKET "/run/mlens/mlensd.sock"
@@ -308,12 +309,16 @@ int gw_keys_load(const char *path, struct gw_key **out, size_t *n_out)
 	size_t n = 0;
 	char line[1024];
 	unsigned lineno = 0;
+	struct stat st;
 
 	if (!f) {
 		fprintf(stderr, "mlens-gateway: cannot open API key file %s: %s\n", path,
 			strerror(errno));
 		return -EINVAL;
 	}
+	if (!fstat(fileno(f), &st) && (st.st_mode & 077))
+		fprintf(stderr, "mlens-gateway: warning: API key file %s can be read by other "
+			"users (mode %04o): chmod 600 it\n", path, (unsigned)(st.st_mode & 07777));
 	while (fgets(line, sizeof(line), f)) {
 		char *s = trim(line), *key, *name, *rest;
 		struct gw_key *nk;

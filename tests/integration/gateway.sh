@@ -44,6 +44,7 @@ start_gateway() {
 start_gateway U gw.log --model "$tmp/m" --max-body 4096
 gpid=$U_pid
 printf 'key-alice-0001 alice\nkey-bob-00002 bob\n# a comment\nkey-carol-003 carol\n' >"$tmp/keys"
+chmod 600 "$tmp/keys"
 start_gateway K gwk.log --model "$tmp/m" --api-key-file "$tmp/keys" --served-model-name tiny
 kpid=$K_pid
 
