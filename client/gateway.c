@@ -1070,8 +1070,9 @@ static int setup_http(struct gw *gw)
 		else if (ss.ss_family == AF_INET6)
 			port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
 	}
-	gw_log("serving %s on http://%s:%ld (mlensd at %s%s)", gw->model_id, gw->conf.listen[0] == '[' ?
-	       gw->conf.listen : host, port, gw->conf.socket, gw->keys ? ", API keys required" : "");
+	gw_log("serving %s on http://%s%s%s:%ld (mlensd at %s%s)", gw->model_id,
+	       strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port,
+	       gw->conf.socket, gw->keys ? ", API keys required" : "");
 	return 0;
 }
 
