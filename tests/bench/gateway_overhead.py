@@ -7,7 +7,9 @@ token-id prompts to /v1/completions of mlens-gateway, from C client threads
 with one keep-alive HTTP connection each (unstreamed, then streamed).
 Every request is greedy, so the runs must produce the same tokens; the
 script checks that. The three runs take turns for R rounds and each run's
-fastest round counts. Prints one JSON object, then a table.
+fastest round counts; the gateway's own CPU time per token is read from
+/proc. Wall time includes mlens generate's start and attach and the
+Python client's work. Prints one JSON object, then a table.
 
 usage: gateway_overhead.py [-n REQUESTS] [-p PROMPT] [-g GEN] [-c CONCURRENCY] [-r ROUNDS]
                            [--model DIR] [--backend cpu|cuda] [--build DIR]
@@ -36,6 +38,13 @@ def wait_for(pred, tries=300):
 def pct(v, p):
     v = sorted(v)
     return v[max(0, min(len(v) - 1, int(round(p / 100 * len(v) + 0.5)) - 1))] if v else 0.0
+
+
+def cpu_s(pid):
+    """User + system CPU seconds of process pid so far."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_generate(b, sock, jobs, tmp, conc):
@@ -156,13 +165,17 @@ def main():
             for name, fn in (("mlens generate", lambda: run_generate(b, sock, jobs, tmp, a.c)),
                              ("gateway", lambda: run_gateway(port[0], jobs, a.c, False)),
                              ("gateway stream", lambda: run_gateway(port[0], jobs, a.c, True))):
+                cpu0 = cpu_s(g.pid)
                 wall, toks, lat = fn()
+                cpu = cpu_s(g.pid) - cpu0
                 if name in runs and runs[name]["wall_s"] <= wall:
                     continue
                 runs[name] = {"wall_s": round(wall, 4), "tokens": sum(len(t) for t in toks),
                               "tokens_per_s": round(sum(len(t) for t in toks) / wall, 1),
                               "latency_p50_ms": round(pct(lat, 50) * 1e3, 2) if lat else None,
                               "latency_p99_ms": round(pct(lat, 99) * 1e3, 2) if lat else None,
+                              "gateway_cpu_us_per_token": round(cpu / max(1, sum(len(t) for t in toks)) * 1e6, 2)
+                              if name != "mlens generate" else None,
                               "_toks": toks}
         base = runs["mlens generate"]
         for name, r in runs.items():
@@ -172,12 +185,14 @@ def main():
         out = {"requests": a.n, "prompt": a.p, "gen": a.g, "concurrency": a.c, "rounds": a.r,
                "backend": a.backend, "model": "tiny" if not a.model else a.model, "runs": runs}
         print(json.dumps(out, indent=1))
-        print("\n%-16s %8s %8s %10s %9s %9s %9s %6s" % ("run", "wall s", "tokens", "tokens/s", "p50 ms",
-                                                        "p99 ms", "overhead", "same"))
+        print("\n%-16s %8s %8s %10s %9s %9s %9s %12s %6s" % (
+            "run", "wall s", "tokens", "tokens/s", "p50 ms", "p99 ms", "overhead", "gw cpu us/tok",
+            "same"))
         for name, r in runs.items():
-            print("%-16s %8.3f %8d %10.1f %9s %9s %8.1f%% %6s" % (
+            print("%-16s %8.3f %8d %10.1f %9s %9s %8.1f%% %12s %6s" % (
                 name, r["wall_s"], r["tokens"], r["tokens_per_s"], r["latency_p50_ms"] or "-",
-                r["latency_p99_ms"] or "-", r["overhead_pct"], r["same_tokens"]))
+                r["latency_p99_ms"] or "-", r["overhead_pct"], r["gateway_cpu_us_per_token"] or "-",
+                r["same_tokens"]))
         if not all(r["same_tokens"] for r in runs.values()):
             sys.exit(1)
     finally:
