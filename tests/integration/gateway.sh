@@ -258,10 +258,23 @@ else
 	expect_err 400 invalid_request_error prompt no_tokenizer POST "$U/v1/completions" '{"prompt": "Hello"}'
 fi
 
-# ==== the daemon gone: 503, and the gateway stays up ====
-kill "$pid"
-wait "$pid"
+# ==== the daemon gone: a stream ends with an error event, then 503 ====
+curl -s -N -m 30 -o "$tmp/lost" "$U/v1/completions" --data-binary \
+	'{"prompt": [1, 2], "max_tokens": 4000, "temperature": 0, "stream": true, "ignore_eos": true}' &
+cpid=$!
+wait_for "[ -s '$tmp/lost' ]" 100 || fail "no stream began"
+kill -9 "$pid"
+wait "$pid" 2>/dev/null
 pid=
+wait "$cpid" || fail "the stream did not end after mlensd died: $(tail -c 300 "$tmp/lost")"
+python3 - "$tmp/lost" <<'EOF' || fail "the stream's end after mlensd died: $(tail -c 600 "$tmp/lost")"
+import json, sys
+ev = [e for e in open(sys.argv[1]).read().split("\n\n") if e]
+assert ev[-1] == "data: [DONE]", ev[-1]
+err = json.loads(ev[-2][6:])["error"]
+assert err["code"] == "daemon_unavailable" and err["type"] == "server_error", err
+assert len(ev) > 3 and all("choices" in json.loads(e[6:]) for e in ev[:-2])
+EOF
 expect_err 503 server_error None daemon_unavailable POST "$U/v1/completions" '{"prompt": [1], "max_tokens": 2}'
 [ "$(req GET "$U/health")" = 200 ] || fail "gateway down after the daemon left"
 for g in gpid kpid; do
@@ -270,4 +283,4 @@ for g in gpid kpid; do
 	wait "$p" || { rc=$?; tail -20 "$tmp/gw.log" "$tmp/gwk.log"; fail "mlens-gateway exit status $rc on SIGTERM"; }
 	eval "$g="
 done
-echo "ok: the daemon gone is 503; SIGTERM stops the gateway cleanly"
+echo "ok: the daemon gone ends a stream with an error event, then is 503; SIGTERM stops the gateway cleanly"
