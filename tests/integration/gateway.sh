@@ -68,12 +68,14 @@ expect_err() {
 	shift 4
 	got=$(req "$@")
 	[ "$got" = "$code" ] || fail "$1 $2: status $got, expected $code: $(cat "$tmp/body")"
-	shape=$(py "sorted(j.keys()) == ['error'] and sorted(j['error'].keys()) == ['code', 'message', 'param', 'type'] and len(j['error']['message']) > 10") ||
-		fail "$1 $2: not JSON: $(cat "$tmp/body")"
-	[ "$shape" = True ] || fail "$1 $2: not an OpenAI error: $(cat "$tmp/body")"
-	[ "$(py "j['error']['type']")" = "$type" ] || fail "$1 $2: type: $(cat "$tmp/body")"
-	[ "$(py "j['error']['param']")" = "$param" ] || fail "$1 $2: param: $(cat "$tmp/body")"
-	[ "$(py "j['error']['code']")" = "$ecode" ] || fail "$1 $2: code: $(cat "$tmp/body")"
+	python3 - "$tmp/body" "$type" "$param" "$ecode" <<'EOF' || fail "$1 $2: not the OpenAI error expected: $(cat "$tmp/body")"
+import json, sys
+j = json.load(open(sys.argv[1]))
+e = j["error"]
+assert sorted(j) == ["error"] and sorted(e) == ["code", "message", "param", "type"], j
+assert len(e["message"]) > 10, e
+assert [e["type"], str(e["param"]), e["code"]] == sys.argv[2:], (e, sys.argv[2:])
+EOF
 }
 
 # ==== errors: status, and the OpenAI shape ====
