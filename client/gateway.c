@@ -818,17 +818,43 @@ static void handle_generate(struct gw *gw, struct evhttp_request *req, struct gw
 	tenant_pump(-1, 0, t);
 }
 
-static void handle_models(struct gw *gw, struct evhttp_request *req, struct gw_tenant *t)
+static json_t *model_json(struct gw *gw, struct gw_tenant *t)
 {
 	json_t *m = json_pack("{s:s, s:s, s:I, s:s}", "id", gw->model_id, "object", "model",
 			      "created", (json_int_t)gw->started, "owned_by", "mlens");
 
 	if (m && t && !tenant_ready(t))
 		json_object_set_new(m, "max_model_len", json_integer(t->lim.max_context));
-	reply_json(req, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
+	return m;
 }
 
-enum route_id { R_MODELS, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_COMPLETIONS, R_CHAT };
+static void handle_models(struct gw *gw, struct evhttp_request *req, struct gw_tenant *t)
+{
+	reply_json(req, 200, json_pack("{s:s, s:[o]}", "object", "list", "data",
+				       model_json(gw, t)));
+}
+
+/* GET /v1/models/ID: the model when ID is ours. */
+static void handle_model(struct gw *gw, struct evhttp_request *req, struct gw_tenant *t,
+			 const char *path, size_t plen)
+{
+	size_t skip = strlen("/v1/models/");
+	char *raw = strndup(path + skip, plen - skip);
+	char *id = raw ? evhttp_uridecode(raw, 0, NULL) : NULL;
+	struct gw_err e;
+
+	if (id && !strcmp(id, gw->model_id)) {
+		reply_json(req, 200, model_json(gw, t));
+	} else {
+		gw_err_set(&e, 404, "model", "model_not_found", "the model '%.200s' does not exist "
+			   "here: this server serves '%s'", id ? id : "?", gw->model_id);
+		reply_err(req, &e);
+	}
+	free(id);
+	free(raw);
+}
+
+enum route_id { R_MODELS, R_MODEL, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_COMPLETIONS, R_CHAT };
 
 static const struct route {
 	const char *path;
@@ -841,7 +867,7 @@ static const struct route {
 	{ "/detokenize", EVHTTP_REQ_POST, R_DETOKENIZE },
 	{ "/v1/completions", EVHTTP_REQ_POST, R_COMPLETIONS },
 	{ "/v1/chat/completions", EVHTTP_REQ_POST, R_CHAT },
-};
+}, model_route = { "/v1/models/ID", EVHTTP_REQ_GET, R_MODEL };
 
 static const char *method_name(enum evhttp_cmd_type m)
 {
@@ -879,6 +905,8 @@ static void on_request(struct evhttp_request *req, void *arg)
 	for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++)
 		if (strlen(routes[i].path) == plen && !strncmp(routes[i].path, path, plen))
 			r = &routes[i];
+	if (!r && plen > strlen("/v1/models/") && !strncmp(path, "/v1/models/", strlen("/v1/models/")))
+		r = &model_route;
 	if (!r) {
 		gw_err_set(&e, 404, NULL, "unknown_url", "Invalid URL (%s %s)", method_name(method),
 			   path);
@@ -909,6 +937,9 @@ static void on_request(struct evhttp_request *req, void *arg)
 	switch (r->id) {
 	case R_MODELS:
 		handle_models(gw, req, t);
+		break;
+	case R_MODEL:
+		handle_model(gw, req, t, path, plen);
 		break;
 	case R_TOKENIZE:
 		if (tenant_err(t, &e) || !(out = gw_tokenize(gw, body, &t->lim, &e)))

@@ -111,6 +111,9 @@ echo "ok: 404, 405, 400 (JSON, fields, model, context), 413, 401 are OpenAI erro
 [ "$(req GET "$U/v1/models")" = 200 ] || fail "/v1/models: $(cat "$tmp/body")"
 [ "$(py "j['object'], j['data'][0]['id'], j['data'][0]['max_model_len']")" = "('list', 'm', 4096)" ] ||
 	fail "/v1/models: $(cat "$tmp/body")"
+[ "$(req GET "$U/v1/models/m")" = 200 ] && [ "$(py "j['id'], j['object']")" = "('m', 'model')" ] ||
+	fail "/v1/models/m: $(cat "$tmp/body")"
+expect_err 404 invalid_request_error model model_not_found GET "$U/v1/models/gpt-17"
 [ "$(req GET "$K/v1/models" '' -H 'Authorization: Bearer key-bob-00002')" = 200 ] &&
 	[ "$(py "j['data'][0]['id']")" = tiny ] || fail "/v1/models with a key: $(cat "$tmp/body")"
 

@@ -18,6 +18,7 @@ def main():
 
     ids = [m.id for m in client.models.list().data]
     assert ids == [model], ids
+    assert client.models.retrieve(model).id == model
 
     c = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0)
     assert c.object == "text_completion" and len(c.choices) == 1, c
