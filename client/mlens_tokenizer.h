@@ -85,8 +85,8 @@ int mlens_tokenizer_eos(const struct mlens_tokenizer *tok, int32_t *ids, size_t 
 int mlens_detok_new(const struct mlens_tokenizer *tok, unsigned flags, struct mlens_detok **d);
 
 /* Push one generated id. *text and *len get the text it completes, which
- * may be empty (a token ending inside a UTF-8 character is held until the
- * character is whole); the text stays valid until the next call on d.
+ * may be empty (the bytes of a UTF-8 character a token cuts are held until
+ * the character is whole); the text stays valid until the next call on d.
  * Returns 0, -EINVAL for an id outside the vocabulary, -ENOMEM. */
 int mlens_detok_push(struct mlens_detok *d, int32_t id, const char **text, size_t *len);
 

@@ -37,6 +37,22 @@ int tok_buf_reserve(struct tok_buf *b, size_t more)
 	return 0;
 }
 
+int tok_grow(void **v, size_t *cap, size_t n, size_t size)
+{
+	size_t c = *cap ? *cap : 16;
+	void *p;
+
+	if (n <= *cap)
+		return 0;
+	while (c < n)
+		c *= 2;
+	if (c > SIZE_MAX / size || !(p = realloc(*v, c * size)))
+		return -ENOMEM;
+	*v = p;
+	*cap = c;
+	return 0;
+}
+
 int tok_buf_add(struct tok_buf *b, const void *s, size_t n)
 {
 	/* even an empty add leaves p pointing somewhere: offsets into it stay defined */
@@ -58,15 +74,8 @@ int tok_list_add(struct tok_list *l, const void *s, size_t n, bool first)
 {
 	size_t off = l->bytes.len;
 
-	if (l->n == l->cap) {
-		size_t cap = l->cap ? l->cap * 2 : 16;
-		struct tok_piece *v = realloc(l->v, cap * sizeof(*v));
-
-		if (!v)
-			return -ENOMEM;
-		l->v = v;
-		l->cap = cap;
-	}
+	if (TOK_GROW(l->v, l->cap, l->n + 1))
+		return -ENOMEM;
 	if (tok_buf_add(&l->bytes, s, n))
 		return -ENOMEM;
 	l->v[l->n++] = (struct tok_piece){ off, n, first };
@@ -209,36 +218,38 @@ size_t tok_utf8_encode(uint32_t cp, char *out)
 }
 
 /* GPT-2's map: printable Latin-1 bytes stand for themselves, the rest
- * take the code points from 256 up, in byte order. */
+ * take the code points from 256 up, in byte order; both directions are
+ * built once. */
+static uint32_t byte_map[256];
+static int16_t char_map[256 + 68];
+static pthread_once_t maps_once = PTHREAD_ONCE_INIT;
+
+static void maps_build(void)
+{
+	uint32_t n = 0;
+
+	for (int i = 0; i < 256 + 68; i++)
+		char_map[i] = -1;
+	for (int i = 0; i < 256; i++) {
+		bool keep = (i >= '!' && i <= '~') || (i >= 0xA1 && i <= 0xAC) || i >= 0xAE;
+
+		byte_map[i] = keep ? (uint32_t)i : 256 + n++;
+		char_map[byte_map[i]] = (int16_t)i;
+	}
+}
+
 uint32_t tok_byte_char(uint8_t b)
 {
-	static uint32_t map[256];
-	static int done;
-
-	if (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) {
-		uint32_t n = 0;
-
-		for (int i = 0; i < 256; i++) {
-			bool keep = (i >= '!' && i <= '~') || (i >= 0xA1 && i <= 0xAC) || i >= 0xAE;
-
-			map[i] = keep ? (uint32_t)i : 256 + n++;
-		}
-		/* pairs with the acquire above: map is whole before done reads 1 */
-		__atomic_store_n(&done, 1, __ATOMIC_RELEASE);
-	}
-	return map[b];
+	pthread_once(&maps_once, maps_build);
+	return byte_map[b];
 }
 
 int tok_char_byte(uint32_t cp)
 {
-	if ((cp >= '!' && cp <= '~') || (cp >= 0xA1 && cp <= 0xAC) || (cp >= 0xAE && cp <= 0xFF))
-		return (int)cp;
-	if (cp < 256 || cp >= 256 + 68)
+	if (cp >= 256 + 68)
 		return -1;
-	for (int b = 0; b < 256; b++)
-		if (tok_byte_char((uint8_t)b) == cp)
-			return b;
-	return -1;
+	pthread_once(&maps_once, maps_build);
+	return char_map[cp];
 }
 
 /* ==== Hash tables ==== */
@@ -271,7 +282,7 @@ static size_t table_size(size_t n)
 	return s;
 }
 
-/* The model's own strings for vocab, the added tokens' content for all. */
+/* The string a table's slot stands for (defined with the loader). */
 static const char *vocab_text(const struct mlens_tokenizer *tok, const struct tok_vocab *v,
 			      uint32_t id, size_t *len);
 
@@ -373,8 +384,8 @@ static int fail(struct load *ld, int rc, const char *fmt, ...)
 static const char *vocab_text(const struct mlens_tokenizer *tok, const struct tok_vocab *v,
 			      uint32_t id, size_t *len)
 {
-	/* vocab compares against the model's strings, which live in the
-	 * slots of id_text unless an added token took the id */
+	/* vocab holds the model's own strings; all the text an id decodes
+	 * from (an added token's content where one took the id) */
 	if (v == &tok->vocab) {
 		*len = tok->model_len[id];
 		return tok->model_text[id];
@@ -448,7 +459,8 @@ static int pattern_parse(struct load *ld, json_t *o, const char *what, struct to
 		return fail(ld, -EINVAL, "%s: regex at offset %zu does not compile: %s", what,
 			    (size_t)off, (const char *)msg);
 	}
-	pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE);	/* the interpreter serves if JIT cannot */
+	/* the interpreter serves if JIT cannot */
+	p->jit = pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE) == 0;
 	return 0;
 }
 
@@ -483,7 +495,8 @@ int tok_pattern_each(const struct tok_pattern *p, pcre2_match_data *md, const ch
 	while (at <= n) {
 		PCRE2_SIZE *ov;
 
-		rc = pcre2_match(p->re, (PCRE2_SPTR)text, n, at, PCRE2_NO_UTF_CHECK, md, NULL);
+		rc = p->jit ? pcre2_jit_match(p->re, (PCRE2_SPTR)text, n, at, 0, md, NULL)
+			    : pcre2_match(p->re, (PCRE2_SPTR)text, n, at, PCRE2_NO_UTF_CHECK, md, NULL);
 		if (rc == PCRE2_ERROR_NOMATCH)
 			return 0;
 		if (rc < 0)
@@ -534,8 +547,48 @@ int tok_replace_all(const struct tok_pattern *p, pcre2_match_data *md, const cha
 
 #define MAX_DEPTH 16
 
+/* A Sequence's members: the array under key, each parsed by parse into
+ * an element of size bytes of a new array. */
+typedef int (*member_parse_fn)(struct load *ld, json_t *o, void *member, int depth);
+
+static int seq_parse(struct load *ld, json_t *o, const char *key, const char *what, size_t size,
+		     member_parse_fn parse, void **sub, size_t *n_sub, int depth)
+{
+	json_t *a = json_object_get(o, key);
+	int rc;
+
+	if (!json_is_array(a))
+		return fail(ld, -EINVAL, "%s Sequence without a \"%s\" array", what, key);
+	if (!(*sub = calloc(json_array_size(a) + 1, size)))
+		return -ENOMEM;
+	for (size_t i = 0; i < json_array_size(a); i++) {
+		*n_sub = i + 1;
+		if ((rc = parse(ld, json_array_get(a, i), (char *)*sub + i * size, depth + 1)))
+			return rc;
+	}
+	return 0;
+}
+
 static int norm_parse(struct load *ld, json_t *o, struct tok_norm *nm, int depth);
+static int pre_parse(struct load *ld, json_t *o, struct tok_pre *pt, int depth);
+static int dec_parse(struct load *ld, json_t *o, struct tok_dec *d, int depth);
 static void norm_free(struct tok_norm *nm);
+
+/* seq_parse's view of each parser */
+static int norm_member(struct load *ld, json_t *o, void *m, int depth)
+{
+	return norm_parse(ld, o, m, depth);
+}
+
+static int pre_member(struct load *ld, json_t *o, void *m, int depth)
+{
+	return pre_parse(ld, o, m, depth);
+}
+
+static int dec_member(struct load *ld, json_t *o, void *m, int depth)
+{
+	return dec_parse(ld, o, m, depth);
+}
 
 static int norm_parse(struct load *ld, json_t *o, struct tok_norm *nm, int depth)
 {
@@ -574,21 +627,9 @@ static int norm_parse(struct load *ld, json_t *o, struct tok_norm *nm, int depth
 		return 0;
 	}
 	if (!strcmp(t, "Sequence")) {
-		json_t *a = json_object_get(o, "normalizers");
-		size_t i;
-		int rc;
-
 		nm->kind = TN_SEQ;
-		if (!json_is_array(a))
-			return fail(ld, -EINVAL, "normalizer Sequence without a \"normalizers\" array");
-		if (!(nm->sub = calloc(json_array_size(a) + 1, sizeof(*nm->sub))))
-			return -ENOMEM;
-		for (i = 0; i < json_array_size(a); i++) {
-			nm->n_sub = i + 1;
-			if ((rc = norm_parse(ld, json_array_get(a, i), &nm->sub[i], depth + 1)))
-				return rc;
-		}
-		return 0;
+		return seq_parse(ld, o, "normalizers", "normalizer", sizeof(*nm->sub),
+				 norm_member, (void **)&nm->sub, &nm->n_sub, depth);
 	}
 	return fail(ld, -ENOTSUP, "normalizer \"%s\" is not supported (this library implements NFC, "
 		    "NFD, NFKC, NFKD, Replace, Prepend, Strip and Sequence)", t);
@@ -636,7 +677,7 @@ static int regex_fixed(struct load *ld, const char *re, struct tok_pattern *p)
 			      &off, NULL);
 	if (!p->re)
 		return fail(ld, -EINVAL, "built-in regex does not compile (PCRE2 without Unicode?)");
-	pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE);
+	p->jit = pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE) == 0;
 	return 0;
 }
 
@@ -690,20 +731,9 @@ static int pre_parse(struct load *ld, json_t *o, struct tok_pre *pt, int depth)
 		return regex_fixed(ld, pt->individual_digits ? "\\p{N}" : "\\p{N}+", &pt->pat);
 	}
 	if (!strcmp(t, "Sequence")) {
-		json_t *a = json_object_get(o, "pretokenizers");
-		int rc;
-
 		pt->kind = TPT_SEQ;
-		if (!json_is_array(a))
-			return fail(ld, -EINVAL, "pre_tokenizer Sequence without a \"pretokenizers\" array");
-		if (!(pt->sub = calloc(json_array_size(a) + 1, sizeof(*pt->sub))))
-			return -ENOMEM;
-		for (size_t i = 0; i < json_array_size(a); i++) {
-			pt->n_sub = i + 1;
-			if ((rc = pre_parse(ld, json_array_get(a, i), &pt->sub[i], depth + 1)))
-				return rc;
-		}
-		return 0;
+		return seq_parse(ld, o, "pretokenizers", "pre_tokenizer", sizeof(*pt->sub),
+				 pre_member, (void **)&pt->sub, &pt->n_sub, depth);
 	}
 	return fail(ld, -ENOTSUP, "pre_tokenizer \"%s\" is not supported (this library implements "
 		    "ByteLevel, Split, Metaspace, Digits and Sequence)", t);
@@ -768,19 +798,9 @@ static int dec_parse(struct load *ld, json_t *o, struct tok_dec *d, int depth)
 		return prepend_parse(ld, o, "decoder Metaspace", &d->prepend);
 	}
 	if (!strcmp(t, "Sequence")) {
-		json_t *a = json_object_get(o, "decoders");
-
 		d->kind = TD_SEQ;
-		if (!json_is_array(a))
-			return fail(ld, -EINVAL, "decoder Sequence without a \"decoders\" array");
-		if (!(d->sub = calloc(json_array_size(a) + 1, sizeof(*d->sub))))
-			return -ENOMEM;
-		for (size_t i = 0; i < json_array_size(a); i++) {
-			d->n_sub = i + 1;
-			if ((rc = dec_parse(ld, json_array_get(a, i), &d->sub[i], depth + 1)))
-				return rc;
-		}
-		return 0;
+		return seq_parse(ld, o, "decoders", "decoder", sizeof(*d->sub),
+				 dec_member, (void **)&d->sub, &d->n_sub, depth);
 	}
 	return fail(ld, -ENOTSUP, "decoder \"%s\" is not supported (this library implements "
 		    "ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace and Sequence)", t);
@@ -797,12 +817,11 @@ static void dec_free(struct tok_dec *d)
 
 static int ids_add(int32_t **v, size_t *n, int32_t id)
 {
-	int32_t *p = realloc(*v, (*n + 1) * sizeof(*p));
+	size_t cap = *n;	/* grown one at a time: these lists hold a few ids */
 
-	if (!p)
+	if (tok_grow((void **)v, &cap, *n + 1, sizeof(**v)))
 		return -ENOMEM;
-	p[(*n)++] = id;
-	*v = p;
+	(*v)[(*n)++] = id;
 	return 0;
 }
 
@@ -1364,8 +1383,11 @@ static int read_file(const char *path, char **buf, size_t *len)
 
 	if (fd < 0)
 		return -errno;
-	if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-		rc = S_ISREG(st.st_mode) ? -errno : -EINVAL;
+	if (fstat(fd, &st))
+		rc = -errno;
+	else if (!S_ISREG(st.st_mode))
+		rc = -EINVAL;	/* a directory or a device: not a tokenizer.json */
+	if (rc) {
 		close(fd);
 		return rc;
 	}
@@ -1405,7 +1427,8 @@ int mlens_tokenizer_open(const char *dir, struct mlens_tokenizer **tok, char *er
 		return -ENAMETOOLONG;
 	if ((rc = read_file(path, &json, &len))) {
 		if (err && err_len)
-			snprintf(err, err_len, "%s: %s%s", path, strerror(-rc),
+			snprintf(err, err_len, "%s: %s%s", path,
+				 rc == -EINVAL ? "not a regular file" : strerror(-rc),
 				 rc == -ENOENT ? " (the model directory needs a tokenizer.json)" : "");
 		return rc;
 	}

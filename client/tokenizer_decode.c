@@ -53,7 +53,7 @@ static const char *piece(const struct tok_list *l, size_t i)
 
 /* ByteLevel: every token's characters back to bytes (a token holding a
  * character outside the map keeps its own bytes), then one string. */
-static int dec_bytelevel(const struct tok_list *in, struct tok_list *out, bool *cut)
+static int dec_bytelevel(const struct tok_list *in, struct tok_list *out, size_t *tail)
 {
 	struct tok_buf raw = { 0 };
 	int rc = 0;
@@ -84,7 +84,8 @@ static int dec_bytelevel(const struct tok_list *in, struct tok_list *out, bool *
 	if (!rc) {
 		struct tok_buf fixed = { 0 };
 
-		*cut = utf8_cut(raw.p, raw.len);
+		/* a cut character is one U+FFFD at the end */
+		*tail = utf8_cut(raw.p, raw.len) ? 3 : 0;
 
 		rc = tok_utf8_lossy(&fixed, raw.p, raw.len);
 		if (!rc)
@@ -128,7 +129,7 @@ static int flush_bytes(struct tok_buf *run, struct tok_list *out)
 	return rc;
 }
 
-static int dec_bytefallback(const struct tok_list *in, struct tok_list *out, bool *cut)
+static int dec_bytefallback(const struct tok_list *in, struct tok_list *out, size_t *tail)
 {
 	struct tok_buf run = { 0 };
 	int rc = 0;
@@ -145,7 +146,8 @@ static int dec_bytefallback(const struct tok_list *in, struct tok_list *out, boo
 		if (!(rc = flush_bytes(&run, out)))
 			rc = tok_list_add(out, piece(in, i), in->v[i].len, false);
 	}
-	*cut = run.len && utf8_cut(run.p, run.len);
+	/* a run ending inside a character is one U+FFFD per byte until whole */
+	*tail = run.len && utf8_cut(run.p, run.len) ? 3 * run.len : 0;
 	if (!rc)
 		rc = flush_bytes(&run, out);
 	tok_buf_free(&run);
@@ -200,7 +202,7 @@ static int dec_metaspace(const struct tok_dec *d, const struct tok_list *in, str
 	return rc;
 }
 
-int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, bool *cut)
+int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, size_t *tail)
 {
 	struct tok_list out = { 0 };
 	pcre2_match_data *md = NULL;
@@ -209,13 +211,13 @@ int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, bool *cut)
 	switch (d->kind) {
 	case TD_SEQ:
 		for (size_t i = 0; i < d->n_sub && !rc; i++)
-			rc = tok_decode_chain(&d->sub[i], l, cut);
+			rc = tok_decode_chain(&d->sub[i], l, tail);
 		return rc;
 	case TD_BYTELEVEL:
-		rc = dec_bytelevel(l, &out, cut);
+		rc = dec_bytelevel(l, &out, tail);
 		break;
 	case TD_BYTEFALLBACK:
-		rc = dec_bytefallback(l, &out, cut);
+		rc = dec_bytefallback(l, &out, tail);
 		break;
 	case TD_FUSE:
 		if ((rc = tok_list_add(&out, "", 0, false)))
@@ -256,15 +258,15 @@ int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, bool *cut)
 	return 0;
 }
 
-/* ids -> text appended to out (valid UTF-8); *cut tells whether the
- * bytes ended inside a character. */
+/* ids -> text appended to out (valid UTF-8); *tail gets how many bytes at
+ * its end stand for a character the bytes cut (more ids may change them). */
 static int decode_to(const struct mlens_tokenizer *tok, const int32_t *ids, size_t n,
-		     unsigned flags, struct tok_buf *out, bool *cut)
+		     unsigned flags, struct tok_buf *out, size_t *tail)
 {
 	struct tok_list l = { 0 };
 	int rc = 0;
 
-	*cut = false;
+	*tail = 0;
 	for (size_t i = 0; i < n && !rc; i++) {
 		int32_t id = ids[i];
 
@@ -277,7 +279,7 @@ static int decode_to(const struct mlens_tokenizer *tok, const int32_t *ids, size
 		rc = tok_list_add(&l, tok->id_text[id], tok->id_len[id], false);
 	}
 	if (!rc && tok->dec)
-		rc = tok_decode_chain(tok->dec, &l, cut);
+		rc = tok_decode_chain(tok->dec, &l, tail);
 	for (size_t i = 0; i < l.n && !rc; i++) {
 		/* without a decoder, tokens are joined by spaces (as HF) */
 		if (!tok->dec && i && (rc = tok_buf_add(out, " ", 1)))
@@ -292,8 +294,8 @@ int mlens_tokenizer_decode(const struct mlens_tokenizer *tok, const int32_t *ids
 			   unsigned flags, char *buf, size_t cap, size_t *len)
 {
 	struct tok_buf out = { 0 };
-	bool cut;
-	int rc = decode_to(tok, ids, n, flags, &out, &cut);
+	size_t tail;
+	int rc = decode_to(tok, ids, n, flags, &out, &tail);
 
 	*len = 0;
 	if (!rc) {
@@ -312,19 +314,18 @@ int mlens_tokenizer_decode(const struct mlens_tokenizer *tok, const int32_t *ids
 
 /* ==== Incremental decoding ==== */
 
-/* Text is emitted by difference: the window ids[prefix, read) was
- * emitted already; decoding ids[prefix, n) and cutting off what the
- * window alone decodes to gives the new text, with the context the
- * decoders need (a leading space is only stripped at the real start).
- * Text whose bytes end inside a character is held until it is whole. */
-#define HOLD_MAX 8	/* ids held at most before a cut character counts as final */
-
+/* Text is emitted by difference: the text of the window ids[prefix, read)
+ * was emitted already, and so were `extra` bytes past it; decoding
+ * ids[prefix, n) and cutting off what was emitted gives the new text,
+ * with the context the decoders need (a leading space is only stripped
+ * at the real start). Bytes that stand for a cut character are held until
+ * it is whole; the window moves on once nothing is held. */
 struct mlens_detok {
 	const struct mlens_tokenizer *tok;
 	unsigned flags;
 	int32_t *ids;
 	size_t n, cap;
-	size_t prefix, read;
+	size_t prefix, read, extra;
 	struct tok_buf text, window;
 };
 
@@ -338,48 +339,48 @@ int mlens_detok_new(const struct mlens_tokenizer *tok, unsigned flags, struct ml
 	return 0;
 }
 
-static void cut_front(struct tok_buf *b, size_t n)
-{
-	if (!n)
-		return;
-	memmove(b->p, b->p + n, b->len - n);
-	b->len -= n;
-}
-
-/* New text of ids[prefix, n) beyond the window into d->text; final emits
- * whatever there is. */
+/* The new text into d->text; final emits whatever there is. */
 static int detok_step(struct mlens_detok *d, bool final)
 {
-	bool cut, wcut;
+	size_t tail, wtail, base, settled, start;
 	int rc;
 
 	d->text.len = 0;
 	d->window.len = 0;
 	if (!d->n)
 		return 0;
-	if ((rc = decode_to(d->tok, d->ids + d->prefix, d->n - d->prefix, d->flags, &d->text, &cut)))
+	if ((rc = decode_to(d->tok, d->ids + d->prefix, d->n - d->prefix, d->flags, &d->text, &tail)) ||
+	    (rc = decode_to(d->tok, d->ids + d->prefix, d->read - d->prefix, d->flags, &d->window,
+			    &wtail)))
 		return rc;
-	if (cut && !final && d->n - d->read < HOLD_MAX) {
+	base = d->window.len;
+	if (d->text.len < base || (base && memcmp(d->text.p, d->window.p, base))) {
+		/* the decoders rewrote what was emitted (ByteFallback turns a
+		 * whole invalid byte run into U+FFFD): go on from the new ids */
 		d->text.len = 0;
-		return 0;
-	}
-	if ((rc = decode_to(d->tok, d->ids + d->prefix, d->read - d->prefix, d->flags, &d->window,
-			    &wcut)))
-		return rc;
-	if (d->text.len >= d->window.len && (!d->window.len || !memcmp(d->text.p, d->window.p, d->window.len))) {
-		cut_front(&d->text, d->window.len);
-	} else {
-		/* the decoders rewrote the window's end (ByteFallback turns a
-		 * whole invalid byte run into U+FFFD): the new ids alone */
-		d->text.len = 0;
-		if ((rc = decode_to(d->tok, d->ids + d->read, d->n - d->read, d->flags, &d->text, &cut)))
+		d->prefix = d->read;
+		base = 0;
+		if ((rc = decode_to(d->tok, d->ids + d->read, d->n - d->read, d->flags, &d->text, &tail)))
 			return rc;
 	}
-	/* a step that added no text (special tokens skipped) keeps the old
-	 * window as the next one's context */
-	if (d->text.len)
-		d->prefix = d->read;
-	d->read = d->n;
+	settled = final || tail > d->text.len ? d->text.len : d->text.len - tail;
+	start = base + d->extra;
+	if (settled > start) {
+		memmove(d->text.p, d->text.p + start, settled - start);
+		d->extra = settled - base;
+		d->text.len = settled - start;
+	} else {
+		d->text.len = 0;
+	}
+	if (!tail || final) {
+		/* all emitted: the new ids become the window, unless they added
+		 * no text (special tokens skipped), when the old one stays as
+		 * the context */
+		if (d->extra)
+			d->prefix = d->read;
+		d->read = d->n;
+		d->extra = 0;
+	}
 	/* keep the ids array from growing without end */
 	if (d->prefix > 1024) {
 		memmove(d->ids, d->ids + d->prefix, (d->n - d->prefix) * sizeof(*d->ids));
@@ -398,15 +399,8 @@ int mlens_detok_push(struct mlens_detok *d, int32_t id, const char **text, size_
 	*len = 0;
 	if (id < 0 || (uint32_t)id >= d->tok->n_ids || !d->tok->id_text[id])
 		return -EINVAL;
-	if (d->n == d->cap) {
-		size_t cap = d->cap ? d->cap * 2 : 64;
-		int32_t *p = realloc(d->ids, cap * sizeof(*p));
-
-		if (!p)
-			return -ENOMEM;
-		d->ids = p;
-		d->cap = cap;
-	}
+	if (TOK_GROW(d->ids, d->cap, d->n + 1))
+		return -ENOMEM;
 	d->ids[d->n++] = id;
 	if ((rc = detok_step(d, false)))
 		return rc;
@@ -424,7 +418,7 @@ int mlens_detok_flush(struct mlens_detok *d, const char **text, size_t *len)
 
 	*text = "";
 	*len = 0;
-	d->n = d->prefix = d->read = 0;
+	d->n = d->prefix = d->read = d->extra = 0;
 	if (rc)
 		return rc;
 	if (tok_buf_reserve(&d->text, 1))

@@ -34,15 +34,8 @@ struct enc {
 
 static int push_id(struct enc *e, int32_t id)
 {
-	if (e->n == e->cap) {
-		size_t cap = e->cap ? e->cap * 2 : 256;
-		int32_t *p = realloc(e->ids, cap * sizeof(*p));
-
-		if (!p)
-			return -ENOMEM;
-		e->ids = p;
-		e->cap = cap;
-	}
+	if (TOK_GROW(e->ids, e->cap, e->n + 1))
+		return -ENOMEM;
 	e->ids[e->n++] = id;
 	return 0;
 }
@@ -69,10 +62,20 @@ static uint32_t last_char(const char *s, size_t n, size_t *len)
 	return cp;
 }
 
+/* A word character as HF's single_word check has it: Unicode \\w
+ * (Alphabetic, marks, decimal digits, connector punctuation, the joiners),
+ * with Alphabetic as the letters plus the letter-like numbers and the
+ * circled and squared letters. */
 static bool is_word_char(uint32_t c)
 {
-	return c == '_' || utf8proc_category_string((utf8proc_int32_t)c)[0] == 'L' ||
-	       utf8proc_category_string((utf8proc_int32_t)c)[0] == 'N';
+	const char *cat = utf8proc_category_string((utf8proc_int32_t)c);
+
+	if (cat[0] == 'L' || cat[0] == 'M' || !strcmp(cat, "Nd") || !strcmp(cat, "Nl") ||
+	    !strcmp(cat, "Pc"))
+		return true;
+	return c == 0x200C || c == 0x200D || (c >= 0x24B6 && c <= 0x24E9) ||
+	       (c >= 0x1F130 && c <= 0x1F149) || (c >= 0x1F150 && c <= 0x1F169) ||
+	       (c >= 0x1F170 && c <= 0x1F189);
 }
 
 /* ==== Normalizers ==== */
@@ -166,15 +169,8 @@ struct runs {
 
 static int runs_add(struct runs *r, size_t s, size_t e, size_t m)
 {
-	if (r->n + 3 > r->cap) {
-		size_t cap = r->cap ? r->cap * 2 : 96;
-		size_t *v = realloc(r->v, cap * sizeof(*v));
-
-		if (!v)
-			return -ENOMEM;
-		r->v = v;
-		r->cap = cap;
-	}
+	if (TOK_GROW(r->v, r->cap, r->n + 3))
+		return -ENOMEM;
 	r->v[r->n++] = s;
 	r->v[r->n++] = e;
 	r->v[r->n++] = m;
@@ -386,15 +382,8 @@ static int heap_push(struct enc *e, uint32_t rank, uint32_t pos, int32_t id)
 {
 	size_t i;
 
-	if (e->heap_n == e->heap_cap) {
-		size_t cap = e->heap_cap ? e->heap_cap * 2 : 64;
-		struct cand *h = realloc(e->heap, cap * sizeof(*h));
-
-		if (!h)
-			return -ENOMEM;
-		e->heap = h;
-		e->heap_cap = cap;
-	}
+	if (TOK_GROW(e->heap, e->heap_cap, e->heap_n + 1))
+		return -ENOMEM;
 	i = e->heap_n++;
 	e->heap[i] = (struct cand){ rank, pos, id };
 	while (i > 0 && cand_less(&e->heap[i], &e->heap[(i - 1) / 2])) {
@@ -433,15 +422,8 @@ static struct cand heap_pop(struct enc *e)
 
 static int sym_add(struct enc *e, size_t *n, int32_t id, uint32_t len)
 {
-	if (*n == e->sym_cap) {
-		size_t cap = e->sym_cap ? e->sym_cap * 2 : 64;
-		struct sym *s = realloc(e->sym, cap * sizeof(*s));
-
-		if (!s)
-			return -ENOMEM;
-		e->sym = s;
-		e->sym_cap = cap;
-	}
+	if (TOK_GROW(e->sym, e->sym_cap, *n + 1))
+		return -ENOMEM;
 	e->sym[*n] = (struct sym){ id, (int32_t)*n - 1, (int32_t)*n + 1, len };
 	(*n)++;
 	return 0;

@@ -23,6 +23,10 @@ struct tok_buf {
 };
 
 int tok_buf_reserve(struct tok_buf *b, size_t more);
+/* Room for n elements of size bytes in the array *v of capacity *cap
+ * (doubling); 0 or -ENOMEM. TOK_GROW names the array once. */
+int tok_grow(void **v, size_t *cap, size_t n, size_t size);
+#define TOK_GROW(v, cap, n) tok_grow((void **)&(v), &(cap), (n), sizeof(*(v)))
 int tok_buf_add(struct tok_buf *b, const void *s, size_t n);
 void tok_buf_free(struct tok_buf *b);
 
@@ -61,7 +65,8 @@ size_t tok_utf8_encode(uint32_t cp, char *out);
 struct tok_pattern {
 	char *lit;		/* literal, when re is NULL */
 	size_t lit_len;
-	pcre2_code *re;		/* JIT-compiled, UTF + UCP */
+	pcre2_code *re;		/* UTF + UCP */
+	bool jit;		/* re is JIT-compiled: matched by pcre2_jit_match */
 };
 
 /* Calls fn for each match [s, e) of p in text[0, n), left to right, not
@@ -230,8 +235,9 @@ bool tok_merge_get(const struct tok_merges *m, int32_t left, int32_t right, uint
 uint32_t tok_byte_char(uint8_t b);
 int tok_char_byte(uint32_t cp);
 
-/* Apply a decoder tree to a list of token strings in place; *cut tells
- * whether the byte decoders ended inside a UTF-8 character. */
-int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, bool *cut);
+/* Apply a decoder tree to a list of token strings in place; *tail gets
+ * how many bytes at the end the byte decoders made U+FFFD for a cut
+ * UTF-8 character (0 when none). */
+int tok_decode_chain(const struct tok_dec *d, struct tok_list *l, size_t *tail);
 
 #endif

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <jansson.h>
 #include "client/mlens_tokenizer.h"
@@ -141,7 +142,10 @@ static bool stream_matches(struct mlens_tokenizer *tok, const int32_t *ids, size
 		 * incremental decoder for each invalid subpart as it arrives;
 		 * the rest must agree */
 		bool has = memmem(acc, got, "\xEF\xBF\xBD", 3) != NULL;
-		char *w = strndup(want, want_len), *a = strndup(acc, got);
+		char *w = malloc(want_len + 1), *a = malloc(got + 1);
+
+		memcpy(w, want, want_len);
+		memcpy(a, acc, got);
 		size_t al = strip_fffd(a, got), wl = strip_fffd(w, want_len);
 
 		ok = ok && has && al == wl && !memcmp(a, w, al);
@@ -156,104 +160,104 @@ static bool stream_matches(struct mlens_tokenizer *tok, const int32_t *ids, size
 	return ok;
 }
 
+#define GOLDEN_MAX_IDS 65536
+#define GOLDEN_MAX_TEXT (1 << 20)
+
+/* Encode text as the golden line's key says; false (and a report) when
+ * the ids differ. */
+static bool golden_encode(struct mlens_tokenizer *tok, const char *where, json_t *g,
+			  const char *text, size_t tlen, bool special)
+{
+	static int32_t ids[GOLDEN_MAX_IDS], want[GOLDEN_MAX_IDS];
+	json_t *exp = json_object_get(g, special ? "ids_special" : "ids");
+	size_t n;
+
+	ck_assert_int_eq(mlens_tokenizer_encode(tok, text, tlen, special ? MLENS_TOK_ADD_SPECIAL : 0,
+						ids, GOLDEN_MAX_IDS, &n), 0);
+	if (ids_match(exp, ids, n))
+		return true;
+	fprintf(stderr, "%s: encode%s \"%s\"\n", where, special ? " with specials" : "",
+		json_string_value(json_object_get(g, "text")));
+	print_ids("got ", ids, n);
+	print_ids("want", want, json_ids(exp, want, GOLDEN_MAX_IDS));
+	return false;
+}
+
+/* Decode the ids under key (whole, then id by id) and compare with the
+ * golden text; cut byte runs are left to the stream when stream_cut. */
+static bool golden_decode(struct mlens_tokenizer *tok, const char *where, json_t *g,
+			  const char *key, bool skip, bool stream_cut)
+{
+	static int32_t ids[GOLDEN_MAX_IDS];
+	static char dec[GOLDEN_MAX_TEXT];
+	json_t *exp = json_object_get(g, skip ? "decoded_skip" : "decoded");
+	unsigned fl = skip ? MLENS_TOK_SKIP_SPECIAL : 0;
+	size_t n = json_ids(json_object_get(g, key), ids, GOLDEN_MAX_IDS), len;
+	bool ok = true;
+
+	ck_assert_int_eq(mlens_tokenizer_decode(tok, ids, n, fl, dec, sizeof(dec), &len), 0);
+	if (len != json_string_length(exp) || memcmp(dec, json_string_value(exp), len)) {
+		fprintf(stderr, "%s: decode %s%s: got \"%s\" want \"%s\"\n", where, key,
+			skip ? " (skip special)" : "", dec, json_string_value(exp));
+		ok = false;
+	}
+	/* a cut byte run in a decode_only line: test_detok_* state what
+	 * streaming gives there */
+	if ((stream_cut || !strstr(json_string_value(exp), "\xEF\xBF\xBD")) &&
+	    !stream_matches(tok, ids, n, fl, json_string_value(exp), json_string_length(exp))) {
+		fprintf(stderr, "%s: streamed decode %s%s differs\n", where, key,
+			skip ? " (skip special)" : "");
+		ok = false;
+	}
+	return ok;
+}
+
 /* Check every golden line of one fixture; returns the mismatch count. */
 static int check_goldens(const char *name)
 {
-	char path[1024], line_err[64];
+	char path[1024], where[64];
 	struct mlens_tokenizer *tok = open_fixture(name);
 	json_error_t jerr;
 	FILE *f;
 	char *line = NULL;
 	size_t cap = 0, lines = 0;
-	ssize_t k;
 	int bad = 0;
-	int32_t *ids = malloc(65536 * sizeof(*ids)), *want = malloc(65536 * sizeof(*want));
-	size_t dcap = 1 << 20;
-	char *dec = malloc(dcap);
 
 	snprintf(path, sizeof(path), "%s/tests/tokenizer/fixtures/%s/golden.jsonl", srcdir(), name);
 	f = fopen(path, "r");
 	ck_assert_msg(f != NULL, "%s missing", path);
-	while ((k = getline(&line, &cap, f)) > 0) {
-		json_t *g = json_loads(line, JSON_ALLOW_NUL, &jerr), *only;
+	while (getline(&line, &cap, f) > 0) {
+		json_t *g = json_loads(line, JSON_ALLOW_NUL, &jerr), *hex;
 		const char *text;
 		char *raw = NULL;
-		size_t tlen, n, len, nw;
-		bool ok = true;
+		size_t tlen;
+		bool ok;
 
 		lines++;
 		ck_assert_msg(g != NULL, "%s:%zu: %s", path, lines, jerr.text);
-		snprintf(line_err, sizeof(line_err), "%s:%zu", name, lines);
-		only = json_object_get(g, "decode_only");
-		if (only) {
-			nw = json_ids(only, want, 65536);
-			for (int skip = 0; skip < 2; skip++) {
-				json_t *exp = json_object_get(g, skip ? "decoded_skip" : "decoded");
-				unsigned fl = skip ? MLENS_TOK_SKIP_SPECIAL : 0;
-
-				ck_assert_int_eq(mlens_tokenizer_decode(tok, want, nw, fl, dec, dcap, &len), 0);
-				if (len != json_string_length(exp) || memcmp(dec, json_string_value(exp), len)) {
-					fprintf(stderr, "%s: decode_only%s: got \"%s\" want \"%s\"\n", line_err,
-						skip ? " (skip special)" : "", dec, json_string_value(exp));
-					bad++;
-				}
-				/* cut byte runs: test_detok_* state what streaming gives */
-				if (!strstr(json_string_value(exp), "\xEF\xBF\xBD") &&
-				    !stream_matches(tok, want, nw, fl, json_string_value(exp), json_string_length(exp))) {
-					fprintf(stderr, "%s: decode_only streamed differs\n", line_err);
-					bad++;
-				}
-			}
+		snprintf(where, sizeof(where), "%s:%zu", name, lines);
+		if (json_object_get(g, "decode_only")) {
+			ok = golden_decode(tok, where, g, "decode_only", false, false);
+			ok &= golden_decode(tok, where, g, "decode_only", true, false);
+			bad += !ok;
 			json_decref(g);
 			continue;
 		}
-		if (json_is_string(json_object_get(g, "bytes"))) {
-			const char *hex = json_string_value(json_object_get(g, "bytes"));
-
-			tlen = strlen(hex) / 2;
+		text = json_string_value(json_object_get(g, "text"));
+		tlen = json_string_length(json_object_get(g, "text"));
+		if ((hex = json_object_get(g, "bytes"))) {	/* not UTF-8: the input is these bytes */
+			tlen = json_string_length(hex) / 2;
 			raw = malloc(tlen + 1);
 			for (size_t i = 0; i < tlen; i++)
-				raw[i] = (char)(hexval(hex[2 * i]) << 4 | hexval(hex[2 * i + 1]));
+				raw[i] = (char)(hexval(json_string_value(hex)[2 * i]) << 4 |
+						hexval(json_string_value(hex)[2 * i + 1]));
 			text = raw;
-		} else {
-			text = json_string_value(json_object_get(g, "text"));
-			tlen = json_string_length(json_object_get(g, "text"));
 		}
-		ck_assert_int_eq(mlens_tokenizer_encode(tok, text, tlen, 0, ids, 65536, &n), 0);
-		if (!ids_match(json_object_get(g, "ids"), ids, n)) {
-			fprintf(stderr, "%s: encode \"%s\"\n", line_err, json_string_value(json_object_get(g, "text")));
-			print_ids("got ", ids, n);
-			nw = json_ids(json_object_get(g, "ids"), want, 65536);
-			print_ids("want", want, nw);
-			ok = false;
-		}
-		ck_assert_int_eq(mlens_tokenizer_encode(tok, text, tlen, MLENS_TOK_ADD_SPECIAL, ids, 65536, &n), 0);
-		if (!ids_match(json_object_get(g, "ids_special"), ids, n)) {
-			fprintf(stderr, "%s: encode with specials \"%s\"\n", line_err,
-				json_string_value(json_object_get(g, "text")));
-			print_ids("got ", ids, n);
-			nw = json_ids(json_object_get(g, "ids_special"), want, 65536);
-			print_ids("want", want, nw);
-			ok = false;
-		}
+		ok = golden_encode(tok, where, g, text, tlen, false);
+		ok &= golden_encode(tok, where, g, text, tlen, true);
 		/* decode the golden ids, whatever encode gave */
-		for (int skip = 0; skip < 2; skip++) {
-			json_t *exp = json_object_get(g, skip ? "decoded_skip" : "decoded");
-			unsigned fl = skip ? MLENS_TOK_SKIP_SPECIAL : 0;
-
-			nw = json_ids(json_object_get(g, skip ? "ids_special" : "ids"), want, 65536);
-			ck_assert_int_eq(mlens_tokenizer_decode(tok, want, nw, fl, dec, dcap, &len), 0);
-			if (len != json_string_length(exp) || memcmp(dec, json_string_value(exp), len)) {
-				fprintf(stderr, "%s: decode%s: got \"%s\" want \"%s\"\n", line_err,
-					skip ? " (skip special)" : "", dec, json_string_value(exp));
-				ok = false;
-			}
-			if (!stream_matches(tok, want, nw, fl, json_string_value(exp), json_string_length(exp))) {
-				fprintf(stderr, "%s: streamed decode%s differs\n", line_err,
-					skip ? " (skip special)" : "");
-				ok = false;
-			}
-		}
+		ok &= golden_decode(tok, where, g, "ids", false, true);
+		ok &= golden_decode(tok, where, g, "ids_special", true, true);
 		bad += !ok;
 		free(raw);
 		json_decref(g);
@@ -261,46 +265,15 @@ static int check_goldens(const char *name)
 	ck_assert_uint_gt(lines, 50);
 	free(line);
 	fclose(f);
-	free(ids);
-	free(want);
-	free(dec);
 	mlens_tokenizer_free(tok);
 	return bad;
 }
 
-START_TEST(test_golden_bytelevel)
-{
-	ck_assert_int_eq(check_goldens("bytelevel"), 0);
-}
-END_TEST
+static const char *const fixtures[] = { "bytelevel", "gpt2", "llama3", "misc", "spm", "metaspace", "mistral_v1", "qwen" };
 
-START_TEST(test_golden_gpt2)
+START_TEST(test_golden)
 {
-	ck_assert_int_eq(check_goldens("gpt2"), 0);
-}
-END_TEST
-
-START_TEST(test_golden_spm)
-{
-	ck_assert_int_eq(check_goldens("spm"), 0);
-}
-END_TEST
-
-START_TEST(test_golden_metaspace)
-{
-	ck_assert_int_eq(check_goldens("metaspace"), 0);
-}
-END_TEST
-
-START_TEST(test_golden_mistral)
-{
-	ck_assert_int_eq(check_goldens("mistral_v1"), 0);
-}
-END_TEST
-
-START_TEST(test_golden_qwen)
-{
-	ck_assert_int_eq(check_goldens("qwen"), 0);
+	ck_assert_int_eq(check_goldens(fixtures[_i]), 0);
 }
 END_TEST
 
@@ -374,6 +347,15 @@ START_TEST(test_detok_byte_fallback)
 
 		expect_stream(tok, 0, ids, 3, want, "");
 	}
+	{
+		/* a whole decode turns the run E4 B8 AD FF into four U+FFFD (as
+		 * HF's ByteFallback); the stream has shown 中 already and goes
+		 * on with one U+FFFD for FF */
+		int32_t ids[] = { e4, b8, ad, ff, x };
+		static const char *const want[] = { "", "", "中", "\xEF\xBF\xBD", "x" };
+
+		expect_stream(tok, 0, ids, 5, want, "");
+	}
 	/* the leading space SentencePiece strips only at the real start, and
 	 * a skipped BOS changes nothing */
 	ck_assert_int_eq(mlens_tokenizer_encode(tok, "Hello world", 11, MLENS_TOK_ADD_SPECIAL, hello, 8, &n), 0);
@@ -396,6 +378,44 @@ START_TEST(test_detok_byte_fallback)
 		ck_assert_int_eq(mlens_detok_push(d, -1, &t, &len), -EINVAL);
 		mlens_detok_free(d);
 	}
+	mlens_tokenizer_free(tok);
+}
+END_TEST
+
+/* Random id lists, id by id: the pieces join to the whole decode. Byte
+ * tokens (<0xNN>) are drawn again: in random runs HF's ByteFallback
+ * would turn whole runs, valid characters included, into U+FFFD, which a
+ * stream that has shown them cannot follow (test_detok_byte_fallback
+ * states what it does there). */
+START_TEST(test_detok_random)
+{
+	struct mlens_tokenizer *tok = open_fixture(fixtures[_i]);
+	uint32_t v = mlens_tokenizer_vocab_size(tok);
+	uint64_t seed = 12345;
+	static char dec[65536];
+	int32_t ids[24];
+	size_t len;
+	int bad = 0;
+
+	for (int r = 0; r < 300; r++) {
+		size_t n = 1 + r % 24;
+
+		for (size_t i = 0; i < n; i++) {
+			const char *t;
+			size_t tl;
+
+			do {
+				seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+				ids[i] = (int32_t)((seed >> 33) % v);
+				t = mlens_tokenizer_id_token(tok, ids[i], &tl);
+			} while (!t || (tl == 6 && !memcmp(t, "<0x", 3)));
+		}
+		for (unsigned fl = 0; fl <= MLENS_TOK_SKIP_SPECIAL; fl += MLENS_TOK_SKIP_SPECIAL) {
+			ck_assert_int_eq(mlens_tokenizer_decode(tok, ids, n, fl, dec, sizeof(dec), &len), 0);
+			bad += !stream_matches(tok, ids, n, fl, dec, len);
+		}
+	}
+	ck_assert_int_eq(bad, 0);
 	mlens_tokenizer_free(tok);
 }
 END_TEST
@@ -428,6 +448,15 @@ START_TEST(test_lookups)
 	ck_assert_int_eq(mlens_tokenizer_eos(tok, eos, 4), 2);
 	ck_assert_int_eq(eos[1], 151643);
 	ck_assert_uint_eq(mlens_tokenizer_vocab_size(tok), 151646);
+	mlens_tokenizer_free(tok);
+
+	/* Llama 3 style: no tokenizer_config; BOS and EOS ids from
+	 * generation_config, the template adding BOS */
+	tok = open_fixture("llama3");
+	ck_assert_int_eq(mlens_tokenizer_bos(tok), 0);
+	ck_assert_int_eq(mlens_tokenizer_eos(tok, eos, 4), 2);
+	ck_assert_int_eq(eos[0], 1);
+	ck_assert_int_eq(eos[1], 2);
 	mlens_tokenizer_free(tok);
 
 	/* byte-level fixture: no BOS at all, EOS from tokenizer_config only */
@@ -538,6 +567,16 @@ START_TEST(test_bad_files)
 	ck_assert_ptr_null(tok);
 	ck_assert_ptr_nonnull(strstr(err, "/nonexistent-mlens-dir/tokenizer.json"));
 
+	{
+		char dir[512], path[600];
+
+		snprintf(dir, sizeof(dir), "%s/dir.XXXXXX", tmp_root);
+		ck_assert_ptr_nonnull(mkdtemp(dir));
+		snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+		ck_assert_int_eq(mkdir(path, 0700), 0);
+		ck_assert_int_eq(mlens_tokenizer_open(dir, &tok, err, sizeof(err)), -EINVAL);
+		ck_assert_ptr_nonnull(strstr(err, "tokenizer.json: not a regular file"));
+	}
 	ck_assert_int_eq(open_text("{\"model\": {", err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(err, "not valid JSON"));
 	ck_assert_int_eq(open_text("{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}", err, sizeof(err)), -ENOTSUP);
@@ -574,18 +613,14 @@ static Suite *tokenizer_suite(void)
 	TCase *g = tcase_create("golden");
 
 	tcase_set_timeout(g, 60);
-	tcase_add_test(g, test_golden_bytelevel);
-	tcase_add_test(g, test_golden_gpt2);
-	tcase_add_test(g, test_golden_spm);
-	tcase_add_test(g, test_golden_metaspace);
-	tcase_add_test(g, test_golden_mistral);
-	tcase_add_test(g, test_golden_qwen);
+	tcase_add_loop_test(g, test_golden, 0, sizeof(fixtures) / sizeof(fixtures[0]));
 	suite_add_tcase(s, g);
 
 	TCase *a = tcase_create("api");
 
 	tcase_set_timeout(a, 60);
 	tcase_add_test(a, test_detok_bytelevel_split);
+	tcase_add_loop_test(a, test_detok_random, 0, sizeof(fixtures) / sizeof(fixtures[0]));
 	tcase_add_test(a, test_detok_byte_fallback);
 	tcase_add_test(a, test_lookups);
 	tcase_add_test(a, test_short_buffers);

@@ -1,7 +1,7 @@
 # tests/tokenizer.mk: the tokenizer of libmlens against Hugging Face
 # goldens (check_tokenizer), the mlens tokenize/detokenize CLI, the
 # tokenizer.json fuzz target's corpus replay (make check) and libFuzzer
-# target (make fuzz-tokenizer).
+# target (make fuzz-tokenizer, run by tests/fuzz_build.sh).
 if HAVE_CHECK
 check_PROGRAMS += tests/check_tokenizer
 TESTS += tests/check_tokenizer
@@ -44,8 +44,7 @@ fuzz-tokenizer:
 endif
 .PHONY: fuzz-tokenizer
 CLEANFILES += tests/fuzz/fuzz_tokenizer
-dist_check_SCRIPTS += tests/tokenizer/fuzz.sh
-TESTS += tests/tokenizer/fuzz.sh
 
 # mlens-bench tokenizer
 tests_bench_mlens_bench_SOURCES += tests/bench/bench_tokenizer.c
+EXTRA_DIST += tests/tokenizer/hf_random.py

@@ -197,15 +197,19 @@ int mlens_bench_tokenizer(int argc, char **argv)
 		streamed += len;
 	}
 	t_stream = (double)(mlens_bench_now_ns() - t0) / 1e9;
+	double bpt = (double)n / (double)n_ids, first = n / t_cold / 1e6, enc = n / t_warm / 1e6;
+	double enc_tps = n_ids / t_warm, dec = out_len / t_dec / 1e6, dec_tps = n_ids / t_dec;
+	double stream_tps = n_ids / t_stream;
+	bool same = out_len == n && !memcmp(out, text, n);
+	const char *src = input ? input : "generated";
+
 	if (json)
 		printf("{\"bench\":\"tokenizer\",\"model\":\"%s\",\"input\":\"%s\",\"bytes\":%zu,"
 		       "\"tokens\":%zu,\"bytes_per_token\":%.3f,\"encode_first_mb_s\":%.2f,"
 		       "\"encode_mb_s\":%.2f,\"encode_tokens_s\":%.0f,\"decode_mb_s\":%.2f,"
 		       "\"decode_tokens_s\":%.0f,\"stream_tokens_s\":%.0f,\"roundtrip_ok\":%s}\n",
-		       dir, input ? input : "generated", n, n_ids, (double)n / (double)n_ids,
-		       n / t_cold / 1e6, n / t_warm / 1e6, n_ids / t_warm, out_len / t_dec / 1e6,
-		       n_ids / t_dec, n_ids / t_stream,
-		       out_len == n && !memcmp(out, text, n) ? "true" : "false");
+		       dir, src, n, n_ids, bpt, first, enc, enc_tps, dec, dec_tps, stream_tps,
+		       same ? "true" : "false");
 	else
 		printf("tokenizer %s, %s text: %zu bytes, %zu tokens (%.2f bytes/token)\n"
 		       "  encode, first pass   %8.2f MB/s\n"
@@ -213,10 +217,8 @@ int mlens_bench_tokenizer(int argc, char **argv)
 		       "  decode               %8.2f MB/s  %10.0f tokens/s\n"
 		       "  incremental decode                %10.0f tokens/s\n"
 		       "  round trip           %s\n",
-		       dir, input ? input : "generated", n, n_ids, (double)n / (double)n_ids,
-		       n / t_cold / 1e6, n / t_warm / 1e6, n_ids / t_warm, out_len / t_dec / 1e6,
-		       n_ids / t_dec, n_ids / t_stream,
-		       out_len == n && !memcmp(out, text, n) ? "exact" : "differs (normalization)");
+		       dir, src, n, n_ids, bpt, first, enc, enc_tps, dec, dec_tps, stream_tps,
+		       same ? "exact" : "differs (normalization)");
 	rc = rc ? 1 : 0;
 out:
 	mlens_detok_free(d);

