@@ -81,6 +81,8 @@ static struct ct_val strip(struct ct_render *r, const struct ct_str *s, const st
 	return ct_str_val(r, s->s + b, e - b);
 }
 
+/* how: 'U' upper, 'L' lower, 'C' capitalize, 'T' str.title (a word starts
+ * after any non-letter), 'J' Jinja's title filter (after blanks and -({[<) */
 static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, char how)
 {
 	struct ct_val v = ct_str_val(r, s->s, s->len);
@@ -90,7 +92,7 @@ static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, ch
 	for (size_t i = 0; i < s->len; i++) {
 		char c = p[i];
 		int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-		int up = how == 'U' || (how == 'T' && start) || (how == 'C' && i == 0);
+		int up = how == 'U' || ((how == 'T' || how == 'J') && start) || (how == 'C' && i == 0);
 
 		if (up && c >= 'a' && c <= 'z')
 			p[i] = (char)(c - 32);
@@ -98,6 +100,8 @@ static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, ch
 			p[i] = (char)(c + 32);
 		if (how == 'T')
 			start = !alpha && !(c & 0x80);
+		else if (how == 'J')
+			start = is_ws(c) || (c && strchr("-({[<", c));
 	}
 	return v;
 }
@@ -596,7 +600,7 @@ overflow:
 		ct_buf_put(&s, b.u.s->s, b.u.s->len);
 		return ct_buf_val(&s);
 	}
-	if (op == OP_ADD && a.type == CT_LIST && b.type == CT_LIST) {
+	if (op == OP_ADD && a.type == CT_LIST && b.type == CT_LIST && a.u.l->tuple == b.u.l->tuple) {
 		struct ct_list *l = ct_list_new(r, a.u.l->n + b.u.l->n);
 
 		memcpy(l->v, a.u.l->v, a.u.l->n * sizeof(*l->v));
@@ -916,6 +920,8 @@ static struct ct_val to_number(struct ct_render *r, int line, struct ct_val v, i
 			if (end != s && !*end && !memchr(s, '.', v.u.s->len))
 				return CT_INT_VAL(i);
 		}
+		if (strpbrk(s, "xXpP"))
+			return d;	/* strtod reads hex; Python's float() does not */
 		{
 			double f = strtod(s, &end);
 
@@ -1149,7 +1155,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	case F_CAPITALIZE:
 	case F_TITLE:
 		return change_case(r, ct_stringify(r, line, v).u.s,
-				   id == F_LOWER ? 'L' : id == F_UPPER ? 'U' : id == F_TITLE ? 'T' : 'C');
+				   id == F_LOWER ? 'L' : id == F_UPPER ? 'U' : id == F_TITLE ? 'J' : 'C');
 	case F_REPLACE: {
 		const struct ct_str *old = arg_str(r, line, a, 0, "old", "replace"),
 				    *new = arg_str(r, line, a, 1, "new", "replace");

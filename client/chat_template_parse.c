@@ -378,10 +378,12 @@ static size_t lex_tag(struct parser *p, size_t pos, int block, int *strip_after,
 			for (size_t i = 0; i < sizeof(two) / sizeof(two[0]); i++)
 				if (pos + 1 < p->len && !strncmp(s + pos, two[i], 2))
 					n = 2;
-			if (!n && strchr("+-*/%~<>=()[]{},.:|", c))
+			if (!n && c && strchr("+-*/%~<>=()[]{},.:|", c))
 				n = 1;
-			if (!n)
+			if (!n && c > ' ' && c < 0x7f)
 				perr(p, line, "unexpected character '%c' in a tag", c);
+			if (!n)
+				perr(p, line, "unexpected byte 0x%02x in a tag", (unsigned char)c);
 			if (c == '(' || c == '[' || c == '{')
 				depth++;
 			else if ((c == ')' || c == ']' || c == '}') && depth > 0)

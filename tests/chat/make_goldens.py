@@ -248,6 +248,10 @@ FEATURES = {
         "{% set d = messages[0] %}{{ d.get('role') }} {{ d.get('nope') }} {{ d.get('nope', 'x') }} "
         "{{ d.keys()|list }} {{ d.values()|list|length }} {{ d.items()|list|length }} "
         "{{ dict(a=1, b='c') }} {{ d['role'] }}"),
+    "edge_cases": (
+        "{{ \"o'neil mc-d (x)\"|title }} {{ \"o'neil 1st\".title() }} {{ '0x1A'|int }} "
+        "{{ ' 12 '|int }} {{ '1e3'|float }} {{ 'nan'|int }} {{ 'abc'[10:] }}|{{ 'a,b,,c'.split(',') }} "
+        "{{ messages|selectattr('content')|list|length }} {{ [1, 2] == [1, 2] }}"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
