@@ -360,7 +360,7 @@ struct ct_val ct_getitem(struct ct_render *r, int line, struct ct_val obj, struc
 		if (i < 0)
 			i += n;
 		if (i < 0 || i >= n)
-			return ct_undef(r, "'list object' has no element %lld", key.type == CT_INT ? key.u.i : i);
+			return ct_undef(r, "list object has no element %lld", key.type == CT_INT ? key.u.i : i);
 		return obj.u.l->v[i];
 	} else {
 		size_t n, *off = cp_offsets(r, obj.u.s, &n);

@@ -115,8 +115,13 @@ START_TEST(test_goldens)
 						xs, &out, &out_len, &err);
 		mlens_chat_template_free(t);
 		if (error) {
+			/* raise_exception: the message as is; an undefined value: the
+			 * same message after the template line */
+			int raised = !strcmp(json_string_value(json_object_get(c, "error_type")), "raise");
+
 			n_err++;
-			if (rc != -EBADMSG || strcmp(err, error)) {
+			if (raised ? rc != -EBADMSG || strcmp(err, error) :
+				     rc != -EINVAL || !strstr(err, error)) {
 				fprintf(stderr, "%s: expected the error \"%s\", got %d \"%s\"\n", name, error, rc,
 					err ? err : "(rendered)");
 				n_bad++;

@@ -107,6 +107,27 @@ QWEN3_TOOL_LOOP = [
     {"role": "assistant", "content": "<think>\nGot it.\n</think>\n\nSunny.", },
 ]
 
+LLAMA_TOOL_TURNS = [
+    {"role": "system", "content": "  You can call tools.  "},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "sunny, 21"},
+    {"role": "assistant", "content": "It is sunny."},
+]
+LLAMA_BUILTIN = [
+    {"role": "user", "content": "Search for mlens"},
+    {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "brave_search", "arguments": {"query": "mlens"}}}]},
+    {"role": "ipython", "content": "results"},
+]
+LLAMA_TWO_CALLS = [
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": {}}},
+        {"type": "function", "function": {"name": "b", "arguments": {}}}]},
+]
+
 # ---- the real templates --------------------------------------------------
 
 S, ES = "<s>", "</s>"
@@ -142,6 +163,13 @@ REAL = [
         ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("multi", MULTI, None)]),
     ("llama-3-instruct", "<|begin_of_text|>", "<|eot_id|>", [
         ("user", USER, None), ("sys_multi", SYS_MULTI, None)]),
+    ("llama-3.3-instruct", "<|begin_of_text|>", "<|eot_id|>", [
+        ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("tools", SYS_USER, TOOLS),
+        ("tool_turns", LLAMA_TOOL_TURNS, TOOLS),
+        ("tools_in_system", LLAMA_TOOL_TURNS, dict(TOOLS, tools_in_user_message=False,
+                                                   date_string="3 Dec 2026")),
+        ("builtin_tools", LLAMA_BUILTIN, {"builtin_tools": ["brave_search", "code_interpreter"]}),
+        ("two_calls", LLAMA_TWO_CALLS, None), ("no_user_for_tools", [], TOOLS)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [
@@ -277,8 +305,12 @@ def render(text, bos, eos, messages, add_gen, extra):
         out, _ = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
                                        chat_template=text, add_generation_prompt=add_gen, **kwargs)
         return {"expected": out[0]}
+    except jinja2.exceptions.UndefinedError as e:
+        # an undefined value used: libmlens says the same, after the line
+        return {"error": str(e), "error_type": "undefined"}
     except jinja2.exceptions.TemplateError as e:
-        return {"error": str(e)}
+        # raise_exception(): libmlens returns the template's message as is
+        return {"error": str(e), "error_type": "raise"}
 
 
 def main():
