@@ -373,13 +373,30 @@ struct ct_val ct_getitem(struct ct_render *r, int line, struct ct_val obj, struc
 	}
 }
 
-static long long slice_index(struct ct_render *r, int line, struct ct_val *v)
+static long long slice_index(struct ct_render *r, int line, const struct ct_val *v)
 {
 	if (v->type == CT_INT)
 		return v->u.i;
 	if (v->type == CT_BOOL)
 		return v->u.b;
 	ct_fail(r, line, "slice indices must be integers or none, not %s", ct_type_name(*v));
+}
+
+/* One end of a slice of n items with step s, as PySlice_AdjustIndices:
+ * negative counts from the end, then clamped; dflt when absent. */
+static long long slice_bound(struct ct_render *r, int line, const struct ct_val *v, long long n,
+			     long long s, long long dflt)
+{
+	long long i;
+
+	if (!v || v->type == CT_NONE)
+		return dflt;
+	i = slice_index(r, line, v);
+	if (i < 0 && (i += n) < 0)
+		i = s < 0 ? -1 : 0;
+	else if (i >= n)
+		i = s < 0 ? n - 1 : n;
+	return i;
 }
 
 struct ct_val ct_slice(struct ct_render *r, int line, struct ct_val obj, struct ct_val *start,
@@ -404,25 +421,8 @@ struct ct_val ct_slice(struct ct_render *r, int line, struct ct_val obj, struct 
 	} else {
 		ct_fail(r, line, "a %s cannot be sliced", ct_type_name(obj));
 	}
-	/* as PySlice_AdjustIndices */
-	if (start && start->type != CT_NONE) {
-		b = slice_index(r, line, start);
-		if (b < 0 && (b += n) < 0)
-			b = s < 0 ? -1 : 0;
-		else if (b >= n)
-			b = s < 0 ? n - 1 : n;
-	} else {
-		b = s < 0 ? n - 1 : 0;
-	}
-	if (stop && stop->type != CT_NONE) {
-		e = slice_index(r, line, stop);
-		if (e < 0 && (e += n) < 0)
-			e = s < 0 ? -1 : 0;
-		else if (e >= n)
-			e = s < 0 ? n - 1 : n;
-	} else {
-		e = s < 0 ? -1 : n;
-	}
+	b = slice_bound(r, line, start, n, s, s < 0 ? n - 1 : 0);
+	e = slice_bound(r, line, stop, n, s, s < 0 ? -1 : n);
 	if (obj.type == CT_LIST) {
 		l = ct_list_new(r, 0);
 		l->tuple = obj.u.l->tuple;
