@@ -373,6 +373,31 @@ struct ct_val ct_getitem(struct ct_render *r, int line, struct ct_val obj, struc
 	}
 }
 
+/* item.a.0.b as Jinja's attribute= arguments name it: dotted parts, those
+ * of digits as indexes; an integer is one index. */
+static struct ct_val attr_path(struct ct_render *r, int line, struct ct_val v, struct ct_val path)
+{
+	const char *p;
+
+	if (path.type != CT_STR)
+		return ct_getitem(r, line, v, path);
+	p = path.u.s->s;
+	for (;;) {
+		const char *dot = strchr(p, '.');
+		size_t len = dot ? (size_t)(dot - p) : strlen(p), k = 0;
+		struct ct_val part = ct_str_val(r, p, len);
+
+		while (k < len && p[k] >= '0' && p[k] <= '9')
+			k++;
+		if (len && k == len && len < 18)
+			part = CT_INT_VAL(strtoll(part.u.s->s, NULL, 10));
+		v = ct_getitem(r, line, v, part);
+		if (!dot)
+			return v;
+		p = dot + 1;
+	}
+}
+
 static long long slice_index(struct ct_render *r, int line, const struct ct_val *v)
 {
 	if (v->type == CT_INT)
@@ -505,6 +530,55 @@ static int contains(struct ct_render *r, int line, struct ct_val item, struct ct
 	}
 }
 
+/* 'fmt' % args with the conversions %s, %r, %d, %i and %%, as Python's */
+static struct ct_val percent_format(struct ct_render *r, int line, const struct ct_str *fmt,
+				    struct ct_val args)
+{
+	struct ct_buf b = { .r = r };
+	const struct ct_val *v = &args;
+	size_t n = 1, k = 0;
+
+	if (args.type == CT_LIST && args.u.l->tuple) {
+		v = args.u.l->v;
+		n = args.u.l->n;
+	}
+	for (size_t i = 0; i < fmt->len; i++) {
+		char c = fmt->s[i], conv = i + 1 < fmt->len ? fmt->s[i + 1] : 0;
+
+		if (c != '%') {
+			ct_buf_put(&b, &c, 1);
+			continue;
+		}
+		i++;
+		if (conv == '%') {
+			ct_buf_put(&b, "%", 1);
+			continue;
+		}
+		if (conv != 's' && conv != 'r' && conv != 'd' && conv != 'i')
+			ct_fail(r, line, "'%%' formatting: only %%s, %%r, %%d and %%i are supported");
+		if (k == n)
+			ct_fail(r, line, "not enough arguments for format string");
+		if (conv == 's') {
+			ct_to_str(&b, line, v[k]);
+		} else if (conv == 'r') {
+			ct_repr(&b, line, v[k]);
+		} else {
+			char num[32];
+
+			if (!is_num(v[k]))
+				ct_fail(r, line, "%%%c format: a number is required, not %s", conv, ct_type_name(v[k]));
+			if (v[k].type == CT_FLOAT && (v[k].u.f != v[k].u.f || fabs(v[k].u.f) >= 9.2e18))
+				ct_fail(r, line, "%%%c format: %g does not fit an integer", conv, v[k].u.f);
+			snprintf(num, sizeof(num), "%lld", v[k].type == CT_FLOAT ? (long long)v[k].u.f : inum(v[k]));
+			ct_buf_puts(&b, num);
+		}
+		k++;
+	}
+	if (k < n)
+		ct_fail(r, line, "not all arguments converted during string formatting");
+	return ct_buf_val(&b);
+}
+
 struct ct_val ct_binop(struct ct_render *r, int line, int op, struct ct_val a, struct ct_val b)
 {
 	switch (op) {
@@ -614,7 +688,7 @@ overflow:
 	if (op == OP_MUL && (b.type == CT_STR || b.type == CT_LIST) && (a.type == CT_INT || a.type == CT_BOOL))
 		return repeat(r, line, b, inum(a));
 	if (op == OP_MOD && a.type == CT_STR)
-		ct_fail(r, line, "printf-style '%%' string formatting is not supported; use ~ or format()");
+		return percent_format(r, line, a.u.s, b);
 	ct_fail(r, line, "unsupported operand types for %s: %s and %s", OP_NAMES[op], ct_type_name(a),
 		ct_type_name(b));
 }
@@ -730,7 +804,7 @@ int ct_test_by_name(struct ct_render *r, int line, const char *name, struct ct_v
 struct sort_ctx {
 	struct ct_render *r;
 	int line, ci, rev;
-	const char *attr;
+	const struct ct_val *attr;	/* attribute= (NULL: the items themselves) */
 	int by_value;	/* dictsort: items are (key, value) pairs */
 };
 
@@ -739,7 +813,7 @@ static struct ct_val sort_key(struct sort_ctx *c, struct ct_val v)
 	if (c->by_value >= 0 && v.type == CT_LIST && v.u.l->n == 2)
 		v = v.u.l->v[c->by_value];
 	if (c->attr)
-		v = ct_getattr(c->r, c->line, v, c->attr);
+		v = attr_path(c->r, c->line, v, *c->attr);
 	if (c->ci && v.type == CT_STR)
 		v = change_case(c->r, v.u.s, 'L');
 	return v;
@@ -850,14 +924,15 @@ static struct ct_val select_items(struct ct_render *r, int line, int id, struct 
 	int by_attr = id == F_SELECTATTR || id == F_REJECTATTR;
 	int keep_if = id == F_SELECT || id == F_SELECTATTR;
 	struct ct_list *in = ct_iterate(r, line, v), *out = ct_list_new(r, 0);
-	const char *attr = NULL, *test = NULL;
+	const struct ct_val *attr = NULL;
+	const char *test = NULL;
 	struct ct_args targs = { 0 };
 	size_t t = 0;
 
 	if (by_attr) {
-		if (a->n_pos < 1 || a->pos[0].type != CT_STR)
+		if (a->n_pos < 1 || (a->pos[0].type != CT_STR && a->pos[0].type != CT_INT))
 			ct_fail(r, line, "%s needs an attribute name", filter_name(id));
-		attr = a->pos[0].u.s->s;
+		attr = &a->pos[0];
 		t = 1;
 	}
 	if (a->n_pos > t) {
@@ -869,24 +944,10 @@ static struct ct_val select_items(struct ct_render *r, int line, int id, struct 
 		targs = rest(a, t + 1);
 	}
 	for (size_t i = 0; i < in->n; i++) {
-		struct ct_val x = in->v[i];
+		struct ct_val x = attr ? attr_path(r, line, in->v[i], *attr) : in->v[i];
 		int ok;
 
 		r->steps++;
-		if (attr) {
-			/* dotted paths, as Jinja's make_attrgetter */
-			const char *p = attr;
-
-			while (*p) {
-				const char *dot = strchr(p, '.');
-				size_t len = dot ? (size_t)(dot - p) : strlen(p);
-				char name[128];
-
-				snprintf(name, sizeof(name), "%.*s", (int)len, p);
-				x = ct_getitem(r, line, x, ct_cstr(r, name));
-				p += len + (dot != NULL);
-			}
-		}
 		ok = test ? ct_test_by_name(r, line, test, x, &targs) : ct_truthy(x);
 		if (ok == keep_if)
 			ct_list_push(r, out, in->v[i]);
@@ -1108,8 +1169,8 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 
 			if (i && sep)
 				ct_buf_put(&b, sep->s, sep->len);
-			if (attr && attr->type == CT_STR)
-				x = ct_getitem(r, line, x, *attr);
+			if (attr)
+				x = attr_path(r, line, x, *attr);
 			ct_to_str(&b, line, x);
 		}
 		return ct_buf_val(&b);
@@ -1134,7 +1195,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 			if (fname) {
 				x = ct_filter_by_name(r, line, fname, x, &fargs);
 			} else {
-				x = ct_getitem(r, line, x, *attr);
+				x = attr_path(r, line, x, *attr);
 				if (x.type == CT_UNDEF && def)
 					x = *def;
 			}
@@ -1188,9 +1249,8 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 		return list_val(sorted(&c, ct_filter(r, line, F_ITEMS, v, &(struct ct_args){ 0 }).u.l));
 	}
 	case F_SORT: {
-		const struct ct_str *attr = arg_str(r, line, a, 2, "attribute", "sort");
 		struct sort_ctx c = { r, line, !arg_bool(a, 1, "case_sensitive", 0),
-				      arg_bool(a, 0, "reverse", 0), attr ? attr->s : NULL, -1 };
+				      arg_bool(a, 0, "reverse", 0), arg(a, 2, "attribute"), -1 };
 
 		return list_val(sorted(&c, ct_iterate(r, line, v)));
 	}
@@ -1198,8 +1258,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	case F_MIN:
 	case F_MAX: {
 		int ci = !arg_bool(a, 0, "case_sensitive", 0);
-		const struct ct_str *attr = arg_str(r, line, a, 1, "attribute", name);
-		struct sort_ctx c = { r, line, ci, 0, attr ? attr->s : NULL, -1 };
+		struct sort_ctx c = { r, line, ci, 0, arg(a, 1, "attribute"), -1 };
 		struct ct_list *in = ct_iterate(r, line, v), *out = ct_list_new(r, 0);
 
 		for (size_t i = 0; i < in->n; i++) {
@@ -1235,8 +1294,8 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 		for (size_t i = 0; i < in->n; i++) {
 			struct ct_val x = in->v[i];
 
-			if (attr && attr->type == CT_STR)
-				x = ct_getitem(r, line, x, *attr);
+			if (attr)
+				x = attr_path(r, line, x, *attr);
 			acc = ct_binop(r, line, OP_ADD, acc, x);
 		}
 		return acc;
@@ -1255,6 +1314,8 @@ static const char *const DICT_METHODS[] = { "items", "keys", "values", "get" };
 
 int ct_has_method(struct ct_val obj, const char *name)
 {
+	if (obj.type == CT_LOOP)
+		return !strcmp(name, "cycle");
 	if (obj.type == CT_STR) {
 		for (size_t i = 0; i < countof(STR_METHODS); i++)
 			if (!strcmp(name, STR_METHODS[i]))
@@ -1341,6 +1402,12 @@ static struct ct_val format(struct ct_render *r, int line, const struct ct_str *
 struct ct_val ct_method(struct ct_render *r, int line, struct ct_val obj, const char *name,
 			const struct ct_args *a)
 {
+	if (obj.type == CT_LOOP) {
+		/* loop.cycle(a, b, ...): the argument for this turn */
+		if (!a->n_pos)
+			ct_fail(r, line, "loop.cycle() needs at least one value");
+		return a->pos[obj.u.loop->i % a->n_pos];
+	}
 	if (obj.type == CT_DICT) {
 		struct ct_dict *d = obj.u.d;
 		struct ct_list *l;

@@ -209,7 +209,8 @@ START_TEST(test_render_errors)
 	expect_render_error("{{ nothing + 1 }}", -EINVAL, "'nothing' is undefined");
 	expect_render_error("{{ 'a' + 1 }}", -EINVAL, "unsupported operand types for +: str and int");
 	expect_render_error("{{ 1 // 0 }}", -EINVAL, "division by zero");
-	expect_render_error("{{ '%s' % 1 }}", -EINVAL, "'%' string formatting is not supported");
+	expect_render_error("{{ '%5d' % 1 }}", -EINVAL, "only %s, %r, %d and %i are supported");
+	expect_render_error("{{ '%s %s' % ('a',) }}", -EINVAL, "not enough arguments for format string");
 	expect_render_error("{% set x = 1 %}{% set x.a = 2 %}", -EINVAL, "only namespace() objects take attributes");
 	expect_render_error("{% for a, b in [1] %}{% endfor %}", -EINVAL, "cannot unpack a int into 2 names");
 	expect_render_error("{{ raise_exception('no tools here') }}", -EBADMSG, "no tools here");

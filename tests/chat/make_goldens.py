@@ -280,6 +280,16 @@ FEATURES = {
         "{{ \"o'neil mc-d (x)\"|title }} {{ \"o'neil 1st\".title() }} {{ '0x1A'|int }} "
         "{{ ' 12 '|int }} {{ '1e3'|float }} {{ 'nan'|int }} {{ 'abc'[10:] }}|{{ 'a,b,,c'.split(',') }} "
         "{{ messages|selectattr('content')|list|length }} {{ [1, 2] == [1, 2] }}"),
+    "attribute_paths": (
+        "{% set tc = [{'function': {'name': 'f', 'n': 2}}, {'function': {'name': 'g', 'n': 1}}] %}"
+        "{{ tc|map(attribute='function.name')|join(',') }} "
+        "{{ tc|selectattr('function.name', 'eq', 'g')|list|length }} "
+        "{{ [[1, 2], [3, 4]]|map(attribute='0')|list }} {{ [[1, 2], [3, 4]]|map(attribute=1)|list }} "
+        "{{ tc|sort(attribute='function.n')|map(attribute='function.name')|list }} "
+        "{{ tc|sum(attribute='function.n') }} {{ tc|join('/', attribute='function.name') }}"),
+    "percent_cycle": (
+        "{{ '%s and %r' % ('a', 'b') }} {{ '%d%%' % 5.7 }} {{ '%i' % true }} {{ '%s' % [1, 2] }} "
+        "{% for m in messages %}{{ loop.cycle('odd', 'even') }} {% endfor %}"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
