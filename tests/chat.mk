@@ -9,7 +9,7 @@ check_PROGRAMS += tests/check_chat
 TESTS += tests/check_chat
 tests_check_chat_SOURCES = tests/check_chat.c
 tests_check_chat_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_chat_LDADD = client/libmlens.la $(CHECK_LIBS) $(JANSSON_LIBS)
+tests_check_chat_LDADD = client/libmlens.la $(CHECK_LIBS) $(JANSSON_LIBS) $(PTHREAD_LIBS)
 endif
 EXTRA_DIST += tests/chat/make_goldens.py tests/chat/goldens.json tests/chat/templates \
 	tests/chat/fuzz-corpus

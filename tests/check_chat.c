@@ -4,9 +4,11 @@
  * renders byte for byte the same, or fails with the same raise_exception
  * message; broken templates fail at parse time naming the construct and its
  * line; hostile ones stop at the render limits; templates load from a model
- * directory the ways Hugging Face stores them. */
+ * directory the ways Hugging Face stores them; threads render one template
+ * at once. */
 #include <check.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -301,6 +303,67 @@ START_TEST(test_strftime_now)
 }
 END_TEST
 
+/* ==== One template, several threads ==== */
+
+struct render_job {
+	const struct mlens_chat_template *t;
+	const char *msgs, *extra, *want;
+	int bad;
+};
+
+static void *render_many(void *arg)
+{
+	struct render_job *j = arg;
+
+	for (int i = 0; i < 200; i++) {
+		char *out = NULL;
+
+		if (mlens_chat_template_render(j->t, j->msgs, i & 1, j->extra, &out, NULL, NULL) ||
+		    strcmp(out, j->want + ((i & 1) ? 0 : strlen(j->want) + 1)))
+			j->bad++;
+		free(out);
+	}
+	return NULL;
+}
+
+START_TEST(test_threads)
+{
+	static const char msgs[] =
+		"[{\"role\": \"user\", \"content\": \"Weather?\"}, {\"role\": \"assistant\", \"content\": \"\","
+		" \"tool_calls\": [{\"type\": \"function\", \"function\": {\"name\": \"w\", \"arguments\": {\"c\": 1}}}]},"
+		" {\"role\": \"tool\", \"content\": \"sunny\"}]";
+	static const char extra[] = "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]}";
+	struct mlens_chat_template *t;
+	struct render_job jobs[4];
+	pthread_t th[4];
+	char path[4096], *text, *gen, *nogen, *want;
+
+	snprintf(path, sizeof(path), "%s/tests/chat/templates/qwen3.jinja", srcdir());
+	text = slurp(path);
+	ck_assert_int_eq(mlens_chat_template_parse(text, strlen(text), NULL, "<|im_end|>", &t, NULL), 0);
+	ck_assert_int_eq(mlens_chat_template_render(t, msgs, 1, extra, &gen, NULL, NULL), 0);
+	ck_assert_int_eq(mlens_chat_template_render(t, msgs, 0, extra, &nogen, NULL, NULL), 0);
+	ck_assert(strstr(gen, "<tool_call>\n{\"name\": \"w\", \"arguments\": {\"c\": 1}}"));
+	/* want: the generation-prompt text, NUL, the other */
+	want = malloc(strlen(gen) + strlen(nogen) + 2);
+	strcpy(want, gen);
+	strcpy(want + strlen(gen) + 1, nogen);
+	for (int i = 0; i < 4; i++) {
+		jobs[i] = (struct render_job){ t, msgs, extra, want, 0 };
+		ck_assert_int_eq(pthread_create(&th[i], NULL, render_many, &jobs[i]), 0);
+	}
+	for (int i = 0; i < 4; i++) {
+		pthread_join(th[i], NULL);
+		ck_assert_int_eq(jobs[i].bad, 0);
+	}
+	free(want);
+	free(gen);
+	free(nogen);
+	free(text);
+	mlens_chat_template_free(t);
+}
+END_TEST
+
 /* ==== Loading from a model directory ==== */
 
 static char dir[64];
@@ -407,6 +470,7 @@ static Suite *chat_suite(void)
 	tcase_add_test(t, test_limits);
 	tcase_add_test(t, test_bad_input);
 	tcase_add_test(t, test_strftime_now);
+	tcase_add_test(t, test_threads);
 	tcase_add_test(t, test_open);
 	suite_add_tcase(s, t);
 	return s;
