@@ -40,11 +40,33 @@ static size_t cp_len(const char *s, size_t n)
 	return k;
 }
 
-/* does the code point at s (k bytes) occur in chars? */
+/* Is the code point at s (k bytes of UTF-8) whitespace to Python's
+ * str.strip() and str.split()? ASCII blanks, U+001C-001F, U+0085, U+00A0,
+ * U+1680, U+2000-200A, U+2028, U+2029, U+202F, U+205F, U+3000. */
+static int is_space_cp(const char *s, size_t k)
+{
+	const unsigned char *u = (const unsigned char *)s;
+
+	if (k == 1)
+		return is_ws(s[0]) || (u[0] >= 0x1c && u[0] <= 0x1f);
+	if (k == 2)
+		return u[0] == 0xc2 && (u[1] == 0x85 || u[1] == 0xa0);
+	if (k != 3)
+		return 0;
+	if (u[0] == 0xe1)
+		return u[1] == 0x9a && u[2] == 0x80;
+	if (u[0] == 0xe2 && u[1] == 0x80)
+		return u[2] <= 0x8a || u[2] == 0xa8 || u[2] == 0xa9 || u[2] == 0xaf;
+	if (u[0] == 0xe2 && u[1] == 0x81)
+		return u[2] == 0x9f;
+	return u[0] == 0xe3 && u[1] == 0x80 && u[2] == 0x80;
+}
+
+/* does the code point at s (k bytes) occur in chars (NULL: whitespace)? */
 static int in_chars(const char *s, size_t k, const struct ct_str *chars)
 {
 	if (!chars)
-		return k == 1 && is_ws(*s);
+		return is_space_cp(s, k);
 	for (size_t i = 0; i < chars->len;) {
 		size_t m = cp_len(chars->s + i, chars->len - i);
 
@@ -162,24 +184,23 @@ static struct ct_val split(struct ct_render *r, const struct ct_str *s, const st
 	size_t i = 0;
 
 	if (!sep) {
+		/* runs of whitespace separate; none at either end */
 		for (;;) {
-			size_t b;
+			size_t b, k = 0;
 
-			while (i < s->len && is_ws(s->s[i]))
-				i++;
+			while (i < s->len && is_space_cp(s->s + i, k = cp_len(s->s + i, s->len - i)))
+				i += k;
 			if (i == s->len)
 				break;
 			if (maxsplit == 0) {
-				size_t e = s->len;
+				struct ct_val tail = ct_str_val(r, s->s + i, s->len - i);
 
-				while (e > i && is_ws(s->s[e - 1]))
-					e--;
-				ct_list_push(r, l, ct_str_val(r, s->s + i, e - i));
+				ct_list_push(r, l, strip(r, tail.u.s, NULL, 0, 1));
 				break;
 			}
 			b = i;
-			while (i < s->len && !is_ws(s->s[i]))
-				i++;
+			while (i < s->len && !is_space_cp(s->s + i, k = cp_len(s->s + i, s->len - i)))
+				i += k;
 			ct_list_push(r, l, ct_str_val(r, s->s + b, i - b));
 			maxsplit--;
 		}

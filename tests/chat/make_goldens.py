@@ -290,6 +290,9 @@ FEATURES = {
     "percent_cycle": (
         "{{ '%s and %r' % ('a', 'b') }} {{ '%d%%' % 5.7 }} {{ '%i' % true }} {{ '%s' % [1, 2] }} "
         "{% for m in messages %}{{ loop.cycle('odd', 'even') }} {% endfor %}"),
+    "unicode_space": (
+        "[{{ '\u00a0\u3000 x \u2003y\u00a0\n'|trim }}][{{ '\u00a0a\u2028b  c\u205f'.split() }}]"
+        "[{{ 'a\u00a0b c'.split(none, 1) }}][{{ '\x1fz\x85'.strip() }}][{{ 'é'.strip() }}]"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
