@@ -235,6 +235,26 @@ START_TEST(test_limits)
 	expect_render_error("{{ 'x' * 1000000000 }}", -E2BIG, "more than the template may take");
 	expect_render_error("{% set ns = namespace(l=[]) %}{% for i in range(5000) %}{% set ns.l = [ns.l] %}"
 			    "{% endfor %}{{ ns.l }}", -E2BIG, "nested deeper");
+	/* a real template's runaway recursion: Hermes 3 recurses on each letter
+	 * of a type name it does not know ("null"), which Python stops with a
+	 * RecursionError */
+	{
+		char path[4096], *text, *out = NULL, *err = NULL;
+		struct mlens_chat_template *t;
+
+		snprintf(path, sizeof(path), "%s/tests/chat/templates/hermes-3-llama-3.1-tool-use.jinja", srcdir());
+		text = slurp(path);
+		ck_assert_int_eq(mlens_chat_template_parse(text, strlen(text), NULL, NULL, &t, NULL), 0);
+		ck_assert_int_eq(mlens_chat_template_render(t, MSGS, 1,
+			"{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\","
+			" \"parameters\": {\"properties\": {\"a\": {\"type\": [\"integer\", \"null\"]}}}}}]}",
+			&out, NULL, &err), -E2BIG);
+		ck_assert_msg(strstr(err, "nesting deeper than 256 levels (recursive macro?)"), "%s", err);
+		ck_assert(out == NULL);
+		free(err);
+		free(text);
+		mlens_chat_template_free(t);
+	}
 	/* parse-time nesting */
 	{
 		char *deep = malloc(7000);

@@ -128,6 +128,25 @@ LLAMA_TWO_CALLS = [
         {"type": "function", "function": {"name": "b", "arguments": {}}}]},
 ]
 
+RICH_TOOLS = {"tools": [WEATHER_TOOL, {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "  Search the web  ",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "queries": {"type": "array", "items": {"type": "string"}, "description": "What to search"},
+                "limit": {"type": ["integer", "string"], "description": "At most this many"},
+                "filters": {"type": "object", "additionalProperties": {"type": "boolean"},
+                            "description": "Named filters"},
+                "raw": {"description": "Anything"},
+            },
+        },
+        "return": {"type": "array", "description": "The hits"},
+    }}, {"type": "function", "function": {"name": "noop", "description": "Nothing",
+                                          "parameters": {"type": "object", "properties": {}}}}]}
+
 # ---- the real templates --------------------------------------------------
 
 S, ES = "<s>", "</s>"
@@ -170,6 +189,9 @@ REAL = [
                                                    date_string="3 Dec 2026")),
         ("builtin_tools", LLAMA_BUILTIN, {"builtin_tools": ["brave_search", "code_interpreter"]}),
         ("two_calls", LLAMA_TWO_CALLS, None), ("no_user_for_tools", [], TOOLS)]),
+    ("hermes-3-llama-3.1-tool-use", "<|begin_of_text|>", "<|im_end|>", [
+        ("tools", SYS_USER, RICH_TOOLS), ("tool_turns", TOOL_TURNS, TOOLS),
+        ("qwen3_tool_loop", QWEN3_TOOL_LOOP, RICH_TOOLS)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [

@@ -35,7 +35,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 	if (mlens_chat_template_parse((const char *)data, tlen, "<s>", "</s>", &t, &err) == 0) {
 		t->limits = (struct ct_limits){ .max_output = 1u << 20, .max_memory = 64u << 20,
-						.max_steps = 200000, .max_depth = 400 };
+						.max_steps = 200000, .max_depth = 256 };
 		if (nul) {
 			msgs = malloc(size - tlen);
 			memcpy(msgs, nul + 1, size - tlen - 1);
