@@ -192,6 +192,8 @@ REAL = [
     ("hermes-3-llama-3.1-tool-use", "<|begin_of_text|>", "<|im_end|>", [
         ("tools", SYS_USER, RICH_TOOLS), ("tool_turns", TOOL_TURNS, TOOLS),
         ("qwen3_tool_loop", QWEN3_TOOL_LOOP, RICH_TOOLS)]),
+    ("olmo-2-instruct", "<|endoftext|>", "<|endoftext|>", [
+        ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("multi", MULTI, None)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [
