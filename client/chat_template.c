@@ -19,7 +19,7 @@
 #define CT_MAX_OUTPUT (64u << 20)
 #define CT_MAX_MEMORY (256u << 20)
 #define CT_MAX_STEPS 50000000ul
-#define CT_MAX_DEPTH 400
+#define CT_MAX_DEPTH 256
 
 /* Template files read from a model directory are at most this big. */
 #define CT_MAX_FILE (16u << 20)

@@ -375,11 +375,6 @@ static struct ct_val eval_node(struct ct_render *r, struct ct_frame *f, const st
 		t = ct_test(r, n->line, n->id, v, &a);
 		return CT_BOOL_VAL(n->op ? !t : t);
 	}
-	case E_BIN:
-		v = eval(r, f, n->a);
-		w = eval(r, f, n->b);
-		v = ct_binop(r, n->line, n->op, v, w);
-		return v;
 	case E_NEG:
 	case E_POS:
 		v = eval(r, f, n->a);
@@ -407,6 +402,7 @@ static struct ct_val eval_node(struct ct_render *r, struct ct_frame *f, const st
 		if (!ct_truthy(v))
 			v = eval(r, f, n->b);
 		return v;
+	case E_BIN:
 	case E_CMP:
 		v = eval(r, f, n->a);
 		w = eval(r, f, n->b);

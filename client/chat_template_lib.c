@@ -40,11 +40,33 @@ static size_t cp_len(const char *s, size_t n)
 	return k;
 }
 
-/* does the code point at s (k bytes) occur in chars? */
+/* Is the code point at s (k bytes of UTF-8) whitespace to Python's
+ * str.strip() and str.split()? ASCII blanks, U+001C-001F, U+0085, U+00A0,
+ * U+1680, U+2000-200A, U+2028, U+2029, U+202F, U+205F, U+3000. */
+static int is_space_cp(const char *s, size_t k)
+{
+	const unsigned char *u = (const unsigned char *)s;
+
+	if (k == 1)
+		return is_ws(s[0]) || (u[0] >= 0x1c && u[0] <= 0x1f);
+	if (k == 2)
+		return u[0] == 0xc2 && (u[1] == 0x85 || u[1] == 0xa0);
+	if (k != 3)
+		return 0;
+	if (u[0] == 0xe1)
+		return u[1] == 0x9a && u[2] == 0x80;
+	if (u[0] == 0xe2 && u[1] == 0x80)
+		return u[2] <= 0x8a || u[2] == 0xa8 || u[2] == 0xa9 || u[2] == 0xaf;
+	if (u[0] == 0xe2 && u[1] == 0x81)
+		return u[2] == 0x9f;
+	return u[0] == 0xe3 && u[1] == 0x80 && u[2] == 0x80;
+}
+
+/* does the code point at s (k bytes) occur in chars (NULL: whitespace)? */
 static int in_chars(const char *s, size_t k, const struct ct_str *chars)
 {
 	if (!chars)
-		return k == 1 && is_ws(*s);
+		return is_space_cp(s, k);
 	for (size_t i = 0; i < chars->len;) {
 		size_t m = cp_len(chars->s + i, chars->len - i);
 
@@ -81,6 +103,8 @@ static struct ct_val strip(struct ct_render *r, const struct ct_str *s, const st
 	return ct_str_val(r, s->s + b, e - b);
 }
 
+/* how: 'U' upper, 'L' lower, 'C' capitalize, 'T' str.title (a word starts
+ * after any non-letter), 'J' Jinja's title filter (after blanks and -({[<) */
 static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, char how)
 {
 	struct ct_val v = ct_str_val(r, s->s, s->len);
@@ -90,7 +114,7 @@ static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, ch
 	for (size_t i = 0; i < s->len; i++) {
 		char c = p[i];
 		int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-		int up = how == 'U' || (how == 'T' && start) || (how == 'C' && i == 0);
+		int up = how == 'U' || ((how == 'T' || how == 'J') && start) || (how == 'C' && i == 0);
 
 		if (up && c >= 'a' && c <= 'z')
 			p[i] = (char)(c - 32);
@@ -98,6 +122,8 @@ static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, ch
 			p[i] = (char)(c + 32);
 		if (how == 'T')
 			start = !alpha && !(c & 0x80);
+		else if (how == 'J')
+			start = is_ws(c) || (c && strchr("-({[<", c));
 	}
 	return v;
 }
@@ -158,24 +184,23 @@ static struct ct_val split(struct ct_render *r, const struct ct_str *s, const st
 	size_t i = 0;
 
 	if (!sep) {
+		/* runs of whitespace separate; none at either end */
 		for (;;) {
-			size_t b;
+			size_t b, k = 0;
 
-			while (i < s->len && is_ws(s->s[i]))
-				i++;
+			while (i < s->len && is_space_cp(s->s + i, k = cp_len(s->s + i, s->len - i)))
+				i += k;
 			if (i == s->len)
 				break;
 			if (maxsplit == 0) {
-				size_t e = s->len;
+				struct ct_val tail = ct_str_val(r, s->s + i, s->len - i);
 
-				while (e > i && is_ws(s->s[e - 1]))
-					e--;
-				ct_list_push(r, l, ct_str_val(r, s->s + i, e - i));
+				ct_list_push(r, l, strip(r, tail.u.s, NULL, 0, 1));
 				break;
 			}
 			b = i;
-			while (i < s->len && !is_ws(s->s[i]))
-				i++;
+			while (i < s->len && !is_space_cp(s->s + i, k = cp_len(s->s + i, s->len - i)))
+				i += k;
 			ct_list_push(r, l, ct_str_val(r, s->s + b, i - b));
 			maxsplit--;
 		}
@@ -356,7 +381,7 @@ struct ct_val ct_getitem(struct ct_render *r, int line, struct ct_val obj, struc
 		if (i < 0)
 			i += n;
 		if (i < 0 || i >= n)
-			return ct_undef(r, "'list object' has no element %lld", key.type == CT_INT ? key.u.i : i);
+			return ct_undef(r, "list object has no element %lld", key.type == CT_INT ? key.u.i : i);
 		return obj.u.l->v[i];
 	} else {
 		size_t n, *off = cp_offsets(r, obj.u.s, &n);
@@ -369,13 +394,55 @@ struct ct_val ct_getitem(struct ct_render *r, int line, struct ct_val obj, struc
 	}
 }
 
-static long long slice_index(struct ct_render *r, int line, struct ct_val *v)
+/* item.a.0.b as Jinja's attribute= arguments name it: dotted parts, those
+ * of digits as indexes; an integer is one index. */
+static struct ct_val attr_path(struct ct_render *r, int line, struct ct_val v, struct ct_val path)
+{
+	const char *p;
+
+	if (path.type != CT_STR)
+		return ct_getitem(r, line, v, path);
+	p = path.u.s->s;
+	for (;;) {
+		const char *dot = strchr(p, '.');
+		size_t len = dot ? (size_t)(dot - p) : strlen(p), k = 0;
+		struct ct_val part = ct_str_val(r, p, len);
+
+		while (k < len && p[k] >= '0' && p[k] <= '9')
+			k++;
+		if (len && k == len && len < 18)
+			part = CT_INT_VAL(strtoll(part.u.s->s, NULL, 10));
+		v = ct_getitem(r, line, v, part);
+		if (!dot)
+			return v;
+		p = dot + 1;
+	}
+}
+
+static long long slice_index(struct ct_render *r, int line, const struct ct_val *v)
 {
 	if (v->type == CT_INT)
 		return v->u.i;
 	if (v->type == CT_BOOL)
 		return v->u.b;
 	ct_fail(r, line, "slice indices must be integers or none, not %s", ct_type_name(*v));
+}
+
+/* One end of a slice of n items with step s, as PySlice_AdjustIndices:
+ * negative counts from the end, then clamped; dflt when absent. */
+static long long slice_bound(struct ct_render *r, int line, const struct ct_val *v, long long n,
+			     long long s, long long dflt)
+{
+	long long i;
+
+	if (!v || v->type == CT_NONE)
+		return dflt;
+	i = slice_index(r, line, v);
+	if (i < 0 && (i += n) < 0)
+		i = s < 0 ? -1 : 0;
+	else if (i >= n)
+		i = s < 0 ? n - 1 : n;
+	return i;
 }
 
 struct ct_val ct_slice(struct ct_render *r, int line, struct ct_val obj, struct ct_val *start,
@@ -400,25 +467,8 @@ struct ct_val ct_slice(struct ct_render *r, int line, struct ct_val obj, struct 
 	} else {
 		ct_fail(r, line, "a %s cannot be sliced", ct_type_name(obj));
 	}
-	/* as PySlice_AdjustIndices */
-	if (start && start->type != CT_NONE) {
-		b = slice_index(r, line, start);
-		if (b < 0 && (b += n) < 0)
-			b = s < 0 ? -1 : 0;
-		else if (b >= n)
-			b = s < 0 ? n - 1 : n;
-	} else {
-		b = s < 0 ? n - 1 : 0;
-	}
-	if (stop && stop->type != CT_NONE) {
-		e = slice_index(r, line, stop);
-		if (e < 0 && (e += n) < 0)
-			e = s < 0 ? -1 : 0;
-		else if (e >= n)
-			e = s < 0 ? n - 1 : n;
-	} else {
-		e = s < 0 ? -1 : n;
-	}
+	b = slice_bound(r, line, start, n, s, s < 0 ? n - 1 : 0);
+	e = slice_bound(r, line, stop, n, s, s < 0 ? -1 : n);
 	if (obj.type == CT_LIST) {
 		l = ct_list_new(r, 0);
 		l->tuple = obj.u.l->tuple;
@@ -499,6 +549,55 @@ static int contains(struct ct_render *r, int line, struct ct_val item, struct ct
 	default:
 		ct_fail(r, line, "'in' needs a string, list or dict on the right, not %s", ct_type_name(c));
 	}
+}
+
+/* 'fmt' % args with the conversions %s, %r, %d, %i and %%, as Python's */
+static struct ct_val percent_format(struct ct_render *r, int line, const struct ct_str *fmt,
+				    struct ct_val args)
+{
+	struct ct_buf b = { .r = r };
+	const struct ct_val *v = &args;
+	size_t n = 1, k = 0;
+
+	if (args.type == CT_LIST && args.u.l->tuple) {
+		v = args.u.l->v;
+		n = args.u.l->n;
+	}
+	for (size_t i = 0; i < fmt->len; i++) {
+		char c = fmt->s[i], conv = i + 1 < fmt->len ? fmt->s[i + 1] : 0;
+
+		if (c != '%') {
+			ct_buf_put(&b, &c, 1);
+			continue;
+		}
+		i++;
+		if (conv == '%') {
+			ct_buf_put(&b, "%", 1);
+			continue;
+		}
+		if (conv != 's' && conv != 'r' && conv != 'd' && conv != 'i')
+			ct_fail(r, line, "'%%' formatting: only %%s, %%r, %%d and %%i are supported");
+		if (k == n)
+			ct_fail(r, line, "not enough arguments for format string");
+		if (conv == 's') {
+			ct_to_str(&b, line, v[k]);
+		} else if (conv == 'r') {
+			ct_repr(&b, line, v[k]);
+		} else {
+			char num[32];
+
+			if (!is_num(v[k]))
+				ct_fail(r, line, "%%%c format: a number is required, not %s", conv, ct_type_name(v[k]));
+			if (v[k].type == CT_FLOAT && (v[k].u.f != v[k].u.f || fabs(v[k].u.f) >= 9.2e18))
+				ct_fail(r, line, "%%%c format: %g does not fit an integer", conv, v[k].u.f);
+			snprintf(num, sizeof(num), "%lld", v[k].type == CT_FLOAT ? (long long)v[k].u.f : inum(v[k]));
+			ct_buf_puts(&b, num);
+		}
+		k++;
+	}
+	if (k < n)
+		ct_fail(r, line, "not all arguments converted during string formatting");
+	return ct_buf_val(&b);
 }
 
 struct ct_val ct_binop(struct ct_render *r, int line, int op, struct ct_val a, struct ct_val b)
@@ -596,7 +695,7 @@ overflow:
 		ct_buf_put(&s, b.u.s->s, b.u.s->len);
 		return ct_buf_val(&s);
 	}
-	if (op == OP_ADD && a.type == CT_LIST && b.type == CT_LIST) {
+	if (op == OP_ADD && a.type == CT_LIST && b.type == CT_LIST && a.u.l->tuple == b.u.l->tuple) {
 		struct ct_list *l = ct_list_new(r, a.u.l->n + b.u.l->n);
 
 		memcpy(l->v, a.u.l->v, a.u.l->n * sizeof(*l->v));
@@ -610,7 +709,7 @@ overflow:
 	if (op == OP_MUL && (b.type == CT_STR || b.type == CT_LIST) && (a.type == CT_INT || a.type == CT_BOOL))
 		return repeat(r, line, b, inum(a));
 	if (op == OP_MOD && a.type == CT_STR)
-		ct_fail(r, line, "printf-style '%%' string formatting is not supported; use ~ or format()");
+		return percent_format(r, line, a.u.s, b);
 	ct_fail(r, line, "unsupported operand types for %s: %s and %s", OP_NAMES[op], ct_type_name(a),
 		ct_type_name(b));
 }
@@ -726,7 +825,7 @@ int ct_test_by_name(struct ct_render *r, int line, const char *name, struct ct_v
 struct sort_ctx {
 	struct ct_render *r;
 	int line, ci, rev;
-	const char *attr;
+	const struct ct_val *attr;	/* attribute= (NULL: the items themselves) */
 	int by_value;	/* dictsort: items are (key, value) pairs */
 };
 
@@ -735,7 +834,7 @@ static struct ct_val sort_key(struct sort_ctx *c, struct ct_val v)
 	if (c->by_value >= 0 && v.type == CT_LIST && v.u.l->n == 2)
 		v = v.u.l->v[c->by_value];
 	if (c->attr)
-		v = ct_getattr(c->r, c->line, v, c->attr);
+		v = attr_path(c->r, c->line, v, *c->attr);
 	if (c->ci && v.type == CT_STR)
 		v = change_case(c->r, v.u.s, 'L');
 	return v;
@@ -846,14 +945,15 @@ static struct ct_val select_items(struct ct_render *r, int line, int id, struct 
 	int by_attr = id == F_SELECTATTR || id == F_REJECTATTR;
 	int keep_if = id == F_SELECT || id == F_SELECTATTR;
 	struct ct_list *in = ct_iterate(r, line, v), *out = ct_list_new(r, 0);
-	const char *attr = NULL, *test = NULL;
+	const struct ct_val *attr = NULL;
+	const char *test = NULL;
 	struct ct_args targs = { 0 };
 	size_t t = 0;
 
 	if (by_attr) {
-		if (a->n_pos < 1 || a->pos[0].type != CT_STR)
+		if (a->n_pos < 1 || (a->pos[0].type != CT_STR && a->pos[0].type != CT_INT))
 			ct_fail(r, line, "%s needs an attribute name", filter_name(id));
-		attr = a->pos[0].u.s->s;
+		attr = &a->pos[0];
 		t = 1;
 	}
 	if (a->n_pos > t) {
@@ -865,24 +965,10 @@ static struct ct_val select_items(struct ct_render *r, int line, int id, struct 
 		targs = rest(a, t + 1);
 	}
 	for (size_t i = 0; i < in->n; i++) {
-		struct ct_val x = in->v[i];
+		struct ct_val x = attr ? attr_path(r, line, in->v[i], *attr) : in->v[i];
 		int ok;
 
 		r->steps++;
-		if (attr) {
-			/* dotted paths, as Jinja's make_attrgetter */
-			const char *p = attr;
-
-			while (*p) {
-				const char *dot = strchr(p, '.');
-				size_t len = dot ? (size_t)(dot - p) : strlen(p);
-				char name[128];
-
-				snprintf(name, sizeof(name), "%.*s", (int)len, p);
-				x = ct_getitem(r, line, x, ct_cstr(r, name));
-				p += len + (dot != NULL);
-			}
-		}
 		ok = test ? ct_test_by_name(r, line, test, x, &targs) : ct_truthy(x);
 		if (ok == keep_if)
 			ct_list_push(r, out, in->v[i]);
@@ -916,6 +1002,8 @@ static struct ct_val to_number(struct ct_render *r, int line, struct ct_val v, i
 			if (end != s && !*end && !memchr(s, '.', v.u.s->len))
 				return CT_INT_VAL(i);
 		}
+		if (strpbrk(s, "xXpP"))
+			return d;	/* strtod reads hex; Python's float() does not */
 		{
 			double f = strtod(s, &end);
 
@@ -1102,8 +1190,8 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 
 			if (i && sep)
 				ct_buf_put(&b, sep->s, sep->len);
-			if (attr && attr->type == CT_STR)
-				x = ct_getitem(r, line, x, *attr);
+			if (attr)
+				x = attr_path(r, line, x, *attr);
 			ct_to_str(&b, line, x);
 		}
 		return ct_buf_val(&b);
@@ -1128,7 +1216,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 			if (fname) {
 				x = ct_filter_by_name(r, line, fname, x, &fargs);
 			} else {
-				x = ct_getitem(r, line, x, *attr);
+				x = attr_path(r, line, x, *attr);
 				if (x.type == CT_UNDEF && def)
 					x = *def;
 			}
@@ -1149,7 +1237,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	case F_CAPITALIZE:
 	case F_TITLE:
 		return change_case(r, ct_stringify(r, line, v).u.s,
-				   id == F_LOWER ? 'L' : id == F_UPPER ? 'U' : id == F_TITLE ? 'T' : 'C');
+				   id == F_LOWER ? 'L' : id == F_UPPER ? 'U' : id == F_TITLE ? 'J' : 'C');
 	case F_REPLACE: {
 		const struct ct_str *old = arg_str(r, line, a, 0, "old", "replace"),
 				    *new = arg_str(r, line, a, 1, "new", "replace");
@@ -1182,9 +1270,8 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 		return list_val(sorted(&c, ct_filter(r, line, F_ITEMS, v, &(struct ct_args){ 0 }).u.l));
 	}
 	case F_SORT: {
-		const struct ct_str *attr = arg_str(r, line, a, 2, "attribute", "sort");
 		struct sort_ctx c = { r, line, !arg_bool(a, 1, "case_sensitive", 0),
-				      arg_bool(a, 0, "reverse", 0), attr ? attr->s : NULL, -1 };
+				      arg_bool(a, 0, "reverse", 0), arg(a, 2, "attribute"), -1 };
 
 		return list_val(sorted(&c, ct_iterate(r, line, v)));
 	}
@@ -1192,8 +1279,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	case F_MIN:
 	case F_MAX: {
 		int ci = !arg_bool(a, 0, "case_sensitive", 0);
-		const struct ct_str *attr = arg_str(r, line, a, 1, "attribute", name);
-		struct sort_ctx c = { r, line, ci, 0, attr ? attr->s : NULL, -1 };
+		struct sort_ctx c = { r, line, ci, 0, arg(a, 1, "attribute"), -1 };
 		struct ct_list *in = ct_iterate(r, line, v), *out = ct_list_new(r, 0);
 
 		for (size_t i = 0; i < in->n; i++) {
@@ -1229,8 +1315,8 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 		for (size_t i = 0; i < in->n; i++) {
 			struct ct_val x = in->v[i];
 
-			if (attr && attr->type == CT_STR)
-				x = ct_getitem(r, line, x, *attr);
+			if (attr)
+				x = attr_path(r, line, x, *attr);
 			acc = ct_binop(r, line, OP_ADD, acc, x);
 		}
 		return acc;
@@ -1249,6 +1335,8 @@ static const char *const DICT_METHODS[] = { "items", "keys", "values", "get" };
 
 int ct_has_method(struct ct_val obj, const char *name)
 {
+	if (obj.type == CT_LOOP)
+		return !strcmp(name, "cycle");
 	if (obj.type == CT_STR) {
 		for (size_t i = 0; i < countof(STR_METHODS); i++)
 			if (!strcmp(name, STR_METHODS[i]))
@@ -1335,6 +1423,12 @@ static struct ct_val format(struct ct_render *r, int line, const struct ct_str *
 struct ct_val ct_method(struct ct_render *r, int line, struct ct_val obj, const char *name,
 			const struct ct_args *a)
 {
+	if (obj.type == CT_LOOP) {
+		/* loop.cycle(a, b, ...): the argument for this turn */
+		if (!a->n_pos)
+			ct_fail(r, line, "loop.cycle() needs at least one value");
+		return a->pos[obj.u.loop->i % a->n_pos];
+	}
 	if (obj.type == CT_DICT) {
 		struct ct_dict *d = obj.u.d;
 		struct ct_list *l;

@@ -378,10 +378,12 @@ static size_t lex_tag(struct parser *p, size_t pos, int block, int *strip_after,
 			for (size_t i = 0; i < sizeof(two) / sizeof(two[0]); i++)
 				if (pos + 1 < p->len && !strncmp(s + pos, two[i], 2))
 					n = 2;
-			if (!n && strchr("+-*/%~<>=()[]{},.:|", c))
+			if (!n && c && strchr("+-*/%~<>=()[]{},.:|", c))
 				n = 1;
-			if (!n)
+			if (!n && c > ' ' && c < 0x7f)
 				perr(p, line, "unexpected character '%c' in a tag", c);
+			if (!n)
+				perr(p, line, "unexpected byte 0x%02x in a tag", (unsigned char)c);
 			if (c == '(' || c == '[' || c == '{')
 				depth++;
 			else if ((c == ')' || c == ']' || c == '}') && depth > 0)
@@ -659,7 +661,6 @@ static void enter(struct parser *p)
 }
 
 static struct ct_node *parse_expr(struct parser *p);
-static struct ct_node *parse_or(struct parser *p);
 static struct ct_node *parse_unary(struct parser *p, int with_filter);
 
 /* (args, name=value) after the '(' */
@@ -771,6 +772,16 @@ out:
 	return n;
 }
 
+/* callee(args), after the '(' */
+static struct ct_node *call_of(struct parser *p, struct ct_node *callee, int line)
+{
+	struct ct_node *c = node(p, E_CALL, line);
+
+	c->a = callee;
+	parse_call_args(p, c);
+	return c;
+}
+
 static struct ct_node *parse_postfix(struct parser *p, struct ct_node *n)
 {
 	for (;;) {
@@ -814,11 +825,7 @@ static struct ct_node *parse_postfix(struct parser *p, struct ct_node *n)
 			expect_op(p, "]");
 			n = s;
 		} else if (accept_op(p, "(")) {
-			struct ct_node *c = node(p, E_CALL, t->line);
-
-			c->a = n;
-			parse_call_args(p, c);
-			n = c;
+			n = call_of(p, n, t->line);
 		} else {
 			return n;
 		}
@@ -863,11 +870,7 @@ static struct ct_node *parse_filter_expr(struct parser *p, struct ct_node *n)
 			}
 			n = x;
 		} else if (accept_op(p, "(")) {
-			struct ct_node *c = node(p, E_CALL, t->line);
-
-			c->a = n;
-			parse_call_args(p, c);
-			n = c;
+			n = call_of(p, n, t->line);
 		} else {
 			return n;
 		}
@@ -893,76 +896,61 @@ static struct ct_node *parse_unary(struct parser *p, int with_filter)
 	return n;
 }
 
-static struct ct_node *binary(struct parser *p, int op, int line, struct ct_node *a, struct ct_node *b)
-{
-	struct ct_node *n = node(p, E_BIN, line);
+/* The left-associative binary levels, loosest first: "or" and "and", then
+ * (after not and the comparisons) + -, ~, * / // %, and **. */
+static const struct bin_level {
+	const char *ops[4];
+	int codes[4];
+	int kind;
+} LEVELS[] = {
+	{ { "or" }, { 0 }, E_OR },
+	{ { "and" }, { 0 }, E_AND },
+	{ { "+", "-" }, { OP_ADD, OP_SUB }, E_BIN },
+	{ { "~" }, { OP_CONCAT }, E_BIN },
+	{ { "*", "/", "//", "%" }, { OP_MUL, OP_DIV, OP_FLOORDIV, OP_MOD }, E_BIN },
+	{ { "**" }, { OP_POW }, E_BIN },
+};
+enum { LEVEL_OR, LEVEL_AND, LEVEL_MATH1, LEVEL_POW = 5 };
 
-	n->op = op;
-	n->a = a;
-	n->b = b;
-	return n;
+static struct ct_node *parse_not(struct parser *p);
+static struct ct_node *parse_level(struct parser *p, int level);
+
+/* what binds tighter than level */
+static struct ct_node *parse_operand(struct parser *p, int level)
+{
+	if (level == LEVEL_AND)
+		return parse_not(p);
+	if (level == LEVEL_POW)
+		return parse_unary(p, 1);
+	return parse_level(p, level + 1);
 }
 
-static struct ct_node *parse_pow(struct parser *p)
+static struct ct_node *parse_level(struct parser *p, int level)
 {
-	struct ct_node *n = parse_unary(p, 1);
-
-	while (is_op(cur(p), "**")) {
-		int line = cur(p)->line;
-
-		p->pos++;
-		n = binary(p, OP_POW, line, n, parse_unary(p, 1));
-	}
-	return n;
-}
-
-static struct ct_node *parse_math2(struct parser *p)
-{
-	struct ct_node *n = parse_pow(p);
+	const struct bin_level *l = &LEVELS[level];
+	struct ct_node *n = parse_operand(p, level);
 
 	for (;;) {
 		struct tok *t = cur(p);
-		int op = is_op(t, "*") ? OP_MUL : is_op(t, "/") ? OP_DIV : is_op(t, "//") ? OP_FLOORDIV :
-			 is_op(t, "%") ? OP_MOD : 0;
+		size_t i = 0;
+		struct ct_node *b;
 
-		if (!op)
+		while (i < 4 && l->ops[i] && !(l->kind == E_BIN ? is_op(t, l->ops[i]) : is_name(t, l->ops[i])))
+			i++;
+		if (i == 4 || !l->ops[i])
 			return n;
 		p->pos++;
-		n = binary(p, op, t->line, n, parse_pow(p));
-	}
-}
-
-static struct ct_node *parse_concat(struct parser *p)
-{
-	struct ct_node *n = parse_math2(p);
-
-	while (is_op(cur(p), "~")) {
-		int line = cur(p)->line;
-
-		p->pos++;
-		n = binary(p, OP_CONCAT, line, n, parse_math2(p));
-	}
-	return n;
-}
-
-static struct ct_node *parse_math1(struct parser *p)
-{
-	struct ct_node *n = parse_concat(p);
-
-	for (;;) {
-		struct tok *t = cur(p);
-		int op = is_op(t, "+") ? OP_ADD : is_op(t, "-") ? OP_SUB : 0;
-
-		if (!op)
-			return n;
-		p->pos++;
-		n = binary(p, op, t->line, n, parse_concat(p));
+		b = node(p, l->kind, t->line);
+		b->op = l->codes[i];
+		b->a = n;
+		b->b = parse_operand(p, level);
+		n = b;
 	}
 }
 
 static struct ct_node *parse_compare(struct parser *p)
 {
-	struct ct_node *n = parse_math1(p), *prev = n, *chain = NULL;
+	struct ct_node *n = parse_level(p, LEVEL_MATH1), *prev = n, *chain = NULL;
 
 	for (;;) {
 		struct tok *t = cur(p);
@@ -978,7 +966,7 @@ static struct ct_node *parse_compare(struct parser *p)
 		if (!op)
 			return chain ? chain : n;
 		p->pos++;
-		rhs = parse_math1(p);
+		rhs = parse_level(p, LEVEL_MATH1);
 		c = node(p, E_CMP, t->line);
 		c->op = op;
 		c->a = prev;
@@ -1012,47 +1000,17 @@ static struct ct_node *parse_not(struct parser *p)
 	return parse_compare(p);
 }
 
-static struct ct_node *parse_and(struct parser *p)
-{
-	struct ct_node *n = parse_not(p);
-
-	while (is_name(cur(p), "and")) {
-		struct ct_node *a = node(p, E_AND, cur(p)->line);
-
-		p->pos++;
-		a->a = n;
-		a->b = parse_not(p);
-		n = a;
-	}
-	return n;
-}
-
-static struct ct_node *parse_or(struct parser *p)
-{
-	struct ct_node *n = parse_and(p);
-
-	while (is_name(cur(p), "or")) {
-		struct ct_node *o = node(p, E_OR, cur(p)->line);
-
-		p->pos++;
-		o->a = n;
-		o->b = parse_and(p);
-		n = o;
-	}
-	return n;
-}
-
 static struct ct_node *parse_expr(struct parser *p)
 {
 	struct ct_node *n;
 
 	enter(p);
-	n = parse_or(p);
+	n = parse_level(p, LEVEL_OR);
 	while (is_name(cur(p), "if")) {
 		struct ct_node *c = node(p, E_COND, cur(p)->line);
 
 		p->pos++;
-		c->a = parse_or(p);	/* the condition */
+		c->a = parse_level(p, LEVEL_OR);	/* the condition */
 		c->b = n;
 		if (accept_name(p, "else"))
 			c->c = parse_expr(p);
@@ -1110,7 +1068,7 @@ static struct ct_node *parse_for(struct parser *p, int line)
 		expect_op(p, ")");
 	if (!accept_name(p, "in"))
 		perr(p, cur(p)->line, "expected 'in' in {%% for %%}, found %s", tok_desc(p, cur(p)));
-	n->a = parse_or(p);
+	n->a = parse_level(p, LEVEL_OR);
 	if (accept_name(p, "if"))
 		n->b = parse_expr(p);
 	if (is_name(cur(p), "recursive"))
@@ -1125,9 +1083,25 @@ static struct ct_node *parse_for(struct parser *p, int line)
 	return n;
 }
 
+/* "%}" ending the tag, the body, and {% endTAG %}: the shape of set, macro,
+ * call and generation blocks. */
+static struct ct_node *block_body(struct parser *p, const char *tag, int line)
+{
+	size_t n = strlen(tag);
+	char *end = palloc(p, n + 4);
+	const char *ends[2] = { end, NULL };
+	struct ct_node *body;
+
+	memcpy(end, "end", 3);
+	memcpy(end + 3, tag, n + 1);
+	expect_block_end(p, tag);
+	body = parse_body(p, ends, tag, line);
+	expect_block_end(p, end);
+	return body;
+}
+
 static struct ct_node *parse_set(struct parser *p, int line)
 {
-	static const char *const ends[] = { "endset", NULL };
 	struct ct_node *n = node(p, N_SET, line);
 
 	add_name(p, n, expect_name(p, "a variable name"));
@@ -1140,11 +1114,9 @@ static struct ct_node *parse_set(struct parser *p, int line)
 			add_name(p, n, expect_name(p, "a variable name"));
 	}
 	if (cur(p)->type == T_BLOCK_END && n->n_names == 1) {
-		p->pos++;
 		n->kind = N_SETBLOCK;
 		n->name = n->names[0];
-		n->a = parse_body(p, ends, "set", line);
-		expect_block_end(p, "endset");
+		n->a = block_body(p, "set", line);
 		return n;
 	}
 	expect_op(p, "=");
@@ -1177,20 +1149,16 @@ static void parse_params(struct parser *p, struct ct_node *n)
 
 static struct ct_node *parse_macro(struct parser *p, int line)
 {
-	static const char *const ends[] = { "endmacro", NULL };
 	struct ct_node *n = node(p, N_MACRO, line);
 
 	n->name = expect_name(p, "a macro name");
 	parse_params(p, n);
-	expect_block_end(p, "macro");
-	n->a = parse_body(p, ends, "macro", line);
-	expect_block_end(p, "endmacro");
+	n->a = block_body(p, "macro", line);
 	return n;
 }
 
 static struct ct_node *parse_call(struct parser *p, int line)
 {
-	static const char *const ends[] = { "endcall", NULL };
 	struct ct_node *n = node(p, N_CALLBLOCK, line);
 
 	if (is_op(cur(p), "("))
@@ -1198,9 +1166,7 @@ static struct ct_node *parse_call(struct parser *p, int line)
 	n->b = parse_expr(p);
 	if (n->b->kind != E_CALL)
 		perr(p, line, "{%% call %%} needs a macro call");
-	expect_block_end(p, "call");
-	n->a = parse_body(p, ends, "call", line);
-	expect_block_end(p, "endcall");
+	n->a = block_body(p, "call", line);
 	return n;
 }
 
@@ -1228,15 +1194,8 @@ static struct ct_node *parse_statement(struct parser *p)
 		expect_block_end(p, tok_str(p, t));
 		return n;
 	}
-	if (is_name(t, "generation")) {
-		/* transformers' assistant-mask marker: renders its body */
-		static const char *const ends[] = { "endgeneration", NULL };
-
-		expect_block_end(p, "generation");
-		n = parse_body(p, ends, "generation", line);
-		expect_block_end(p, "endgeneration");
-		return n;
-	}
+	if (is_name(t, "generation"))	/* transformers' assistant-mask marker: renders its body */
+		return block_body(p, "generation", line);
 	perr(p, line, "unknown or unsupported tag '%s'", tok_str(p, t));
 }
 

@@ -107,6 +107,46 @@ QWEN3_TOOL_LOOP = [
     {"role": "assistant", "content": "<think>\nGot it.\n</think>\n\nSunny.", },
 ]
 
+LLAMA_TOOL_TURNS = [
+    {"role": "system", "content": "  You can call tools.  "},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "sunny, 21"},
+    {"role": "assistant", "content": "It is sunny."},
+]
+LLAMA_BUILTIN = [
+    {"role": "user", "content": "Search for mlens"},
+    {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "brave_search", "arguments": {"query": "mlens"}}}]},
+    {"role": "ipython", "content": "results"},
+]
+LLAMA_TWO_CALLS = [
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": {}}},
+        {"type": "function", "function": {"name": "b", "arguments": {}}}]},
+]
+
+RICH_TOOLS = {"tools": [WEATHER_TOOL, {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "  Search the web  ",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "queries": {"type": "array", "items": {"type": "string"}, "description": "What to search"},
+                "limit": {"type": ["integer", "string"], "description": "At most this many"},
+                "filters": {"type": "object", "additionalProperties": {"type": "boolean"},
+                            "description": "Named filters"},
+                "raw": {"description": "Anything"},
+            },
+        },
+        "return": {"type": "array", "description": "The hits"},
+    }}, {"type": "function", "function": {"name": "noop", "description": "Nothing",
+                                          "parameters": {"type": "object", "properties": {}}}}]}
+
 # ---- the real templates --------------------------------------------------
 
 S, ES = "<s>", "</s>"
@@ -142,6 +182,18 @@ REAL = [
         ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("multi", MULTI, None)]),
     ("llama-3-instruct", "<|begin_of_text|>", "<|eot_id|>", [
         ("user", USER, None), ("sys_multi", SYS_MULTI, None)]),
+    ("llama-3.3-instruct", "<|begin_of_text|>", "<|eot_id|>", [
+        ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("tools", SYS_USER, TOOLS),
+        ("tool_turns", LLAMA_TOOL_TURNS, TOOLS),
+        ("tools_in_system", LLAMA_TOOL_TURNS, dict(TOOLS, tools_in_user_message=False,
+                                                   date_string="3 Dec 2026")),
+        ("builtin_tools", LLAMA_BUILTIN, {"builtin_tools": ["brave_search", "code_interpreter"]}),
+        ("two_calls", LLAMA_TWO_CALLS, None), ("no_user_for_tools", [], TOOLS)]),
+    ("hermes-3-llama-3.1-tool-use", "<|begin_of_text|>", "<|im_end|>", [
+        ("tools", SYS_USER, RICH_TOOLS), ("tool_turns", TOOL_TURNS, TOOLS),
+        ("qwen3_tool_loop", QWEN3_TOOL_LOOP, RICH_TOOLS)]),
+    ("olmo-2-instruct", "<|endoftext|>", "<|endoftext|>", [
+        ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("multi", MULTI, None)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [
@@ -248,6 +300,23 @@ FEATURES = {
         "{% set d = messages[0] %}{{ d.get('role') }} {{ d.get('nope') }} {{ d.get('nope', 'x') }} "
         "{{ d.keys()|list }} {{ d.values()|list|length }} {{ d.items()|list|length }} "
         "{{ dict(a=1, b='c') }} {{ d['role'] }}"),
+    "edge_cases": (
+        "{{ \"o'neil mc-d (x)\"|title }} {{ \"o'neil 1st\".title() }} {{ '0x1A'|int }} "
+        "{{ ' 12 '|int }} {{ '1e3'|float }} {{ 'nan'|int }} {{ 'abc'[10:] }}|{{ 'a,b,,c'.split(',') }} "
+        "{{ messages|selectattr('content')|list|length }} {{ [1, 2] == [1, 2] }}"),
+    "attribute_paths": (
+        "{% set tc = [{'function': {'name': 'f', 'n': 2}}, {'function': {'name': 'g', 'n': 1}}] %}"
+        "{{ tc|map(attribute='function.name')|join(',') }} "
+        "{{ tc|selectattr('function.name', 'eq', 'g')|list|length }} "
+        "{{ [[1, 2], [3, 4]]|map(attribute='0')|list }} {{ [[1, 2], [3, 4]]|map(attribute=1)|list }} "
+        "{{ tc|sort(attribute='function.n')|map(attribute='function.name')|list }} "
+        "{{ tc|sum(attribute='function.n') }} {{ tc|join('/', attribute='function.name') }}"),
+    "percent_cycle": (
+        "{{ '%s and %r' % ('a', 'b') }} {{ '%d%%' % 5.7 }} {{ '%i' % true }} {{ '%s' % [1, 2] }} "
+        "{% for m in messages %}{{ loop.cycle('odd', 'even') }} {% endfor %}"),
+    "unicode_space": (
+        "[{{ '\u00a0\u3000 x \u2003y\u00a0\n'|trim }}][{{ '\u00a0a\u2028b  c\u205f'.split() }}]"
+        "[{{ 'a\u00a0b c'.split(none, 1) }}][{{ '\x1fz\x85'.strip() }}][{{ 'é'.strip() }}]"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
@@ -273,8 +342,12 @@ def render(text, bos, eos, messages, add_gen, extra):
         out, _ = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
                                        chat_template=text, add_generation_prompt=add_gen, **kwargs)
         return {"expected": out[0]}
+    except jinja2.exceptions.UndefinedError as e:
+        # an undefined value used: libmlens says the same, after the line
+        return {"error": str(e), "error_type": "undefined"}
     except jinja2.exceptions.TemplateError as e:
-        return {"error": str(e)}
+        # raise_exception(): libmlens returns the template's message as is
+        return {"error": str(e), "error_type": "raise"}
 
 
 def main():
