@@ -8,7 +8,8 @@ with one keep-alive HTTP connection each (unstreamed, then streamed).
 Every request is greedy, so the runs must produce the same tokens; the
 script checks that. The three runs take turns for R rounds and each run's
 fastest round counts; the gateway's own CPU time per token is read from
-/proc. Wall time includes mlens generate's start and attach and the
+/proc, the clients' (mlens generate, or this script's threads) from
+getrusage. Wall time includes mlens generate's start and attach and the
 Python client's work. Prints one JSON object, then a table.
 
 usage: gateway_overhead.py [-n REQUESTS] [-p PROMPT] [-g GEN] [-c CONCURRENCY] [-r ROUNDS]
@@ -19,6 +20,7 @@ import http.client
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -166,14 +168,18 @@ def main():
                              ("gateway", lambda: run_gateway(port[0], jobs, a.c, False)),
                              ("gateway stream", lambda: run_gateway(port[0], jobs, a.c, True))):
                 cpu0 = cpu_s(g.pid)
+                ru0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
                 wall, toks, lat = fn()
                 cpu = cpu_s(g.pid) - cpu0
+                ru1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+                client = sum(b.ru_utime + b.ru_stime - a.ru_utime - a.ru_stime for a, b in zip(ru0, ru1))
                 if name in runs and runs[name]["wall_s"] <= wall:
                     continue
                 runs[name] = {"wall_s": round(wall, 4), "tokens": sum(len(t) for t in toks),
                               "tokens_per_s": round(sum(len(t) for t in toks) / wall, 1),
                               "latency_p50_ms": round(pct(lat, 50) * 1e3, 2) if lat else None,
                               "latency_p99_ms": round(pct(lat, 99) * 1e3, 2) if lat else None,
+                              "client_cpu_s": round(client, 3),
                               "gateway_cpu_us_per_token": round(cpu / max(1, sum(len(t) for t in toks)) * 1e6, 2)
                               if name != "mlens generate" else None,
                               "_toks": toks}
@@ -185,14 +191,14 @@ def main():
         out = {"requests": a.n, "prompt": a.p, "gen": a.g, "concurrency": a.c, "rounds": a.r,
                "backend": a.backend, "model": "tiny" if not a.model else a.model, "runs": runs}
         print(json.dumps(out, indent=1))
-        print("\n%-16s %8s %8s %10s %9s %9s %9s %12s %6s" % (
+        print("\n%-16s %8s %8s %10s %9s %9s %9s %13s %12s %6s" % (
             "run", "wall s", "tokens", "tokens/s", "p50 ms", "p99 ms", "overhead", "gw cpu us/tok",
-            "same"))
+            "client cpu s", "same"))
         for name, r in runs.items():
-            print("%-16s %8.3f %8d %10.1f %9s %9s %8.1f%% %12s %6s" % (
+            print("%-16s %8.3f %8d %10.1f %9s %9s %8.1f%% %13s %12.3f %6s" % (
                 name, r["wall_s"], r["tokens"], r["tokens_per_s"], r["latency_p50_ms"] or "-",
                 r["latency_p99_ms"] or "-", r["overhead_pct"], r["gateway_cpu_us_per_token"] or "-",
-                r["same_tokens"]))
+                r["client_cpu_s"], r["same_tokens"]))
         if not all(r["same_tokens"] for r in runs.values()):
             sys.exit(1)
     finally:
