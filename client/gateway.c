@@ -96,7 +96,9 @@ static void sse_send(struct evhttp_request *req, json_t *j)
 
 	json_decref(j);
 	if (buf && s) {
-		evbuffer_add_printf(buf, "data: %s\n\n", s);
+		evbuffer_add(buf, "data: ", 6);
+		evbuffer_add(buf, s, strlen(s));
+		evbuffer_add(buf, "\n\n", 2);
 		evhttp_send_reply_chunk(req, buf);
 	}
 	free(s);
