@@ -576,10 +576,8 @@ static int choice_submit(struct gw_choice *ch)
 	r.top_p = c->top_p;
 	r.top_k = c->top_k;
 	r.flags = c->logprobs ? MLENS_REQ_LOGPROBS : 0;
-#ifdef MLENS_REQ_IGNORE_EOS	/* a libmlens whose daemon stops at EOS */
 	if (c->ignore_eos)
 		r.flags |= MLENS_REQ_IGNORE_EOS;
-#endif
 	r.seed = ch->seed;
 	memcpy(r.stop, c->stop_ids, sizeof(r.stop));
 	r.n_stop = c->n_stop_ids;

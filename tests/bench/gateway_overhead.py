@@ -13,7 +13,7 @@ getrusage. Wall time includes mlens generate's start and attach and the
 Python client's work. Prints one JSON object, then a table.
 
 usage: gateway_overhead.py [-n REQUESTS] [-p PROMPT] [-g GEN] [-c CONCURRENCY] [-r ROUNDS]
-                           [--model DIR] [--backend cpu|cuda] [--build DIR]
+                           [--model DIR] [--backend cpu|cuda] [--build DIR] [--daemon-arg ARG]...
 """
 import argparse
 import http.client
@@ -121,6 +121,8 @@ def main():
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--threads", default="2", help="mlensd's CPU threads (default 2)")
     ap.add_argument("--build", default=os.environ.get("MLENS_BUILDDIR", "."))
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="one more mlensd argument (repeat), e.g. --daemon-arg=--gpu-memory=8G")
     a = ap.parse_args()
     b = a.build
     tmp = tempfile.mkdtemp(prefix="mlens-gwbench.")
@@ -136,9 +138,11 @@ def main():
                               "--socket", sock, "--control", os.path.join(tmp, "c.sock"),
                               "--stats", os.path.join(tmp, "s.sock"), "--stats-http", "",
                               "--backend", a.backend, "--threads", a.threads, "--mlock=false",
-                              "--log", os.path.join(tmp, "d.log")])
+                              "--log", os.path.join(tmp, "d.log")] + a.daemon_arg)
         procs.append(d)
-        if not wait_for(lambda: os.path.exists(sock) and "serving on" in open(os.path.join(tmp, "d.log")).read()):
+        # a large model takes a while to read into pinned memory
+        if not wait_for(lambda: os.path.exists(sock) and "serving on" in open(os.path.join(tmp, "d.log")).read(),
+                        tries=3000):
             raise SystemExit("gateway_overhead: mlensd did not start")
         glog = open(os.path.join(tmp, "gw.log"), "w")
         g = subprocess.Popen([os.path.join(b, "client/mlens-gateway"), "-s", sock, "--listen",
