@@ -19,6 +19,10 @@ endif
 # mlens generate against a real mlensd: EOS, in-flight defaults, SIGINT.
 dist_check_SCRIPTS += tests/integration/generate.sh
 TESTS += tests/integration/generate.sh
+# mlens generate --model with text: prompts, chats, stop strings, --stream,
+# OpenAI batch lines (the byte-level tokenizer fixture over a tiny model).
+dist_check_SCRIPTS += tests/integration/generate_text.sh
+TESTS += tests/integration/generate_text.sh
 
 # Each public header compiles alone (as libqb checks): a .c file holding
 # only its #include, compiled as C99 and as C++.
