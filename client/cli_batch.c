@@ -93,10 +93,9 @@ static json_t *logprobs_json(const struct mlens_cli_result *r, bool chat)
 		for (const char *p = t; bytes && *p; p++)
 			json_array_append_new(bytes, json_integer((unsigned char)*p));
 		if (chat)
-			json_array_append_new(toks, json_pack("{s:s?,s:f,s:o,s:[]}", "token",
-							     t, "logprob",
-							     (double)r->logprobs[i], "bytes",
-							     bytes));
+			json_array_append_new(toks, json_pack("{s:s,s:f,s:o*,s:[]}", "token", t,
+							     "logprob", (double)r->logprobs[i],
+							     "bytes", bytes, "top_logprobs"));
 		else
 			json_decref(bytes);
 		json_array_append_new(offs, json_integer((json_int_t)off));

@@ -17,13 +17,6 @@ command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; 
 src="${MLENS_SRCDIR:-.}"
 mlens="$B/client/mlens"
 M="$tmp/m"
-gpid=
-cleanup() {
-	for p in $gpid $pid; do
-		kill "$p" 2>/dev/null && wait "$p" 2>/dev/null
-	done
-	rm -rf "$tmp"
-}
 gen() { "$mlens" generate -q -s "$tmp/t.sock" -m "$M" "$@"; }
 # one JSON value of a line through a Python expression over o
 js() { python3 -c 'import json,sys; o=json.loads(sys.argv[1]); print(json.dumps(eval(sys.argv[2]), separators=(",", ":"), ensure_ascii=False))' "$@"; }
@@ -155,7 +148,7 @@ echo "ok: --stream deltas add up to each final line's tokens and text, stop stri
 cat >"$tmp/in" <<EOF
 {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "$T", "max_tokens": 24, "ignore_eos": true, "logprobs": 0}}
 {"custom_id": "c2", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}}
-{"custom_id": "c3", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_completion_tokens": 12, "ignore_eos": true, "stop": [$stop]}}
+{"custom_id": "c3", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_completion_tokens": 12, "ignore_eos": true, "stop": [$stop], "logprobs": true}}
 EOF
 "$mlens" generate -q -s "$tmp/t.sock" -m "$M" -i "$tmp/in" -o "$tmp/out"
 rc=$?
@@ -186,6 +179,10 @@ assert ch["message"]["role"] == "assistant" and ch["finish_reason"] in ("stop", 
 u = b["usage"]
 assert u["prompt_tokens"] == len(cids) and 1 <= u["completion_tokens"] <= 12
 assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+lp = ch["logprobs"]["content"]
+assert len(lp) == u["completion_tokens"], lp
+assert all(set(x) == {"token", "logprob", "bytes", "top_logprobs"} and x["logprob"] <= 0 and
+           bytes(x["bytes"]).decode("utf-8") == x["token"] for x in lp), lp
 PY
 echo "ok: batch lines: completion and chat.completion objects with usage, a bad url an error line"
 
