@@ -27,6 +27,7 @@ struct mlens_cli_req {
 	int32_t *prompt;	/* malloc'd */
 	uint32_t n_prompt;
 	uint32_t max_tokens;
+	bool max_tokens_given;	/* the line set max_tokens */
 	float temperature;
 	float top_p;
 	int32_t top_k;

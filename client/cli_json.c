@@ -199,6 +199,7 @@ int mlens_cli_fields_parse(json_t *o, struct mlens_cli_req *r, char *err, size_t
 			   (chat && !strcmp(key, "max_completion_tokens"))) {
 			rc = uint_field(v, key, 1, UINT32_MAX, &x, err, errlen);
 			r->max_tokens = (uint32_t)x;
+			r->max_tokens_given = true;
 		} else if (!strcmp(key, "temperature")) {
 			if ((rc = number_field(v, key, &d, err, errlen)))
 				return rc;

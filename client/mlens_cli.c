@@ -324,6 +324,14 @@ static int submit_job(struct run *rn, struct job *j)
 	uint64_t id;
 	int rc;
 
+	/* an OpenAI line without a limit generates up to the context's end
+	 * (or the EOS), as OpenAI and vLLM do */
+	if (j->req.kind != MLENS_CLI_NATIVE && !j->req.max_tokens_given &&
+	    j->req.n_prompt < rn->lim.max_context) {
+		uint32_t room = rn->lim.max_context - j->req.n_prompt;
+
+		j->req.max_tokens = room < rn->lim.max_tokens ? room : rn->lim.max_tokens;
+	}
 	if (over_limits(rn, &j->req, why, sizeof(why))) {
 		job_refuse(rn, j, why);
 		return 1;
@@ -519,7 +527,7 @@ static int flush_results(struct run *rn)
 		if ((rc = job_settle_text(rn, j)))
 			return rc;
 		r.finish = j->finish;
-		if (j->has_text) {
+		if (j->has_text && j->finish != MLENS_REASON_ERROR) {
 			r.text = j->text.buf;
 			r.text_len = j->text.len;
 		}

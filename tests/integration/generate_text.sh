@@ -205,8 +205,12 @@ rc=$?
 echo "ok: without --model a text line is an error line; a bad --model exits 2"
 
 # ==== SIGINT under --stream: one final line per input line ====
+# (the batch lines without max_tokens run to the end of the context)
 env --default-signal=INT true 2>/dev/null || { echo "skip: SIGINT needs env --default-signal"; exit 0; }
-python3 -c 'for i in range(40): print("{\"prompt\": \"word %d\", \"max_tokens\": 4000, \"ignore_eos\": true}" % i)' \
+python3 -c 'import json
+for i in range(30): print("{\"prompt\": \"word %d\", \"max_tokens\": 4000, \"ignore_eos\": true}" % i)
+for i in range(10): print(json.dumps({"custom_id": "b%d" % i, "method": "POST", "url": "/v1/completions",
+                                       "body": {"prompt": "word", "ignore_eos": True, "seed": i}}))' \
 	>"$tmp/slow"
 env --default-signal=INT "$mlens" generate -q --stream -s "$tmp/t.sock" -m "$M" -i "$tmp/slow" \
 	-o "$tmp/int" 2>"$tmp/err" &
@@ -222,7 +226,9 @@ import json, sys
 lines = open(sys.argv[1], encoding="utf-8").read().split("\n")
 assert lines[-1] == ""
 finals = [o for o in map(json.loads, lines[:-1]) if "delta" not in o]
-assert [f["index"] for f in finals] == list(range(40))
-assert {f["finish_reason"] for f in finals} == {"cancelled"}
+assert [f["index"] for f in finals[:30]] == list(range(30))
+assert {f["finish_reason"] for f in finals[:30]} == {"cancelled"}
+assert [f["custom_id"] for f in finals[30:]] == ["b%d" % i for i in range(10)]
+assert all(f["response"] is None and f["error"]["code"] == "cancelled" for f in finals[30:])
 PY
-echo "ok: SIGINT under --stream: 40 final lines, all cancelled, exit 130"
+echo "ok: SIGINT under --stream: 40 final lines (10 of them batch lines), all cancelled, exit 130"
