@@ -114,16 +114,41 @@ static json_t *logprobs_json(const struct mlens_cli_result *r, bool chat)
 	return o;
 }
 
-json_t *mlens_cli_batch_result(const struct mlens_cli_result *r)
+/* One choice of a completion or chat.completion. */
+static json_t *choice_json(const struct mlens_cli_result *r, size_t i, bool chat)
 {
-	const struct mlens_cli_req *q = r->req;
+	json_t *text = json_stringn(r->text ? r->text : "", r->text ? r->text_len : 0);
+
+	if (!text)
+		text = json_string("");
+	if (chat)
+		return json_pack("{s:I,s:{s:s,s:o*},s:o*,s:s}", "index", (json_int_t)i, "message",
+				 "role", "assistant", "content", text, "logprobs",
+				 r->logprobs ? logprobs_json(r, true) : json_null(),
+				 "finish_reason", mlens_cli_finish_name(r->finish));
+	return json_pack("{s:I,s:o*,s:o*,s:s}", "index", (json_int_t)i, "text", text, "logprobs",
+			 r->logprobs ? logprobs_json(r, false) : json_null(), "finish_reason",
+			 mlens_cli_finish_name(r->finish));
+}
+
+json_t *mlens_cli_batch_result(const struct mlens_cli_result *rs, size_t n)
+{
+	const struct mlens_cli_req *q = rs->req;
 	bool chat = q->kind == MLENS_CLI_OAI_CHAT;
 	const char *model = q->model ? q->model : "";
-	json_t *choice, *body, *text, *msg;
+	const struct mlens_cli_result *r = rs;
+	json_t *choices, *body, *msg;
 	char id[64], rid[64], cid[64];
+	json_int_t generated = 0;
 
-	snprintf(id, sizeof(id), "batch_req_%s%08zx", run_tag(), r->index);
-	snprintf(rid, sizeof(rid), "req_%s%08zx", run_tag(), r->index);
+	/* the line fails with its first choice that failed */
+	for (size_t i = 0; i < n; i++)
+		if (rs[i].finish != MLENS_REASON_LENGTH && rs[i].finish != MLENS_REASON_STOP) {
+			r = &rs[i];
+			break;
+		}
+	snprintf(id, sizeof(id), "batch_req_%s%08zx", run_tag(), rs->index);
+	snprintf(rid, sizeof(rid), "req_%s%08zx", run_tag(), rs->index);
 	if (r->finish != MLENS_REASON_LENGTH && r->finish != MLENS_REASON_STOP) {
 		msg = json_string(r->error ? r->error : r->finish == MLENS_REASON_CANCELLED ?
 				  "cancelled before it finished (mlens generate was interrupted)"
@@ -135,23 +160,21 @@ json_t *mlens_cli_batch_result(const struct mlens_cli_result *r)
 				 q->custom_id, "response", "error", "code", error_code(r),
 				 "message", msg);
 	}
-	snprintf(cid, sizeof(cid), "%s-%s%08zx", chat ? "chatcmpl" : "cmpl", run_tag(), r->index);
-	text = json_stringn(r->text ? r->text : "", r->text ? r->text_len : 0);
-	if (!text)
-		text = json_string("");
-	choice = chat ? json_pack("{s:i,s:{s:s,s:o*},s:o*,s:s}", "index", 0, "message", "role",
-				  "assistant", "content", text, "logprobs",
-				  r->logprobs ? logprobs_json(r, true) : json_null(),
-				  "finish_reason", mlens_cli_finish_name(r->finish))
-		      : json_pack("{s:i,s:o*,s:o*,s:s}", "index", 0, "text", text, "logprobs",
-				  r->logprobs ? logprobs_json(r, false) : json_null(),
-				  "finish_reason", mlens_cli_finish_name(r->finish));
-	body = json_pack("{s:s,s:s,s:I,s:s,s:[o*],s:{s:I,s:I,s:I}}", "id", cid, "object",
+	snprintf(cid, sizeof(cid), "%s-%s%08zx", chat ? "chatcmpl" : "cmpl", run_tag(), rs->index);
+	choices = json_array();
+	for (size_t i = 0; choices && i < n; i++) {
+		if (json_array_append_new(choices, choice_json(&rs[i], i, chat))) {
+			json_decref(choices);
+			return NULL;
+		}
+		generated += (json_int_t)rs[i].n_tokens;
+	}
+	/* the prompt counts once, as OpenAI counts it */
+	body = json_pack("{s:s,s:s,s:I,s:s,s:o*,s:{s:I,s:I,s:I}}", "id", cid, "object",
 			 chat ? "chat.completion" : "text_completion", "created",
-			 (json_int_t)time(NULL), "model", model, "choices", choice, "usage",
-			 "prompt_tokens", (json_int_t)r->n_prompt, "completion_tokens",
-			 (json_int_t)r->n_tokens, "total_tokens",
-			 (json_int_t)(r->n_prompt + r->n_tokens));
+			 (json_int_t)time(NULL), "model", model, "choices", choices, "usage",
+			 "prompt_tokens", (json_int_t)rs->n_prompt, "completion_tokens", generated,
+			 "total_tokens", (json_int_t)rs->n_prompt + generated);
 	return json_pack("{s:s,s:s?,s:{s:i,s:s,s:o*},s:n}", "id", id, "custom_id", q->custom_id,
 			 "response", "status_code", 200, "request_id", rid, "body", body, "error");
 }

@@ -11,6 +11,8 @@
 
 /* Defaults for fields an input line leaves out. */
 #define MLENS_CLI_MAX_TOKENS_DEFAULT 16u
+/* Most choices an OpenAI line may ask for (its n), as OpenAI allows. */
+#define MLENS_CLI_MAX_CHOICES 128
 /* Most stop strings a request may name (matched on the decoded text). */
 #define MLENS_CLI_MAX_STOP_TEXT 16
 
@@ -36,6 +38,7 @@ struct mlens_cli_req {
 	uint32_t n_stop;
 	bool logprobs;
 	bool ignore_eos;	/* generate past the model's EOS ids */
+	uint32_t n;		/* choices: an OpenAI line's n, else 1 */
 	/* text the model's tokenizer turns into prompt (NULL when the
 	 * prompt came as ids); malloc'd */
 	char *prompt_text;	/* "prompt" as a string */
@@ -83,11 +86,13 @@ struct mlens_cli_result {
 /* "length", "stop", "error", "cancelled" (anything else: "error"). */
 const char *mlens_cli_finish_name(uint32_t finish);
 /* The result as one line of JSON (no newline), malloc'd; NULL if out of
- * memory. An OpenAI batch line's result is OpenAI's batch output line. */
-char *mlens_cli_result_format(const struct mlens_cli_result *r);
-/* A streamed piece of request index's output: tokens and text (text NULL:
- * none), one line of JSON, malloc'd. */
-char *mlens_cli_delta_format(size_t index, const struct mlens_cli_req *req,
+ * memory. An OpenAI batch line's result is OpenAI's batch output line,
+ * with the n choices r[0..n-1] (n is 1 for an mlens line). */
+char *mlens_cli_result_format(const struct mlens_cli_result *r, size_t n);
+/* A streamed piece of the output of line index (its choice when the line
+ * asked for several): tokens and text (text NULL: none), one line of
+ * JSON, malloc'd. */
+char *mlens_cli_delta_format(size_t index, uint32_t choice, const struct mlens_cli_req *req,
 			     const int32_t *tokens, size_t n_tokens, const char *text,
 			     size_t text_len);
 
@@ -100,8 +105,8 @@ int mlens_cli_fields_parse(struct json_t *o, struct mlens_cli_req *r, char *err,
 /* Parse an OpenAI batch input line's object o into r (kind, custom_id,
  * model set even when it fails). 0 or -EINVAL with err. */
 int mlens_cli_batch_parse(struct json_t *o, struct mlens_cli_req *r, char *err, size_t errlen);
-/* OpenAI's batch output line of result r. */
-struct json_t *mlens_cli_batch_result(const struct mlens_cli_result *r);
+/* OpenAI's batch output line of the n choices r[0..n-1] of one line. */
+struct json_t *mlens_cli_batch_result(const struct mlens_cli_result *r, size_t n);
 
 /* ==== Text through the model's tokenizer (client/cli_model.c) ==== */
 

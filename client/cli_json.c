@@ -233,12 +233,8 @@ int mlens_cli_fields_parse(json_t *o, struct mlens_cli_req *r, char *err, size_t
 		} else if (oai && !strcmp(key, "model")) {
 			rc = string_field(v, key, &r->model, err, errlen);
 		} else if (oai && !strcmp(key, "n")) {
-			if ((rc = uint_field(v, key, 1, INT32_MAX, &x, err, errlen)))
-				return rc;
-			if (x != 1)
-				return bad(err, errlen, "n is %lld: one choice a line is served (write "
-					   "the line %lld times with different seeds)", (long long)x,
-					   (long long)x);
+			rc = uint_field(v, key, 1, MLENS_CLI_MAX_CHOICES, &x, err, errlen);
+			r->n = (uint32_t)x;
 		} else if (oai && (!strcmp(key, "stream") || !strcmp(key, "echo"))) {
 			if (!json_is_false(v) && !json_is_null(v))
 				return bad(err, errlen, "%s: only false is served in a batch file",
@@ -291,6 +287,7 @@ int mlens_cli_request_parse(const char *line, size_t len, struct mlens_cli_req *
 	int rc;
 
 	memset(r, 0, sizeof(*r));
+	r->n = 1;
 	r->max_tokens = MLENS_CLI_MAX_TOKENS_DEFAULT;
 	r->top_p = 1.0f;
 	while (len && (line[len - 1] == '\n' || line[len - 1] == '\r'))
@@ -384,7 +381,7 @@ static char *dump_line(json_t *o)
 	return s;
 }
 
-char *mlens_cli_delta_format(size_t index, const struct mlens_cli_req *req,
+char *mlens_cli_delta_format(size_t index, uint32_t choice, const struct mlens_cli_req *req,
 			     const int32_t *tokens, size_t n_tokens, const char *text,
 			     size_t text_len)
 {
@@ -394,6 +391,8 @@ char *mlens_cli_delta_format(size_t index, const struct mlens_cli_req *req,
 	fail = fail || json_object_set_new(o, "index", json_integer((json_int_t)index));
 	if (!fail && req && req->custom_id)
 		fail = json_object_set_new(o, "custom_id", json_string(req->custom_id));
+	if (!fail && req && req->n > 1)
+		fail = json_object_set_new(o, "choice", json_integer(choice));
 	fail = fail || json_object_set_new(d, "tokens", tokens_json(tokens, n_tokens));
 	if (!fail && text)
 		fail = json_object_set_new(d, "text", text_json(text, text_len));
@@ -406,14 +405,14 @@ char *mlens_cli_delta_format(size_t index, const struct mlens_cli_req *req,
 	return dump_line(o);
 }
 
-char *mlens_cli_result_format(const struct mlens_cli_result *r)
+char *mlens_cli_result_format(const struct mlens_cli_result *r, size_t n)
 {
 	json_t *o, *toks, *lps = NULL;
 	const char *fin = mlens_cli_finish_name(r->finish);
 	int fail;
 
 	if (r->req && r->req->kind != MLENS_CLI_NATIVE)
-		return dump_line(mlens_cli_batch_result(r));
+		return dump_line(mlens_cli_batch_result(r, n));
 	o = json_object();
 	toks = tokens_json(r->tokens, r->n_tokens);
 	fail = !o || !toks;

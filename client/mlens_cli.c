@@ -38,6 +38,8 @@ enum job_state { JOB_PARSED, JOB_RUNNING, JOB_DONE };
 
 struct job {
 	enum job_state state;
+	size_t line;		/* the input line, from 0 */
+	uint32_t choice, n_choices;	/* an OpenAI line's n: one job a choice */
 	struct mlens_cli_req req;
 	int32_t *tokens;
 	float *logprobs;
@@ -64,6 +66,7 @@ struct run {
 	struct job *jobs;
 	size_t n_jobs, cap_jobs;
 	size_t next_submit, next_write;
+	size_t n_lines, lines_written;
 	size_t *line_of_id;	/* by id - 1: ids are issued 1, 2, 3, ... */
 	size_t cap_ids;
 	uint64_t n_ids;
@@ -237,8 +240,27 @@ static int job_add_token(struct job *j, int32_t tok, float lp)
 	return 0;
 }
 
-/* Read the next input line into a new job. Returns 1, 0 at end of input,
- * -errno. */
+/* A copy of request r's generation fields for another choice of its line
+ * (the line's names stay with the first). 0 or -ENOMEM. */
+static int request_copy(struct mlens_cli_req *c, const struct mlens_cli_req *r)
+{
+	*c = *r;
+	c->prompt_text = c->messages = c->custom_id = c->model = NULL;
+	c->n_stop_text = 0;
+	c->prompt = malloc(r->n_prompt * sizeof(*r->prompt));
+	if (!c->prompt)
+		return -ENOMEM;
+	memcpy(c->prompt, r->prompt, r->n_prompt * sizeof(*r->prompt));
+	for (uint32_t i = 0; i < r->n_stop_text; i++) {
+		if (!(c->stop_text[i] = strdup(r->stop_text[i])))
+			return -ENOMEM;
+		c->n_stop_text++;
+	}
+	return 0;
+}
+
+/* Read the next input line into a new job (one a choice). Returns 1, 0 at
+ * end of input, -errno. */
 static int read_job(struct run *rn)
 {
 	char err[512];
@@ -254,7 +276,8 @@ static int read_job(struct run *rn)
 		rn->eof = true;
 		return 0;
 	}
-	if (rn->n_jobs == rn->cap_jobs) {
+	/* room for the most choices a line may ask for */
+	if (rn->n_jobs + MLENS_CLI_MAX_CHOICES > rn->cap_jobs) {
 		size_t cap = rn->cap_jobs ? rn->cap_jobs * 2 : 256;
 		struct job *nj = realloc(rn->jobs, cap * sizeof(*nj));
 
@@ -267,13 +290,34 @@ static int read_job(struct run *rn)
 	memset(j, 0, sizeof(*j));
 	j->ttft = -1;
 	j->state = JOB_PARSED;
+	j->line = rn->n_lines++;
+	j->n_choices = 1;
 	rc = mlens_cli_request_parse(rn->line, (size_t)len, &j->req, err, sizeof(err));
 	if (!rc)
 		rc = job_prepare(rn, j, err, sizeof(err));
 	if (rc == -ENOMEM)
 		return rc;
-	if (rc)
+	if (rc) {
 		job_refuse(rn, j, err);
+		return 1;
+	}
+	/* the other choices: the same request, seeded apart */
+	for (uint32_t k = 1; k < j->req.n; k++) {
+		struct job *c = &rn->jobs[rn->n_jobs++];
+
+		memset(c, 0, sizeof(*c));
+		c->ttft = -1;
+		c->state = JOB_PARSED;
+		c->line = j->line;
+		c->choice = k;
+		if (request_copy(&c->req, &j->req) ||
+		    (j->has_text && mlens_cli_text_init(&c->text, rn->model)))
+			return -ENOMEM;
+		c->has_text = j->has_text;
+		c->req.seed += k;
+	}
+	for (uint32_t k = 0; k < j->req.n; k++)
+		j[k].n_choices = j->req.n;
 	return 1;
 }
 
@@ -376,15 +420,16 @@ static int submit_job(struct run *rn, struct job *j)
  * as one delta line (none when there is nothing new). */
 static int stream_delta(struct run *rn, struct job *j)
 {
-	size_t i = (size_t)(j - rn->jobs), t0 = j->tokens_sent;
-	size_t x0 = j->text.sent, x1 = j->has_text ? j->text.safe : 0;
+	size_t t0 = j->tokens_sent, x0 = j->text.sent, x1 = j->has_text ? j->text.safe : 0;
 	char *s;
 
 	if (!rn->stream || (t0 == j->n_tokens && x1 <= x0))
 		return 0;
 	if (x1 < x0)
 		x1 = x0;
-	s = mlens_cli_delta_format(i, &j->req, j->tokens + t0, j->n_tokens - t0,
+	/* the line's first choice holds its names */
+	s = mlens_cli_delta_format(j->line, j->choice, &(j - j->choice)->req, j->tokens + t0,
+				   j->n_tokens - t0,
 				   j->has_text ? j->text.buf + x0 : NULL, x1 - x0);
 	if (!s || write_line(rn, s))
 		return -ENOMEM;
@@ -508,45 +553,82 @@ static char **token_texts(const struct mlens_cli_model *m, const int32_t *tokens
 	return tt;
 }
 
-/* Write the results that are next in input order. */
+/* Fill r with job j's result: its text complete, token texts for OpenAI
+ * logprobs in *tt (free with free_token_texts). 0 or -errno. */
+static int job_result(struct run *rn, struct job *j, struct mlens_cli_result *r, char ***tt)
+{
+	int rc;
+
+	*tt = NULL;
+	/* a request that ended without its LAST event (cancelled at an
+	 * interrupt, or the daemon gone) has its text completed here */
+	if ((rc = job_settle_text(rn, j)))
+		return rc;
+	memset(r, 0, sizeof(*r));
+	r->index = j->line;
+	r->req = &j->req;
+	r->n_prompt = j->req.n_prompt;
+	r->tokens = j->tokens;
+	r->n_tokens = j->n_tokens;
+	r->logprobs = j->req.logprobs ? j->logprobs : NULL;
+	r->finish = j->finish;
+	r->error = j->error;
+	r->bad_request = j->bad_request;
+	if (j->has_text && j->finish != MLENS_REASON_ERROR) {
+		r->text = j->text.buf;
+		r->text_len = j->text.len;
+	}
+	if (r->logprobs && rn->model && j->req.kind != MLENS_CLI_NATIVE &&
+	    !(*tt = token_texts(rn->model, j->tokens, j->n_tokens)))
+		return -ENOMEM;
+	r->token_text = (const char *const *)*tt;
+	return 0;
+}
+
+static void free_token_texts(char **tt, size_t n)
+{
+	for (size_t i = 0; tt && i < n; i++)
+		free(tt[i]);
+	free(tt);
+}
+
+/* Write the results that are next in input order: a line's once all its
+ * choices are done. */
 static int flush_results(struct run *rn)
 {
-	while (rn->next_write < rn->n_jobs && rn->jobs[rn->next_write].state == JOB_DONE) {
-		struct job *j = &rn->jobs[rn->next_write];
-		struct mlens_cli_result r = {
-			.index = rn->next_write, .req = &j->req, .n_prompt = j->req.n_prompt,
-			.tokens = j->tokens, .n_tokens = j->n_tokens,
-			.logprobs = j->req.logprobs ? j->logprobs : NULL, .finish = j->finish,
-			.error = j->error, .bad_request = j->bad_request,
-		};
-		char **tt = NULL, *s;
-		int rc;
+	struct mlens_cli_result rs[MLENS_CLI_MAX_CHOICES];
+	char **tts[MLENS_CLI_MAX_CHOICES];
 
-		/* a request that ended without its LAST event (cancelled at an
-		 * interrupt, or the daemon gone) */
-		if ((rc = job_settle_text(rn, j)))
+	while (rn->next_write < rn->n_jobs) {
+		struct job *j = &rn->jobs[rn->next_write];
+		size_t n = j->n_choices, k;
+		bool ok = true;
+		char *s;
+		int rc = 0;
+
+		for (k = 0; k < n; k++)
+			if (j[k].state != JOB_DONE)
+				return 0;
+		memset(tts, 0, n * sizeof(*tts));
+		for (k = 0; k < n && !rc; k++)
+			rc = job_result(rn, &j[k], &rs[k], &tts[k]);
+		s = rc ? NULL : mlens_cli_result_format(rs, n);
+		for (k = 0; k < n; k++)
+			free_token_texts(tts[k], j[k].n_tokens);
+		if (rc)
 			return rc;
-		r.finish = j->finish;
-		if (j->has_text && j->finish != MLENS_REASON_ERROR) {
-			r.text = j->text.buf;
-			r.text_len = j->text.len;
-		}
-		if (r.logprobs && rn->model && j->req.kind != MLENS_CLI_NATIVE &&
-		    !(tt = token_texts(rn->model, j->tokens, j->n_tokens)))
-			return -ENOMEM;
-		r.token_text = (const char *const *)tt;
-		s = mlens_cli_result_format(&r);
-		for (size_t i = 0; tt && i < j->n_tokens; i++)
-			free(tt[i]);
-		free(tt);
 		if (!s || write_line(rn, s))
 			return -ENOMEM;
-		if (j->finish == MLENS_REASON_LENGTH || j->finish == MLENS_REASON_STOP)
+		for (k = 0; k < n; k++) {
+			ok &= j[k].finish == MLENS_REASON_LENGTH || j[k].finish == MLENS_REASON_STOP;
+			job_release(&j[k]);
+		}
+		if (ok)
 			rn->ok++;
 		else
 			rn->failed++;
-		job_release(j);
-		rn->next_write++;
+		rn->lines_written++;
+		rn->next_write += n;
 	}
 	return 0;
 }
@@ -556,7 +638,7 @@ static int flush_results(struct run *rn)
 static void progress(struct run *rn, bool final)
 {
 	double t = now_s(), el = t - rn->t_start;
-	size_t done = rn->next_write;
+	size_t done = rn->lines_written;
 	char bar[41];
 
 	if (!rn->progress || (!final && t - rn->t_last_bar < 0.2))
@@ -599,7 +681,7 @@ static void summary(struct run *rn, const double *ttft, size_t n_ttft)
 	double el = now_s() - rn->t_start;
 
 	fprintf(stderr, "mlens: %zu requests (%zu completed, %zu failed), %llu prompt tokens, "
-		"%llu generated tokens in %.2f s: %.1f tokens/s\n", rn->next_write, rn->ok,
+		"%llu generated tokens in %.2f s: %.1f tokens/s\n", rn->lines_written, rn->ok,
 		rn->failed, (unsigned long long)rn->prompt_tokens,
 		(unsigned long long)rn->generated, el, el > 0 ? rn->generated / el : 0.0);
 	if (n_ttft)
@@ -896,7 +978,7 @@ static int cmd_generate(int argc, char **argv)
 	}
 	progress(&rn, true);
 	if (rc && rc != -ECONNRESET)
-		fprintf(stderr, "mlens: stopped after %zu results: %s\n", rn.next_write,
+		fprintf(stderr, "mlens: stopped after %zu results: %s\n", rn.lines_written,
 			mlens_strerror(rc));
 
 	ttft = malloc((rn.n_jobs ? rn.n_jobs : 1) * sizeof(*ttft));

@@ -1024,7 +1024,7 @@ START_TEST(test_json_request_bad)
 		{ "{\"custom_id\": \"a\", \"method\": \"GET\", \"url\": \"/v1/completions\", "
 		  "\"body\": {\"prompt\": \"x\"}}", "method is not \"POST\"" },
 		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/completions\", "
-		  "\"body\": {\"prompt\": \"x\", \"n\": 2}}", "n is 2" },
+		  "\"body\": {\"prompt\": \"x\", \"n\": 0}}", "n is 0, want 1 to 128" },
 		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", "
 		  "\"body\": {\"prompt\": \"x\"}}", "unknown field \"prompt\" in body" },
 		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/completions\", "
@@ -1076,7 +1076,7 @@ START_TEST(test_json_result_batch)
 	json_t *o, *b;
 	char *s;
 
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	o = json_loads(s, 0, &je);
 	ck_assert_ptr_nonnull(o);
 	ck_assert_str_eq(json_string_value(json_object_get(o, "custom_id")), "c1");
@@ -1101,7 +1101,7 @@ START_TEST(test_json_result_batch)
 	r.finish = MLENS_REASON_ERROR;
 	r.error = "url \"/v1/x\" is not served";
 	r.bad_request = true;
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_ptr_nonnull(strstr(s, "\"custom_id\":\"c1\",\"response\":null,\"error\":"
 					"{\"code\":\"invalid_request_error\",\"message\":"
 					"\"url \\\"/v1/x\\\" is not served\"}}"));
@@ -1119,14 +1119,14 @@ START_TEST(test_json_result)
 	json_t *o;
 	char *s;
 
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_ptr_nonnull(s);
 	ck_assert_str_eq(s, "{\"index\":12,\"tokens\":[5,6,7],\"finish_reason\":\"stop\"}");
 	free(s);
 
 	r.logprobs = lps;
 	r.finish = MLENS_REASON_LENGTH;
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	o = json_loads(s, 0, &je);
 	ck_assert_ptr_nonnull(o);
 	ck_assert_str_eq(json_string_value(json_object_get(o, "finish_reason")), "length");
@@ -1141,12 +1141,12 @@ START_TEST(test_json_result)
 	r.n_tokens = 0;
 	r.finish = MLENS_REASON_ERROR;
 	r.error = "prompt is empty";
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_str_eq(s, "{\"index\":12,\"tokens\":[],\"finish_reason\":\"error\","
 			 "\"error\":\"prompt is empty\"}");
 	free(s);
 	r.error = "bad \xff byte";	/* not UTF-8: still a JSON line */
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_ptr_nonnull(s);
 	ck_assert_ptr_nonnull(strstr(s, "not valid UTF-8"));
 	free(s);

@@ -119,6 +119,7 @@ echo "ok: stop $stop cuts the text, ends after $(js "$want" 'len(o[1])') tokens,
 	echo "{\"prompt\": \"$T\", \"max_tokens\": 24, \"ignore_eos\": true, \"custom_id\": \"s0\"}"
 	echo "{\"prompt\": \"$T\", \"max_tokens\": 2000, \"ignore_eos\": true, \"stop\": $stop}"
 	echo '{"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 12}'
+	echo "{\"custom_id\": \"n2\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": \"$T\", \"max_tokens\": 5, \"n\": 2, \"temperature\": 1}}"
 } >"$tmp/in"
 gen --stream -i "$tmp/in" -o "$tmp/out" || fail "generate --stream: $(cat "$tmp/out")"
 python3 - "$tmp/out" "$full" <<'PY' || fail "stream: $(cat "$tmp/out")"
@@ -131,16 +132,20 @@ for l in lines[:-1]:
     if "delta" in o:
         i = o["index"]
         assert i not in [f["index"] for f in finals], "a delta after the final line of %d" % i
-        assert o.get("custom_id") == ("s0" if i == 0 else None)
+        assert o.get("custom_id") == {0: "s0", 3: "n2"}.get(i)
+        assert ("choice" in o) == (i == 3)
+        i = (i, o.get("choice", 0))
         t, x = acc.get(i, ([], ""))
         acc[i] = (t + o["delta"]["tokens"], x + o["delta"]["text"])
     else:
         finals.append(o)
-assert [f["index"] for f in finals] == [0, 1, 2], finals
+assert [f.get("index") for f in finals] == [0, 1, 2, None], finals
 assert finals[0]["tokens"] == json.loads(sys.argv[2])
 assert finals[1]["finish_reason"] == "stop"
-for f in finals:
-    assert acc[f["index"]] == (f["tokens"], f["text"]), (acc[f["index"]], f)
+for f in finals[:3]:
+    assert acc[(f["index"], 0)] == (f["tokens"], f["text"]), (acc[(f["index"], 0)], f)
+for k, c in enumerate(finals[3]["response"]["body"]["choices"]):
+    assert acc[(3, k)][1] == c["text"] and len(acc[(3, k)][0]) == 5, (acc, c)
 PY
 echo "ok: --stream deltas add up to each final line's tokens and text, stop strings held back"
 
@@ -149,6 +154,10 @@ cat >"$tmp/in" <<EOF
 {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "$T", "max_tokens": 24, "ignore_eos": true, "logprobs": 0}}
 {"custom_id": "c2", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}}
 {"custom_id": "c3", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_completion_tokens": 12, "ignore_eos": true, "stop": [$stop], "logprobs": true}}
+{"custom_id": "c4", "method": "POST", "url": "/v1/completions", "body": {"prompt": "$T", "max_tokens": 6, "ignore_eos": true, "n": 3, "temperature": 1, "seed": 7}}
+{"prompt": "$T", "max_tokens": 6, "ignore_eos": true, "temperature": 1, "seed": 7}
+{"prompt": "$T", "max_tokens": 6, "ignore_eos": true, "temperature": 1, "seed": 8}
+{"prompt": "$T", "max_tokens": 6, "ignore_eos": true, "temperature": 1, "seed": 9}
 EOF
 "$mlens" generate -q -s "$tmp/t.sock" -m "$M" -i "$tmp/in" -o "$tmp/out"
 rc=$?
@@ -157,8 +166,8 @@ python3 - "$tmp/out" "$ids" "$cids" "$ftext" <<'PY' || fail "batch output: $(cat
 import json, sys
 rs = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
 ids, cids, ftext = json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
-assert [r["custom_id"] for r in rs] == ["c1", "c2", "c3"]
-c1, c2, c3 = rs
+assert [r.get("custom_id") for r in rs] == ["c1", "c2", "c3", "c4", None, None, None]
+c1, c2, c3, c4 = rs[:4]
 for r in (c1, c3):
     assert r["error"] is None and r["response"]["status_code"] == 200
     assert r["id"].startswith("batch_req_") and r["response"]["request_id"]
@@ -179,12 +188,18 @@ assert ch["message"]["role"] == "assistant" and ch["finish_reason"] in ("stop", 
 u = b["usage"]
 assert u["prompt_tokens"] == len(cids) and 1 <= u["completion_tokens"] <= 12
 assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+# n 3: choice k is what seed + k makes, the prompt counted once
+b = c4["response"]["body"]
+assert [c["index"] for c in b["choices"]] == [0, 1, 2]
+assert [c["text"] for c in b["choices"]] == [r["text"] for r in rs[4:]]
+assert [r["index"] for r in rs[4:]] == [4, 5, 6]  # lines, not requests
+assert b["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 18, "total_tokens": len(ids) + 18}
 lp = ch["logprobs"]["content"]
 assert len(lp) == u["completion_tokens"], lp
 assert all(set(x) == {"token", "logprob", "bytes", "top_logprobs"} and x["logprob"] <= 0 and
            bytes(x["bytes"]).decode("utf-8") == x["token"] for x in lp), lp
 PY
-echo "ok: batch lines: completion and chat.completion objects with usage, a bad url an error line"
+echo "ok: batch lines: completion and chat.completion objects with usage, n choices, a bad url an error line"
 
 # ==== without --model: text is an error line, ids still run ====
 {
