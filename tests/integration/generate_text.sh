@@ -85,8 +85,8 @@ gen -i "$tmp/in" -o "$tmp/out" || fail "generate chat: $(cat "$tmp/out")"
 echo "ok: messages run as the rendered ChatML template's ids $cids"
 
 # ==== stop strings: cut before, "stop" after the completing token, cancelled ====
-# the stop: 2 characters of the text from the 4th token's text on, and the
-# tokens expected: the fewest whose decode holds it
+# the stop: 2 characters across two tokens' texts (from the 4th token on),
+# and the tokens expected: the fewest whose decode holds it
 exp=$(python3 - "$M" "$mlens" "$full" "$ftext" <<'PY'
 import json, subprocess, sys
 m, mlens, toks, text = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -94,9 +94,12 @@ def dec(t):
     r = subprocess.run([mlens, "detokenize", "--model", m, "--skip-special"], check=True,
                        input=json.dumps({"tokens": t}), capture_output=True, text=True)
     return json.loads(r.stdout)["text"]
-start = len(dec(toks[:4]))
-k = next(i for i in range(start, len(text) - 2) if "\ufffd" not in text[i:i + 2])
-stop = text[k:k + 2]
+def across(n):
+    a, b = dec(toks[:n]), dec(toks[:n + 1])
+    k = len(a) - 1
+    return b[k:k + 2] if k >= 0 and b.startswith(a) and len(b) > len(a) and \
+        "\ufffd" not in b[k:k + 2] and text.index(b[k:k + 2]) == k else None
+stop = next(s for s in map(across, range(4, 23)) if s)
 n = next(n for n in range(1, 25) if stop in dec(toks[:n]))
 assert n < 24
 print(json.dumps(stop, ensure_ascii=False))
