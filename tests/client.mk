@@ -12,7 +12,7 @@ check_PROGRAMS += tests/check_client
 TESTS += tests/check_client
 tests_check_client_SOURCES = tests/check_client.c
 tests_check_client_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_client_LDADD = client/libmlens.la client/libmlens_cli.la tests/libmlens_fake.la \
+tests_check_client_LDADD = client/libmlens_cli.la client/libmlens.la tests/libmlens_fake.la \
 	$(CHECK_LIBS) $(JANSSON_LIBS) $(PTHREAD_LIBS)
 endif
 
