@@ -49,6 +49,8 @@ struct doorbell {
 	bool leader;
 };
 
+#define DETAILS 64
+
 struct mlens {
 	int sock;		/* the attach socket; its hang-up is the daemon's */
 	int efd_in;		/* we write: work for the daemon */
@@ -62,6 +64,16 @@ struct mlens {
 	uint64_t next_id;
 	/* Reading side: the completion ring. */
 	pthread_mutex_t cmpl_lock;
+	/* The limits named by the last DETAILS error events (the reading
+	 * side writes, mlens_event_strerror reads), under detail_lock; an
+	 * event's detail is its key (ev->detail), in slot key % DETAILS. */
+	pthread_mutex_t detail_lock;
+	struct detail {
+		uint32_t key;
+		uint8_t what;
+		uint32_t need, have;
+	} details[DETAILS];
+	uint32_t detail_key;
 	/* 1 once the socket hung up; read by both sides, through
 	 * is_dead()/set_dead(). */
 	uint32_t dead;
@@ -286,8 +298,11 @@ static int handshake(int sock, const char *name, int fds[MLENS_ATTACH_FDS],
 	do {
 		n = send(sock, &h, sizeof(h), MSG_NOSIGNAL);
 	} while (n < 0 && errno == EINTR);
-	if (n < 0)
-		return errno == EPIPE ? -ECONNRESET : -errno;
+	/* a daemon that refuses a peer at once (not allowed to attach) may
+	 * answer and close before the hello is sent: its answer is still
+	 * there to read */
+	if (n < 0 && errno != EPIPE && errno != ECONNRESET)
+		return -errno;
 
 	do {
 		rc = poll(&p, 1, WELCOME_TIMEOUT_MS);
@@ -300,8 +315,12 @@ static int handshake(int sock, const char *name, int fds[MLENS_ATTACH_FDS],
 	do {
 		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
 	} while (n < 0 && errno == EINTR);
+	/* the reset of a close that found the hello unread comes first, once;
+	 * the answer queued before it comes next */
+	if (n < 0 && errno == ECONNRESET)
+		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
 	if (n < 0)
-		return -errno;
+		return errno == EAGAIN || errno == EPIPE ? -ECONNRESET : -errno;
 
 	for (c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
 		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
@@ -365,11 +384,14 @@ int mlens_open(const char *socket_path, const char *client_name, struct mlens **
 	err = -pthread_mutex_init(&m->cmpl_lock, NULL);
 	if (err)
 		goto free_sub;
+	err = -pthread_mutex_init(&m->detail_lock, NULL);
+	if (err)
+		goto free_cmpl;
 
 	m->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (m->sock < 0) {
 		err = -errno;
-		goto free_cmpl;
+		goto free_detail;
 	}
 	if (connect(m->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
 		err = -errno;
@@ -416,6 +438,8 @@ close_fds:
 			close(fds[i]);
 close_sock:
 	close(m->sock);
+free_detail:
+	pthread_mutex_destroy(&m->detail_lock);
 free_cmpl:
 	pthread_mutex_destroy(&m->cmpl_lock);
 free_sub:
@@ -435,6 +459,7 @@ void mlens_close(struct mlens *m)
 	close(m->efd_in);
 	close(m->efd_out);
 	close(m->sock);
+	pthread_mutex_destroy(&m->detail_lock);
 	pthread_mutex_destroy(&m->cmpl_lock);
 	pthread_mutex_destroy(&m->sub_lock);
 	doorbell_destroy(&m->bell);
@@ -678,10 +703,29 @@ int mlens_cancel(struct mlens *m, uint64_t id)
 
 /* ==== Reading events ==== */
 
+/* Keep the limit an error completion names; returns its key (never 0). */
+static uint32_t detail_keep(struct mlens *m, const struct mlens_cmpl *c)
+{
+	struct detail *d;
+	uint32_t key;
+
+	pthread_mutex_lock(&m->detail_lock);
+	if (++m->detail_key == 0)
+		m->detail_key = 1;
+	key = m->detail_key;
+	d = &m->details[key % DETAILS];
+	d->key = key;
+	d->what = c->detail;
+	d->need = c->need;
+	d->have = c->have;
+	pthread_mutex_unlock(&m->detail_lock);
+	return key;
+}
+
 /* One completion as the caller sees it. What a conforming daemon never
  * writes (unknown finish, LAST without a reason, a positive status) ends
  * the request as an error with -EPROTO rather than reaching the caller. */
-static void event_of(const struct mlens_cmpl *c, struct mlens_event *e)
+static void event_of(struct mlens *m, const struct mlens_cmpl *c, struct mlens_event *e)
 {
 	memset(e, 0, sizeof(*e));
 	e->id = c->id;
@@ -711,6 +755,8 @@ static void event_of(const struct mlens_cmpl *c, struct mlens_event *e)
 	case MLENS_FINISH_ERROR:
 		e->finish = MLENS_REASON_ERROR;
 		e->status = c->status < 0 && c->status > -4096 ? c->status : -EPROTO;
+		if (c->detail && c->detail <= MLENS_DETAIL_MAX && e->status == c->status)
+			e->detail = detail_keep(m, c);
 		break;
 	default:
 		e->finish = MLENS_REASON_ERROR;
@@ -733,7 +779,7 @@ static int take(struct mlens *m, struct mlens_event *evs, int max)
 		if (n < 0)
 			return got ? got : n;
 		for (int i = 0; i < n; i++)
-			event_of(&c[i], &evs[got + i]);
+			event_of(m, &c[i], &evs[got + i]);
 		got += n;
 		if (n < want)
 			break;
@@ -857,4 +903,38 @@ const char *mlens_strerror(int err)
 	default:
 		return strerror_r(err, buf, sizeof(buf));
 	}
+}
+
+/* What each detail of shm/proto.h says: words, need, words, have, words. */
+static const char *const detail_words[MLENS_DETAIL_MAX + 1][3] = {
+	[MLENS_DETAIL_KV_POOL] = { "prompt + max_tokens need ", " KV blocks; mlensd's KV pool has ",
+				   ": shorten them, or give mlensd a larger kv_cache" },
+	[MLENS_DETAIL_KV_QUOTA] = { "prompt + max_tokens need ", " KV blocks; this tenant's kv_blocks quota is ",
+				    " (mlensctl quota): shorten them, or raise the quota" },
+	[MLENS_DETAIL_STEP_CAP] = { "a prompt of ", " tokens exceeds mlensd's ",
+				    " tokens a step (max_step_tokens): shorten it" },
+	[MLENS_DETAIL_CONTEXT] = { "a prompt of ", " tokens leaves no room in the model's ",
+				   " positions: shorten it" },
+	[MLENS_DETAIL_QUEUED] = { "this would be the tenant's request ", " queued; its queued quota is ",
+				  " (mlensctl quota): submit fewer at a time" },
+};
+
+const char *mlens_event_strerror(struct mlens *m, const struct mlens_event *ev)
+{
+	static __thread char buf[256];
+	struct detail d = { 0 };
+
+	if (!ev)
+		return mlens_strerror(EINVAL);
+	if (m && ev->detail) {
+		pthread_mutex_lock(&m->detail_lock);
+		if (m->details[ev->detail % DETAILS].key == ev->detail)
+			d = m->details[ev->detail % DETAILS];
+		pthread_mutex_unlock(&m->detail_lock);
+	}
+	if (d.what == MLENS_DETAIL_NONE || d.what > MLENS_DETAIL_MAX)
+		return mlens_strerror(ev->status);
+	snprintf(buf, sizeof(buf), "%s%u%s%u%s", detail_words[d.what][0], d.need, detail_words[d.what][1],
+		 d.have, detail_words[d.what][2]);
+	return buf;
 }

@@ -83,7 +83,8 @@ struct mlens_event {
 	uint32_t flags;		/* MLENS_EV_* */
 	uint32_t finish;	/* enum mlens_finish_reason; NONE unless LAST */
 	int32_t status;		/* 0, or -errno when finish is MLENS_REASON_ERROR */
-	uint32_t reserved;
+	uint32_t detail;	/* 0, or (an error) the limit it ran into, for
+				 * mlens_event_strerror() */
 };
 
 /* Attach to the daemon listening on socket_path; client_name (may be NULL,
@@ -138,6 +139,14 @@ int mlens_limits(struct mlens *m, struct mlens_limits *lim);
  * otherwise. The string stays valid until the calling thread calls
  * mlens_strerror again. Thread safety: safe. */
 const char *mlens_strerror(int err);
+
+/* Words for why the request of error event ev failed: the limit it ran
+ * into with its numbers where mlensd named one (KV blocks needed against the
+ * pool or the tenant's quota, prompt tokens against the step or the
+ * context), else mlens_strerror(ev->status). m is the connection ev came
+ * from; the last 64 such limits are kept. The string stays valid until the
+ * calling thread calls it or mlens_strerror again. Thread safety: safe. */
+const char *mlens_event_strerror(struct mlens *m, const struct mlens_event *ev);
 
 /* The eventfd the daemon writes when events arrive (or ring space frees),
  * for the caller's own poll/epoll loop: wait for POLLIN, then call

@@ -491,7 +491,7 @@ static int handle_event(struct run *rn, const struct mlens_event *e)
 		return rc;
 	if (e->flags & MLENS_EV_LAST) {
 		if (e->finish == MLENS_REASON_ERROR) {
-			job_fail(rn, j, mlens_strerror(e->status));
+			job_fail(rn, j, mlens_event_strerror(rn->m, e));
 		} else {
 			j->state = JOB_DONE;
 			j->finish = e->finish;

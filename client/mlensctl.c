@@ -2,7 +2,9 @@
  * request (a JSON line) per run; the reply is shown as a table, or as the
  * daemon's JSON with --json. Exit: 0 ok, 1 refused, 2 usage, 3 no daemon. */
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
+#include <libgen.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -10,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -19,8 +22,9 @@
 #define EXIT_CONNECT 3
 #define REPLY_TIMEOUT_MS 30000	/* quota and evict wait for a step boundary */
 #define PROFILE_TIMEOUT_MS 120000	/* the profiler takes under 30 s on a GPU */
-#define TRACE_TIMEOUT_MS 600000	/* a trace waits for steps to run */
+#define TRACE_TIMEOUT_S 10	/* a trace waits for steps to run: --timeout */
 #define MAX_REPLY (16u << 20)
+#define MAX_TRACE_REPLY (512u << 20)	/* a trace of the daemon's most spans */
 
 static const char *prog = "mlensctl";
 
@@ -40,12 +44,13 @@ static void usage(FILE *f)
 		"  config                      the daemon's settings\n"
 		"  profile [--prompt-len P] [--gen-len G] [--cached]\n"
 		"                              measure the machine; n_real, policy, predicted throughput\n"
-		"  trace [--steps N] FILE | trace --cancel\n"
-		"                              timeline of the next N steps (default 4) as Chrome trace JSON\n"
+		"  trace [--steps N] [--timeout S] FILE | trace --cancel\n"
+		"                              timeline of the next N steps (default 4) as Chrome trace JSON,\n"
+		"                              written to FILE; waits S seconds for them (default %d, 0: no limit)\n"
 		"options:\n"
 		"  -s, --socket PATH           control socket (default $MLENS_CONTROL or /run/mlens/control.sock)\n"
 		"  --json                      print the daemon's JSON reply\n"
-		"  -h, --help, -V, --version\n", prog);
+		"  -h, --help, -V, --version\n", prog, TRACE_TIMEOUT_S);
 }
 
 static int die_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -76,6 +81,14 @@ static int connect_to(const char *path)
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
 		int e = errno;
+		if (e == EPROTOTYPE) {
+			/* the tenant socket is a SOCK_SEQPACKET one */
+			fprintf(stderr, "%s: %s is not mlensd's control socket but a socket of another kind "
+				"(mlensd's tenant socket, perhaps); give the control socket with -s (control = in "
+				"mlensd.conf; by default control.sock beside the tenant socket)\n", prog, path);
+			close(fd);
+			return -1;
+		}
 		fprintf(stderr, "%s: cannot connect to mlensd at %s: %s%s\n", prog, path, strerror(e),
 			e == ENOENT || e == ECONNREFUSED ? " (is mlensd running? give its control socket with -s)"
 			: e == EACCES ? " (only the daemon's user, root or control_group may use it)" : "");
@@ -86,8 +99,10 @@ static int connect_to(const char *path)
 	return fd;
 }
 
-/* Send req, read one reply line. NULL (message printed) on failure. */
-static json_t *transact(int fd, json_t *req, int timeout_ms)
+/* Send req, read one reply line of at most max bytes. NULL (message
+ * printed) on failure; *timed_out says whether no reply came in
+ * timeout_ms (-1: no limit), and then nothing is printed. */
+static json_t *transact(int fd, json_t *req, int timeout_ms, size_t max, bool *timed_out)
 {
 	char *text = json_dumps(req, JSON_COMPACT), *buf = NULL;
 	size_t len, off = 0, cap = 0, have = 0;
@@ -113,7 +128,7 @@ static json_t *transact(int fd, json_t *req, int timeout_ms)
 		if (have + 4096 > cap) {
 			char *nb;
 			cap = cap ? cap * 2 : 65536;
-			if (cap > MAX_REPLY || !(nb = realloc(buf, cap))) {
+			if (cap > max || !(nb = realloc(buf, cap))) {
 				fprintf(stderr, "%s: the daemon's reply is too long\n", prog);
 				free(buf);
 				return NULL;
@@ -121,7 +136,7 @@ static json_t *transact(int fd, json_t *req, int timeout_ms)
 			buf = nb;
 		}
 		if (poll(&p, 1, timeout_ms) == 0) {
-			fprintf(stderr, "%s: no reply from the daemon in %d s\n", prog, timeout_ms / 1000);
+			*timed_out = true;
 			free(buf);
 			return NULL;
 		}
@@ -224,15 +239,32 @@ static void show_status(json_t *r)
 	       gets_(sk, "stats"), *gets_(sk, "stats_http") ? ", http://" : "", gets_(sk, "stats_http"));
 }
 
+/* A name from the daemon, for a terminal: control bytes (escape
+ * sequences, newlines) as \xNN, whatever the daemon let through. */
+static const char *printable(const char *in, char *out, size_t n)
+{
+	size_t j = 0;
+	for (const unsigned char *p = (const unsigned char *)in; *p && j + 5 < n; p++) {
+		if (*p < 0x20 || *p == 0x7f || *p == '\\')
+			j += (size_t)snprintf(out + j, n - j, "\\x%02x", *p);
+		else
+			out[j++] = (char)*p;
+	}
+	out[j] = 0;
+	return out;
+}
+
 static void show_tenants(json_t *r)
 {
 	json_t *a = json_object_get(r, "tenants"), *t;
+	char name[256];
 	size_t i;
 	printf("%6s %6s %7s %-16s %4s %6s %6s %10s %10s %7s %5s\n", "ID", "UID", "PID", "NAME", "RUN", "QUEUED",
 	       "KV", "PROMPT", "GENERATED", "PREEMPT", "BAD");
 	json_array_foreach(a, i, t)
 		printf("%6lld %6lld %7lld %-16.16s %4lld %6lld %6lld %10lld %10lld %7lld %5lld\n",
-		       (long long)geti(t, "id"), (long long)geti(t, "uid"), (long long)geti(t, "pid"), gets_(t, "name"),
+		       (long long)geti(t, "id"), (long long)geti(t, "uid"), (long long)geti(t, "pid"),
+		       printable(gets_(t, "name"), name, sizeof(name)),
 		       (long long)geti(t, "running"), (long long)geti(t, "queued"), (long long)geti(t, "kv_blocks"),
 		       (long long)geti(t, "prompt_tokens"), (long long)geti(t, "generation_tokens"),
 		       (long long)geti(t, "preemptions"), (long long)geti(t, "bad_entries"));
@@ -323,10 +355,21 @@ static void show_profile(json_t *r)
 		printf("%-16s %.2f GB/s read + %.2f GB/s H2D at once = %.2f GB/s (the model's)\n", "",
 		       getf(m, "cpu_read_under_copy_bytes_per_s") / 1e9,
 		       getf(m, "h2d_under_read_bytes_per_s") / 1e9, getf(m, "cpu_memory_bytes_per_s") / 1e9);
-	printf("%-16s %.0f tokens per step (%s)\n", "n_real", getf(r, "n_real"),
-	       !json_is_number(neq) ? "nothing streams: the activation memory bounds it"
-	       : getf(r, "n_eq") < getf(r, "n_act") ? "GPU time per layer equals the weight transfer (eq. 2)"
-	       : "the activation memory bounds it below eq. 2");
+	{
+		/* what bounds n_real, as the daemon says (older daemons: from
+		 * n_eq and n_act) */
+		const char *by = gets_(r, "n_real_bound");
+		bool host = json_is_true(json_object_get(r, "host_compute"));
+		if (!*by)
+			by = json_is_number(neq) && getf(r, "n_eq") < getf(r, "n_act") ? "n_real" : "activation-memory";
+		printf("%-16s %.0f tokens per step (%s)\n", "n_real", getf(r, "n_real"),
+		       !strcmp(by, "n_real") ? "GPU time per layer equals the weight transfer (eq. 2)"
+		       : !strcmp(by, "largest-step") ? (host ? "CPU backend: no PCIe, nothing streams; the engine's "
+							       "largest step bounds it"
+							     : "nothing streams: the engine's largest step bounds it")
+		       : json_is_number(neq) ? "the activation memory bounds it below eq. 2"
+		       : "nothing streams: the activation memory bounds it");
+	}
 	printf("%-16s %lld resident experts per layer (%s); group alpha takes %.0f%% of decode, %.0f%% of prefill tokens\n",
 	       "policy", (long long)geti(pol, "resident_experts"),
 	       strcmp(gets_(r, "mode"), "hybrid") ? "every expert resident" : "searched",
@@ -349,8 +392,12 @@ static void show_profile(json_t *r)
 	       "KV %.0f tokens: steps of %.0f tokens (set by %s) in %.4g s\n", "predicted", getf(pr, "tokens_per_s"),
 	       getf(pr, "generated_tokens_per_s"), getf(w, "prompt_len"), getf(w, "gen_len"), getf(w, "kv_tokens"),
 	       getf(pr, "tokens_per_step"), gets_(r, "limit"), getf(pr, "step_seconds"));
-	printf("%-16s %lld tokens per step (%s)\n", "token cap", (long long)geti(r, "token_cap"),
-	       json_is_true(json_object_get(r, "token_cap_pinned")) ? "pinned by max_step_tokens" : "from n_real");
+	{
+		const char *src = gets_(r, "token_cap_source");
+		printf("%-16s %lld tokens per step (%s)\n", "token cap", (long long)geti(r, "token_cap"),
+		       json_is_true(json_object_get(r, "token_cap_pinned")) ? "pinned by max_step_tokens"
+		       : !strcmp(src, "largest-step") ? "the engine's largest step, below n_real" : "from n_real");
+	}
 	if (*gets_(r, "warning"))
 		printf("%-16s %s\n", "warning", gets_(r, "warning"));
 }
@@ -363,13 +410,72 @@ static void show_config(json_t *r)
 		printf("%s = %s\n", k, json_string_value(v));
 }
 
-static void show_trace(json_t *r)
+/* ==== traces: the daemon sends one, mlensctl writes the file ==== */
+
+/* Before asking: FILE must be new and its directory writable by us, so
+ * that a recorded trace is not lost for a bad name. 0, or 1 said. */
+static int trace_file_check(const char *file)
 {
-	if (!json_object_get(r, "path")) {
+	char copy[4096];
+	struct stat st;
+	const char *dir;
+	int e = 0;
+	if (strlen(file) >= sizeof(copy)) {
+		fprintf(stderr, "%s: trace: the file name is longer than %zu bytes\n", prog, sizeof(copy) - 1);
+		return 1;
+	}
+	snprintf(copy, sizeof(copy), "%s", file);
+	dir = dirname(copy);
+	if (!lstat(file, &st))
+		e = EEXIST;
+	else if (errno != ENOENT)
+		e = errno;
+	else if (access(dir, W_OK | X_OK))
+		e = errno;
+	if (e) {
+		fprintf(stderr, "%s: trace: cannot create the trace file %s: %s%s\n", prog, file, strerror(e),
+			e == EEXIST ? " (name a new file)" : "");
+		return 1;
+	}
+	return 0;
+}
+
+/* The trace of the reply to a new FILE. 0, or 1 said (nothing left behind). */
+static int trace_file_write(const char *file, json_t *trace)
+{
+	int fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644), rc = 0;
+	FILE *f;
+	if (fd < 0 || !(f = fdopen(fd, "w"))) {
+		fprintf(stderr, "%s: trace: cannot create the trace file %s: %s\n", prog, file, strerror(errno));
+		if (fd >= 0) {
+			close(fd);
+			unlink(file);
+		}
+		return 1;
+	}
+	errno = 0;
+	if (!json_is_object(trace))
+		rc = EPROTO;
+	else if (json_dumpf(trace, f, JSON_COMPACT) || fputc('\n', f) == EOF)
+		rc = errno ? errno : EIO;
+	if (fclose(f) && !rc)
+		rc = errno ? errno : EIO;
+	if (rc) {
+		fprintf(stderr, "%s: trace: cannot write the trace file %s: %s\n", prog, file,
+			rc == EPROTO ? "the daemon's reply holds no trace" : strerror(rc));
+		unlink(file);
+		return 1;
+	}
+	return 0;
+}
+
+static void show_trace(json_t *r, const char *file)
+{
+	if (!file) {
 		printf("trace cancelled\n");
 		return;
 	}
-	printf("trace of %lld steps written to %s: %lld spans", (long long)geti(r, "steps"), gets_(r, "path"),
+	printf("trace of %lld steps written to %s: %lld spans", (long long)geti(r, "steps"), file,
 	       (long long)geti(r, "spans"));
 	if (geti(r, "dropped_spans"))
 		printf(" (%lld more dropped past the daemon's cap)", (long long)geti(r, "dropped_spans"));
@@ -386,7 +492,9 @@ int main(int argc, char **argv)
 	bool json = false;
 	json_t *req, *rep;
 	char why[320];
-	const char *cmd;
+	const char *cmd, *file = NULL;	/* trace: the file to write */
+	int trace_timeout_s = TRACE_TIMEOUT_S;
+	bool timed_out = false;
 
 	if (!sock || !*sock)
 		sock = "/run/mlens/control.sock";
@@ -470,10 +578,23 @@ int main(int argc, char **argv)
 			}
 		}
 	} else if (!strcmp(cmd, "trace")) {
-		const char *file = NULL;
 		for (int i = 1; i < nargs; i++) {
 			const char *a = args[i];
-			if (!strcmp(a, "--cancel")) {
+			if (!strcmp(a, "--timeout")) {
+				char *end;
+				long v;
+				if (i + 1 >= nargs) {
+					snprintf(why, sizeof(why), "trace: --timeout needs a number of seconds");
+					goto usage;
+				}
+				v = strtol(args[++i], &end, 10);
+				if (!*args[i] || *end || v < 0 || v > 86400) {
+					snprintf(why, sizeof(why), "trace: --timeout '%s' is not a number of seconds in "
+						 "[0, 86400] (0: no limit)", args[i]);
+					goto usage;
+				}
+				trace_timeout_s = (int)v;
+			} else if (!strcmp(a, "--cancel")) {
 				json_object_set_new(req, "cancel", json_true());
 			} else if (!strcmp(a, "--steps")) {
 				if (i + 1 >= nargs) {
@@ -482,7 +603,7 @@ int main(int argc, char **argv)
 				}
 				json_object_set_new(req, "steps", json_string(args[++i]));
 			} else if (a[0] == '-' && a[1]) {
-				snprintf(why, sizeof(why), "trace: unknown argument '%s' (--steps N, --cancel)", a);
+				snprintf(why, sizeof(why), "trace: unknown argument '%s' (--steps N, --timeout S, --cancel)", a);
 				goto usage;
 			} else if (file) {
 				snprintf(why, sizeof(why), "trace takes one FILE");
@@ -495,18 +616,9 @@ int main(int argc, char **argv)
 			snprintf(why, sizeof(why), "trace needs a FILE to write (or --cancel alone)");
 			goto usage;
 		}
-		if (file && file[0] != '/') {
-			/* the daemon writes it: make the name mlensctl's, not the daemon's */
-			char cwd[4096], full[8192];
-			if (!getcwd(cwd, sizeof(cwd))) {
-				fprintf(stderr, "%s: trace: cannot read the working directory: %s\n", prog, strerror(errno));
-				json_decref(req);
-				return EXIT_USAGE;
-			}
-			snprintf(full, sizeof(full), "%s/%s", cwd, file);
-			json_object_set_new(req, "path", json_string(full));
-		} else if (file) {
-			json_object_set_new(req, "path", json_string(file));
+		if (file && trace_file_check(file)) {
+			json_decref(req);
+			return EXIT_REFUSED;
 		}
 	} else if (!strcmp(cmd, "log-level")) {
 		if (nargs > 2) {
@@ -526,22 +638,55 @@ int main(int argc, char **argv)
 		return EXIT_CONNECT;
 	}
 	rep = transact(fd, req, !strcmp(cmd, "profile") ? PROFILE_TIMEOUT_MS
-			   : !strcmp(cmd, "trace") ? TRACE_TIMEOUT_MS : REPLY_TIMEOUT_MS);
+			   : file ? (trace_timeout_s ? trace_timeout_s * 1000 : -1) : REPLY_TIMEOUT_MS,
+		       file ? MAX_TRACE_REPLY : MAX_REPLY, &timed_out);
+	/* closing the connection cancels a trace still armed */
 	close(fd);
-	if (!rep) {
-		if (!strcmp(cmd, "trace") && !json_is_true(json_object_get(req, "cancel")))
-			fprintf(stderr, "%s: trace: it stays armed until its steps run; mlensctl trace --cancel stops it\n",
-				prog);
+	if (!rep && timed_out && file) {
+		fprintf(stderr, "%s: trace: %s did not run within %d s: nothing written (a trace records "
+			"the steps of running requests: is the daemon idle? --timeout S waits longer, 0 without "
+			"limit)\n", prog, json_integer_value(json_object_get(req, "steps")) == 1 ? "a step" :
+			"the steps", trace_timeout_s);
 		json_decref(req);
+		return EXIT_REFUSED;
+	}
+	if (!rep && timed_out)
+		fprintf(stderr, "%s: no reply from the daemon in %d s\n", prog,
+			(!strcmp(cmd, "profile") ? PROFILE_TIMEOUT_MS : REPLY_TIMEOUT_MS) / 1000);
+	json_decref(req);
+	if (!rep)
+		return EXIT_CONNECT;
+	if (!json_is_boolean(json_object_get(rep, "ok"))) {
+		/* a JSON line that is no reply: the stats socket sends its counters to anyone who connects */
+		if (json_object_get(rep, "uptime_seconds"))
+			fprintf(stderr, "%s: %s is mlensd's stats socket (it sends the counters and closes); "
+				"mlensctl needs the control socket: give it with -s (control = in mlensd.conf; "
+				"by default control.sock beside the tenant socket)\n", prog, sock);
+		else
+			fprintf(stderr, "%s: %s answered, but not as mlensd's control socket does; give the "
+				"control socket with -s\n", prog, sock);
+		json_decref(rep);
 		return EXIT_CONNECT;
 	}
-	json_decref(req);
 	if (!json_is_true(json_object_get(rep, "ok"))) {
-		fprintf(stderr, "%s: %s: %s\n", prog, cmd, gets_(rep, "error"));
+		const char *e = gets_(rep, "error");
+		size_t cl = strlen(cmd);
+		/* the daemon's reasons name their command already: say it once */
+		if (!strncmp(e, cmd, cl) && e[cl] == ':' && e[cl + 1] == ' ')
+			fprintf(stderr, "%s: %s\n", prog, *e ? e : "refused, without a reason");
+		else
+			fprintf(stderr, "%s: %s: %s\n", prog, cmd, *e ? e : "refused, without a reason");
 		rc = EXIT_REFUSED;
 		if (json)
 			json_dumpf(rep, stdout, JSON_COMPACT), putchar('\n');
+	} else if (file && trace_file_write(file, json_object_get(rep, "trace"))) {
+		rc = EXIT_REFUSED;
 	} else if (json) {
+		if (file) {
+			/* the trace is in the file; the reply says where */
+			json_object_del(rep, "trace");
+			json_object_set_new(rep, "path", json_string(file));
+		}
 		json_dumpf(rep, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
 		putchar('\n');
 	} else if (!strcmp(cmd, "status")) {
@@ -557,7 +702,7 @@ int main(int argc, char **argv)
 	} else if (!strcmp(cmd, "profile")) {
 		show_profile(rep);
 	} else if (!strcmp(cmd, "trace")) {
-		show_trace(rep);
+		show_trace(rep, file);
 	} else if (!strcmp(cmd, "log-level")) {
 		printf("%s\n", gets_(rep, "level"));
 	} else if (!strcmp(cmd, "drain")) {

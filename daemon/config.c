@@ -6,7 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "daemon/config.h"
+#include "daemon/infile.h"
 
 /* T_ENUM: a string that must be one of the words of arg ("a|b|c"). */
 enum opt_type { T_STR, T_ENUM, T_INT, T_SIZE, T_BOOL, T_DOUBLE, T_GPUS };
@@ -355,10 +357,15 @@ int mlens_config_parse_args(struct mlens_config *c, int argc, char **argv, char 
 		eq = strchr(a, '=');
 		len = eq ? (size_t)(eq - a) : strlen(a);
 		o = find(a, len, true);
-		if (!o && !eq && !strncmp(a, "no-", 3) && (o = find(a + 3, len - 3, true)) &&
-		    o->type == T_BOOL)
-			val = "false";
-		else if (!o || (val && o->type != T_BOOL)) {
+		if (!o && !eq && !strncmp(a, "no-", 3)) {
+			/* --no-KEY: false, for booleans only */
+			const struct opt *b = find(a + 3, len - 3, true);
+			if (b && b->type == T_BOOL) {
+				o = b;
+				val = "false";
+			}
+		}
+		if (!o) {
 			snprintf(err, errlen, "unknown option '--%.*s' (see --help)", (int)len, a);
 			return -EINVAL;
 		}
@@ -480,13 +487,19 @@ int mlens_config_finish(struct mlens_config *c)
 
 int mlens_config_load_file(struct mlens_config *c, const char *path, char *err, size_t errlen)
 {
-	FILE *f = fopen(path, "r");
+	struct stat sb;
+	int fd = mlens_open_regular(path, " config file", &sb, err, errlen);
+	FILE *f;
 	char *text;
 	long n;
 	int rc;
+	if (fd < 0)
+		return fd;
+	f = fdopen(fd, "r");
 	if (!f) {
 		rc = -errno;
-		snprintf(err, errlen, "cannot open config file %s: %s", path, strerror(-rc));
+		close(fd);
+		snprintf(err, errlen, "%s: %s", path, strerror(-rc));
 		return rc;
 	}
 	fseek(f, 0, SEEK_END);

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include "daemon/control.h"
+#include "daemon/listen.h"
 #include "daemon/log.h"
 #include "daemon/profiler.h"
 #include "daemon/trace.h"
@@ -53,13 +54,14 @@ struct profile_job {
 	int rc;
 };
 
-/* A step trace armed on the worker's engine: the worker fills res when the
- * trace is written, fails or is cancelled, and then writes efd; the main
- * thread answers. One at a time. */
+/* A step trace armed on the worker's engine: the worker fills res (the
+ * trace's JSON with it) when the steps ran, the trace failed or was
+ * cancelled, and then writes efd; the main thread sends the trace to the
+ * requester, who writes the file (as its own user, where it may). One at
+ * a time. */
 struct trace_job {
 	struct wjob w;		/* first */
 	int steps;
-	char path[4096];
 	struct mlens_trace_result res;
 };
 
@@ -68,9 +70,8 @@ struct mlens_control {
 	struct mlens_daemon_info *info;
 	void (*shutdown)(void *arg);
 	void *shutdown_arg;
-	int lfd;
-	char *path;
-	struct event *lev;
+	struct mlens_listener l;
+	struct mlens_access access;
 	struct conn *conns;
 	int n_conns;
 	bool drained_by_ctl;	/* admission closed by mlensctl drain */
@@ -164,26 +165,13 @@ static json_t *cmd_status(struct mlens_control *c)
 	return o;
 }
 
-static json_t *tenant_json(const struct mlens_tenant_info *t)
-{
-	return json_pack("{s:I,s:I,s:I,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:I,s:I,s:I,s:f}}",
-		"id", (json_int_t)t->id, "uid", (json_int_t)t->uid, "gid", (json_int_t)t->gid,
-		"pid", (json_int_t)t->pid, "name", t->name, "running", (json_int_t)t->running,
-		"queued", (json_int_t)t->queued, "kv_blocks", (json_int_t)t->kv_blocks,
-		"prompt_tokens", (json_int_t)t->prompt_tokens, "generation_tokens", (json_int_t)t->generated_tokens,
-		"requests_done", (json_int_t)t->requests_done, "requests_failed", (json_int_t)t->requests_failed,
-		"preemptions", (json_int_t)t->preemptions, "bad_entries", (json_int_t)t->bad_entries,
-		"quota", "running", (json_int_t)t->quota.max_running, "kv_blocks", (json_int_t)t->quota.max_kv_blocks,
-		"queued", (json_int_t)t->quota.max_queued, "weight", t->quota.weight);
-}
-
 static json_t *cmd_tenants(struct mlens_control *c)
 {
 	struct mlens_worker_snapshot s;
 	json_t *a = json_array();
 	mlens_worker_snapshot(c->info->worker, &s);
 	for (int i = 0; i < s.n_tenants; i++)
-		json_array_append_new(a, tenant_json(&s.tenants[i]));
+		mlens_tenant_json_append(a, &s.tenants[i]);
 	free(s.tenants);
 	return json_pack("{s:b,s:o}", "ok", 1, "tenants", a);
 }
@@ -254,22 +242,27 @@ static json_t *cmd_quota(struct mlens_control *c, json_t *req)
 	uint32_t id;
 	int rc;
 	if (req_tenant(req, &id))
-		return fail("quota: give the tenant's id (a positive number; see mlensctl tenants)");
+		return fail("quota: the tenant must be given by its id, a positive number (see mlensctl tenants)");
 	if (!find_tenant(c, id, &t))
-		return fail("quota: no tenant %u is attached (see mlensctl tenants)", id);
+		return fail("quota: no tenant with id %u is attached (see mlensctl tenants)", id);
 	if (set && !json_is_object(set))
 		return fail("quota: 'set' must be an object of running, kv_blocks, queued, weight");
 	if (set && json_object_size(set)) {
 		q = t.quota;
 		json_object_foreach(set, key, v) {
-			if (!strcmp(key, "running"))
+			const char *range = "";
+			if (!strcmp(key, "running")) {
 				rc = quota_int(v, 0, 1 << 20, &q.max_running);
-			else if (!strcmp(key, "kv_blocks"))
+				range = "a whole number in [0, 1048576]; 0 = no limit";
+			} else if (!strcmp(key, "kv_blocks")) {
 				rc = quota_int(v, 0, UINT32_MAX, &q.max_kv_blocks);
-			else if (!strcmp(key, "queued"))
+				range = "a whole number in [0, 4294967295]; 0 = no limit";
+			} else if (!strcmp(key, "queued")) {
 				rc = quota_int(v, 1, 1 << 20, &q.max_queued);
-			else if (!strcmp(key, "weight")) {
+				range = "a whole number in [1, 1048576]";
+			} else if (!strcmp(key, "weight")) {
 				double w = -1;
+				range = "a number above 0, at most 1000000";
 				if (json_is_number(v))
 					w = json_number_value(v);
 				else if (json_is_string(v)) {
@@ -283,15 +276,19 @@ static json_t *cmd_quota(struct mlens_control *c, json_t *req)
 					q.weight = w;
 			} else
 				return fail("quota: unknown key '%s' (running, kv_blocks, queued, weight)", key);
-			if (rc)
-				return fail("quota: bad value for %s (running: 0..%d, 0 = no limit; kv_blocks: 0..%u, "
-					    "0 = no limit; queued: 1..%d; weight: > 0)", key, 1 << 20, UINT32_MAX, 1 << 20);
+			if (rc) {
+				char *shown = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+				json_t *bad = fail("quota: %s = %.40s%s: must be %s", key, shown ? shown : "?",
+						   shown && strlen(shown) > 40 ? "..." : "", range);
+				free(shown);
+				return bad;
+			}
 		}
 		rc = mlens_worker_set_quota(c->info->worker, id, &q);
 		if (rc == -ENOENT)
-			return fail("quota: tenant %u detached meanwhile", id);
+			return fail("quota: tenant %u detached while its quota was being set", id);
 		if (rc)
-			return fail("quota: %s", strerror(-rc));
+			return fail("quota: tenant %u: cannot set it: %s", id, strerror(-rc));
 		log_info("control: tenant %u quota: running %u, kv_blocks %u, queued %u, weight %g", id,
 			 q.max_running, q.max_kv_blocks, q.max_queued, q.weight);
 		t.quota = q;
@@ -308,12 +305,12 @@ static json_t *cmd_evict(struct mlens_control *c, json_t *req)
 	uint32_t id;
 	int rc;
 	if (req_tenant(req, &id))
-		return fail("evict: give the tenant's id (a positive number; see mlensctl tenants)");
+		return fail("evict: the tenant must be given by its id, a positive number (see mlensctl tenants)");
 	rc = mlens_worker_evict(c->info->worker, id);
 	if (rc == -ENOENT)
-		return fail("evict: no tenant %u is attached (see mlensctl tenants)", id);
+		return fail("evict: no tenant with id %u is attached (see mlensctl tenants)", id);
 	if (rc)
-		return fail("evict: %s", strerror(-rc));
+		return fail("evict: tenant %u: %s", id, strerror(-rc));
 	/* its requests failed with -ECONNABORTED and its KV is free; now the hang-up */
 	rc = mlens_server_disconnect(c->info->server, id);
 	log_info("control: tenant %u evicted%s", id, rc ? " (its connection was already gone)" : "");
@@ -499,13 +496,19 @@ static json_t *handle(struct mlens_control *c, json_t *req)
 
 /* ==== connections ==== */
 
+static int trace_cancel_on_worker(void *arg, struct mlens_sched *s);
+
 static void conn_free(struct conn *k)
 {
 	struct mlens_control *c = k->c;
 	if (k->job)
 		k->job->w.k = NULL;	/* it finishes; nobody hears the answer */
-	if (k->tjob)
-		k->tjob->w.k = NULL;	/* the file is still written (and logged) */
+	if (k->tjob) {
+		/* nobody is left to send the trace to */
+		k->tjob->w.k = NULL;
+		if (mlens_worker_call_async(c->info->worker, trace_cancel_on_worker, NULL))
+			log_warn("control: cannot cancel the trace of a closed connection: out of memory");
+	}
 	*k->prevp = k->next;
 	if (k->next)
 		k->next->prevp = k->prevp;
@@ -572,7 +575,10 @@ static int wjob_start(struct wjob *w, struct conn *k, event_callback_fn done, ml
 	w->ev = w->efd >= 0 ? event_new(c->base, w->efd, EV_READ | EV_PERSIST, done, arg) : NULL;
 	if (!w->ev || event_add(w->ev, NULL) || mlens_worker_call_async(c->info->worker, fn, arg))
 		return -1;
-	bufferevent_disable(k->bev, EV_READ);
+	/* reading goes on, so that a hang-up is seen (a trace nobody waits
+	 * for is cancelled), but no line is taken until the answer; the job
+	 * may take longer than the idle timeout */
+	bufferevent_set_timeouts(k->bev, NULL, NULL);
 	return 0;
 }
 
@@ -610,10 +616,8 @@ static void wjob_answer(struct wjob *w, json_t *rep)
 	struct conn *k = w->k;
 	if (k) {
 		send_json(k, rep);
-		if (!k->closing) {
-			bufferevent_enable(k->bev, EV_READ);
+		if (!k->closing)
 			on_read(k->bev, k);
-		}
 	}
 	json_decref(rep);
 }
@@ -643,7 +647,7 @@ static void job_done(struct profile_job *j)
 	if (j->rc == 0) {
 		*st = j->st;
 		log_info("control: profile done in %.2f s: n_real %.0f, %s binds, token cap %d", st->prof.seconds,
-			 st->pred.n_real, mlens_perf_bind_name(st->pred.time.bind), st->token_cap);
+			 st->pred.n_real, mlens_perf_tier_name(&st->hw, st->pred.time.bind), st->token_cap);
 		rep = profile_reply(st, j->req);
 	} else {
 		log_warn("control: profile failed: %s", j->st.err[0] ? j->st.err : strerror(-j->rc));
@@ -714,11 +718,10 @@ static int trace_on_worker(void *arg, struct mlens_sched *s)
 	struct mlens_trace_result res;
 	int rc;
 	memset(&res, 0, sizeof(res));
-	rc = mlens_trace_arm(mlens_engine_trace(mlens_sched_engine(s)), j->steps, j->path, trace_done_cb, j,
+	rc = mlens_trace_arm(mlens_engine_trace(mlens_sched_engine(s)), j->steps, NULL, trace_done_cb, j,
 			     res.err, sizeof(res.err));
 	if (rc) {
 		res.rc = rc;
-		snprintf(res.path, sizeof(res.path), "%s", j->path);
 		trace_done_cb(j, &res);
 	}
 	return rc;
@@ -736,26 +739,33 @@ static int trace_cancel_on_worker(void *arg, struct mlens_sched *s)
 static void tjob_free(struct trace_job *j)
 {
 	wjob_fini(&j->w);
+	json_decref(j->res.trace);
 	free(j);
 }
 
-static json_t *trace_reply(const struct mlens_trace_result *r)
+/* The reply: the counts and the trace itself (taken from r). */
+static json_t *trace_reply(struct mlens_trace_result *r)
 {
+	json_t *o;
 	if (r->rc)
 		return fail("trace: %s", r->err[0] ? r->err : strerror(-r->rc));
-	return json_pack("{s:b,s:s,s:I,s:I,s:I}", "ok", 1, "path", r->path, "steps", (json_int_t)r->steps,
-			 "spans", (json_int_t)r->spans, "dropped_spans", (json_int_t)r->dropped);
+	o = json_pack("{s:b,s:I,s:I,s:I,s:o}", "ok", 1, "steps", (json_int_t)r->steps, "spans",
+		      (json_int_t)r->spans, "dropped_spans", (json_int_t)r->dropped, "trace", r->trace);
+	r->trace = NULL;	/* json_pack's "o" took it, or freed it on failure */
+	return o ? o : fail("trace: out of memory sending the trace of %llu spans", (unsigned long long)r->spans);
 }
 
 static void tjob_done(struct trace_job *j)
 {
 	struct mlens_control *c = j->w.c;
-	json_t *rep = trace_reply(&j->res);
+	json_t *rep;
 	if (j->res.rc)
-		log_warn("control: trace to %s: %s", j->path, j->res.err[0] ? j->res.err : strerror(-j->res.rc));
+		log_warn("control: trace: %s", j->res.err[0] ? j->res.err : strerror(-j->res.rc));
 	else
-		log_info("control: trace of %u steps written to %s (%llu spans, %llu dropped)", j->res.steps,
-			 j->res.path, (unsigned long long)j->res.spans, (unsigned long long)j->res.dropped);
+		log_info("control: trace of %u steps recorded (%llu spans, %llu dropped)%s", j->res.steps,
+			 (unsigned long long)j->res.spans, (unsigned long long)j->res.dropped,
+			 j->w.k ? ": sent to mlensctl" : "; its requester is gone");
+	rep = trace_reply(&j->res);
 	c->tjob = NULL;
 	if (j->w.k)
 		j->w.k->tjob = NULL;
@@ -807,18 +817,16 @@ static int trace_steps_arg(json_t *req, int *steps)
 static void trace_start(struct conn *k, json_t *req)
 {
 	struct mlens_control *c = k->c;
-	const char *path = json_string_value(json_object_get(req, "path"));
 	struct trace_job *j = NULL;
 	json_t *bad = NULL;
 	int steps;
 	if (trace_steps_arg(req, &steps))
 		bad = fail("trace: steps must be a number in [1, %d]", MLENS_TRACE_MAX_STEPS);
-	else if (!path || path[0] != '/')
-		bad = fail("trace: path must be an absolute file name (the daemon writes the file)");
-	else if (strlen(path) >= sizeof(j->path))
-		bad = fail("trace: path longer than %zu bytes", sizeof(j->path) - 1);
+	else if (json_object_get(req, "path"))
+		bad = fail("trace: the daemon writes no file: it sends the trace, and mlensctl writes it");
 	else if (c->tjob)
-		bad = fail("trace: one is recording already (to %s); wait for it or cancel it", c->tjob->path);
+		bad = fail("trace: one is recording already (for pid %d); wait for it or cancel it",
+			   c->tjob->w.k ? (int)c->tjob->w.k->pid : 0);
 	else if (!(j = calloc(1, sizeof(*j))))
 		bad = fail("trace: out of memory");
 	if (bad) {
@@ -827,7 +835,6 @@ static void trace_start(struct conn *k, json_t *req)
 		return;
 	}
 	j->steps = steps;
-	snprintf(j->path, sizeof(j->path), "%s", path);
 	if (wjob_start(&j->w, k, on_tjob, trace_on_worker, j)) {
 		tjob_free(j);
 		bad = fail("trace: cannot start it: out of memory or file descriptors");
@@ -837,7 +844,7 @@ static void trace_start(struct conn *k, json_t *req)
 	}
 	c->tjob = j;
 	k->tjob = j;
-	log_info("control: tracing the next %d steps to %s", steps, j->path);
+	log_info("control: tracing the next %d steps for pid %d", steps, (int)k->pid);
 }
 
 /* trace with cancel: stop the armed trace; its requester hears -ECANCELED. */
@@ -847,7 +854,7 @@ static json_t *cmd_trace_cancel(struct mlens_control *c)
 		return fail("trace: none is recording");
 	if (mlens_worker_call_async(c->info->worker, trace_cancel_on_worker, NULL))
 		return fail("trace: cannot cancel: out of memory");
-	log_info("control: trace to %s cancelled", c->tjob->path);
+	log_info("control: trace cancelled");
 	return ok();
 }
 
@@ -917,12 +924,14 @@ static void on_read(struct bufferevent *bev, void *arg)
 		send_json(k, rep);
 		json_decref(rep);
 	}
-	if (k->closing || k->job || k->tjob)
+	if (k->closing)
 		return;
 	if (evbuffer_get_length(in) > MLENS_CONTROL_MAX_LINE) {
 		close_with(k, "request longer than 64 KiB");
 		return;
 	}
+	if (k->job || k->tjob)
+		return;	/* lines wait for the job's answer */
 	/* a partial line must complete soon; an idle connection may wait longer */
 	{
 		struct timeval tv = { evbuffer_get_length(in) ? MLENS_CONTROL_STALL_S : MLENS_CONTROL_IDLE_S, 0 };
@@ -971,30 +980,22 @@ static void refuse(int fd, const char *why)
 	close(fd);
 }
 
-static void on_accept(evutil_socket_t lfd, short what, void *arg)
+static void on_accept(void *arg, int fd, const struct ucred *cr)
 {
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(10, 10.0);
 	struct mlens_control *c = arg;
-	struct ucred cr;
-	socklen_t cl = sizeof(cr);
 	struct conn *k;
 	struct timeval tv = { MLENS_CONTROL_IDLE_S, 0 };
-	int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-	(void)what;
-	if (fd < 0)
-		return;
-	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl)) {
-		close(fd);
-		return;
-	}
-	if (cr.uid != 0 && cr.uid != geteuid() && !mlens_group_member(c->info->cfg->control_group, cr.uid, cr.gid)) {
-		log_warn("control: refused uid %u (pid %d): only the daemon's user, root%s%s may control it",
-			 (unsigned)cr.uid, (int)cr.pid, c->info->cfg->control_group[0] ? " and group " : "",
-			 c->info->cfg->control_group);
+	if (!mlens_access_allowed(&c->access, cr->uid, cr->gid)) {
+		mlens_log_limited(&lim, MLENS_LOG_WARN, "control: refused uid %u (pid %d): only the daemon's user, "
+				  "root%s%s may control it", (unsigned)cr->uid, (int)cr->pid,
+				  c->access.groups[0] ? " and group " : "", c->access.groups);
 		refuse(fd, "permission denied: only the daemon's user, root or control_group may use the control socket");
 		return;
 	}
 	if (c->n_conns >= MLENS_CONTROL_MAX_CONNS) {
-		log_warn("control: refused pid %d: %d connections already open", (int)cr.pid, c->n_conns);
+		mlens_log_limited(&lim, MLENS_LOG_WARN, "control: refused pid %d: %d connections already open",
+				  (int)cr->pid, c->n_conns);
 		refuse(fd, "too many control connections: try again later");
 		return;
 	}
@@ -1010,8 +1011,8 @@ static void on_accept(evutil_socket_t lfd, short what, void *arg)
 		return;
 	}
 	k->c = c;
-	k->uid = cr.uid;
-	k->pid = cr.pid;
+	k->uid = cr->uid;
+	k->pid = cr->pid;
 	k->next = c->conns;
 	if (c->conns)
 		c->conns->prevp = &k->next;
@@ -1023,9 +1024,7 @@ static void on_accept(evutil_socket_t lfd, short what, void *arg)
 	bufferevent_enable(k->bev, EV_READ | EV_WRITE);
 }
 
-int mlens_control_start(struct mlens_control **out, struct event_base *base,
-			struct mlens_daemon_info *info, void (*shutdown)(void *arg), void *arg,
-			char *err, size_t errlen)
+int mlens_control_bind(struct mlens_control **out, const struct mlens_config *cfg, char *err, size_t errlen)
 {
 	struct mlens_control *c = calloc(1, sizeof(*c));
 	int rc;
@@ -1033,30 +1032,31 @@ int mlens_control_start(struct mlens_control **out, struct event_base *base,
 		snprintf(err, errlen, "control: out of memory");
 		return -ENOMEM;
 	}
-	c->base = base;
-	c->info = info;
-	c->shutdown = shutdown;
-	c->shutdown_arg = arg;
-	c->lfd = -1;
-	if (info->cfg->control && info->cfg->control[0]) {
-		c->lfd = mlens_unix_listen(info->cfg->control, info->cfg->control_group, "control socket", err, errlen);
-		if (c->lfd < 0) {
-			rc = c->lfd;
-			goto fail;
-		}
-		c->path = strdup(info->cfg->control);
-		c->lev = event_new(base, c->lfd, EV_READ | EV_PERSIST, on_accept, c);
-		if (!c->path || !c->lev || event_add(c->lev, NULL)) {
-			snprintf(err, errlen, "control: out of memory");
-			rc = -ENOMEM;
-			goto fail;
+	mlens_listener_init(&c->l);
+	if (cfg->control && cfg->control[0]) {
+		rc = mlens_listener_bind(&c->l, cfg->control, SOCK_STREAM, 0600, cfg->control_group,
+					 "control socket", err, errlen);
+		if (rc) {
+			free(c);
+			return rc;
 		}
 	}
 	*out = c;
 	return 0;
-fail:
-	mlens_control_destroy(c);
-	return rc;
+}
+
+int mlens_control_start(struct mlens_control *c, struct event_base *base, struct mlens_daemon_info *info,
+			void (*shutdown)(void *arg), void *arg, char *err, size_t errlen)
+{
+	c->base = base;
+	c->info = info;
+	c->shutdown = shutdown;
+	c->shutdown_arg = arg;
+	c->access.users = "";
+	c->access.groups = info->cfg->control_group ? info->cfg->control_group : "";
+	if (c->l.fd < 0)
+		return 0;
+	return mlens_listener_start(&c->l, base, on_accept, c, err, errlen);
 }
 
 void mlens_control_destroy(struct mlens_control *c)
@@ -1079,13 +1079,6 @@ void mlens_control_destroy(struct mlens_control *c)
 		wjob_wait(&c->tjob->w, "trace");
 		tjob_done(c->tjob);
 	}
-	if (c->lev)
-		event_free(c->lev);
-	if (c->lfd >= 0) {
-		close(c->lfd);
-		if (c->path)
-			unlink(c->path);
-	}
-	free(c->path);
+	mlens_listener_close(&c->l);
 	free(c);
 }

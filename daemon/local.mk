@@ -7,6 +7,7 @@ daemon_libmlens_core_la_SOURCES += daemon/kv_pool.h daemon/kv_pool.c daemon/engi
 	daemon/layer.h daemon/layer.c daemon/step.h daemon/step.c
 daemon_libmlens_core_la_SOURCES += daemon/sched.h daemon/sched.c
 daemon_libmlens_core_la_SOURCES += daemon/log.h daemon/log.c daemon/errf.h daemon/errf.c
+daemon_libmlens_core_la_SOURCES += daemon/infile.h daemon/infile.c
 daemon_libmlens_core_la_SOURCES += daemon/config.h daemon/config.c
 daemon_libmlens_core_la_SOURCES += daemon/mem.h daemon/mem.c
 daemon_libmlens_core_la_SOURCES += daemon/weights.h daemon/weights.c

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <syslog.h>
@@ -17,6 +18,15 @@ static int log_fd = 2;
 static char log_path[4096];
 static int use_syslog;
 static atomic_int log_level = MLENS_LOG_INFO;
+/* the last message written, and how often it came again since (log_lock) */
+#define REPEAT_FLUSH_S 30.0
+static char last_msg[2048];
+static int last_level = -1;
+static unsigned long last_repeats;
+static double last_flush;
+
+static double mono_now(void);
+static void do_flush_repeats(double now);
 
 static const char *const names[] = { "error", "warn", "info", "debug" };
 
@@ -81,6 +91,8 @@ int mlens_log_reopen(void)
 void mlens_log_close(void)
 {
 	pthread_mutex_lock(&log_lock);
+	do_flush_repeats(mono_now());
+	last_level = -1;
 	if (log_fd > 2)
 		close(log_fd);
 	log_fd = 2;
@@ -101,33 +113,105 @@ enum mlens_log_level mlens_log_get_level(void)
 	return (enum mlens_log_level)atomic_load(&log_level);
 }
 
-void mlens_vlog(enum mlens_log_level level, const char *fmt, va_list ap)
+static double mono_now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* One line to the target. Caller holds log_lock. */
+static void do_write(enum mlens_log_level level, const char *msg)
 {
 	static const int prio[] = { LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG };
-	char msg[2048], line[2200];
+	char line[2200];
 	struct timespec ts;
 	struct tm tm;
 	int n;
 
+	if (use_syslog) {
+		syslog(prio[level], "%s", msg);
+		return;
+	}
+	clock_gettime(CLOCK_REALTIME, &ts);
+	gmtime_r(&ts.tv_sec, &tm);
+	n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ mlensd[%d] %s: %s\n",
+		     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+		     tm.tm_sec, ts.tv_nsec / 1000000, (int)getpid(), names[level], msg);
+	if (n > (int)sizeof(line))
+		n = (int)sizeof(line);
+	if (write(log_fd, line, (size_t)n) < 0) {
+		/* nowhere left to report it */
+	}
+}
+
+/* Say how often the last message came again, if it did. Caller holds log_lock. */
+static void do_flush_repeats(double now)
+{
+	char msg[80];
+	if (last_repeats) {
+		snprintf(msg, sizeof(msg), "last message repeated %lu times", last_repeats);
+		do_write((enum mlens_log_level)last_level, msg);
+	}
+	last_repeats = 0;
+	last_flush = now;
+}
+
+void mlens_vlog(enum mlens_log_level level, const char *fmt, va_list ap)
+{
+	char msg[2048];
+	double now;
+
 	if ((int)level > atomic_load(&log_level))
 		return;
 	vsnprintf(msg, sizeof(msg), fmt, ap);
+	now = mono_now();
 	pthread_mutex_lock(&log_lock);
-	if (use_syslog) {
-		syslog(prio[level], "%s", msg);
+	if ((int)level == last_level && !strcmp(msg, last_msg)) {
+		last_repeats++;
+		if (now - last_flush >= REPEAT_FLUSH_S)
+			do_flush_repeats(now);
 	} else {
-		clock_gettime(CLOCK_REALTIME, &ts);
-		gmtime_r(&ts.tv_sec, &tm);
-		n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ mlensd[%d] %s: %s\n",
-			     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-			     tm.tm_sec, ts.tv_nsec / 1000000, (int)getpid(), names[level], msg);
-		if (n > (int)sizeof(line))
-			n = (int)sizeof(line);
-		if (write(log_fd, line, (size_t)n) < 0) {
-			/* nowhere left to report it */
-		}
+		do_flush_repeats(now);
+		do_write(level, msg);
+		memcpy(last_msg, msg, sizeof(last_msg));
+		last_level = (int)level;
 	}
 	pthread_mutex_unlock(&log_lock);
+}
+
+void mlens_log_limited(struct mlens_log_limit *lim, enum mlens_log_level level, const char *fmt, ...)
+{
+	char msg[1900];
+	unsigned long suppressed = 0;
+	double now = mono_now();
+	bool pass;
+	va_list ap;
+
+	if ((int)level > atomic_load(&log_level))
+		return;
+	pthread_mutex_lock(&log_lock);
+	if (now - lim->start >= lim->interval) {
+		suppressed = lim->suppressed;
+		lim->start = now;
+		lim->n = 0;
+		lim->suppressed = 0;
+	}
+	pass = lim->n < lim->burst;
+	if (pass)
+		lim->n++;
+	else
+		lim->suppressed++;
+	pthread_mutex_unlock(&log_lock);
+	if (!pass)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (suppressed)
+		mlens_log(level, "%s (%lu similar messages suppressed before this one)", msg, suppressed);
+	else
+		mlens_log(level, "%s", msg);
 }
 
 void mlens_log(enum mlens_log_level level, const char *fmt, ...)

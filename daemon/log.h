@@ -27,6 +27,22 @@ void mlens_log(enum mlens_log_level level, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
 void mlens_vlog(enum mlens_log_level level, const char *fmt, va_list ap);
 
+/* Rate limit of one call site: at most burst messages every interval
+ * seconds; the rest are counted, and the next message that passes says how
+ * many were suppressed. Besides, mlens_vlog writes a message identical to
+ * the last one only as "last message repeated N times" (at the next other
+ * message, or every 30 s while it repeats). */
+struct mlens_log_limit {
+	unsigned burst;
+	double interval;
+	double start;		/* of the current interval (CLOCK_MONOTONIC) */
+	unsigned n;		/* messages passed in it */
+	unsigned long suppressed;
+};
+#define MLENS_LOG_LIMIT_INIT(burst, seconds) { (burst), (seconds), 0, 0, 0 }
+void mlens_log_limited(struct mlens_log_limit *lim, enum mlens_log_level level, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
 #define log_error(...) mlens_log(MLENS_LOG_ERROR, __VA_ARGS__)
 #define log_warn(...) mlens_log(MLENS_LOG_WARN, __VA_ARGS__)
 #define log_info(...) mlens_log(MLENS_LOG_INFO, __VA_ARGS__)

@@ -1,6 +1,7 @@
-/* mlensd: the resident daemon. Start-up (config, model, pinned memory,
- * backend, engine, scheduler, worker, sockets), then the libevent loop on
- * the main thread until SIGTERM/SIGINT drains it. */
+/* mlensd: the resident daemon. Start-up steps (config, log, sockets bound,
+ * fork, model, backend, KV cache, engine and scheduler, worker, sockets
+ * listening), then the libevent loop on the main thread until
+ * SIGTERM/SIGINT drains it; one teardown for every way out. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -56,6 +57,14 @@ struct daemon {
 	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/gpu_plan.c) */
 	struct mlens_profile_state prof;	/* the profiler's last results (daemon/profiler.c) */
 	char mode_reason[512];
+	/* what the start-up steps hand on */
+	struct mlens_backend_opts bo;
+	struct mlens_engine_opts eo;
+	int node;			/* NUMA node of the weights and KV cache */
+	enum mlens_dtype kv_dt;
+	uint32_t kv_blocks;
+	size_t kv_per_block;
+	bool log_open, pid_written;
 };
 
 static struct daemon D;
@@ -100,7 +109,7 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 	}
 	log_info("workload from the traffic: p=%.0f g=%.0f (was %.0f/%.0f): n_real %.0f (%s), %s binds, "
 		 "predicted %.1f tokens/s; step cap %d (was %d%s)", p, g, old_p, old_g, D.prof.pred.n_real,
-		 mlens_perf_limit_name(D.prof.pred.limit), mlens_perf_bind_name(D.prof.pred.time.bind),
+		 mlens_perf_limit_name(D.prof.pred.limit), mlens_perf_tier_name(&D.prof.hw, D.prof.pred.time.bind),
 		 D.prof.pred.total_tok_s, D.prof.token_cap, old_cap,
 		 D.prof.pinned_cap > 0 ? ", pinned by max_step_tokens" : "");
 }
@@ -108,7 +117,9 @@ static void on_follow(evutil_socket_t fd, short what, void *arg)
 /* ==== start-up ==== */
 
 /* In daemon mode the parent waits for the child's first line on a pipe:
- * "ok" or an error message, so that start-up errors reach the terminal. */
+ * "ok" or an error message, so that start-up errors reach the terminal.
+ * The daemon keeps none of the terminal's descriptors: a pipe it was
+ * started into (mlensd | cat) ends when the parent exits. */
 static int daemonize(void)
 {
 	int p[2];
@@ -142,8 +153,7 @@ static int daemonize(void)
 		if (fd >= 0) {
 			dup2(fd, 0);
 			dup2(fd, 1);
-			if (strcmp(D.cfg.log, "stderr"))
-				dup2(fd, 2);
+			dup2(fd, 2);
 			if (fd > 2)
 				close(fd);
 		}
@@ -198,9 +208,9 @@ static int fail_start(const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	/* in daemon mode the waiting parent prints it; do not say it twice */
-	if (D.ready_fd < 0 || strcmp(D.cfg.log, "stderr"))
-		log_error("%s", msg);
+	/* in daemon mode the log is a file or syslog (stderr is /dev/null),
+	 * and the waiting parent prints it on the terminal */
+	log_error("%s", msg);
 	if (D.ready_fd >= 0) {
 		if (write(D.ready_fd, msg, strlen(msg)) < 0) {
 			/* the parent is gone: nothing more to tell */
@@ -408,56 +418,50 @@ static void profile_log(const struct mlens_profile_state *st)
 		 p->mem_bw / 1e9, p->seconds);
 	log_info("profile: n_real %.0f (%s), %d resident experts per layer, %s binds; predicted %.1f tokens/s "
 		 "for %.0f/%.0f-token requests", st->pred.n_real, mlens_perf_limit_name(st->pred.limit),
-		 st->pred.policy.resident_experts, mlens_perf_bind_name(st->pred.time.bind), st->pred.total_tok_s,
+		 st->pred.policy.resident_experts, mlens_perf_tier_name(&st->hw, st->pred.time.bind), st->pred.total_tok_s,
 		 st->w.p, st->w.g);
 }
 
-int main(int argc, char **argv)
+/* ==== start-up steps ====
+ * Each returns 0, or the exit status with the reason said (fail_start once
+ * the log is open); main unwinds whatever was set up, in one place. */
+
+/* Flags and the config file, checked before anything is opened: 0 to go
+ * on, or -1 - status to exit with (0 for --help, 2 for a bad setting). */
+static int step_config(int argc, char **argv)
 {
 	char err[1024];
-	int rc, level, node;
-	double t_engine;
-	struct mlens_backend_opts bo;
-	struct mlens_engine_opts eo;
-	struct mlens_sched_opts so;
-	struct mlens_server_opts sv;
-	size_t per_block;
-	uint32_t blocks;
-	enum mlens_dtype kv_dt;
+	int rc;
 
-	memset(&D, 0, sizeof(D));
-	D.ready_fd = -1;
-	D.notify_fd = -1;
 	mlens_config_defaults(&D.cfg);
 	rc = mlens_config_parse_args(&D.cfg, argc, argv, err, sizeof(err));
 	if (rc == 1)
-		return 0;
+		return -1;
 	if (rc) {
 		fprintf(stderr, "mlensd: %s\n", err);
-		return 2;
+		return -1 - 2;
 	}
 	if (D.cfg.config && D.cfg.config[0]) {
 		rc = mlens_config_load_file(&D.cfg, D.cfg.config, err, sizeof(err));
 		if (rc) {
 			fprintf(stderr, "mlensd: %s\n", err);
-			return 2;
+			return -1 - 2;
 		}
 	}
 	if (mlens_config_finish(&D.cfg))
-		return 1;
+		return -1 - 1;
 	if (!D.cfg.model || !D.cfg.model[0]) {
 		fprintf(stderr, "mlensd: no model: give --model DIR (or model = DIR in the config file)\n");
-		return 2;
+		return -1 - 2;
 	}
 	/* the enumerated keys (log_level, backend, gpu_gemm, gpu_copy,
 	 * gpu_copy_out, gpu_prefill_attention, kv_append, attn_up, gpu_sync,
 	 * attn_kernel) were checked against their choices when read
 	 * (config.c, T_ENUM) */
-	level = mlens_log_parse_level(D.cfg.log_level);
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is not supported by this CPU\n",
 			D.cfg.attn_kernel);
-		return 2;
+		return -1 - 2;
 	}
 	if (D.cfg.n_gpus > 1) {
 		/* the split over several GPUs is planned and modelled
@@ -466,36 +470,90 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlensd: gpus = %s lists %d GPUs, but this mlensd serves on one GPU only; "
 			"list one GPU (e.g. gpus = %d), or run one mlensd per GPU\n",
 			D.cfg.gpus, D.cfg.n_gpus, D.cfg.gpu_ids[0]);
-		return 2;
+		return -1 - 2;
 	}
 	if (mlens_stats_check_config(&D.cfg, err, sizeof(err))) {
 		fprintf(stderr, "mlensd: %s\n", err);
-		return 2;
+		return -1 - 2;
 	}
-	rc = mlens_log_open(D.cfg.log, (enum mlens_log_level)level);
+	return 0;
+}
+
+/* libevent's own warnings (an accept that fails, a bad request) into the
+ * daemon's log, at a bounded rate: a peer can provoke them. */
+static void on_libevent_log(int severity, const char *msg)
+{
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(10, 10.0);
+	enum mlens_log_level level = severity >= EVENT_LOG_ERR ? MLENS_LOG_ERROR
+				     : severity == EVENT_LOG_WARN ? MLENS_LOG_WARN
+				     : severity == EVENT_LOG_MSG ? MLENS_LOG_INFO : MLENS_LOG_DEBUG;
+	mlens_log_limited(&lim, level, "libevent: %s", msg);
+}
+
+/* The log; in daemon mode stderr goes to /dev/null at the fork, so a log
+ * on stderr becomes syslog there. */
+static int step_log(void)
+{
+	const char *target = D.cfg.log;
+	int rc;
+	if (!D.cfg.foreground && !strcmp(target, "stderr"))
+		target = "syslog";
+	rc = mlens_log_open(target, (enum mlens_log_level)mlens_log_parse_level(D.cfg.log_level));
 	if (rc) {
 		fprintf(stderr, "mlensd: cannot open log %s: %s\n", D.cfg.log, strerror(-rc));
 		return 1;
 	}
-	if (!D.cfg.foreground) {
-		D.ready_fd = daemonize();
-		if (D.ready_fd < 0) {
-			fprintf(stderr, "mlensd: cannot daemonize: %s\n", strerror(-D.ready_fd));
-			return 1;
-		}
-	}
-	D.started = mlens_now();
-	signal(SIGPIPE, SIG_IGN);
+	D.log_open = true;
+	event_set_log_callback(on_libevent_log);
+	return 0;
+}
 
-	/* model and weight pages */
+/* The three sockets, bound before anything loads: a missing directory, a
+ * daemon already there or a file in the way costs no loading time. They
+ * listen once the daemon can answer. */
+static int step_bind(void)
+{
+	char err[1024];
+	if (mlens_server_bind(&D.server, D.cfg.socket, err, sizeof(err)) ||
+	    mlens_stats_bind(&D.stats, &D.cfg, err, sizeof(err)) ||
+	    mlens_control_bind(&D.control, &D.cfg, err, sizeof(err))) {
+		/* before the fork: the terminal hears it */
+		fprintf(stderr, "mlensd: %s\n", err);
+		if (strcmp(D.cfg.log, "stderr"))
+			log_error("%s", err);
+		return 1;
+	}
+	return 0;
+}
+
+static int step_daemonize(void)
+{
+	if (D.cfg.foreground)
+		return 0;
+	D.ready_fd = daemonize();
+	if (D.ready_fd < 0) {
+		fprintf(stderr, "mlensd: cannot daemonize: %s\n", strerror(-D.ready_fd));
+		D.ready_fd = -1;
+		return 1;
+	}
+	return 0;
+}
+
+/* The model and its weight pages, on the NUMA node the GPU hangs off. */
+static int step_model(void)
+{
+	char err[1024];
+	int rc;
+
+	D.started = mlens_now();
 	rc = mlens_model_open(D.cfg.model, &D.model, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
-	node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
-	if (node < -1)
+	D.node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
+	if (D.node < -1)
 		return fail_start("%s", err);
 	{
-		struct mlens_weights_opts wo = { node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
+		struct mlens_weights_opts wo = { D.node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
@@ -507,27 +565,34 @@ int main(int argc, char **argv)
 			 D.weights.bytes / 1e9 / (D.weights.seconds > 0 ? D.weights.seconds : 1e-9),
 			 D.weights.used_io_uring ? "io_uring" : "copy",
 			 D.weights.used_io_uring ? (D.weights.direct ? ", O_DIRECT" : ", buffered") : "",
-			 node, D.weights.mem.locked ? ", locked" : "");
+			 D.node, D.weights.mem.locked ? ", locked" : "");
 		log_huge_pages(&D.weights.mem, NULL, "weight pages");
 	}
+	return 0;
+}
 
-	/* backend */
-	bo.n_threads = (int)D.cfg.threads;
-	bo.device = D.cfg.gpu_ids[0];
-	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo.gemm);	/* one of its names (config) */
+/* The backend, with the weight pages registered with its device. */
+static int step_backend(void)
+{
+	struct mlens_backend_opts *bo = &D.bo;
+	int rc;
+
+	bo->n_threads = (int)D.cfg.threads;
+	bo->device = D.cfg.gpu_ids[0];
+	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo->gemm);	/* one of its names (config) */
 	/* auto: tensor cores where the fast GEMMs already round activations
 	 * to 16 bits; an fp32 model or exact GEMMs keep fp32 attention */
-	bo.prefill_bf16 = !strcmp(D.cfg.gpu_prefill_attention, "bf16") ||
-			  (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo.gemm == MLENS_GEMM_FAST &&
-			   D.model->cfg.dtype != MLENS_DTYPE_F32);
-	bo.sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
-	bo.moe_streams = (int)D.cfg.gpu_moe_streams;
-	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo.sync);	/* one of its names (config) */
+	bo->prefill_bf16 = !strcmp(D.cfg.gpu_prefill_attention, "bf16") ||
+			   (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST &&
+			    D.model->cfg.dtype != MLENS_DTYPE_F32);
+	bo->sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
+	bo->moe_streams = (int)D.cfg.gpu_moe_streams;
+	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo->sync);	/* one of its names (config) */
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
-	bo.numa_node = node;
-	bo.n_reserved = 0;
-	rc = mlens_backend_create(&D.be, D.cfg.backend, &bo);
+	bo->numa_node = D.node;
+	bo->n_reserved = 0;
+	rc = mlens_backend_create(&D.be, D.cfg.backend, bo);
 	if (rc)
 		return fail_start("cannot start the %s backend: %s%s", D.cfg.backend, strerror(-rc),
 				  rc == -ENOTSUP ? " (this build has no CUDA)" : "");
@@ -542,19 +607,30 @@ int main(int argc, char **argv)
 		D.weights_registered = rc == 0;
 		log_info("weight pages registered with the %s backend in %.2f s", D.be.ops->name, mlens_now() - t);
 	}
+	return 0;
+}
 
-	/* KV cache in pinned memory on the same node */
-	kv_dt = mlens_kv_dtype(&D.model->cfg, -1);
-	blocks = kv_blocks_for(&D.model->cfg, kv_dt, (int)D.cfg.kv_block_size, D.cfg.kv_cache, &per_block);
-	if (blocks == 0)
+/* The KV cache's size in blocks; GPU-only or hybrid mode (and then the CPU
+ * attention backend); the pool in pinned memory on the same node. */
+static int step_kv_cache(void)
+{
+	char err[1024];
+	int rc;
+
+	D.kv_dt = mlens_kv_dtype(&D.model->cfg, -1);
+	D.kv_blocks = kv_blocks_for(&D.model->cfg, D.kv_dt, (int)D.cfg.kv_block_size, D.cfg.kv_cache,
+				    &D.kv_per_block);
+	if (D.kv_blocks == 0)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
-				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size, 2 * per_block);
+				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size,
+				  2 * D.kv_per_block);
 	/* GPU-only mode when weights, KV pool and activations fit the GPU
 	 * budget; below that the hybrid pipeline streams experts from the
 	 * weight pages and keeps the KV pool in pinned host memory */
 	if (!D.be.ops->host_memory) {
-		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes, 2ull * blocks * per_block,
-					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, bo.gemm,
+		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes,
+					2ull * D.kv_blocks * D.kv_per_block,
+					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.bo.gemm,
 					D.cfg.gpu_memory);
 		if (rc)
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
@@ -579,8 +655,8 @@ int main(int argc, char **argv)
 			 * the GPU's time per group nor the step, and slowed the
 			 * CPU attention by 15%. With gpu_sync = block the worker
 			 * sleeps while it waits, and the pool takes every core */
-			struct mlens_backend_opts abo = bo;
-			if (abo.n_threads <= 0 && bo.sync != MLENS_GPU_SYNC_BLOCK)
+			struct mlens_backend_opts abo = D.bo;
+			if (abo.n_threads <= 0 && D.bo.sync != MLENS_GPU_SYNC_BLOCK)
 				abo.n_reserved = 1;
 			if ((rc = mlens_backend_cpu_create(&D.attn, &abo)))
 				return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
@@ -588,15 +664,28 @@ int main(int argc, char **argv)
 		}
 	}
 	if (D.be.ops->host_memory || D.hybrid) {
-		rc = mlens_pinned_alloc(&D.kv_k, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
+		size_t bytes = (size_t)D.kv_blocks * D.kv_per_block;
+		rc = mlens_pinned_alloc(&D.kv_k, bytes, D.node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
 		if (!rc)
-			rc = mlens_pinned_alloc(&D.kv_v, (size_t)blocks * per_block, node, D.cfg.mlock, "KV cache (V)", err, sizeof(err));
+			rc = mlens_pinned_alloc(&D.kv_v, bytes, D.node, D.cfg.mlock, "KV cache (V)", err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
 		log_huge_pages(&D.kv_k, &D.kv_v, "KV cache");
 	}
-	/* the profiler runs before the engine takes its memory */
-	profile_setup(blocks, per_block, kv_dt, &bo);
+	return 0;
+}
+
+/* The profiler (before the engine takes its memory), the engine and the
+ * scheduler. */
+static int step_engine(void)
+{
+	struct mlens_engine_opts *eo = &D.eo;
+	struct mlens_sched_opts so;
+	char err[1024];
+	double t_engine;
+	int rc;
+
+	profile_setup(D.kv_blocks, D.kv_per_block, D.kv_dt, &D.bo);
 	if (D.cfg.profile) {
 		rc = mlens_profile_state_run(&D.prof, NULL, MLENS_PROFILE_PROMPT, MLENS_PROFILE_GEN, true);
 		if (rc)
@@ -606,28 +695,28 @@ int main(int argc, char **argv)
 		if (!rc && D.prof.err[0])
 			log_warn("%s", D.prof.err);
 	}
-	memset(&eo, 0, sizeof(eo));
-	eo.kv_block_size = (int)D.cfg.kv_block_size;
-	eo.kv_blocks = blocks;
-	eo.kv_dtype = (int)kv_dt;
-	eo.max_step_tokens = step_cap_wanted();
-	eo.kv_mem_k = D.kv_k.p;
-	eo.kv_mem_v = D.kv_v.p;
+	memset(eo, 0, sizeof(*eo));
+	eo->kv_block_size = (int)D.cfg.kv_block_size;
+	eo->kv_blocks = D.kv_blocks;
+	eo->kv_dtype = (int)D.kv_dt;
+	eo->max_step_tokens = step_cap_wanted();
+	eo->kv_mem_k = D.kv_k.p;
+	eo->kv_mem_v = D.kv_v.p;
 	if (D.hybrid) {
-		eo.attn_backend = &D.attn;
-		eo.gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
-		eo.hybrid_group_tokens = plan_group();
-		eo.hybrid_sets = (int)D.cfg.pipeline_sets;
-		eo.hybrid_gemm = bo.gemm;
-		eo.hybrid_side_copy_out = side_copy_out();
-		eo.hybrid_up_copy_in = up_copy_in();
-		eo.hybrid_att_up_half = att_up_half();
-		eo.hybrid_gpu_kv_append = gpu_kv_append();
-		eo.hybrid_workspace = mlens_gpuplan_workspace(bo.moe_streams);
-		eo.hybrid_piece_bytes = D.cfg.weight_piece;
+		eo->attn_backend = &D.attn;
+		eo->gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
+		eo->hybrid_group_tokens = plan_group();
+		eo->hybrid_sets = (int)D.cfg.pipeline_sets;
+		eo->hybrid_gemm = D.bo.gemm;
+		eo->hybrid_side_copy_out = side_copy_out();
+		eo->hybrid_up_copy_in = up_copy_in();
+		eo->hybrid_att_up_half = att_up_half();
+		eo->hybrid_gpu_kv_append = gpu_kv_append();
+		eo->hybrid_workspace = mlens_gpuplan_workspace(D.bo.moe_streams);
+		eo->hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	t_engine = mlens_now();
-	rc = mlens_engine_create(&D.engine, D.model, &D.be, &eo, err, sizeof(err));
+	rc = mlens_engine_create(&D.engine, D.model, &D.be, eo, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
 	if (D.hybrid) {
@@ -638,25 +727,25 @@ int main(int argc, char **argv)
 			 mlens_now() - t_engine,
 			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool",
 			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32");
-		mlens_perf_model_from_config(&pm, &D.model->cfg, kv_dt);
+		mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt);
 		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
 				     sizeof(line));
 		log_info("%s", line);
-		eo.max_step_tokens = mlens_engine_max_step_tokens(D.engine);
+		eo->max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
 	log_info("backend %s%s%s%s%s%s; KV cache: %u blocks of %lld tokens (%s, %.1f MiB, %llu tokens); step cap %d tokens",
 		 D.be.ops->name,
-		 D.be.ops->host_memory ? "" : bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs" : " (fast GEMMs",
-		 D.be.ops->host_memory ? "" : bo.prefill_bf16 ? ", bf16 prefill attention" : ", fp32 prefill attention",
+		 D.be.ops->host_memory ? "" : D.bo.gemm == MLENS_GEMM_EXACT ? " (exact GEMMs" : " (fast GEMMs",
+		 D.be.ops->host_memory ? "" : D.bo.prefill_bf16 ? ", bf16 prefill attention" : ", fp32 prefill attention",
 		 D.be.ops->host_memory ? "" : ", GPU waits: ",
-		 D.be.ops->host_memory ? "" : mlens_gpu_sync_name(bo.sync), D.be.ops->host_memory ? "" : ")",
-		 blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(kv_dt),
-		 2.0 * blocks * per_block / 1048576.0, (unsigned long long)blocks * (unsigned long long)D.cfg.kv_block_size,
-		 eo.max_step_tokens);
+		 D.be.ops->host_memory ? "" : mlens_gpu_sync_name(D.bo.sync), D.be.ops->host_memory ? "" : ")",
+		 D.kv_blocks, (long long)D.cfg.kv_block_size, mlens_dtype_name(D.kv_dt),
+		 2.0 * D.kv_blocks * D.kv_per_block / 1048576.0,
+		 (unsigned long long)D.kv_blocks * (unsigned long long)D.cfg.kv_block_size, eo->max_step_tokens);
 
 	mlens_kv_pool_set_room(mlens_engine_kv(D.engine), (uint32_t)D.cfg.kv_growth_room);
 	memset(&so, 0, sizeof(so));
-	so.token_cap = eo.max_step_tokens;
+	so.token_cap = eo->max_step_tokens;
 	so.reserve_horizon = (int)D.cfg.admit_lookahead;
 	so.admit_keeps_room = D.cfg.admit_keeps_room;
 	rc = mlens_sched_create(&D.sched, D.engine, &so);
@@ -667,8 +756,13 @@ int main(int argc, char **argv)
 		log_info("step cap %d tokens (%s)", D.prof.token_cap,
 			 D.prof.pinned_cap > 0 ? "pinned by max_step_tokens" : "from n_real");
 	}
+	return 0;
+}
 
-	/* threads and sockets */
+/* The event loop and the worker thread. */
+static int step_worker(void)
+{
+	int rc;
 	D.base = event_base_new();
 	D.notify_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	if (!D.base || D.notify_fd < 0)
@@ -676,8 +770,18 @@ int main(int argc, char **argv)
 	rc = mlens_worker_start(&D.worker, D.sched, D.notify_fd);
 	if (rc)
 		return fail_start("cannot start the worker thread: %s", strerror(-rc));
+	return 0;
+}
+
+/* The sockets bound at start listen now: tenants, then control, stats
+ * and /metrics (after loading: /health answers only once the model is in). */
+static int step_serve(void)
+{
+	struct mlens_server_opts sv;
+	char err[1024];
+	int64_t ctx = D.model->cfg.max_position_embeddings;
+
 	memset(&sv, 0, sizeof(sv));
-	sv.path = D.cfg.socket;
 	sv.allow_users = D.cfg.allow_users;
 	sv.allow_groups = D.cfg.allow_groups;
 	sv.max_tenants = (int)D.cfg.max_tenants;
@@ -687,7 +791,6 @@ int main(int argc, char **argv)
 	sv.quota.weight = D.cfg.quota_weight;
 	sv.region = (struct mlens_region_params)MLENS_REGION_PARAMS_DEFAULT;
 	{
-		int64_t ctx = D.model->cfg.max_position_embeddings;
 		uint32_t most = mlens_sched_max_running(D.sched);
 
 		/* quota_queued 0: room to queue a whole machine's worth twice */
@@ -697,46 +800,45 @@ int main(int argc, char **argv)
 			sv.quota.max_running : most;
 		sv.limits.max_queued = sv.quota.max_queued;
 		log_eos_and_room(&D.model->cfg, &sv.limits);
-		sv.limits.max_prompt_tokens = (uint32_t)(eo.max_step_tokens < ctx - 1 ? eo.max_step_tokens : ctx - 1);
-		sv.limits.max_tokens = (uint32_t)(ctx - 1);
-		sv.limits.max_context = (uint32_t)ctx;
-		sv.limits.vocab_size = (uint32_t)D.model->cfg.vocab_size;
-		sv.limits.prompt_bytes = sv.region.prompt_bytes;
-		while ((uint64_t)sv.region.prompt_bytes < 2ull * 4 * sv.limits.max_prompt_tokens)
-			sv.region.prompt_bytes *= 2;
-		sv.limits.prompt_bytes = sv.region.prompt_bytes;
 	}
-	rc = mlens_server_start(&D.server, D.base, D.worker, &sv, err, sizeof(err));
-	if (rc)
+	sv.limits.max_prompt_tokens = (uint32_t)(D.eo.max_step_tokens < ctx - 1 ? D.eo.max_step_tokens : ctx - 1);
+	sv.limits.max_tokens = (uint32_t)(ctx - 1);
+	sv.limits.max_context = (uint32_t)ctx;
+	sv.limits.vocab_size = (uint32_t)D.model->cfg.vocab_size;
+	while ((uint64_t)sv.region.prompt_bytes < 2ull * 4 * sv.limits.max_prompt_tokens)
+		sv.region.prompt_bytes *= 2;
+	sv.limits.prompt_bytes = sv.region.prompt_bytes;
+	if (mlens_server_start(D.server, D.base, D.worker, &sv, err, sizeof(err)))
 		return fail_start("%s", err);
 
-	/* operating: control socket, stats socket, /metrics (after loading: /health
-	 * answers only once the model is in) */
 	D.info = (struct mlens_daemon_info){
 		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.hybrid ? "hybrid (cuda + cpu attention)" : D.be.ops->name,
 		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
-		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * blocks * per_block,
+		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,
 	};
-	rc = mlens_stats_start(&D.stats, D.base, &D.info, err, sizeof(err));
-	if (rc)
+	if (mlens_stats_start(D.stats, D.base, &D.info, err, sizeof(err)) ||
+	    mlens_control_start(D.control, D.base, &D.info, on_control_shutdown, NULL, err, sizeof(err)))
 		return fail_start("%s", err);
-	rc = mlens_control_start(&D.control, D.base, &D.info, on_control_shutdown, NULL, err, sizeof(err));
-	if (rc)
-		return fail_start("%s", err);
+	return 0;
+}
 
+/* Signals, the workload_follow timer, the pid file; then tell the waiting
+ * parent. */
+static int step_ready(void)
+{
+	int rc;
 	D.ev_notify = event_new(D.base, D.notify_fd, EV_READ | EV_PERSIST, on_drained, NULL);
 	D.ev_term = evsignal_new(D.base, SIGTERM, on_signal, NULL);
 	D.ev_int = evsignal_new(D.base, SIGINT, on_signal, NULL);
 	D.ev_hup = evsignal_new(D.base, SIGHUP, on_signal, NULL);
-	event_add(D.ev_notify, NULL);
-	event_add(D.ev_term, NULL);
-	event_add(D.ev_int, NULL);
-	event_add(D.ev_hup, NULL);
+	if (!D.ev_notify || !D.ev_term || !D.ev_int || !D.ev_hup || event_add(D.ev_notify, NULL) ||
+	    event_add(D.ev_term, NULL) || event_add(D.ev_int, NULL) || event_add(D.ev_hup, NULL))
+		return fail_start("cannot set up the signal handlers");
 	if (D.prof.have && D.cfg.workload_follow > 0) {
 		struct timeval tv = { (time_t)D.cfg.workload_follow, 0 };
 		D.follow.started = true;	/* from the first request on: counters at 0 */
@@ -744,9 +846,11 @@ int main(int argc, char **argv)
 		if (!D.ev_follow || event_add(D.ev_follow, &tv))
 			return fail_start("cannot set up the workload_follow timer");
 	}
-
-	if (D.cfg.pid_file[0] && (rc = write_pid_file(D.cfg.pid_file)))
-		return fail_start("cannot write pid file %s: %s", D.cfg.pid_file, strerror(-rc));
+	if (D.cfg.pid_file[0]) {
+		if ((rc = write_pid_file(D.cfg.pid_file)))
+			return fail_start("cannot write pid file %s: %s", D.cfg.pid_file, strerror(-rc));
+		D.pid_written = true;
+	}
 	log_info("serving on %s (pid %d), ready in %.2f s", D.cfg.socket, (int)getpid(), mlens_now() - D.started);
 	if (D.ready_fd >= 0) {
 		if (write(D.ready_fd, "ok", 2) != 2)
@@ -754,24 +858,35 @@ int main(int argc, char **argv)
 		close(D.ready_fd);
 		D.ready_fd = -1;
 	}
+	return 0;
+}
 
-	event_base_dispatch(D.base);
-
-	/* shutdown */
+/* Everything a step set up, in reverse; each part only if it is there. */
+static void teardown(void)
+{
 	mlens_control_destroy(D.control);
 	mlens_stats_destroy(D.stats);
-	mlens_worker_stop(D.worker);
+	if (D.worker)
+		mlens_worker_stop(D.worker);
 	mlens_server_destroy(D.server);
-	event_free(D.ev_notify);
-	event_free(D.ev_term);
-	event_free(D.ev_int);
-	event_free(D.ev_hup);
+	if (D.ev_notify)
+		event_free(D.ev_notify);
+	if (D.ev_term)
+		event_free(D.ev_term);
+	if (D.ev_int)
+		event_free(D.ev_int);
+	if (D.ev_hup)
+		event_free(D.ev_hup);
 	if (D.ev_follow)
 		event_free(D.ev_follow);
-	event_base_free(D.base);
-	close(D.notify_fd);
-	mlens_sched_destroy(D.sched);
-	mlens_engine_destroy(D.engine);
+	if (D.base)
+		event_base_free(D.base);
+	if (D.notify_fd >= 0)
+		close(D.notify_fd);
+	if (D.sched)
+		mlens_sched_destroy(D.sched);
+	if (D.engine)
+		mlens_engine_destroy(D.engine);
 	mlens_pinned_free(&D.kv_k);
 	mlens_pinned_free(&D.kv_v);
 	if (D.weights_registered)
@@ -780,11 +895,43 @@ int main(int argc, char **argv)
 	if (D.hybrid)
 		mlens_backend_destroy(&D.attn);
 	mlens_weights_free(&D.weights);
-	mlens_model_close(D.model);
-	if (D.cfg.pid_file[0])
+	if (D.model)
+		mlens_model_close(D.model);
+	if (D.pid_written)
 		unlink(D.cfg.pid_file);
+	if (D.ready_fd >= 0)
+		close(D.ready_fd);
+}
+
+int main(int argc, char **argv)
+{
+	int rc;
+
+	memset(&D, 0, sizeof(D));
+	D.ready_fd = -1;
+	D.notify_fd = -1;
+	rc = step_config(argc, argv);
+	if (rc < 0) {
+		mlens_config_free(&D.cfg);
+		return -1 - rc;
+	}
+	if ((rc = step_log()) || (rc = step_bind()) || (rc = step_daemonize()))
+		goto out;
+	signal(SIGPIPE, SIG_IGN);
+	if ((rc = step_model()) || (rc = step_backend()) || (rc = step_kv_cache()) || (rc = step_engine()) ||
+	    (rc = step_worker()) || (rc = step_serve()) || (rc = step_ready()))
+		goto out;
+
+	event_base_dispatch(D.base);
+	teardown();
 	log_info("exited cleanly");
 	mlens_config_free(&D.cfg);
 	mlens_log_close();
 	return 0;
+out:
+	teardown();
+	mlens_config_free(&D.cfg);
+	if (D.log_open)
+		mlens_log_close();
+	return rc;
 }

@@ -16,6 +16,7 @@
 #include <jansson.h>
 
 #include "daemon/errf.h"
+#include "daemon/infile.h"
 #include "daemon/model.h"
 #include "daemon/model_int.h"
 #include "daemon/safetensors.h"
@@ -46,22 +47,9 @@ static int read_small(const char *path, size_t max, char **out, size_t *len,
 	size_t got = 0;
 	int fd, rc;
 
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0) {
-		rc = -errno;
-		mlens_errf(err, errlen, "%s: cannot open: %s", path, strerror(-rc));
-		return rc;
-	}
-	if (fstat(fd, &sb) < 0) {
-		rc = -errno;
-		mlens_errf(err, errlen, "%s: cannot stat: %s", path, strerror(-rc));
-		goto out;
-	}
-	if (!S_ISREG(sb.st_mode)) {
-		rc = -EINVAL;
-		mlens_errf(err, errlen, "%s: not a regular file", path);
-		goto out;
-	}
+	fd = mlens_open_regular(path, "", &sb, err, errlen);
+	if (fd < 0)
+		return fd;
 	if ((uint64_t)sb.st_size > max) {
 		mlens_errf(err, errlen, "%s: %jd bytes is larger than the %zu-byte limit for this file",
 		     path, (intmax_t)sb.st_size, max);
@@ -357,7 +345,8 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	    (rc = get_int(&c, root, "num_local_experts", true, 0, 1, 256, &cfg->num_local_experts)) ||
 	    (rc = get_int(&c, root, "num_experts_per_tok", true, 0, 1, cfg->num_local_experts,
 			  &cfg->num_experts_per_tok)) ||
-	    (rc = get_int(&c, root, "max_position_embeddings", false, 4096 * 32, 1, 1 << 24,
+	    /* at least a one-token prompt and the token generated after it */
+	    (rc = get_int(&c, root, "max_position_embeddings", false, 4096 * 32, 2, 1 << 24,
 			  &cfg->max_position_embeddings)))
 		goto out;
 	if (cfg->num_attention_heads % cfg->num_key_value_heads) {
@@ -526,20 +515,11 @@ static int map_file(struct mlens_model *m, const char *name, char *err, size_t e
 		return -ENOMEM;
 	}
 	m->n_files++;
-	f->fd = open(f->path, O_RDONLY | O_CLOEXEC);
+	f->fd = mlens_open_regular(f->path, why, &sb, err, errlen);
 	if (f->fd < 0) {
-		rc = -errno;
-		mlens_errf(err, errlen, "%s: cannot open%s: %s", f->path, why, strerror(-rc));
+		rc = f->fd;
+		f->fd = -1;
 		return rc;
-	}
-	if (fstat(f->fd, &sb) < 0) {
-		rc = -errno;
-		mlens_errf(err, errlen, "%s: cannot stat: %s", f->path, strerror(-rc));
-		return rc;
-	}
-	if (!S_ISREG(sb.st_mode)) {
-		mlens_errf(err, errlen, "%s: not a regular file", f->path);
-		return -EINVAL;
 	}
 	if ((uint64_t)sb.st_size > SIZE_MAX) {
 		mlens_errf(err, errlen, "%s: too large to map", f->path);

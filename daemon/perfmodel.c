@@ -351,12 +351,22 @@ const char *mlens_perf_bind_name(enum mlens_perf_bind b)
 	return "?";
 }
 
+const char *mlens_perf_tier_name(const struct mlens_perf_hw *hw, enum mlens_perf_bind b)
+{
+	if (hw->host_compute && b == MLENS_PERF_BIND_GPU)
+		return "cpu";
+	if (hw->host_compute && b == MLENS_PERF_BIND_CHAIN)
+		return "cpu-chain";	/* compute, then attention, on one CPU */
+	return mlens_perf_bind_name(b);
+}
+
 const char *mlens_perf_limit_name(enum mlens_perf_limit l)
 {
 	switch (l) {
 	case MLENS_PERF_LIMIT_KV: return "kv-capacity";
 	case MLENS_PERF_LIMIT_NREAL: return "n_real";
 	case MLENS_PERF_LIMIT_ACT: return "activation-memory";
+	case MLENS_PERF_LIMIT_STEP: return "largest-step";
 	}
 	return "?";
 }
@@ -638,6 +648,11 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		       gib(out->gpu_slots), gib(hw->gpu_workspace), n_a, (long long)nmin);
 		return -ENOSPC;
 	}
+	out->n_real_by = MLENS_PERF_LIMIT_ACT;
+	if (hw->max_step > 0 && n_a > hw->max_step) {
+		n_a = hw->max_step;
+		out->n_real_by = MLENS_PERF_LIMIT_STEP;
+	}
 	streamed = mlens_perf_streamed_bytes(pm, resident_experts);
 	out->pme = mlens_perf_pme(w->p, w->g);
 	{
@@ -661,6 +676,8 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	}
 	out->n_act = n_a;
 	out->n_real = out->n_eq < n_a ? floor(out->n_eq) : n_a;
+	if (out->n_eq < n_a)
+		out->n_real_by = MLENS_PERF_LIMIT_NREAL;
 	if (out->n_real < (double)nmin)
 		out->n_real = (double)nmin;	/* a whole prompt must fit a step */
 	out->n_kv = out->pme * w->kv_tokens;
@@ -669,7 +686,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		out->limit = MLENS_PERF_LIMIT_KV;
 	} else {
 		out->tokens = out->n_real;
-		out->limit = out->n_eq < n_a ? MLENS_PERF_LIMIT_NREAL : MLENS_PERF_LIMIT_ACT;
+		out->limit = out->n_real_by;
 	}
 	out->gpu_act = act_of(pm, hw, (int64_t)ceil(out->tokens));
 	out->gpu_total = sat_add(fixed, out->gpu_act);

@@ -234,6 +234,13 @@ struct mlens_perf_hw {
 	uint64_t (*act_bytes)(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
 			      const void *arg);
 	const void *act_arg;
+	/* The backend computes in host memory (the CPU backend): no bus, no
+	 * weight stream, and its compute tier is the CPU (mlens_perf_tier_name). */
+	bool host_compute;
+	/* The executor's largest step, tokens; > 0: n_act is at most this
+	 * (where host memory is the activation budget, nothing else bounds a
+	 * step); 0: no bound. */
+	double max_step;
 };
 
 /* Lines from the roofline when the profiler has not run: intercept = the
@@ -290,6 +297,10 @@ enum mlens_perf_bind {
 	MLENS_PERF_BIND_N
 };
 const char *mlens_perf_bind_name(enum mlens_perf_bind b);
+/* The name of tier b on this hardware: as mlens_perf_bind_name, but on a
+ * host-compute backend the compute tier is "cpu" and the chain
+ * "cpu-chain". */
+const char *mlens_perf_tier_name(const struct mlens_perf_hw *hw, enum mlens_perf_bind b);
 
 struct mlens_perf_step_time {
 	double tier[MLENS_PERF_BIND_N];	/* seconds per layer each resource needs */
@@ -316,6 +327,7 @@ enum mlens_perf_limit {
 	MLENS_PERF_LIMIT_KV = 0,	/* PME x M: KV capacity */
 	MLENS_PERF_LIMIT_NREAL,		/* eq. 2: GPU time = transfer time */
 	MLENS_PERF_LIMIT_ACT,		/* activation memory on the GPU */
+	MLENS_PERF_LIMIT_STEP,		/* the executor's largest step (hw max_step) */
 };
 const char *mlens_perf_limit_name(enum mlens_perf_limit l);
 
@@ -325,6 +337,7 @@ struct mlens_perf_prediction {
 	double n_eq;		/* eq. 2 from the fitted lines */
 	double n_act;		/* most tokens whose activations fit */
 	double n_real;		/* the scheduler's cap */
+	enum mlens_perf_limit n_real_by;	/* what bounds n_real: NREAL, ACT or STEP */
 	double n_kv;		/* PME x M */
 	double tokens;		/* per step: min(n_kv, n_real) */
 	enum mlens_perf_limit limit;

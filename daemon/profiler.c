@@ -1165,6 +1165,14 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	if (st->side_copy_out && st->up_copy_in)
 		st->hw.b_act_h2d = 0;
 	st->hw.gpu_kv_append = st->gpu_kv_append;
+	/* a backend in host memory has no bus to measure (the profile's H2D
+	 * rate is 0): nothing streams, its compute is the CPU, and with host
+	 * memory as the activation budget only the engine's largest step
+	 * bounds n_real */
+	st->hw.host_compute = !(st->prof.h2d > 0);
+	if (st->hw.host_compute)
+		st->hw.max_step = st->max_step > 0 ? st->max_step : st->opts.max_tokens > 0 ? (double)st->opts.max_tokens
+											       : 4096;
 	st->hw.att_up_bytes = st->att_up_half ? 2 : 0;
 	/* with the side copies the GPU's K/V stores run on queue 2 too
 	 * (pipeline side_append, where the backend has kv_append_side) */
@@ -1183,6 +1191,8 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 	int rc = -ENOENT;
 	st->err[0] = 0;
 	st->from_cache = false;
+	if (sched)
+		st->max_step = mlens_sched_cap_for(sched, 0);
 	if (cache && use_cache) {
 		rc = mlens_profile_load(cache, &st->key, &st->prof, why, sizeof(why));
 		st->from_cache = !rc;
@@ -1267,8 +1277,10 @@ json_t *mlens_profile_state_json(const struct mlens_profile_state *st)
 	json_object_set_new(o, "n_eq", isfinite(pr->n_eq) ? json_real(pr->n_eq) : json_null());
 	json_object_set_new(o, "n_act", json_real(pr->n_act));
 	json_object_set_new(o, "n_real", json_real(pr->n_real));
+	json_object_set_new(o, "n_real_bound", json_string(mlens_perf_limit_name(pr->n_real_by)));
+	json_object_set_new(o, "host_compute", json_boolean(st->hw.host_compute));
 	json_object_set_new(o, "limit", json_string(mlens_perf_limit_name(pr->limit)));
-	json_object_set_new(o, "binding", json_string(mlens_perf_bind_name(pr->time.bind)));
+	json_object_set_new(o, "binding", json_string(mlens_perf_tier_name(&st->hw, pr->time.bind)));
 	json_object_set_new(o, "predicted", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f}", "tokens_per_step", pr->tokens,
 		"step_seconds", pr->time.seconds, "tokens_per_s", pr->total_tok_s, "generated_tokens_per_s",
 		pr->gen_tok_s, "pme", pr->pme, "t_max", isfinite(pr->t_max) ? pr->t_max : -1.0));
@@ -1276,14 +1288,22 @@ json_t *mlens_profile_state_json(const struct mlens_profile_state *st)
 		/* what each resource needs a layer at the predicted step, the
 		 * largest binding; fill and drain once a step */
 		json_t *t = json_object();
-		for (int b = 0; b < MLENS_PERF_BIND_N; b++)
-			json_object_set_new(t, mlens_perf_bind_name((enum mlens_perf_bind)b),
+		for (int b = 0; b < MLENS_PERF_BIND_N; b++) {
+			/* no bus on a host-compute backend: no link tiers */
+			if (st->hw.host_compute && (b == MLENS_PERF_BIND_PCIE || b == MLENS_PERF_BIND_D2H))
+				continue;
+			json_object_set_new(t, mlens_perf_tier_name(&st->hw, (enum mlens_perf_bind)b),
 					    json_real(pr->time.tier[b]));
+		}
 		json_object_set_new(t, "fill", json_real(pr->time.fill));
 		json_object_set_new(o, "layer_seconds", t);
 	}
 	json_object_set_new(o, "token_cap", json_integer(st->token_cap));
 	json_object_set_new(o, "token_cap_pinned", json_boolean(st->pinned_cap > 0));
+	/* where the scheduler's cap comes from: the configuration, n_real, or
+	 * the engine's largest step where that is below n_real */
+	json_object_set_new(o, "token_cap_source", json_string(st->pinned_cap > 0 ? "max_step_tokens" :
+		st->token_cap < floor(pr->n_real) ? "largest-step" : "n_real"));
 	if (st->err[0])
 		json_object_set_new(o, "warning", json_string(st->err));
 	return o;

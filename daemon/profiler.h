@@ -174,6 +174,9 @@ struct mlens_profile_state {
 	bool gpu_kv_append;
 	double kv_tokens;		/* KV pool capacity in tokens (M) */
 	int pinned_cap;			/* max_step_tokens as configured (> 0: pinned) */
+	/* the engine's largest step: set by a run with the scheduler, else
+	 * opts.max_tokens; bounds n_real where host memory is the budget */
+	int max_step;
 	const char *cache_path;		/* "" or NULL: no cache */
 	struct mlens_profile_key key;
 	/* results of the last run (written on the worker thread while the main

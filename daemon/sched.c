@@ -71,6 +71,15 @@ struct mlens_sched {
 	bool preempt_mode;
 	struct mlens_sched_tenant *wt_head;	/* tenants with waiting requests */
 	int64_t wseq_head, wseq_tail;	/* the last wseq given at each end */
+	/* the fair-share clock of the tenant admitted last, before that
+	 * admission: the smallest among the tenants that could go then. A
+	 * tenant that starts waiting (new, back after a reconnect, or idle
+	 * for a while) starts from here, so it neither starves the others
+	 * while it catches up nor cashes in time it did not wait. */
+	double vnow;
+	/* a KV quota was lowered or a request requeued: look for waiting
+	 * requests that can no longer fit their tenant's quota */
+	bool quota_check;
 	uint64_t serial;
 	struct list waiting;	/* arrival order; preempted requests at the head */
 	struct list running;
@@ -136,6 +145,8 @@ static void wait_push(struct mlens_sched *s, struct mlens_req *r, bool head)
 {
 	struct mlens_sched_tenant *t = r->t;
 	if (!t->wait_head) {	/* its first: the tenant joins the list */
+		if (t->vtime < s->vnow)
+			t->vtime = s->vnow;
 		t->wt_prev = NULL;
 		t->wt_next = s->wt_head;
 		if (s->wt_head)
@@ -322,15 +333,35 @@ void mlens_sched_destroy(struct mlens_sched *s)
 	free(s);
 }
 
+static void quota_set(struct mlens_sched_tenant *t, const struct mlens_quota *q)
+{
+	t->quota = *q;
+	if (!(t->quota.weight > 0.0))
+		t->quota.weight = 1.0;
+}
+
 void mlens_sched_tenant_init(struct mlens_sched_tenant *t, const struct mlens_quota *q,
 			     mlens_emit_fn emit)
 {
 	memset(t, 0, sizeof(*t));
-	t->quota = *q;
-	if (!(t->quota.weight > 0.0))
-		t->quota.weight = 1.0;
+	quota_set(t, q);
 	t->emit = emit;
 	t->attached = true;
+}
+
+void mlens_sched_set_quota(struct mlens_sched *s, struct mlens_sched_tenant *t,
+			   const struct mlens_quota *q)
+{
+	quota_set(t, q);
+	s->quota_check = true;
+}
+
+/* KV blocks a request of n_prompt tokens needs by its end: prompt +
+ * max_tokens, as many as the model's positions hold. */
+static uint32_t blocks_by_end(const struct mlens_sched *s, int32_t n_prompt, int32_t max_tokens)
+{
+	int64_t total = (int64_t)n_prompt + max_tokens;
+	return mlens_kv_blocks_for(s->kv, total < s->max_pos ? total : s->max_pos);
 }
 
 /* ==== events ==== */
@@ -411,7 +442,12 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 	int64_t total;
 	uint32_t blocks;
 
+	t->refused = (struct mlens_detail){ 0 };
 #define REFUSE(err, ...) do { snprintf(why, whylen, __VA_ARGS__); return (err); } while (0)
+#define REFUSE_OVER(err, what_, need_, have_, ...) do { \
+		t->refused = (struct mlens_detail){ (what_), (uint32_t)(need_), (uint32_t)(have_) }; \
+		REFUSE(err, __VA_ARGS__); \
+	} while (0)
 	if (!s->admission)
 		REFUSE(-ESHUTDOWN, "the daemon is draining and admits no new requests");
 	if (p->n_prompt <= 0)
@@ -428,24 +464,25 @@ int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 	    !isfinite(p->samp.top_p) || p->samp.top_p <= 0 || p->samp.top_p > 1)
 		REFUSE(-EINVAL, "bad sampling parameters (temperature >= 0, 0 < top_p <= 1)");
 	if (p->n_prompt > s->cap)
-		REFUSE(-E2BIG, "prompt of %d tokens exceeds the per-step token cap of %d",
+		REFUSE_OVER(-E2BIG, MLENS_DETAIL_STEP_CAP, p->n_prompt, s->cap, "prompt of %d tokens exceeds the per-step token cap of %d",
 		       p->n_prompt, s->cap);
 	if (p->n_prompt >= s->max_pos)
-		REFUSE(-E2BIG, "prompt of %d tokens leaves no room in the context of %d positions",
+		REFUSE_OVER(-E2BIG, MLENS_DETAIL_CONTEXT, p->n_prompt, s->max_pos, "prompt of %d tokens leaves no room in the context of %d positions",
 		       p->n_prompt, s->max_pos);
 	total = (int64_t)p->n_prompt + p->max_tokens;
 	if (total > s->max_pos)
 		total = s->max_pos;
-	blocks = mlens_kv_blocks_for(s->kv, total);
+	blocks = blocks_by_end(s, p->n_prompt, p->max_tokens);
 	if (blocks > s->kv->cache.n_blocks)
-		REFUSE(-E2BIG, "prompt + max_tokens = %lld tokens need %u KV blocks; the pool has %u",
+		REFUSE_OVER(-E2BIG, MLENS_DETAIL_KV_POOL, blocks, s->kv->cache.n_blocks, "prompt + max_tokens = %lld tokens need %u KV blocks; the pool has %u",
 		       (long long)total, blocks, s->kv->cache.n_blocks);
 	if (t->quota.max_kv_blocks && blocks > t->quota.max_kv_blocks)
-		REFUSE(-EDQUOT, "prompt + max_tokens need %u KV blocks; the tenant's quota is %u",
+		REFUSE_OVER(-EDQUOT, MLENS_DETAIL_KV_QUOTA, blocks, t->quota.max_kv_blocks, "prompt + max_tokens need %u KV blocks; the tenant's quota is %u",
 		       blocks, t->quota.max_kv_blocks);
 	if (t->queued >= t->quota.max_queued)
-		REFUSE(-EDQUOT, "the tenant already has %u requests queued (quota %u)",
+		REFUSE_OVER(-EDQUOT, MLENS_DETAIL_QUEUED, t->queued + 1, t->quota.max_queued, "the tenant already has %u requests queued (quota %u)",
 		       t->queued, t->quota.max_queued);
+#undef REFUSE_OVER
 #undef REFUSE
 
 	r = calloc(1, sizeof(*r));
@@ -529,6 +566,32 @@ static void evict(struct mlens_sched *s, struct mlens_req *r)
 	r->t->preemptions++;
 	s->st.preemptions++;
 	wait_push(s, r, true);
+	if (r->t->quota.max_kv_blocks)
+		s->quota_check = true;	/* it may have been lowered while it ran */
+}
+
+/* Fail the waiting requests that can never fit their tenant's KV quota as
+ * it now stands (lowered after they came): they would wait for ever. One
+ * whose token still waits for room in its tenant's ring goes once that is
+ * delivered. */
+static void fail_over_quota(struct mlens_sched *s)
+{
+	struct mlens_req *r, *next;
+	s->quota_check = false;
+	for (r = s->waiting.head; r; r = next) {
+		uint32_t need = blocks_by_end(s, r->n_prompt, r->max_tokens), have = r->t->quota.max_kv_blocks;
+		next = r->qnext;
+		if (!have || need <= have)
+			continue;
+		if (r->has_pending) {
+			s->quota_check = true;
+			continue;
+		}
+		struct mlens_event ev = { .id = r->id, .token = -1, .first = r->n_gen == 0, .last = true,
+					  .finish = MLENS_FINISH_ERROR, .status = -EDQUOT,
+					  .detail = { MLENS_DETAIL_KV_QUOTA, need, have } };
+		finish(s, r, &ev);
+	}
 }
 
 /* The youngest running request. */
@@ -689,6 +752,8 @@ int mlens_sched_step(struct mlens_sched *s)
 	double t0;
 
 	mlens_sched_flush(s);
+	if (s->quota_check)
+		fail_over_quota(s);
 	if (ensure_scratch(s, (int)(s->running.n + s->waiting.n) + 1))
 		return -ENOMEM;
 
@@ -763,6 +828,7 @@ int mlens_sched_step(struct mlens_sched *s)
 			r->state = REQ_RUNNING;
 			r->admit_serial = ++s->serial;
 			r->preempted = false;
+			s->vnow = r->t->vtime;
 			r->t->vtime += len / r->t->quota.weight;
 			q_push_tail(&s->running, r);
 			running_after++;

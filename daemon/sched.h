@@ -33,6 +33,13 @@ struct mlens_request_params {
 	bool ignore_eos;	/* the model's EOS ids do not end it (stop[] still does) */
 };
 
+/* Which limit a refused or failed request ran into, and its numbers
+ * (shm/proto.h's enum mlens_cmpl_detail); what zero is none. */
+struct mlens_detail {
+	uint8_t what;
+	uint32_t need, have;
+};
+
 /* One generated token (or the end of a request) for a tenant. */
 struct mlens_event {
 	uint64_t id;
@@ -42,6 +49,7 @@ struct mlens_event {
 	bool first, last;
 	enum mlens_finish finish;
 	int status;		/* 0 or -errno */
+	struct mlens_detail detail;	/* with an error */
 };
 
 struct mlens_sched;
@@ -66,6 +74,7 @@ struct mlens_sched_tenant {
 	uint64_t preemptions;
 	double vtime;		/* fair-share clock: admitted tokens / weight */
 	bool attached;
+	struct mlens_detail refused;	/* mlens_sched_submit's last refusal */
 	/* private: the scheduler's */
 	struct mlens_req *reqs;	/* every live request of this tenant */
 	/* its waiting requests in the waiting queue's order, and its place in
@@ -165,10 +174,17 @@ void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant 
  * caller reports them): -EINVAL bad parameters or token ids, -E2BIG a
  * prompt the daemon can never run (longer than the step cap or context, or
  * prompt + max_tokens needs more KV blocks than the pool has), -EDQUOT the
- * tenant's queue quota is full, -ESHUTDOWN admission is closed. why gets a
- * sentence for the error completion's log. */
+ * tenant's queue or KV quota is full, -ESHUTDOWN admission is closed. why
+ * gets a sentence for the error completion's log, t->refused which limit
+ * with its numbers (what 0 when no limit is to blame). */
 int mlens_sched_submit(struct mlens_sched *s, struct mlens_sched_tenant *t,
 		       const struct mlens_request_params *p, char *why, size_t whylen);
+/* Set t's quota. Its waiting requests (queued, or preempted) that can
+ * never fit the new KV quota fail at the next step with -EDQUOT (detail
+ * MLENS_DETAIL_KV_QUOTA) rather than wait for ever; running ones go on
+ * (a quota limits admission, not growth). */
+void mlens_sched_set_quota(struct mlens_sched *s, struct mlens_sched_tenant *t,
+			   const struct mlens_quota *q);
 /* Is request id of t queued or running (ids must be unique while live)? */
 bool mlens_sched_live(const struct mlens_sched *s, const struct mlens_sched_tenant *t, uint64_t id);
 /* Cancel the tenant's request id: -ENOENT when unknown. */

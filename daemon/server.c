@@ -2,9 +2,7 @@
  * tenant, send the welcome with the three fds, watch for the hang-up. */
 #include <errno.h>
 #include <fcntl.h>
-#include <grp.h>
 #include <stdarg.h>
-#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,11 +10,18 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include "daemon/listen.h"
 #include "daemon/log.h"
 #include "daemon/server.h"
+#include "daemon/tenant.h"
 #include "shm/attach.h"
 
 #define HELLO_TIMEOUT_S 5
+
+/* Connections that have not said hello yet hold a descriptor each and
+ * cost the peer nothing: at most this many in all, and per uid. */
+#define MAX_PENDING 128
+#define MAX_PENDING_PER_UID 32
 
 struct conn {
 	struct mlens_server *s;
@@ -26,7 +31,6 @@ struct conn {
 	uid_t uid;
 	gid_t gid;
 	pid_t pid;
-	bool denied;		/* answer the hello with -EACCES */
 	struct conn *next;
 };
 
@@ -34,50 +38,18 @@ struct mlens_server {
 	struct event_base *base;
 	struct mlens_worker *w;
 	struct mlens_server_opts o;
-	char *path;
+	struct mlens_listener l;
+	struct mlens_access access;
 	char *users, *groups;
-	int lfd;
-	struct event *lev;
 	struct conn *conns;
 	int n_attached;
+	int n_pending;		/* accepted, no hello yet */
 	uint32_t next_id;
 };
 
-/* ==== access rules ==== */
-
-static bool in_list(const char *list, unsigned long id, bool user)
-{
-	char *copy = strdup(list ? list : ""), *save = NULL, *tok;
-	bool found = false;
-	if (!copy)
-		return false;
-	for (tok = strtok_r(copy, ", \t", &save); tok && !found; tok = strtok_r(NULL, ", \t", &save)) {
-		char *end;
-		unsigned long v = strtoul(tok, &end, 10);
-		if (!strcmp(tok, "*"))
-			found = true;
-		else if (*end == 0 && end != tok)
-			found = v == id;
-		else if (user) {
-			struct passwd *pw = getpwnam(tok);
-			found = pw && pw->pw_uid == id;
-		} else {
-			struct group *gr = getgrnam(tok);
-			found = gr && gr->gr_gid == id;
-		}
-	}
-	free(copy);
-	return found;
-}
-
-bool mlens_access_allowed(const char *users, const char *groups, uid_t own_uid, uid_t uid, gid_t gid)
-{
-	if (uid == 0 || uid == own_uid)
-		return true;
-	return in_list(users, uid, true) || in_list(groups, gid, false);
-}
-
 /* ==== connections ==== */
+
+static struct mlens_log_limit refusal_log = MLENS_LOG_LIMIT_INIT(20, 10.0);
 
 static void conn_free(struct conn *c)
 {
@@ -86,6 +58,8 @@ static void conn_free(struct conn *c)
 		pp = &(*pp)->next;
 	if (*pp)
 		*pp = c->next;
+	if (!c->tenant_id)
+		c->s->n_pending--;
 	if (c->ev)
 		event_free(c->ev);
 	close(c->fd);
@@ -130,6 +104,22 @@ static void send_welcome(int fd, int status, uint32_t id, uint64_t size, const i
 		log_debug("welcome to fd %d not sent: %s", fd, strerror(errno));
 }
 
+/* Answer with the refusal (the caller closes). What the peer sent is read first:
+ * closing a Unix socket with unread data resets the peer's end, and the
+ * peer would read ECONNRESET instead of the reason. */
+static void refuse_fd(int fd, uid_t uid, pid_t pid, int status, const char *msg)
+{
+	char buf[512];
+	for (int i = 0; i < 4 && recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0; i++)
+		;
+	mlens_log_limited(&refusal_log, MLENS_LOG_WARN, "tenant connection from uid %u pid %d refused: %s",
+			  (unsigned)uid, (int)pid, msg);
+	send_welcome(fd, status, 0, 0, NULL, msg);
+	/* a hello that came meanwhile (a peer refused at accept) */
+	for (int i = 0; i < 4 && recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0; i++)
+		;
+}
+
 static void refuse(struct conn *c, int status, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
@@ -140,8 +130,7 @@ static void refuse(struct conn *c, int status, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	log_warn("tenant connection from uid %u pid %d refused: %s", (unsigned)c->uid, (int)c->pid, msg);
-	send_welcome(c->fd, status, 0, 0, NULL, msg);
+	refuse_fd(c->fd, c->uid, c->pid, status, msg);
 	conn_free(c);
 }
 
@@ -152,6 +141,7 @@ static void on_tenant_sock(evutil_socket_t fd, short what, void *arg)
 	struct conn *c = arg;
 	char buf[64];
 	ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+	(void)what;
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
 		return;
 	if (n > 0)
@@ -167,7 +157,7 @@ static void on_hello(evutil_socket_t fd, short what, void *arg)
 	struct mlens_server *s = c->s;
 	struct mlens_hello h;
 	struct mlens_tenant *t = NULL;
-	char err[256];
+	char err[256], shown[4 * sizeof(h.name)];
 	ssize_t n;
 	int rc;
 
@@ -186,10 +176,8 @@ static void on_hello(evutil_socket_t fd, short what, void *arg)
 		refuse(c, -EPROTO, "protocol version %u; this daemon speaks %u", h.version, MLENS_PROTO_VERSION);
 		return;
 	}
-	h.name[sizeof(h.name) - 1] = 0;
-	if (c->denied) {
-		refuse(c, -EACCES, "uid %u / gid %u is not allowed to attach (allow_users, allow_groups)",
-		       (unsigned)c->uid, (unsigned)c->gid);
+	if (mlens_tenant_name_check(h.name, sizeof(h.name), err, sizeof(err))) {
+		refuse(c, -EINVAL, "client name refused: %s", err);
 		return;
 	}
 	if (s->n_attached >= s->o.max_tenants) {
@@ -207,27 +195,47 @@ static void on_hello(evutil_socket_t fd, short what, void *arg)
 		send_welcome(c->fd, 0, t->id, t->size, fds, "");
 	}
 	c->tenant_id = t->id;
+	mlens_tenant_hold_conn(t, c->fd);
+	s->n_pending--;
 	s->n_attached++;
+	mlens_name_escape(h.name, shown, sizeof(shown));
 	log_info("tenant %u attached: uid %u gid %u pid %d name '%s'", t->id, (unsigned)c->uid,
-		 (unsigned)c->gid, (int)c->pid, h.name);
+		 (unsigned)c->gid, (int)c->pid, shown);
 	event_free(c->ev);
 	c->ev = event_new(s->base, c->fd, EV_READ | EV_PERSIST, on_tenant_sock, c);
 	event_add(c->ev, NULL);
 	mlens_worker_attach(s->w, t);
 }
 
-static void on_accept(evutil_socket_t lfd, short what, void *arg)
+static int pending_of(const struct mlens_server *s, uid_t uid)
+{
+	int n = 0;
+	for (const struct conn *c = s->conns; c; c = c->next)
+		n += !c->tenant_id && c->uid == uid;
+	return n;
+}
+
+static void on_accept(void *arg, int fd, const struct ucred *cr)
 {
 	struct mlens_server *s = arg;
-	struct ucred cr;
-	socklen_t len = sizeof(cr);
 	struct timeval tv = { HELLO_TIMEOUT_S, 0 };
 	struct conn *c;
-	int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+	char msg[176];
 
-	if (fd < 0) {
-		if (errno != EAGAIN && errno != EINTR)
-			log_warn("accept on %s: %s", s->path, strerror(errno));
+	/* refused at once: a peer the rules do not allow holds nothing here */
+	if (!mlens_access_allowed(&s->access, cr->uid, cr->gid)) {
+		snprintf(msg, sizeof(msg), "uid %u / gid %u is not allowed to attach (allow_users, allow_groups)",
+			 (unsigned)cr->uid, (unsigned)cr->gid);
+		refuse_fd(fd, cr->uid, cr->pid, -EACCES, msg);
+		close(fd);
+		return;
+	}
+	if (s->n_pending >= MAX_PENDING || pending_of(s, cr->uid) >= MAX_PENDING_PER_UID) {
+		snprintf(msg, sizeof(msg), "too many connections waiting to say hello (%d of uid %u, %d in all; "
+			 "limits %d and %d): try again", pending_of(s, cr->uid), (unsigned)cr->uid, s->n_pending,
+			 MAX_PENDING_PER_UID, MAX_PENDING);
+		refuse_fd(fd, cr->uid, cr->pid, -EAGAIN, msg);
+		close(fd);
 		return;
 	}
 	c = calloc(1, sizeof(*c));
@@ -237,93 +245,56 @@ static void on_accept(evutil_socket_t lfd, short what, void *arg)
 	}
 	c->s = s;
 	c->fd = fd;
+	c->uid = cr->uid;
+	c->gid = cr->gid;
+	c->pid = cr->pid;
 	c->next = s->conns;
 	s->conns = c;
-	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len)) {
-		refuse(c, -EACCES, "cannot read peer credentials");
-		return;
-	}
-	c->uid = cr.uid;
-	c->gid = cr.gid;
-	c->pid = cr.pid;
-	/* a refusal waits for the hello, so that the client reads it as the
-	 * answer rather than meeting a closed socket */
-	c->denied = !mlens_access_allowed(s->users, s->groups, geteuid(), cr.uid, cr.gid);
+	s->n_pending++;
 	c->ev = event_new(s->base, fd, EV_READ, on_hello, c);
-	event_add(c->ev, &tv);
+	if (!c->ev || event_add(c->ev, &tv))
+		conn_free(c);
 }
 
-int mlens_server_start(struct mlens_server **out, struct event_base *base,
-		       struct mlens_worker *w, const struct mlens_server_opts *o,
-		       char *err, size_t errlen)
+int mlens_server_bind(struct mlens_server **out, const char *path, char *err, size_t errlen)
 {
 	struct mlens_server *s = calloc(1, sizeof(*s));
-	struct sockaddr_un sa;
 	int rc;
 
-	if (!s)
+	if (!s) {
+		snprintf(err, errlen, "tenant socket: out of memory");
 		return -ENOMEM;
+	}
+	/* everyone may connect; SO_PEERCRED and the rules decide who attaches */
+	rc = mlens_listener_bind(&s->l, path, SOCK_SEQPACKET, 0666, NULL, "tenant socket", err, errlen);
+	if (rc) {
+		free(s);
+		return rc;
+	}
+	*out = s;
+	return 0;
+}
+
+int mlens_server_start(struct mlens_server *s, struct event_base *base, struct mlens_worker *w,
+		       const struct mlens_server_opts *o, char *err, size_t errlen)
+{
 	s->base = base;
 	s->w = w;
 	s->o = *o;
-	s->lfd = -1;
-	s->path = strdup(o->path);
 	s->users = strdup(o->allow_users ? o->allow_users : "");
 	s->groups = strdup(o->allow_groups ? o->allow_groups : "");
-	if (!s->path || !s->users || !s->groups) {
-		rc = -ENOMEM;
-		goto fail;
+	if (!s->users || !s->groups) {
+		snprintf(err, errlen, "tenant socket: out of memory");
+		return -ENOMEM;
 	}
-	memset(&sa, 0, sizeof(sa));
-	sa.sun_family = AF_UNIX;
-	if (strlen(o->path) >= sizeof(sa.sun_path)) {
-		snprintf(err, errlen, "socket path %s is longer than %zu bytes", o->path, sizeof(sa.sun_path) - 1);
-		rc = -ENAMETOOLONG;
-		goto fail;
-	}
-	strcpy(sa.sun_path, o->path);
-	s->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-	if (s->lfd < 0) {
-		rc = -errno;
-		snprintf(err, errlen, "socket: %s", strerror(errno));
-		goto fail;
-	}
-	/* a socket file left by a daemon that died: replace it unless someone listens */
-	if (connect(s->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
-		snprintf(err, errlen, "%s: another daemon is listening there", o->path);
-		rc = -EADDRINUSE;
-		goto fail;
-	}
-	close(s->lfd);
-	s->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-	unlink(o->path);
-	if (bind(s->lfd, (struct sockaddr *)&sa, sizeof(sa)) || listen(s->lfd, 64)) {
-		rc = -errno;
-		snprintf(err, errlen, "cannot listen on %s: %s", o->path, strerror(errno));
-		goto fail;
-	}
-	/* everyone may connect; SO_PEERCRED and the rules decide who attaches */
-	chmod(o->path, 0666);
-	s->lev = event_new(base, s->lfd, EV_READ | EV_PERSIST, on_accept, s);
-	event_add(s->lev, NULL);
-	*out = s;
-	return 0;
-fail:
-	mlens_server_destroy(s);
-	return rc;
+	s->access.users = s->users;
+	s->access.groups = s->groups;
+	return mlens_listener_start(&s->l, base, on_accept, s, err, errlen);
 }
 
 void mlens_server_stop_listening(struct mlens_server *s)
 {
-	if (s->lev) {
-		event_free(s->lev);
-		s->lev = NULL;
-	}
-	if (s->lfd >= 0) {
-		close(s->lfd);
-		unlink(s->path);
-		s->lfd = -1;
-	}
+	mlens_listener_close(&s->l);
 }
 
 int mlens_server_disconnect(struct mlens_server *s, uint32_t id)
@@ -345,7 +316,6 @@ void mlens_server_destroy(struct mlens_server *s)
 	mlens_server_stop_listening(s);
 	while (s->conns)
 		conn_free(s->conns);
-	free(s->path);
 	free(s->users);
 	free(s->groups);
 	free(s);

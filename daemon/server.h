@@ -16,7 +16,6 @@
 struct mlens_server;
 
 struct mlens_server_opts {
-	const char *path;
 	const char *allow_users;	/* "" = the daemon's own uid; "*" = anyone */
 	const char *allow_groups;
 	int max_tenants;
@@ -25,17 +24,16 @@ struct mlens_server_opts {
 	struct mlens_region_limits limits;
 };
 
-int mlens_server_start(struct mlens_server **out, struct event_base *base,
-		       struct mlens_worker *w, const struct mlens_server_opts *o,
-		       char *err, size_t errlen);
+/* Bind the tenant socket at path (before the model loads: a bad path or a
+ * live daemon there is refused at once). 0 or -errno with err set. */
+int mlens_server_bind(struct mlens_server **out, const char *path, char *err, size_t errlen);
+/* Listen and attach tenants under o. */
+int mlens_server_start(struct mlens_server *s, struct event_base *base, struct mlens_worker *w,
+		       const struct mlens_server_opts *o, char *err, size_t errlen);
 /* Stop accepting tenants (drain); attached ones stay. */
 void mlens_server_stop_listening(struct mlens_server *s);
 /* Disconnect a tenant (after mlens_worker_evict). -ENOENT if unknown. */
 int mlens_server_disconnect(struct mlens_server *s, uint32_t tenant_id);
 void mlens_server_destroy(struct mlens_server *s);
-
-/* Is uid/gid allowed by the lists ("" means: only own_uid; root always)? */
-bool mlens_access_allowed(const char *users, const char *groups, uid_t own_uid,
-			  uid_t uid, gid_t gid);
 
 #endif

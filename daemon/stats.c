@@ -1,13 +1,11 @@
-/* Stats socket, the loopback HTTP listener (/metrics, /health), the JSON
- * and Prometheus renderings of the worker's snapshot, and the Unix
- * listening-socket helper the control socket shares. Main thread only. */
+/* Stats socket, the loopback HTTP listener (/metrics, /health), and the
+ * JSON and Prometheus renderings of the worker's snapshot. Main thread only. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
 #include <event2/buffer.h>
 #include <event2/http.h>
-#include <grp.h>
-#include <pwd.h>
+#include <event2/listener.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,116 +13,20 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include "daemon/listen.h"
 #include "daemon/log.h"
 #include "daemon/profiler.h"
 #include "daemon/stats.h"
+#include "daemon/tenant.h"
 
 struct mlens_stats {
 	struct mlens_daemon_info *info;
 	struct event_base *base;
-	int lfd;
-	char *path;
-	struct event *lev;
+	struct mlens_listener l;
+	struct mlens_access access;
+	int http_fd;		/* bound at start-up; evhttp owns it once listening */
 	struct evhttp *http;
 };
-
-/* ==== Unix listening sockets ==== */
-
-static int group_gid(const char *group, gid_t *gid)
-{
-	char *end;
-	unsigned long v = strtoul(group, &end, 10);
-	struct group *gr;
-	if (*group && !*end) {
-		*gid = (gid_t)v;
-		return 0;
-	}
-	gr = getgrnam(group);
-	if (!gr)
-		return -ENOENT;
-	*gid = gr->gr_gid;
-	return 0;
-}
-
-bool mlens_group_member(const char *group, uid_t uid, gid_t gid)
-{
-	gid_t g;
-	struct group *gr;
-	struct passwd *pw;
-	if (!group || !*group || group_gid(group, &g))
-		return false;
-	if (gid == g)
-		return true;
-	/* supplementary membership: SO_PEERCRED carries only the primary gid */
-	gr = getgrgid(g);
-	pw = getpwuid(uid);
-	if (!gr || !pw)
-		return false;
-	for (char **m = gr->gr_mem; m && *m; m++)
-		if (!strcmp(*m, pw->pw_name))
-			return true;
-	return false;
-}
-
-int mlens_unix_listen(const char *path, const char *group, const char *what, char *err, size_t errlen)
-{
-	struct sockaddr_un sa;
-	gid_t gid = 0;
-	mode_t old;
-	int fd, rc;
-
-	memset(&sa, 0, sizeof(sa));
-	sa.sun_family = AF_UNIX;
-	if (strlen(path) >= sizeof(sa.sun_path)) {
-		snprintf(err, errlen, "%s %s: the path is longer than %zu bytes", what, path, sizeof(sa.sun_path) - 1);
-		return -ENAMETOOLONG;
-	}
-	strcpy(sa.sun_path, path);
-	if (group && *group && group_gid(group, &gid)) {
-		snprintf(err, errlen, "%s %s: group '%s' does not exist (control_group)", what, path, group);
-		return -ENOENT;
-	}
-	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-	if (fd < 0) {
-		rc = -errno;
-		snprintf(err, errlen, "%s: socket: %s", what, strerror(errno));
-		return rc;
-	}
-	/* a socket file left by a daemon that died: replace it unless someone listens */
-	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
-		close(fd);
-		snprintf(err, errlen, "%s %s: another daemon is listening there", what, path);
-		return -EADDRINUSE;
-	}
-	close(fd);
-	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-	if (fd < 0) {
-		rc = -errno;
-		snprintf(err, errlen, "%s: socket: %s", what, strerror(errno));
-		return rc;
-	}
-	unlink(path);
-	/* created 0600 from the start: no window in which others may connect */
-	old = umask(0177);
-	rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
-	umask(old);
-	if (rc || listen(fd, 64)) {
-		rc = -errno;
-		snprintf(err, errlen, "cannot listen on %s %s: %s", what, path, strerror(errno));
-		close(fd);
-		return rc;
-	}
-	if (group && *group) {
-		if (chown(path, (uid_t)-1, gid) || chmod(path, 0660)) {
-			rc = -errno;
-			snprintf(err, errlen, "%s %s: cannot give it to group %s: %s", what, path, group, strerror(errno));
-			close(fd);
-			unlink(path);
-			return rc;
-		}
-	}
-	return fd;
-}
 
 /* ==== renderings ==== */
 
@@ -195,7 +97,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		/* the workload of the prediction (workload_follow moves it) */
 		json_object_set_new(o, "profile_prompt_len", json_real(ps->w.p));
 		json_object_set_new(o, "profile_gen_len", json_real(ps->w.g));
-		json_object_set_new(o, "binding_resource", json_string(mlens_perf_bind_name(ps->pred.time.bind)));
+		json_object_set_new(o, "binding_resource", json_string(mlens_perf_tier_name(&ps->hw, ps->pred.time.bind)));
 		json_object_set_new(o, "step_seconds_predicted", isfinite(pred) ? json_real(pred) : json_null());
 		json_object_set_new(o, "step_seconds_measured", json_real(st->last_step_seconds));
 	}
@@ -206,23 +108,48 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 	json_object_set_new(o, "bad_entries_total", json_integer((json_int_t)snap->bad_entries_total));
 	json_object_set_new(o, "time_to_first_token_seconds", hist_json(&st->ttft));
 	json_object_set_new(o, "time_per_output_token_seconds", hist_json(&st->tpot));
-	for (int i = 0; i < snap->n_tenants; i++) {
-		const struct mlens_tenant_info *t = &snap->tenants[i];
-		json_array_append_new(ta, json_pack("{s:I,s:I,s:I,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
-			"id", (json_int_t)t->id, "uid", (json_int_t)t->uid, "gid", (json_int_t)t->gid,
-			"pid", (json_int_t)t->pid, "name", t->name,
-			"running", (json_int_t)t->running, "queued", (json_int_t)t->queued,
-			"kv_blocks", (json_int_t)t->kv_blocks,
-			"prompt_tokens", (json_int_t)t->prompt_tokens,
-			"generation_tokens", (json_int_t)t->generated_tokens,
-			"requests_done", (json_int_t)t->requests_done,
-			"requests_failed", (json_int_t)t->requests_failed,
-			"preemptions", (json_int_t)t->preemptions,
-			"bad_entries", (json_int_t)t->bad_entries,
-			"refused", (json_int_t)t->refused));
-	}
+	for (int i = 0; i < snap->n_tenants; i++)
+		mlens_tenant_json_append(ta, &snap->tenants[i]);
 	json_object_set_new(o, "tenant", ta);
 	return o;
+}
+
+json_t *mlens_tenant_json(const struct mlens_tenant_info *t)
+{
+	json_t *o = json_pack("{s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:I,s:I,s:I,s:f}}",
+		"id", (json_int_t)t->id, "uid", (json_int_t)t->uid, "gid", (json_int_t)t->gid,
+		"pid", (json_int_t)t->pid, "running", (json_int_t)t->running,
+		"queued", (json_int_t)t->queued, "kv_blocks", (json_int_t)t->kv_blocks,
+		"prompt_tokens", (json_int_t)t->prompt_tokens, "generation_tokens", (json_int_t)t->generated_tokens,
+		"requests_done", (json_int_t)t->requests_done, "requests_failed", (json_int_t)t->requests_failed,
+		"preemptions", (json_int_t)t->preemptions, "bad_entries", (json_int_t)t->bad_entries,
+		"refused", (json_int_t)t->refused,
+		"quota", "running", (json_int_t)t->quota.max_running, "kv_blocks", (json_int_t)t->quota.max_kv_blocks,
+		"queued", (json_int_t)t->quota.max_queued, "weight", t->quota.weight);
+	json_t *name;
+	if (!o)
+		return NULL;
+	/* names are checked at hello; one that is not UTF-8 still shows, escaped */
+	name = json_string(t->name);
+	if (!name) {
+		char shown[4 * sizeof(t->name)];
+		mlens_name_escape(t->name, shown, sizeof(shown));
+		name = json_string(shown);
+	}
+	if (json_object_set_new(o, "name", name)) {
+		json_decref(o);
+		return NULL;
+	}
+	return o;
+}
+
+int mlens_tenant_json_append(json_t *a, const struct mlens_tenant_info *t)
+{
+	if (json_array_append_new(a, mlens_tenant_json(t))) {
+		log_error("tenant %u left out of a stats reply: out of memory", t->id);
+		return -ENOMEM;
+	}
+	return 0;
 }
 
 static void prom_head(struct evbuffer *b, const char *name, const char *type, const char *help)
@@ -344,7 +271,7 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_binding_resource_info", "gauge",
 			  "The resource the performance model says binds a step (always 1).");
 		evbuffer_add_printf(b, "mlens_binding_resource_info{resource=\"%s\"} 1\n",
-				    mlens_perf_bind_name(ps->pred.time.bind));
+				    mlens_perf_tier_name(&ps->hw, ps->pred.time.bind));
 		prom_head(b, "mlens_step_seconds_predicted", "gauge",
 			  "The performance model's time for a step of the last step's token count.");
 		evbuffer_add_printf(b, "mlens_step_seconds_predicted %.9g\n", isfinite(pred) ? pred : 0.0);
@@ -357,8 +284,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	evbuffer_add_printf(b, "mlens_tenants %d\n", snap->n_tenants);
 	prom_head(b, "mlens_tenant_info", "gauge", "A tenant's process: uid, pid and name (always 1).");
 	for (int i = 0; i < snap->n_tenants; i++) {
-		char name[2 * sizeof(snap->tenants[i].name)];
-		prom_label(name, sizeof(name), snap->tenants[i].name);
+		char shown[4 * sizeof(snap->tenants[i].name)], name[2 * sizeof(shown)];
+		mlens_name_escape(snap->tenants[i].name, shown, sizeof(shown));
+		prom_label(name, sizeof(name), shown);
 		evbuffer_add_printf(b, "mlens_tenant_info{tenant=\"%u\",uid=\"%u\",pid=\"%d\",name=\"%s\"} 1\n",
 				    snap->tenants[i].id, (unsigned)snap->tenants[i].uid, (int)snap->tenants[i].pid, name);
 	}
@@ -372,35 +300,52 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 
 /* ==== the stats socket: one object per connection ==== */
 
-static void on_stats_accept(evutil_socket_t lfd, short what, void *arg)
+/* Send all of text (it fits the socket buffer: a few KiB), then close. */
+static void send_close(int fd, const char *text, size_t len)
 {
+	size_t off = 0;
+	while (off < len) {
+		ssize_t n = send(fd, text + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (n <= 0)
+			break;
+		off += (size_t)n;
+	}
+	close(fd);
+}
+
+static void on_stats_accept(void *arg, int fd, const struct ucred *cr)
+{
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(5, 10.0);
+	static const char denied[] = "{\"ok\":false,\"error\":\"permission denied: only the daemon's user, "
+				     "root or control_group may read the stats socket\"}\n";
 	struct mlens_stats *s = arg;
 	struct mlens_worker_snapshot snap;
 	json_t *o;
 	char *text;
-	int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-	(void)what;
-	if (fd < 0)
+	/* tenants' uids, pids and names are not for everyone, whatever the mode */
+	if (!mlens_access_allowed(&s->access, cr->uid, cr->gid)) {
+		mlens_log_limited(&lim, MLENS_LOG_WARN, "stats: refused uid %u (pid %d): only the daemon's user, "
+				  "root%s%s may read it", (unsigned)cr->uid, (int)cr->pid,
+				  s->access.groups[0] ? " and group " : "", s->access.groups);
+		send_close(fd, denied, sizeof(denied) - 1);
 		return;
+	}
 	mlens_worker_snapshot(s->info->worker, &snap);
 	o = mlens_stats_json(s->info, &snap);
 	free(snap.tenants);
 	text = json_dumps(o, JSON_COMPACT);
 	json_decref(o);
-	if (text) {
-		/* the object is a few KiB at most: it fits the socket buffer, so a
-		 * reader that never reads cannot stall the main thread */
-		size_t len = strlen(text), off = 0;
-		text[len] = '\n';
-		while (off < len + 1) {
-			ssize_t n = send(fd, text + off, len + 1 - off, MSG_NOSIGNAL);
-			if (n <= 0)
-				break;
-			off += (size_t)n;
-		}
-		free(text);
+	if (!text) {
+		log_error("stats: out of memory rendering the stats object");
+		close(fd);
+		return;
 	}
-	close(fd);
+	{
+		size_t len = strlen(text);
+		text[len] = '\n';	/* json_dumps' NUL becomes the line end */
+		send_close(fd, text, len + 1);
+	}
+	free(text);
 }
 
 /* ==== HTTP: /metrics and /health ==== */
@@ -440,6 +385,27 @@ done:
 		evbuffer_free(b);
 	if (u)
 		evhttp_uri_free(u);
+}
+
+static void on_http_retry(evutil_socket_t fd, short what, void *arg)
+{
+	(void)fd;
+	(void)what;
+	evconnlistener_enable(arg);
+}
+
+/* accept failed for a reason retrying at once does not mend (out of
+ * descriptors): pause the listener a moment rather than spin on it */
+static void on_http_accept_error(struct evconnlistener *lev, void *arg)
+{
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(5, 10.0);
+	struct timeval tv = { 0, 250000 };
+	int e = EVUTIL_SOCKET_ERROR();
+	(void)arg;
+	evconnlistener_disable(lev);
+	if (event_base_once(evconnlistener_get_base(lev), -1, EV_TIMEOUT, on_http_retry, lev, &tv))
+		evconnlistener_enable(lev);
+	mlens_log_limited(&lim, MLENS_LOG_WARN, "stats_http: accept: %s (accepting pauses)", strerror(e));
 }
 
 /* "127.0.0.1:PORT", "localhost:PORT", "[::1]:PORT": host and port, or an
@@ -492,41 +458,101 @@ int mlens_stats_check_config(const struct mlens_config *c, char *err, size_t err
 	if (c->stats_http && c->stats_http[0] &&
 	    parse_http_addr(c->stats_http, host, sizeof(host), &port, err, errlen))
 		return -EINVAL;
-	if (c->control_group && c->control_group[0] && group_gid(c->control_group, &gid)) {
+	if (c->control_group && c->control_group[0] && mlens_group_gid(c->control_group, &gid)) {
 		snprintf(err, errlen, "control_group '%s': no such group", c->control_group);
 		return -EINVAL;
 	}
 	return 0;
 }
 
-int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
-		      struct mlens_daemon_info *info, char *err, size_t errlen)
+/* The HTTP listener's socket, bound (a port in use is refused before the
+ * model loads), not listening yet. The fd or -errno with err set. */
+static int http_bind(const char *spec, char *err, size_t errlen)
+{
+	char host[48];
+	unsigned port;
+	union {
+		struct sockaddr_in v4;
+		struct sockaddr_in6 v6;
+	} sa;
+	socklen_t sl;
+	int fd, one = 1, rc = parse_http_addr(spec, host, sizeof(host), &port, err, errlen);
+	if (rc)
+		return rc;
+	memset(&sa, 0, sizeof(sa));
+	if (strchr(host, ':')) {
+		sa.v6.sin6_family = AF_INET6;
+		sa.v6.sin6_port = htons((uint16_t)port);
+		inet_pton(AF_INET6, host, &sa.v6.sin6_addr);
+		sl = sizeof(sa.v6);
+	} else {
+		sa.v4.sin_family = AF_INET;
+		sa.v4.sin_port = htons((uint16_t)port);
+		inet_pton(AF_INET, host, &sa.v4.sin_addr);
+		sl = sizeof(sa.v4);
+	}
+	fd = socket(strchr(host, ':') ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0) {
+		rc = -errno;
+		snprintf(err, errlen, "stats_http %s: socket: %s", spec, strerror(-rc));
+		return rc;
+	}
+	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	if (bind(fd, (struct sockaddr *)&sa, sl)) {
+		rc = -errno;
+		snprintf(err, errlen, "stats_http %s: cannot listen there (%s)%s", spec, strerror(-rc),
+			 rc == -EADDRINUSE ? "; the port is taken: give another" : "");
+		close(fd);
+		return rc;
+	}
+	return fd;
+}
+
+int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *c, char *err, size_t errlen)
 {
 	struct mlens_stats *s = calloc(1, sizeof(*s));
-	const struct mlens_config *c = info->cfg;
 	int rc;
 	if (!s) {
 		snprintf(err, errlen, "stats: out of memory");
 		return -ENOMEM;
 	}
-	s->info = info;
-	s->base = base;
-	s->lfd = -1;
+	mlens_listener_init(&s->l);
+	s->http_fd = -1;
 	if (c->stats && c->stats[0]) {
-		s->lfd = mlens_unix_listen(c->stats, c->control_group, "stats socket", err, errlen);
-		if (s->lfd < 0) {
-			rc = s->lfd;
+		rc = mlens_listener_bind(&s->l, c->stats, SOCK_STREAM, 0600, c->control_group, "stats socket",
+					 err, errlen);
+		if (rc)
 			goto fail;
-		}
-		s->path = strdup(c->stats);
-		s->lev = event_new(base, s->lfd, EV_READ | EV_PERSIST, on_stats_accept, s);
-		if (!s->path || !s->lev || event_add(s->lev, NULL)) {
-			snprintf(err, errlen, "stats socket: out of memory");
-			rc = -ENOMEM;
+	}
+	if (c->stats_http && c->stats_http[0]) {
+		s->http_fd = http_bind(c->stats_http, err, errlen);
+		if (s->http_fd < 0) {
+			rc = s->http_fd;
 			goto fail;
 		}
 	}
-	if (c->stats_http && c->stats_http[0]) {
+	*out = s;
+	return 0;
+fail:
+	mlens_stats_destroy(s);
+	return rc;
+}
+
+int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mlens_daemon_info *info,
+		      char *err, size_t errlen)
+{
+	const struct mlens_config *c = info->cfg;
+	int rc;
+	s->info = info;
+	s->base = base;
+	s->access.users = "";
+	s->access.groups = c->control_group ? c->control_group : "";
+	if (s->l.fd >= 0) {
+		rc = mlens_listener_start(&s->l, base, on_stats_accept, s, err, errlen);
+		if (rc)
+			return rc;
+	}
+	if (s->http_fd >= 0) {
 		char host[48];
 		unsigned port;
 		struct evhttp_bound_socket *bs;
@@ -534,12 +560,16 @@ int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
 		socklen_t sl = sizeof(ss);
 		rc = parse_http_addr(c->stats_http, host, sizeof(host), &port, err, errlen);
 		if (rc)
-			goto fail;
+			return rc;
+		if (listen(s->http_fd, 128)) {
+			rc = -errno;
+			snprintf(err, errlen, "stats_http %s: listen: %s", c->stats_http, strerror(-rc));
+			return rc;
+		}
 		s->http = evhttp_new(base);
 		if (!s->http) {
 			snprintf(err, errlen, "stats_http: out of memory");
-			rc = -ENOMEM;
-			goto fail;
+			return -ENOMEM;
 		}
 		/* a request that stalls half-written is dropped after this */
 		evhttp_set_timeout(s->http, 5);
@@ -547,13 +577,13 @@ int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
 		evhttp_set_max_body_size(s->http, 0);
 		evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_HEAD);
 		evhttp_set_gencb(s->http, on_http, s);
-		bs = evhttp_bind_socket_with_handle(s->http, host, (uint16_t)port);
+		bs = evhttp_accept_socket_with_handle(s->http, s->http_fd);
 		if (!bs) {
-			snprintf(err, errlen, "stats_http %s: cannot listen there (%s); is the port taken?",
-				 c->stats_http, strerror(errno));
-			rc = -EADDRINUSE;
-			goto fail;
+			snprintf(err, errlen, "stats_http %s: out of memory", c->stats_http);
+			return -ENOMEM;
 		}
+		s->http_fd = -1;	/* evhttp closes it */
+		evconnlistener_set_error_cb(evhttp_bound_socket_get_listener(bs), on_http_accept_error);
 		if (!getsockname(evhttp_bound_socket_get_fd(bs), (struct sockaddr *)&ss, &sl)) {
 			if (ss.ss_family == AF_INET6)
 				snprintf(info->stats_http_addr, sizeof(info->stats_http_addr), "[::1]:%u",
@@ -564,11 +594,7 @@ int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
 		}
 		log_info("stats: Prometheus text at http://%s/metrics", info->stats_http_addr);
 	}
-	*out = s;
 	return 0;
-fail:
-	mlens_stats_destroy(s);
-	return rc;
 }
 
 void mlens_stats_destroy(struct mlens_stats *s)
@@ -577,13 +603,8 @@ void mlens_stats_destroy(struct mlens_stats *s)
 		return;
 	if (s->http)
 		evhttp_free(s->http);
-	if (s->lev)
-		event_free(s->lev);
-	if (s->lfd >= 0) {
-		close(s->lfd);
-		if (s->path)
-			unlink(s->path);
-	}
-	free(s->path);
+	if (s->http_fd >= 0)
+		close(s->http_fd);
+	mlens_listener_close(&s->l);
 	free(s);
 }

@@ -36,11 +36,16 @@ struct mlens_daemon_info {
 
 struct mlens_stats;
 
-/* Listen on o->cfg->stats (a Unix socket; "" = none) and o->cfg->stats_http
- * ("127.0.0.1:PORT"; "" = none; port 0 picks a free one, written back to
- * info->stats_http_addr). Refuses addresses other than loopback. */
-int mlens_stats_start(struct mlens_stats **out, struct event_base *base,
-		      struct mlens_daemon_info *info, char *err, size_t errlen);
+/* Bind the stats socket at cfg->stats ("" = none) and the HTTP listener's
+ * port (cfg->stats_http) before the model loads: a bad path or a port in
+ * use is refused at once. 0 or -errno with err set. */
+int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *cfg, char *err, size_t errlen);
+/* Serve the stats socket (to the daemon's user, root and control_group)
+ * and cfg->stats_http ("127.0.0.1:PORT"; "" = none; port 0 picks a free
+ * one, written back to info->stats_http_addr). Refuses addresses other
+ * than loopback. */
+int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mlens_daemon_info *info,
+		      char *err, size_t errlen);
 /* Check stats_http (loopback only) and control_group (exists) before the
  * model loads, so that a typo costs no loading time. 0 or -EINVAL. */
 int mlens_stats_check_config(const struct mlens_config *c, char *err, size_t errlen);
@@ -55,11 +60,10 @@ struct evbuffer;
 void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap,
 			    struct evbuffer *buf);
 
-/* A listening AF_UNIX stream socket at path, created mode 0600, or 0660
- * owned by group when group is non-empty; a stale socket file is replaced,
- * a live one refused. Returns the fd or -errno with err set. */
-int mlens_unix_listen(const char *path, const char *group, const char *what, char *err, size_t errlen);
-/* Is gid, or the user uid, a member of group (name or number)? */
-bool mlens_group_member(const char *group, uid_t uid, gid_t gid);
+/* One tenant as JSON (stats and mlensctl tenants); NULL when out of memory. */
+json_t *mlens_tenant_json(const struct mlens_tenant_info *t);
+/* Append it to array a; a tenant that cannot be is logged, not skipped
+ * silently. 0 or -ENOMEM. */
+int mlens_tenant_json_append(json_t *a, const struct mlens_tenant_info *t);
 
 #endif

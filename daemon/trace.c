@@ -1,7 +1,8 @@
 /* Step traces: the span buffer (grown by doubling up to its cap), the
- * track table, and the Chrome trace-event JSON writer (jansson). The file
+ * track table, and the Chrome trace-event JSON writer (jansson). A file
  * is created when armed, so that a bad path fails at once, and filled
- * when the last armed step ends. Also the step timer: busy time per queue
+ * when the last armed step ends; without one the JSON goes to the done
+ * function. Also the step timer: busy time per queue
  * from a backend's timing marks. */
 #include <errno.h>
 #include <fcntl.h>
@@ -71,7 +72,8 @@ static void reset(struct mlens_trace *tr)
 	tr->done_arg = NULL;
 }
 
-static void finish(struct mlens_trace *tr, int rc, const char *why)
+/* trace: the JSON of a trace armed without a file (given to done). */
+static void finish(struct mlens_trace *tr, int rc, const char *why, json_t *trace)
 {
 	struct mlens_trace_result res;
 	mlens_trace_done_fn done = tr->done;
@@ -82,12 +84,15 @@ static void finish(struct mlens_trace *tr, int rc, const char *why)
 	res.steps = (uint32_t)tr->steps_done;
 	res.spans = rc ? 0 : tr->n_spans + (uint64_t)tr->steps_done;
 	res.dropped = tr->dropped;
+	res.trace = trace;
 	snprintf(res.err, sizeof(res.err), "%s", why ? why : "");
-	if (rc)
+	if (rc && tr->path[0])
 		unlink(tr->path);
 	reset(tr);
 	if (done)
 		done(arg, &res);
+	else
+		json_decref(trace);
 }
 
 void mlens_trace_destroy(struct mlens_trace *tr)
@@ -106,15 +111,20 @@ int mlens_trace_arm(struct mlens_trace *tr, int steps, const char *path, mlens_t
 	if (!tr)
 		return -EINVAL;
 	if (tr->armed) {
-		snprintf(err, errlen, "a trace of %d steps to %s is being recorded; wait for it", tr->steps_want,
-			 tr->path);
+		snprintf(err, errlen, "a trace of %d steps%s%s is being recorded; wait for it", tr->steps_want,
+			 tr->path[0] ? " to " : "", tr->path);
 		return -EBUSY;
 	}
 	if (steps < 1 || steps > MLENS_TRACE_MAX_STEPS) {
 		snprintf(err, errlen, "steps must be in [1, %d]", MLENS_TRACE_MAX_STEPS);
 		return -EINVAL;
 	}
-	if (!path || path[0] != '/' || strlen(path) >= sizeof(tr->path)) {
+	if (!path) {
+		reset(tr);
+		tr->path[0] = 0;
+		goto armed;
+	}
+	if (path[0] != '/' || strlen(path) >= sizeof(tr->path)) {
 		snprintf(err, errlen, "the trace file must be an absolute path (the daemon writes it, from its own "
 			 "working directory)");
 		return -EINVAL;
@@ -131,6 +141,7 @@ int mlens_trace_arm(struct mlens_trace *tr, int steps, const char *path, mlens_t
 	reset(tr);
 	tr->fd = fd;
 	snprintf(tr->path, sizeof(tr->path), "%s", path);
+armed:
 	tr->armed = true;
 	tr->steps_want = steps;
 	tr->done = done;
@@ -141,7 +152,7 @@ int mlens_trace_arm(struct mlens_trace *tr, int steps, const char *path, mlens_t
 void mlens_trace_cancel(struct mlens_trace *tr)
 {
 	if (tr && tr->armed)
-		finish(tr, -ECANCELED, "the trace was cancelled before its steps ran");
+		finish(tr, -ECANCELED, "the trace was cancelled before its steps ran", NULL);
 }
 
 bool mlens_trace_armed(const struct mlens_trace *tr)
@@ -316,8 +327,16 @@ int mlens_trace_step_end(struct mlens_trace *tr, double t, int tokens, int seqs)
 	tr->in_step = false;
 	if (tr->steps_done < tr->steps_want)
 		return 0;
+	if (tr->fd < 0) {
+		json_t *root = trace_json(tr);
+		rc = root ? 0 : -ENOMEM;
+		if (!root)
+			snprintf(why, sizeof(why), "out of memory building the trace of %u spans", tr->n_spans);
+		finish(tr, rc, why, root);
+		return rc ? rc : 1;
+	}
 	rc = write_file(tr, why, sizeof(why));
-	finish(tr, rc, why);
+	finish(tr, rc, why, NULL);
 	return rc ? rc : 1;
 }
 

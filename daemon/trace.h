@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <jansson.h>
 #include "kernels/backend.h"
 
 struct mlens_trace;
@@ -24,7 +25,8 @@ struct mlens_trace;
 /* What a finished (or cancelled) trace did. */
 struct mlens_trace_result {
 	int rc;			/* 0, or -errno: the file could not be written, or -ECANCELED */
-	char path[4096];
+	char path[4096];	/* "" when armed without a file */
+	json_t *trace;		/* armed without a file: the trace; the done function owns it */
 	uint32_t steps;		/* steps recorded */
 	uint64_t spans;		/* spans written (step spans included) */
 	uint64_t dropped;	/* spans refused past max_spans */
@@ -43,8 +45,10 @@ void mlens_trace_destroy(struct mlens_trace *tr);
 /* Record the next steps steps (1..MLENS_TRACE_MAX_STEPS) and write them to
  * path, an absolute path of a file that must not exist yet: it is created
  * now (mode 0644), so that a bad path is refused here, with err saying
- * why. -EBUSY while armed, -EINVAL bad steps or a relative path, else the
- * -errno of creating the file. done (may be NULL) runs when finished. */
+ * why. With path NULL nothing is written: the done function gets the
+ * trace as JSON (res->trace), to send it on. -EBUSY while armed, -EINVAL
+ * bad steps or a relative path, else the -errno of creating the file.
+ * done (may be NULL) runs when finished. */
 int mlens_trace_arm(struct mlens_trace *tr, int steps, const char *path, mlens_trace_done_fn done,
 		    void *arg, char *err, size_t errlen);
 /* Stop an armed trace without writing it: the file is removed and done

@@ -215,6 +215,22 @@ static void remove_tenant(struct mlens_worker *w, uint32_t id, int status, bool 
 
 static void publish(struct mlens_worker *w);
 
+/* Evict the tenants that broke a ring index: their requests fail, their
+ * KV is freed, and their connection is hung up (the main thread then sees
+ * the hang-up and detaches them). */
+static void cut_off_broken(struct mlens_worker *w)
+{
+	for (struct mlens_tenant *t = w->tenants; t; t = t->next) {
+		if (!t->broken || t->cut_off)
+			continue;
+		t->cut_off = true;
+		log_warn("tenant %u (pid %d): %s corrupt (an index out of range): evicted", t->id,
+			 (int)t->pid, t->broken_why);
+		remove_tenant(w, t->id, -EPROTO, false);
+		mlens_tenant_hang_up(t);
+	}
+}
+
 static void run_cmd(struct mlens_worker *w, struct cmd *c)
 {
 	struct mlens_tenant *t;
@@ -235,7 +251,7 @@ static void run_cmd(struct mlens_worker *w, struct cmd *c)
 	case CMD_QUOTA:
 		t = find(w, c->id, NULL);
 		if (t)
-			t->st.quota = c->q;
+			mlens_sched_set_quota(w->s, &t->st, &c->q);
 		else
 			c->rc = -ENOENT;
 		break;
@@ -347,7 +363,9 @@ static void *worker_main(void *arg)
 			break;
 		for (struct mlens_tenant *t = w->tenants; t; t = t->next)
 			mlens_tenant_intake(t, w->s, 256);
+		cut_off_broken(w);
 		stepped = mlens_sched_step(w->s);
+		cut_off_broken(w);
 		{
 			struct mlens_sched_stats st;
 			mlens_sched_get_stats(w->s, &st);

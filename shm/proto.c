@@ -144,8 +144,10 @@ int mlens_cmpl_validate(const struct mlens_cmpl *c, char *why, size_t why_len)
 			      c->status, (unsigned)c->finish);
 	if ((c->flags & MLENS_CMPL_LOGPROB) && !(c->flags & MLENS_CMPL_TOKEN))
 		return reject(-EPROTO, why, why_len, "completion has a logprob but no token");
-	if (c->reserved0 || c->reserved1)
-		return reject(-EPROTO, why, why_len, "completion reserved bytes not zero");
+	if (c->detail > MLENS_DETAIL_MAX ||
+	    (c->detail && c->finish != MLENS_FINISH_ERROR) || (!c->detail && (c->need || c->have)))
+		return reject(-EPROTO, why, why_len, "completion detail %u (need %u, have %u) with finish %u",
+			      (unsigned)c->detail, c->need, c->have, (unsigned)c->finish);
 	return 0;
 }
 

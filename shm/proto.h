@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MLENS_PROTO_VERSION 2u
+#define MLENS_PROTO_VERSION 2u	/* 2: error completions carry a detail; limits carry what a tenant may keep in flight; requests may ignore EOS */
 
 /* ==== Limits ==== */
 
@@ -90,6 +90,21 @@ enum mlens_finish {
 	MLENS_FINISH_CANCELLED = 4,	/* a CANCEL arrived, or the daemon drained */
 };
 
+/* Which limit a failed request ran into, when the status alone does not
+ * say (-E2BIG and -EDQUOT have several causes): an error completion's
+ * detail, with the numbers in need and have. */
+enum mlens_cmpl_detail {
+	MLENS_DETAIL_NONE = 0,
+	MLENS_DETAIL_KV_POOL = 1,	/* need: KV blocks for prompt + max_tokens;
+					 * have: the daemon's KV pool, blocks */
+	MLENS_DETAIL_KV_QUOTA = 2,	/* need: as above; have: the tenant's kv_blocks quota */
+	MLENS_DETAIL_STEP_CAP = 3,	/* need: prompt tokens; have: tokens a step takes */
+	MLENS_DETAIL_CONTEXT = 4,	/* need: prompt tokens; have: the model's positions */
+	MLENS_DETAIL_QUEUED = 5,	/* need: requests queued with it; have: the tenant's
+					 * queued quota */
+	MLENS_DETAIL_MAX = 5,
+};
+
 /* One event of a request, 32 bytes: normally one generated token. */
 struct mlens_cmpl {
 	uint64_t id;		/* the request's id */
@@ -98,14 +113,15 @@ struct mlens_cmpl {
 				 * finish is CANCELLED */
 	uint16_t flags;		/* MLENS_CMPL_* */
 	uint8_t finish;		/* enum mlens_finish; NONE unless LAST */
-	uint8_t reserved0;	/* zero */
+	uint8_t detail;		/* enum mlens_cmpl_detail; NONE unless finish is ERROR */
 	float logprob;		/* when MLENS_CMPL_LOGPROB */
-	uint64_t reserved1;	/* zero */
+	uint32_t need, have;	/* the detail's numbers; zero without one */
 };
 _Static_assert(sizeof(struct mlens_cmpl) == 32, "completion entry is 32 bytes");
 _Static_assert(offsetof(struct mlens_cmpl, status) == 12, "cmpl layout");
 _Static_assert(offsetof(struct mlens_cmpl, flags) == 16, "cmpl layout");
 _Static_assert(offsetof(struct mlens_cmpl, logprob) == 20, "cmpl layout");
+_Static_assert(offsetof(struct mlens_cmpl, need) == 24, "cmpl layout");
 
 /* ==== Validation ====
  *
@@ -136,8 +152,8 @@ int mlens_prompt_validate(const int32_t *tokens, uint32_t n,
  * trusts the daemon, but a mismatched or broken one should give an error,
  * not a misread stream): known flags, finish in range and set exactly when
  * LAST, status negative with finish ERROR, 0 or -ECANCELED with CANCELLED,
- * else 0; logprob only with a token, reserved zero. 0 or -EPROTO with a
- * reason. */
+ * else 0; logprob only with a token; a detail (known) only with finish
+ * ERROR, need and have zero without one. 0 or -EPROTO with a reason. */
 int mlens_cmpl_validate(const struct mlens_cmpl *c, char *why, size_t why_len);
 
 /* The limits a daemon may configure: every count at least 1, the prompt

@@ -8,9 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/gpu_plan.h"
+#include "tests/check_common.h"
 #include "tests/testmodel.h"
-
-#define GIB (1ull << 30)
 
 START_TEST(plan_parts)
 {
@@ -127,8 +126,6 @@ int main(void)
 {
 	Suite *s = suite_create("gpu_plan");
 	TCase *tc = tcase_create("plan");
-	SRunner *sr;
-	int failed;
 	tcase_add_test(tc, plan_parts);
 	tcase_add_test(tc, plan_small_context_small_scratch);
 	tcase_add_test(tc, plan_exact_gemm);
@@ -136,9 +133,5 @@ int main(void)
 	tcase_add_test(tc, plan_refuses);
 	tcase_add_test(tc, plan_cpu_backend);
 	suite_add_tcase(s, tc);
-	sr = srunner_create(s);
-	srunner_run_all(sr, CK_NORMAL);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+	return mlens_check_run(s);
 }

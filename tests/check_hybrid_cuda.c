@@ -62,7 +62,7 @@ static const bool att_half[N_CASES] = { true, false, true, true, true };
  * the plan holds one more group's activations (the budget checks below);
  * with the default group a step of this test is one group a layer, so
  * GA has nothing to run ahead into (check_hybrid_cuda_groups below and
- * tests/check_hybrid.c run it ahead) */
+ * tests/check_pipeline.c run it ahead) */
 static const int sets_tc[N_CASES] = { 0, 0, 0, 3, 3 };
 static const int64_t group_tc[N_CASES] = { 0, 0, 0, 0, 0 };
 /* GA's copies down on queue 2 with C's output up on the compute queue

@@ -592,6 +592,25 @@ START_TEST(file_missing_shard)
 }
 END_TEST
 
+/* A FIFO (or any file that is not regular) in place of a model file is
+ * refused at once, naming it; opening it for reading used to wait for a
+ * writer for ever. */
+START_TEST(file_fifo)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+
+	make(&o);
+	ck_assert_int_eq(unlink(sub("m/model.safetensors")), 0);
+	ck_assert_int_eq(mkfifo(sub("m/model.safetensors"), 0600), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: not a regular file (a FIFO)");
+	ck_assert_int_eq(unlink(sub("m/config.json")), 0);
+	ck_assert_int_eq(mkfifo(sub("m/config.json"), 0600), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/config.json: not a regular file (a FIFO)");
+}
+END_TEST
+
 START_TEST(file_index_disagrees)
 {
 	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 2);
@@ -830,6 +849,7 @@ static const struct {
 	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_key_value_heads\": 8, \"num_local_experts\": 2, \"num_experts_per_tok\": 1}", "'num_key_value_heads' is 8; mlens accepts 1 to 4" },
 	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 300, \"num_experts_per_tok\": 1}", "'num_local_experts' is 300; mlens accepts 1 to 256" },
 	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 5}", "'num_experts_per_tok' is 5; mlens accepts 1 to 4" },
+	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 1, \"max_position_embeddings\": 1}", "'max_position_embeddings' is 1; mlens accepts 2 to" },
 	{ "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 10, \"hidden_size\": 9, \"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 1}", "head_dim is absent and hidden_size 9 is not a multiple of num_attention_heads 4" },
 };
 
@@ -901,6 +921,7 @@ static Suite *model_suite(void)
 	tcase_add_test(bad, file_missing_and_extra_tensor);
 	tcase_add_test(bad, file_missing_shard);
 	tcase_add_test(bad, file_index_disagrees);
+	tcase_add_test(bad, file_fifo);
 	tcase_add_test(bad, file_no_weights);
 	tcase_add_test(bad, file_config_errors);
 	tcase_add_test(bad, config_refusals);

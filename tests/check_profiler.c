@@ -409,11 +409,30 @@ START_TEST(state_sets_cap)
 		json_decref(j);
 	}
 
-	/* room for more than the engine runs: the engine's maximum */
+	/* room for more than the engine runs: on this backend (host memory,
+	 * no bus) the engine's largest step is n_real, and says so; its
+	 * compute tier is the CPU, and there are no link tiers */
 	state_setup(&st, m, &be, 1ull << 30, 0);
 	ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
-	ck_assert(st.pred.n_real > 1024);
+	ck_assert(st.hw.host_compute);
+	ck_assert_double_eq(st.pred.n_real, 1024);
+	ck_assert_int_eq(st.pred.n_real_by, MLENS_PERF_LIMIT_STEP);
 	ck_assert_int_eq(mlens_sched_token_cap(s), 1024);
+	{
+		json_t *j = mlens_profile_state_json(&st), *ls = json_object_get(j, "layer_seconds");
+		const char *bind = json_string_value(json_object_get(j, "binding"));
+		ck_assert_str_eq(json_string_value(json_object_get(j, "n_real_bound")), "largest-step");
+		ck_assert_str_eq(json_string_value(json_object_get(j, "token_cap_source")), "n_real");
+		ck_assert(json_is_true(json_object_get(j, "host_compute")));
+		ck_assert_msg(!strstr(bind, "gpu") && !strstr(bind, "pcie"), "binding %s", bind);
+		ck_assert_ptr_nonnull(json_object_get(ls, bind));
+		ck_assert_ptr_nonnull(json_object_get(ls, "cpu"));
+		ck_assert_ptr_nonnull(json_object_get(ls, "cpu-chain"));
+		ck_assert_ptr_null(json_object_get(ls, "gpu"));
+		ck_assert_ptr_null(json_object_get(ls, "pcie-h2d"));
+		ck_assert_ptr_null(json_object_get(ls, "pcie-d2h"));
+		json_decref(j);
+	}
 
 	/* pinned: measured and predicted, the cap left alone */
 	mlens_sched_set_token_cap(s, 77);

@@ -674,6 +674,44 @@ START_TEST(fair_share_by_weight)
 }
 END_TEST
 
+/* A tenant that starts waiting late (attached, or reconnected, after a has
+ * run a while) starts its fair-share clock where a's stands, not at 0: of
+ * the next 16 admissions (two prefills of 8 a step) each gets about half.
+ * From 0 it took all 16 while its clock caught up with a's 240. */
+START_TEST(late_tenant_shares_at_once)
+{
+	struct fx f;
+	struct tenant a, b;
+	int32_t p[8];
+	uint64_t a0;
+	fx_open(&f, 512, 16);
+	tenant_init(&a, q_default());
+	prompt(p, 8, 1);
+	for (int i = 0; i < 30; i++) {
+		struct mlens_request_params rp = params((uint64_t)i, p, 8, 1);
+		submit_ok(&f, &a, &rp);
+	}
+	run_until_idle(&f, 100);
+	ck_assert_uint_eq(a.st.requests_done, 30);
+	a0 = a.st.requests_done;
+	tenant_init(&b, q_default());
+	for (int i = 0; i < 20; i++) {
+		struct mlens_request_params rp = params(100 + (uint64_t)i, p, 8, 1);
+		submit_ok(&f, &a, &rp);
+		submit_ok(&f, &b, &rp);
+	}
+	for (int i = 0; i < 8; i++)
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	ck_assert_uint_eq(a.st.requests_done - a0 + b.st.requests_done, 16);
+	ck_assert_msg(a.st.requests_done - a0 >= 7 && b.st.requests_done >= 7,
+		      "of 16 admissions the old tenant got %llu, the new one %llu",
+		      (unsigned long long)(a.st.requests_done - a0), (unsigned long long)b.st.requests_done);
+	run_until_idle(&f, 100);
+	ck_assert_uint_eq(b.st.requests_done, 20);
+	fx_close(&f);
+}
+END_TEST
+
 /* Equal fair-share clocks go by queue order across tenants: b's request
  * came first, then a's, then b's, then a's; one 8-token prompt fits a
  * step. Admission asks each tenant for its first request, so a tie broken
@@ -834,6 +872,50 @@ START_TEST(kv_quota_holds_back_only_its_tenant)
 }
 END_TEST
 
+/* A KV quota lowered below what waiting requests need by their end fails
+ * them at the next step, with the quota's numbers, instead of leaving them
+ * waiting for ever (their 12-token prompts alone hold 3 blocks of 4
+ * tokens: they could never be admitted); the running one goes on to its
+ * end. 12 + 2 tokens need 4 blocks, the quota is lowered to 2. */
+START_TEST(lowered_kv_quota_fails_waiting)
+{
+	struct fx f;
+	struct tenant a;
+	struct mlens_quota q = q_default();
+	int32_t p[12];
+	int errors = 0;
+	q.max_running = 1;
+	fx_open(&f, 512, 0);
+	tenant_init(&a, q);
+	prompt(p, 12, 1);
+	for (int i = 0; i < 3; i++) {
+		struct mlens_request_params rp = params((uint64_t)i, p, 12, 2);
+		submit_ok(&f, &a, &rp);
+	}
+	ck_assert_int_eq(mlens_sched_step(f.s), 1);
+	ck_assert_uint_eq(a.st.running, 1);
+	ck_assert_uint_eq(a.st.queued, 2);
+	q.max_kv_blocks = 2;
+	mlens_sched_set_quota(f.s, &a.st, &q);
+	run_until_idle(&f, 50);
+	ck_assert(mlens_sched_idle(f.s));
+	ck_assert_uint_eq(a.st.requests_done, 1);
+	ck_assert_uint_eq(a.st.requests_failed, 2);
+	for (int i = 0; i < a.n_ev; i++) {
+		const struct mlens_event *ev = &a.ev[i];
+		if (ev->finish != MLENS_FINISH_ERROR)
+			continue;
+		errors++;
+		ck_assert_int_eq(ev->status, -EDQUOT);
+		ck_assert_int_eq(ev->detail.what, MLENS_DETAIL_KV_QUOTA);
+		ck_assert_uint_eq(ev->detail.need, 4);
+		ck_assert_uint_eq(ev->detail.have, 2);
+	}
+	ck_assert_int_eq(errors, 2);
+	fx_close(&f);
+}
+END_TEST
+
 /* A command the main thread waits for (mlensctl quota, drain, resume) is
  * seen in the worker's snapshot as soon as the call returns: a control
  * request that sets and one that reads right after must agree. The snapshot
@@ -926,9 +1008,11 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, running_quota);
 	tcase_add_test(tc, fair_share_by_weight);
 	tcase_add_test(tc, equal_clocks_go_by_queue_order);
+	tcase_add_test(tc, late_tenant_shares_at_once);
 	tcase_add_test(tc, live_ids);
 	tcase_add_test(tc, eviction_while_a_token_waits);
 	tcase_add_test(tc, kv_quota_holds_back_only_its_tenant);
+	tcase_add_test(tc, lowered_kv_quota_fails_waiting);
 	tcase_add_test(tc, worker_snapshot_after_command);
 	suite_add_tcase(s, tc);
 	return s;

@@ -1407,6 +1407,8 @@ START_TEST(test_cmpl_validate)
 		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED },
 		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_CANCELLED,
 		  .status = -ECANCELED },
+		{ .id = 1, .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR, .status = -E2BIG,
+		  .detail = MLENS_DETAIL_KV_POOL, .need = 251, .have = 128 },
 	};
 	const struct { struct mlens_cmpl c; const char *why; } bad[] = {
 		{ { .flags = 0x10 }, "unknown bits" },
@@ -1420,8 +1422,10 @@ START_TEST(test_cmpl_validate)
 		  "status -5" },
 		{ { .flags = MLENS_CMPL_TOKEN, .status = -ECANCELED }, "status" },
 		{ { .flags = MLENS_CMPL_LOGPROB }, "logprob but no token" },
-		{ { .flags = MLENS_CMPL_TOKEN, .reserved0 = 1 }, "reserved" },
-		{ { .flags = MLENS_CMPL_TOKEN, .reserved1 = 1 }, "reserved" },
+		{ { .flags = MLENS_CMPL_TOKEN, .detail = 1 }, "detail 1" },
+		{ { .flags = MLENS_CMPL_TOKEN, .need = 1 }, "detail 0 (need 1" },
+		{ { .flags = MLENS_CMPL_LAST, .finish = MLENS_FINISH_ERROR, .status = -E2BIG,
+		    .detail = MLENS_DETAIL_MAX + 1 }, "detail" },
 	};
 	char why[128];
 

@@ -3,7 +3,8 @@
  * them with their tracks, microsecond times and step events; spans outside
  * an armed step are ignored; the span cap drops and reports; bad spans,
  * relative, missing and existing paths are refused with a clear message;
- * cancel removes the file. The CPU backend's timing marks are the host
+ * cancel removes the file; armed without a file, the JSON goes to the
+ * done function. The CPU backend's timing marks are the host
  * clock, and unknown marks are refused; the step timer's busy time is the
  * union of each queue's spans, which go to the trace. The hybrid pipeline's busy
  * times and KV bytes reach the stats JSON and /metrics. */
@@ -555,6 +556,45 @@ START_TEST(pipeline_stats_exposed)
 }
 END_TEST
 
+/* Armed without a file: nothing is written, done gets the JSON; a
+ * cancel gives none. */
+START_TEST(trace_to_caller)
+{
+	struct mlens_trace *tr;
+	struct done_rec d = { 0 };
+	char err[256];
+	json_t *ev;
+	ck_assert_int_eq(mlens_trace_create(&tr, 0), 0);
+	ck_assert_int_eq(mlens_trace_arm(tr, 1, NULL, on_done, &d, err, sizeof(err)), 0);
+	ck_assert_int_eq(mlens_trace_arm(tr, 1, NULL, NULL, NULL, err, sizeof(err)), -EBUSY);
+	ck_assert_ptr_nonnull(strstr(err, "a trace of 1 steps is being recorded"));
+	mlens_trace_step_begin(tr, 5.0);
+	ck_assert_int_eq(mlens_trace_span(tr, "cpu", "layer 0", 5.001, 5.002), 0);
+	ck_assert_int_eq(mlens_trace_step_end(tr, 5.003, 7, 1), 1);
+	ck_assert_int_eq(d.calls, 1);
+	ck_assert_int_eq(d.res.rc, 0);
+	ck_assert_str_eq(d.res.path, "");
+	ck_assert_int_eq(d.res.spans, 2);
+	ck_assert_ptr_nonnull(d.res.trace);
+	ev = json_object_get(d.res.trace, "traceEvents");
+	ck_assert_int_eq(count_ph(ev, "X"), 2);
+	ck_assert_ptr_nonnull(find_event(ev, "cpu", "layer 0"));
+	ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(d.res.trace, "otherData"), "steps")), 1);
+	json_decref(d.res.trace);
+
+	ck_assert_int_eq(mlens_trace_arm(tr, 2, NULL, on_done, &d, err, sizeof(err)), 0);
+	mlens_trace_cancel(tr);
+	ck_assert_int_eq(d.calls, 2);
+	ck_assert_int_eq(d.res.rc, -ECANCELED);
+	ck_assert_ptr_null(d.res.trace);
+	/* no done function: the trace is freed (ASan/valgrind see a leak otherwise) */
+	ck_assert_int_eq(mlens_trace_arm(tr, 1, NULL, NULL, NULL, err, sizeof(err)), 0);
+	mlens_trace_step_begin(tr, 6.0);
+	ck_assert_int_eq(mlens_trace_step_end(tr, 6.1, 1, 1), 1);
+	mlens_trace_destroy(tr);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("trace");
@@ -563,6 +603,7 @@ int main(void)
 	int failed;
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, spans_to_json);
+	tcase_add_test(tc, trace_to_caller);
 	tcase_add_test(tc, cap_drops);
 	tcase_add_test(tc, bad_paths);
 	tcase_add_test(tc, cpu_timer_marks);

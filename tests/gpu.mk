@@ -14,7 +14,7 @@ endif
 if HAVE_CHECK
 check_PROGRAMS += tests/check_gpu_plan
 TESTS += tests/check_gpu_plan
-tests_check_gpu_plan_SOURCES = tests/check_gpu_plan.c
+tests_check_gpu_plan_SOURCES = tests/check_gpu_plan.c tests/check_common.h
 tests_check_gpu_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_gpu_plan_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif

@@ -1,10 +1,18 @@
-# tests: the hybrid pipeline's plan, program and executor on the CPU.
+# tests: the hybrid pipeline on the CPU, one program per part: its GPU
+# memory plan (daemon/gpuplan.c), its step program (daemon/pipeprog.c) and
+# its executor (daemon/pipeline.c)
 if HAVE_CHECK
-check_PROGRAMS += tests/check_hybrid
-TESTS += tests/check_hybrid
-tests_check_hybrid_SOURCES = tests/check_hybrid.c
-tests_check_hybrid_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_hybrid_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+check_PROGRAMS += tests/check_plan tests/check_stepprog tests/check_pipeline
+TESTS += tests/check_plan tests/check_stepprog tests/check_pipeline
+tests_check_plan_SOURCES = tests/check_plan.c tests/check_common.h
+tests_check_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_plan_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+tests_check_stepprog_SOURCES = tests/check_stepprog.c tests/check_common.h
+tests_check_stepprog_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_stepprog_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_pipeline_SOURCES = tests/check_pipeline.c tests/check_common.h
+tests_check_pipeline_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
+tests_check_pipeline_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
 
 # the golden checks through the hybrid pipeline (tests/golden/golden.c

@@ -12,6 +12,31 @@ tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
+# the KV block pool (daemon/kv_pool.c), pinned memory (daemon/mem.c) and
+# what a step does around its layers (daemon/step.c)
+if HAVE_CHECK
+check_PROGRAMS += tests/check_kv_pool tests/check_mem tests/check_step
+TESTS += tests/check_kv_pool tests/check_mem tests/check_step
+tests_check_step_SOURCES = tests/check_step.c tests/check_common.h
+tests_check_step_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_step_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_kv_pool_SOURCES = tests/check_kv_pool.c tests/check_common.h
+tests_check_kv_pool_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_kv_pool_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_mem_SOURCES = tests/check_mem.c tests/check_common.h
+tests_check_mem_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_mem_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+
+# the weight pages (daemon/weights.c): model files read into pinned memory
+if HAVE_CHECK
+check_PROGRAMS += tests/check_weights
+TESTS += tests/check_weights
+tests_check_weights_SOURCES = tests/check_weights.c tests/check_common.h
+tests_check_weights_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_weights_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+
 if HAVE_CHECK
 check_PROGRAMS += tests/check_layer
 TESTS += tests/check_layer
@@ -27,6 +52,15 @@ tests_check_sched_SOURCES = tests/check_sched.c
 tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
+
+# mlensd.conf and the flags (daemon/config.c)
+if HAVE_CHECK
+check_PROGRAMS += tests/check_config
+TESTS += tests/check_config
+tests_check_config_SOURCES = tests/check_config.c tests/check_common.h
+tests_check_config_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_config_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
 dist_noinst_SCRIPTS += tests/setup-deps.sh tests/run-all.sh tests/demo.sh
 
 # integration: real mlensd processes and real tenant processes
@@ -35,5 +69,7 @@ tests_integration_tclient_SOURCES = tests/integration/tclient.c
 tests_integration_tclient_LDADD = client/libmlens.la
 tests_integration_rawclient_SOURCES = tests/integration/rawclient.c
 tests_integration_rawclient_LDADD = shm/libmlens_shm.la
-dist_check_SCRIPTS += tests/integration/tenants.sh
-TESTS += tests/integration/tenants.sh
+dist_check_SCRIPTS += tests/integration/tenants.sh tests/integration/rings.sh tests/integration/limits.sh \
+	tests/integration/startup_refusals.sh
+TESTS += tests/integration/tenants.sh tests/integration/rings.sh tests/integration/limits.sh \
+	tests/integration/startup_refusals.sh

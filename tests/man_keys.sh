@@ -36,5 +36,21 @@ sed -n 's/^#\([a-z_]* =.*\)/\1/p' "$src/man/mlensd.conf.example" >"$tmp/all.conf
 rc=$?
 [ $rc -ne 2 ] || miss "the example config does not parse: $(cat "$tmp/out")"
 
+# mlens-gateway: every flag in mlens-gateway(8), every key (a flag but
+# --config) in the page and in the example config, which it accepts
+"$B/client/mlens-gateway" --help >"$tmp/gwhelp" || { echo "FAIL: mlens-gateway --help"; exit 1; }
+sed -n 's/^  --\([a-z][a-z0-9-]*\).*/\1/p' "$tmp/gwhelp" | grep -v '^help$\|^version$' >"$tmp/gwflags"
+[ "$(wc -l <"$tmp/gwflags")" -ge 9 ] || { echo "FAIL: too few flags parsed from mlens-gateway --help"; exit 1; }
+while read -r flag; do
+	key=$(echo "$flag" | tr - _)
+	grep -q "Fl -$flag\\b" "$src/man/mlens-gateway.8" || miss "mlens-gateway.8 lacks --$flag"
+	[ "$key" = config ] && continue
+	grep -q "^\\.Pq Cm $key\$" "$src/man/mlens-gateway.8" || miss "mlens-gateway.8 lacks key $key"
+	grep -q "^#$key =" "$src/man/mlens-gateway.conf.example" || miss "mlens-gateway.conf.example lacks key $key"
+done <"$tmp/gwflags"
+sed -n 's/^#\([a-z_]* =.*\)/\1/p' "$src/man/mlens-gateway.conf.example" | grep -v '^api_key_file\|^tokenizer\|^model' >"$tmp/gw.conf"
+"$B/client/mlens-gateway" --config "$tmp/gw.conf" --help >/dev/null 2>"$tmp/gwout" ||
+	miss "the example mlens-gateway config does not parse: $(cat "$tmp/gwout")"
+
 [ $bad -eq 0 ] || exit 1
 echo "man_keys: $(wc -l <"$tmp/flags") flags and keys documented"

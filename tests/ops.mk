@@ -11,6 +11,17 @@ TESTS += tests/integration/ops.sh
 # random and hostile control and /metrics requests against a live daemon
 dist_check_SCRIPTS += tests/integration/hostile_ops.sh
 TESTS += tests/integration/hostile_ops.sh
+# names, log limits, access rules and listening sockets, unit by unit
+if HAVE_CHECK
+check_PROGRAMS += tests/check_ops
+TESTS += tests/check_ops
+tests_check_ops_SOURCES = tests/check_ops.c
+tests_check_ops_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS) $(LIBEVENT_CFLAGS)
+tests_check_ops_LDADD = daemon/libmlens_core.la $(CHECK_LIBS) $(LIBEVENT_LIBS)
+endif
+# the sockets against careless and hostile local users
+dist_check_SCRIPTS += tests/integration/sockets.sh
+TESTS += tests/integration/sockets.sh
 # lints ALL man/*.[1-8] pages (shared with the client pages)
 dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh
 TESTS += tests/manlint.sh tests/man_keys.sh

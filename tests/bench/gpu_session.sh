@@ -51,7 +51,7 @@ fi
 
 GPU_TESTS=${GPU_TESTS:-"tests/check_cuda tests/check_hybrid_cuda tests/check_hybrid_cuda_groups \
 	tests/check_gpu_plan tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh \
-	tests/check_hybrid"}
+	tests/check_plan tests/check_stepprog tests/check_pipeline"}
 if [ "$T_TESTS" -gt 0 ]; then
 	timeout "$T_TESTS" make -j8 check TESTS="$GPU_TESTS" > "$R/check.log" 2>&1
 	el "GPU tests: rc $?"

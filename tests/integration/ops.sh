@@ -189,7 +189,13 @@ ctl --json quota "$aid" >"$tmp/q" || fail "quota get"
 	[ "$(jfield kv_blocks <"$tmp/q")" = 5000 ] && [ "$(jfield weight <"$tmp/q")" = 0.5 ] || fail "quota get: $(cat "$tmp/q")"
 ctl quota "$aid" running=x 2>"$tmp/err"; [ $? -eq 1 ] || fail "bad quota value accepted"
 ctl quota "$aid" colour=red 2>"$tmp/err"; [ $? -eq 1 ] && grep -q "unknown key 'colour'" "$tmp/err" || fail "unknown quota key"
-ctl quota 999 2>"$tmp/err"; [ $? -eq 1 ] && grep -q "no tenant 999" "$tmp/err" || fail "quota of an unknown tenant"
+ctl quota 999 2>"$tmp/err"; [ $? -eq 1 ] || fail "quota of an unknown tenant: not exit 1"
+# one prefix, the id named as such
+[ "$(cat "$tmp/err")" = "mlensctl: quota: no tenant with id 999 is attached (see mlensctl tenants)" ] ||
+	fail "quota of an unknown tenant: $(cat "$tmp/err")"
+ctl quota "$aid" running=x 2>"$tmp/err"
+[ "$(cat "$tmp/err")" = 'mlensctl: quota: running = "x": must be a whole number in [0, 1048576]; 0 = no limit' ] ||
+	fail "bad quota value message: $(cat "$tmp/err")"
 touch "$tmp/more"
 wait_for 'grep -q "^submitted 2 more" "$tmp/a.out"' || fail "A did not submit more"
 wait_for '[ "$(tenant_use "$aid" | cut -d" " -f2)" = 2 ]' || fail "A: 2 queued expected (quota below use): $(ctl tenants)"

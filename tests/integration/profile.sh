@@ -1,6 +1,8 @@
 #!/bin/sh
 # Description: the profiler in a real mlensd (CPU backend, the tiny model of
-# mlens-mkmodel): mlensctl profile prints n_real and the policy, its JSON
+# mlens-mkmodel): mlensctl profile prints n_real and the policy (no GPU and
+# no PCIe on the CPU backend: its compute tier is "cpu", and the engine's
+# largest step bounds n_real, said so), its JSON
 # agrees with the status' token cap, --cached predicts without measuring,
 # the stats socket and /metrics expose n_real, the binding resource and
 # predicted vs measured step time; profile = true at start-up writes
@@ -33,8 +35,13 @@ grep -q "^n_real  *[0-9][0-9]* tokens per step" "$tmp/human" || fail "no n_real 
 grep -q "^policy  *[0-9][0-9]* resident experts per layer" "$tmp/human" || fail "no policy in: $(cat "$tmp/human")"
 grep -q "^predicted  *[0-9.]* tokens/s" "$tmp/human" || fail "no prediction in: $(cat "$tmp/human")"
 grep -q "^binding  *[a-z]" "$tmp/human" || fail "no binding resource in: $(cat "$tmp/human")"
-grep -q "^per layer  *pcie-h2d [0-9.]* ms.* gpu [0-9.]* ms.*; fill [0-9.]* ms a step$" "$tmp/human" ||
+# the CPU backend has no bus and no GPU: no PCIe tiers, its compute is "cpu",
+# and n_real is the engine's largest step, said so
+grep -q "^per layer  *cpu-memory [0-9.]* ms cpu [0-9.]* ms.*; fill [0-9.]* ms a step$" "$tmp/human" ||
 	fail "no per-layer tiers in: $(cat "$tmp/human")"
+! grep -q "gpu\|pcie" "$tmp/human" || fail "a GPU or PCIe on the CPU backend: $(cat "$tmp/human")"
+grep -q "^n_real  *4096 tokens per step (CPU backend: no PCIe, nothing streams; the engine's largest step bounds it)" \
+	"$tmp/human" || fail "n_real on the CPU backend: $(grep n_real "$tmp/human")"
 ctl --json profile --prompt-len 64 --gen-len 16 >"$tmp/p.json" || fail "profile --json"
 [ "$(jfield prompt_len <"$tmp/p.json")" = 64.0 ] || fail "prompt_len not 64: $(cat "$tmp/p.json")"
 [ "$(jfield from_cache <"$tmp/p.json")" = false ] || fail "an on-demand profile came from a cache"
@@ -44,7 +51,12 @@ cap=$(jfield token_cap <"$tmp/p.json")
 sed -n '/"layer_seconds": {/,/}/p' "$tmp/p.json" >"$tmp/ls"
 bind=$(jfield binding <"$tmp/p.json")
 bsec=$(jfield "$bind" <"$tmp/ls")
-for k in pcie-h2d pcie-d2h cpu-memory gpu cpu-attention gpu-cpu-chain; do
+for k in pcie-h2d pcie-d2h gpu gpu-cpu-chain; do
+	[ -z "$(jfield "$k" <"$tmp/ls")" ] || fail "layer_seconds has $k on the CPU backend"
+done
+[ "$(jfield n_real_bound <"$tmp/p.json")" = largest-step ] || fail "n_real_bound: $(jfield n_real_bound <"$tmp/p.json")"
+[ "$(jfield token_cap_source <"$tmp/p.json")" = n_real ] || fail "token_cap_source: $(jfield token_cap_source <"$tmp/p.json")"
+for k in cpu-memory cpu cpu-attention cpu-chain; do
 	v=$(jfield "$k" <"$tmp/ls")
 	awk -v v="$v" -v b="$bsec" 'BEGIN { exit !(v >= 0 && v <= b && b > 0) }' ||
 		fail "layer_seconds: $k = '$v' against the binding $bind's '$bsec'"

@@ -2,9 +2,12 @@
  * hand (shm/attach.h, shm/region.h): it writes random bytes as submission
  * entries, an over-long prompt, or a corrupt ring index, then checks the
  * daemon answered each with an error completion and still serves a valid
- * request. Prints what it saw; exit 0 when the daemon behaved, 1 when not,
- * 3 when it cannot attach. */
+ * request. Or it stops reading (stall) or scribbles its completion ring's
+ * consumer index (corrupt-head) for the test script to watch the daemon.
+ * Prints what it saw; exit 0 when the daemon behaved, 1 when not, 3 when it
+ * cannot attach. */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,12 +99,35 @@ static int valid_request(uint64_t id)
 	return rc == 1 && n == 5 ? 0 : 1;
 }
 
+/* Submit request id (prompt 1 2 3 4, max_tokens tokens) without waiting
+ * for it; 0 or the submit's error. */
+static int submit_only(uint64_t id, uint32_t max_tokens)
+{
+	struct mlens_sub s;
+	int32_t tok[4] = { 1, 2, 3, 4 };
+	memset(&s, 0, sizeof(s));
+	s.id = id;
+	s.op = MLENS_OP_GENERATE;
+	s.prompt_len = 4;
+	s.max_tokens = max_tokens;
+	s.top_p = 1.0f;
+	return mlens_region_submit(&rg, &s, tok, efd_daemon);
+}
+
+/* Whether the daemon hung up our connection within timeout_ms. */
+static bool hung_up(int timeout_ms)
+{
+	struct pollfd p = { sock_fd, POLLIN, 0 };
+	char b;
+	return poll(&p, 1, timeout_ms) == 1 && recv(sock_fd, &b, 1, MSG_DONTWAIT) == 0;
+}
+
 int main(int argc, char **argv)
 {
 	const char *mode;
 	int bad = 0;
 	if (argc < 3) {
-		fprintf(stderr, "usage: rawclient SOCKET garbage|overlong|corrupt-index\n");
+		fprintf(stderr, "usage: rawclient SOCKET garbage|overlong|corrupt-index|stall|corrupt-head\n");
 		return 2;
 	}
 	mode = argv[2];
@@ -158,6 +184,53 @@ int main(int argc, char **argv)
 		mlens_ring_wake_cons(&rg.sub, efd_daemon);
 		sleep(1);
 		printf("corrupt-index: written\n");
+		return 0;
+	} else if (!strcmp(mode, "stall")) {
+		/* requests that generate more than the completion ring holds,
+		 * then, once it is full, a few more that stay in the submission
+		 * ring; read nothing until killed */
+		uint64_t id = 1;
+		for (; id <= 64; id++)	/* many at once: few steps fill it */
+			if (submit_only(id, 160)) {
+				printf("stall: cannot submit\n");
+				return 1;
+			}
+		for (int tries = 0; tries < 6000 && mlens_ring_count(&rg.cmpl) < (int)rg.cmpl.entries; tries++)
+			usleep(10000);
+		if (mlens_ring_count(&rg.cmpl) < (int)rg.cmpl.entries) {
+			printf("stall: the completion ring never filled\n");
+			return 1;
+		}
+		for (int k = 0; k < 4; k++)
+			submit_only(id++, 160);
+		usleep(200000);	/* the daemon had a look: they stay */
+		printf("stalled: %d completions unread, %d submissions waiting\n", mlens_ring_count(&rg.cmpl),
+		       (int)rg.sub.entries - mlens_ring_free_count(&rg.sub));
+		fflush(stdout);
+		for (;;)
+			pause();
+	} else if (!strcmp(mode, "corrupt-head")) {
+		/* a long request, then the completion ring's consumer index
+		 * (ours to write) set past the producer's: the daemon must cut
+		 * this tenant off (hang up), not count the bad index forever */
+		if (submit_only(1, 4000)) {
+			printf("corrupt-head: cannot submit\n");
+			return 1;
+		}
+		while (mlens_ring_count(&rg.cmpl) < 2)
+			mlens_ring_wait_cons(&rg.cmpl, efd_client, 100);
+		rg.cmpl.shm->head = rg.cmpl.shm->tail + 12345u;
+		mlens_ring_wake_prod(&rg.cmpl, efd_daemon);
+		{
+			uint64_t one = 1;
+			if (write(efd_daemon, &one, sizeof(one)) < 0)
+				perror("doorbell");
+		}
+		if (!hung_up(10000)) {
+			printf("corrupt-head: still connected after 10 s\n");
+			return 1;
+		}
+		printf("corrupt-head: hung up\n");
 		return 0;
 	} else {
 		fprintf(stderr, "rawclient: unknown mode %s\n", mode);

@@ -3,7 +3,8 @@
  * the tests load the daemon by length), reads every event, prints one line per request
  * ("INDEX FINISH STATUS TOKENS...") in request order. Modes for the bad
  * cases: --no-read (never reads its completions), --die-after N (SIGKILLs
- * itself after N events). Exit: 0 all requests ended with length or stop,
+ * itself after N events); --why adds "INDEX why TEXT" after a failed
+ * request's line (mlens_event_strerror). Exit: 0 all requests ended with length or stop,
  * 1 some did not, 3 cannot attach. */
 #include <errno.h>
 #include <getopt.h>
@@ -21,6 +22,7 @@ struct res {
 	int finish;
 	int status;
 	int done;
+	char why[256];
 };
 
 int main(int argc, char **argv)
@@ -35,10 +37,11 @@ int main(int argc, char **argv)
 		{ "no-read", no_argument, NULL, 'R' },
 		{ "die-after", required_argument, NULL, 'd' },
 		{ "timeout", required_argument, NULL, 'T' },
+		{ "why", no_argument, NULL, 'W' },
 		{ NULL, 0, NULL, 0 }
 	};
 	const char *sock = NULL;
-	int n = 4, plen = 12, g = 16, no_read = 0, die_after = -1, timeout_s = 120, c, rc;
+	int n = 4, plen = 12, g = 16, no_read = 0, die_after = -1, timeout_s = 120, why = 0, c, rc;
 	unsigned seed = 1;
 	float temp = 0.0f;
 	struct mlens *m;
@@ -46,7 +49,7 @@ int main(int argc, char **argv)
 	struct res *r;
 	int events = 0, left;
 
-	while ((c = getopt_long(argc, argv, "s:n:S:p:g:t:Rd:T:", opts, NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "s:n:S:p:g:t:Rd:T:W", opts, NULL)) != -1) {
 		switch (c) {
 		case 's': sock = optarg; break;
 		case 'n': n = atoi(optarg); break;
@@ -57,6 +60,7 @@ int main(int argc, char **argv)
 		case 'R': no_read = 1; break;
 		case 'd': die_after = atoi(optarg); break;
 		case 'T': timeout_s = atoi(optarg); break;
+		case 'W': why = 1; break;
 		default: return 2;
 		}
 	}
@@ -124,6 +128,8 @@ int main(int argc, char **argv)
 				x->finish = (int)ev[e].finish;
 				x->status = ev[e].status;
 				x->done = 1;
+				if (ev[e].finish == MLENS_REASON_ERROR)
+					snprintf(x->why, sizeof(x->why), "%s", mlens_event_strerror(m, &ev[e]));
 				left--;
 			}
 			if (++events == die_after)
@@ -136,6 +142,8 @@ int main(int argc, char **argv)
 		for (int j = 0; j < r[i].n; j++)
 			printf(" %d", r[i].tok[j]);
 		printf("\n");
+		if (why && r[i].why[0])
+			printf("%d why %s\n", i, r[i].why);
 		if (r[i].finish != MLENS_REASON_LENGTH && r[i].finish != MLENS_REASON_STOP)
 			rc = 1;
 		free(r[i].tok);

@@ -1,0 +1,39 @@
+#!/bin/sh
+# Description: mlensd refuses at start-up, at once and naming the file or
+# the key, what it cannot serve: a FIFO given as its configuration file, as
+# a model's config.json or as its model.safetensors (opening one used to
+# wait for a writer for ever), and a model whose max_position_embeddings
+# cannot hold a prompt and one generated token.
+set -u
+. "$(dirname "$0")/lib.sh"
+# refused WANT_STATUS TEXT ARGS...: mlensd exits with WANT_STATUS within
+# 10 s and says TEXT on standard error
+refused() {
+	want=$1 text=$2
+	shift 2
+	timeout 10 "$mlensd" --foreground --backend cpu --threads 1 --mlock=false --kv-cache 1M \
+		--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" "$@" 2>"$tmp/err"
+	st=$?
+	[ $st -eq 124 ] && fail "mlensd $*: still starting after 10 s (blocked?)"
+	[ $st -eq "$want" ] || fail "mlensd $*: exit $st, not $want: $(cat "$tmp/err")"
+	grep -qF "$text" "$tmp/err" || fail "mlensd $*: no '$text' in: $(cat "$tmp/err")"
+}
+
+"$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
+
+mkfifo "$tmp/conf"
+refused 2 "$tmp/conf: not a regular file (a FIFO)" --config "$tmp/conf" --model "$tmp/m"
+
+cp -r "$tmp/m" "$tmp/f1"
+rm "$tmp/f1/model.safetensors" && mkfifo "$tmp/f1/model.safetensors"
+refused 1 "$tmp/f1/model.safetensors: not a regular file (a FIFO)" --model "$tmp/f1"
+
+cp -r "$tmp/m" "$tmp/f2"
+rm "$tmp/f2/config.json" && mkfifo "$tmp/f2/config.json"
+refused 1 "$tmp/f2/config.json: not a regular file (a FIFO)" --model "$tmp/f2"
+
+cp -r "$tmp/m" "$tmp/p1"
+sed 's/"max_position_embeddings": *[0-9]*/"max_position_embeddings": 1/' "$tmp/m/config.json" >"$tmp/p1/config.json"
+grep -q '"max_position_embeddings": 1,' "$tmp/p1/config.json" || fail "config.json not edited"
+refused 1 "'max_position_embeddings' is 1; mlens accepts 2 to" --model "$tmp/p1"
+echo "ok: FIFOs and a one-position model refused at start-up, named"
