@@ -22,12 +22,15 @@ pkgconfigdir = $(libdir)/pkgconfig
 pkgconfig_DATA = client/mlens.pc
 DISTCLEANFILES += client/mlens.pc
 
-# The CLI's JSON lines (parsing requests, writing results) live in a small
-# library of their own so that tests/check_client can exercise them.
+# The CLI's JSON lines (parsing requests and OpenAI batch lines, writing
+# results) and its text side (prompts and generated text through the
+# model's tokenizer) live in a small library of their own so that
+# tests/check_client can exercise them.
 noinst_LTLIBRARIES += client/libmlens_cli.la
-client_libmlens_cli_la_SOURCES = client/cli_int.h client/cli_json.c
+client_libmlens_cli_la_SOURCES = client/cli_int.h client/cli_json.c client/cli_batch.c \
+	client/cli_model.c
 client_libmlens_cli_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
-client_libmlens_cli_la_LIBADD = $(JANSSON_LIBS)
+client_libmlens_cli_la_LIBADD = client/libmlens.la $(JANSSON_LIBS)
 
 bin_PROGRAMS += client/mlens
 client_mlens_SOURCES = client/mlens_cli.c client/cli_text.c

@@ -1,7 +1,10 @@
-/* mlens: the batch client. `mlens generate` reads requests as JSON lines,
- * keeps as many of them running in mlensd through libmlens as the daemon
- * can take (or --max-inflight), and writes one result line per input line,
- * in input order, with a progress bar and a closing summary on stderr. */
+/* mlens: the batch client. `mlens generate` reads requests as JSON lines
+ * (token ids, or text and chats through the model directory's tokenizer
+ * and chat template; mlens lines or OpenAI batch lines), keeps as many of
+ * them running in mlensd through libmlens as the daemon can take (or
+ * --max-inflight), and writes one result line per input line, in input
+ * order (with --stream, delta lines as tokens come), with a progress bar
+ * and a closing summary on stderr. */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -35,12 +38,18 @@ enum job_state { JOB_PARSED, JOB_RUNNING, JOB_DONE };
 
 struct job {
 	enum job_state state;
+	size_t line;		/* the input line, from 0 */
+	uint32_t choice, n_choices;	/* an OpenAI line's n: one job a choice */
 	struct mlens_cli_req req;
 	int32_t *tokens;
 	float *logprobs;
 	size_t n_tokens, cap;
 	uint32_t finish;
 	char *error;
+	bool bad_request;	/* the error is the line's, not the daemon's */
+	bool has_text;		/* text holds the decoded tokens (--model) */
+	struct mlens_cli_text text;
+	size_t tokens_sent;	/* streamed so far */
 	uint64_t id;		/* libmlens's, once submitted */
 	double t_submit;
 	double ttft;		/* seconds to the first token; < 0 when none came */
@@ -57,6 +66,7 @@ struct run {
 	struct job *jobs;
 	size_t n_jobs, cap_jobs;
 	size_t next_submit, next_write;
+	size_t n_lines, lines_written;
 	size_t *line_of_id;	/* by id - 1: ids are issued 1, 2, 3, ... */
 	size_t cap_ids;
 	uint64_t n_ids;
@@ -66,6 +76,8 @@ struct run {
 	double t_start, t_last_bar;
 	uint64_t prompt_tokens, generated;
 	size_t ok, failed;
+	struct mlens_cli_model *model;	/* --model: text prompts and results */
+	bool stream;		/* --stream: delta lines as tokens come */
 	char *line;
 	size_t line_cap;
 };
@@ -81,7 +93,8 @@ static double now_s(void)
 static void usage(FILE *f)
 {
 	fprintf(f,
-		"usage: mlens generate [-s SOCKET] -i IN.jsonl -o OUT.jsonl [--max-inflight N] [--quiet]\n"
+		"usage: mlens generate [-s SOCKET] [-m DIR] -i IN.jsonl -o OUT.jsonl [--stream]\n"
+		"                      [--max-inflight N] [--quiet]\n"
 		"       mlens tokenize --model DIR [--add-special] [-i IN.jsonl] [-o OUT.jsonl]\n"
 		"       mlens detokenize --model DIR [--skip-special] [-i IN.jsonl] [-o OUT.jsonl]\n"
 		"       mlens --help | --version\n"
@@ -89,13 +102,20 @@ static void usage(FILE *f)
 		"  -s, --socket PATH       mlensd's tenant socket (default $MLENS_SOCKET, else %s)\n"
 		"  -i, --input FILE        requests, one JSON object a line ('-': stdin)\n"
 		"  -o, --output FILE       results, one a line, in input order ('-': stdout)\n"
+		"  -m, --model DIR         the model directory's tokenizer.json and chat template:\n"
+		"                          text prompts, chats, stop strings, \"text\" in results\n"
+		"      --stream            also write {\"index\", \"delta\": {tokens, text}} lines as\n"
+		"                          tokens come\n"
 		"  -n, --max-inflight N    requests in flight at once (default: as many as mlensd\n"
 		"                          can run for this tenant, twice over, within its queue quota)\n"
 		"  -q, --quiet             no progress bar and no summary\n"
 		"\n"
-		"A request line: {\"prompt\": [ids], \"max_tokens\": 16, \"temperature\": 0, \"top_k\": 0,\n"
-		"  \"top_p\": 1, \"seed\": 0, \"stop\": [ids], \"logprobs\": false, \"ignore_eos\": false}\n"
-		"  (all but prompt optional). Generation ends at the model's EOS unless ignore_eos.\n"
+		"A request line: {\"prompt\": [ids] or \"text\" (or \"messages\": [chat]), \"max_tokens\": 16,\n"
+		"  \"temperature\": 0, \"top_k\": 0, \"top_p\": 1, \"seed\": 0, \"stop\": [ids, \"text\"],\n"
+		"  \"logprobs\": false, \"ignore_eos\": false, \"custom_id\": \"...\"} (all but the prompt\n"
+		"  optional), or an OpenAI batch line {\"custom_id\", \"method\": \"POST\", \"url\":\n"
+		"  \"/v1/completions\" or \"/v1/chat/completions\", \"body\"}.\n"
+		"  Generation ends at the model's EOS unless ignore_eos.\n"
 		"Exit status: 0 all requests completed, 1 some failed, 2 usage, file or daemon trouble,\n"
 		"130 interrupted (SIGINT; 143 SIGTERM): unfinished requests are reported \"cancelled\".\n",
 		DEFAULT_SOCKET);
@@ -132,6 +152,8 @@ static void catch_stop_signals(void)
 
 /* ==== Jobs ==== */
 
+static int write_line(struct run *rn, char *s);
+
 /* Settle job j with finish (an error or a cancel); why for errors. */
 static void job_end(struct run *rn, struct job *j, uint32_t finish, const char *why)
 {
@@ -146,6 +168,51 @@ static void job_end(struct run *rn, struct job *j, uint32_t finish, const char *
 static void job_fail(struct run *rn, struct job *j, const char *why)
 {
 	job_end(rn, j, MLENS_REASON_ERROR, why);
+}
+
+/* The line asked for something wrong: an error of the request. */
+static void job_refuse(struct run *rn, struct job *j, const char *why)
+{
+	job_fail(rn, j, why);
+	j->bad_request = true;
+}
+
+static void job_release(struct job *j)
+{
+	mlens_cli_request_free(&j->req);
+	mlens_cli_text_free(&j->text);
+	free(j->tokens);
+	free(j->logprobs);
+	free(j->error);
+	j->tokens = NULL;
+	j->logprobs = NULL;
+	j->error = NULL;
+}
+
+/* Turn job j's text prompt or chat into token ids, and start decoding
+ * its tokens when there is a tokenizer. 0, or the job is refused with
+ * why; -ENOMEM. */
+static int job_prepare(struct run *rn, struct job *j, char *why, size_t len)
+{
+	struct mlens_cli_req *r = &j->req;
+	int rc;
+
+	if (!rn->model) {
+		if (r->prompt_text || r->messages || r->n_stop_text) {
+			snprintf(why, len, "%s is text: mlens generate needs --model DIR (the model "
+				 "directory with tokenizer.json) for it", r->messages ? "messages" :
+				 r->prompt_text ? "prompt" : "stop");
+			return -EINVAL;
+		}
+		return 0;
+	}
+	rc = mlens_cli_model_prompt(rn->model, r, why, len);
+	if (rc)
+		return rc;
+	if (mlens_cli_text_init(&j->text, rn->model))
+		return -ENOMEM;
+	j->has_text = true;
+	return 0;
 }
 
 static int job_add_token(struct job *j, int32_t tok, float lp)
@@ -173,13 +240,33 @@ static int job_add_token(struct job *j, int32_t tok, float lp)
 	return 0;
 }
 
-/* Read the next input line into a new job. Returns 1, 0 at end of input,
- * -errno. */
+/* A copy of request r's generation fields for another choice of its line
+ * (the line's names stay with the first). 0 or -ENOMEM. */
+static int request_copy(struct mlens_cli_req *c, const struct mlens_cli_req *r)
+{
+	*c = *r;
+	c->prompt_text = c->messages = c->custom_id = c->model = NULL;
+	c->n_stop_text = 0;
+	c->prompt = malloc(r->n_prompt * sizeof(*r->prompt));
+	if (!c->prompt)
+		return -ENOMEM;
+	memcpy(c->prompt, r->prompt, r->n_prompt * sizeof(*r->prompt));
+	for (uint32_t i = 0; i < r->n_stop_text; i++) {
+		if (!(c->stop_text[i] = strdup(r->stop_text[i])))
+			return -ENOMEM;
+		c->n_stop_text++;
+	}
+	return 0;
+}
+
+/* Read the next input line into a new job (one a choice). Returns 1, 0 at
+ * end of input, -errno. */
 static int read_job(struct run *rn)
 {
-	char err[256];
+	char err[512];
 	struct job *j;
 	ssize_t len;
+	int rc;
 
 	errno = 0;
 	len = getline(&rn->line, &rn->line_cap, rn->in);
@@ -189,7 +276,8 @@ static int read_job(struct run *rn)
 		rn->eof = true;
 		return 0;
 	}
-	if (rn->n_jobs == rn->cap_jobs) {
+	/* room for the most choices a line may ask for */
+	if (rn->n_jobs + MLENS_CLI_MAX_CHOICES > rn->cap_jobs) {
 		size_t cap = rn->cap_jobs ? rn->cap_jobs * 2 : 256;
 		struct job *nj = realloc(rn->jobs, cap * sizeof(*nj));
 
@@ -201,13 +289,35 @@ static int read_job(struct run *rn)
 	j = &rn->jobs[rn->n_jobs++];
 	memset(j, 0, sizeof(*j));
 	j->ttft = -1;
-	if (mlens_cli_request_parse(rn->line, (size_t)len, &j->req, err, sizeof(err))) {
-		j->state = JOB_DONE;
-		j->finish = MLENS_REASON_ERROR;
-		j->error = strdup(err);
-	} else {
-		j->state = JOB_PARSED;
+	j->state = JOB_PARSED;
+	j->line = rn->n_lines++;
+	j->n_choices = 1;
+	rc = mlens_cli_request_parse(rn->line, (size_t)len, &j->req, err, sizeof(err));
+	if (!rc)
+		rc = job_prepare(rn, j, err, sizeof(err));
+	if (rc == -ENOMEM)
+		return rc;
+	if (rc) {
+		job_refuse(rn, j, err);
+		return 1;
 	}
+	/* the other choices: the same request, seeded apart */
+	for (uint32_t k = 1; k < j->req.n; k++) {
+		struct job *c = &rn->jobs[rn->n_jobs++];
+
+		memset(c, 0, sizeof(*c));
+		c->ttft = -1;
+		c->state = JOB_PARSED;
+		c->line = j->line;
+		c->choice = k;
+		if (request_copy(&c->req, &j->req) ||
+		    (j->has_text && mlens_cli_text_init(&c->text, rn->model)))
+			return -ENOMEM;
+		c->has_text = j->has_text;
+		c->req.seed += k;
+	}
+	for (uint32_t k = 0; k < j->req.n; k++)
+		j[k].n_choices = j->req.n;
 	return 1;
 }
 
@@ -258,8 +368,16 @@ static int submit_job(struct run *rn, struct job *j)
 	uint64_t id;
 	int rc;
 
+	/* an OpenAI line without a limit generates up to the context's end
+	 * (or the EOS), as OpenAI and vLLM do */
+	if (j->req.kind != MLENS_CLI_NATIVE && !j->req.max_tokens_given &&
+	    j->req.n_prompt < rn->lim.max_context) {
+		uint32_t room = rn->lim.max_context - j->req.n_prompt;
+
+		j->req.max_tokens = room < rn->lim.max_tokens ? room : rn->lim.max_tokens;
+	}
 	if (over_limits(rn, &j->req, why, sizeof(why))) {
-		job_fail(rn, j, why);
+		job_refuse(rn, j, why);
 		return 1;
 	}
 	mlens_cli_request_to_api(&j->req, &req);
@@ -270,7 +388,7 @@ static int submit_job(struct run *rn, struct job *j)
 	if (rc == -ECONNRESET || rc == -ENOMEM)
 		return rc;
 	if (rc < 0) {
-		job_fail(rn, j, mlens_strerror(rc));
+		job_refuse(rn, j, mlens_strerror(rc));
 		return 1;
 	}
 	if (id != rn->n_ids + 1) {
@@ -298,22 +416,79 @@ static int submit_job(struct run *rn, struct job *j)
 	return 1;
 }
 
+/* --stream: the tokens and the stop-safe text of job j not yet written,
+ * as one delta line (none when there is nothing new). */
+static int stream_delta(struct run *rn, struct job *j)
+{
+	size_t t0 = j->tokens_sent, x0 = j->text.sent, x1 = j->has_text ? j->text.safe : 0;
+	char *s;
+
+	if (!rn->stream || (t0 == j->n_tokens && x1 <= x0))
+		return 0;
+	if (x1 < x0)
+		x1 = x0;
+	/* the line's first choice holds its names */
+	s = mlens_cli_delta_format(j->line, j->choice, &(j - j->choice)->req, j->tokens + t0,
+				   j->n_tokens - t0,
+				   j->has_text ? j->text.buf + x0 : NULL, x1 - x0);
+	if (!s || write_line(rn, s))
+		return -ENOMEM;
+	j->tokens_sent = j->n_tokens;
+	j->text.sent = x1;
+	return 0;
+}
+
+/* A token of job j: into its tokens and text; a stop string met cancels
+ * the request in the daemon, so that no step is spent past it. */
+static int job_token(struct run *rn, struct job *j, const struct mlens_event *e)
+{
+	int rc;
+
+	if (j->text.stopped)
+		return 0;	/* generated before the cancel arrived */
+	if (j->ttft < 0)
+		j->ttft = now_s() - j->t_submit;
+	if (job_add_token(j, e->token, e->logprob))
+		return -ENOMEM;
+	rn->generated++;
+	if (!j->has_text)
+		return 0;
+	rc = mlens_cli_text_push(&j->text, &j->req, e->token);
+	if (rc < 0)
+		return rc;
+	if (rc == 1 && !(e->flags & MLENS_EV_LAST) && mlens_cancel(rn->m, j->id) == -ECONNRESET)
+		rn->lost = true;
+	return 0;
+}
+
+/* Job j has ended: its text is complete, a stop string met makes it a
+ * "stop" however the daemon ended it, and a stream gets the rest. */
+static int job_settle_text(struct run *rn, struct job *j)
+{
+	int rc;
+
+	if (!j->has_text)
+		return stream_delta(rn, j);
+	rc = mlens_cli_text_finish(&j->text, &j->req);
+	if (rc < 0)
+		return rc;
+	if (j->text.stopped && j->finish != MLENS_REASON_ERROR)
+		j->finish = MLENS_REASON_STOP;
+	return stream_delta(rn, j);
+}
+
 static int handle_event(struct run *rn, const struct mlens_event *e)
 {
 	struct job *j;
+	int rc;
 
 	if (e->id == 0 || e->id > rn->n_ids)
 		return 0;	/* not ours: nothing to attach it to */
 	j = &rn->jobs[rn->line_of_id[e->id - 1]];
 	if (j->state != JOB_RUNNING)
 		return 0;
-	if (e->flags & MLENS_EV_TOKEN) {
-		if (j->ttft < 0)
-			j->ttft = now_s() - j->t_submit;
-		if (job_add_token(j, e->token, e->logprob))
-			return -ENOMEM;
-		rn->generated++;
-	}
+	if ((e->flags & MLENS_EV_TOKEN) && (rc = job_token(rn, j, e)))
+		return rc;
 	if (e->flags & MLENS_EV_LAST) {
 		if (e->finish == MLENS_REASON_ERROR) {
 			job_fail(rn, j, mlens_event_strerror(rn->m, e));
@@ -322,8 +497,9 @@ static int handle_event(struct run *rn, const struct mlens_event *e)
 			j->finish = e->finish;
 			rn->inflight--;
 		}
+		return job_settle_text(rn, j);
 	}
-	return 0;
+	return stream_delta(rn, j);
 }
 
 /* Write one result line (s, malloc'd, taken) with one write: a reader, a
@@ -362,32 +538,97 @@ static int write_line(struct run *rn, char *s)
 	return 0;
 }
 
-/* Write the results that are next in input order. */
+/* Each token's own text (for OpenAI logprobs), or NULL out of memory. */
+static char **token_texts(const struct mlens_cli_model *m, const int32_t *tokens, size_t n)
+{
+	char **tt = calloc(n ? n : 1, sizeof(*tt));
+
+	for (size_t i = 0; tt && i < n; i++)
+		if (!(tt[i] = mlens_cli_model_token_text(m, tokens[i]))) {
+			while (i--)
+				free(tt[i]);
+			free(tt);
+			return NULL;
+		}
+	return tt;
+}
+
+/* Fill r with job j's result: its text complete, token texts for OpenAI
+ * logprobs in *tt (free with free_token_texts). 0 or -errno. */
+static int job_result(struct run *rn, struct job *j, struct mlens_cli_result *r, char ***tt)
+{
+	int rc;
+
+	*tt = NULL;
+	/* a request that ended without its LAST event (cancelled at an
+	 * interrupt, or the daemon gone) has its text completed here */
+	if ((rc = job_settle_text(rn, j)))
+		return rc;
+	memset(r, 0, sizeof(*r));
+	r->index = j->line;
+	r->req = &j->req;
+	r->n_prompt = j->req.n_prompt;
+	r->tokens = j->tokens;
+	r->n_tokens = j->n_tokens;
+	r->logprobs = j->req.logprobs ? j->logprobs : NULL;
+	r->finish = j->finish;
+	r->error = j->error;
+	r->bad_request = j->bad_request;
+	if (j->has_text && j->finish != MLENS_REASON_ERROR) {
+		r->text = j->text.buf;
+		r->text_len = j->text.len;
+	}
+	if (r->logprobs && rn->model && j->req.kind != MLENS_CLI_NATIVE &&
+	    !(*tt = token_texts(rn->model, j->tokens, j->n_tokens)))
+		return -ENOMEM;
+	r->token_text = (const char *const *)*tt;
+	return 0;
+}
+
+static void free_token_texts(char **tt, size_t n)
+{
+	for (size_t i = 0; tt && i < n; i++)
+		free(tt[i]);
+	free(tt);
+}
+
+/* Write the results that are next in input order: a line's once all its
+ * choices are done. */
 static int flush_results(struct run *rn)
 {
-	while (rn->next_write < rn->n_jobs && rn->jobs[rn->next_write].state == JOB_DONE) {
-		struct job *j = &rn->jobs[rn->next_write];
-		struct mlens_cli_result r = {
-			.index = rn->next_write, .tokens = j->tokens, .n_tokens = j->n_tokens,
-			.logprobs = j->req.logprobs ? j->logprobs : NULL, .finish = j->finish,
-			.error = j->error,
-		};
-		char *s = mlens_cli_result_format(&r);
+	struct mlens_cli_result rs[MLENS_CLI_MAX_CHOICES];
+	char **tts[MLENS_CLI_MAX_CHOICES];
 
+	while (rn->next_write < rn->n_jobs) {
+		struct job *j = &rn->jobs[rn->next_write];
+		size_t n = j->n_choices, k;
+		bool ok = true;
+		char *s;
+		int rc = 0;
+
+		for (k = 0; k < n; k++)
+			if (j[k].state != JOB_DONE)
+				return 0;
+		memset(tts, 0, n * sizeof(*tts));
+		for (k = 0; k < n && !rc; k++)
+			rc = job_result(rn, &j[k], &rs[k], &tts[k]);
+		s = rc ? NULL : mlens_cli_result_format(rs, n);
+		for (k = 0; k < n; k++)
+			free_token_texts(tts[k], j[k].n_tokens);
+		if (rc)
+			return rc;
 		if (!s || write_line(rn, s))
 			return -ENOMEM;
-		if (j->finish == MLENS_REASON_LENGTH || j->finish == MLENS_REASON_STOP)
+		for (k = 0; k < n; k++) {
+			ok &= j[k].finish == MLENS_REASON_LENGTH || j[k].finish == MLENS_REASON_STOP;
+			job_release(&j[k]);
+		}
+		if (ok)
 			rn->ok++;
 		else
 			rn->failed++;
-		mlens_cli_request_free(&j->req);
-		free(j->tokens);
-		free(j->logprobs);
-		free(j->error);
-		j->tokens = NULL;
-		j->logprobs = NULL;
-		j->error = NULL;
-		rn->next_write++;
+		rn->lines_written++;
+		rn->next_write += n;
 	}
 	return 0;
 }
@@ -397,7 +638,7 @@ static int flush_results(struct run *rn)
 static void progress(struct run *rn, bool final)
 {
 	double t = now_s(), el = t - rn->t_start;
-	size_t done = rn->next_write;
+	size_t done = rn->lines_written;
 	char bar[41];
 
 	if (!rn->progress || (!final && t - rn->t_last_bar < 0.2))
@@ -440,7 +681,7 @@ static void summary(struct run *rn, const double *ttft, size_t n_ttft)
 	double el = now_s() - rn->t_start;
 
 	fprintf(stderr, "mlens: %zu requests (%zu completed, %zu failed), %llu prompt tokens, "
-		"%llu generated tokens in %.2f s: %.1f tokens/s\n", rn->next_write, rn->ok,
+		"%llu generated tokens in %.2f s: %.1f tokens/s\n", rn->lines_written, rn->ok,
 		rn->failed, (unsigned long long)rn->prompt_tokens,
 		(unsigned long long)rn->generated, el, el > 0 ? rn->generated / el : 0.0);
 	if (n_ttft)
@@ -615,25 +856,27 @@ static int cmd_generate(int argc, char **argv)
 		{ "input", required_argument, NULL, 'i' },
 		{ "output", required_argument, NULL, 'o' },
 		{ "max-inflight", required_argument, NULL, 'n' },
+		{ "model", required_argument, NULL, 'm' },
+		{ "stream", no_argument, NULL, 'S' },
 		{ "quiet", no_argument, NULL, 'q' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
-	const char *sock = getenv("MLENS_SOCKET"), *in_name = NULL, *out_name = NULL;
+	const char *sock = getenv("MLENS_SOCKET"), *in_name = NULL, *out_name = NULL, *dir = NULL;
 	struct stat st;
 	struct run rn;
 	bool quiet = false, interrupted = false;
 	double *ttft = NULL;
 	size_t n_ttft = 0;
 	long v;
-	char *end;
+	char *end, err[1024];
 	int c, rc, status = EXIT_TROUBLE;
 
 	memset(&rn, 0, sizeof(rn));
 	rn.out_fd = -1;
 	if (!sock || !*sock)
 		sock = DEFAULT_SOCKET;
-	while ((c = getopt_long(argc, argv, "s:i:o:n:qh", opts, NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "s:i:o:n:m:qh", opts, NULL)) != -1) {
 		switch (c) {
 		case 's':
 			sock = optarg;
@@ -654,6 +897,12 @@ static int cmd_generate(int argc, char **argv)
 			}
 			rn.max_inflight = (size_t)v;
 			break;
+		case 'm':
+			dir = optarg;
+			break;
+		case 'S':
+			rn.stream = true;
+			break;
 		case 'q':
 			quiet = true;
 			break;
@@ -672,11 +921,17 @@ static int cmd_generate(int argc, char **argv)
 		return EXIT_TROUBLE;
 	}
 
+	if (dir && mlens_cli_model_open(dir, &rn.model, err, sizeof(err))) {
+		fprintf(stderr, "mlens generate: --model %s: %s\n", dir, err);
+		return EXIT_TROUBLE;
+	}
+
 	/* from here on an interrupt still gives every line read a result */
 	catch_stop_signals();
 	rn.in = strcmp(in_name, "-") ? fopen(in_name, "r") : stdin;
 	if (!rn.in) {
 		fprintf(stderr, "mlens: cannot read %s: %s\n", in_name, strerror(errno));
+		mlens_cli_model_free(rn.model);
 		return EXIT_TROUBLE;
 	}
 	rn.out_name = out_name;
@@ -723,7 +978,7 @@ static int cmd_generate(int argc, char **argv)
 	}
 	progress(&rn, true);
 	if (rc && rc != -ECONNRESET)
-		fprintf(stderr, "mlens: stopped after %zu results: %s\n", rn.next_write,
+		fprintf(stderr, "mlens: stopped after %zu results: %s\n", rn.lines_written,
 			mlens_strerror(rc));
 
 	ttft = malloc((rn.n_jobs ? rn.n_jobs : 1) * sizeof(*ttft));
@@ -748,12 +1003,9 @@ close_out:
 close_in:
 	if (rn.in != stdin)
 		fclose(rn.in);
-	for (size_t i = rn.next_write; i < rn.n_jobs; i++) {
-		mlens_cli_request_free(&rn.jobs[i].req);
-		free(rn.jobs[i].tokens);
-		free(rn.jobs[i].logprobs);
-		free(rn.jobs[i].error);
-	}
+	for (size_t i = rn.next_write; i < rn.n_jobs; i++)
+		job_release(&rn.jobs[i]);
+	mlens_cli_model_free(rn.model);
 	free(rn.jobs);
 	free(rn.line_of_id);
 	free(rn.line);

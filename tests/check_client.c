@@ -959,6 +959,51 @@ START_TEST(test_json_request_defaults)
 }
 END_TEST
 
+START_TEST(test_json_request_text)
+{
+	struct mlens_cli_req r;
+	char err[256] = "";
+
+	ck_assert_int_eq(parse("{\"prompt\": \"Hi there\", \"stop\": [\"\\n\", 5, \"end\"], "
+			       "\"custom_id\": \"q1\"}", &r, err), 0);
+	ck_assert_str_eq(r.prompt_text, "Hi there");
+	ck_assert_uint_eq(r.prompt_text_len, 8);
+	ck_assert_ptr_null(r.prompt);
+	ck_assert_uint_eq(r.n_stop_text, 2);
+	ck_assert_str_eq(r.stop_text[0], "\n");
+	ck_assert_str_eq(r.stop_text[1], "end");
+	ck_assert_uint_eq(r.n_stop, 1);
+	ck_assert_int_eq(r.stop[0], 5);
+	ck_assert_str_eq(r.custom_id, "q1");
+	ck_assert_int_eq(r.kind, MLENS_CLI_NATIVE);
+	mlens_cli_request_free(&r);
+	ck_assert_int_eq(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+			       "\"stop\": \"y\"}", &r, err), 0);
+	ck_assert_str_eq(r.messages, "[{\"role\":\"user\",\"content\":\"x\"}]");
+	ck_assert_uint_eq(r.n_stop_text, 1);
+	mlens_cli_request_free(&r);
+	/* OpenAI batch lines: the url picks the kind, body holds the request */
+	ck_assert_int_eq(parse("{\"custom_id\": \"c\", \"method\": \"POST\", \"url\": "
+			       "\"/v1/chat/completions\", \"body\": {\"model\": \"m\", \"messages\": "
+			       "[{\"role\": \"user\", \"content\": \"x\"}], \"max_completion_tokens\": 7, "
+			       "\"n\": 1, \"logprobs\": true, \"seed\": 3}}", &r, err), 0);
+	ck_assert_int_eq(r.kind, MLENS_CLI_OAI_CHAT);
+	ck_assert_str_eq(r.custom_id, "c");
+	ck_assert_str_eq(r.model, "m");
+	ck_assert_uint_eq(r.max_tokens, 7);
+	ck_assert(r.logprobs);
+	ck_assert_uint_eq(r.seed, 3);
+	mlens_cli_request_free(&r);
+	ck_assert_int_eq(parse("{\"custom_id\": \"d\", \"method\": \"POST\", \"url\": "
+			       "\"/v1/completions\", \"body\": {\"prompt\": [\"one\"], \"logprobs\": 0, "
+			       "\"stop\": null}}", &r, err), 0);
+	ck_assert_int_eq(r.kind, MLENS_CLI_OAI_COMPLETION);
+	ck_assert_str_eq(r.prompt_text, "one");
+	ck_assert(r.logprobs);
+	mlens_cli_request_free(&r);
+}
+END_TEST
+
 START_TEST(test_json_request_bad)
 {
 	static const struct {
@@ -969,7 +1014,21 @@ START_TEST(test_json_request_bad)
 		{ "[1, 2]", "not a JSON object" },
 		{ "{}", "no prompt" },
 		{ "{\"prompt\": []}", "prompt is empty" },
-		{ "{\"prompt\": \"hello\"}", "prompt is not an array" },
+		{ "{\"prompt\": {}}", "prompt is not a string or an array" },
+		{ "{\"prompt\": \"\"}", "prompt is an empty string" },
+		{ "{\"prompt\": [1], \"messages\": [{}]}", "both prompt and messages" },
+		{ "{\"messages\": []}", "messages is not a non-empty array" },
+		{ "{\"prompt\": [1], \"stop\": [\"\"]}", "stop[0] is an empty string" },
+		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/embeddings\", "
+		  "\"body\": {\"prompt\": \"x\"}}", "url \"/v1/embeddings\" is not served" },
+		{ "{\"custom_id\": \"a\", \"method\": \"GET\", \"url\": \"/v1/completions\", "
+		  "\"body\": {\"prompt\": \"x\"}}", "method is not \"POST\"" },
+		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/completions\", "
+		  "\"body\": {\"prompt\": \"x\", \"n\": 0}}", "n is 0, want 1 to 128" },
+		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", "
+		  "\"body\": {\"prompt\": \"x\"}}", "unknown field \"prompt\" in body" },
+		{ "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/completions\", "
+		  "\"body\": {\"prompt\": \"x\", \"logprobs\": 2}}", "logprobs: only 0" },
 		{ "{\"prompt\": [1, -2]}", "prompt[1] is -2" },
 		{ "{\"prompt\": [1, 2.5]}", "prompt[1] is not an integer" },
 		{ "{\"prompt\": [4294967296]}", "prompt[0] is 4294967296" },
@@ -981,7 +1040,7 @@ START_TEST(test_json_request_bad)
 		{ "{\"prompt\": [1], \"top_k\": -3}", "top_k is -3" },
 		{ "{\"prompt\": [1], \"seed\": -1}", "seed is -1" },
 		{ "{\"prompt\": [1], \"stop\": [1,2,3,4,5,6,7,8,9]}", "stop has 9 tokens" },
-		{ "{\"prompt\": [1], \"stop\": 5}", "stop is not an array" },
+		{ "{\"prompt\": [1], \"stop\": 5}", "stop is not a string or an array" },
 		{ "{\"prompt\": [1], \"logprobs\": 1}", "logprobs is not true or false" },
 		{ "{\"prompt\": [1], \"ignore_eos\": \"yes\"}", "ignore_eos is not true or false" },
 		{ "{\"prompt\": [1], \"max_token\": 5}", "unknown field \"max_token\"" },
@@ -996,7 +1055,118 @@ START_TEST(test_json_request_bad)
 		ck_assert_msg(strstr(err, cases[i].want), "line %s: error \"%s\", want \"%s\"",
 			      cases[i].line, err, cases[i].want);
 		ck_assert_ptr_null(r.prompt);
+		ck_assert_ptr_null(r.prompt_text);
+		ck_assert_uint_eq(r.n_stop_text, 0);
+		/* a batch line keeps its custom_id for the error line */
+		if (strstr(cases[i].line, "custom_id"))
+			ck_assert_str_eq(r.custom_id, "a");
+		mlens_cli_request_free(&r);
 	}
+}
+END_TEST
+
+/* Generated text through the byte-level fixture's tokenizer: a text
+ * prompt's ids pushed back as if generated; stop strings cut at the
+ * earliest match, even one that began in an earlier token, and text
+ * that may begin one is never counted safe (nor half a character). */
+START_TEST(test_text_stop)
+{
+	const char *src = getenv("MLENS_SRCDIR"), *text = "h\xc3\xa9llo w\xc3\xb6rld, h\xc3\xa9llo";
+	struct mlens_cli_model *m;
+	struct mlens_cli_req r;
+	struct mlens_cli_text t;
+	char dir[4096], err[512] = "", line[256];
+	int rc, hit = 0;
+
+	snprintf(dir, sizeof(dir), "%s/tests/tokenizer/fixtures/bytelevel", src ? src : "..");
+	ck_assert_msg(!mlens_cli_model_open(dir, &m, err, sizeof(err)), "%s", err);
+	snprintf(line, sizeof(line), "{\"prompt\": \"%s\", \"stop\": [\"\xc3\xb6\", \"llo w\"]}", text);
+	ck_assert_int_eq(parse(line, &r, err), 0);
+	ck_assert_int_eq(mlens_cli_model_prompt(m, &r, err, sizeof(err)), 0);
+	ck_assert_uint_gt(r.n_prompt, 3);
+	ck_assert_int_eq(mlens_cli_text_init(&t, m), 0);
+	for (uint32_t i = 0; i < r.n_prompt; i++) {
+		rc = mlens_cli_text_push(&t, &r, r.prompt[i]);
+		ck_assert_int_ge(rc, 0);
+		if (rc && !hit)
+			hit = (int)i + 1;
+	}
+	ck_assert_int_gt(hit, 0);
+	ck_assert_int_eq(mlens_cli_text_finish(&t, &r), 1);
+	ck_assert_str_eq(t.buf, "h\xc3\xa9");
+	ck_assert_uint_eq(t.len, 3);
+	ck_assert(t.stopped);
+	mlens_cli_text_free(&t);
+
+	/* no match: the last byte may begin "zz"; safe stays on characters */
+	r.stop_text[0][0] = 'z';
+	free(r.stop_text[1]);
+	r.stop_text[1] = strdup("zz");
+	ck_assert_int_eq(mlens_cli_text_init(&t, m), 0);
+	for (uint32_t i = 0; i < r.n_prompt; i++) {
+		ck_assert_int_eq(mlens_cli_text_push(&t, &r, r.prompt[i]), 0);
+		ck_assert_uint_le(t.safe, t.len);
+		ck_assert_uint_le(t.safe + 1, t.len > 0 ? t.len : 1);
+		if (t.safe < t.len)
+			ck_assert_int_ne((unsigned char)t.buf[t.safe] & 0xC0, 0x80);
+	}
+	ck_assert_int_eq(mlens_cli_text_finish(&t, &r), 0);
+	ck_assert_str_eq(t.buf, text);
+	ck_assert_uint_eq(t.safe, t.len);
+	ck_assert(!t.stopped);
+	mlens_cli_text_free(&t);
+	mlens_cli_request_free(&r);
+
+	/* a chat without a template is refused with why */
+	ck_assert_int_eq(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", &r, err), 0);
+	ck_assert_int_eq(mlens_cli_model_prompt(m, &r, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "messages need the model's chat template"));
+	mlens_cli_request_free(&r);
+	mlens_cli_model_free(m);
+}
+END_TEST
+
+START_TEST(test_json_result_batch)
+{
+	const int32_t toks[2] = { 5, 6 };
+	struct mlens_cli_req q = { .kind = MLENS_CLI_OAI_CHAT, .custom_id = "c1", .model = "m" };
+	struct mlens_cli_result r = { .index = 3, .req = &q, .n_prompt = 4, .tokens = toks,
+				      .n_tokens = 2, .text = "Hi", .text_len = 2,
+				      .finish = MLENS_REASON_STOP };
+	json_error_t je;
+	json_t *o, *b;
+	char *s;
+
+	s = mlens_cli_result_format(&r, 1);
+	o = json_loads(s, 0, &je);
+	ck_assert_ptr_nonnull(o);
+	ck_assert_str_eq(json_string_value(json_object_get(o, "custom_id")), "c1");
+	ck_assert(json_is_null(json_object_get(o, "error")));
+	b = json_object_get(json_object_get(o, "response"), "body");
+	ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(o, "response"),
+							    "status_code")), 200);
+	ck_assert_str_eq(json_string_value(json_object_get(b, "object")), "chat.completion");
+	ck_assert_str_eq(json_string_value(json_object_get(b, "model")), "m");
+	ck_assert_str_eq(s + strlen(s) - strlen("\"usage\":{\"prompt_tokens\":4,"
+						"\"completion_tokens\":2,\"total_tokens\":6}}},"
+						"\"error\":null}"),
+			 "\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2,"
+			 "\"total_tokens\":6}}},\"error\":null}");
+	ck_assert_ptr_nonnull(strstr(s, "\"choices\":[{\"index\":0,\"message\":{\"role\":"
+					"\"assistant\",\"content\":\"Hi\"},\"logprobs\":null,"
+					"\"finish_reason\":\"stop\"}]"));
+	json_decref(o);
+	free(s);
+
+	q.kind = MLENS_CLI_OAI_COMPLETION;
+	r.finish = MLENS_REASON_ERROR;
+	r.error = "url \"/v1/x\" is not served";
+	r.bad_request = true;
+	s = mlens_cli_result_format(&r, 1);
+	ck_assert_ptr_nonnull(strstr(s, "\"custom_id\":\"c1\",\"response\":null,\"error\":"
+					"{\"code\":\"invalid_request_error\",\"message\":"
+					"\"url \\\"/v1/x\\\" is not served\"}}"));
+	free(s);
 }
 END_TEST
 
@@ -1010,14 +1180,14 @@ START_TEST(test_json_result)
 	json_t *o;
 	char *s;
 
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_ptr_nonnull(s);
 	ck_assert_str_eq(s, "{\"index\":12,\"tokens\":[5,6,7],\"finish_reason\":\"stop\"}");
 	free(s);
 
 	r.logprobs = lps;
 	r.finish = MLENS_REASON_LENGTH;
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	o = json_loads(s, 0, &je);
 	ck_assert_ptr_nonnull(o);
 	ck_assert_str_eq(json_string_value(json_object_get(o, "finish_reason")), "length");
@@ -1032,12 +1202,12 @@ START_TEST(test_json_result)
 	r.n_tokens = 0;
 	r.finish = MLENS_REASON_ERROR;
 	r.error = "prompt is empty";
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_str_eq(s, "{\"index\":12,\"tokens\":[],\"finish_reason\":\"error\","
 			 "\"error\":\"prompt is empty\"}");
 	free(s);
 	r.error = "bad \xff byte";	/* not UTF-8: still a JSON line */
-	s = mlens_cli_result_format(&r);
+	s = mlens_cli_result_format(&r, 1);
 	ck_assert_ptr_nonnull(s);
 	ck_assert_ptr_nonnull(strstr(s, "not valid UTF-8"));
 	free(s);
@@ -1073,7 +1243,10 @@ static Suite *client_suite(void)
 
 	tcase_add_test(j, test_json_request_full);
 	tcase_add_test(j, test_json_request_defaults);
+	tcase_add_test(j, test_json_request_text);
 	tcase_add_test(j, test_json_request_bad);
+	tcase_add_test(j, test_json_result_batch);
+	tcase_add_test(j, test_text_stop);
 	tcase_add_test(j, test_json_result);
 	suite_add_tcase(s, j);
 	return s;

@@ -12,13 +12,17 @@ check_PROGRAMS += tests/check_client
 TESTS += tests/check_client
 tests_check_client_SOURCES = tests/check_client.c
 tests_check_client_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_client_LDADD = client/libmlens.la client/libmlens_cli.la tests/libmlens_fake.la \
+tests_check_client_LDADD = client/libmlens_cli.la client/libmlens.la tests/libmlens_fake.la \
 	$(CHECK_LIBS) $(JANSSON_LIBS) $(PTHREAD_LIBS)
 endif
 
 # mlens generate against a real mlensd: EOS, in-flight defaults, SIGINT.
 dist_check_SCRIPTS += tests/integration/generate.sh
 TESTS += tests/integration/generate.sh
+# mlens generate --model with text: prompts, chats, stop strings, --stream,
+# OpenAI batch lines (the byte-level tokenizer fixture over a tiny model).
+dist_check_SCRIPTS += tests/integration/generate_text.sh
+TESTS += tests/integration/generate_text.sh
 
 # Each public header compiles alone (as libqb checks): a .c file holding
 # only its #include, compiled as C99 and as C++.

@@ -11,13 +11,6 @@ set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
 mlens="$B/client/mlens"
-gpid=
-cleanup() {
-	for p in $gpid $pid; do
-		kill "$p" 2>/dev/null && wait "$p" 2>/dev/null
-	done
-	rm -rf "$tmp"
-}
 
 # the results file $1: every line a JSON object, index 0.. in order;
 # prints "count finish_reasons..." (one word a line)

@@ -1,7 +1,8 @@
 # Shared by the integration scripts that drive a real mlensd (sourced, not
 # run): where the binaries are, a scratch folder removed on exit with the
-# daemon in $pid, fail (with the daemon log's tail), mlensctl on the
-# scratch control socket, a JSON field of its --json output, and waiting.
+# daemon in $pid (and a client run in the background as $gpid), fail (with
+# the daemon log's tail), mlensctl on the scratch control socket, a JSON
+# field of its --json output, and waiting.
 B="${MLENS_BUILDDIR:-.}"
 mlensd="$B/daemon/mlensd"
 ctlbin="$B/client/mlensctl"
@@ -9,8 +10,12 @@ tenant="$B/tests/integration/ops_tenant"
 raw="$B/tests/integration/ops_raw"
 tmp=$(mktemp -d) || exit 99
 pid=
+gpid=
+# the daemon, and a client a script runs in the background as $gpid
 cleanup() {
-	[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+	for p in $gpid $pid; do
+		kill "$p" 2>/dev/null && wait "$p" 2>/dev/null
+	done
 	rm -rf "$tmp"
 }
 trap cleanup EXIT
