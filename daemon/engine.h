@@ -26,7 +26,7 @@ struct mlens_engine_opts {
 	 * bit-identical results to the uninterrupted decode) and the prefill op
 	 * (flash attention) elsewhere. */
 	int prefill_attn;
-	/* Hybrid mode (issue 7): with attn_backend set, every step runs through
+	/* Hybrid mode: with attn_backend set, every step runs through
 	 * the hybrid pipeline (daemon/pipeline.h): be is the GPU side, held
 	 * under gpu_budget bytes, and attn_backend (host memory: the cpu
 	 * backend) holds the KV pool and runs decode attention. max_step_tokens

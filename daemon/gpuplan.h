@@ -1,11 +1,11 @@
-/* The GPU memory plan of the hybrid pipeline (DESIGN §5.2, issue 7): a GPU
+/* The GPU memory plan of the hybrid pipeline (DESIGN §5.2): a GPU
  * byte budget split into resident weights, two expert slots, activations
  * for the step's token cap and workspace. Pure arithmetic over the
  * performance model's byte counts (daemon/perfmodel.h) and the buffers the
  * pipeline (daemon/pipeline.c) allocates, so that the plan is exactly what
  * the executor asks the GPU for.
  *
- * Rule (issue 7, "simple for now"): embeddings, lm_head, final norm and per
+ * Rule (simple for now): embeddings, lm_head, final norm and per
  * layer the attention, norms and router are always resident; then as many
  * whole experts per layer (the same count r in every layer, experts 0..r-1)
  * as the budget holds next to two slots of the E - r streamed experts and
@@ -24,10 +24,9 @@
 /* Workspace when the caller gives none: cuBLAS' 32 MiB workspaces plus
  * what the GPU gives away outside the backend's byte count: kernel code
  * loaded on first use, cuBLAS' own state and the allocator's rounding of
- * small allocations (measured on an H200 with tests/check_hybrid_cuda.c:
- * 67 MB past the backend's count for the fp32 six-layer test model, 169 MB
- * for the bf16 one once steps run in groups of several sizes, each GEMM
- * shape loading cuBLAS kernels of its own). */
+ * small allocations (tests/check_hybrid_cuda.c shows it growing once steps
+ * run in groups of several sizes, each GEMM shape loading cuBLAS kernels
+ * of its own). */
 #define MLENS_GPUPLAN_WORKSPACE mlens_gpuplan_workspace(MLENS_MOE_STREAMS_DEFAULT)
 /* ... with moe_streams MoE streams, a cuBLAS workspace each. */
 static inline uint64_t mlens_gpuplan_workspace(int moe_streams)
@@ -37,10 +36,8 @@ static inline uint64_t mlens_gpuplan_workspace(int moe_streams)
 /* Tokens per MoE call of the pipeline when chunk is 0, the plan's chunk
  * being at most the group: a group's MoE is one call. The backend's MoE
  * scratch grows with the chunk's rows but its gate/up pieces do not
- * (MLENS_CUDA_MOE_GU_ROWS). Larger calls cost less a token: on an H200
- * the MoE of 12288 tokens ran 1.124 us a token in calls of 2048, 1.031 in
- * 3072 and 0.999 in 4096 on one MoE stream (1.212, 1.142, 1.147 on two;
- * tests/bench/bench_cuda.c). */
+ * (MLENS_CUDA_MOE_GU_ROWS). Larger calls cost less a token
+ * (tests/bench/bench_cuda.c). */
 #define MLENS_GPUPLAN_CHUNK MLENS_CUDA_MOE_CHUNK_TOKENS
 /* The smallest group MLENS_GPUPLAN_GROUP_AUTO tries (or the chunk, when
  * a smaller one is given). */

@@ -12,8 +12,7 @@
  * admission pops them in table order: with requests of one shape the
  * tables stay runs of consecutive blocks, which CPU decode attention
  * streams faster than blocks scattered one by one (mlens-bench attention
- * --block-runs: 5-12% on the lent H200's 15 threads, 25-30% on a 2-core
- * VM); without room, decode growth interleaves the sequences' blocks and a
+ * --block-runs); without room, decode growth interleaves the sequences' blocks and a
  * churned pool's tables become single blocks. */
 #ifndef MLENS_KV_POOL_H
 #define MLENS_KV_POOL_H

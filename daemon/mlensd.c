@@ -650,10 +650,9 @@ static int step_kv_cache(void)
 			 * on auto, leave it a core rather than oversubscribe the
 			 * pool, whose pinned workers cannot move away from it (a
 			 * worker preempted inside a task holds up the end of the
-			 * pool's run). The mover shares the rest: on the H200 (16
-			 * cores) leaving it a core too (14 threads) changed neither
-			 * the GPU's time per group nor the step, and slowed the
-			 * CPU attention by 15%. With gpu_sync = block the worker
+			 * pool's run). The mover shares the rest: leaving it a core
+			 * too changed neither the GPU's time per group nor the
+			 * step, and slowed the CPU attention. With gpu_sync = block the worker
 			 * sleeps while it waits, and the pool takes every core */
 			struct mlens_backend_opts abo = D.bo;
 			if (abo.n_threads <= 0 && D.bo.sync != MLENS_GPU_SYNC_BLOCK)

@@ -450,10 +450,9 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	 * once the attention reads the KV at all: between the attention's
 	 * passes the pipeline's other host traffic (the GPU's K/V stores and
 	 * activation copies through mapped memory, the attention outputs)
-	 * keeps it below its rate alone (H200: a layer's 2.82 GB took 57.5 ms
-	 * in a GPU-bound step, 49 GB/s, against 55 alone and 44-47 beside a
-	 * read; a PCIe-bound step averaged 45.3, where the stream at its lone
-	 * rate outside the attention's time predicted 12% more throughput) */
+	 * keeps it below its rate alone (traces put it near the rate beside
+	 * a read; at its lone rate outside the attention's time the model
+	 * over-predicted PCIe-bound steps: tests/bench/RESULTS.md) */
 	out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io;
 	if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io && kv_read > 0)
 		out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io_shared;
@@ -665,9 +664,9 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		gpu_x = step_gpu_extra(pm, hw, &s1, 1, 1) / n1;
 		/* eq. 2's balance with the transfer at B_IO; then, where the
 		 * stream slows while the CPU attention reads memory, the balance
-		 * with the transfer the step really gets (on the H200 the best
-		 * cap of a sweep lay 25% above the B_IO balance, where the
-		 * model's own throughput peaks too) */
+		 * with the transfer the step really gets (a sweep's best cap
+		 * lies well above the B_IO balance, where the model's own
+		 * throughput peaks too: tests/bench/nreal_sweep.sh) */
 		link_x = (hw->h2d_per_token + s1.decode * qd * (double)pm->abytes / n1) / hw->b_io;
 		out->n_eq = n_balance(hw, streamed, gpu_x, link_x);
 		if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io && isfinite(out->n_eq) &&
@@ -868,7 +867,7 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 	return 0;
 }
 
-/* ==== several GPUs (issue 9; formulas in perfmodel.h) ==== */
+/* ==== several GPUs (formulas in perfmodel.h) ==== */
 
 /* x scaled by shard/whole, or by 1/G when the roofline term is absent */
 static double line_scale(double x, double shard, double whole, int gpus)

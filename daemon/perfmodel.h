@@ -1,4 +1,4 @@
-/* The performance model (issue 8): byte and FLOP accounting of a Mixtral
+/* The performance model: byte and FLOP accounting of a Mixtral
  * layer, n_real, the hierarchical roofline step time, throughput for a
  * workload, and the policy search (expert residency, token groups). Pure
  * arithmetic: it measures nothing; the profiler fills struct mlens_perf_hw.
@@ -62,8 +62,8 @@
  *              measured, bytes / B_IO,shared in a step whose attention
  *              reads the KV at all: between the attention's passes the
  *              pipeline's other host traffic keeps the stream below B_IO
- *              too (measured in the pipeline on an H200: 49 GB/s a
- *              layer, B_IO 55, B_IO,shared 44-47)
+ *              too (the pipeline's traces put a layer's rate near
+ *              B_IO,shared)
  *   PCIe D2H   (decode q,k,v + prefill K/V) / B_D2H
  *              (these activation copies move abytes an element: the
  *              pipeline copies its fp32 activations as they are)
@@ -87,7 +87,7 @@
  * chain (the first stage has no GB to hide GA behind, the last no GA to
  * hide the final GB and attention). Throughput = tokens per step / step.
  *
- * Policy search (MoE-Lightning's policy search, issue 8): over r = 0..E
+ * Policy search (MoE-Lightning's policy search): over r = 0..E
  * resident experts per layer, with r fixed the GPU budget must hold
  * resident weights + two expert slots (E - r experts each, none when
  * r = E) + activations for n_real + workspace; the two groups' split of
@@ -412,7 +412,7 @@ double mlens_perf_seq_blocks(double p, double g, int block_tokens);
 int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
 			    struct mlens_perf_sched_state *out);
 
-/* Issue 7's bound from ceilings measured in the same run, the step's tokens
+/* The hybrid pipeline's bound from ceilings measured in the same run, the step's tokens
  * set by KV capacity alone (no token cap): k = S_kv / g, the accounting above,
  *   W   streamed weight bytes per step (the whole model's non-resident experts)
  *   KV  = context x kv_token_bytes x layers, bytes read by CPU attention
@@ -436,7 +436,7 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
 		     struct mlens_perf_bound *out);
 
-/* ==== several GPUs in one box (issue 9) ====
+/* ==== several GPUs in one box ====
  *
  * G GPUs work on the same step: attention split by heads, experts by
  * intermediate rows (TP) or whole experts (EP), as daemon/shard.h plans.

@@ -1,4 +1,4 @@
-/* The hybrid pipeline executor (issue 7, DESIGN §5, §5.1): one step of a
+/* The hybrid pipeline executor (DESIGN §5, §5.1): one step of a
  * Mixtral model whose experts do not all fit the GPU budget. Two backends:
  * the GPU one (embeddings, norms, QKV, RoPE, prefill attention, O
  * projection, router, experts, lm_head, sampling; with gpu_kv_append also

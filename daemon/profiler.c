@@ -695,9 +695,9 @@ out:
  * drawn at random from all of kv's, a block's rows in order (a prompt's
  * rows fill their blocks; a long-running pool hands blocks out in no
  * order): bytes read and written a second into *rate. Rows into the
- * first slots instead kept the destination (16 MiB of K and of V for
- * 8192 Mixtral rows) in an H200 host's 300 MB L3 and measured 120-138
- * GB/s where the pipeline's appends into a 40 GB pool ran at ~34. */
+ * first slots instead keep the destination in a large L3 and measure
+ * several times the rate of the pipeline's appends into a pool of tens of
+ * GB. */
 static int profile_append(struct mlens_backend *be, struct mlens_kv_cache *kv, int rows,
 			  double *rate, char *err, size_t errlen)
 {

@@ -1,4 +1,4 @@
-/* The pipeline profiler (issue 8): measures the machine through the real
+/* The pipeline profiler: measures the machine through the real
  * components (the engine's backend ops on one layer, the CPU decode
  * attention kernel and its pool, pinned copies, memory reads), fits the
  * GA and GB lines, fills the performance model's hardware description,
@@ -24,10 +24,10 @@
  * several times the last-level cache, alone, and where copies cross a bus
  * again while the copy queue streams pinned host-to-device copies (the
  * weight stream): the model's B_mem is then those reads plus that copy
- * rate, the memory traffic KV reads and weight DMA share. (On the H200
- * the profiler's former scalar reads alone gave 96 GB/s where mlens-bench
- * measured 167-188 GB/s of reads and copies together, so the model named
- * CPU memory where the traces showed PCIe binding.) */
+ * rate, the memory traffic KV reads and weight DMA share. (Scalar reads
+ * alone fall far short of what reads and copies reach together, and the
+ * model then names CPU memory where the traces show PCIe binding;
+ * tests/bench/RESULTS.md has the numbers.) */
 #ifndef MLENS_PROFILER_H
 #define MLENS_PROFILER_H
 

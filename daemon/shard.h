@@ -1,4 +1,4 @@
-/* Partitioning of a Mixtral layer over G GPUs of one box (issue 9): which
+/* Partitioning of a Mixtral layer over G GPUs of one box: which
  * heads, expert rows and experts each GPU owns, what it streams over its own
  * PCIe link per layer, and how many bytes the collectives move per layer.
  * Pure arithmetic; daemon/shard_sim.h runs the sharded math on the CPU and

@@ -1,4 +1,4 @@
-/* A single-process stand-in for G GPUs (issue 9): runs a step of the
+/* A single-process stand-in for G GPUs: runs a step of the
  * sharded forward pass on one host-memory backend (the CPU reference),
  * each "rank" computing its shard of daemon/shard.h with its own weight
  * slices and its own KV cache (its kv heads), and the collectives done as

@@ -1,4 +1,4 @@
-/* Step traces (issue 7): an in-memory recorder of timed spans for the next
+/* Step traces: an in-memory recorder of timed spans for the next
  * few steps, written as Chrome trace-event JSON (chrome://tracing,
  * Perfetto) when the steps are done. Spans are {track, name, t0, t1} in
  * seconds on CLOCK_MONOTONIC (mlens_now(), or a backend's timer_read);

@@ -1,4 +1,4 @@
-/* Description: the hybrid pipeline on the GPU (issue 7; exits 77 without
+/* Description: the hybrid pipeline on the GPU (exits 77 without
  * one). A test model of six layers with every expert streamed: the
  * pipeline (CUDA for GA/GB, the CPU for KV and decode attention, queues
  * and events) against the GPU-only engine, teacher-forced on the engine's

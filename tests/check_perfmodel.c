@@ -825,7 +825,7 @@ START_TEST(sched_respects_activation_cap)
 }
 END_TEST
 
-/* ==== the scheduler's steady state and issue 7's bound ==== */
+/* ==== the scheduler's steady state and the hybrid bound ==== */
 
 START_TEST(seq_blocks_occupancy)
 {
@@ -846,7 +846,7 @@ END_TEST
 START_TEST(sched_steady_state)
 {
 	struct mlens_perf_sched_state s;
-	/* the GPU run of issue 7: cap 4096, p 512, g 32: m0 = floor(4096/543)
+	/* a GPU run: cap 4096, p 512, g 32: m0 = floor(4096/543)
 	 * = 7, D* = max(31 x 7, 4096 - 8 x 512) = 217, k = 7 */
 	ck_assert_int_eq(mlens_perf_sched_steady(512, 32, 4096, 1e9, &s), 0);
 	ck_assert(s.cap_binds);

@@ -1,4 +1,4 @@
-/* Description: several GPUs without GPUs (issue 9). The partitioning
+/* Description: several GPUs without GPUs. The partitioning
  * arithmetic against hand-computed Mixtral-8x7B numbers (heads, kv
  * replication, expert splits even and uneven, streamed bytes, collective
  * volumes) and its refusals; the sharded forward pass on G fake ranks

@@ -524,7 +524,7 @@ int mlens_cpu_round(struct mlens_pool *pool, void *dst, enum mlens_dtype dt, con
 	if (rows < 0 || cols < 0 || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F16))
 		return -EINVAL;
 	/* one attention output of a token group (hundreds of rows of 4096)
-	 * took a thread about 2 ms: the pool does it in its tenth */
+	 * is milliseconds of one thread's work: the pool shares it */
 	if (pool && j.n > ROUND_VALUES && mlens_pool_size(pool) > 1)
 		mlens_pool_run(pool, (int)((j.n + ROUND_VALUES - 1) / ROUND_VALUES), round_task, &j);
 	else
@@ -545,7 +545,7 @@ int mlens_cpu_kv_append(struct mlens_pool *pool, struct mlens_kv_cache *kv, int 
 	/* Each row goes to its own slot, so the rows split freely over the
 	 * pool. One thread converting a prefill group of 4096 rows (48 MiB of
 	 * fp32 in, 16 MiB of bf16 out, Mixtral) took about half of the CPU side
-	 * of each group in the H200 traces, with the pool idle meanwhile. */
+	 * of each group in traces, with the pool idle meanwhile. */
 	if (pool && n > APPEND_ROWS && mlens_pool_size(pool) > 1)
 		mlens_pool_run(pool, (n + APPEND_ROWS - 1) / APPEND_ROWS, append_task, &j);
 	else

@@ -329,8 +329,8 @@ int mlens_cuda_stager_commit(struct mlens_cuda_ctx *c, struct cuda_stager *s, si
 		/* the compute stream's copies go through mlens_cuda_copy
 		 * (sm_copy or an engine); others by the SMs on their stream,
 		 * reading the slot through its mapping: an H2D copy engine
-		 * would queue them behind the weight stream's pieces (on the
-		 * H200 that held the side K/V append ~17 ms a group) */
+		 * would queue them behind the weight stream's pieces (for
+		 * milliseconds a group) */
 		if (s == &c->stage)
 			rc = mlens_cuda_copy(c, s->d, sl->h, used, true);
 		else if (sl->hd)
@@ -647,8 +647,7 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 			int n = (int)(cnt - off < each ? cnt - off : each);
 			size_t r = (size_t)r0 + off;
 			/* gate and up as two calls: one strided-batched call of
-			 * both ran 4-5% slower at 512-768 rows an expert on an
-			 * H200 (bench_cuda moe-gemm, "gu batched") */
+			 * both ran slower (bench_cuda moe-gemm, "gu batched") */
 			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w->w1[e],
 					      w->dtype, n, H, I)) ||
 			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w->w3[e],

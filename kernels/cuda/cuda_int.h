@@ -239,8 +239,7 @@ int mlens_cuda_moe_combine(struct mlens_cuda_ctx *c, float *out, const float *y,
  * host memory), the lookup's error cleared. */
 int mlens_cuda_device_view(const void *p, void **dev, bool *host);
 /* dst[bytes] = src[bytes] by the SMs, on stream st, in at most max_blocks
- * blocks (0: as many as keep PCIe busy on an H200 with the SMs to
- * itself); either side may be mapped host memory (its device address). */
+ * blocks (0: as many as keep PCIe busy with the SMs to itself); either side may be mapped host memory (its device address). */
 int mlens_cuda_sm_copy_on(struct mlens_cuda_ctx *c, cudaStream_t st, void *dst, const void *src,
 			  size_t bytes, unsigned max_blocks);
 /* Greedy token and log-softmax of it (temperature 1) per row, device out. */

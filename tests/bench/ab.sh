@@ -1,7 +1,7 @@
 #!/bin/sh
 # A/B of two mlens builds (or two daemon settings) on one machine, for
-# changes worth a few per cent: two runs of the same code on one H200
-# machine differed by up to 8%, and machines differ more, so a change is
+# changes worth a few per cent: two runs of the same code on one machine
+# differ by several per cent, and machines differ more, so a change is
 # judged by runs of both sides in one sitting, alternated (A B, B A, A B,
 # ...) so that a drift of the machine falls on both.
 #

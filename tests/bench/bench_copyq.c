@@ -21,14 +21,11 @@
  * instead of 5 ms in, the daemon's order: a GA's copies are queued behind
  * its kernels while the previous GB still runs, and the layer's pieces
  * follow as soon as that GB frees the slot.
- * On the H200, queued 5 ms in, the activation copy ran as fast as alone
- * (1.2 ms for 64 MB) in every variant, with or without CPU load. Queued
- * before the pieces behind a GEMM (COPYQ_BEFORE=1 COPYQ_GEMM=1), a 64 MB
- * host-to-GPU copy waited for the whole layer: 52.4 ms with all pieces or
- * two queued, 2.3-3.3 ms with one (the copy engine gets a gap between
- * pieces); 32 B copies and GPU-to-host copies were not delayed. That was
- * the hybrid pipeline's per-layer stall; mlensd's gpu_copy = sm moves
- * the compute stream's copies with the SMs instead. */
+ * Queued before the pieces behind a GEMM (COPYQ_BEFORE=1 COPYQ_GEMM=1), a
+ * host-to-GPU copy waits for the whole layer of pieces queued on the same
+ * copy engine (tests/bench/RESULTS.md has the numbers): the hybrid
+ * pipeline's per-layer stall, which mlensd's gpu_copy = sm avoids by
+ * moving the compute stream's copies with the SMs. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>

@@ -205,10 +205,10 @@ static void free_experts(void **w1, void **w2, void **w3, int E)
  * as the backend's loop does, (b) the experts split over two streams, (c)
  * two cublasGemmGroupedBatchedEx calls (gate and up of every expert, then
  * every down), (d) as (a) with each expert's gate and up in one
- * strided-batched call (4-5% slower on an H200: the backend keeps two
+ * strided-batched call (slower: the backend keeps two
  * calls), (e) as (a) with gate and up one GEMM over a 2I x H matrix that
- * holds w1 and w3 adjacent (rows of [g | u]; 1-7% slower than (a) at
- * 512-1024 rows on an H200, so the slots keep w1 and w3 apart). Outputs
+ * holds w1 and w3 adjacent (rows of [g | u]; slower than (a), so the
+ * slots keep w1 and w3 apart). Outputs
  * bf16 throughout: the grouped
  * call has no fp32 output for bf16 inputs. Prints "moe_gemm" records; no
  * MoE routing or silu. */
@@ -783,14 +783,11 @@ static int bench_kv_store(const struct mlens_backend_opts *o)
  * host pool on queue 2 after GA's rope (kv_append = gpu, the default),
  * and that with 256 MiB of weight-stream copies on queue 1 as well: how
  * much longer GB's ops take beside them (in the pipeline a group's GA and
- * GB took 0.67 + 3.62 ms where these ops alone take 0.57 + 3.07). On the
- * lent H200 neither did much: GA 0.59 -> 0.72 ms with the store beside
- * it, GB 3.07 -> 3.09; with the store's grid cut to 8 blocks GA stayed and
- * GB took 3.26. The pipeline's extra time is the clock: passes here have
- * the GPU idle between them, at its burst clock (1,980 MHz), while the
- * pipeline keeps it at its 700 W power cap, ~1,530 MHz (nvidia-smi; the
- * held GEMM rate of mlens-bench serve's ceilings, 646-672 TFLOP/s against
- * 755-793 for lone GEMMs, says the same). */
+ * GB take longer than these ops alone). Neither does much: the pipeline's
+ * extra time is the clock: passes here have the GPU idle between them, at
+ * its burst clock, while the pipeline keeps it at its power cap (the held
+ * GEMM rate of mlens-bench serve's ceilings says the same; numbers in
+ * tests/bench/RESULTS.md). */
 enum { G_OPS = 11, G_WARM = 3, G_ITERS = 15 };
 static const char *const g_op_name[G_OPS] = {
 	"GA rmsnorm", "GA qkv gemm_multi", "GA rope q", "GA rope k", "GA attn_prefill",

@@ -1,4 +1,4 @@
-/* Benchmark of the hybrid pipeline (issue 7) on a random bf16 Mixtral-
+/* Benchmark of the hybrid pipeline on a random bf16 Mixtral-
  * shaped test model held in host memory: every expert streamed through the
  * two slots, decode attention on the CPU. n_seq sequences prefill ctx
  * tokens each (in steps of at most the cap), then decode steps of n_seq

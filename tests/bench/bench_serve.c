@@ -6,7 +6,7 @@
  * achieved (PCIe, CPU attention, GPU busy). Built with CUDA, before the
  * daemon starts it measures the ceilings of the box (pinned H2D copies, CPU
  * memory reads while such a copy runs, the expert GEMM rate, HBM) and
- * prints the bound they set: issue 7's for the hybrid pipeline, the HBM one
+ * prints the bound they set: the hybrid pipeline's, the HBM one
  * for GPU-only. --predict sets the daemon's performance model beside it at
  * the step size the scheduler really reaches. Formulas: at the functions. */
 #include <errno.h>
@@ -707,7 +707,7 @@ out:
  * queued on a stream (events around them) while every core streams reads
  * over another 1 GiB buffer (kernels/cpu/readbw.c); only read passes that end before
  * the last copy does count, and the copies' own rate over the same time is
- * kept: the memory then serves both, and issue 7's bound charges KV reads
+ * kept: the memory then serves both, and the hybrid bound charges KV reads
  * and the weight DMA to that sum (DESIGN §1: B_mem = B_KV + B_IO). */
 static void measure_host_link(struct ceilings *c)
 {
@@ -983,7 +983,7 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->short_window = w->generations < 1.0;
 }
 
-/* Issue 8's prediction at the step the scheduler reaches (perfmodel.h,
+/* The performance model's prediction at the step the scheduler reaches (perfmodel.h,
  * mlens_perf_sched_steady): the daemon's token cap as it ran, at most
  * min(KV sequences, --concurrency) in flight; the step's time from the
  * daemon's model (profile request with step_tokens), tokens/s from it. */

@@ -1,26 +1,26 @@
 #!/bin/bash
-# One GPU-machine session's measurements in one command, from an unpacked
+# The GPU machine's measurements in one command, from an unpacked
 # `make dist` tree configured --with-cuda and built (or a CUDA build tree):
 #   1. the GPU tests: check_cuda, check_hybrid_cuda(_groups), the goldens on cuda
 #      and hybrid (exact and fast GEMMs), check_gpu_plan
-#   2. the CPU attention headline (issue 5) and its tuning sweep; the
-#      copy-queue probe (tests/bench/bench_copyq.c, issue 7); the CUDA
+#   2. the CPU attention headline and its tuning sweep; the
+#      copy-queue probe (tests/bench/bench_copyq.c); the CUDA
 #      ops benchmark (tests/bench/bench_cuda.c: GEMMs, the MoE per stream
 #      count and chunk)
 #   3. the 8-layer Mixtral-8x7B-shaped model in /dev/shm (written while 1
-#      runs), 3-step traces of a hybrid run (issue 7: where the time goes),
+#      runs), 3-step traces of a hybrid run (where the time goes),
 #      one per TRACE_VARIANTS entry (e.g. "|--group-tokens 0|--threads 13"),
 #      summarised by tests/bench/trace_summary.py
-#   4. the issue-7/8 benchmark set (tests/bench/hybrid.sh) at SCALE and the
-#      transformers+accelerate baseline, then the n_real sweep (issue 8)
+#   4. the hybrid benchmark set (tests/bench/hybrid.sh) at SCALE and the
+#      transformers+accelerate baseline, then the n_real sweep
 # GPU_TESTS overrides the tests of part 1.
 # Each part has a time limit (seconds: T_TESTS, T_ATTN, T_COPYQ, T_BENCH,
 # T_TRACE, T_SET, T_SWEEP; 0 skips the part; T_BENCH and T_SWEEP default
 # 0) so that the whole fits one device call; what a part did not finish
 # is said. Everything goes to $OUT/session.tgz (one file) and a
 # summary to stdout.
-# Usage: gpu_session.sh [SCALE]   (default 0.25: a quarter of issue 7's
-#        three pool-fulls of requests per workload)
+# Usage: gpu_session.sh [SCALE]   (default 0.25: a quarter of
+#        hybrid.sh's three pool-fulls of requests per workload)
 set -u
 SCALE=${1:-0.25}
 OUT=${OUT:-$PWD/out}
@@ -78,7 +78,7 @@ for r in d["results"]: print("%-7s %2d threads %7.2f GB/s %5.0f%%" % (r["variant
 cat "$R/attn_sweep.txt" 2>/dev/null
 
 # does anything delay the pipeline's activation copies behind the weight
-# stream? (issue 7: once a layer a GPU command lasts as long as the
+# stream? (once a layer a GPU command lasts as long as the
 # layer's copy); alone, then with the CPU reading memory as the attention
 # does
 if [ "$T_COPYQ" -gt 0 ] && [ -x ./tests/bench/bench_copyq ]; then

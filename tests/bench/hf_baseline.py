@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The baseline a user would otherwise reach for (issue 7): Hugging Face
+"""The baseline a user would otherwise reach for: Hugging Face
 transformers + accelerate serving the same model directory under the same
 GPU memory budget, the weights that do not fit offloaded to CPU memory by
 accelerate's device_map. Generates greedily for N prompts of P random

@@ -1,10 +1,10 @@
 #!/bin/sh
-# Issues 7 and 8's benchmark set, for the GPU machine, from a configured CUDA
+# The hybrid pipeline's benchmark set, for the GPU machine, from a configured CUDA
 # build tree: a Mixtral-8x7B-shaped model with 8 layers (bf16, ~23.7 GB,
 # written to /dev/shm once), GPU budget 8 GiB (so mlensd runs the hybrid
 # pipeline), KV pool 40 GiB in pinned host memory; workloads p=512/g=128,
-# p=512/g=32 and p=128/g=32, and p=512/g=32 again with a 20 GiB pool (issue
-# 8's two mixes x two KV sizes), each with about three times as many
+# p=512/g=32 and p=128/g=32, and p=512/g=32 again with a 20 GiB pool (two
+# mixes x two KV sizes, for the performance model), each with about three times as many
 # requests as the pool holds at once and --predict; then the baseline a user
 # would reach for, transformers + accelerate offloading the same model under
 # the same budget (tests/bench/hf_baseline.py), on a small workload.
@@ -13,12 +13,12 @@
 #
 # Usage: hybrid.sh [GPU_MEMORY] [KV_CACHE] [SCALE]
 #   SCALE (default 1.0) multiplies the request counts to fit a time limit
-#   (below 1 the runs hold fewer than issue 7's three pool-fulls: said so).
+#   (below 1 the runs hold fewer than three pool-fulls: said so).
 # Environment:
 #   RUNS             runs to do, in order (default all):
 #                    p512g128 p512g32 p128g32 p512g32kv20 p512g128kv20 hf,
-#                    or p128g32kv20 (a kv20 run with its 40G pair: issue
-#                    8's two mixes x two pool sizes)
+#                    or p128g32kv20 (a kv20 run with its 40G pair: two
+#                    mixes x two pool sizes)
 #   MAX_STEP_TOKENS  passed to mlensd as --max-step-tokens (default: unset,
 #                    the daemon's own cap: n_real from its profile)
 #   DAEMON_ARGS      more mlensd arguments, split at blanks (for example
@@ -35,9 +35,8 @@
 #                    request's replacement after the step that finished it,
 #                    so the daemon sees it a step later; with no more
 #                    outstanding than the pool holds, its queue is empty at
-#                    admission and the pool runs ~5% short of full (p=128/
-#                    g=32 on the H200: steps of 40.8k tokens where a full
-#                    pool gives 42.9k), below the bound's full pool
+#                    admission and the pool runs a few per cent short of
+#                    full, below the bound's full pool
 #   KV2              the second pool size (20G)
 #   BACKEND          mlensd's backend (cuda; cpu to try the script on a
 #                    small model given as MLENS_SERVE_MODEL)
@@ -108,7 +107,7 @@ for r in $RUNS; do
 done
 echo "  total ~$total s"
 awk -v k="$SCALE" 'BEGIN { exit !(k < 1) }' &&
-	echo "  note: SCALE < 1: fewer requests than issue 7's three pool-fulls"
+	echo "  note: SCALE < 1: fewer requests than three pool-fulls"
 [ "${DRY:-0}" = 1 ] && exit 0
 
 if [ ! -f "$MODEL/config.json" ]; then

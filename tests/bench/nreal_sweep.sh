@@ -1,5 +1,5 @@
 #!/bin/sh
-# Issue 8's check of n_real, for the GPU machine, from a configured CUDA
+# The check of n_real, for the GPU machine, from a configured CUDA
 # build tree: one hybrid workload (default p=512/g=32, KV pool 40 GiB, GPU
 # budget 8 GiB, the model of hybrid.sh) run with the scheduler's token cap
 # pinned at several multiples of the daemon's n_real, each long enough for
@@ -13,10 +13,8 @@
 #   N_REAL        the grid's centre; else predicted.n_real of
 #                 $OUT/hybrid_p<P>g<G>.json (hybrid.sh, same budget), else
 #                 a short probe run with --predict (one more start-up)
-#   STEADY_STEPS  steps of steady state per point (80; 40 gave 39-44
-#                 steps in windows of 18-31 s on the H200 at p512/g32 60G,
-#                 whose rates lay within 4.5% of each other: too close to
-#                 call; 10 read up to 20% low against a 57-s window)
+#   STEADY_STEPS  steps of steady state per point (80; fewer give windows
+#                 whose rates are too close to call or read low)
 #   EXPECT_TPS    total tokens/s assumed for the time estimate (30000)
 #   STARTUP_S     seconds per run outside the requests (45)
 #   BACKEND       mlensd's backend (cuda)

@@ -1,5 +1,5 @@
 #!/bin/sh
-# GPU machine run of issue 6 (from a configured CUDA build tree): build,
+# The GPU machine's serving run (from a configured CUDA build tree): build,
 # make check (check_cuda, goldens on CUDA, everything else), the tenant
 # integration test on --backend cuda, then mlens-bench serve on a
 # Mixtral-8x7B-shaped model (8 layers, bf16, written to /dev/shm while the

@@ -2,8 +2,8 @@
 """Summarise a hybrid step trace (mlensctl trace FILE): step times, each
 track's span count and busy time, the medians of the CPU attention (C) and
 the GPU's GA and GB per token group, the GPU commands that ran over a
-threshold (a GA or GB of a 4096-token group takes 2-7 ms on the H200, so
-one much longer waited for something), and per layer: token groups, the
+threshold (a GA or GB of a 4096-token group takes a few ms, so one much
+longer waited for something), and per layer: token groups, the
 GPU's time from the layer's first GA to its last GB, and how long the
 weight stream then stood idle (waiting for a slot: the GPU side is the
 slower one; none: the stream is), and where the GPU stood idle: before a
