@@ -270,6 +270,28 @@ START_TEST(test_limits)
 }
 END_TEST
 
+/* A large template parses in linear time: lines are counted once, and the
+ * token array does not stay behind in the template's memory. */
+START_TEST(test_big_template)
+{
+	static const char block[] = "{% if true %}x{% endif %}\n";
+	size_t n = 200000, len = n * (sizeof(block) - 1);
+	char *text = malloc(len + 1), *out, *err;
+	struct timespec t0, t1;
+
+	for (size_t i = 0; i < n; i++)
+		memcpy(text + i * (sizeof(block) - 1), block, sizeof(block) - 1);
+	text[len] = 0;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ck_assert_int_eq(render(text, MSGS, 0, NULL, &out, &err), 0);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	ck_assert_uint_eq(strlen(out), n);
+	ck_assert_msg(t1.tv_sec - t0.tv_sec < 20, "a %zu-byte template took %ld s", len, (long)(t1.tv_sec - t0.tv_sec));
+	free(out);
+	free(text);
+}
+END_TEST
+
 /* ==== Arguments and messages ==== */
 
 START_TEST(test_bad_input)
@@ -488,6 +510,7 @@ static Suite *chat_suite(void)
 	tcase_add_test(t, test_parse_errors);
 	tcase_add_test(t, test_render_errors);
 	tcase_add_test(t, test_limits);
+	tcase_add_test(t, test_big_template);
 	tcase_add_test(t, test_bad_input);
 	tcase_add_test(t, test_strftime_now);
 	tcase_add_test(t, test_threads);
