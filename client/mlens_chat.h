@@ -20,7 +20,7 @@ struct mlens_chat_template;
 /* Loads the chat template of the model directory dir: chat_template.jinja
  * if present, else "chat_template" of tokenizer_config.json (a string, or a
  * list of {"name", "template"} of which "default" is taken), with bos_token
- * and eos_token from tokenizer_config.json. */
+ * and eos_token from tokenizer_config.json (or special_tokens_map.json). */
 int mlens_chat_template_open(const char *dir, struct mlens_chat_template **out, char **errmsg);
 
 /* Parses template text (len bytes) with the given bos_token and eos_token

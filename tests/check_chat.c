@@ -460,6 +460,22 @@ START_TEST(test_open)
 	ck_assert_str_eq(out, "<s>[hi]</s>True");
 	free(out);
 
+	/* tokens missing from the config come from special_tokens_map.json */
+	write_file("tokenizer_config.json", "{\"chat_template\": \"{{ bos_token }}|{{ eos_token }}\", "
+		   "\"bos_token\": null}");
+	write_file("special_tokens_map.json", "{\"bos_token\": {\"content\": \"<B>\"}, \"eos_token\": \"<E>\"}");
+	out = open_render(0, NULL);
+	ck_assert_str_eq(out, "<B>|<E>");
+	free(out);
+	write_file("special_tokens_map.json", "[]");
+	out = open_render(-EINVAL, "special_tokens_map.json: not a JSON object");
+	{
+		char p[256];
+
+		snprintf(p, sizeof(p), "%s/special_tokens_map.json", dir);
+		unlink(p);
+	}
+
 	/* a list of named templates: "default" is taken */
 	write_file("tokenizer_config.json",
 		   "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"tools\"}, "
