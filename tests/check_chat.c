@@ -422,6 +422,14 @@ static void write_file(const char *name, const char *text)
 	fclose(f);
 }
 
+static void remove_file(const char *name)
+{
+	char path[256];
+
+	snprintf(path, sizeof(path), "%s/%s", dir, name);
+	unlink(path);
+}
+
 static char *open_render(int want_rc, const char *needle)
 {
 	struct mlens_chat_template *t = NULL;
@@ -469,12 +477,7 @@ START_TEST(test_open)
 	free(out);
 	write_file("special_tokens_map.json", "[]");
 	out = open_render(-EINVAL, "special_tokens_map.json: not a JSON object");
-	{
-		char p[256];
-
-		snprintf(p, sizeof(p), "%s/special_tokens_map.json", dir);
-		unlink(p);
-	}
+	remove_file("special_tokens_map.json");
 
 	/* a list of named templates: "default" is taken */
 	write_file("tokenizer_config.json",
@@ -498,20 +501,10 @@ START_TEST(test_open)
 	out = open_render(-EINVAL, "chat_template.jinja: line 2: expected an expression");
 
 	/* a broken config */
-	{
-		char p[256];
-
-		snprintf(p, sizeof(p), "%s/chat_template.jinja", dir);
-		unlink(p);
-	}
+	remove_file("chat_template.jinja");
 	write_file("tokenizer_config.json", "{\"chat_template\": ");
 	out = open_render(-EINVAL, "tokenizer_config.json: line 1");
-	{
-		char p[256];
-
-		snprintf(p, sizeof(p), "%s/tokenizer_config.json", dir);
-		unlink(p);
-	}
+	remove_file("tokenizer_config.json");
 	rmdir(dir);
 }
 END_TEST
