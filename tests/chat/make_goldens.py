@@ -147,6 +147,21 @@ RICH_TOOLS = {"tools": [WEATHER_TOOL, {
     }}, {"type": "function", "function": {"name": "noop", "description": "Nothing",
                                           "parameters": {"type": "object", "properties": {}}}}]}
 
+# OpenAI-style: null content beside tool calls, arguments as a JSON string
+DEEPSEEK_TOOL_TURNS = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Weather in Paris and Köln?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+        {"id": "c2", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Köln\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "21"},
+    {"role": "tool", "tool_call_id": "c2", "content": "18"},
+    {"role": "assistant", "content": "<think>\nboth warm\n</think>\n\nParis 21, Köln 18."},
+    {"role": "user", "content": "Thanks"},
+]
+
 # ---- the real templates --------------------------------------------------
 
 S, ES = "<s>", "</s>"
@@ -194,6 +209,10 @@ REAL = [
         ("qwen3_tool_loop", QWEN3_TOOL_LOOP, RICH_TOOLS)]),
     ("olmo-2-instruct", "<|endoftext|>", "<|endoftext|>", [
         ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("multi", MULTI, None)]),
+    ("deepseek-r1-distill-qwen", "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+     "<\uff5cend\u2581of\u2581sentence\uff5c>", [
+        ("user", USER, None), ("think", QWEN3_THINK, None), ("tool_turns", DEEPSEEK_TOOL_TURNS, None),
+        ("tool_last", DEEPSEEK_TOOL_TURNS[:5], None)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [
