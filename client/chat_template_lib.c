@@ -465,7 +465,8 @@ struct ct_val ct_slice(struct ct_render *r, int line, struct ct_val obj, struct 
 	} else if (obj.type == CT_UNDEF) {
 		ct_fail_undef(r, line, obj);
 	} else {
-		ct_fail(r, line, "a %s cannot be sliced", ct_type_name(obj));
+		/* Jinja turns a failed subscript into an undefined value */
+		return ct_undef(r, "'%s object' is not subscriptable", ct_type_name(obj));
 	}
 	b = slice_bound(r, line, start, n, s, s < 0 ? n - 1 : 0);
 	e = slice_bound(r, line, stop, n, s, s < 0 ? -1 : n);
@@ -748,7 +749,7 @@ int ct_test_id(const char *name)
 
 int ct_test(struct ct_render *r, int line, int id, struct ct_val v, const struct ct_args *a)
 {
-	const struct ct_val *x = arg(a, 0, "value");
+	const struct ct_val *x = arg(a, 0, id == T_DIVISIBLEBY ? "num" : "value");
 
 	switch (id) {
 	case T_DEFINED: return v.type != CT_UNDEF;
@@ -770,22 +771,28 @@ int ct_test(struct ct_render *r, int line, int id, struct ct_val v, const struct
 	case T_ODD:
 	case T_EVEN:
 	case T_DIVISIBLEBY: {
-		long long d = id == T_DIVISIBLEBY ? arg_int(r, line, a, 0, "num", "divisibleby", 0) : 2;
+		/* Python's value % 2 == 1, value % 2 == 0, value % num == 0 */
+		struct ct_val num = id == T_DIVISIBLEBY ? (x ? *x : CT_UNDEF_VAL) : CT_INT_VAL(2), m;
 
-		if (v.type != CT_INT && v.type != CT_BOOL)
-			ct_fail(r, line, "test '%s' needs an integer, not %s",
-				id == T_ODD ? "odd" : id == T_EVEN ? "even" : "divisibleby", ct_type_name(v));
-		if (!d)
-			ct_fail(r, line, "divisibleby(0)");
-		if (d == -1)
-			return id != T_ODD;
-		return id == T_ODD ? inum(v) % 2 != 0 : inum(v) % d == 0;
+		if (!is_num(v) || !is_num(num))
+			ct_fail(r, line, "test '%s' needs numbers, not %s",
+				id == T_ODD ? "odd" : id == T_EVEN ? "even" : "divisibleby",
+				ct_type_name(is_num(v) ? num : v));
+		m = ct_binop(r, line, OP_MOD, v, num);
+		return ct_equal(m, CT_INT_VAL(id == T_ODD));
 	}
 	case T_LOWER:
-	case T_UPPER:
-		if (v.type != CT_STR)
-			return 0;
-		return ct_equal(v, change_case(r, v.u.s, id == T_LOWER ? 'L' : 'U'));
+	case T_UPPER: {
+		/* str(value).islower(): some cased letter, none of the other case */
+		const struct ct_str *str = ct_stringify(r, line, v).u.s;
+		int lower = 0, upper = 0;
+
+		for (size_t i = 0; i < str->len; i++) {
+			lower |= str->s[i] >= 'a' && str->s[i] <= 'z';
+			upper |= str->s[i] >= 'A' && str->s[i] <= 'Z';
+		}
+		return id == T_LOWER ? lower && !upper : upper && !lower;
+	}
 	}
 	if (!x)
 		ct_fail(r, line, "this test needs a value to compare with");
@@ -944,7 +951,8 @@ static struct ct_val select_items(struct ct_render *r, int line, int id, struct 
 {
 	int by_attr = id == F_SELECTATTR || id == F_REJECTATTR;
 	int keep_if = id == F_SELECT || id == F_SELECTATTR;
-	struct ct_list *in = ct_iterate(r, line, v), *out = ct_list_new(r, 0);
+	/* as Jinja's: a false value (0, none, "") selects nothing */
+	struct ct_list *in = ct_iterate(r, line, ct_truthy(v) ? v : CT_UNDEF_VAL), *out = ct_list_new(r, 0);
 	const struct ct_val *attr = NULL;
 	const char *test = NULL;
 	struct ct_args targs = { 0 };
@@ -1198,7 +1206,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	}
 	case F_MAP: {
 		const struct ct_val *attr = arg(a, 99, "attribute"), *def = arg(a, 99, "default");
-		struct ct_list *in = ct_iterate(r, line, v), *l = ct_list_new(r, in->n);
+		struct ct_list *in = ct_iterate(r, line, ct_truthy(v) ? v : CT_UNDEF_VAL), *l = ct_list_new(r, in->n);
 		const char *fname = NULL;
 		struct ct_args fargs = rest(a, 1);
 

@@ -336,6 +336,11 @@ FEATURES = {
     "unicode_space": (
         "[{{ '\u00a0\u3000 x \u2003y\u00a0\n'|trim }}][{{ '\u00a0a\u2028b  c\u205f'.split() }}]"
         "[{{ 'a\u00a0b c'.split(none, 1) }}][{{ '\x1fz\x85'.strip() }}][{{ 'é'.strip() }}]"),
+    "jinja_quirks": (
+        "[{{ (7)[1:] }}][{{ {'a': 1}[::-1] is defined }}][{{ 0|map('string')|list }}]"
+        "[{{ none|select|list }}][{{ false|selectattr('x')|list }}][{{ 12 is lower }}]"
+        "[{{ [1, 'a'] is lower }}][{{ -0.25 is odd }}][{{ 3.0 is odd }}][{{ 4.5 is divisibleby 1.5 }}]"
+        "[{{ true is odd }}][{{ -3 is odd }}]"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
