@@ -991,6 +991,8 @@ static struct ct_val to_number(struct ct_render *r, int line, struct ct_val v, i
 	struct ct_val d = def ? *def : want_int ? CT_INT_VAL(0) : (struct ct_val){ .type = CT_FLOAT };
 
 	switch (v.type) {
+	case CT_UNDEF:
+		ct_fail_undef(r, line, v);	/* int(Undefined) raises in Jinja */
 	case CT_INT:
 	case CT_BOOL:
 		return want_int ? CT_INT_VAL(inum(v)) : (struct ct_val){ .type = CT_FLOAT, .u.f = fnum(v) };

@@ -340,7 +340,7 @@ FEATURES = {
         "[{{ (7)[1:] }}][{{ {'a': 1}[::-1] is defined }}][{{ 0|map('string')|list }}]"
         "[{{ none|select|list }}][{{ false|selectattr('x')|list }}][{{ 12 is lower }}]"
         "[{{ [1, 'a'] is lower }}][{{ -0.25 is odd }}][{{ 3.0 is odd }}][{{ 4.5 is divisibleby 1.5 }}]"
-        "[{{ true is odd }}][{{ -3 is odd }}]"),
+        "[{{ true is odd }}][{{ -3 is odd }}]{% for m in messages %}[{{ loop }}]{% endfor %}"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
