@@ -8,6 +8,7 @@
 
 #include <setjmp.h>
 #include <stddef.h>
+#include <stdint.h>
 
 /* ==== Arena ==== */
 
@@ -208,6 +209,7 @@ int ct_equal(struct ct_val a, struct ct_val b);
 int ct_compare(struct ct_render *r, int line, struct ct_val a, struct ct_val b);
 const char *ct_type_name(struct ct_val v);
 size_t ct_utf8_len(const char *s, size_t n);
+void ct_utf8_put(char *out, size_t *n, uint32_t c);	/* c as UTF-8 at out + *n (4 bytes room) */
 
 /* Python's str() and repr() of a value, and json.dumps() as transformers'
  * tojson calls it. */

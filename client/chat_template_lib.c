@@ -103,29 +103,116 @@ static struct ct_val strip(struct ct_render *r, const struct ct_str *s, const st
 	return ct_str_val(r, s->s + b, e - b);
 }
 
+/* ==== Case ==== */
+
+/* Python's simple case mappings for Latin-1, Latin Extended-A, Greek and
+ * Cyrillic; other code points have no case here. */
+static uint32_t cp_upper(uint32_t c)
+{
+	if ((c >= 'a' && c <= 'z') || (c >= 0xe0 && c <= 0xfe && c != 0xf7) ||
+	    (c >= 0x3b1 && c <= 0x3cb && c != 0x3c2) || (c >= 0x430 && c <= 0x44f))
+		return c - 0x20;
+	if (c >= 0x450 && c <= 0x45f)
+		return c - 0x50;
+	if ((c >= 0x100 && c <= 0x12f) || (c >= 0x132 && c <= 0x137) || (c >= 0x14a && c <= 0x177))
+		return c & ~1u;
+	if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17e))
+		return c & 1 ? c : c - 1;
+	switch (c) {
+	case 0xb5: return 0x39c;
+	case 0xff: return 0x178;
+	case 0x131: return 'I';
+	case 0x17f: return 'S';
+	case 0x3c2: return 0x3a3;
+	case 0x3ac: return 0x386;
+	case 0x3ad: case 0x3ae: case 0x3af: return c - 0x25;
+	case 0x3cc: return 0x38c;
+	case 0x3cd: case 0x3ce: return c - 0x3f;
+	}
+	return c;
+}
+
+static uint32_t cp_lower(uint32_t c)
+{
+	if ((c >= 'A' && c <= 'Z') || (c >= 0xc0 && c <= 0xde && c != 0xd7) ||
+	    (c >= 0x391 && c <= 0x3ab && c != 0x3a2) || (c >= 0x410 && c <= 0x42f))
+		return c + 0x20;
+	if (c >= 0x400 && c <= 0x40f)
+		return c + 0x50;
+	if ((c >= 0x100 && c <= 0x12f) || (c >= 0x132 && c <= 0x137) || (c >= 0x14a && c <= 0x177))
+		return c | 1;
+	if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17e))
+		return c & 1 ? c + 1 : c;
+	switch (c) {
+	case 0x178: return 0xff;
+	case 0x386: return 0x3ac;
+	case 0x388: case 0x389: case 0x38a: return c + 0x25;
+	case 0x38c: return 0x3cc;
+	case 0x38e: case 0x38f: return c + 0x3f;
+	}
+	return c;
+}
+
+static int cp_cased(uint32_t c)
+{
+	return cp_upper(c) != c || cp_lower(c) != c || c == 0xdf || c == 0x138 || c == 0x149;
+}
+
+/* The code point at s (n bytes left); *k its length. */
+static uint32_t cp_decode(const char *s, size_t n, size_t *k)
+{
+	const unsigned char *u = (const unsigned char *)s;
+	int more = u[0] >= 0xf0 ? 3 : u[0] >= 0xe0 ? 2 : u[0] >= 0xc0 ? 1 : 0;
+	uint32_t c = u[0] & (0x7f >> more);
+
+	*k = 1;
+	for (int i = 0; i < more && *k < n && (u[*k] & 0xc0) == 0x80; i++)
+		c = (c << 6) | (u[(*k)++] & 0x3f);
+	return c;
+}
+
 /* how: 'U' upper, 'L' lower, 'C' capitalize, 'T' str.title (a word starts
- * after any non-letter), 'J' Jinja's title filter (after blanks and -({[<) */
+ * after any uncased character), 'J' Jinja's title filter (after blanks and
+ * -({[<), which upper-cases a word's first letter rather than title-cases
+ * it. Σ lowers to ς at a word's end and ß uppers to SS, as Python. */
 static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, char how)
 {
-	struct ct_val v = ct_str_val(r, s->s, s->len);
-	char *p = v.u.s->s;
-	int start = 1;
+	struct ct_buf b = { .r = r };
+	int start = 1, prev_cased = 0;
 
-	for (size_t i = 0; i < s->len; i++) {
-		char c = p[i];
-		int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+	for (size_t i = 0; i < s->len;) {
+		size_t k, k2 = 0, o = 0;
+		uint32_t c = cp_decode(s->s + i, s->len - i, &k), d;
 		int up = how == 'U' || ((how == 'T' || how == 'J') && start) || (how == 'C' && i == 0);
+		char enc[8];
 
-		if (up && c >= 'a' && c <= 'z')
-			p[i] = (char)(c - 32);
-		else if (!up && how != 'U' && c >= 'A' && c <= 'Z')
-			p[i] = (char)(c + 32);
+		/* the mappings to two code points */
+		if (c == 0xdf && up) {
+			ct_buf_puts(&b, how == 'U' || how == 'J' ? "SS" : "Ss");	/* ß */
+		} else if (c == 0x149 && up) {
+			ct_buf_puts(&b, "\xca\xbcN");	/* ŉ: ʼN */
+		} else if (c == 0x130 && !up) {
+			ct_buf_puts(&b, "i\xcc\x87");	/* İ: i and a combining dot */
+		} else {
+			d = up ? cp_upper(c) : cp_lower(c);
+			if (c == 0x3a3 && !up && prev_cased &&
+			    !(i + k < s->len && cp_cased(cp_decode(s->s + i + k, s->len - i - k, &k2))))
+				d = 0x3c2;	/* final sigma */
+			if (d == c) {
+				ct_buf_put(&b, s->s + i, k);
+			} else {
+				ct_utf8_put(enc, &o, d);
+				ct_buf_put(&b, enc, o);
+			}
+		}
+		prev_cased = cp_cased(c);
 		if (how == 'T')
-			start = !alpha && !(c & 0x80);
+			start = !prev_cased;
 		else if (how == 'J')
-			start = is_ws(c) || (c && strchr("-({[<", c));
+			start = c < 0x80 && (is_ws((char)c) || (c && strchr("-({[<", (int)c)));
+		i += k;
 	}
-	return v;
+	return ct_buf_val(&b);
 }
 
 static const char *find(const char *h, size_t hn, const char *n, size_t nn)
@@ -787,9 +874,13 @@ int ct_test(struct ct_render *r, int line, int id, struct ct_val v, const struct
 		const struct ct_str *str = ct_stringify(r, line, v).u.s;
 		int lower = 0, upper = 0;
 
-		for (size_t i = 0; i < str->len; i++) {
-			lower |= str->s[i] >= 'a' && str->s[i] <= 'z';
-			upper |= str->s[i] >= 'A' && str->s[i] <= 'Z';
+		for (size_t i = 0, k; i < str->len; i += k) {
+			uint32_t c = cp_decode(str->s + i, str->len - i, &k);
+
+			if (cp_lower(c) != c)
+				upper = 1;
+			else if (cp_cased(c))
+				lower = 1;
 		}
 		return id == T_LOWER ? lower && !upper : upper && !lower;
 	}

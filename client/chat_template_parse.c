@@ -178,7 +178,7 @@ static int line_of(struct parser *p, size_t pos)
 	return p->line;
 }
 
-static void put_utf8(char *out, size_t *n, uint32_t c)
+void ct_utf8_put(char *out, size_t *n, uint32_t c)
 {
 	if (c < 0x80) {
 		out[(*n)++] = (char)c;
@@ -246,7 +246,7 @@ static struct ct_val unescape(struct parser *p, const char *s, size_t n, int lin
 				while (k < 3 && i < n && s[i] >= '0' && s[i] <= '7')
 					v = v * 8 + (uint32_t)(s[i++] - '0'), k++;
 				i--;
-				put_utf8(out, &o, v);
+				ct_utf8_put(out, &o, v);
 			} else {
 				out[o++] = '\\';
 				out[o++] = c;
@@ -265,7 +265,7 @@ static struct ct_val unescape(struct parser *p, const char *s, size_t n, int lin
 			if (v > 0x10ffff)
 				perr(p, line, "escape \\%c beyond Unicode in a string literal", c);
 			i += (size_t)digits;
-			put_utf8(out, &o, v);
+			ct_utf8_put(out, &o, v);
 		}
 	}
 	return pstr(p, out, o);

@@ -341,6 +341,13 @@ FEATURES = {
         "[{{ none|select|list }}][{{ false|selectattr('x')|list }}][{{ 12 is lower }}]"
         "[{{ [1, 'a'] is lower }}][{{ -0.25 is odd }}][{{ 3.0 is odd }}][{{ 4.5 is divisibleby 1.5 }}]"
         "[{{ true is odd }}][{{ -3 is odd }}]{% for m in messages %}[{{ loop }}]{% endfor %}"),
+    "unicode_case": (
+        "{% set s = 'ÉCOLE ñandú Straße ΟΔΥΣΣΕΥΣ ΣΑΣ привет ĲĳŁł Ÿÿ µ ĸ ŉ İı ſ ΆΈΉΊΌΎΏ άέήίόύώ ΪΫ ЁЂѐђ "
+        "abcXYZ 123' %}{{ s|lower }}\n{{ s|upper }}\n{{ s.lower() }}\n{{ s.upper() }}\n"
+        "{{ 'élan vital ßtraße 3rd ÉCOLE-été (ñu)'|title }} {{ 'élan vital ßtraße 3rd ÉCOLE-été'.title() }}\n"
+        "{{ 'élan VITAL'|capitalize }} {{ 'ßa'.capitalize() }} {{ 'Σ'|lower }} {{ 'ΑΣ Σ.'|lower }} "
+        "{{ 'ÉCOLE' is upper }} {{ 'école' is lower }} {{ 'Éc' is lower }} {{ 'ß' is lower }}\n"
+        "{{ ['É', 'a', 'é']|unique|list }} {{ ['b', 'É', 'a', 'é']|sort }} {{ {'É': 1, 'a': 2}|dictsort }}"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
