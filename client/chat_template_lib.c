@@ -1260,7 +1260,11 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	}
 	case F_FIRST:
 	case F_LAST: {
-		struct ct_list *l = ct_iterate(r, line, v);
+		struct ct_list *l;
+
+		if (id == F_LAST && v.type == CT_UNDEF)
+			ct_fail_undef(r, line, v);	/* reversed(Undefined) raises in Jinja */
+		l = ct_iterate(r, line, v);
 
 		if (!l->n)
 			return ct_undef(r, "%s: the sequence is empty", name);

@@ -210,6 +210,7 @@ START_TEST(test_render_errors)
 	expect_render_error("{{ nothing.attr }}", -EINVAL, "'nothing' is undefined");
 	expect_render_error("{{ nothing + 1 }}", -EINVAL, "'nothing' is undefined");
 	expect_render_error("{{ nothing|int }}", -EINVAL, "'nothing' is undefined");
+	expect_render_error("{{ nothing|last }}", -EINVAL, "'nothing' is undefined");
 	expect_render_error("{{ 'a' + 1 }}", -EINVAL, "unsupported operand types for +: str and int");
 	expect_render_error("{{ 1 // 0 }}", -EINVAL, "division by zero");
 	expect_render_error("{{ '%5d' % 1 }}", -EINVAL, "only %s, %r, %d and %i are supported");
