@@ -32,7 +32,9 @@ int mlens_chat_template_parse(const char *text, size_t len, const char *bos_toke
 /* Renders messages_json (a JSON array of message objects) into *out (a NUL-
  * terminated string of *out_len bytes, free with free(3)). extra_json is
  * NULL or a JSON object whose members become template variables (tools,
- * documents, enable_thinking, ...). */
+ * documents, enable_thinking, ...). -EBADMSG: the template refused the
+ * messages (raise_exception), *errmsg is its own words for the sender;
+ * -EINVAL: bad JSON or a render error; -E2BIG: a render limit was reached. */
 int mlens_chat_template_render(const struct mlens_chat_template *tpl, const char *messages_json,
 			       int add_generation_prompt, const char *extra_json, char **out,
 			       size_t *out_len, char **errmsg);
