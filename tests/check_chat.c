@@ -73,6 +73,34 @@ static size_t first_diff(const char *a, size_t an, const char *b, size_t bn)
 	return i;
 }
 
+/* Templates that print strftime_now's date have %TODAY% in their golden
+ * text; *buf gets a copy with today's date there (or stays NULL). */
+static const char *with_today(const char *expected, char **buf)
+{
+	const char *at = strstr(expected, "%TODAY%");
+	char day[32];
+	time_t now = time(NULL);
+	struct tm tm;
+	size_t n = 0;
+
+	if (!at)
+		return expected;
+	localtime_r(&now, &tm);
+	strftime(day, sizeof(day), "%Y-%m-%d", &tm);
+	*buf = malloc(strlen(expected) * 2 + 32);
+	for (const char *p = expected; *p;) {
+		if (!strncmp(p, "%TODAY%", 7)) {
+			memcpy(*buf + n, day, strlen(day));
+			n += strlen(day);
+			p += 7;
+		} else {
+			(*buf)[n++] = *p++;
+		}
+	}
+	(*buf)[n] = 0;
+	return *buf;
+}
+
 START_TEST(test_goldens)
 {
 	char path[4096];
@@ -91,11 +119,13 @@ START_TEST(test_goldens)
 		const char *expected = json_string_value(json_object_get(c, "expected"));
 		const char *error = json_string_value(json_object_get(c, "error"));
 		json_t *extra = json_object_get(c, "extra");
-		char *text, *msgs, *xs = NULL, *out = NULL, *err = NULL;
+		char *text, *msgs, *xs = NULL, *out = NULL, *err = NULL, *today = NULL;
 		struct mlens_chat_template *t;
 		size_t out_len = 0;
 		int rc;
 
+		if (expected)
+			expected = with_today(expected, &today);
 		if (tname) {
 			snprintf(path, sizeof(path), "%s/tests/chat/templates/%s.jinja", srcdir(), tname);
 			text = slurp(path);
@@ -143,6 +173,7 @@ START_TEST(test_goldens)
 			n_ok++;
 		}
 next:
+		free(today);
 		free(text);
 		free(msgs);
 		free(xs);

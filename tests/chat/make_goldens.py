@@ -11,6 +11,7 @@ Run by hand when cases change (needs network once):
 and commit the JSON it writes. It uses transformers' own renderer
 (transformers.utils.chat_template_utils.render_jinja_template), the code
 behind tokenizer.apply_chat_template(tokenize=False)."""
+import datetime
 import json
 import os
 import sys
@@ -162,6 +163,16 @@ DEEPSEEK_TOOL_TURNS = [
     {"role": "user", "content": "Thanks"},
 ]
 
+GPT_OSS_TURNS = [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "thinking": "Need the tool.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "{\"temp\": 21}"},
+    {"role": "assistant", "content": "21 °C.", "reasoning_content": "Read it."},
+]
+GPT_OSS_ORPHAN_TOOL = [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]
+
 # ---- the real templates --------------------------------------------------
 
 S, ES = "<s>", "</s>"
@@ -213,6 +224,12 @@ REAL = [
      "<\uff5cend\u2581of\u2581sentence\uff5c>", [
         ("user", USER, None), ("think", QWEN3_THINK, None), ("tool_turns", DEEPSEEK_TOOL_TURNS, None),
         ("tool_last", DEEPSEEK_TOOL_TURNS[:5], None)]),
+    ("gpt-oss", "<|startoftext|>", "<|return|>", [
+        ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("tools", SYS_USER, RICH_TOOLS),
+        ("tool_turns", GPT_OSS_TURNS, TOOLS),
+        ("builtin", USER, {"builtin_tools": ["browser", "python"], "reasoning_effort": "high",
+                           "model_identity": "You are a test model."}),
+        ("orphan_tool", GPT_OSS_ORPHAN_TOOL, None)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [
@@ -370,8 +387,12 @@ def render(text, bos, eos, messages, add_gen, extra):
     documents = extra.pop("documents", None)
     kwargs.update(extra)
     try:
+        today = datetime.date.today().strftime("%Y-%m-%d")
         out, _ = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
                                        chat_template=text, add_generation_prompt=add_gen, **kwargs)
+        if "strftime_now" in text:
+            # check_chat puts the day it runs back in place of %TODAY%
+            return {"expected": out[0].replace(today, "%TODAY%")}
         return {"expected": out[0]}
     except jinja2.exceptions.UndefinedError as e:
         # an undefined value used: libmlens says the same, after the line
