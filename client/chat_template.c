@@ -121,23 +121,88 @@ static char *read_file(const char *path, size_t *len)
 	return buf;
 }
 
-/* bos_token / eos_token: a string, or an AddedToken object with "content". */
-static const char *special_token(json_t *cfg, const char *key)
+/* bos_token / eos_token: a string, or an AddedToken object with "content";
+ * from tokenizer_config.json, else special_tokens_map.json. */
+static const char *special_token(json_t *cfg, json_t *map, const char *key)
 {
 	json_t *v = json_object_get(cfg, key);
 
+	if (!v || json_is_null(v))
+		v = json_object_get(map, key);
 	if (json_is_object(v))
 		v = json_object_get(v, "content");
 	return json_string_value(v);
 }
 
+/* A JSON object file of dir, or NULL when absent; -1 with *errmsg set when
+ * it is there but not a JSON object. */
+static int load_object(const char *dir, const char *name, json_t **out, char **errmsg)
+{
+	char path[4096];
+	json_error_t jerr;
+
+	*out = NULL;
+	if ((size_t)snprintf(path, sizeof(path), "%s/%s", dir, name) >= sizeof(path))
+		return fail(errmsg, -ENAMETOOLONG, "chat template: %s: path too long", dir);
+	*out = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+	if (!*out && access(path, F_OK) == 0)
+		return fail(errmsg, -EINVAL, "chat template: %s: line %d: %s", path, jerr.line, jerr.text);
+	if (*out && !json_is_object(*out)) {
+		json_decref(*out);
+		*out = NULL;
+		return fail(errmsg, -EINVAL, "chat template: %s: not a JSON object", path);
+	}
+	return 0;
+}
+
+/* The template text: chat_template.jinja, else tokenizer_config.json's
+ * "chat_template" (a string, or a list whose "default" entry is taken). */
+static int find_template(const char *dir, json_t *cfg, char **file_text, const char **text,
+			 size_t *len, char *path, size_t path_size, char **errmsg)
+{
+	json_t *ct;
+
+	snprintf(path, path_size, "%s/chat_template.jinja", dir);
+	*file_text = read_file(path, len);
+	if (*file_text) {
+		*text = *file_text;
+		return 0;
+	}
+	if (errno != ENOENT)
+		return fail(errmsg, -errno, "chat template: %s: %s", path, strerror(errno));
+	snprintf(path, path_size, "%s/tokenizer_config.json (chat_template)", dir);
+	ct = json_object_get(cfg, "chat_template");
+	if (json_is_array(ct)) {
+		size_t i;
+		json_t *e;
+
+		json_array_foreach(ct, i, e) {
+			const char *name = json_string_value(json_object_get(e, "name"));
+
+			if (name && !strcmp(name, "default"))
+				*text = json_string_value(json_object_get(e, "template"));
+		}
+		if (!*text)
+			return fail(errmsg, -ENOENT, "chat template: %s/tokenizer_config.json: "
+				    "chat_template lists no template named \"default\"", dir);
+		*len = strlen(*text);
+		return 0;
+	}
+	*text = json_string_value(ct);
+	*len = json_string_length(ct);
+	if (!*text)
+		return fail(errmsg, -ENOENT, "chat template: %s has no chat_template.jinja and no "
+			    "\"chat_template\" string in tokenizer_config.json; pass a template "
+			    "yourself (mlens_chat_template_parse)", dir);
+	return 0;
+}
+
 int mlens_chat_template_open(const char *dir, struct mlens_chat_template **out, char **errmsg)
 {
 	char path[4096];
-	json_t *cfg = NULL, *ct;
-	json_error_t jerr;
-	char *text = NULL;
-	const char *tmpl = NULL;
+	json_t *cfg = NULL, *map = NULL;
+	char *file_text = NULL;
+	const char *text = NULL;
 	size_t len = 0;
 	int err;
 
@@ -145,65 +210,27 @@ int mlens_chat_template_open(const char *dir, struct mlens_chat_template **out, 
 		*errmsg = NULL;
 	if (!dir || !*dir || !out)
 		return fail(errmsg, -EINVAL, "chat template: no model directory or no place for the result");
-	if ((size_t)snprintf(path, sizeof(path), "%s/tokenizer_config.json", dir) >= sizeof(path))
-		return fail(errmsg, -ENAMETOOLONG, "chat template: %s: path too long", dir);
-	cfg = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
-	if (!cfg && access(path, F_OK) == 0)
-		return fail(errmsg, -EINVAL, "chat template: %s: line %d: %s", path, jerr.line, jerr.text);
-	if (cfg && !json_is_object(cfg)) {
-		json_decref(cfg);
-		return fail(errmsg, -EINVAL, "chat template: %s: not a JSON object", path);
-	}
-	snprintf(path, sizeof(path), "%s/chat_template.jinja", dir);
-	text = read_file(path, &len);
-	if (!text && errno != ENOENT) {
-		err = -errno;
-		json_decref(cfg);
-		return fail(errmsg, err, "chat template: %s: %s", path, strerror(-err));
-	}
-	if (text) {
-		tmpl = text;
-	} else {
-		ct = json_object_get(cfg, "chat_template");
-		if (json_is_array(ct)) {
-			size_t i;
-			json_t *e;
-
-			json_array_foreach(ct, i, e) {
-				const char *name = json_string_value(json_object_get(e, "name"));
-
-				if (name && !strcmp(name, "default"))
-					tmpl = json_string_value(json_object_get(e, "template"));
-			}
-			if (!tmpl) {
-				json_decref(cfg);
-				return fail(errmsg, -ENOENT, "chat template: %s/tokenizer_config.json: "
-					    "chat_template lists no template named \"default\"", dir);
-			}
-		} else {
-			tmpl = json_string_value(ct);
-		}
-		if (!tmpl) {
-			json_decref(cfg);
-			return fail(errmsg, -ENOENT, "chat template: %s has no chat_template.jinja and no "
-				    "\"chat_template\" string in tokenizer_config.json; pass a template "
-				    "yourself (mlens_chat_template_parse)", dir);
-		}
-		len = strlen(tmpl);
-	}
-	err = mlens_chat_template_parse(tmpl, len, special_token(cfg, "bos_token"),
-					special_token(cfg, "eos_token"), out, errmsg);
+	err = load_object(dir, "tokenizer_config.json", &cfg, errmsg);
+	if (!err)
+		err = load_object(dir, "special_tokens_map.json", &map, errmsg);
+	if (!err)
+		err = find_template(dir, cfg, &file_text, &text, &len, path, sizeof(path), errmsg);
+	if (err)
+		goto out;
+	err = mlens_chat_template_parse(text, len, special_token(cfg, map, "bos_token"),
+					special_token(cfg, map, "eos_token"), out, errmsg);
 	if (err && errmsg && *errmsg) {
 		/* say which file the line number is in */
 		char *m = *errmsg;
 
 		*errmsg = NULL;
-		fail(errmsg, err, "%s%s: %s", text ? path : dir, text ? "" : "/tokenizer_config.json "
-		     "(chat_template)", m + strlen("chat template: "));
+		fail(errmsg, err, "%s: %s", path, m + strlen("chat template: "));
 		free(m);
 	}
-	free(text);
+out:
+	free(file_text);
 	json_decref(cfg);
+	json_decref(map);
 	return err;
 }
 

@@ -8,6 +8,7 @@
 
 #include <setjmp.h>
 #include <stddef.h>
+#include <stdint.h>
 
 /* ==== Arena ==== */
 
@@ -106,16 +107,24 @@ struct ct_nodes {
 	size_t n, cap;
 };
 
+/* One node of the tree. The children by kind:
+ *   N_BODY: args (its statements)     N_OUTPUT: a
+ *   N_IF: a test, b then, c else      N_FOR: a iterable, b filter, c body, d else
+ *   N_SET: a value                    N_SETBLOCK, N_MACRO: a body
+ *   N_CALLBLOCK: a body, b the call   E_ATTR, E_FILTER, E_TEST: a the object
+ *   E_ITEM: a[b]  E_SLICE: a[b:c:d]   E_CALL: a callee
+ *   E_BIN, E_CMP, E_AND, E_OR: a b    E_COND: b if a else c
+ *   E_LIST, E_TUPLE: args             E_DICT: args keys, kwargs values */
 struct ct_node {
 	int kind;
 	int line;
-	int op;			/* ct_op; E_TEST: negated; N_FOR: targets count */
+	int op;			/* ct_op; E_TEST: negated; N_SET: 1 for ns.attr */
 	int id;			/* filter or test number */
 	const char *name;	/* E_NAME, E_ATTR, E_FILTER, E_TEST, N_MACRO, N_SETBLOCK */
 	struct ct_val lit;	/* E_LIT; N_TEXT's text */
 	struct ct_node *a, *b, *c, *d;
-	struct ct_nodes args;	/* call/filter/test arguments, list items, body */
-	struct ct_nodes kwargs;	/* keyword argument values, dict values, else body */
+	struct ct_nodes args;	/* positional arguments, items, statements */
+	struct ct_nodes kwargs;	/* keyword argument values, dict values, parameter defaults */
 	const char **names;	/* keyword names, for/set targets, macro parameters */
 	size_t n_names;
 };
@@ -200,6 +209,7 @@ int ct_equal(struct ct_val a, struct ct_val b);
 int ct_compare(struct ct_render *r, int line, struct ct_val a, struct ct_val b);
 const char *ct_type_name(struct ct_val v);
 size_t ct_utf8_len(const char *s, size_t n);
+void ct_utf8_put(char *out, size_t *n, uint32_t c);	/* c as UTF-8 at out + *n (4 bytes room) */
 
 /* Python's str() and repr() of a value, and json.dumps() as transformers'
  * tojson calls it. */

@@ -103,29 +103,116 @@ static struct ct_val strip(struct ct_render *r, const struct ct_str *s, const st
 	return ct_str_val(r, s->s + b, e - b);
 }
 
+/* ==== Case ==== */
+
+/* Python's simple case mappings for Latin-1, Latin Extended-A, Greek and
+ * Cyrillic; other code points have no case here. */
+static uint32_t cp_upper(uint32_t c)
+{
+	if ((c >= 'a' && c <= 'z') || (c >= 0xe0 && c <= 0xfe && c != 0xf7) ||
+	    (c >= 0x3b1 && c <= 0x3cb && c != 0x3c2) || (c >= 0x430 && c <= 0x44f))
+		return c - 0x20;
+	if (c >= 0x450 && c <= 0x45f)
+		return c - 0x50;
+	if ((c >= 0x100 && c <= 0x12f) || (c >= 0x132 && c <= 0x137) || (c >= 0x14a && c <= 0x177))
+		return c & ~1u;
+	if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17e))
+		return c & 1 ? c : c - 1;
+	switch (c) {
+	case 0xb5: return 0x39c;
+	case 0xff: return 0x178;
+	case 0x131: return 'I';
+	case 0x17f: return 'S';
+	case 0x3c2: return 0x3a3;
+	case 0x3ac: return 0x386;
+	case 0x3ad: case 0x3ae: case 0x3af: return c - 0x25;
+	case 0x3cc: return 0x38c;
+	case 0x3cd: case 0x3ce: return c - 0x3f;
+	}
+	return c;
+}
+
+static uint32_t cp_lower(uint32_t c)
+{
+	if ((c >= 'A' && c <= 'Z') || (c >= 0xc0 && c <= 0xde && c != 0xd7) ||
+	    (c >= 0x391 && c <= 0x3ab && c != 0x3a2) || (c >= 0x410 && c <= 0x42f))
+		return c + 0x20;
+	if (c >= 0x400 && c <= 0x40f)
+		return c + 0x50;
+	if ((c >= 0x100 && c <= 0x12f) || (c >= 0x132 && c <= 0x137) || (c >= 0x14a && c <= 0x177))
+		return c | 1;
+	if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17e))
+		return c & 1 ? c + 1 : c;
+	switch (c) {
+	case 0x178: return 0xff;
+	case 0x386: return 0x3ac;
+	case 0x388: case 0x389: case 0x38a: return c + 0x25;
+	case 0x38c: return 0x3cc;
+	case 0x38e: case 0x38f: return c + 0x3f;
+	}
+	return c;
+}
+
+static int cp_cased(uint32_t c)
+{
+	return cp_upper(c) != c || cp_lower(c) != c || c == 0xdf || c == 0x138 || c == 0x149;
+}
+
+/* The code point at s (n bytes left); *k its length. */
+static uint32_t cp_decode(const char *s, size_t n, size_t *k)
+{
+	const unsigned char *u = (const unsigned char *)s;
+	int more = u[0] >= 0xf0 ? 3 : u[0] >= 0xe0 ? 2 : u[0] >= 0xc0 ? 1 : 0;
+	uint32_t c = u[0] & (0x7f >> more);
+
+	*k = 1;
+	for (int i = 0; i < more && *k < n && (u[*k] & 0xc0) == 0x80; i++)
+		c = (c << 6) | (u[(*k)++] & 0x3f);
+	return c;
+}
+
 /* how: 'U' upper, 'L' lower, 'C' capitalize, 'T' str.title (a word starts
- * after any non-letter), 'J' Jinja's title filter (after blanks and -({[<) */
+ * after any uncased character), 'J' Jinja's title filter (after blanks and
+ * -({[<), which upper-cases a word's first letter rather than title-cases
+ * it. Σ lowers to ς at a word's end and ß uppers to SS, as Python. */
 static struct ct_val change_case(struct ct_render *r, const struct ct_str *s, char how)
 {
-	struct ct_val v = ct_str_val(r, s->s, s->len);
-	char *p = v.u.s->s;
-	int start = 1;
+	struct ct_buf b = { .r = r };
+	int start = 1, prev_cased = 0;
 
-	for (size_t i = 0; i < s->len; i++) {
-		char c = p[i];
-		int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+	for (size_t i = 0; i < s->len;) {
+		size_t k, k2 = 0, o = 0;
+		uint32_t c = cp_decode(s->s + i, s->len - i, &k), d;
 		int up = how == 'U' || ((how == 'T' || how == 'J') && start) || (how == 'C' && i == 0);
+		char enc[8];
 
-		if (up && c >= 'a' && c <= 'z')
-			p[i] = (char)(c - 32);
-		else if (!up && how != 'U' && c >= 'A' && c <= 'Z')
-			p[i] = (char)(c + 32);
+		/* the mappings to two code points */
+		if (c == 0xdf && up) {
+			ct_buf_puts(&b, how == 'U' || how == 'J' ? "SS" : "Ss");	/* ß */
+		} else if (c == 0x149 && up) {
+			ct_buf_puts(&b, "\xca\xbcN");	/* ŉ: ʼN */
+		} else if (c == 0x130 && !up) {
+			ct_buf_puts(&b, "i\xcc\x87");	/* İ: i and a combining dot */
+		} else {
+			d = up ? cp_upper(c) : cp_lower(c);
+			if (c == 0x3a3 && !up && prev_cased &&
+			    !(i + k < s->len && cp_cased(cp_decode(s->s + i + k, s->len - i - k, &k2))))
+				d = 0x3c2;	/* final sigma */
+			if (d == c) {
+				ct_buf_put(&b, s->s + i, k);
+			} else {
+				ct_utf8_put(enc, &o, d);
+				ct_buf_put(&b, enc, o);
+			}
+		}
+		prev_cased = cp_cased(c);
 		if (how == 'T')
-			start = !alpha && !(c & 0x80);
+			start = !prev_cased;
 		else if (how == 'J')
-			start = is_ws(c) || (c && strchr("-({[<", c));
+			start = c < 0x80 && (is_ws((char)c) || (c && strchr("-({[<", (int)c)));
+		i += k;
 	}
-	return v;
+	return ct_buf_val(&b);
 }
 
 static const char *find(const char *h, size_t hn, const char *n, size_t nn)
@@ -465,7 +552,8 @@ struct ct_val ct_slice(struct ct_render *r, int line, struct ct_val obj, struct 
 	} else if (obj.type == CT_UNDEF) {
 		ct_fail_undef(r, line, obj);
 	} else {
-		ct_fail(r, line, "a %s cannot be sliced", ct_type_name(obj));
+		/* Jinja turns a failed subscript into an undefined value */
+		return ct_undef(r, "'%s object' is not subscriptable", ct_type_name(obj));
 	}
 	b = slice_bound(r, line, start, n, s, s < 0 ? n - 1 : 0);
 	e = slice_bound(r, line, stop, n, s, s < 0 ? -1 : n);
@@ -748,7 +836,7 @@ int ct_test_id(const char *name)
 
 int ct_test(struct ct_render *r, int line, int id, struct ct_val v, const struct ct_args *a)
 {
-	const struct ct_val *x = arg(a, 0, "value");
+	const struct ct_val *x = arg(a, 0, id == T_DIVISIBLEBY ? "num" : "value");
 
 	switch (id) {
 	case T_DEFINED: return v.type != CT_UNDEF;
@@ -770,22 +858,32 @@ int ct_test(struct ct_render *r, int line, int id, struct ct_val v, const struct
 	case T_ODD:
 	case T_EVEN:
 	case T_DIVISIBLEBY: {
-		long long d = id == T_DIVISIBLEBY ? arg_int(r, line, a, 0, "num", "divisibleby", 0) : 2;
+		/* Python's value % 2 == 1, value % 2 == 0, value % num == 0 */
+		struct ct_val num = id == T_DIVISIBLEBY ? (x ? *x : CT_UNDEF_VAL) : CT_INT_VAL(2), m;
 
-		if (v.type != CT_INT && v.type != CT_BOOL)
-			ct_fail(r, line, "test '%s' needs an integer, not %s",
-				id == T_ODD ? "odd" : id == T_EVEN ? "even" : "divisibleby", ct_type_name(v));
-		if (!d)
-			ct_fail(r, line, "divisibleby(0)");
-		if (d == -1)
-			return id != T_ODD;
-		return id == T_ODD ? inum(v) % 2 != 0 : inum(v) % d == 0;
+		if (!is_num(v) || !is_num(num))
+			ct_fail(r, line, "test '%s' needs numbers, not %s",
+				id == T_ODD ? "odd" : id == T_EVEN ? "even" : "divisibleby",
+				ct_type_name(is_num(v) ? num : v));
+		m = ct_binop(r, line, OP_MOD, v, num);
+		return ct_equal(m, CT_INT_VAL(id == T_ODD));
 	}
 	case T_LOWER:
-	case T_UPPER:
-		if (v.type != CT_STR)
-			return 0;
-		return ct_equal(v, change_case(r, v.u.s, id == T_LOWER ? 'L' : 'U'));
+	case T_UPPER: {
+		/* str(value).islower(): some cased letter, none of the other case */
+		const struct ct_str *str = ct_stringify(r, line, v).u.s;
+		int lower = 0, upper = 0;
+
+		for (size_t i = 0, k; i < str->len; i += k) {
+			uint32_t c = cp_decode(str->s + i, str->len - i, &k);
+
+			if (cp_lower(c) != c)
+				upper = 1;
+			else if (cp_cased(c))
+				lower = 1;
+		}
+		return id == T_LOWER ? lower && !upper : upper && !lower;
+	}
 	}
 	if (!x)
 		ct_fail(r, line, "this test needs a value to compare with");
@@ -944,7 +1042,8 @@ static struct ct_val select_items(struct ct_render *r, int line, int id, struct 
 {
 	int by_attr = id == F_SELECTATTR || id == F_REJECTATTR;
 	int keep_if = id == F_SELECT || id == F_SELECTATTR;
-	struct ct_list *in = ct_iterate(r, line, v), *out = ct_list_new(r, 0);
+	/* as Jinja's: a false value (0, none, "") selects nothing */
+	struct ct_list *in = ct_iterate(r, line, ct_truthy(v) ? v : CT_UNDEF_VAL), *out = ct_list_new(r, 0);
 	const struct ct_val *attr = NULL;
 	const char *test = NULL;
 	struct ct_args targs = { 0 };
@@ -983,6 +1082,8 @@ static struct ct_val to_number(struct ct_render *r, int line, struct ct_val v, i
 	struct ct_val d = def ? *def : want_int ? CT_INT_VAL(0) : (struct ct_val){ .type = CT_FLOAT };
 
 	switch (v.type) {
+	case CT_UNDEF:
+		ct_fail_undef(r, line, v);	/* int(Undefined) raises in Jinja */
 	case CT_INT:
 	case CT_BOOL:
 		return want_int ? CT_INT_VAL(inum(v)) : (struct ct_val){ .type = CT_FLOAT, .u.f = fnum(v) };
@@ -1159,7 +1260,11 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	}
 	case F_FIRST:
 	case F_LAST: {
-		struct ct_list *l = ct_iterate(r, line, v);
+		struct ct_list *l;
+
+		if (id == F_LAST && v.type == CT_UNDEF)
+			ct_fail_undef(r, line, v);	/* reversed(Undefined) raises in Jinja */
+		l = ct_iterate(r, line, v);
 
 		if (!l->n)
 			return ct_undef(r, "%s: the sequence is empty", name);
@@ -1198,7 +1303,7 @@ struct ct_val ct_filter(struct ct_render *r, int line, int id, struct ct_val v, 
 	}
 	case F_MAP: {
 		const struct ct_val *attr = arg(a, 99, "attribute"), *def = arg(a, 99, "default");
-		struct ct_list *in = ct_iterate(r, line, v), *l = ct_list_new(r, in->n);
+		struct ct_list *in = ct_iterate(r, line, ct_truthy(v) ? v : CT_UNDEF_VAL), *l = ct_list_new(r, in->n);
 		const char *fname = NULL;
 		struct ct_args fargs = rest(a, 1);
 

@@ -84,6 +84,8 @@ struct parser {
 	struct tok *toks;
 	size_t n_toks, cap_toks, pos;
 	int depth;
+	size_t line_pos;	/* line_of(): line is the line of src[line_pos] */
+	int line;
 };
 
 /* Nesting of blocks and expressions the parser accepts. */
@@ -130,11 +132,14 @@ static struct tok *push_tok(struct parser *p, int type, int line)
 	struct tok *t;
 
 	if (p->n_toks == p->cap_toks) {
+		/* on the heap, not in the arena: only the parse needs them */
 		size_t cap = p->cap_toks ? 2 * p->cap_toks : 256;
-		struct tok *n = palloc(p, cap * sizeof(*n));
+		struct tok *n = cap <= SIZE_MAX / sizeof(*n) ? realloc(p->toks, cap * sizeof(*n)) : NULL;
 
-		if (p->n_toks)
-			memcpy(n, p->toks, p->n_toks * sizeof(*n));
+		if (!n) {
+			snprintf(p->err, p->errlen, "out of memory parsing the template");
+			longjmp(p->fail, 2);
+		}
 		p->toks = n;
 		p->cap_toks = cap;
 	}
@@ -160,16 +165,20 @@ static int is_digit(char c)
 	return c >= '0' && c <= '9';
 }
 
+/* The line of a source position; the lexer asks in increasing order, so
+ * counting goes on from the last answer. */
 static int line_of(struct parser *p, size_t pos)
 {
-	int line = 1;
-
-	for (size_t i = 0; i < pos && i < p->len; i++)
-		line += p->src[i] == '\n';
-	return line;
+	if (pos < p->line_pos) {
+		p->line_pos = 0;
+		p->line = 1;
+	}
+	for (; p->line_pos < pos && p->line_pos < p->len; p->line_pos++)
+		p->line += p->src[p->line_pos] == '\n';
+	return p->line;
 }
 
-static void put_utf8(char *out, size_t *n, uint32_t c)
+void ct_utf8_put(char *out, size_t *n, uint32_t c)
 {
 	if (c < 0x80) {
 		out[(*n)++] = (char)c;
@@ -237,7 +246,7 @@ static struct ct_val unescape(struct parser *p, const char *s, size_t n, int lin
 				while (k < 3 && i < n && s[i] >= '0' && s[i] <= '7')
 					v = v * 8 + (uint32_t)(s[i++] - '0'), k++;
 				i--;
-				put_utf8(out, &o, v);
+				ct_utf8_put(out, &o, v);
 			} else {
 				out[o++] = '\\';
 				out[o++] = c;
@@ -256,7 +265,7 @@ static struct ct_val unescape(struct parser *p, const char *s, size_t n, int lin
 			if (v > 0x10ffff)
 				perr(p, line, "escape \\%c beyond Unicode in a string literal", c);
 			i += (size_t)digits;
-			put_utf8(out, &o, v);
+			ct_utf8_put(out, &o, v);
 		}
 	}
 	return pstr(p, out, o);
@@ -438,7 +447,7 @@ static void lex(struct parser *p)
 	while (pos <= p->len) {
 		size_t k = pos, tb, te;
 		int kind = 0, strip_before, keep_before, strip_after = 0, keep_after = 0;
-		int line;
+		int line, text_line;
 
 		while (k + 1 < p->len && !(s[k] == '{' && (s[k + 1] == '{' || s[k + 1] == '%' ||
 							  s[k + 1] == '#')))
@@ -477,6 +486,7 @@ static void lex(struct parser *p)
 					te = l;
 			}
 		}
+		text_line = line_of(p, tb);
 		line = line_of(p, k);
 		if (kind == '%') {
 			size_t end = raw_tag(p, k + 2, "raw");
@@ -484,7 +494,7 @@ static void lex(struct parser *p)
 			if (end) {
 				size_t q = end, close = 0;
 
-				push_text(p, s + tb, te - tb, line_of(p, tb));
+				push_text(p, s + tb, te - tb, text_line);
 				while (q + 1 < p->len) {
 					if (s[q] == '{' && s[q + 1] == '%' && (close = raw_tag(p, q + 2, "endraw")))
 						break;
@@ -513,7 +523,7 @@ static void lex(struct parser *p)
 				continue;
 			}
 		}
-		push_text(p, s + tb, te - tb, line_of(p, tb));
+		push_text(p, s + tb, te - tb, text_line);
 		if (kind == '#') {
 			size_t q = k + 2;
 
@@ -1284,10 +1294,20 @@ static void parse_all(struct parser *p, const char *text, size_t len)
 
 int ct_parse(struct mlens_chat_template *t, const char *text, size_t len, char *err, size_t errlen)
 {
-	struct parser p = { .t = t, .err = err, .errlen = errlen };
+	/* on the heap, so that its token array is there to free after a longjmp */
+	struct parser *p = calloc(1, sizeof(*p));
+	int rc = -1;
 
-	if (setjmp(p.fail))
+	if (!p) {
+		snprintf(err, errlen, "out of memory parsing the template");
 		return -1;
-	parse_all(&p, text, len);
-	return 0;
+	}
+	*p = (struct parser){ .t = t, .err = err, .errlen = errlen, .line = 1 };
+	if (!setjmp(p->fail)) {
+		parse_all(p, text, len);
+		rc = 0;
+	}
+	free(p->toks);
+	free(p);
+	return rc;
 }

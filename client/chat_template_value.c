@@ -458,7 +458,13 @@ void ct_to_str(struct ct_buf *b, int line, struct ct_val v)
 	case CT_NS: ct_repr(b, line, v); return;
 	case CT_MACRO: ct_buf_puts(b, "<macro>"); return;
 	case CT_FUNC: ct_buf_puts(b, "<function>"); return;
-	case CT_LOOP: ct_buf_puts(b, "<LoopContext>"); return;
+	case CT_LOOP: {
+		char tmp[64];
+
+		snprintf(tmp, sizeof(tmp), "<LoopContext %zu/%zu>", v.u.loop->i + 1, v.u.loop->items->n);
+		ct_buf_puts(b, tmp);
+		return;
+	}
 	}
 }
 

@@ -20,7 +20,7 @@ struct mlens_chat_template;
 /* Loads the chat template of the model directory dir: chat_template.jinja
  * if present, else "chat_template" of tokenizer_config.json (a string, or a
  * list of {"name", "template"} of which "default" is taken), with bos_token
- * and eos_token from tokenizer_config.json. */
+ * and eos_token from tokenizer_config.json (or special_tokens_map.json). */
 int mlens_chat_template_open(const char *dir, struct mlens_chat_template **out, char **errmsg);
 
 /* Parses template text (len bytes) with the given bos_token and eos_token
@@ -32,7 +32,9 @@ int mlens_chat_template_parse(const char *text, size_t len, const char *bos_toke
 /* Renders messages_json (a JSON array of message objects) into *out (a NUL-
  * terminated string of *out_len bytes, free with free(3)). extra_json is
  * NULL or a JSON object whose members become template variables (tools,
- * documents, enable_thinking, ...). */
+ * documents, enable_thinking, ...). -EBADMSG: the template refused the
+ * messages (raise_exception), *errmsg is its own words for the sender;
+ * -EINVAL: bad JSON or a render error; -E2BIG: a render limit was reached. */
 int mlens_chat_template_render(const struct mlens_chat_template *tpl, const char *messages_json,
 			       int add_generation_prompt, const char *extra_json, char **out,
 			       size_t *out_len, char **errmsg);

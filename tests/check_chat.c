@@ -73,6 +73,34 @@ static size_t first_diff(const char *a, size_t an, const char *b, size_t bn)
 	return i;
 }
 
+/* Templates that print strftime_now's date have %TODAY% in their golden
+ * text; *buf gets a copy with today's date there (or stays NULL). */
+static const char *with_today(const char *expected, char **buf)
+{
+	const char *at = strstr(expected, "%TODAY%");
+	char day[32];
+	time_t now = time(NULL);
+	struct tm tm;
+	size_t n = 0;
+
+	if (!at)
+		return expected;
+	localtime_r(&now, &tm);
+	strftime(day, sizeof(day), "%Y-%m-%d", &tm);
+	*buf = malloc(strlen(expected) * 2 + 32);
+	for (const char *p = expected; *p;) {
+		if (!strncmp(p, "%TODAY%", 7)) {
+			memcpy(*buf + n, day, strlen(day));
+			n += strlen(day);
+			p += 7;
+		} else {
+			(*buf)[n++] = *p++;
+		}
+	}
+	(*buf)[n] = 0;
+	return *buf;
+}
+
 START_TEST(test_goldens)
 {
 	char path[4096];
@@ -91,11 +119,13 @@ START_TEST(test_goldens)
 		const char *expected = json_string_value(json_object_get(c, "expected"));
 		const char *error = json_string_value(json_object_get(c, "error"));
 		json_t *extra = json_object_get(c, "extra");
-		char *text, *msgs, *xs = NULL, *out = NULL, *err = NULL;
+		char *text, *msgs, *xs = NULL, *out = NULL, *err = NULL, *today = NULL;
 		struct mlens_chat_template *t;
 		size_t out_len = 0;
 		int rc;
 
+		if (expected)
+			expected = with_today(expected, &today);
 		if (tname) {
 			snprintf(path, sizeof(path), "%s/tests/chat/templates/%s.jinja", srcdir(), tname);
 			text = slurp(path);
@@ -143,6 +173,7 @@ START_TEST(test_goldens)
 			n_ok++;
 		}
 next:
+		free(today);
 		free(text);
 		free(msgs);
 		free(xs);
@@ -209,6 +240,8 @@ START_TEST(test_render_errors)
 			    "line 1: 'dict object' has no attribute 'nope'");
 	expect_render_error("{{ nothing.attr }}", -EINVAL, "'nothing' is undefined");
 	expect_render_error("{{ nothing + 1 }}", -EINVAL, "'nothing' is undefined");
+	expect_render_error("{{ nothing|int }}", -EINVAL, "'nothing' is undefined");
+	expect_render_error("{{ nothing|last }}", -EINVAL, "'nothing' is undefined");
 	expect_render_error("{{ 'a' + 1 }}", -EINVAL, "unsupported operand types for +: str and int");
 	expect_render_error("{{ 1 // 0 }}", -EINVAL, "division by zero");
 	expect_render_error("{{ '%5d' % 1 }}", -EINVAL, "only %s, %r, %d and %i are supported");
@@ -267,6 +300,28 @@ START_TEST(test_limits)
 		expect_parse_error(deep, "nesting deeper than", 1);
 		free(deep);
 	}
+}
+END_TEST
+
+/* A large template parses in linear time: lines are counted once, and the
+ * token array does not stay behind in the template's memory. */
+START_TEST(test_big_template)
+{
+	static const char block[] = "{% if true %}x{% endif %}\n";
+	size_t n = 200000, len = n * (sizeof(block) - 1);
+	char *text = malloc(len + 1), *out, *err;
+	struct timespec t0, t1;
+
+	for (size_t i = 0; i < n; i++)
+		memcpy(text + i * (sizeof(block) - 1), block, sizeof(block) - 1);
+	text[len] = 0;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ck_assert_int_eq(render(text, MSGS, 0, NULL, &out, &err), 0);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	ck_assert_uint_eq(strlen(out), n);
+	ck_assert_msg(t1.tv_sec - t0.tv_sec < 20, "a %zu-byte template took %ld s", len, (long)(t1.tv_sec - t0.tv_sec));
+	free(out);
+	free(text);
 }
 END_TEST
 
@@ -400,6 +455,14 @@ static void write_file(const char *name, const char *text)
 	fclose(f);
 }
 
+static void remove_file(const char *name)
+{
+	char path[256];
+
+	snprintf(path, sizeof(path), "%s/%s", dir, name);
+	unlink(path);
+}
+
 static char *open_render(int want_rc, const char *needle)
 {
 	struct mlens_chat_template *t = NULL;
@@ -438,6 +501,17 @@ START_TEST(test_open)
 	ck_assert_str_eq(out, "<s>[hi]</s>True");
 	free(out);
 
+	/* tokens missing from the config come from special_tokens_map.json */
+	write_file("tokenizer_config.json", "{\"chat_template\": \"{{ bos_token }}|{{ eos_token }}\", "
+		   "\"bos_token\": null}");
+	write_file("special_tokens_map.json", "{\"bos_token\": {\"content\": \"<B>\"}, \"eos_token\": \"<E>\"}");
+	out = open_render(0, NULL);
+	ck_assert_str_eq(out, "<B>|<E>");
+	free(out);
+	write_file("special_tokens_map.json", "[]");
+	out = open_render(-EINVAL, "special_tokens_map.json: not a JSON object");
+	remove_file("special_tokens_map.json");
+
 	/* a list of named templates: "default" is taken */
 	write_file("tokenizer_config.json",
 		   "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"tools\"}, "
@@ -460,20 +534,10 @@ START_TEST(test_open)
 	out = open_render(-EINVAL, "chat_template.jinja: line 2: expected an expression");
 
 	/* a broken config */
-	{
-		char p[256];
-
-		snprintf(p, sizeof(p), "%s/chat_template.jinja", dir);
-		unlink(p);
-	}
+	remove_file("chat_template.jinja");
 	write_file("tokenizer_config.json", "{\"chat_template\": ");
 	out = open_render(-EINVAL, "tokenizer_config.json: line 1");
-	{
-		char p[256];
-
-		snprintf(p, sizeof(p), "%s/tokenizer_config.json", dir);
-		unlink(p);
-	}
+	remove_file("tokenizer_config.json");
 	rmdir(dir);
 }
 END_TEST
@@ -488,6 +552,7 @@ static Suite *chat_suite(void)
 	tcase_add_test(t, test_parse_errors);
 	tcase_add_test(t, test_render_errors);
 	tcase_add_test(t, test_limits);
+	tcase_add_test(t, test_big_template);
 	tcase_add_test(t, test_bad_input);
 	tcase_add_test(t, test_strftime_now);
 	tcase_add_test(t, test_threads);

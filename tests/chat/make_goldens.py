@@ -11,6 +11,7 @@ Run by hand when cases change (needs network once):
 and commit the JSON it writes. It uses transformers' own renderer
 (transformers.utils.chat_template_utils.render_jinja_template), the code
 behind tokenizer.apply_chat_template(tokenize=False)."""
+import datetime
 import json
 import os
 import sys
@@ -147,6 +148,31 @@ RICH_TOOLS = {"tools": [WEATHER_TOOL, {
     }}, {"type": "function", "function": {"name": "noop", "description": "Nothing",
                                           "parameters": {"type": "object", "properties": {}}}}]}
 
+# OpenAI-style: null content beside tool calls, arguments as a JSON string
+DEEPSEEK_TOOL_TURNS = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Weather in Paris and Köln?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+        {"id": "c2", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Köln\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "21"},
+    {"role": "tool", "tool_call_id": "c2", "content": "18"},
+    {"role": "assistant", "content": "<think>\nboth warm\n</think>\n\nParis 21, Köln 18."},
+    {"role": "user", "content": "Thanks"},
+]
+
+GPT_OSS_TURNS = [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "thinking": "Need the tool.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "{\"temp\": 21}"},
+    {"role": "assistant", "content": "21 °C.", "reasoning_content": "Read it."},
+]
+GPT_OSS_ORPHAN_TOOL = [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]
+
 # ---- the real templates --------------------------------------------------
 
 S, ES = "<s>", "</s>"
@@ -194,6 +220,16 @@ REAL = [
         ("qwen3_tool_loop", QWEN3_TOOL_LOOP, RICH_TOOLS)]),
     ("olmo-2-instruct", "<|endoftext|>", "<|endoftext|>", [
         ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("multi", MULTI, None)]),
+    ("deepseek-r1-distill-qwen", "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+     "<\uff5cend\u2581of\u2581sentence\uff5c>", [
+        ("user", USER, None), ("think", QWEN3_THINK, None), ("tool_turns", DEEPSEEK_TOOL_TURNS, None),
+        ("tool_last", DEEPSEEK_TOOL_TURNS[:5], None)]),
+    ("gpt-oss", "<|startoftext|>", "<|return|>", [
+        ("user", USER, None), ("sys_multi", SYS_MULTI, None), ("tools", SYS_USER, RICH_TOOLS),
+        ("tool_turns", GPT_OSS_TURNS, TOOLS),
+        ("builtin", USER, {"builtin_tools": ["browser", "python"], "reasoning_effort": "high",
+                           "model_identity": "You are a test model."}),
+        ("orphan_tool", GPT_OSS_ORPHAN_TOOL, None)]),
     ("tulu-2", S, ES, [
         ("user", USER, None), ("multi", MULTI, None)]),
     ("deepseek-coder-instruct", "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|EOT|>", [
@@ -317,6 +353,18 @@ FEATURES = {
     "unicode_space": (
         "[{{ '\u00a0\u3000 x \u2003y\u00a0\n'|trim }}][{{ '\u00a0a\u2028b  c\u205f'.split() }}]"
         "[{{ 'a\u00a0b c'.split(none, 1) }}][{{ '\x1fz\x85'.strip() }}][{{ 'é'.strip() }}]"),
+    "jinja_quirks": (
+        "[{{ (7)[1:] }}][{{ {'a': 1}[::-1] is defined }}][{{ 0|map('string')|list }}]"
+        "[{{ none|select|list }}][{{ false|selectattr('x')|list }}][{{ 12 is lower }}]"
+        "[{{ [1, 'a'] is lower }}][{{ -0.25 is odd }}][{{ 3.0 is odd }}][{{ 4.5 is divisibleby 1.5 }}]"
+        "[{{ true is odd }}][{{ -3 is odd }}]{% for m in messages %}[{{ loop }}]{% endfor %}"),
+    "unicode_case": (
+        "{% set s = 'ÉCOLE ñandú Straße ΟΔΥΣΣΕΥΣ ΣΑΣ привет ĲĳŁł Ÿÿ µ ĸ ŉ İı ſ ΆΈΉΊΌΎΏ άέήίόύώ ΪΫ ЁЂѐђ "
+        "abcXYZ 123' %}{{ s|lower }}\n{{ s|upper }}\n{{ s.lower() }}\n{{ s.upper() }}\n"
+        "{{ 'élan vital ßtraße 3rd ÉCOLE-été (ñu)'|title }} {{ 'élan vital ßtraße 3rd ÉCOLE-été'.title() }}\n"
+        "{{ 'élan VITAL'|capitalize }} {{ 'ßa'.capitalize() }} {{ 'Σ'|lower }} {{ 'ΑΣ Σ.'|lower }} "
+        "{{ 'ÉCOLE' is upper }} {{ 'école' is lower }} {{ 'Éc' is lower }} {{ 'ß' is lower }}\n"
+        "{{ ['É', 'a', 'é']|unique|list }} {{ ['b', 'É', 'a', 'é']|sort }} {{ {'É': 1, 'a': 2}|dictsort }}"),
     "raise": (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"),
@@ -339,8 +387,12 @@ def render(text, bos, eos, messages, add_gen, extra):
     documents = extra.pop("documents", None)
     kwargs.update(extra)
     try:
+        today = datetime.date.today().strftime("%Y-%m-%d")
         out, _ = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
                                        chat_template=text, add_generation_prompt=add_gen, **kwargs)
+        if "strftime_now" in text:
+            # check_chat puts the day it runs back in place of %TODAY%
+            return {"expected": out[0].replace(today, "%TODAY%")}
         return {"expected": out[0]}
     except jinja2.exceptions.UndefinedError as e:
         # an undefined value used: libmlens says the same, after the line
