@@ -52,6 +52,11 @@ void mlens_textgen_free(struct mlens_textgen *tg)
 	free(tg);
 }
 
+uint32_t mlens_textgen_vocab_size(const struct mlens_textgen *tg)
+{
+	return mlens_tokenizer_vocab_size(tg->tok);
+}
+
 const char *mlens_textgen_chat_problem(const struct mlens_textgen *tg, const char *none)
 {
 	return tg->tpl ? NULL : tg->tpl_problem ? tg->tpl_problem : none;

@@ -20,6 +20,9 @@ struct mlens_detok;
 int mlens_textgen_open(const char *dir, struct mlens_textgen **out, char *err, size_t errlen);
 void mlens_textgen_free(struct mlens_textgen *tg);
 
+/* How many ids the tokenizer knows (ids 0 to this less 1). */
+uint32_t mlens_textgen_vocab_size(const struct mlens_textgen *tg);
+
 /* NULL when chats work, else why not: the template's load error, or none
  * (the directory has no template) when it said nothing. */
 const char *mlens_textgen_chat_problem(const struct mlens_textgen *tg, const char *none);
