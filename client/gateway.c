@@ -380,8 +380,9 @@ static int choice_add_token(struct gw_choice *ch, int32_t tok, float lp)
 	return 0;
 }
 
-/* The text met a stop string (rc 1 from the text's push or finish): the
- * choice ends there. Returns rc less that 1. */
+/* rc is what the text's push or finish returned: 1, a stop string met,
+ * ends the choice there and becomes 0; 0 and -errno come back as they
+ * are. */
 static int choice_text_grew(struct gw_choice *ch, int rc)
 {
 	struct gw_call *c = ch->call;
