@@ -2,8 +2,9 @@
  * mlensd. One thread and one event_base carry evhttp and the mlens_fd of
  * every libmlens connection (one a tenant: one per API key, or one in
  * all); a call is an HTTP request for completions, split into choices,
- * each one daemon request. Text is turned into ids and back here
- * (gateway_text.h); the OpenAI JSON is built in gateway_api.c. */
+ * each one daemon request. Text is turned into ids and back through
+ * client/textgen.h, as mlens generate does; the OpenAI JSON is built in
+ * gateway_api.c. */
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
