@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "client/mlens.h"
+#include "client/textgen.h"
 
 /* Defaults for fields an input line leaves out. */
 #define MLENS_CLI_MAX_TOKENS_DEFAULT 16u
@@ -110,47 +111,14 @@ struct json_t *mlens_cli_batch_result(const struct mlens_cli_result *r, size_t n
 
 /* ==== Text through the model's tokenizer (client/cli_model.c) ==== */
 
-/* A model directory's tokenizer and chat template. */
-struct mlens_cli_model;
-struct mlens_detok;
-
-/* Load dir's tokenizer.json (and tokenizer_config.json); a chat template
- * that does not load leaves text prompts working, chats refused. 0 or
- * -errno with err. */
-int mlens_cli_model_open(const char *dir, struct mlens_cli_model **out, char *err,
-			 size_t errlen);
-void mlens_cli_model_free(struct mlens_cli_model *m);
 /* r's prompt text (BOS added as the tokenizer's config says) or messages
- * (rendered by the chat template with the assistant's turn begun; BOS
+ * (rendered by tg's chat template with the assistant's turn begun; BOS
  * added only when the template did not write it) as r->prompt. 0, -EINVAL
  * with err, -ENOMEM. */
-int mlens_cli_model_prompt(const struct mlens_cli_model *m, struct mlens_cli_req *r, char *err,
+int mlens_cli_model_prompt(const struct mlens_textgen *tg, struct mlens_cli_req *r, char *err,
 			   size_t errlen);
 /* The text of one token, special or not (malloc'd; NULL out of memory). */
-char *mlens_cli_model_token_text(const struct mlens_cli_model *m, int32_t id);
-
-/* The decoded text of one generated sequence, special tokens left out,
- * cut before the first stop string. */
-struct mlens_cli_text {
-	struct mlens_detok *dt;
-	char *buf;		/* NUL-terminated */
-	size_t len, cap;
-	size_t safe;		/* no stop string can begin before this */
-	size_t sent;		/* streamed so far */
-	bool stopped;		/* a stop string cut the text */
-	bool flushed;		/* the sequence ended */
-};
-
-int mlens_cli_text_init(struct mlens_cli_text *t, const struct mlens_cli_model *m);
-void mlens_cli_text_free(struct mlens_cli_text *t);
-/* Add a generated token. Returns 1 when the text now meets one of r's
- * stop strings (it is cut there, and later tokens are to be ignored), 0,
- * -ENOMEM. */
-int mlens_cli_text_push(struct mlens_cli_text *t, const struct mlens_cli_req *r, int32_t id);
-/* The sequence ended: what the decoder held joins the text (checked for
- * stop strings), and all of it becomes safe. Once only; 1, 0, -ENOMEM as
- * push. */
-int mlens_cli_text_finish(struct mlens_cli_text *t, const struct mlens_cli_req *r);
+char *mlens_cli_model_token_text(const struct mlens_textgen *tg, int32_t id);
 
 /* mlens tokenize (detok false) and mlens detokenize: argv[0] is the
  * subcommand; returns the exit status (client/cli_text.c). */

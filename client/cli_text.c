@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "client/cli_int.h"
-#include "client/mlens_tokenizer.h"
 
 #define EXIT_ALL_OK 0
 #define EXIT_SOME_FAILED 1
@@ -50,28 +49,19 @@ static json_t *line_field(const char *line, size_t len, const char *key, int typ
 	return v;
 }
 
-static int tokenize_line(const struct mlens_tokenizer *tok, unsigned flags, const char *line,
+/* special: add the tokenizer's special tokens (BOS). */
+static int tokenize_line(const struct mlens_textgen *tg, bool special, const char *line,
 			 size_t len, json_t **out, char *err, size_t errlen)
 {
 	json_t *root, *v = line_field(line, len, "text", JSON_STRING, &root, err, errlen), *a;
-	size_t n = 0, cap = json_is_string(v) ? json_string_length(v) + 16 : 0;
+	size_t n = 0;
 	int32_t *ids = NULL;
 	int rc = -EINVAL;
 
 	if (!v)
 		goto out;
-	for (;;) {
-		free(ids);
-		if (!(ids = malloc(cap * sizeof(*ids)))) {
-			rc = -ENOMEM;
-			break;
-		}
-		rc = mlens_tokenizer_encode(tok, json_string_value(v), json_string_length(v), flags, ids,
-					    cap, &n);
-		if (rc != -ENOBUFS)
-			break;
-		cap = n;
-	}
+	rc = mlens_textgen_encode(tg, json_string_value(v), json_string_length(v), special, &ids,
+				  &n);
 	if (rc) {
 		snprintf(err, errlen, "encode: %s", strerror(-rc));
 		goto out;
@@ -87,11 +77,12 @@ out:
 	return rc;
 }
 
-static int detokenize_line(const struct mlens_tokenizer *tok, unsigned flags, const char *line,
+/* special: leave special tokens out of the text. */
+static int detokenize_line(const struct mlens_textgen *tg, bool special, const char *line,
 			   size_t len, json_t **out, char *err, size_t errlen)
 {
 	json_t *root, *v = line_field(line, len, "tokens", JSON_ARRAY, &root, err, errlen);
-	size_t n = json_array_size(v), tlen = 0, cap = 64 + 16 * n;
+	size_t n = json_array_size(v), tlen = 0;
 	int32_t *ids = NULL;
 	char *text = NULL;
 	int rc = -EINVAL;
@@ -106,24 +97,14 @@ static int detokenize_line(const struct mlens_tokenizer *tok, unsigned flags, co
 		json_t *t = json_array_get(v, i);
 
 		if (!json_is_integer(t) || json_integer_value(t) < 0 ||
-		    json_integer_value(t) >= mlens_tokenizer_vocab_size(tok)) {
+		    json_integer_value(t) >= mlens_textgen_vocab_size(tg)) {
 			snprintf(err, errlen, "tokens[%zu] is not a token id of this vocabulary "
-				 "(0 to %u)", i, mlens_tokenizer_vocab_size(tok) - 1);
+				 "(0 to %u)", i, mlens_textgen_vocab_size(tg) - 1);
 			goto out;
 		}
 		ids[i] = (int32_t)json_integer_value(t);
 	}
-	for (;;) {
-		free(text);
-		if (!(text = malloc(cap))) {
-			rc = -ENOMEM;
-			break;
-		}
-		rc = mlens_tokenizer_decode(tok, ids, n, flags, text, cap, &tlen);
-		if (rc != -ENOBUFS)
-			break;
-		cap = tlen + 1;
-	}
+	rc = mlens_textgen_decode(tg, ids, n, special, &text, &tlen);
 	if (rc) {
 		snprintf(err, errlen, rc == -EINVAL ? "a token id has no text in this vocabulary"
 			 : "decode: %s", strerror(-rc));
@@ -150,8 +131,8 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 		{ NULL, 0, NULL, 0 },
 	};
 	const char *dir = NULL, *in_name = "-", *out_name = "-";
-	struct mlens_tokenizer *tok = NULL;
-	unsigned flags = 0;
+	struct mlens_textgen *tg = NULL;
+	bool special = false;
 	FILE *in = NULL, *out = NULL;
 	char err[1024], *line = NULL;
 	size_t cap = 0, lineno = 0;
@@ -170,7 +151,7 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 					c == 'a' ? "tokenize" : "detokenize");
 				return EXIT_TROUBLE;
 			}
-			flags |= c == 'a' ? MLENS_TOK_ADD_SPECIAL : MLENS_TOK_SKIP_SPECIAL;
+			special = true;
 			break;
 		case 'i': in_name = optarg; break;
 		case 'o': out_name = optarg; break;
@@ -183,7 +164,7 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 		text_usage(stderr, detok);
 		return EXIT_TROUBLE;
 	}
-	if ((rc = mlens_tokenizer_open(dir, &tok, err, sizeof(err)))) {
+	if ((rc = mlens_textgen_open(dir, &tg, err, sizeof(err)))) {
 		fprintf(stderr, "mlens %s: %s\n", argv[0], err);
 		return EXIT_TROUBLE;
 	}
@@ -203,7 +184,7 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 			k--;
 		if (!k)
 			continue;
-		rc = (detok ? detokenize_line : tokenize_line)(tok, flags, line, (size_t)k, &res, err,
+		rc = (detok ? detokenize_line : tokenize_line)(tg, special, line, (size_t)k, &res, err,
 							       sizeof(err));
 		if (rc == -ENOMEM) {
 			fprintf(stderr, "mlens %s: out of memory at line %zu\n", argv[0], lineno);
@@ -239,6 +220,6 @@ out:
 	} else if (out == stdout && fflush(stdout)) {
 		status = EXIT_TROUBLE;
 	}
-	mlens_tokenizer_free(tok);
+	mlens_textgen_free(tg);
 	return status;
 }

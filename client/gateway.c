@@ -2,8 +2,9 @@
  * mlensd. One thread and one event_base carry evhttp and the mlens_fd of
  * every libmlens connection (one a tenant: one per API key, or one in
  * all); a call is an HTTP request for completions, split into choices,
- * each one daemon request. Text is turned into ids and back here
- * (gateway_text.h); the OpenAI JSON is built in gateway_api.c. */
+ * each one daemon request. Text is turned into ids and back through
+ * client/textgen.h, as mlens generate does; the OpenAI JSON is built in
+ * gateway_api.c. */
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
@@ -20,7 +21,6 @@
 #include <time.h>
 #include <unistd.h>
 #include "client/gateway_int.h"
-#include "client/gateway_text.h"
 
 #define EVENT_BATCH 256
 #define RETRY_MS 5		/* pending submissions try again this soon */
@@ -175,8 +175,7 @@ static void call_free(struct gw_call *c)
 	for (uint32_t i = 0; i < c->n_ch; i++) {
 		free(c->ch[i].tokens);
 		free(c->ch[i].logprobs);
-		free(c->ch[i].text);
-		gw_detok_free(c->ch[i].dt);
+		mlens_textgen_text_free(&c->ch[i].text);
 	}
 	for (uint32_t i = 0; i < c->n_prompts; i++)
 		free(c->prompts[i]);
@@ -308,17 +307,17 @@ static void call_fail(struct gw_call *c, const struct gw_err *e)
 /* Stream what choice ch has that the client has not seen. */
 static void choice_stream(struct gw_call *c, struct gw_choice *ch)
 {
-	size_t upto = ch->done ? ch->text_len : ch->text_safe;
+	size_t upto = ch->done ? ch->text.len : ch->text.safe;
 
 	/* an error before anything was sent is an HTTP status (call_fail) */
 	if (!c->stream || !c->req || c->failed || ch->finish == MLENS_REASON_ERROR)
 		return;
 	if (!c->headers_sent)
 		stream_start(c);
-	if (upto > ch->text_sent || ch->n_tokens > ch->n_tokens_sent ||
+	if (upto > ch->text.sent || ch->n_tokens > ch->n_tokens_sent ||
 	    (c->kind == GW_CHAT && !ch->role_sent)) {
-		sse_send(c->req, gw_chunk(c->gw, c, ch, ch->text_sent, upto, false));
-		ch->text_sent = upto;
+		sse_send(c->req, gw_chunk(c->gw, c, ch, ch->text.sent, upto, false));
+		ch->text.sent = upto;
 		ch->n_tokens_sent = ch->n_tokens;
 		ch->role_sent = true;
 	}
@@ -382,22 +381,21 @@ static int choice_add_token(struct gw_choice *ch, int32_t tok, float lp)
 	return 0;
 }
 
-/* New text was appended from old on: look for stop strings. */
-static void choice_text_grew(struct gw_choice *ch, size_t old)
+/* rc is what the text's push or finish returned: 1, a stop string met,
+ * ends the choice there and becomes 0; 0 and -errno come back as they
+ * are. */
+static int choice_text_grew(struct gw_choice *ch, int rc)
 {
 	struct gw_call *c = ch->call;
-	size_t safe;
 
-	if (gw_stop_scan(c, ch, old, &safe)) {
-		ch->done = true;
-		ch->finish = MLENS_REASON_STOP;
-		c->n_done++;
-		if (ch->in_daemon && c->t->m)
-			mlens_cancel(c->t->m, ch->id);
-		ch->text_safe = ch->text_len;
-	} else {
-		ch->text_safe = safe;
-	}
+	if (rc != 1)
+		return rc;
+	ch->done = true;
+	ch->finish = MLENS_REASON_STOP;
+	c->n_done++;
+	if (ch->in_daemon && c->t->m)
+		mlens_cancel(c->t->m, ch->id);
+	return 0;
 }
 
 static void choice_event(struct gw_choice *ch, const struct mlens_event *e)
@@ -425,22 +423,14 @@ static void choice_event(struct gw_choice *ch, const struct mlens_event *e)
 		bool stop_tok = last && e->finish == MLENS_REASON_STOP;
 
 		rc = choice_add_token(ch, e->token, e->flags & MLENS_EV_LOGPROB ? e->logprob : 0);
-		if (!rc && ch->dt && !stop_tok) {
-			size_t old = ch->text_len;
-
-			rc = gw_detok_push(ch->dt, e->token, &ch->text, &ch->text_len, &ch->text_cap);
-			if (!rc)
-				choice_text_grew(ch, old);
-		}
+		if (!rc && ch->text.dt && !stop_tok)
+			rc = choice_text_grew(ch, mlens_textgen_text_push(&ch->text, c->stops,
+									  c->n_stops, e->token));
 	}
 	if (!ch->done && (last || rc)) {
-		if (!rc && ch->dt) {
-			size_t old = ch->text_len;
-
-			rc = gw_detok_flush(ch->dt, &ch->text, &ch->text_len, &ch->text_cap);
-			if (!rc)
-				choice_text_grew(ch, old);
-		}
+		if (!rc && ch->text.dt)
+			rc = choice_text_grew(ch, mlens_textgen_text_finish(&ch->text, c->stops,
+									    c->n_stops));
 		if (!ch->done) {
 			ch->done = true;
 			ch->finish = rc ? MLENS_REASON_ERROR : e->finish;
@@ -1032,7 +1022,7 @@ static int setup_model(struct gw *gw)
 		gw_log("no --model or --tokenizer: serving token-id prompts only");
 		return 0;
 	}
-	rc = gw_text_open(dir, &gw->text, why, sizeof(why));
+	rc = mlens_textgen_open(dir, &gw->text, why, sizeof(why));
 	if (rc == -ENOENT && !gw->conf.tokenizer) {
 		gw_log("%s holds no tokenizer.json: serving token-id prompts only", dir);
 		return 0;
@@ -1045,8 +1035,9 @@ static int setup_model(struct gw *gw)
 		fprintf(stderr, "mlens-gateway: tokenizer in %s: %s\n", dir, why);
 		return rc;
 	}
-	if (gw_text_chat_problem(gw->text))
-		gw_log("%s: chat requests are refused: %s", dir, gw_text_chat_problem(gw->text));
+	if (mlens_textgen_chat_problem(gw->text, "no chat template"))
+		gw_log("%s: chat requests are refused: %s", dir,
+		       mlens_textgen_chat_problem(gw->text, "no chat template"));
 	return 0;
 }
 
@@ -1164,7 +1155,7 @@ out:
 		free(gw.tenants[i].key);
 	}
 	free(gw.tenants);
-	gw_text_close(gw.text);
+	mlens_textgen_free(gw.text);
 	free(gw.model_id);
 	if (sig_term)
 		event_free(sig_term);

@@ -4,9 +4,9 @@
 # tests/check_gateway can exercise them.
 noinst_LTLIBRARIES += client/libmlens_gateway.la
 client_libmlens_gateway_la_SOURCES = client/gateway_int.h client/gateway_conf.c \
-	client/gateway_api.c client/gateway_text.h client/gateway_text.c
+	client/gateway_api.c
 client_libmlens_gateway_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
-client_libmlens_gateway_la_LIBADD = client/libmlens.la $(JANSSON_LIBS)
+client_libmlens_gateway_la_LIBADD = client/libmlens_textgen.la client/libmlens.la $(JANSSON_LIBS)
 
 bin_PROGRAMS += client/mlens-gateway
 client_mlens_gateway_SOURCES = client/gateway.c

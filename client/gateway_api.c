@@ -10,7 +10,6 @@
 #include <string.h>
 #include <time.h>
 #include "client/gateway_int.h"
-#include "client/gateway_text.h"
 
 #define MAX_STOPS 16
 #define MAX_STOP_LEN 256
@@ -171,6 +170,35 @@ static int get_ids(const json_t *a, const struct mlens_limits *lim, const char *
 	return 0;
 }
 
+/* The token ids of a chat (an OpenAI messages array) rendered by the
+ * model's template, ending with the assistant's turn when
+ * add_generation_prompt, in a new array (*ids, free()). -ENOENT no
+ * template, -EINVAL a message the template refused or a rendering that
+ * does not tokenize (why says which and why), -ENOMEM. */
+static int chat_ids(struct gw *gw, const json_t *messages, bool add_generation_prompt,
+		    int32_t **ids, size_t *n, char *why, size_t why_len)
+{
+	char *msgs = json_dumps(messages, JSON_COMPACT), *text = NULL;
+	bool add_special;
+	size_t len;
+	int rc;
+
+	if (!msgs) {
+		snprintf(why, why_len, "out of memory");
+		return -ENOMEM;
+	}
+	rc = mlens_textgen_render(gw->text, msgs, add_generation_prompt, "no chat template",
+				  &text, &len, &add_special, why, why_len);
+	free(msgs);
+	if (rc)
+		return rc;
+	rc = mlens_textgen_encode(gw->text, text, len, add_special, ids, n);
+	free(text);
+	if (rc)
+		snprintf(why, why_len, "cannot tokenize the rendered chat: %s", strerror(-rc));
+	return rc;
+}
+
 static int encode(struct gw *gw, const char *s, size_t len, bool add_special, const char *param,
 		  int32_t **out, uint32_t *n, struct gw_err *e)
 {
@@ -179,7 +207,7 @@ static int encode(struct gw *gw, const char *s, size_t len, bool add_special, co
 
 	if (!gw->text)
 		return no_text(e, param, "a text prompt");
-	rc = gw_text_encode(gw->text, s, len, add_special, out, &cnt);
+	rc = mlens_textgen_encode(gw->text, s, len, add_special, out, &cnt);
 	if (rc)
 		return bad(e, param, "cannot tokenize '%s': %s", param, strerror(-rc));
 	if (!cnt) {
@@ -282,7 +310,7 @@ static int parse_messages(struct gw *gw, struct gw_call *c, const json_t *m, str
 	}
 	if (!gw->text)
 		return no_text(e, "messages", "chat");
-	rc = gw_text_chat(gw->text, m, true, &ids, &cnt, why, sizeof(why));
+	rc = chat_ids(gw, m, true, &ids, &cnt, why, sizeof(why));
 	if (rc == -ENOENT) {
 		gw_err_set(e, 400, "messages", "no_chat_template", "this server has no chat "
 			   "template for the model (%s): use /v1/completions", why);
@@ -324,8 +352,6 @@ static int parse_stop(struct gw *gw, struct gw_call *c, const json_t *s, struct 
 		if (!c->stops[i])
 			return bad(e, "stop", "out of memory");
 		c->n_stops++;
-		if (len > c->max_stop_len)
-			c->max_stop_len = len;
 	}
 	return 0;
 }
@@ -486,43 +512,10 @@ int gw_call_parse(struct gw *gw, struct gw_call *c, const json_t *b,
 		ch->n_prompt = c->prompt_lens[i / c->n];
 		/* n choices of one seeded request differ, and repeat */
 		ch->seed = c->has_seed ? c->seed + i % c->n : random_seed();
-		if (gw->text && !(ch->dt = gw_detok_new(gw->text)))
+		if (gw->text && mlens_textgen_text_init(&ch->text, gw->text))
 			return bad(e, NULL, "out of memory");
 	}
 	return 0;
-}
-
-/* ==== Stop strings ==== */
-
-bool gw_stop_scan(const struct gw_call *c, struct gw_choice *ch, size_t from, size_t *safe)
-{
-	size_t best = SIZE_MAX, hold;
-
-	for (size_t i = 0; i < c->n_stops; i++) {
-		size_t sl = strlen(c->stops[i]);
-		size_t start = from >= sl - 1 ? from - (sl - 1) : 0;
-		const char *hit;
-
-		if (ch->text_len < start + sl)
-			continue;
-		hit = memmem(ch->text + start, ch->text_len - start, c->stops[i], sl);
-		if (hit && (size_t)(hit - ch->text) < best)
-			best = (size_t)(hit - ch->text);
-	}
-	if (best != SIZE_MAX) {
-		ch->text_len = best;
-		ch->text[best] = 0;
-		*safe = best;
-		return true;
-	}
-	/* the last max_stop_len - 1 bytes may begin a stop string */
-	hold = c->max_stop_len ? c->max_stop_len - 1 : 0;
-	*safe = ch->text_len > hold ? ch->text_len - hold : 0;
-	while (*safe > 0 && *safe < ch->text_len && ((unsigned char)ch->text[*safe] & 0xC0) == 0x80)
-		(*safe)--;
-	if (*safe < ch->text_sent)
-		*safe = ch->text_sent;
-	return false;
 }
 
 /* ==== Replies ==== */
@@ -532,7 +525,7 @@ char *gw_token_str(struct gw *gw, int32_t tok)
 	char *s = NULL, buf[32];
 	size_t len;
 
-	if (gw->text && !gw_text_decode(gw->text, &tok, 1, false, &s, &len))
+	if (gw->text && !mlens_textgen_decode(gw->text, &tok, 1, false, &s, &len))
 		return s;
 	snprintf(buf, sizeof(buf), "token_id:%d", tok);
 	return strdup(buf);
@@ -640,16 +633,16 @@ json_t *gw_call_result(struct gw *gw, const struct gw_call *c)
 
 	for (uint32_t i = 0; i < c->n_ch; i++) {
 		const struct gw_choice *ch = &c->ch[i];
-		const char *text = ch->text ? ch->text : "";
+		const char *text = ch->text.buf ? ch->text.buf : "";
 		json_t *o, *lp = c->logprobs ? logprobs_json(gw, c, ch, 0, ch->n_tokens) : json_null();
 
 		if (c->kind == GW_CHAT)
 			o = json_pack("{s:I, s:{s:s, s:s%}, s:o, s:s}", "index", (json_int_t)i,
-				      "message", "role", "assistant", "content", text, ch->text_len,
+				      "message", "role", "assistant", "content", text, ch->text.len,
 				      "logprobs", lp, "finish_reason", finish_str(ch->finish));
 		else
 			o = json_pack("{s:I, s:s%, s:o, s:s}", "index", (json_int_t)i, "text", text,
-				      ch->text_len, "logprobs", lp, "finish_reason",
+				      ch->text.len, "logprobs", lp, "finish_reason",
 				      finish_str(ch->finish));
 		if (o && c->return_token_ids)
 			json_object_set_new(o, "token_ids", ids_json(ch->tokens, ch->n_tokens));
@@ -664,7 +657,7 @@ json_t *gw_chunk(struct gw *gw, const struct gw_call *c, const struct gw_choice 
 		 size_t text_from, size_t text_to, bool finish)
 {
 	json_t *r = call_head(gw, c, c->kind == GW_CHAT ? "chat.completion.chunk" : "text_completion");
-	const char *text = ch->text ? ch->text + text_from : "";
+	const char *text = ch->text.buf ? ch->text.buf + text_from : "";
 	size_t len = text_to - text_from;
 	json_t *o, *lp = json_null();
 
@@ -728,12 +721,12 @@ json_t *gw_tokenize(struct gw *gw, const json_t *b, const struct mlens_limits *l
 			return bad(e, "messages", "'messages' must be an array"), NULL;
 		if (get_bool(b, "add_generation_prompt", &gen, e))
 			return NULL;
-		rc = gw_text_chat(gw->text, msgs, gen, &ids, &n, why, sizeof(why));
+		rc = chat_ids(gw, msgs, gen, &ids, &n, why, sizeof(why));
 		if (rc)
 			return bad(e, "messages", "cannot render the chat: %s", why), NULL;
 	} else if (json_is_string(p)) {
-		rc = gw_text_encode(gw->text, json_string_value(p), json_string_length(p),
-				    add_special, &ids, &n);
+		rc = mlens_textgen_encode(gw->text, json_string_value(p), json_string_length(p),
+					  add_special, &ids, &n);
 		if (rc)
 			return bad(e, "prompt", "cannot tokenize: %s", strerror(-rc)), NULL;
 	} else {
@@ -771,9 +764,9 @@ json_t *gw_detokenize(struct gw *gw, const json_t *b, struct gw_err *e)
 		}
 		ids[i] = (int32_t)json_integer_value(v);
 	}
-	rc = gw_text_decode(gw->text, ids, n, false, &s, &len);
+	rc = mlens_textgen_decode(gw->text, ids, n, false, &s, &len);
 	free(ids);
-	if (rc == -ERANGE)
+	if (rc == -EINVAL)
 		return bad(e, "tokens", "a token id is outside the vocabulary"), NULL;
 	if (rc)
 		return bad(e, "tokens", "cannot detokenize: %s", strerror(-rc)), NULL;

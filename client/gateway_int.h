@@ -10,13 +10,12 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "client/mlens.h"
+#include "client/textgen.h"
 
 struct event;
 struct event_base;
 struct evhttp;
 struct evhttp_request;
-struct gw_text;
-struct gw_detok;
 
 /* ==== Settings (flags and config keys, gateway_conf.c) ==== */
 
@@ -81,11 +80,8 @@ struct gw_choice {
 	float *logprobs;
 	size_t n_tokens, cap_tokens;
 	size_t n_tokens_sent;	/* streamed so far (logprobs) */
-	struct gw_detok *dt;
-	char *text;		/* decoded so far, a stop string cut off */
-	size_t text_len, text_cap;
-	size_t text_safe;	/* no stop string can begin before this */
-	size_t text_sent;	/* streamed so far */
+	struct mlens_textgen_text text;	/* decoded so far, a stop string cut off;
+					 * text.dt NULL: no tokenizer */
 	bool role_sent;		/* chat stream: the first delta went out */
 	struct gw_choice *hnext;	/* by_id chain */
 	struct gw_choice *qnext;	/* pending queue */
@@ -110,7 +106,7 @@ struct gw_call {
 	int32_t stop_ids[MLENS_REQ_MAX_STOP];
 	uint32_t n_stop_ids;
 	char **stops;		/* stop strings */
-	size_t n_stops, max_stop_len;
+	size_t n_stops;
 	/* prompts: n_prompts of them, each used by n choices */
 	int32_t **prompts;
 	uint32_t *prompt_lens;
@@ -129,7 +125,7 @@ struct gw {
 	struct event_base *base;
 	struct evhttp *http;
 	struct event *retry;	/* submit pending choices again */
-	struct gw_text *text;	/* NULL: token-id prompts only */
+	struct mlens_textgen *text;	/* NULL: token-id prompts only */
 	char *model_id;
 	struct gw_tenant *tenants;
 	size_t n_tenants;
@@ -166,11 +162,6 @@ json_t *gw_call_result(struct gw *gw, const struct gw_call *c);
 json_t *gw_chunk(struct gw *gw, const struct gw_call *c, const struct gw_choice *ch,
 		 size_t text_from, size_t text_to, bool finish);
 json_t *gw_usage_chunk(struct gw *gw, const struct gw_call *c);
-
-/* Where stop string matching lets text be sent up to: the earliest stop
- * match at or after from cuts ch's text (returns true); else *safe is how
- * much text cannot become part of a stop string any more. */
-bool gw_stop_scan(const struct gw_call *c, struct gw_choice *ch, size_t from, size_t *safe);
 
 /* The text of one token for logprobs (a new string). */
 char *gw_token_str(struct gw *gw, int32_t tok);

@@ -22,6 +22,13 @@ pkgconfigdir = $(libdir)/pkgconfig
 pkgconfig_DATA = client/mlens.pc
 DISTCLEANFILES += client/mlens.pc
 
+# Text generation's text side (client/textgen.h: a model directory's
+# tokenizer and chat template, generated text cut at stop strings), one
+# module for mlens generate and mlens-gateway alike.
+noinst_LTLIBRARIES += client/libmlens_textgen.la
+client_libmlens_textgen_la_SOURCES = client/textgen.h client/textgen.c
+client_libmlens_textgen_la_LIBADD = client/libmlens.la
+
 # The CLI's JSON lines (parsing requests and OpenAI batch lines, writing
 # results) and its text side (prompts and generated text through the
 # model's tokenizer) live in a small library of their own so that
@@ -30,7 +37,7 @@ noinst_LTLIBRARIES += client/libmlens_cli.la
 client_libmlens_cli_la_SOURCES = client/cli_int.h client/cli_json.c client/cli_batch.c \
 	client/cli_model.c
 client_libmlens_cli_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
-client_libmlens_cli_la_LIBADD = client/libmlens.la $(JANSSON_LIBS)
+client_libmlens_cli_la_LIBADD = client/libmlens_textgen.la client/libmlens.la $(JANSSON_LIBS)
 
 bin_PROGRAMS += client/mlens
 client_mlens_SOURCES = client/mlens_cli.c client/cli_text.c

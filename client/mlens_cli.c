@@ -48,7 +48,7 @@ struct job {
 	char *error;
 	bool bad_request;	/* the error is the line's, not the daemon's */
 	bool has_text;		/* text holds the decoded tokens (--model) */
-	struct mlens_cli_text text;
+	struct mlens_textgen_text text;
 	size_t tokens_sent;	/* streamed so far */
 	uint64_t id;		/* libmlens's, once submitted */
 	double t_submit;
@@ -76,7 +76,7 @@ struct run {
 	double t_start, t_last_bar;
 	uint64_t prompt_tokens, generated;
 	size_t ok, failed;
-	struct mlens_cli_model *model;	/* --model: text prompts and results */
+	struct mlens_textgen *model;	/* --model: text prompts and results */
 	bool stream;		/* --stream: delta lines as tokens come */
 	char *line;
 	size_t line_cap;
@@ -180,7 +180,7 @@ static void job_refuse(struct run *rn, struct job *j, const char *why)
 static void job_release(struct job *j)
 {
 	mlens_cli_request_free(&j->req);
-	mlens_cli_text_free(&j->text);
+	mlens_textgen_text_free(&j->text);
 	free(j->tokens);
 	free(j->logprobs);
 	free(j->error);
@@ -209,7 +209,7 @@ static int job_prepare(struct run *rn, struct job *j, char *why, size_t len)
 	rc = mlens_cli_model_prompt(rn->model, r, why, len);
 	if (rc)
 		return rc;
-	if (mlens_cli_text_init(&j->text, rn->model))
+	if (mlens_textgen_text_init(&j->text, rn->model))
 		return -ENOMEM;
 	j->has_text = true;
 	return 0;
@@ -311,7 +311,7 @@ static int read_job(struct run *rn)
 		c->line = j->line;
 		c->choice = k;
 		if (request_copy(&c->req, &j->req) ||
-		    (j->has_text && mlens_cli_text_init(&c->text, rn->model)))
+		    (j->has_text && mlens_textgen_text_init(&c->text, rn->model)))
 			return -ENOMEM;
 		c->has_text = j->has_text;
 		c->req.seed += k;
@@ -453,7 +453,7 @@ static int job_token(struct run *rn, struct job *j, const struct mlens_event *e)
 	rn->generated++;
 	if (!j->has_text)
 		return 0;
-	rc = mlens_cli_text_push(&j->text, &j->req, e->token);
+	rc = mlens_textgen_text_push(&j->text, j->req.stop_text, j->req.n_stop_text, e->token);
 	if (rc < 0)
 		return rc;
 	if (rc == 1 && !(e->flags & MLENS_EV_LAST) && mlens_cancel(rn->m, j->id) == -ECONNRESET)
@@ -469,7 +469,7 @@ static int job_settle_text(struct run *rn, struct job *j)
 
 	if (!j->has_text)
 		return stream_delta(rn, j);
-	rc = mlens_cli_text_finish(&j->text, &j->req);
+	rc = mlens_textgen_text_finish(&j->text, j->req.stop_text, j->req.n_stop_text);
 	if (rc < 0)
 		return rc;
 	if (j->text.stopped && j->finish != MLENS_REASON_ERROR)
@@ -539,7 +539,7 @@ static int write_line(struct run *rn, char *s)
 }
 
 /* Each token's own text (for OpenAI logprobs), or NULL out of memory. */
-static char **token_texts(const struct mlens_cli_model *m, const int32_t *tokens, size_t n)
+static char **token_texts(const struct mlens_textgen *m, const int32_t *tokens, size_t n)
 {
 	char **tt = calloc(n ? n : 1, sizeof(*tt));
 
@@ -921,7 +921,7 @@ static int cmd_generate(int argc, char **argv)
 		return EXIT_TROUBLE;
 	}
 
-	if (dir && mlens_cli_model_open(dir, &rn.model, err, sizeof(err))) {
+	if (dir && mlens_textgen_open(dir, &rn.model, err, sizeof(err))) {
 		fprintf(stderr, "mlens generate: --model %s: %s\n", dir, err);
 		return EXIT_TROUBLE;
 	}
@@ -931,7 +931,7 @@ static int cmd_generate(int argc, char **argv)
 	rn.in = strcmp(in_name, "-") ? fopen(in_name, "r") : stdin;
 	if (!rn.in) {
 		fprintf(stderr, "mlens: cannot read %s: %s\n", in_name, strerror(errno));
-		mlens_cli_model_free(rn.model);
+		mlens_textgen_free(rn.model);
 		return EXIT_TROUBLE;
 	}
 	rn.out_name = out_name;
@@ -1005,7 +1005,7 @@ close_in:
 		fclose(rn.in);
 	for (size_t i = rn.next_write; i < rn.n_jobs; i++)
 		job_release(&rn.jobs[i]);
-	mlens_cli_model_free(rn.model);
+	mlens_textgen_free(rn.model);
 	free(rn.jobs);
 	free(rn.line_of_id);
 	free(rn.line);

@@ -1072,49 +1072,49 @@ END_TEST
 START_TEST(test_text_stop)
 {
 	const char *src = getenv("MLENS_SRCDIR"), *text = "h\xc3\xa9llo w\xc3\xb6rld, h\xc3\xa9llo";
-	struct mlens_cli_model *m;
+	struct mlens_textgen *m;
 	struct mlens_cli_req r;
-	struct mlens_cli_text t;
+	struct mlens_textgen_text t;
 	char dir[4096], err[512] = "", line[256];
 	int rc, hit = 0;
 
 	snprintf(dir, sizeof(dir), "%s/tests/tokenizer/fixtures/bytelevel", src ? src : "..");
-	ck_assert_msg(!mlens_cli_model_open(dir, &m, err, sizeof(err)), "%s", err);
+	ck_assert_msg(!mlens_textgen_open(dir, &m, err, sizeof(err)), "%s", err);
 	snprintf(line, sizeof(line), "{\"prompt\": \"%s\", \"stop\": [\"\xc3\xb6\", \"llo w\"]}", text);
 	ck_assert_int_eq(parse(line, &r, err), 0);
 	ck_assert_int_eq(mlens_cli_model_prompt(m, &r, err, sizeof(err)), 0);
 	ck_assert_uint_gt(r.n_prompt, 3);
-	ck_assert_int_eq(mlens_cli_text_init(&t, m), 0);
+	ck_assert_int_eq(mlens_textgen_text_init(&t, m), 0);
 	for (uint32_t i = 0; i < r.n_prompt; i++) {
-		rc = mlens_cli_text_push(&t, &r, r.prompt[i]);
+		rc = mlens_textgen_text_push(&t, r.stop_text, r.n_stop_text, r.prompt[i]);
 		ck_assert_int_ge(rc, 0);
 		if (rc && !hit)
 			hit = (int)i + 1;
 	}
 	ck_assert_int_gt(hit, 0);
-	ck_assert_int_eq(mlens_cli_text_finish(&t, &r), 1);
+	ck_assert_int_eq(mlens_textgen_text_finish(&t, r.stop_text, r.n_stop_text), 1);
 	ck_assert_str_eq(t.buf, "h\xc3\xa9");
 	ck_assert_uint_eq(t.len, 3);
 	ck_assert(t.stopped);
-	mlens_cli_text_free(&t);
+	mlens_textgen_text_free(&t);
 
 	/* no match: the last byte may begin "zz"; safe stays on characters */
 	r.stop_text[0][0] = 'z';
 	free(r.stop_text[1]);
 	r.stop_text[1] = strdup("zz");
-	ck_assert_int_eq(mlens_cli_text_init(&t, m), 0);
+	ck_assert_int_eq(mlens_textgen_text_init(&t, m), 0);
 	for (uint32_t i = 0; i < r.n_prompt; i++) {
-		ck_assert_int_eq(mlens_cli_text_push(&t, &r, r.prompt[i]), 0);
+		ck_assert_int_eq(mlens_textgen_text_push(&t, r.stop_text, r.n_stop_text, r.prompt[i]), 0);
 		ck_assert_uint_le(t.safe, t.len);
 		ck_assert_uint_le(t.safe + 1, t.len > 0 ? t.len : 1);
 		if (t.safe < t.len)
 			ck_assert_int_ne((unsigned char)t.buf[t.safe] & 0xC0, 0x80);
 	}
-	ck_assert_int_eq(mlens_cli_text_finish(&t, &r), 0);
+	ck_assert_int_eq(mlens_textgen_text_finish(&t, r.stop_text, r.n_stop_text), 0);
 	ck_assert_str_eq(t.buf, text);
 	ck_assert_uint_eq(t.safe, t.len);
 	ck_assert(!t.stopped);
-	mlens_cli_text_free(&t);
+	mlens_textgen_text_free(&t);
 	mlens_cli_request_free(&r);
 
 	/* a chat without a template is refused with why */
@@ -1122,7 +1122,7 @@ START_TEST(test_text_stop)
 	ck_assert_int_eq(mlens_cli_model_prompt(m, &r, err, sizeof(err)), -EINVAL);
 	ck_assert_ptr_nonnull(strstr(err, "messages need the model's chat template"));
 	mlens_cli_request_free(&r);
-	mlens_cli_model_free(m);
+	mlens_textgen_free(m);
 }
 END_TEST
 

@@ -20,59 +20,48 @@ static const struct mlens_limits lim = {
 
 /* ==== stop strings ==== */
 
-/* Append s to ch's text as a token would, and scan. */
-static bool grow(struct gw_call *c, struct gw_choice *ch, const char *s, size_t *safe)
+/* Append s to t's text as a token would, and scan. */
+static int grow(struct mlens_textgen_text *t, char *const *stops, size_t n, const char *s)
 {
-	size_t old = ch->text_len, l = strlen(s);
-
-	ch->text = realloc(ch->text, old + l + 1);
-	memcpy(ch->text + old, s, l + 1);
-	ch->text_len = old + l;
-	return gw_stop_scan(c, ch, old, safe);
+	return mlens_textgen_text_add(t, stops, n, s, strlen(s), false);
 }
 
 START_TEST(test_stop_scan)
 {
 	char *stops[] = { "END", "stop!" };
-	struct gw_call c = { .stops = stops, .n_stops = 2, .max_stop_len = 5 };
-	struct gw_choice ch = { .call = &c };
-	size_t safe;
+	struct mlens_textgen_text t = { 0 };
 
-	ck_assert(!grow(&c, &ch, "hello ", &safe));
-	ck_assert_uint_eq(safe, 2);	/* "llo " could begin "stop!" */
-	ch.text_sent = safe;
-	ck_assert(!grow(&c, &ch, "wor", &safe));
-	ck_assert_uint_eq(safe, 5);
-	ck_assert(!grow(&c, &ch, "ld E", &safe));
-	ck_assert(!grow(&c, &ch, "N", &safe));
+	ck_assert_int_eq(grow(&t, stops, 2, "hello "), 0);
+	ck_assert_uint_eq(t.safe, 2);	/* "llo " could begin "stop!" */
+	ck_assert_int_eq(grow(&t, stops, 2, "wor"), 0);
+	ck_assert_uint_eq(t.safe, 5);
+	ck_assert_int_eq(grow(&t, stops, 2, "ld E"), 0);
+	ck_assert_int_eq(grow(&t, stops, 2, "N"), 0);
 	/* the match spans three pieces: cut before it */
-	ck_assert(grow(&c, &ch, "D and stop!", &safe));
-	ck_assert_str_eq(ch.text, "hello world ");
-	ck_assert_uint_eq(ch.text_len, 12);
-	free(ch.text);
+	ck_assert_int_eq(grow(&t, stops, 2, "D and stop!"), 1);
+	ck_assert_str_eq(t.buf, "hello world ");
+	ck_assert_uint_eq(t.len, 12);
+	ck_assert_uint_eq(t.safe, 12);
+	ck_assert(t.stopped);
+	mlens_textgen_text_free(&t);
 
 	/* the earliest of two matches in one piece wins */
-	memset(&ch, 0, sizeof(ch));
-	ch.call = &c;
-	ck_assert(grow(&c, &ch, "a stop! b END", &safe));
-	ck_assert_str_eq(ch.text, "a ");
-	free(ch.text);
+	ck_assert_int_eq(grow(&t, stops, 2, "a stop! b END"), 1);
+	ck_assert_str_eq(t.buf, "a ");
+	mlens_textgen_text_free(&t);
 
 	/* held-back text never ends inside a UTF-8 character */
-	memset(&ch, 0, sizeof(ch));
-	ch.call = &c;
-	ck_assert(!grow(&c, &ch, "abc\xc3\xa9xyz", &safe));	/* a b c é x y z: 8 bytes */
-	ck_assert_uint_eq(safe, 3);	/* 8 - 4 = 4 is inside the é: back to 3 */
-	free(ch.text);
+	ck_assert_int_eq(grow(&t, stops, 2, "abc\xc3\xa9xyz"), 0);	/* a b c é x y z: 8 bytes */
+	ck_assert_uint_eq(t.safe, 3);	/* 8 - 4 = 4 is inside the é: back to 3 */
+	/* the end of the text: all of it is safe */
+	ck_assert_int_eq(mlens_textgen_text_add(&t, stops, 2, "", 0, true), 0);
+	ck_assert_uint_eq(t.safe, 8);
+	mlens_textgen_text_free(&t);
 
 	/* no stop strings: everything is safe */
-	c.n_stops = 0;
-	c.max_stop_len = 0;
-	memset(&ch, 0, sizeof(ch));
-	ch.call = &c;
-	ck_assert(!grow(&c, &ch, "END", &safe));
-	ck_assert_uint_eq(safe, 3);
-	free(ch.text);
+	ck_assert_int_eq(grow(&t, stops, 0, "END"), 0);
+	ck_assert_uint_eq(t.safe, 3);
+	mlens_textgen_text_free(&t);
 }
 END_TEST
 
