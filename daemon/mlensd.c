@@ -50,12 +50,12 @@ struct daemon {
 	bool draining;
 	int ready_fd;		/* daemon mode: tell the waiting parent */
 	double started;
-	/* operating: control and stats sockets (daemon/control.c, daemon/stats.c) */
+	/* operating: control and stats sockets (daemon/ops/control.c, daemon/ops/stats.c) */
 	struct mlens_daemon_info info;
 	struct mlens_control *control;
 	struct mlens_stats *stats;
-	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/gpu_plan.c) */
-	struct mlens_profile_state prof;	/* the profiler's last results (daemon/profiler.c) */
+	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/plan/gpu_plan.c) */
+	struct mlens_profile_state prof;	/* the profiler's last results (daemon/plan/profiler.c) */
 	char mode_reason[512];
 	/* what the start-up steps hand on */
 	struct mlens_backend_opts bo;
@@ -465,7 +465,7 @@ static int step_config(int argc, char **argv)
 	}
 	if (D.cfg.n_gpus > 1) {
 		/* the split over several GPUs is planned and modelled
-		 * (daemon/shard.h, perfmodel.h) but this daemon drives one GPU:
+		 * (daemon/plan/shard.h, perfmodel.h) but this daemon drives one GPU:
 		 * say so rather than serve on the first one alone */
 		fprintf(stderr, "mlensd: gpus = %s lists %d GPUs, but this mlensd serves on one GPU only; "
 			"list one GPU (e.g. gpus = %d), or run one mlensd per GPU\n",

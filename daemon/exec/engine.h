@@ -27,7 +27,7 @@ struct mlens_engine_opts {
 	 * (flash attention) elsewhere. */
 	int prefill_attn;
 	/* Hybrid mode: with attn_backend set, every step runs through
-	 * the hybrid pipeline (daemon/pipeline.h): be is the GPU side, held
+	 * the hybrid pipeline (daemon/exec/pipeline.h): be is the GPU side, held
 	 * under gpu_budget bytes, and attn_backend (host memory: the cpu
 	 * backend) holds the KV pool and runs decode attention. max_step_tokens
 	 * is then the cap wanted; the GPU memory plan may lower it. */
@@ -76,7 +76,7 @@ void mlens_engine_destroy(struct mlens_engine *e);
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e);
 /* The hybrid pipeline of an engine in hybrid mode, else NULL. */
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e);
-/* The engine's step trace recorder (daemon/trace.h): armed by mlensctl
+/* The engine's step trace recorder (daemon/ops/trace.h): armed by mlensctl
  * trace; each mlens_engine_step is a traced step while armed. The hybrid
  * pipeline adds its spans to it. */
 struct mlens_trace *mlens_engine_trace(struct mlens_engine *e);

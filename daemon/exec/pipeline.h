@@ -32,7 +32,7 @@ struct mlens_pipeline_opts {
 	int max_step_tokens;	/* token cap wanted; 0 = 4096 (the plan may lower it) */
 	int min_step_tokens;	/* smallest cap that may run; 0 = 1 */
 	int groups;		/* token groups at least (when there are requests enough), 1 or 2; 0 = 2 */
-	/* activation sets, 2 or 3 (daemon/pipeprog.h: with 3, GA runs two
+	/* activation sets, 2 or 3 (daemon/exec/pipeprog.h: with 3, GA runs two
 	 * groups ahead of GB where a layer has three or more); 0 = 2 */
 	int sets;
 	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP,
@@ -75,7 +75,7 @@ struct mlens_pipeline_opts {
 	int kv_dtype;
 	void *kv_mem_k;
 	void *kv_mem_v;
-	struct mlens_trace *trace;	/* step traces (daemon/trace.h), may be NULL */
+	struct mlens_trace *trace;	/* step traces (daemon/ops/trace.h), may be NULL */
 };
 
 /* Busy time of the last step and totals (seconds, bytes). */

@@ -132,7 +132,7 @@ uint64_t mlens_gpuplan_act_bytes(const struct mlens_perf_model *pm, int64_t n,
 	 * (none with att_half: the prefill attention writes into xn), k, v
 	 * (they live across the group's CPU attention); once for all sets: xn
 	 * (rows of the hidden size or qdim, the larger), router logits, top-k
-	 * weights and ids (GA's and GB's own, daemon/pipeline.c's pl_shared);
+	 * weights and ids (GA's and GB's own, daemon/exec/pipeline.c's pl_shared);
 	 * logits of the tail's rows (a chunk, at most MLENS_GPUPLAN_TAIL_ROWS) */
 	per = (in->att_half ? 1 : 2) * qd + 2 * kvd;
 	shared = (qd > H ? qd : H) + E + 2 * K;

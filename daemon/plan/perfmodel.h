@@ -371,7 +371,7 @@ int mlens_perf_token_cap(const struct mlens_perf_prediction *pred);
 
 /* ==== the daemon's reachable steady state and the hardware bound ====
  *
- * Exact per-request accounting of the scheduler (daemon/sched.c): a request
+ * Exact per-request accounting of the scheduler (daemon/serve/sched.c): a request
  * of p prompt tokens and g generated ones is admitted whole in one step
  * (its p prompt tokens, which also sample its first token), then decodes
  * g - 1 steps of one token; it lives g steps and its KV holds p + a tokens
@@ -439,7 +439,7 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 /* ==== several GPUs in one box ====
  *
  * G GPUs work on the same step: attention split by heads, experts by
- * intermediate rows (TP) or whole experts (EP), as daemon/shard.h plans.
+ * intermediate rows (TP) or whole experts (EP), as daemon/plan/shard.h plans.
  * Each GPU has its own budget (gpu_budget is per GPU) and its own PCIe
  * link (b_io, b_d2h per link); the host's memory bandwidth (b_mem) and
  * CPU attention (b_attn) are shared by all. The model of one GPU applies
