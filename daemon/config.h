@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-/* GPUs one daemon may list (the shard plan's limit, daemon/shard.h). */
+/* GPUs one daemon may list (the shard plan's limit, daemon/plan/shard.h). */
 #define MLENS_CONFIG_MAX_GPUS 64
 
 struct mlens_config {

@@ -14,19 +14,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include "daemon/config.h"
-#include "daemon/control.h"
-#include "daemon/engine.h"
-#include "daemon/gpu_plan.h"
-#include "daemon/gpuplan.h"
-#include "daemon/pipeline.h"
-#include "daemon/profiler.h"
+#include "daemon/ops/control.h"
+#include "daemon/exec/engine.h"
+#include "daemon/plan/gpu_plan.h"
+#include "daemon/plan/gpuplan.h"
+#include "daemon/exec/pipeline.h"
+#include "daemon/plan/profiler.h"
 #include "daemon/log.h"
 #include "daemon/mem.h"
-#include "daemon/sched.h"
-#include "daemon/server.h"
-#include "daemon/stats.h"
-#include "daemon/weights.h"
-#include "daemon/worker.h"
+#include "daemon/serve/sched.h"
+#include "daemon/serve/server.h"
+#include "daemon/ops/stats.h"
+#include "daemon/model/weights.h"
+#include "daemon/serve/worker.h"
 #include "kernels/cpu/attn.h"
 
 struct daemon {
@@ -50,12 +50,12 @@ struct daemon {
 	bool draining;
 	int ready_fd;		/* daemon mode: tell the waiting parent */
 	double started;
-	/* operating: control and stats sockets (daemon/control.c, daemon/stats.c) */
+	/* operating: control and stats sockets (daemon/ops/control.c, daemon/ops/stats.c) */
 	struct mlens_daemon_info info;
 	struct mlens_control *control;
 	struct mlens_stats *stats;
-	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/gpu_plan.c) */
-	struct mlens_profile_state prof;	/* the profiler's last results (daemon/profiler.c) */
+	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/plan/gpu_plan.c) */
+	struct mlens_profile_state prof;	/* the profiler's last results (daemon/plan/profiler.c) */
 	char mode_reason[512];
 	/* what the start-up steps hand on */
 	struct mlens_backend_opts bo;
@@ -465,7 +465,7 @@ static int step_config(int argc, char **argv)
 	}
 	if (D.cfg.n_gpus > 1) {
 		/* the split over several GPUs is planned and modelled
-		 * (daemon/shard.h, perfmodel.h) but this daemon drives one GPU:
+		 * (daemon/plan/shard.h, perfmodel.h) but this daemon drives one GPU:
 		 * say so rather than serve on the first one alone */
 		fprintf(stderr, "mlensd: gpus = %s lists %d GPUs, but this mlensd serves on one GPU only; "
 			"list one GPU (e.g. gpus = %d), or run one mlensd per GPU\n",

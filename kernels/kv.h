@@ -2,7 +2,7 @@
  * by all sequences, each block holding block_size tokens of every layer.
  * Layout of K (and V alike): [layer][block][kv_head][slot][head_dim], so that
  * one KV head's keys in one block are contiguous (what decode attention
- * streams through). Block accounting lives in daemon/kv_pool.h. */
+ * streams through). Block accounting lives in daemon/exec/kv_pool.h. */
 #ifndef MLENS_KV_H
 #define MLENS_KV_H
 

@@ -1,4 +1,4 @@
-/* Description: the engine's step (daemon/engine.c) on the CPU backend:
+/* Description: the engine's step (daemon/exec/engine.c) on the CPU backend:
  * batched equals unbatched, prefill-then-decode equals all-at-once,
  * re-prefill after eviction equals the uninterrupted run, seeded sampling
  * is reproducible, bad steps fail without side effects, and positions stop
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
-#include "daemon/engine.h"
+#include "daemon/exec/engine.h"
 #include "tests/testmodel.h"
 
 /* ==== engine ==== */

@@ -1,4 +1,4 @@
-/* Description: GPU-only mode's memory plan (daemon/gpu_plan.c): the parts
+/* Description: GPU-only mode's memory plan (daemon/plan/gpu_plan.c): the parts
  * add up to what the engine and the CUDA backend allocate for a
  * Mixtral-8x7B-shaped model, a budget of 0 means free memory minus the
  * margin, and a KV pool or a gpu_memory too large is refused with the
@@ -7,7 +7,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/gpu_plan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "tests/check_common.h"
 #include "tests/testmodel.h"
 

@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <cuda_runtime.h>
-#include "daemon/gpuplan.h"
-#include "daemon/pipeline.h"
+#include "daemon/plan/gpuplan.h"
+#include "daemon/exec/pipeline.h"
 #include "tests/gpulock.h"
 #include "tests/testmodel.h"
 

@@ -1,4 +1,4 @@
-/* Description: the KV block pool (daemon/kv_pool.c): exact accounting of
+/* Description: the KV block pool (daemon/exec/kv_pool.c): exact accounting of
  * fixed-size blocks, all or nothing, every block once in a table, on the
  * free stack or in a room, under random reserve and release; the growth
  * room keeps tables in runs of consecutive blocks under churn; the KV
@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/kv_pool.h"
+#include "daemon/exec/kv_pool.h"
 #include "kernels/backend.h"
 #include "tests/check_common.h"
 

@@ -1,4 +1,4 @@
-/* Description: the one decoder layer (daemon/layer.h) on the CPU backend:
+/* Description: the one decoder layer (daemon/exec/layer.h) on the CPU backend:
  * the whole forward equals its parts run apart as the hybrid pipeline
  * runs them (GA and GB in two row groups, the experts one row a call), bit
  * for bit, with every op of it seen by the probe; the model's head gives
@@ -7,8 +7,8 @@
 #include <check.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/kv_pool.h"
-#include "daemon/layer.h"
+#include "daemon/exec/kv_pool.h"
+#include "daemon/exec/layer.h"
 #include "tests/testmodel.h"
 
 #define N 11	/* rows: one sequence at positions 0..N-1 */

@@ -13,9 +13,9 @@
 #include <unistd.h>
 #include <jansson.h>
 
-#include "daemon/mkmodel.h"
-#include "daemon/model.h"
-#include "daemon/safetensors.h"
+#include "daemon/tools/mkmodel.h"
+#include "daemon/model/model.h"
+#include "daemon/model/safetensors.h"
 
 static char tmpdir[64];
 static char err[2048];

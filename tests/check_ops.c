@@ -19,10 +19,10 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
-#include "daemon/listen.h"
+#include "daemon/ops/listen.h"
 #include "daemon/log.h"
-#include "daemon/stats.h"
-#include "daemon/tenant.h"
+#include "daemon/ops/stats.h"
+#include "daemon/serve/tenant.h"
 
 static char dir[] = "/tmp/check_ops.XXXXXX";
 

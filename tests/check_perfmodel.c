@@ -9,8 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/perfmodel.h"
-#include "daemon/sched.h"
+#include "daemon/plan/perfmodel.h"
+#include "daemon/serve/sched.h"
 #include "tests/testmodel.h"
 
 #define GIB (1024.0 * 1024.0 * 1024.0)

@@ -1,4 +1,4 @@
-/* Description: the hybrid pipeline's executor (daemon/pipeline.c) with
+/* Description: the hybrid pipeline's executor (daemon/exec/pipeline.c) with
  * the CPU backend on both sides (the program run in order): greedy tokens
  * equal to the engine's and logits within 1e-5 over prefill, decode and
  * mixed steps, in one and two token groups, through the engine's hybrid
@@ -16,11 +16,11 @@
 #include <string.h>
 #include <unistd.h>
 #include <jansson.h>
-#include "daemon/gpuplan.h"
-#include "daemon/pipeline.h"
-#include "daemon/pipeprog.h"
-#include "daemon/sched.h"
-#include "daemon/trace.h"
+#include "daemon/plan/gpuplan.h"
+#include "daemon/exec/pipeline.h"
+#include "daemon/exec/pipeprog.h"
+#include "daemon/serve/sched.h"
+#include "daemon/ops/trace.h"
 #include "tests/check_common.h"
 #include "tests/testmodel.h"
 

@@ -1,4 +1,4 @@
-/* Description: the hybrid pipeline's GPU memory plan (daemon/gpuplan.c):
+/* Description: the hybrid pipeline's GPU memory plan (daemon/plan/gpuplan.c):
  * parts add up to its total, the total never exceeds the budget,
  * residency grows with the budget, a budget below the minimum is refused
  * with the minimum in the message, and the minimum itself runs; the
@@ -10,8 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/gpuplan.h"
-#include "daemon/pipeprog.h"
+#include "daemon/plan/gpuplan.h"
+#include "daemon/exec/pipeprog.h"
 #include "tests/check_common.h"
 #include "tests/testmodel.h"
 

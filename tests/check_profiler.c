@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include "daemon/profiler.h"
-#include "daemon/sched.h"
+#include "daemon/plan/profiler.h"
+#include "daemon/serve/sched.h"
 #include "tests/testmodel.h"
 
 static struct mlens_model *tiny(void)

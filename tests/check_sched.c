@@ -12,8 +12,8 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
-#include "daemon/sched.h"
-#include "daemon/worker.h"
+#include "daemon/serve/sched.h"
+#include "daemon/serve/worker.h"
 #include "tests/testmodel.h"
 
 #define MAXEV 4096

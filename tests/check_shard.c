@@ -20,10 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/config.h"
-#include "daemon/engine.h"
-#include "daemon/perfmodel.h"
-#include "daemon/shard.h"
-#include "daemon/shard_sim.h"
+#include "daemon/exec/engine.h"
+#include "daemon/plan/perfmodel.h"
+#include "daemon/plan/shard.h"
+#include "daemon/tools/shard_sim.h"
 #include "tests/testmodel.h"
 
 #define SHARD_TOL 1e-5

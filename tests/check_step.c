@@ -1,4 +1,4 @@
-/* Description: what a step does around its layers (daemon/step.c): the KV
+/* Description: what a step does around its layers (daemon/exec/step.c): the KV
  * blocks its requests need beyond what their sequences hold; the
  * reservation refuses bad requests (-EINVAL, -EOVERFLOW), too many tokens
  * (-E2BIG) and a short pool (-ENOSPC) before it reserves anything, else
@@ -10,7 +10,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/step.h"
+#include "daemon/exec/step.h"
 #include "kernels/backend.h"
 #include "tests/check_common.h"
 

@@ -1,4 +1,4 @@
-/* Description: the hybrid pipeline's step program (daemon/pipeprog.c) on
+/* Description: the hybrid pipeline's step program (daemon/exec/pipeprog.c) on
  * a simulated device (queues with clocks, events with times, the host
  * blocking on events): GB(l) starts after every piece of layer l arrived,
  * a slot is overwritten only after every GB of the layer it held, each
@@ -11,7 +11,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/pipeprog.h"
+#include "daemon/exec/pipeprog.h"
 #include "tests/check_common.h"
 
 /* ==== the program on a simulated device ==== */

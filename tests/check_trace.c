@@ -19,8 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 #include <event2/buffer.h>
-#include "daemon/stats.h"
-#include "daemon/trace.h"
+#include "daemon/ops/stats.h"
+#include "daemon/ops/trace.h"
 #include "kernels/backend.h"
 
 static char dir[] = "/tmp/check_trace.XXXXXX";

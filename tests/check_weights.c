@@ -1,4 +1,4 @@
-/* Description: the weight pages (daemon/weights.c): a model's files read
+/* Description: the weight pages (daemon/model/weights.c): a model's files read
  * into pinned memory by io_uring movers (many small chunks, several
  * movers, one read in flight or several) and by the mmap copy, each file
  * at a page-aligned offset, byte for byte the file with zeroes after it,
@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include "daemon/mkmodel.h"
-#include "daemon/model.h"
-#include "daemon/weights.h"
+#include "daemon/tools/mkmodel.h"
+#include "daemon/model/model.h"
+#include "daemon/model/weights.h"
 #include "tests/check_common.h"
 
 #define PAGE 4096u

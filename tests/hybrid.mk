@@ -1,18 +1,18 @@
 # tests: the hybrid pipeline on the CPU, one program per part: its GPU
-# memory plan (daemon/gpuplan.c), its step program (daemon/pipeprog.c) and
-# its executor (daemon/pipeline.c)
+# memory plan (daemon/plan/gpuplan.c), its step program (daemon/exec/pipeprog.c) and
+# its executor (daemon/exec/pipeline.c)
 if HAVE_CHECK
 check_PROGRAMS += tests/check_plan tests/check_stepprog tests/check_pipeline
 TESTS += tests/check_plan tests/check_stepprog tests/check_pipeline
 tests_check_plan_SOURCES = tests/check_plan.c tests/check_common.h
 tests_check_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_plan_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+tests_check_plan_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 tests_check_stepprog_SOURCES = tests/check_stepprog.c tests/check_common.h
 tests_check_stepprog_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_stepprog_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 tests_check_pipeline_SOURCES = tests/check_pipeline.c tests/check_common.h
 tests_check_pipeline_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_pipeline_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+tests_check_pipeline_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
 
 # the golden checks through the hybrid pipeline (tests/golden/golden.c
@@ -34,7 +34,7 @@ check_PROGRAMS += tests/check_hybrid_cuda
 TESTS += tests/check_hybrid_cuda
 tests_check_hybrid_cuda_SOURCES = tests/check_hybrid_cuda.c tests/gpulock.h
 tests_check_hybrid_cuda_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(CUDA_CFLAGS)
-tests_check_hybrid_cuda_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) $(CUDA_LIBS) -lm
+tests_check_hybrid_cuda_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(CUDA_LIBS) -lm
 # the same in groups of 16 rows, fp32 models (see MLENS_TEST_SMALL_GROUPS
 # in the source: why not bf16)
 check_PROGRAMS += tests/check_hybrid_cuda_groups
@@ -47,5 +47,5 @@ endif
 noinst_PROGRAMS += tests/bench/bench_hybrid
 tests_bench_bench_hybrid_SOURCES = tests/bench/bench_hybrid.c
 tests_bench_bench_hybrid_CFLAGS = $(AM_CFLAGS) $(CUDA_CFLAGS)
-tests_bench_bench_hybrid_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CUDA_LIBS) -lm
+tests_bench_bench_hybrid_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CUDA_LIBS) -lm
 endif

@@ -9,11 +9,11 @@ check_PROGRAMS += tests/check_engine
 TESTS += tests/check_engine
 tests_check_engine_SOURCES = tests/check_engine.c
 tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
-# the KV block pool (daemon/kv_pool.c), pinned memory (daemon/mem.c) and
-# what a step does around its layers (daemon/step.c)
+# the KV block pool (daemon/exec/kv_pool.c), pinned memory (daemon/mem.c) and
+# what a step does around its layers (daemon/exec/step.c)
 if HAVE_CHECK
 check_PROGRAMS += tests/check_kv_pool tests/check_mem tests/check_step
 TESTS += tests/check_kv_pool tests/check_mem tests/check_step
@@ -28,13 +28,13 @@ tests_check_mem_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_mem_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
-# the weight pages (daemon/weights.c): model files read into pinned memory
+# the weight pages (daemon/model/weights.c): model files read into pinned memory
 if HAVE_CHECK
 check_PROGRAMS += tests/check_weights
 TESTS += tests/check_weights
 tests_check_weights_SOURCES = tests/check_weights.c tests/check_common.h
 tests_check_weights_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_weights_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_weights_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
 if HAVE_CHECK
@@ -42,7 +42,7 @@ check_PROGRAMS += tests/check_layer
 TESTS += tests/check_layer
 tests_check_layer_SOURCES = tests/check_layer.c
 tests_check_layer_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_layer_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_layer_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
 if HAVE_CHECK
@@ -50,7 +50,7 @@ check_PROGRAMS += tests/check_sched
 TESTS += tests/check_sched
 tests_check_sched_SOURCES = tests/check_sched.c
 tests_check_sched_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS)
+tests_check_sched_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
 # mlensd.conf and the flags (daemon/config.c)

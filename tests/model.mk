@@ -5,7 +5,7 @@ check_PROGRAMS += tests/check_model
 TESTS += tests/check_model
 tests_check_model_SOURCES = tests/check_model.c
 tests_check_model_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_model_LDADD = daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
+tests_check_model_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
 endif
 
 dist_check_SCRIPTS += tests/mkmodel_cli.sh
@@ -22,11 +22,11 @@ EXTRA_DIST += tests/fuzz/corpus
 # libFuzzer needs clang; automake compiles with $(CC), hence a plain rule.
 # `make fuzz` builds it; run as: tests/fuzz/fuzz_model CORPUS_DIR
 FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
-	$(top_srcdir)/daemon/safetensors.c $(top_srcdir)/daemon/model.c $(top_srcdir)/daemon/errf.c \
+	$(top_srcdir)/daemon/model/safetensors.c $(top_srcdir)/daemon/model/model.c $(top_srcdir)/daemon/errf.c \
 	$(top_srcdir)/daemon/infile.c
 if HAVE_CLANG
-tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model.h \
-		$(top_srcdir)/daemon/safetensors.h $(top_srcdir)/daemon/model_int.h $(top_srcdir)/daemon/errf.h \
+tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model/model.h \
+		$(top_srcdir)/daemon/model/safetensors.h $(top_srcdir)/daemon/model/model_int.h $(top_srcdir)/daemon/errf.h \
 		$(top_srcdir)/daemon/infile.h
 	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
 	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/model.h"
+#include "daemon/model/model.h"
 
 static void sums(const void *p, enum mlens_dtype dt, size_t n, double *s, double *s2)
 {

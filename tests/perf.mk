@@ -4,5 +4,5 @@ check_PROGRAMS += tests/check_perfmodel
 TESTS += tests/check_perfmodel
 tests_check_perfmodel_SOURCES = tests/check_perfmodel.c
 tests_check_perfmodel_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_perfmodel_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+tests_check_perfmodel_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif

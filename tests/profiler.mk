@@ -5,7 +5,7 @@ check_PROGRAMS += tests/check_profiler
 TESTS += tests/check_profiler
 tests_check_profiler_SOURCES = tests/check_profiler.c
 tests_check_profiler_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
-tests_check_profiler_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+tests_check_profiler_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
 # mlens-bench predict: the model replayed on a recorded profile cache
 tests_bench_mlens_bench_SOURCES += tests/bench/bench_predict.c

@@ -5,7 +5,7 @@ check_PROGRAMS += tests/check_shard
 TESTS += tests/check_shard
 tests_check_shard_SOURCES = tests/check_shard.c
 tests_check_shard_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
-tests_check_shard_LDADD = tests/libmlens_testutil.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
+tests_check_shard_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) -lm
 endif
 
 # mlensd and the gpus key: several GPUs refused in plain words

@@ -3,7 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/mkmodel.h"
+#include "daemon/tools/mkmodel.h"
 #include "tests/testmodel.h"
 
 static unsigned long long rng_next(unsigned long long *s)

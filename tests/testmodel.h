@@ -2,8 +2,8 @@
 #ifndef MLENS_TESTMODEL_H
 #define MLENS_TESTMODEL_H
 
-#include "daemon/model.h"
-#include "daemon/perfmodel.h"
+#include "daemon/model/model.h"
+#include "daemon/plan/perfmodel.h"
 
 struct mlens_test_spec {
 	int vocab, hidden, inter, layers, heads, kv_heads, head_dim, experts, top_k;

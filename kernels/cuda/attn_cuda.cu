@@ -714,7 +714,7 @@ int mlens_cuda_kv_append_side(struct mlens_cuda_ctx *c, struct mlens_kv_cache *k
 #define DEC_SPLIT 256		/* keys per block; longer contexts split */
 /* Partials of one launch at most (unless one query alone needs more):
  * queries go through in groups under this, so that a step's workspace is
- * bounded whatever its queries' contexts (daemon/gpu_plan.c mirrors it). */
+ * bounded whatever its queries' contexts (daemon/plan/gpu_plan.c mirrors it). */
 #define DEC_PART_CAP ((size_t)256 << 20)
 
 struct dec_meta {

@@ -766,7 +766,7 @@ static int bench_kv_store(const struct mlens_backend_opts *o)
 
 /* ==== one token group's GA and GB ====
  * The GPU work of one (layer, group) item of the hybrid pipeline
- * (daemon/pipeline.c stage_ga and stage_gb, fast GEMMs, bf16 weights,
+ * (daemon/exec/pipeline.c stage_ga and stage_gb, fast GEMMs, bf16 weights,
  * attn_up = half) at Mixtral-8x7B sizes, op by op on a backend made as
  * mlensd makes it (bf16 prefill attention, its MoE streams), back to back
  * on the compute queue with a timer mark between ops: each op's span is

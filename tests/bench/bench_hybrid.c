@@ -12,8 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "daemon/gpuplan.h"
-#include "daemon/pipeline.h"
+#include "daemon/plan/gpuplan.h"
+#include "daemon/exec/pipeline.h"
 #include "tests/testmodel.h"
 
 static double now(void)

@@ -17,11 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/config.h"
-#include "daemon/gpuplan.h"
-#include "daemon/kv_pool.h"
-#include "daemon/model.h"
-#include "daemon/perfmodel.h"
-#include "daemon/profiler.h"
+#include "daemon/plan/gpuplan.h"
+#include "daemon/exec/kv_pool.h"
+#include "daemon/model/model.h"
+#include "daemon/plan/perfmodel.h"
+#include "daemon/plan/profiler.h"
 #include "tests/bench/bench.h"
 
 static int bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -1,4 +1,4 @@
-/* The numbers of daemon/MULTINODE.md, computed from daemon/shard.h: per
+/* The numbers of daemon/MULTINODE.md, computed from daemon/plan/shard.h: per
  * layer and token, the bytes one GPU (or box) sends into the collectives of
  * each scheme, against the bytes it streams over PCIe, and the seconds per
  * layer at a step of n tokens over the links of a few networks. Prints
@@ -7,7 +7,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include "daemon/shard.h"
+#include "daemon/plan/shard.h"
 
 struct net {
 	const char *name;

@@ -113,7 +113,7 @@ def chain(ev, names):
 
 def weight_pieces(ev, names):
     """The weight stream's pieces ("COPY l3 p7", "PREFETCH l0 p2") in time
-    order, not a copy carried from an untraced step (daemon/trace.h:
+    order, not a copy carried from an untraced step (daemon/ops/trace.h:
     MLENS_STEP_TIMER_CARRIED)."""
     return sorted((e for e in ev if names.get(e["tid"]) == "h2d" and PIECE.match(e["name"])),
                   key=lambda e: e["ts"])

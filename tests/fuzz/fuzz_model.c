@@ -5,8 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "daemon/model.h"
-#include "daemon/safetensors.h"
+#include "daemon/model/model.h"
+#include "daemon/model/safetensors.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

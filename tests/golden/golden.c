@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include "daemon/gpuplan.h"
+#include "daemon/plan/gpuplan.h"
 #include "tests/golden/golden.h"
 
 /* Logits rows are at most this wide and prompts at most this long: the

@@ -8,7 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include "daemon/engine.h"
+#include "daemon/exec/engine.h"
 
 /* One reference greedy run of one prompt. */
 struct mlens_golden_ref {

@@ -1,0 +1,322 @@
+/* One decoder layer's weights and forward pass through the backend ops
+ * (layer.h). */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include "daemon/exec/layer.h"
+
+void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_config *c)
+{
+	d->dtype = c->dtype;
+	d->hidden = (int)c->hidden_size;
+	d->n_heads = (int)c->num_attention_heads;
+	d->n_kv_heads = (int)c->num_key_value_heads;
+	d->head_dim = (int)c->head_dim;
+	d->n_experts = (int)c->num_local_experts;
+	d->top_k = (int)c->num_experts_per_tok;
+	d->inter = (int)c->intermediate_size;
+	d->norm_eps = (float)c->rms_norm_eps;
+	d->rope_theta = (float)c->rope_theta;
+	d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
+}
+
+/* ==== weights ==== */
+
+static const void *backend_place(void *arg, const void *host, size_t bytes, int *rc)
+{
+	return mlens_backend_place(arg, host, bytes, rc);
+}
+
+static void backend_unplace(void *arg, const void *p, size_t bytes)
+{
+	(void)bytes;
+	mlens_backend_unplace(arg, p);
+}
+
+const struct mlens_layer_placer mlens_layer_placer_backend_ops = {
+	.place = backend_place,
+	.unplace = backend_unplace,
+};
+
+static const void *put(const struct mlens_layer_placer *pl, const struct mlens_tensor *t, int *rc)
+{
+	return pl->place(pl->arg, t->data, t->nbytes, rc);
+}
+
+int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
+		     const struct mlens_layer_desc *d, int experts,
+		     const struct mlens_layer_placer *pl)
+{
+	size_t ih = mlens_layer_expert_bytes(d);
+	int rc = 0;
+
+	b->attn_norm = put(pl, w->attn_norm, &rc);
+	b->wq = put(pl, w->wq, &rc);
+	b->wk = put(pl, w->wk, &rc);
+	b->wv = put(pl, w->wv, &rc);
+	b->wo = put(pl, w->wo, &rc);
+	b->ffn_norm = put(pl, w->ffn_norm, &rc);
+	b->router = put(pl, w->router, &rc);
+	b->w1 = calloc((size_t)d->n_experts, sizeof(void *));
+	b->w2 = calloc((size_t)d->n_experts, sizeof(void *));
+	b->w3 = calloc((size_t)d->n_experts, sizeof(void *));
+	if (!b->w1 || !b->w2 || !b->w3)
+		return -ENOMEM;
+	for (int x = 0; x < experts && !rc; x++) {
+		b->w1[x] = pl->place(pl->arg, w->w1[x], ih, &rc);
+		b->w2[x] = pl->place(pl->arg, w->w2[x], ih, &rc);
+		b->w3[x] = pl->place(pl->arg, w->w3[x], ih, &rc);
+	}
+	b->moe = (struct mlens_moe_weights){ .n_experts = d->n_experts, .hidden = d->hidden,
+		.inter = d->inter, .dtype = d->dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3 };
+	return rc;
+}
+
+void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
+			const struct mlens_layer_desc *d, int experts,
+			const struct mlens_layer_placer *pl)
+{
+	size_t ih = mlens_layer_expert_bytes(d);
+
+	pl->unplace(pl->arg, b->attn_norm, w->attn_norm->nbytes);
+	pl->unplace(pl->arg, b->wq, w->wq->nbytes);
+	pl->unplace(pl->arg, b->wk, w->wk->nbytes);
+	pl->unplace(pl->arg, b->wv, w->wv->nbytes);
+	pl->unplace(pl->arg, b->wo, w->wo->nbytes);
+	pl->unplace(pl->arg, b->ffn_norm, w->ffn_norm->nbytes);
+	pl->unplace(pl->arg, b->router, w->router->nbytes);
+	for (int x = 0; x < experts && b->w1 && b->w2 && b->w3; x++) {
+		pl->unplace(pl->arg, b->w1[x], ih);
+		pl->unplace(pl->arg, b->w2[x], ih);
+		pl->unplace(pl->arg, b->w3[x], ih);
+	}
+	free(b->w1);
+	free(b->w2);
+	free(b->w3);
+	b->w1 = b->w2 = b->w3 = NULL;
+}
+
+int mlens_ends_bind(struct mlens_ends_bound *b, const struct mlens_model *m,
+		    const struct mlens_layer_placer *pl)
+{
+	int rc = 0;
+	b->embed = put(pl, m->embed, &rc);
+	b->final_norm = put(pl, m->final_norm, &rc);
+	b->lm_head = m->lm_head == m->embed ? b->embed : put(pl, m->lm_head, &rc);
+	return rc;
+}
+
+void mlens_ends_unbind(struct mlens_ends_bound *b, const struct mlens_model *m,
+		       const struct mlens_layer_placer *pl)
+{
+	pl->unplace(pl->arg, b->embed, m->embed->nbytes);
+	pl->unplace(pl->arg, b->final_norm, m->final_norm->nbytes);
+	if (b->lm_head != b->embed)
+		pl->unplace(pl->arg, b->lm_head, m->lm_head->nbytes);
+	b->embed = b->final_norm = b->lm_head = NULL;
+}
+
+/* ==== the forward pass ==== */
+
+#define OPS (r->be->ops)
+#define CTX (r->be->ctx)
+/* Run op x, a probe around it when one is set. */
+#define OP(kind, x)                                                                     \
+	do {                                                                            \
+		if (r->probe)                                                           \
+			r->probe->begin(r->probe->arg);                                 \
+		if ((rc = (x)))                                                         \
+			return rc;                                                      \
+		if (r->probe && (rc = r->probe->end(r->probe->arg, kind)))             \
+			return rc;                                                      \
+	} while (0)
+
+int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			 const float *xn, float *q, float *k, float *v, const int32_t *pos, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+	/* one call: a GPU backend rounds xn once for the three */
+	float *const qkv[3] = { q, k, v };
+	const void *const wqkv[3] = { b->wq, b->wk, b->wv };
+	const int mqkv[3] = { mlens_layer_qdim(d), mlens_layer_kvdim(d), mlens_layer_kvdim(d) };
+	int rc;
+
+	OP(MLENS_LAYER_OP_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, xn, wqkv, d->dtype, n,
+							d->hidden, mqkv, 3));
+	OP(MLENS_LAYER_OP_ROPE, OPS->rope(CTX, q, pos, n, d->n_heads, d->head_dim, d->rope_theta));
+	OP(MLENS_LAYER_OP_ROPE, OPS->rope(CTX, k, pos, n, d->n_kv_heads, d->head_dim,
+					  d->rope_theta));
+	return 0;
+}
+
+int mlens_layer_attn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			  const float *x, float *xn, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+	int rc;
+
+	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->attn_norm, d->dtype, n, d->hidden,
+					     d->norm_eps));
+	return 0;
+}
+
+int mlens_layer_attn_in(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			const float *x, float *xn, float *q, float *k, float *v, const int32_t *pos,
+			int n)
+{
+	int rc = mlens_layer_attn_norm(r, b, x, xn, n);
+	return rc ? rc : mlens_layer_qkv_rope(r, b, xn, q, k, v, pos, n);
+}
+
+int mlens_layer_attn_prefill(const struct mlens_layer_run *r, float *out, const float *q,
+			     const float *k, const float *v, const int32_t *cu, int n_pre)
+{
+	const struct mlens_layer_desc *d = r->d;
+	int rc;
+
+	OP(MLENS_LAYER_OP_PREFILL, OPS->attn_prefill(CTX, out, q, k, v, cu, n_pre, d->n_heads,
+						     d->n_kv_heads, d->head_dim, d->attn_scale));
+	return 0;
+}
+
+int mlens_layer_attn_decode(const struct mlens_layer_run *r, float *out, const float *q,
+			    const struct mlens_kv_cache *kv, int layer,
+			    const struct mlens_attn_query *qry, int n)
+{
+	int rc;
+
+	OP(MLENS_LAYER_OP_DECODE, OPS->attn_decode(CTX, out, q, kv, layer, qry, n, r->d->n_heads,
+						   r->d->attn_scale));
+	return 0;
+}
+
+int mlens_layer_attn_decode_half(const struct mlens_layer_run *r, void *half, float *out,
+				 const float *q, const struct mlens_kv_cache *kv, int layer,
+				 const struct mlens_attn_query *qry, int n)
+{
+	int rc;
+
+	OP(MLENS_LAYER_OP_DECODE, mlens_backend_attn_decode_half(OPS, CTX, half, r->d->dtype, out,
+								 q, kv, layer, qry, n,
+								 r->d->n_heads,
+								 r->d->attn_scale));
+	return 0;
+}
+
+int mlens_layer_attend(const struct mlens_layer_run *r, struct mlens_kv_cache *kv, int layer,
+		       const struct mlens_layer_act *a, const struct mlens_layer_rows *rows)
+{
+	size_t qd = (size_t)mlens_layer_qdim(r->d), P = (size_t)rows->P;
+	int rc;
+
+	OP(MLENS_LAYER_OP_KV_APPEND, OPS->kv_append(CTX, kv, layer, a->k, a->v, rows->slots,
+						    rows->n));
+	if (rows->n_pre && (rc = mlens_layer_attn_prefill(r, a->att, a->q, a->k, a->v, rows->cu,
+							  rows->n_pre)))
+		return rc;
+	if (rows->n > rows->P)
+		return mlens_layer_attn_decode(r, a->att + P * qd, a->q + P * qd, kv, layer,
+					       rows->qry + P, rows->n - rows->P);
+	return 0;
+}
+
+int mlens_layer_out_proj(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			 float *out, const void *att, bool att_half, int n, bool accumulate)
+{
+	const struct mlens_layer_desc *d = r->d;
+	int rc;
+
+	if (att_half)
+		OP(MLENS_LAYER_OP_WO, OPS->gemm_half_in(CTX, out, att, b->wo, d->dtype, n,
+							mlens_layer_qdim(d), d->hidden, accumulate));
+	else
+		OP(MLENS_LAYER_OP_WO, OPS->gemm(CTX, out, att, b->wo, d->dtype, n, mlens_layer_qdim(d),
+						d->hidden, accumulate));
+	return 0;
+}
+
+int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+		      const float *x, float *xn, float *rlog, int32_t *rid, float *rw, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+	int rc;
+
+	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->ffn_norm, d->dtype, n, d->hidden,
+					     d->norm_eps));
+	OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden,
+					    d->n_experts, false));
+	OP(MLENS_LAYER_OP_ROUTER, OPS->router(CTX, rid, rw, rlog, n, d->n_experts, d->top_k));
+	return 0;
+}
+
+int mlens_layer_experts(const struct mlens_layer_run *r, const struct mlens_moe_weights *moe,
+			float *out, const float *xn, const int32_t *rid, const float *rw, int n,
+			int chunk)
+{
+	size_t H = (size_t)r->d->hidden, K = (size_t)r->d->top_k;
+	int rc;
+
+	if (chunk <= 0 || chunk > n)
+		chunk = n;
+	for (int t = 0; t < n; t += chunk) {
+		int cnt = n - t < chunk ? n - t : chunk;
+		OP(MLENS_LAYER_OP_MOE, OPS->moe(CTX, out + (size_t)t * H, xn + (size_t)t * H, cnt,
+						rid + (size_t)t * K, rw + (size_t)t * K, (int)K, moe));
+	}
+	return 0;
+}
+
+int mlens_layer_gb(const struct mlens_layer_run *r, const struct mlens_layer_bound *b, float *x,
+		   const void *att, bool att_half, float *xn, float *rlog, int32_t *rid, float *rw,
+		   int n, int chunk)
+{
+	int rc;
+
+	/* residual: x += att . Wo^T */
+	if ((rc = mlens_layer_out_proj(r, b, x, att, att_half, n, true)) ||
+	    (rc = mlens_layer_route(r, b, x, xn, rlog, rid, rw, n)))
+		return rc;
+	return mlens_layer_experts(r, &b->moe, x, xn, rid, rw, n, chunk);
+}
+
+int mlens_layer_forward(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			struct mlens_kv_cache *kv, int layer, const struct mlens_layer_act *a,
+			const struct mlens_layer_rows *rows)
+{
+	int rc;
+
+	if ((rc = mlens_layer_attn_in(r, b, a->x, a->xn, a->q, a->k, a->v, rows->pos, rows->n)) ||
+	    (rc = mlens_layer_attend(r, kv, layer, a, rows)))
+		return rc;
+	return mlens_layer_gb(r, b, a->x, a->att, false, a->xn, a->rlog, a->rid, a->rw, rows->n, 0);
+}
+
+int mlens_ends_logits(const struct mlens_layer_run *r, const struct mlens_ends_bound *e, int vocab,
+		      const float *x, float *xn, float *logits, const int32_t *lrow, int nl,
+		      int chunk, const struct mlens_sampling *samp, int32_t *sampled, float *logp,
+		      float *host_logits)
+{
+	const struct mlens_layer_desc *d = r->d;
+	size_t V = (size_t)vocab;
+	int rc;
+
+	if (chunk <= 0 || chunk > nl)
+		chunk = nl;
+	for (int i0 = 0; i0 < nl; i0 += chunk) {
+		int cnt = nl - i0 < chunk ? nl - i0 : chunk;
+		/* the chunk's rows gathered (embed is a row gather; x is fp32),
+		 * then normed in one call rather than one call a row */
+		OP(MLENS_LAYER_OP_NORM, OPS->embed(CTX, xn, x, MLENS_DTYPE_F32, d->hidden, lrow + i0,
+						   cnt));
+		OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, xn, e->final_norm, d->dtype, cnt,
+						     d->hidden, d->norm_eps));
+		OP(MLENS_LAYER_OP_LM_HEAD, OPS->gemm(CTX, logits, xn, e->lm_head, d->dtype, cnt,
+						     d->hidden, vocab, false));
+		OP(MLENS_LAYER_OP_SAMPLE, OPS->sample(CTX, sampled + i0, logp + i0, logits, cnt, vocab,
+						      samp + i0));
+		if (host_logits && (rc = OPS->download(CTX, host_logits + (size_t)i0 * V, logits,
+							  (size_t)cnt * V * sizeof(float))))
+			return rc;
+	}
+	return 0;
+}

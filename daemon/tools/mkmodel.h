@@ -1,0 +1,35 @@
+/* mlens-mkmodel as a library: writes a deterministic random-weight Mixtral
+ * model directory in Hugging Face format (config.json + safetensors), so
+ * tests and demos never download anything. */
+#ifndef MLENS_MKMODEL_H
+#define MLENS_MKMODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "daemon/model/model.h"
+
+struct mlens_mkmodel_opts {
+	const char *dir;		/* created if missing (one level) */
+	struct mlens_model_config cfg;	/* head_dim 0: hidden / heads; architecture ignored */
+	uint64_t seed;
+	int shards;			/* <= 1: one model.safetensors */
+	bool fused_experts;		/* transformers-5 fused gate_up_proj/down_proj */
+};
+
+/* Fill o->cfg from a preset ("tiny", "mixtral-8x7b"); leaves dir, seed,
+ * shards alone. Returns 0 or -EINVAL for an unknown name. */
+int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name);
+
+/* Write the model. Streams tensor data through a small buffer, so memory use
+ * does not grow with the model. Returns 0 or -errno with a message in err. */
+int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t errlen);
+
+/* Element i (row-major) of the tensor the legacy per-expert layout names
+ * `name`, before conversion to the file dtype: N(0, 0.02^2)-like noise, plus
+ * 1.0 for norm weights. A pure function of (seed, name, i). In the fused
+ * layout, expert j of gate_up_proj holds w1 then w3 of expert j, and
+ * down_proj holds w2, each generated under its legacy name. */
+float mlens_mkmodel_value(uint64_t seed, const char *name, uint64_t i);
+
+#endif

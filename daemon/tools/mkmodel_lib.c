@@ -1,0 +1,563 @@
+/* Random-weight Mixtral writer behind mlens-mkmodel and the tests. Values
+ * are a counter-based hash of (seed, tensor name, index), so any element can
+ * be recomputed on its own and the data is streamed, never held whole. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <jansson.h>
+
+#include "daemon/errf.h"
+#include "daemon/tools/mkmodel.h"
+#include "daemon/model/model_int.h"
+#include "kernels/cpu/pool.h"
+
+#define CHUNK_ELEMS 65536
+/* Values are a pure function of (stream, index) (draw), so chunks of a
+ * batch are filled by several threads and written in order: the file is
+ * the same bytes whatever the thread count. */
+#define BATCH_PER_THREAD 4
+#define MAX_FILL_THREADS 32
+
+
+int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
+{
+	struct mlens_model_config *c = &o->cfg;
+
+	memset(c, 0, sizeof(*c));
+	c->rope_theta = 1e6;
+	c->rms_norm_eps = 1e-5;
+	c->dtype = MLENS_DTYPE_BF16;
+	c->dtype_given = true;
+	c->eos[0] = 2;		/* Mixtral's </s> */
+	c->n_eos = 1;
+	if (!strcmp(name, "tiny")) {
+		c->vocab_size = 512;
+		c->hidden_size = 64;
+		c->intermediate_size = 128;
+		c->num_hidden_layers = 2;
+		c->num_attention_heads = 4;
+		c->num_key_value_heads = 2;
+		c->num_local_experts = 4;
+		c->num_experts_per_tok = 2;
+		c->max_position_embeddings = 4096;
+	} else if (!strcmp(name, "mixtral-8x7b")) {
+		c->vocab_size = 32000;
+		c->hidden_size = 4096;
+		c->intermediate_size = 14336;
+		c->num_hidden_layers = 32;
+		c->num_attention_heads = 32;
+		c->num_key_value_heads = 8;
+		c->num_local_experts = 8;
+		c->num_experts_per_tok = 2;
+		c->max_position_embeddings = 32768;
+	} else {
+		return -EINVAL;
+	}
+	return 0;
+}
+
+/* ==== the generator ==== */
+
+static uint64_t mix64(uint64_t z)
+{
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static uint64_t stream_key(uint64_t seed, const char *name)
+{
+	uint64_t h = 0xcbf29ce484222325ull;	/* FNV-1a */
+
+	for (const unsigned char *p = (const unsigned char *)name; *p; p++)
+		h = (h ^ *p) * 0x100000001b3ull;
+	return mix64(h ^ mix64(seed + 0x9e3779b97f4a7c15ull));
+}
+
+static bool is_norm(const char *name)
+{
+	size_t n = strlen(name);
+
+	return n >= 11 && !strcmp(name + n - 11, "norm.weight");
+}
+
+/* Sum of four 16-bit uniforms (Irwin-Hall), centred and scaled to unit
+ * variance: close enough to a normal for initialisation, and bounded. */
+static float draw(uint64_t key, uint64_t i, bool norm)
+{
+	uint64_t x = mix64(key + (i + 1) * 0x9e3779b97f4a7c15ull);
+	double s = 0;
+
+	for (int k = 0; k < 4; k++)
+		s += ((double)((x >> (16 * k)) & 0xffff) + 0.5) / 65536.0;
+	s = (s - 2.0) * 1.7320508075688772;	/* sqrt(12 / 4) */
+	return (float)((norm ? 1.0 : 0.0) + 0.02 * s);
+}
+
+float mlens_mkmodel_value(uint64_t seed, const char *name, uint64_t i)
+{
+	return draw(stream_key(seed, name), i, is_norm(name));
+}
+
+/* ==== the tensor list ==== */
+
+enum part_kind { PART_PLAIN, PART_GATE_UP, PART_DOWN };
+
+struct spec {
+	char name[160];		/* name in the file */
+	enum part_kind kind;
+	int64_t layer;
+	int ndim;
+	int64_t shape[3];
+	uint64_t nbytes;
+	int shard;
+};
+
+struct writer {
+	const struct mlens_mkmodel_opts *o;
+	struct mlens_model_config cfg;	/* head_dim resolved */
+	struct spec *specs;
+	int n;
+	char *err;
+	size_t errlen;
+	void *buf;		/* a batch: threads x BATCH_PER_THREAD chunks */
+	int threads;
+	struct mlens_pool *pool;	/* fills a batch's chunks */
+};
+
+static void add(struct writer *w, enum part_kind kind, int64_t layer, int ndim,
+		int64_t d0, int64_t d1, int64_t d2, const char *fmt, ...)
+	__attribute__((format(printf, 8, 9)));
+
+static void add(struct writer *w, enum part_kind kind, int64_t layer, int ndim,
+		int64_t d0, int64_t d1, int64_t d2, const char *fmt, ...)
+{
+	struct spec *s = &w->specs[w->n++];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(s->name, sizeof(s->name), fmt, ap);
+	va_end(ap);
+	s->kind = kind;
+	s->layer = layer;
+	s->ndim = ndim;
+	s->shape[0] = d0;
+	s->shape[1] = d1;
+	s->shape[2] = d2;
+	s->nbytes = mlens_dtype_size(w->cfg.dtype);
+	for (int i = 0; i < ndim; i++)
+		s->nbytes *= (uint64_t)s->shape[i];	/* bounded by the config checks */
+}
+
+static int build_specs(struct writer *w)
+{
+	const struct mlens_model_config *c = &w->cfg;
+	const int64_t V = c->vocab_size, H = c->hidden_size, I = c->intermediate_size;
+	const int64_t E = c->num_local_experts, L = c->num_hidden_layers;
+	const int64_t Q = c->num_attention_heads * c->head_dim;
+	const int64_t KV = c->num_key_value_heads * c->head_dim;
+	size_t per_layer = w->o->fused_experts ? 9 : 7 + 3 * (size_t)E;
+
+	w->specs = calloc(3 + (size_t)L * per_layer, sizeof(*w->specs));
+	if (!w->specs)
+		return -ENOMEM;
+	add(w, PART_PLAIN, -1, 2, V, H, 0, "model.embed_tokens.weight");
+	for (int64_t i = 0; i < L; i++) {
+		const char *p = "model.layers.";
+
+		add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".input_layernorm.weight", p, i);
+		add(w, PART_PLAIN, i, 2, Q, H, 0, "%s%" PRId64 ".self_attn.q_proj.weight", p, i);
+		add(w, PART_PLAIN, i, 2, KV, H, 0, "%s%" PRId64 ".self_attn.k_proj.weight", p, i);
+		add(w, PART_PLAIN, i, 2, KV, H, 0, "%s%" PRId64 ".self_attn.v_proj.weight", p, i);
+		add(w, PART_PLAIN, i, 2, H, Q, 0, "%s%" PRId64 ".self_attn.o_proj.weight", p, i);
+		add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".post_attention_layernorm.weight", p, i);
+		if (w->o->fused_experts) {
+			add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".mlp.gate.weight", p, i);
+			add(w, PART_GATE_UP, i, 3, E, 2 * I, H, "%s%" PRId64 ".mlp.experts.gate_up_proj", p, i);
+			add(w, PART_DOWN, i, 3, E, H, I, "%s%" PRId64 ".mlp.experts.down_proj", p, i);
+			continue;
+		}
+		add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".block_sparse_moe.gate.weight", p, i);
+		for (int64_t j = 0; j < E; j++) {
+			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w1.weight", p, i, j);
+			add(w, PART_PLAIN, i, 2, H, I, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w2.weight", p, i, j);
+			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w3.weight", p, i, j);
+		}
+	}
+	add(w, PART_PLAIN, -1, 1, H, 0, 0, "model.norm.weight");
+	if (!c->tie_word_embeddings)
+		add(w, PART_PLAIN, -1, 2, V, H, 0, "lm_head.weight");
+	return 0;
+}
+
+/* Consecutive tensors, split at byte boundaries total*k/N, every shard
+ * holding at least one tensor. */
+static void assign_shards(struct writer *w, int shards)
+{
+	uint64_t total = 0, cum = 0;
+	int s = 0;
+
+	for (int i = 0; i < w->n; i++)
+		total += w->specs[i].nbytes;
+	for (int i = 0; i < w->n; i++) {
+		bool nonempty = i > 0 && w->specs[i - 1].shard == s;
+		bool must = w->n - i <= shards - 1 - s;
+		double boundary = (double)total * (s + 1) / shards;
+
+		if (s < shards - 1 && nonempty && (must || (double)cum >= boundary))
+			s++;
+		w->specs[i].shard = s;
+		cum += w->specs[i].nbytes;
+	}
+}
+
+/* ==== writing ==== */
+
+static const char *dtype_st(enum mlens_dtype t)
+{
+	return mlens_dtype_name(t);
+}
+
+static const char *dtype_hf(enum mlens_dtype t)
+{
+	switch (t) {
+	case MLENS_DTYPE_F32: return "float32";
+	case MLENS_DTYPE_F16: return "float16";
+	case MLENS_DTYPE_BF16: return "bfloat16";
+	}
+	return "?";
+}
+
+struct fill_job {
+	void *buf;
+	enum mlens_dtype dt;
+	uint64_t key, first;	/* stream and index of buf's element 0 */
+	size_t n;		/* elements in the batch */
+	bool norm;
+};
+
+/* Task c of the pool: chunk c of the batch. */
+static void fill_chunk(void *arg, int c, int thread)
+{
+	const struct fill_job *j = arg;
+	size_t k0 = (size_t)c * CHUNK_ELEMS, end = j->n - k0 < CHUNK_ELEMS ? j->n : k0 + CHUNK_ELEMS;
+	(void)thread;
+	for (size_t k = k0; k < end; k++)
+		mlens_store(j->buf, j->dt, k, draw(j->key, j->first + k, j->norm));
+}
+
+/* Stream count values of stream `legacy` starting at element 0. */
+static int emit(struct writer *w, FILE *f, const char *path, const char *legacy, uint64_t count)
+{
+	const size_t es = mlens_dtype_size(w->cfg.dtype);
+	const size_t batch = (size_t)w->threads * BATCH_PER_THREAD * CHUNK_ELEMS;
+	uint64_t key = stream_key(w->o->seed, legacy);
+	bool norm = is_norm(legacy);
+
+	for (uint64_t i = 0; i < count;) {
+		size_t n = count - i < batch ? (size_t)(count - i) : batch;
+
+		struct fill_job job = { w->buf, w->cfg.dtype, key, i, n, norm };
+
+		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
+		if (fwrite(w->buf, es, n, f) != n) {
+			mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+			return -EIO;
+		}
+		i += n;
+	}
+	return 0;
+}
+
+static int emit_tensor(struct writer *w, FILE *f, const char *path, const struct spec *s)
+{
+	const int64_t E = w->cfg.num_local_experts;
+	const uint64_t IH = (uint64_t)w->cfg.intermediate_size * (uint64_t)w->cfg.hidden_size;
+	const char *block = "block_sparse_moe";
+	char name[160];
+	int rc = 0;
+
+	switch (s->kind) {
+	case PART_PLAIN:
+		if (w->o->fused_experts && strstr(s->name, ".mlp.gate.weight")) {
+			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.gate.weight", s->layer, block);
+			return emit(w, f, path, name, s->nbytes / mlens_dtype_size(w->cfg.dtype));
+		}
+		return emit(w, f, path, s->name, s->nbytes / mlens_dtype_size(w->cfg.dtype));
+	case PART_GATE_UP:
+		for (int64_t j = 0; j < E && !rc; j++) {
+			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.experts.%" PRId64 ".w1.weight", s->layer, block, j);
+			rc = emit(w, f, path, name, IH);
+			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.experts.%" PRId64 ".w3.weight", s->layer, block, j);
+			if (!rc)
+				rc = emit(w, f, path, name, IH);
+		}
+		return rc;
+	case PART_DOWN:
+		for (int64_t j = 0; j < E && !rc; j++) {
+			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.experts.%" PRId64 ".w2.weight", s->layer, block, j);
+			rc = emit(w, f, path, name, IH);
+		}
+		return rc;
+	}
+	return -EINVAL;
+}
+
+static int write_shard(struct writer *w, int shard, const char *fname)
+{
+	json_t *hdr = json_object(), *meta = json_object();
+	char *text = NULL, *path = mlens_model_path(w->o->dir, fname);
+	FILE *f = NULL;
+	uint64_t off = 0, hlen;
+	unsigned char le[8];
+	int rc = -ENOMEM;
+
+	if (!hdr || !meta || !path) {
+		mlens_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
+		goto out;
+	}
+	json_object_set_new(meta, "format", json_string("pt"));
+	json_object_set_new(hdr, "__metadata__", meta);
+	meta = NULL;
+	for (int i = 0; i < w->n; i++) {
+		const struct spec *s = &w->specs[i];
+		json_t *shape;
+
+		if (s->shard != shard)
+			continue;
+		shape = json_array();
+		for (int d = 0; d < s->ndim; d++)
+			json_array_append_new(shape, json_integer(s->shape[d]));
+		json_object_set_new(hdr, s->name,
+				    json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_st(w->cfg.dtype),
+					      "shape", shape, "data_offsets",
+					      (json_int_t)off, (json_int_t)(off + s->nbytes)));
+		off += s->nbytes;
+	}
+	text = json_dumps(hdr, JSON_COMPACT);
+	if (!text) {
+		mlens_errf(w->err, w->errlen, "%s: out of memory", path);
+		goto out;
+	}
+	/* Pad with spaces so the data starts 8-byte aligned, as safetensors does. */
+	hlen = (strlen(text) + 7) & ~(uint64_t)7;
+	f = fopen(path, "wb");
+	if (!f) {
+		rc = -errno;
+		mlens_errf(w->err, w->errlen, "%s: cannot create: %s", path, strerror(-rc));
+		goto out;
+	}
+	setvbuf(f, NULL, _IOFBF, 1 << 20);
+	for (int i = 0; i < 8; i++)
+		le[i] = (unsigned char)(hlen >> (8 * i));
+	rc = -EIO;
+	if (fwrite(le, 1, 8, f) != 8 || fputs(text, f) < 0) {
+		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+		goto out;
+	}
+	for (size_t i = strlen(text); i < hlen; i++)
+		fputc(' ', f);
+	for (int i = 0; i < w->n; i++) {
+		if (w->specs[i].shard != shard)
+			continue;
+		rc = emit_tensor(w, f, path, &w->specs[i]);
+		if (rc)
+			goto out;
+	}
+	rc = fclose(f) ? -errno : 0;
+	f = NULL;
+	if (rc)
+		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(-rc));
+out:
+	if (f)
+		fclose(f);
+	json_decref(meta);
+	json_decref(hdr);
+	free(text);
+	free(path);
+	return rc;
+}
+
+static int write_json(struct writer *w, const char *fname, json_t *obj)
+{
+	char *path = mlens_model_path(w->o->dir, fname);
+	int rc = 0;
+
+	if (!path || !obj) {
+		mlens_errf(w->err, w->errlen, "%s: out of memory", w->o->dir);
+		rc = -ENOMEM;
+	} else if (json_dump_file(obj, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17))) {
+		rc = -EIO;
+		mlens_errf(w->err, w->errlen, "%s: cannot write: %s", path, strerror(errno));
+	}
+	free(path);
+	return rc;
+}
+
+/* eos_token_id as Hugging Face writes it: one id, a list, or null. */
+static json_t *eos_json(const struct mlens_model_config *c)
+{
+	json_t *a;
+
+	if (c->n_eos == 1)
+		return json_integer(c->eos[0]);
+	if (c->n_eos <= 0)
+		return json_null();
+	a = json_array();
+	for (int i = 0; a && i < c->n_eos; i++)
+		json_array_append_new(a, json_integer(c->eos[i]));
+	return a;
+}
+
+static json_t *config_json(const struct mlens_model_config *c)
+{
+	return json_pack("{s:[s], s:f, s:i, s:o, s:I, s:s, s:I, s:f, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:b, s:f, s:f, s:f, s:n, s:b, s:s, s:s, s:b, s:I}",
+			 "architectures", "MixtralForCausalLM",
+			 "attention_dropout", 0.0,
+			 "bos_token_id", 1,
+			 "eos_token_id", eos_json(c),
+			 "head_dim", (json_int_t)c->head_dim,
+			 "hidden_act", "silu",
+			 "hidden_size", (json_int_t)c->hidden_size,
+			 "initializer_range", 0.02,
+			 "intermediate_size", (json_int_t)c->intermediate_size,
+			 "max_position_embeddings", (json_int_t)c->max_position_embeddings,
+			 "model_type", "mixtral",
+			 "num_attention_heads", (json_int_t)c->num_attention_heads,
+			 "num_experts_per_tok", (json_int_t)c->num_experts_per_tok,
+			 "num_hidden_layers", (json_int_t)c->num_hidden_layers,
+			 "num_key_value_heads", (json_int_t)c->num_key_value_heads,
+			 "num_local_experts", (json_int_t)c->num_local_experts,
+			 "output_router_logits", 0,
+			 "rms_norm_eps", c->rms_norm_eps,
+			 "rope_theta", c->rope_theta,
+			 "router_aux_loss_coef", 0.02,
+			 "sliding_window",
+			 "tie_word_embeddings", (int)c->tie_word_embeddings,
+			 "torch_dtype", dtype_hf(c->dtype),
+			 "transformers_version", "4.46.0",
+			 "use_cache", 1,
+			 "vocab_size", (json_int_t)c->vocab_size);
+}
+
+int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t errlen)
+{
+	struct writer w = { .o = o, .cfg = o->cfg, .err = err, .errlen = errlen };
+	json_t *cj = NULL, *index = NULL, *wm;
+	char *text = NULL, *stale = NULL;
+	struct mlens_model_config check;
+	int shards = o->shards > 1 ? o->shards : 1;
+	uint64_t total = 0;
+	struct stat sb;
+	int rc;
+
+	if (!o->dir || !*o->dir) {
+		mlens_errf(err, errlen, "no output directory given");
+		return -EINVAL;
+	}
+	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0) {
+		if (w.cfg.hidden_size % w.cfg.num_attention_heads) {
+			mlens_errf(err, errlen, "model settings: hidden size %" PRId64 " is not a multiple of %" PRId64 " heads; give the head dimension explicitly",
+					 w.cfg.hidden_size, w.cfg.num_attention_heads);
+			return -EINVAL;
+		}
+		w.cfg.head_dim = w.cfg.hidden_size / w.cfg.num_attention_heads;
+	}
+	/* Validate through the loader's own config parser: what mkmodel writes
+	 * is by construction what mlens accepts. */
+	cj = config_json(&w.cfg);
+	text = cj ? json_dumps(cj, JSON_REAL_PRECISION(17)) : NULL;
+	if (!text) {
+		mlens_errf(err, errlen, "out of memory");
+		rc = -ENOMEM;
+		goto out;
+	}
+	rc = mlens_model_parse_config(text, strlen(text), "model settings", &check, err, errlen);
+	if (rc)
+		goto out;
+	rc = build_specs(&w);
+	{
+		/* MLENS_MKMODEL_THREADS: for tests (the bytes must not depend on it) */
+		const char *env = getenv("MLENS_MKMODEL_THREADS");
+		long cpus = env && atoi(env) > 0 ? atoi(env) : sysconf(_SC_NPROCESSORS_ONLN);
+		w.threads = cpus < 1 ? 1 : cpus > MAX_FILL_THREADS ? MAX_FILL_THREADS : (int)cpus;
+	}
+	w.buf = malloc((size_t)w.threads * BATCH_PER_THREAD * CHUNK_ELEMS * sizeof(float));
+	if (!rc && w.buf && (rc = mlens_pool_create(&w.pool, w.threads, NULL))) {
+		mlens_errf(err, errlen, "cannot start %d threads to draw the values: %s", w.threads,
+				 strerror(-rc));
+		w.pool = NULL;
+		goto out;
+	}
+	if (rc || !w.buf) {
+		mlens_errf(err, errlen, "out of memory");
+		rc = -ENOMEM;
+		goto out;
+	}
+	if (shards > w.n) {
+		mlens_errf(err, errlen, "%d shards requested but the model has only %d tensors", shards, w.n);
+		rc = -EINVAL;
+		goto out;
+	}
+	if (mkdir(o->dir, 0755) < 0 && !(errno == EEXIST && !stat(o->dir, &sb) && S_ISDIR(sb.st_mode))) {
+		rc = errno == EEXIST ? -ENOTDIR : -errno;
+		mlens_errf(err, errlen, "%s: cannot create directory: %s", o->dir, strerror(-rc));
+		goto out;
+	}
+	rc = write_json(&w, "config.json", cj);
+	if (rc)
+		goto out;
+	assign_shards(&w, shards);
+	/* The loader prefers model.safetensors over an index, as transformers
+	 * does: remove the other form left by an earlier run. */
+	stale = mlens_model_path(o->dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
+	if (stale && unlink(stale) < 0 && errno != ENOENT) {
+		rc = -errno;
+		mlens_errf(err, errlen, "%s: cannot remove stale file: %s", stale, strerror(-rc));
+		goto out;
+	}
+	if (shards == 1) {
+		rc = write_shard(&w, 0, "model.safetensors");
+		goto out;
+	}
+	index = json_object();
+	wm = json_object();
+	if (!index || !wm) {
+		json_decref(wm);
+		rc = -ENOMEM;
+		mlens_errf(err, errlen, "out of memory");
+		goto out;
+	}
+	json_object_set_new(index, "weight_map", wm);
+	for (int s = 0; s < shards && !rc; s++) {
+		char fname[64];
+
+		snprintf(fname, sizeof(fname), "model-%05d-of-%05d.safetensors", s + 1, shards);
+		for (int i = 0; i < w.n; i++) {
+			if (w.specs[i].shard == s) {
+				json_object_set_new(wm, w.specs[i].name, json_string(fname));
+				total += w.specs[i].nbytes;
+			}
+		}
+		rc = write_shard(&w, s, fname);
+	}
+	if (rc)
+		goto out;
+	json_object_set_new(index, "metadata", json_pack("{s:I}", "total_size", (json_int_t)total));
+	rc = write_json(&w, "model.safetensors.index.json", index);
+out:
+	json_decref(index);
+	json_decref(cj);
+	free(text);
+	free(stale);
+	free(w.specs);
+	free(w.buf);
+	if (w.pool)
+		mlens_pool_destroy(w.pool);
+	return rc;
+}
