@@ -15,11 +15,16 @@ B=$(pwd)
 T=$(mktemp -d /tmp/mlens-demo.XXXXXX)
 port=$((20000 + $$ % 20000))
 daemon_pid=
-cleanup() { [ -n "$daemon_pid" ] && kill "$daemon_pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$T"; }
+gateway_pid=
+cleanup() {
+	[ -n "$gateway_pid" ] && kill "$gateway_pid" 2>/dev/null
+	[ -n "$daemon_pid" ] && kill "$daemon_pid" 2>/dev/null
+	wait 2>/dev/null; rm -rf "$T"
+}
 trap cleanup EXIT INT TERM
 
-echo "== a random-weight Mixtral (tiny preset) in $T/model"
-"$B/daemon/mlens-mkmodel" -o "$T/model" --preset tiny --seed 7
+echo "== a random-weight Mixtral (tiny preset, with a byte-level tokenizer and a chat template) in $T/model"
+"$B/daemon/mlens-mkmodel" -o "$T/model" --preset tiny --seed 7 --tokenizer
 
 echo "== mlensd (backend auto: CUDA where a GPU is, else the CPU)"
 "$B/daemon/mlensd" --model "$T/model" --foreground --mlock=false --kv-cache 64M \
@@ -75,6 +80,28 @@ cat "$T"/summary*.txt | sed -n 's/.*, \([0-9]*\) generated tokens in .*/\1/p' |
 echo
 echo "-- tenant 1, first result:"
 head -1 "$T/out1.jsonl"
+
+# text in, text out: the OpenAI-compatible gateway, a tenant of its own,
+# with the model directory's tokenizer and chat template (random weights:
+# the reply is random text, but every part of the path is the real one)
+gport=$((port + 1))
+echo
+echo "== mlens-gateway on 127.0.0.1:$gport, and a chat completion through it with curl"
+"$B/client/mlens-gateway" -s "$T/mlensd.sock" --model "$T/model" --listen "127.0.0.1:$gport" 2> "$T/gateway.log" &
+gateway_pid=$!
+for i in $(seq 100); do
+	curl -sf "http://127.0.0.1:$gport/health" >/dev/null 2>&1 && break
+	kill -0 "$gateway_pid" 2>/dev/null || { cat "$T/gateway.log"; exit 1; }
+	sleep 0.1
+done
+echo "\$ curl -s http://127.0.0.1:$gport/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 16, \"seed\": 1}'"
+curl -s "http://127.0.0.1:$gport/v1/chat/completions" -H 'Content-Type: application/json' \
+	-d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "seed": 1}' > "$T/chat.json"
+cat "$T/chat.json"; echo
+grep -q '"object": *"chat.completion"' "$T/chat.json" || { echo "demo: the gateway gave no chat completion"; cat "$T/gateway.log"; exit 1; }
+kill -TERM "$gateway_pid"
+wait "$gateway_pid"
+gateway_pid=
 kill -TERM "$daemon_pid"
 wait "$daemon_pid" && echo && echo "== mlensd drained and exited cleanly"
 daemon_pid=

@@ -62,6 +62,21 @@ MLENS_MKMODEL_THREADS=1 "$bin" -o "$tmp/t1" $big --seed 9 >/dev/null || fail "1-
 MLENS_MKMODEL_THREADS=3 "$bin" -o "$tmp/t3" $big --seed 9 >/dev/null || fail "3-thread write failed"
 cmp "$tmp/t1/model.safetensors" "$tmp/t3/model.safetensors" || fail "bytes depend on the thread count"
 
+# --tokenizer: a byte-level tokenizer and a ChatML template that libmlens
+# reads back (text -> ids -> the same text); a vocabulary too small refused
+"$bin" -o "$tmp/tk" --tokenizer >/dev/null || fail "--tokenizer refused"
+[ -f "$tmp/tk/tokenizer.json" ] && grep -q im_start "$tmp/tk/tokenizer_config.json" || fail "tokenizer files not written"
+cli="${MLENS_BUILDDIR:-.}/client/mlens"
+printf '{"text":"Hi, w\303\266rld <|im_end|>"}\n' >"$tmp/text.jsonl"
+"$cli" tokenize --model "$tmp/tk" <"$tmp/text.jsonl" >"$tmp/ids.jsonl" || fail "mlens tokenize on the written tokenizer"
+grep -q '^{"tokens":\[75,108,47,35,122,198,185,117,111,103,35,260\]}$' "$tmp/ids.jsonl" ||
+	fail "tokenize: $(cat "$tmp/ids.jsonl")"
+"$cli" detokenize --model "$tmp/tk" <"$tmp/ids.jsonl" | cmp -s - "$tmp/text.jsonl" ||
+	fail "detokenize does not give the text back"
+"$bin" -o "$tmp/tv" --vocab 200 --tokenizer 2>"$tmp/err" && fail "--tokenizer with 200 tokens accepted"
+grep -q "at least 261 tokens; the model has 200" "$tmp/err" || fail "small vocabulary error: $(cat "$tmp/err")"
+[ ! -e "$tmp/tv" ] || fail "a refused model left a directory"
+
 if command -v mandoc >/dev/null 2>&1; then
 	mandoc -T lint -W warning "$src/man/mlens-mkmodel.1" || fail "man page lint"
 fi

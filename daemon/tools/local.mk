@@ -4,7 +4,7 @@
 # engine in-process on a model directory). libmlens_tools.la comes before
 # libmlens_core.la on a link line. The programs keep their daemon/ paths.
 noinst_LTLIBRARIES += daemon/tools/libmlens_tools.la
-daemon_tools_libmlens_tools_la_SOURCES = daemon/tools/mkmodel.h daemon/tools/mkmodel_lib.c \
+daemon_tools_libmlens_tools_la_SOURCES = daemon/tools/mkmodel.h daemon/tools/mkmodel_lib.c daemon/tools/mkmodel_tok.c \
 	daemon/tools/shard_sim.h daemon/tools/shard_sim.c
 
 bin_PROGRAMS += daemon/mlens-mkmodel

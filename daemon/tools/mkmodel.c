@@ -15,7 +15,7 @@
 enum {
 	OPT_LAYERS = 256, OPT_DTYPE, OPT_SEED, OPT_SHARDS, OPT_VOCAB, OPT_HIDDEN,
 	OPT_INTER, OPT_HEADS, OPT_KV, OPT_HEAD_DIM, OPT_EXPERTS, OPT_TOPK,
-	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED, OPT_EOS,
+	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED, OPT_EOS, OPT_TOKENIZER,
 };
 
 static const struct option longopts[] = {
@@ -38,6 +38,7 @@ static const struct option longopts[] = {
 	{ "tie", no_argument, NULL, OPT_TIE },
 	{ "fused-experts", no_argument, NULL, OPT_FUSED },
 	{ "eos-token-id", required_argument, NULL, OPT_EOS },
+	{ "tokenizer", no_argument, NULL, OPT_TOKENIZER },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
 };
@@ -49,7 +50,7 @@ static void usage(FILE *f)
 	      "                     [--vocab N] [--hidden N] [--intermediate N] [--heads N]\n"
 	      "                     [--kv-heads N] [--head-dim N] [--experts N] [--top-k N]\n"
 	      "                     [--rope-theta X] [--max-pos N] [--tie] [--fused-experts]\n"
-	      "                     [--eos-token-id ID[,ID...]|none]\n"
+	      "                     [--eos-token-id ID[,ID...]|none] [--tokenizer]\n"
 	      "Writes a random-weight Mixtral model directory in Hugging Face format.\n"
 	      "See mlens-mkmodel(1).\n", f);
 }
@@ -149,6 +150,9 @@ int main(int argc, char **argv)
 		case OPT_EOS:
 			eos = optarg;
 			break;
+		case OPT_TOKENIZER:
+			o.tokenizer = true;
+			break;
 		case OPT_TIE:
 		case OPT_FUSED:
 			set[c] = true;
@@ -223,8 +227,8 @@ int main(int argc, char **argv)
 		fprintf(stderr, "mlens-mkmodel: %s\n", err);
 		return 1;
 	}
-	printf("mlens-mkmodel: wrote %s (%s preset, %" PRId64 " layers, %s, seed %" PRIu64 ", %d file%s)\n",
+	printf("mlens-mkmodel: wrote %s (%s preset, %" PRId64 " layers, %s, seed %" PRIu64 ", %d file%s%s)\n",
 	       o.dir, preset, o.cfg.num_hidden_layers, mlens_dtype_name(o.cfg.dtype), o.seed,
-	       o.shards, o.shards == 1 ? "" : "s");
+	       o.shards, o.shards == 1 ? "" : "s", o.tokenizer ? ", tokenizer and chat template" : "");
 	return 0;
 }

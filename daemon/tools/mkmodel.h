@@ -15,7 +15,12 @@ struct mlens_mkmodel_opts {
 	uint64_t seed;
 	int shards;			/* <= 1: one model.safetensors */
 	bool fused_experts;		/* transformers-5 fused gate_up_proj/down_proj */
+	bool tokenizer;			/* also a byte-level tokenizer and a chat template */
 };
+
+/* Tokens the test tokenizer uses (ids 0 .. this - 1); the model's
+ * vocabulary must hold them. */
+#define MLENS_MKMODEL_TOKENIZER_VOCAB 261
 
 /* Fill o->cfg from a preset ("tiny", "mixtral-8x7b"); leaves dir, seed,
  * shards alone. Returns 0 or -EINVAL for an unknown name. */
@@ -24,6 +29,12 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name);
 /* Write the model. Streams tensor data through a small buffer, so memory use
  * does not grow with the model. Returns 0 or -errno with a message in err. */
 int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t errlen);
+
+/* Write DIR/tokenizer.json (byte-level BPE, one token a byte: ids 0-2
+ * <unk> <s> </s>, 3-258 the bytes, 259-260 <|im_start|> <|im_end|>) and
+ * DIR/tokenizer_config.json (a ChatML chat template). Returns 0 or -errno
+ * with a message in err. */
+int mlens_mkmodel_write_tokenizer(const char *dir, int64_t vocab_size, char *err, size_t errlen);
 
 /* Element i (row-major) of the tensor the legacy per-expert layout names
  * `name`, before conversion to the file dtype: N(0, 0.02^2)-like noise, plus

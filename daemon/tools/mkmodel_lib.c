@@ -504,6 +504,12 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 		rc = -EINVAL;
 		goto out;
 	}
+	if (o->tokenizer && w.cfg.vocab_size < MLENS_MKMODEL_TOKENIZER_VOCAB) {
+		mlens_errf(err, errlen, "the tokenizer needs a vocabulary of at least %d tokens; the model has %" PRId64,
+			   MLENS_MKMODEL_TOKENIZER_VOCAB, w.cfg.vocab_size);
+		rc = -EINVAL;
+		goto out;
+	}
 	if (mkdir(o->dir, 0755) < 0 && !(errno == EEXIST && !stat(o->dir, &sb) && S_ISDIR(sb.st_mode))) {
 		rc = errno == EEXIST ? -ENOTDIR : -errno;
 		mlens_errf(err, errlen, "%s: cannot create directory: %s", o->dir, strerror(-rc));
@@ -511,6 +517,8 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	}
 	rc = write_json(&w, "config.json", cj);
 	if (rc)
+		goto out;
+	if (o->tokenizer && (rc = mlens_mkmodel_write_tokenizer(o->dir, w.cfg.vocab_size, err, errlen)))
 		goto out;
 	assign_shards(&w, shards);
 	/* The loader prefers model.safetensors over an index, as transformers
