@@ -78,11 +78,14 @@ for r in $RUNS; do
 		rc=$?
 		;;
 	generate)
+		rm -f "$OUT/defaults_generate.mlensd.log"
 		./daemon/mlensd --model "$MODEL" --gpu-memory "$GPU" --kv-cache "$KV" --backend "$BACKEND" \
 			--socket "$T/mlensd.sock" --control "$T/control.sock" --stats "$T/stats.sock" \
 			--stats-http "127.0.0.1:$port" --log "$OUT/defaults_generate.mlensd.log" --foreground &
 		daemon_pid=$!
-		while ! [ -S "$T/mlensd.sock" ] && kill -0 "$daemon_pid" 2>/dev/null; do sleep 0.2; done
+		# the socket is bound before the model loads; it serves once the log says so
+		while ! grep -q "serving on" "$OUT/defaults_generate.mlensd.log" 2>/dev/null &&
+			kill -0 "$daemon_pid" 2>/dev/null; do sleep 0.2; done
 		/usr/bin/time -f '%e' -o "$T/wall" ./client/mlens generate -s "$T/mlensd.sock" \
 			-i "$T/jobs.jsonl" -o "$T/out.jsonl" --quiet 2> "$OUT/defaults_generate.err"
 		rc=$?

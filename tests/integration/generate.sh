@@ -29,8 +29,10 @@ PY
 field() {
 	python3 -c 'import json,sys; print(json.dumps(json.loads(open(sys.argv[1]).read().split("\n")[int(sys.argv[3])])[sys.argv[2]], separators=(",", ":")))' "$@"
 }
+# MLENS_GENERATE_BACKEND=cuda runs the same checks on the GPU (the EOS
+# rule is the scheduler's, whatever backend computes the tokens)
 serve() {
-	start_mlensd --model "$tmp/m" --kv-cache 64M --mlock=false --threads 1 --backend cpu
+	start_mlensd --model "$tmp/m" --kv-cache 64M --mlock=false --threads 1 --backend "${MLENS_GENERATE_BACKEND:-cpu}"
 }
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny --seed 3 >/dev/null || fail "mlens-mkmodel"
