@@ -1284,7 +1284,12 @@ extern "C" bool mlens_cuda_available(void)
 
 extern "C" int mlens_cuda_pci_bus_id(int device, char *buf, int len)
 {
-	return cudaDeviceGetPCIBusId(buf, len, device) == cudaSuccess ? 0 : -ENODEV;
+	if (cudaDeviceGetPCIBusId(buf, len, device) == cudaSuccess)
+		return 0;
+	/* a device that is not there is an answer, not an error for the
+	 * next launch's check to find */
+	cudaGetLastError();
+	return -ENODEV;
 }
 
 extern "C" size_t mlens_backend_cuda_mem_used(const struct mlens_backend *be)
