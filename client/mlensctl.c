@@ -218,9 +218,10 @@ static void show_status(json_t *r)
 	printf("%-14s %lld running, %lld waiting; %lld tenants\n", "requests", (long long)geti(r, "requests_running"),
 	       (long long)geti(r, "requests_waiting"), (long long)geti(r, "tenants"));
 	printf("%-14s %lld tokens per step\n", "token cap", (long long)geti(r, "token_cap"));
-	printf("%-14s %lld of %lld blocks used (%lld tokens each, %s pinned)\n", "KV cache",
-	       (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
-	       (long long)geti(kv, "block_tokens"), kvb);
+	printf("%-14s %lld of %lld blocks used (%lld tokens each, %lld tokens, %s, %s pinned)\n",
+	       "KV cache", (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
+	       (long long)geti(kv, "block_tokens"), (long long)geti(kv, "tokens_total"),
+	       gets_(kv, "dtype"), kvb);
 	printf("%-14s %s pinned\n", "weight pages", wpb);
 	if (json_is_object(pl)) {
 		/* busy shares of the pipeline's resources: what bounds a step */

@@ -24,6 +24,7 @@ struct mlens_config {
 	char *gpu_copy;		/* "engine" or "sm": who moves the compute stream's copies */
 	char *gpu_prefill_attention;	/* "auto", "fp32" or "bf16" */
 	char *gpu_copy_out;	/* "compute", "down" or "side": where the activation copies run */
+	char *kv_dtype;		/* "auto", "bf16", "fp32" or "fp8": the KV cache's elements */
 	char *kv_append;	/* "gpu" or "cpu": who appends K/V to the hybrid pool */
 	char *attn_up;		/* "half" or "fp32": the CPU attention's output on its way up */
 	char *gpu_sync;		/* "auto", "spin", "yield" or "block": host waits for the GPU */

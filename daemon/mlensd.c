@@ -610,6 +610,15 @@ static int step_backend(void)
 	return 0;
 }
 
+/* kv_dtype as mlens_kv_dtype takes it: -1 for auto (the config allows
+ * only auto, bf16, fp32 or fp8). */
+static int kv_dtype_wanted(void)
+{
+	const char *k = D.cfg.kv_dtype;
+	return !strcmp(k, "bf16") ? MLENS_DTYPE_BF16 : !strcmp(k, "fp32") ? MLENS_DTYPE_F32 :
+	       !strcmp(k, "fp8") ? MLENS_DTYPE_E4M3 : -1;
+}
+
 /* The KV cache's size in blocks; GPU-only or hybrid mode (and then the CPU
  * attention backend); the pool in pinned memory on the same node. */
 static int step_kv_cache(void)
@@ -617,7 +626,7 @@ static int step_kv_cache(void)
 	char err[1024];
 	int rc;
 
-	D.kv_dt = mlens_kv_dtype(&D.model->cfg, -1);
+	D.kv_dt = mlens_kv_dtype(&D.model->cfg, kv_dtype_wanted());
 	D.kv_blocks = kv_blocks_for(&D.model->cfg, D.kv_dt, (int)D.cfg.kv_block_size, D.cfg.kv_cache,
 				    &D.kv_per_block);
 	if (D.kv_blocks == 0)
@@ -816,7 +825,8 @@ static int step_serve(void)
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,
-		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
+		.kv_block_size = (int)D.cfg.kv_block_size, .kv_dtype = mlens_dtype_name(D.kv_dt),
+		.started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,
 	};

@@ -68,4 +68,40 @@ MLENS_FP8_FN uint8_t mlens_f32_to_e4m3(float f)
 	return (uint8_t)(sign | r);
 }
 
+/* The scale of a row whose largest magnitude is amax: amax / 448, which
+ * maps the row's largest value onto e4m3's largest. */
+MLENS_FP8_FN float mlens_e4m3_scale(float amax)
+{
+	return amax / MLENS_E4M3_MAX;
+}
+
+/* x's code under scale: x / scale rounded (a division, not a multiply by
+ * the inverse, so that every backend gets the same byte); scale 0 (an
+ * all-zero row) gives code 0. */
+MLENS_FP8_FN uint8_t mlens_e4m3_quantize(float x, float scale)
+{
+	return scale > 0.0f ? mlens_f32_to_e4m3(x / scale) : 0;
+}
+
+/* The largest magnitude of a and b, NaN ignored (as a > b ? a : b does);
+ * the one reduction step every backend uses for a row's amax. */
+MLENS_FP8_FN float mlens_e4m3_amax(float m, float x)
+{
+	float a = x < 0.0f ? -x : x;
+	return a > m ? a : m;
+}
+
+/* dst[0..n) = src quantized with one scale for the row, which it returns:
+ * value i is mlens_e4m3_to_f32(dst[i]) * scale. */
+MLENS_FP8_FN float mlens_e4m3_quantize_row(uint8_t *dst, const float *src, int n)
+{
+	float amax = 0.0f, scale;
+	for (int i = 0; i < n; i++)
+		amax = mlens_e4m3_amax(amax, src[i]);
+	scale = mlens_e4m3_scale(amax);
+	for (int i = 0; i < n; i++)
+		dst[i] = mlens_e4m3_quantize(src[i], scale);
+	return scale;
+}
+
 #endif

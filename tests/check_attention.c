@@ -1,6 +1,7 @@
 /* Description: CPU decode attention kernels (scalar, AVX2, AVX-512) against
- * the scalar reference on random paged caches, thread-count independence,
- * bit-exact bf16 KV append, variant selection and the NUMA pool. */
+ * the scalar reference on random paged caches (f32, bf16, fp8 e4m3),
+ * thread-count independence, bit-exact bf16 and fp8 KV append, the vector
+ * e4m3 decode of every code, variant selection and the NUMA pool. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -53,14 +54,21 @@ static void setup_make(struct setup *s, enum mlens_dtype dt, int n_layers, int n
 		total += (uint32_t)((lens[i] + bs - 1) / bs);
 	total += 3;	/* a few blocks no sequence owns */
 	s->kv = (struct mlens_kv_cache){ dt, n_layers, nkv, hd, bs, total, NULL, NULL };
-	elems = mlens_kv_bytes(&s->kv) / mlens_dtype_size(dt);
+	elems = mlens_kv_code_bytes(&s->kv) / mlens_dtype_size(dt);
 	s->kv.k = malloc(mlens_kv_bytes(&s->kv));
 	s->kv.v = malloc(mlens_kv_bytes(&s->kv));
 	ck_assert(s->kv.k && s->kv.v);
 	for (size_t e = 0; e < elems; e++) {
-		mlens_store(s->kv.k, dt, e, rndf(-1.0f, 1.0f));
-		mlens_store(s->kv.v, dt, e, rndf(-1.0f, 1.0f));
+		/* e4m3: codes over the whole range, scaled back to |x| <= 1 */
+		float r = dt == MLENS_DTYPE_E4M3 ? MLENS_E4M3_MAX : 1.0f;
+		mlens_store(s->kv.k, dt, e, rndf(-r, r));
+		mlens_store(s->kv.v, dt, e, rndf(-r, r));
 	}
+	if (dt == MLENS_DTYPE_E4M3)
+		for (size_t r = 0; r < mlens_kv_rows(&s->kv); r++) {
+			mlens_kv_scales(&s->kv, s->kv.k)[r] = rndf(0.25f, 1.0f) / MLENS_E4M3_MAX;
+			mlens_kv_scales(&s->kv, s->kv.v)[r] = rndf(0.25f, 1.0f) / MLENS_E4M3_MAX;
+		}
 	perm = malloc(total * sizeof(*perm));
 	ck_assert(perm);
 	for (uint32_t b = 0; b < total; b++)
@@ -180,6 +188,11 @@ static const struct shape shapes[] = {
 	{ MLENS_DTYPE_BF16, 1, 4, 96, 16 },	/* head_dim outside the unrolled cases */
 	{ MLENS_DTYPE_F32, 2, 4, 128, 16 },
 	{ MLENS_DTYPE_F32, 1, 1, 64, 16 },
+	{ MLENS_DTYPE_E4M3, 2, 4, 128, 16 },
+	{ MLENS_DTYPE_E4M3, 1, 8, 64, 32 },
+	{ MLENS_DTYPE_E4M3, 2, 4, 128, 5 },
+	{ MLENS_DTYPE_E4M3, 1, 4, 96, 16 },
+	{ MLENS_DTYPE_E4M3, 2, 1, 64, 16 },
 };
 #define N_SHAPES (int)(sizeof(shapes) / sizeof(shapes[0]))
 
@@ -416,6 +429,117 @@ START_TEST(test_append_exact)
 	free(kv.v);
 	free(k);
 	free(v);
+}
+END_TEST
+
+/* The fp8 append: each (token, KV head) row of K and V becomes the codes
+ * and the scale of mlens_e4m3_quantize_row, byte for byte (the oracle the
+ * CUDA append is held to), by the caller alone and over a pool; values come
+ * back within e4m3's half step of the row's scale. */
+START_TEST(test_append_fp8)
+{
+	const char *name = variant_names[_i];
+	int nkv = 4, hd = 100, bs = 16, n = 37;
+	struct mlens_kv_cache kv = { MLENS_DTYPE_E4M3, 2, nkv, hd, bs, 8, NULL, NULL };
+	size_t row = (size_t)nkv * hd;
+	float *k = malloc((size_t)n * row * sizeof(float)), *v = malloc((size_t)n * row * sizeof(float));
+	int64_t slots[37];
+	uint32_t perm[8] = { 5, 2, 7, 0, 3, 6, 1, 4 };
+	struct mlens_pool *pool = NULL;
+	uint8_t want[100];
+
+	if (!mlens_cpu_attn_variant_supported(name)) {
+		free(k);
+		free(v);
+		return;
+	}
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	kv.k = calloc(1, mlens_kv_bytes(&kv));
+	kv.v = calloc(1, mlens_kv_bytes(&kv));
+	ck_assert(k && v && kv.k && kv.v);
+	rng_state = 4242;
+	for (size_t e = 0; e < (size_t)n * row; e++) {
+		/* rows of very different magnitudes; one all-zero row */
+		float mag = ldexpf(1.0f, (int)(e / hd % 24) - 12);
+		k[e] = e / hd == 3 ? 0.0f : rndf(-mag, mag);
+		v[e] = rndf(-100.0f, 100.0f);
+	}
+	for (int i = 0; i < n; i++)
+		slots[i] = (int64_t)perm[i / bs] * bs + i % bs;
+	ck_assert_int_eq(mlens_pool_create(&pool, 3, NULL), 0);
+	for (int pooled = 0; pooled < 2; pooled++) {
+		memset(kv.k, 0, mlens_kv_bytes(&kv));
+		memset(kv.v, 0, mlens_kv_bytes(&kv));
+		ck_assert_int_eq(mlens_cpu_kv_append(pooled ? pool : NULL, &kv, 1, k, v, slots, n), 0);
+		for (int i = 0; i < n; i++)
+			for (int g = 0; g < nkv; g++) {
+				size_t idx = mlens_kv_index(&kv, 1, perm[i / bs], g, i % bs);
+				const float *src[2] = { k + (size_t)i * row + (size_t)g * hd,
+							v + (size_t)i * row + (size_t)g * hd };
+				void *base[2] = { kv.k, kv.v };
+				for (int x = 0; x < 2; x++) {
+					const uint8_t *got = (const uint8_t *)base[x] + idx;
+					float sc = mlens_kv_scales(&kv, base[x])[idx / (size_t)hd];
+					float amax = 0.0f;
+					ck_assert_float_eq(sc, mlens_e4m3_quantize_row(want, src[x], hd));
+					ck_assert_mem_eq(got, want, (size_t)hd);
+					for (int d = 0; d < hd; d++)
+						amax = fmaxf(amax, fabsf(src[x][d]));
+					ck_assert_float_eq(sc, amax / 448.0f);
+					for (int d = 0; d < hd; d++) {
+						/* 3 mantissa bits: half an ulp is 1/16 of the
+						 * value, or half the subnormal step */
+						float back = mlens_e4m3_to_f32(got[d]) * sc;
+						float err = fabsf(back - src[x][d]);
+						ck_assert(err <= fabsf(src[x][d]) / 16 + sc * 0x1p-10f * 1.0001f);
+					}
+				}
+			}
+	}
+	mlens_pool_destroy(pool);
+	free(kv.k);
+	free(kv.v);
+	free(k);
+	free(v);
+}
+END_TEST
+
+/* The vector kernels' e4m3 decode is exact for all 256 codes: one position
+ * whose K codes are 0 (p = 1) and whose V row holds every code with scale 1,
+ * so the output is each code's value, NaN codes NaN. */
+START_TEST(test_fp8_every_code)
+{
+	const char *name = variant_names[_i];
+	int32_t len = 1;
+	struct mlens_pool *pool;
+	struct setup s;
+	float *got;
+
+	if (!mlens_cpu_attn_variant_supported(name))
+		return;
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	rng_state = 99;
+	/* 2 KV heads x 128: each head's row holds 128 codes, both all 256 */
+	setup_make(&s, MLENS_DTYPE_E4M3, 1, 2, 1, 128, 16, &len, 1);
+	for (int g = 0; g < 2; g++) {
+		size_t idx = mlens_kv_index(&s.kv, 0, s.qs[0].block_table[0], g, 0);
+		memset((uint8_t *)s.kv.k + idx, 0, 128);
+		for (int d = 0; d < 128; d++)
+			((uint8_t *)s.kv.v)[idx + (size_t)d] = (uint8_t)(g * 128 + d);
+		mlens_kv_scales(&s.kv, s.kv.v)[idx / 128] = 1.0f;
+	}
+	ck_assert_int_eq(mlens_pool_create(&pool, 1, NULL), 0);
+	got = run_variant(&s, pool, 0, 0.125f);
+	mlens_pool_destroy(pool);
+	for (int c = 0; c < 256; c++) {
+		float want = mlens_e4m3_to_f32((uint8_t)c);
+		if (isnan(want))
+			ck_assert_msg(isnan(got[c]), "code %#x: %g", c, got[c]);
+		else
+			ck_assert_msg(got[c] == want, "code %#x: want %a got %a", c, want, got[c]);
+	}
+	free(got);
+	setup_free(&s);
 }
 END_TEST
 
@@ -696,6 +820,8 @@ int main(void)
 	tcase_add_loop_test(tc, test_variant_vs_reference, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_append_fp8, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_fp8_every_code, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_round_exact, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_decode_half_exact, 0, N_VARIANTS);
 	tcase_add_test(tc, test_decode_half_backend);

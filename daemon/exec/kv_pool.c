@@ -21,7 +21,7 @@ int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config 
 			(uint32_t)(8 * ((c->max_position_embeddings + out->block_size - 1) /
 					out->block_size));
 	if (out->dtype == MLENS_DTYPE_F16) {
-		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32 or BF16)");
+		mlens_errf(err, errlen, "KV cache dtype F16 is not supported (use F32, BF16 or FP8)");
 		return -EINVAL;
 	}
 	return 0;
@@ -40,8 +40,10 @@ int mlens_kv_pool_init(struct mlens_kv_pool *p, struct mlens_backend *be,
 	bytes = mlens_kv_head_elems(layout) * mlens_dtype_size(layout->dtype);
 	if (__builtin_mul_overflow(bytes, (size_t)layout->n_kv_heads, &bytes) ||
 	    __builtin_mul_overflow(bytes, (size_t)layout->n_blocks, &bytes) ||
-	    __builtin_mul_overflow(bytes, (size_t)layout->n_layers, &bytes))
+	    __builtin_mul_overflow(bytes, (size_t)layout->n_layers, &bytes) ||
+	    bytes > SIZE_MAX / 8)	/* room for E4M3 scales: 4 bytes a row of >= 1 code */
 		return -EOVERFLOW;
+	bytes = mlens_kv_bytes(layout);
 	/* the free stack, the room list and the per-block room index and
 	 * tag: four arrays of n_blocks ids in one allocation (free_stack's) */
 	p->free_stack = malloc((size_t)layout->n_blocks * 4 * sizeof(uint32_t));

@@ -46,15 +46,17 @@ static inline enum mlens_dtype mlens_kv_dtype(const struct mlens_model_config *c
  * max_position_embeddings), the model's layers, KV heads and head size (a
  * shard or a one-layer test pool sets its own after). The layout is
  * filled either way; 0, or -EINVAL for F16 (said in err), which the
- * kernels' cache does not hold. */
+ * kernels' cache does not hold. dtype E4M3 is the fp8 cache. */
 int mlens_kv_layout(struct mlens_kv_cache *out, const struct mlens_model_config *c, int dtype,
 		    int block_size, uint32_t n_blocks, char *err, size_t errlen);
 
-/* Bytes of K (or of V) one token takes over all layers. */
+/* Bytes of K (or of V) one token takes over all layers, an E4M3 row's
+ * scale included. */
 static inline size_t mlens_kv_token_bytes(const struct mlens_kv_cache *kv)
 {
-	return (size_t)kv->n_layers * (size_t)kv->n_kv_heads * (size_t)kv->head_dim *
-	       mlens_dtype_size(kv->dtype);
+	size_t row = (size_t)kv->head_dim * mlens_dtype_size(kv->dtype) +
+		     (kv->dtype == MLENS_DTYPE_E4M3 ? sizeof(float) : 0);
+	return (size_t)kv->n_layers * (size_t)kv->n_kv_heads * row;
 }
 
 struct mlens_kv_pool {

@@ -142,10 +142,12 @@ static json_t *cmd_status(struct mlens_control *c)
 			json_array_append_new(ids, json_integer(in->eos[i]));
 		json_object_set_new(json_object_get(o, "model"), "eos_token_ids", ids);
 	}
-	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:I}}",
+	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I,s:s,s:I},s:{s:I},s:{s:I}}",
 		"kv_cache", "bytes", (json_int_t)in->kv_bytes, "blocks_total", (json_int_t)s.kv_blocks_total,
 		"blocks_used", (json_int_t)s.kv_blocks_used, "block_tokens", (json_int_t)in->kv_block_size,
 		"budget_bytes", (json_int_t)in->cfg->kv_cache,
+		"dtype", in->kv_dtype ? in->kv_dtype : "?",
+		"tokens_total", (json_int_t)s.kv_blocks_total * in->kv_block_size,
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
 		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
 	if (s.sched.hybrid)

@@ -27,6 +27,7 @@ struct mlens_daemon_info {
 	uint64_t weight_bytes;		/* pinned weight pages */
 	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
 	int kv_block_size;
+	const char *kv_dtype;		/* the KV cache's element type: "BF16", "F8_E4M3" */
 	double started;			/* mlens_now() at start-up */
 	const char *mode;		/* "gpu-only", "hybrid", or NULL: the backend's name says it */
 	const char *mode_reason;	/* why, with the numbers (NULL: derived from the backend) */

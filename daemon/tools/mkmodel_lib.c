@@ -229,6 +229,7 @@ static const char *dtype_hf(enum mlens_dtype t)
 	case MLENS_DTYPE_F32: return "float32";
 	case MLENS_DTYPE_F16: return "float16";
 	case MLENS_DTYPE_BF16: return "bfloat16";
+	case MLENS_DTYPE_E4M3: return "float8_e4m3fn";
 	}
 	return "?";
 }

@@ -336,7 +336,8 @@ static int decode(struct mlens_pool *pool, struct mlens_cpu_attn_ws *ws, float *
 	if (n <= 0)
 		return 0;
 	if (!j.var->span || hd % j.var->width || hd > 256 ||
-	    (kv->dtype != MLENS_DTYPE_BF16 && kv->dtype != MLENS_DTYPE_F32)) {
+	    (kv->dtype != MLENS_DTYPE_BF16 && kv->dtype != MLENS_DTYPE_F32 &&
+	     kv->dtype != MLENS_DTYPE_E4M3)) {
 		/* scalar chosen, or a shape the vector kernels do not cover */
 		mlens_pool_run(pool, n * nkv, ref_task, &j);
 		return 0;
@@ -468,6 +469,14 @@ static void append_rows(const struct append_job *j, int i0, int i1)
 			const float *ks = j->k + ((size_t)i * kv->n_kv_heads + g) * hd;
 			const float *vs = j->v + ((size_t)i * kv->n_kv_heads + g) * hd;
 			char *kd = (char *)kv->k + idx * es, *vd = (char *)kv->v + idx * es;
+			if (kv->dtype == MLENS_DTYPE_E4M3) {
+				size_t r = idx / (size_t)hd;
+				mlens_kv_scales(kv, kv->k)[r] =
+					mlens_e4m3_quantize_row((uint8_t *)kd, ks, hd);
+				mlens_kv_scales(kv, kv->v)[r] =
+					mlens_e4m3_quantize_row((uint8_t *)vd, vs, hd);
+				continue;
+			}
 			if (kv->dtype == MLENS_DTYPE_BF16 && j->var->cvt) {
 				j->var->cvt((uint16_t *)(void *)kd, ks, (size_t)hd);
 				j->var->cvt((uint16_t *)(void *)vd, vs, (size_t)hd);

@@ -23,6 +23,11 @@ typedef __m256 vec;
 	(e) = _mm256_castsi256_ps(_mm256_slli_epi32(x_, 16)); \
 	(o) = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xffff0000u))); \
 } while (0)
+#define VLOAD_E4M3X2(p, e, o) do { \
+	__m128i b_ = _mm_loadu_si128((const __m128i *)(const void *)(p)); \
+	(e) = e4m3_avx2(b_); \
+	(o) = e4m3_avx2(_mm_srli_si128(b_, 8)); \
+} while (0)
 #define VHSUM4(a, b, c, d, s) hsum4_avx2((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od:
  * per 128-bit lane pick, then put the 64-bit pairs in order */
@@ -82,6 +87,25 @@ static inline __m256 exp_avx2(__m256 x)
 	e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
 	y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 	return _mm256_andnot_ps(tiny, y);
+}
+
+/* The 8 e4m3 codes in b's low bytes as fp32, exactly mlens_e4m3_to_f32
+ * (any NaN for the NaN codes): the code's exponent and mantissa moved into
+ * place and rebiased by an integer add; a subnormal (exponent 0) is
+ * 2^-6 * (1 + m/8) - 2^-6, exact, so no fp32 subnormal is ever touched. */
+static inline __m256 e4m3_avx2(__m128i b)
+{
+	__m256i x = _mm256_cvtepu8_epi32(b);
+	__m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+	__m256i em = _mm256_slli_epi32(mag, 20);
+	__m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(em, _mm256_set1_epi32(120 << 23)));
+	__m256 sub = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(em, _mm256_set1_epi32(121 << 23))),
+				   _mm256_set1_ps(0x1p-6f));
+	__m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
+	__m256i nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
+	__m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+	__m256 v = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(is_sub));
+	return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_or_si256(nan, sign)));
 }
 
 /* s[0..3] = the sums of a, b, c, d (transpose-and-add tree) */

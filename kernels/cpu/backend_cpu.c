@@ -63,6 +63,10 @@ static void load_row(float *dst, const void *w, enum mlens_dtype dt, size_t r, i
 			dst[i] = mlens_f16_to_f32(s[i]);
 		break;
 	}
+	default:
+		for (i = 0; i < dim; i++)
+			dst[i] = mlens_load(w, dt, base + (size_t)i);
+		break;
 	}
 }
 
@@ -382,6 +386,7 @@ void mlens_cpu_attn_decode_group_ref(float *out, const float *q,
 {
 	int hd = kv->head_dim, bs = kv->block_size;
 	size_t es = mlens_dtype_size(kv->dtype);
+	const bool fp8 = kv->dtype == MLENS_DTYPE_E4M3;
 	for (int h = 0; h < group; h++) {
 		const float *qh = q + (size_t)h * hd;
 		float *oh = out + (size_t)h * hd;
@@ -397,12 +402,15 @@ void mlens_cpu_attn_decode_group_ref(float *out, const float *q,
 			for (int d = 0; d < hd; d++)
 				s += qh[d] * mlens_load(kp, kv->dtype, (size_t)d);
 			s *= scale;
+			if (fp8)	/* the row's scales: q.k = (q.codes) * ks */
+				s *= mlens_kv_scales(kv, kv->k)[idx / (size_t)hd];
 			/* online softmax: rescale what was summed when the max grows */
 			float nmx = s > mx ? s : mx;
 			float corr = expf(mx - nmx), p = expf(s - nmx);
+			float pv = fp8 ? p * mlens_kv_scales(kv, kv->v)[idx / (size_t)hd] : p;
 			sum = sum * corr + p;
 			for (int d = 0; d < hd; d++)
-				oh[d] = oh[d] * corr + p * mlens_load(vp, kv->dtype, (size_t)d);
+				oh[d] = oh[d] * corr + pv * mlens_load(vp, kv->dtype, (size_t)d);
 			mx = nmx;
 		}
 		for (int d = 0; d < hd; d++)

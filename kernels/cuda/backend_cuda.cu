@@ -422,7 +422,7 @@ static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
 	switch (dt) {
 	case MLENS_DTYPE_F16: return CUDA_R_16F;
 	case MLENS_DTYPE_BF16: return CUDA_R_16BF;
-	case MLENS_DTYPE_F32: break;
+	default: break;	/* F32; other types never come here */
 	}
 	return CUDA_R_32F;
 }

@@ -15,7 +15,7 @@ __device__ __forceinline__ float load_elem(const void *p, enum mlens_dtype dt, s
 	switch (dt) {
 	case MLENS_DTYPE_F16: return __half2float(((const __half *)p)[i]);
 	case MLENS_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-	case MLENS_DTYPE_F32: break;
+	default: break;	/* F32; other types never come here */
 	}
 	return ((const float *)p)[i];
 }
@@ -26,7 +26,7 @@ __device__ __forceinline__ void store_elem(void *p, enum mlens_dtype dt, size_t 
 	switch (dt) {
 	case MLENS_DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); return;
 	case MLENS_DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); return;
-	case MLENS_DTYPE_F32: break;
+	default: break;	/* F32; other types never come here */
 	}
 	((float *)p)[i] = v;
 }
@@ -37,7 +37,7 @@ __device__ __forceinline__ float load_rounded(enum mlens_dtype dt, float v)
 	switch (dt) {
 	case MLENS_DTYPE_F16: return __half2float(__float2half_rn(v));
 	case MLENS_DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
-	case MLENS_DTYPE_F32: break;
+	default: break;	/* F32; other types never come here */
 	}
 	return v;
 }
