@@ -1064,6 +1064,10 @@ START_TEST(test_attn_decode)
 	decode_case(MLENS_DTYPE_F32, 2, 2, 16);
 	decode_case(MLENS_DTYPE_BF16, 2, 4, 32);
 	decode_case(MLENS_DTYPE_BF16, 1, 12, 64);
+	/* fp8: bytes identical to the CPU append's, decode against the CPU */
+	decode_case(MLENS_DTYPE_E4M3, 8, 4, 128);
+	decode_case(MLENS_DTYPE_E4M3, 2, 4, 64);
+	decode_case(MLENS_DTYPE_E4M3, 2, 2, 16);
 }
 END_TEST
 

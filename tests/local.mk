@@ -12,6 +12,15 @@ tests_check_engine_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_engine_LDADD = tests/libmlens_testutil.la daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 
+# the e4m3 conversions every backend shares (kernels/fp8.h)
+if HAVE_CHECK
+check_PROGRAMS += tests/check_fp8
+TESTS += tests/check_fp8
+tests_check_fp8_SOURCES = tests/check_fp8.c tests/check_common.h
+tests_check_fp8_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_fp8_LDADD = $(CHECK_LIBS) -lm
+endif
+
 # the KV block pool (daemon/exec/kv_pool.c), pinned memory (daemon/mem.c) and
 # what a step does around its layers (daemon/exec/step.c)
 if HAVE_CHECK

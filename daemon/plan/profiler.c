@@ -797,6 +797,10 @@ static int profile_attn(const struct mlens_model *m, const struct mlens_profile_
 	if (kv.dtype == MLENS_DTYPE_F32) {
 		for (size_t i = 0; i < head_elems / 4; i++)
 			((float *)kv.k)[i] = ((float *)kv.v)[i] = 1.0f / 128;
+	} else if (kv.dtype == MLENS_DTYPE_E4M3) {
+		/* codes 1.5 and scales of about 0.01, alike: small values too */
+		memset(kv.k, 0x3c, head_elems);
+		memset(kv.v, 0x3c, head_elems);
 	} else {
 		for (size_t i = 0; i < head_elems / 2; i++)
 			((uint16_t *)kv.k)[i] = ((uint16_t *)kv.v)[i] = 0x3c00;
@@ -864,8 +868,9 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 	double t0 = now(), budget;
 	int rc;
 	if (!m || !o || !o->be || !o->be->ops || m->cfg.num_hidden_layers < 1 ||
-	    (o->kv_dtype != MLENS_DTYPE_F32 && o->kv_dtype != MLENS_DTYPE_BF16)) {
-		mlens_errf(err, errlen, "profiler: no model, no backend or a KV dtype other than f32/bf16");
+	    (o->kv_dtype != MLENS_DTYPE_F32 && o->kv_dtype != MLENS_DTYPE_BF16 &&
+	     o->kv_dtype != MLENS_DTYPE_E4M3)) {
+		mlens_errf(err, errlen, "profiler: no model, no backend or a KV dtype other than f32/bf16/fp8");
 		return -EINVAL;
 	}
 	budget = o->budget_s > 0 ? o->budget_s : o->be->ops->host_memory ? 0.5 : 20;

@@ -3,7 +3,8 @@
  * memory, and split-context decode attention over that cache with a
  * combine pass. fp32 math throughout, except prefill on tensor cores
  * (opts prefill_bf16: bf16 products, fp32 softmax and sums); KV stored f32
- * or bf16 (kernels/kv.h layout). Head dims 64 and 128 take tuned kernels; any other up to 256, and
+ * or bf16, or fp8 e4m3 with a scale per row (kernels/kv.h layout; fp8 is read by the
+ * generic kernel). Head dims 64 and 128 take tuned kernels; any other up to 256, and
  * GQA groups above 8, a generic one (small test models). */
 #include "kernels/cuda/cuda_int.h"
 
@@ -368,6 +369,11 @@ template <> __device__ __forceinline__ float gen_ld<__nv_bfloat16>(const __nv_bf
 {
 	return __bfloat162float(*p);
 }
+/* e4m3 codes; their row's scale comes from the rows' kscale / vscale */
+template <> __device__ __forceinline__ float gen_ld<uint8_t>(const uint8_t *p)
+{
+	return mlens_e4m3_to_f32(*p);
+}
 
 /* Block-wide max or sum of v (every thread gets it); red holds 32 floats. */
 __device__ __forceinline__ float gen_reduce(float v, float *red, bool is_max)
@@ -390,14 +396,18 @@ struct gen_rows_contig {
 	size_t base, stride;	/* row of key 0; floats between rows */
 	__device__ const float *kr(int j) const { return k + (base + (size_t)j) * stride; }
 	__device__ const float *vr(int j) const { return v + (base + (size_t)j) * stride; }
+	__device__ float kscale(int) const { return 1.0f; }
+	__device__ float vscale(int) const { return 1.0f; }
 };
 
-/* Rows of key j: the paged cache of one layer and KV head. */
+/* Rows of key j: the paged cache of one layer and KV head; an E4M3 cache's
+ * row scales at ks, vs (kernels/kv.h), else NULL (scale 1: x * 1 is x). */
 template <typename T> struct gen_rows_paged {
 	const T *k, *v;
 	const uint32_t *bt;
 	size_t layer_blocks;	/* layer * n_blocks */
 	int n_kv, g, bs, hd;
+	const float *ks, *vs;
 	__device__ size_t at(int j) const
 	{
 		size_t b = layer_blocks + bt[j / bs];
@@ -405,6 +415,8 @@ template <typename T> struct gen_rows_paged {
 	}
 	__device__ const T *kr(int j) const { return k + at(j); }
 	__device__ const T *vr(int j) const { return v + at(j); }
+	__device__ float kscale(int j) const { return ks ? ks[at(j) / hd] : 1.0f; }
+	__device__ float vscale(int j) const { return vs ? vs[at(j) / hd] : 1.0f; }
 };
 
 /* out[0..hd) = softmax(q . K^T * scale) V over keys [0, n_keys). */
@@ -427,7 +439,7 @@ __device__ void gen_attend(float *out, const float *q, int hd, int n_keys, float
 			float acc = 0.0f;
 			for (int d = 0; d < hd; d++)
 				acc += qs[d] * gen_ld<T>(kp + d);
-			sc = acc * scale;
+			sc = acc * scale * rows.kscale(j);	/* the CPU's order */
 		}
 		const float mnew = fmaxf(m, gen_reduce(sc, red, true));	/* key c0 is valid */
 		const float p = j < n_keys ? expf(sc - mnew) : 0.0f;
@@ -437,7 +449,7 @@ __device__ void gen_attend(float *out, const float *q, int hd, int n_keys, float
 		if (tid < hd) {
 			o *= corr;
 			for (int jj = 0; jj < cn; jj++)
-				o += ps[jj] * gen_ld<T>(rows.vr(c0 + jj) + tid);
+				o += ps[jj] * rows.vscale(c0 + jj) * gen_ld<T>(rows.vr(c0 + jj) + tid);
 		}
 		m = mnew;
 		__syncthreads();	/* ps is rewritten by the next chunk */
@@ -464,12 +476,13 @@ gen_prefill_kernel(float *out, const float *q, const float *k, const float *v,
  * grid (n, n_heads). */
 template <typename T>
 __global__ void __launch_bounds__(GEN_THREADS)
-gen_decode_kernel(float *out, const float *q, const T *kc, const T *vc, const int32_t *ctx_len,
-		  const int32_t *bt_off, const uint32_t *bt, int layer, uint32_t n_blocks,
-		  int n_heads, int n_kv, int bs, int hd, float scale)
+gen_decode_kernel(float *out, const float *q, const T *kc, const T *vc, const float *ksc,
+		  const float *vsc, const int32_t *ctx_len, const int32_t *bt_off, const uint32_t *bt,
+		  int layer, uint32_t n_blocks, int n_heads, int n_kv, int bs, int hd, float scale)
 {
 	const int i = blockIdx.x, h = blockIdx.y, g = h / (n_heads / n_kv);
-	gen_rows_paged<T> pr = { kc, vc, bt + bt_off[i], (size_t)layer * n_blocks, n_kv, g, bs, hd };
+	gen_rows_paged<T> pr = { kc, vc, bt + bt_off[i], (size_t)layer * n_blocks, n_kv, g, bs, hd,
+				 ksc, vsc };
 	const size_t qo = ((size_t)i * n_heads + h) * hd;
 	gen_attend<T>(out + qo, q + qo, hd, ctx_len[i], scale, pr);
 }
@@ -650,6 +663,39 @@ __global__ void kv_append_bf16x2_kernel(__nv_bfloat162 *kc, __nv_bfloat162 *vc, 
 	}
 }
 
+/* fp8 caches: one warp a (token, KV head) row of K or V: the row's largest
+ * magnitude (the max is exact in any order, NaN ignored as the CPU ignores
+ * it), its scale, the codes, each through kernels/fp8.h, so that the bytes
+ * are those of the CPU append (the oracle). */
+__global__ void kv_append_e4m3_kernel(uint8_t *kc, uint8_t *vc, float *ksc, float *vsc,
+				      const float *k, const float *v, const int64_t *slots, int n,
+				      int layer, uint32_t n_blocks, int n_kv, int bs, int hd)
+{
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+	for (int i = blockIdx.x; i < n; i += gridDim.x) {
+		uint32_t block = (uint32_t)(slots[i] / bs);
+		int off = (int)(slots[i] % bs);
+		for (int r = warp; r < 2 * n_kv; r += n_warps) {
+			const int g = r >> 1, is_v = r & 1;
+			const float *src = (is_v ? v : k) + ((size_t)i * n_kv + g) * hd;
+			size_t row = (((size_t)layer * n_blocks + block) * n_kv + g) * bs + off;
+			uint8_t *dst = (is_v ? vc : kc) + row * hd;
+			float amax = 0.0f, sc;
+			for (int d = lane; d < hd; d += 32)
+				amax = mlens_e4m3_amax(amax, src[d]);
+			for (int o = 16; o; o >>= 1) {
+				float x = __shfl_xor_sync(0xffffffffu, amax, o);
+				amax = x > amax ? x : amax;
+			}
+			sc = mlens_e4m3_scale(amax);
+			for (int d = lane; d < hd; d += 32)
+				dst[d] = mlens_e4m3_quantize(src[d], sc);
+			if (!lane)
+				(is_v ? vsc : ksc)[row] = sc;
+		}
+	}
+}
+
 /* The append on stream st (its metadata through stager sg), in at most
  * max_grid blocks. */
 static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaStream_t st,
@@ -662,7 +708,8 @@ static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaSt
 	int rc, grid = n < max_grid ? n : max_grid;
 
 	if (n < 0 || layer < 0 || layer >= kv->n_layers || kv->block_size <= 0 ||
-	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16))
+	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16 &&
+	     kv->dtype != MLENS_DTYPE_E4M3))
 		return -EINVAL;
 	if (!n)
 		return 0;
@@ -679,7 +726,12 @@ static int kv_append_on(struct mlens_cuda_ctx *c, struct cuda_stager *sg, cudaSt
 	memcpy(h, slots, (size_t)n * 8);
 	if ((rc = mlens_cuda_stager_commit(c, sg, (size_t)n * 8)))
 		return rc;
-	if (kv->dtype == MLENS_DTYPE_F32)
+	if (kv->dtype == MLENS_DTYPE_E4M3)
+		kv_append_e4m3_kernel<<<grid, MLENS_CUDA_THREADS, 0, st>>>(
+			(uint8_t *)kd, (uint8_t *)vd, mlens_kv_scales(kv, kd), mlens_kv_scales(kv, vd),
+			k, v, (const int64_t *)d, n, layer, kv->n_blocks, kv->n_kv_heads,
+			kv->block_size, kv->head_dim);
+	else if (kv->dtype == MLENS_DTYPE_F32)
 		kv_append_kernel<float><<<grid, MLENS_CUDA_THREADS, 0, st>>>(
 			(float *)kd, (float *)vd, k, v, (const int64_t *)d, n, layer,
 			kv->n_blocks, kv->n_kv_heads, kv->block_size, kv->head_dim);
@@ -910,7 +962,8 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 
 	if (n < 0 || kv->n_kv_heads <= 0 || n_heads % kv->n_kv_heads || bs <= 0 ||
 	    layer < 0 || layer >= kv->n_layers ||
-	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16))
+	    (kv->dtype != MLENS_DTYPE_F32 && kv->dtype != MLENS_DTYPE_BF16 &&
+	     kv->dtype != MLENS_DTYPE_E4M3))
 		return -EINVAL;
 	group = n_heads / kv->n_kv_heads;
 	if (hd <= 0 || hd > GEN_MAX_HD) {
@@ -918,7 +971,8 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 			GEN_MAX_HD);
 		return -ENOTSUP;
 	}
-	tuned = group <= DEC_MAX_GROUP && (hd == 64 || hd == 128);
+	/* fp8 caches take the any-shape kernels (scales per row) */
+	tuned = group <= DEC_MAX_GROUP && (hd == 64 || hd == 128) && kv->dtype != MLENS_DTYPE_E4M3;
 	if (!n)
 		return 0;
 	for (int i = 0; i < n; i++) {
@@ -969,14 +1023,23 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 		if (kv->dtype == MLENS_DTYPE_F32)
 			gen_decode_kernel<float><<<dim3((unsigned)n, (unsigned)n_heads), GEN_THREADS, 0,
 						   c->stream>>>(
-				out, q, (const float *)kv->k, (const float *)kv->v, (const int32_t *)d,
-				(const int32_t *)(d + o_off), (const uint32_t *)(d + o_bt), layer,
-				kv->n_blocks, n_heads, kv->n_kv_heads, bs, hd, scale);
+				out, q, (const float *)kv->k, (const float *)kv->v, NULL, NULL,
+				(const int32_t *)d, (const int32_t *)(d + o_off),
+				(const uint32_t *)(d + o_bt), layer, kv->n_blocks, n_heads,
+				kv->n_kv_heads, bs, hd, scale);
+		else if (kv->dtype == MLENS_DTYPE_E4M3)
+			gen_decode_kernel<uint8_t><<<dim3((unsigned)n, (unsigned)n_heads), GEN_THREADS, 0,
+						     c->stream>>>(
+				out, q, (const uint8_t *)kv->k, (const uint8_t *)kv->v,
+				mlens_kv_scales(kv, kv->k), mlens_kv_scales(kv, kv->v),
+				(const int32_t *)d, (const int32_t *)(d + o_off),
+				(const uint32_t *)(d + o_bt), layer, kv->n_blocks, n_heads,
+				kv->n_kv_heads, bs, hd, scale);
 		else
 			gen_decode_kernel<__nv_bfloat16><<<dim3((unsigned)n, (unsigned)n_heads),
 							   GEN_THREADS, 0, c->stream>>>(
 				out, q, (const __nv_bfloat16 *)kv->k, (const __nv_bfloat16 *)kv->v,
-				(const int32_t *)d, (const int32_t *)(d + o_off),
+				NULL, NULL, (const int32_t *)d, (const int32_t *)(d + o_off),
 				(const uint32_t *)(d + o_bt), layer, kv->n_blocks, n_heads,
 				kv->n_kv_heads, bs, hd, scale);
 		CUDA_LAUNCHED();
