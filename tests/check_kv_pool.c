@@ -20,7 +20,7 @@ static struct mlens_kv_cache small_layout(uint32_t blocks)
 }
 
 /* The one KV layout rule: F32 for an F32 model, else BF16; a dtype asked
- * for is kept, F16 refused by name; 16 tokens a block and eight full
+ * for is kept (E4M3 with its scales counted), F16 refused by name; 16 tokens a block and eight full
  * contexts of blocks by default; a token's bytes over all layers. */
 START_TEST(kv_layout_rule)
 {
@@ -50,7 +50,15 @@ START_TEST(kv_layout_rule)
 	ck_assert_int_eq(mlens_kv_layout(&l, &c, MLENS_DTYPE_BF16, 0, 1, err, sizeof(err)), 0);
 	ck_assert_int_eq(l.dtype, MLENS_DTYPE_BF16);
 	ck_assert_int_eq(mlens_kv_layout(&l, &c, MLENS_DTYPE_F16, 0, 1, err, sizeof(err)), -EINVAL);
-	ck_assert_str_eq(err, "KV cache dtype F16 is not supported (use F32 or BF16)");
+	ck_assert_str_eq(err, "KV cache dtype F16 is not supported (use F32, BF16 or FP8)");
+	/* fp8: a byte a value and a 4-byte scale a row, the scales after the
+	 * codes (64-byte aligned) in the same buffer */
+	ck_assert_int_eq(mlens_kv_layout(&l, &c, MLENS_DTYPE_E4M3, 4, 5, err, sizeof(err)), 0);
+	ck_assert_int_eq(l.dtype, MLENS_DTYPE_E4M3);
+	ck_assert_uint_eq(mlens_kv_token_bytes(&l), 3 * 2 * (8 + 4));
+	ck_assert_uint_eq(mlens_kv_code_bytes(&l), 3 * 5 * 2 * 4 * 8);
+	ck_assert_uint_eq(mlens_kv_scales_offset(&l), 960);
+	ck_assert_uint_eq(mlens_kv_bytes(&l), 960 + 3 * 5 * 2 * 4 * 4);
 }
 END_TEST
 

@@ -24,6 +24,10 @@ TESTS += tests/integration/generate.sh
 dist_check_SCRIPTS += tests/integration/generate_text.sh
 TESTS += tests/integration/generate_text.sh
 
+# kv_dtype = fp8 through a real mlensd: capacity, status, sane generation.
+dist_check_SCRIPTS += tests/integration/kv_fp8.sh
+TESTS += tests/integration/kv_fp8.sh
+
 # Each public header compiles alone (as libqb checks): a .c file holding
 # only its #include, compiled as C99 and as C++.
 dist_check_SCRIPTS += tests/headers_alone.sh
