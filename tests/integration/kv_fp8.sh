@@ -54,6 +54,19 @@ set -- $same
 [ "$1" -ge 20 ] || fail "fp8 KV: only $1 of 24 first tokens agree with bf16 KV ($2 whole sequences)"
 echo "ok: fp8 KV holds $fp8_tokens tokens against bf16's $bf16_tokens; $1/24 first tokens and $2/24 sequences agree with bf16"
 
+# the accuracy tool on the same model: its control (bf16 against bf16) is
+# exact, and fp8 agrees on most greedy tokens with a small logprob shift
+kvc() { "$B/daemon/mlens-kvcompare" --model "$tmp/m" --prompts 16 --prompt-len 12 --gen 6 --threads 1 --json "$tmp/kvc.json" "$@" >/dev/null || fail "mlens-kvcompare $*"; }
+jnum() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$tmp/kvc.json" "$1"; }
+kvc --test bf16
+[ "$(jnum greedy_agreement_tokens)" = 1.0 ] && [ "$(jnum max_abs_logprob_diff)" = 0.0 ] ||
+	fail "kvcompare control: $(cat "$tmp/kvc.json")"
+kvc --test fp8
+python3 -c 'import json,sys; r = json.load(open(sys.argv[1]))
+assert r["test"] == "F8_E4M3" and r["greedy_agreement_tokens"] >= 0.8 and 0 < r["mean_abs_logprob_diff"] < 0.05, r' "$tmp/kvc.json" ||
+	fail "kvcompare fp8: $(cat "$tmp/kvc.json")"
+echo "ok: mlens-kvcompare: control exact; fp8 agreement $(jnum greedy_agreement_tokens), mean |dlogprob| $(jnum mean_abs_logprob_diff)"
+
 # the auto rule keeps fp32 for an fp32 model
 "$B/daemon/mlens-mkmodel" -o "$tmp/m32" --preset tiny --dtype fp32 --seed 11 >/dev/null || fail "mlens-mkmodel fp32"
 serve "$tmp/m32" ""
