@@ -12,8 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include "daemon/exec/engine.h"
+#include "daemon/tools/toolopt.h"
+#include "daemon/serve/worker.h"
 
 struct kvc_opts {
 	const char *dir, *backend, *json, *prompt_file;
@@ -40,13 +41,6 @@ struct kvc_run {
 	uint32_t blocks;
 };
 
-static double now(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: mlens-kvcompare --model DIR [--backend cpu|cuda|auto] [--prompts N]\n"
@@ -62,16 +56,7 @@ static void usage(FILE *f)
 
 static long parse_num(const char *opt, const char *s, long lo, long hi)
 {
-	char *end;
-	long v;
-	errno = 0;
-	v = strtol(s, &end, 10);
-	if (errno || *end || v < lo || v > hi) {
-		fprintf(stderr, "mlens-kvcompare: %s wants an integer in [%ld, %ld], got '%s'\n", opt,
-			lo, hi, s);
-		exit(2);
-	}
-	return v;
+	return mlens_tool_num("mlens-kvcompare", opt, s, lo, hi);
 }
 
 /* A KV dtype named on the command line. */
@@ -208,7 +193,7 @@ static int run(const struct mlens_model *m, struct mlens_backend *be, int kv_dty
 	}
 	r->token_bytes = 2 * mlens_kv_token_bytes(&mlens_engine_kv(e)->cache);
 	r->blocks = mlens_engine_kv(e)->cache.n_blocks;
-	t0 = now();
+	t0 = mlens_now();
 	for (long a = 0; a < p->n; a += B) {
 		long nb = p->n - a < B ? p->n - a : B;
 		for (long s = 0; s < G; s++) {
@@ -239,7 +224,7 @@ static int run(const struct mlens_model *m, struct mlens_backend *be, int kv_dty
 		for (long i = 0; i < nb; i++)
 			mlens_seq_release(mlens_engine_kv(e), &seqs[i]);
 	}
-	r->seconds = now() - t0;
+	r->seconds = mlens_now() - t0;
 	rc = 0;
 out:
 	if (e) {

@@ -13,11 +13,11 @@ daemon_mlens_mkmodel_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core
 dist_man_MANS += man/mlens-mkmodel.1
 
 noinst_PROGRAMS += daemon/mlens-local
-daemon_mlens_local_SOURCES = daemon/tools/local_main.c
+daemon_mlens_local_SOURCES = daemon/tools/local_main.c daemon/tools/toolopt.h
 daemon_mlens_local_LDADD = daemon/libmlens_core.la
 
 # mlens-kvcompare: the fp8 KV cache's accuracy against bf16 (or fp32) on
 # one model, in-process: greedy agreement and log-probability differences.
 noinst_PROGRAMS += daemon/mlens-kvcompare
-daemon_mlens_kvcompare_SOURCES = daemon/tools/kvcompare.c
+daemon_mlens_kvcompare_SOURCES = daemon/tools/kvcompare.c daemon/tools/toolopt.h
 daemon_mlens_kvcompare_LDADD = daemon/libmlens_core.la -lm

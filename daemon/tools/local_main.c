@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 #include "daemon/exec/engine.h"
+#include "daemon/tools/toolopt.h"
 
 static double now(void)
 {
@@ -26,15 +27,7 @@ static void usage(FILE *f)
 
 static long parse_num(const char *opt, const char *s, long lo, long hi)
 {
-	char *end;
-	long v;
-	errno = 0;
-	v = strtol(s, &end, 10);
-	if (errno || *end || v < lo || v > hi) {
-		fprintf(stderr, "mlens-local: %s wants an integer in [%ld, %ld], got '%s'\n", opt, lo, hi, s);
-		exit(2);
-	}
-	return v;
+	return mlens_tool_num("mlens-local", opt, s, lo, hi);
 }
 
 int main(int argc, char **argv)

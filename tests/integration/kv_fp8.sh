@@ -5,15 +5,18 @@
 # + 4 bytes a row against 2 x head_dim), greedy generation gives whole
 # results of valid tokens that mostly agree with the bf16 cache's; the
 # fp32 model's auto rule stays fp32; a bad value is refused, naming the key.
+# MLENS_KVFP8_BACKEND=cuda runs the same checks on the GPU (GPU-only mode:
+# the CUDA append and decode on the fp8 pool).
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
 mlens="$B/client/mlens"
+be=${MLENS_KVFP8_BACKEND:-cpu}
 
 # field of status's budgets.kv_cache
 kvfield() { ctl --json status | python3 -c 'import json,sys; print(json.load(sys.stdin)["budgets"]["kv_cache"][sys.argv[1]])' "$1"; }
 serve() {
-	start_mlensd --model "$1" --kv-cache 8M --mlock=false --threads 1 --backend cpu $2
+	start_mlensd --model "$1" --kv-cache 8M --mlock=false --threads 1 --backend "$be" $2
 }
 stop() { kill "$pid" && wait "$pid"; pid=; }
 # greedy tokens of 24 prompts, one line of ids per prompt, into $1
@@ -56,7 +59,7 @@ echo "ok: fp8 KV holds $fp8_tokens tokens against bf16's $bf16_tokens; $1/24 fir
 
 # the accuracy tool on the same model: its control (bf16 against bf16) is
 # exact, and fp8 agrees on most greedy tokens with a small logprob shift
-kvc() { "$B/daemon/mlens-kvcompare" --model "$tmp/m" --prompts 16 --prompt-len 12 --gen 6 --threads 1 --json "$tmp/kvc.json" "$@" >/dev/null || fail "mlens-kvcompare $*"; }
+kvc() { "$B/daemon/mlens-kvcompare" --model "$tmp/m" --prompts 16 --prompt-len 12 --gen 6 --threads 1 --backend "$be" --json "$tmp/kvc.json" "$@" >/dev/null || fail "mlens-kvcompare $*"; }
 jnum() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$tmp/kvc.json" "$1"; }
 kvc --test bf16
 [ "$(jnum greedy_agreement_tokens)" = 1.0 ] && [ "$(jnum max_abs_logprob_diff)" = 0.0 ] ||
