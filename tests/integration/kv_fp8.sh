@@ -6,7 +6,8 @@
 # results of valid tokens that mostly agree with the bf16 cache's; the
 # fp32 model's auto rule stays fp32; a bad value is refused, naming the key.
 # MLENS_KVFP8_BACKEND=cuda runs the same checks on the GPU (GPU-only mode:
-# the CUDA append and decode on the fp8 pool).
+# the CUDA append and decode on the fp8 pool); MLENS_KVFP8_ARGS adds mlensd
+# flags (a small --gpu-memory for hybrid mode).
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
@@ -16,7 +17,7 @@ be=${MLENS_KVFP8_BACKEND:-cpu}
 # field of status's budgets.kv_cache
 kvfield() { ctl --json status | python3 -c 'import json,sys; print(json.load(sys.stdin)["budgets"]["kv_cache"][sys.argv[1]])' "$1"; }
 serve() {
-	start_mlensd --model "$1" --kv-cache 8M --mlock=false --threads 1 --backend "$be" $2
+	start_mlensd --model "$1" --kv-cache 8M --mlock=false --threads 1 --backend "$be" ${MLENS_KVFP8_ARGS:-} $2
 }
 stop() { kill "$pid" && wait "$pid"; pid=; }
 # greedy tokens of 24 prompts, one line of ids per prompt, into $1
