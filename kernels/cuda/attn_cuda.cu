@@ -3,12 +3,13 @@
  * memory, and split-context decode attention over that cache with a
  * combine pass. fp32 math throughout, except prefill on tensor cores
  * (opts prefill_bf16: bf16 products, fp32 softmax and sums); KV stored f32
- * or bf16, or fp8 e4m3 with a scale per row (kernels/kv.h layout; fp8 is read by the
- * generic kernel). Head dims 64 and 128 take tuned kernels; any other up to 256, and
+ * or bf16, or fp8 e4m3 with a scale per row (kernels/kv.h layout). Head dims 64 and
+ * 128 take tuned kernels; any other up to 256, and
  * GQA groups above 8, a generic one (small test models). */
 #include "kernels/cuda/cuda_int.h"
 
 #include <math.h>
+#include <type_traits>
 #include <cuda_bf16.h>
 
 #define ATTN_WARPS 4
@@ -617,6 +618,24 @@ template <> struct kv_vec<__nv_bfloat16> {
 		return __bfloat1622float2(*(const __nv_bfloat162 *)p);
 	}
 };
+/* e4m3 codes (16 a load), before their row's scale */
+template <> struct kv_vec<uint8_t> {
+	static constexpr int N = 16;
+	static __device__ __forceinline__ void load(const uint8_t *p, float *out)
+	{
+		uint4 v = *(const uint4 *)p;
+		const uint8_t *b = (const uint8_t *)&v;
+#pragma unroll
+		for (int i = 0; i < 16; i++)
+			out[i] = mlens_e4m3_to_f32(b[i]);
+	}
+	static __device__ __forceinline__ float2 load2(const uint8_t *p)
+	{
+		unsigned v = *(const uint16_t *)p;
+		return make_float2(mlens_e4m3_to_f32((uint8_t)(v & 0xff)),
+				   mlens_e4m3_to_f32((uint8_t)(v >> 8)));
+	}
+};
 
 /* Token i of n at slots[i]; a block takes tokens blockIdx.x, + gridDim.x,
  * ... (one token a block on the compute stream, a grid-stride loop in the
@@ -784,13 +803,18 @@ struct dec_meta {
  * row), then the warp folds the tile into its running softmax, each lane
  * owning the output dims 64p + 2*lane + {0,1} (V rows read as pairs,
  * coalesced). Warps merge in shared memory; the block writes an
- * unnormalised partial (max, sum, output) for the combine kernel. */
+ * unnormalised partial (max, sum, output) for the combine kernel. An fp8
+ * cache's row scales (ksc, vsc; unused otherwise) apply as on the CPU: a
+ * key's score times its K scale, its softmax weight times its V scale for
+ * the output (not for the sum). */
 template <int HD, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS)
-decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_meta meta,
-	      int layer, uint32_t n_blocks, int n_kv, int bs, int group, float scale)
+decode_kernel(float *part, const float *q, const T *kc, const T *vc, const float *ksc,
+	      const float *vsc, struct dec_meta meta, int layer, uint32_t n_blocks, int n_kv,
+	      int bs, int group, float scale)
 {
 	constexpr int DPL = HD / 32, VEC = kv_vec<T>::N;
+	constexpr bool F8 = std::is_same<T, uint8_t>::value;
 	__shared__ __align__(16) float Qs[DEC_MAX_GROUP][HD];
 	__shared__ float Ms[ATTN_WARPS][DEC_MAX_GROUP], Ls[ATTN_WARPS][DEC_MAX_GROUP];
 	__shared__ float Os[ATTN_WARPS][DEC_MAX_GROUP][HD];
@@ -829,7 +853,11 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 			row = (((size_t)layer * n_blocks + blk) * n_kv + g) * head_stride +
 			      (size_t)(key % bs) * HD;
 		}
-		float s[DEC_MAX_GROUP];
+		float s[DEC_MAX_GROUP], ks = 1.0f, vs = 1.0f;	/* this lane's key's scales */
+		if (F8 && valid) {
+			ks = ksc[row / HD];
+			vs = vsc[row / HD];
+		}
 #pragma unroll
 		for (int hh = 0; hh < DEC_MAX_GROUP; hh++)
 			s[hh] = 0.0f;
@@ -858,12 +886,14 @@ decode_kernel(float *part, const float *q, const T *kc, const T *vc, struct dec_
 		for (int hh = 0; hh < DEC_MAX_GROUP; hh++) {
 			if (hh >= group)
 				break;
-			float sc = valid ? s[hh] * scale : -INFINITY;
+			float sc = valid ? (F8 ? s[hh] * scale * ks : s[hh] * scale) : -INFINITY;
 			float mnew = fmaxf(m[hh], warp_max(sc));	/* lane 0's key is valid */
 			p[hh] = valid ? expf(sc - mnew) : 0.0f;
 			float corr = expf(m[hh] - mnew);
 			l[hh] = l[hh] * corr + warp_sum(p[hh]);
 			m[hh] = mnew;
+			if (F8)
+				p[hh] *= vs;	/* the weight of its V row; l took p alone */
 #pragma unroll
 			for (int j = 0; j < DPL; j++)
 				o[hh][j] *= corr;
@@ -971,8 +1001,7 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 			GEN_MAX_HD);
 		return -ENOTSUP;
 	}
-	/* fp8 caches take the any-shape kernels (scales per row) */
-	tuned = group <= DEC_MAX_GROUP && (hd == 64 || hd == 128) && kv->dtype != MLENS_DTYPE_E4M3;
+	tuned = group <= DEC_MAX_GROUP && (hd == 64 || hd == 128);
 	if (!n)
 		return 0;
 	for (int i = 0; i < n; i++) {
@@ -1063,9 +1092,17 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 		float *pf = (float *)part;
 #define DEC_LAUNCH(HD, T)                                                                  \
 	decode_kernel<HD, T><<<grid, ATTN_THREADS, 0, c->stream>>>(                        \
-		pf, qa, (const T *)kv->k, (const T *)kv->v, meta, layer, kv->n_blocks,     \
-		kv->n_kv_heads, bs, group, scale)
-		if (kv->dtype == MLENS_DTYPE_F32) {
+		pf, qa, (const T *)kv->k, (const T *)kv->v, ksc, vsc, meta, layer,         \
+		kv->n_blocks, kv->n_kv_heads, bs, group, scale)
+		const bool f8 = kv->dtype == MLENS_DTYPE_E4M3;
+		const float *ksc = f8 ? mlens_kv_scales(kv, kv->k) : NULL;
+		const float *vsc = f8 ? mlens_kv_scales(kv, kv->v) : NULL;
+		if (f8) {
+			if (hd == 64)
+				DEC_LAUNCH(64, uint8_t);
+			else
+				DEC_LAUNCH(128, uint8_t);
+		} else if (kv->dtype == MLENS_DTYPE_F32) {
 			if (hd == 64)
 				DEC_LAUNCH(64, float);
 			else
