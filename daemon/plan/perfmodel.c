@@ -94,6 +94,8 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 		return -EOVERFLOW;
 	if (!mul3(2, kvd, (uint64_t)pm->kvbytes, &pm->kv_token_bytes))
 		return -EOVERFLOW;
+	if (kv_dtype == MLENS_DTYPE_E4M3)	/* a scale a row of K and of V */
+		pm->kv_token_bytes += 2 * (uint64_t)c->num_key_value_heads * sizeof(float);
 	/* activations of one token, checked here so that act_bytes only
 	 * saturates on absurd token counts */
 	if (!mul3(2, qd + kvd, 4, &u) || !mul3(2, H + I, 4, &u))
