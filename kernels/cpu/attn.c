@@ -44,7 +44,8 @@ static bool cpu_has(int i)
 	case 0:
 		return true;
 	case 1:
-		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+		       __builtin_cpu_supports("f16c");
 	case 2:
 		return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
 		       __builtin_cpu_supports("avx512vl");

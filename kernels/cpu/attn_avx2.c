@@ -1,5 +1,6 @@
 /* AVX2 + FMA decode attention and f32 -> bf16 conversion; this file alone
- * is built with -mavx2 -mfma and is only called after CPUID said yes. */
+ * is built with -mavx2 -mfma -mf16c and is only called after CPUID said
+ * yes. */
 #include <immintrin.h>
 #include "kernels/cpu/attn_int.h"
 
@@ -23,11 +24,8 @@ typedef __m256 vec;
 	(e) = _mm256_castsi256_ps(_mm256_slli_epi32(x_, 16)); \
 	(o) = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xffff0000u))); \
 } while (0)
-#define VLOAD_E4M3X2(p, e, o) do { \
-	__m128i b_ = _mm_loadu_si128((const __m128i *)(const void *)(p)); \
-	(e) = e4m3_avx2(b_); \
-	(o) = e4m3_avx2(_mm_srli_si128(b_, 8)); \
-} while (0)
+#define VLOAD_E4M3X2(p, e, o) \
+	e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(const void *)(p)), &(e), &(o))
 #define VHSUM4(a, b, c, d, s) hsum4_avx2((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od:
  * per 128-bit lane pick, then put the 64-bit pairs in order */
@@ -89,23 +87,20 @@ static inline __m256 exp_avx2(__m256 x)
 	return _mm256_andnot_ps(tiny, y);
 }
 
-/* The 8 e4m3 codes in b's low bytes as fp32, exactly mlens_e4m3_to_f32
- * (any NaN for the NaN codes): the code's exponent and mantissa moved into
- * place and rebiased by an integer add; a subnormal (exponent 0) is
- * 2^-6 * (1 + m/8) - 2^-6, exact, so no fp32 subnormal is ever touched. */
-static inline __m256 e4m3_avx2(__m128i b)
+/* The 16 e4m3 codes at b as fp32 times 2^-8, exactly: a code's bits in
+ * an fp16 (sign to bit 15, exponent and mantissa to bits 13..7) are its
+ * value times 2^-8, subnormals included, and F16C widens that to fp32.
+ * Sign-extended to 16 bits and shifted by 7, the code's sign lands on bits
+ * 15 and 14; the mask clears 14. The NaN codes become an fp16 NaN. */
+static inline void e4m3x16_avx2(__m128i b, __m256 *e, __m256 *o)
 {
-	__m256i x = _mm256_cvtepu8_epi32(b);
-	__m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-	__m256i em = _mm256_slli_epi32(mag, 20);
-	__m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(em, _mm256_set1_epi32(120 << 23)));
-	__m256 sub = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(em, _mm256_set1_epi32(121 << 23))),
-				   _mm256_set1_ps(0x1p-6f));
-	__m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
-	__m256i nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
-	__m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-	__m256 v = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(is_sub));
-	return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_or_si256(nan, sign)));
+	__m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+				     _mm256_set1_epi16((short)0xbf80));
+	__m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
+	__m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x3f80));
+	h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7fff)));
+	*e = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+	*o = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
 /* s[0..3] = the sums of a, b, c, d (transpose-and-add tree) */

@@ -24,11 +24,8 @@ typedef __m512 vec;
 	(e) = _mm512_castsi512_ps(_mm512_slli_epi32(x_, 16)); \
 	(o) = _mm512_castsi512_ps(_mm512_and_si512(x_, _mm512_set1_epi32((int)0xffff0000u))); \
 } while (0)
-#define VLOAD_E4M3X2(p, e, o) do { \
-	__m256i b_ = _mm256_loadu_si256((const __m256i *)(const void *)(p)); \
-	(e) = e4m3_avx512(_mm256_castsi256_si128(b_)); \
-	(o) = e4m3_avx512(_mm256_extracti128_si256(b_, 1)); \
-} while (0)
+#define VLOAD_E4M3X2(p, e, o) \
+	e4m3x32_avx512(_mm256_loadu_si256((const __m256i *)(const void *)(p)), &(e), &(o))
 #define VHSUM4(a, b, c, d, s) hsum4_avx512((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od */
 #define VDEINT(a, b, ev, od) do { \
@@ -51,20 +48,17 @@ typedef __m512 vec;
 #define PV_CP 2
 #define VEXP(x) exp_avx512(x)
 
-/* The 16 e4m3 codes in b as fp32, as e4m3_avx2 in attn_avx2.c does it. */
-static inline __m512 e4m3_avx512(__m128i b)
+/* The 32 e4m3 codes at b as fp32 times 2^-8, as e4m3x16_avx2 in
+ * attn_avx2.c does it. */
+static inline void e4m3x32_avx512(__m256i b, __m512 *e, __m512 *o)
 {
-	__m512i x = _mm512_cvtepu8_epi32(b);
-	__m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-	__m512i em = _mm512_slli_epi32(mag, 20);
-	__m512 v = _mm512_castsi512_ps(_mm512_add_epi32(em, _mm512_set1_epi32(120 << 23)));
-	__mmask16 sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
-	__mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
-	__m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-	v = _mm512_mask_sub_ps(v, sub, _mm512_castsi512_ps(_mm512_add_epi32(em, _mm512_set1_epi32(121 << 23))),
-			       _mm512_set1_ps(0x1p-6f));
-	return _mm512_castsi512_ps(_mm512_or_si512(_mm512_mask_mov_epi32(_mm512_castps_si512(v), nan,
-									 _mm512_set1_epi32(-1)), sign));
+	__m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+				     _mm512_set1_epi16((short)0xbf80));
+	__mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, _mm512_set1_epi16(0x3f80)),
+						_mm512_set1_epi16(0x3f80));
+	h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7fff));
+	*e = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+	*o = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
 /* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts and

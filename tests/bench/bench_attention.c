@@ -37,6 +37,7 @@ struct opts {
 	/* the output: fp32 (0), or bf16 as the hybrid pipeline uploads it,
 	 * rounded by a second pool run (1) or in the attention's own (2) */
 	int output;
+	bool fp8;	/* an fp8 (e4m3) cache instead of bf16 */
 };
 
 static const char *const output_names[] = { "fp32", "round", "fused" };
@@ -113,11 +114,12 @@ static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *
 		b->qs[i].ctx_len = o->min_ctx + (int)(rnd() % (uint32_t)span);
 		b->qs[i].n_blocks = (b->qs[i].ctx_len + o->block - 1) / o->block;
 		total += (uint64_t)b->qs[i].n_blocks;
-		b->kv_bytes += 2.0 * b->qs[i].ctx_len * o->kv_heads * hd * 2;
+		/* fp8: a byte a value and a 4-byte scale a row */
+		b->kv_bytes += 2.0 * b->qs[i].ctx_len * o->kv_heads * (o->fp8 ? hd + 4 : hd * 2);
 	}
 	if (total > UINT32_MAX)
 		return -EOVERFLOW;
-	b->kv = (struct mlens_kv_cache){ MLENS_DTYPE_BF16, 1, o->kv_heads, hd, o->block,
+	b->kv = (struct mlens_kv_cache){ o->fp8 ? MLENS_DTYPE_E4M3 : MLENS_DTYPE_BF16, 1, o->kv_heads, hd, o->block,
 					 (uint32_t)total, NULL, NULL };
 	b->tables = malloc(total * sizeof(*b->tables));
 	b->kv.k = mlens_readbw_alloc(mlens_kv_bytes(&b->kv));
@@ -155,8 +157,18 @@ static int batch_make(struct batch *b, const struct opts *o, struct mlens_pool *
 	}
 	for (size_t e = 0; e < (size_t)b->n * o->heads * hd; e++)
 		b->q[e] = (float)(rnd() % 2001) / 1000.0f - 1.0f;
-	fj = (struct fill_job){ b->kv.k, b->kv.v, mlens_kv_bytes(&b->kv) / 2 };
+	fj = (struct fill_job){ b->kv.k, b->kv.v, mlens_kv_code_bytes(&b->kv) / 2 };
 	mlens_pool_run(pool, (int)((fj.elems + FILL_SLICE - 1) / FILL_SLICE), fill_task, &fj);
+	if (o->fp8) {	/* the bf16 patterns' bytes as codes, no NaN; scales 1/448 */
+		uint8_t *k = b->kv.k, *v = b->kv.v;
+		for (size_t e = 0; e < mlens_kv_code_bytes(&b->kv); e++) {
+			k[e] = (k[e] & 0x7f) == 0x7f ? k[e] ^ 1 : k[e];
+			v[e] = (v[e] & 0x7f) == 0x7f ? v[e] ^ 1 : v[e];
+		}
+		for (size_t r = 0; r < mlens_kv_rows(&b->kv); r++)
+			mlens_kv_scales(&b->kv, b->kv.k)[r] = mlens_kv_scales(&b->kv, b->kv.v)[r] =
+				1.0f / MLENS_E4M3_MAX;
+	}
 	return 0;
 }
 
@@ -287,8 +299,8 @@ static void usage(FILE *f)
 		"         [--prefetch-bytes B] [--prefetch-spread 0|1]\n"
 		"         [--prefetch-hint t0|t1|t2|nta] [--prefetch-every LINES]\n"
 		"         [--chunk TOKENS] [--heads-per-task N] [--output fp32|round|fused]\n"
-		"         [--block-runs N]\n"
-		"Decode attention over a one-layer bf16 paged KV cache: KV bytes read\n"
+		"         [--block-runs N] [--kv-dtype bf16|fp8]\n"
+		"Decode attention over a one-layer bf16 (or fp8) paged KV cache: KV bytes read\n"
 		"per second for each kernel variant and thread count, next to the\n"
 		"streaming read bandwidth measured in the same run. --output round and\n"
 		"fused time a bf16 output as well (a second pool run, or the attention's).\n");
@@ -318,6 +330,7 @@ static int parse(struct opts *o, int argc, char **argv)
 		{ "heads-per-task", required_argument, NULL, 'G' },
 		{ "output", required_argument, NULL, 'O' },
 		{ "block-runs", required_argument, NULL, 'U' },
+		{ "kv-dtype", required_argument, NULL, 'X' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -368,6 +381,14 @@ static int parse(struct opts *o, int argc, char **argv)
 		case 'C': o->chunk = atoi(optarg); break;
 		case 'G': o->heads_per_task = atoi(optarg); break;
 		case 'U': o->block_runs = atoi(optarg); break;
+		case 'X':
+			if (strcmp(optarg, "bf16") && strcmp(optarg, "fp8")) {
+				fprintf(stderr, "mlens-bench attention: --kv-dtype wants bf16 or fp8, got '%s'\n",
+					optarg);
+				return -EINVAL;
+			}
+			o->fp8 = !strcmp(optarg, "fp8");
+			break;
 		case 'O':
 			o->output = -1;
 			for (int i = 0; i < 3; i++)
@@ -513,13 +534,13 @@ int mlens_bench_attention(int argc, char **argv)
 			printf("%s{\"threads\": %d, \"gbs\": %.2f}", t ? ", " : "", o.threads[t],
 			       bw_by_t[t]);
 		printf("],\n \"config\": {\"seqs\": %d, \"min_ctx\": %d, \"max_ctx\": %d, \"heads\": %d, "
-		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"bf16\", "
+		       "\"kv_heads\": %d, \"head_dim\": %d, \"block\": %d, \"dtype\": \"%s\", "
 		       "\"kv_bytes_per_pass\": %.0f, \"chunk_tokens\": %d, \"prefetch_tiles\": %d, "
 		       "\"prefetch_bytes\": %d, \"prefetch_spread\": %d, \"prefetch_hint\": %d, "
 		       "\"prefetch_every\": %d, \"heads_per_task\": %d, \"output\": \"%s\", \"block_runs\": %d},\n"
 		       " \"results\": [",
 		       o.seqs, o.min_ctx, o.max_ctx, o.heads, o.kv_heads, o.head_dim, o.block,
-		       b.kv_bytes, mlens_attn_tune.chunk_tokens, mlens_attn_tune.prefetch_tiles,
+		       o.fp8 ? "fp8" : "bf16", b.kv_bytes, mlens_attn_tune.chunk_tokens, mlens_attn_tune.prefetch_tiles,
 		       mlens_attn_tune.prefetch_bytes, mlens_attn_tune.prefetch_spread,
 		       mlens_attn_tune.prefetch_hint, mlens_attn_tune.prefetch_every,
 		       mlens_attn_tune.heads_per_task, output_names[o.output], o.block_runs);
