@@ -57,7 +57,9 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */
-	mlens_kv_layout(&kv_layout, c, -1, 0, 1, NULL, 0);	/* the auto dtype: cannot fail */
+	/* fp8 has the fewest bytes a token: the most tokens kv_bytes holds,
+	 * whichever dtype the pool has */
+	mlens_kv_layout(&kv_layout, c, MLENS_DTYPE_E4M3, 0, 1, NULL, 0);
 	kv_tok_bytes = 2 * (uint64_t)mlens_kv_token_bytes(&kv_layout);
 	kv_tokens = kv_tok_bytes ? kv_bytes / kv_tok_bytes : 0;
 	ctx = (uint64_t)c->max_position_embeddings;
