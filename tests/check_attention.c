@@ -394,6 +394,8 @@ static void check_row(const struct mlens_kv_cache *kv, const void *base, size_t 
 	for (int d = 0; d < hd; d++) {
 		/* 3 mantissa bits: half an ulp is 1/16 of the value, or half
 		 * the subnormal step */
+		if (isnan(src[d]))
+			continue;
 		float err = fabsf(mlens_e4m3_to_f32(want[d]) * sc - src[d]);
 		ck_assert(err <= fabsf(src[d]) / 16 + sc * 0x1p-10f * 1.0001f);
 	}
@@ -402,7 +404,9 @@ static void check_row(const struct mlens_kv_cache *kv, const void *base, size_t 
 /* bf16 and fp8 (e4m3) appends: by the caller alone and over a pool, every
  * row as check_row wants it; layer 0 untouched, a bad slot writes nothing.
  * bf16 gets any bit pattern and the rounding specials; fp8 rows of very
- * different magnitudes and an all-zero row. */
+ * different magnitudes, rows reaching e4m3's subnormals, an all-zero row,
+ * a row of ties between codes and a NaN (the vector quantizers must match
+ * the scalar one there too). */
 START_TEST(test_append_exact)
 {
 	const char *name = variant_names[_i];
@@ -435,9 +439,18 @@ START_TEST(test_append_exact)
 				memcpy(&k[e], &u, 4);
 				v[e] = e % 5 == 0 ? special((int)(e / 5)) : rndf(-100.0f, 100.0f);
 			} else {
-				float mag = ldexpf(1.0f, (int)(e / hd % 24) - 12);
-				k[e] = e / hd == 3 ? 0.0f : rndf(-mag, mag);
+				size_t r = e / (size_t)hd, d = e % (size_t)hd;
+				float mag = ldexpf(1.0f, (int)(r % 24) - 12);
+				k[e] = r == 3 ? 0.0f : rndf(-mag, mag);
+				if (r % 4 == 0)	/* down to e4m3's subnormals and below */
+					k[e] *= ldexpf(1.0f, -(int)(rnd() % 24));
 				v[e] = rndf(-100.0f, 100.0f);
+				if (r == 5)	/* scale 1: 448, then ties between codes */
+					v[e] = d ? (mlens_e4m3_to_f32((uint8_t)(d - 1)) +
+						    mlens_e4m3_to_f32((uint8_t)d)) / (d % 2 ? 2 : -2)
+						 : 448.0f;
+				if (r == 6 && d == 7)
+					v[e] = NAN;	/* not in the amax; code 0x7f */
 			}
 		}
 		for (int i = 0; i < n; i++)

@@ -24,13 +24,14 @@ struct attn_variant {
 	const char *name;
 	mlens_attn_span_fn span;	/* NULL: the scalar reference */
 	mlens_bf16_cvt_fn cvt;		/* NULL: mlens_f32_to_bf16 per element */
+	mlens_e4m3_row_fn e4m3_row;	/* NULL: mlens_e4m3_quantize_row */
 	int width;			/* head_dim must be a multiple (2 vectors) */
 };
 
 static const struct attn_variant variants[] = {
-	{ "scalar", NULL, NULL, 1 },
-	{ "avx2", mlens_attn_span_avx2, mlens_bf16_cvt_avx2, 16 },
-	{ "avx512", mlens_attn_span_avx512, mlens_bf16_cvt_avx512, 32 },
+	{ "scalar", NULL, NULL, NULL, 1 },
+	{ "avx2", mlens_attn_span_avx2, mlens_bf16_cvt_avx2, mlens_e4m3_row_avx2, 16 },
+	{ "avx512", mlens_attn_span_avx512, mlens_bf16_cvt_avx512, mlens_e4m3_row_avx2, 32 },
 };
 #define N_VARIANTS (int)(sizeof(variants) / sizeof(variants[0]))
 
@@ -472,10 +473,10 @@ static void append_rows(const struct append_job *j, int i0, int i1)
 			char *kd = (char *)kv->k + idx * es, *vd = (char *)kv->v + idx * es;
 			if (kv->dtype == MLENS_DTYPE_E4M3) {
 				size_t r = idx / (size_t)hd;
-				mlens_kv_scales(kv, kv->k)[r] =
-					mlens_e4m3_quantize_row((uint8_t *)kd, ks, hd);
-				mlens_kv_scales(kv, kv->v)[r] =
-					mlens_e4m3_quantize_row((uint8_t *)vd, vs, hd);
+				mlens_e4m3_row_fn q = j->var->e4m3_row ? j->var->e4m3_row
+								       : mlens_e4m3_quantize_row;
+				mlens_kv_scales(kv, kv->k)[r] = q((uint8_t *)kd, ks, hd);
+				mlens_kv_scales(kv, kv->v)[r] = q((uint8_t *)vd, vs, hd);
 				continue;
 			}
 			if (kv->dtype == MLENS_DTYPE_BF16 && j->var->cvt) {

@@ -2,6 +2,7 @@
  * is built with -mavx2 -mfma -mf16c and is only called after CPUID said
  * yes. */
 #include <immintrin.h>
+#include <string.h>
 #include "kernels/cpu/attn_int.h"
 
 typedef __m256 vec;
@@ -138,4 +139,58 @@ void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n)
 				 bf16_round_avx2(_mm256_castps_si256(_mm256_loadu_ps(src + i))));
 	for (; i < n; i++)
 		dst[i] = mlens_f32_to_bf16(src[i]);
+}
+
+/* mlens_e4m3_quantize_row 8 values at a time, the same bytes: the amax by
+ * maxps (a NaN in its first operand yields the second, so NaN is ignored
+ * as the scalar compare ignores it; |x| by a mask, never -0), the scale by
+ * the same division, each x / scale rounded as mlens_f32_to_e4m3 rounds:
+ * normals by the add-and-shift of round-to-nearest-even on the fp32 bits,
+ * values below 2^-6 as round-half-even(|y| * 2^9), +-448 from 448 up,
+ * 0x7f for NaN. */
+float mlens_e4m3_row_avx2(uint8_t *dst, const float *src, int n)
+{
+	const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+	__m256 m = _mm256_setzero_ps();
+	float amax, scale;
+	int i = 0;
+
+	for (; i + 8 <= n; i += 8)
+		m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + i), _mm256_castsi256_ps(absm)), m);
+	amax = hmax_avx2(m);
+	for (; i < n; i++)
+		amax = mlens_e4m3_amax(amax, src[i]);
+	scale = mlens_e4m3_scale(amax);
+	if (!(scale > 0.0f)) {
+		memset(dst, 0, (size_t)n);
+		return scale;
+	}
+	const __m256 vs = _mm256_set1_ps(scale);
+	for (i = 0; i + 8 <= n; i += 8) {
+		__m256i u = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(src + i), vs));
+		__m256i a = _mm256_and_si256(u, absm);
+		__m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+		/* a < 2^31: signed compares are right */
+		__m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
+		__m256i sat = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43dfffff));
+		__m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), a);
+		__m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+		__m256i rn = _mm256_sub_epi32(
+			_mm256_srli_epi32(_mm256_add_epi32(a, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7ffff))), 20),
+			_mm256_set1_epi32(120 << 3));
+		__m256i rs = _mm256_cvttps_epi32(_mm256_round_ps(
+			_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(512.0f)),
+			_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+		__m256i r = _mm256_blendv_epi8(rn, rs, sub);
+		r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7e), sat);
+		r = _mm256_or_si256(r, sign);
+		r = _mm256_blendv_epi8(r, _mm256_set1_epi32(MLENS_E4M3_NAN), nan);
+		/* every lane < 256: pack to bytes, each 128-bit half its 4 */
+		__m256i p = _mm256_packus_epi16(_mm256_packus_epi32(r, r), _mm256_setzero_si256());
+		_mm_storel_epi64((__m128i *)(void *)(dst + i),
+				 _mm_unpacklo_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+	}
+	for (; i < n; i++)
+		dst[i] = mlens_e4m3_quantize(src[i], scale);
+	return scale;
 }

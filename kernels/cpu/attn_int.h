@@ -30,6 +30,8 @@ struct mlens_attn_span {
 typedef void (*mlens_attn_span_fn)(const struct mlens_attn_span *s, float *scratch);
 /* dst[i] = mlens_f32_to_bf16(src[i]) bit for bit */
 typedef void (*mlens_bf16_cvt_fn)(uint16_t *dst, const float *src, size_t n);
+/* returns mlens_e4m3_quantize_row(dst, src, n), dst bit for bit */
+typedef float (*mlens_e4m3_row_fn)(uint8_t *dst, const float *src, int n);
 
 static inline size_t mlens_attn_scratch_floats(int heads, int head_dim)
 {
@@ -61,6 +63,7 @@ extern struct mlens_attn_tuning mlens_attn_tune;
  * A span fn handles head_dim % (2 * vector width) == 0, head_dim <= 256. */
 void mlens_attn_span_avx2(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n);
+float mlens_e4m3_row_avx2(uint8_t *dst, const float *src, int n);	/* AVX-512 uses it too */
 void mlens_attn_span_avx512(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx512(uint16_t *dst, const float *src, size_t n);
 
