@@ -133,6 +133,9 @@ struct mlens_sched_stats {
 	double step_seconds_sum;
 	uint64_t steps;
 	uint64_t preemptions;
+	/* of which evictions of a request soon (a few steps) after it came
+	 * back from one: KV thrash, which admission and eviction avoid */
+	uint64_t repreemptions;
 	uint64_t prompt_tokens;		/* prefill tokens computed, re-prefills included */
 	uint64_t generated_tokens;
 	uint64_t requests_done;
