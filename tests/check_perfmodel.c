@@ -884,15 +884,11 @@ START_TEST(sched_steady_state)
 }
 END_TEST
 
-START_TEST(issue7_bound)
+/* H 4, I 8, 2 layers, 2 heads of 2 (qd 4), 1 kv head (kvd 2), 4 experts,
+ * top 2, vocab 10, bf16 */
+static void bound_model(struct mlens_perf_model *pm)
 {
-	/* H 4, I 8, 2 layers, 2 heads of 2 (qd 4), 1 kv head (kvd 2), 4 experts,
-	 * top 2, vocab 10, bf16: GA = 2 x 4 x (4 + 4) = 64, GB = 2 x 4 x 4 +
-	 * 2 x 4 x 4 + 2 x 6 x 4 x 8 = 448 FLOPs per token and layer; K and V of
-	 * a token in a layer 2 x 2 x 2 = 8 bytes */
 	struct mlens_model_config c;
-	struct mlens_perf_model pm;
-	struct mlens_perf_bound b;
 	memset(&c, 0, sizeof(c));
 	c.vocab_size = 10;
 	c.hidden_size = 4;
@@ -904,7 +900,17 @@ START_TEST(issue7_bound)
 	c.num_local_experts = 4;
 	c.num_experts_per_tok = 2;
 	c.dtype = MLENS_DTYPE_BF16;
-	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_int_eq(mlens_perf_model_from_config(pm, &c, MLENS_DTYPE_BF16), 0);
+}
+
+START_TEST(issue7_bound)
+{
+	/* the model of bound_model: GA = 2 x 4 x (4 + 4) = 64, GB = 2 x 4 x 4 +
+	 * 2 x 4 x 4 + 2 x 6 x 4 x 8 = 448 FLOPs per token and layer; K and V of
+	 * a token in a layer 2 x 2 x 2 = 8 bytes */
+	struct mlens_perf_model pm;
+	struct mlens_perf_bound b;
+	bound_model(&pm);
 	assert_rel(pm.flops_ga, 64, 1e-15);
 	assert_rel(pm.flops_gb, 448, 1e-15);
 	ck_assert_uint_eq(pm.kv_token_bytes, 8);
@@ -935,6 +941,82 @@ START_TEST(issue7_bound)
 }
 END_TEST
 
+/* The mix's accounting against a brute-force run: one request a step,
+ * the mix's pairs in turn, each living g steps and holding ceil((p+a)/B)
+ * blocks at age a, its decodes (a >= 1) reading p + a rows. Over whole
+ * cycles of the steady part, the per-step means are what the bound takes
+ * for k = 1: blocks held (the pool that holds that many runs S_kv = the
+ * sequences alive), decode and step tokens, KV rows read, prefill pairs. */
+START_TEST(mix_bound_matches_simulation)
+{
+	static const double P[] = { 5, 12, 1, 40, 7 }, G[] = { 3, 7, 1, 2, 11 };
+	enum { N = 5, B = 4, WARM = 50 * N, MEAS = 200 * N };
+	struct mlens_perf_model pm;
+	struct mlens_perf_mix mix;
+	struct mlens_perf_bound b, b1;
+	double held = 0, alive = 0, decode = 0, tokens = 0, rows = 0, pairs = 0, gen = 0;
+
+	for (int t = 0; t < WARM + MEAS; t++) {
+		/* every request admitted at step u <= t still alive at t */
+		for (int u = t; u >= 0 && t - u < 16; u--) {
+			int i = u % N, a = t - u;
+			if (a >= G[i] || t < WARM)
+				continue;
+			alive += 1;
+			held += ceil((P[i] + a) / B);
+			gen += 1;
+			if (a == 0) {
+				tokens += P[i];
+				pairs += P[i] * (P[i] + 1) / 2;
+			} else {
+				decode += 1;
+				tokens += 1;
+				rows += P[i] + a;
+			}
+		}
+	}
+	ck_assert_int_eq(mlens_perf_mix_of(P, G, N, B, &mix), 0);
+	assert_rel(mlens_perf_mix_seq_blocks(&mix), held / alive, 1e-12);
+	bound_model(&pm);
+	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, held / MEAS, 1000, 100, 200, 2000, &b), 0);
+	assert_rel(b.st.prompts, 1, 1e-12);
+	assert_rel(b.st.seqs, alive / MEAS, 1e-12);
+	assert_rel(b.st.decode, decode / MEAS, 1e-12);
+	assert_rel(b.st.tokens, tokens / MEAS, 1e-12);
+	assert_rel(b.st.generated, gen / MEAS, 1e-12);
+	assert_rel(b.st.context, rows / MEAS, 1e-12);
+	assert_rel(b.kv_bytes, rows / MEAS * 8 * 2, 1e-12);
+	assert_rel(b.flops, tokens / MEAS * 2 * 512 + 2 * 4 * 4 * pairs / MEAS + 2 * 4 * 10 * gen / MEAS,
+		   1e-12);
+	/* the unweighted mean of the pairs' occupancies is not it: the long
+	 * generations hold the pool longer */
+	{
+		double plain = 0;
+		for (int i = 0; i < N; i++)
+			plain += mlens_perf_seq_blocks(P[i], G[i], B) / N;
+		ck_assert(fabs(plain - held / alive) > 0.25);
+	}
+	/* a mix of one is mlens_perf_bound */
+	ck_assert_int_eq(mlens_perf_mix_of(&P[1], &G[1], 1, B, &mix), 0);
+	assert_rel(mlens_perf_mix_seq_blocks(&mix), mlens_perf_seq_blocks(12, 7, B), 1e-15);
+	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, 8 * mlens_perf_seq_blocks(12, 7, B), 1000, 100,
+					      200, 2000, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 12, 7, 8, 1000, 100, 200, 2000, &b1), 0);
+	assert_rel(b.st.tokens, b1.st.tokens, 1e-12);
+	assert_rel(b.kv_bytes, b1.kv_bytes, 1e-12);
+	assert_rel(b.flops, b1.flops, 1e-12);
+	assert_rel(b.gen_tok_s, b1.gen_tok_s, 1e-12);
+	assert_rel(b.total_tok_s, b1.total_tok_s, 1e-12);
+	ck_assert_str_eq(b.binds, b1.binds);
+	/* bad input */
+	{
+		double z = 0;
+		ck_assert_int_eq(mlens_perf_mix_of(&z, G, 1, B, &mix), -EINVAL);
+		ck_assert_int_eq(mlens_perf_mix_of(P, G, 0, B, &mix), -EINVAL);
+	}
+}
+END_TEST
+
 int main(void)
 {
 	Suite *su = suite_create("perfmodel");
@@ -962,6 +1044,7 @@ int main(void)
 	tcase_add_test(tc, sched_steady_state);
 	tcase_add_test(tc, issue7_bound);
 	tcase_add_test(tc, sched_steady_matches_scheduler);
+	tcase_add_test(tc, mix_bound_matches_simulation);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);

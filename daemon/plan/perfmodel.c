@@ -824,6 +824,32 @@ int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
 	return 0;
 }
 
+/* The bound's times from its per-step work (out's streamed, kv_bytes,
+ * flops, st.generated) and the ceilings; total: tokens the clients count
+ * per step. */
+static int bound_times(struct mlens_perf_bound *out, double b_pcie, double b_mem, double c_gemm,
+		       double total)
+{
+	out->t_pcie = b_pcie > 0 ? out->streamed / b_pcie : 0;
+	out->t_mem = b_mem > 0 ? (out->kv_bytes + out->streamed) / b_mem : 0;
+	out->t_gemm = c_gemm > 0 ? out->flops / c_gemm : 0;
+	out->t_step = out->t_pcie;
+	out->binds = "pcie-h2d";
+	if (out->t_mem > out->t_step) {
+		out->t_step = out->t_mem;
+		out->binds = "cpu-memory";
+	}
+	if (out->t_gemm > out->t_step) {
+		out->t_step = out->t_gemm;
+		out->binds = "gpu-gemm";
+	}
+	if (!(out->t_step > 0))
+		return -EINVAL;
+	out->gen_tok_s = out->st.generated / out->t_step;
+	out->total_tok_s = total / out->t_step;
+	return 0;
+}
+
 int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
 		     struct mlens_perf_bound *out)
@@ -847,24 +873,68 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
 		     L * 4.0 * qd * k * p * (p + 1) / 2 +
 		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
-	out->t_pcie = b_pcie > 0 ? out->streamed / b_pcie : 0;
-	out->t_mem = b_mem > 0 ? (out->kv_bytes + out->streamed) / b_mem : 0;
-	out->t_gemm = c_gemm > 0 ? out->flops / c_gemm : 0;
-	out->t_step = out->t_pcie;
-	out->binds = "pcie-h2d";
-	if (out->t_mem > out->t_step) {
-		out->t_step = out->t_mem;
-		out->binds = "cpu-memory";
-	}
-	if (out->t_gemm > out->t_step) {
-		out->t_step = out->t_gemm;
-		out->binds = "gpu-gemm";
-	}
-	if (!(out->t_step > 0))
+	return bound_times(out, b_pcie, b_mem, c_gemm, k * (p + g));
+}
+
+int mlens_perf_mix_of(const double *p, const double *g, size_t n, int block_tokens,
+		      struct mlens_perf_mix *out)
+{
+	double B = block_tokens > 1 ? (double)block_tokens : 1.0;
+	memset(out, 0, sizeof(*out));
+	if (n < 1)
 		return -EINVAL;
-	out->gen_tok_s = st->generated / out->t_step;
-	out->total_tok_s = k * (p + g) / out->t_step;
+	for (size_t i = 0; i < n; i++) {
+		double bs = mlens_perf_seq_blocks(p[i], g[i], block_tokens), gi = floor(g[i]);
+		if (!isfinite(bs) || !isfinite(p[i]))
+			return -EINVAL;
+		out->prompt += p[i];
+		out->gen += gi;
+		out->block_steps += bs * gi;
+		/* sum_{a<g} (p + a) = g p + g (g - 1) / 2 */
+		out->token_steps += gi * p[i] + gi * (gi - 1) / 2;
+		out->context += (gi - 1) * (p[i] + gi / 2);
+		out->prefill_pairs += p[i] * (p[i] + 1) / 2;
+	}
+	out->requests = (double)n;
+	out->prompt /= (double)n;
+	out->gen /= (double)n;
+	out->block_steps /= (double)n;
+	out->token_steps /= (double)n;
+	out->context /= (double)n;
+	out->prefill_pairs /= (double)n;
+	out->block_tokens = (int)B;
 	return 0;
+}
+
+double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix)
+{
+	return mix->gen >= 1 ? mix->block_steps / mix->gen : NAN;
+}
+
+int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
+			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
+			 double c_gemm, struct mlens_perf_bound *out)
+{
+	struct mlens_perf_sched_state *st = &out->st;
+	double L = (double)pm->layers, qd = (double)(pm->heads * pm->head_dim);
+	double m = mlens_perf_mix_seq_blocks(mix), k;
+	memset(out, 0, sizeof(*out));
+	if (!(mix->prompt >= 1) || !(mix->gen >= 1) || !(m > 0) || !(kv_blocks > 0) ||
+	    !isfinite(kv_blocks) || !(streamed_bytes >= 0) || !(b_pcie > 0 || b_mem > 0 || c_gemm > 0))
+		return -EINVAL;
+	st->seqs = kv_blocks / m;
+	k = st->seqs / mix->gen;
+	st->prompts = k;
+	st->decode = k * (mix->gen - 1);
+	st->tokens = k * (mix->prompt + mix->gen - 1);
+	st->generated = st->seqs;
+	st->context = k * mix->context;
+	out->streamed = streamed_bytes;
+	out->kv_bytes = st->context * (double)pm->kv_token_bytes * L;
+	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
+		     L * 4.0 * qd * k * mix->prefill_pairs +
+		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
+	return bound_times(out, b_pcie, b_mem, c_gemm, k * (mix->prompt + mix->gen));
 }
 
 /* ==== several GPUs (formulas in perfmodel.h) ==== */

@@ -436,6 +436,45 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
 		     struct mlens_perf_bound *out);
 
+/* ==== a mix of lengths ====
+ *
+ * The same accounting for requests of different lengths: request i of the
+ * mix (p_i prompt, g_i generated tokens) lives g_i steps and holds
+ * ceil((p_i + a)/B) blocks at age a. With k requests admitted per step,
+ * drawn from the mix, the expected KV blocks held at a step are
+ * k E[sum_{a<g} ceil((p+a)/B)] and the sequences alive k E[g], so a
+ * sequence holds on average
+ *   m = E[sum_{a<g} ceil((p+a)/B)] / E[g]
+ * blocks: each request's mean occupancy weighted by the steps it lives
+ * (a long generation counts for more of the pool's time than a short one).
+ * A pool of K blocks holds S_kv = K / m; k = S_kv / E[g]; per step
+ *   decode D = k E[g - 1], tokens n = k E[p + g - 1], generated k E[g],
+ *   KV rows read k E[(g - 1)(p + g/2)], prefill pairs k E[p(p+1)/2];
+ * the bound's times as mlens_perf_bound's, total tokens/s k E[p + g].
+ * One (p, g) is a mix of one, and gives mlens_perf_bound's numbers. */
+struct mlens_perf_mix {
+	double requests;	/* how many the sums below are over */
+	double prompt;		/* E[p] */
+	double gen;		/* E[g] */
+	double block_steps;	/* E[sum_{a<g} ceil((p+a)/B)] */
+	double token_steps;	/* E[sum_{a<g} (p+a)]: the same in tokens */
+	double context;		/* E[(g - 1)(p + g/2)]: KV rows read by its decodes, a layer */
+	double prefill_pairs;	/* E[p(p+1)/2]: causal (query, key) pairs of its prefill */
+	int block_tokens;	/* B the blocks are counted in (1 for tokens) */
+};
+
+/* The moments of n (p[i], g[i]) pairs at blocks of block_tokens (< 1:
+ * tokens). -EINVAL for n < 1 or a length below 1 (or not finite). */
+int mlens_perf_mix_of(const double *p, const double *g, size_t n, int block_tokens,
+		      struct mlens_perf_mix *out);
+/* m above: mean KV blocks a sequence of the mix holds over the steps it
+ * lives (mlens_perf_seq_blocks for a mix of one). */
+double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix);
+/* mlens_perf_bound for a mix, S_kv = kv_blocks / m. -EINVAL as there. */
+int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
+			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
+			 double c_gemm, struct mlens_perf_bound *out);
+
 /* ==== several GPUs in one box ====
  *
  * G GPUs work on the same step: attention split by heads, experts by
