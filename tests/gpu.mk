@@ -21,6 +21,9 @@ EXTRA_DIST += tests/bench/serve_gpu.sh
 # mlens-bench serve stopped by a signal mid-run (CPU backend)
 dist_check_SCRIPTS += tests/integration/bench_stop.sh
 TESTS += tests/integration/bench_stop.sh
+# mlens-bench serve with mixed lengths: ranges, a lengths file, the step distribution
+dist_check_SCRIPTS += tests/integration/bench_mix.sh
+TESTS += tests/integration/bench_mix.sh
 EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh \
 	tests/bench/gpu_session.sh tests/bench/kvpool.sh tests/bench/trace_summary.py tests/bench/ab.sh \
 	tests/bench/defaults.sh tests/bench/metrics_rate.py tests/bench/RESULTS.md
