@@ -2,7 +2,7 @@
 # (daemon/plan/gpu_plan.c, built in daemon/plan/local.mk) and the
 # `mlens-bench serve` subcommand that drives a real mlensd.
 
-tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c
+tests_bench_mlens_bench_SOURCES += tests/bench/bench_serve.c tests/bench/bench_ops.c
 tests_bench_mlens_bench_CFLAGS += $(JANSSON_CFLAGS)
 tests_bench_mlens_bench_LDADD += daemon/libmlens_core.la $(JANSSON_LIBS) -lm
 if HAVE_CUDA
@@ -24,6 +24,9 @@ TESTS += tests/integration/bench_stop.sh
 # mlens-bench serve with mixed lengths: ranges, a lengths file, the step distribution
 dist_check_SCRIPTS += tests/integration/bench_mix.sh
 TESTS += tests/integration/bench_mix.sh
+# mlens-bench ops: one engine step op by op (CPU backend)
+dist_check_SCRIPTS += tests/integration/bench_ops.sh
+TESTS += tests/integration/bench_ops.sh
 EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh \
 	tests/bench/gpu_session.sh tests/bench/kvpool.sh tests/bench/trace_summary.py tests/bench/ab.sh \
 	tests/bench/defaults.sh tests/bench/metrics_rate.py tests/bench/RESULTS.md

@@ -52,6 +52,7 @@ struct mlens_engine {
 	long prof_steps;
 	double prof_t[16], prof_step_t, prof_t0;
 	struct mlens_layer_probe probe;
+	const struct mlens_layer_probe *user_probe;	/* mlens_engine_set_probe's, before probe */
 };
 
 enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, PK_DECODE, PK_WO,
@@ -208,6 +209,11 @@ fail:
 	return rc;
 }
 
+void mlens_engine_set_probe(struct mlens_engine *e, const struct mlens_layer_probe *probe)
+{
+	e->user_probe = probe;
+}
+
 void mlens_engine_destroy(struct mlens_engine *e)
 {
 	void *bufs[] = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog, e->rw, e->rid, e->logits };
@@ -297,9 +303,6 @@ static int grow_logits(struct mlens_engine *e, size_t rows)
 #define OPS (e->be->ops)
 #define CTX (e->be->ctx)
 #define TRY(x) do { if ((rc = (x))) goto out; } while (0)
-/* TRY, timed under kind k when profiling */
-#define PTRY(k, x) do { double t_ = e->prof_every > 0 ? prof_clock() : 0; TRY(x); \
-	if (e->prof_every > 0) TRY(prof_add(e, k, t_)); } while (0)
 
 static double prof_clock(void)
 {
@@ -315,8 +318,8 @@ static int prof_add(struct mlens_engine *e, int k, double t0)
 	return rc;
 }
 
-/* The layer's ops timed as PTRY times the engine's own (the probe of
- * layer.h). */
+/* Every op timed: its wall time to the backend's sync after it (the probe
+ * of layer.h). */
 static void prof_begin(void *arg)
 {
 	((struct mlens_engine *)arg)->prof_t0 = prof_clock();
@@ -330,7 +333,7 @@ static int prof_end(void *arg, enum mlens_layer_op op)
 		[MLENS_LAYER_OP_PREFILL] = PK_PREFILL, [MLENS_LAYER_OP_DECODE] = PK_DECODE,
 		[MLENS_LAYER_OP_WO] = PK_WO, [MLENS_LAYER_OP_ROUTER] = PK_ROUTER,
 		[MLENS_LAYER_OP_MOE] = PK_MOE, [MLENS_LAYER_OP_LM_HEAD] = PK_LM_HEAD,
-		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE,
+		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE, [MLENS_LAYER_OP_EMBED] = PK_EMBED,
 	};
 	struct mlens_engine *e = arg;
 	return prof_add(e, kind[op], e->prof_t0);
@@ -408,7 +411,8 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 {
 	const struct mlens_model_config *c = &e->cfg;
 	struct mlens_step_rows *sr = &e->rows;
-	const struct mlens_layer_run run = { e->be, &e->desc, e->prof_every > 0 ? &e->probe : NULL };
+	const struct mlens_layer_run run = { e->be, &e->desc,
+					     e->user_probe ? e->user_probe : e->prof_every > 0 ? &e->probe : NULL };
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
@@ -445,7 +449,11 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	}
 
 	part = trace_part_begin(e, -1, L);
-	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
+	if (run.probe)
+		run.probe->begin(run.probe->arg);
+	TRY(OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
+	if (run.probe)
+		TRY(run.probe->end(run.probe->arg, MLENS_LAYER_OP_EMBED));
 	trace_part_end(e, part);
 	{
 		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,

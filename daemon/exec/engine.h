@@ -13,6 +13,7 @@
 #include "kernels/backend.h"
 
 struct mlens_engine;
+struct mlens_layer_probe;
 
 struct mlens_engine_opts {
 	int kv_block_size;	/* tokens per KV block; 0 = 16 */
@@ -94,6 +95,12 @@ int mlens_engine_reqs_check(const struct mlens_model_config *c, const struct mle
 /* KV blocks the step would need beyond what its sequences hold. */
 uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
 				  int n);
+
+/* Call probe around every op of the next steps (the layers', the
+ * embedding, lm_head and sampling), NULL to stop; the probe stays the
+ * caller's. A probe that waits for the backend in its end times each op
+ * (mlens-bench ops). Engines in hybrid mode do not call it. */
+void mlens_engine_set_probe(struct mlens_engine *e, const struct mlens_layer_probe *probe);
 
 /* Run one step. Errors (nothing changed): -EINVAL bad request (token id out
  * of range, empty), -E2BIG more tokens than max_step_tokens, -EOVERFLOW past

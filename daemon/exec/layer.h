@@ -117,6 +117,7 @@ enum mlens_layer_op {
 	MLENS_LAYER_OP_MOE,
 	MLENS_LAYER_OP_LM_HEAD,	/* of mlens_ends_logits */
 	MLENS_LAYER_OP_SAMPLE,
+	MLENS_LAYER_OP_EMBED,	/* the engine's token embedding */
 	MLENS_LAYER_OP_N
 };
 
