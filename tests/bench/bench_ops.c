@@ -3,10 +3,15 @@
  * backend's GPU-only engine, or the CPU backend), fills the KV of --decode
  * sequences to --context tokens, then times steps of --prompts prompts of
  * --prompt-len tokens plus one decode token of each of those sequences:
- * every other step with a probe that waits for the backend after each op
- * (layer.h's probe, mlens_engine_set_probe), the others bare. Prints each
- * op kind's time per step, its FLOPs and rate where it has some, and the
- * remainder of the probed step as launch gaps and host work. */
+ * every other step with a probe around each op (layer.h's probe,
+ * mlens_engine_set_probe), the others bare. On a backend with timing marks
+ * (CUDA: events; the CPU backend: its clock, its ops being synchronous)
+ * the probe marks the compute queue before and after each op and nothing
+ * waits: an op's time is the queue's between its marks, and the time
+ * between ops inside the step is the launch gaps; elsewhere the probe
+ * waits for the backend after each op and the rest of the step is the
+ * gaps. Prints each op kind's time per step, its FLOPs and
+ * rate where it has some, the gaps and the host time outside the GPU's. */
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
@@ -25,26 +30,71 @@ static double now_s(void)
 	return (double)mlens_bench_now_ns() * 1e-9;
 }
 
-/* The probe: each op's wall time up to the backend's sync after it. */
+/* Ops one step may mark: two marks each, in the first half of the ids. */
+#define MAX_MARKED (MLENS_BACKEND_TIMER_HALF / 2)
+
+/* The probe. With marks: mark 2i before op i of the step and 2i + 1 after
+ * it on the compute queue, read once the step is done (op_marks_read).
+ * Without: each op's wall time up to the backend's sync after it. */
 struct op_clock {
 	const struct mlens_backend *be;
+	bool marks;
 	double t0;
 	double t[MLENS_LAYER_OP_N];
 	int calls[MLENS_LAYER_OP_N];
+	int n;			/* ops marked this step */
+	bool dropped;		/* more than MAX_MARKED */
+	unsigned char op[MAX_MARKED];
 };
 
 static void op_begin(void *arg)
 {
-	((struct op_clock *)arg)->t0 = now_s();
+	struct op_clock *c = arg;
+	if (!c->marks)
+		c->t0 = now_s();
+	else if (c->n < MAX_MARKED)
+		c->be->ops->timer_mark(c->be->ctx, 0, 2 * c->n);
 }
 
 static int op_end(void *arg, enum mlens_layer_op op)
 {
 	struct op_clock *c = arg;
-	int rc = c->be->ops->sync(c->be->ctx);
+	int rc;
+	if (c->marks) {
+		if (c->n >= MAX_MARKED) {
+			c->dropped = true;
+			return 0;
+		}
+		c->op[c->n] = (unsigned char)op;
+		return c->be->ops->timer_mark(c->be->ctx, 0, 2 * c->n++ + 1);
+	}
+	rc = c->be->ops->sync(c->be->ctx);
 	c->t[op] += now_s() - c->t0;
 	c->calls[op]++;
 	return rc;
+}
+
+/* A marked step done (the backend synced): its ops' times added, the GPU
+ * span from the first op's start to the last one's end in *span. */
+static int op_marks_read(struct op_clock *c, double *span)
+{
+	double first = 0, last = 0;
+	for (int i = 0; i < c->n; i++) {
+		double a, b;
+		int rc = c->be->ops->timer_read(c->be->ctx, 2 * i, &a);
+		if (!rc)
+			rc = c->be->ops->timer_read(c->be->ctx, 2 * i + 1, &b);
+		if (rc)
+			return rc;
+		c->t[c->op[i]] += b - a;
+		c->calls[c->op[i]]++;
+		if (i == 0)
+			first = a;
+		last = b;
+	}
+	*span = last - first;
+	c->n = 0;
+	return 0;
 }
 
 /* The table's rows in the step's order; FLOPs from the step's shape. */
@@ -128,9 +178,10 @@ static void usage(FILE *f)
 {
 	fprintf(f,
 		"usage: mlens-bench ops --model DIR [--backend auto|cpu|cuda] [--prompt-len P]\n"
-		"       [--prompts K] [--decode D] [--context C] [--steps N] [--threads T] [--json]\n"
+		"       [--prompts K] [--decode D] [--context C] [--steps N] [--threads T] [--waits] [--json]\n"
 		"  a step of K prompts of P tokens and one token of each of D sequences holding C;\n"
-		"  N steps timed op by op, N without the probe\n");
+		"  N steps timed op by op, N without the probe; --waits: a wait after each op\n"
+		"  instead of the backend's timing marks\n");
 }
 
 int mlens_bench_ops(int argc, char **argv)
@@ -138,13 +189,13 @@ int mlens_bench_ops(int argc, char **argv)
 	static const struct option lo[] = {
 		{ "model", 1, 0, 'm' }, { "backend", 1, 0, 'b' }, { "prompt-len", 1, 0, 'p' },
 		{ "prompts", 1, 0, 'k' }, { "decode", 1, 0, 'd' }, { "context", 1, 0, 'c' },
-		{ "steps", 1, 0, 'n' }, { "threads", 1, 0, 't' }, { "json", 0, 0, 'j' },
+		{ "steps", 1, 0, 'n' }, { "threads", 1, 0, 't' }, { "json", 0, 0, 'j' }, { "waits", 0, 0, 'w' },
 		{ "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
 	};
 	const char *model_dir = NULL, *backend = "auto";
 	struct ops_shape sh = { .P = 512, .K = 4, .D = 64, .C = 512 };
 	int steps = 5, threads = 0, opt, rc = 1, T, bs = 16;
-	bool json = false, have_be = false;
+	bool json = false, have_be = false, waits = false;
 	struct mlens_model *m = NULL;
 	struct mlens_backend be;
 	struct mlens_backend_opts bo = { 0 };
@@ -153,7 +204,7 @@ int mlens_bench_ops(int argc, char **argv)
 	struct mlens_seq *seqs = NULL;
 	struct mlens_engine_req *reqs = NULL;
 	int32_t *tok = NULL, *next = NULL;
-	double *bare = NULL, probed = 0, ops_sum = 0, bare_med;
+	double *bare = NULL, probed = 0, span = 0, ops_sum = 0, bare_med, gaps, host;
 	struct op_clock clk = { 0 };
 	const struct mlens_layer_probe probe = { op_begin, op_end, &clk };
 	const struct mlens_model_config *c;
@@ -179,6 +230,7 @@ int mlens_bench_ops(int argc, char **argv)
 		case 'n': steps = (int)v; break;
 		case 't': threads = (int)v; break;
 		case 'j': json = true; break;
+		case 'w': waits = true; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
@@ -255,6 +307,7 @@ int mlens_bench_ops(int argc, char **argv)
 		}
 		mlens_engine_set_probe(e, with_probe ? &probe : NULL);
 		clk.be = &be;
+		clk.marks = !waits && be.ops->timer_mark && be.ops->timer_read;
 		t0 = now_s();
 		rc = mlens_engine_step(e, reqs, n);
 		if (!rc)
@@ -270,26 +323,44 @@ int mlens_bench_ops(int argc, char **argv)
 			next[d] = reqs[sh.K + d].next_token;
 		for (int k = 0; k < sh.K; k++)
 			mlens_seq_release(mlens_engine_kv(e), &seqs[k]);
+		if (with_probe && clk.marks) {
+			double sp;
+			if ((rc = op_marks_read(&clk, &sp))) {
+				fprintf(stderr, "ops: step %d: reading the timing marks: %s\n", s, strerror(-rc));
+				rc = 1;
+				goto out;
+			}
+			span += sp;
+		}
 		if (with_probe)
 			probed += t0;
 		else if (s > 0)
 			bare[(s - 1) / 2] = t0;
 	}
 	probed /= steps;
+	span /= steps;
+	if (clk.dropped)
+		fprintf(stderr, "ops: a step has more than %d ops: the later ones are not timed (in the gaps)\n",
+			MAX_MARKED);
 	for (int o = 0; o < MLENS_LAYER_OP_N; o++) {
 		clk.t[o] /= steps;
 		ops_sum += clk.t[o];
 	}
 	qsort(bare, (size_t)steps, sizeof(*bare), cmp_dbl);
 	bare_med = bare[steps / 2];
+	/* with marks: GPU idle between ops, and host time outside the GPU's
+	 * span; with waits: the rest of the step */
+	gaps = clk.marks ? span - ops_sum : probed - ops_sum;
+	host = clk.marks ? probed - span : 0;
 
 	{
-		json_t *out = json_pack("{s:s,s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:b,s:f,s:f,s:f,s:f}",
+		json_t *out = json_pack("{s:s,s:s,s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:b,s:f,s:f,s:f,s:f,s:f}",
 			"bench", "ops", "model", model_dir, "backend", be.ops->name,
+			"timing", clk.marks ? "marks" : "waits",
 			"tokens", T, "prompts", sh.K, "prompt_len", sh.P, "decode", sh.D, "context", sh.C,
 			"steps", steps, "prefill_op", sh.prefill_op, "step_seconds", bare_med,
 			"probed_step_seconds", probed, "ops_seconds", ops_sum,
-			"gaps_seconds", probed - ops_sum);
+			"gaps_seconds", gaps, "host_seconds", host);
 		json_t *arr = json_array();
 		if (!json)
 			printf("%-32s %10s %7s %10s %9s  %s\n", "op", "ms/step", "share", "GFLOP", "TFLOP/s", "shape");
@@ -310,12 +381,15 @@ int mlens_bench_ops(int argc, char **argv)
 			json_dumpf(out, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
 			printf("\n");
 		} else {
-			printf("%-32s %10.3f %6.1f%%\n", "launch gaps, host work", (probed - ops_sum) * 1e3,
-			       100 * (probed - ops_sum) / probed);
-			printf("%-32s %10.3f  (%d prompts of %d + %d decodes at %d: %d tokens, %s backend)\n",
-			       "step, ops timed", probed * 1e3, sh.K, sh.P, sh.D, sh.C, T, be.ops->name);
-			printf("%-32s %10.3f  (median of %d; the probe's waits add the difference)\n",
-			       "step, bare", bare_med * 1e3, steps);
+			printf("%-32s %10.3f %6.1f%%\n", clk.marks ? "gaps between ops (launches)" : "launch gaps, host work",
+			       gaps * 1e3, 100 * gaps / probed);
+			if (clk.marks)
+				printf("%-32s %10.3f %6.1f%%\n", "host, outside the ops' span", host * 1e3,
+				       100 * host / probed);
+			printf("%-32s %10.3f  (%d prompts of %d + %d decodes at %d: %d tokens, %s backend, %s)\n",
+			       "step, ops timed", probed * 1e3, sh.K, sh.P, sh.D, sh.C, T, be.ops->name,
+			       clk.marks ? "the backend's timing marks" : "a wait after each op");
+			printf("%-32s %10.3f  (median of %d)\n", "step, bare", bare_med * 1e3, steps);
 		}
 		json_decref(out);
 	}

@@ -22,7 +22,7 @@ static const struct mlens_bench_cmd cmds[] = {
 	  "CUDA the GEMM rate, HBM bandwidth and the bound they set" },
 	{ "ops", mlens_bench_ops,
 	  "--model DIR [--backend B] [--prompt-len P] [--prompts K] [--decode D] [--context C] "
-	  "[--steps N] [--json]: one engine step op by op (GEMMs by shape and their TFLOP/s, MoE, "
+	  "[--steps N] [--waits] [--json]: one engine step op by op (GEMMs by shape and their TFLOP/s, MoE, "
 	  "norms, RoPE, attention, K/V stores, lm_head, sampling, the rest as launch gaps)" },
 	{ "attention", mlens_bench_attention,
 	  "[--json] [--threads LIST] [--seqs N] [--min-ctx A --max-ctx B] [--variant V]: CPU decode "

@@ -36,9 +36,24 @@ for o in d["ops"]:
         assert abs(o["tflops"] - o["flops"] / o["seconds"] / 1e12) <= 1e-4 * o["tflops"], o
 total = sum(o["seconds"] for o in d["ops"])
 assert abs(total - d["ops_seconds"]) <= 1e-9 + 1e-5 * total, (total, d["ops_seconds"])
-assert d["gaps_seconds"] >= 0, d
-assert abs(d["ops_seconds"] + d["gaps_seconds"] - d["probed_step_seconds"]) <= 1e-5 * d["probed_step_seconds"], d
+# the CPU backend has timing marks (its clock): ops, the gaps between them
+# and the host's time outside them make up the probed step
+assert d["timing"] == "marks", d["timing"]
+assert d["gaps_seconds"] >= -1e-9 and d["host_seconds"] >= -1e-9, d
+parts = d["ops_seconds"] + d["gaps_seconds"] + d["host_seconds"]
+assert abs(parts - d["probed_step_seconds"]) <= 1e-5 * d["probed_step_seconds"], d
 assert d["step_seconds"] > 0, d
+PY
+# --waits: a wait after each op instead of the marks; the ops and the rest
+# still make up the step
+timeout 120 "$bench" ops --model "$tmp/m" --backend cpu --prompt-len 8 --prompts 1 --decode 2 \
+	--context 10 --steps 2 --waits --json >"$tmp/w.json" 2>"$tmp/err" || fail "ops --waits: $(cat "$tmp/err")"
+python3 - "$tmp/w.json" <<'PY' || fail "JSON --waits: $(head -c 800 "$tmp/w.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["timing"] == "waits" and d["host_seconds"] == 0 and d["gaps_seconds"] >= 0, d
+assert all(o["seconds"] > 0 for o in d["ops"] if o["calls"]), d["ops"]
+assert abs(d["ops_seconds"] + d["gaps_seconds"] - d["probed_step_seconds"]) <= 1e-5 * d["probed_step_seconds"], d
 PY
 "$bench" ops --model "$tmp/m" --backend cpu --steps 0 >/dev/null 2>&1
 [ $? -eq 2 ] || fail "--steps 0 accepted"
