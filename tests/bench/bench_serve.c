@@ -1629,6 +1629,9 @@ int mlens_bench_serve(int argc, char **argv)
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
 		json_object_set_new(out, "preemptions", json_real(st1 ? jnum(st1, "preemptions_total") - jnum(st0, "preemptions_total") : 0));
+		/* of which a sequence's again, soon after it came back: KV thrash */
+		json_object_set_new(out, "repreemptions", jnum_or_null(jopt(st1, "repreemptions_total") -
+								       jopt(st0, "repreemptions_total")));
 		json_object_set_new(out, "achieved", json_pack("{s:o,s:o,s:o,s:o,s:s,s:o,s:o}",
 			"pcie_h2d_gb_per_s", jnum_or_null(pcie_gbs), "cpu_attention_gb_per_s", jnum_or_null(attn_gbs),
 			"cpu_attention_only_gb_per_s", jnum_or_null(attn_only_gbs),
