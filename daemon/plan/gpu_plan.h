@@ -1,18 +1,24 @@
-/* The GPU memory plan of the hybrid pipeline (DESIGN §5.2): a GPU
- * byte budget split into resident weights, two expert slots, activations
- * for the step's token cap and workspace. Pure arithmetic over the
- * performance model's byte counts (daemon/plan/perfmodel.h) and the buffers the
- * pipeline (daemon/exec/pipeline.c) allocates, so that the plan is exactly what
- * the executor asks the GPU for.
+/* The GPU memory plan (DESIGN §5.2): a GPU byte budget split into
+ * resident weights, two expert slots, the KV pool where it lives on the
+ * GPU, activations for the step's token cap and workspace. One plan for
+ * both executors: mlensd makes it once at start-up and hands it to the
+ * engine and the hybrid pipeline (const struct mlens_gpu_plan *); the
+ * performance model (perfmodel.h) sizes a residency with the functions
+ * below. Pure arithmetic over the model's byte counts and the buffers the
+ * executors allocate (daemon/exec/engine.c, daemon/exec/pipeline.c,
+ * kernels/cuda), so that the plan is exactly what they ask the GPU for.
  *
- * Rule (simple for now): embeddings, lm_head, final norm and per
- * layer the attention, norms and router are always resident; then as many
- * whole experts per layer (the same count r in every layer, experts 0..r-1)
- * as the budget holds next to two slots of the E - r streamed experts and
- * activations for the token cap. With r = E nothing streams and the slots
- * are empty (the GPU-only case). When even r = 0 cannot hold activations
- * for the cap, the cap shrinks to what fits, never below min_tokens; below
- * that the budget is refused with the minimum that would work. */
+ * Rule (simple for now): embeddings, lm_head, final norm and per layer
+ * the attention, norms and router are always resident; then as many whole
+ * experts per layer (the same count r in every layer, experts 0..r-1) as
+ * the budget holds next to two slots of the E - r streamed experts and
+ * activations for the token cap. GPU-only mode is the plan with every
+ * expert resident (r = E, no slots): the engine runs it with the KV pool
+ * and attention on the GPU, so its activations and workspace are the
+ * engine's (plan input gpu_only). Otherwise the hybrid pipeline runs it:
+ * when even r = 0 cannot hold activations for the cap, the cap shrinks to
+ * what fits, never below min_tokens; below that the budget is refused with
+ * the minimum that would work. */
 #ifndef MLENS_GPU_PLAN_H
 #define MLENS_GPU_PLAN_H
 
