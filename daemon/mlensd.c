@@ -723,9 +723,11 @@ static int step_engine(void)
 	eo->max_step_tokens = step_cap_wanted();
 	eo->kv_mem_k = D.kv_k.p;
 	eo->kv_mem_v = D.kv_v.p;
+	/* the plan made at start-up (budget: gpu_memory, or the free memory
+	 * less a margin); none on a host-memory backend */
+	eo->plan = D.be.ops->host_memory ? NULL : &D.plan;
 	if (D.hybrid) {
 		eo->attn_backend = &D.attn;
-		eo->plan = &D.plan;	/* budget: gpu_memory, or the free memory less a margin */
 		eo->hybrid_side_copy_out = side_copy_out();
 		eo->hybrid_up_copy_in = up_copy_in();
 		eo->hybrid_gpu_kv_append = gpu_kv_append();

@@ -956,6 +956,38 @@ START_TEST(exec_trace_threads)
 }
 END_TEST
 
+/* The engine runs the plan it is handed: a GPU-only plan sets its step
+ * cap; a GPU-only plan with an attention backend (hybrid mode) is refused,
+ * and so is hybrid mode without a plan. */
+START_TEST(exec_engine_takes_the_plan)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
+	struct mlens_backend be, attn;
+	struct mlens_gpu_plan gpu_only = { .gpu_only = true, .fits = true, .tokens = 24 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = 64, .kv_blocks = 64,
+					.plan = &gpu_only };
+	struct mlens_engine *e;
+	char err[512];
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_engine_max_step_tokens(e), 24);
+	mlens_engine_destroy(e);
+	eo.attn_backend = &attn;
+	ck_assert_int_eq(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "GPU-only memory plan"));
+	eo.plan = NULL;
+	ck_assert_int_eq(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "no hybrid GPU memory plan"));
+	mlens_backend_destroy(&be);
+	mlens_backend_destroy(&attn);
+	mlens_test_model_free(m);
+}
+END_TEST
+
 /* Small pieces, a refused budget, the cap lowered by the plan. */
 START_TEST(exec_pieces_and_budget)
 {
@@ -1204,6 +1236,7 @@ int main(void)
 	tcase_add_test(t, exec_equal_three_sets);
 	tcase_add_loop_test(t, exec_half_att_same_product, 0, 8);
 	tcase_add_test(t, exec_pieces_and_budget);
+	tcase_add_test(t, exec_engine_takes_the_plan);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);
 	suite_add_tcase(s, t);

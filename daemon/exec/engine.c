@@ -13,6 +13,7 @@
 #include "daemon/exec/engine.h"
 #include "daemon/exec/layer.h"
 #include "daemon/exec/pipeline.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/step.h"
 #include "daemon/ops/trace.h"
 
@@ -137,6 +138,16 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
 	e->qdim = (int)(e->cfg.num_attention_heads * e->cfg.head_dim);
 	e->kvdim = (int)(e->cfg.num_key_value_heads * e->cfg.head_dim);
+	if (o->plan && o->plan->gpu_only) {
+		/* GPU-only mode's plan: its activations hold plan->tokens a step */
+		if (o->attn_backend) {
+			mlens_errf(err, errlen, "engine: a GPU-only memory plan given with an attention backend "
+			       "(hybrid mode needs the hybrid plan)");
+			rc = -EINVAL;
+			goto fail;
+		}
+		e->max_tokens = (int)o->plan->tokens;
+	}
 	if (o->attn_backend) {
 		struct mlens_pipeline_opts po = {
 			.plan = o->plan,

@@ -34,6 +34,10 @@ struct mlens_engine_opts {
 	 * and attn_backend (host memory: the cpu backend) holds the KV pool
 	 * and runs decode attention. max_step_tokens is then the plan's. */
 	struct mlens_backend *attn_backend;
+	/* the GPU memory plan (made once by the caller): the hybrid one with
+	 * attn_backend, else GPU-only mode's (gpu_only: every expert
+	 * resident; max_step_tokens is then its tokens) or NULL (no plan: a
+	 * host-memory backend, tests) */
 	const struct mlens_gpu_plan *plan;
 	int hybrid_groups;	/* token groups, 0 = 2 */
 	uint64_t hybrid_piece_bytes;	/* bytes per weight copy; 0 = MLENS_PIPE_PIECE */
