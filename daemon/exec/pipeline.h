@@ -92,7 +92,7 @@ struct mlens_pipeline_stats {
 	bool async;		/* queues and events in use */
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool up_copy_in;	/* C's output up on queue 3 */
-	bool att_up_half;	/* ... in the weights' dtype (opts att_up_half) */
+	bool att_up_half;	/* ... in the weights' dtype (the plan's att_half) */
 	int sets;		/* activation sets (opts sets) */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
