@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/serve/sched.h"
 #include "tests/testmodel.h"
@@ -51,12 +52,12 @@ START_TEST(mixtral_bytes)
 	assert_rel(pm.flops_gb, 2.0 * 4096 * 4096 + 2.0 * 4096 * 8 + 2.0 * 3 * 2 * 4096 * 14336, 1e-15);
 
 	/* streaming and residency with r experts resident per layer */
-	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 0), experts);
-	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 3), experts / 8 * 5);
-	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 8), 0);
-	ck_assert_uint_eq(mlens_perf_slot_bytes(&pm, 6), 2 * 2 * (experts / 8));
-	ck_assert_uint_eq(mlens_perf_resident_bytes(&pm, 8), total);
-	ck_assert_uint_eq(mlens_perf_resident_bytes(&pm, 0), total - L * experts);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 0), experts);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 3), experts / 8 * 5);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 8), 0);
+	ck_assert_uint_eq(mlens_gpu_plan_slot_bytes(&pm, 6), 2 * 2 * (experts / 8));
+	ck_assert_uint_eq(mlens_gpu_plan_resident_bytes(&pm, 8), total);
+	ck_assert_uint_eq(mlens_gpu_plan_resident_bytes(&pm, 0), total - L * experts);
 }
 END_TEST
 
@@ -89,12 +90,12 @@ START_TEST(activation_bytes)
 	/* 100 tokens: all rows fit one chunk; group of ceil(75) */
 	uint64_t want = 4 * (100 * (2 * H + 8 + 4) + 75 * (2 * 4096 + 2 * 1024) +
 			     200 * (2 * H + 2 * I) + 100 * V);
-	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 100, 4096), want);
+	ck_assert_uint_eq(mlens_gpu_plan_act_estimate(&pm, 100, 4096), want);
 	/* 10000 tokens: the MoE and logits chunks are capped at 4096 rows */
 	want = 4 * (10000 * (2 * H + 8 + 4) + 7500 * (2 * 4096 + 2 * 1024) +
 		    4096 * (2 * H + 2 * I) + 4096 * V);
-	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 10000, 0), want);
-	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 0, 0), 0);
+	ck_assert_uint_eq(mlens_gpu_plan_act_estimate(&pm, 10000, 0), want);
+	ck_assert_uint_eq(mlens_gpu_plan_act_estimate(&pm, 0, 0), 0);
 }
 END_TEST
 
@@ -372,7 +373,7 @@ START_TEST(policy_tight_budget)
 	 * n = (t_io - 2a) / (b + x_gpu - x_io / B_IO) */
 	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_NREAL);
 	{
-		double t_io = (double)mlens_perf_streamed_bytes(&pm, pr.policy.resident_experts) / 25e9;
+		double t_io = (double)mlens_gpu_plan_streamed_bytes(&pm, pr.policy.resident_experts) / 25e9;
 		double x_gpu = 4.0 * 4096 * (98.0 / 130) * 99 / 2 / 149.7e12;
 		double x_io = 32.0 / 130 * 4096 * 4;
 		double want = (t_io - 2 * (hw.ga.a + hw.gb.a)) / (hw.ga.b + hw.gb.b + x_gpu - x_io / 25e9);
@@ -445,7 +446,7 @@ START_TEST(policy_shared_stream)
 	st = mlens_perf_steady_step(&w, pr.n_eq);
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
 	assert_rel(t.tier[MLENS_PERF_BIND_PCIE],
-		   (double)(mlens_perf_streamed_bytes(&pm, 0) + st.decode * 4096 * 4) / 5e9, 1e-12);
+		   (double)(mlens_gpu_plan_streamed_bytes(&pm, 0) + st.decode * 4096 * 4) / 5e9, 1e-12);
 	assert_rel(t.tier[MLENS_PERF_BIND_GPU], t.tier[MLENS_PERF_BIND_PCIE], 1e-4);
 	ck_assert(pr.n_real == pr.n_act);
 	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_ACT);
@@ -566,7 +567,7 @@ START_TEST(minimum_budget_refused)
 	/* by hand: resident non-expert weights, two slots of 8 experts,
 	 * activations for one 512-token prompt, workspace */
 	ck_assert_uint_eq(need, pm.model_bytes - 32 * pm.layer_expert_bytes + 2 * pm.layer_expert_bytes +
-				mlens_perf_act_bytes(&pm, 512, 0) + hw.gpu_workspace);
+				mlens_gpu_plan_act_estimate(&pm, 512, 0) + hw.gpu_workspace);
 
 	hw.gpu_budget = need - 1;
 	ck_assert_int_eq(mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err)), -ENOSPC);
@@ -593,7 +594,7 @@ START_TEST(minimum_budget_refused)
 		c.num_hidden_layers = 1;
 		ck_assert_int_eq(mlens_perf_model_from_config(&one, &c, MLENS_DTYPE_BF16), 0);
 		need = mlens_perf_min_budget(&one, &hw, 512);
-		ck_assert_uint_eq(need, one.model_bytes + mlens_perf_act_bytes(&one, 512, 0) + hw.gpu_workspace);
+		ck_assert_uint_eq(need, one.model_bytes + mlens_gpu_plan_act_estimate(&one, 512, 0) + hw.gpu_workspace);
 		hw.gpu_budget = need;
 		ck_assert_int_eq(mlens_perf_choose(&one, &hw, &w, &pr, err, sizeof(err)), 0);
 		ck_assert_int_eq(pr.policy.resident_experts, 8);
@@ -664,7 +665,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	uint32_t most = 0;
 
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
-	streamed = mlens_perf_streamed_bytes(&pm, 0);
+	streamed = mlens_gpu_plan_streamed_bytes(&pm, 0);
 	/* ceilings scaled to the tiny model: the transfer of a layer takes
 	 * 26.5 µs, the GPU 2 µs a step plus 1 µs a token */
 	memset(&hw, 0, sizeof(hw));
@@ -676,7 +677,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	hw.ga.b = 0.4e-6;
 	hw.gb.b = 0.6e-6;
 	hw.chunk = 64;
-	hw.gpu_budget = mlens_perf_resident_bytes(&pm, 0) + mlens_perf_slot_bytes(&pm, 0) + budget_extra;
+	hw.gpu_budget = mlens_gpu_plan_resident_bytes(&pm, 0) + mlens_gpu_plan_slot_bytes(&pm, 0) + budget_extra;
 	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(pr.limit, want_limit);
 	cap = mlens_perf_token_cap(&pr);
@@ -686,7 +687,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 		want_cap = (int)floor(((double)streamed / hw.b_io - 2 * 1e-6) /
 				      (1e-6 - 6.0 / 13 * (double)(pm.heads * pm.head_dim) * 4 / hw.b_io));
 	else	/* the most tokens whose activations fit budget_extra */
-		for (want_cap = 0; mlens_perf_act_bytes(&pm, want_cap + 1, 64) <= budget_extra; want_cap++)
+		for (want_cap = 0; mlens_gpu_plan_act_estimate(&pm, want_cap + 1, 64) <= budget_extra; want_cap++)
 			;
 	ck_assert_int_eq(cap, want_cap);
 	ck_assert_int_gt(cap, 7);
@@ -821,7 +822,7 @@ START_TEST(sched_respects_activation_cap)
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
 	mlens_test_model_free(m);
 	/* room for activations of 15 tokens and a little: fewer than n_eq */
-	run_capped(mlens_perf_act_bytes(&pm, 15, 64) + 100, MLENS_PERF_LIMIT_ACT);
+	run_capped(mlens_gpu_plan_act_estimate(&pm, 15, 64) + 100, MLENS_PERF_LIMIT_ACT);
 }
 END_TEST
 

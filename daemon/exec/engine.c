@@ -13,6 +13,7 @@
 #include "daemon/exec/engine.h"
 #include "daemon/exec/layer.h"
 #include "daemon/exec/pipeline.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/step.h"
 #include "daemon/ops/trace.h"
 
@@ -138,22 +139,25 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
 	e->qdim = (int)(e->cfg.num_attention_heads * e->cfg.head_dim);
 	e->kvdim = (int)(e->cfg.num_key_value_heads * e->cfg.head_dim);
+	if (o->plan && o->plan->gpu_only) {
+		/* GPU-only mode's plan: its activations hold plan->tokens a step */
+		if (o->attn_backend) {
+			mlens_errf(err, errlen, "engine: a GPU-only memory plan given with an attention backend "
+			       "(hybrid mode needs the hybrid plan)");
+			rc = -EINVAL;
+			goto fail;
+		}
+		e->max_tokens = (int)o->plan->tokens;
+	}
 	if (o->attn_backend) {
 		struct mlens_pipeline_opts po = {
-			.gpu_budget = o->gpu_budget,
-			.max_step_tokens = e->max_tokens,
-			.min_step_tokens = o->hybrid_min_tokens,
+			.plan = o->plan,
 			.groups = o->hybrid_groups,
-			.sets = o->hybrid_sets,
-			.group_tokens = o->hybrid_group_tokens,
 			.piece_bytes = o->hybrid_piece_bytes,
 			.prefill_cpu = o->hybrid_prefill_cpu,
-			.gemm = o->hybrid_gemm,
 			.side_copy_out = o->hybrid_side_copy_out,
 			.up_copy_in = o->hybrid_up_copy_in,
-			.att_up_half = o->hybrid_att_up_half,
 			.gpu_kv_append = o->hybrid_gpu_kv_append,
-			.workspace = o->hybrid_workspace,
 			.kv_block_size = o->kv_block_size,
 			.kv_blocks = o->kv_blocks,
 			.kv_dtype = o->kv_dtype,

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/errf.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/plan/shard.h"
 
@@ -29,12 +30,6 @@ static bool mul3(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
 {
 	uint64_t t;
 	return mul_ok(a, b, &t) && mul_ok(t, c, out);
-}
-
-static uint64_t sat_mul(uint64_t a, uint64_t b)
-{
-	uint64_t r;
-	return mul_ok(a, b, &r) ? r : UINT64_MAX;
 }
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
@@ -104,99 +99,9 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 	return 0;
 }
 
-static int clamp_r(const struct mlens_perf_model *pm, int r)
-{
-	return r < 0 ? 0 : r > pm->experts ? (int)pm->experts : r;
-}
-
-uint64_t mlens_perf_streamed_bytes(const struct mlens_perf_model *pm, int r)
-{
-	return (uint64_t)(pm->experts - clamp_r(pm, r)) * pm->expert_bytes;
-}
-
-uint64_t mlens_perf_resident_bytes(const struct mlens_perf_model *pm, int r)
-{
-	uint64_t layer = pm->attn_bytes + pm->norm_bytes + pm->router_bytes +
-			 (uint64_t)clamp_r(pm, r) * pm->expert_bytes;
-	return layer * (uint64_t)pm->layers + pm->embed_bytes + pm->lm_head_bytes +
-	       pm->final_norm_bytes;
-}
-
-uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r)
-{
-	return 2 * mlens_perf_streamed_bytes(pm, r);
-}
-
-uint64_t mlens_perf_fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws)
-{
-	return sat_add(sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r)), ws);
-}
-
-int mlens_perf_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes)
-{
-	/* r = 0 for any model of more than two layers; with one layer keeping
-	 * it all resident costs less than two slots */
-	int best = 0;
-	*bytes = UINT64_MAX;
-	for (int r = 0; r <= (int)pm->experts; r++) {
-		uint64_t f = mlens_perf_fixed_bytes(pm, r, ws);
-		if (f < *bytes) {
-			*bytes = f;
-			best = r;
-		}
-	}
-	return best;
-}
-
-int64_t mlens_perf_tokens_fit(uint64_t (*act)(const void *arg, int64_t n), const void *arg,
-			      uint64_t room, int64_t cap)
-{
-	int64_t lo = 0, hi = cap;
-	while (lo < hi) {
-		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (act(arg, mid) <= room)
-			lo = mid;
-		else
-			hi = mid - 1;
-	}
-	return lo;
-}
-
 double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx)
 {
 	return ctx * (double)pm->kv_token_bytes;
-}
-
-/* GPU activations of a step of n tokens (DESIGN §5.2), in activation
- * elements of abytes each, G = ceil(n x MLENS_PERF_GROUP_MAX) the larger
- * token group, c the chunk rows:
- *   n x (2H + E + 2k)          residual stream, its norm, router logits,
- *                              top-k weights and ids, for all tokens
- * + G x (2 heads*hd + 2 kv*hd)  q, attention output, k, v of one group
- * + min(n k, c) x (2H + 2I)     one MoE chunk: gathered inputs, outputs,
- *                              gate and up intermediates
- * + min(n, c) x V               logits of one chunk of rows */
-uint64_t mlens_perf_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk)
-{
-	uint64_t un, G, rows, lrows, per, acc;
-	uint64_t H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
-	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim), kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
-	if (n <= 0)
-		return 0;
-	if (chunk <= 0)
-		chunk = MLENS_PERF_CHUNK;
-	un = (uint64_t)n;
-	G = (uint64_t)ceil((double)n * MLENS_PERF_GROUP_MAX);
-	rows = sat_mul(un, (uint64_t)pm->top_k);
-	if (rows > (uint64_t)chunk)
-		rows = (uint64_t)chunk;
-	lrows = un < (uint64_t)chunk ? un : (uint64_t)chunk;
-	per = 2 * H + (uint64_t)pm->experts + 2 * (uint64_t)pm->top_k;
-	acc = sat_mul(un, per);
-	acc = sat_add(acc, sat_mul(G, 2 * qd + 2 * kvd));
-	acc = sat_add(acc, sat_mul(rows, 2 * H + 2 * I));
-	acc = sat_add(acc, sat_mul(lrows, (uint64_t)pm->vocab));
-	return sat_mul(acc, (uint64_t)pm->abytes);
 }
 
 /* ==== the line fit ==== */
@@ -425,7 +330,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	kv_read = st->context * (double)pm->kv_token_bytes;
 	/* H2D: streamed experts + attention outputs of decode tokens;
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
-	streamed = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts);
+	streamed = (double)mlens_gpu_plan_streamed_bytes(pm, pol->resident_experts);
 	h2d = streamed + d * qd * (hw->att_up_bytes > 0 ? hw->att_up_bytes : ab) +
 	      st->tokens * hw->h2d_per_token;
 	d2h = hw->gpu_kv_append ? d * qd * ab + st->tokens * (double)pm->kv_token_bytes
@@ -544,7 +449,7 @@ static int64_t min_tokens(const struct mlens_perf_workload *w)
 static uint64_t act_of(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw, int64_t n)
 {
 	return hw->act_bytes ? hw->act_bytes(pm, n, hw->chunk, hw->act_arg)
-			     : mlens_perf_act_bytes(pm, n, hw->chunk);
+			     : mlens_gpu_plan_act_estimate(pm, n, hw->chunk);
 }
 
 struct act_at {
@@ -563,15 +468,13 @@ static int64_t act_fit(const struct mlens_perf_model *pm, const struct mlens_per
 		       uint64_t room)
 {
 	const struct act_at a = { pm, hw };
-	return mlens_perf_tokens_fit(act_at, &a, room, (int64_t)1 << 40);
+	return mlens_gpu_plan_tokens_fit(act_at, &a, room, (int64_t)1 << 40);
 }
 
 uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			       int64_t n_min)
 {
-	uint64_t b;
-	mlens_perf_min_fixed(pm, hw->gpu_workspace, &b);
-	return sat_add(b, act_of(pm, hw, n_min > 0 ? n_min : 1));
+	return mlens_gpu_plan_minimum(pm, hw->gpu_workspace, act_of(pm, hw, n_min > 0 ? n_min : 1));
 }
 
 /* GPU tier minus PCIe tier of the workload's steady step of n tokens,
@@ -633,9 +536,9 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	}
 	memset(out, 0, sizeof(*out));
 	out->policy.resident_experts = resident_experts;
-	out->gpu_resident = mlens_perf_resident_bytes(pm, resident_experts);
-	out->gpu_slots = mlens_perf_slot_bytes(pm, resident_experts);
-	fixed = mlens_perf_fixed_bytes(pm, resident_experts, hw->gpu_workspace);
+	out->gpu_resident = mlens_gpu_plan_resident_bytes(pm, resident_experts);
+	out->gpu_slots = mlens_gpu_plan_slot_bytes(pm, resident_experts);
+	fixed = mlens_gpu_plan_fixed_bytes(pm, resident_experts, hw->gpu_workspace);
 	room = hw->gpu_budget > fixed ? hw->gpu_budget - fixed : 0;
 	n_a = (double)act_fit(pm, hw, room);
 	if (n_a < (double)nmin) {
@@ -652,7 +555,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		n_a = hw->max_step;
 		out->n_real_by = MLENS_PERF_LIMIT_STEP;
 	}
-	streamed = mlens_perf_streamed_bytes(pm, resident_experts);
+	streamed = mlens_gpu_plan_streamed_bytes(pm, resident_experts);
 	out->pme = mlens_perf_pme(w->p, w->g);
 	{
 		/* the workload's steady steps add, per token, prefill attention
@@ -734,8 +637,8 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 		       "(attention, norms, routers, embeddings and lm_head %.2f GiB, two slots of one "
 		       "layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, workspace "
 		       "%.2f GiB); raise gpu_memory",
-		       gib(hw->gpu_budget), gib(need), gib(mlens_perf_resident_bytes(pm, 0)),
-		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)min_tokens(w),
+		       gib(hw->gpu_budget), gib(need), gib(mlens_gpu_plan_resident_bytes(pm, 0)),
+		       gib(mlens_gpu_plan_slot_bytes(pm, 0)), (long long)min_tokens(w),
 		       gib(act_of(pm, hw, min_tokens(w))), gib(hw->gpu_workspace));
 		return -ENOSPC;
 	}

@@ -741,7 +741,7 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		return 0;
 	if (S < 1 || S > MLENS_MOE_STREAMS_MAX)
 		return -EINVAL;	/* checked when the context was made */
-	/* the layout that mlens_gpuplan_moe_scratch (daemon/plan/gpuplan.c) counts:
+	/* the layout that mlens_gpu_plan_moe_scratch (daemon/plan/gpu_plan.c) counts:
 	 * the pieces are slices of one area of MLENS_CUDA_MOE_GU_ROWS rows, each
 	 * slice aligned */
 	prow = mlens_moe_piece_rows(rows, S);

@@ -32,6 +32,7 @@
 #include "daemon/config.h"
 #include "daemon/mem.h"
 #include "daemon/model/model.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "kernels/cpu/pool.h"
 #include "tests/bench/bench.h"
@@ -1544,7 +1545,7 @@ int mlens_bench_serve(int argc, char **argv)
 		 * last step), else every expert of every layer */
 		w_step = jopt(st1, "last_step_weight_bytes");
 		if (!(w_step > 0))
-			w_step = L * (double)mlens_perf_streamed_bytes(&pm, 0);
+			w_step = L * (double)mlens_gpu_plan_streamed_bytes(&pm, 0);
 		have_hb = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
 					    ceil_.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12, &hb);
 		/* and with the lone GEMMs' rate, for comparison */

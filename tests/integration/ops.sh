@@ -79,6 +79,7 @@ kv_cache = 2M
 mlock = false
 threads = 1
 backend = cpu     # the operations under test do not depend on it; on a GPU box auto picks cuda
+gpu_memory = 1G   # no GPU memory plan on the cpu backend: status shows no budget
 EOC
 start_mlensd --config "$tmp/mlensd.conf" --model "$tmp/m" --kv-cache 4M --stats-http 127.0.0.1:0
 
@@ -99,6 +100,10 @@ ctl --json status >"$tmp/st" || fail "status"
 [ "$(jfield admission <"$tmp/st")" = open ] || fail "status admission"
 [ "$(jfield layers <"$tmp/st")" = 2 ] || fail "status model layers"
 [ "$(jfield budget_bytes <"$tmp/st")" = 4194304 ] || fail "flag --kv-cache 4M did not win over the file's 2M"
+# the GPU budget is the plan's effective one; the cpu backend has no plan
+gpu_budget=$(sed -n '/"gpu_memory": {/,/}/p' "$tmp/st" | jfield budget_bytes)
+[ "$gpu_budget" = null ] || fail "status: GPU budget '$gpu_budget' with the cpu backend, expected null"
+ctl status | grep -q "^GPU budget  *none" || fail "human status: GPU budget with the cpu backend"
 [ "$(jfield blocks_total <"$tmp/st")" -gt 0 ] || fail "status KV blocks"
 [ "$(jfield blocks_used <"$tmp/st")" = 0 ] || fail "status KV blocks used at rest"
 [ "$(jfield requests_running <"$tmp/st")" = 0 ] || fail "status running"
