@@ -18,6 +18,7 @@
 
 #include "daemon/exec/layer.h"
 #include "daemon/model/model.h"
+#include "daemon/plan/perfmodel.h"
 #include "daemon/tools/mkmodel.h"
 #include "kernels/backend.h"
 #include "tests/check_common.h"
@@ -376,6 +377,37 @@ START_TEST(presets)
 }
 END_TEST
 
+/* The memory plan's arithmetic over the full shapes: the presets' models
+ * hold the published parameter counts (Mixtral-8x22B 140.6e9, DBRX
+ * 131.6e9), a layer's experts and attention as their shapes give them. */
+START_TEST(plan_full_shapes)
+{
+	static const struct {
+		const char *preset;
+		uint64_t params, expert, attn;
+	} want[] = {
+		{ "mixtral-8x22b", 140630071296ull, 3ull * 6144 * 16384, 2ull * (6144 + 1024) * 6144 },
+		{ "dbrx", 131596523520ull, 3ull * 6144 * 10752, (8192ull + 6144) * 6144 },
+	};
+	for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+		struct mlens_mkmodel_opts o = { 0 };
+		struct mlens_perf_model pm;
+
+		ck_assert_int_eq(mlens_mkmodel_preset(&o, want[i].preset), 0);
+		o.cfg.head_dim = o.cfg.hidden_size / o.cfg.num_attention_heads;
+		ck_assert_int_eq(o.cfg.head_dim, 128);
+		ck_assert_int_eq(mlens_perf_model_from_config(&pm, &o.cfg, MLENS_DTYPE_BF16), 0);
+		ck_assert_uint_eq(pm.model_bytes, 2 * want[i].params);
+		ck_assert_uint_eq(pm.expert_bytes, 2 * want[i].expert);
+		ck_assert_uint_eq(pm.attn_bytes, 2 * want[i].attn);
+		/* a KV token: 8 KV heads of 128, K and V, bf16 */
+		ck_assert_uint_eq(pm.kv_token_bytes, 2 * 8 * 128 * 2);
+		ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 2),
+				  (uint64_t)(o.cfg.num_local_experts - 2) * pm.expert_bytes);
+	}
+}
+END_TEST
+
 /* ==== ops ==== */
 
 static struct mlens_backend cpu;
@@ -558,6 +590,7 @@ static Suite *dbrx_suite(void)
 	tcase_add_test(cfg, config_dbrx);
 	tcase_add_test(cfg, config_dbrx_refusals);
 	tcase_add_test(cfg, config_unknown_architecture);
+	tcase_add_test(cfg, plan_full_shapes);
 	suite_add_tcase(s, cfg);
 
 	tcase_add_checked_fixture(files, setup, teardown);
