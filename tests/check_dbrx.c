@@ -23,80 +23,7 @@
 #include "kernels/backend.h"
 #include "tests/check_common.h"
 #include "tests/golden/golden.h"
-
-static char tmpdir[64];
-static char err[2048];
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-	(void)sb, (void)flag, (void)ftw;
-	return remove(p);
-}
-
-static void setup(void)
-{
-	snprintf(tmpdir, sizeof(tmpdir), "/tmp/mlens_dbrx_XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(tmpdir));
-}
-
-static void teardown(void)
-{
-	nftw(tmpdir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-static char *sub(const char *name)
-{
-	static char bufs[4][256];
-	static int k;
-
-	k = (k + 1) % 4;
-	snprintf(bufs[k], sizeof(bufs[k]), "%s/%s", tmpdir, name);
-	return bufs[k];
-}
-
-#define assert_err(...) do { \
-	const char *want_[] = { __VA_ARGS__ }; \
-	for (size_t i_ = 0; i_ < sizeof(want_) / sizeof(want_[0]); i_++) \
-		ck_assert_msg(strstr(err, want_[i_]), "message lacks '%s': %s", want_[i_], err); \
-} while (0)
-
-/* The whole file, and its length. */
-static char *slurp(const char *path, size_t *len)
-{
-	FILE *f = fopen(path, "rb");
-	char *buf;
-	long n;
-
-	ck_assert_ptr_nonnull(f);
-	fseek(f, 0, SEEK_END);
-	n = ftell(f);
-	fseek(f, 0, SEEK_SET);
-	buf = calloc(1, (size_t)n + 1);
-	ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
-	fclose(f);
-	*len = (size_t)n;
-	return buf;
-}
-
-/* Replace the first `from` in a file by `to`, byte for byte (a config's
- * text, or a tensor's name in a safetensors header when both have the
- * same length). */
-static void edit(const char *path, const char *from, const char *to)
-{
-	size_t len, fl = strlen(from), tl = strlen(to);
-	char *t = slurp(path, &len), *at = memmem(t, len, from, fl);
-	FILE *f;
-
-	ck_assert_msg(at != NULL, "'%s' not in %s", from, path);
-	f = fopen(path, "wb");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_uint_eq(fwrite(t, 1, (size_t)(at - t), f), (size_t)(at - t));
-	ck_assert_uint_eq(fwrite(to, 1, tl, f), tl);
-	ck_assert_uint_eq(fwrite(at + fl, 1, len - (size_t)(at - t) - fl, f),
-			  len - (size_t)(at - t) - fl);
-	ck_assert_int_eq(fclose(f), 0);
-	free(t);
-}
+#include "tests/model_files.h"
 
 static struct mlens_mkmodel_opts dbrx_tiny(const char *dir, enum mlens_dtype dt)
 {
@@ -105,21 +32,6 @@ static struct mlens_mkmodel_opts dbrx_tiny(const char *dir, enum mlens_dtype dt)
 	ck_assert_int_eq(mlens_mkmodel_preset(&o, "dbrx-tiny"), 0);
 	o.cfg.dtype = dt;
 	return o;
-}
-
-static void make(const struct mlens_mkmodel_opts *o)
-{
-	int rc = mlens_mkmodel_write(o, err, sizeof(err));
-	ck_assert_msg(rc == 0, "mkmodel: %s", err);
-}
-
-static int open_err(const char *dir)
-{
-	struct mlens_model *m = (void *)1;
-	int rc = mlens_model_open(dir, &m, err, sizeof(err));
-
-	ck_assert_ptr_null(m);
-	return rc;
 }
 
 /* ==== config.json ==== */

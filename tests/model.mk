@@ -3,7 +3,7 @@
 if HAVE_CHECK
 check_PROGRAMS += tests/check_model
 TESTS += tests/check_model
-tests_check_model_SOURCES = tests/check_model.c
+tests_check_model_SOURCES = tests/check_model.c tests/model_files.h
 tests_check_model_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
 tests_check_model_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
 endif
@@ -56,7 +56,7 @@ TESTS += tests/model_hf_interop.sh
 if HAVE_CHECK
 check_PROGRAMS += tests/check_dbrx
 TESTS += tests/check_dbrx
-tests_check_dbrx_SOURCES = tests/check_dbrx.c
+tests_check_dbrx_SOURCES = tests/check_dbrx.c tests/model_files.h
 tests_check_dbrx_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
 tests_check_dbrx_LDADD = tests/libmlens_golden.la daemon/tools/libmlens_tools.la \
 	daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)

@@ -402,11 +402,17 @@ def write_files_list(path, var, what, files):
         f.write("\n")
 
 
-def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
+def begin():
+    """The output folder (argv[1], else this script's), and torch set up for
+    runs that repeat bit for bit."""
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)              # fixed reduction order
     torch.use_deterministic_algorithms(True)
+    return sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
+
+
+def main():
+    out = begin()
     files = []
     for spec in MODELS:
         cfg = make_config(spec["cfg"])

@@ -175,10 +175,7 @@ def write_fixture(d, spec, seed, prompts):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(1)              # fixed reduction order
-    torch.use_deterministic_algorithms(True)
+    out = mg.begin()
     files = []
     for spec in MODELS:
         model, prompts, seed = build(spec)
