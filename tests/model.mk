@@ -61,3 +61,5 @@ tests_check_dbrx_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
 tests_check_dbrx_LDADD = tests/libmlens_golden.la daemon/tools/libmlens_tools.la \
 	daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
 endif
+dist_check_SCRIPTS += tests/integration/dbrx.sh
+TESTS += tests/integration/dbrx.sh
