@@ -18,6 +18,7 @@
 
 #include "daemon/exec/layer.h"
 #include "daemon/model/model.h"
+#include "daemon/model/weights.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/tools/mkmodel.h"
 #include "kernels/backend.h"
@@ -187,6 +188,19 @@ START_TEST(mkmodel_dbrx_roundtrip)
 			       1e-2);
 	ck_assert_float_gt(mlens_mkmodel_value(7, "transformer.blocks.0.norm_attn_norm.norm_1.weight", 3), 0.9);
 	ck_assert_float_gt(mlens_mkmodel_value(7, "transformer.norm_f.weight", 0), 0.9);
+	/* into the weight pages, the views move with the fused tensor */
+	{
+		struct mlens_weights_opts wo = { .node = -1, .movers = 1 };
+		struct mlens_weights wp = { 0 };
+		ck_assert_msg(mlens_weights_load(m, &wo, &wp, err, sizeof(err)) == 0, "%s", err);
+		ck_assert_ptr_ne(qkv->data, m->files[qkv->file].map);
+		ck_assert_ptr_eq(m->layers[1].wq->data, qkv->data);
+		ck_assert_ptr_eq(m->layers[1].wv->data, (const char *)qkv->data + (Q + KV) * H * 2);
+		ck_assert_ptr_eq(m->layers[1].w2[E - 1], (const char *)w2->data + (E - 1) * I * H * 2);
+		ck_assert_mem_eq(m->layers[1].wk->data, (const char *)m->files[qkv->file].map +
+				 m->layers[1].wk->offset, m->layers[1].wk->nbytes);
+		mlens_weights_free(&wp);
+	}
 	mlens_model_close(m);
 }
 END_TEST
