@@ -483,7 +483,9 @@ static json_t *config_json_dbrx(const struct mlens_model_config *c)
 {
 	json_t *clip = c->clip_qkv > 0 ? json_real(c->clip_qkv) : json_null();
 
-	return json_pack("{s:[s], s:{s:f, s:o, s:I, s:f}, s:I, s:o, s:{s:{s:s}, s:I, s:f, s:f, s:I, s:f, s:I}, s:f, s:I, s:s, s:I, s:I, s:b, s:s, s:s, s:b, s:I}",
+	/* rope_theta in attn_config as DBRX's files have it, and in
+	 * rope_parameters, which transformers 5 reads instead */
+	return json_pack("{s:[s], s:{s:f, s:o, s:I, s:f}, s:I, s:o, s:{s:{s:s}, s:I, s:f, s:f, s:I, s:f, s:I}, s:f, s:I, s:s, s:I, s:I, s:{s:s, s:f}, s:b, s:s, s:s, s:b, s:I}",
 			 "architectures", "DbrxForCausalLM",
 			 "attn_config", "attn_pdrop", 0.0, "clip_qkv", clip,
 			 "kv_n_heads", (json_int_t)c->num_key_value_heads,
@@ -501,6 +503,7 @@ static json_t *config_json_dbrx(const struct mlens_model_config *c)
 			 "model_type", "dbrx",
 			 "n_heads", (json_int_t)c->num_attention_heads,
 			 "n_layers", (json_int_t)c->num_hidden_layers,
+			 "rope_parameters", "rope_type", "default", "rope_theta", c->rope_theta,
 			 "tie_word_embeddings", (int)c->tie_word_embeddings,
 			 "torch_dtype", dtype_hf(c->dtype),
 			 "transformers_version", "4.46.0",
