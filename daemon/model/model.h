@@ -109,8 +109,9 @@ struct mlens_model {
 
 /* Open and validate a model directory. On failure returns -errno and writes
  * one human-readable message into err (naming file, tensor and fault).
- * Experts may be stored per expert (block_sparse_moe.experts.J.w1/w2/w3)
- * or fused as transformers 5 does (mlp.experts.gate_up_proj, down_proj).
+ * Mixtral's experts may be stored per expert (block_sparse_moe.experts.J.
+ * w1/w2/w3) or fused as transformers 5 does (mlp.experts.gate_up_proj,
+ * down_proj); DBRX's are fused over experts (ffn.experts.mlp.w1/v1/w2).
  * Only headers are read: tensor data is first touched by whoever uses it. */
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen);
 void mlens_model_close(struct mlens_model *m);
