@@ -2,6 +2,8 @@
 # (model files + references) are made by tests/golden/make_golden.py, which
 # also writes tests/golden/files.mk, the list of every fixture file.
 include tests/golden/files.mk
+# DBRX's fixtures, made by tests/golden/make_golden_dbrx.py
+include tests/golden/files_dbrx.mk
 
 noinst_LTLIBRARIES += tests/libmlens_golden.la
 tests_libmlens_golden_la_SOURCES = tests/golden/golden.h tests/golden/golden.c
@@ -9,7 +11,8 @@ tests_libmlens_golden_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 tests_libmlens_golden_la_CPPFLAGS = $(AM_CPPFLAGS) -DMLENS_GOLDEN_SRCDIR='"$(abs_top_srcdir)"'
 tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
 
-dist_noinst_DATA += $(GOLDEN_FIXTURES)
+dist_noinst_DATA += $(GOLDEN_FIXTURES) $(GOLDEN_FIXTURES_DBRX)
+EXTRA_DIST += tests/golden/make_golden_dbrx.py tests/golden/files_dbrx.mk
 EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
 	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh
 

@@ -32,6 +32,11 @@ struct mlens_layer_desc {
 	float norm_eps;
 	float rope_theta;
 	float attn_scale;	/* 1 / sqrt(head_dim) */
+	/* A family's differences (zero for Mixtral): */
+	enum mlens_norm_kind norm_kind;	/* RMSNorm or LayerNorm, every norm */
+	float clip_qkv;		/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
+				 * after their projection, before RoPE (DBRX) */
+	bool w2_transposed;	/* experts' w2 stored [inter][hidden] (DBRX) */
 };
 
 void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_config *c);
