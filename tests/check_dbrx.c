@@ -17,6 +17,7 @@
 #include <jansson.h>
 
 #include "daemon/exec/layer.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/model/model.h"
 #include "daemon/model/weights.h"
 #include "daemon/plan/perfmodel.h"
@@ -328,7 +329,7 @@ START_TEST(plan_full_shapes)
 		ck_assert_uint_eq(pm.attn_bytes, 2 * want[i].attn);
 		/* a KV token: 8 KV heads of 128, K and V, bf16 */
 		ck_assert_uint_eq(pm.kv_token_bytes, 2 * 8 * 128 * 2);
-		ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 2),
+		ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 2),
 				  (uint64_t)(o.cfg.num_local_experts - 2) * pm.expert_bytes);
 	}
 }
