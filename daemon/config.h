@@ -33,6 +33,9 @@ struct mlens_config {
 	int64_t kv_growth_room;		/* blocks of growth room at admission */
 	int64_t admit_lookahead;	/* steps of the admission's KV look-ahead */
 	bool admit_keeps_room;		/* admissions leave growth room alone */
+	uint64_t kv_swap;		/* bytes of KV swap file, 0: off */
+	char *kv_swap_path;		/* its directory or new file */
+	char *kv_swap_policy;		/* "auto", "always" or "never" */
 	uint64_t gpu_memory;
 	int64_t threads;
 	int64_t numa_node;

@@ -16,6 +16,7 @@
 #include "daemon/config.h"
 #include "daemon/ops/control.h"
 #include "daemon/exec/engine.h"
+#include "daemon/exec/kv_swap.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/gpuplan.h"
 #include "daemon/exec/pipeline.h"
@@ -39,6 +40,7 @@ struct daemon {
 	bool weights_registered;	/* host_register'ed with the backend */
 	bool hybrid;
 	struct mlens_pinned kv_k, kv_v;
+	struct mlens_kv_swap *swap;	/* kv_swap > 0 and a KV pool in host memory */
 	struct mlens_engine *engine;
 	struct mlens_sched *sched;
 	struct mlens_worker *worker;
@@ -674,6 +676,51 @@ static int step_kv_cache(void)
 	return 0;
 }
 
+/* Defaults of the KV swap's cost model where nothing was measured: an
+ * NVMe drive's sequential rate, and a prefill rate per backend kind. */
+#define SWAP_DISK_BPS 2e9
+#define SWAP_CPU_FLOPS 5e10
+#define SWAP_GPU_FLOPS 1e14
+
+/* The KV swap file (kv_swap > 0), with the rates of its cost model: the
+ * disk's from the model files' O_DIRECT io_uring read, the prefill's from
+ * the profiler's GEMM rate, defaults otherwise. GPU-only mode keeps its KV
+ * in GPU memory, which the file's I/O cannot reach: no swap there. */
+static int kv_swap_open(void)
+{
+	struct mlens_kv_swap_opts o = { 0 };
+	struct mlens_perf_model pm;
+	char err[1024];
+	int rc;
+
+	if (!D.cfg.kv_swap)
+		return 0;
+	if (!D.be.ops->host_memory && !D.hybrid) {
+		log_warn("kv_swap: GPU-only mode keeps the KV cache in GPU memory; preempted sequences re-prefill");
+		return 0;
+	}
+	o.budget = D.cfg.kv_swap;
+	o.path = D.cfg.kv_swap_path;
+	o.policy = !strcmp(D.cfg.kv_swap_policy, "always") ? MLENS_KV_SWAP_ALWAYS :
+		   !strcmp(D.cfg.kv_swap_policy, "never") ? MLENS_KV_SWAP_NEVER : MLENS_KV_SWAP_AUTO;
+	o.rates.disk_bps = D.weights.used_io_uring && D.weights.direct && D.weights.seconds > 0 ?
+		D.weights.bytes / D.weights.seconds : SWAP_DISK_BPS;
+	o.rates.compute_flops = D.prof.have && D.prof.prof.gemm_flops > 0 ? D.prof.prof.gemm_flops :
+		D.be.ops->host_memory ? SWAP_CPU_FLOPS : SWAP_GPU_FLOPS;
+	if (!mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt)) {
+		o.rates.flops_per_token = (double)pm.layers * (pm.flops_ga + pm.flops_gb);
+		/* causal attention: q.k and p.v over half the square, per head */
+		o.rates.flops_per_token2 = 2.0 * (double)pm.layers * (double)pm.heads * (double)pm.head_dim;
+	}
+	rc = mlens_kv_swap_create(&D.swap, &mlens_engine_kv(D.engine)->cache, &o, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+	log_info("%s; cost model: disk %.2f GB/s%s, prefill %.3g FLOP/s%s", mlens_kv_swap_describe(D.swap),
+		 o.rates.disk_bps / 1e9, o.rates.disk_bps == SWAP_DISK_BPS ? " (default)" : " (model files' read)",
+		 o.rates.compute_flops, D.prof.have && D.prof.prof.gemm_flops > 0 ? " (profiled)" : " (default)");
+	return 0;
+}
+
 /* The profiler (before the engine takes its memory), the engine and the
  * scheduler. */
 static int step_engine(void)
@@ -743,7 +790,10 @@ static int step_engine(void)
 		 (unsigned long long)D.kv_blocks * (unsigned long long)D.cfg.kv_block_size, eo->max_step_tokens);
 
 	mlens_kv_pool_set_room(mlens_engine_kv(D.engine), (uint32_t)D.cfg.kv_growth_room);
+	if ((rc = kv_swap_open()))
+		return rc;
 	memset(&so, 0, sizeof(so));
+	so.swap = D.swap;
 	so.token_cap = eo->max_step_tokens;
 	so.reserve_horizon = (int)D.cfg.admit_lookahead;
 	so.admit_keeps_room = D.cfg.admit_keeps_room;
@@ -884,6 +934,7 @@ static void teardown(void)
 		close(D.notify_fd);
 	if (D.sched)
 		mlens_sched_destroy(D.sched);
+	mlens_kv_swap_destroy(D.swap);
 	if (D.engine)
 		mlens_engine_destroy(D.engine);
 	mlens_pinned_free(&D.kv_k);
