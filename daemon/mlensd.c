@@ -19,6 +19,7 @@
 #include "daemon/exec/kv_swap.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/gpuplan.h"
+#include "daemon/plan/host_plan.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/log.h"
@@ -554,6 +555,16 @@ static int step_model(void)
 	D.node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
 	if (D.node < -1)
 		return fail_start("%s", err);
+	if (D.cfg.host_memory) {
+		/* before minutes of reading: the weight pages alone must fit */
+		uint64_t files = 0;
+		for (int i = 0; i < D.model->n_files; i++)
+			files += D.model->files[i].size;
+		if (files > D.cfg.host_memory)
+			return fail_start("host_memory of %.1f MiB is below the weight pages alone (%.1f MiB, the model "
+					  "files); raise host_memory above that, with room for the KV pool and staging",
+					  D.cfg.host_memory / 1048576.0, files / 1048576.0);
+	}
 	{
 		struct mlens_weights_opts wo = { D.node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
@@ -612,6 +623,37 @@ static int step_backend(void)
 	return 0;
 }
 
+/* The host memory plan (host_memory): weight pages and staging first,
+ * the KV pool (in host memory on the CPU backend and in hybrid mode) the
+ * rest up to kv_cache, in whole blocks; the split printed, a budget that
+ * cannot run refused. */
+static int host_plan(void)
+{
+	struct mlens_host_plan_in hi = { .budget = D.cfg.host_memory, .weight_bytes = D.weights.mem.size };
+	struct mlens_host_plan hp;
+	bool host_kv = D.be.ops->host_memory || D.hybrid;
+	char err[1024], line[512];
+	uint64_t blocks;
+
+	hi.staging = mlens_host_plan_staging(&D.model->cfg, D.hybrid, D.be.ops->host_memory, step_cap_wanted(),
+					     D.hybrid ? plan_group() : 0, (int)D.cfg.pipeline_sets);
+	if (host_kv) {
+		hi.kv_want = 2ull * D.kv_blocks * D.kv_per_block;
+		hi.kv_min = mlens_host_plan_kv_min(&D.model->cfg, step_cap_wanted(), (int)D.cfg.kv_block_size,
+						   2ull * D.kv_per_block);
+	}
+	if (mlens_host_plan_split(&hp, &hi, err, sizeof(err)))
+		return fail_start("%s", err);
+	if (host_kv && D.cfg.host_memory) {
+		blocks = hp.kv / (2ull * D.kv_per_block);
+		D.kv_blocks = blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)blocks;
+		hp.kv = 2ull * D.kv_blocks * D.kv_per_block;
+	}
+	mlens_host_plan_format(&hp, line, sizeof(line));
+	log_info("%s%s", line, host_kv ? "" : " (GPU-only mode: the KV cache is in GPU memory)");
+	return 0;
+}
+
 /* The KV cache's size in blocks; GPU-only or hybrid mode (and then the CPU
  * attention backend); the pool in pinned memory on the same node. */
 static int step_kv_cache(void)
@@ -664,6 +706,8 @@ static int step_kv_cache(void)
 						  strerror(-rc));
 		}
 	}
+	if ((rc = host_plan()))
+		return rc;
 	if (D.be.ops->host_memory || D.hybrid) {
 		size_t bytes = (size_t)D.kv_blocks * D.kv_per_block;
 		rc = mlens_pinned_alloc(&D.kv_k, bytes, D.node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
