@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 #include "daemon/errf.h"
 #include "daemon/log.h"
@@ -249,10 +250,18 @@ bool mlens_kv_swap_choose(const struct mlens_kv_swap *sw, uint32_t n_blocks, int
 /* Move blocks[0..n) of kv to (write) or from slots[0..n), SWAP_DEPTH
  * blocks at a time, and wait for all. 0 or the first error (-EIO for a
  * short transfer). */
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static int move_blocks(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv, const uint32_t *blocks,
 		       uint32_t n, const uint32_t *slots, bool write)
 {
 	const size_t es = mlens_dtype_size(kv->dtype);
+	const double t0 = now();
 	int first_err = 0;
 
 	for (uint32_t done = 0; done < n;) {
@@ -300,6 +309,7 @@ static int move_blocks(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv
 		}
 		done += batch;
 	}
+	sw->st.io_seconds += now() - t0;
 	return first_err;
 }
 

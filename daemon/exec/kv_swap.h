@@ -61,6 +61,7 @@ struct mlens_kv_swap_stats {
 	uint64_t recomputes;		/* preempted sequences left to re-prefill */
 	uint64_t full;			/* of which because the file (or disk) had no room */
 	uint64_t errors;		/* I/O errors (each one's sequence re-prefills) */
+	double io_seconds;		/* the worker waited for the swap I/O, total */
 	uint32_t slots_used, slots_total;
 };
 

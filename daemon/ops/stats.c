@@ -99,6 +99,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_swap_recomputes_total", json_integer((json_int_t)w->recomputes));
 		json_object_set_new(o, "kv_swap_full_total", json_integer((json_int_t)w->full));
 		json_object_set_new(o, "kv_swap_errors_total", json_integer((json_int_t)w->errors));
+		json_object_set_new(o, "kv_swap_io_seconds_total", json_real(w->io_seconds));
 		json_object_set_new(o, "kv_swap_slots_used", json_integer(w->slots_used));
 		json_object_set_new(o, "kv_swap_slots_total", json_integer(w->slots_total));
 	}
@@ -260,6 +261,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		evbuffer_add_printf(b, "mlens_kv_swap_fallbacks_total{why=\"full\"} %llu\n"
 				    "mlens_kv_swap_fallbacks_total{why=\"error\"} %llu\n",
 				    (unsigned long long)w->full, (unsigned long long)w->errors);
+		prom_head(b, "mlens_kv_swap_io_seconds_total", "counter",
+			  "Time the scheduler's thread waited for KV swap writes and reads (between steps).");
+		evbuffer_add_printf(b, "mlens_kv_swap_io_seconds_total %.9g\n", w->io_seconds);
 		prom_head(b, "mlens_kv_swap_slots_used", "gauge", "Slots of the KV swap file (one KV block each) holding a preempted sequence's KV.");
 		evbuffer_add_printf(b, "mlens_kv_swap_slots_used %u\n", w->slots_used);
 		prom_head(b, "mlens_kv_swap_slots_total", "gauge", "Slots of the KV swap file.");

@@ -103,6 +103,7 @@ if command -v curl >/dev/null; then
 	grep -q "^mlens_kv_swap_bytes_total{dir=\"in\"} $(stat_of always kv_swap_bytes_in_total)\$" "$tmp/always.metrics" ||
 		fail "/metrics lacks the bytes read back"
 	grep -q "^mlens_kv_swap_slots_total [1-9]" "$tmp/always.metrics" || fail "/metrics lacks the slots"
+	grep -q "^mlens_kv_swap_io_seconds_total [0-9]" "$tmp/always.metrics" || fail "/metrics lacks the swap I/O time"
 fi
 grep -q "KV swap file in $tmp: .* slots of .* bytes" "$tmp/always.log" || fail "no start-up line on the swap file"
 [ -z "$(ls -A "$tmp" | grep -i swap)" ] || fail "a swap file was left in $tmp: $(ls "$tmp")"
