@@ -106,6 +106,8 @@ if command -v curl >/dev/null; then
 	grep -q "^mlens_kv_swap_io_seconds_total [0-9]" "$tmp/always.metrics" || fail "/metrics lacks the swap I/O time"
 fi
 grep -q "KV swap file in $tmp: .* slots of .* bytes" "$tmp/always.log" || fail "no start-up line on the swap file"
+grep -q "preemption: $pre sequences evicted so far (KV blocks short); $sw went to the KV swap file, 0 re-prefill" "$tmp/always.log" ||
+	fail "the preemption log line lacks the swap: $(grep preemption: "$tmp/always.log" | tail -1)"
 [ -z "$(ls -A "$tmp" | grep -i swap)" ] || fail "a swap file was left in $tmp: $(ls "$tmp")"
 echo "ok: swap always, $sw of $pre preempted sequences swapped out and back, tokens unchanged"
 sed -n 's/^\(KV swap .*\)/  mlensctl status: \1/p' "$tmp/always.status"
