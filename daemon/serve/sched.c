@@ -611,8 +611,8 @@ static void swap_out(struct mlens_sched *s, struct mlens_req *r)
 
 /* Read r's KV back from the swap file into blocks for len tokens, taken
  * with growth room up to final_len: 0 with seq.len set (a decode
- * sequence now); -ENOSPC when the pool is short (nothing changed, it
- * stays swapped); another -errno when the read failed: its slots and
+ * sequence now); -errno when the blocks cannot be taken (nothing
+ * changed, it stays swapped); 1 when the read failed: its slots and
  * blocks are freed and it re-prefills. */
 static int swap_in(struct mlens_sched *s, struct mlens_req *r, int64_t len, int64_t final_len)
 {
@@ -626,7 +626,7 @@ static int swap_in(struct mlens_sched *s, struct mlens_req *r, int64_t len, int6
 	if (rc) {
 		mlens_seq_release(s->kv, &r->seq);
 		mlens_kv_swap_note_recompute(s->swap, false);
-		return rc;
+		return 1;
 	}
 	r->seq.len = r->swap_len;
 	return 0;
@@ -925,7 +925,7 @@ int mlens_sched_step(struct mlens_sched *s)
 				       !(s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv));
 				if (fits && swapped) {
 					int rc2 = swap_in(s, r, len, (int64_t)len + rem);
-					if (rc2 == -ENOSPC)
+					if (rc2 < 0)
 						fits = false;
 					else if (rc2)	/* the read failed: a re-prefill, if the cap allows */
 						swapped = false, fits = tokens + len <= s->cap;
