@@ -90,6 +90,7 @@ struct mlens_kv_swap {
 	struct mlens_kv_swap_rates rates;
 	enum swap_fault fault;
 	uint64_t disk_full;	/* writes the disk refused with ENOSPC */
+	bool broken;		/* see ring_broken */
 	struct mlens_kv_swap_stats st;
 	char path[512];
 	char desc[768];
@@ -240,6 +241,8 @@ size_t mlens_kv_swap_slot_bytes(const struct mlens_kv_swap *sw)
 
 bool mlens_kv_swap_choose(const struct mlens_kv_swap *sw, uint32_t n_blocks, int64_t tokens)
 {
+	if (sw->broken)
+		return false;
 	switch (sw->policy) {
 	case MLENS_KV_SWAP_ALWAYS: return true;
 	case MLENS_KV_SWAP_NEVER: return false;
@@ -250,6 +253,19 @@ bool mlens_kv_swap_choose(const struct mlens_kv_swap *sw, uint32_t n_blocks, int
 /* Move blocks[0..n) of kv to (write) or from slots[0..n), SWAP_DEPTH
  * blocks at a time, and wait for all. 0 or the first error (-EIO for a
  * short transfer). */
+/* The ring cannot be trusted (a submission or a wait failed: requests may
+ * still sit in it, pointing at pool blocks): no more swap I/O, said once;
+ * every later choice is a re-prefill. */
+static void ring_broken(struct mlens_kv_swap *sw, int rc, int *first_err)
+{
+	if (!sw->broken)
+		log_error("KV swap: io_uring failed on %s (%s); the swap is off from now on, preempted sequences "
+			  "re-prefill", sw->path, strerror(-rc));
+	sw->broken = true;
+	if (!*first_err)
+		*first_err = rc;
+}
+
 static double now(void)
 {
 	struct timespec ts;
@@ -263,6 +279,9 @@ static int move_blocks(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv
 	const size_t es = mlens_dtype_size(kv->dtype);
 	const double t0 = now();
 	int first_err = 0;
+
+	if (sw->broken)
+		return -EIO;
 
 	for (uint32_t done = 0; done < n;) {
 		uint32_t batch = n - done < SWAP_DEPTH ? n - done : SWAP_DEPTH;
@@ -283,15 +302,25 @@ static int move_blocks(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv
 				io_uring_prep_readv(sqe, sw->fd, iov, (unsigned)(2 * sw->n_layers),
 						    (uint64_t)slots[done + i] * sw->slot_bytes);
 		}
-		int rc = io_uring_submit_and_wait(&sw->ring, batch);
-		if (rc < 0 && first_err == 0)
-			first_err = rc;
-		for (uint32_t i = 0; i < batch; i++) {
+		uint32_t submitted = 0;
+		int rc = 0;
+		while (submitted < batch) {
+			rc = io_uring_submit(&sw->ring);
+			if (rc == -EINTR)
+				continue;
+			if (rc <= 0)
+				break;
+			submitted += (uint32_t)rc;
+		}
+		if (submitted < batch)
+			ring_broken(sw, rc < 0 ? rc : -EIO, &first_err);
+		for (uint32_t i = 0; i < submitted; i++) {
 			struct io_uring_cqe *cqe;
 			int res;
-			if ((rc = io_uring_wait_cqe(&sw->ring, &cqe)) < 0) {
-				if (!first_err)
-					first_err = rc;
+			while ((rc = io_uring_wait_cqe(&sw->ring, &cqe)) == -EINTR)
+				;
+			if (rc < 0) {
+				ring_broken(sw, rc, &first_err);
 				break;
 			}
 			res = cqe->res;
@@ -307,6 +336,8 @@ static int move_blocks(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv
 			if (res < 0 && !first_err)
 				first_err = res;
 		}
+		if (sw->broken)
+			break;
 		done += batch;
 	}
 	sw->st.io_seconds += now() - t0;
