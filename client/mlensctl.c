@@ -222,6 +222,14 @@ static void show_status(json_t *r)
 	       (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
 	       (long long)geti(kv, "block_tokens"), kvb);
 	printf("%-14s %s pinned\n", "weight pages", wpb);
+	{
+		json_t *hm = json_object_get(b, "host_memory");
+		char hb[32], sb[32];
+		human_bytes(hb, sizeof(hb), (double)geti(hm, "budget_bytes"));
+		human_bytes(sb, sizeof(sb), (double)geti(hm, "staging_bytes"));
+		printf("%-14s %s%s; staging %s\n", "host memory", geti(hm, "budget_bytes") ? hb : "no budget",
+		       geti(hm, "budget_bytes") ? " budget" : "", sb);
+	}
 	if (json_is_object(json_object_get(b, "kv_swap"))) {
 		json_t *sw = json_object_get(b, "kv_swap");
 		char ob[32], ib[32];

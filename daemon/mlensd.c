@@ -63,6 +63,7 @@ struct daemon {
 	/* what the start-up steps hand on */
 	struct mlens_backend_opts bo;
 	struct mlens_engine_opts eo;
+	uint64_t staging;		/* the host plan's staging bytes */
 	int node;			/* NUMA node of the weights and KV cache */
 	enum mlens_dtype kv_dt;
 	uint32_t kv_blocks;
@@ -649,6 +650,7 @@ static int host_plan(void)
 		D.kv_blocks = blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)blocks;
 		hp.kv = 2ull * D.kv_blocks * D.kv_per_block;
 	}
+	D.staging = hp.staging;
 	mlens_host_plan_format(&hp, line, sizeof(line));
 	log_info("%s%s", line, host_kv ? "" : " (GPU-only mode: the KV cache is in GPU memory)");
 	return 0;
@@ -910,6 +912,7 @@ static int step_serve(void)
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,
+		.staging_bytes = D.staging,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,

@@ -148,6 +148,8 @@ static json_t *cmd_status(struct mlens_control *c)
 		"budget_bytes", (json_int_t)in->cfg->kv_cache,
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
 		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
+	json_object_set_new(json_object_get(o, "budgets"), "host_memory", json_pack("{s:I,s:I}",
+		"budget_bytes", (json_int_t)in->cfg->host_memory, "staging_bytes", (json_int_t)in->staging_bytes));
 	if (s.sched.kv_swap)
 		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
 			"budget_bytes", (json_int_t)in->cfg->kv_swap, "path", in->cfg->kv_swap_path,

@@ -26,6 +26,7 @@ struct mlens_daemon_info {
 	int n_eos;
 	uint64_t weight_bytes;		/* pinned weight pages */
 	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
+	uint64_t staging_bytes;		/* a step's host activations (host_plan.h) */
 	int kv_block_size;
 	double started;			/* mlens_now() at start-up */
 	const char *mode;		/* "gpu-only", "hybrid", or NULL: the backend's name says it */

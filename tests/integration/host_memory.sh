@@ -25,6 +25,7 @@ echo "ok: budgets that cannot run are refused by name"
 start_mlensd --model "$tmp/model" --mlock=false --backend cpu --host-memory 30M
 grep -q "host memory budget 30.0 MiB: weight pages 1.1 MiB (4%), KV pool 11.9 MiB (40%), staging 17.0 MiB (57%)" "$tmp/log" ||
 	fail "no split line: $(grep 'host memory' "$tmp/log")"
+ctl status | grep -q "^host memory  *30.0 MiB budget; staging 17.0 MiB" || fail "status: $(ctl status | grep 'host memory')"
 kvb=$(ctl --json status | jfield bytes | head -1)
 [ "$kvb" -gt 12000000 ] && [ "$kvb" -le $((30 * 1048576 - 17 * 1048576)) ] || fail "KV pool of $kvb bytes under a 30 MiB budget"
 kill "$pid" && wait "$pid"
