@@ -16,7 +16,9 @@
 #include "daemon/config.h"
 #include "daemon/ops/control.h"
 #include "daemon/exec/engine.h"
+#include "daemon/exec/kv_swap.h"
 #include "daemon/plan/gpu_plan.h"
+#include "daemon/plan/host_plan.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/log.h"
@@ -38,6 +40,7 @@ struct daemon {
 	bool weights_registered;	/* host_register'ed with the backend */
 	bool hybrid;
 	struct mlens_pinned kv_k, kv_v;
+	struct mlens_kv_swap *swap;	/* kv_swap > 0 and a KV pool in host memory */
 	struct mlens_engine *engine;
 	struct mlens_sched *sched;
 	struct mlens_worker *worker;
@@ -62,6 +65,7 @@ struct daemon {
 	/* what the start-up steps hand on */
 	struct mlens_backend_opts bo;
 	struct mlens_engine_opts eo;
+	uint64_t staging;		/* the host plan's staging bytes */
 	int node;			/* NUMA node of the weights and KV cache */
 	enum mlens_dtype kv_dt;
 	uint32_t kv_blocks;
@@ -555,6 +559,16 @@ static int step_model(void)
 	D.node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
 	if (D.node < -1)
 		return fail_start("%s", err);
+	if (D.cfg.host_memory) {
+		/* before minutes of reading: the weight pages alone must fit */
+		uint64_t files = 0;
+		for (int i = 0; i < D.model->n_files; i++)
+			files += D.model->files[i].size;
+		if (files > D.cfg.host_memory)
+			return fail_start("host_memory of %.1f MiB is below the weight pages alone (%.1f MiB, the model "
+					  "files); raise host_memory above that, with room for the KV pool and staging",
+					  D.cfg.host_memory / 1048576.0, files / 1048576.0);
+	}
 	{
 		struct mlens_weights_opts wo = { D.node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
@@ -610,6 +624,38 @@ static int step_backend(void)
 		D.weights_registered = rc == 0;
 		log_info("weight pages registered with the %s backend in %.2f s", D.be.ops->name, mlens_now() - t);
 	}
+	return 0;
+}
+
+/* The host memory plan (host_memory): weight pages and staging first,
+ * the KV pool (in host memory on the CPU backend and in hybrid mode) the
+ * rest up to kv_cache, in whole blocks; the split printed, a budget that
+ * cannot run refused. */
+static int host_plan(void)
+{
+	struct mlens_host_plan_in hi = { .budget = D.cfg.host_memory, .weight_bytes = D.weights.mem.size };
+	struct mlens_host_plan hp;
+	bool host_kv = D.be.ops->host_memory || D.hybrid;
+	char err[1024], line[512];
+	uint64_t blocks;
+
+	hi.staging = mlens_host_plan_staging(&D.model->cfg, D.hybrid, D.be.ops->host_memory, step_cap_wanted(),
+					     D.hybrid ? plan_group() : 0, (int)D.cfg.pipeline_sets);
+	if (host_kv) {
+		hi.kv_want = 2ull * D.kv_blocks * D.kv_per_block;
+		hi.kv_min = mlens_host_plan_kv_min(&D.model->cfg, step_cap_wanted(), (int)D.cfg.kv_block_size,
+						   2ull * D.kv_per_block);
+	}
+	if (mlens_host_plan_split(&hp, &hi, err, sizeof(err)))
+		return fail_start("%s", err);
+	if (host_kv && D.cfg.host_memory) {
+		blocks = hp.kv / (2ull * D.kv_per_block);
+		D.kv_blocks = blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)blocks;
+		hp.kv = 2ull * D.kv_blocks * D.kv_per_block;
+	}
+	D.staging = hp.staging;
+	mlens_host_plan_format(&hp, line, sizeof(line));
+	log_info("%s%s", line, host_kv ? "" : " (GPU-only mode: the KV cache is in GPU memory)");
 	return 0;
 }
 
@@ -684,6 +730,8 @@ static int step_kv_cache(void)
 				return fail_start("%s", err);
 		}
 	}
+	if ((rc = host_plan()))
+		return rc;
 	if (D.be.ops->host_memory || D.hybrid) {
 		size_t bytes = (size_t)D.kv_blocks * D.kv_per_block;
 		rc = mlens_pinned_alloc(&D.kv_k, bytes, D.node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
@@ -693,6 +741,51 @@ static int step_kv_cache(void)
 			return fail_start("%s", err);
 		log_huge_pages(&D.kv_k, &D.kv_v, "KV cache");
 	}
+	return 0;
+}
+
+/* Defaults of the KV swap's cost model where nothing was measured: an
+ * NVMe drive's sequential rate, and a prefill rate per backend kind. */
+#define SWAP_DISK_BPS 2e9
+#define SWAP_CPU_FLOPS 5e10
+#define SWAP_GPU_FLOPS 1e14
+
+/* The KV swap file (kv_swap > 0), with the rates of its cost model: the
+ * disk's from the model files' O_DIRECT io_uring read, the prefill's from
+ * the profiler's GEMM rate, defaults otherwise. GPU-only mode keeps its KV
+ * in GPU memory, which the file's I/O cannot reach: no swap there. */
+static int kv_swap_open(void)
+{
+	struct mlens_kv_swap_opts o = { 0 };
+	struct mlens_perf_model pm;
+	char err[1024];
+	int rc;
+
+	if (!D.cfg.kv_swap)
+		return 0;
+	if (!D.be.ops->host_memory && !D.hybrid) {
+		log_warn("kv_swap: GPU-only mode keeps the KV cache in GPU memory; preempted sequences re-prefill");
+		return 0;
+	}
+	o.budget = D.cfg.kv_swap;
+	o.path = D.cfg.kv_swap_path;
+	o.policy = !strcmp(D.cfg.kv_swap_policy, "always") ? MLENS_KV_SWAP_ALWAYS :
+		   !strcmp(D.cfg.kv_swap_policy, "never") ? MLENS_KV_SWAP_NEVER : MLENS_KV_SWAP_AUTO;
+	o.rates.disk_bps = D.weights.used_io_uring && D.weights.direct && D.weights.seconds > 0 ?
+		D.weights.bytes / D.weights.seconds : SWAP_DISK_BPS;
+	o.rates.compute_flops = D.prof.have && D.prof.prof.gemm_flops > 0 ? D.prof.prof.gemm_flops :
+		D.be.ops->host_memory ? SWAP_CPU_FLOPS : SWAP_GPU_FLOPS;
+	if (!mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt)) {
+		o.rates.flops_per_token = (double)pm.layers * (pm.flops_ga + pm.flops_gb);
+		/* causal attention: q.k and p.v over half the square, per head */
+		o.rates.flops_per_token2 = 2.0 * (double)pm.layers * (double)pm.heads * (double)pm.head_dim;
+	}
+	rc = mlens_kv_swap_create(&D.swap, &mlens_engine_kv(D.engine)->cache, &o, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+	log_info("%s; cost model: disk %.2f GB/s%s, prefill %.3g FLOP/s%s", mlens_kv_swap_describe(D.swap),
+		 o.rates.disk_bps / 1e9, o.rates.disk_bps == SWAP_DISK_BPS ? " (default)" : " (model files' read)",
+		 o.rates.compute_flops, D.prof.have && D.prof.prof.gemm_flops > 0 ? " (profiled)" : " (default)");
 	return 0;
 }
 
@@ -759,7 +852,10 @@ static int step_engine(void)
 		 (unsigned long long)D.kv_blocks * (unsigned long long)D.cfg.kv_block_size, eo->max_step_tokens);
 
 	mlens_kv_pool_set_room(mlens_engine_kv(D.engine), (uint32_t)D.cfg.kv_growth_room);
+	if ((rc = kv_swap_open()))
+		return rc;
 	memset(&so, 0, sizeof(so));
+	so.swap = D.swap;
 	so.token_cap = eo->max_step_tokens;
 	so.reserve_horizon = (int)D.cfg.admit_lookahead;
 	so.admit_keeps_room = D.cfg.admit_keeps_room;
@@ -833,6 +929,7 @@ static int step_serve(void)
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,
 		.gpu_budget = D.plan.budget, .has_gpu_budget = !D.be.ops->host_memory,
+		.staging_bytes = D.staging,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,
@@ -901,6 +998,7 @@ static void teardown(void)
 		close(D.notify_fd);
 	if (D.sched)
 		mlens_sched_destroy(D.sched);
+	mlens_kv_swap_destroy(D.swap);
 	if (D.engine)
 		mlens_engine_destroy(D.engine);
 	mlens_pinned_free(&D.kv_k);

@@ -3,7 +3,9 @@
  * a lone run gives, under preemption too; quotas, fair share, cancel,
  * a full completion ring, tenant removal and refusals; the worker thread
  * publishes what a command changed before its caller returns; admissions
- * that keep the growth room leave every table whole. */
+ * that keep the growth room leave every table whole; through a KV swap
+ * file, preempted sequences come back without a re-prefill, same tokens,
+ * and their slots come free with them. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -43,7 +45,12 @@ struct fx {
 	struct mlens_backend be;
 	struct mlens_engine *e;
 	struct mlens_sched *s;
+	struct mlens_kv_swap *swap;
 };
+
+/* Set: the next fixture's scheduler gets a KV swap file of this many
+ * bytes in /tmp, policy always. */
+static uint64_t fx_swap_bytes;
 
 /* horizon: the admission reserve's look-ahead (0: the scheduler's); the
  * model's EOS ids eos[0..n_eos) */
@@ -63,6 +70,14 @@ static void fx_open_eos(struct fx *f, uint32_t kv_blocks, int cap, int horizon, 
 	f->m->cfg.n_eos = n_eos;
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
 	ck_assert_msg(mlens_engine_create(&f->e, f->m, &f->be, &eo, err, sizeof(err)) == 0, "%s", err);
+	f->swap = NULL;
+	if (fx_swap_bytes) {
+		struct mlens_kv_swap_opts wo = { .budget = fx_swap_bytes, .path = "/tmp",
+						 .policy = MLENS_KV_SWAP_ALWAYS };
+		ck_assert_msg(mlens_kv_swap_create(&f->swap, &mlens_engine_kv(f->e)->cache, &wo, err, sizeof(err)) == 0,
+			      "%s", err);
+		so.swap = f->swap;
+	}
 	ck_assert_int_eq(mlens_sched_create(&f->s, f->e, &so), 0);
 }
 
@@ -84,6 +99,7 @@ static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
 static void fx_close(struct fx *f)
 {
 	mlens_sched_destroy(f->s);
+	mlens_kv_swap_destroy(f->swap);
 	mlens_engine_destroy(f->e);
 	mlens_backend_destroy(&f->be);
 	mlens_test_model_free(f->m);
@@ -262,11 +278,13 @@ START_TEST(admissions_keep_room)
 }
 END_TEST
 
-START_TEST(preemption_keeps_tokens)
+/* 12 requests, a pool of 40 blocks of 4 tokens: they cannot all grow to
+ * prompt + 24 tokens at once, and the admission looks one step ahead
+ * only, so the scheduler must preempt; with swap_bytes, to a KV swap file
+ * (policy always) of that size. Tokens equal lone runs' (greedy and
+ * seeded sampling alike). */
+static void preempt_run(uint64_t swap_bytes, struct mlens_sched_stats *st_out, size_t *slot_bytes)
 {
-	/* 12 requests, a pool of 40 blocks of 4 tokens: they cannot all grow
-	 * to prompt + 24 tokens at once, and the admission looks one step
-	 * ahead only, so the scheduler must preempt */
 	enum { N = 12, G = 24 };
 	int lens[N];
 	int32_t ref[N][64], got[64];
@@ -281,7 +299,9 @@ START_TEST(preemption_keeps_tokens)
 	}
 	reference(N, lens, G, ref, samp);
 
+	fx_swap_bytes = swap_bytes;
 	fx_open_h(&f, 40, 0, 1);
+	fx_swap_bytes = 0;
 	tenant_init(&t, q_default());
 	for (int i = 0; i < N; i++) {
 		int32_t p[64];
@@ -305,6 +325,73 @@ START_TEST(preemption_keeps_tokens)
 	}
 	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
 	ck_assert_uint_eq(t.st.kv_blocks, 0);
+	*st_out = st;
+	if (slot_bytes)
+		*slot_bytes = f.swap ? mlens_kv_swap_slot_bytes(f.swap) : 0;
+	fx_close(&f);
+}
+
+START_TEST(preemption_keeps_tokens)
+{
+	struct mlens_sched_stats st;
+	preempt_run(0, &st, NULL);
+	ck_assert(!st.kv_swap);
+}
+END_TEST
+
+/* The same through a KV swap file: every preempted sequence comes back
+ * from it, its KV read in, and is not prefilled again (the prefill
+ * tokens are the prompts' alone); every slot free at the end. A file of
+ * 3 blocks holds fewer than some victims need: those re-prefill, counted
+ * as full, with the same tokens. */
+START_TEST(preemption_swap_keeps_tokens)
+{
+	struct mlens_sched_stats st;
+	uint64_t prompts = 0;
+	size_t slot = 0;
+
+	for (int i = 0; i < 12; i++)
+		prompts += (uint64_t)(3 + (i * 5) % 11);
+	preempt_run(1 << 20, &st, &slot);
+	ck_assert(st.kv_swap);
+	ck_assert_uint_gt(st.swap.swaps, 0);
+	ck_assert_uint_eq(st.swap.swaps, st.preemptions);
+	ck_assert_uint_eq(st.swap.swap_ins, st.swap.swaps);
+	ck_assert_uint_eq(st.swap.recomputes, 0);
+	ck_assert_uint_eq(st.swap.bytes_in, st.swap.bytes_out);
+	ck_assert_uint_eq(st.swap.slots_used, 0);
+	ck_assert_uint_eq(st.prompt_tokens, prompts);
+	preempt_run(3 * slot, &st, NULL);
+	ck_assert_uint_gt(st.swap.full, 0);
+	ck_assert_uint_eq(st.swap.slots_used, 0);
+	ck_assert_uint_gt(st.prompt_tokens, prompts);
+}
+END_TEST
+
+/* A tenant removed while its preempted sequences sit in the swap file:
+ * their slots come free with them. */
+START_TEST(swapped_requests_removed)
+{
+	struct fx f;
+	struct tenant t;
+	struct mlens_sched_stats st;
+	int steps = 0;
+
+	fx_swap_bytes = 1 << 20;
+	fx_open_h(&f, 40, 0, 1);
+	fx_swap_bytes = 0;
+	tenant_init(&t, q_default());
+	submit_n(&f, &t, 12, 10, 24, 1);
+	do {
+		ck_assert_int_ge(mlens_sched_step(f.s), 0);
+		mlens_sched_get_stats(f.s, &st);
+	} while (st.swap.slots_used == 0 && ++steps < 1000);
+	ck_assert_uint_gt(st.swap.slots_used, 0);
+	mlens_sched_tenant_remove(f.s, &t.st, -ECANCELED, true);
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.swap.slots_used, 0);
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
+	ck_assert(mlens_sched_idle(f.s));
 	fx_close(&f);
 }
 END_TEST
@@ -1155,6 +1242,8 @@ static Suite *sched_suite(void)
 	TCase *tc = tcase_create("sched");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, preemption_keeps_tokens);
+	tcase_add_test(tc, preemption_swap_keeps_tokens);
+	tcase_add_test(tc, swapped_requests_removed);
 	tcase_add_test(tc, admissions_keep_room);
 	tcase_add_test(tc, admission_reserve_horizon);
 	tcase_add_test(tc, reserve_demand_forms_agree);

@@ -151,6 +151,19 @@ static json_t *cmd_status(struct mlens_control *c)
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
 		"gpu_memory", "budget_bytes",
 		in->has_gpu_budget ? json_integer((json_int_t)in->gpu_budget) : json_null()));
+	json_object_set_new(json_object_get(o, "budgets"), "host_memory", json_pack("{s:I,s:I}",
+		"budget_bytes", (json_int_t)in->cfg->host_memory, "staging_bytes", (json_int_t)in->staging_bytes));
+	if (s.sched.kv_swap)
+		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+			"budget_bytes", (json_int_t)in->cfg->kv_swap, "path", in->cfg->kv_swap_path,
+			"slots_total", (json_int_t)s.sched.swap.slots_total,
+			"slots_used", (json_int_t)s.sched.swap.slots_used,
+			"bytes_out_total", (json_int_t)s.sched.swap.bytes_out,
+			"bytes_in_total", (json_int_t)s.sched.swap.bytes_in,
+			"swaps_total", (json_int_t)s.sched.swap.swaps,
+			"recomputes_total", (json_int_t)s.sched.swap.recomputes,
+			"full_total", (json_int_t)s.sched.swap.full,
+			"errors_total", (json_int_t)s.sched.swap.errors));
 	if (s.sched.hybrid)
 		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
 			"last_step_seconds", s.sched.last_step_seconds,

@@ -90,6 +90,19 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_read_blocks_total", json_integer((json_int_t)st->kv_read_blocks));
 		json_object_set_new(o, "kv_read_block_runs_total", json_integer((json_int_t)st->kv_read_runs));
 	}
+	if (st->kv_swap) {
+		const struct mlens_kv_swap_stats *w = &st->swap;
+		json_object_set_new(o, "kv_swap_bytes_out_total", json_integer((json_int_t)w->bytes_out));
+		json_object_set_new(o, "kv_swap_bytes_in_total", json_integer((json_int_t)w->bytes_in));
+		json_object_set_new(o, "kv_swaps_total", json_integer((json_int_t)w->swaps));
+		json_object_set_new(o, "kv_swap_ins_total", json_integer((json_int_t)w->swap_ins));
+		json_object_set_new(o, "kv_swap_recomputes_total", json_integer((json_int_t)w->recomputes));
+		json_object_set_new(o, "kv_swap_full_total", json_integer((json_int_t)w->full));
+		json_object_set_new(o, "kv_swap_errors_total", json_integer((json_int_t)w->errors));
+		json_object_set_new(o, "kv_swap_io_seconds_total", json_real(w->io_seconds));
+		json_object_set_new(o, "kv_swap_slots_used", json_integer(w->slots_used));
+		json_object_set_new(o, "kv_swap_slots_total", json_integer(w->slots_total));
+	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
 	if (info->profile && info->profile->have) {
 		const struct mlens_profile_state *ps = info->profile;
@@ -232,6 +245,30 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");
 	evbuffer_add_printf(b, "mlens_step_seconds_sum %.9g\nmlens_step_seconds_count %llu\n", st->step_seconds_sum,
 			    (unsigned long long)st->steps);
+	if (st->kv_swap) {
+		const struct mlens_kv_swap_stats *w = &st->swap;
+		prom_head(b, "mlens_kv_swap_bytes_total", "counter",
+			  "Bytes of preempted sequences' KV written to (out) and read back from (in) the KV swap file.");
+		evbuffer_add_printf(b, "mlens_kv_swap_bytes_total{dir=\"out\"} %llu\nmlens_kv_swap_bytes_total{dir=\"in\"} %llu\n",
+				    (unsigned long long)w->bytes_out, (unsigned long long)w->bytes_in);
+		prom_head(b, "mlens_kv_swap_preemptions_total", "counter",
+			  "Preempted sequences by what kept their KV: the swap file (swap) or a re-prefill (recompute).");
+		evbuffer_add_printf(b, "mlens_kv_swap_preemptions_total{how=\"swap\"} %llu\n"
+				    "mlens_kv_swap_preemptions_total{how=\"recompute\"} %llu\n",
+				    (unsigned long long)w->swaps, (unsigned long long)w->recomputes);
+		prom_head(b, "mlens_kv_swap_fallbacks_total", "counter",
+			  "Re-prefills the swap was chosen for but could not serve: no room in the file or on the disk (full), an I/O error (error).");
+		evbuffer_add_printf(b, "mlens_kv_swap_fallbacks_total{why=\"full\"} %llu\n"
+				    "mlens_kv_swap_fallbacks_total{why=\"error\"} %llu\n",
+				    (unsigned long long)w->full, (unsigned long long)w->errors);
+		prom_head(b, "mlens_kv_swap_io_seconds_total", "counter",
+			  "Time the scheduler's thread waited for KV swap writes and reads (between steps).");
+		evbuffer_add_printf(b, "mlens_kv_swap_io_seconds_total %.9g\n", w->io_seconds);
+		prom_head(b, "mlens_kv_swap_slots_used", "gauge", "Slots of the KV swap file (one KV block each) holding a preempted sequence's KV.");
+		evbuffer_add_printf(b, "mlens_kv_swap_slots_used %u\n", w->slots_used);
+		prom_head(b, "mlens_kv_swap_slots_total", "gauge", "Slots of the KV swap file.");
+		evbuffer_add_printf(b, "mlens_kv_swap_slots_total %u\n", w->slots_total);
+	}
 	if (st->hybrid) {
 		prom_head(b, "mlens_pcie_bytes_total", "counter",
 			  "Bytes the hybrid pipeline copied over PCIe (h2d: streamed experts and attention outputs).");

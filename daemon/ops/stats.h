@@ -26,6 +26,7 @@ struct mlens_daemon_info {
 	int n_eos;
 	uint64_t weight_bytes;		/* pinned weight pages */
 	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
+	uint64_t staging_bytes;		/* a step's host activations (host_plan.h) */
 	int kv_block_size;
 	/* the GPU budget the daemon plans with (the GPU memory plan's
 	 * effective one: gpu_memory, or the free memory less the margin when

@@ -29,7 +29,10 @@ struct mlens_req {
 	struct mlens_seq seq;
 	bool has_pending;	/* an event the tenant's ring had no room for */
 	struct mlens_event pending;
-	bool preempted;		/* waiting to re-prefill */
+	bool preempted;		/* waiting to re-prefill (or to come back from swap) */
+	uint32_t *swap_slots;	/* its KV in the swap file (n_swap slots), or NULL */
+	uint32_t n_swap;
+	int32_t swap_len;	/* tokens of KV there */
 	uint64_t readmit_step;	/* the step it came back in after an eviction (0: never evicted) */
 	uint64_t skip_step;	/* the step whose admission passed it over last */
 	uint32_t passed_over;	/* steps whose admission passed it over since it started waiting */
@@ -73,6 +76,7 @@ struct mlens_sched {
 	uint32_t reserve;
 	int horizon;		/* steps the admission reserve looks ahead */
 	bool keep_room;		/* opts admit_keeps_room */
+	struct mlens_kv_swap *swap;	/* opts swap */
 	/* step scratch, [1..horizon]: the demand over the horizon of the
 	 * running sequences and the prompts admitted so far, as differences */
 	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];
@@ -300,11 +304,22 @@ int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
 	s->reserve = o ? o->reserve_blocks : 0;
 	s->horizon = o && o->reserve_horizon > 0 ? o->reserve_horizon : MLENS_SCHED_HORIZON_MAX;
 	s->keep_room = o && o->admit_keeps_room;
+	s->swap = o ? o->swap : NULL;
 	if (s->horizon > MLENS_SCHED_HORIZON_MAX)
 		s->horizon = MLENS_SCHED_HORIZON_MAX;
 	s->admission = true;
 	*out = s;
 	return 0;
+}
+
+/* Free r's slots in the swap file, if it has any. */
+static void swap_drop(struct mlens_sched *s, struct mlens_req *r)
+{
+	if (r->swap_slots)
+		mlens_kv_swap_drop(s->swap, r->swap_slots, r->n_swap);
+	free(r->swap_slots);
+	r->swap_slots = NULL;
+	r->n_swap = 0;
 }
 
 static void req_free(struct mlens_sched *s, struct mlens_req *r)
@@ -318,6 +333,7 @@ static void req_free(struct mlens_sched *s, struct mlens_req *r)
 		r->tnext->tprev = r->tprev;
 	ids_remove(t, r);
 	t->kv_blocks -= r->seq.n_blocks;
+	swap_drop(s, r);
 	mlens_seq_fini(s->kv, &r->seq);
 	free(r->tokens);
 	free(r);
@@ -400,6 +416,7 @@ static void finish(struct mlens_sched *s, struct mlens_req *r, const struct mlen
 		r->t->queued--;
 	r->t->kv_blocks -= r->seq.n_blocks;
 	mlens_seq_release(s->kv, &r->seq);
+	swap_drop(s, r);
 	if (ev->finish == MLENS_FINISH_ERROR) {
 		r->t->requests_failed++;
 		s->st.requests_failed++;
@@ -564,8 +581,60 @@ void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant 
 
 /* ==== the step ==== */
 
+/* Write r's KV to the swap file when the choice says so (the sequence
+ * then comes back without a re-prefill); on no room or an error it is
+ * left to re-prefill, counted. Its cached tokens are those of its prompt
+ * and generated tokens but the last, which the next decode step feeds. */
+static void swap_out(struct mlens_sched *s, struct mlens_req *r)
+{
+	int32_t len = r->seq.len;
+	uint32_t n = mlens_kv_blocks_for(s->kv, len);
+	int rc;
+
+	if (!s->swap || len <= 0 || len != r->n_prompt + r->n_gen - 1 || n > r->seq.n_blocks)
+		return;
+	if (!mlens_kv_swap_choose(s->swap, n, len)) {
+		mlens_kv_swap_note_recompute(s->swap, false);
+		return;
+	}
+	r->swap_slots = malloc((size_t)n * sizeof(uint32_t));
+	rc = r->swap_slots ? mlens_kv_swap_out(s->swap, &s->kv->cache, r->seq.blocks, n, r->swap_slots) : -ENOMEM;
+	if (rc) {
+		free(r->swap_slots);
+		r->swap_slots = NULL;
+		mlens_kv_swap_note_recompute(s->swap, rc == -ENOSPC);
+		return;
+	}
+	r->n_swap = n;
+	r->swap_len = len;
+}
+
+/* Read r's KV back from the swap file into blocks for len tokens, taken
+ * with growth room up to final_len: 0 with seq.len set (a decode
+ * sequence now); -errno when the blocks cannot be taken (nothing
+ * changed, it stays swapped); 1 when the read failed: its slots and
+ * blocks are freed and it re-prefills. */
+static int swap_in(struct mlens_sched *s, struct mlens_req *r, int64_t len, int64_t final_len)
+{
+	int rc = mlens_seq_reserve_grow(s->kv, &r->seq, len, final_len);
+	if (rc)
+		return rc;
+	rc = mlens_kv_swap_in(s->swap, &s->kv->cache, r->seq.blocks, r->n_swap, r->swap_slots);
+	free(r->swap_slots);
+	r->swap_slots = NULL;
+	r->n_swap = 0;
+	if (rc) {
+		mlens_seq_release(s->kv, &r->seq);
+		mlens_kv_swap_note_recompute(s->swap, false);
+		return 1;
+	}
+	r->seq.len = r->swap_len;
+	return 0;
+}
+
 static void evict(struct mlens_sched *s, struct mlens_req *r)
 {
+	swap_out(s, r);
 	q_remove(&s->running, r);
 	r->t->running--;
 	r->t->kv_blocks -= r->seq.n_blocks;
@@ -842,7 +911,9 @@ int mlens_sched_step(struct mlens_sched *s)
 			int32_t len = r->n_prompt + r->n_gen, rem = remaining(s, r, r->n_gen + 1);
 			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
 			int64_t reserve, own = 0;
-			bool fits = tokens + len <= s->cap;
+			/* back from the swap file: one decode token, its KV read in */
+			bool swapped = r->swap_slots != NULL;
+			bool fits = tokens + (swapped ? 1 : len) <= s->cap;
 			if (fits) {
 				if (!s->reserve)
 					demand_add(s, s->demand, len, rem, +1);
@@ -851,8 +922,16 @@ int mlens_sched_step(struct mlens_sched *s)
 					own = (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len + rem) - blocks;
 				fits = (int64_t)blocks + (running_after ? (reserve > own ? reserve : own) : own) <=
 					       (int64_t)free_blocks &&
-				       !(s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv)) &&
-				       !mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem);
+				       !(s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv));
+				if (fits && swapped) {
+					int rc2 = swap_in(s, r, len, (int64_t)len + rem);
+					if (rc2 < 0)
+						fits = false;
+					else if (rc2)	/* the read failed: a re-prefill, if the cap allows */
+						swapped = false, fits = tokens + len <= s->cap;
+				}
+				if (fits && !swapped)
+					fits = !mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem);
 				if (!fits && !s->reserve)
 					demand_add(s, s->demand, len, rem, -1);
 			}
@@ -881,13 +960,16 @@ int mlens_sched_step(struct mlens_sched *s)
 			s->sreq[n] = r;
 			s->blocks_before[n] = r->seq.n_blocks;
 			s->ereq[n] = (struct mlens_engine_req){
-				.seq = &r->seq, .tokens = r->tokens, .n_tokens = len, .samp = r->samp,
+				.seq = &r->seq, .tokens = &r->tokens[r->seq.len], .n_tokens = len - r->seq.len,
+				.samp = r->samp,
 			};
 			s->ereq[n].samp.counter = (uint64_t)r->n_gen;
-			s->st.prompt_tokens += (uint64_t)len;
-			r->t->prompt_tokens += (uint64_t)len;
+			if (!swapped) {
+				s->st.prompt_tokens += (uint64_t)len;
+				r->t->prompt_tokens += (uint64_t)len;
+			}
 			n++;
-			tokens += len;
+			tokens += len - r->seq.len;
 			if (s->preempt_mode)
 				s->preempt_mode = any_preempted(s);
 		}
@@ -985,6 +1067,10 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 	st->running = s->running.n;
 	st->waiting = s->waiting.n;
 	st->preempt_mode = s->preempt_mode;
+	if (s->swap) {
+		st->kv_swap = true;
+		mlens_kv_swap_get_stats(s->swap, &st->swap);
+	}
 	if (mlens_engine_pipeline(s->e)) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(s->e));
 		st->hybrid = true;

@@ -7,13 +7,18 @@
  * youngest running sequences (their KV freed, requeued at the head of the
  * queue to re-prefill prompt + generated tokens); one comes back once its
  * growth to its end fits, and is not the first evicted again for a few
- * steps. Owns the engine. Runs on one thread (the worker). */
+ * steps. With a KV swap file (kv_swap.h), an evicted sequence's KV may go
+ * to it instead, chosen per sequence; it then comes back as a decode
+ * sequence, its KV read into fresh blocks, and a swap that fails in
+ * either direction leaves it to re-prefill as without one. Owns the
+ * engine. Runs on one thread (the worker). */
 #ifndef MLENS_SCHED_H
 #define MLENS_SCHED_H
 
 #include <stdbool.h>
 #include <stdint.h>
 #include "daemon/exec/engine.h"
+#include "daemon/exec/kv_swap.h"
 #include "shm/proto.h"	/* enum mlens_finish, MLENS_MAX_STOP: the protocol's words */
 
 struct mlens_quota {
@@ -116,6 +121,8 @@ struct mlens_sched_opts {
 	 * takes other sequences' room, which breaks their tables' runs of
 	 * consecutive blocks. Later admissions, whole tables. */
 	bool admit_keeps_room;
+	/* the KV swap file, or NULL (the caller keeps it alive) */
+	struct mlens_kv_swap *swap;
 };
 
 #define MLENS_SCHED_HORIZON_MAX 256
@@ -163,6 +170,8 @@ struct mlens_sched_stats {
 	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;
 	uint64_t kv_read_bytes;				/* KV bytes CPU decode attention read, total */
 	uint64_t kv_read_blocks, kv_read_runs;		/* its blocks a layer, their runs, totals */
+	bool kv_swap;				/* a swap file is open: swap below is kept */
+	struct mlens_kv_swap_stats swap;
 };
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
