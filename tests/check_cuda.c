@@ -627,8 +627,8 @@ START_TEST(test_router)
 
 	l[0] = l[1];	/* a tie: the lower index must win */
 	ck_assert_int_eq(dev->ops->upload(dev->ctx, dl, l, (size_t)n * E * 4), 0);
-	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k), 0);
-	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k), 0);
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k, true), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k, true), 0);
 	idgot = from_gpu(dids, (size_t)n * k * 4);
 	wgot = from_gpu(dw, (size_t)n * k * 4);
 	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
@@ -1121,7 +1121,7 @@ START_TEST(test_errors)
 	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
 	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
-	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9, true), -EINVAL);
 	{
 		/* MoE streams out of range: refused at creation, by name */
 		struct mlens_backend_opts bad = { .n_threads = 0, .device = 0,

@@ -577,7 +577,7 @@ START_TEST(file_missing_and_extra_tensor)
 	assert_err("tensor 'model.layers.2.", "is missing (19 expected tensors are missing");
 	edit(sub("m/config.json"), "\"num_hidden_layers\": 3", "\"num_hidden_layers\": 1");
 	ck_assert_int_eq(open_err(o.dir), -EINVAL);
-	assert_err("m/model.safetensors: tensor 'model.layers.1.", "is not part of the Mixtral model");
+	assert_err("m/model.safetensors: tensor 'model.layers.1.", "is not part of the MixtralForCausalLM model");
 }
 END_TEST
 

@@ -13,12 +13,23 @@
 
 #define MLENS_MODEL_MAX_DIMS 4
 #define MLENS_MODEL_MAX_EOS 8	/* EOS token ids a model may name */
+#define MLENS_MODEL_MAX_LAYERS 1024
+
+struct mlens_family;
+
+/* Where a q/k RMSNorm sits after the projection (Mixtral: none). */
+enum mlens_qk_norm {
+	MLENS_QK_NORM_NONE = 0,
+	MLENS_QK_NORM_HEAD,	/* over each head's head_dim (Qwen3-MoE) */
+	MLENS_QK_NORM_ALL,	/* over the whole projection (OLMoE) */
+};
 
 struct mlens_model_config {
 	char architecture[64];	/* "MixtralForCausalLM" */
+	const struct mlens_family *family;	/* its entry in family.c's table */
 	int64_t vocab_size;
 	int64_t hidden_size;
-	int64_t intermediate_size;
+	int64_t intermediate_size;	/* one routed expert's (Qwen: moe_intermediate_size) */
 	int64_t num_hidden_layers;
 	int64_t num_attention_heads;
 	int64_t num_key_value_heads;
@@ -36,6 +47,16 @@ struct mlens_model_config {
 	 * gives one, else of config.json: generation stops at these */
 	int32_t eos[MLENS_MODEL_MAX_EOS];
 	int n_eos;
+	/* What a family adds to Mixtral's layer (zero/false: as Mixtral). */
+	bool norm_topk_prob;	/* renormalise the top-k routing weights (Mixtral: true) */
+	enum mlens_qk_norm qk_norm;
+	bool qkv_bias;		/* q, k, v projections have biases */
+	bool o_bias;		/* the output projection has a bias */
+	double clip_qkv;	/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv] */
+	int64_t shared_inter;	/* shared expert's intermediate size, 0: none (Qwen2-MoE) */
+	bool shared_gate;	/* the shared expert's output scaled by sigmoid(x . gate) */
+	int64_t dense_inter;	/* intermediate size of the dense MLP layers */
+	bool dense[MLENS_MODEL_MAX_LAYERS];	/* layer i has a dense MLP, no experts */
 };
 
 struct mlens_tensor {
@@ -56,7 +77,15 @@ struct mlens_layer_weights {
 	const struct mlens_tensor *wv;		/* [n_kv*hd][H] */
 	const struct mlens_tensor *wo;		/* [H][n_heads*hd] */
 	const struct mlens_tensor *ffn_norm;	/* [H] */
-	const struct mlens_tensor *router;	/* [E][H] */
+	const struct mlens_tensor *router;	/* [E][H]; NULL: a dense layer (no experts) */
+	/* Family extras, NULL where the family has none: q/k norms ([hd] a
+	 * head, or the whole projection), projection biases, and one SwiGLU
+	 * beside the experts (a dense layer's MLP or the shared expert, its
+	 * sigmoid gate [1][H] optional). */
+	const struct mlens_tensor *q_norm, *k_norm;
+	const struct mlens_tensor *bq, *bk, *bv, *bo;
+	const struct mlens_tensor *mlp_w1, *mlp_w2, *mlp_w3, *mlp_gate;
+	int64_t mlp_inter;	/* that SwiGLU's intermediate size */
 	/* Per expert, HF layout: w1 (gate) and w3 (up) [I][H], w2 (down) [H][I].
 	 * Arrays of num_local_experts entries. Each points at one contiguous
 	 * matrix, whether the file stores experts separately or fused. */

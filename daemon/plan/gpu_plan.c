@@ -53,7 +53,10 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	p->activations = T * (2 * H + 2 * qd + 2 * kvd + E + 2 * K) * 4 + T * V * 4;
 
 	/* One scratch area serves every op, so it is the largest single need. */
-	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, gemm);
+	moe = mlens_gpuplan_moe_scratch(rows, H,
+					mlens_gpuplan_moe_width(I, K, (uint64_t)(c->shared_inter > c->dense_inter ?
+										  c->shared_inter : c->dense_inter)),
+					E, es, gemm);
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */

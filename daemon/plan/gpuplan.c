@@ -94,6 +94,7 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 	conv = es == 4 ? 0 : sat_mul(sat_mul(sat_mul(g, H > qd ? H : qd), es), np);
 	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
 	rows = sat_mul(c, K);
+	I = mlens_gpuplan_moe_width(I, K, (uint64_t)pm->mlp_inter);
 	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, gemm);
 	s = conv > moe ? conv : moe;
 	if (s < widen)

@@ -101,6 +101,14 @@ struct mlens_gpuplan {
 	uint64_t gpu_only;	/* budget that holds every expert with max_tokens */
 };
 
+/* The expert width a MoE scratch is sized for when a layer also runs a
+ * shared or dense SwiGLU of width mlp as a one-expert MoE (a row each):
+ * I, or mlp / K rounded up when that SwiGLU needs more. */
+static inline uint64_t mlens_gpuplan_moe_width(uint64_t I, uint64_t K, uint64_t mlp)
+{
+	return K && mlp > K * I ? (mlp + K - 1) / K : I;
+}
+
 /* Activation and scratch bytes of a step of n tokens on the GPU, shaped by
  * the plan input in: groups of at most in->group rows (0:
  * MLENS_GPUPLAN_GROUP; not MLENS_GPUPLAN_GROUP_AUTO), in->chunk tokens per
