@@ -1,7 +1,9 @@
 # tests/golden: numerics against Hugging Face transformers. The fixtures
-# (model files + references) are made by tests/golden/make_golden.py, which
-# also writes tests/golden/files.mk, the list of every fixture file.
+# (model files + references) are made by tests/golden/make_golden.py (Mixtral)
+# and make_golden_families.py (the other families), which also write
+# tests/golden/files.mk and files_families.mk, the lists of their files.
 include tests/golden/files.mk
+include tests/golden/files_families.mk
 
 noinst_LTLIBRARIES += tests/libmlens_golden.la
 tests_libmlens_golden_la_SOURCES = tests/golden/golden.h tests/golden/golden.c
@@ -10,7 +12,8 @@ tests_libmlens_golden_la_CPPFLAGS = $(AM_CPPFLAGS) -DMLENS_GOLDEN_SRCDIR='"$(abs
 tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
 
 dist_noinst_DATA += $(GOLDEN_FIXTURES)
-EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
+EXTRA_DIST += tests/golden/make_golden.py tests/golden/make_golden_families.py \
+	tests/golden/README.md tests/golden/files.mk tests/golden/files_families.mk \
 	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh
 
 if HAVE_CHECK
