@@ -188,8 +188,10 @@ static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_
 		if (!t)
 			t = json_object_get(rs, "type");
 		if (!json_is_string(t) || strcmp(json_string_value(t), "default")) {
-			mlens_errf(c->err, c->errlen, "%s: rope_scaling is set; mlens implements only the default RoPE",
-			     c->path);
+			char *v = json_dumps(rs, JSON_COMPACT | JSON_ENCODE_ANY);
+			mlens_errf(c->err, c->errlen, "%s: 'rope_scaling' is %.120s; mlens implements only the default RoPE (set it to null)",
+			     c->path, v ? v : "(unprintable)");
+			free(v);
 			return -ENOTSUP;
 		}
 	}
