@@ -638,6 +638,67 @@ START_TEST(test_router)
 }
 END_TEST
 
+/* The families' small ops against the CPU: top-k weights left as the
+ * softmax gives them (no renormalisation), a projection's bias, the clip
+ * of q, k, v and the one-expert route (weight 1, or a sigmoid gate). */
+START_TEST(test_family_ops)
+{
+	const int n = 300, E = 16, k = 4, dim = 96;
+	float *l = rnd_floats((size_t)n * E, 4.0f), *wref = malloc((size_t)n * k * 4), *wgot;
+	int32_t *idref = malloc((size_t)n * k * 4), *idgot;
+	float *dl = to_gpu(l, (size_t)n * E * 4);
+	int32_t *dids = gpu_zeros((size_t)n * k * 4);
+	float *dw = gpu_zeros((size_t)n * k * 4);
+	float *x = rnd_floats((size_t)n * dim, 3.0f), *xr = malloc((size_t)n * dim * 4), *got;
+	float *dx;
+	void *b;
+
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k, false), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k, false), 0);
+	idgot = from_gpu(dids, (size_t)n * k * 4);
+	wgot = from_gpu(dw, (size_t)n * k * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
+	record("router raw top-k", 1e-6, rel_err(wref, wgot, (size_t)n * k), "n=%d E=%d k=%d", n, E, k);
+	free(idgot); free(wgot);
+
+	/* route_one: ids 0; weights 1, or sigmoid of the first n logits */
+	ck_assert_int_eq(cpu.ops->route_one(cpu.ctx, idref, wref, l, n), 0);
+	ck_assert_int_eq(dev->ops->route_one(dev->ctx, dids, dw, dl, n), 0);
+	idgot = from_gpu(dids, (size_t)n * 4);
+	wgot = from_gpu(dw, (size_t)n * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * 4);
+	record("route_one sigmoid", 1e-6, rel_err(wref, wgot, (size_t)n), "n=%d", n);
+	free(idgot); free(wgot);
+	ck_assert_int_eq(dev->ops->route_one(dev->ctx, dids, dw, NULL, n), 0);
+	wgot = from_gpu(dw, (size_t)n * 4);
+	for (int i = 0; i < n; i++)
+		ck_assert_float_eq(wgot[i], 1.0f);
+	free(wgot);
+
+	/* bias_add in each weight dtype, then the clip: exact */
+	for (int t = 0; t < 3; t++) {
+		enum mlens_dtype dt = t == 0 ? MLENS_DTYPE_F32 : t == 1 ? MLENS_DTYPE_BF16 : MLENS_DTYPE_F16;
+		void *db;
+
+		b = rnd_weights((size_t)dim, dt, 1.0f);
+		db = to_gpu(b, (size_t)dim * mlens_dtype_size(dt));
+		memcpy(xr, x, (size_t)n * dim * 4);
+		dx = to_gpu(x, (size_t)n * dim * 4);
+		ck_assert_int_eq(cpu.ops->bias_add(cpu.ctx, xr, b, dt, n, dim), 0);
+		ck_assert_int_eq(dev->ops->bias_add(dev->ctx, dx, db, dt, n, dim), 0);
+		ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, xr, (size_t)n * dim, 2.5f), 0);
+		ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, (size_t)n * dim, 2.5f), 0);
+		got = from_gpu(dx, (size_t)n * dim * 4);
+		ck_assert_mem_eq(xr, got, (size_t)n * dim * 4);
+		free(got); free(b);
+		gfree(dx); gfree(db);
+	}
+	ck_assert_int_eq(dev->ops->bias_add(dev->ctx, dl, dl, MLENS_DTYPE_F32, -1, 4), -EINVAL);
+	free(l); free(wref); free(idref); free(x); free(xr);
+	gfree(dl); gfree(dids); gfree(dw);
+}
+END_TEST
+
 /* Token counts per expert are uneven on purpose: expert 0 gets most rows,
  * expert 3 none (and has no weights at all on either backend). skew:
  * every token's first expert is expert 0, so that it holds more rows than
@@ -1311,6 +1372,7 @@ int main(void)
 	tcase_add_test(tc, test_round_gemm_half_in);
 	tcase_add_test(tc, test_gemm_multi);
 	tcase_add_test(tc, test_router);
+	tcase_add_test(tc, test_family_ops);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
