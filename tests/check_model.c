@@ -920,7 +920,7 @@ START_TEST(family_roundtrip)
 	ck_assert_int_eq(c->num_local_experts, o.cfg.num_local_experts);
 	ck_assert_int_eq(c->intermediate_size, o.cfg.intermediate_size);
 	ck_assert_int_eq(c->qk_norm, o.cfg.qk_norm);
-	ck_assert_int_eq(c->norm_topk_prob, o.cfg.norm_topk_prob);
+	ck_assert_int_eq(c->topk_raw, o.cfg.topk_raw);
 	ck_assert_int_eq(c->shared_inter, o.cfg.shared_inter);
 	ck_assert_int_eq(c->qkv_bias, o.cfg.qkv_bias);
 	ck_assert_ptr_nonnull(l0->router);
@@ -1044,25 +1044,25 @@ START_TEST(family_configs)
 	ck_assert_int_eq(c.intermediate_size, 16);
 	ck_assert_int_eq(c.head_dim, 16);
 	ck_assert_int_eq(c.qk_norm, MLENS_QK_NORM_HEAD);
-	ck_assert(!c.norm_topk_prob && !c.qkv_bias && !c.o_bias);
+	ck_assert(c.topk_raw && !c.qkv_bias && !c.o_bias);
 	ck_assert(!c.dense[0] && !c.dense[3]);
 	ck_assert_int_eq(c.dense_inter, 0);
 	/* decoder_sparse_step 2: layers 0 and 2 dense; mlp_only_layers adds 3 */
 	ck_assert_int_eq(qwen3_parse(", \"decoder_sparse_step\": 2, \"mlp_only_layers\": [3], \"norm_topk_prob\": true, \"attention_bias\": true, \"use_sliding_window\": false, \"sliding_window\": 4096, \"rope_scaling\": null", &c), 0);
 	ck_assert(c.dense[0] && !c.dense[1] && c.dense[2] && c.dense[3]);
 	ck_assert_int_eq(c.dense_inter, 80);
-	ck_assert(c.norm_topk_prob && c.qkv_bias && c.o_bias);
+	ck_assert(!c.topk_raw && c.qkv_bias && c.o_bias);
 	/* transformers 5 writes Qwen3-MoE's expert count as num_local_experts */
 	ck_assert_int_eq(cfg_text("{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"moe_intermediate_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 6, \"num_experts_per_tok\": 2}", &c), 0);
 	ck_assert_int_eq(c.num_local_experts, 6);
 	ck_assert_int_eq(cfg_text("{\"architectures\": [\"Qwen2MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"moe_intermediate_size\": 16, \"shared_expert_intermediate_size\": 64, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2, \"layer_types\": [\"full_attention\", \"full_attention\"], \"sliding_window\": 0}", &c), 0);
-	ck_assert(c.qkv_bias && !c.o_bias && c.shared_gate && !c.norm_topk_prob);
+	ck_assert(c.qkv_bias && !c.o_bias && c.shared_gate && c.topk_raw);
 	ck_assert_int_eq(c.shared_inter, 64);
 	ck_assert_int_eq(c.qk_norm, MLENS_QK_NORM_NONE);
 	ck_assert_int_eq(cfg_text("{\"architectures\": [\"OlmoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"intermediate_size\": 16, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2, \"clip_qkv\": 8.5, \"attention_bias\": true}", &c), 0);
 	ck_assert_int_eq(c.qk_norm, MLENS_QK_NORM_ALL);
 	ck_assert_double_eq(c.clip_qkv, 8.5);
-	ck_assert(c.qkv_bias && c.o_bias && !c.norm_topk_prob);
+	ck_assert(c.qkv_bias && c.o_bias && c.topk_raw);
 	ck_assert_int_eq(c.intermediate_size, 16);
 }
 END_TEST

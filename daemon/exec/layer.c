@@ -19,7 +19,7 @@ void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_
 	d->rope_theta = (float)c->rope_theta;
 	d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
 	d->qk_norm = c->qk_norm;
-	d->router_renorm = c->norm_topk_prob;
+	d->router_renorm = !c->topk_raw;
 	d->clip_qkv = (float)c->clip_qkv;
 }
 

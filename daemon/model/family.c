@@ -66,14 +66,16 @@ static int parse_experts(const struct mlens_cfg_ctx *c, json_t *root, const char
 			 struct mlens_model_config *cfg)
 {
 	const char *ne = json_object_get(root, "num_experts") ? "num_experts" : "num_local_experts";
+	bool renorm;
 	int rc;
 
 	if ((rc = mlens_cfg_int(c, root, ne, true, 0, 1, 256, &cfg->num_local_experts)) ||
 	    (rc = mlens_cfg_int(c, root, "num_experts_per_tok", true, 0, 1, cfg->num_local_experts,
 				&cfg->num_experts_per_tok)) ||
 	    (rc = mlens_cfg_int(c, root, inter_key, true, 0, 1, 1 << 20, &cfg->intermediate_size)) ||
-	    (rc = get_bool(c, root, "norm_topk_prob", false, &cfg->norm_topk_prob)))
+	    (rc = get_bool(c, root, "norm_topk_prob", false, &renorm)))
 		return rc;
+	cfg->topk_raw = !renorm;
 	return need_null(c, root, "rope_scaling", "the default RoPE");
 }
 
@@ -148,7 +150,6 @@ static int parse_mixtral(const struct mlens_cfg_ctx *c, json_t *root,
 	int64_t sw;
 	int rc;
 
-	cfg->norm_topk_prob = true;
 	if ((rc = mlens_cfg_int(c, root, "intermediate_size", true, 0, 1, 1 << 20,
 				&cfg->intermediate_size)) ||
 	    (rc = mlens_cfg_int(c, root, "num_local_experts", true, 0, 1, 256,

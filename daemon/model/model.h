@@ -48,7 +48,8 @@ struct mlens_model_config {
 	int32_t eos[MLENS_MODEL_MAX_EOS];
 	int n_eos;
 	/* What a family adds to Mixtral's layer (zero/false: as Mixtral). */
-	bool norm_topk_prob;	/* renormalise the top-k routing weights (Mixtral: true) */
+	bool topk_raw;		/* norm_topk_prob false: the top-k routing weights stay
+				 * the softmax's, not renormalised to sum 1 */
 	enum mlens_qk_norm qk_norm;
 	bool qkv_bias;		/* q, k, v projections have biases */
 	bool o_bias;		/* the output projection has a bias */

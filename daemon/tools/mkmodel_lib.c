@@ -39,7 +39,6 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 
 	memset(c, 0, sizeof(*c));
 	c->family = mlens_family_find("MixtralForCausalLM");
-	c->norm_topk_prob = true;
 	c->rope_theta = 1e6;
 	c->rms_norm_eps = 1e-5;
 	c->dtype = MLENS_DTYPE_BF16;
@@ -91,7 +90,7 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 		qwen_common(c, "Qwen2MoeForCausalLM");
 		c->qkv_bias = true;
 		c->shared_gate = true;
-		c->norm_topk_prob = false;
+		c->topk_raw = true;
 		c->vocab_size = tiny ? 512 : 151936;
 		c->hidden_size = tiny ? 64 : big ? 3584 : 2048;
 		c->num_hidden_layers = tiny ? 2 : big ? 28 : 24;
@@ -110,7 +109,7 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 
 		c->family = mlens_family_find("OlmoeForCausalLM");
 		c->qk_norm = MLENS_QK_NORM_ALL;
-		c->norm_topk_prob = false;
+		c->topk_raw = true;
 		c->rope_theta = 1e4;
 		c->vocab_size = tiny ? 512 : 50304;
 		c->hidden_size = tiny ? 64 : 2048;
@@ -568,7 +567,7 @@ static json_t *config_json(const struct mlens_model_config *c)
 		return j;
 	}
 	SET("num_experts", json_integer(c->num_local_experts));
-	SET("norm_topk_prob", json_boolean(c->norm_topk_prob));
+	SET("norm_topk_prob", json_boolean(!c->topk_raw));
 	SET("rope_scaling", json_null());
 	SET("output_router_logits", json_false());
 	if (!strcmp(arch, "OlmoeForCausalLM")) {
