@@ -108,7 +108,8 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 		return -EOVERFLOW;
 	pm->flops_ga = 2.0 * (double)H * (double)(qd + 2 * kvd);
 	pm->flops_gb = 2.0 * (double)qd * (double)H + 2.0 * (double)H * (double)E +
-		       (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I;
+		       (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I +
+		       3.0 * 2.0 * (double)H * (double)pm->mlp_inter;	/* shared expert */
 	return 0;
 }
 
