@@ -294,14 +294,14 @@ int mlens_layer_out_proj(const struct mlens_layer_run *r, const struct mlens_lay
 	return 0;
 }
 
-int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
-		      const float *x, float *xn, float *rlog, int32_t *rid, float *rw, int n)
+/* Router logits, top-k ids and weights of the normed rows xn (nothing for
+ * a dense layer). */
+static int route_normed(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			const float *xn, float *rlog, int32_t *rid, float *rw, int n)
 {
 	const struct mlens_layer_desc *d = r->d;
 	int rc;
 
-	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->ffn_norm, d->dtype, n, d->hidden,
-					     d->norm_eps));
 	if (!b->router)
 		return 0;
 	OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden,
@@ -309,6 +309,24 @@ int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_
 	OP(MLENS_LAYER_OP_ROUTER, OPS->router(CTX, rid, rw, rlog, n, d->n_experts, d->top_k,
 					      d->router_renorm));
 	return 0;
+}
+
+static int ffn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+		    const float *x, float *xn, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+	int rc;
+
+	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->ffn_norm, d->dtype, n, d->hidden,
+					     d->norm_eps));
+	return 0;
+}
+
+int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+		      const float *x, float *xn, float *rlog, int32_t *rid, float *rw, int n)
+{
+	int rc = ffn_norm(r, b, x, xn, n);
+	return rc ? rc : route_normed(r, b, xn, rlog, rid, rw, n);
 }
 
 int mlens_layer_mlp(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
@@ -351,13 +369,14 @@ int mlens_layer_gb(const struct mlens_layer_run *r, const struct mlens_layer_bou
 {
 	int rc;
 
-	/* residual: x += att . Wo^T */
+	/* residual: x += att . Wo^T; then the SwiGLU beside the experts first,
+	 * in the routing's scratch, so that rid and rw end as the experts' */
 	if ((rc = mlens_layer_out_proj(r, b, x, att, att_half, n, true)) ||
-	    (rc = mlens_layer_route(r, b, x, xn, rlog, rid, rw, n)) ||
-	    (b->router && (rc = mlens_layer_experts(r, &b->moe, x, xn, rid, rw, n, chunk))))
+	    (rc = ffn_norm(r, b, x, xn, n)) ||
+	    (rc = mlens_layer_mlp(r, b, x, xn, rlog, rid, rw, n)) ||
+	    (rc = route_normed(r, b, xn, rlog, rid, rw, n)))
 		return rc;
-	/* after the experts: its scratch is their ids' and weights' */
-	return mlens_layer_mlp(r, b, x, xn, rlog, rid, rw, n);
+	return b->router ? mlens_layer_experts(r, &b->moe, x, xn, rid, rw, n, chunk) : 0;
 }
 
 int mlens_layer_forward(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,

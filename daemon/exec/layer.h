@@ -208,8 +208,9 @@ int mlens_layer_experts(const struct mlens_layer_run *r, const struct mlens_moe_
  * none); rlog, rid, rw are its scratch ([n] each), overwritten. */
 int mlens_layer_mlp(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 		    float *out, const float *xn, float *rlog, int32_t *rid, float *rw, int n);
-/* GB's arithmetic: x += att . Wo^T, then route, experts and the SwiGLU
- * beside them into x. */
+/* GB's arithmetic: x += att . Wo^T, the norm, the SwiGLU beside the
+ * experts, then route and experts into x (rid and rw end as the routed
+ * experts' ids and weights). */
 int mlens_layer_gb(const struct mlens_layer_run *r, const struct mlens_layer_bound *b, float *x,
 		   const void *att, bool att_half, float *xn, float *rlog, int32_t *rid, float *rw,
 		   int n, int chunk);
