@@ -87,16 +87,16 @@ static int need_full_attention(const struct mlens_cfg_ctx *c, json_t *root)
 
 	if (!v || json_is_null(v))
 		return 0;
+	if (!json_is_array(v)) {
+		mlens_errf(c->err, c->errlen, "%s: 'layer_types' must be a list", c->path);
+		return -EINVAL;
+	}
 	json_array_foreach(v, i, e) {
 		if (!json_is_string(e) || strcmp(json_string_value(e), "full_attention")) {
 			mlens_errf(c->err, c->errlen, "%s: 'layer_types' entry %zu is %.40s; mlens implements only \"full_attention\"",
 				   c->path, i, json_is_string(e) ? json_string_value(e) : "not a string");
 			return -ENOTSUP;
 		}
-	}
-	if (!json_is_array(v)) {
-		mlens_errf(c->err, c->errlen, "%s: 'layer_types' must be a list", c->path);
-		return -EINVAL;
 	}
 	return 0;
 }

@@ -119,8 +119,10 @@ struct mlens_model {
 
 /* Open and validate a model directory. On failure returns -errno and writes
  * one human-readable message into err (naming file, tensor and fault).
- * Experts may be stored per expert (block_sparse_moe.experts.J.w1/w2/w3)
- * or fused as transformers 5 does (mlp.experts.gate_up_proj, down_proj).
+ * The family (family.h) names the tensors; experts may be stored per
+ * expert (Mixtral: block_sparse_moe.experts.J.w1/w2/w3, the others:
+ * mlp.experts.J.gate_proj/down_proj/up_proj) or fused as transformers 5
+ * does (mlp.experts.gate_up_proj, down_proj).
  * Only headers are read: tensor data is first touched by whoever uses it. */
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen);
 void mlens_model_close(struct mlens_model *m);
