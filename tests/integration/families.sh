@@ -5,7 +5,8 @@
 # architecture, `mlens generate` returns max_tokens tokens for every
 # request, and a prompt's tokens are the same alone and in a batch; a
 # Qwen3-MoE config that asks for sliding-window attention is refused at
-# start-up naming the key.
+# start-up naming the key. MLENS_FAMILIES_BACKEND=cuda runs the serving
+# checks on the GPU.
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
@@ -23,7 +24,8 @@ for preset in qwen3-tiny:Qwen3MoeForCausalLM qwen2-tiny:Qwen2MoeForCausalLM \
 	name=${preset%%:*} arch=${preset#*:}
 	"$B/daemon/mlens-mkmodel" -o "$tmp/$name" --preset "$name" --seed 7 >/dev/null ||
 		fail "mlens-mkmodel $name"
-	start_mlensd --model "$tmp/$name" --kv-cache 64M --mlock=false --threads 1 --backend cpu
+	start_mlensd --model "$tmp/$name" --kv-cache 64M --mlock=false --threads 1 \
+		--backend "${MLENS_FAMILIES_BACKEND:-cpu}"
 	grep -q "model $tmp/$name: $arch, 2 layers" "$tmp/log" || fail "$name: start-up log does not name $arch"
 	echo '{"prompt": [5, 6, 7, 8], "max_tokens": 10, "ignore_eos": true}' >"$tmp/one"
 	python3 -c 'for i in range(3): print("{\"prompt\": [%s], \"max_tokens\": 10, \"ignore_eos\": true}" % ("5, 6, 7, 8" if i == 1 else "%d, 9" % (i + 20)))' >"$tmp/three"
