@@ -222,6 +222,18 @@ static void show_status(json_t *r)
 	       (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
 	       (long long)geti(kv, "block_tokens"), kvb);
 	printf("%-14s %s pinned\n", "weight pages", wpb);
+	{
+		/* the effective budget (gpu_memory = 0 resolved); null: no GPU plan */
+		json_t *gb = json_object_get(json_object_get(b, "gpu_memory"), "budget_bytes");
+		char gbb[32];
+
+		if (json_is_integer(gb)) {
+			human_bytes(gbb, sizeof(gbb), (double)json_integer_value(gb));
+			printf("%-14s %s\n", "GPU budget", gbb);
+		} else {
+			printf("%-14s none (no GPU memory plan on this backend)\n", "GPU budget");
+		}
+	}
 	if (json_is_object(pl)) {
 		/* busy shares of the pipeline's resources: what bounds a step */
 		double st = getf(pl, "last_step_seconds"), tot = getf(pl, "step_seconds_total");

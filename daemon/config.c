@@ -46,7 +46,7 @@ static const struct opt opts[] = {
 	{ "kv_growth_room", T_INT, O(kv_growth_room), "64", 0, 64, "N", "KV blocks of growth room a sequence takes beside its prompt's at admission, up to the length its max_tokens allows: free blocks its own growth takes first (anyone's when nothing else is free), so that its table stays runs of consecutive blocks, which CPU decode attention reads faster (0: none)" },
 	{ "admit_keeps_room", T_BOOL, O(admit_keeps_room), "false", 0, 0, NULL, "admit a prompt only when the free blocks outside the running sequences' growth room hold it, so that no admission takes their room (whole runs of consecutive blocks, at the cost of later admissions)" },
 	{ "admit_lookahead", T_INT, O(admit_lookahead), "256", 1, 256, "N", "steps the scheduler looks ahead when it admits a prompt: the running sequences and it must fit the KV pool at each of them, less the blocks of those finished by then (shorter: more admitted at once, and growth past it may preempt)" },
-	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget of either mode (0: the device's free memory at start-up minus 768 MiB)" },
+	{ "gpu_memory", T_SIZE, O(gpu_memory), "0", 0, 0, "SIZE", "GPU memory budget of either mode (0: the device's free memory at start-up minus 768 MiB left to the CUDA runtime and cuBLAS)" },
 	{ "threads", T_INT, O(threads), "0", 0, 4096, "N", "CPU worker threads (0: all cores of the NUMA node)" },
 	{ "numa_node", T_INT, O(numa_node), "-1", -1, 1023, "N", "NUMA node of the pinned pools (-1: the GPU's, else 0)" },
 	{ "movers", T_INT, O(movers), "2", 1, 64, "N", "io_uring mover threads that read the model files" },

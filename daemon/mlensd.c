@@ -17,7 +17,6 @@
 #include "daemon/ops/control.h"
 #include "daemon/exec/engine.h"
 #include "daemon/plan/gpu_plan.h"
-#include "daemon/plan/gpuplan.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/log.h"
@@ -54,7 +53,10 @@ struct daemon {
 	struct mlens_daemon_info info;
 	struct mlens_control *control;
 	struct mlens_stats *stats;
-	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/plan/gpu_plan.c) */
+	/* the GPU memory plan, made once at start-up and handed to the
+	 * engine (daemon/plan/gpu_plan.h); none with a host-memory backend */
+	struct mlens_gpu_plan plan;
+	struct mlens_perf_model pm;	/* the model's byte counts the plan used */
 	struct mlens_profile_state prof;	/* the profiler's last results (daemon/plan/profiler.c) */
 	char mode_reason[512];
 	/* what the start-up steps hand on */
@@ -307,10 +309,10 @@ static int step_cap_wanted(void)
 }
 
 /* The hybrid pipeline's token group setting: group_tokens, or the plan's
- * choice for 0 (gpuplan.h). */
+ * choice for 0 (gpu_plan.h). */
 static int64_t plan_group(void)
 {
-	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
+	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPU_PLAN_GROUP_AUTO;
 }
 
 /* gpu_copy_out = down or side: GA's copies to the host on a queue of their
@@ -365,8 +367,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->own_opts = *bo;
 	/* time GA and GB as the pipeline runs them: groups, MoE chunks */
 	/* with the group left to the plan, the profile times the default one */
-	st->opts.group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP;
-	st->opts.moe_chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
+	st->opts.group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPU_PLAN_GROUP;
+	st->opts.moe_chunk = D.hybrid ? MLENS_GPU_PLAN_CHUNK : 0;
 	if (D.be.ops->host_memory) {
 		/* the CPU backend: activations may take the host memory the KV
 		 * pool leaves */
@@ -376,10 +378,10 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		st->gpu_budget = phys > kv ? phys - kv : 0;
 	} else {
 		/* GPU-only mode keeps the KV pool on the GPU too */
-		st->gpu_budget = D.hybrid ? D.plan.budget : D.plan.budget > D.plan.kv ? D.plan.budget - D.plan.kv : 0;
-		st->gpu_workspace = mlens_gpuplan_workspace(bo->moe_streams);
+		st->gpu_budget = D.plan.budget > D.plan.kv ? D.plan.budget - D.plan.kv : 0;
+		st->gpu_workspace = mlens_gpu_plan_workspace(bo->moe_streams);
 	}
-	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
+	st->chunk = D.hybrid ? MLENS_GPU_PLAN_CHUNK : 0;
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->plan_in.sets = (int)D.cfg.pipeline_sets;
@@ -399,7 +401,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s moe_streams=%d sync=%s threads=%d",
 			 D.be.ops->name, mlens_gemm_mode_name(bo->gemm), bo->prefill_bf16 ? "bf16" : "fp32",
 			 bo->moe_streams, mlens_gpu_sync_name(bo->sync), bo->n_threads);
-	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.cfg.gpu_memory, st->opts.budget_s);
+	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.be.ops->host_memory ? NULL : &D.plan,
+			       st->opts.budget_s);
 	st->key.group = st->opts.group;
 	st->key.moe_chunk = st->opts.moe_chunk;
 }
@@ -624,17 +627,27 @@ static int step_kv_cache(void)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
 				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size,
 				  2 * D.kv_per_block);
-	/* GPU-only mode when weights, KV pool and activations fit the GPU
-	 * budget; below that the hybrid pipeline streams experts from the
-	 * weight pages and keeps the KV pool in pinned host memory */
+	/* the GPU memory plan, once: GPU-only mode when the plan with every
+	 * expert resident (and the KV pool and activations on the GPU) fits
+	 * the budget; else the hybrid plan, whose pipeline streams experts
+	 * from the weight pages and keeps the KV pool in pinned host memory */
 	if (!D.be.ops->host_memory) {
-		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes,
-					2ull * D.kv_blocks * D.kv_per_block,
-					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.bo.gemm,
-					D.cfg.gpu_memory);
-		if (rc)
+		struct mlens_gpu_plan_in in = { .budget = D.cfg.gpu_memory, .gemm = D.bo.gemm };
+
+		if ((rc = mlens_gpu_plan_device(&D.be, &in)))
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
-		if (D.plan.fits) {
+		if ((rc = mlens_perf_model_from_config(&D.pm, &D.model->cfg, D.kv_dt)))
+			return fail_start("model %s: its dimensions are out of range for the GPU memory plan",
+					  D.cfg.model);
+		in.gpu_only = true;
+		in.model = &D.model->cfg;
+		in.weight_bytes = D.weights.bytes;
+		in.kv_bytes = 2ull * D.kv_blocks * D.kv_per_block;
+		in.max_tokens = D.cfg.max_step_tokens > 0 ? D.cfg.max_step_tokens : 4096;
+		rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err));
+		if (rc && rc != -ENOSPC)
+			return fail_start("%s", err);
+		if (!rc) {
 			snprintf(D.mode_reason, sizeof(D.mode_reason), "%s", D.plan.summary);
 			log_info("GPU-only mode: %s", D.plan.summary);
 		} else {
@@ -642,7 +655,7 @@ static int step_kv_cache(void)
 			snprintf(D.mode_reason, sizeof(D.mode_reason),
 				 "GPU-only mode would need %.1f GiB, above the %.1f GiB budget: experts stream "
 				 "from pinned host memory, decode attention runs on the CPU",
-				 D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0);
+				 D.plan.total / 1073741824.0, D.plan.budget / 1073741824.0);
 			log_info("hybrid mode: %s", D.mode_reason);
 			/* the worker drives the GPU side of each step and waits for
 			 * the GPU spinning (CUDA's default with fewer contexts than
@@ -660,6 +673,15 @@ static int step_kv_cache(void)
 			if ((rc = mlens_backend_cpu_create(&D.attn, &abo)))
 				return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
 						  strerror(-rc));
+			in.gpu_only = false;
+			in.model = NULL;
+			in.max_tokens = step_cap_wanted();
+			in.workspace = mlens_gpu_plan_workspace(D.bo.moe_streams);
+			in.group = plan_group();
+			in.sets = (int)D.cfg.pipeline_sets;
+			in.att_half = att_up_half() && mlens_pipeline_half_att(&D.be, &D.attn, &D.model->cfg);
+			if ((rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err))))
+				return fail_start("%s", err);
 		}
 	}
 	if (D.be.ops->host_memory || D.hybrid) {
@@ -701,17 +723,14 @@ static int step_engine(void)
 	eo->max_step_tokens = step_cap_wanted();
 	eo->kv_mem_k = D.kv_k.p;
 	eo->kv_mem_v = D.kv_v.p;
+	/* the plan made at start-up (budget: gpu_memory, or the free memory
+	 * less a margin); none on a host-memory backend */
+	eo->plan = D.be.ops->host_memory ? NULL : &D.plan;
 	if (D.hybrid) {
 		eo->attn_backend = &D.attn;
-		eo->gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
-		eo->hybrid_group_tokens = plan_group();
-		eo->hybrid_sets = (int)D.cfg.pipeline_sets;
-		eo->hybrid_gemm = D.bo.gemm;
 		eo->hybrid_side_copy_out = side_copy_out();
 		eo->hybrid_up_copy_in = up_copy_in();
-		eo->hybrid_att_up_half = att_up_half();
 		eo->hybrid_gpu_kv_append = gpu_kv_append();
-		eo->hybrid_workspace = mlens_gpuplan_workspace(D.bo.moe_streams);
 		eo->hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	t_engine = mlens_now();
@@ -720,15 +739,12 @@ static int step_engine(void)
 		return fail_start("%s", err);
 	if (D.hybrid) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
-		struct mlens_perf_model pm;
 		char line[512];
 		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s; the CPU attention's output goes up in %s",
 			 mlens_now() - t_engine,
 			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool",
 			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32");
-		mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt);
-		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
-				     sizeof(line));
+		mlens_gpu_plan_format(&D.plan, &D.pm, line, sizeof(line));
 		log_info("%s", line);
 		eo->max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
@@ -816,6 +832,7 @@ static int step_serve(void)
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,
+		.gpu_budget = D.plan.budget, .has_gpu_budget = !D.be.ops->host_memory,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,

@@ -31,7 +31,9 @@ struct mlens_sampling {
 };
 
 /* Expert weights of one MoE layer, row-major as in HF: w1,w3 [inter][hidden],
- * w2 [hidden][inter]. Pointers are backend memory. */
+ * w2 [hidden][inter], or [inter][hidden] with w2_transposed (DBRX stores its
+ * down projection so, and the ops read it in place rather than have the
+ * loader transpose a third of the model). Pointers are backend memory. */
 struct mlens_moe_weights {
 	int n_experts;
 	int hidden;
@@ -40,6 +42,7 @@ struct mlens_moe_weights {
 	const void *const *w1;
 	const void *const *w2;
 	const void *const *w3;
+	bool w2_transposed;
 };
 
 struct mlens_backend_ops {
@@ -100,7 +103,9 @@ struct mlens_backend_ops {
 	/* x[i][j] += b[j] for i < n, j < dim; b in dtype dt (a projection's
 	 * bias). */
 	int (*bias_add)(void *ctx, float *x, const void *b, enum mlens_dtype dt, int n, int dim);
-	/* In place: each of x[count] clamped to [-limit, limit] (clip_qkv). */
+	/* In place: each of x[count] clamped to [-limit, limit] (clip_qkv of
+	 * q, k and v: OLMoE, DBRX); NaN stays NaN, as torch.clamp; a limit
+	 * below 0 or NaN: -EINVAL. */
 	int (*clamp)(void *ctx, float *x, size_t count, float limit);
 	/* One expert chosen by every row, for moe with k = 1: ids[i] = 0 and
 	 * weights[i] = 1, or sigmoid(logits[i]) when logits ([n][1]) is set. */
@@ -238,6 +243,15 @@ struct mlens_backend_ops {
 	int (*device_name)(void *ctx, char *buf, size_t len);
 	/* Its PCI bus id ("0000:3b:00.0"). */
 	int (*bus_id)(void *ctx, char *buf, size_t len);
+
+	/* ---- optional: what families other than Mixtral's need ----
+	 * Callers go through MLENS_BACKEND_HAS; a layer that needs one the
+	 * backend lacks fails with -ENOTSUP. */
+	/* out[i] = (x[i] - mean(x[i])) / sqrt(var(x[i]) + eps) * w, the
+	 * variance biased, no bias term (LayerNorm(bias=False), DBRX); out
+	 * may be x. */
+	int (*layernorm)(void *ctx, float *out, const float *x, const void *w,
+			 enum mlens_dtype dt, int n, int dim, float eps);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4

@@ -6,6 +6,7 @@
  * that keep the growth room leave every table whole. */
 #include <check.h>
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -991,6 +992,163 @@ START_TEST(worker_snapshot_after_command)
 }
 END_TEST
 
+/* ==== a mix of lengths ==== */
+
+/* What a mixed workload did, step by step. */
+struct mix_run {
+	int steps;
+	int first_step_tokens;
+	double steady_fill;	/* mean step tokens / cap over steps that began with requests waiting */
+	int steady_steps;
+	int max_small_run;	/* longest run of such steps under half the cap */
+	uint64_t preemptions;
+	int repreempted;	/* evictions of a request within 2 steps of its re-admission */
+	int done;
+	int max_wait_steps;	/* most steps a request waited for its first token */
+};
+
+/* Log-uniform integer in [lo, hi] from a 64-bit LCG. */
+static int mix_len(uint64_t *st, int lo, int hi)
+{
+	double u;
+	*st = *st * 6364136223846793005ull + 1442695040888963407ull;
+	u = (double)(*st >> 11) / 9007199254740992.0;
+	return (int)floor(exp(log(lo) + u * (log(hi + 1.0) - log(lo))));
+}
+
+/* n requests of log-uniform lengths (prompts plo..phi, generations
+ * glo..ghi, ignoring EOS) all queued at once, run to the end. */
+static void mix_run(struct mix_run *mr, uint32_t kv_blocks, int cap, int horizon, int n, int plo,
+		    int phi, int glo, int ghi)
+{
+	static struct tenant t;
+	struct fx f;
+	uint64_t st = 12345, pre_before;
+	int32_t p[64];
+	int first_tok[256], admitted_at[256], last_evict[256];
+	int small = 0;
+	ck_assert_int_le(n, 256);
+	ck_assert_int_le(phi, 64);
+	memset(mr, 0, sizeof(*mr));
+	fx_open_h(&f, kv_blocks, cap, horizon);
+	tenant_init(&t, q_default());
+	for (int i = 0; i < n; i++) {
+		int len = mix_len(&st, plo, phi), g = mix_len(&st, glo, ghi);
+		struct mlens_request_params rp;
+		prompt(p, len, (unsigned)i + 1);
+		rp = params((uint64_t)i, p, len, g);
+		submit_ok(&f, &t, &rp);
+		first_tok[i] = -1;
+		admitted_at[i] = last_evict[i] = -100;
+	}
+	while (!mlens_sched_idle(f.s) && mr->steps < 100000) {
+		struct mlens_sched_stats ss;
+		int ev0 = t.n_ev;
+		bool waiting;
+		mlens_sched_get_stats(f.s, &ss);
+		waiting = ss.waiting > 0;
+		pre_before = ss.preemptions;
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+		mlens_sched_get_stats(f.s, &ss);
+		if (mr->steps == 0)
+			mr->first_step_tokens = (int)ss.last_step_tokens;
+		if (waiting && ss.waiting > 0) {
+			mr->steady_fill += (double)ss.last_step_tokens;
+			mr->steady_steps++;
+			small = 2 * (int)ss.last_step_tokens < cap ? small + 1 : 0;
+			if (small > mr->max_small_run)
+				mr->max_small_run = small;
+		}
+		mr->preemptions += ss.preemptions - pre_before;
+		mr->repreempted = (int)ss.repreemptions;
+		for (int e = ev0; e < t.n_ev; e++) {
+			int id = (int)t.ev[e].id;
+			if (t.ev[e].first && first_tok[id] < 0)
+				first_tok[id] = mr->steps;
+			if (t.ev[e].last)
+				mr->done++;
+		}
+		mr->steps++;
+	}
+	(void)admitted_at;
+	(void)last_evict;
+	mr->steady_fill = mr->steady_steps ? mr->steady_fill / mr->steady_steps / cap : 0;
+	for (int i = 0; i < n; i++)
+		if (first_tok[i] > mr->max_wait_steps)
+			mr->max_wait_steps = first_tok[i];
+	fprintf(stderr, "mix: %d steps, first %d tokens, steady fill %.3f over %d steps, longest small run %d, "
+		"%llu preemptions (%d soon after a return), %d done, longest wait %d steps\n", mr->steps, mr->first_step_tokens,
+		mr->steady_fill, mr->steady_steps, mr->max_small_run, (unsigned long long)mr->preemptions,
+		mr->repreempted, mr->done, mr->max_wait_steps);
+	fx_close(&f);
+}
+
+/* KV ample, the token cap binds: prompts up to two thirds of the cap
+ * wait at the head of the queue for room while shorter ones behind them
+ * could fill the step. The first step (prefills only) and every step
+ * while requests wait are nearly full; all finish. */
+START_TEST(mix_keeps_steps_full)
+{
+	struct mix_run mr;
+	mix_run(&mr, 2000, 96, 0, 200, 2, 64, 1, 48);
+	ck_assert_int_eq(mr.done, 200);
+	ck_assert_int_ge(mr.first_step_tokens, 91);
+	ck_assert_msg(mr.steady_fill >= 0.9, "steady fill %.3f", mr.steady_fill);
+	ck_assert_int_eq(mr.max_small_run, 0);
+	ck_assert_int_eq(mr.preemptions, 0);
+}
+END_TEST
+
+/* A tight pool with a one-step reserve: growth evicts sequences, but one
+ * brought back is not evicted again within a few steps, and evictions
+ * stay few; all finish. */
+START_TEST(mix_preemption_no_thrash)
+{
+	struct mix_run mr;
+	mix_run(&mr, 60, 128, 1, 200, 2, 32, 1, 64);
+	ck_assert_int_eq(mr.done, 200);
+	ck_assert_int_eq(mr.repreempted, 0);
+	ck_assert_int_le(mr.preemptions, 200 / 3);
+}
+END_TEST
+
+/* A long prompt behind a stream of short requests that keeps the step
+ * nearly full is passed over only for a while: then the short ones wait
+ * until it fits. */
+START_TEST(mix_long_prompt_not_starved)
+{
+	static struct tenant t;
+	struct fx f;
+	int32_t p[64];
+	struct mlens_request_params rp;
+	int first = -1, step;
+	fx_open(&f, 2000, 72);
+	tenant_init(&t, q_default());
+	prompt(p, 64, 7);
+	for (step = 0; step < 200 && first < 0; step++) {
+		/* 3 new prompts of 8 a step, 4 tokens each: ~36 tokens a step */
+		for (int k = 0; k < 3; k++) {
+			uint64_t id = 1000 + (uint64_t)step * 3 + (uint64_t)k;
+			prompt(p, 8, (unsigned)id);
+			rp = params(id, p, 8, 4);
+			submit_ok(&f, &t, &rp);
+		}
+		if (step == 2) {
+			prompt(p, 64, 7);
+			rp = params(1, p, 64, 4);
+			submit_ok(&f, &t, &rp);
+		}
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+		for (int e = 0; e < t.n_ev; e++)
+			if (t.ev[e].id == 1 && t.ev[e].first)
+				first = step;
+		t.n_ev = 0;
+	}
+	ck_assert_msg(first >= 0 && first <= 2 + 16 + 8, "the long prompt's first token at step %d", first);
+	fx_close(&f);
+}
+END_TEST
+
 static Suite *sched_suite(void)
 {
 	Suite *s = suite_create("sched");
@@ -1015,6 +1173,9 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, kv_quota_holds_back_only_its_tenant);
 	tcase_add_test(tc, lowered_kv_quota_fails_waiting);
 	tcase_add_test(tc, worker_snapshot_after_command);
+	tcase_add_test(tc, mix_keeps_steps_full);
+	tcase_add_test(tc, mix_preemption_no_thrash);
+	tcase_add_test(tc, mix_long_prompt_not_starved);
 	suite_add_tcase(s, tc);
 	return s;
 }

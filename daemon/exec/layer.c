@@ -18,9 +18,11 @@ void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_
 	d->norm_eps = (float)c->rms_norm_eps;
 	d->rope_theta = (float)c->rope_theta;
 	d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
+	d->norm_kind = c->norm_kind;
 	d->qk_norm = c->qk_norm;
 	d->router_renorm = !c->topk_raw;
 	d->clip_qkv = (float)c->clip_qkv;
+	d->w2_transposed = c->w2_transposed;
 }
 
 /* ==== weights ==== */
@@ -98,7 +100,8 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 		b->w3[x] = pl->place(pl->arg, w->w3[x], ih, &rc);
 	}
 	b->moe = (struct mlens_moe_weights){ .n_experts = d->n_experts, .hidden = d->hidden,
-		.inter = d->inter, .dtype = d->dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3 };
+		.inter = d->inter, .dtype = d->dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3,
+		.w2_transposed = d->w2_transposed };
 	return rc;
 }
 
@@ -171,6 +174,19 @@ void mlens_ends_unbind(struct mlens_ends_bound *b, const struct mlens_model *m,
 			return rc;                                                      \
 	} while (0)
 
+/* out = the layer's norm (desc's norm_kind) of n rows of x with weight w. */
+static int layer_norm_op(const struct mlens_layer_run *r, float *out, const float *x,
+			 const void *w, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+
+	if (d->norm_kind == MLENS_NORM_RMS)
+		return OPS->rmsnorm(CTX, out, x, w, d->dtype, n, d->hidden, d->norm_eps);
+	if (!MLENS_BACKEND_HAS(OPS, layernorm))
+		return -ENOTSUP;
+	return OPS->layernorm(CTX, out, x, w, d->dtype, n, d->hidden, d->norm_eps);
+}
+
 int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			 const float *xn, float *q, float *k, float *v, const int32_t *pos, int n)
 {
@@ -209,11 +225,9 @@ int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_lay
 int mlens_layer_attn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			  const float *x, float *xn, int n)
 {
-	const struct mlens_layer_desc *d = r->d;
 	int rc;
 
-	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->attn_norm, d->dtype, n, d->hidden,
-					     d->norm_eps));
+	OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, x, b->attn_norm, n));
 	return 0;
 }
 
@@ -314,11 +328,9 @@ static int route_normed(const struct mlens_layer_run *r, const struct mlens_laye
 static int ffn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 		    const float *x, float *xn, int n)
 {
-	const struct mlens_layer_desc *d = r->d;
 	int rc;
 
-	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->ffn_norm, d->dtype, n, d->hidden,
-					     d->norm_eps));
+	OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, x, b->ffn_norm, n));
 	return 0;
 }
 
@@ -408,8 +420,7 @@ int mlens_ends_logits(const struct mlens_layer_run *r, const struct mlens_ends_b
 		 * then normed in one call rather than one call a row */
 		OP(MLENS_LAYER_OP_NORM, OPS->embed(CTX, xn, x, MLENS_DTYPE_F32, d->hidden, lrow + i0,
 						   cnt));
-		OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, xn, e->final_norm, d->dtype, cnt,
-						     d->hidden, d->norm_eps));
+		OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, xn, e->final_norm, cnt));
 		OP(MLENS_LAYER_OP_LM_HEAD, OPS->gemm(CTX, logits, xn, e->lm_head, d->dtype, cnt,
 						     d->hidden, vocab, false));
 		OP(MLENS_LAYER_OP_SAMPLE, OPS->sample(CTX, sampled + i0, logp + i0, logits, cnt, vocab,

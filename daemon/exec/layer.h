@@ -32,10 +32,14 @@ struct mlens_layer_desc {
 	float norm_eps;
 	float rope_theta;
 	float attn_scale;	/* 1 / sqrt(head_dim) */
-	/* family steps (Mixtral: none, renormalised top-k) */
+	/* A family's differences (zero for Mixtral: RMSNorm, no q/k norm,
+	 * renormalised top-k, no clip): */
+	enum mlens_norm_kind norm_kind;	/* RMSNorm or LayerNorm, every norm but q/k's */
 	enum mlens_qk_norm qk_norm;	/* RMSNorm of q and k before RoPE */
 	bool router_renorm;		/* top-k weights renormalised to sum 1 */
-	float clip_qkv;			/* > 0: q, k, v clamped to +-clip_qkv */
+	float clip_qkv;		/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
+				 * after their projection (and q/k norm), before RoPE */
+	bool w2_transposed;	/* experts' w2 stored [inter][hidden] (DBRX) */
 };
 
 void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_config *c);
@@ -129,6 +133,7 @@ enum mlens_layer_op {
 	MLENS_LAYER_OP_MOE,
 	MLENS_LAYER_OP_LM_HEAD,	/* of mlens_ends_logits */
 	MLENS_LAYER_OP_SAMPLE,
+	MLENS_LAYER_OP_EMBED,	/* the engine's token embedding */
 	MLENS_LAYER_OP_N
 };
 

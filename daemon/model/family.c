@@ -225,14 +225,18 @@ static int parse_olmoe(const struct mlens_cfg_ctx *c, json_t *root,
 	return 0;
 }
 
-#define QWEN_EXPERTS "mlp.experts", { "gate_proj", "down_proj", "up_proj" }
+#define HF_NAMES false, "model.embed_tokens.weight", "model.norm.weight", NULL
+#define QWEN_EXPERTS "mlp.gate.weight", "mlp.experts", { "gate_proj", "down_proj", "up_proj" }
 
 static const struct mlens_family families[] = {
-	{ "MixtralForCausalLM", "tiny", parse_mixtral, "block_sparse_moe.gate.weight",
+	{ "MixtralForCausalLM", "tiny", parse_mixtral, HF_NAMES, "block_sparse_moe.gate.weight",
 	  "block_sparse_moe.experts", { "w1", "w2", "w3" } },
-	{ "Qwen3MoeForCausalLM", "qwen3-tiny", parse_qwen3_moe, "mlp.gate.weight", QWEN_EXPERTS },
-	{ "Qwen2MoeForCausalLM", "qwen2-tiny", parse_qwen2_moe, "mlp.gate.weight", QWEN_EXPERTS },
-	{ "OlmoeForCausalLM", "olmoe-tiny", parse_olmoe, "mlp.gate.weight", QWEN_EXPERTS },
+	{ "Qwen3MoeForCausalLM", "qwen3-tiny", parse_qwen3_moe, HF_NAMES, QWEN_EXPERTS },
+	{ "Qwen2MoeForCausalLM", "qwen2-tiny", parse_qwen2_moe, HF_NAMES, QWEN_EXPERTS },
+	{ "OlmoeForCausalLM", "olmoe-tiny", parse_olmoe, HF_NAMES, QWEN_EXPERTS },
+	{ "DbrxForCausalLM", "dbrx-tiny", mlens_family_dbrx_parse_config, true,
+	  "transformer.wte.weight", "transformer.norm_f.weight", mlens_family_dbrx_bind_layer,
+	  NULL, NULL, { NULL, NULL, NULL } },
 };
 
 const struct mlens_family *mlens_family_find(const char *architecture)

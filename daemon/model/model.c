@@ -176,7 +176,8 @@ static int check_arch(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_
 	return -ENOTSUP;
 }
 
-static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
+int mlens_cfg_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
+		   struct mlens_model_config *cfg)
 {
 	json_t *rp = json_object_get(root, "rope_parameters");
 	json_t *rs = json_object_get(root, "rope_scaling");
@@ -195,7 +196,7 @@ static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_
 			return -ENOTSUP;
 		}
 	}
-	rc = mlens_cfg_real(c, root, "rope_theta", 1e6, 0.0, 1e30, &cfg->rope_theta);
+	rc = mlens_cfg_real(c, root, "rope_theta", def, 0.0, 1e30, &cfg->rope_theta);
 	if (rc)
 		return rc;
 	if (rp && !json_is_null(rp)) {
@@ -285,6 +286,13 @@ static int parse_eos(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_m
 	return 0;
 }
 
+int mlens_cfg_dtype_eos(const struct mlens_cfg_ctx *c, json_t *root,
+			struct mlens_model_config *cfg)
+{
+	int rc = parse_dtype(c, root, cfg);
+	return rc ? rc : parse_eos(c, root, cfg);
+}
+
 /* A config file's text as a JSON object, or NULL with the message. */
 static json_t *load_object(const char *json, size_t len, const char *path, char *err,
 			   size_t errlen)
@@ -333,6 +341,10 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	rc = check_arch(&c, root, cfg);
 	if (rc)
 		goto out;
+	if (cfg->family->own_config) {
+		rc = cfg->family->parse(&c, root, cfg);
+		goto out;
+	}
 	v = json_object_get(root, "hidden_act");
 	if (v && !(json_is_string(v) && !strcmp(json_string_value(v), "silu"))) {
 		mlens_errf(err, errlen, "%s: hidden_act must be \"silu\" for %s", path, cfg->architecture);
@@ -381,10 +393,9 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		rc = -EINVAL;
 		goto out;
 	}
-	if ((rc = parse_rope(&c, root, cfg)) ||
+	if ((rc = mlens_cfg_rope(&c, root, 1e6, cfg)) ||
 	    (rc = mlens_cfg_real(&c, root, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)) ||
-	    (rc = parse_dtype(&c, root, cfg)) ||
-	    (rc = parse_eos(&c, root, cfg)))
+	    (rc = mlens_cfg_dtype_eos(&c, root, cfg)))
 		goto out;
 	v = json_object_get(root, "tie_word_embeddings");
 	if (v && !json_is_boolean(v)) {
@@ -633,18 +644,8 @@ static int check_index(struct mlens_model *m, struct shard_index *ix, const char
 
 /* ==== binding the weights (names: the family table) ==== */
 
-struct binder {
-	struct mlens_model *m;
-	bool *used;
-	char *err;
-	size_t errlen;
-	int rc;
-	int missing;
-	char first_missing[160];
-};
-
-static const struct mlens_tensor *need(struct binder *b, const char *name, int ndim,
-				       int64_t d0, int64_t d1, int64_t d2)
+const struct mlens_tensor *mlens_binder_need(struct mlens_binder *b, const char *name, int ndim,
+					     int64_t d0, int64_t d1, int64_t d2)
 {
 	const int64_t want[3] = { d0, d1, d2 };
 	const struct mlens_tensor *t;
@@ -685,20 +686,26 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	const int64_t KV = c->num_key_value_heads * c->head_dim;
 	const size_t es = mlens_dtype_size(c->dtype);
 	const struct mlens_family *f = c->family;
-	struct binder b = { .m = m, .err = err, .errlen = errlen };
+	struct mlens_binder b = { .m = m, .err = err, .errlen = errlen };
 	char n[160];
 	int rc;
 
 	b.used = calloc((size_t)m->n_tensors + 1, sizeof(*b.used));
 	m->layers = calloc((size_t)L, sizeof(*m->layers));
 	m->expert_table = calloc((size_t)(3 * L * E), sizeof(*m->expert_table));
-	if (!b.used || !m->layers || !m->expert_table) {
+	if (f->bind_layer) {
+		/* a family binding its own layers gets three row views a layer
+		 * (DBRX: its fused Wqkv as wq, wk, wv) */
+		m->views = calloc((size_t)(3 * L), sizeof(*m->views));
+		m->n_views = (int)(3 * L);	/* L is bounded by MLENS_MODEL_MAX_LAYERS */
+	}
+	if (!b.used || !m->layers || !m->expert_table || (f->bind_layer && !m->views)) {
 		mlens_errf(err, errlen, "%s: out of memory", m->dir);
 		rc = -ENOMEM;
 		goto out;
 	}
-	m->embed = need(&b, "model.embed_tokens.weight", 2, V, H, 0);
-	m->final_norm = need(&b, "model.norm.weight", 1, H, 0, 0);
+	m->embed = mlens_binder_need(&b, f->embed, 2, V, H, 0);
+	m->final_norm = mlens_binder_need(&b, f->final_norm, 1, H, 0, 0);
 	if (c->tie_word_embeddings) {
 		const struct mlens_tensor *lm = mlens_model_tensor(m, "lm_head.weight");
 		/* transformers drops a tied head when saving; tolerate one that
@@ -707,7 +714,7 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 			b.used[lm - m->tensors] = true;
 		m->lm_head = m->embed;
 	} else {
-		m->lm_head = need(&b, "lm_head.weight", 2, V, H, 0);
+		m->lm_head = mlens_binder_need(&b, "lm_head.weight", 2, V, H, 0);
 	}
 	for (int64_t i = 0; i < L && !b.rc; i++) {
 		struct mlens_layer_weights *l = &m->layers[i];
@@ -718,45 +725,49 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 		l->w1 = m->expert_table + 3 * i * E;
 		l->w2 = l->w1 + E;
 		l->w3 = l->w2 + E;
+		if (f->bind_layer) {
+			f->bind_layer(&b, i);
+			continue;
+		}
 #define T(fmt, ...) (snprintf(n, sizeof(n), "model.layers.%" PRId64 "." fmt, i, ##__VA_ARGS__), n)
-		l->attn_norm = need(&b, T("input_layernorm.weight"), 1, H, 0, 0);
-		l->wq = need(&b, T("self_attn.q_proj.weight"), 2, Q, H, 0);
-		l->wk = need(&b, T("self_attn.k_proj.weight"), 2, KV, H, 0);
-		l->wv = need(&b, T("self_attn.v_proj.weight"), 2, KV, H, 0);
-		l->wo = need(&b, T("self_attn.o_proj.weight"), 2, H, Q, 0);
-		l->ffn_norm = need(&b, T("post_attention_layernorm.weight"), 1, H, 0, 0);
+		l->attn_norm = mlens_binder_need(&b, T("input_layernorm.weight"), 1, H, 0, 0);
+		l->wq = mlens_binder_need(&b, T("self_attn.q_proj.weight"), 2, Q, H, 0);
+		l->wk = mlens_binder_need(&b, T("self_attn.k_proj.weight"), 2, KV, H, 0);
+		l->wv = mlens_binder_need(&b, T("self_attn.v_proj.weight"), 2, KV, H, 0);
+		l->wo = mlens_binder_need(&b, T("self_attn.o_proj.weight"), 2, H, Q, 0);
+		l->ffn_norm = mlens_binder_need(&b, T("post_attention_layernorm.weight"), 1, H, 0, 0);
 		if (c->qk_norm) {
-			l->q_norm = need(&b, T("self_attn.q_norm.weight"), 1, qn, 0, 0);
-			l->k_norm = need(&b, T("self_attn.k_norm.weight"), 1, kn, 0, 0);
+			l->q_norm = mlens_binder_need(&b, T("self_attn.q_norm.weight"), 1, qn, 0, 0);
+			l->k_norm = mlens_binder_need(&b, T("self_attn.k_norm.weight"), 1, kn, 0, 0);
 		}
 		if (c->qkv_bias) {
-			l->bq = need(&b, T("self_attn.q_proj.bias"), 1, Q, 0, 0);
-			l->bk = need(&b, T("self_attn.k_proj.bias"), 1, KV, 0, 0);
-			l->bv = need(&b, T("self_attn.v_proj.bias"), 1, KV, 0, 0);
+			l->bq = mlens_binder_need(&b, T("self_attn.q_proj.bias"), 1, Q, 0, 0);
+			l->bk = mlens_binder_need(&b, T("self_attn.k_proj.bias"), 1, KV, 0, 0);
+			l->bv = mlens_binder_need(&b, T("self_attn.v_proj.bias"), 1, KV, 0, 0);
 		}
 		if (c->o_bias)
-			l->bo = need(&b, T("self_attn.o_proj.bias"), 1, H, 0, 0);
+			l->bo = mlens_binder_need(&b, T("self_attn.o_proj.bias"), 1, H, 0, 0);
 		if (c->dense[i]) {
 			/* a dense layer: its MLP is the one SwiGLU, no experts */
 			const int64_t D = l->mlp_inter = c->dense_inter;
-			l->mlp_w1 = need(&b, T("mlp.gate_proj.weight"), 2, D, H, 0);
-			l->mlp_w2 = need(&b, T("mlp.down_proj.weight"), 2, H, D, 0);
-			l->mlp_w3 = need(&b, T("mlp.up_proj.weight"), 2, D, H, 0);
+			l->mlp_w1 = mlens_binder_need(&b, T("mlp.gate_proj.weight"), 2, D, H, 0);
+			l->mlp_w2 = mlens_binder_need(&b, T("mlp.down_proj.weight"), 2, H, D, 0);
+			l->mlp_w3 = mlens_binder_need(&b, T("mlp.up_proj.weight"), 2, D, H, 0);
 			continue;
 		}
 		if (c->shared_inter) {
 			const int64_t S = l->mlp_inter = c->shared_inter;
-			l->mlp_w1 = need(&b, T("mlp.shared_expert.gate_proj.weight"), 2, S, H, 0);
-			l->mlp_w2 = need(&b, T("mlp.shared_expert.down_proj.weight"), 2, H, S, 0);
-			l->mlp_w3 = need(&b, T("mlp.shared_expert.up_proj.weight"), 2, S, H, 0);
+			l->mlp_w1 = mlens_binder_need(&b, T("mlp.shared_expert.gate_proj.weight"), 2, S, H, 0);
+			l->mlp_w2 = mlens_binder_need(&b, T("mlp.shared_expert.down_proj.weight"), 2, H, S, 0);
+			l->mlp_w3 = mlens_binder_need(&b, T("mlp.shared_expert.up_proj.weight"), 2, S, H, 0);
 			if (c->shared_gate)
-				l->mlp_gate = need(&b, T("mlp.shared_expert_gate.weight"), 2, 1, H, 0);
+				l->mlp_gate = mlens_binder_need(&b, T("mlp.shared_expert_gate.weight"), 2, 1, H, 0);
 		}
 		if (mlens_model_tensor(m, T("mlp.experts.gate_up_proj"))) {
 			/* transformers 5 fused layout: gate rows then up rows. */
-			l->router = need(&b, T("mlp.gate.weight"), 2, E, H, 0);
-			gu = need(&b, T("mlp.experts.gate_up_proj"), 3, E, 2 * I, H);
-			dn = need(&b, T("mlp.experts.down_proj"), 3, E, H, I);
+			l->router = mlens_binder_need(&b, T("mlp.gate.weight"), 2, E, H, 0);
+			gu = mlens_binder_need(&b, T("mlp.experts.gate_up_proj"), 3, E, 2 * I, H);
+			dn = mlens_binder_need(&b, T("mlp.experts.down_proj"), 3, E, H, I);
 			for (int64_t j = 0; gu && dn && j < E; j++) {
 				const char *g = gu->data, *d = dn->data;
 				l->w1[j] = g + (size_t)(j * 2 * I * H) * es;
@@ -765,14 +776,14 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 			}
 			continue;
 		}
-		l->router = need(&b, T("%s", f->router), 2, E, H, 0);
+		l->router = mlens_binder_need(&b, T("%s", f->router), 2, E, H, 0);
 		for (int64_t j = 0; j < E; j++) {
 			const struct mlens_tensor *w1, *w2, *w3;
 
 #define X(k) T("%s.%" PRId64 ".%s.weight", f->experts, j, f->expert_w[k])
-			w1 = need(&b, X(0), 2, I, H, 0);
-			w2 = need(&b, X(1), 2, H, I, 0);
-			w3 = need(&b, X(2), 2, I, H, 0);
+			w1 = mlens_binder_need(&b, X(0), 2, I, H, 0);
+			w2 = mlens_binder_need(&b, X(1), 2, H, I, 0);
+			w3 = mlens_binder_need(&b, X(2), 2, I, H, 0);
 #undef X
 			l->w1[j] = w1 ? w1->data : NULL;
 			l->w2[j] = w2 ? w2->data : NULL;
@@ -823,6 +834,7 @@ void mlens_model_close(struct mlens_model *m)
 	free(m->tensors);
 	free(m->layers);
 	free(m->expert_table);
+	free(m->views);
 	free(m->dir);
 	free(m);
 }

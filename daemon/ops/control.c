@@ -142,12 +142,15 @@ static json_t *cmd_status(struct mlens_control *c)
 			json_array_append_new(ids, json_integer(in->eos[i]));
 		json_object_set_new(json_object_get(o, "model"), "eos_token_ids", ids);
 	}
-	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:I}}",
+	/* gpu_memory: the plan's effective budget (gpu_memory = 0 resolved to
+	 * the free memory less the margin); null where no GPU plan exists */
+	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:o}}",
 		"kv_cache", "bytes", (json_int_t)in->kv_bytes, "blocks_total", (json_int_t)s.kv_blocks_total,
 		"blocks_used", (json_int_t)s.kv_blocks_used, "block_tokens", (json_int_t)in->kv_block_size,
 		"budget_bytes", (json_int_t)in->cfg->kv_cache,
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
-		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
+		"gpu_memory", "budget_bytes",
+		in->has_gpu_budget ? json_integer((json_int_t)in->gpu_budget) : json_null()));
 	if (s.sched.hybrid)
 		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
 			"last_step_seconds", s.sched.last_step_seconds,

@@ -62,6 +62,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 	json_object_set_new(o, "requests_done_total", json_integer((json_int_t)st->requests_done));
 	json_object_set_new(o, "requests_failed_total", json_integer((json_int_t)st->requests_failed));
 	json_object_set_new(o, "preemptions_total", json_integer((json_int_t)st->preemptions));
+	json_object_set_new(o, "repreemptions_total", json_integer((json_int_t)st->repreemptions));
 	json_object_set_new(o, "prompt_tokens_total", json_integer((json_int_t)st->prompt_tokens));
 	json_object_set_new(o, "generation_tokens_total", json_integer((json_int_t)st->generated_tokens));
 	json_object_set_new(o, "kv_blocks_used", json_integer(snap->kv_blocks_used));
@@ -209,6 +210,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	evbuffer_add_printf(b, "mlens_requests_finished_total{outcome=\"failed\"} %llu\n", (unsigned long long)st->requests_failed);
 	prom_head(b, "mlens_preemptions_total", "counter", "Sequences evicted from the running batch to free KV blocks.");
 	evbuffer_add_printf(b, "mlens_preemptions_total %llu\n", (unsigned long long)st->preemptions);
+	prom_head(b, "mlens_repreemptions_total", "counter",
+		  "Of the preemptions, those of a sequence a few steps after it came back from one.");
+	evbuffer_add_printf(b, "mlens_repreemptions_total %llu\n", (unsigned long long)st->repreemptions);
 	prom_head(b, "mlens_prompt_tokens_total", "counter", "Prefill tokens computed (re-prefills after preemption included).");
 	evbuffer_add_printf(b, "mlens_prompt_tokens_total %llu\n", (unsigned long long)st->prompt_tokens);
 	PROM_TENANT(b, snap, "mlens_tenant_prompt_tokens_total", "counter", "Prefill tokens computed for a tenant.", prompt_tokens);

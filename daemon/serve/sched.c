@@ -30,12 +30,21 @@ struct mlens_req {
 	bool has_pending;	/* an event the tenant's ring had no room for */
 	struct mlens_event pending;
 	bool preempted;		/* waiting to re-prefill */
+	uint64_t readmit_step;	/* the step it came back in after an eviction (0: never evicted) */
+	uint64_t skip_step;	/* the step whose admission passed it over last */
+	uint32_t passed_over;	/* steps whose admission passed it over since it started waiting */
 	struct mlens_req *wnext, *wprev;	/* the tenant's waiting requests */
 	int64_t wseq;		/* place in the waiting queue: smaller is nearer the head */
 	struct mlens_req *hnext;	/* the tenant's id hash chain */
 	double arrival;		/* submit time, CLOCK_MONOTONIC */
 	double last_token;	/* when the previous token was emitted */
 };
+
+/* Steps after its return from an eviction that a request is evicted
+ * again only when no other running one can go: otherwise the youngest is
+ * the one just brought back, which re-prefills only to lose its KV again
+ * (and the pool thrashes). */
+#define READMIT_GRACE 8
 
 const double mlens_latency_buckets[MLENS_LAT_BUCKETS] = {
 	0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, INFINITY
@@ -81,6 +90,7 @@ struct mlens_sched {
 	 * requests that can no longer fit their tenant's quota */
 	bool quota_check;
 	uint64_t serial;
+	uint64_t step_no;	/* steps begun, for skip_step and readmit_step */
 	struct list waiting;	/* arrival order; preempted requests at the head */
 	struct list running;
 	struct list finished;	/* done, last event not yet delivered */
@@ -565,6 +575,8 @@ static void evict(struct mlens_sched *s, struct mlens_req *r)
 	r->t->queued++;
 	r->t->preemptions++;
 	s->st.preemptions++;
+	if (r->readmit_step && s->step_no - r->readmit_step < READMIT_GRACE)
+		s->st.repreemptions++;
 	wait_push(s, r, true);
 	if (r->t->quota.max_kv_blocks)
 		s->quota_check = true;	/* it may have been lowered while it ran */
@@ -594,13 +606,25 @@ static void fail_over_quota(struct mlens_sched *s)
 	}
 }
 
-/* The youngest running request. */
+/* Admission (mlens_sched_step): steps a waiting request may be passed
+ * over for smaller ones behind it before the step waits for it, and the
+ * most requests one step passes over (its cost stays bounded). */
+#define MAX_PASSED_OVER 16
+#define MAX_PASSES 64
+
+/* The youngest running request, outside its grace if any is. */
 static struct mlens_req *youngest(struct mlens_sched *s)
 {
 	struct mlens_req *best = NULL;
-	for (struct mlens_req *r = s->running.head; r; r = r->qnext)
-		if (!best || r->admit_serial > best->admit_serial)
+	bool best_grace = true;
+	for (struct mlens_req *r = s->running.head; r; r = r->qnext) {
+		bool grace = r->readmit_step && s->step_no - r->readmit_step < READMIT_GRACE;
+		if (!best || (best_grace && !grace) ||
+		    (grace == best_grace && r->admit_serial > best->admit_serial)) {
 			best = r;
+			best_grace = grace;
+		}
+	}
 	return best;
 }
 
@@ -624,6 +648,8 @@ static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
 				continue;
 			if (r->has_pending)
 				continue;	/* its last token must reach the tenant first */
+			if (r->skip_step == s->step_no)
+				continue;	/* this step's admission passed it over */
 			if (t->quota.max_kv_blocks &&
 			    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) >
 				    t->quota.max_kv_blocks)
@@ -751,6 +777,7 @@ int mlens_sched_step(struct mlens_sched *s)
 	int n = 0, tokens = 0, rc;
 	double t0;
 
+	s->step_no++;
 	mlens_sched_flush(s);
 	if (s->quota_check)
 		fail_over_quota(s);
@@ -801,25 +828,44 @@ int mlens_sched_step(struct mlens_sched *s)
 	/* prefill: admit while the token cap, KV blocks (with a reserve for
 	 * growth) and quotas allow. In preemption mode only evicted requests
 	 * come back (their re-prefill overlaps the others' decode), and only
-	 * when they fit again; new ones wait for normal mode. */
+	 * when their growth to their end fits too (so the next steps do not
+	 * evict them again); new ones wait for normal mode. A request that
+	 * does not fit is passed over for the ones behind it that do, so the
+	 * step stays full while long prompts wait for room (from the first
+	 * step, sized by the token cap, to the last prefills of the queue),
+	 * until it has been passed over MAX_PASSED_OVER steps: then nothing
+	 * behind it goes before it (none starves). */
 	{
 		uint32_t running_after = s->running.n;
+		int passes = 0;
 		while ((r = pick(s, s->preempt_mode))) {
 			int32_t len = r->n_prompt + r->n_gen, rem = remaining(s, r, r->n_gen + 1);
 			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
-			int64_t reserve;
-			if (tokens + len > s->cap)
-				break;
-			if (!s->reserve)
-				demand_add(s, s->demand, len, rem, +1);
-			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
-			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
-			    (s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv)) ||
-			    mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem)) {
+			int64_t reserve, own = 0;
+			bool fits = tokens + len <= s->cap;
+			if (fits) {
 				if (!s->reserve)
+					demand_add(s, s->demand, len, rem, +1);
+				reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
+				if (r->preempted)	/* the blocks its growth to its end takes */
+					own = (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len + rem) - blocks;
+				fits = (int64_t)blocks + (running_after ? (reserve > own ? reserve : own) : own) <=
+					       (int64_t)free_blocks &&
+				       !(s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv)) &&
+				       !mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem);
+				if (!fits && !s->reserve)
 					demand_add(s, s->demand, len, rem, -1);
-				break;
 			}
+			if (!fits) {
+				if (r->passed_over >= MAX_PASSED_OVER || ++passes > MAX_PASSES)
+					break;
+				r->passed_over++;
+				r->skip_step = s->step_no;
+				continue;
+			}
+			r->passed_over = 0;
+			if (r->preempted)
+				r->readmit_step = s->step_no;
 			free_blocks -= blocks;
 			r->t->kv_blocks += blocks;
 			wait_remove(s, r);

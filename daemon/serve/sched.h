@@ -1,10 +1,13 @@
 /* The resource-aware scheduler (DESIGN §1): requests, their sequences and
  * the two modes. Normal: every running decode sequence, then prefills up to
- * the step's token cap while KV blocks allow, keeping a reserve for growth.
- * Preemption: when the running sequences' next tokens need more blocks than
- * are free, admit nothing and evict the youngest running sequences (their
- * KV freed, requeued at the head of the queue to re-prefill prompt +
- * generated tokens). Owns the engine. Runs on one thread (the worker). */
+ * the step's token cap while KV blocks allow, keeping a reserve for growth;
+ * a prompt that does not fit lets shorter ones behind it fill the step, for
+ * a bounded number of steps. Preemption: when the running sequences' next
+ * tokens need more blocks than are free, admit nothing and evict the
+ * youngest running sequences (their KV freed, requeued at the head of the
+ * queue to re-prefill prompt + generated tokens); one comes back once its
+ * growth to its end fits, and is not the first evicted again for a few
+ * steps. Owns the engine. Runs on one thread (the worker). */
 #ifndef MLENS_SCHED_H
 #define MLENS_SCHED_H
 
@@ -133,6 +136,9 @@ struct mlens_sched_stats {
 	double step_seconds_sum;
 	uint64_t steps;
 	uint64_t preemptions;
+	/* of which evictions of a request soon (a few steps) after it came
+	 * back from one: KV thrash, which admission and eviction avoid */
+	uint64_t repreemptions;
 	uint64_t prompt_tokens;		/* prefill tokens computed, re-prefills included */
 	uint64_t generated_tokens;
 	uint64_t requests_done;

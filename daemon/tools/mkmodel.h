@@ -23,9 +23,10 @@ struct mlens_mkmodel_opts {
  * vocabulary must hold them. */
 #define MLENS_MKMODEL_TOKENIZER_VOCAB 261
 
-/* Fill o->cfg from a preset ("tiny", "mixtral-8x7b", "qwen3-tiny",
- * "qwen3-30b-a3b", "qwen2-tiny", "qwen1.5-moe-a2.7b", "qwen2-57b-a14b",
- * "olmoe-tiny", "olmoe-1b-7b"; the family with it); leaves dir, seed,
+/* Fill o->cfg from a preset ("tiny", "mixtral-8x7b", "mixtral-8x22b",
+ * "qwen3-tiny", "qwen3-30b-a3b", "qwen2-tiny", "qwen1.5-moe-a2.7b",
+ * "qwen2-57b-a14b", "olmoe-tiny", "olmoe-1b-7b", "dbrx", "dbrx-tiny"; the
+ * family with it); leaves dir, seed,
  * shards alone. Returns 0 or -EINVAL for an unknown name. */
 int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name);
 

@@ -144,8 +144,8 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 		return -EINVAL;
 	}
 	if (strcmp(m->cfg.architecture, "MixtralForCausalLM")) {
-		/* its ranks bind Mixtral's tensors only (no q/k norms, biases,
-		 * shared or dense MLPs) */
+		/* its ranks bind Mixtral's tensors and norms only (no q/k norms,
+		 * biases, shared or dense MLPs, LayerNorm, clip or fused Wqkv) */
 		mlens_errf(err, errlen, "shard simulation: %s models are not simulated; use a MixtralForCausalLM model",
 			   m->cfg.architecture);
 		return -ENOTSUP;
