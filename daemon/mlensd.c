@@ -574,9 +574,9 @@ static int step_model(void)
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
-		log_info("model %s: %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
+		log_info("model %s: %s, %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
 			 "in %.2f s (%.2f GB/s, %s%s) on NUMA node %d%s",
-			 D.cfg.model, (long long)D.model->cfg.num_hidden_layers,
+			 D.cfg.model, D.model->cfg.architecture, (long long)D.model->cfg.num_hidden_layers,
 			 (long long)D.model->cfg.num_local_experts, (long long)D.model->cfg.num_experts_per_tok,
 			 mlens_dtype_name(D.model->cfg.dtype), D.weights.bytes / 1e9, D.weights.seconds,
 			 D.weights.bytes / 1e9 / (D.weights.seconds > 0 ? D.weights.seconds : 1e-9),

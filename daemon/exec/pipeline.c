@@ -345,8 +345,8 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 	char *base = p->slot[l % 2];
 	int rc = 0;
 
-	if (n <= 0)
-		return 0;
+	if (n <= 0 || !w->router)
+		return 0;	/* all resident, or a dense layer: nothing streams */
 	s = calloc((size_t)n, sizeof(*s));
 	src = calloc((size_t)n, sizeof(*src));
 	if (!s || !src) {
