@@ -31,7 +31,9 @@ struct mlens_sampling {
 };
 
 /* Expert weights of one MoE layer, row-major as in HF: w1,w3 [inter][hidden],
- * w2 [hidden][inter]. Pointers are backend memory. */
+ * w2 [hidden][inter], or [inter][hidden] with w2_transposed (DBRX stores its
+ * down projection so, and the ops read it in place rather than have the
+ * loader transpose a third of the model). Pointers are backend memory. */
 struct mlens_moe_weights {
 	int n_experts;
 	int hidden;
@@ -40,6 +42,7 @@ struct mlens_moe_weights {
 	const void *const *w1;
 	const void *const *w2;
 	const void *const *w3;
+	bool w2_transposed;
 };
 
 struct mlens_backend_ops {
@@ -71,9 +74,10 @@ struct mlens_backend_ops {
 	int (*rope)(void *ctx, float *x, const int32_t *pos, int n, int n_heads,
 		    int head_dim, float theta);
 	/* softmax over logits[n][n_experts], top-k (lower index wins ties),
-	 * renormalised: ids[n][k], weights[n][k] (backend memory). */
+	 * renormalised to sum 1 when renorm (else the softmax's own values):
+	 * ids[n][k], weights[n][k] (backend memory). */
 	int (*router)(void *ctx, int32_t *ids, float *weights, const float *logits,
-		      int n, int n_experts, int k);
+		      int n, int n_experts, int k, bool renorm);
 	/* out += sum over the k chosen experts e of weight * w2_e(silu(w1_e x) * w3_e x),
 	 * x[n][hidden] already normalised. Experts are added in id order. */
 	int (*moe)(void *ctx, float *out, const float *x, int n, const int32_t *ids,
@@ -96,6 +100,16 @@ struct mlens_backend_ops {
 			   const struct mlens_kv_cache *kv, int layer,
 			   const struct mlens_attn_query *queries, int n,
 			   int n_heads, float scale);
+	/* x[i][j] += b[j] for i < n, j < dim; b in dtype dt (a projection's
+	 * bias). */
+	int (*bias_add)(void *ctx, float *x, const void *b, enum mlens_dtype dt, int n, int dim);
+	/* In place: each of x[count] clamped to [-limit, limit] (clip_qkv of
+	 * q, k and v: OLMoE, DBRX); NaN stays NaN, as torch.clamp; a limit
+	 * below 0 or NaN: -EINVAL. */
+	int (*clamp)(void *ctx, float *x, size_t count, float limit);
+	/* One expert chosen by every row, for moe with k = 1: ids[i] = 0 and
+	 * weights[i] = 1, or sigmoid(logits[i]) when logits ([n][1]) is set. */
+	int (*route_one)(void *ctx, int32_t *ids, float *weights, const float *logits, int n);
 	/* Sample one token per row of logits[n][vocab]; logprobs (host, may be
 	 * NULL) gets log-softmax of the chosen token at temperature 1. */
 	int (*sample)(void *ctx, int32_t *tokens, float *logprobs, const float *logits,
@@ -229,6 +243,15 @@ struct mlens_backend_ops {
 	int (*device_name)(void *ctx, char *buf, size_t len);
 	/* Its PCI bus id ("0000:3b:00.0"). */
 	int (*bus_id)(void *ctx, char *buf, size_t len);
+
+	/* ---- optional: what families other than Mixtral's need ----
+	 * Callers go through MLENS_BACKEND_HAS; a layer that needs one the
+	 * backend lacks fails with -ENOTSUP. */
+	/* out[i] = (x[i] - mean(x[i])) / sqrt(var(x[i]) + eps) * w, the
+	 * variance biased, no bias term (LayerNorm(bias=False), DBRX); out
+	 * may be x. */
+	int (*layernorm)(void *ctx, float *out, const float *x, const void *w,
+			 enum mlens_dtype dt, int n, int dim, float eps);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4

@@ -13,6 +13,7 @@
  * attention on tensor cores (opts prefill_bf16, a backend of its own)
  * rounds q, k, v and the softmax weights to bf16: 2e-2, and it must differ
  * from the fp32 result (else the fp32 kernel ran).
+ * LayerNorm as RMSNorm (1e-5: a second reduction); the clamp identical.
  * The MoE runs its experts on 1, 2 and 4 streams (three of the backends)
  * and, with fast GEMMs on 16-bit weights, keeps gate and up in the weight
  * dtype (mlens_moe_half_gu): one more rounding of 2^-9 or 2^-12, inside
@@ -409,9 +410,11 @@ START_TEST(test_embed)
 }
 END_TEST
 
-START_TEST(test_rmsnorm)
+/* A norm op (rmsnorm, or layernorm when layer) on both backends over
+ * every dtype and a few shapes; shift moves the rows' mean away from 0. */
+static void norm_cases(bool layer, const int dims[3], float shift, double tol)
 {
-	static const int dims[] = { 64, 100, 4096 }, ns[] = { 1, 5, 33 };
+	static const int ns[] = { 1, 5, 33 };
 	for (int t = 0; t < 3; t++)
 		for (int a = 0; a < 3; a++)
 			for (int b = 0; b < 3; b++) {
@@ -420,16 +423,63 @@ START_TEST(test_rmsnorm)
 				size_t cnt = (size_t)n * dim;
 				float *x = rnd_floats(cnt, 3.0f), *ref = malloc(cnt * 4), *got;
 				void *w = rnd_weights((size_t)dim, dt, 1.0f);
-				float *dx = to_gpu(x, cnt * 4), *dout = gpu_zeros(cnt * 4);
+				float *dx, *dout = gpu_zeros(cnt * 4);
 				void *dw = to_gpu(w, (size_t)dim * mlens_dtype_size(dt));
-				ck_assert_int_eq(cpu.ops->rmsnorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
-				ck_assert_int_eq(dev->ops->rmsnorm(dev->ctx, dout, dx, dw, dt, n, dim, 1e-5f), 0);
+				for (size_t i = 0; i < cnt; i++)
+					x[i] += shift;
+				dx = to_gpu(x, cnt * 4);
+				if (layer) {
+					ck_assert_int_eq(cpu.ops->layernorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
+					ck_assert_int_eq(dev->ops->layernorm(dev->ctx, dout, dx, dw, dt, n, dim,
+									     1e-5f), 0);
+				} else {
+					ck_assert_int_eq(cpu.ops->rmsnorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
+					ck_assert_int_eq(dev->ops->rmsnorm(dev->ctx, dout, dx, dw, dt, n, dim,
+									   1e-5f), 0);
+				}
 				got = from_gpu(dout, cnt * 4);
-				record("rmsnorm", 1e-6, rel_err(ref, got, cnt), "%s n=%d dim=%d",
-				       mlens_dtype_name(dt), n, dim);
+				record(layer ? "layernorm" : "rmsnorm", tol, rel_err(ref, got, cnt),
+				       "%s n=%d dim=%d", mlens_dtype_name(dt), n, dim);
 				free(x); free(ref); free(got); free(w);
 				gfree(dx); gfree(dout); gfree(dw);
 			}
+}
+
+START_TEST(test_rmsnorm)
+{
+	static const int dims[] = { 64, 100, 4096 };
+	norm_cases(false, dims, 0.0f, 1e-6);
+}
+END_TEST
+
+/* LayerNorm without bias (DBRX): rows whose mean is far from 0, so that
+ * the centring shows. */
+START_TEST(test_layernorm)
+{
+	static const int dims[] = { 64, 100, 6144 };
+	norm_cases(true, dims, 5.0f, 1e-5);
+}
+END_TEST
+
+/* clip_qkv's clamp: identical values, NaN kept. */
+START_TEST(test_clamp)
+{
+	const int rows = 37, cols = 160;
+	size_t cnt = (size_t)rows * cols;
+	float *x = rnd_floats(cnt, 4.0f), *ref = malloc(cnt * 4), *dx, *got;
+
+	x[7] = NAN;
+	memcpy(ref, x, cnt * 4);
+	dx = to_gpu(x, cnt * 4);
+	ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, ref, cnt, 1.5f), 0);
+	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, cnt, 1.5f), 0);
+	got = from_gpu(dx, cnt * 4);
+	ck_assert(isnan(got[7]));
+	got[7] = ref[7] = 0;
+	ck_assert_mem_eq(got, ref, cnt * 4);
+	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, cnt, -1.0f), -EINVAL);
+	free(x); free(ref); free(got);
+	gfree(dx);
 }
 END_TEST
 
@@ -627,8 +677,8 @@ START_TEST(test_router)
 
 	l[0] = l[1];	/* a tie: the lower index must win */
 	ck_assert_int_eq(dev->ops->upload(dev->ctx, dl, l, (size_t)n * E * 4), 0);
-	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k), 0);
-	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k), 0);
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k, true), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k, true), 0);
 	idgot = from_gpu(dids, (size_t)n * k * 4);
 	wgot = from_gpu(dw, (size_t)n * k * 4);
 	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
@@ -638,11 +688,75 @@ START_TEST(test_router)
 }
 END_TEST
 
+/* The families' small ops against the CPU: top-k weights left as the
+ * softmax gives them (no renormalisation), a projection's bias, the clip
+ * of q, k, v and the one-expert route (weight 1, or a sigmoid gate). */
+START_TEST(test_family_ops)
+{
+	const int n = 300, E = 16, k = 4, dim = 96;
+	float *l = rnd_floats((size_t)n * E, 4.0f), *wref = malloc((size_t)n * k * 4), *wgot;
+	int32_t *idref = malloc((size_t)n * k * 4), *idgot;
+	float *dl = to_gpu(l, (size_t)n * E * 4);
+	int32_t *dids = gpu_zeros((size_t)n * k * 4);
+	float *dw = gpu_zeros((size_t)n * k * 4);
+	float *x = rnd_floats((size_t)n * dim, 3.0f), *xr = malloc((size_t)n * dim * 4), *got;
+	float *dx;
+	void *b;
+
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k, false), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k, false), 0);
+	idgot = from_gpu(dids, (size_t)n * k * 4);
+	wgot = from_gpu(dw, (size_t)n * k * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
+	record("router raw top-k", 1e-6, rel_err(wref, wgot, (size_t)n * k), "n=%d E=%d k=%d", n, E, k);
+	free(idgot); free(wgot);
+
+	/* route_one: ids 0; weights 1, or sigmoid of the first n logits */
+	ck_assert_int_eq(cpu.ops->route_one(cpu.ctx, idref, wref, l, n), 0);
+	ck_assert_int_eq(dev->ops->route_one(dev->ctx, dids, dw, dl, n), 0);
+	idgot = from_gpu(dids, (size_t)n * 4);
+	wgot = from_gpu(dw, (size_t)n * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * 4);
+	record("route_one sigmoid", 1e-6, rel_err(wref, wgot, (size_t)n), "n=%d", n);
+	free(idgot); free(wgot);
+	ck_assert_int_eq(dev->ops->route_one(dev->ctx, dids, dw, NULL, n), 0);
+	wgot = from_gpu(dw, (size_t)n * 4);
+	for (int i = 0; i < n; i++)
+		ck_assert_float_eq(wgot[i], 1.0f);
+	free(wgot);
+
+	/* bias_add in each weight dtype, then the clip: exact */
+	for (int t = 0; t < 3; t++) {
+		enum mlens_dtype dt = t == 0 ? MLENS_DTYPE_F32 : t == 1 ? MLENS_DTYPE_BF16 : MLENS_DTYPE_F16;
+		void *db;
+
+		b = rnd_weights((size_t)dim, dt, 1.0f);
+		db = to_gpu(b, (size_t)dim * mlens_dtype_size(dt));
+		memcpy(xr, x, (size_t)n * dim * 4);
+		dx = to_gpu(x, (size_t)n * dim * 4);
+		ck_assert_int_eq(cpu.ops->bias_add(cpu.ctx, xr, b, dt, n, dim), 0);
+		ck_assert_int_eq(dev->ops->bias_add(dev->ctx, dx, db, dt, n, dim), 0);
+		ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, xr, (size_t)n * dim, 2.5f), 0);
+		ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, (size_t)n * dim, 2.5f), 0);
+		got = from_gpu(dx, (size_t)n * dim * 4);
+		ck_assert_mem_eq(xr, got, (size_t)n * dim * 4);
+		free(got); free(b);
+		gfree(dx); gfree(db);
+	}
+	ck_assert_int_eq(dev->ops->bias_add(dev->ctx, dl, dl, MLENS_DTYPE_F32, -1, 4), -EINVAL);
+	free(l); free(wref); free(idref); free(x); free(xr);
+	gfree(dl); gfree(dids); gfree(dw);
+}
+END_TEST
+
 /* Token counts per expert are uneven on purpose: expert 0 gets most rows,
  * expert 3 none (and has no weights at all on either backend). skew:
  * every token's first expert is expert 0, so that it holds more rows than
  * a MoE stream's gate/up piece once the call has more routed rows than
  * MLENS_CUDA_MOE_GU_ROWS: it runs in pieces. */
+/* moe_case's experts store w2 as [I][H] (DBRX's layout, w2_transposed) */
+static bool moe_w2t;
+
 static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
 {
 	const int E = 8, k = 2;
@@ -653,9 +767,9 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
 	void *hw1[8], *hw2[8], *hw3[8], *dw1[8], *dw2[8], *dw3[8];
 	static const int pick[] = { 0, 0, 0, 0, 1, 2, 4, 5, 6, 7, 7 };
 	struct mlens_moe_weights wc = { E, H, I, dt, (const void *const *)hw1,
-					(const void *const *)hw2, (const void *const *)hw3 };
+					(const void *const *)hw2, (const void *const *)hw3, moe_w2t };
 	struct mlens_moe_weights wg = { E, H, I, dt, (const void *const *)dw1,
-					(const void *const *)dw2, (const void *const *)dw3 };
+					(const void *const *)dw2, (const void *const *)dw3, moe_w2t };
 	float *dx, *dout, *dwts;
 	int32_t *dids;
 	char op[32];
@@ -694,7 +808,8 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
 	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, ref, x, n, ids, wts, k, &wc), 0);
 	ck_assert_int_eq(dev->ops->moe(dev->ctx, dout, dx, n, dids, dwts, k, &wg), 0);
 	got = from_gpu(dout, (size_t)n * H * 4);
-	snprintf(op, sizeof(op), "moe %s%s", mlens_dtype_name(dt), mode_name());
+	snprintf(op, sizeof(op), "moe%s %s%s", moe_w2t ? " w2t" : "", mlens_dtype_name(dt),
+		 mode_name());
 	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2%s", n, H, I,
 	       skew ? " skewed" : "");
 	for (int e = 0; e < E; e++) {
@@ -719,6 +834,20 @@ START_TEST(test_moe)
 	}
 	/* more tokens than one chunk of the CUDA MoE (4096) */
 	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96, false);
+}
+END_TEST
+
+/* The same MoE with w2 stored [I][H] (DBRX): the down GEMM reads it
+ * without the transpose. */
+START_TEST(test_moe_w2_transposed)
+{
+	moe_w2t = true;
+	for (int t = 0; t < 3; t++) {
+		moe_case(dtypes[t], 7, 256, 320, false);
+		moe_case(dtypes[t], 5, 62, 97, false);
+		moe_case(dtypes[t], 1500, 64, 96, true);
+	}
+	moe_w2t = false;
 }
 END_TEST
 
@@ -1125,7 +1254,7 @@ START_TEST(test_errors)
 	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
 	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
-	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9, true), -EINVAL);
 	{
 		/* MoE streams out of range: refused at creation, by name */
 		struct mlens_backend_opts bad = { .n_threads = 0, .device = 0,
@@ -1310,12 +1439,16 @@ int main(void)
 	tcase_add_test(tc, test_up_queue);
 	tcase_add_test(tc, test_embed);
 	tcase_add_test(tc, test_rmsnorm);
+	tcase_add_test(tc, test_layernorm);
+	tcase_add_test(tc, test_clamp);
 	tcase_add_test(tc, test_rope);
 	tcase_add_test(tc, test_gemm);
 	tcase_add_test(tc, test_round_gemm_half_in);
 	tcase_add_test(tc, test_gemm_multi);
 	tcase_add_test(tc, test_router);
+	tcase_add_test(tc, test_family_ops);
 	tcase_add_test(tc, test_moe);
+	tcase_add_test(tc, test_moe_w2_transposed);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
 	tcase_add_test(tc, test_attn_decode_groups);
@@ -1327,6 +1460,7 @@ int main(void)
 	tcase_add_test(tx, test_round_gemm_half_in);
 	tcase_add_test(tx, test_gemm_multi);
 	tcase_add_test(tx, test_moe);
+	tcase_add_test(tx, test_moe_w2_transposed);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	/* the ops that stage tables or read values back, with SM copies */
 	tsm = backend_tcase(s, "sm copies", use_sm);

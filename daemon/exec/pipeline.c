@@ -84,8 +84,7 @@ struct pl_region {
 struct mlens_pipeline {
 	const struct mlens_model *m;
 	struct mlens_model_config cfg;
-	struct mlens_perf_model pm;
-	struct mlens_gpuplan plan;
+	struct mlens_gpu_plan plan;
 	struct mlens_backend *g, *c;	/* GPU side, CPU side */
 	bool async;
 	/* GA's copies to the host on the backend's queue 2, after an event on
@@ -101,7 +100,7 @@ struct mlens_pipeline {
 	/* ... on queue 2 after GA's kernels (with side and the backend's
 	 * kv_append_side), so that the stores overlap queue 0's next kernels */
 	bool side_append;
-	/* C's output goes up in the weights' dtype (opts att_up_half, where
+	/* C's output goes up in the weights' dtype (the plan's att_half, where
 	 * both backends round and the GPU's GEMM takes such rows) */
 	bool half_att;
 	void *kv_reg[2];	/* the pool's K and V as registered with g, or NULL */
@@ -346,8 +345,8 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 	char *base = p->slot[l % 2];
 	int rc = 0;
 
-	if (n <= 0)
-		return 0;
+	if (n <= 0 || !w->router)
+		return 0;	/* all resident, or a dense layer: nothing streams */
 	s = calloc((size_t)n, sizeof(*s));
 	src = calloc((size_t)n, sizeof(*src));
 	if (!s || !src) {
@@ -587,10 +586,20 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 			  const struct mlens_pipeline_opts *o, char *err, size_t errlen)
 {
 	struct mlens_pipeline *p;
-	struct mlens_gpuplan_in in;
 	size_t T, H;
 	int rc = 0;
 
+	if (!o->plan || o->plan->gpu_only || !o->plan->fits) {
+		mlens_errf(err, errlen, "hybrid pipeline: no hybrid GPU memory plan given (make one with "
+		       "mlens_gpu_plan_make)");
+		return -EINVAL;
+	}
+	if (o->plan->att_half && !mlens_pipeline_half_att(gpu, cpu, &m->cfg)) {
+		mlens_errf(err, errlen, "hybrid pipeline: the GPU memory plan sends the attention output up "
+		       "in the weights' dtype, which the '%s' backend's O projection does not round to",
+		       gpu->ops->name);
+		return -EINVAL;
+	}
 	if (!cpu->ops->host_memory) {
 		mlens_errf(err, errlen, "hybrid pipeline: the attention backend '%s' must use host "
 		       "memory (the cpu backend)", cpu->ops->name);
@@ -612,10 +621,11 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->up = p->side && o->up_copy_in && MLENS_BACKEND_HAS(gpu->ops, up_queue);
 	p->host_pinned = p->async;
 	p->groups = o->groups > 0 ? o->groups : 2;
-	p->sets = o->sets > 0 ? o->sets : MLENS_PIPE_SETS;
+	p->plan = *o->plan;
+	p->sets = p->plan.sets;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
 	p->kvdim = (int)(p->cfg.num_key_value_heads * p->cfg.head_dim);
-	p->half_att = o->att_up_half && mlens_pipeline_half_att(gpu, cpu, &p->cfg);
+	p->half_att = p->plan.att_half;
 	if (p->groups > MLENS_PIPE_MAX_GROUPS) {
 		mlens_errf(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
 		       p->groups, MLENS_PIPE_MAX_GROUPS);
@@ -632,28 +642,10 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	rc = kv_init(p, o, err, errlen);
 	if (rc)
 		goto fail;
-	rc = mlens_perf_model_from_config(&p->pm, &p->cfg, p->kv.cache.dtype);
-	if (rc) {
-		mlens_errf(err, errlen, "hybrid pipeline: the model's dimensions are out of range");
-		goto fail;
-	}
-	memset(&in, 0, sizeof(in));
-	in.budget = o->gpu_budget;
-	in.max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
-	in.min_tokens = o->min_step_tokens > 0 ? o->min_step_tokens : 1;
-	in.workspace = o->workspace;
-	in.chunk = o->chunk;
-	in.group = o->group_tokens;
-	in.gemm = o->gemm;
-	in.sets = p->sets;
-	in.att_half = p->half_att;
-	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
-	if (rc)
-		goto fail;
 	p->max_tokens = (int)p->plan.tokens;
 	p->group_rows = (int)p->plan.group;
 	p->chunk = p->plan.chunk;
-	p->tail_rows = mlens_gpuplan_tail_rows(p->chunk);
+	p->tail_rows = mlens_gpu_plan_tail_rows(p->chunk);
 	/* the op scratch at the plan's size, held from here on: no step waits
 	 * for it to grow, and an op that would need more fails */
 	if (MLENS_BACKEND_HAS(gpu->ops, scratch_reserve) &&
@@ -803,7 +795,7 @@ struct mlens_kv_pool *mlens_pipeline_kv(struct mlens_pipeline *p)
 	return &p->kv;
 }
 
-const struct mlens_gpuplan *mlens_pipeline_plan(const struct mlens_pipeline *p)
+const struct mlens_gpu_plan *mlens_pipeline_plan(const struct mlens_pipeline *p)
 {
 	return &p->plan;
 }
@@ -855,6 +847,13 @@ static int to_gpu(struct mlens_pipeline *p, void *dst, const void *src, size_t b
 
 /* GA: norm, QKV, RoPE, prefill attention; K/V of every row and q of the
  * cache-reading rows out to the host. */
+/* K and V bytes of tokens positions of one layer in the pool (an fp8
+ * row's scale included). */
+static uint64_t kv_bytes(const struct mlens_pipeline *p, uint64_t tokens)
+{
+	return tokens * 2 * (mlens_kv_token_bytes(&p->kv.cache) / (uint64_t)p->kv.cache.n_layers);
+}
+
 static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		    struct pl_set *S)
 {
@@ -880,7 +879,7 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		 * side_append: queued below) */
 		if (!p->side_append)
 			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->rows.slots + r0, n));
-		p->st.d2h_act_bytes += (size_t)n * kvd * 2 * mlens_dtype_size(p->kv.cache.dtype);
+		p->st.d2h_act_bytes += kv_bytes(p, (uint64_t)n);
 	}
 	if (p->side) {
 		/* queue 2 copies once q, k and v are final (RoPE done), beside
@@ -1193,12 +1192,6 @@ static int run_prog(struct mlens_pipeline *p, bool want_logits)
 	if (rc || rc2)
 		(void)p->g->ops->sync(p->g->ctx);	/* nothing of this step still runs */
 	return rc ? rc : rc2;
-}
-
-/* K and V bytes of tokens positions of one layer in the pool. */
-static uint64_t kv_bytes(const struct mlens_pipeline *p, uint64_t tokens)
-{
-	return tokens * 2 * (uint64_t)p->kvdim * mlens_dtype_size(p->kv.cache.dtype);
 }
 
 /* The step's busy times and KV reads into the stats; its spans into the

@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "daemon/errf.h"
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/layer.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/serve/sched.h"
@@ -99,11 +99,15 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 	const struct mlens_model_config *c = &m->cfg;
 	size_t H = (size_t)c->hidden_size, E = (size_t)c->num_local_experts, K = (size_t)c->num_experts_per_tok;
 	uint64_t seed = 0x9e3779b97f4a7c15ull;
+	int64_t first = 0;
 	int rc = 0;
 	memset(L, 0, sizeof(*L));
 	L->be = be;
 	L->c = c;
-	L->w = &m->layers[0];
+	/* the first layer with routed experts (a family may open with dense ones) */
+	while (first < c->num_hidden_layers - 1 && !m->layers[first].router)
+		first++;
+	L->w = &m->layers[first];
 	L->n = n;
 	mlens_layer_desc_init(&L->d, c);
 	L->pl = mlens_layer_placer_backend(be);
@@ -919,7 +923,8 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n)
 }
 
 void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_model *m,
-			    const char *backend, const char *gpu, uint64_t budget, double budget_s)
+			    const char *backend, const char *gpu, const struct mlens_gpu_plan *plan,
+			    double budget_s)
 {
 	const struct mlens_model_config *c = &m->cfg;
 	char canon[512];
@@ -935,7 +940,7 @@ void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_mode
 	k->config_hash = fnv(0xcbf29ce484222325ull, canon, n > 0 ? (size_t)n : 0);
 	snprintf(k->backend, sizeof(k->backend), "%s", backend ? backend : "");
 	snprintf(k->gpu, sizeof(k->gpu), "%s", gpu ? gpu : "");
-	k->budget = budget;
+	k->budget = plan ? plan->budget : 0;
 	k->budget_s = budget_s;
 }
 
@@ -1159,7 +1164,7 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	st->hw.chunk = st->chunk;
 	st->plan_in.att_half = st->att_up_half;	/* a set then holds no fp32 att */
 	if (st->plan_in.group) {
-		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
+		st->hw.act_bytes = mlens_gpu_plan_act_bytes_hw;
 		st->hw.act_arg = &st->plan_in;
 	}
 	/* side copies: GA's to the host on queue 2 and, with up_copy_in, C's

@@ -143,6 +143,13 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 		mlens_errf(err, errlen, "shard simulation: the plan was made for another model");
 		return -EINVAL;
 	}
+	if (strcmp(m->cfg.architecture, "MixtralForCausalLM")) {
+		/* its ranks bind Mixtral's tensors and norms only (no q/k norms,
+		 * biases, shared or dense MLPs, LayerNorm, clip or fused Wqkv) */
+		mlens_errf(err, errlen, "shard simulation: %s models are not simulated; use a MixtralForCausalLM model",
+			   m->cfg.architecture);
+		return -ENOTSUP;
+	}
 	s = calloc(1, sizeof(*s));
 	if (!s)
 		return -ENOMEM;

@@ -415,7 +415,7 @@ static int bench_moe(const struct mlens_backend_opts *o)
 	int32_t *ids = malloc((size_t)n * k * 4);
 	float *wts = malloc((size_t)n * k * 4);
 	struct mlens_moe_weights mw = { E, H, I, MLENS_DTYPE_BF16, (const void *const *)w1,
-					(const void *const *)w2, (const void *const *)w3 };
+					(const void *const *)w2, (const void *const *)w3, false };
 	void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
 	float *x = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
 	float *out = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
@@ -820,7 +820,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 	struct mlens_backend b;
 	void *w1[8], *w2[8], *w3[8];
 	struct mlens_moe_weights mw = { E, H, I, MLENS_DTYPE_BF16, (const void *const *)w1,
-					(const void *const *)w2, (const void *const *)w3 };
+					(const void *const *)w2, (const void *const *)w3, false };
 	int first = 1, rc = 0;
 
 	go.prefill_bf16 = true;	/* mlensd's default (gpu_prefill_attention) */
@@ -943,7 +943,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 			G_MARK();
 			rc = rc ? rc : b.ops->gemm(b.ctx, rlog, xn, wr, MLENS_DTYPE_BF16, n, H, E, false);
 			G_MARK();
-			rc = rc ? rc : b.ops->router(b.ctx, rid, rw, rlog, n, E, K);
+			rc = rc ? rc : b.ops->router(b.ctx, rid, rw, rlog, n, E, K, true);
 			G_MARK();
 			rc = rc ? rc : b.ops->moe(b.ctx, x, xn, n, rid, rw, K, &mw);
 			G_MARK();
