@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -34,7 +35,7 @@ struct http_conn {
 	struct evhttp_connection *evcon;	/* NULL until attached */
 	bool asked;		/* a whole request came in */
 	bool evicted;		/* shut down to make room; evhttp closes it */
-	struct http_conn *prev, *next;
+	TAILQ_ENTRY(http_conn) link;
 };
 
 struct mlens_stats {
@@ -46,7 +47,7 @@ struct mlens_stats {
 	struct evhttp *http;
 	/* the HTTP connections, oldest first, and an event that attaches new
 	 * ones to their evhttp connection once evhttp has made it */
-	struct http_conn *conns, *conns_tail;
+	TAILQ_HEAD(, http_conn) conns;
 	unsigned n_conns;
 	struct event *attach_ev;
 };
@@ -424,16 +425,8 @@ static void on_stats_accept(void *arg, int fd, const struct ucred *cr)
 
 static void http_conn_unlink(struct http_conn *c)
 {
-	struct mlens_stats *s = c->s;
-	if (c->prev)
-		c->prev->next = c->next;
-	else
-		s->conns = c->next;
-	if (c->next)
-		c->next->prev = c->prev;
-	else
-		s->conns_tail = c->prev;
-	s->n_conns--;
+	TAILQ_REMOVE(&c->s->conns, c, link);
+	c->s->n_conns--;
 }
 
 static void on_http_conn_closed(struct evhttp_connection *evcon, void *arg)
@@ -455,11 +448,11 @@ static void on_http_attach(evutil_socket_t fd, short what, void *arg)
 	struct http_conn *c, *next;
 	(void)fd;
 	(void)what;
-	for (c = s->conns; c; c = next) {
+	for (c = TAILQ_FIRST(&s->conns); c; c = next) {
 		struct bufferevent *bev = c->bev;
 		bufferevent_data_cb rd = NULL;
 		void *cbarg = NULL;
-		next = c->next;
+		next = TAILQ_NEXT(c, link);
 		if (c->evcon)
 			continue;
 		bufferevent_getcb(bev, &rd, NULL, NULL, &cbarg);
@@ -480,7 +473,7 @@ static void http_make_room(struct mlens_stats *s)
 {
 	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(5, 10.0);
 	struct http_conn *c, *victim = NULL;
-	for (c = s->conns; c; c = c->next) {
+	TAILQ_FOREACH(c, &s->conns, link) {
 		if (c->evicted)
 			continue;
 		if (!c->asked) {
@@ -514,12 +507,7 @@ static struct bufferevent *http_new_bev(struct event_base *base, void *arg)
 	}
 	bufferevent_incref(c->bev);	/* until on_http_attach */
 	c->s = s;
-	c->prev = s->conns_tail;
-	if (s->conns_tail)
-		s->conns_tail->next = c;
-	else
-		s->conns = c;
-	s->conns_tail = c;
+	TAILQ_INSERT_TAIL(&s->conns, c, link);
 	s->n_conns++;
 	event_active(s->attach_ev, EV_TIMEOUT, 1);
 	return c->bev;
@@ -531,8 +519,9 @@ static void http_conn_asked(struct mlens_stats *s, struct evhttp_request *req)
 {
 	struct evhttp_connection *evcon = evhttp_request_get_connection(req);
 	struct bufferevent *bev = evcon ? evhttp_connection_get_bufferevent(evcon) : NULL;
-	for (struct http_conn *c = s->conns; c && bev; c = c->next)
-		if (c->bev == bev) {
+	struct http_conn *c;
+	TAILQ_FOREACH(c, &s->conns, link)
+		if (bev && c->bev == bev) {
 			c->asked = true;
 			break;
 		}
@@ -716,6 +705,7 @@ int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *c, cha
 		return -ENOMEM;
 	}
 	mlens_listener_init(&s->l);
+	TAILQ_INIT(&s->conns);
 	s->http_fd = -1;
 	if (c->stats && c->stats[0]) {
 		rc = mlens_listener_bind(&s->l, c->stats, SOCK_STREAM, 0600, c->control_group, "stats socket",
@@ -811,8 +801,8 @@ void mlens_stats_destroy(struct mlens_stats *s)
 		return;
 	if (s->http)
 		evhttp_free(s->http);	/* the close callbacks free attached ones */
-	while (s->conns) {
-		struct http_conn *c = s->conns;
+	while (!TAILQ_EMPTY(&s->conns)) {
+		struct http_conn *c = TAILQ_FIRST(&s->conns);
 		if (!c->evcon)
 			bufferevent_decref(c->bev);
 		http_conn_unlink(c);
