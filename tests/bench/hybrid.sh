@@ -38,6 +38,8 @@
 #                    admission and the pool runs a few per cent short of
 #                    full, below the bound's full pool
 #   KV2              the second pool size (20G)
+#   KV_DTYPE         fp8 when DAEMON_ARGS holds --kv-dtype fp8: the pool then
+#                    holds more sequences, and the runs keep it full
 #   BACKEND          mlensd's backend (cuda; cpu to try the script on a
 #                    small model given as MLENS_SERVE_MODEL)
 #   DRY=1            print the plan and its time estimate, run nothing
