@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include "kernels/dtype.h"
 #include "kernels/kv.h"
+#include "kernels/wscale.h"
 
 /* Sampling parameters of one sequence for one token. temperature <= 0 means
  * greedy. The random draw is a pure function of (seed, counter), so a token
@@ -31,7 +32,10 @@ struct mlens_sampling {
 };
 
 /* Expert weights of one MoE layer, row-major as in HF: w1,w3 [inter][hidden],
- * w2 [hidden][inter]. Pointers are backend memory. */
+ * w2 [hidden][inter]. Pointers are backend memory. With dtype
+ * MLENS_DT_F8_E4M3 each matrix has its fp32 scales in s1, s2, s3 laid out
+ * as scale says (kernels/wscale.h); otherwise scale.kind is NONE and the
+ * scale arrays are unused. */
 struct mlens_moe_weights {
 	int n_experts;
 	int hidden;
@@ -40,6 +44,10 @@ struct mlens_moe_weights {
 	const void *const *w1;
 	const void *const *w2;
 	const void *const *w3;
+	struct mlens_wscale scale;
+	const float *const *s1;
+	const float *const *s2;
+	const float *const *s3;
 };
 
 struct mlens_backend_ops {

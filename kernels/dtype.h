@@ -6,16 +6,20 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "kernels/fp8.h"
 
 enum mlens_dtype {
 	MLENS_DTYPE_F32 = 0,
 	MLENS_DTYPE_F16 = 1,
 	MLENS_DTYPE_BF16 = 2,
+	/* fp8 e4m3 (kernels/fp8.h): a weight of this dtype has scales beside it
+	 * (daemon/model/quant.h); its elements alone are not the weight */
+	MLENS_DT_F8_E4M3 = 3,
 };
 
 static inline size_t mlens_dtype_size(enum mlens_dtype t)
 {
-	return t == MLENS_DTYPE_F32 ? 4 : 2;
+	return t == MLENS_DTYPE_F32 ? 4 : t == MLENS_DT_F8_E4M3 ? 1 : 2;
 }
 
 static inline const char *mlens_dtype_name(enum mlens_dtype t)
@@ -24,6 +28,7 @@ static inline const char *mlens_dtype_name(enum mlens_dtype t)
 	case MLENS_DTYPE_F32: return "F32";
 	case MLENS_DTYPE_F16: return "F16";
 	case MLENS_DTYPE_BF16: return "BF16";
+	case MLENS_DT_F8_E4M3: return "F8_E4M3";
 	}
 	return "?";
 }
@@ -111,6 +116,7 @@ static inline float mlens_load(const void *p, enum mlens_dtype t, size_t i)
 	case MLENS_DTYPE_F32: return ((const float *)p)[i];
 	case MLENS_DTYPE_F16: return mlens_f16_to_f32(((const uint16_t *)p)[i]);
 	case MLENS_DTYPE_BF16: return mlens_bf16_to_f32(((const uint16_t *)p)[i]);
+	case MLENS_DT_F8_E4M3: return mlens_e4m3_to_f32(((const uint8_t *)p)[i]);
 	}
 	return 0.0f;
 }
@@ -121,6 +127,7 @@ static inline void mlens_store(void *p, enum mlens_dtype t, size_t i, float v)
 	case MLENS_DTYPE_F32: ((float *)p)[i] = v; break;
 	case MLENS_DTYPE_F16: ((uint16_t *)p)[i] = mlens_f32_to_f16(v); break;
 	case MLENS_DTYPE_BF16: ((uint16_t *)p)[i] = mlens_f32_to_bf16(v); break;
+	case MLENS_DT_F8_E4M3: ((uint8_t *)p)[i] = mlens_f32_to_e4m3(v); break;
 	}
 }
 

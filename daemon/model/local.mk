@@ -2,4 +2,5 @@
 # checked, and the weight pages read into pinned memory with io_uring.
 daemon_libmlens_core_la_SOURCES += daemon/model/model.h daemon/model/model.c \
 	daemon/model/model_int.h daemon/model/safetensors.h daemon/model/safetensors.c \
-	daemon/model/weights.h daemon/model/weights.c
+	daemon/model/weights.h daemon/model/weights.c \
+	daemon/model/quant.h daemon/model/quant.c

@@ -14,6 +14,7 @@
 #include "daemon/errf.h"
 #include "daemon/tools/mkmodel.h"
 #include "daemon/model/model_int.h"
+#include "daemon/model/quant.h"
 #include "kernels/cpu/pool.h"
 
 #define CHUNK_ELEMS 65536
@@ -106,14 +107,17 @@ float mlens_mkmodel_value(uint64_t seed, const char *name, uint64_t i)
 
 /* ==== the tensor list ==== */
 
-enum part_kind { PART_PLAIN, PART_GATE_UP, PART_DOWN };
+/* PART_FP8: an expert matrix quantized; PART_SCALE: its scales (qshape). */
+enum part_kind { PART_PLAIN, PART_GATE_UP, PART_DOWN, PART_FP8, PART_SCALE };
 
 struct spec {
 	char name[160];		/* name in the file */
 	enum part_kind kind;
+	enum mlens_dtype dt;
 	int64_t layer;
 	int ndim;
 	int64_t shape[3];
+	int64_t qshape[2];	/* PART_SCALE: the fp8 matrix's */
 	uint64_t nbytes;
 	int shard;
 };
@@ -149,9 +153,36 @@ static void add(struct writer *w, enum part_kind kind, int64_t layer, int ndim,
 	s->shape[0] = d0;
 	s->shape[1] = d1;
 	s->shape[2] = d2;
+	s->dt = w->cfg.dtype;
 	s->nbytes = mlens_dtype_size(w->cfg.dtype);
 	for (int i = 0; i < ndim; i++)
 		s->nbytes *= (uint64_t)s->shape[i];	/* bounded by the config checks */
+}
+
+/* The expert matrix just added as fp8, and its scales after it. */
+static void add_fp8(struct writer *w)
+{
+	struct spec *m = &w->specs[w->n - 1], *s = &w->specs[w->n++];
+	const struct mlens_wscale *k = &w->o->fp8;
+	const char *suffix = k->kind == MLENS_WSCALE_BLOCK ? "_scale_inv" : "_scale";
+
+	m->kind = PART_FP8;
+	m->dt = MLENS_DT_F8_E4M3;
+	m->nbytes = (uint64_t)(m->shape[0] * m->shape[1]);
+	char base[sizeof(m->name)];
+
+	memcpy(base, m->name, sizeof(base));
+	*s = *m;
+	snprintf(s->name, sizeof(s->name), "%.148s%s", base, suffix);
+	s->kind = PART_SCALE;
+	s->dt = MLENS_DTYPE_F32;
+	s->qshape[0] = m->shape[0];
+	s->qshape[1] = m->shape[1];
+	s->shape[0] = k->kind == MLENS_WSCALE_BLOCK ? (m->shape[0] + k->block_rows - 1) / k->block_rows
+						    : m->shape[0];
+	s->shape[1] = k->kind == MLENS_WSCALE_BLOCK ? (m->shape[1] + k->block_cols - 1) / k->block_cols
+						    : 1;
+	s->nbytes = (uint64_t)(s->shape[0] * s->shape[1]) * 4;
 }
 
 static int build_specs(struct writer *w)
@@ -161,7 +192,8 @@ static int build_specs(struct writer *w)
 	const int64_t E = c->num_local_experts, L = c->num_hidden_layers;
 	const int64_t Q = c->num_attention_heads * c->head_dim;
 	const int64_t KV = c->num_key_value_heads * c->head_dim;
-	size_t per_layer = w->o->fused_experts ? 9 : 7 + 3 * (size_t)E;
+	size_t per_layer = w->o->fused_experts ? 9 : 7 + 6 * (size_t)E;
+	bool fp8 = w->o->fp8.kind != MLENS_WSCALE_NONE;
 
 	w->specs = calloc(3 + (size_t)L * per_layer, sizeof(*w->specs));
 	if (!w->specs)
@@ -185,8 +217,14 @@ static int build_specs(struct writer *w)
 		add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".block_sparse_moe.gate.weight", p, i);
 		for (int64_t j = 0; j < E; j++) {
 			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w1.weight", p, i, j);
+			if (fp8)
+				add_fp8(w);
 			add(w, PART_PLAIN, i, 2, H, I, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w2.weight", p, i, j);
+			if (fp8)
+				add_fp8(w);
 			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w3.weight", p, i, j);
+			if (fp8)
+				add_fp8(w);
 		}
 	}
 	add(w, PART_PLAIN, -1, 1, H, 0, 0, "model.norm.weight");
@@ -229,6 +267,7 @@ static const char *dtype_hf(enum mlens_dtype t)
 	case MLENS_DTYPE_F32: return "float32";
 	case MLENS_DTYPE_F16: return "float16";
 	case MLENS_DTYPE_BF16: return "bfloat16";
+	case MLENS_DT_F8_E4M3: break;
 	}
 	return "?";
 }
@@ -274,6 +313,42 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 	return 0;
 }
 
+/* An fp8 expert matrix (PART_FP8) or its scales (PART_SCALE): the values
+ * its legacy name draws, quantized as o->fp8 says. */
+static int emit_fp8(struct writer *w, FILE *f, const char *path, const struct spec *s)
+{
+	const int64_t R = s->kind == PART_FP8 ? s->shape[0] : s->qshape[0];
+	const int64_t C = s->kind == PART_FP8 ? s->shape[1] : s->qshape[1];
+	size_t n = (size_t)(R * C), ns = mlens_wscale_count(&w->o->fp8, R, C);
+	char name[160];
+	float *v = malloc(n * sizeof(float)), *sc = malloc(ns * sizeof(float));
+	uint8_t *q = malloc(n);
+	int rc = 0;
+
+	snprintf(name, sizeof(name), "%s", s->name);
+	if (s->kind == PART_SCALE)	/* the matrix's name: drop _scale[_inv] */
+		name[strlen(name) - (w->o->fp8.kind == MLENS_WSCALE_BLOCK ? 10 : 6)] = '\0';
+	if (!v || !sc || !q) {
+		mlens_errf(w->err, w->errlen, "%s: out of memory quantizing '%s'", path, name);
+		rc = -ENOMEM;
+		goto out;
+	}
+	{
+		struct fill_job job = { v, MLENS_DTYPE_F32, stream_key(w->o->seed, name), 0, n, false };
+		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
+	}
+	mlens_fp8_quantize(v, R, C, &w->o->fp8, q, sc);
+	if (s->kind == PART_FP8 ? fwrite(q, 1, n, f) != n : fwrite(sc, sizeof(float), ns, f) != ns) {
+		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+		rc = -EIO;
+	}
+out:
+	free(v);
+	free(sc);
+	free(q);
+	return rc;
+}
+
 static int emit_tensor(struct writer *w, FILE *f, const char *path, const struct spec *s)
 {
 	const int64_t E = w->cfg.num_local_experts;
@@ -304,6 +379,9 @@ static int emit_tensor(struct writer *w, FILE *f, const char *path, const struct
 			rc = emit(w, f, path, name, IH);
 		}
 		return rc;
+	case PART_FP8:
+	case PART_SCALE:
+		return emit_fp8(w, f, path, s);
 	}
 	return -EINVAL;
 }
@@ -334,7 +412,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 		for (int d = 0; d < s->ndim; d++)
 			json_array_append_new(shape, json_integer(s->shape[d]));
 		json_object_set_new(hdr, s->name,
-				    json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_st(w->cfg.dtype),
+				    json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_st(s->dt),
 					      "shape", shape, "data_offsets",
 					      (json_int_t)off, (json_int_t)(off + s->nbytes)));
 		off += s->nbytes;
@@ -445,6 +523,25 @@ static json_t *config_json(const struct mlens_model_config *c)
 			 "vocab_size", (json_int_t)c->vocab_size);
 }
 
+/* quantization_config of fp8 experts, as llm-compressor (compressed-tensors,
+ * per-channel) or the block-scaled "fp8" checkpoints write it; attention,
+ * router and lm_head stay in the model's dtype. */
+static json_t *quant_json(const struct mlens_wscale *k)
+{
+	if (k->kind == MLENS_WSCALE_BLOCK)
+		return json_pack("{s:s, s:s, s:s, s:[i, i], s:[s, s, s]}", "quant_method", "fp8",
+				 "activation_scheme", "dynamic", "fmt", "e4m3", "weight_block_size",
+				 k->block_rows, k->block_cols, "modules_to_not_convert", "lm_head",
+				 "block_sparse_moe.gate", "self_attn");
+	return json_pack("{s:s, s:s, s:s, s:{s:{s:[s], s:{s:i, s:s, s:s, s:b, s:b}, s:{s:i, s:s, s:s, s:b, s:b}}}, s:[s, s, s]}",
+			 "quant_method", "compressed-tensors", "format", "float-quantized",
+			 "quantization_status", "compressed", "config_groups", "group_0", "targets",
+			 "Linear", "weights", "num_bits", 8, "type", "float", "strategy", "channel",
+			 "symmetric", 1, "dynamic", 0, "input_activations", "num_bits", 8, "type",
+			 "float", "strategy", "token", "symmetric", 1, "dynamic", 1, "ignore", "lm_head",
+			 "re:.*block_sparse_moe[.]gate$", "re:.*self_attn.*");
+}
+
 int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t errlen)
 {
 	struct writer w = { .o = o, .cfg = o->cfg, .err = err, .errlen = errlen };
@@ -471,6 +568,14 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	/* Validate through the loader's own config parser: what mkmodel writes
 	 * is by construction what mlens accepts. */
 	cj = config_json(&w.cfg);
+	if (cj && o->fp8.kind != MLENS_WSCALE_NONE) {
+		if (o->fused_experts) {
+			mlens_errf(err, errlen, "fp8 experts are written per expert only (no fused layout)");
+			rc = -EINVAL;
+			goto out;
+		}
+		json_object_set_new(cj, "quantization_config", quant_json(&o->fp8));
+	}
 	text = cj ? json_dumps(cj, JSON_REAL_PRECISION(17)) : NULL;
 	if (!text) {
 		mlens_errf(err, errlen, "out of memory");
