@@ -1,7 +1,9 @@
 # tests/golden: numerics against Hugging Face transformers. The fixtures
 # (model files + references) are made by tests/golden/make_golden.py, which
-# also writes tests/golden/files.mk, the list of every fixture file.
+# also writes tests/golden/files.mk, the list of every fixture file; the fp8
+# fixtures come from tests/golden/make_golden_fp8.py (tests/golden/files_fp8.mk).
 include tests/golden/files.mk
+include tests/golden/files_fp8.mk
 
 noinst_LTLIBRARIES += tests/libmlens_golden.la
 tests_libmlens_golden_la_SOURCES = tests/golden/golden.h tests/golden/golden.c
@@ -9,8 +11,9 @@ tests_libmlens_golden_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 tests_libmlens_golden_la_CPPFLAGS = $(AM_CPPFLAGS) -DMLENS_GOLDEN_SRCDIR='"$(abs_top_srcdir)"'
 tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
 
-dist_noinst_DATA += $(GOLDEN_FIXTURES)
+dist_noinst_DATA += $(GOLDEN_FIXTURES) $(GOLDEN_FP8_FIXTURES)
 EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
+	tests/golden/make_golden_fp8.py tests/golden/files_fp8.mk \
 	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh
 
 if HAVE_CHECK
