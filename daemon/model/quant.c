@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <jansson.h>
 
 #include "daemon/errf.h"
 #include "daemon/model/model_int.h"
@@ -384,6 +385,7 @@ static int alloc_area(struct mlens_model *m, uint64_t wbytes, char *err, size_t 
 			mlens_quant_piece((uint64_t)c->hidden_size * (uint64_t)c->intermediate_size)));
 	struct mlens_quant *q = m->quant;
 
+	bytes = (bytes + 4095) & ~(size_t)4095;	/* whole pages: the pipeline pins them */
 	if (!q->scale_table)
 		q->scale_table = calloc((size_t)(3 * L * E), sizeof(*q->scale_table));
 	if (!q->scale_table || posix_memalign(&q->area, 4096, bytes ? bytes : 1)) {

@@ -11,7 +11,6 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <jansson.h>
 #include "daemon/model/model.h"
 
 /* Bytes one piece of a streamed fp8 expert (a matrix or its scales) takes
@@ -24,7 +23,8 @@ static inline uint64_t mlens_quant_piece(uint64_t bytes)
 /* config.json's quantization_config (qc, NULL or null when absent) into
  * cfg->quant_method, expert_dtype and expert_scale; called after cfg's
  * dtype is known. Refuses methods other than fp8 ones, naming the method. */
-int mlens_quant_parse_config(json_t *qc, const char *path, struct mlens_model_config *cfg,
+struct json_t;
+int mlens_quant_parse_config(struct json_t *qc, const char *path, struct mlens_model_config *cfg,
 			     char *err, size_t errlen);
 
 /* True for a tensor that may differ from the model's dtype: an fp8 weight

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/errf.h"
+#include "daemon/model/quant.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/plan/shard.h"
 
@@ -81,6 +82,8 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 		return -EOVERFLOW;
 	if (!mul3(2, H, wb, &pm->norm_bytes) || !mul3(E, H, wb, &pm->router_bytes) ||
 	    !mul3(3, H, I, &t) || !mul_ok(t, wb, &pm->expert_bytes) ||
+	    /* fp8 experts: a byte an element and their scales */
+	    !(pm->expert_bytes = mlens_model_expert_bytes(c)) ||
 	    !mul_ok(pm->expert_bytes, E, &pm->layer_expert_bytes))
 		return -EOVERFLOW;
 	if (!add_ok(pm->attn_bytes, pm->norm_bytes, &t) || !add_ok(t, pm->router_bytes, &t) ||

@@ -40,9 +40,9 @@ from transformers import MixtralForCausalLM  # noqa: E402
 
 E4M3_MAX = 448.0
 BLOCK = (32, 48)
-SPEC = dict(name="q-fp8", seed=411, shard=None, bf16=False,
+SPEC = dict(name="q-fp8", seed=413, shard=None, bf16=False,
             cfg=dict(vocab_size=320, hidden_size=64, intermediate_size=96,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                      rope_theta=1e4, tie_word_embeddings=False))
 TOL = dict(prefill=mg.TOL_F32, decode=mg.TOL_F32,
