@@ -33,6 +33,7 @@ static const struct opt opts[] = {
 	{ "stats", T_STR, O(stats), "", 0, 0, "PATH", "stats socket, JSON (empty: stats.sock beside the tenant socket)" },
 	{ "stats_http", T_STR, O(stats_http), "", 0, 0, "127.0.0.1:PORT", "Prometheus /metrics and /health over HTTP (empty: off)" },
 	{ "backend", T_ENUM, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
+	{ "weight_dtype", T_ENUM, O(weight_dtype), "auto", 0, 0, "auto|fp8", "expert weights as the files hold them (auto), or quantized to fp8 e4m3 at load with a scale per output channel (a bf16/fp16/fp32 model's experts in half or a quarter of the bytes)" },
 	{ "gpu_gemm", T_ENUM, O(gpu_gemm), "fast", 0, 0, "fast|exact", "GEMMs of bf16/f16 weights on the GPU: fast rounds activations to the weight dtype, exact matches the CPU at 3x the tensor-core work" },
 	{ "gpu_prefill_attention", T_ENUM, O(gpu_prefill_attention), "auto", 0, 0, "auto|fp32|bf16", "prefill attention on the GPU: bf16 runs both products on tensor cores (Q, K, V and the softmax weights rounded to bf16, fp32 sums), fp32 is exact to the CPU's rounding; auto takes bf16 when gpu_gemm is fast and the weights are bf16 or f16" },
 	{ "gpu_copy", T_ENUM, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },

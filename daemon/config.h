@@ -20,6 +20,7 @@ struct mlens_config {
 	char *stats;
 	char *stats_http;
 	char *backend;
+	char *weight_dtype;	/* "auto" or "fp8": experts quantized at load */
 	char *gpu_gemm;		/* "fast" or "exact" (enum mlens_gemm_mode) */
 	char *gpu_copy;		/* "engine" or "sm": who moves the compute stream's copies */
 	char *gpu_prefill_attention;	/* "auto", "fp32" or "bf16" */

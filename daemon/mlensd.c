@@ -26,6 +26,7 @@
 #include "daemon/serve/server.h"
 #include "daemon/ops/stats.h"
 #include "daemon/model/weights.h"
+#include "daemon/model/quant.h"
 #include "daemon/serve/worker.h"
 #include "kernels/cpu/attn.h"
 
@@ -557,6 +558,20 @@ static int step_model(void)
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
+		/* from the weight pages, before anything is planned on the model */
+		if (!strcmp(D.cfg.weight_dtype, "fp8")) {
+			double t = mlens_now();
+			rc = mlens_model_quantize_experts(D.model, err, sizeof(err));
+			if (rc)
+				return fail_start("%s", err);
+			log_info("experts quantized to fp8 e4m3 (a scale per output channel) in %.2f s",
+				 mlens_now() - t);
+		}
+		if (D.model->cfg.expert_dtype == MLENS_DT_F8_E4M3)
+			log_info("experts in fp8 e4m3 with %s scales%s%s",
+				 D.model->cfg.expert_scale.kind == MLENS_WSCALE_BLOCK ? "block" : "per-channel",
+				 D.model->cfg.quant_method[0] ? ", quant_method " : "",
+				 D.model->cfg.quant_method);
 		log_info("model %s: %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
 			 "in %.2f s (%.2f GB/s, %s%s) on NUMA node %d%s",
 			 D.cfg.model, (long long)D.model->cfg.num_hidden_layers,
