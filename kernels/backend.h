@@ -301,6 +301,16 @@ static inline bool mlens_moe_half_gu(enum mlens_gemm_mode gemm, size_t weight_by
 	return gemm == MLENS_GEMM_FAST && weight_bytes == 2;
 }
 
+/* Bytes of MoE scratch the CUDA backend holds for fp8 experts: each of
+ * streams MoE streams dequantizes its current expert's three matrices
+ * (bf16 for fast GEMMs, fp32 for exact ones) before their GEMMs. */
+static inline size_t mlens_moe_fp8_dequant_bytes(size_t hidden, size_t inter, int streams,
+						 enum mlens_gemm_mode gemm)
+{
+	size_t one = 3 * hidden * inter * (gemm == MLENS_GEMM_EXACT ? 4 : 2);
+	return (size_t)streams * ((one + 255) & ~(size_t)255);
+}
+
 /* How a host thread waits for the GPU (CUDA's device schedule flags): auto
  * is CUDA's heuristic (spin when the process has fewer contexts than the
  * machine has cores), spin busy-waits, yield busy-waits giving way to

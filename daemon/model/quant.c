@@ -765,6 +765,10 @@ int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen
 		c->expert_scale.kind = MLENS_WSCALE_NONE;
 		return rc;
 	}
+	/* the experts now count at their fp8 size (GPU-only plans use it) */
+	m->weight_bytes -= (size_t)n * (size_t)(c->hidden_size * c->intermediate_size) *
+			   mlens_dtype_size(c->dtype);
+	m->weight_bytes += (size_t)(n / 3) * (size_t)mlens_model_expert_bytes(c);
 	for (size_t i = 0; i < n; i++) {
 		int64_t R, C;
 		size_t qoff, soff;

@@ -64,6 +64,7 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 	pm->top_k = c->num_experts_per_tok;
 	pm->vocab = c->vocab_size;
 	pm->wbytes = (int64_t)mlens_dtype_size(c->dtype);
+	pm->expert_fp8 = c->expert_dtype == MLENS_DT_F8_E4M3;
 	pm->kvbytes = (int64_t)mlens_dtype_size(kv_dtype);
 	pm->abytes = 4;	/* the engine keeps activations in f32 */
 	pm->tied = c->tie_word_embeddings;

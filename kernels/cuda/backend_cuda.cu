@@ -422,6 +422,7 @@ static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
 	switch (dt) {
 	case MLENS_DTYPE_F16: return CUDA_R_16F;
 	case MLENS_DTYPE_BF16: return CUDA_R_16BF;
+	case MLENS_DT_F8_E4M3: return CUDA_R_8F_E4M3;
 	case MLENS_DTYPE_F32: break;
 	}
 	return CUDA_R_32F;
@@ -598,6 +599,14 @@ static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *sr
 
 /* ==== MoE ==== */
 
+/* The dtype fp8 experts are dequantized to for the GEMMs: bf16 for fast
+ * GEMMs (the activations are rounded to bf16 there too), fp32 for exact
+ * ones (then the CPU's numerics to fp32 rounding). */
+static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c)
+{
+	return c->gemm_exact ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+}
+
 /* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
  * part_bytes set, x is split (parts that far apart) and the product exact;
  * out of dtype ot (fp32 when split). */
@@ -626,6 +635,7 @@ static int moe_use_stream(struct mlens_cuda_ctx *c, int i)
 struct moe_piece {
 	char *g, *u, *h;	/* h == g when silu(g) * u goes over g */
 	size_t rows;
+	char *wd;		/* fp8 experts: the stream's expert dequantized */
 };
 
 /* The rows of the experts in [e0, e1) (r0 the first) through gate, up,
@@ -636,36 +646,52 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 		       bool half_gu, const char *xe, const struct moe_piece *pc, float *y)
 {
 	int H = w->hidden, I = w->inter, rc;
-	size_t es = mlens_dtype_size(w->dtype);
-	enum mlens_dtype gdt = half_gu ? w->dtype : MLENS_DTYPE_F32;
+	const bool fp8 = w->dtype == MLENS_DT_F8_E4M3;
+	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c) : w->dtype;	/* the GEMMs' */
+	size_t es = mlens_dtype_size(cdt), mat = (size_t)H * I * es;
+	enum mlens_dtype gdt = half_gu ? cdt : MLENS_DTYPE_F32;
 	size_t xpart = split ? rows * H * es : 0, hpart = split ? pc->rows * I * es : 0;
 
 	for (int e = e0; e < e1; r0 += counts[e], e++) {
 		size_t cnt = (size_t)counts[e], pieces = (cnt + pc->rows - 1) / pc->rows;
 		size_t each = pieces ? (cnt + pieces - 1) / pieces : 0;
+		const void *w1 = w->w1[e], *w2 = w->w2[e], *w3 = w->w3[e];
+		if (fp8 && cnt) {
+			/* queued on this stream behind its previous expert's GEMMs */
+			if ((rc = mlens_cuda_dequant_fp8(c, pc->wd, cdt, (const uint8_t *)w1, w->s1[e],
+							 &w->scale, I, H)) ||
+			    (rc = mlens_cuda_dequant_fp8(c, pc->wd + mat, cdt, (const uint8_t *)w3,
+							 w->s3[e], &w->scale, I, H)) ||
+			    (rc = mlens_cuda_dequant_fp8(c, pc->wd + 2 * mat, cdt, (const uint8_t *)w2,
+							 w->s2[e], &w->scale, H, I)))
+				return rc;
+			w1 = pc->wd;
+			w3 = pc->wd + mat;
+			w2 = pc->wd + 2 * mat;
+		}
 		for (size_t off = 0; off < cnt; off += each) {
 			int n = (int)(cnt - off < each ? cnt - off : each);
 			size_t r = (size_t)r0 + off;
 			/* gate and up as two calls: one strided-batched call of
 			 * both ran slower (bench_cuda moe-gemm, "gu batched") */
-			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w->w1[e],
-					      w->dtype, n, H, I)) ||
-			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w->w3[e],
-					      w->dtype, n, H, I)))
+			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w1, cdt, n, H,
+					      I)) ||
+			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w3, cdt, n, H,
+					      I)))
 				return rc;
 			if (split) {
 				/* the product in fp32 over g, then split for the down GEMM */
 				if ((rc = mlens_cuda_silu_mul(c, pc->g, MLENS_DTYPE_F32, pc->g, pc->u,
 							      MLENS_DTYPE_F32, (size_t)n * I)) ||
-				    (rc = mlens_cuda_split_rows(c, pc->h, w->dtype, (const float *)pc->g,
+				    (rc = mlens_cuda_split_rows(c, pc->h, cdt, (const float *)pc->g,
 								NULL, 1, n, I, pc->rows * I)))
 					return rc;
-			} else if ((rc = mlens_cuda_silu_mul(c, pc->h, w->dtype, pc->g, pc->u, gdt,
+			} else if ((rc = mlens_cuda_silu_mul(c, pc->h, cdt, pc->g, pc->u, gdt,
 							     (size_t)n * I))) {
 				return rc;
 			}
-			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w->w2[e],
-					      w->dtype, n, I, H)))
+			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w2, cdt, n,
+					      I, H)))
 				return rc;
 		}
 	}
@@ -723,19 +749,26 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		     const struct mlens_moe_weights *w)
 {
 	int E = w->n_experts, H = w->hidden, I = w->inter, S = c->moe_streams;
-	size_t es = mlens_dtype_size(w->dtype), rows = (size_t)n * (size_t)k;
+	const bool fp8 = w->dtype == MLENS_DT_F8_E4M3;
+	/* fp8 experts run through the GEMMs of their dequantized copy */
+	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c) : w->dtype;
+	size_t es = mlens_dtype_size(cdt), rows = (size_t)n * (size_t)k;
 	/* exact: split copies of the inputs, and the silu product in fp32 (in
 	 * place of g) before it is split too */
-	bool split = c->gemm_exact && w->dtype != MLENS_DTYPE_F32;
+	bool split = c->gemm_exact && cdt != MLENS_DTYPE_F32;
 	bool half_gu = mlens_moe_half_gu(c->gemm_exact ? MLENS_GEMM_EXACT : MLENS_GEMM_FAST, es);
 	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1, gs = half_gu ? es : 4;
-	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total, prow, gsl, hsl;
+	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, o_wd, total, prow, gsl, hsl;
+	size_t wdsl = fp8 ? mlens_moe_fp8_dequant_bytes(H, I, 1, c->gemm_exact ? MLENS_GEMM_EXACT
+										: MLENS_GEMM_FAST)
+			  : 0;
 	struct moe_piece pc[MLENS_MOE_STREAMS_MAX];
 	int32_t *counts_h;
 	char *s;
 	int rc, r0;
 
-	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 || !valid_dtype(w->dtype))
+	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 ||
+	    !(valid_dtype(w->dtype) || (fp8 && w->s1 && w->s2 && w->s3)))
 		return -EINVAL;
 	if (!n)
 		return 0;
@@ -755,7 +788,8 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	o_u = o_g + (size_t)S * gsl;
 	o_h = o_u + (size_t)S * gsl;
 	o_y = half_gu ? o_h : o_h + (size_t)S * hsl;
-	total = mlens_cuda_align(o_y + rows * H * 4);
+	o_wd = mlens_cuda_align(o_y + rows * H * 4);
+	total = mlens_cuda_align(o_wd + (size_t)S * wdsl);
 	if ((rc = mlens_cuda_scratch(c, total, &s)))
 		return rc;
 	int32_t *counts = (int32_t *)(s + o_counts), *perm = (int32_t *)(s + o_perm);
@@ -768,6 +802,7 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		/* silu(g) * u over g, element by element, when it fits */
 		pc[i].h = half_gu ? pc[i].g : s + o_h + (size_t)i * hsl;
 		pc[i].rows = prow;
+		pc[i].wd = s + o_wd + (size_t)i * wdsl;
 	}
 
 	if ((rc = mlens_cuda_moe_route(c, counts, perm, inv, ids, n, k, E)))
@@ -780,15 +815,16 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	/* gather x rows into expert order, already in the weights' dtype (it
 	 * needs only perm): queued before the host waits for the counts, so
 	 * the GPU has it to do while the host wakes and launches the GEMMs */
-	rc = split ? mlens_cuda_split_rows(c, xe, w->dtype, x, perm, k, (int)rows, H, rows * H)
-		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
+	rc = split ? mlens_cuda_split_rows(c, xe, cdt, x, perm, k, (int)rows, H, rows * H)
+		   : mlens_cuda_convert_rows(c, xe, cdt, x, perm, k, (int)rows, H);
 	if (rc)
 		return rc;
 	CUDA_RET(cudaEventSynchronize(c->moe_counts));
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
-		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e]))
-			return -EFAULT;	/* a routed expert has no weights here */
+		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e] ||
+				    (fp8 && (!w->s1[e] || !w->s2[e] || !w->s3[e]))))
+			return -EFAULT;	/* a routed expert has no weights (or scales) here */
 		r0 += counts_h[e];
 	}
 	if ((size_t)r0 != rows) {

@@ -213,6 +213,13 @@ static inline float mlens_cuda_split_scale(enum mlens_dtype dt)
 	 * remainder back up keeps it clear of the narrow type's underflow */
 	return dt == MLENS_DTYPE_F16 ? 2048.0f : 256.0f;
 }
+/* dst[rows][cols] (dt: bf16 or fp32) = e4m3(q[r][c]) * its scale (scales
+ * laid out as k says): an fp8 matrix dequantized for the GEMMs of the
+ * 16/32-bit paths; the product in fp32 (exact), then rounded to dt. */
+int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const uint8_t *q, const float *scales, const struct mlens_wscale *k,
+			   int rows, int cols);
+
 /* Like mlens_cuda_convert_rows, but writes the three parts of each value:
  * part j of row r at dst + (j * part_stride + r * cols) elements. */
 int mlens_cuda_split_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 /* ==== element access ==== */
 
@@ -15,6 +16,9 @@ __device__ __forceinline__ float load_elem(const void *p, enum mlens_dtype dt, s
 	switch (dt) {
 	case MLENS_DTYPE_F16: return __half2float(((const __half *)p)[i]);
 	case MLENS_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+	case MLENS_DT_F8_E4M3:
+		return __half2float(__half(__nv_cvt_fp8_to_halfraw(
+			(__nv_fp8_storage_t)((const uint8_t *)p)[i], __NV_E4M3)));
 	case MLENS_DTYPE_F32: break;
 	}
 	return ((const float *)p)[i];
@@ -26,6 +30,9 @@ __device__ __forceinline__ void store_elem(void *p, enum mlens_dtype dt, size_t 
 	switch (dt) {
 	case MLENS_DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); return;
 	case MLENS_DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); return;
+	case MLENS_DT_F8_E4M3:	/* saturating, nearest even: kernels/fp8.h */
+		((uint8_t *)p)[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+		return;
 	case MLENS_DTYPE_F32: break;
 	}
 	((float *)p)[i] = v;
@@ -37,6 +44,9 @@ __device__ __forceinline__ float load_rounded(enum mlens_dtype dt, float v)
 	switch (dt) {
 	case MLENS_DTYPE_F16: return __half2float(__float2half_rn(v));
 	case MLENS_DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
+	case MLENS_DT_F8_E4M3:
+		return __half2float(__half(__nv_cvt_fp8_to_halfraw(
+			__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3), __NV_E4M3)));
 	case MLENS_DTYPE_F32: break;
 	}
 	return v;
@@ -306,6 +316,37 @@ int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtyp
 		convert_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, gather,
 										 gather_div, cols);
 	}
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* One block a row: each element's e4m3 value (exact in fp16) times its
+ * scale. */
+__global__ void dequant_fp8_kernel(void *dst, enum mlens_dtype dt, const uint8_t *q,
+				   const float *scales, struct mlens_wscale k, int cols)
+{
+	size_t r = blockIdx.x;
+	int nbc = k.kind == MLENS_WSCALE_BLOCK ? (cols + k.block_cols - 1) / k.block_cols : 1;
+	for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+		__half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q[r * cols + j], __NV_E4M3);
+		float s = k.kind == MLENS_WSCALE_TENSOR ? scales[0] :
+			  k.kind == MLENS_WSCALE_CHANNEL ? scales[r] :
+			  scales[(r / k.block_rows) * nbc + j / k.block_cols];
+		store_elem(dst, dt, r * cols + j, __half2float(__half(h)) * s);
+	}
+}
+
+int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const uint8_t *q, const float *scales, const struct mlens_wscale *k,
+			   int rows, int cols)
+{
+	if (rows < 0 || cols < 0 || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F32) ||
+	    k->kind == MLENS_WSCALE_NONE || (k->kind == MLENS_WSCALE_BLOCK &&
+					     (k->block_rows <= 0 || k->block_cols <= 0)))
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	dequant_fp8_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, q, scales, *k, cols);
 	CUDA_LAUNCHED();
 	return 0;
 }
