@@ -48,6 +48,9 @@ struct mlens_moe_weights {
 	const float *const *s1;
 	const float *const *s2;
 	const float *const *s3;
+	/* fp8: the model's other weights' dtype; a GPU backend's fast GEMMs
+	 * round activations to it where it is 16-bit (fp32: exact GEMMs) */
+	enum mlens_dtype model_dtype;
 };
 
 struct mlens_backend_ops {
@@ -303,7 +306,8 @@ static inline bool mlens_moe_half_gu(enum mlens_gemm_mode gemm, size_t weight_by
 
 /* Bytes of MoE scratch the CUDA backend holds for fp8 experts: each of
  * streams MoE streams dequantizes its current expert's three matrices
- * (bf16 for fast GEMMs, fp32 for exact ones) before their GEMMs. */
+ * (bf16 for fast GEMMs of a 16-bit model, else fp32) before their GEMMs;
+ * counted at fp32 for exact GEMMs. */
 static inline size_t mlens_moe_fp8_dequant_bytes(size_t hidden, size_t inter, int streams,
 						 enum mlens_gemm_mode gemm)
 {

@@ -969,8 +969,8 @@ START_TEST(fp8_roundtrip)
 	ck_assert_int_eq(m->layers[0].wq->dtype, MLENS_DTYPE_BF16);
 	ck_assert_int_eq(m->layers[1].router->dtype, MLENS_DTYPE_BF16);
 	ck_assert_int_eq(m->lm_head->dtype, MLENS_DTYPE_BF16);
-	for (int64_t i = 0; i < I * H; i++)
-		v[i] = mlens_mkmodel_value(o.seed, name, (uint64_t)i);
+	for (int64_t i = 0; i < I * H; i++)	/* the bf16 model's value, quantized */
+		v[i] = mlens_bf16_to_f32(mlens_f32_to_bf16(mlens_mkmodel_value(o.seed, name, (uint64_t)i)));
 	mlens_fp8_quantize(v, H, I, k, q, sc);	/* w2 is [hidden][inter] */
 	ck_assert(!memcmp(m->layers[1].w2[2], q, (size_t)(I * H)));
 	ck_assert(!memcmp(m->layers[1].s2[2], sc, mlens_wscale_count(k, H, I) * sizeof(float)));

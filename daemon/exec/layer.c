@@ -84,7 +84,8 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	}
 	b->moe = (struct mlens_moe_weights){ .n_experts = d->n_experts, .hidden = d->hidden,
 		.inter = d->inter, .dtype = d->expert_dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3,
-		.scale = d->expert_scale, .s1 = b->s1, .s2 = b->s2, .s3 = b->s3 };
+		.scale = d->expert_scale, .s1 = b->s1, .s2 = b->s2, .s3 = b->s3,
+		.model_dtype = d->dtype };
 	return rc;
 }
 

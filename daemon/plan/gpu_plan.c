@@ -55,7 +55,8 @@ void mlens_gpu_plan_compute(struct mlens_gpu_plan *p, const struct mlens_model_c
 	/* One scratch area serves every op, so it is the largest single need. */
 	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, gemm);
 	if (c->expert_dtype == MLENS_DT_F8_E4M3)	/* each MoE stream's expert dequantized */
-		moe += mlens_moe_fp8_dequant_bytes(H, I, MLENS_MOE_STREAMS_MAX, gemm) +
+		moe += mlens_moe_fp8_dequant_bytes(H, I, MLENS_MOE_STREAMS_MAX,
+						   es == 4 ? MLENS_GEMM_EXACT : gemm) +
 		       256 * MLENS_MOE_STREAMS_MAX;
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV

@@ -96,7 +96,8 @@ uint64_t mlens_gpuplan_scratch_bytes(const struct mlens_perf_model *pm, int64_t 
 	rows = sat_mul(c, K);
 	moe = mlens_gpuplan_moe_scratch(rows, H, I, E, es, gemm);
 	if (pm->expert_fp8)	/* each MoE stream's expert dequantized */
-		moe = sat_add(moe, mlens_moe_fp8_dequant_bytes(H, I, MLENS_MOE_STREAMS_MAX, gemm) +
+		moe = sat_add(moe, mlens_moe_fp8_dequant_bytes(H, I, MLENS_MOE_STREAMS_MAX,
+								   es == 4 ? MLENS_GEMM_EXACT : gemm) +
 					   256 * MLENS_MOE_STREAMS_MAX);
 	s = conv > moe ? conv : moe;
 	if (s < widen)

@@ -337,6 +337,13 @@ static int emit_fp8(struct writer *w, FILE *f, const char *path, const struct sp
 		struct fill_job job = { v, MLENS_DTYPE_F32, stream_key(w->o->seed, name), 0, n, false };
 		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
 	}
+	/* as a checkpoint in the model's dtype quantized: weight_dtype = fp8
+	 * over the same model in that dtype gives these very bytes */
+	for (size_t i = 0; i < n; i++) {
+		unsigned char t[4];
+		mlens_store(t, w->cfg.dtype, 0, v[i]);
+		v[i] = mlens_load(t, w->cfg.dtype, 0);
+	}
 	mlens_fp8_quantize(v, R, C, &w->o->fp8, q, sc);
 	if (s->kind == PART_FP8 ? fwrite(q, 1, n, f) != n : fwrite(sc, sizeof(float), ns, f) != ns) {
 		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));

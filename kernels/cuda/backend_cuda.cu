@@ -600,11 +600,14 @@ static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *sr
 /* ==== MoE ==== */
 
 /* The dtype fp8 experts are dequantized to for the GEMMs: bf16 for fast
- * GEMMs (the activations are rounded to bf16 there too), fp32 for exact
- * ones (then the CPU's numerics to fp32 rounding). */
-static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c)
+ * GEMMs of a 16-bit model (activations rounded to bf16, as its other
+ * GEMMs round them), fp32 for exact GEMMs or an fp32 model (the CPU's
+ * numerics to fp32 rounding). */
+static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c,
+				      const struct mlens_moe_weights *w)
 {
-	return c->gemm_exact ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+	return c->gemm_exact || w->model_dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32
+								  : MLENS_DTYPE_BF16;
 }
 
 /* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
@@ -647,7 +650,7 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 {
 	int H = w->hidden, I = w->inter, rc;
 	const bool fp8 = w->dtype == MLENS_DT_F8_E4M3;
-	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c) : w->dtype;	/* the GEMMs' */
+	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;	/* the GEMMs' */
 	size_t es = mlens_dtype_size(cdt), mat = (size_t)H * I * es;
 	enum mlens_dtype gdt = half_gu ? cdt : MLENS_DTYPE_F32;
 	size_t xpart = split ? rows * H * es : 0, hpart = split ? pc->rows * I * es : 0;
@@ -751,7 +754,7 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	int E = w->n_experts, H = w->hidden, I = w->inter, S = c->moe_streams;
 	const bool fp8 = w->dtype == MLENS_DT_F8_E4M3;
 	/* fp8 experts run through the GEMMs of their dequantized copy */
-	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c) : w->dtype;
+	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;
 	size_t es = mlens_dtype_size(cdt), rows = (size_t)n * (size_t)k;
 	/* exact: split copies of the inputs, and the silu product in fp32 (in
 	 * place of g) before it is split too */
@@ -759,8 +762,9 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	bool half_gu = mlens_moe_half_gu(c->gemm_exact ? MLENS_GEMM_EXACT : MLENS_GEMM_FAST, es);
 	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1, gs = half_gu ? es : 4;
 	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, o_wd, total, prow, gsl, hsl;
-	size_t wdsl = fp8 ? mlens_moe_fp8_dequant_bytes(H, I, 1, c->gemm_exact ? MLENS_GEMM_EXACT
-										: MLENS_GEMM_FAST)
+	size_t wdsl = fp8 ? mlens_moe_fp8_dequant_bytes(H, I, 1, cdt == MLENS_DTYPE_F32
+									? MLENS_GEMM_EXACT
+									: MLENS_GEMM_FAST)
 			  : 0;
 	struct moe_piece pc[MLENS_MOE_STREAMS_MAX];
 	int32_t *counts_h;
