@@ -626,29 +626,6 @@ void mlens_quant_free(struct mlens_model *m)
 
 /* ==== quantize at load ==== */
 
-void mlens_fp8_quantize(const float *src, int64_t rows, int64_t cols,
-			const struct mlens_wscale *k, uint8_t *q, float *scales)
-{
-	int64_t br = k->kind == MLENS_WSCALE_BLOCK ? k->block_rows : 1;
-	int64_t bc = k->kind == MLENS_WSCALE_BLOCK ? k->block_cols : cols;
-	int64_t nbc = (cols + bc - 1) / bc;
-
-	for (int64_t r0 = 0; r0 < rows; r0 += br)
-		for (int64_t c0 = 0; c0 < cols; c0 += bc) {
-			int64_t r1 = r0 + br < rows ? r0 + br : rows, c1 = c0 + bc < cols ? c0 + bc : cols;
-			float amax = 0.0f, s, div;
-
-			for (int64_t r = r0; r < r1; r++)
-				for (int64_t c = c0; c < c1; c++)
-					amax = fabsf(src[r * cols + c]) > amax ? fabsf(src[r * cols + c]) : amax;
-			s = amax / MLENS_E4M3_MAX;
-			div = s > 0 ? s : 1.0f;
-			scales[(r0 / br) * nbc + c0 / bc] = s;
-			for (int64_t r = r0; r < r1; r++)
-				for (int64_t c = c0; c < c1; c++)
-					q[r * cols + c] = mlens_f32_to_e4m3(src[r * cols + c] / div);
-		}
-}
 
 struct qjob {
 	struct mlens_model *m;

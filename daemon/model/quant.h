@@ -45,12 +45,6 @@ void mlens_quant_free(struct mlens_model *m);
  * left as it is. */
 int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen);
 
-/* Quantize src [rows][cols] to fp8 e4m3 into q, one scale (amax / 448) a
- * row or a block as k says (CHANNEL or BLOCK) into scales: q = e4m3(v /
- * scale), rounded to nearest even; an all-zero row or block has scale 0. */
-void mlens_fp8_quantize(const float *src, int64_t rows, int64_t cols,
-			const struct mlens_wscale *k, uint8_t *q, float *scales);
-
 /* Bytes of one expert (w1, w2, w3 and, for fp8, their scales) as the
  * hybrid pipeline streams it and the performance model counts it. */
 uint64_t mlens_model_expert_bytes(const struct mlens_model_config *c);
