@@ -601,6 +601,7 @@ static int step_backend(void)
 			   (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST &&
 			    D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo->sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
+	bo->fp8_gemm = !strcmp(D.cfg.gpu_fp8_gemm, "fp8");
 	bo->moe_streams = (int)D.cfg.gpu_moe_streams;
 	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo->sync);	/* one of its names (config) */
 	/* the KV cache lives on this node; no core is kept back: the movers

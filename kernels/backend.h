@@ -312,6 +312,9 @@ static inline size_t mlens_moe_fp8_dequant_bytes(size_t hidden, size_t inter, in
 						 enum mlens_gemm_mode gemm)
 {
 	size_t one = 3 * hidden * inter * (gemm == MLENS_GEMM_EXACT ? 4 : 2);
+	/* or (fp8 GEMMs) a piece of rows quantized, with a scale each */
+	size_t q = MLENS_CUDA_MOE_GU_ROWS * ((hidden > inter ? hidden : inter) + 4) + 512;
+	one = one > q ? one : q;
 	return (size_t)streams * ((one + 255) & ~(size_t)255);
 }
 
@@ -344,6 +347,13 @@ struct mlens_backend_opts {
 	enum mlens_gpu_sync sync;	/* CUDA: how host threads wait for the
 					 * device (its schedule flags, for the
 					 * whole process); 0: CUDA's auto */
+	bool fp8_gemm;		/* CUDA: fp8 experts of a 16-bit model with
+				 * per-channel (or per-tensor) scales on fp8 tensor
+				 * cores through cuBLASLt, activations quantized
+				 * per token, fp32 accumulation, both scales applied
+				 * to the product (outer product); where the device
+				 * has no fp8 GEMM, and for block scales, exact
+				 * GEMMs or fp32 models: the dequantize path */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */

@@ -599,6 +599,76 @@ static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *sr
 
 /* ==== MoE ==== */
 
+/* out[n][m] (fp32) = x[n][k] . W[m][k]^T with both in e4m3 on the tensor
+ * cores (cuBLASLt; fp32 accumulation, unit scales: the caller applies the
+ * per-token and per-channel scales to the product). The row-major
+ * operands are column-major W^T and x: a "TN" product, as fp8 needs.
+ * out NULL: only whether cuBLASLt has an algorithm for it (0 or -ENOTSUP). */
+static int lt_gemm_fp8(struct mlens_cuda_ctx *c, float *out, const uint8_t *x, const uint8_t *w,
+		       int n, int k, int m)
+{
+	cublasLtMatmulDesc_t op = NULL;
+	cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+	cublasLtMatmulPreference_t pref = NULL;
+	cublasLtMatmulHeuristicResult_t hr;
+	cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+	size_t ws = 0;
+	int found = 0, rc = 0;
+	float one = 1.0f, zero = 0.0f;
+	cublasStatus_t st;
+
+	if (n <= 0)
+		return 0;
+	memset(&hr, 0, sizeof(hr));
+	st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, (uint64_t)m, (uint64_t)n, m);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulPreferenceCreate(&pref);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+							  &ws, sizeof(ws));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &hr, &found);
+	if (st == CUBLAS_STATUS_SUCCESS && !found)
+		rc = -ENOTSUP;
+	else if (st == CUBLAS_STATUS_SUCCESS && out)
+		st = cublasLtMatmul(c->lt, op, &one, w, la, x, lb, &zero, out, ld, out, ld, &hr.algo,
+				    NULL, 0, c->stream);
+	if (st != CUBLAS_STATUS_SUCCESS)
+		rc = st == CUBLAS_STATUS_NOT_SUPPORTED ? -ENOTSUP
+						       : mlens_cublas_rc(st, "fp8 GEMM", __FILE__, __LINE__);
+	if (pref)
+		cublasLtMatmulPreferenceDestroy(pref);
+	if (ld)
+		cublasLtMatrixLayoutDestroy(ld);
+	if (lb)
+		cublasLtMatrixLayoutDestroy(lb);
+	if (la)
+		cublasLtMatrixLayoutDestroy(la);
+	if (op)
+		cublasLtMatmulDescDestroy(op);
+	return rc;
+}
+
+/* fp8 experts on the tensor cores: opts fp8_gemm on a device that has
+ * them, fast GEMMs of a 16-bit model, one scale a row (per-tensor scales
+ * are one a row since load), sizes the fp8 GEMMs take. */
+static bool moe_fp8_tc(const struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w)
+{
+	return w->dtype == MLENS_DT_F8_E4M3 && c->fp8_tc && !c->gemm_exact &&
+	       w->model_dtype != MLENS_DTYPE_F32 && w->scale.kind == MLENS_WSCALE_CHANNEL &&
+	       !(w->hidden % 16) && !(w->inter % 16);
+}
+
 /* The dtype fp8 experts are dequantized to for the GEMMs: bf16 for fast
  * GEMMs of a 16-bit model (activations rounded to bf16, as its other
  * GEMMs round them), fp32 for exact GEMMs or an fp32 model (the CPU's
@@ -606,8 +676,10 @@ static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *sr
 static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c,
 				      const struct mlens_moe_weights *w)
 {
-	return c->gemm_exact || w->model_dtype == MLENS_DTYPE_F32 ? MLENS_DTYPE_F32
-								  : MLENS_DTYPE_BF16;
+	/* the fp8 tensor-core path takes its activations in fp32 */
+	return c->gemm_exact || w->model_dtype == MLENS_DTYPE_F32 || moe_fp8_tc(c, w)
+		       ? MLENS_DTYPE_F32
+		       : MLENS_DTYPE_BF16;
 }
 
 /* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
@@ -641,6 +713,30 @@ struct moe_piece {
 	char *wd;		/* fp8 experts: the stream's expert dequantized */
 };
 
+/* The rows [r, r + n) of expert e on the fp8 tensor cores: x quantized per
+ * token, gate and up as fp8 GEMMs scaled back (token scale x channel
+ * scale), silu(g) * u in fp32, quantized per token for the down GEMM. */
+static int expert_fp8(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w, int e,
+		      const float *xe, size_t r, int n, const struct moe_piece *pc, size_t qsl,
+		      float *y)
+{
+	int H = w->hidden, I = w->inter, rc;
+	uint8_t *q = (uint8_t *)pc->wd;
+	float *qs = (float *)(pc->wd + qsl), *g = (float *)pc->g, *u = (float *)pc->u;
+
+	if ((rc = mlens_cuda_quant_rows_fp8(c, q, qs, xe + r * H, MLENS_DTYPE_F32, n, H)) ||
+	    (rc = lt_gemm_fp8(c, g, q, (const uint8_t *)w->w1[e], n, H, I)) ||
+	    (rc = mlens_cuda_scale_outer(c, g, MLENS_DTYPE_F32, g, qs, w->s1[e], n, I)) ||
+	    (rc = lt_gemm_fp8(c, u, q, (const uint8_t *)w->w3[e], n, H, I)) ||
+	    (rc = mlens_cuda_scale_outer(c, u, MLENS_DTYPE_F32, u, qs, w->s3[e], n, I)) ||
+	    (rc = mlens_cuda_silu_mul(c, pc->h, MLENS_DTYPE_F32, g, u, MLENS_DTYPE_F32,
+				      (size_t)n * I)) ||
+	    (rc = mlens_cuda_quant_rows_fp8(c, q, qs, pc->h, MLENS_DTYPE_F32, n, I)) ||
+	    (rc = lt_gemm_fp8(c, y + r * H, q, (const uint8_t *)w->w2[e], n, I, H)))
+		return rc;
+	return mlens_cuda_scale_outer(c, y + r * H, MLENS_DTYPE_F32, y + r * H, qs, w->s2[e], n, H);
+}
+
 /* The rows of the experts in [e0, e1) (r0 the first) through gate, up,
  * silu(g) * u and down, on the current stream; an expert with more rows
  * than the piece holds runs in pieces of about equal rows. */
@@ -649,9 +745,11 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 		       bool half_gu, const char *xe, const struct moe_piece *pc, float *y)
 {
 	int H = w->hidden, I = w->inter, rc;
-	const bool fp8 = w->dtype == MLENS_DT_F8_E4M3;
+	const bool fp8 = w->dtype == MLENS_DT_F8_E4M3, tc = moe_fp8_tc(c, w);
 	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;	/* the GEMMs' */
 	size_t es = mlens_dtype_size(cdt), mat = (size_t)H * I * es;
+	/* fp8 GEMMs: the piece's quantized rows, then their scales */
+	size_t qsl = mlens_cuda_align(pc->rows * (size_t)(H > I ? H : I));
 	enum mlens_dtype gdt = half_gu ? cdt : MLENS_DTYPE_F32;
 	size_t xpart = split ? rows * H * es : 0, hpart = split ? pc->rows * I * es : 0;
 
@@ -659,6 +757,15 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 		size_t cnt = (size_t)counts[e], pieces = (cnt + pc->rows - 1) / pc->rows;
 		size_t each = pieces ? (cnt + pieces - 1) / pieces : 0;
 		const void *w1 = w->w1[e], *w2 = w->w2[e], *w3 = w->w3[e];
+		if (tc) {
+			for (size_t off = 0; off < cnt; off += each) {
+				int n = (int)(cnt - off < each ? cnt - off : each);
+				if ((rc = expert_fp8(c, w, e, (const float *)xe, (size_t)r0 + off, n, pc,
+						     qsl, y)))
+					return rc;
+			}
+			continue;
+		}
 		if (fp8 && cnt) {
 			/* queued on this stream behind its previous expert's GEMMs */
 			if ((rc = mlens_cuda_dequant_fp8(c, pc->wd, cdt, (const uint8_t *)w1, w->s1[e],
@@ -1187,6 +1294,8 @@ static void cuda_destroy(void *ctx)
 		cudaStreamSynchronize(c->stream);
 	if (c->blas)
 		cublasDestroy(c->blas);
+	if (c->lt)
+		cublasLtDestroy(c->lt);
 	dev_free(c, c->blas_ws);
 	if (c->side_stream)
 		cudaStreamSynchronize(c->side_stream);
@@ -1460,6 +1569,18 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	if ((bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
 		rc = mlens_cublas_rc(bs, "cuBLAS set-up", __FILE__, __LINE__);
 		goto fail;
+	}
+	if (o->fp8_gemm) {
+		/* fp8 tensor cores from compute capability 8.9; without them, or
+		 * without an algorithm for a small fp8 product, experts take
+		 * the dequantize path */
+		struct cudaDeviceProp prop;
+		CUDA_GOTO(cudaGetDeviceProperties(&prop, c->device), rc, fail);
+		if (prop.major * 10 + prop.minor >= 89 && cublasLtCreate(&c->lt) == CUBLAS_STATUS_SUCCESS)
+			c->fp8_tc = lt_gemm_fp8(c, NULL, NULL, NULL, 16, 64, 64) == 0;
+		if (!c->fp8_tc)
+			fprintf(stderr, "mlens cuda: %s has no fp8 GEMM; fp8 experts are dequantized\n",
+				prop.name);
 	}
 	be->ops = &cuda_ops;
 	be->ctx = c;

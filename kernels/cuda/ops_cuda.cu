@@ -351,6 +351,66 @@ int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype
 	return 0;
 }
 
+/* One block a row: the row's amax (a block reduction), then every value
+ * over its scale rounded to e4m3 (saturating, nearest even). */
+__global__ void quant_rows_fp8_kernel(uint8_t *q, float *scales, const void *x,
+				      enum mlens_dtype dt, int cols)
+{
+	__shared__ float red[MLENS_CUDA_THREADS];
+	size_t r = blockIdx.x;
+	float m = 0.0f, s;
+
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		m = fmaxf(m, fabsf(load_elem(x, dt, r * cols + j)));
+	red[threadIdx.x] = m;
+	__syncthreads();
+	for (int h = blockDim.x / 2; h > 0; h /= 2) {
+		if ((int)threadIdx.x < h)
+			red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + h]);
+		__syncthreads();
+	}
+	s = red[0] / 448.0f;
+	if (threadIdx.x == 0)
+		scales[r] = s;
+	s = s > 0.0f ? s : 1.0f;
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		q[r * cols + j] = __nv_cvt_float_to_fp8(load_elem(x, dt, r * cols + j) / s,
+							__NV_SATFINITE, __NV_E4M3);
+}
+
+int mlens_cuda_quant_rows_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales, const void *x,
+			      enum mlens_dtype dt, int rows, int cols)
+{
+	if (rows < 0 || cols < 0)
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	quant_rows_fp8_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(q, scales, x, dt, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void scale_outer_kernel(void *dst, enum mlens_dtype dt, const float *src,
+				   const float *rs, const float *cs, int cols)
+{
+	size_t r = blockIdx.x;
+	float a = rs[r];
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		store_elem(dst, dt, r * cols + j, src[r * cols + j] * a * cs[j]);
+}
+
+int mlens_cuda_scale_outer(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const float *src, const float *rs, const float *cs, int rows, int cols)
+{
+	if (rows < 0 || cols < 0)
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	scale_outer_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, rs, cs, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
 __global__ void split_rows_kernel(void *dst, enum mlens_dtype dt, const float *src,
 				  const int32_t *gather, int gather_div, int cols,
 				  size_t part_stride, float scale)
