@@ -4,8 +4,8 @@
 # (compressed-tensors) and the same model in bf16 quantized at load
 # (--weight-dtype fp8) hold the same bytes, so a batch of greedy requests
 # gets the same tokens from both; a block-scaled checkpoint (quant_method
-# fp8) serves too; a quant_method mlens does not read (gptq) is refused at
-# start-up, named.
+# fp8) serves too; the profiler runs over each; a quant_method mlens does
+# not read (gptq) is refused at start-up, named.
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
@@ -25,6 +25,8 @@ serve() {
 	shift 2
 	start_mlensd --model "$model" --kv-cache 64M --mlock=false --threads 1 --backend cpu "$@"
 	"$mlens" generate -q -s "$tmp/t.sock" -i "$tmp/in" -o "$tmp/$name.json" || fail "generate ($name)"
+	# the profiler times GEMMs over the experts' weights too
+	ctl profile >"$tmp/$name.profile" 2>&1 || fail "$name: mlensctl profile: $(cat "$tmp/$name.profile")"
 	python3 -c 'import json,sys
 rs = [json.loads(l) for l in open(sys.argv[1])]
 assert len(rs) == 6 and all(len(r["tokens"]) == 16 for r in rs), rs
