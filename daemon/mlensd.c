@@ -567,11 +567,15 @@ static int step_model(void)
 			log_info("experts quantized to fp8 e4m3 (a scale per output channel) in %.2f s",
 				 mlens_now() - t);
 		}
-		if (D.model->cfg.expert_dtype == MLENS_DT_F8_E4M3)
-			log_info("experts in fp8 e4m3 with %s scales%s%s",
-				 D.model->cfg.expert_scale.kind == MLENS_WSCALE_BLOCK ? "block" : "per-channel",
+		if (D.model->cfg.expert_dtype == MLENS_DT_F8_E4M3 || mlens_model_quant_bytes(D.model))
+			log_info("experts in %s%s%s%s; %.3f GB of fp8 state (scales, quantized or "
+				 "dequantized copies) beside the weight pages",
+				 D.model->cfg.expert_dtype == MLENS_DT_F8_E4M3 ? "fp8 e4m3 with " :
+										 mlens_dtype_name(D.model->cfg.expert_dtype),
+				 D.model->cfg.expert_dtype != MLENS_DT_F8_E4M3 ? "" :
+				 D.model->cfg.expert_scale.kind == MLENS_WSCALE_BLOCK ? "block scales" : "per-channel scales",
 				 D.model->cfg.quant_method[0] ? ", quant_method " : "",
-				 D.model->cfg.quant_method);
+				 D.model->cfg.quant_method, mlens_model_quant_bytes(D.model) / 1e9);
 		log_info("model %s: %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
 			 "in %.2f s (%.2f GB/s, %s%s) on NUMA node %d%s",
 			 D.cfg.model, (long long)D.model->cfg.num_hidden_layers,

@@ -609,6 +609,15 @@ out:
 	return rc;
 }
 
+size_t mlens_model_quant_bytes(const struct mlens_model *m)
+{
+	size_t n = m->quant ? m->quant->area_bytes : 0;
+
+	for (int i = 0; m->quant && i < m->quant->n_deq; i++)
+		n += m->quant->deq[i].nbytes;
+	return n;
+}
+
 void mlens_quant_free(struct mlens_model *m)
 {
 	struct mlens_quant *q = m->quant;

@@ -45,6 +45,10 @@ void mlens_quant_free(struct mlens_model *m);
  * left as it is. */
 int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen);
 
+/* Host bytes the fp8 state holds beside the weight pages: expert scales,
+ * experts quantized at load, dequantized copies of other fp8 matrices. */
+size_t mlens_model_quant_bytes(const struct mlens_model *m);
+
 /* Bytes of one expert (w1, w2, w3 and, for fp8, their scales) as the
  * hybrid pipeline streams it and the performance model counts it. */
 uint64_t mlens_model_expert_bytes(const struct mlens_model_config *c);
