@@ -222,6 +222,37 @@ static void show_status(json_t *r)
 	       (long long)geti(kv, "blocks_used"), (long long)geti(kv, "blocks_total"),
 	       (long long)geti(kv, "block_tokens"), kvb);
 	printf("%-14s %s pinned\n", "weight pages", wpb);
+	{
+		/* the effective budget (gpu_memory = 0 resolved); null: no GPU plan */
+		json_t *gb = json_object_get(json_object_get(b, "gpu_memory"), "budget_bytes");
+		char gbb[32];
+
+		if (json_is_integer(gb)) {
+			human_bytes(gbb, sizeof(gbb), (double)json_integer_value(gb));
+			printf("%-14s %s\n", "GPU budget", gbb);
+		} else {
+			printf("%-14s none (no GPU memory plan on this backend)\n", "GPU budget");
+		}
+	}
+	{
+		json_t *hm = json_object_get(b, "host_memory");
+		char hb[32], sb[32];
+		human_bytes(hb, sizeof(hb), (double)geti(hm, "budget_bytes"));
+		human_bytes(sb, sizeof(sb), (double)geti(hm, "staging_bytes"));
+		printf("%-14s %s%s; staging %s\n", "host memory", geti(hm, "budget_bytes") ? hb : "no budget",
+		       geti(hm, "budget_bytes") ? " budget" : "", sb);
+	}
+	if (json_is_object(json_object_get(b, "kv_swap"))) {
+		json_t *sw = json_object_get(b, "kv_swap");
+		char ob[32], ib[32];
+		human_bytes(ob, sizeof(ob), (double)geti(sw, "bytes_out_total"));
+		human_bytes(ib, sizeof(ib), (double)geti(sw, "bytes_in_total"));
+		printf("%-14s %lld of %lld slots used in %s; %s out, %s in; %lld preempted sequences swapped, "
+		       "%lld recomputed (%lld for want of room, %lld after an I/O error)\n", "KV swap",
+		       (long long)geti(sw, "slots_used"), (long long)geti(sw, "slots_total"), gets_(sw, "path"), ob, ib,
+		       (long long)geti(sw, "swaps_total"), (long long)geti(sw, "recomputes_total"),
+		       (long long)geti(sw, "full_total"), (long long)geti(sw, "errors_total"));
+	}
 	if (json_is_object(pl)) {
 		/* busy shares of the pipeline's resources: what bounds a step */
 		double st = getf(pl, "last_step_seconds"), tot = getf(pl, "step_seconds_total");

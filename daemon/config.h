@@ -30,11 +30,15 @@ struct mlens_config {
 	char *attn_up;		/* "half" or "fp32": the CPU attention's output on its way up */
 	char *gpu_sync;		/* "auto", "spin", "yield" or "block": host waits for the GPU */
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */
+	uint64_t host_memory;		/* host budget, 0: none */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
 	int64_t kv_growth_room;		/* blocks of growth room at admission */
 	int64_t admit_lookahead;	/* steps of the admission's KV look-ahead */
 	bool admit_keeps_room;		/* admissions leave growth room alone */
+	uint64_t kv_swap;		/* bytes of KV swap file, 0: off */
+	char *kv_swap_path;		/* its directory or new file */
+	char *kv_swap_policy;		/* "auto", "always" or "never" */
 	uint64_t gpu_memory;
 	int64_t threads;
 	int64_t numa_node;

@@ -16,8 +16,9 @@
 #include "daemon/config.h"
 #include "daemon/ops/control.h"
 #include "daemon/exec/engine.h"
+#include "daemon/exec/kv_swap.h"
 #include "daemon/plan/gpu_plan.h"
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/host_plan.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/log.h"
@@ -40,6 +41,7 @@ struct daemon {
 	bool weights_registered;	/* host_register'ed with the backend */
 	bool hybrid;
 	struct mlens_pinned kv_k, kv_v;
+	struct mlens_kv_swap *swap;	/* kv_swap > 0 and a KV pool in host memory */
 	struct mlens_engine *engine;
 	struct mlens_sched *sched;
 	struct mlens_worker *worker;
@@ -55,12 +57,16 @@ struct daemon {
 	struct mlens_daemon_info info;
 	struct mlens_control *control;
 	struct mlens_stats *stats;
-	struct mlens_gpu_plan plan;	/* GPU-only mode (daemon/plan/gpu_plan.c) */
+	/* the GPU memory plan, made once at start-up and handed to the
+	 * engine (daemon/plan/gpu_plan.h); none with a host-memory backend */
+	struct mlens_gpu_plan plan;
+	struct mlens_perf_model pm;	/* the model's byte counts the plan used */
 	struct mlens_profile_state prof;	/* the profiler's last results (daemon/plan/profiler.c) */
 	char mode_reason[512];
 	/* what the start-up steps hand on */
 	struct mlens_backend_opts bo;
 	struct mlens_engine_opts eo;
+	uint64_t staging;		/* the host plan's staging bytes */
 	int node;			/* NUMA node of the weights and KV cache */
 	enum mlens_dtype kv_dt;
 	uint32_t kv_blocks;
@@ -308,10 +314,10 @@ static int step_cap_wanted(void)
 }
 
 /* The hybrid pipeline's token group setting: group_tokens, or the plan's
- * choice for 0 (gpuplan.h). */
+ * choice for 0 (gpu_plan.h). */
 static int64_t plan_group(void)
 {
-	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP_AUTO;
+	return D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPU_PLAN_GROUP_AUTO;
 }
 
 /* gpu_copy_out = down or side: GA's copies to the host on a queue of their
@@ -366,8 +372,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->own_opts = *bo;
 	/* time GA and GB as the pipeline runs them: groups, MoE chunks */
 	/* with the group left to the plan, the profile times the default one */
-	st->opts.group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPUPLAN_GROUP;
-	st->opts.moe_chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
+	st->opts.group = !D.hybrid ? 0 : D.cfg.group_tokens > 0 ? D.cfg.group_tokens : MLENS_GPU_PLAN_GROUP;
+	st->opts.moe_chunk = D.hybrid ? MLENS_GPU_PLAN_CHUNK : 0;
 	if (D.be.ops->host_memory) {
 		/* the CPU backend: activations may take the host memory the KV
 		 * pool leaves */
@@ -377,10 +383,10 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		st->gpu_budget = phys > kv ? phys - kv : 0;
 	} else {
 		/* GPU-only mode keeps the KV pool on the GPU too */
-		st->gpu_budget = D.hybrid ? D.plan.budget : D.plan.budget > D.plan.kv ? D.plan.budget - D.plan.kv : 0;
-		st->gpu_workspace = mlens_gpuplan_workspace(bo->moe_streams);
+		st->gpu_budget = D.plan.budget > D.plan.kv ? D.plan.budget - D.plan.kv : 0;
+		st->gpu_workspace = mlens_gpu_plan_workspace(bo->moe_streams);
 	}
-	st->chunk = D.hybrid ? MLENS_GPUPLAN_CHUNK : 0;
+	st->chunk = D.hybrid ? MLENS_GPU_PLAN_CHUNK : 0;
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->plan_in.sets = (int)D.cfg.pipeline_sets;
@@ -400,7 +406,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s moe_streams=%d sync=%s threads=%d",
 			 D.be.ops->name, mlens_gemm_mode_name(bo->gemm), bo->prefill_bf16 ? "bf16" : "fp32",
 			 bo->moe_streams, mlens_gpu_sync_name(bo->sync), bo->n_threads);
-	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.cfg.gpu_memory, st->opts.budget_s);
+	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.be.ops->host_memory ? NULL : &D.plan,
+			       st->opts.budget_s);
 	st->key.group = st->opts.group;
 	st->key.moe_chunk = st->opts.moe_chunk;
 }
@@ -553,6 +560,16 @@ static int step_model(void)
 	D.node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
 	if (D.node < -1)
 		return fail_start("%s", err);
+	if (D.cfg.host_memory) {
+		/* before minutes of reading: the weight pages alone must fit */
+		uint64_t files = 0;
+		for (int i = 0; i < D.model->n_files; i++)
+			files += D.model->files[i].size;
+		if (files > D.cfg.host_memory)
+			return fail_start("host_memory of %.1f MiB is below the weight pages alone (%.1f MiB, the model "
+					  "files); raise host_memory above that, with room for the KV pool and staging",
+					  D.cfg.host_memory / 1048576.0, files / 1048576.0);
+	}
 	{
 		struct mlens_weights_opts wo = { D.node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
@@ -630,6 +647,38 @@ static int step_backend(void)
 	return 0;
 }
 
+/* The host memory plan (host_memory): weight pages and staging first,
+ * the KV pool (in host memory on the CPU backend and in hybrid mode) the
+ * rest up to kv_cache, in whole blocks; the split printed, a budget that
+ * cannot run refused. */
+static int host_plan(void)
+{
+	struct mlens_host_plan_in hi = { .budget = D.cfg.host_memory, .weight_bytes = D.weights.mem.size };
+	struct mlens_host_plan hp;
+	bool host_kv = D.be.ops->host_memory || D.hybrid;
+	char err[1024], line[512];
+	uint64_t blocks;
+
+	hi.staging = mlens_host_plan_staging(&D.model->cfg, D.hybrid, D.be.ops->host_memory, step_cap_wanted(),
+					     D.hybrid ? plan_group() : 0, (int)D.cfg.pipeline_sets);
+	if (host_kv) {
+		hi.kv_want = 2ull * D.kv_blocks * D.kv_per_block;
+		hi.kv_min = mlens_host_plan_kv_min(&D.model->cfg, step_cap_wanted(), (int)D.cfg.kv_block_size,
+						   2ull * D.kv_per_block);
+	}
+	if (mlens_host_plan_split(&hp, &hi, err, sizeof(err)))
+		return fail_start("%s", err);
+	if (host_kv && D.cfg.host_memory) {
+		blocks = hp.kv / (2ull * D.kv_per_block);
+		D.kv_blocks = blocks > UINT32_MAX ? UINT32_MAX : (uint32_t)blocks;
+		hp.kv = 2ull * D.kv_blocks * D.kv_per_block;
+	}
+	D.staging = hp.staging;
+	mlens_host_plan_format(&hp, line, sizeof(line));
+	log_info("%s%s", line, host_kv ? "" : " (GPU-only mode: the KV cache is in GPU memory)");
+	return 0;
+}
+
 /* The KV cache's size in blocks; GPU-only or hybrid mode (and then the CPU
  * attention backend); the pool in pinned memory on the same node. */
 static int step_kv_cache(void)
@@ -644,17 +693,27 @@ static int step_kv_cache(void)
 		return fail_start("kv_cache of %llu bytes holds no KV block: one block of %lld tokens needs %zu bytes",
 				  (unsigned long long)D.cfg.kv_cache, (long long)D.cfg.kv_block_size,
 				  2 * D.kv_per_block);
-	/* GPU-only mode when weights, KV pool and activations fit the GPU
-	 * budget; below that the hybrid pipeline streams experts from the
-	 * weight pages and keeps the KV pool in pinned host memory */
+	/* the GPU memory plan, once: GPU-only mode when the plan with every
+	 * expert resident (and the KV pool and activations on the GPU) fits
+	 * the budget; else the hybrid plan, whose pipeline streams experts
+	 * from the weight pages and keeps the KV pool in pinned host memory */
 	if (!D.be.ops->host_memory) {
-		rc = mlens_gpu_plan_for(&D.plan, &D.be, &D.model->cfg, D.weights.bytes,
-					2ull * D.kv_blocks * D.kv_per_block,
-					D.cfg.max_step_tokens > 0 ? (int)D.cfg.max_step_tokens : 4096, D.bo.gemm,
-					D.cfg.gpu_memory);
-		if (rc)
+		struct mlens_gpu_plan_in in = { .budget = D.cfg.gpu_memory, .gemm = D.bo.gemm };
+
+		if ((rc = mlens_gpu_plan_device(&D.be, &in)))
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
-		if (D.plan.fits) {
+		if ((rc = mlens_perf_model_from_config(&D.pm, &D.model->cfg, D.kv_dt)))
+			return fail_start("model %s: its dimensions are out of range for the GPU memory plan",
+					  D.cfg.model);
+		in.gpu_only = true;
+		in.model = &D.model->cfg;
+		in.weight_bytes = D.weights.bytes;
+		in.kv_bytes = 2ull * D.kv_blocks * D.kv_per_block;
+		in.max_tokens = D.cfg.max_step_tokens > 0 ? D.cfg.max_step_tokens : 4096;
+		rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err));
+		if (rc && rc != -ENOSPC)
+			return fail_start("%s", err);
+		if (!rc) {
 			snprintf(D.mode_reason, sizeof(D.mode_reason), "%s", D.plan.summary);
 			log_info("GPU-only mode: %s", D.plan.summary);
 		} else {
@@ -662,7 +721,7 @@ static int step_kv_cache(void)
 			snprintf(D.mode_reason, sizeof(D.mode_reason),
 				 "GPU-only mode would need %.1f GiB, above the %.1f GiB budget: experts stream "
 				 "from pinned host memory, decode attention runs on the CPU",
-				 D.plan.need / 1073741824.0, D.plan.budget / 1073741824.0);
+				 D.plan.total / 1073741824.0, D.plan.budget / 1073741824.0);
 			log_info("hybrid mode: %s", D.mode_reason);
 			/* the worker drives the GPU side of each step and waits for
 			 * the GPU spinning (CUDA's default with fewer contexts than
@@ -680,8 +739,19 @@ static int step_kv_cache(void)
 			if ((rc = mlens_backend_cpu_create(&D.attn, &abo)))
 				return fail_start("hybrid mode: cannot start the cpu attention backend: %s",
 						  strerror(-rc));
+			in.gpu_only = false;
+			in.model = NULL;
+			in.max_tokens = step_cap_wanted();
+			in.workspace = mlens_gpu_plan_workspace(D.bo.moe_streams);
+			in.group = plan_group();
+			in.sets = (int)D.cfg.pipeline_sets;
+			in.att_half = att_up_half() && mlens_pipeline_half_att(&D.be, &D.attn, &D.model->cfg);
+			if ((rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err))))
+				return fail_start("%s", err);
 		}
 	}
+	if ((rc = host_plan()))
+		return rc;
 	if (D.be.ops->host_memory || D.hybrid) {
 		size_t bytes = (size_t)D.kv_blocks * D.kv_per_block;
 		rc = mlens_pinned_alloc(&D.kv_k, bytes, D.node, D.cfg.mlock, "KV cache (K)", err, sizeof(err));
@@ -691,6 +761,51 @@ static int step_kv_cache(void)
 			return fail_start("%s", err);
 		log_huge_pages(&D.kv_k, &D.kv_v, "KV cache");
 	}
+	return 0;
+}
+
+/* Defaults of the KV swap's cost model where nothing was measured: an
+ * NVMe drive's sequential rate, and a prefill rate per backend kind. */
+#define SWAP_DISK_BPS 2e9
+#define SWAP_CPU_FLOPS 5e10
+#define SWAP_GPU_FLOPS 1e14
+
+/* The KV swap file (kv_swap > 0), with the rates of its cost model: the
+ * disk's from the model files' O_DIRECT io_uring read, the prefill's from
+ * the profiler's GEMM rate, defaults otherwise. GPU-only mode keeps its KV
+ * in GPU memory, which the file's I/O cannot reach: no swap there. */
+static int kv_swap_open(void)
+{
+	struct mlens_kv_swap_opts o = { 0 };
+	struct mlens_perf_model pm;
+	char err[1024];
+	int rc;
+
+	if (!D.cfg.kv_swap)
+		return 0;
+	if (!D.be.ops->host_memory && !D.hybrid) {
+		log_warn("kv_swap: GPU-only mode keeps the KV cache in GPU memory; preempted sequences re-prefill");
+		return 0;
+	}
+	o.budget = D.cfg.kv_swap;
+	o.path = D.cfg.kv_swap_path;
+	o.policy = !strcmp(D.cfg.kv_swap_policy, "always") ? MLENS_KV_SWAP_ALWAYS :
+		   !strcmp(D.cfg.kv_swap_policy, "never") ? MLENS_KV_SWAP_NEVER : MLENS_KV_SWAP_AUTO;
+	o.rates.disk_bps = D.weights.used_io_uring && D.weights.direct && D.weights.seconds > 0 ?
+		D.weights.bytes / D.weights.seconds : SWAP_DISK_BPS;
+	o.rates.compute_flops = D.prof.have && D.prof.prof.gemm_flops > 0 ? D.prof.prof.gemm_flops :
+		D.be.ops->host_memory ? SWAP_CPU_FLOPS : SWAP_GPU_FLOPS;
+	if (!mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt)) {
+		o.rates.flops_per_token = (double)pm.layers * (pm.flops_ga + pm.flops_gb);
+		/* causal attention: q.k and p.v over half the square, per head */
+		o.rates.flops_per_token2 = 2.0 * (double)pm.layers * (double)pm.heads * (double)pm.head_dim;
+	}
+	rc = mlens_kv_swap_create(&D.swap, &mlens_engine_kv(D.engine)->cache, &o, err, sizeof(err));
+	if (rc)
+		return fail_start("%s", err);
+	log_info("%s; cost model: disk %.2f GB/s%s, prefill %.3g FLOP/s%s", mlens_kv_swap_describe(D.swap),
+		 o.rates.disk_bps / 1e9, o.rates.disk_bps == SWAP_DISK_BPS ? " (default)" : " (model files' read)",
+		 o.rates.compute_flops, D.prof.have && D.prof.prof.gemm_flops > 0 ? " (profiled)" : " (default)");
 	return 0;
 }
 
@@ -721,17 +836,14 @@ static int step_engine(void)
 	eo->max_step_tokens = step_cap_wanted();
 	eo->kv_mem_k = D.kv_k.p;
 	eo->kv_mem_v = D.kv_v.p;
+	/* the plan made at start-up (budget: gpu_memory, or the free memory
+	 * less a margin); none on a host-memory backend */
+	eo->plan = D.be.ops->host_memory ? NULL : &D.plan;
 	if (D.hybrid) {
 		eo->attn_backend = &D.attn;
-		eo->gpu_budget = D.plan.budget;	/* gpu_memory, or the free memory less a margin */
-		eo->hybrid_group_tokens = plan_group();
-		eo->hybrid_sets = (int)D.cfg.pipeline_sets;
-		eo->hybrid_gemm = D.bo.gemm;
 		eo->hybrid_side_copy_out = side_copy_out();
 		eo->hybrid_up_copy_in = up_copy_in();
-		eo->hybrid_att_up_half = att_up_half();
 		eo->hybrid_gpu_kv_append = gpu_kv_append();
-		eo->hybrid_workspace = mlens_gpuplan_workspace(D.bo.moe_streams);
 		eo->hybrid_piece_bytes = D.cfg.weight_piece;
 	}
 	t_engine = mlens_now();
@@ -740,15 +852,12 @@ static int step_engine(void)
 		return fail_start("%s", err);
 	if (D.hybrid) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
-		struct mlens_perf_model pm;
 		char line[512];
 		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s; the CPU attention's output goes up in %s",
 			 mlens_now() - t_engine,
 			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool",
 			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32");
-		mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt);
-		mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(D.engine)), &pm, line,
-				     sizeof(line));
+		mlens_gpu_plan_format(&D.plan, &D.pm, line, sizeof(line));
 		log_info("%s", line);
 		eo->max_step_tokens = mlens_engine_max_step_tokens(D.engine);
 	}
@@ -763,7 +872,10 @@ static int step_engine(void)
 		 (unsigned long long)D.kv_blocks * (unsigned long long)D.cfg.kv_block_size, eo->max_step_tokens);
 
 	mlens_kv_pool_set_room(mlens_engine_kv(D.engine), (uint32_t)D.cfg.kv_growth_room);
+	if ((rc = kv_swap_open()))
+		return rc;
 	memset(&so, 0, sizeof(so));
+	so.swap = D.swap;
 	so.token_cap = eo->max_step_tokens;
 	so.reserve_horizon = (int)D.cfg.admit_lookahead;
 	so.admit_keeps_room = D.cfg.admit_keeps_room;
@@ -836,6 +948,8 @@ static int step_serve(void)
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,
+		.gpu_budget = D.plan.budget, .has_gpu_budget = !D.be.ops->host_memory,
+		.staging_bytes = D.staging,
 		.kv_block_size = (int)D.cfg.kv_block_size, .started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,
@@ -904,6 +1018,7 @@ static void teardown(void)
 		close(D.notify_fd);
 	if (D.sched)
 		mlens_sched_destroy(D.sched);
+	mlens_kv_swap_destroy(D.swap);
 	if (D.engine)
 		mlens_engine_destroy(D.engine);
 	mlens_pinned_free(&D.kv_k);

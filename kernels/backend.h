@@ -32,10 +32,12 @@ struct mlens_sampling {
 };
 
 /* Expert weights of one MoE layer, row-major as in HF: w1,w3 [inter][hidden],
- * w2 [hidden][inter]. Pointers are backend memory. With dtype
- * MLENS_DT_F8_E4M3 each matrix has its fp32 scales in s1, s2, s3 laid out
- * as scale says (kernels/wscale.h); otherwise scale.kind is NONE and the
- * scale arrays are unused. */
+ * w2 [hidden][inter], or [inter][hidden] with w2_transposed (DBRX stores its
+ * down projection so, and the ops read it in place rather than have the
+ * loader transpose a third of the model). Pointers are backend memory. With
+ * dtype MLENS_DT_F8_E4M3 each matrix has its fp32 scales in s1, s2, s3 laid
+ * out as scale says (kernels/wscale.h); otherwise scale.kind is NONE and
+ * the scale arrays are unused. */
 struct mlens_moe_weights {
 	int n_experts;
 	int hidden;
@@ -51,6 +53,7 @@ struct mlens_moe_weights {
 	/* fp8: the model's other weights' dtype; a GPU backend's fast GEMMs
 	 * round activations to it where it is 16-bit (fp32: exact GEMMs) */
 	enum mlens_dtype model_dtype;
+	bool w2_transposed;
 };
 
 struct mlens_backend_ops {
@@ -240,6 +243,18 @@ struct mlens_backend_ops {
 	int (*device_name)(void *ctx, char *buf, size_t len);
 	/* Its PCI bus id ("0000:3b:00.0"). */
 	int (*bus_id)(void *ctx, char *buf, size_t len);
+
+	/* ---- optional: what families other than Mixtral's need ----
+	 * Callers go through MLENS_BACKEND_HAS; a layer that needs one the
+	 * backend lacks fails with -ENOTSUP. */
+	/* out[i] = (x[i] - mean(x[i])) / sqrt(var(x[i]) + eps) * w, the
+	 * variance biased, no bias term (LayerNorm(bias=False), DBRX); out
+	 * may be x. */
+	int (*layernorm)(void *ctx, float *out, const float *x, const void *w,
+			 enum mlens_dtype dt, int n, int dim, float eps);
+	/* x[rows][cols] clamped in place to [-limit, limit] (DBRX's clip_qkv
+	 * on q, k and v after their projection). */
+	int (*clamp)(void *ctx, float *x, int rows, int cols, float limit);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4

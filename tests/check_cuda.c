@@ -13,6 +13,7 @@
  * attention on tensor cores (opts prefill_bf16, a backend of its own)
  * rounds q, k, v and the softmax weights to bf16: 2e-2, and it must differ
  * from the fp32 result (else the fp32 kernel ran).
+ * LayerNorm as RMSNorm (1e-5: a second reduction); the clamp identical.
  * The MoE runs its experts on 1, 2 and 4 streams (three of the backends)
  * and, with fast GEMMs on 16-bit weights, keeps gate and up in the weight
  * dtype (mlens_moe_half_gu): one more rounding of 2^-9 or 2^-12, inside
@@ -409,9 +410,11 @@ START_TEST(test_embed)
 }
 END_TEST
 
-START_TEST(test_rmsnorm)
+/* A norm op (rmsnorm, or layernorm when layer) on both backends over
+ * every dtype and a few shapes; shift moves the rows' mean away from 0. */
+static void norm_cases(bool layer, const int dims[3], float shift, double tol)
 {
-	static const int dims[] = { 64, 100, 4096 }, ns[] = { 1, 5, 33 };
+	static const int ns[] = { 1, 5, 33 };
 	for (int t = 0; t < 3; t++)
 		for (int a = 0; a < 3; a++)
 			for (int b = 0; b < 3; b++) {
@@ -420,16 +423,63 @@ START_TEST(test_rmsnorm)
 				size_t cnt = (size_t)n * dim;
 				float *x = rnd_floats(cnt, 3.0f), *ref = malloc(cnt * 4), *got;
 				void *w = rnd_weights((size_t)dim, dt, 1.0f);
-				float *dx = to_gpu(x, cnt * 4), *dout = gpu_zeros(cnt * 4);
+				float *dx, *dout = gpu_zeros(cnt * 4);
 				void *dw = to_gpu(w, (size_t)dim * mlens_dtype_size(dt));
-				ck_assert_int_eq(cpu.ops->rmsnorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
-				ck_assert_int_eq(dev->ops->rmsnorm(dev->ctx, dout, dx, dw, dt, n, dim, 1e-5f), 0);
+				for (size_t i = 0; i < cnt; i++)
+					x[i] += shift;
+				dx = to_gpu(x, cnt * 4);
+				if (layer) {
+					ck_assert_int_eq(cpu.ops->layernorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
+					ck_assert_int_eq(dev->ops->layernorm(dev->ctx, dout, dx, dw, dt, n, dim,
+									     1e-5f), 0);
+				} else {
+					ck_assert_int_eq(cpu.ops->rmsnorm(cpu.ctx, ref, x, w, dt, n, dim, 1e-5f), 0);
+					ck_assert_int_eq(dev->ops->rmsnorm(dev->ctx, dout, dx, dw, dt, n, dim,
+									   1e-5f), 0);
+				}
 				got = from_gpu(dout, cnt * 4);
-				record("rmsnorm", 1e-6, rel_err(ref, got, cnt), "%s n=%d dim=%d",
-				       mlens_dtype_name(dt), n, dim);
+				record(layer ? "layernorm" : "rmsnorm", tol, rel_err(ref, got, cnt),
+				       "%s n=%d dim=%d", mlens_dtype_name(dt), n, dim);
 				free(x); free(ref); free(got); free(w);
 				gfree(dx); gfree(dout); gfree(dw);
 			}
+}
+
+START_TEST(test_rmsnorm)
+{
+	static const int dims[] = { 64, 100, 4096 };
+	norm_cases(false, dims, 0.0f, 1e-6);
+}
+END_TEST
+
+/* LayerNorm without bias (DBRX): rows whose mean is far from 0, so that
+ * the centring shows. */
+START_TEST(test_layernorm)
+{
+	static const int dims[] = { 64, 100, 6144 };
+	norm_cases(true, dims, 5.0f, 1e-5);
+}
+END_TEST
+
+/* clip_qkv's clamp: identical values, NaN kept. */
+START_TEST(test_clamp)
+{
+	const int rows = 37, cols = 160;
+	size_t cnt = (size_t)rows * cols;
+	float *x = rnd_floats(cnt, 4.0f), *ref = malloc(cnt * 4), *dx, *got;
+
+	x[7] = NAN;
+	memcpy(ref, x, cnt * 4);
+	dx = to_gpu(x, cnt * 4);
+	ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, ref, rows, cols, 1.5f), 0);
+	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, rows, cols, 1.5f), 0);
+	got = from_gpu(dx, cnt * 4);
+	ck_assert(isnan(got[7]));
+	got[7] = ref[7] = 0;
+	ck_assert_mem_eq(got, ref, cnt * 4);
+	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, rows, cols, -1.0f), -EINVAL);
+	free(x); free(ref); free(got);
+	gfree(dx);
 }
 END_TEST
 
@@ -657,6 +707,9 @@ static void *fp8_matrix(int rows, int cols, const struct mlens_wscale *fk, float
 	return q;
 }
 
+/* moe_case's experts store w2 as [I][H] (DBRX's layout, w2_transposed) */
+static bool moe_w2t;
+
 static void moe_case_fp8(enum mlens_dtype dt, int n, int H, int I, bool skew,
 			 const struct mlens_wscale *fk, enum mlens_dtype mdt)
 {
@@ -671,10 +724,10 @@ static void moe_case_fp8(enum mlens_dtype dt, int n, int H, int I, bool skew,
 	static const int pick[] = { 0, 0, 0, 0, 1, 2, 4, 5, 6, 7, 7 };
 	struct mlens_moe_weights wc = { .n_experts = E, .hidden = H, .inter = I, .dtype = dt,
 					.w1 = (const void *const *)hw1, .w2 = (const void *const *)hw2,
-					.w3 = (const void *const *)hw3 };
+					.w3 = (const void *const *)hw3, .w2_transposed = moe_w2t };
 	struct mlens_moe_weights wg = { .n_experts = E, .hidden = H, .inter = I, .dtype = dt,
 					.w1 = (const void *const *)dw1, .w2 = (const void *const *)dw2,
-					.w3 = (const void *const *)dw3 };
+					.w3 = (const void *const *)dw3, .w2_transposed = moe_w2t };
 	float *dx, *dout, *dwts;
 	int32_t *dids;
 	char op[64];
@@ -737,7 +790,7 @@ static void moe_case_fp8(enum mlens_dtype dt, int n, int H, int I, bool skew,
 	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, ref, x, n, ids, wts, k, &wc), 0);
 	ck_assert_int_eq(dev->ops->moe(dev->ctx, dout, dx, n, dids, dwts, k, &wg), 0);
 	got = from_gpu(dout, (size_t)n * H * 4);
-	snprintf(op, sizeof(op), "moe %s%s%s%s", mlens_dtype_name(dt),
+	snprintf(op, sizeof(op), "moe%s %s%s%s%s", moe_w2t ? " w2t" : "", mlens_dtype_name(dt),
 		 fk ? (fk->kind == MLENS_WSCALE_BLOCK ? " block" : " channel") : "",
 		 fk ? (mdt == MLENS_DTYPE_F32 ? " (f32 model)" : " (bf16 model)") : "", mode_name());
 	/* fp8: the CPU multiplies the dequantized weights exactly; the GPU
@@ -799,6 +852,20 @@ START_TEST(test_moe_fp8)
 			moe_case_fp8(MLENS_DT_F8_E4M3, 5, 62, 97, false, &fks[f], mdts[m]);
 			moe_case_fp8(MLENS_DT_F8_E4M3, 1500, 64, 96, true, &fks[f], mdts[m]);
 		}
+}
+END_TEST
+
+/* The same MoE with w2 stored [I][H] (DBRX): the down GEMM reads it
+ * without the transpose. */
+START_TEST(test_moe_w2_transposed)
+{
+	moe_w2t = true;
+	for (int t = 0; t < 3; t++) {
+		moe_case(dtypes[t], 7, 256, 320, false);
+		moe_case(dtypes[t], 5, 62, 97, false);
+		moe_case(dtypes[t], 1500, 64, 96, true);
+	}
+	moe_w2t = false;
 }
 END_TEST
 
@@ -1387,6 +1454,8 @@ int main(void)
 	tcase_add_test(tc, test_up_queue);
 	tcase_add_test(tc, test_embed);
 	tcase_add_test(tc, test_rmsnorm);
+	tcase_add_test(tc, test_layernorm);
+	tcase_add_test(tc, test_clamp);
 	tcase_add_test(tc, test_rope);
 	tcase_add_test(tc, test_gemm);
 	tcase_add_test(tc, test_round_gemm_half_in);
@@ -1394,6 +1463,7 @@ int main(void)
 	tcase_add_test(tc, test_router);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_moe_fp8);
+	tcase_add_test(tc, test_moe_w2_transposed);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
 	tcase_add_test(tc, test_attn_decode_groups);
@@ -1406,6 +1476,7 @@ int main(void)
 	tcase_add_test(tx, test_gemm_multi);
 	tcase_add_test(tx, test_moe);
 	tcase_add_test(tx, test_moe_fp8);
+	tcase_add_test(tx, test_moe_w2_transposed);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	/* the ops that stage tables or read values back, with SM copies */
 	tsm = backend_tcase(s, "sm copies", use_sm);

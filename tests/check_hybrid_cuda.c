@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <cuda_runtime.h>
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/pipeline.h"
 #include "tests/gpulock.h"
 #include "tests/testmodel.h"
@@ -165,20 +165,16 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	struct mlens_backend g, c;
 	struct mlens_engine *e;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
-					.hybrid_gemm = gemms[_i],
 					.hybrid_side_copy_out = side_tc[_i] || down_only[_i],
-					.hybrid_up_copy_in = side_tc[_i],
-					.hybrid_att_up_half = att_half[_i],
-					.hybrid_sets = sets_tc[_i],
-					.hybrid_group_tokens = group_tc[_i] };
+					.hybrid_up_copy_in = side_tc[_i] };
 	/* the hybrid pool in page-aligned host memory, as mlensd's (the
 	 * device maps it for kv_append = gpu) */
 	struct mlens_kv_cache pool = { dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16, ts.layers, ts.kv_heads,
 				       ts.head_dim, 16, 128, NULL, NULL };
 	size_t pool_bytes = (mlens_kv_bytes(&pool) + 4095) & ~(size_t)4095;
 	struct mlens_perf_model pm;
-	struct mlens_gpuplan plan;
-	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
+	struct mlens_gpu_plan plan, run_plan;
+	struct mlens_gpu_plan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
 				       .min_tokens = MAX_TOK, .gemm = gemms[_i],
 				       .group = group_tc[_i], .sets = sets_tc[_i] };
 	static int32_t prompt[N_SEQ][64], tok[N_STEPS][N_SEQ];
@@ -204,13 +200,19 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	/* hybrid, every expert streamed */
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg,
 						      dt == MLENS_DTYPE_F32 ? dt : MLENS_DTYPE_BF16), 0);
-	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &plan, NULL, 0), 0);
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &plan, NULL, 0), 0);
 	ck_assert_int_eq(cudaFree(0), cudaSuccess);
 	ck_assert_int_eq(cudaMemGetInfo(&free0, &total), cudaSuccess);
 	ck_assert_int_eq(mlens_backend_create(&g, "cuda", &bo), 0);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
 	eo.attn_backend = &c;
-	eo.gpu_budget = plan.minimum;
+	/* the plan the pipeline runs: at that minimum, the cap lowered where
+	 * a step of MAX_TOK does not fit */
+	in.budget = plan.minimum;
+	in.min_tokens = 0;
+	in.att_half = att_half[_i] && mlens_pipeline_half_att(&g, &c, &m->cfg);
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &run_plan, NULL, 0), 0);
+	eo.plan = &run_plan;
 	eo.kv_mem_k = pool.k = aligned_alloc(4096, pool_bytes);
 	eo.kv_mem_v = pool.v = aligned_alloc(4096, pool_bytes);
 	ck_assert(pool.k && pool.v);
@@ -219,7 +221,7 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 	{
 		struct mlens_pipeline *p = mlens_engine_pipeline(e);
 		char line[512];
-		mlens_gpuplan_format(mlens_pipeline_plan(p), &pm, line, sizeof(line));
+		mlens_gpu_plan_format(mlens_pipeline_plan(p), &pm, line, sizeof(line));
 		printf("%s\n", line);
 		ck_assert_int_eq(mlens_pipeline_plan(p)->resident_experts, 0);
 		ck_assert(mlens_pipeline_stats(p)->async);
@@ -240,12 +242,12 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 		const struct mlens_pipeline_stats *st = mlens_pipeline_stats(p);
 		printf("hybrid: budget %llu, backend count %llu, cudaMemGetInfo delta %lld bytes; "
 		       "last step %.3f ms, cpu attention %.3f ms, host waits %.3f ms\n",
-		       (unsigned long long)eo.gpu_budget,
+		       (unsigned long long)run_plan.budget,
 		       (unsigned long long)mlens_pipeline_gpu_bytes(p),
 		       (long long)free0 - (long long)free1, st->step_s * 1e3, st->cpu_attn_s * 1e3,
 		       st->host_wait_s * 1e3);
-		ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), eo.gpu_budget);
-		ck_assert_int_le((long long)free0 - (long long)free1, (long long)eo.gpu_budget);
+		ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), run_plan.budget);
+		ck_assert_int_le((long long)free0 - (long long)free1, (long long)run_plan.budget);
 		ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * ts.experts * expert);
 	}
 	/* two passes: the largest difference, then the greedy tokens whose

@@ -18,81 +18,9 @@
 #include "daemon/model/quant.h"
 #include "kernels/fp8.h"
 #include "daemon/model/safetensors.h"
+#include "tests/model_files.h"
 
-static char tmpdir[64];
-static char err[2048];
-
-/* ==== helpers ==== */
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-	(void)sb; (void)flag; (void)ftw;
-	return remove(p);
-}
-
-static void setup(void)
-{
-	snprintf(tmpdir, sizeof(tmpdir), "/tmp/mlens-check-model-XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(tmpdir));
-	err[0] = '\0';
-}
-
-static void teardown(void)
-{
-	nftw(tmpdir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-static char *sub(const char *name)
-{
-	static char p[2][256];
-	static int k;
-
-	k ^= 1;
-	snprintf(p[k], sizeof(p[k]), "%s/%s", tmpdir, name);
-	return p[k];
-}
-
-static void write_file(const char *path, const void *buf, size_t len)
-{
-	FILE *f = fopen(path, "wb");
-
-	ck_assert_ptr_nonnull(f);
-	ck_assert_uint_eq(fwrite(buf, 1, len, f), len);
-	ck_assert_int_eq(fclose(f), 0);
-}
-
-static char *read_text(const char *path)
-{
-	FILE *f = fopen(path, "rb");
-	long n;
-	char *buf;
-
-	ck_assert_ptr_nonnull(f);
-	fseek(f, 0, SEEK_END);
-	n = ftell(f);
-	fseek(f, 0, SEEK_SET);
-	buf = calloc(1, (size_t)n + 1);
-	ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
-	fclose(f);
-	return buf;
-}
-
-/* Replace the first `from` in a text file by `to`. */
-static void edit(const char *path, const char *from, const char *to)
-{
-	char *t = read_text(path), *at = strstr(t, from), *out;
-	size_t n;
-
-	ck_assert_msg(at != NULL, "'%s' not in %s", from, path);
-	n = strlen(t) - strlen(from) + strlen(to);
-	out = malloc(n + 1);
-	memcpy(out, t, (size_t)(at - t));
-	strcpy(out + (at - t), to);
-	strcat(out, at + strlen(from));
-	write_file(path, out, n);
-	free(out);
-	free(t);
-}
+/* ==== helpers (tmpdir, sub, edit, make, open_err... in model_files.h) ==== */
 
 /* A safetensors image: 8-byte LE length, the header text, data_len bytes. */
 static unsigned char *st_image(const char *header, size_t data_len, size_t *len)
@@ -129,12 +57,6 @@ static int st_parse(const char *header, size_t data_len)
 	return rc;
 }
 
-#define assert_err(...) do { \
-	const char *want_[] = { __VA_ARGS__ }; \
-	for (size_t i_ = 0; i_ < sizeof(want_) / sizeof(want_[0]); i_++) \
-		ck_assert_msg(strstr(err, want_[i_]), "message lacks '%s': %s", want_[i_], err); \
-} while (0)
-
 static struct mlens_mkmodel_opts tiny(const char *dir, enum mlens_dtype dt, int shards)
 {
 	static char dirs[4][256];	/* sub() reuses its buffers */
@@ -148,31 +70,6 @@ static struct mlens_mkmodel_opts tiny(const char *dir, enum mlens_dtype dt, int 
 	ck_assert_int_eq(mlens_mkmodel_preset(&o, "tiny"), 0);
 	o.cfg.dtype = dt;
 	return o;
-}
-
-static void make(const struct mlens_mkmodel_opts *o)
-{
-	int rc = mlens_mkmodel_write(o, err, sizeof(err));
-
-	ck_assert_msg(rc == 0, "mkmodel: %s", err);
-}
-
-static int open_err(const char *dir)
-{
-	struct mlens_model *m = (void *)1;
-	int rc = mlens_model_open(dir, &m, err, sizeof(err));
-
-	ck_assert_ptr_null(m);
-	return rc;
-}
-
-static struct mlens_model *open_ok(const char *dir)
-{
-	struct mlens_model *m = NULL;
-	int rc = mlens_model_open(dir, &m, err, sizeof(err));
-
-	ck_assert_msg(rc == 0, "open %s: %s", dir, err);
-	return m;
 }
 
 /* The tensor's data equals what the generator produced for its name. */

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/serve/sched.h"
 #include "tests/testmodel.h"
@@ -76,12 +77,12 @@ START_TEST(mixtral_bytes)
 	assert_rel(pm.flops_gb, 2.0 * 4096 * 4096 + 2.0 * 4096 * 8 + 2.0 * 3 * 2 * 4096 * 14336, 1e-15);
 
 	/* streaming and residency with r experts resident per layer */
-	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 0), experts);
-	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 3), experts / 8 * 5);
-	ck_assert_uint_eq(mlens_perf_streamed_bytes(&pm, 8), 0);
-	ck_assert_uint_eq(mlens_perf_slot_bytes(&pm, 6), 2 * 2 * (experts / 8));
-	ck_assert_uint_eq(mlens_perf_resident_bytes(&pm, 8), total);
-	ck_assert_uint_eq(mlens_perf_resident_bytes(&pm, 0), total - L * experts);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 0), experts);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 3), experts / 8 * 5);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 8), 0);
+	ck_assert_uint_eq(mlens_gpu_plan_slot_bytes(&pm, 6), 2 * 2 * (experts / 8));
+	ck_assert_uint_eq(mlens_gpu_plan_resident_bytes(&pm, 8), total);
+	ck_assert_uint_eq(mlens_gpu_plan_resident_bytes(&pm, 0), total - L * experts);
 }
 END_TEST
 
@@ -114,12 +115,12 @@ START_TEST(activation_bytes)
 	/* 100 tokens: all rows fit one chunk; group of ceil(75) */
 	uint64_t want = 4 * (100 * (2 * H + 8 + 4) + 75 * (2 * 4096 + 2 * 1024) +
 			     200 * (2 * H + 2 * I) + 100 * V);
-	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 100, 4096), want);
+	ck_assert_uint_eq(mlens_gpu_plan_act_estimate(&pm, 100, 4096), want);
 	/* 10000 tokens: the MoE and logits chunks are capped at 4096 rows */
 	want = 4 * (10000 * (2 * H + 8 + 4) + 7500 * (2 * 4096 + 2 * 1024) +
 		    4096 * (2 * H + 2 * I) + 4096 * V);
-	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 10000, 0), want);
-	ck_assert_uint_eq(mlens_perf_act_bytes(&pm, 0, 0), 0);
+	ck_assert_uint_eq(mlens_gpu_plan_act_estimate(&pm, 10000, 0), want);
+	ck_assert_uint_eq(mlens_gpu_plan_act_estimate(&pm, 0, 0), 0);
 }
 END_TEST
 
@@ -397,7 +398,7 @@ START_TEST(policy_tight_budget)
 	 * n = (t_io - 2a) / (b + x_gpu - x_io / B_IO) */
 	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_NREAL);
 	{
-		double t_io = (double)mlens_perf_streamed_bytes(&pm, pr.policy.resident_experts) / 25e9;
+		double t_io = (double)mlens_gpu_plan_streamed_bytes(&pm, pr.policy.resident_experts) / 25e9;
 		double x_gpu = 4.0 * 4096 * (98.0 / 130) * 99 / 2 / 149.7e12;
 		double x_io = 32.0 / 130 * 4096 * 4;
 		double want = (t_io - 2 * (hw.ga.a + hw.gb.a)) / (hw.ga.b + hw.gb.b + x_gpu - x_io / 25e9);
@@ -470,7 +471,7 @@ START_TEST(policy_shared_stream)
 	st = mlens_perf_steady_step(&w, pr.n_eq);
 	ck_assert_int_eq(mlens_perf_step_time(&pm, &hw, &pol, &st, &t), 0);
 	assert_rel(t.tier[MLENS_PERF_BIND_PCIE],
-		   (double)(mlens_perf_streamed_bytes(&pm, 0) + st.decode * 4096 * 4) / 5e9, 1e-12);
+		   (double)(mlens_gpu_plan_streamed_bytes(&pm, 0) + st.decode * 4096 * 4) / 5e9, 1e-12);
 	assert_rel(t.tier[MLENS_PERF_BIND_GPU], t.tier[MLENS_PERF_BIND_PCIE], 1e-4);
 	ck_assert(pr.n_real == pr.n_act);
 	ck_assert_int_eq(pr.limit, MLENS_PERF_LIMIT_ACT);
@@ -591,7 +592,7 @@ START_TEST(minimum_budget_refused)
 	/* by hand: resident non-expert weights, two slots of 8 experts,
 	 * activations for one 512-token prompt, workspace */
 	ck_assert_uint_eq(need, pm.model_bytes - 32 * pm.layer_expert_bytes + 2 * pm.layer_expert_bytes +
-				mlens_perf_act_bytes(&pm, 512, 0) + hw.gpu_workspace);
+				mlens_gpu_plan_act_estimate(&pm, 512, 0) + hw.gpu_workspace);
 
 	hw.gpu_budget = need - 1;
 	ck_assert_int_eq(mlens_perf_choose(&pm, &hw, &w, &pr, err, sizeof(err)), -ENOSPC);
@@ -618,7 +619,7 @@ START_TEST(minimum_budget_refused)
 		c.num_hidden_layers = 1;
 		ck_assert_int_eq(mlens_perf_model_from_config(&one, &c, MLENS_DTYPE_BF16), 0);
 		need = mlens_perf_min_budget(&one, &hw, 512);
-		ck_assert_uint_eq(need, one.model_bytes + mlens_perf_act_bytes(&one, 512, 0) + hw.gpu_workspace);
+		ck_assert_uint_eq(need, one.model_bytes + mlens_gpu_plan_act_estimate(&one, 512, 0) + hw.gpu_workspace);
 		hw.gpu_budget = need;
 		ck_assert_int_eq(mlens_perf_choose(&one, &hw, &w, &pr, err, sizeof(err)), 0);
 		ck_assert_int_eq(pr.policy.resident_experts, 8);
@@ -689,7 +690,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	uint32_t most = 0;
 
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
-	streamed = mlens_perf_streamed_bytes(&pm, 0);
+	streamed = mlens_gpu_plan_streamed_bytes(&pm, 0);
 	/* ceilings scaled to the tiny model: the transfer of a layer takes
 	 * 26.5 µs, the GPU 2 µs a step plus 1 µs a token */
 	memset(&hw, 0, sizeof(hw));
@@ -701,7 +702,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 	hw.ga.b = 0.4e-6;
 	hw.gb.b = 0.6e-6;
 	hw.chunk = 64;
-	hw.gpu_budget = mlens_perf_resident_bytes(&pm, 0) + mlens_perf_slot_bytes(&pm, 0) + budget_extra;
+	hw.gpu_budget = mlens_gpu_plan_resident_bytes(&pm, 0) + mlens_gpu_plan_slot_bytes(&pm, 0) + budget_extra;
 	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(pr.limit, want_limit);
 	cap = mlens_perf_token_cap(&pr);
@@ -711,7 +712,7 @@ static void run_capped(uint64_t budget_extra, enum mlens_perf_limit want_limit)
 		want_cap = (int)floor(((double)streamed / hw.b_io - 2 * 1e-6) /
 				      (1e-6 - 6.0 / 13 * (double)(pm.heads * pm.head_dim) * 4 / hw.b_io));
 	else	/* the most tokens whose activations fit budget_extra */
-		for (want_cap = 0; mlens_perf_act_bytes(&pm, want_cap + 1, 64) <= budget_extra; want_cap++)
+		for (want_cap = 0; mlens_gpu_plan_act_estimate(&pm, want_cap + 1, 64) <= budget_extra; want_cap++)
 			;
 	ck_assert_int_eq(cap, want_cap);
 	ck_assert_int_gt(cap, 7);
@@ -846,7 +847,7 @@ START_TEST(sched_respects_activation_cap)
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
 	mlens_test_model_free(m);
 	/* room for activations of 15 tokens and a little: fewer than n_eq */
-	run_capped(mlens_perf_act_bytes(&pm, 15, 64) + 100, MLENS_PERF_LIMIT_ACT);
+	run_capped(mlens_gpu_plan_act_estimate(&pm, 15, 64) + 100, MLENS_PERF_LIMIT_ACT);
 }
 END_TEST
 
@@ -909,15 +910,11 @@ START_TEST(sched_steady_state)
 }
 END_TEST
 
-START_TEST(issue7_bound)
+/* H 4, I 8, 2 layers, 2 heads of 2 (qd 4), 1 kv head (kvd 2), 4 experts,
+ * top 2, vocab 10, bf16 */
+static void bound_model(struct mlens_perf_model *pm)
 {
-	/* H 4, I 8, 2 layers, 2 heads of 2 (qd 4), 1 kv head (kvd 2), 4 experts,
-	 * top 2, vocab 10, bf16: GA = 2 x 4 x (4 + 4) = 64, GB = 2 x 4 x 4 +
-	 * 2 x 4 x 4 + 2 x 6 x 4 x 8 = 448 FLOPs per token and layer; K and V of
-	 * a token in a layer 2 x 2 x 2 = 8 bytes */
 	struct mlens_model_config c;
-	struct mlens_perf_model pm;
-	struct mlens_perf_bound b;
 	memset(&c, 0, sizeof(c));
 	c.vocab_size = 10;
 	c.hidden_size = 4;
@@ -929,7 +926,17 @@ START_TEST(issue7_bound)
 	c.num_local_experts = 4;
 	c.num_experts_per_tok = 2;
 	c.dtype = MLENS_DTYPE_BF16;
-	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_int_eq(mlens_perf_model_from_config(pm, &c, MLENS_DTYPE_BF16), 0);
+}
+
+START_TEST(issue7_bound)
+{
+	/* the model of bound_model: GA = 2 x 4 x (4 + 4) = 64, GB = 2 x 4 x 4 +
+	 * 2 x 4 x 4 + 2 x 6 x 4 x 8 = 448 FLOPs per token and layer; K and V of
+	 * a token in a layer 2 x 2 x 2 = 8 bytes */
+	struct mlens_perf_model pm;
+	struct mlens_perf_bound b;
+	bound_model(&pm);
 	assert_rel(pm.flops_ga, 64, 1e-15);
 	assert_rel(pm.flops_gb, 448, 1e-15);
 	ck_assert_uint_eq(pm.kv_token_bytes, 8);
@@ -957,6 +964,82 @@ START_TEST(issue7_bound)
 	assert_rel(b.gen_tok_s, 0.8, 1e-15);
 	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 0, 1000, 100, 200, 1e4, &b), -EINVAL);
 	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 0, 0, 0, &b), -EINVAL);
+}
+END_TEST
+
+/* The mix's accounting against a brute-force run: one request a step,
+ * the mix's pairs in turn, each living g steps and holding ceil((p+a)/B)
+ * blocks at age a, its decodes (a >= 1) reading p + a rows. Over whole
+ * cycles of the steady part, the per-step means are what the bound takes
+ * for k = 1: blocks held (the pool that holds that many runs S_kv = the
+ * sequences alive), decode and step tokens, KV rows read, prefill pairs. */
+START_TEST(mix_bound_matches_simulation)
+{
+	static const double P[] = { 5, 12, 1, 40, 7 }, G[] = { 3, 7, 1, 2, 11 };
+	enum { N = 5, B = 4, WARM = 50 * N, MEAS = 200 * N };
+	struct mlens_perf_model pm;
+	struct mlens_perf_mix mix;
+	struct mlens_perf_bound b, b1;
+	double held = 0, alive = 0, decode = 0, tokens = 0, rows = 0, pairs = 0, gen = 0;
+
+	for (int t = 0; t < WARM + MEAS; t++) {
+		/* every request admitted at step u <= t still alive at t */
+		for (int u = t; u >= 0 && t - u < 16; u--) {
+			int i = u % N, a = t - u;
+			if (a >= G[i] || t < WARM)
+				continue;
+			alive += 1;
+			held += ceil((P[i] + a) / B);
+			gen += 1;
+			if (a == 0) {
+				tokens += P[i];
+				pairs += P[i] * (P[i] + 1) / 2;
+			} else {
+				decode += 1;
+				tokens += 1;
+				rows += P[i] + a;
+			}
+		}
+	}
+	ck_assert_int_eq(mlens_perf_mix_of(P, G, N, B, &mix), 0);
+	assert_rel(mlens_perf_mix_seq_blocks(&mix), held / alive, 1e-12);
+	bound_model(&pm);
+	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, held / MEAS, 1000, 100, 200, 2000, &b), 0);
+	assert_rel(b.st.prompts, 1, 1e-12);
+	assert_rel(b.st.seqs, alive / MEAS, 1e-12);
+	assert_rel(b.st.decode, decode / MEAS, 1e-12);
+	assert_rel(b.st.tokens, tokens / MEAS, 1e-12);
+	assert_rel(b.st.generated, gen / MEAS, 1e-12);
+	assert_rel(b.st.context, rows / MEAS, 1e-12);
+	assert_rel(b.kv_bytes, rows / MEAS * 8 * 2, 1e-12);
+	assert_rel(b.flops, tokens / MEAS * 2 * 512 + 2 * 4 * 4 * pairs / MEAS + 2 * 4 * 10 * gen / MEAS,
+		   1e-12);
+	/* the unweighted mean of the pairs' occupancies is not it: the long
+	 * generations hold the pool longer */
+	{
+		double plain = 0;
+		for (int i = 0; i < N; i++)
+			plain += mlens_perf_seq_blocks(P[i], G[i], B) / N;
+		ck_assert(fabs(plain - held / alive) > 0.25);
+	}
+	/* a mix of one is mlens_perf_bound */
+	ck_assert_int_eq(mlens_perf_mix_of(&P[1], &G[1], 1, B, &mix), 0);
+	assert_rel(mlens_perf_mix_seq_blocks(&mix), mlens_perf_seq_blocks(12, 7, B), 1e-15);
+	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, 8 * mlens_perf_seq_blocks(12, 7, B), 1000, 100,
+					      200, 2000, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 12, 7, 8, 1000, 100, 200, 2000, &b1), 0);
+	assert_rel(b.st.tokens, b1.st.tokens, 1e-12);
+	assert_rel(b.kv_bytes, b1.kv_bytes, 1e-12);
+	assert_rel(b.flops, b1.flops, 1e-12);
+	assert_rel(b.gen_tok_s, b1.gen_tok_s, 1e-12);
+	assert_rel(b.total_tok_s, b1.total_tok_s, 1e-12);
+	ck_assert_str_eq(b.binds, b1.binds);
+	/* bad input */
+	{
+		double z = 0;
+		ck_assert_int_eq(mlens_perf_mix_of(&z, G, 1, B, &mix), -EINVAL);
+		ck_assert_int_eq(mlens_perf_mix_of(P, G, 0, B, &mix), -EINVAL);
+	}
 }
 END_TEST
 
@@ -988,6 +1071,7 @@ int main(void)
 	tcase_add_test(tc, sched_steady_state);
 	tcase_add_test(tc, issue7_bound);
 	tcase_add_test(tc, sched_steady_matches_scheduler);
+	tcase_add_test(tc, mix_bound_matches_simulation);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);

@@ -16,7 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <jansson.h>
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/exec/pipeprog.h"
 #include "daemon/serve/sched.h"
@@ -47,12 +47,34 @@ static struct mlens_test_spec spec4(void)
 static uint64_t stream_budget(const struct mlens_model *m, int max_tokens, int64_t group, int sets)
 {
 	struct mlens_perf_model pm;
-	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
+	struct mlens_gpu_plan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
 				       .min_tokens = max_tokens, .group = group, .sets = sets };
-	struct mlens_gpuplan p;
+	struct mlens_gpu_plan p;
 	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
-	ck_assert_int_eq(mlens_gpuplan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
 	return p.minimum;
+}
+
+/* The hybrid plan a pipeline of 64 tokens at most runs on budget bytes
+ * (at least min_tokens a step; group rows, sets activation sets, the
+ * attention output up in the weights' dtype where att_half). */
+static int test_plan(const struct mlens_model *m, uint64_t budget, int min_tokens, int64_t group,
+		     int sets, bool att_half, struct mlens_gpu_plan *out, char *err, size_t errlen)
+{
+	struct mlens_perf_model pm;
+	struct mlens_gpu_plan_in in = { .budget = budget, .max_tokens = 64, .min_tokens = min_tokens,
+				       .group = group, .sets = sets, .att_half = att_half };
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	return mlens_gpu_plan_make(&pm, &in, out, err, errlen);
+}
+
+/* ... at stream_budget for the group and sets. */
+static const struct mlens_gpu_plan *stream_plan(const struct mlens_model *m, int64_t group, int sets,
+						 bool att_half, struct mlens_gpu_plan *out)
+{
+	ck_assert_int_eq(test_plan(m, stream_budget(m, 64, group, sets), 0, group, sets, att_half, out,
+				   NULL, 0), 0);
+	return out;
 }
 
 /* The CPU backend with the queue and event ops of a GPU backend, done at
@@ -381,6 +403,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 {
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
 	/* blocks of 4 tokens: the contexts span several, in runs and not */
+	struct mlens_gpu_plan plan;
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
 					.max_step_tokens = 64, .kv_blocks = 64, .kv_block_size = 4 };
 	char err[512];
@@ -391,14 +414,12 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
 		eo.attn_backend = &sd->attn;
-		eo.gpu_budget = stream_budget(m, 64, group_tokens, run_sets);
+		eo.plan = stream_plan(m, group_tokens, run_sets, false, &plan);
 		eo.hybrid_groups = groups;
-		eo.hybrid_group_tokens = group_tokens;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
 		eo.hybrid_up_copy_in = side_out && run_up_copy;
 		eo.hybrid_gpu_kv_append = run_gpu_append;
-		eo.hybrid_sets = run_sets;
 	}
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
@@ -578,7 +599,7 @@ START_TEST(exec_equal_small_groups)
 	run_equal(1, 3, true, false, false);
 	run_equal(2, 4, false, true, false);	/* two threads drive it */
 	run_equal(1, 3, true, true, false);
-	run_equal(2, MLENS_GPUPLAN_GROUP_AUTO, false, true, false);	/* the plan's choice */
+	run_equal(2, MLENS_GPU_PLAN_GROUP_AUTO, false, true, false);	/* the plan's choice */
 }
 END_TEST
 
@@ -695,6 +716,7 @@ START_TEST(exec_half_att_same_product)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
 	for (int s = 0; s < 2; s++) {
 		struct mlens_backend_opts bo = { .n_threads = 2, .device = 0 };
+		struct mlens_gpu_plan plan;
 		struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP,
 						.max_step_tokens = 64, .kv_blocks = 64 };
 		char err[512];
@@ -708,15 +730,13 @@ START_TEST(exec_half_att_same_product)
 			sd[s].be.ops = &fa_ops;
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd[s].attn, &bo), 0);
 		eo.attn_backend = &sd[s].attn;
-		eo.gpu_budget = stream_budget(m, 64, cut ? 4 : 0, cut ? 3 : 0);
+		eo.plan = stream_plan(m, cut ? 4 : 0, cut ? 3 : 0,
+				      s && mlens_pipeline_half_att(&sd[s].be, &sd[s].attn, &m->cfg), &plan);
 		eo.hybrid_groups = 2;
-		eo.hybrid_group_tokens = cut ? 4 : 0;
-		eo.hybrid_sets = cut ? 3 : 0;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
 		eo.hybrid_up_copy_in = side_out;
 		eo.hybrid_gpu_kv_append = s;
-		eo.hybrid_att_up_half = s;
 		ck_assert_msg(mlens_engine_create(&sd[s].e, m, &sd[s].be, &eo, err, sizeof(err)) == 0,
 			      "%s", err);
 		ck_assert_int_eq(mlens_pipeline_stats(mlens_engine_pipeline(sd[s].e))->att_up_half, s);
@@ -777,8 +797,8 @@ START_TEST(exec_equal_three_sets)
 	struct mlens_model *m = mlens_test_model_new(&ts);
 	struct mlens_backend be, attn;
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
-	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = 64, .kv_blocks = 64,
-					.hybrid_sets = 4 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = 64, .kv_blocks = 64 };
+	struct mlens_gpu_plan plan;
 	struct mlens_engine *e;
 	char err[512];
 
@@ -802,7 +822,7 @@ START_TEST(exec_equal_three_sets)
 	ck_assert_int_eq(mlens_backend_cpu_create(&be, &bo), 0);
 	ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
 	eo.attn_backend = &attn;
-	eo.gpu_budget = stream_budget(m, 64, 0, 0);
+	eo.plan = stream_plan(m, 0, 4, false, &plan);
 	ck_assert_int_eq(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)), -EINVAL);
 	ck_assert_msg(strstr(err, "4 activation sets asked for; 2 or 3"), "%s", err);
 	mlens_backend_destroy(&be);
@@ -936,6 +956,38 @@ START_TEST(exec_trace_threads)
 }
 END_TEST
 
+/* The engine runs the plan it is handed: a GPU-only plan sets its step
+ * cap; a GPU-only plan with an attention backend (hybrid mode) is refused,
+ * and so is hybrid mode without a plan. */
+START_TEST(exec_engine_takes_the_plan)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
+	struct mlens_backend be, attn;
+	struct mlens_gpu_plan gpu_only = { .gpu_only = true, .fits = true, .tokens = 24 };
+	struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = 64, .kv_blocks = 64,
+					.plan = &gpu_only };
+	struct mlens_engine *e;
+	char err[512];
+
+	ck_assert_int_eq(mlens_backend_cpu_create(&be, &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
+	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_int_eq(mlens_engine_max_step_tokens(e), 24);
+	mlens_engine_destroy(e);
+	eo.attn_backend = &attn;
+	ck_assert_int_eq(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "GPU-only memory plan"));
+	eo.plan = NULL;
+	ck_assert_int_eq(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "no hybrid GPU memory plan"));
+	mlens_backend_destroy(&be);
+	mlens_backend_destroy(&attn);
+	mlens_test_model_free(m);
+}
+END_TEST
+
 /* Small pieces, a refused budget, the cap lowered by the plan. */
 START_TEST(exec_pieces_and_budget)
 {
@@ -944,7 +996,8 @@ START_TEST(exec_pieces_and_budget)
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
 	struct mlens_backend g, c;
 	struct mlens_pipeline *p = NULL;
-	struct mlens_pipeline_opts po = { .max_step_tokens = 64, .piece_bytes = 5000,
+	struct mlens_gpu_plan plan;
+	struct mlens_pipeline_opts po = { .piece_bytes = 5000,
 					  .kv_blocks = 32, .kv_dtype = -1 };
 	struct mlens_seq seq = { 0 };
 	struct mlens_engine_req r = { 0 };
@@ -955,15 +1008,21 @@ START_TEST(exec_pieces_and_budget)
 
 	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
-	po.gpu_budget = stream_budget(m, 64, 0, 0) - 1;	/* one byte short of 64 tokens */
-	po.min_step_tokens = 64;
-	ck_assert_int_eq(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)), -ENOSPC);
+	/* one byte short of 64 tokens */
+	ck_assert_int_eq(test_plan(m, stream_budget(m, 64, 0, 0) - 1, 64, 0, 0, false, &plan, err,
+				   sizeof(err)), -ENOSPC);
 	ck_assert_ptr_nonnull(strstr(err, "at least"));
-	po.min_step_tokens = 8;	/* now the plan lowers the cap instead */
+	/* no plan, or a GPU-only one: refused */
+	ck_assert_int_eq(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(err, "no hybrid GPU memory plan"));
+	/* at least 8 tokens: the plan lowers the cap instead */
+	ck_assert_int_eq(test_plan(m, stream_budget(m, 64, 0, 0) - 1, 8, 0, 0, false, &plan, err,
+				   sizeof(err)), 0);
+	po.plan = &plan;
 	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_lt(mlens_pipeline_max_step_tokens(p), 64);
 	ck_assert_int_ge(mlens_pipeline_max_step_tokens(p), 8);
-	ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), po.gpu_budget);
+	ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), plan.budget);
 	r.seq = &seq;
 	r.tokens = prompt;
 	r.n_tokens = 6;
@@ -994,7 +1053,8 @@ START_TEST(exec_failure_recovers)
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
 	struct mlens_backend g, c;
 	struct mlens_pipeline *p = NULL;
-	struct mlens_pipeline_opts po = { .max_step_tokens = 64, .piece_bytes = 5000,
+	struct mlens_gpu_plan plan;
+	struct mlens_pipeline_opts po = { .piece_bytes = 5000,
 					  .kv_blocks = 64, .kv_dtype = -1 };
 	int32_t prompt[7] = { 3, 1, 4, 1, 5, 9, 2 };
 	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
@@ -1006,7 +1066,7 @@ START_TEST(exec_failure_recovers)
 	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
 	make_async(&g, false);
 	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
-	po.gpu_budget = stream_budget(m, 64, 0, 0);
+	po.plan = stream_plan(m, 0, 0, false, &plan);
 	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
 	ck_assert(mlens_pipeline_stats(p)->async);
 	for (int round = 0; round < 4; round++) {
@@ -1071,6 +1131,7 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 {
 	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
 	struct mlens_backend be, attn;
+	struct mlens_gpu_plan plan;
 	struct mlens_engine_opts eo = { .kv_block_size = 4, .kv_blocks = 14, .kv_dtype = -1,
 					.max_step_tokens = 64, .prefill_attn = MLENS_PREFILL_OP };
 	/* a one-step look-ahead: the small pool preempts as sequences grow */
@@ -1085,7 +1146,7 @@ static void sched_run(struct mlens_model *m, bool hybrid, struct stenant *t, uin
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&attn, &bo), 0);
 		eo.attn_backend = &attn;
-		eo.gpu_budget = stream_budget(m, 64, 0, 0);
+		eo.plan = stream_plan(m, 0, 0, false, &plan);
 	}
 	ck_assert_msg(mlens_engine_create(&e, m, &be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_sched_create(&s, e, &so), 0);
@@ -1175,6 +1236,7 @@ int main(void)
 	tcase_add_test(t, exec_equal_three_sets);
 	tcase_add_loop_test(t, exec_half_att_same_product, 0, 8);
 	tcase_add_test(t, exec_pieces_and_budget);
+	tcase_add_test(t, exec_engine_takes_the_plan);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);
 	suite_add_tcase(s, t);

@@ -112,7 +112,7 @@ START_TEST(cache_roundtrip_and_key)
 	snprintf(file, sizeof(file), "%s/profile.json", path);
 	ck_assert_int_eq(mlens_backend_cpu_create(&be, NULL), 0);
 	profile_tiny(m, &be, &p);
-	mlens_profile_key_make(&k, m, "cpu", "", 0, 0.5);
+	mlens_profile_key_make(&k, m, "cpu", "", NULL, 0.5);
 	ck_assert_int_eq(mlens_profile_load(file, &k, &q, err, sizeof(err)), -ENOENT);
 	ck_assert_msg(mlens_profile_save(file, &k, &p, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_msg(mlens_profile_load(file, &k, &q, err, sizeof(err)) == 0, "%s", err);
@@ -134,15 +134,15 @@ START_TEST(cache_roundtrip_and_key)
 	ck_assert_str_eq(q.backend, "cpu");
 
 	/* each part of the key invalidates it */
-	mlens_profile_key_make(&k2, m, "cpu", "", 8ull << 30, 0.5);
+	mlens_profile_key_make(&k2, m, "cpu", "", &(struct mlens_gpu_plan){ .budget = 8ull << 30 }, 0.5);
 	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
-	mlens_profile_key_make(&k2, m, "cuda", "10de:2335 at 0000:3b:00.0", 0, 0.5);
+	mlens_profile_key_make(&k2, m, "cuda", "10de:2335 at 0000:3b:00.0", NULL, 0.5);
 	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
-	mlens_profile_key_make(&k2, m, "cpu", "", 0, 5);
+	mlens_profile_key_make(&k2, m, "cpu", "", NULL, 5);
 	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
 	s2.inter = 64;
 	m2 = mlens_test_model_new(&s2);
-	mlens_profile_key_make(&k2, m2, "cpu", "", 0, 0.5);
+	mlens_profile_key_make(&k2, m2, "cpu", "", NULL, 0.5);
 	ck_assert(k2.config_hash != k.config_hash);
 	ck_assert_int_eq(mlens_profile_load(file, &k2, &q, err, sizeof(err)), -ESTALE);
 	mlens_test_model_free(m2);
@@ -334,7 +334,7 @@ static void state_setup(struct mlens_profile_state *st, struct mlens_model *m, s
 	st->opts.kv_dtype = MLENS_DTYPE_F32;
 	st->opts.max_tokens = 512;
 	ck_assert_int_eq(mlens_perf_model_from_config(&st->pm, &m->cfg, MLENS_DTYPE_F32), 0);
-	st->gpu_budget = mlens_perf_resident_bytes(&st->pm, (int)st->pm.experts) + act_room;
+	st->gpu_budget = mlens_gpu_plan_resident_bytes(&st->pm, (int)st->pm.experts) + act_room;
 	st->kv_tokens = 4096;
 	st->pinned_cap = pinned;
 }
@@ -393,7 +393,7 @@ START_TEST(state_sets_cap)
 	/* resident mode: n_real is what the activation room holds */
 	state_setup(&st, m, &be, 40000, 0);
 	ck_assert_msg(mlens_profile_state_run(&st, s, 16, 16, false) == 0, "%s", st.err);
-	for (want = 0; mlens_perf_act_bytes(&st.pm, want + 1, 0) <= 40000; want++)
+	for (want = 0; mlens_gpu_plan_act_estimate(&st.pm, want + 1, 0) <= 40000; want++)
 		;
 	ck_assert_int_eq(st.pred.limit, MLENS_PERF_LIMIT_ACT);
 	ck_assert_int_eq((int)st.pred.n_real, want);

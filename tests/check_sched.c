@@ -3,9 +3,12 @@
  * a lone run gives, under preemption too; quotas, fair share, cancel,
  * a full completion ring, tenant removal and refusals; the worker thread
  * publishes what a command changed before its caller returns; admissions
- * that keep the growth room leave every table whole. */
+ * that keep the growth room leave every table whole; through a KV swap
+ * file, preempted sequences come back without a re-prefill, same tokens,
+ * and their slots come free with them. */
 #include <check.h>
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +45,12 @@ struct fx {
 	struct mlens_backend be;
 	struct mlens_engine *e;
 	struct mlens_sched *s;
+	struct mlens_kv_swap *swap;
 };
+
+/* Set: the next fixture's scheduler gets a KV swap file of this many
+ * bytes in /tmp, policy always. */
+static uint64_t fx_swap_bytes;
 
 /* horizon: the admission reserve's look-ahead (0: the scheduler's); the
  * model's EOS ids eos[0..n_eos) */
@@ -62,6 +70,14 @@ static void fx_open_eos(struct fx *f, uint32_t kv_blocks, int cap, int horizon, 
 	f->m->cfg.n_eos = n_eos;
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, NULL), 0);
 	ck_assert_msg(mlens_engine_create(&f->e, f->m, &f->be, &eo, err, sizeof(err)) == 0, "%s", err);
+	f->swap = NULL;
+	if (fx_swap_bytes) {
+		struct mlens_kv_swap_opts wo = { .budget = fx_swap_bytes, .path = "/tmp",
+						 .policy = MLENS_KV_SWAP_ALWAYS };
+		ck_assert_msg(mlens_kv_swap_create(&f->swap, &mlens_engine_kv(f->e)->cache, &wo, err, sizeof(err)) == 0,
+			      "%s", err);
+		so.swap = f->swap;
+	}
 	ck_assert_int_eq(mlens_sched_create(&f->s, f->e, &so), 0);
 }
 
@@ -83,6 +99,7 @@ static void fx_open(struct fx *f, uint32_t kv_blocks, int cap)
 static void fx_close(struct fx *f)
 {
 	mlens_sched_destroy(f->s);
+	mlens_kv_swap_destroy(f->swap);
 	mlens_engine_destroy(f->e);
 	mlens_backend_destroy(&f->be);
 	mlens_test_model_free(f->m);
@@ -261,11 +278,13 @@ START_TEST(admissions_keep_room)
 }
 END_TEST
 
-START_TEST(preemption_keeps_tokens)
+/* 12 requests, a pool of 40 blocks of 4 tokens: they cannot all grow to
+ * prompt + 24 tokens at once, and the admission looks one step ahead
+ * only, so the scheduler must preempt; with swap_bytes, to a KV swap file
+ * (policy always) of that size. Tokens equal lone runs' (greedy and
+ * seeded sampling alike). */
+static void preempt_run(uint64_t swap_bytes, struct mlens_sched_stats *st_out, size_t *slot_bytes)
 {
-	/* 12 requests, a pool of 40 blocks of 4 tokens: they cannot all grow
-	 * to prompt + 24 tokens at once, and the admission looks one step
-	 * ahead only, so the scheduler must preempt */
 	enum { N = 12, G = 24 };
 	int lens[N];
 	int32_t ref[N][64], got[64];
@@ -280,7 +299,9 @@ START_TEST(preemption_keeps_tokens)
 	}
 	reference(N, lens, G, ref, samp);
 
+	fx_swap_bytes = swap_bytes;
 	fx_open_h(&f, 40, 0, 1);
+	fx_swap_bytes = 0;
 	tenant_init(&t, q_default());
 	for (int i = 0; i < N; i++) {
 		int32_t p[64];
@@ -304,6 +325,73 @@ START_TEST(preemption_keeps_tokens)
 	}
 	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
 	ck_assert_uint_eq(t.st.kv_blocks, 0);
+	*st_out = st;
+	if (slot_bytes)
+		*slot_bytes = f.swap ? mlens_kv_swap_slot_bytes(f.swap) : 0;
+	fx_close(&f);
+}
+
+START_TEST(preemption_keeps_tokens)
+{
+	struct mlens_sched_stats st;
+	preempt_run(0, &st, NULL);
+	ck_assert(!st.kv_swap);
+}
+END_TEST
+
+/* The same through a KV swap file: every preempted sequence comes back
+ * from it, its KV read in, and is not prefilled again (the prefill
+ * tokens are the prompts' alone); every slot free at the end. A file of
+ * 3 blocks holds fewer than some victims need: those re-prefill, counted
+ * as full, with the same tokens. */
+START_TEST(preemption_swap_keeps_tokens)
+{
+	struct mlens_sched_stats st;
+	uint64_t prompts = 0;
+	size_t slot = 0;
+
+	for (int i = 0; i < 12; i++)
+		prompts += (uint64_t)(3 + (i * 5) % 11);
+	preempt_run(1 << 20, &st, &slot);
+	ck_assert(st.kv_swap);
+	ck_assert_uint_gt(st.swap.swaps, 0);
+	ck_assert_uint_eq(st.swap.swaps, st.preemptions);
+	ck_assert_uint_eq(st.swap.swap_ins, st.swap.swaps);
+	ck_assert_uint_eq(st.swap.recomputes, 0);
+	ck_assert_uint_eq(st.swap.bytes_in, st.swap.bytes_out);
+	ck_assert_uint_eq(st.swap.slots_used, 0);
+	ck_assert_uint_eq(st.prompt_tokens, prompts);
+	preempt_run(3 * slot, &st, NULL);
+	ck_assert_uint_gt(st.swap.full, 0);
+	ck_assert_uint_eq(st.swap.slots_used, 0);
+	ck_assert_uint_gt(st.prompt_tokens, prompts);
+}
+END_TEST
+
+/* A tenant removed while its preempted sequences sit in the swap file:
+ * their slots come free with them. */
+START_TEST(swapped_requests_removed)
+{
+	struct fx f;
+	struct tenant t;
+	struct mlens_sched_stats st;
+	int steps = 0;
+
+	fx_swap_bytes = 1 << 20;
+	fx_open_h(&f, 40, 0, 1);
+	fx_swap_bytes = 0;
+	tenant_init(&t, q_default());
+	submit_n(&f, &t, 12, 10, 24, 1);
+	do {
+		ck_assert_int_ge(mlens_sched_step(f.s), 0);
+		mlens_sched_get_stats(f.s, &st);
+	} while (st.swap.slots_used == 0 && ++steps < 1000);
+	ck_assert_uint_gt(st.swap.slots_used, 0);
+	mlens_sched_tenant_remove(f.s, &t.st, -ECANCELED, true);
+	mlens_sched_get_stats(f.s, &st);
+	ck_assert_uint_eq(st.swap.slots_used, 0);
+	ck_assert_uint_eq(mlens_kv_pool_used_blocks(mlens_engine_kv(f.e)), 0);
+	ck_assert(mlens_sched_idle(f.s));
 	fx_close(&f);
 }
 END_TEST
@@ -991,12 +1079,171 @@ START_TEST(worker_snapshot_after_command)
 }
 END_TEST
 
+/* ==== a mix of lengths ==== */
+
+/* What a mixed workload did, step by step. */
+struct mix_run {
+	int steps;
+	int first_step_tokens;
+	double steady_fill;	/* mean step tokens / cap over steps that began with requests waiting */
+	int steady_steps;
+	int max_small_run;	/* longest run of such steps under half the cap */
+	uint64_t preemptions;
+	int repreempted;	/* evictions of a request within 2 steps of its re-admission */
+	int done;
+	int max_wait_steps;	/* most steps a request waited for its first token */
+};
+
+/* Log-uniform integer in [lo, hi] from a 64-bit LCG. */
+static int mix_len(uint64_t *st, int lo, int hi)
+{
+	double u;
+	*st = *st * 6364136223846793005ull + 1442695040888963407ull;
+	u = (double)(*st >> 11) / 9007199254740992.0;
+	return (int)floor(exp(log(lo) + u * (log(hi + 1.0) - log(lo))));
+}
+
+/* n requests of log-uniform lengths (prompts plo..phi, generations
+ * glo..ghi, ignoring EOS) all queued at once, run to the end. */
+static void mix_run(struct mix_run *mr, uint32_t kv_blocks, int cap, int horizon, int n, int plo,
+		    int phi, int glo, int ghi)
+{
+	static struct tenant t;
+	struct fx f;
+	uint64_t st = 12345, pre_before;
+	int32_t p[64];
+	int first_tok[256], admitted_at[256], last_evict[256];
+	int small = 0;
+	ck_assert_int_le(n, 256);
+	ck_assert_int_le(phi, 64);
+	memset(mr, 0, sizeof(*mr));
+	fx_open_h(&f, kv_blocks, cap, horizon);
+	tenant_init(&t, q_default());
+	for (int i = 0; i < n; i++) {
+		int len = mix_len(&st, plo, phi), g = mix_len(&st, glo, ghi);
+		struct mlens_request_params rp;
+		prompt(p, len, (unsigned)i + 1);
+		rp = params((uint64_t)i, p, len, g);
+		submit_ok(&f, &t, &rp);
+		first_tok[i] = -1;
+		admitted_at[i] = last_evict[i] = -100;
+	}
+	while (!mlens_sched_idle(f.s) && mr->steps < 100000) {
+		struct mlens_sched_stats ss;
+		int ev0 = t.n_ev;
+		bool waiting;
+		mlens_sched_get_stats(f.s, &ss);
+		waiting = ss.waiting > 0;
+		pre_before = ss.preemptions;
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+		mlens_sched_get_stats(f.s, &ss);
+		if (mr->steps == 0)
+			mr->first_step_tokens = (int)ss.last_step_tokens;
+		if (waiting && ss.waiting > 0) {
+			mr->steady_fill += (double)ss.last_step_tokens;
+			mr->steady_steps++;
+			small = 2 * (int)ss.last_step_tokens < cap ? small + 1 : 0;
+			if (small > mr->max_small_run)
+				mr->max_small_run = small;
+		}
+		mr->preemptions += ss.preemptions - pre_before;
+		mr->repreempted = (int)ss.repreemptions;
+		for (int e = ev0; e < t.n_ev; e++) {
+			int id = (int)t.ev[e].id;
+			if (t.ev[e].first && first_tok[id] < 0)
+				first_tok[id] = mr->steps;
+			if (t.ev[e].last)
+				mr->done++;
+		}
+		mr->steps++;
+	}
+	(void)admitted_at;
+	(void)last_evict;
+	mr->steady_fill = mr->steady_steps ? mr->steady_fill / mr->steady_steps / cap : 0;
+	for (int i = 0; i < n; i++)
+		if (first_tok[i] > mr->max_wait_steps)
+			mr->max_wait_steps = first_tok[i];
+	fprintf(stderr, "mix: %d steps, first %d tokens, steady fill %.3f over %d steps, longest small run %d, "
+		"%llu preemptions (%d soon after a return), %d done, longest wait %d steps\n", mr->steps, mr->first_step_tokens,
+		mr->steady_fill, mr->steady_steps, mr->max_small_run, (unsigned long long)mr->preemptions,
+		mr->repreempted, mr->done, mr->max_wait_steps);
+	fx_close(&f);
+}
+
+/* KV ample, the token cap binds: prompts up to two thirds of the cap
+ * wait at the head of the queue for room while shorter ones behind them
+ * could fill the step. The first step (prefills only) and every step
+ * while requests wait are nearly full; all finish. */
+START_TEST(mix_keeps_steps_full)
+{
+	struct mix_run mr;
+	mix_run(&mr, 2000, 96, 0, 200, 2, 64, 1, 48);
+	ck_assert_int_eq(mr.done, 200);
+	ck_assert_int_ge(mr.first_step_tokens, 91);
+	ck_assert_msg(mr.steady_fill >= 0.9, "steady fill %.3f", mr.steady_fill);
+	ck_assert_int_eq(mr.max_small_run, 0);
+	ck_assert_int_eq(mr.preemptions, 0);
+}
+END_TEST
+
+/* A tight pool with a one-step reserve: growth evicts sequences, but one
+ * brought back is not evicted again within a few steps, and evictions
+ * stay few; all finish. */
+START_TEST(mix_preemption_no_thrash)
+{
+	struct mix_run mr;
+	mix_run(&mr, 60, 128, 1, 200, 2, 32, 1, 64);
+	ck_assert_int_eq(mr.done, 200);
+	ck_assert_int_eq(mr.repreempted, 0);
+	ck_assert_int_le(mr.preemptions, 200 / 3);
+}
+END_TEST
+
+/* A long prompt behind a stream of short requests that keeps the step
+ * nearly full is passed over only for a while: then the short ones wait
+ * until it fits. */
+START_TEST(mix_long_prompt_not_starved)
+{
+	static struct tenant t;
+	struct fx f;
+	int32_t p[64];
+	struct mlens_request_params rp;
+	int first = -1, step;
+	fx_open(&f, 2000, 72);
+	tenant_init(&t, q_default());
+	prompt(p, 64, 7);
+	for (step = 0; step < 200 && first < 0; step++) {
+		/* 3 new prompts of 8 a step, 4 tokens each: ~36 tokens a step */
+		for (int k = 0; k < 3; k++) {
+			uint64_t id = 1000 + (uint64_t)step * 3 + (uint64_t)k;
+			prompt(p, 8, (unsigned)id);
+			rp = params(id, p, 8, 4);
+			submit_ok(&f, &t, &rp);
+		}
+		if (step == 2) {
+			prompt(p, 64, 7);
+			rp = params(1, p, 64, 4);
+			submit_ok(&f, &t, &rp);
+		}
+		ck_assert_int_eq(mlens_sched_step(f.s), 1);
+		for (int e = 0; e < t.n_ev; e++)
+			if (t.ev[e].id == 1 && t.ev[e].first)
+				first = step;
+		t.n_ev = 0;
+	}
+	ck_assert_msg(first >= 0 && first <= 2 + 16 + 8, "the long prompt's first token at step %d", first);
+	fx_close(&f);
+}
+END_TEST
+
 static Suite *sched_suite(void)
 {
 	Suite *s = suite_create("sched");
 	TCase *tc = tcase_create("sched");
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, preemption_keeps_tokens);
+	tcase_add_test(tc, preemption_swap_keeps_tokens);
+	tcase_add_test(tc, swapped_requests_removed);
 	tcase_add_test(tc, admissions_keep_room);
 	tcase_add_test(tc, admission_reserve_horizon);
 	tcase_add_test(tc, reserve_demand_forms_agree);
@@ -1015,6 +1262,9 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, kv_quota_holds_back_only_its_tenant);
 	tcase_add_test(tc, lowered_kv_quota_fails_waiting);
 	tcase_add_test(tc, worker_snapshot_after_command);
+	tcase_add_test(tc, mix_keeps_steps_full);
+	tcase_add_test(tc, mix_preemption_no_thrash);
+	tcase_add_test(tc, mix_long_prompt_not_starved);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -4,6 +4,8 @@
 # fixtures come from tests/golden/make_golden_fp8.py (tests/golden/files_fp8.mk).
 include tests/golden/files.mk
 include tests/golden/files_fp8.mk
+# DBRX's fixtures, made by tests/golden/make_golden_dbrx.py
+include tests/golden/files_dbrx.mk
 
 noinst_LTLIBRARIES += tests/libmlens_golden.la
 tests_libmlens_golden_la_SOURCES = tests/golden/golden.h tests/golden/golden.c
@@ -11,7 +13,8 @@ tests_libmlens_golden_la_CFLAGS = $(AM_CFLAGS) $(JANSSON_CFLAGS)
 tests_libmlens_golden_la_CPPFLAGS = $(AM_CPPFLAGS) -DMLENS_GOLDEN_SRCDIR='"$(abs_top_srcdir)"'
 tests_libmlens_golden_la_LIBADD = $(JANSSON_LIBS) -lm
 
-dist_noinst_DATA += $(GOLDEN_FIXTURES) $(GOLDEN_FP8_FIXTURES)
+dist_noinst_DATA += $(GOLDEN_FIXTURES) $(GOLDEN_FP8_FIXTURES) $(GOLDEN_FIXTURES_DBRX)
+EXTRA_DIST += tests/golden/make_golden_dbrx.py tests/golden/files_dbrx.mk
 EXTRA_DIST += tests/golden/make_golden.py tests/golden/README.md tests/golden/files.mk \
 	tests/golden/make_golden_fp8.py tests/golden/files_fp8.mk \
 	tests/golden/check_golden_cuda.sh tests/golden/run_gemm_modes.sh

@@ -1,5 +1,5 @@
 # tests: the hybrid pipeline on the CPU, one program per part: its GPU
-# memory plan (daemon/plan/gpuplan.c), its step program (daemon/exec/pipeprog.c) and
+# memory plan (daemon/plan/gpu_plan.c, GPU-only mode too), its step program (daemon/exec/pipeprog.c) and
 # its executor (daemon/exec/pipeline.c)
 if HAVE_CHECK
 check_PROGRAMS += tests/check_plan tests/check_stepprog tests/check_pipeline

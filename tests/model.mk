@@ -3,7 +3,7 @@
 if HAVE_CHECK
 check_PROGRAMS += tests/check_model
 TESTS += tests/check_model
-tests_check_model_SOURCES = tests/check_model.c
+tests_check_model_SOURCES = tests/check_model.c tests/model_files.h
 tests_check_model_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
 tests_check_model_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
 endif
@@ -23,9 +23,11 @@ EXTRA_DIST += tests/fuzz/corpus
 # `make fuzz` builds it; run as: tests/fuzz/fuzz_model CORPUS_DIR
 FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
 	$(top_srcdir)/daemon/model/safetensors.c $(top_srcdir)/daemon/model/model.c $(top_srcdir)/daemon/errf.c \
+	$(top_srcdir)/daemon/model/family.c $(top_srcdir)/daemon/model/family_dbrx.c \
 	$(top_srcdir)/daemon/infile.c
 if HAVE_CLANG
 tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model/model.h \
+		$(top_srcdir)/daemon/model/family.h \
 		$(top_srcdir)/daemon/model/safetensors.h $(top_srcdir)/daemon/model/model_int.h $(top_srcdir)/daemon/errf.h \
 		$(top_srcdir)/daemon/infile.h
 	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
@@ -50,3 +52,15 @@ tests_model_info_LDADD = daemon/libmlens_core.la
 dist_check_SCRIPTS += tests/model_hf_interop.sh
 EXTRA_DIST += tests/model_hf_interop.py
 TESTS += tests/model_hf_interop.sh
+
+# DBRX and Mixtral-8x22B: config, files, the ops DBRX adds, 8x22B's ratios
+if HAVE_CHECK
+check_PROGRAMS += tests/check_dbrx
+TESTS += tests/check_dbrx
+tests_check_dbrx_SOURCES = tests/check_dbrx.c tests/model_files.h
+tests_check_dbrx_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS) $(JANSSON_CFLAGS)
+tests_check_dbrx_LDADD = tests/libmlens_golden.la daemon/tools/libmlens_tools.la \
+	daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
+endif
+dist_check_SCRIPTS += tests/integration/dbrx.sh
+TESTS += tests/integration/dbrx.sh

@@ -3,8 +3,9 @@
 # model format, both ways. Models written by mlens-mkmodel (per-expert and
 # fused layouts, tied embeddings) load in transformers with no missing or
 # unexpected keys; a model saved by transformers' save_pretrained (sharded,
-# bf16, head_dim != hidden/heads) opens in mlens. Weight checksums seen by
-# each side must match. Skips (77) where torch/transformers are absent.
+# bf16, head_dim != hidden/heads) opens in mlens; mlens-mkmodel's DBRX
+# (dbrx-tiny) loads in transformers' DbrxForCausalLM. Weight checksums seen
+# by each side must match. Skips (77) where torch/transformers are absent.
 import json
 import os
 import subprocess
@@ -119,6 +120,43 @@ with tempfile.TemporaryDirectory(prefix="mlens-interop-") as tmp:
     check(got is not None and got["n_files"] > 1 and got["dtype"] == "BF16",
           f"transformers save_pretrained: sharded bf16 ({got and got['n_files']} files)")
     compare("transformers save_pretrained", d, m)
+
+    # DBRX: mlens-mkmodel's dbrx-tiny in transformers (DBRX's own layout,
+    # experts fused over E, w2 [E*ffn][d_model]); the per-expert views
+    # mlens binds sum as transformers' split of the fused tensors
+    from transformers import DbrxForCausalLM
+    d = os.path.join(tmp, "dbrx")
+    subprocess.run([mkmodel, "-o", d, "--preset", "dbrx-tiny", "--dtype", "fp32", "--seed", "8"],
+                   check=True, stdout=subprocess.DEVNULL)
+    m, li = DbrxForCausalLM.from_pretrained(d, dtype=torch.float64, output_loading_info=True)
+    check(not li["missing_keys"] and not li["unexpected_keys"] and not li["mismatched_keys"],
+          f"dbrx-tiny: transformers loads it cleanly {li}")
+    cfg = m.config
+    check(cfg.rope_parameters["rope_theta"] == 5e5, f"dbrx-tiny: transformers reads rope_theta "
+          f"{cfg.rope_parameters['rope_theta']}")
+    check(bool(torch.isfinite(m(torch.tensor([[1, 2, 3, 4]])).logits).all()),
+          "dbrx-tiny: transformers logits are finite")
+    ffn = cfg.ffn_config.ffn_hidden_size
+    E = cfg.ffn_config.moe_num_experts
+    B = m.transformer.blocks
+    want = {"transformer.wte.weight": m.transformer.wte.weight,
+            "transformer.blocks.1.norm_attn_norm.attn.Wqkv.weight": B[1].norm_attn_norm.attn.Wqkv.weight}
+    for l in (0, 1):
+        mlp = B[l].ffn.experts.mlp
+        for j in (0, E - 1):
+            for name, t in (("w1", mlp.w1), ("w2", mlp.w2), ("w3", mlp.v1)):
+                want[f"{l}.{j}.{name}"] = t.view(E, ffn, -1)[j]
+    got, err = mlens_info(d, list(want))
+    check(got is not None, f"dbrx-tiny: mlens opens it {err}")
+    if got is not None:
+        check(got["rope_theta"] == 5e5 and got["head_dim"] == cfg.d_model // cfg.n_heads,
+              f"dbrx-tiny: rope_theta {got['rope_theta']}, head_dim {got['head_dim']}")
+        for k, t in want.items():
+            t = t.detach().to(torch.float64)
+            s, s2 = t.sum().item(), (t * t).sum().item()
+            gs, gs2 = got["sums"][k]
+            ok = abs(gs - s) <= 1e-9 * max(1.0, abs(s2)) and abs(gs2 - s2) <= 1e-9 * abs(s2)
+            check(ok, f"dbrx-tiny: {k} sums mlens {gs:.9g}/{gs2:.9g} hf {s:.9g}/{s2:.9g}")
 
 if failures:
     print(f"FAIL: {len(failures)} checks")

@@ -13,6 +13,7 @@
 #include "daemon/exec/engine.h"
 #include "daemon/exec/layer.h"
 #include "daemon/exec/pipeline.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/step.h"
 #include "daemon/ops/trace.h"
 
@@ -52,6 +53,7 @@ struct mlens_engine {
 	long prof_steps;
 	double prof_t[16], prof_step_t, prof_t0;
 	struct mlens_layer_probe probe;
+	const struct mlens_layer_probe *user_probe;	/* mlens_engine_set_probe's, before probe */
 };
 
 enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, PK_DECODE, PK_WO,
@@ -137,22 +139,25 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
 	e->qdim = (int)(e->cfg.num_attention_heads * e->cfg.head_dim);
 	e->kvdim = (int)(e->cfg.num_key_value_heads * e->cfg.head_dim);
+	if (o->plan && o->plan->gpu_only) {
+		/* GPU-only mode's plan: its activations hold plan->tokens a step */
+		if (o->attn_backend) {
+			mlens_errf(err, errlen, "engine: a GPU-only memory plan given with an attention backend "
+			       "(hybrid mode needs the hybrid plan)");
+			rc = -EINVAL;
+			goto fail;
+		}
+		e->max_tokens = (int)o->plan->tokens;
+	}
 	if (o->attn_backend) {
 		struct mlens_pipeline_opts po = {
-			.gpu_budget = o->gpu_budget,
-			.max_step_tokens = e->max_tokens,
-			.min_step_tokens = o->hybrid_min_tokens,
+			.plan = o->plan,
 			.groups = o->hybrid_groups,
-			.sets = o->hybrid_sets,
-			.group_tokens = o->hybrid_group_tokens,
 			.piece_bytes = o->hybrid_piece_bytes,
 			.prefill_cpu = o->hybrid_prefill_cpu,
-			.gemm = o->hybrid_gemm,
 			.side_copy_out = o->hybrid_side_copy_out,
 			.up_copy_in = o->hybrid_up_copy_in,
-			.att_up_half = o->hybrid_att_up_half,
 			.gpu_kv_append = o->hybrid_gpu_kv_append,
-			.workspace = o->hybrid_workspace,
 			.kv_block_size = o->kv_block_size,
 			.kv_blocks = o->kv_blocks,
 			.kv_dtype = o->kv_dtype,
@@ -206,6 +211,11 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 fail:
 	mlens_engine_destroy(e);
 	return rc;
+}
+
+void mlens_engine_set_probe(struct mlens_engine *e, const struct mlens_layer_probe *probe)
+{
+	e->user_probe = probe;
 }
 
 void mlens_engine_destroy(struct mlens_engine *e)
@@ -297,9 +307,6 @@ static int grow_logits(struct mlens_engine *e, size_t rows)
 #define OPS (e->be->ops)
 #define CTX (e->be->ctx)
 #define TRY(x) do { if ((rc = (x))) goto out; } while (0)
-/* TRY, timed under kind k when profiling */
-#define PTRY(k, x) do { double t_ = e->prof_every > 0 ? prof_clock() : 0; TRY(x); \
-	if (e->prof_every > 0) TRY(prof_add(e, k, t_)); } while (0)
 
 static double prof_clock(void)
 {
@@ -315,8 +322,8 @@ static int prof_add(struct mlens_engine *e, int k, double t0)
 	return rc;
 }
 
-/* The layer's ops timed as PTRY times the engine's own (the probe of
- * layer.h). */
+/* Every op timed: its wall time to the backend's sync after it (the probe
+ * of layer.h). */
 static void prof_begin(void *arg)
 {
 	((struct mlens_engine *)arg)->prof_t0 = prof_clock();
@@ -330,7 +337,7 @@ static int prof_end(void *arg, enum mlens_layer_op op)
 		[MLENS_LAYER_OP_PREFILL] = PK_PREFILL, [MLENS_LAYER_OP_DECODE] = PK_DECODE,
 		[MLENS_LAYER_OP_WO] = PK_WO, [MLENS_LAYER_OP_ROUTER] = PK_ROUTER,
 		[MLENS_LAYER_OP_MOE] = PK_MOE, [MLENS_LAYER_OP_LM_HEAD] = PK_LM_HEAD,
-		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE,
+		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE, [MLENS_LAYER_OP_EMBED] = PK_EMBED,
 	};
 	struct mlens_engine *e = arg;
 	return prof_add(e, kind[op], e->prof_t0);
@@ -408,7 +415,8 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 {
 	const struct mlens_model_config *c = &e->cfg;
 	struct mlens_step_rows *sr = &e->rows;
-	const struct mlens_layer_run run = { e->be, &e->desc, e->prof_every > 0 ? &e->probe : NULL };
+	const struct mlens_layer_run run = { e->be, &e->desc,
+					     e->user_probe ? e->user_probe : e->prof_every > 0 ? &e->probe : NULL };
 	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
@@ -445,7 +453,11 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	}
 
 	part = trace_part_begin(e, -1, L);
-	PTRY(PK_EMBED, OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
+	if (run.probe)
+		run.probe->begin(run.probe->arg);
+	TRY(OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
+	if (run.probe)
+		TRY(run.probe->end(run.probe->arg, MLENS_LAYER_OP_EMBED));
 	trace_part_end(e, part);
 	{
 		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,

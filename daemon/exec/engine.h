@@ -13,6 +13,8 @@
 #include "kernels/backend.h"
 
 struct mlens_engine;
+struct mlens_layer_probe;
+struct mlens_gpu_plan;
 
 struct mlens_engine_opts {
 	int kv_block_size;	/* tokens per KV block; 0 = 16 */
@@ -28,24 +30,22 @@ struct mlens_engine_opts {
 	int prefill_attn;
 	/* Hybrid mode: with attn_backend set, every step runs through
 	 * the hybrid pipeline (daemon/exec/pipeline.h): be is the GPU side, held
-	 * under gpu_budget bytes, and attn_backend (host memory: the cpu
-	 * backend) holds the KV pool and runs decode attention. max_step_tokens
-	 * is then the cap wanted; the GPU memory plan may lower it. */
+	 * to plan (the hybrid GPU memory plan, daemon/plan/gpu_plan.h, made
+	 * by the caller: budget, resident experts, token cap, groups, sets),
+	 * and attn_backend (host memory: the cpu backend) holds the KV pool
+	 * and runs decode attention. max_step_tokens is then the plan's. */
 	struct mlens_backend *attn_backend;
-	uint64_t gpu_budget;
+	/* the GPU memory plan (made once by the caller): the hybrid one with
+	 * attn_backend, else GPU-only mode's (gpu_only: every expert
+	 * resident; max_step_tokens is then its tokens) or NULL (no plan: a
+	 * host-memory backend, tests) */
+	const struct mlens_gpu_plan *plan;
 	int hybrid_groups;	/* token groups, 0 = 2 */
-	int hybrid_sets;	/* activation sets (pipeline.h), 0 = 2 */
-	int hybrid_min_tokens;	/* smallest token cap that may run; 0 = 1 */
-	int64_t hybrid_group_tokens;	/* rows of a token group at most; 0 = the plan default,
-					 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t hybrid_piece_bytes;	/* bytes per weight copy; 0 = MLENS_PIPE_PIECE */
 	bool hybrid_prefill_cpu;	/* prefill attention on attn_backend too */
-	enum mlens_gemm_mode hybrid_gemm;	/* the GPU backend's GEMM mode (its scratch) */
 	bool hybrid_side_copy_out;	/* GA's copies to the host on queue 2 (pipeline.h) */
 	bool hybrid_up_copy_in;		/* ... and C's output up on queue 3 (pipeline.h) */
-	bool hybrid_att_up_half;	/* C's output up in the weights' dtype (pipeline.h) */
 	bool hybrid_gpu_kv_append;	/* the GPU side appends K/V to the pool (pipeline.h) */
-	uint64_t hybrid_workspace;	/* the GPU backend's own bytes; 0 = MLENS_GPUPLAN_WORKSPACE */
 };
 
 enum {
@@ -94,6 +94,12 @@ int mlens_engine_reqs_check(const struct mlens_model_config *c, const struct mle
 /* KV blocks the step would need beyond what its sequences hold. */
 uint32_t mlens_engine_step_blocks(struct mlens_engine *e, const struct mlens_engine_req *reqs,
 				  int n);
+
+/* Call probe around every op of the next steps (the layers', the
+ * embedding, lm_head and sampling), NULL to stop; the probe stays the
+ * caller's. A probe that waits for the backend in its end times each op
+ * (mlens-bench ops). Engines in hybrid mode do not call it. */
+void mlens_engine_set_probe(struct mlens_engine *e, const struct mlens_layer_probe *probe);
 
 /* Run one step. Errors (nothing changed): -EINVAL bad request (token id out
  * of range, empty), -E2BIG more tokens than max_step_tokens, -EOVERFLOW past

@@ -22,6 +22,9 @@ void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_
 	d->norm_eps = (float)c->rms_norm_eps;
 	d->rope_theta = (float)c->rope_theta;
 	d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
+	d->norm_kind = c->norm_kind;
+	d->clip_qkv = (float)c->clip_qkv;
+	d->w2_transposed = c->w2_transposed;
 }
 
 /* ==== weights ==== */
@@ -85,7 +88,8 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	b->moe = (struct mlens_moe_weights){ .n_experts = d->n_experts, .hidden = d->hidden,
 		.inter = d->inter, .dtype = d->expert_dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3,
 		.scale = d->expert_scale, .s1 = b->s1, .s2 = b->s2, .s3 = b->s3,
-		.model_dtype = d->dtype };
+		.model_dtype = d->dtype,
+		.w2_transposed = d->w2_transposed };
 	return rc;
 }
 
@@ -158,6 +162,32 @@ void mlens_ends_unbind(struct mlens_ends_bound *b, const struct mlens_model *m,
 			return rc;                                                      \
 	} while (0)
 
+/* out = the layer's norm (desc's norm_kind) of n rows of x with weight w. */
+static int layer_norm_op(const struct mlens_layer_run *r, float *out, const float *x,
+			 const void *w, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+
+	if (d->norm_kind == MLENS_NORM_RMS)
+		return OPS->rmsnorm(CTX, out, x, w, d->dtype, n, d->hidden, d->norm_eps);
+	if (!MLENS_BACKEND_HAS(OPS, layernorm))
+		return -ENOTSUP;
+	return OPS->layernorm(CTX, out, x, w, d->dtype, n, d->hidden, d->norm_eps);
+}
+
+/* clip_qkv: q, k and v of n rows clamped to [-clip, clip]. */
+static int clip_qkv(const struct mlens_layer_run *r, float *const qkv[3], const int m[3], int n)
+{
+	if (!MLENS_BACKEND_HAS(OPS, clamp))
+		return -ENOTSUP;
+	for (int i = 0; i < 3; i++) {
+		int rc = OPS->clamp(CTX, qkv[i], n, m[i], r->d->clip_qkv);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
 int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			 const float *xn, float *q, float *k, float *v, const int32_t *pos, int n)
 {
@@ -170,6 +200,8 @@ int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_lay
 
 	OP(MLENS_LAYER_OP_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, xn, wqkv, d->dtype, n,
 							d->hidden, mqkv, 3));
+	if (d->clip_qkv > 0)
+		OP(MLENS_LAYER_OP_QKV, clip_qkv(r, qkv, mqkv, n));
 	OP(MLENS_LAYER_OP_ROPE, OPS->rope(CTX, q, pos, n, d->n_heads, d->head_dim, d->rope_theta));
 	OP(MLENS_LAYER_OP_ROPE, OPS->rope(CTX, k, pos, n, d->n_kv_heads, d->head_dim,
 					  d->rope_theta));
@@ -179,11 +211,9 @@ int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_lay
 int mlens_layer_attn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			  const float *x, float *xn, int n)
 {
-	const struct mlens_layer_desc *d = r->d;
 	int rc;
 
-	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->attn_norm, d->dtype, n, d->hidden,
-					     d->norm_eps));
+	OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, x, b->attn_norm, n));
 	return 0;
 }
 
@@ -268,8 +298,7 @@ int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_
 	const struct mlens_layer_desc *d = r->d;
 	int rc;
 
-	OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, x, b->ffn_norm, d->dtype, n, d->hidden,
-					     d->norm_eps));
+	OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, x, b->ffn_norm, n));
 	OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden,
 					    d->n_experts, false));
 	OP(MLENS_LAYER_OP_ROUTER, OPS->router(CTX, rid, rw, rlog, n, d->n_experts, d->top_k));
@@ -335,8 +364,7 @@ int mlens_ends_logits(const struct mlens_layer_run *r, const struct mlens_ends_b
 		 * then normed in one call rather than one call a row */
 		OP(MLENS_LAYER_OP_NORM, OPS->embed(CTX, xn, x, MLENS_DTYPE_F32, d->hidden, lrow + i0,
 						   cnt));
-		OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, xn, xn, e->final_norm, d->dtype, cnt,
-						     d->hidden, d->norm_eps));
+		OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, xn, e->final_norm, cnt));
 		OP(MLENS_LAYER_OP_LM_HEAD, OPS->gemm(CTX, logits, xn, e->lm_head, d->dtype, cnt,
 						     d->hidden, vocab, false));
 		OP(MLENS_LAYER_OP_SAMPLE, OPS->sample(CTX, sampled + i0, logp + i0, logits, cnt, vocab,

@@ -34,6 +34,11 @@ struct mlens_layer_desc {
 	float norm_eps;
 	float rope_theta;
 	float attn_scale;	/* 1 / sqrt(head_dim) */
+	/* A family's differences (zero for Mixtral): */
+	enum mlens_norm_kind norm_kind;	/* RMSNorm or LayerNorm, every norm */
+	float clip_qkv;		/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
+				 * after their projection, before RoPE (DBRX) */
+	bool w2_transposed;	/* experts' w2 stored [inter][hidden] (DBRX) */
 };
 
 void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_config *c);
@@ -131,6 +136,7 @@ enum mlens_layer_op {
 	MLENS_LAYER_OP_MOE,
 	MLENS_LAYER_OP_LM_HEAD,	/* of mlens_ends_logits */
 	MLENS_LAYER_OP_SAMPLE,
+	MLENS_LAYER_OP_EMBED,	/* the engine's token embedding */
 	MLENS_LAYER_OP_N
 };
 

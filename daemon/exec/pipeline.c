@@ -85,8 +85,7 @@ struct pl_region {
 struct mlens_pipeline {
 	const struct mlens_model *m;
 	struct mlens_model_config cfg;
-	struct mlens_perf_model pm;
-	struct mlens_gpuplan plan;
+	struct mlens_gpu_plan plan;
 	struct mlens_backend *g, *c;	/* GPU side, CPU side */
 	bool async;
 	/* GA's copies to the host on the backend's queue 2, after an event on
@@ -102,7 +101,7 @@ struct mlens_pipeline {
 	/* ... on queue 2 after GA's kernels (with side and the backend's
 	 * kv_append_side), so that the stores overlap queue 0's next kernels */
 	bool side_append;
-	/* C's output goes up in the weights' dtype (opts att_up_half, where
+	/* C's output goes up in the weights' dtype (the plan's att_half, where
 	 * both backends round and the GPU's GEMM takes such rows) */
 	bool half_att;
 	void *kv_reg[2];	/* the pool's K and V as registered with g, or NULL */
@@ -599,10 +598,20 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 			  const struct mlens_pipeline_opts *o, char *err, size_t errlen)
 {
 	struct mlens_pipeline *p;
-	struct mlens_gpuplan_in in;
 	size_t T, H;
 	int rc = 0;
 
+	if (!o->plan || o->plan->gpu_only || !o->plan->fits) {
+		mlens_errf(err, errlen, "hybrid pipeline: no hybrid GPU memory plan given (make one with "
+		       "mlens_gpu_plan_make)");
+		return -EINVAL;
+	}
+	if (o->plan->att_half && !mlens_pipeline_half_att(gpu, cpu, &m->cfg)) {
+		mlens_errf(err, errlen, "hybrid pipeline: the GPU memory plan sends the attention output up "
+		       "in the weights' dtype, which the '%s' backend's O projection does not round to",
+		       gpu->ops->name);
+		return -EINVAL;
+	}
 	if (!cpu->ops->host_memory) {
 		mlens_errf(err, errlen, "hybrid pipeline: the attention backend '%s' must use host "
 		       "memory (the cpu backend)", cpu->ops->name);
@@ -624,10 +633,11 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->up = p->side && o->up_copy_in && MLENS_BACKEND_HAS(gpu->ops, up_queue);
 	p->host_pinned = p->async;
 	p->groups = o->groups > 0 ? o->groups : 2;
-	p->sets = o->sets > 0 ? o->sets : MLENS_PIPE_SETS;
+	p->plan = *o->plan;
+	p->sets = p->plan.sets;
 	p->qdim = (int)(p->cfg.num_attention_heads * p->cfg.head_dim);
 	p->kvdim = (int)(p->cfg.num_key_value_heads * p->cfg.head_dim);
-	p->half_att = o->att_up_half && mlens_pipeline_half_att(gpu, cpu, &p->cfg);
+	p->half_att = p->plan.att_half;
 	if (p->groups > MLENS_PIPE_MAX_GROUPS) {
 		mlens_errf(err, errlen, "hybrid pipeline: %d token groups asked for, at most %d",
 		       p->groups, MLENS_PIPE_MAX_GROUPS);
@@ -644,28 +654,10 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	rc = kv_init(p, o, err, errlen);
 	if (rc)
 		goto fail;
-	rc = mlens_perf_model_from_config(&p->pm, &p->cfg, p->kv.cache.dtype);
-	if (rc) {
-		mlens_errf(err, errlen, "hybrid pipeline: the model's dimensions are out of range");
-		goto fail;
-	}
-	memset(&in, 0, sizeof(in));
-	in.budget = o->gpu_budget;
-	in.max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
-	in.min_tokens = o->min_step_tokens > 0 ? o->min_step_tokens : 1;
-	in.workspace = o->workspace;
-	in.chunk = o->chunk;
-	in.group = o->group_tokens;
-	in.gemm = o->gemm;
-	in.sets = p->sets;
-	in.att_half = p->half_att;
-	rc = mlens_gpuplan_make(&p->pm, &in, &p->plan, err, errlen);
-	if (rc)
-		goto fail;
 	p->max_tokens = (int)p->plan.tokens;
 	p->group_rows = (int)p->plan.group;
 	p->chunk = p->plan.chunk;
-	p->tail_rows = mlens_gpuplan_tail_rows(p->chunk);
+	p->tail_rows = mlens_gpu_plan_tail_rows(p->chunk);
 	/* the op scratch at the plan's size, held from here on: no step waits
 	 * for it to grow, and an op that would need more fails */
 	if (MLENS_BACKEND_HAS(gpu->ops, scratch_reserve) &&
@@ -815,7 +807,7 @@ struct mlens_kv_pool *mlens_pipeline_kv(struct mlens_pipeline *p)
 	return &p->kv;
 }
 
-const struct mlens_gpuplan *mlens_pipeline_plan(const struct mlens_pipeline *p)
+const struct mlens_gpu_plan *mlens_pipeline_plan(const struct mlens_pipeline *p)
 {
 	return &p->plan;
 }

@@ -8,7 +8,7 @@
  * GPU: embeddings, lm_head, norms, routers, attention and the plan's
  * resident experts; the other experts stream through two slots in pieces,
  * in the order of the step program (daemon/exec/pipeprog.h). The GPU memory
- * split is daemon/plan/gpuplan.h's; the executor never holds more than the
+ * split is the plan it is given (daemon/plan/gpu_plan.h); the executor never holds more than the
  * budget and fails loudly if the backend's count says otherwise.
  *
  * With a GPU backend that has queues and events (the optional ops of
@@ -23,25 +23,19 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include "daemon/exec/engine.h"
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 
 struct mlens_pipeline;
 
 struct mlens_pipeline_opts {
-	uint64_t gpu_budget;	/* bytes on the GPU backend; 0 = refuse */
-	int max_step_tokens;	/* token cap wanted; 0 = 4096 (the plan may lower it) */
-	int min_step_tokens;	/* smallest cap that may run; 0 = 1 */
+	/* The GPU memory plan (daemon/plan/gpu_plan.h, the hybrid one: not
+	 * gpu_only), made by the caller with mlens_gpu_plan_make: the budget,
+	 * the resident experts, the token cap, the group and MoE chunk, the
+	 * activation sets and the op scratch. The pipeline keeps a copy;
+	 * NULL is refused. */
+	const struct mlens_gpu_plan *plan;
 	int groups;		/* token groups at least (when there are requests enough), 1 or 2; 0 = 2 */
-	/* activation sets, 2 or 3 (daemon/exec/pipeprog.h: with 3, GA runs two
-	 * groups ahead of GB where a layer has three or more); 0 = 2 */
-	int sets;
-	int64_t group_tokens;	/* rows of a group at most; 0 = MLENS_GPUPLAN_GROUP,
-				 * MLENS_GPUPLAN_GROUP_AUTO = the plan chooses */
 	uint64_t piece_bytes;	/* weight pieces; 0 = MLENS_PIPE_PIECE */
-	int64_t chunk;		/* tokens per MoE call (lm_head: at most
-				 * MLENS_GPUPLAN_TAIL_ROWS); 0 = MLENS_GPUPLAN_CHUNK */
-	uint64_t workspace;	/* 0 = MLENS_GPUPLAN_WORKSPACE */
-	enum mlens_gemm_mode gemm;	/* the GPU backend's GEMM mode: the scratch it needs */
 	/* GA's K/V/q copies to the host on the backend's second copy queue
 	 * (ops side_queue) rather than between the compute queue's kernels,
 	 * so that the next kernels need not wait for them; ignored without
@@ -52,12 +46,6 @@ struct mlens_pipeline_opts {
 	 * than on the compute queue behind the kernels issued before it;
 	 * ignored without such a queue */
 	bool up_copy_in;
-	/* The CPU attention's output goes up in the weights' dtype (bf16/f16,
-	 * half the bytes of fp32) where the GPU backend's GEMM rounds the O
-	 * projection's input to that dtype anyway (ops round and
-	 * gemm_half_in; fast GEMMs): the same product for half the upload;
-	 * ignored elsewhere */
-	bool att_up_half;
 	/* Prefill attention on the CPU backend too (it is on the GPU unless
 	 * this is set or the GPU backend refuses the model's head_dim). */
 	bool prefill_cpu;
@@ -104,16 +92,19 @@ struct mlens_pipeline_stats {
 	bool async;		/* queues and events in use */
 	bool side_copy_out;	/* GA's copies to the host on queue 2 */
 	bool up_copy_in;	/* C's output up on queue 3 */
-	bool att_up_half;	/* ... in the weights' dtype (opts att_up_half) */
+	bool att_up_half;	/* ... in the weights' dtype (the plan's att_half) */
 	int sets;		/* activation sets (opts sets) */
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
 	bool kv_append_side;	/* ... on queue 2, beside the compute queue */
 };
 
-/* Whether a pipeline of these backends and model sends the CPU attention's
- * output up in the weights' dtype when asked (opts att_up_half): the GPU
- * backend's O projection rounds its input to that dtype, and both round. */
+/* Whether a pipeline of these backends and model may send the CPU
+ * attention's output up in the weights' dtype (bf16/f16, half the bytes of
+ * fp32): the GPU backend's O projection rounds its input to that dtype
+ * anyway (ops round and gemm_half_in; fast GEMMs), and both round: the
+ * same product for half the upload. The plan's att_half (gpu_plan.h) may
+ * be set only where this holds. */
 bool mlens_pipeline_half_att(const struct mlens_backend *gpu, const struct mlens_backend *cpu,
 			     const struct mlens_model_config *c);
 
@@ -123,7 +114,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 void mlens_pipeline_destroy(struct mlens_pipeline *p);
 
 struct mlens_kv_pool *mlens_pipeline_kv(struct mlens_pipeline *p);
-const struct mlens_gpuplan *mlens_pipeline_plan(const struct mlens_pipeline *p);
+const struct mlens_gpu_plan *mlens_pipeline_plan(const struct mlens_pipeline *p);
 int mlens_pipeline_max_step_tokens(const struct mlens_pipeline *p);
 const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipeline *p);
 /* Bytes the pipeline holds on the GPU backend (its own allocations, plus

@@ -87,14 +87,8 @@ out:
 
 /* ==== config.json ==== */
 
-struct cfg_ctx {
-	const char *path;
-	char *err;
-	size_t errlen;
-};
-
 /* An integer field; absent or null takes def unless required. */
-static int get_int(const struct cfg_ctx *c, json_t *root, const char *key, bool required,
+static int get_int(const struct mlens_cfg_ctx *c, json_t *root, const char *key, bool required,
 		   int64_t def, int64_t lo, int64_t hi, int64_t *out)
 {
 	json_t *v = json_object_get(root, key);
@@ -120,7 +114,7 @@ static int get_int(const struct cfg_ctx *c, json_t *root, const char *key, bool 
 	return 0;
 }
 
-static int get_real(const struct cfg_ctx *c, json_t *obj, const char *key, double def,
+static int get_real(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, double def,
 		    double lo, double hi, double *out)
 {
 	json_t *v = json_object_get(obj, key);
@@ -142,31 +136,49 @@ static int get_real(const struct cfg_ctx *c, json_t *obj, const char *key, doubl
 	return 0;
 }
 
-static int check_arch(const struct cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
+int mlens_cfg_int(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, bool required,
+		  int64_t def, int64_t lo, int64_t hi, int64_t *out)
+{
+	return get_int(c, obj, key, required, def, lo, hi, out);
+}
+
+int mlens_cfg_real(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, double def,
+		   double lo, double hi, double *out)
+{
+	return get_real(c, obj, key, def, lo, hi, out);
+}
+
+/* The architectures mlens serves, the first a config names wins. */
+static const char *const known_archs[] = { "MixtralForCausalLM", "DbrxForCausalLM" };
+
+static int check_arch(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
 {
 	json_t *a = json_object_get(root, "architectures"), *e;
 	size_t i;
 	char *found;
 
 	if (!json_is_array(a)) {
-		mlens_errf(c->err, c->errlen, "%s: no 'architectures' list; mlens serves MixtralForCausalLM models",
+		mlens_errf(c->err, c->errlen, "%s: no 'architectures' list; mlens serves MixtralForCausalLM and DbrxForCausalLM models",
 		     c->path);
 		return -EINVAL;
 	}
 	json_array_foreach(a, i, e) {
-		if (json_is_string(e) && !strcmp(json_string_value(e), "MixtralForCausalLM")) {
-			snprintf(cfg->architecture, sizeof(cfg->architecture), "%s", json_string_value(e));
-			return 0;
+		for (size_t k = 0; json_is_string(e) && k < sizeof(known_archs) / sizeof(known_archs[0]); k++) {
+			if (!strcmp(json_string_value(e), known_archs[k])) {
+				snprintf(cfg->architecture, sizeof(cfg->architecture), "%s", known_archs[k]);
+				return 0;
+			}
 		}
 	}
 	found = json_dumps(a, JSON_COMPACT);
-	mlens_errf(c->err, c->errlen, "%s: architectures is %.200s; mlens serves only MixtralForCausalLM",
+	mlens_errf(c->err, c->errlen, "%s: architectures is %.200s; mlens serves only MixtralForCausalLM and DbrxForCausalLM",
 	     c->path, found ? found : "(unprintable)");
 	free(found);
 	return -ENOTSUP;
 }
 
-static int parse_rope(const struct cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
+static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
+		      struct mlens_model_config *cfg)
 {
 	json_t *rp = json_object_get(root, "rope_parameters");
 	json_t *rs = json_object_get(root, "rope_scaling");
@@ -183,7 +195,7 @@ static int parse_rope(const struct cfg_ctx *c, json_t *root, struct mlens_model_
 			return -ENOTSUP;
 		}
 	}
-	rc = get_real(c, root, "rope_theta", 1e6, 0.0, 1e30, &cfg->rope_theta);
+	rc = get_real(c, root, "rope_theta", def, 0.0, 1e30, &cfg->rope_theta);
 	if (rc)
 		return rc;
 	if (rp && !json_is_null(rp)) {
@@ -208,7 +220,7 @@ static int parse_rope(const struct cfg_ctx *c, json_t *root, struct mlens_model_
 	return 0;
 }
 
-static int parse_dtype(const struct cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
+static int parse_dtype(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
 {
 	const char *key = "dtype";
 	json_t *v = json_object_get(root, key);
@@ -240,7 +252,7 @@ static int parse_dtype(const struct cfg_ctx *c, json_t *root, struct mlens_model
 
 /* eos_token_id: absent or null leaves cfg's ids alone; an id or a list of
  * ids (each inside the vocabulary) replaces them. */
-static int parse_eos(const struct cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
+static int parse_eos(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
 {
 	json_t *v = json_object_get(root, "eos_token_id"), *e;
 	int32_t ids[MLENS_MODEL_MAX_EOS];
@@ -273,6 +285,19 @@ static int parse_eos(const struct cfg_ctx *c, json_t *root, struct mlens_model_c
 	return 0;
 }
 
+int mlens_cfg_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
+		   struct mlens_model_config *cfg)
+{
+	return parse_rope(c, root, def, cfg);
+}
+
+int mlens_cfg_dtype_eos(const struct mlens_cfg_ctx *c, json_t *root,
+			struct mlens_model_config *cfg)
+{
+	int rc = parse_dtype(c, root, cfg);
+	return rc ? rc : parse_eos(c, root, cfg);
+}
+
 /* A config file's text as a JSON object, or NULL with the message. */
 static json_t *load_object(const char *json, size_t len, const char *path, char *err,
 			   size_t errlen)
@@ -296,7 +321,7 @@ static json_t *load_object(const char *json, size_t len, const char *path, char 
 int mlens_model_parse_generation_config(const char *json, size_t len, const char *path,
 					struct mlens_model_config *cfg, char *err, size_t errlen)
 {
-	struct cfg_ctx c = { path, err, errlen };
+	struct mlens_cfg_ctx c = { path, err, errlen };
 	json_t *root = load_object(json, len, path, err, errlen);
 	int rc;
 
@@ -310,7 +335,7 @@ int mlens_model_parse_generation_config(const char *json, size_t len, const char
 int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			     struct mlens_model_config *cfg, char *err, size_t errlen)
 {
-	struct cfg_ctx c = { path, err, errlen };
+	struct mlens_cfg_ctx c = { path, err, errlen };
 	json_t *root, *v;
 	int64_t sw;
 	int rc;
@@ -322,6 +347,10 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	rc = check_arch(&c, root, cfg);
 	if (rc)
 		goto out;
+	if (!strcmp(cfg->architecture, "DbrxForCausalLM")) {
+		rc = mlens_family_dbrx_parse_config(&c, root, cfg);
+		goto out;
+	}
 	v = json_object_get(root, "hidden_act");
 	if (v && !(json_is_string(v) && !strcmp(json_string_value(v), "silu"))) {
 		mlens_errf(err, errlen, "%s: hidden_act must be \"silu\" for Mixtral", path);
@@ -368,7 +397,7 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		rc = -EINVAL;
 		goto out;
 	}
-	if ((rc = parse_rope(&c, root, cfg)) ||
+	if ((rc = parse_rope(&c, root, 1e6, cfg)) ||
 	    (rc = get_real(&c, root, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)) ||
 	    (rc = parse_dtype(&c, root, cfg)) ||
 	    (rc = mlens_quant_parse_config(json_object_get(root, "quantization_config"), path, cfg,
@@ -634,18 +663,8 @@ static int check_index(struct mlens_model *m, struct shard_index *ix, const char
 
 /* ==== binding the Mixtral weights ==== */
 
-struct binder {
-	struct mlens_model *m;
-	bool *used;
-	char *err;
-	size_t errlen;
-	int rc;
-	int missing;
-	char first_missing[160];
-};
-
-static const struct mlens_tensor *need(struct binder *b, const char *name, int ndim,
-				       int64_t d0, int64_t d1, int64_t d2)
+const struct mlens_tensor *mlens_binder_need(struct mlens_binder *b, const char *name, int ndim,
+					     int64_t d0, int64_t d1, int64_t d2)
 {
 	const int64_t want[3] = { d0, d1, d2 };
 	const struct mlens_tensor *t;
@@ -685,7 +704,8 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	const int64_t Q = c->num_attention_heads * c->head_dim;
 	const int64_t KV = c->num_key_value_heads * c->head_dim;
 	const size_t es = mlens_dtype_size(c->dtype);
-	struct binder b = { .m = m, .err = err, .errlen = errlen };
+	struct mlens_binder b = { .m = m, .err = err, .errlen = errlen };
+	const bool dbrx = !strcmp(c->architecture, "DbrxForCausalLM");
 	char n[160];
 	int rc;
 
@@ -697,8 +717,12 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 		rc = -ENOMEM;
 		goto out;
 	}
-	m->embed = need(&b, "model.embed_tokens.weight", 2, V, H, 0);
-	m->final_norm = need(&b, "model.norm.weight", 1, H, 0, 0);
+	if (dbrx) {
+		mlens_family_dbrx_bind(&b);
+		goto check;
+	}
+	m->embed = mlens_binder_need(&b, "model.embed_tokens.weight", 2, V, H, 0);
+	m->final_norm = mlens_binder_need(&b, "model.norm.weight", 1, H, 0, 0);
 	if (c->tie_word_embeddings) {
 		const struct mlens_tensor *lm = mlens_model_tensor(m, "lm_head.weight");
 		/* transformers drops a tied head when saving; tolerate one that
@@ -707,7 +731,7 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 			b.used[lm - m->tensors] = true;
 		m->lm_head = m->embed;
 	} else {
-		m->lm_head = need(&b, "lm_head.weight", 2, V, H, 0);
+		m->lm_head = mlens_binder_need(&b, "lm_head.weight", 2, V, H, 0);
 	}
 	for (int64_t i = 0; i < L && !b.rc; i++) {
 		struct mlens_layer_weights *l = &m->layers[i];
@@ -717,17 +741,17 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 		l->w2 = l->w1 + E;
 		l->w3 = l->w2 + E;
 #define T(fmt, ...) (snprintf(n, sizeof(n), "model.layers.%" PRId64 "." fmt, i, ##__VA_ARGS__), n)
-		l->attn_norm = need(&b, T("input_layernorm.weight"), 1, H, 0, 0);
-		l->wq = need(&b, T("self_attn.q_proj.weight"), 2, Q, H, 0);
-		l->wk = need(&b, T("self_attn.k_proj.weight"), 2, KV, H, 0);
-		l->wv = need(&b, T("self_attn.v_proj.weight"), 2, KV, H, 0);
-		l->wo = need(&b, T("self_attn.o_proj.weight"), 2, H, Q, 0);
-		l->ffn_norm = need(&b, T("post_attention_layernorm.weight"), 1, H, 0, 0);
+		l->attn_norm = mlens_binder_need(&b, T("input_layernorm.weight"), 1, H, 0, 0);
+		l->wq = mlens_binder_need(&b, T("self_attn.q_proj.weight"), 2, Q, H, 0);
+		l->wk = mlens_binder_need(&b, T("self_attn.k_proj.weight"), 2, KV, H, 0);
+		l->wv = mlens_binder_need(&b, T("self_attn.v_proj.weight"), 2, KV, H, 0);
+		l->wo = mlens_binder_need(&b, T("self_attn.o_proj.weight"), 2, H, Q, 0);
+		l->ffn_norm = mlens_binder_need(&b, T("post_attention_layernorm.weight"), 1, H, 0, 0);
 		if (mlens_model_tensor(m, T("mlp.experts.gate_up_proj"))) {
 			/* transformers 5 fused layout: gate rows then up rows. */
-			l->router = need(&b, T("mlp.gate.weight"), 2, E, H, 0);
-			gu = need(&b, T("mlp.experts.gate_up_proj"), 3, E, 2 * I, H);
-			dn = need(&b, T("mlp.experts.down_proj"), 3, E, H, I);
+			l->router = mlens_binder_need(&b, T("mlp.gate.weight"), 2, E, H, 0);
+			gu = mlens_binder_need(&b, T("mlp.experts.gate_up_proj"), 3, E, 2 * I, H);
+			dn = mlens_binder_need(&b, T("mlp.experts.down_proj"), 3, E, H, I);
 			for (int64_t j = 0; gu && dn && j < E; j++) {
 				const char *g = gu->data, *d = dn->data;
 				l->w1[j] = g + (size_t)(j * 2 * I * H) * es;
@@ -736,19 +760,20 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 			}
 			continue;
 		}
-		l->router = need(&b, T("block_sparse_moe.gate.weight"), 2, E, H, 0);
+		l->router = mlens_binder_need(&b, T("block_sparse_moe.gate.weight"), 2, E, H, 0);
 		for (int64_t j = 0; j < E; j++) {
 			const struct mlens_tensor *w1, *w2, *w3;
 
-			w1 = need(&b, T("block_sparse_moe.experts.%" PRId64 ".w1.weight", j), 2, I, H, 0);
-			w2 = need(&b, T("block_sparse_moe.experts.%" PRId64 ".w2.weight", j), 2, H, I, 0);
-			w3 = need(&b, T("block_sparse_moe.experts.%" PRId64 ".w3.weight", j), 2, I, H, 0);
+			w1 = mlens_binder_need(&b, T("block_sparse_moe.experts.%" PRId64 ".w1.weight", j), 2, I, H, 0);
+			w2 = mlens_binder_need(&b, T("block_sparse_moe.experts.%" PRId64 ".w2.weight", j), 2, H, I, 0);
+			w3 = mlens_binder_need(&b, T("block_sparse_moe.experts.%" PRId64 ".w3.weight", j), 2, I, H, 0);
 			l->w1[j] = w1 ? w1->data : NULL;
 			l->w2[j] = w2 ? w2->data : NULL;
 			l->w3[j] = w3 ? w3->data : NULL;
 		}
 #undef T
 	}
+check:
 	rc = b.rc;
 	if (rc)
 		goto out;
@@ -763,8 +788,9 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	}
 	for (int i = 0; i < m->n_tensors; i++) {
 		if (!b.used[i]) {
-			mlens_errf(err, errlen, "%s: tensor '%s' is not part of the Mixtral model config.json describes (%" PRId64 " layers, %" PRId64 " experts)",
-			     m->files[m->tensors[i].file].path, m->tensors[i].name, L, E);
+			mlens_errf(err, errlen, "%s: tensor '%s' is not part of the %s model config.json describes (%" PRId64 " layers, %" PRId64 " experts)",
+			     m->files[m->tensors[i].file].path, m->tensors[i].name,
+			     dbrx ? "DBRX" : "Mixtral", L, E);
 			rc = -EINVAL;
 			goto out;
 		}
@@ -795,6 +821,7 @@ void mlens_model_close(struct mlens_model *m)
 	mlens_quant_free(m);
 	free(m->layers);
 	free(m->expert_table);
+	free(m->views);
 	free(m->dir);
 	free(m);
 }

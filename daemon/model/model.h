@@ -15,8 +15,15 @@
 #define MLENS_MODEL_MAX_DIMS 4
 #define MLENS_MODEL_MAX_EOS 8	/* EOS token ids a model may name */
 
+/* The norm a family's layers use (before attention, before the experts,
+ * and the final one). */
+enum mlens_norm_kind {
+	MLENS_NORM_RMS = 0,	/* RMSNorm (Mixtral) */
+	MLENS_NORM_LAYER,	/* LayerNorm without bias (DBRX) */
+};
+
 struct mlens_model_config {
-	char architecture[64];	/* "MixtralForCausalLM" */
+	char architecture[64];	/* "MixtralForCausalLM", "DbrxForCausalLM" */
 	int64_t vocab_size;
 	int64_t hidden_size;
 	int64_t intermediate_size;
@@ -28,8 +35,14 @@ struct mlens_model_config {
 	int64_t num_experts_per_tok;
 	int64_t max_position_embeddings;
 	double rope_theta;
-	double rms_norm_eps;
+	double rms_norm_eps;	/* the norms' eps, whatever their kind */
 	bool tie_word_embeddings;
+	/* What a family other than Mixtral changes (zero for Mixtral). */
+	enum mlens_norm_kind norm_kind;
+	double clip_qkv;	/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
+				 * after their projection (DBRX); 0: no clip */
+	bool w2_transposed;	/* the experts' down projection is stored
+				 * [inter][hidden] (DBRX's w2) */
 	enum mlens_dtype dtype;	/* dtype of the weights (all tensors agree) */
 	bool dtype_given;	/* config.json named it (torch_dtype or dtype);
 				 * otherwise the loader takes the files' dtype */
@@ -58,13 +71,15 @@ struct mlens_tensor {
 
 struct mlens_layer_weights {
 	const struct mlens_tensor *attn_norm;	/* [H] */
+	/* wq, wk, wv: tensors of their own, or views of one fused tensor */
 	const struct mlens_tensor *wq;		/* [n_heads*hd][H] */
 	const struct mlens_tensor *wk;		/* [n_kv*hd][H] */
 	const struct mlens_tensor *wv;		/* [n_kv*hd][H] */
 	const struct mlens_tensor *wo;		/* [H][n_heads*hd] */
 	const struct mlens_tensor *ffn_norm;	/* [H] */
 	const struct mlens_tensor *router;	/* [E][H] */
-	/* Per expert, HF layout: w1 (gate) and w3 (up) [I][H], w2 (down) [H][I].
+	/* Per expert, HF layout: w1 (gate) and w3 (up) [I][H], w2 (down) [H][I]
+	 * ([I][H] when the config's w2_transposed is set).
 	 * Arrays of num_local_experts entries. Each points at one contiguous
 	 * matrix, whether the file stores experts separately or fused. */
 	const void **w1;
@@ -97,12 +112,18 @@ struct mlens_model {
 	size_t weight_bytes;			/* sum of tensor bytes */
 	const void **expert_table;		/* owns every layer's w1/w2/w3 arrays */
 	struct mlens_quant *quant;		/* fp8 scales and dequantized tensors */
+	/* Row slices of fused tensors, bound like tensors (DBRX's Wqkv as wq,
+	 * wk, wv): data, file and offset point into the fused tensor's bytes,
+	 * the name is the fused tensor's (not owned). */
+	struct mlens_tensor *views;
+	int n_views;
 };
 
 /* Open and validate a model directory. On failure returns -errno and writes
  * one human-readable message into err (naming file, tensor and fault).
- * Experts may be stored per expert (block_sparse_moe.experts.J.w1/w2/w3)
- * or fused as transformers 5 does (mlp.experts.gate_up_proj, down_proj).
+ * Mixtral's experts may be stored per expert (block_sparse_moe.experts.J.
+ * w1/w2/w3) or fused as transformers 5 does (mlp.experts.gate_up_proj,
+ * down_proj); DBRX's are fused over experts (ffn.experts.mlp.w1/v1/w2).
  * Only headers are read: tensor data is first touched by whoever uses it. */
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen);
 void mlens_model_close(struct mlens_model *m);

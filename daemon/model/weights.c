@@ -250,6 +250,10 @@ int mlens_weights_load(struct mlens_model *m, const struct mlens_weights_opts *o
 	for (int i = 0; i < m->n_tensors; i++)
 		m->tensors[i].data = (const char *)w->mem.p + w->file_off[m->tensors[i].file] +
 				     m->tensors[i].offset;
+	for (int i = 0; i < m->n_views; i++)
+		if (m->views[i].data)
+			m->views[i].data = (const char *)w->mem.p + w->file_off[m->views[i].file] +
+					   m->views[i].offset;
 	for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
 		for (int64_t e = 0; e < m->cfg.num_local_experts; e++) {
 			m->layers[l].w1[e] = rebase(m, w, m->layers[l].w1[e]);

@@ -142,12 +142,28 @@ static json_t *cmd_status(struct mlens_control *c)
 			json_array_append_new(ids, json_integer(in->eos[i]));
 		json_object_set_new(json_object_get(o, "model"), "eos_token_ids", ids);
 	}
-	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:I}}",
+	/* gpu_memory: the plan's effective budget (gpu_memory = 0 resolved to
+	 * the free memory less the margin); null where no GPU plan exists */
+	json_object_set_new(o, "budgets", json_pack("{s:{s:I,s:I,s:I,s:I,s:I},s:{s:I},s:{s:o}}",
 		"kv_cache", "bytes", (json_int_t)in->kv_bytes, "blocks_total", (json_int_t)s.kv_blocks_total,
 		"blocks_used", (json_int_t)s.kv_blocks_used, "block_tokens", (json_int_t)in->kv_block_size,
 		"budget_bytes", (json_int_t)in->cfg->kv_cache,
 		"weight_pages", "bytes", (json_int_t)in->weight_bytes,
-		"gpu_memory", "budget_bytes", (json_int_t)in->cfg->gpu_memory));
+		"gpu_memory", "budget_bytes",
+		in->has_gpu_budget ? json_integer((json_int_t)in->gpu_budget) : json_null()));
+	json_object_set_new(json_object_get(o, "budgets"), "host_memory", json_pack("{s:I,s:I}",
+		"budget_bytes", (json_int_t)in->cfg->host_memory, "staging_bytes", (json_int_t)in->staging_bytes));
+	if (s.sched.kv_swap)
+		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+			"budget_bytes", (json_int_t)in->cfg->kv_swap, "path", in->cfg->kv_swap_path,
+			"slots_total", (json_int_t)s.sched.swap.slots_total,
+			"slots_used", (json_int_t)s.sched.swap.slots_used,
+			"bytes_out_total", (json_int_t)s.sched.swap.bytes_out,
+			"bytes_in_total", (json_int_t)s.sched.swap.bytes_in,
+			"swaps_total", (json_int_t)s.sched.swap.swaps,
+			"recomputes_total", (json_int_t)s.sched.swap.recomputes,
+			"full_total", (json_int_t)s.sched.swap.full,
+			"errors_total", (json_int_t)s.sched.swap.errors));
 	if (s.sched.hybrid)
 		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
 			"last_step_seconds", s.sched.last_step_seconds,

@@ -62,6 +62,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 	json_object_set_new(o, "requests_done_total", json_integer((json_int_t)st->requests_done));
 	json_object_set_new(o, "requests_failed_total", json_integer((json_int_t)st->requests_failed));
 	json_object_set_new(o, "preemptions_total", json_integer((json_int_t)st->preemptions));
+	json_object_set_new(o, "repreemptions_total", json_integer((json_int_t)st->repreemptions));
 	json_object_set_new(o, "prompt_tokens_total", json_integer((json_int_t)st->prompt_tokens));
 	json_object_set_new(o, "generation_tokens_total", json_integer((json_int_t)st->generated_tokens));
 	json_object_set_new(o, "kv_blocks_used", json_integer(snap->kv_blocks_used));
@@ -88,6 +89,19 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_read_bytes_total", json_integer((json_int_t)st->kv_read_bytes));
 		json_object_set_new(o, "kv_read_blocks_total", json_integer((json_int_t)st->kv_read_blocks));
 		json_object_set_new(o, "kv_read_block_runs_total", json_integer((json_int_t)st->kv_read_runs));
+	}
+	if (st->kv_swap) {
+		const struct mlens_kv_swap_stats *w = &st->swap;
+		json_object_set_new(o, "kv_swap_bytes_out_total", json_integer((json_int_t)w->bytes_out));
+		json_object_set_new(o, "kv_swap_bytes_in_total", json_integer((json_int_t)w->bytes_in));
+		json_object_set_new(o, "kv_swaps_total", json_integer((json_int_t)w->swaps));
+		json_object_set_new(o, "kv_swap_ins_total", json_integer((json_int_t)w->swap_ins));
+		json_object_set_new(o, "kv_swap_recomputes_total", json_integer((json_int_t)w->recomputes));
+		json_object_set_new(o, "kv_swap_full_total", json_integer((json_int_t)w->full));
+		json_object_set_new(o, "kv_swap_errors_total", json_integer((json_int_t)w->errors));
+		json_object_set_new(o, "kv_swap_io_seconds_total", json_real(w->io_seconds));
+		json_object_set_new(o, "kv_swap_slots_used", json_integer(w->slots_used));
+		json_object_set_new(o, "kv_swap_slots_total", json_integer(w->slots_total));
 	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
 	if (info->profile && info->profile->have) {
@@ -209,6 +223,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	evbuffer_add_printf(b, "mlens_requests_finished_total{outcome=\"failed\"} %llu\n", (unsigned long long)st->requests_failed);
 	prom_head(b, "mlens_preemptions_total", "counter", "Sequences evicted from the running batch to free KV blocks.");
 	evbuffer_add_printf(b, "mlens_preemptions_total %llu\n", (unsigned long long)st->preemptions);
+	prom_head(b, "mlens_repreemptions_total", "counter",
+		  "Of the preemptions, those of a sequence a few steps after it came back from one.");
+	evbuffer_add_printf(b, "mlens_repreemptions_total %llu\n", (unsigned long long)st->repreemptions);
 	prom_head(b, "mlens_prompt_tokens_total", "counter", "Prefill tokens computed (re-prefills after preemption included).");
 	evbuffer_add_printf(b, "mlens_prompt_tokens_total %llu\n", (unsigned long long)st->prompt_tokens);
 	PROM_TENANT(b, snap, "mlens_tenant_prompt_tokens_total", "counter", "Prefill tokens computed for a tenant.", prompt_tokens);
@@ -228,6 +245,30 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");
 	evbuffer_add_printf(b, "mlens_step_seconds_sum %.9g\nmlens_step_seconds_count %llu\n", st->step_seconds_sum,
 			    (unsigned long long)st->steps);
+	if (st->kv_swap) {
+		const struct mlens_kv_swap_stats *w = &st->swap;
+		prom_head(b, "mlens_kv_swap_bytes_total", "counter",
+			  "Bytes of preempted sequences' KV written to (out) and read back from (in) the KV swap file.");
+		evbuffer_add_printf(b, "mlens_kv_swap_bytes_total{dir=\"out\"} %llu\nmlens_kv_swap_bytes_total{dir=\"in\"} %llu\n",
+				    (unsigned long long)w->bytes_out, (unsigned long long)w->bytes_in);
+		prom_head(b, "mlens_kv_swap_preemptions_total", "counter",
+			  "Preempted sequences by what kept their KV: the swap file (swap) or a re-prefill (recompute).");
+		evbuffer_add_printf(b, "mlens_kv_swap_preemptions_total{how=\"swap\"} %llu\n"
+				    "mlens_kv_swap_preemptions_total{how=\"recompute\"} %llu\n",
+				    (unsigned long long)w->swaps, (unsigned long long)w->recomputes);
+		prom_head(b, "mlens_kv_swap_fallbacks_total", "counter",
+			  "Re-prefills the swap was chosen for but could not serve: no room in the file or on the disk (full), an I/O error (error).");
+		evbuffer_add_printf(b, "mlens_kv_swap_fallbacks_total{why=\"full\"} %llu\n"
+				    "mlens_kv_swap_fallbacks_total{why=\"error\"} %llu\n",
+				    (unsigned long long)w->full, (unsigned long long)w->errors);
+		prom_head(b, "mlens_kv_swap_io_seconds_total", "counter",
+			  "Time the scheduler's thread waited for KV swap writes and reads (between steps).");
+		evbuffer_add_printf(b, "mlens_kv_swap_io_seconds_total %.9g\n", w->io_seconds);
+		prom_head(b, "mlens_kv_swap_slots_used", "gauge", "Slots of the KV swap file (one KV block each) holding a preempted sequence's KV.");
+		evbuffer_add_printf(b, "mlens_kv_swap_slots_used %u\n", w->slots_used);
+		prom_head(b, "mlens_kv_swap_slots_total", "gauge", "Slots of the KV swap file.");
+		evbuffer_add_printf(b, "mlens_kv_swap_slots_total %u\n", w->slots_total);
+	}
 	if (st->hybrid) {
 		prom_head(b, "mlens_pcie_bytes_total", "counter",
 			  "Bytes the hybrid pipeline copied over PCIe (h2d: streamed experts and attention outputs).");

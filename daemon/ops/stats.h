@@ -26,7 +26,13 @@ struct mlens_daemon_info {
 	int n_eos;
 	uint64_t weight_bytes;		/* pinned weight pages */
 	uint64_t kv_bytes;		/* pinned KV pool (K and V) */
+	uint64_t staging_bytes;		/* a step's host activations (host_plan.h) */
 	int kv_block_size;
+	/* the GPU budget the daemon plans with (the GPU memory plan's
+	 * effective one: gpu_memory, or the free memory less the margin when
+	 * it is 0); has_gpu_budget false: a host-memory backend, no GPU plan */
+	uint64_t gpu_budget;
+	bool has_gpu_budget;
 	double started;			/* mlens_now() at start-up */
 	const char *mode;		/* "gpu-only", "hybrid", or NULL: the backend's name says it */
 	const char *mode_reason;	/* why, with the numbers (NULL: derived from the backend) */

@@ -10,6 +10,7 @@
 #include <string.h>
 #include "daemon/errf.h"
 #include "daemon/model/quant.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/plan/shard.h"
 
@@ -30,12 +31,6 @@ static bool mul3(uint64_t a, uint64_t b, uint64_t c, uint64_t *out)
 {
 	uint64_t t;
 	return mul_ok(a, b, &t) && mul_ok(t, c, out);
-}
-
-static uint64_t sat_mul(uint64_t a, uint64_t b)
-{
-	uint64_t r;
-	return mul_ok(a, b, &r) ? r : UINT64_MAX;
 }
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
@@ -108,99 +103,9 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 	return 0;
 }
 
-static int clamp_r(const struct mlens_perf_model *pm, int r)
-{
-	return r < 0 ? 0 : r > pm->experts ? (int)pm->experts : r;
-}
-
-uint64_t mlens_perf_streamed_bytes(const struct mlens_perf_model *pm, int r)
-{
-	return (uint64_t)(pm->experts - clamp_r(pm, r)) * pm->expert_bytes;
-}
-
-uint64_t mlens_perf_resident_bytes(const struct mlens_perf_model *pm, int r)
-{
-	uint64_t layer = pm->attn_bytes + pm->norm_bytes + pm->router_bytes +
-			 (uint64_t)clamp_r(pm, r) * pm->expert_bytes;
-	return layer * (uint64_t)pm->layers + pm->embed_bytes + pm->lm_head_bytes +
-	       pm->final_norm_bytes;
-}
-
-uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r)
-{
-	return 2 * mlens_perf_streamed_bytes(pm, r);
-}
-
-uint64_t mlens_perf_fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws)
-{
-	return sat_add(sat_add(mlens_perf_resident_bytes(pm, r), mlens_perf_slot_bytes(pm, r)), ws);
-}
-
-int mlens_perf_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes)
-{
-	/* r = 0 for any model of more than two layers; with one layer keeping
-	 * it all resident costs less than two slots */
-	int best = 0;
-	*bytes = UINT64_MAX;
-	for (int r = 0; r <= (int)pm->experts; r++) {
-		uint64_t f = mlens_perf_fixed_bytes(pm, r, ws);
-		if (f < *bytes) {
-			*bytes = f;
-			best = r;
-		}
-	}
-	return best;
-}
-
-int64_t mlens_perf_tokens_fit(uint64_t (*act)(const void *arg, int64_t n), const void *arg,
-			      uint64_t room, int64_t cap)
-{
-	int64_t lo = 0, hi = cap;
-	while (lo < hi) {
-		int64_t mid = lo + (hi - lo + 1) / 2;
-		if (act(arg, mid) <= room)
-			lo = mid;
-		else
-			hi = mid - 1;
-	}
-	return lo;
-}
-
 double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx)
 {
 	return ctx * (double)pm->kv_token_bytes;
-}
-
-/* GPU activations of a step of n tokens (DESIGN §5.2), in activation
- * elements of abytes each, G = ceil(n x MLENS_PERF_GROUP_MAX) the larger
- * token group, c the chunk rows:
- *   n x (2H + E + 2k)          residual stream, its norm, router logits,
- *                              top-k weights and ids, for all tokens
- * + G x (2 heads*hd + 2 kv*hd)  q, attention output, k, v of one group
- * + min(n k, c) x (2H + 2I)     one MoE chunk: gathered inputs, outputs,
- *                              gate and up intermediates
- * + min(n, c) x V               logits of one chunk of rows */
-uint64_t mlens_perf_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk)
-{
-	uint64_t un, G, rows, lrows, per, acc;
-	uint64_t H = (uint64_t)pm->hidden, I = (uint64_t)pm->inter;
-	uint64_t qd = (uint64_t)(pm->heads * pm->head_dim), kvd = (uint64_t)(pm->kv_heads * pm->head_dim);
-	if (n <= 0)
-		return 0;
-	if (chunk <= 0)
-		chunk = MLENS_PERF_CHUNK;
-	un = (uint64_t)n;
-	G = (uint64_t)ceil((double)n * MLENS_PERF_GROUP_MAX);
-	rows = sat_mul(un, (uint64_t)pm->top_k);
-	if (rows > (uint64_t)chunk)
-		rows = (uint64_t)chunk;
-	lrows = un < (uint64_t)chunk ? un : (uint64_t)chunk;
-	per = 2 * H + (uint64_t)pm->experts + 2 * (uint64_t)pm->top_k;
-	acc = sat_mul(un, per);
-	acc = sat_add(acc, sat_mul(G, 2 * qd + 2 * kvd));
-	acc = sat_add(acc, sat_mul(rows, 2 * H + 2 * I));
-	acc = sat_add(acc, sat_mul(lrows, (uint64_t)pm->vocab));
-	return sat_mul(acc, (uint64_t)pm->abytes);
 }
 
 /* ==== the line fit ==== */
@@ -429,7 +334,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	kv_read = st->context * (double)pm->kv_token_bytes;
 	/* H2D: streamed experts + attention outputs of decode tokens;
 	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
-	streamed = (double)mlens_perf_streamed_bytes(pm, pol->resident_experts);
+	streamed = (double)mlens_gpu_plan_streamed_bytes(pm, pol->resident_experts);
 	h2d = streamed + d * qd * (hw->att_up_bytes > 0 ? hw->att_up_bytes : ab) +
 	      st->tokens * hw->h2d_per_token;
 	d2h = hw->gpu_kv_append ? d * qd * ab + st->tokens * (double)pm->kv_token_bytes
@@ -548,7 +453,7 @@ static int64_t min_tokens(const struct mlens_perf_workload *w)
 static uint64_t act_of(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw, int64_t n)
 {
 	return hw->act_bytes ? hw->act_bytes(pm, n, hw->chunk, hw->act_arg)
-			     : mlens_perf_act_bytes(pm, n, hw->chunk);
+			     : mlens_gpu_plan_act_estimate(pm, n, hw->chunk);
 }
 
 struct act_at {
@@ -567,15 +472,13 @@ static int64_t act_fit(const struct mlens_perf_model *pm, const struct mlens_per
 		       uint64_t room)
 {
 	const struct act_at a = { pm, hw };
-	return mlens_perf_tokens_fit(act_at, &a, room, (int64_t)1 << 40);
+	return mlens_gpu_plan_tokens_fit(act_at, &a, room, (int64_t)1 << 40);
 }
 
 uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			       int64_t n_min)
 {
-	uint64_t b;
-	mlens_perf_min_fixed(pm, hw->gpu_workspace, &b);
-	return sat_add(b, act_of(pm, hw, n_min > 0 ? n_min : 1));
+	return mlens_gpu_plan_minimum(pm, hw->gpu_workspace, act_of(pm, hw, n_min > 0 ? n_min : 1));
 }
 
 /* GPU tier minus PCIe tier of the workload's steady step of n tokens,
@@ -637,9 +540,9 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	}
 	memset(out, 0, sizeof(*out));
 	out->policy.resident_experts = resident_experts;
-	out->gpu_resident = mlens_perf_resident_bytes(pm, resident_experts);
-	out->gpu_slots = mlens_perf_slot_bytes(pm, resident_experts);
-	fixed = mlens_perf_fixed_bytes(pm, resident_experts, hw->gpu_workspace);
+	out->gpu_resident = mlens_gpu_plan_resident_bytes(pm, resident_experts);
+	out->gpu_slots = mlens_gpu_plan_slot_bytes(pm, resident_experts);
+	fixed = mlens_gpu_plan_fixed_bytes(pm, resident_experts, hw->gpu_workspace);
 	room = hw->gpu_budget > fixed ? hw->gpu_budget - fixed : 0;
 	n_a = (double)act_fit(pm, hw, room);
 	if (n_a < (double)nmin) {
@@ -656,7 +559,7 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		n_a = hw->max_step;
 		out->n_real_by = MLENS_PERF_LIMIT_STEP;
 	}
-	streamed = mlens_perf_streamed_bytes(pm, resident_experts);
+	streamed = mlens_gpu_plan_streamed_bytes(pm, resident_experts);
 	out->pme = mlens_perf_pme(w->p, w->g);
 	{
 		/* the workload's steady steps add, per token, prefill attention
@@ -738,8 +641,8 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 		       "(attention, norms, routers, embeddings and lm_head %.2f GiB, two slots of one "
 		       "layer's experts %.2f GiB, activations for %lld tokens %.2f GiB, workspace "
 		       "%.2f GiB); raise gpu_memory",
-		       gib(hw->gpu_budget), gib(need), gib(mlens_perf_resident_bytes(pm, 0)),
-		       gib(mlens_perf_slot_bytes(pm, 0)), (long long)min_tokens(w),
+		       gib(hw->gpu_budget), gib(need), gib(mlens_gpu_plan_resident_bytes(pm, 0)),
+		       gib(mlens_gpu_plan_slot_bytes(pm, 0)), (long long)min_tokens(w),
 		       gib(act_of(pm, hw, min_tokens(w))), gib(hw->gpu_workspace));
 		return -ENOSPC;
 	}
@@ -828,6 +731,32 @@ int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
 	return 0;
 }
 
+/* The bound's times from its per-step work (out's streamed, kv_bytes,
+ * flops, st.generated) and the ceilings; total: tokens the clients count
+ * per step. */
+static int bound_times(struct mlens_perf_bound *out, double b_pcie, double b_mem, double c_gemm,
+		       double total)
+{
+	out->t_pcie = b_pcie > 0 ? out->streamed / b_pcie : 0;
+	out->t_mem = b_mem > 0 ? (out->kv_bytes + out->streamed) / b_mem : 0;
+	out->t_gemm = c_gemm > 0 ? out->flops / c_gemm : 0;
+	out->t_step = out->t_pcie;
+	out->binds = "pcie-h2d";
+	if (out->t_mem > out->t_step) {
+		out->t_step = out->t_mem;
+		out->binds = "cpu-memory";
+	}
+	if (out->t_gemm > out->t_step) {
+		out->t_step = out->t_gemm;
+		out->binds = "gpu-gemm";
+	}
+	if (!(out->t_step > 0))
+		return -EINVAL;
+	out->gen_tok_s = out->st.generated / out->t_step;
+	out->total_tok_s = total / out->t_step;
+	return 0;
+}
+
 int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
 		     struct mlens_perf_bound *out)
@@ -851,24 +780,68 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
 		     L * 4.0 * qd * k * p * (p + 1) / 2 +
 		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
-	out->t_pcie = b_pcie > 0 ? out->streamed / b_pcie : 0;
-	out->t_mem = b_mem > 0 ? (out->kv_bytes + out->streamed) / b_mem : 0;
-	out->t_gemm = c_gemm > 0 ? out->flops / c_gemm : 0;
-	out->t_step = out->t_pcie;
-	out->binds = "pcie-h2d";
-	if (out->t_mem > out->t_step) {
-		out->t_step = out->t_mem;
-		out->binds = "cpu-memory";
-	}
-	if (out->t_gemm > out->t_step) {
-		out->t_step = out->t_gemm;
-		out->binds = "gpu-gemm";
-	}
-	if (!(out->t_step > 0))
+	return bound_times(out, b_pcie, b_mem, c_gemm, k * (p + g));
+}
+
+int mlens_perf_mix_of(const double *p, const double *g, size_t n, int block_tokens,
+		      struct mlens_perf_mix *out)
+{
+	double B = block_tokens > 1 ? (double)block_tokens : 1.0;
+	memset(out, 0, sizeof(*out));
+	if (n < 1)
 		return -EINVAL;
-	out->gen_tok_s = st->generated / out->t_step;
-	out->total_tok_s = k * (p + g) / out->t_step;
+	for (size_t i = 0; i < n; i++) {
+		double bs = mlens_perf_seq_blocks(p[i], g[i], block_tokens), gi = floor(g[i]);
+		if (!isfinite(bs) || !isfinite(p[i]))
+			return -EINVAL;
+		out->prompt += p[i];
+		out->gen += gi;
+		out->block_steps += bs * gi;
+		/* sum_{a<g} (p + a) = g p + g (g - 1) / 2 */
+		out->token_steps += gi * p[i] + gi * (gi - 1) / 2;
+		out->context += (gi - 1) * (p[i] + gi / 2);
+		out->prefill_pairs += p[i] * (p[i] + 1) / 2;
+	}
+	out->requests = (double)n;
+	out->prompt /= (double)n;
+	out->gen /= (double)n;
+	out->block_steps /= (double)n;
+	out->token_steps /= (double)n;
+	out->context /= (double)n;
+	out->prefill_pairs /= (double)n;
+	out->block_tokens = (int)B;
 	return 0;
+}
+
+double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix)
+{
+	return mix->gen >= 1 ? mix->block_steps / mix->gen : NAN;
+}
+
+int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
+			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
+			 double c_gemm, struct mlens_perf_bound *out)
+{
+	struct mlens_perf_sched_state *st = &out->st;
+	double L = (double)pm->layers, qd = (double)(pm->heads * pm->head_dim);
+	double m = mlens_perf_mix_seq_blocks(mix), k;
+	memset(out, 0, sizeof(*out));
+	if (!(mix->prompt >= 1) || !(mix->gen >= 1) || !(m > 0) || !(kv_blocks > 0) ||
+	    !isfinite(kv_blocks) || !(streamed_bytes >= 0) || !(b_pcie > 0 || b_mem > 0 || c_gemm > 0))
+		return -EINVAL;
+	st->seqs = kv_blocks / m;
+	k = st->seqs / mix->gen;
+	st->prompts = k;
+	st->decode = k * (mix->gen - 1);
+	st->tokens = k * (mix->prompt + mix->gen - 1);
+	st->generated = st->seqs;
+	st->context = k * mix->context;
+	out->streamed = streamed_bytes;
+	out->kv_bytes = st->context * (double)pm->kv_token_bytes * L;
+	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
+		     L * 4.0 * qd * k * mix->prefill_pairs +
+		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
+	return bound_times(out, b_pcie, b_mem, c_gemm, k * (mix->prompt + mix->gen));
 }
 
 /* ==== several GPUs (formulas in perfmodel.h) ==== */

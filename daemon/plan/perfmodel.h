@@ -36,7 +36,7 @@
  *     the workload's steady step: the transfer the step really gets, so
  *     n_eq rises with the attention's share. n_real = min(n_eq, n_act),
  *     n_act the most tokens whose activations fit what the budget leaves
- *     (formula at mlens_perf_act_bytes, DESIGN §5.2, or the executor's own
+ *     (formula at mlens_gpu_plan_act_estimate, DESIGN §5.2, or the executor's own
  *     count when hw gives one: mlensd gives the hybrid pipeline's plan's),
  *     and never below the workload's min_tokens (a whole prompt) when
  *     memory allows it.
@@ -142,28 +142,12 @@ struct mlens_perf_model {
 int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens_model_config *c,
 				 enum mlens_dtype kv_dtype);
 
-/* Per layer: expert bytes streamed each step with r experts resident. */
-uint64_t mlens_perf_streamed_bytes(const struct mlens_perf_model *pm, int r);
-/* Whole model: bytes resident on the GPU with r experts per layer resident. */
-uint64_t mlens_perf_resident_bytes(const struct mlens_perf_model *pm, int r);
-/* Two streaming slots, each one layer's non-resident experts; 0 when r = E. */
-uint64_t mlens_perf_slot_bytes(const struct mlens_perf_model *pm, int r);
-/* ==== the GPU memory plan's arithmetic, once: the hybrid pipeline's plan
- * (gpuplan.h) and the model's prediction both size a residency with these ==== */
-/* GPU bytes of residency r before activations: the resident weights, both
- * expert slots and the workspace ws (saturating). */
-uint64_t mlens_perf_fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws);
-/* The residency whose fixed bytes are the fewest (the lowest r on a tie);
- * *bytes gets them. */
-int mlens_perf_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes);
-/* Most tokens n in [0, cap] with act(arg, n) <= room, act growing with n. */
-int64_t mlens_perf_tokens_fit(uint64_t (*act)(const void *arg, int64_t n), const void *arg,
-			      uint64_t room, int64_t cap);
+/* A residency's bytes (resident weights, expert slots, the fewest fixed
+ * bytes, the minimum budget) and the activation estimate are the GPU
+ * memory plan's (gpu_plan.h): the model asks it, one formula each. */
 
 /* KV bytes one decode token with context ctx reads in one layer. */
 double mlens_perf_kv_read_bytes(const struct mlens_perf_model *pm, double ctx);
-/* GPU activation bytes of a step of n tokens (formula in perfmodel.c). */
-uint64_t mlens_perf_act_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t chunk);
 
 /* A least-squares line: seconds = a + b x tokens. */
 struct mlens_perf_line {
@@ -229,9 +213,9 @@ struct mlens_perf_hw {
 	 * one GPU. Counted in the PCIe and CPU-memory tiers and in n_eq. */
 	double h2d_per_token;
 	/* GPU activation bytes of a step of n tokens as the executor
-	 * allocates them (the hybrid pipeline's memory plan: gpuplan.h, with
+	 * allocates them (the hybrid pipeline's memory plan: gpu_plan.h, with
 	 * its token groups), so that n_act is the cap the executor can run;
-	 * NULL: mlens_perf_act_bytes, the model's own two-group estimate. */
+	 * NULL: mlens_gpu_plan_act_estimate, the model's own two-group estimate. */
 	uint64_t (*act_bytes)(const struct mlens_perf_model *pm, int64_t n, int64_t chunk,
 			      const void *arg);
 	const void *act_arg;
@@ -361,9 +345,10 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 		      const struct mlens_perf_workload *w, struct mlens_perf_prediction *out,
 		      char *err, size_t errlen);
-/* The smallest GPU budget that runs at all: resident attention, norms,
- * routers, embeddings, lm_head + two slots of one layer's experts +
- * activations for n_min tokens + workspace (for a model of one layer, the
+/* The smallest GPU budget that runs at all, the GPU memory plan's
+ * (mlens_gpu_plan_minimum): resident attention, norms, routers,
+ * embeddings, lm_head + two slots of one layer's experts + activations for
+ * n_min tokens (hw's act_bytes) + workspace (for a model of one layer, the
  * whole model resident when that is less than two slots). */
 uint64_t mlens_perf_min_budget(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 			       int64_t n_min);
@@ -436,6 +421,45 @@ struct mlens_perf_bound {
 int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
 		     struct mlens_perf_bound *out);
+
+/* ==== a mix of lengths ====
+ *
+ * The same accounting for requests of different lengths: request i of the
+ * mix (p_i prompt, g_i generated tokens) lives g_i steps and holds
+ * ceil((p_i + a)/B) blocks at age a. With k requests admitted per step,
+ * drawn from the mix, the expected KV blocks held at a step are
+ * k E[sum_{a<g} ceil((p+a)/B)] and the sequences alive k E[g], so a
+ * sequence holds on average
+ *   m = E[sum_{a<g} ceil((p+a)/B)] / E[g]
+ * blocks: each request's mean occupancy weighted by the steps it lives
+ * (a long generation counts for more of the pool's time than a short one).
+ * A pool of K blocks holds S_kv = K / m; k = S_kv / E[g]; per step
+ *   decode D = k E[g - 1], tokens n = k E[p + g - 1], generated k E[g],
+ *   KV rows read k E[(g - 1)(p + g/2)], prefill pairs k E[p(p+1)/2];
+ * the bound's times as mlens_perf_bound's, total tokens/s k E[p + g].
+ * One (p, g) is a mix of one, and gives mlens_perf_bound's numbers. */
+struct mlens_perf_mix {
+	double requests;	/* how many the sums below are over */
+	double prompt;		/* E[p] */
+	double gen;		/* E[g] */
+	double block_steps;	/* E[sum_{a<g} ceil((p+a)/B)] */
+	double token_steps;	/* E[sum_{a<g} (p+a)]: the same in tokens */
+	double context;		/* E[(g - 1)(p + g/2)]: KV rows read by its decodes, a layer */
+	double prefill_pairs;	/* E[p(p+1)/2]: causal (query, key) pairs of its prefill */
+	int block_tokens;	/* B the blocks are counted in (1 for tokens) */
+};
+
+/* The moments of n (p[i], g[i]) pairs at blocks of block_tokens (< 1:
+ * tokens). -EINVAL for n < 1 or a length below 1 (or not finite). */
+int mlens_perf_mix_of(const double *p, const double *g, size_t n, int block_tokens,
+		      struct mlens_perf_mix *out);
+/* m above: mean KV blocks a sequence of the mix holds over the steps it
+ * lives (mlens_perf_seq_blocks for a mix of one). */
+double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix);
+/* mlens_perf_bound for a mix, S_kv = kv_blocks / m. -EINVAL as there. */
+int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
+			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
+			 double c_gemm, struct mlens_perf_bound *out);
 
 /* ==== several GPUs in one box ====
  *

@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "daemon/errf.h"
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/layer.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/serve/sched.h"
@@ -953,7 +953,8 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n)
 }
 
 void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_model *m,
-			    const char *backend, const char *gpu, uint64_t budget, double budget_s)
+			    const char *backend, const char *gpu, const struct mlens_gpu_plan *plan,
+			    double budget_s)
 {
 	const struct mlens_model_config *c = &m->cfg;
 	char canon[512];
@@ -969,7 +970,7 @@ void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_mode
 	k->config_hash = fnv(0xcbf29ce484222325ull, canon, n > 0 ? (size_t)n : 0);
 	snprintf(k->backend, sizeof(k->backend), "%s", backend ? backend : "");
 	snprintf(k->gpu, sizeof(k->gpu), "%s", gpu ? gpu : "");
-	k->budget = budget;
+	k->budget = plan ? plan->budget : 0;
 	k->budget_s = budget_s;
 }
 
@@ -1193,7 +1194,7 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 	st->hw.chunk = st->chunk;
 	st->plan_in.att_half = st->att_up_half;	/* a set then holds no fp32 att */
 	if (st->plan_in.group) {
-		st->hw.act_bytes = mlens_gpuplan_act_bytes_hw;
+		st->hw.act_bytes = mlens_gpu_plan_act_bytes_hw;
 		st->hw.act_arg = &st->plan_in;
 	}
 	/* side copies: GA's to the host on queue 2 and, with up_copy_in, C's

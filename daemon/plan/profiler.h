@@ -36,7 +36,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "daemon/model/model.h"
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "kernels/backend.h"
 
@@ -116,13 +116,19 @@ struct mlens_profile_key {
 	uint64_t config_hash;	/* FNV-1a of the model's dimensions and dtype */
 	char backend[128];
 	char gpu[96];
-	uint64_t budget;	/* gpu_memory as configured (0 = derived) */
+	uint64_t budget;	/* the GPU memory plan's effective budget (0: no GPU plan) */
 	double budget_s;	/* the profile's time budget */
 	int64_t group, moe_chunk;	/* how GA/GB were called (struct mlens_profile_opts) */
 };
 
+/* The key of a profile of model m on backend and gpu with the GPU memory
+ * plan plan (NULL: a host-memory backend, none) and a time budget of
+ * budget_s: the plan's effective budget goes in, so that gpu_memory = 0
+ * and the same bytes set by hand are one key, and a device with other
+ * free memory under gpu_memory = 0 another. */
 void mlens_profile_key_make(struct mlens_profile_key *k, const struct mlens_model *m,
-			    const char *backend, const char *gpu, uint64_t budget, double budget_s);
+			    const char *backend, const char *gpu, const struct mlens_gpu_plan *plan,
+			    double budget_s);
 /* Name of the GPU behind a backend (vendor:device at PCI bus id), "" for
  * a backend in host memory or without CUDA. */
 void mlens_profile_gpu_name(const struct mlens_backend *be, char *buf, size_t len);
@@ -158,11 +164,11 @@ struct mlens_profile_state {
 	uint64_t gpu_workspace;
 	int64_t chunk;
 	/* hybrid: the pipeline's token group setting (group: rows, or
-	 * MLENS_GPUPLAN_GROUP_AUTO), GEMM mode and sets, so that the model's
-	 * activation bytes are the executor's plan's (gpuplan.h; att_half is
+	 * MLENS_GPU_PLAN_GROUP_AUTO), GEMM mode and sets, so that the model's
+	 * activation bytes are the executor's plan's (gpu_plan.h; att_half is
 	 * att_up_half's, set by mlens_profile_state_hold); group 0
 	 * otherwise: the model's own */
-	struct mlens_gpuplan_in plan_in;
+	struct mlens_gpu_plan_in plan_in;
 	/* hybrid with gpu_copy_out = down or side: GA's copies to the host
 	 * overlap the compute queue, so the model does not count them in the
 	 * GPU's time; with side, the CPU attention's output going up neither */

@@ -29,13 +29,25 @@ struct mlens_req {
 	struct mlens_seq seq;
 	bool has_pending;	/* an event the tenant's ring had no room for */
 	struct mlens_event pending;
-	bool preempted;		/* waiting to re-prefill */
+	bool preempted;		/* waiting to re-prefill (or to come back from swap) */
+	uint32_t *swap_slots;	/* its KV in the swap file (n_swap slots), or NULL */
+	uint32_t n_swap;
+	int32_t swap_len;	/* tokens of KV there */
+	uint64_t readmit_step;	/* the step it came back in after an eviction (0: never evicted) */
+	uint64_t skip_step;	/* the step whose admission passed it over last */
+	uint32_t passed_over;	/* steps whose admission passed it over since it started waiting */
 	struct mlens_req *wnext, *wprev;	/* the tenant's waiting requests */
 	int64_t wseq;		/* place in the waiting queue: smaller is nearer the head */
 	struct mlens_req *hnext;	/* the tenant's id hash chain */
 	double arrival;		/* submit time, CLOCK_MONOTONIC */
 	double last_token;	/* when the previous token was emitted */
 };
+
+/* Steps after its return from an eviction that a request is evicted
+ * again only when no other running one can go: otherwise the youngest is
+ * the one just brought back, which re-prefills only to lose its KV again
+ * (and the pool thrashes). */
+#define READMIT_GRACE 8
 
 const double mlens_latency_buckets[MLENS_LAT_BUCKETS] = {
 	0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, INFINITY
@@ -64,6 +76,7 @@ struct mlens_sched {
 	uint32_t reserve;
 	int horizon;		/* steps the admission reserve looks ahead */
 	bool keep_room;		/* opts admit_keeps_room */
+	struct mlens_kv_swap *swap;	/* opts swap */
 	/* step scratch, [1..horizon]: the demand over the horizon of the
 	 * running sequences and the prompts admitted so far, as differences */
 	int64_t demand[MLENS_SCHED_HORIZON_MAX + 1];
@@ -81,6 +94,7 @@ struct mlens_sched {
 	 * requests that can no longer fit their tenant's quota */
 	bool quota_check;
 	uint64_t serial;
+	uint64_t step_no;	/* steps begun, for skip_step and readmit_step */
 	struct list waiting;	/* arrival order; preempted requests at the head */
 	struct list running;
 	struct list finished;	/* done, last event not yet delivered */
@@ -290,11 +304,22 @@ int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
 	s->reserve = o ? o->reserve_blocks : 0;
 	s->horizon = o && o->reserve_horizon > 0 ? o->reserve_horizon : MLENS_SCHED_HORIZON_MAX;
 	s->keep_room = o && o->admit_keeps_room;
+	s->swap = o ? o->swap : NULL;
 	if (s->horizon > MLENS_SCHED_HORIZON_MAX)
 		s->horizon = MLENS_SCHED_HORIZON_MAX;
 	s->admission = true;
 	*out = s;
 	return 0;
+}
+
+/* Free r's slots in the swap file, if it has any. */
+static void swap_drop(struct mlens_sched *s, struct mlens_req *r)
+{
+	if (r->swap_slots)
+		mlens_kv_swap_drop(s->swap, r->swap_slots, r->n_swap);
+	free(r->swap_slots);
+	r->swap_slots = NULL;
+	r->n_swap = 0;
 }
 
 static void req_free(struct mlens_sched *s, struct mlens_req *r)
@@ -308,6 +333,7 @@ static void req_free(struct mlens_sched *s, struct mlens_req *r)
 		r->tnext->tprev = r->tprev;
 	ids_remove(t, r);
 	t->kv_blocks -= r->seq.n_blocks;
+	swap_drop(s, r);
 	mlens_seq_fini(s->kv, &r->seq);
 	free(r->tokens);
 	free(r);
@@ -390,6 +416,7 @@ static void finish(struct mlens_sched *s, struct mlens_req *r, const struct mlen
 		r->t->queued--;
 	r->t->kv_blocks -= r->seq.n_blocks;
 	mlens_seq_release(s->kv, &r->seq);
+	swap_drop(s, r);
 	if (ev->finish == MLENS_FINISH_ERROR) {
 		r->t->requests_failed++;
 		s->st.requests_failed++;
@@ -554,8 +581,60 @@ void mlens_sched_tenant_remove(struct mlens_sched *s, struct mlens_sched_tenant 
 
 /* ==== the step ==== */
 
+/* Write r's KV to the swap file when the choice says so (the sequence
+ * then comes back without a re-prefill); on no room or an error it is
+ * left to re-prefill, counted. Its cached tokens are those of its prompt
+ * and generated tokens but the last, which the next decode step feeds. */
+static void swap_out(struct mlens_sched *s, struct mlens_req *r)
+{
+	int32_t len = r->seq.len;
+	uint32_t n = mlens_kv_blocks_for(s->kv, len);
+	int rc;
+
+	if (!s->swap || len <= 0 || len != r->n_prompt + r->n_gen - 1 || n > r->seq.n_blocks)
+		return;
+	if (!mlens_kv_swap_choose(s->swap, n, len)) {
+		mlens_kv_swap_note_recompute(s->swap, false);
+		return;
+	}
+	r->swap_slots = malloc((size_t)n * sizeof(uint32_t));
+	rc = r->swap_slots ? mlens_kv_swap_out(s->swap, &s->kv->cache, r->seq.blocks, n, r->swap_slots) : -ENOMEM;
+	if (rc) {
+		free(r->swap_slots);
+		r->swap_slots = NULL;
+		mlens_kv_swap_note_recompute(s->swap, rc == -ENOSPC);
+		return;
+	}
+	r->n_swap = n;
+	r->swap_len = len;
+}
+
+/* Read r's KV back from the swap file into blocks for len tokens, taken
+ * with growth room up to final_len: 0 with seq.len set (a decode
+ * sequence now); -errno when the blocks cannot be taken (nothing
+ * changed, it stays swapped); 1 when the read failed: its slots and
+ * blocks are freed and it re-prefills. */
+static int swap_in(struct mlens_sched *s, struct mlens_req *r, int64_t len, int64_t final_len)
+{
+	int rc = mlens_seq_reserve_grow(s->kv, &r->seq, len, final_len);
+	if (rc)
+		return rc;
+	rc = mlens_kv_swap_in(s->swap, &s->kv->cache, r->seq.blocks, r->n_swap, r->swap_slots);
+	free(r->swap_slots);
+	r->swap_slots = NULL;
+	r->n_swap = 0;
+	if (rc) {
+		mlens_seq_release(s->kv, &r->seq);
+		mlens_kv_swap_note_recompute(s->swap, false);
+		return 1;
+	}
+	r->seq.len = r->swap_len;
+	return 0;
+}
+
 static void evict(struct mlens_sched *s, struct mlens_req *r)
 {
+	swap_out(s, r);
 	q_remove(&s->running, r);
 	r->t->running--;
 	r->t->kv_blocks -= r->seq.n_blocks;
@@ -565,6 +644,8 @@ static void evict(struct mlens_sched *s, struct mlens_req *r)
 	r->t->queued++;
 	r->t->preemptions++;
 	s->st.preemptions++;
+	if (r->readmit_step && s->step_no - r->readmit_step < READMIT_GRACE)
+		s->st.repreemptions++;
 	wait_push(s, r, true);
 	if (r->t->quota.max_kv_blocks)
 		s->quota_check = true;	/* it may have been lowered while it ran */
@@ -594,13 +675,25 @@ static void fail_over_quota(struct mlens_sched *s)
 	}
 }
 
-/* The youngest running request. */
+/* Admission (mlens_sched_step): steps a waiting request may be passed
+ * over for smaller ones behind it before the step waits for it, and the
+ * most requests one step passes over (its cost stays bounded). */
+#define MAX_PASSED_OVER 16
+#define MAX_PASSES 64
+
+/* The youngest running request, outside its grace if any is. */
 static struct mlens_req *youngest(struct mlens_sched *s)
 {
 	struct mlens_req *best = NULL;
-	for (struct mlens_req *r = s->running.head; r; r = r->qnext)
-		if (!best || r->admit_serial > best->admit_serial)
+	bool best_grace = true;
+	for (struct mlens_req *r = s->running.head; r; r = r->qnext) {
+		bool grace = r->readmit_step && s->step_no - r->readmit_step < READMIT_GRACE;
+		if (!best || (best_grace && !grace) ||
+		    (grace == best_grace && r->admit_serial > best->admit_serial)) {
 			best = r;
+			best_grace = grace;
+		}
+	}
 	return best;
 }
 
@@ -624,6 +717,8 @@ static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
 				continue;
 			if (r->has_pending)
 				continue;	/* its last token must reach the tenant first */
+			if (r->skip_step == s->step_no)
+				continue;	/* this step's admission passed it over */
 			if (t->quota.max_kv_blocks &&
 			    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) >
 				    t->quota.max_kv_blocks)
@@ -751,6 +846,7 @@ int mlens_sched_step(struct mlens_sched *s)
 	int n = 0, tokens = 0, rc;
 	double t0;
 
+	s->step_no++;
 	mlens_sched_flush(s);
 	if (s->quota_check)
 		fail_over_quota(s);
@@ -801,25 +897,54 @@ int mlens_sched_step(struct mlens_sched *s)
 	/* prefill: admit while the token cap, KV blocks (with a reserve for
 	 * growth) and quotas allow. In preemption mode only evicted requests
 	 * come back (their re-prefill overlaps the others' decode), and only
-	 * when they fit again; new ones wait for normal mode. */
+	 * when their growth to their end fits too (so the next steps do not
+	 * evict them again); new ones wait for normal mode. A request that
+	 * does not fit is passed over for the ones behind it that do, so the
+	 * step stays full while long prompts wait for room (from the first
+	 * step, sized by the token cap, to the last prefills of the queue),
+	 * until it has been passed over MAX_PASSED_OVER steps: then nothing
+	 * behind it goes before it (none starves). */
 	{
 		uint32_t running_after = s->running.n;
+		int passes = 0;
 		while ((r = pick(s, s->preempt_mode))) {
 			int32_t len = r->n_prompt + r->n_gen, rem = remaining(s, r, r->n_gen + 1);
 			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
-			int64_t reserve;
-			if (tokens + len > s->cap)
-				break;
-			if (!s->reserve)
-				demand_add(s, s->demand, len, rem, +1);
-			reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
-			if ((int64_t)blocks + (running_after ? reserve : 0) > (int64_t)free_blocks ||
-			    (s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv)) ||
-			    mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem)) {
+			int64_t reserve, own = 0;
+			/* back from the swap file: one decode token, its KV read in */
+			bool swapped = r->swap_slots != NULL;
+			bool fits = tokens + (swapped ? 1 : len) <= s->cap;
+			if (fits) {
 				if (!s->reserve)
+					demand_add(s, s->demand, len, rem, +1);
+				reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
+				if (r->preempted)	/* the blocks its growth to its end takes */
+					own = (int64_t)mlens_kv_blocks_for(s->kv, (int64_t)len + rem) - blocks;
+				fits = (int64_t)blocks + (running_after ? (reserve > own ? reserve : own) : own) <=
+					       (int64_t)free_blocks &&
+				       !(s->keep_room && blocks > mlens_kv_pool_unroomed_blocks(s->kv));
+				if (fits && swapped) {
+					int rc2 = swap_in(s, r, len, (int64_t)len + rem);
+					if (rc2 < 0)
+						fits = false;
+					else if (rc2)	/* the read failed: a re-prefill, if the cap allows */
+						swapped = false, fits = tokens + len <= s->cap;
+				}
+				if (fits && !swapped)
+					fits = !mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem);
+				if (!fits && !s->reserve)
 					demand_add(s, s->demand, len, rem, -1);
-				break;
 			}
+			if (!fits) {
+				if (r->passed_over >= MAX_PASSED_OVER || ++passes > MAX_PASSES)
+					break;
+				r->passed_over++;
+				r->skip_step = s->step_no;
+				continue;
+			}
+			r->passed_over = 0;
+			if (r->preempted)
+				r->readmit_step = s->step_no;
 			free_blocks -= blocks;
 			r->t->kv_blocks += blocks;
 			wait_remove(s, r);
@@ -835,13 +960,16 @@ int mlens_sched_step(struct mlens_sched *s)
 			s->sreq[n] = r;
 			s->blocks_before[n] = r->seq.n_blocks;
 			s->ereq[n] = (struct mlens_engine_req){
-				.seq = &r->seq, .tokens = r->tokens, .n_tokens = len, .samp = r->samp,
+				.seq = &r->seq, .tokens = &r->tokens[r->seq.len], .n_tokens = len - r->seq.len,
+				.samp = r->samp,
 			};
 			s->ereq[n].samp.counter = (uint64_t)r->n_gen;
-			s->st.prompt_tokens += (uint64_t)len;
-			r->t->prompt_tokens += (uint64_t)len;
+			if (!swapped) {
+				s->st.prompt_tokens += (uint64_t)len;
+				r->t->prompt_tokens += (uint64_t)len;
+			}
 			n++;
-			tokens += len;
+			tokens += len - r->seq.len;
 			if (s->preempt_mode)
 				s->preempt_mode = any_preempted(s);
 		}
@@ -939,6 +1067,10 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 	st->running = s->running.n;
 	st->waiting = s->waiting.n;
 	st->preempt_mode = s->preempt_mode;
+	if (s->swap) {
+		st->kv_swap = true;
+		mlens_kv_swap_get_stats(s->swap, &st->swap);
+	}
 	if (mlens_engine_pipeline(s->e)) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(s->e));
 		st->hybrid = true;

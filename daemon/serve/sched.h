@@ -1,16 +1,24 @@
 /* The resource-aware scheduler (DESIGN §1): requests, their sequences and
  * the two modes. Normal: every running decode sequence, then prefills up to
- * the step's token cap while KV blocks allow, keeping a reserve for growth.
- * Preemption: when the running sequences' next tokens need more blocks than
- * are free, admit nothing and evict the youngest running sequences (their
- * KV freed, requeued at the head of the queue to re-prefill prompt +
- * generated tokens). Owns the engine. Runs on one thread (the worker). */
+ * the step's token cap while KV blocks allow, keeping a reserve for growth;
+ * a prompt that does not fit lets shorter ones behind it fill the step, for
+ * a bounded number of steps. Preemption: when the running sequences' next
+ * tokens need more blocks than are free, admit nothing and evict the
+ * youngest running sequences (their KV freed, requeued at the head of the
+ * queue to re-prefill prompt + generated tokens); one comes back once its
+ * growth to its end fits, and is not the first evicted again for a few
+ * steps. With a KV swap file (kv_swap.h), an evicted sequence's KV may go
+ * to it instead, chosen per sequence; it then comes back as a decode
+ * sequence, its KV read into fresh blocks, and a swap that fails in
+ * either direction leaves it to re-prefill as without one. Owns the
+ * engine. Runs on one thread (the worker). */
 #ifndef MLENS_SCHED_H
 #define MLENS_SCHED_H
 
 #include <stdbool.h>
 #include <stdint.h>
 #include "daemon/exec/engine.h"
+#include "daemon/exec/kv_swap.h"
 #include "shm/proto.h"	/* enum mlens_finish, MLENS_MAX_STOP: the protocol's words */
 
 struct mlens_quota {
@@ -113,6 +121,8 @@ struct mlens_sched_opts {
 	 * takes other sequences' room, which breaks their tables' runs of
 	 * consecutive blocks. Later admissions, whole tables. */
 	bool admit_keeps_room;
+	/* the KV swap file, or NULL (the caller keeps it alive) */
+	struct mlens_kv_swap *swap;
 };
 
 #define MLENS_SCHED_HORIZON_MAX 256
@@ -133,6 +143,9 @@ struct mlens_sched_stats {
 	double step_seconds_sum;
 	uint64_t steps;
 	uint64_t preemptions;
+	/* of which evictions of a request soon (a few steps) after it came
+	 * back from one: KV thrash, which admission and eviction avoid */
+	uint64_t repreemptions;
 	uint64_t prompt_tokens;		/* prefill tokens computed, re-prefills included */
 	uint64_t generated_tokens;
 	uint64_t requests_done;
@@ -157,6 +170,8 @@ struct mlens_sched_stats {
 	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;
 	uint64_t kv_read_bytes;				/* KV bytes CPU decode attention read, total */
 	uint64_t kv_read_blocks, kv_read_runs;		/* its blocks a layer, their runs, totals */
+	bool kv_swap;				/* a swap file is open: swap below is kept */
+	struct mlens_kv_swap_stats swap;
 };
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,

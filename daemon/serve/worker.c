@@ -370,8 +370,14 @@ static void *worker_main(void *arg)
 			struct mlens_sched_stats st;
 			mlens_sched_get_stats(w->s, &st);
 			if (st.preemptions > w->preemptions_logged) {
-				log_info("preemption: %llu sequences evicted so far (KV blocks short)",
-					 (unsigned long long)st.preemptions);
+				if (st.kv_swap)
+					log_info("preemption: %llu sequences evicted so far (KV blocks short); "
+						 "%llu went to the KV swap file, %llu re-prefill",
+						 (unsigned long long)st.preemptions, (unsigned long long)st.swap.swaps,
+						 (unsigned long long)st.swap.recomputes);
+				else
+					log_info("preemption: %llu sequences evicted so far (KV blocks short)",
+						 (unsigned long long)st.preemptions);
 				w->preemptions_logged = st.preemptions;
 			}
 		}

@@ -1,5 +1,5 @@
 /* mlens-mkmodel as a library: writes a deterministic random-weight Mixtral
- * model directory in Hugging Face format (config.json + safetensors), so
+ * or DBRX model directory in Hugging Face format (config.json + safetensors), so
  * tests and demos never download anything. */
 #ifndef MLENS_MKMODEL_H
 #define MLENS_MKMODEL_H
@@ -11,7 +11,9 @@
 
 struct mlens_mkmodel_opts {
 	const char *dir;		/* created if missing (one level) */
-	struct mlens_model_config cfg;	/* head_dim 0: hidden / heads; architecture ignored */
+	struct mlens_model_config cfg;	/* head_dim 0: hidden / heads; architecture
+					 * "DbrxForCausalLM": DBRX's layout and
+					 * config, anything else Mixtral's */
 	uint64_t seed;
 	int shards;			/* <= 1: one model.safetensors */
 	bool fused_experts;		/* transformers-5 fused gate_up_proj/down_proj */
@@ -26,7 +28,8 @@ struct mlens_mkmodel_opts {
  * vocabulary must hold them. */
 #define MLENS_MKMODEL_TOKENIZER_VOCAB 261
 
-/* Fill o->cfg from a preset ("tiny", "mixtral-8x7b"); leaves dir, seed,
+/* Fill o->cfg from a preset ("tiny", "mixtral-8x7b", "mixtral-8x22b",
+ * "dbrx", "dbrx-tiny"); leaves dir, seed,
  * shards alone. Returns 0 or -EINVAL for an unknown name. */
 int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name);
 

@@ -56,10 +56,45 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 		c->num_local_experts = 8;
 		c->num_experts_per_tok = 2;
 		c->max_position_embeddings = 32768;
+	} else if (!strcmp(name, "mixtral-8x22b")) {
+		c->vocab_size = 32768;
+		c->hidden_size = 6144;
+		c->intermediate_size = 16384;
+		c->num_hidden_layers = 56;
+		c->num_attention_heads = 48;
+		c->num_key_value_heads = 8;
+		c->num_local_experts = 8;
+		c->num_experts_per_tok = 2;
+		c->max_position_embeddings = 65536;
+	} else if (!strcmp(name, "dbrx") || !strcmp(name, "dbrx-tiny")) {
+		bool full = !strcmp(name, "dbrx");
+
+		snprintf(c->architecture, sizeof(c->architecture), "DbrxForCausalLM");
+		c->norm_kind = MLENS_NORM_LAYER;
+		c->w2_transposed = true;
+		c->clip_qkv = 8;
+		c->rope_theta = 5e5;
+		c->vocab_size = full ? 100352 : 512;
+		c->hidden_size = full ? 6144 : 64;
+		c->intermediate_size = full ? 10752 : 96;	/* != hidden: w2's layout shows */
+		c->num_hidden_layers = full ? 40 : 2;
+		c->num_attention_heads = full ? 48 : 4;
+		c->num_key_value_heads = full ? 8 : 2;
+		c->num_local_experts = full ? 16 : 8;
+		c->num_experts_per_tok = 4;
+		c->max_position_embeddings = full ? 32768 : 4096;
+		if (full)
+			c->eos[0] = 100257;	/* <|endoftext|> of DBRX's tokenizer */
 	} else {
 		return -EINVAL;
 	}
 	return 0;
+}
+
+/* The writer's layout: DBRX's (transformer.*) or Mixtral's (model.*). */
+static bool is_dbrx(const struct mlens_model_config *c)
+{
+	return !strcmp(c->architecture, "DbrxForCausalLM");
 }
 
 /* ==== the generator ==== */
@@ -80,11 +115,19 @@ static uint64_t stream_key(uint64_t seed, const char *name)
 	return mix64(h ^ mix64(seed + 0x9e3779b97f4a7c15ull));
 }
 
+/* A norm's weight: its last name part ends in "norm" (Mixtral's
+ * input_layernorm, norm) or starts with it (DBRX's norm_1, norm_f). */
 static bool is_norm(const char *name)
 {
 	size_t n = strlen(name);
+	const char *end, *p;
 
-	return n >= 11 && !strcmp(name + n - 11, "norm.weight");
+	if (n < 7 || strcmp(name + n - 7, ".weight"))
+		return false;
+	end = name + n - 7;
+	for (p = end; p > name && p[-1] != '.'; p--)
+		;
+	return (end - p >= 4 && !strncmp(end - 4, "norm", 4)) || !strncmp(p, "norm", 4);
 }
 
 /* Sum of four 16-bit uniforms (Irwin-Hall), centred and scaled to unit
@@ -198,6 +241,27 @@ static int build_specs(struct writer *w)
 	w->specs = calloc(3 + (size_t)L * per_layer, sizeof(*w->specs));
 	if (!w->specs)
 		return -ENOMEM;
+	if (is_dbrx(c)) {
+		/* DBRX's own layout: fused Wqkv, experts fused over E along the
+		 * rows, w2 [E*I][H] as stored in DBRX's files */
+		const char *p = "transformer.blocks.";
+
+		add(w, PART_PLAIN, -1, 2, V, H, 0, "transformer.wte.weight");
+		for (int64_t i = 0; i < L; i++) {
+			add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".norm_attn_norm.norm_1.weight", p, i);
+			add(w, PART_PLAIN, i, 2, Q + 2 * KV, H, 0, "%s%" PRId64 ".norm_attn_norm.attn.Wqkv.weight", p, i);
+			add(w, PART_PLAIN, i, 2, H, Q, 0, "%s%" PRId64 ".norm_attn_norm.attn.out_proj.weight", p, i);
+			add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".norm_attn_norm.norm_2.weight", p, i);
+			add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".ffn.router.layer.weight", p, i);
+			add(w, PART_PLAIN, i, 2, E * I, H, 0, "%s%" PRId64 ".ffn.experts.mlp.w1", p, i);
+			add(w, PART_PLAIN, i, 2, E * I, H, 0, "%s%" PRId64 ".ffn.experts.mlp.v1", p, i);
+			add(w, PART_PLAIN, i, 2, E * I, H, 0, "%s%" PRId64 ".ffn.experts.mlp.w2", p, i);
+		}
+		add(w, PART_PLAIN, -1, 1, H, 0, 0, "transformer.norm_f.weight");
+		if (!c->tie_word_embeddings)
+			add(w, PART_PLAIN, -1, 2, V, H, 0, "lm_head.weight");
+		return 0;
+	}
 	add(w, PART_PLAIN, -1, 2, V, H, 0, "model.embed_tokens.weight");
 	for (int64_t i = 0; i < L; i++) {
 		const char *p = "model.layers.";
@@ -499,8 +563,43 @@ static json_t *eos_json(const struct mlens_model_config *c)
 	return a;
 }
 
+/* DBRX's nested config.json, as its published files have it. */
+static json_t *config_json_dbrx(const struct mlens_model_config *c)
+{
+	json_t *clip = c->clip_qkv > 0 ? json_real(c->clip_qkv) : json_null();
+
+	/* rope_theta in attn_config as DBRX's files have it, and in
+	 * rope_parameters, which transformers 5 reads instead */
+	return json_pack("{s:[s], s:{s:f, s:o, s:I, s:f}, s:I, s:o, s:{s:{s:s}, s:I, s:f, s:f, s:I, s:f, s:I}, s:f, s:I, s:s, s:I, s:I, s:{s:s, s:f}, s:b, s:s, s:s, s:b, s:I}",
+			 "architectures", "DbrxForCausalLM",
+			 "attn_config", "attn_pdrop", 0.0, "clip_qkv", clip,
+			 "kv_n_heads", (json_int_t)c->num_key_value_heads,
+			 "rope_theta", c->rope_theta,
+			 "d_model", (json_int_t)c->hidden_size,
+			 "eos_token_id", eos_json(c),
+			 "ffn_config", "ffn_act_fn", "name", "silu",
+			 "ffn_hidden_size", (json_int_t)c->intermediate_size,
+			 "moe_jitter_eps", 0.0, "moe_loss_weight", 0.0,
+			 "moe_num_experts", (json_int_t)c->num_local_experts,
+			 "moe_normalize_expert_weights", 1.0,
+			 "moe_top_k", (json_int_t)c->num_experts_per_tok,
+			 "initializer_range", 0.02,
+			 "max_seq_len", (json_int_t)c->max_position_embeddings,
+			 "model_type", "dbrx",
+			 "n_heads", (json_int_t)c->num_attention_heads,
+			 "n_layers", (json_int_t)c->num_hidden_layers,
+			 "rope_parameters", "rope_type", "default", "rope_theta", c->rope_theta,
+			 "tie_word_embeddings", (int)c->tie_word_embeddings,
+			 "torch_dtype", dtype_hf(c->dtype),
+			 "transformers_version", "4.46.0",
+			 "use_cache", 1,
+			 "vocab_size", (json_int_t)c->vocab_size);
+}
+
 static json_t *config_json(const struct mlens_model_config *c)
 {
+	if (is_dbrx(c))
+		return config_json_dbrx(c);
 	return json_pack("{s:[s], s:f, s:i, s:o, s:I, s:s, s:I, s:f, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:b, s:f, s:f, s:f, s:n, s:b, s:s, s:s, s:b, s:I}",
 			 "architectures", "MixtralForCausalLM",
 			 "attention_dropout", 0.0,
@@ -592,6 +691,13 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	rc = mlens_model_parse_config(text, strlen(text), "model settings", &check, err, errlen);
 	if (rc)
 		goto out;
+	if (check.head_dim != w.cfg.head_dim) {
+		/* DBRX's config has no head_dim: it is d_model / n_heads */
+		mlens_errf(err, errlen, "model settings: a DBRX head dimension is hidden size / heads (%" PRId64 "), not %" PRId64,
+			   check.head_dim, w.cfg.head_dim);
+		rc = -EINVAL;
+		goto out;
+	}
 	rc = build_specs(&w);
 	{
 		/* MLENS_MKMODEL_THREADS: for tests (the bytes must not depend on it) */

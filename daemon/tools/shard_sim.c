@@ -143,6 +143,12 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 		mlens_errf(err, errlen, "shard simulation: the plan was made for another model");
 		return -EINVAL;
 	}
+	if (m->cfg.norm_kind != MLENS_NORM_RMS || m->cfg.w2_transposed || m->cfg.clip_qkv > 0) {
+		/* its ranks slice Mixtral's layout and norm the rows themselves */
+		mlens_errf(err, errlen, "shard simulation: %s is not simulated (Mixtral only)",
+			   m->cfg.architecture);
+		return -ENOTSUP;
+	}
 	if (m->cfg.expert_dtype == MLENS_DT_F8_E4M3) {
 		/* its expert slices would need their scales sliced too */
 		mlens_errf(err, errlen, "shard simulation: %s has fp8 experts; the simulation takes bf16, fp16 or fp32 experts",

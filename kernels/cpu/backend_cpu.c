@@ -146,6 +146,35 @@ static int cpu_rmsnorm(void *ctx, float *out, const float *x, const void *w,
 	return 0;
 }
 
+static int cpu_layernorm(void *ctx, float *out, const float *x, const void *w,
+			 enum mlens_dtype dt, int n, int dim, float eps)
+{
+	for (int i = 0; i < n; i++) {
+		const float *xi = x + (size_t)i * dim;
+		float *oi = out + (size_t)i * dim;
+		double s = 0.0, ss = 0.0;
+		for (int j = 0; j < dim; j++)
+			s += xi[j];
+		float mean = (float)(s / dim);
+		/* two passes: the variance of the centred values, as torch's */
+		for (int j = 0; j < dim; j++)
+			ss += ((double)xi[j] - mean) * ((double)xi[j] - mean);
+		float r = (float)(1.0 / sqrt(ss / dim + (double)eps));
+		for (int j = 0; j < dim; j++)
+			oi[j] = ((xi[j] - mean) * r) * mlens_load(w, dt, (size_t)j);
+	}
+	return 0;
+}
+
+static int cpu_clamp(void *ctx, float *x, int rows, int cols, float limit)
+{
+	if (rows < 0 || cols < 0 || !(limit >= 0))
+		return -EINVAL;
+	for (size_t i = 0; i < (size_t)rows * (size_t)cols; i++)
+		x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];
+	return 0;
+}
+
 static int cpu_rope(void *ctx, float *x, const int32_t *pos, int n, int n_heads,
 		    int head_dim, float theta)
 {
@@ -236,6 +265,59 @@ static int cpu_gemm(void *ctx, float *out, const float *x, const void *w,
 	return gemm_scaled(ctx, out, x, w, dt, NULL, NULL, n, k, m, accumulate);
 }
 
+/* out[n][m] = x[n][k] . W[k][m], W stored with its output dimension last
+ * (DBRX's w2). A task owns a band of output columns and adds W's rows into
+ * it in order: deterministic, and no row's result depends on the others. */
+struct gemm_kn_job {
+	float *out;
+	const float *x;
+	const void *w;
+	enum mlens_dtype dt;
+	int n, k, m;
+	int cols_per_task;
+	struct scratch sc;
+};
+
+static void gemm_kn_task(void *arg, int task, int thread)
+{
+	struct gemm_kn_job *j = arg;
+	int c0 = task * j->cols_per_task;
+	int cw = c0 + j->cols_per_task < j->m ? j->cols_per_task : j->m - c0;
+	size_t es = mlens_dtype_size(j->dt);
+	float *buf = scratch_get(&j->sc, thread);
+
+	for (int i = 0; i < j->n; i++)
+		memset(j->out + (size_t)i * j->m + c0, 0, (size_t)cw * sizeof(float));
+	for (int r = 0; r < j->k; r++) {
+		const char *wr = (const char *)j->w + ((size_t)r * j->m + c0) * es;
+		const float *row = (const float *)wr;
+		if (j->dt != MLENS_DTYPE_F32) {
+			load_row(buf, wr, j->dt, 0, cw);
+			row = buf;
+		}
+		for (int i = 0; i < j->n; i++) {
+			float a = j->x[(size_t)i * j->k + r];
+			float *o = j->out + (size_t)i * j->m + c0;
+			for (int c = 0; c < cw; c++)
+				o[c] += a * row[c];
+		}
+	}
+}
+
+static int cpu_gemm_kn(void *ctx, float *out, const float *x, const void *w,
+		       enum mlens_dtype dt, int n, int k, int m)
+{
+	struct mlens_cpu_ctx *c = ctx;
+	struct gemm_kn_job j = { out, x, w, dt, n, k, m, 64, { 0 } };
+	if (n <= 0 || m <= 0)
+		return 0;
+	if (scratch_init(&j.sc, mlens_pool_size(c->pool), (size_t)j.cols_per_task))
+		return -ENOMEM;
+	mlens_pool_run(c->pool, (m + j.cols_per_task - 1) / j.cols_per_task, gemm_kn_task, &j);
+	scratch_fini(&j.sc);
+	return 0;
+}
+
 /* ==== router and experts ==== */
 
 static int cpu_router(void *ctx, int32_t *ids, float *weights, const float *logits,
@@ -291,6 +373,10 @@ static int cpu_moe(void *ctx, float *out, const float *x, int n, const int32_t *
 		rc = -ENOMEM;
 		goto out;
 	}
+	if (fp8 && w->w2_transposed) {
+		rc = -ENOTSUP;	/* the loader refuses fp8 experts stored transposed */
+		goto out;
+	}
 	for (int e = 0; e < w->n_experts; e++) {
 		int cnt = 0;
 		/* token permutation: gather the rows routed to expert e */
@@ -319,8 +405,10 @@ static int cpu_moe(void *ctx, float *out, const float *x, int n, const int32_t *
 			goto out;
 		for (size_t t = 0; t < (size_t)cnt * I; t++)
 			g[t] = g[t] / (1.0f + expf(-g[t])) * u[t];
-		if ((rc = gemm_scaled(ctx, y, g, w->w2[e], w->dtype, ws, fp8 ? w->s2[e] : NULL, cnt, I,
-				      H, false)))
+		rc = w->w2_transposed ? cpu_gemm_kn(ctx, y, g, w->w2[e], w->dtype, cnt, I, H)
+				      : gemm_scaled(ctx, y, g, w->w2[e], w->dtype, ws, fp8 ? w->s2[e] : NULL,
+						    cnt, I, H, false);
+		if (rc)
 			goto out;
 		/* and back: scale and add into each token's row */
 		for (int r = 0; r < cnt; r++) {
@@ -636,6 +724,8 @@ static const struct mlens_backend_ops cpu_ops = {
 	 * are, so a rounded x would change its product */
 	.round = cpu_round,
 	.attn_decode_half = cpu_attn_decode_half,
+	.layernorm = cpu_layernorm,
+	.clamp = cpu_clamp,
 };
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o)

@@ -430,16 +430,24 @@ static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
 
 /* out[n][m] (+)= x[n][k] . W[m][k]^T with x already in W's dtype. Row-major
  * out is column-major [m][n]: out = W^T(op T on the [k][m] view) . x. */
+static int gemm_typed_layout(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
+			     const void *x, const void *w, bool w_km, enum mlens_dtype dt, int n,
+			     int k, int m, float alpha, float beta)
+{
+	cudaDataType_t t = cuda_dtype(dt);
+	int ld = k > 0 ? k : 1;	/* cuBLAS wants ld >= 1 even for k = 0 */
+	/* w_km: W stored [k][m] (DBRX's w2), column-major [m][k]: no op */
+	CUBLAS_RET(cublasGemmEx(c->blas, w_km ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, m, n, k,
+				&alpha, w, t, w_km ? (m > 0 ? m : 1) : ld, x, t, ld, &beta, out,
+				cuda_dtype(ot), m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+	return 0;
+}
+
 static int gemm_typed_to(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot, const void *x,
 			 const void *w, enum mlens_dtype dt, int n, int k, int m, float alpha,
 			 float beta)
 {
-	cudaDataType_t t = cuda_dtype(dt);
-	int ld = k > 0 ? k : 1;	/* cuBLAS wants ld >= 1 even for k = 0 */
-	CUBLAS_RET(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, t, ld,
-				x, t, ld, &beta, out, cuda_dtype(ot), m, CUBLAS_COMPUTE_32F,
-				CUBLAS_GEMM_DEFAULT));
-	return 0;
+	return gemm_typed_layout(c, out, ot, x, w, false, dt, n, k, m, alpha, beta);
 }
 
 /* The same with an fp32 output, as every product but the experts' gate
@@ -457,8 +465,9 @@ static int valid_dtype(enum mlens_dtype dt)
 
 /* The exact product from split activations (see the top of the file):
  * part j of x[n][k] is at xp + j * part_bytes. */
-static int gemm_parts(struct mlens_cuda_ctx *c, float *out, const char *xp, size_t part_bytes,
-		      const void *w, enum mlens_dtype dt, int n, int k, int m, float beta)
+static int gemm_parts_layout(struct mlens_cuda_ctx *c, float *out, const char *xp,
+			     size_t part_bytes, const void *w, bool w_km, enum mlens_dtype dt,
+			     int n, int k, int m, float beta)
 {
 	const float inv = 1.0f / mlens_cuda_split_scale(dt);
 	float alpha = inv * inv;
@@ -466,13 +475,20 @@ static int gemm_parts(struct mlens_cuda_ctx *c, float *out, const char *xp, size
 
 	/* smallest part first, so that each add sees the larger sum last */
 	for (int j = MLENS_CUDA_SPLIT_PARTS - 1; j >= 0; j--) {
-		rc = gemm_typed(c, out, xp + (size_t)j * part_bytes, w, dt, n, k, m, alpha, beta);
+		rc = gemm_typed_layout(c, out, MLENS_DTYPE_F32, xp + (size_t)j * part_bytes, w, w_km,
+				       dt, n, k, m, alpha, beta);
 		if (rc)
 			return rc;
 		alpha *= mlens_cuda_split_scale(dt);
 		beta = 1.0f;
 	}
 	return 0;
+}
+
+static int gemm_parts(struct mlens_cuda_ctx *c, float *out, const char *xp, size_t part_bytes,
+		      const void *w, enum mlens_dtype dt, int n, int k, int m, float beta)
+{
+	return gemm_parts_layout(c, out, xp, part_bytes, w, false, dt, n, k, m, beta);
 }
 
 /* Output widths up to this run fp32 x fp32 on widened weights. */
@@ -686,11 +702,12 @@ static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c,
  * part_bytes set, x is split (parts that far apart) and the product exact;
  * out of dtype ot (fp32 when split). */
 static int expert_gemm(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot, const char *x,
-		       size_t part_bytes, const void *w, enum mlens_dtype dt, int n, int k, int m)
+		       size_t part_bytes, const void *w, bool w_km, enum mlens_dtype dt, int n,
+		       int k, int m)
 {
 	if (part_bytes)
-		return gemm_parts(c, (float *)out, x, part_bytes, w, dt, n, k, m, 0.0f);
-	return gemm_typed_to(c, out, ot, x, w, dt, n, k, m, 1.0f, 0.0f);
+		return gemm_parts_layout(c, (float *)out, x, part_bytes, w, w_km, dt, n, k, m, 0.0f);
+	return gemm_typed_layout(c, out, ot, x, w, w_km, dt, n, k, m, 1.0f, 0.0f);
 }
 
 /* Make MoE stream i the one that the launchers and cuBLAS use, with its
@@ -784,10 +801,10 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 			size_t r = (size_t)r0 + off;
 			/* gate and up as two calls: one strided-batched call of
 			 * both ran slower (bench_cuda moe-gemm, "gu batched") */
-			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w1, cdt, n, H,
-					      I)) ||
-			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w3, cdt, n, H,
-					      I)))
+			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w1, false, cdt,
+					      n, H, I)) ||
+			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w3, false, cdt,
+					      n, H, I)))
 				return rc;
 			if (split) {
 				/* the product in fp32 over g, then split for the down GEMM */
@@ -800,8 +817,8 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 							     (size_t)n * I))) {
 				return rc;
 			}
-			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w2, cdt, n,
-					      I, H)))
+			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w2,
+					      w->w2_transposed, cdt, n, I, H)))
 				return rc;
 		}
 	}
@@ -881,11 +898,13 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 ||
 	    !(valid_dtype(w->dtype) || (fp8 && w->s1 && w->s2 && w->s3)))
 		return -EINVAL;
+	if (fp8 && w->w2_transposed)
+		return -ENOTSUP;	/* the loader refuses fp8 experts stored transposed */
 	if (!n)
 		return 0;
 	if (S < 1 || S > MLENS_MOE_STREAMS_MAX)
 		return -EINVAL;	/* checked when the context was made */
-	/* the layout that mlens_gpuplan_moe_scratch (daemon/plan/gpuplan.c) counts:
+	/* the layout that mlens_gpu_plan_moe_scratch (daemon/plan/gpu_plan.c) counts:
 	 * the pieces are slices of one area of MLENS_CUDA_MOE_GU_ROWS rows, each
 	 * slice aligned */
 	prow = mlens_moe_piece_rows(rows, S);
@@ -1025,6 +1044,17 @@ static int cuda_embed(void *ctx, float *out, const void *table, enum mlens_dtype
 		      int dim, const int32_t *tokens, int n)
 {
 	return mlens_cuda_embed((struct mlens_cuda_ctx *)ctx, out, table, dt, dim, tokens, n);
+}
+
+static int cuda_layernorm(void *ctx, float *out, const float *x, const void *w,
+			  enum mlens_dtype dt, int n, int dim, float eps)
+{
+	return mlens_cuda_layernorm((struct mlens_cuda_ctx *)ctx, out, x, w, dt, n, dim, eps);
+}
+
+static int cuda_clamp(void *ctx, float *x, int rows, int cols, float limit)
+{
+	return mlens_cuda_clamp((struct mlens_cuda_ctx *)ctx, x, rows, cols, limit);
 }
 
 static int cuda_rmsnorm(void *ctx, float *out, const float *x, const void *w,
@@ -1423,6 +1453,8 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_mem_info,
 	cuda_device_name,
 	cuda_bus_id,
+	cuda_layernorm,
+	cuda_clamp,
 };
 
 extern "C" bool mlens_cuda_available(void)

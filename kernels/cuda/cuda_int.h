@@ -195,6 +195,9 @@ int mlens_cuda_embed(struct mlens_cuda_ctx *c, float *out, const void *table,
 		     enum mlens_dtype dt, int dim, const int32_t *tokens, int n);
 int mlens_cuda_rmsnorm(struct mlens_cuda_ctx *c, float *out, const float *x, const void *w,
 		       enum mlens_dtype dt, int n, int dim, float eps);
+int mlens_cuda_layernorm(struct mlens_cuda_ctx *c, float *out, const float *x, const void *w,
+			 enum mlens_dtype dt, int n, int dim, float eps);
+int mlens_cuda_clamp(struct mlens_cuda_ctx *c, float *x, int rows, int cols, float limit);
 int mlens_cuda_rope(struct mlens_cuda_ctx *c, float *x, const int32_t *pos, int n,
 		    int n_heads, int head_dim, float theta);
 int mlens_cuda_router(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,

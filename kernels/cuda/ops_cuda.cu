@@ -160,6 +160,61 @@ int mlens_cuda_rmsnorm(struct mlens_cuda_ctx *c, float *out, const float *x, con
 	return 0;
 }
 
+/* ==== LayerNorm (no bias) and clamp ==== */
+
+__global__ void layernorm_kernel(float *out, const float *x, const void *w,
+				 enum mlens_dtype dt, int dim, float eps)
+{
+	__shared__ double sh[32];
+	const float *xi = x + (size_t)blockIdx.x * dim;
+	float *oi = out + (size_t)blockIdx.x * dim;
+	double s = 0.0, ss = 0.0;
+	for (int j = threadIdx.x; j < dim; j += blockDim.x)
+		s += xi[j];
+	s = block_sum(s, sh);
+	float mean = (float)(s / dim);
+	/* two passes over the row, in double, as the CPU */
+	for (int j = threadIdx.x; j < dim; j += blockDim.x)
+		ss += ((double)xi[j] - mean) * ((double)xi[j] - mean);
+	ss = block_sum(ss, sh);
+	float r = (float)(1.0 / sqrt(ss / dim + (double)eps));
+	for (int j = threadIdx.x; j < dim; j += blockDim.x)
+		oi[j] = __fmul_rn(__fmul_rn(__fsub_rn(xi[j], mean), r), load_elem(w, dt, (size_t)j));
+}
+
+int mlens_cuda_layernorm(struct mlens_cuda_ctx *c, float *out, const float *x, const void *w,
+			 enum mlens_dtype dt, int n, int dim, float eps)
+{
+	if (n < 0 || dim <= 0)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	layernorm_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(out, x, w, dt, dim, eps);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void clamp_kernel(float *x, size_t n, float limit)
+{
+	for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+	     i += (size_t)gridDim.x * blockDim.x)
+		x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];	/* NaN stays */
+}
+
+int mlens_cuda_clamp(struct mlens_cuda_ctx *c, float *x, int rows, int cols, float limit)
+{
+	size_t n = (size_t)rows * (size_t)cols, blocks;
+	if (rows < 0 || cols < 0 || !(limit >= 0))
+		return -EINVAL;
+	if (!n)
+		return 0;
+	blocks = (n + MLENS_CUDA_THREADS - 1) / MLENS_CUDA_THREADS;
+	clamp_kernel<<<blocks < 65535 ? (unsigned)blocks : 65535u, MLENS_CUDA_THREADS, 0,
+		       c->stream>>>(x, n, limit);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
 /* ==== RoPE ==== */
 
 __global__ void rope_kernel(float *x, const int32_t *pos, const float *inv, int n_heads,

@@ -24,6 +24,9 @@ int mlens_bench_client(int argc, char **argv);
 /* A real mlensd driven through libmlens by client threads: tokens/s, time
  * to first token, engine busy; with CUDA, the GEMM/HBM bound (bench_serve.c). */
 int mlens_bench_serve(int argc, char **argv);
+/* One engine step in this process, op by op, on the CPU or CUDA backend
+ * (bench_ops.c). */
+int mlens_bench_ops(int argc, char **argv);
 /* The hybrid performance model on a recorded profile cache and a model's
  * config.json: n_real and the predicted steady state (bench_predict.c). */
 int mlens_bench_predict(int argc, char **argv);

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/pipeline.h"
 #include "tests/testmodel.h"
 
@@ -100,8 +100,8 @@ int main(int argc, char **argv)
 	struct mlens_engine *e;
 	struct mlens_model *m;
 	struct mlens_perf_model pm;
-	struct mlens_gpuplan plan;
-	struct mlens_gpuplan_in in = { 0 };
+	struct mlens_gpu_plan plan;
+	struct mlens_gpu_plan_in in = { 0 };
 	struct mlens_engine_opts eo = { .kv_dtype = -1 };
 	struct result hy, go;
 	char err[512], line[512];
@@ -140,7 +140,7 @@ int main(int argc, char **argv)
 	in.budget = UINT64_MAX / 4;
 	in.max_tokens = cap;
 	in.min_tokens = cap;
-	if ((rc = mlens_gpuplan_make(&pm, &in, &plan, err, sizeof(err)))) {
+	if ((rc = mlens_gpu_plan_make(&pm, &in, &plan, err, sizeof(err)))) {
 		fprintf(stderr, "bench_hybrid: %s\n", err);
 		return 1;
 	}
@@ -149,13 +149,20 @@ int main(int argc, char **argv)
 	if (mlens_backend_create(&g, "cuda", &bo) || mlens_backend_cpu_create(&c, &bo))
 		return 1;
 	eo.attn_backend = &c;
-	eo.gpu_budget = plan.minimum;
+	/* the plan the pipeline runs: every expert streamed, at that minimum */
+	in.budget = plan.minimum;
+	in.min_tokens = 0;
+	if ((rc = mlens_gpu_plan_make(&pm, &in, &plan, err, sizeof(err)))) {
+		fprintf(stderr, "bench_hybrid: %s\n", err);
+		return 1;
+	}
+	eo.plan = &plan;
 	eo.hybrid_groups = groups;
 	if ((rc = mlens_engine_create(&e, m, &g, &eo, err, sizeof(err)))) {
 		fprintf(stderr, "bench_hybrid: %s\n", err);
 		return 1;
 	}
-	mlens_gpuplan_format(mlens_pipeline_plan(mlens_engine_pipeline(e)), &pm, line, sizeof(line));
+	mlens_gpu_plan_format(mlens_pipeline_plan(mlens_engine_pipeline(e)), &pm, line, sizeof(line));
 	fprintf(stderr, "%s\n", line);
 	rc = run(e, n_seq, ctx, ts.vocab, &hy);
 	mlens_engine_destroy(e);

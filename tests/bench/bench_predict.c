@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/config.h"
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/kv_pool.h"
 #include "daemon/model/model.h"
 #include "daemon/plan/perfmodel.h"
@@ -147,8 +147,8 @@ int mlens_bench_predict(int argc, char **argv)
 	st.hybrid = true;
 	st.kv_tokens = kv_tokens;
 	st.gpu_budget = gpu;
-	st.gpu_workspace = MLENS_GPUPLAN_WORKSPACE;
-	st.chunk = MLENS_GPUPLAN_CHUNK;
+	st.gpu_workspace = MLENS_GPU_PLAN_WORKSPACE;
+	st.chunk = MLENS_GPU_PLAN_CHUNK;
 	st.plan_in.group = group;
 	st.plan_in.gemm = gemm;
 	st.plan_in.sets = (int)sets;

@@ -8,7 +8,10 @@
  * memory reads while such a copy runs, the expert GEMM rate, HBM) and
  * prints the bound they set: the hybrid pipeline's, the HBM one
  * for GPU-only. --predict sets the daemon's performance model beside it at
- * the step size the scheduler really reaches. Formulas: at the functions. */
+ * the step size the scheduler really reaches. Lengths: one (p, g), ranges
+ * drawn log-uniform, or a file of pairs; the bound follows the mix, and the
+ * steps' tokens and KV occupancy are sampled for their percentiles.
+ * Formulas: at the functions. */
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
@@ -29,6 +32,7 @@
 #include "daemon/config.h"
 #include "daemon/mem.h"
 #include "daemon/model/model.h"
+#include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "kernels/cpu/pool.h"
 #include "tests/bench/bench.h"
@@ -46,8 +50,14 @@ struct serve_opts {
 	const char *daemon_args[MAX_DAEMON_ARGS];
 	int n_daemon_args;
 	int prompt_len, gen_len, requests, concurrency, threads, max_step_tokens;
+	/* the lengths' ranges (lo == hi: fixed) and the pairs of --lengths */
+	int prompt_lo, prompt_hi, gen_lo, gen_hi;
+	const char *lengths_file;
+	uint64_t seed;
 	double start_timeout, run_timeout;
 	bool json, keep_log, predict, no_ceilings;
+	/* each request's lengths (and, from a file, its line) */
+	int *req_p, *req_g, *req_line;
 };
 
 /* SIGTERM or SIGINT while serving: the clients stop with what is in
@@ -285,6 +295,209 @@ static double jopt(json_t *o, const char *key)
 	return json_is_number(v) ? json_number_value(v) : NAN;
 }
 
+/* ==== the lengths ==== */
+
+static uint64_t mix64(uint64_t x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdull;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ull;
+	return x ^ (x >> 33);
+}
+
+
+/* "N" or "LO:HI" (1 <= LO <= HI): 0, or -1 with a message. */
+static int parse_range(const char *flag, const char *arg, int *lo, int *hi)
+{
+	char buf[64], *colon;
+	long long a, b;
+	if (strlen(arg) >= sizeof(buf))
+		goto bad;
+	snprintf(buf, sizeof(buf), "%s", arg);
+	colon = strchr(buf, ':');
+	if (colon)
+		*colon = 0;
+	a = mlens_bench_parse_count(buf);
+	b = colon ? mlens_bench_parse_count(colon + 1) : a;
+	if (a < 1 || b < a || b > 1 << 30)
+		goto bad;
+	*lo = (int)a;
+	*hi = (int)b;
+	return 0;
+bad:
+	fprintf(stderr, "serve: %s '%s': give a length N or a range LO:HI with 1 <= LO <= HI\n", flag, arg);
+	return -1;
+}
+
+static uint64_t rng_next(uint64_t *st)
+{
+	*st += 0x9e3779b97f4a7c15ull;
+	return mix64(*st);
+}
+
+/* A whole number in [lo, hi], log-uniform: ln(x) uniform over
+ * [ln lo, ln(hi + 1)), floored (each octave gets as many requests). */
+static int log_uniform(uint64_t *st, int lo, int hi)
+{
+	double u = (double)(rng_next(st) >> 11) / 9007199254740992.0;
+	int x = (int)floor(exp(log((double)lo) + u * (log((double)hi + 1.0) - log((double)lo))));
+	return x < lo ? lo : x > hi ? hi : x;
+}
+
+/* The pairs of a --lengths file: one "P G" a line (blank lines and lines
+ * that start with '#' skipped), whole numbers >= 1. Request i takes pair
+ * i mod n, in the file's order. 0, or -1 with FILE:LINE and what is
+ * wrong. */
+static int read_lengths(const char *path, int **pp, int **gp, int **lp, int *n_out)
+{
+	FILE *f = fopen(path, "r");
+	char line[256];
+	int n = 0, cap = 0, ln = 0, rc = -1;
+	int *P = NULL, *G = NULL, *Ln = NULL;
+	if (!f) {
+		fprintf(stderr, "serve: --lengths %s: %s\n", path, strerror(errno));
+		return -1;
+	}
+	while (fgets(line, sizeof(line), f)) {
+		long long a, b;
+		char *s1 = line, *e;
+		ln++;
+		if (!strchr(line, '\n') && !feof(f)) {
+			fprintf(stderr, "serve: %s:%d: line longer than %zu characters\n", path, ln,
+				sizeof(line) - 2);
+			goto out;
+		}
+		line[strcspn(line, "\r\n")] = 0;
+		while (*s1 == ' ' || *s1 == '\t')
+			s1++;
+		if (!*s1 || *s1 == '#')
+			continue;
+		errno = 0;
+		a = strtoll(s1, &e, 10);
+		if (e == s1 || errno || (*e != ' ' && *e != '\t')) {
+			fprintf(stderr, "serve: %s:%d: '%s': expected two whole numbers \"P G\" (prompt and "
+				"generation lengths)\n", path, ln, s1);
+			goto out;
+		}
+		s1 = e;
+		b = strtoll(s1, &e, 10);
+		while (*e == ' ' || *e == '\t')
+			e++;
+		if (e == s1 || errno || *e) {
+			fprintf(stderr, "serve: %s:%d: '%s': expected two whole numbers \"P G\" (prompt and "
+				"generation lengths) and nothing after them\n", path, ln, line);
+			goto out;
+		}
+		if (a < 1 || b < 1 || a > 1 << 30 || b > 1 << 30) {
+			fprintf(stderr, "serve: %s:%d: prompt %lld, generation %lld: both must be between 1 and %d\n",
+				path, ln, a, b, 1 << 30);
+			goto out;
+		}
+		if (n == cap) {
+			int nc = cap ? 2 * cap : 256;
+			int *np = realloc(P, (size_t)nc * sizeof(*P)), *ng, *nl;
+			if (np)
+				P = np;
+			ng = np ? realloc(G, (size_t)nc * sizeof(*G)) : NULL;
+			if (ng)
+				G = ng;
+			nl = ng ? realloc(Ln, (size_t)nc * sizeof(*Ln)) : NULL;
+			if (!nl) {
+				fprintf(stderr, "serve: %s: out of memory\n", path);
+				goto out;
+			}
+			Ln = nl;
+			cap = nc;
+		}
+		P[n] = (int)a;
+		G[n] = (int)b;
+		Ln[n++] = ln;
+	}
+	if (ferror(f)) {
+		fprintf(stderr, "serve: --lengths %s: read error\n", path);
+		goto out;
+	}
+	if (!n) {
+		fprintf(stderr, "serve: %s: no \"P G\" line\n", path);
+		goto out;
+	}
+	*pp = P;
+	*gp = G;
+	*lp = Ln;
+	*n_out = n;
+	P = G = Ln = NULL;
+	rc = 0;
+out:
+	fclose(f);
+	free(P);
+	free(G);
+	free(Ln);
+	return rc;
+}
+
+/* Every request's lengths: from the file, else drawn from the ranges
+ * (prompt, then generation, request by request, from --seed). 0 or -1. */
+static int make_lengths(struct serve_opts *o)
+{
+	int *fp = NULL, *fg = NULL, *fl = NULL, nf = 0;
+	uint64_t st = o->seed;
+	if (o->lengths_file && read_lengths(o->lengths_file, &fp, &fg, &fl, &nf))
+		return -1;
+	o->req_p = malloc((size_t)o->requests * sizeof(int));
+	o->req_g = malloc((size_t)o->requests * sizeof(int));
+	o->req_line = calloc((size_t)o->requests, sizeof(int));
+	if (!o->req_p || !o->req_g || !o->req_line) {
+		free(fp);
+		free(fg);
+		free(fl);
+		fprintf(stderr, "serve: out of memory for %d requests' lengths\n", o->requests);
+		return -1;
+	}
+	for (int i = 0; i < o->requests; i++) {
+		if (nf) {
+			o->req_p[i] = fp[i % nf];
+			o->req_g[i] = fg[i % nf];
+			o->req_line[i] = fl[i % nf];
+		} else {
+			o->req_p[i] = log_uniform(&st, o->prompt_lo, o->prompt_hi);
+			o->req_g[i] = log_uniform(&st, o->gen_lo, o->gen_hi);
+		}
+	}
+	if (nf) {	/* the ranges the file's pairs span */
+		o->prompt_lo = o->prompt_hi = fp[0];
+		o->gen_lo = o->gen_hi = fg[0];
+		for (int i = 1; i < nf; i++) {
+			o->prompt_lo = fp[i] < o->prompt_lo ? fp[i] : o->prompt_lo;
+			o->prompt_hi = fp[i] > o->prompt_hi ? fp[i] : o->prompt_hi;
+			o->gen_lo = fg[i] < o->gen_lo ? fg[i] : o->gen_lo;
+			o->gen_hi = fg[i] > o->gen_hi ? fg[i] : o->gen_hi;
+		}
+	}
+	free(fp);
+	free(fg);
+	free(fl);
+	return 0;
+}
+
+/* The requests' moments at blocks of block_tokens (perfmodel.h). */
+static int lengths_mix(const struct serve_opts *o, int block_tokens, struct mlens_perf_mix *mix)
+{
+	double *P = malloc((size_t)o->requests * sizeof(double));
+	double *G = malloc((size_t)o->requests * sizeof(double));
+	int rc = -ENOMEM;
+	if (P && G) {
+		for (int i = 0; i < o->requests; i++) {
+			P[i] = o->req_p[i];
+			G[i] = o->req_g[i];
+		}
+		rc = mlens_perf_mix_of(P, G, (size_t)o->requests, block_tokens, mix);
+	}
+	free(P);
+	free(G);
+	return rc;
+}
+
 /* ==== the clients ==== */
 
 struct req_rec {
@@ -322,15 +535,6 @@ struct client_arg {
 	int rc;
 };
 
-static uint64_t mix64(uint64_t x)
-{
-	x ^= x >> 33;
-	x *= 0xff51afd7ed558ccdull;
-	x ^= x >> 33;
-	x *= 0xc4ceb9fe1a85ec53ull;
-	return x ^ (x >> 33);
-}
-
 static void *client_main(void *argp)
 {
 	struct client_arg *a = argp;
@@ -338,7 +542,7 @@ static void *client_main(void *argp)
 	const struct serve_opts *o = r->o;
 	int cap = o->concurrency / o->threads + (a->idx < o->concurrency % o->threads);
 	int inflight = 0, n_ids = 0, rc;
-	int32_t *prompt = malloc((size_t)o->prompt_len * sizeof(*prompt));
+	int32_t *prompt = malloc((size_t)o->prompt_hi * sizeof(*prompt));
 	int *id_req = malloc((size_t)o->requests * sizeof(*id_req));	/* id - 1 -> request */
 	struct mlens_event ev[256];
 	struct mlens *m = NULL;
@@ -370,11 +574,11 @@ static void *client_main(void *argp)
 				more = false;
 				break;
 			}
-			for (int j = 0; j < o->prompt_len; j++)
+			for (int j = 0; j < o->req_p[i]; j++)
 				prompt[j] = (int32_t)(mix64(((uint64_t)i << 24) + (uint64_t)j + 1) % r->vocab);
 			q.prompt = prompt;
-			q.n_prompt = (uint32_t)o->prompt_len;
-			q.max_tokens = (uint32_t)o->gen_len;
+			q.n_prompt = (uint32_t)o->req_p[i];
+			q.max_tokens = (uint32_t)o->req_g[i];
 			q.flags = MLENS_REQ_IGNORE_EOS;	/* every request gen_len tokens */
 			/* not waiting: the daemon takes submissions only while our
 			 * completion ring has room, so with the rings full this
@@ -430,7 +634,7 @@ static void *client_main(void *argp)
 			rec = &r->recs[id_req[ev[e].id - 1]];
 			if (ev[e].flags & MLENS_EV_FIRST) {
 				rec->t_first = t;
-				bin_add(r, r->prompt_bins, t, (uint64_t)o->prompt_len);
+				bin_add(r, r->prompt_bins, t, (uint64_t)o->req_p[id_req[ev[e].id - 1]]);
 			}
 			if (ev[e].flags & MLENS_EV_TOKEN) {
 				rec->tokens++;
@@ -459,12 +663,13 @@ out:
 /* The stats the steady-state window and the achieved rates need; the
  * busy and KV-read counters are newer than the others (NAN when absent). */
 enum { K_GEN, K_PROMPT, K_STEPS, K_STEP_S, K_H2D, K_ATTN_S, K_KV_READ, K_GPU_BUSY, K_H2D_BUSY, K_APPEND_S,
-       K_KV_BLOCKS, K_KV_RUNS, K_N };
+       K_KV_BLOCKS, K_KV_RUNS, K_STEP_TOKENS, K_KV_USED, K_KV_TOTAL, K_N };
 static const char *const sample_keys[K_N] = {
 	"generation_tokens_total", "prompt_tokens_total", "steps_total", "step_seconds_sum",
 	"pcie_h2d_bytes_total", "cpu_attention_seconds_total", "kv_read_bytes_total",
 	"gpu_busy_seconds_total", "h2d_busy_seconds_total", "cpu_append_seconds_total",
 	"kv_read_blocks_total", "kv_read_block_runs_total",
+	"last_step_tokens", "kv_blocks_used", "kv_blocks_total",
 };
 
 struct sample {
@@ -472,7 +677,7 @@ struct sample {
 	double v[K_N];
 };
 
-#define SAMPLE_NS 250000000ull	/* 4 stats reads a second */
+#define SAMPLE_NS 100000000ull	/* 10 stats reads a second */
 
 struct sampler {
 	const char *path;
@@ -796,8 +1001,10 @@ out:
 /* The bound GPU-only serving can reach on this workload, from the measured
  * HBM bandwidth BW and GEMM rate R (both for the whole device).
  *
- * Steady state: B sequences run at once, each holding at most p+g tokens of
- * KV, so B <= M/(p+g) for a pool of M tokens; a step carries one decode
+ * Steady state: B sequences run at once, each holding on average occ tokens
+ * of KV (the mix's mean occupancy over the steps its requests live,
+ * perfmodel.h), so B <= M/occ for a pool of M tokens; p and g the mix's
+ * mean lengths; a step carries one decode
  * token per running sequence plus, on average, B*p/g prefill tokens (a
  * sequence's prompt once per g steps), so n = B(p+g)/g <= N_cap, the step
  * token cap. B = min(M/(p+g), N_cap*g/(p+g)).
@@ -821,7 +1028,7 @@ struct bound {
 };
 
 static void compute_bound(struct bound *bd, const struct mlens_model_config *c, double p, double g,
-			  double kv_tokens, double n_cap, double bw, double rate)
+			  double occ, double kv_tokens, double n_cap, double bw, double rate)
 {
 	double L = (double)c->num_hidden_layers, H = (double)c->hidden_size;
 	double I = (double)c->intermediate_size, E = (double)c->num_local_experts;
@@ -833,7 +1040,7 @@ static void compute_bound(struct bound *bd, const struct mlens_model_config *c, 
 	double B, n, D, pre, rows;
 
 	memset(bd, 0, sizeof(*bd));
-	B = floor(kv_tokens / (p + g));
+	B = floor(kv_tokens / occ);
 	if (floor(n_cap * g / (p + g)) < B)
 		B = floor(n_cap * g / (p + g));
 	if (B < 1)
@@ -864,7 +1071,8 @@ static void usage(FILE *f)
 	fprintf(f,
 		"usage: mlens-bench serve --model DIR [--mlensd PATH] [--backend auto|cpu|cuda]\n"
 		"       [--kv-cache SIZE] [--gpu-memory SIZE] [--max-step-tokens N] [--daemon-arg ARG]...\n"
-		"       [--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T]\n"
+		"       [--prompt-len P|LO:HI] [--gen-len G|LO:HI] [--lengths FILE] [--seed S]\n"
+		"       [--requests N] [--concurrency C] [--threads T]\n"
 		"       [--start-timeout S] [--timeout S] [--keep-log] [--daemon-log FILE] [--predict]\n"
 		"       [--no-ceilings] [--json]\n"
 		"  --keep-log: keep the daemon's temporary directory and log (kept anyway on failure)\n"
@@ -873,7 +1081,9 @@ static void usage(FILE *f)
 		"             it measures unless the daemon profiled already) for the step the\n"
 		"             scheduler reaches with its token cap and the requests in flight, and\n"
 		"             print it beside the whole-run and steady-state measurements\n"
-		"  --no-ceilings: skip the CUDA ceilings measured before the daemon starts\n");
+		"  --no-ceilings: skip the CUDA ceilings measured before the daemon starts\n"
+		"  --prompt-len/--gen-len LO:HI: each request's length drawn log-uniform in [LO, HI]\n"
+		"             (from --seed); --lengths FILE: one \"P G\" a line, requests in turn\n");
 }
 
 static json_t *jnum_or_null(double x)
@@ -983,6 +1193,53 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->short_window = w->generations < 1.0;
 }
 
+/* Step tokens and KV occupancy (blocks held / the pool's) over the steps
+ * the stats samples saw between t_a and t_b (ns): a sample counts when
+ * steps_total moved since the one before (a step it alone saw), so every
+ * sampled step counts once whatever its length. */
+struct step_dist {
+	int n;			/* steps sampled */
+	double tok[4], kv[4];	/* min, p10, p50, p90 */
+};
+
+static void step_distribution(struct step_dist *d, const struct sampler *sp, uint64_t ta, uint64_t tb)
+{
+	double *tok = malloc((sp->n + 1) * sizeof(double)), *kv = malloc((sp->n + 1) * sizeof(double));
+	static const double pct[3] = { 10, 50, 90 };
+	memset(d, 0, sizeof(*d));
+	for (int k = 0; k < 4; k++)
+		d->tok[k] = d->kv[k] = NAN;
+	if (!tok || !kv)
+		goto out;
+	for (size_t i = 1; i < sp->n; i++) {
+		const struct sample *x = &sp->s[i];
+		if (x->t < ta || x->t > tb || !(x->v[K_STEPS] > sp->s[i - 1].v[K_STEPS]) ||
+		    !isfinite(x->v[K_STEP_TOKENS]))
+			continue;
+		tok[d->n] = x->v[K_STEP_TOKENS];
+		kv[d->n++] = x->v[K_KV_TOTAL] > 0 ? x->v[K_KV_USED] / x->v[K_KV_TOTAL] : NAN;
+	}
+	if (!d->n)
+		goto out;
+	qsort(tok, (size_t)d->n, sizeof(double), cmp_double);
+	qsort(kv, (size_t)d->n, sizeof(double), cmp_double);
+	d->tok[0] = tok[0];
+	d->kv[0] = kv[0];
+	for (int k = 0; k < 3; k++) {
+		d->tok[k + 1] = percentile(tok, d->n, pct[k]);
+		d->kv[k + 1] = percentile(kv, d->n, pct[k]);
+	}
+out:
+	free(tok);
+	free(kv);
+}
+
+static json_t *dist_json(const double *v)
+{
+	return json_pack("{s:o,s:o,s:o,s:o}", "min", jnum_or_null(v[0]), "p10", jnum_or_null(v[1]),
+			 "p50", jnum_or_null(v[2]), "p90", jnum_or_null(v[3]));
+}
+
 /* The performance model's prediction at the step the scheduler reaches (perfmodel.h,
  * mlens_perf_sched_steady): the daemon's token cap as it ran, at most
  * min(KV sequences, --concurrency) in flight; the step's time from the
@@ -1001,12 +1258,13 @@ int mlens_bench_serve(int argc, char **argv)
 		{ "daemon-arg", 1, 0, 'a' }, { "prompt-len", 1, 0, 'p' }, { "gen-len", 1, 0, 'g' },
 		{ "requests", 1, 0, 'n' }, { "concurrency", 1, 0, 'c' }, { "threads", 1, 0, 't' },
 		{ "start-timeout", 1, 0, 'S' }, { "timeout", 1, 0, 'T' }, { "keep-log", 0, 0, 'K' },
-		{ "daemon-log", 1, 0, 'L' },
+		{ "daemon-log", 1, 0, 'L' }, { "lengths", 1, 0, 'l' }, { "seed", 1, 0, 'e' },
 		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "no-ceilings", 0, 0, 'N' },
 		{ "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
 	};
 	struct serve_opts o = {
-		.backend = "auto", .kv_cache = "1G", .prompt_len = 512, .gen_len = 128, .requests = 256,
+		.backend = "auto", .kv_cache = "1G", .prompt_lo = 512, .prompt_hi = 512, .gen_lo = 128,
+		.gen_hi = 128, .requests = 256,
 		.concurrency = 256, .threads = 4, .start_timeout = 600, .run_timeout = 3600,
 	};
 	struct daemon_proc d = { 0 };
@@ -1024,6 +1282,7 @@ int mlens_bench_serve(int argc, char **argv)
 	bool have_hb = false, have_hb_after = false, have_bd = false, hybrid;
 	double w_step = 0;	/* hybrid: the weight bytes a step streams (the bound's W) */
 	struct steady sw = { 0 };
+	struct step_dist sd = { 0 };
 	struct prediction pred = { 0 };
 	json_t *st0 = NULL, *st1 = NULL, *status = NULL, *out = NULL, *prof = NULL;
 	double *ttft = NULL, wall, busy, kv_tokens, kv_seqs, n_cap, block_tokens;
@@ -1034,12 +1293,14 @@ int mlens_bench_serve(int argc, char **argv)
 	char err[512];
 	struct mlens *probe = NULL;
 	struct mlens_limits lim = { .size = sizeof(lim) };
-	double p, g, L;
+	struct mlens_perf_mix mix, mix_b;	/* the requests' lengths, in tokens and in KV blocks */
+	double p, g, L, kv_blocks = 0;
+	int max_total = 0, max_i = 0;
 
 	optind = 1;
 	while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
 		long long v = 0;
-		if (strchr("pgnctsST", opt)) {
+		if (strchr("nctsSTe", opt)) {
 			v = mlens_bench_parse_count(optarg);
 			if (v < 0 || v > 1 << 30) {
 				fprintf(stderr, "serve: bad number '%s'\n", optarg);
@@ -1060,8 +1321,16 @@ int mlens_bench_serve(int argc, char **argv)
 			}
 			o.daemon_args[o.n_daemon_args++] = optarg;
 			break;
-		case 'p': o.prompt_len = (int)v; break;
-		case 'g': o.gen_len = (int)v; break;
+		case 'p':
+			if (parse_range("--prompt-len", optarg, &o.prompt_lo, &o.prompt_hi))
+				return 2;
+			break;
+		case 'g':
+			if (parse_range("--gen-len", optarg, &o.gen_lo, &o.gen_hi))
+				return 2;
+			break;
+		case 'l': o.lengths_file = optarg; break;
+		case 'e': o.seed = (uint64_t)v; break;
 		case 'n': o.requests = (int)v; break;
 		case 'c': o.concurrency = (int)v; break;
 		case 't': o.threads = (int)v; break;
@@ -1076,11 +1345,27 @@ int mlens_bench_serve(int argc, char **argv)
 		default: usage(stderr); return 2;
 		}
 	}
-	if (!o.model || o.prompt_len < 1 || o.gen_len < 1 || o.requests < 1 || o.concurrency < 1 ||
-	    o.threads < 1 || o.run_timeout < 1) {
+	if (!o.model || o.requests < 1 || o.concurrency < 1 || o.threads < 1 || o.run_timeout < 1) {
 		usage(stderr);
 		return 2;
 	}
+	if (make_lengths(&o))
+		return 2;
+	for (int i = 0; i < o.requests; i++) {
+		if (o.req_p[i] > o.prompt_hi)
+			o.prompt_hi = o.req_p[i];	/* the prompt buffer's size */
+		if (o.req_p[i] + o.req_g[i] > max_total) {
+			max_total = o.req_p[i] + o.req_g[i];
+			max_i = i;
+		}
+	}
+	if (lengths_mix(&o, 1, &mix)) {
+		fprintf(stderr, "serve: out of memory\n");
+		return 2;
+	}
+	/* the means: one (p, g) where a figure needs one (a fixed length's own) */
+	o.prompt_len = (int)lround(mix.prompt);
+	o.gen_len = (int)lround(mix.gen);
 	if (o.threads > o.concurrency)
 		o.threads = o.concurrency;
 	if (mlens_model_open(o.model, &model, err, sizeof(err))) {
@@ -1101,8 +1386,8 @@ int mlens_bench_serve(int argc, char **argv)
 		fprintf(stderr, "serve: %s: the model's dimensions are out of range\n", o.model);
 		goto out;
 	}
-	p = o.prompt_len;
-	g = o.gen_len;
+	p = mix.prompt;
+	g = mix.gen;
 	L = (double)pm.layers;
 
 #ifdef HAVE_CUDA
@@ -1118,7 +1403,7 @@ int mlens_bench_serve(int argc, char **argv)
 			 * count is known only later; the rate is flat up there) */
 			if (!mlens_parse_size(o.kv_cache, &kvb) && kvb > 0)
 				rows = ceil((double)kvb / (L * (double)pm.kv_token_bytes) /
-					    mlens_perf_seq_blocks(p, g, 1) * (p + g - 1) / g *
+					    mlens_perf_mix_seq_blocks(&mix) * (p + g - 1) / g *
 					    (double)pm.top_k / (double)pm.experts);
 			rows = rows < 16 ? 16 : rows > 32768 ? 32768 : rows;
 			measure_ceilings(&ceil_, (int)pm.hidden, (int)pm.inter, (int)rows);
@@ -1137,10 +1422,19 @@ int mlens_bench_serve(int argc, char **argv)
 		goto out;
 	}
 	mlens_close(probe);
-	if ((uint32_t)o.prompt_len > lim.max_prompt_tokens ||
-	    (uint32_t)(o.prompt_len + o.gen_len) > lim.max_context) {
-		fprintf(stderr, "serve: p=%d g=%d is over the daemon's limits (prompt %u, context %u)\n",
-			o.prompt_len, o.gen_len, lim.max_prompt_tokens, lim.max_context);
+	for (int i = 0; i < o.requests; i++)
+		if ((uint32_t)o.req_p[i] > lim.max_prompt_tokens) {
+			max_i = i;
+			break;
+		}
+	if ((uint32_t)o.req_p[max_i] > lim.max_prompt_tokens ||
+	    (uint32_t)(o.req_p[max_i] + o.req_g[max_i]) > lim.max_context) {
+		char where[4096 + 32] = "";
+		if (o.req_line[max_i])
+			snprintf(where, sizeof(where), "%s:%d: ", o.lengths_file, o.req_line[max_i]);
+		fprintf(stderr, "serve: %srequest %d: p=%d g=%d is over the daemon's limits (prompt %u, "
+			"context %u): shorten the lengths or raise the daemon's limits\n", where, max_i,
+			o.req_p[max_i], o.req_g[max_i], lim.max_prompt_tokens, lim.max_context);
 		goto out;
 	}
 	status = socket_json(d.control, "{\"cmd\":\"status\"}\n");
@@ -1186,7 +1480,7 @@ int mlens_bench_serve(int argc, char **argv)
 		if (r->finish == MLENS_REASON_LENGTH || r->finish == MLENS_REASON_STOP) {
 			ok++;
 			gen += (uint64_t)r->tokens;
-			prompt_tok += (uint64_t)o.prompt_len;
+			prompt_tok += (uint64_t)o.req_p[i];
 			if (r->t_first)
 				ttft[n_ttft++] = (double)(r->t_first - r->t_submit) / 1e9;
 		} else if (r->t_submit) {
@@ -1198,6 +1492,10 @@ int mlens_bench_serve(int argc, char **argv)
 			"results cover the run so far\n", stop_name(), wall, ok, o.requests);
 	qsort(ttft, (size_t)n_ttft, sizeof(*ttft), cmp_double);
 	steady_window(&sw, &run, o.requests, o.gen_len, &sp);
+	if (sw.have)
+		step_distribution(&sd, &sp, run.t0 + (uint64_t)(sw.t_start * 1e9), run.t0 + (uint64_t)(sw.t_end * 1e9));
+	else
+		step_distribution(&sd, &sp, run.t0, t1);
 	if (sw.short_window)
 		fprintf(stderr, "serve: the steady window holds about %.0f steps, less than one generation of %d: "
 			"its rates are the ramp's, not a steady state's (more --requests)\n",
@@ -1212,7 +1510,12 @@ int mlens_bench_serve(int argc, char **argv)
 	if (!(block_tokens >= 1))
 		block_tokens = 16;
 	kv_tokens = (st1 ? jnum(st1, "kv_blocks_total") : 0.0) * block_tokens;
-	kv_seqs = (st1 ? jnum(st1, "kv_blocks_total") : 0.0) / mlens_perf_seq_blocks(p, g, (int)block_tokens);
+	if (lengths_mix(&o, (int)block_tokens, &mix_b)) {
+		fprintf(stderr, "serve: out of memory\n");
+		goto out;
+	}
+	kv_blocks = st1 ? jnum(st1, "kv_blocks_total") : 0.0;
+	kv_seqs = kv_blocks / mlens_perf_mix_seq_blocks(&mix_b);
 	n_cap = st1 ? jnum(st1, "token_cap") : 4096.0;
 
 	/* what the daemon's counters say it achieved over the whole run */
@@ -1225,7 +1528,11 @@ int mlens_bench_serve(int argc, char **argv)
 		 * context, (g - 1)(p + g/2) rows per layer (re-prefills after a
 		 * preemption read nothing on the CPU; their decodes are counted) */
 		attn_src = "client-estimate";
-		attn_bytes = (double)ok * (g - 1) * (p + g / 2) * (double)pm.kv_token_bytes * L;
+		attn_bytes = 0;
+		for (int i = 0; i < o.requests; i++)
+			if (run.recs[i].finish == MLENS_REASON_LENGTH || run.recs[i].finish == MLENS_REASON_STOP)
+				attn_bytes += (o.req_g[i] - 1.0) * (o.req_p[i] + o.req_g[i] / 2.0) *
+					      (double)pm.kv_token_bytes * L;
 	}
 	attn_s = jopt(st1, "cpu_attention_seconds_total") - jopt(st0, "cpu_attention_seconds_total");
 	attn_gbs = attn_bytes / attn_s / 1e9;
@@ -1238,15 +1545,16 @@ int mlens_bench_serve(int argc, char **argv)
 		 * last step), else every expert of every layer */
 		w_step = jopt(st1, "last_step_weight_bytes");
 		if (!(w_step > 0))
-			w_step = L * (double)mlens_perf_streamed_bytes(&pm, 0);
-		have_hb = !mlens_perf_bound(&pm, p, g, kv_seqs, w_step, ceil_.h2d_gbs * 1e9,
+			w_step = L * (double)mlens_gpu_plan_streamed_bytes(&pm, 0);
+		have_hb = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
 					    ceil_.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12, &hb);
 		/* and with the lone GEMMs' rate, for comparison */
-		if (have_hb && mlens_perf_bound(&pm, p, g, kv_seqs, w_step, ceil_.h2d_gbs * 1e9,
+		if (have_hb && mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
 						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12, &hb_burst))
 			hb_burst.gen_tok_s = NAN;
 	} else if (!hybrid && ceil_.have) {
-		compute_bound(&bd, &model->cfg, p, g, kv_tokens, n_cap, ceil_.hbm_gbs * 1e9,
+		compute_bound(&bd, &model->cfg, p, g, mlens_perf_mix_seq_blocks(&mix), kv_tokens, n_cap,
+			      ceil_.hbm_gbs * 1e9,
 			      gemm_bound_tflops(&ceil_) * 1e12);
 		have_bd = bd.gen_tps > 0;
 	}
@@ -1287,7 +1595,7 @@ int mlens_bench_serve(int argc, char **argv)
 		measure_host_link(&after);
 		cudaDeviceReset();
 		if (after.have_link)
-			have_hb_after = !mlens_perf_bound(&pm, p, g, kv_seqs, w_step, after.h2d_gbs * 1e9,
+			have_hb_after = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, after.h2d_gbs * 1e9,
 							  after.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12,
 							  &hb_after);
 	}
@@ -1310,10 +1618,21 @@ int mlens_bench_serve(int argc, char **argv)
 			"engine_busy_ratio", busy, "steps", steps, "mean_step_tokens", mean_step);
 		if (atomic_load(&stop_sig))
 			json_object_set_new(out, "stopped_by", json_string(stop_name()));
+		json_object_set_new(out, "lengths", json_pack("{s:s,s:i,s:i,s:i,s:i,s:I,s:f,s:f,s:f}",
+			"from", o.lengths_file ? o.lengths_file : "log-uniform ranges",
+			"prompt_min", o.prompt_lo, "prompt_max", o.prompt_hi, "gen_min", o.gen_lo,
+			"gen_max", o.gen_hi, "seed", (json_int_t)o.seed, "prompt_mean", mix.prompt,
+			"gen_mean", mix.gen, "kv_tokens_held_mean", mlens_perf_mix_seq_blocks(&mix)));
+		json_object_set_new(out, "steps_sampled", json_pack("{s:s,s:i,s:o,s:o}",
+			"over", sw.have ? "steady" : "run", "steps", sd.n, "step_tokens", dist_json(sd.tok),
+			"kv_occupancy", dist_json(sd.kv)));
 		json_object_set_new(out, "kv_tokens", json_real(kv_tokens));
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
 		json_object_set_new(out, "preemptions", json_real(st1 ? jnum(st1, "preemptions_total") - jnum(st0, "preemptions_total") : 0));
+		/* of which a sequence's again, soon after it came back: KV thrash */
+		json_object_set_new(out, "repreemptions", jnum_or_null(jopt(st1, "repreemptions_total") -
+								       jopt(st0, "repreemptions_total")));
 		json_object_set_new(out, "achieved", json_pack("{s:o,s:o,s:o,s:o,s:s,s:o,s:o}",
 			"pcie_h2d_gb_per_s", jnum_or_null(pcie_gbs), "cpu_attention_gb_per_s", jnum_or_null(attn_gbs),
 			"cpu_attention_only_gb_per_s", jnum_or_null(attn_only_gbs),
@@ -1432,8 +1751,14 @@ int mlens_bench_serve(int argc, char **argv)
 		} else {
 			printf("%-26s %s, %s (%s)\n", "backend", jstr(out, "backend", "?"), jstr(out, "mode", "?"),
 			       jstr(out, "mode_reason", "?"));
-			printf("%-26s %d ok, %d failed (p=%d g=%d, %d in flight, %d clients)\n", "requests", ok,
-			       bad, o.prompt_len, o.gen_len, o.concurrency, o.threads);
+			if (o.prompt_lo == o.prompt_hi && o.gen_lo == o.gen_hi && !o.lengths_file)
+				printf("%-26s %d ok, %d failed (p=%d g=%d, %d in flight, %d clients)\n", "requests", ok,
+				       bad, o.prompt_len, o.gen_len, o.concurrency, o.threads);
+			else
+				printf("%-26s %d ok, %d failed (p %d..%d mean %.1f, g %d..%d mean %.1f, %s; %d in flight, "
+				       "%d clients)\n", "requests", ok, bad, o.prompt_lo, o.prompt_hi, mix.prompt,
+				       o.gen_lo, o.gen_hi, mix.gen, o.lengths_file ? o.lengths_file : "log-uniform",
+				       o.concurrency, o.threads);
 			printf("%-26s %llu prompt, %llu generated in %.2f s\n", "tokens",
 			       (unsigned long long)prompt_tok, (unsigned long long)gen, wall);
 			printf("%-26s %.1f generated, %.1f total\n", "tokens/s (whole run)", gen_tps, tot_tps);
@@ -1445,6 +1770,11 @@ int mlens_bench_serve(int argc, char **argv)
 			       percentile(ttft, n_ttft, 50), percentile(ttft, n_ttft, 99));
 			printf("%-26s %.1f %%, %.0f steps of %.1f tokens (cap %.0f)\n", "engine busy", 100 * busy,
 			       steps, mean_step, n_cap);
+			if (sd.n)
+				printf("%-26s min %.0f, p10 %.0f, p50 %.0f, p90 %.0f; KV held min %.1f %%, p10 %.1f %%, "
+				       "p50 %.1f %%, p90 %.1f %% (%d steps sampled, %s)\n", "step tokens",
+				       sd.tok[0], sd.tok[1], sd.tok[2], sd.tok[3], 100 * sd.kv[0], 100 * sd.kv[1],
+				       100 * sd.kv[2], 100 * sd.kv[3], sd.n, sw.have ? "steady" : "whole run");
 			{
 				char a[32], b[32], c[32], e[32];
 				printf("%-26s PCIe %s GB/s, CPU attention %s GB/s (%s), GPU busy %s %%, H2D busy %s %%\n",
@@ -1526,6 +1856,9 @@ out:
 	free(ca);
 	free(th);
 	free(ttft);
+	free(o.req_p);
+	free(o.req_g);
+	free(o.req_line);
 	if (model)
 		mlens_model_close(model);
 	return rc;

@@ -2,7 +2,7 @@
 # The GPU machine's measurements in one command, from an unpacked
 # `make dist` tree configured --with-cuda and built (or a CUDA build tree):
 #   1. the GPU tests: check_cuda, check_hybrid_cuda(_groups), the goldens on cuda
-#      and hybrid (exact and fast GEMMs), check_gpu_plan
+#      and hybrid (exact and fast GEMMs)
 #   2. the CPU attention headline and its tuning sweep; the
 #      copy-queue probe (tests/bench/bench_copyq.c); the CUDA
 #      ops benchmark (tests/bench/bench_cuda.c: GEMMs, the MoE per stream
@@ -50,7 +50,7 @@ else
 fi
 
 GPU_TESTS=${GPU_TESTS:-"tests/check_cuda tests/check_hybrid_cuda tests/check_hybrid_cuda_groups \
-	tests/check_gpu_plan tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh \
+	tests/golden/check_golden_cuda.sh tests/golden/check_golden_hybrid.sh \
 	tests/check_plan tests/check_stepprog tests/check_pipeline"}
 if [ "$T_TESTS" -gt 0 ]; then
 	timeout "$T_TESTS" make -j8 check TESTS="$GPU_TESTS" > "$R/check.log" 2>&1

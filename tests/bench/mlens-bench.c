@@ -16,9 +16,14 @@ static const struct mlens_bench_cmd cmds[] = {
 	  "between two processes, and eventfd doorbell round-trip latency" },
 	{ "serve", mlens_bench_serve,
 	  "--model DIR [--mlensd PATH] [--backend B] [--kv-cache SIZE] [--gpu-memory SIZE] "
-	  "[--prompt-len P] [--gen-len G] [--requests N] [--concurrency C] [--threads T] [--json]: "
+	  "[--prompt-len P|LO:HI] [--gen-len G|LO:HI] [--lengths FILE] [--seed S] [--requests N] "
+	  "[--concurrency C] [--threads T] [--json]: "
 	  "a real mlensd through libmlens: tokens/s, time to first token, engine busy; with "
 	  "CUDA the GEMM rate, HBM bandwidth and the bound they set" },
+	{ "ops", mlens_bench_ops,
+	  "--model DIR [--backend B] [--prompt-len P] [--prompts K] [--decode D] [--context C] "
+	  "[--steps N] [--waits] [--json]: one engine step op by op (GEMMs by shape and their TFLOP/s, MoE, "
+	  "norms, RoPE, attention, K/V stores, lm_head, sampling, the rest as launch gaps)" },
 	{ "attention", mlens_bench_attention,
 	  "[--json] [--threads LIST] [--seqs N] [--min-ctx A --max-ctx B] [--variant V]: CPU decode "
 	  "attention KV GB/s per variant and thread count, next to the measured read bandwidth" },

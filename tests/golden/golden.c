@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include "daemon/plan/gpuplan.h"
+#include "daemon/plan/gpu_plan.h"
 #include "tests/golden/golden.h"
 
 /* Logits rows are at most this wide and prompts at most this long: the
@@ -423,21 +423,23 @@ const char *mlens_golden_gpu_side(const char *backend)
 	return backend;
 }
 
-/* The hybrid budget: the least that runs a full step cap, which streams
- * every expert of a model of more than two layers. */
-static int hybrid_budget(const struct mlens_model *m, int max_tokens, enum mlens_gemm_mode gemm,
-			 uint64_t *out)
+/* The hybrid plan at the least budget that runs a full step cap, which
+ * streams every expert of a model of more than two layers. */
+static int hybrid_plan(const struct mlens_model *m, int max_tokens, enum mlens_gemm_mode gemm,
+		       struct mlens_gpu_plan *out)
 {
 	struct mlens_perf_model pm;
-	struct mlens_gpuplan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
+	struct mlens_gpu_plan_in in = { .budget = UINT64_MAX / 4, .max_tokens = max_tokens,
 				       .min_tokens = max_tokens, .gemm = gemm };
-	struct mlens_gpuplan p;
 	enum mlens_dtype kv = mlens_kv_dtype(&m->cfg, -1);
 	int rc = mlens_perf_model_from_config(&pm, &m->cfg, kv);
 	if (!rc)
-		rc = mlens_gpuplan_make(&pm, &in, &p, NULL, 0);
-	*out = p.minimum;
-	return rc;
+		rc = mlens_gpu_plan_make(&pm, &in, out, NULL, 0);
+	if (rc)
+		return rc;
+	in.budget = out->minimum;
+	in.min_tokens = 0;
+	return mlens_gpu_plan_make(&pm, &in, out, NULL, 0);
 }
 
 int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
@@ -449,6 +451,7 @@ int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 	 * the fp32-KV reference, where a prompt attends over its own unrounded
 	 * K/V (the cache path is what the decode checks exercise) */
 	struct mlens_engine_opts eo = { .kv_dtype = -1, .prefill_attn = MLENS_PREFILL_OP };
+	struct mlens_gpu_plan plan;	/* the pipeline keeps a copy */
 	int rc;
 
 	memset(ge, 0, sizeof(*ge));
@@ -467,8 +470,8 @@ int mlens_golden_engine_open(struct mlens_golden_engine *ge, const char *dir,
 		}
 		ge->have_attn = true;
 		eo.attn_backend = &ge->attn;
-		eo.hybrid_gemm = gemm;
-		rc = hybrid_budget(ge->m, 4096, gemm, &eo.gpu_budget);
+		rc = hybrid_plan(ge->m, 4096, gemm, &plan);
+		eo.plan = &plan;
 		if (rc) {
 			fail(err, errlen, rc, "%s: no GPU memory plan for the hybrid pipeline", dir);
 			goto fail;

@@ -157,10 +157,7 @@ def write_variant(out, v, model, prompts):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
-    mg.transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    out = mg.begin()
     cfg = mg.make_config(SPEC["cfg"])
     torch.manual_seed(SPEC["seed"])
     model = MixtralForCausalLM(cfg).eval()
@@ -171,8 +168,8 @@ def main():
     files = []
     for v in VARIANTS:
         files += write_variant(out, v, model, prompts)
-    mg.write_file_list(os.path.join(out, "files_fp8.mk"), "make_golden_fp8.py",
-                       "every fp8 fixture file", "GOLDEN_FP8_FIXTURES", files)
+    mg.write_files_list(os.path.join(out, "files_fp8.mk"), "GOLDEN_FP8_FIXTURES",
+                        "tests/golden/make_golden_fp8.py: every fp8 fixture file", files)
 
 
 if __name__ == "__main__":

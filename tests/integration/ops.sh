@@ -79,6 +79,7 @@ kv_cache = 2M
 mlock = false
 threads = 1
 backend = cpu     # the operations under test do not depend on it; on a GPU box auto picks cuda
+gpu_memory = 1G   # no GPU memory plan on the cpu backend: status shows no budget
 EOC
 start_mlensd --config "$tmp/mlensd.conf" --model "$tmp/m" --kv-cache 4M --stats-http 127.0.0.1:0
 
@@ -99,6 +100,10 @@ ctl --json status >"$tmp/st" || fail "status"
 [ "$(jfield admission <"$tmp/st")" = open ] || fail "status admission"
 [ "$(jfield layers <"$tmp/st")" = 2 ] || fail "status model layers"
 [ "$(jfield budget_bytes <"$tmp/st")" = 4194304 ] || fail "flag --kv-cache 4M did not win over the file's 2M"
+# the GPU budget is the plan's effective one; the cpu backend has no plan
+gpu_budget=$(sed -n '/"gpu_memory": {/,/}/p' "$tmp/st" | jfield budget_bytes)
+[ "$gpu_budget" = null ] || fail "status: GPU budget '$gpu_budget' with the cpu backend, expected null"
+ctl status | grep -q "^GPU budget  *none" || fail "human status: GPU budget with the cpu backend"
 [ "$(jfield blocks_total <"$tmp/st")" -gt 0 ] || fail "status KV blocks"
 [ "$(jfield blocks_used <"$tmp/st")" = 0 ] || fail "status KV blocks used at rest"
 [ "$(jfield requests_running <"$tmp/st")" = 0 ] || fail "status running"
@@ -131,7 +136,8 @@ curl -sf "http://127.0.0.1:$port/metrics" >"$tmp/metrics" || fail "GET /metrics"
 [ "$(metric mlens_steps_total)" -gt 0 ] || fail "steps"
 [ "$(metric mlens_steps_total)" = "$(metric mlens_step_seconds_count)" ] || fail "step summary count"
 [ "$(metric mlens_bad_entries_total)" = 0 ] || fail "bad entries"
-for name in mlens_requests_running mlens_requests_waiting mlens_preemptions_total mlens_prompt_tokens_total \
+for name in mlens_requests_running mlens_requests_waiting mlens_preemptions_total mlens_repreemptions_total \
+	mlens_prompt_tokens_total \
 	mlens_generation_tokens_total mlens_kv_blocks_used mlens_kv_blocks_total mlens_kv_room_taken_total \
 	mlens_steps_total mlens_tenants \
 	mlens_bad_entries_total; do

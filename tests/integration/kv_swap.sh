@@ -1,0 +1,147 @@
+#!/bin/sh
+# Description: the KV swap file under preemption (CPU backend, tiny fp32
+# model, greedy): four tenants with long prompts on a KV pool too small for
+# them get the tokens of a pool that holds them all, with the swap off
+# (every preempted sequence re-prefills) and with kv_swap_policy = always
+# (every one goes to the file and comes back without a re-prefill, the
+# slots all free at the end, bytes in = bytes out). With the test hook
+# MLENS_TEST_SWAP_FAIL, a write error, a full disk and a read error each
+# fall back to a re-prefill: the same tokens for every tenant, no request
+# failed, the fallback counted, the daemon up. Status, the stats socket
+# and /metrics show the counters; a kv_swap_path that is an existing file
+# is refused at start-up by name.
+# MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
+# cpu), with MLENS_KV_SWAP_FLAGS added (e.g. a --gpu-memory below the
+# model's need: hybrid mode, whose KV pool is in host memory; GPU-only mode
+# has no KV swap and the script skips there). On CUDA a sequence batched
+# otherwise may fork where two logits nearly tie (see tenants.sh): there
+# every request must end the same way, token counts included.
+set -u
+. "${MLENS_SRCDIR:-.}/tests/integration/lib.sh"
+BACKEND=${MLENS_TEST_BACKEND:-cpu}
+EXTRA=${MLENS_KV_SWAP_FLAGS:-}
+tc() { timeout 120 "$B/tests/integration/tclient" "$@"; }
+
+"$B/daemon/mlens-mkmodel" -o "$tmp/model" --preset tiny --dtype fp32 --seed 5 >/dev/null || fail "mkmodel"
+
+# run NAME ARGS...: a daemon with ARGS, four tenants of three requests
+# (prompts of 200 tokens, 100 generated) at once, their outputs in
+# $tmp/NAME_K.out, its stats in $tmp/NAME.stats; the daemon then stops
+run() {
+	name=$1; shift
+	# shellcheck disable=SC2086 # EXTRA is words
+	start_mlensd --model "$tmp/model" --mlock=false --threads 2 --backend "$BACKEND" \
+		--stats-http 127.0.0.1:0 $EXTRA "$@"
+	cl=
+	for k in 1 2 3 4; do
+		tc -s "$tmp/t.sock" --seed $k -n 3 -p 200 -g 100 > "$tmp/${name}_$k.out" &
+		cl="$cl $!"
+	done
+	r=0
+	for p in $cl; do wait "$p" || r=1; done
+	[ $r -eq 0 ] || fail "$name: a tenant failed: $(cat "$tmp/${name}"_*.out | grep -v ' length ' | head -3)"
+	ctl stats > "$tmp/$name.stats" || fail "$name: mlensctl stats"
+	ctl status > "$tmp/$name.status" || fail "$name: mlensctl status"
+	port=$(stats_port)
+	curl -sf "http://127.0.0.1:$port/metrics" > "$tmp/$name.metrics" 2>/dev/null || : > "$tmp/$name.metrics"
+	cp "$tmp/log" "$tmp/$name.log"
+	kill "$pid" && wait "$pid"
+	pid=
+	rm -f "$tmp/log"
+}
+stat_of() { awk -v k="$2" '$1 == k { print $2 }' "$tmp/$1.stats"; }
+# same A B: byte for byte on the CPU; on CUDA each request's index,
+# finish, status and token count
+same() {
+	cmp -s "$1" "$2" && return 0
+	[ "$BACKEND" = cuda ] || return 1
+	awk '{print $1, $2, $3, NF}' "$1" > "$tmp/same_a"
+	awk '{print $1, $2, $3, NF}' "$2" > "$tmp/same_b"
+	cmp -s "$tmp/same_a" "$tmp/same_b"
+}
+same_as_ref() {
+	for k in 1 2 3 4; do
+		same "$tmp/ref_$k.out" "$tmp/$1_$k.out" || fail "$1: tenant $k's tokens differ from the large pool's"
+	done
+	[ "$(stat_of "$1" requests_failed_total)" = 0 ] || fail "$1: requests failed"
+}
+SMALL="--kv-cache 400K --admit-lookahead 1"
+
+run ref --kv-cache 64M
+[ "$(stat_of ref preemptions_total)" = 0 ] || fail "the large pool preempted"
+
+# swap off: preempted sequences re-prefill
+run off $SMALL
+same_as_ref off
+[ "$(stat_of off preemptions_total)" -gt 0 ] || fail "the small pool never preempted"
+[ -z "$(stat_of off kv_swaps_total)" ] || fail "swap counters without a swap file"
+echo "ok: swap off, $(stat_of off preemptions_total) preemptions re-prefilled, tokens unchanged"
+
+# every preempted sequence to the swap file and back
+run always $SMALL --kv-swap 16M --kv-swap-path "$tmp" --kv-swap-policy always
+if grep -q "GPU-only mode keeps the KV cache in GPU memory" "$tmp/always.log"; then
+	echo "SKIP: GPU-only mode has no KV swap (MLENS_KV_SWAP_FLAGS=\"--gpu-memory SIZE\" below the model's need: hybrid mode)"
+	exit 77
+fi
+same_as_ref always
+pre=$(stat_of always preemptions_total) sw=$(stat_of always kv_swaps_total)
+[ "$pre" -gt 0 ] || fail "always: no preemption"
+[ "$sw" -gt 0 ] || fail "always: no sequence swapped ($pre preemptions)"
+[ "$(stat_of always kv_swap_ins_total)" = "$sw" ] || fail "always: $sw swapped out, $(stat_of always kv_swap_ins_total) back in"
+[ "$(stat_of always kv_swap_bytes_in_total)" = "$(stat_of always kv_swap_bytes_out_total)" ] ||
+	fail "always: bytes in $(stat_of always kv_swap_bytes_in_total) != out $(stat_of always kv_swap_bytes_out_total)"
+[ "$(stat_of always kv_swap_slots_used)" = 0 ] || fail "always: slots still used at the end"
+[ "$(stat_of always kv_swap_errors_total)" = 0 ] || fail "always: I/O errors"
+# the swapped sequences did not re-prefill: fewer prefill tokens than
+# prompts + re-prefills of the same preemptions would take
+[ "$(stat_of always prompt_tokens_total)" -lt "$(stat_of off prompt_tokens_total)" ] ||
+	fail "always: $(stat_of always prompt_tokens_total) prefill tokens, no fewer than with re-prefills ($(stat_of off prompt_tokens_total))"
+grep -q "^KV swap .* slots used in $tmp; .* out, .* in; $sw preempted sequences swapped" "$tmp/always.status" ||
+	fail "mlensctl status lacks the KV swap line: $(cat "$tmp/always.status")"
+if command -v curl >/dev/null; then
+	grep -q "^mlens_kv_swap_preemptions_total{how=\"swap\"} $sw\$" "$tmp/always.metrics" || fail "/metrics lacks the swaps"
+	grep -q "^mlens_kv_swap_bytes_total{dir=\"in\"} $(stat_of always kv_swap_bytes_in_total)\$" "$tmp/always.metrics" ||
+		fail "/metrics lacks the bytes read back"
+	grep -q "^mlens_kv_swap_slots_total [1-9]" "$tmp/always.metrics" || fail "/metrics lacks the slots"
+	grep -q "^mlens_kv_swap_io_seconds_total [0-9]" "$tmp/always.metrics" || fail "/metrics lacks the swap I/O time"
+fi
+grep -q "KV swap file in $tmp: .* slots of .* bytes" "$tmp/always.log" || fail "no start-up line on the swap file"
+grep -q "preemption: $pre sequences evicted so far (KV blocks short); $sw went to the KV swap file, 0 re-prefill" "$tmp/always.log" ||
+	fail "the preemption log line lacks the swap: $(grep preemption: "$tmp/always.log" | tail -1)"
+[ -z "$(ls -A "$tmp" | grep -i swap)" ] || fail "a swap file was left in $tmp: $(ls "$tmp")"
+echo "ok: swap always, $sw of $pre preempted sequences swapped out and back, tokens unchanged"
+sed -n 's/^\(KV swap .*\)/  mlensctl status: \1/p' "$tmp/always.status"
+
+# faults: each falls back to a re-prefill, nobody fails
+for f in write enospc read; do
+	export MLENS_TEST_SWAP_FAIL=$f
+	run "fail_$f" $SMALL --kv-swap 16M --kv-swap-path "$tmp" --kv-swap-policy always
+	unset MLENS_TEST_SWAP_FAIL
+	same_as_ref "fail_$f"
+	case $f in
+	write) [ "$(stat_of fail_write kv_swap_errors_total)" -gt 0 ] && [ "$(stat_of fail_write kv_swaps_total)" = 0 ] ||
+		fail "write fault: errors $(stat_of fail_write kv_swap_errors_total), swaps $(stat_of fail_write kv_swaps_total)" ;;
+	enospc) [ "$(stat_of fail_enospc kv_swap_full_total)" -gt 0 ] && [ "$(stat_of fail_enospc kv_swap_errors_total)" = 0 ] ||
+		fail "full disk: full $(stat_of fail_enospc kv_swap_full_total), errors $(stat_of fail_enospc kv_swap_errors_total)" ;;
+	read) [ "$(stat_of fail_read kv_swap_errors_total)" -gt 0 ] && [ "$(stat_of fail_read kv_swap_ins_total)" = 0 ] &&
+		[ "$(stat_of fail_read kv_swap_slots_used)" = 0 ] ||
+		fail "read fault: errors $(stat_of fail_read kv_swap_errors_total), ins $(stat_of fail_read kv_swap_ins_total)" ;;
+	esac
+	grep -q "KV swap" "$tmp/fail_$f.log" || fail "$f fault: nothing logged"
+	echo "ok: $f fault falls back to re-prefill, tokens unchanged"
+done
+
+# a swap file left small: the rest re-prefill, counted as full
+run tiny $SMALL --kv-swap 40K --kv-swap-path "$tmp" --kv-swap-policy always
+same_as_ref tiny
+[ "$(stat_of tiny kv_swap_full_total)" -gt 0 ] || fail "a 5-slot swap file never ran full"
+echo "ok: a full swap file falls back to re-prefill"
+
+# an existing file as kv_swap_path: refused at start-up, by name
+: > "$tmp/taken"
+"$mlensd" --model "$tmp/model" --mlock=false --foreground --socket "$tmp/x.sock" --control "$tmp/xc.sock" \
+	--stats "" --kv-swap 1M --kv-swap-path "$tmp/taken" >"$tmp/out" 2>&1
+[ $? -ne 0 ] && grep -q "kv_swap_path $tmp/taken exists and is not a directory" "$tmp/out" ||
+	fail "an existing kv_swap_path file was not refused: $(cat "$tmp/out")"
+echo "ok: an existing file as kv_swap_path is refused"
+exit 0

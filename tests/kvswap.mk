@@ -1,0 +1,21 @@
+# tests/kvswap.mk: the host and disk tiers: the KV swap file
+# (daemon/exec/kv_swap.c) and the host memory plan (daemon/plan/host_plan.c).
+if HAVE_CHECK
+check_PROGRAMS += tests/check_kv_swap
+TESTS += tests/check_kv_swap
+tests_check_kv_swap_SOURCES = tests/check_kv_swap.c tests/check_common.h
+tests_check_kv_swap_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_kv_swap_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+dist_check_SCRIPTS += tests/integration/kv_swap.sh
+TESTS += tests/integration/kv_swap.sh
+# the host memory plan (daemon/plan/host_plan.c): host_memory's split
+if HAVE_CHECK
+check_PROGRAMS += tests/check_host_plan
+TESTS += tests/check_host_plan
+tests_check_host_plan_SOURCES = tests/check_host_plan.c tests/check_common.h
+tests_check_host_plan_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_host_plan_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
+endif
+dist_check_SCRIPTS += tests/integration/host_memory.sh
+TESTS += tests/integration/host_memory.sh
