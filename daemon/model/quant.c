@@ -713,6 +713,12 @@ int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen
 
 	if (c->expert_dtype == MLENS_DT_F8_E4M3)
 		return 0;
+	if (c->w2_transposed) {
+		/* its down projections are [inter][hidden]: a row is no output channel */
+		mlens_errf(err, errlen, "%s: %s experts (down projection stored transposed) cannot be quantized to fp8; set weight_dtype auto",
+			   m->dir, c->architecture);
+		return -ENOTSUP;
+	}
 	if (c->expert_dtype != c->dtype || c->dtype == MLENS_DT_F8_E4M3) {
 		mlens_errf(err, errlen, "%s: experts in %s cannot be quantized to fp8", m->dir,
 			   mlens_dtype_name(c->expert_dtype));

@@ -680,6 +680,12 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 			rc = -EINVAL;
 			goto out;
 		}
+		if (is_dbrx(&w.cfg)) {
+			/* mlens refuses DBRX's fp8 experts (w2 stored transposed) */
+			mlens_errf(err, errlen, "fp8 experts are written for Mixtral only; write DBRX in bf16, fp16 or fp32");
+			rc = -EINVAL;
+			goto out;
+		}
 		json_object_set_new(cj, "quantization_config", quant_json(&o->fp8));
 	}
 	text = cj ? json_dumps(cj, JSON_REAL_PRECISION(17)) : NULL;
