@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include "client/mlens.h"
 #include "client/textgen.h"
 
@@ -52,6 +53,11 @@ struct mlens_cli_req {
 	char *custom_id;	/* the line's custom_id, or NULL */
 	char *model;		/* an OpenAI body's model, echoed in its result */
 };
+
+/* The next line of in into *line (grown with getline), its length in *len
+ * without the line end (\n, \r\n). 1, 0 at the end of input, -errno when
+ * reading failed. */
+int mlens_cli_read_line(FILE *in, char **line, size_t *cap, size_t *len);
 
 /* Parse one line (len bytes, no newline needed). Returns 0, or -EINVAL
  * with a sentence naming the field in err; r then holds only kind,

@@ -11,6 +11,19 @@
 #include <jansson.h>
 #include "client/cli_int.h"
 
+int mlens_cli_read_line(FILE *in, char **line, size_t *cap, size_t *len)
+{
+	ssize_t n;
+	errno = 0;
+	n = getline(line, cap, in);
+	if (n < 0)
+		return ferror(in) ? (errno ? -errno : -EIO) : 0;
+	while (n > 0 && ((*line)[n - 1] == '\n' || (*line)[n - 1] == '\r'))
+		n--;
+	*len = (size_t)n;
+	return 1;
+}
+
 __attribute__((format(printf, 3, 4)))
 static int bad(char *err, size_t errlen, const char *fmt, ...)
 {

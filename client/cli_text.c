@@ -135,9 +135,8 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 	bool special = false;
 	FILE *in = NULL, *out = NULL;
 	char err[1024], *line = NULL;
-	size_t cap = 0, lineno = 0;
-	ssize_t k;
-	int c, rc, status = EXIT_TROUBLE;
+	size_t cap = 0, lineno = 0, k;
+	int c, rc, got, status = EXIT_TROUBLE;
 
 	optind = 1;
 	while ((c = getopt_long(argc, argv, "m:i:o:h", opts, NULL)) != -1) {
@@ -175,16 +174,14 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 		goto out;
 	}
 	status = EXIT_ALL_OK;
-	while ((k = getline(&line, &cap, in)) > 0) {
+	while ((got = mlens_cli_read_line(in, &line, &cap, &k)) > 0) {
 		json_t *res = NULL;
 		char *s;
 
 		lineno++;
-		while (k > 0 && (line[k - 1] == '\n' || line[k - 1] == '\r'))
-			k--;
 		if (!k)
-			continue;
-		rc = (detok ? detokenize_line : tokenize_line)(tg, special, line, (size_t)k, &res, err,
+			continue;	/* blank lines are skipped (generate answers each) */
+		rc = (detok ? detokenize_line : tokenize_line)(tg, special, line, k, &res, err,
 							       sizeof(err));
 		if (rc == -ENOMEM) {
 			fprintf(stderr, "mlens %s: out of memory at line %zu\n", argv[0], lineno);
@@ -206,8 +203,8 @@ int mlens_cli_text(int argc, char **argv, bool detok)
 		}
 		free(s);
 	}
-	if (ferror(in)) {
-		fprintf(stderr, "mlens %s: %s: read failed\n", argv[0], in_name);
+	if (got < 0) {
+		fprintf(stderr, "mlens %s: %s: read failed: %s\n", argv[0], in_name, strerror(-got));
 		status = EXIT_TROUBLE;
 	}
 out:

@@ -172,19 +172,7 @@ static void choice_unlink(struct gw_choice *ch)
 
 static void call_free(struct gw_call *c)
 {
-	for (uint32_t i = 0; i < c->n_ch; i++) {
-		free(c->ch[i].tokens);
-		free(c->ch[i].logprobs);
-		mlens_textgen_text_free(&c->ch[i].text);
-	}
-	for (uint32_t i = 0; i < c->n_prompts; i++)
-		free(c->prompts[i]);
-	for (size_t i = 0; i < c->n_stops; i++)
-		free(c->stops[i]);
-	free(c->stops);
-	free(c->prompts);
-	free(c->prompt_lens);
-	free(c->ch);
+	gw_call_clear(c);
 	free(c);
 }
 

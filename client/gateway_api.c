@@ -397,6 +397,24 @@ static uint64_t random_seed(void)
 	return z ^ (z >> 31);
 }
 
+void gw_call_clear(struct gw_call *c)
+{
+	for (uint32_t i = 0; c->ch && i < c->n_ch; i++) {
+		free(c->ch[i].tokens);
+		free(c->ch[i].logprobs);
+		mlens_textgen_text_free(&c->ch[i].text);
+	}
+	for (uint32_t i = 0; i < c->n_prompts; i++)
+		free(c->prompts[i]);
+	for (size_t i = 0; i < c->n_stops; i++)
+		free(c->stops[i]);
+	free(c->stops);
+	free(c->prompts);
+	free(c->prompt_lens);
+	free(c->ch);
+	memset(c, 0, sizeof(*c));
+}
+
 int gw_call_parse(struct gw *gw, struct gw_call *c, const json_t *b,
 		  const struct mlens_limits *lim, struct gw_err *e)
 {

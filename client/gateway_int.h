@@ -155,6 +155,9 @@ json_t *gw_err_json(const struct gw_err *e);
  * tenant's limits bound them. 0, or -1 with *e set. */
 int gw_call_parse(struct gw *gw, struct gw_call *c, const json_t *body,
 		  const struct mlens_limits *lim, struct gw_err *e);
+/* Free what call owns (prompts, stops, choices and their output), parsed
+ * or not; call itself stays, zeroed. */
+void gw_call_clear(struct gw_call *c);
 
 /* The whole reply of a finished call, or a streamed chunk of choice ch
  * (finish: the closing chunk), or the closing usage chunk. */

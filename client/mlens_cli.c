@@ -265,16 +265,13 @@ static int read_job(struct run *rn)
 {
 	char err[512];
 	struct job *j;
-	ssize_t len;
+	size_t len;
 	int rc;
 
-	errno = 0;
-	len = getline(&rn->line, &rn->line_cap, rn->in);
-	if (len < 0) {
-		if (errno)
-			return -errno;
-		rn->eof = true;
-		return 0;
+	rc = mlens_cli_read_line(rn->in, &rn->line, &rn->line_cap, &len);
+	if (rc <= 0) {
+		rn->eof = !rc;
+		return rc;
 	}
 	/* room for the most choices a line may ask for */
 	if (rn->n_jobs + MLENS_CLI_MAX_CHOICES > rn->cap_jobs) {
@@ -292,7 +289,7 @@ static int read_job(struct run *rn)
 	j->state = JOB_PARSED;
 	j->line = rn->n_lines++;
 	j->n_choices = 1;
-	rc = mlens_cli_request_parse(rn->line, (size_t)len, &j->req, err, sizeof(err));
+	rc = mlens_cli_request_parse(rn->line, len, &j->req, err, sizeof(err));
 	if (!rc)
 		rc = job_prepare(rn, j, err, sizeof(err));
 	if (rc == -ENOMEM)

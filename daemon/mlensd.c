@@ -593,9 +593,9 @@ static int step_model(void)
 				 D.model->cfg.expert_scale.kind == MLENS_WSCALE_BLOCK ? "block scales" : "per-channel scales",
 				 D.model->cfg.quant_method[0] ? ", quant_method " : "",
 				 D.model->cfg.quant_method, mlens_model_quant_bytes(D.model) / 1e9);
-		log_info("model %s: %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
+		log_info("model %s: %s, %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
 			 "in %.2f s (%.2f GB/s, %s%s) on NUMA node %d%s",
-			 D.cfg.model, (long long)D.model->cfg.num_hidden_layers,
+			 D.cfg.model, D.model->cfg.architecture, (long long)D.model->cfg.num_hidden_layers,
 			 (long long)D.model->cfg.num_local_experts, (long long)D.model->cfg.num_experts_per_tok,
 			 mlens_dtype_name(D.model->cfg.dtype), D.weights.bytes / 1e9, D.weights.seconds,
 			 D.weights.bytes / 1e9 / (D.weights.seconds > 0 ? D.weights.seconds : 1e-9),

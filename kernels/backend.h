@@ -85,9 +85,10 @@ struct mlens_backend_ops {
 	int (*rope)(void *ctx, float *x, const int32_t *pos, int n, int n_heads,
 		    int head_dim, float theta);
 	/* softmax over logits[n][n_experts], top-k (lower index wins ties),
-	 * renormalised: ids[n][k], weights[n][k] (backend memory). */
+	 * renormalised to sum 1 when renorm (else the softmax's own values):
+	 * ids[n][k], weights[n][k] (backend memory). */
 	int (*router)(void *ctx, int32_t *ids, float *weights, const float *logits,
-		      int n, int n_experts, int k);
+		      int n, int n_experts, int k, bool renorm);
 	/* out += sum over the k chosen experts e of weight * w2_e(silu(w1_e x) * w3_e x),
 	 * x[n][hidden] already normalised. Experts are added in id order. */
 	int (*moe)(void *ctx, float *out, const float *x, int n, const int32_t *ids,
@@ -110,6 +111,16 @@ struct mlens_backend_ops {
 			   const struct mlens_kv_cache *kv, int layer,
 			   const struct mlens_attn_query *queries, int n,
 			   int n_heads, float scale);
+	/* x[i][j] += b[j] for i < n, j < dim; b in dtype dt (a projection's
+	 * bias). */
+	int (*bias_add)(void *ctx, float *x, const void *b, enum mlens_dtype dt, int n, int dim);
+	/* In place: each of x[count] clamped to [-limit, limit] (clip_qkv of
+	 * q, k and v: OLMoE, DBRX); NaN stays NaN, as torch.clamp; a limit
+	 * below 0 or NaN: -EINVAL. */
+	int (*clamp)(void *ctx, float *x, size_t count, float limit);
+	/* One expert chosen by every row, for moe with k = 1: ids[i] = 0 and
+	 * weights[i] = 1, or sigmoid(logits[i]) when logits ([n][1]) is set. */
+	int (*route_one)(void *ctx, int32_t *ids, float *weights, const float *logits, int n);
 	/* Sample one token per row of logits[n][vocab]; logprobs (host, may be
 	 * NULL) gets log-softmax of the chosen token at temperature 1. */
 	int (*sample)(void *ctx, int32_t *tokens, float *logprobs, const float *logits,
@@ -252,9 +263,6 @@ struct mlens_backend_ops {
 	 * may be x. */
 	int (*layernorm)(void *ctx, float *out, const float *x, const void *w,
 			 enum mlens_dtype dt, int n, int dim, float eps);
-	/* x[rows][cols] clamped in place to [-limit, limit] (DBRX's clip_qkv
-	 * on q, k and v after their projection). */
-	int (*clamp)(void *ctx, float *x, int rows, int cols, float limit);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4

@@ -471,13 +471,13 @@ START_TEST(test_clamp)
 	x[7] = NAN;
 	memcpy(ref, x, cnt * 4);
 	dx = to_gpu(x, cnt * 4);
-	ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, ref, rows, cols, 1.5f), 0);
-	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, rows, cols, 1.5f), 0);
+	ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, ref, cnt, 1.5f), 0);
+	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, cnt, 1.5f), 0);
 	got = from_gpu(dx, cnt * 4);
 	ck_assert(isnan(got[7]));
 	got[7] = ref[7] = 0;
 	ck_assert_mem_eq(got, ref, cnt * 4);
-	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, rows, cols, -1.0f), -EINVAL);
+	ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, cnt, -1.0f), -EINVAL);
 	free(x); free(ref); free(got);
 	gfree(dx);
 }
@@ -677,13 +677,74 @@ START_TEST(test_router)
 
 	l[0] = l[1];	/* a tie: the lower index must win */
 	ck_assert_int_eq(dev->ops->upload(dev->ctx, dl, l, (size_t)n * E * 4), 0);
-	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k), 0);
-	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k), 0);
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k, true), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k, true), 0);
 	idgot = from_gpu(dids, (size_t)n * k * 4);
 	wgot = from_gpu(dw, (size_t)n * k * 4);
 	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
 	record("router", 1e-6, rel_err(wref, wgot, (size_t)n * k), "n=%d E=%d k=%d", n, E, k);
 	free(l); free(idgot); free(wgot);
+	gfree(dl); gfree(dids); gfree(dw);
+}
+END_TEST
+
+/* The families' small ops against the CPU: top-k weights left as the
+ * softmax gives them (no renormalisation), a projection's bias, the clip
+ * of q, k, v and the one-expert route (weight 1, or a sigmoid gate). */
+START_TEST(test_family_ops)
+{
+	const int n = 300, E = 16, k = 4, dim = 96;
+	float *l = rnd_floats((size_t)n * E, 4.0f), *wref = malloc((size_t)n * k * 4), *wgot;
+	int32_t *idref = malloc((size_t)n * k * 4), *idgot;
+	float *dl = to_gpu(l, (size_t)n * E * 4);
+	int32_t *dids = gpu_zeros((size_t)n * k * 4);
+	float *dw = gpu_zeros((size_t)n * k * 4);
+	float *x = rnd_floats((size_t)n * dim, 3.0f), *xr = malloc((size_t)n * dim * 4), *got;
+	float *dx;
+	void *b;
+
+	ck_assert_int_eq(cpu.ops->router(cpu.ctx, idref, wref, l, n, E, k, false), 0);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, dids, dw, dl, n, E, k, false), 0);
+	idgot = from_gpu(dids, (size_t)n * k * 4);
+	wgot = from_gpu(dw, (size_t)n * k * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * k * 4);
+	record("router raw top-k", 1e-6, rel_err(wref, wgot, (size_t)n * k), "n=%d E=%d k=%d", n, E, k);
+	free(idgot); free(wgot);
+
+	/* route_one: ids 0; weights 1, or sigmoid of the first n logits */
+	ck_assert_int_eq(cpu.ops->route_one(cpu.ctx, idref, wref, l, n), 0);
+	ck_assert_int_eq(dev->ops->route_one(dev->ctx, dids, dw, dl, n), 0);
+	idgot = from_gpu(dids, (size_t)n * 4);
+	wgot = from_gpu(dw, (size_t)n * 4);
+	ck_assert_mem_eq(idref, idgot, (size_t)n * 4);
+	record("route_one sigmoid", 1e-6, rel_err(wref, wgot, (size_t)n), "n=%d", n);
+	free(idgot); free(wgot);
+	ck_assert_int_eq(dev->ops->route_one(dev->ctx, dids, dw, NULL, n), 0);
+	wgot = from_gpu(dw, (size_t)n * 4);
+	for (int i = 0; i < n; i++)
+		ck_assert_float_eq(wgot[i], 1.0f);
+	free(wgot);
+
+	/* bias_add in each weight dtype, then the clip: exact */
+	for (int t = 0; t < 3; t++) {
+		enum mlens_dtype dt = t == 0 ? MLENS_DTYPE_F32 : t == 1 ? MLENS_DTYPE_BF16 : MLENS_DTYPE_F16;
+		void *db;
+
+		b = rnd_weights((size_t)dim, dt, 1.0f);
+		db = to_gpu(b, (size_t)dim * mlens_dtype_size(dt));
+		memcpy(xr, x, (size_t)n * dim * 4);
+		dx = to_gpu(x, (size_t)n * dim * 4);
+		ck_assert_int_eq(cpu.ops->bias_add(cpu.ctx, xr, b, dt, n, dim), 0);
+		ck_assert_int_eq(dev->ops->bias_add(dev->ctx, dx, db, dt, n, dim), 0);
+		ck_assert_int_eq(cpu.ops->clamp(cpu.ctx, xr, (size_t)n * dim, 2.5f), 0);
+		ck_assert_int_eq(dev->ops->clamp(dev->ctx, dx, (size_t)n * dim, 2.5f), 0);
+		got = from_gpu(dx, (size_t)n * dim * 4);
+		ck_assert_mem_eq(xr, got, (size_t)n * dim * 4);
+		free(got); free(b);
+		gfree(dx); gfree(db);
+	}
+	ck_assert_int_eq(dev->ops->bias_add(dev->ctx, dl, dl, MLENS_DTYPE_F32, -1, 4), -EINVAL);
+	free(l); free(wref); free(idref); free(x); free(xr);
 	gfree(dl); gfree(dids); gfree(dw);
 }
 END_TEST
@@ -1268,7 +1329,7 @@ START_TEST(test_errors)
 	ck_assert_int_eq(dev->ops->attn_decode(dev->ctx, buf, buf, &kv, 0, &q, 1, 1, 1.0f), -ERANGE);
 	ck_assert_int_eq(dev->ops->attn_prefill(dev->ctx, buf, buf, buf, buf, cu, 1, 2, 2, 300, 1.0f),
 			 -ENOTSUP);
-	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9), -EINVAL);
+	ck_assert_int_eq(dev->ops->router(dev->ctx, (int32_t *)buf, buf, buf, 4, 8, 9, true), -EINVAL);
 	{
 		/* MoE streams out of range: refused at creation, by name */
 		struct mlens_backend_opts bad = { .n_threads = 0, .device = 0,
@@ -1461,6 +1522,7 @@ int main(void)
 	tcase_add_test(tc, test_round_gemm_half_in);
 	tcase_add_test(tc, test_gemm_multi);
 	tcase_add_test(tc, test_router);
+	tcase_add_test(tc, test_family_ops);
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_moe_fp8);
 	tcase_add_test(tc, test_moe_w2_transposed);

@@ -154,19 +154,6 @@ static struct gw gw_for_test(void)
 	return gw;
 }
 
-static void call_clear(struct gw_call *c)
-{
-	for (uint32_t i = 0; i < c->n_prompts; i++)
-		free(c->prompts[i]);
-	for (size_t i = 0; i < c->n_stops; i++)
-		free(c->stops[i]);
-	free(c->stops);
-	free(c->prompts);
-	free(c->prompt_lens);
-	free(c->ch);
-	memset(c, 0, sizeof(*c));
-}
-
 /* Parse body as kind; returns parse's result, *e filled. */
 static int parse(struct gw *gw, enum gw_kind kind, const char *body, struct gw_call *c,
 		 struct gw_err *e)
@@ -203,12 +190,12 @@ START_TEST(test_parse_ok)
 	ck_assert_int_eq(c.top_k, 0);
 	ck_assert_uint_eq(c.n_stop_ids, 1);
 	ck_assert(c.logprobs);
-	call_clear(&c);
+	gw_call_clear(&c);
 
 	/* max_tokens up to the daemon's limit */
 	ck_assert_int_eq(parse(&gw, GW_COMPLETION, "{\"prompt\": [5], \"max_tokens\": 50}", &c, &e), 0);
 	ck_assert_uint_eq(c.max_tokens, 50);
-	call_clear(&c);
+	gw_call_clear(&c);
 }
 END_TEST
 
@@ -269,7 +256,7 @@ START_TEST(test_parse_refused)
 			      e.param ? e.param : "null");
 		ck_assert_msg(!strcmp(e.code, t[i].code), "%s: code %s", t[i].body, e.code);
 		ck_assert_msg(strlen(e.msg) > 10, "%s: message '%s'", t[i].body, e.msg);
-		call_clear(&c);
+		gw_call_clear(&c);
 	}
 }
 END_TEST

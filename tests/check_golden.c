@@ -1,6 +1,7 @@
 /* Description: numerics against Hugging Face transformers. For every fixture
- * under tests/golden/ (small random Mixtral models, references made by
- * tests/golden/make_golden.py) the engine on the backend named by
+ * under tests/golden/ (small random Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE
+ * models, references made by tests/golden/make_golden.py and
+ * make_golden_families.py) the engine on the backend named by
  * MLENS_TEST_BACKEND (default cpu; exit 77 when it cannot be created) must
  * reproduce: prefill logits of every position, decode logits step by step,
  * greedy tokens (up to the first reference near-tie), and agree with itself

@@ -1,14 +1,18 @@
 /* Description: the one decoder layer (daemon/exec/layer.h) on the CPU backend:
  * the whole forward equals its parts run apart as the hybrid pipeline
  * runs them (GA and GB in two row groups, the experts one row a call), bit
- * for bit, with every op of it seen by the probe; the model's head gives
+ * for bit, with every op of it seen by the probe, for Mixtral and for a
+ * layer of each other family (a dense one too); the model's head gives
  * the same tokens and logits in one chunk as row by row; bind and unbind
  * place every tensor once and give each back. */
 #include <check.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "daemon/exec/kv_pool.h"
 #include "daemon/exec/layer.h"
+#include "daemon/tools/mkmodel.h"
 #include "tests/testmodel.h"
 
 #define N 11	/* rows: one sequence at positions 0..N-1 */
@@ -58,6 +62,8 @@ static int probe_end(void *arg, enum mlens_layer_op op)
 
 struct fx {
 	struct mlens_model *m;
+	char dir[64];		/* a family's model written by mlens-mkmodel, or "" */
+	int layer;		/* the layer bound */
 	struct mlens_backend be;
 	struct mlens_layer_desc d;
 	struct mlens_layer_bound b;
@@ -71,21 +77,18 @@ struct fx {
 	struct mlens_attn_query qry[N];
 };
 
-static void fx_open(struct fx *f, enum mlens_dtype dt)
+static void fx_bind(struct fx *f)
 {
-	struct mlens_test_spec s = mlens_test_spec_tiny();
 	struct mlens_backend_opts bo = { .n_threads = 2 };
 	struct mlens_kv_cache layout;
 	char err[128];
 
-	memset(f, 0, sizeof(*f));
-	s.dtype = dt;
-	f->m = mlens_test_model_new(&s);
 	ck_assert_int_eq(mlens_backend_cpu_create(&f->be, &bo), 0);
 	mlens_layer_desc_init(&f->d, &f->m->cfg);
 	f->cnt.be = &f->be;
 	f->pl = (struct mlens_layer_placer){ count_place, count_unplace, &f->cnt };
-	ck_assert_int_eq(mlens_layer_bind(&f->b, &f->m->layers[0], &f->d, f->d.n_experts, &f->pl), 0);
+	ck_assert_int_eq(mlens_layer_bind(&f->b, &f->m->layers[f->layer], &f->d, f->d.n_experts,
+					  &f->pl), 0);
 	ck_assert_int_eq(mlens_ends_bind(&f->ends, f->m, &f->pl), 0);
 	ck_assert_int_eq(mlens_kv_layout(&layout, &f->m->cfg, -1, 1, N, err, sizeof(err)), 0);
 	for (int i = 0; i < 2; i++)
@@ -98,14 +101,52 @@ static void fx_open(struct fx *f, enum mlens_dtype dt)
 	}
 }
 
+static void fx_open(struct fx *f, enum mlens_dtype dt)
+{
+	struct mlens_test_spec s = mlens_test_spec_tiny();
+
+	memset(f, 0, sizeof(*f));
+	s.dtype = dt;
+	f->m = mlens_test_model_new(&s);
+	fx_bind(f);
+}
+
+/* Layer `layer` of a family's tiny model as mlens-mkmodel writes it. */
+static void fx_open_family(struct fx *f, const char *preset, int layer)
+{
+	struct mlens_mkmodel_opts o = { .seed = 11, .shards = 1 };
+	char err[512];
+
+	memset(f, 0, sizeof(*f));
+	snprintf(f->dir, sizeof(f->dir), "/tmp/check_layer.XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(f->dir));
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, preset), 0);
+	o.dir = f->dir;
+	ck_assert_msg(mlens_mkmodel_write(&o, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_model_open(f->dir, &f->m, err, sizeof(err)) == 0, "%s", err);
+	f->layer = layer;
+	fx_bind(f);
+}
+
 static void fx_close(struct fx *f)
 {
 	for (int i = 0; i < 2; i++)
 		mlens_kv_pool_fini(&f->kv[i]);
 	mlens_ends_unbind(&f->ends, f->m, &f->pl);
-	mlens_layer_unbind(&f->b, &f->m->layers[0], &f->d, f->d.n_experts, &f->pl);
+	mlens_layer_unbind(&f->b, &f->m->layers[f->layer], &f->d, f->d.n_experts, &f->pl);
 	mlens_backend_destroy(&f->be);
-	mlens_test_model_free(f->m);
+	if (!f->dir[0]) {
+		mlens_test_model_free(f->m);
+		return;
+	}
+	mlens_model_close(f->m);
+	for (const char *const *n = (const char *const[]){ "config.json", "generation_config.json",
+							  "model.safetensors", NULL }; *n; n++) {
+		char p[128];
+		snprintf(p, sizeof(p), "%s/%s", f->dir, *n);
+		unlink(p);
+	}
+	ck_assert_int_eq(rmdir(f->dir), 0);
 }
 
 static float *rows(size_t n, size_t cols)
@@ -141,15 +182,17 @@ static void act_free(struct mlens_layer_act *a)
 	free(a->rid);
 }
 
-START_TEST(forward_equals_its_parts)
+/* The whole forward of f's layer (every row reading the cache, as the
+ * engine's CPU default) into w and its parts apart (GA in two row groups,
+ * the attention over all rows, GB per group with one row a MoE call) into
+ * s, from the same x; the whole run's op counts into op_seen. */
+static void whole_and_parts(struct fx *pf, struct mlens_layer_act *pw, struct mlens_layer_act *ps)
 {
-	static const enum mlens_dtype dts[2] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16 };
 	const struct mlens_layer_probe probe = { probe_begin, probe_end, NULL };
-	struct fx f;
+	struct fx f = *pf;
 	struct mlens_layer_act w, s;
 	size_t H, qd, kvd;
 
-	fx_open(&f, dts[_i]);
 	H = (size_t)f.d.hidden;
 	qd = (size_t)mlens_layer_qdim(&f.d);
 	kvd = (size_t)mlens_layer_kvdim(&f.d);
@@ -164,15 +207,6 @@ START_TEST(forward_equals_its_parts)
 						     .qry = f.qry };
 		memset(op_seen, 0, sizeof(op_seen));
 		ck_assert_int_eq(mlens_layer_forward(&r, &f.b, &f.kv[0].cache, 0, &w, &rr), 0);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_NORM], 2);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_QKV], 1);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_ROPE], 2);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_KV_APPEND], 1);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_PREFILL], 0);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_DECODE], 1);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_WO], 1);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_ROUTER], 2);
-		ck_assert_int_eq(op_seen[MLENS_LAYER_OP_MOE], 1);
 	}
 	{
 		/* apart: GA per group, the attention over all rows, GB per group
@@ -199,6 +233,27 @@ START_TEST(forward_equals_its_parts)
 	ck_assert_mem_eq(w.x, s.x, N * H * sizeof(float));
 	ck_assert_mem_eq(w.att, s.att, N * qd * sizeof(float));
 	ck_assert_mem_eq(w.rid, s.rid, N * (size_t)f.d.top_k * sizeof(int32_t));
+	*pw = w;
+	*ps = s;
+}
+
+START_TEST(forward_equals_its_parts)
+{
+	static const enum mlens_dtype dts[2] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16 };
+	struct fx f;
+	struct mlens_layer_act w, s;
+
+	fx_open(&f, dts[_i]);
+	whole_and_parts(&f, &w, &s);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_NORM], 2);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_QKV], 1);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_ROPE], 2);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_KV_APPEND], 1);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_PREFILL], 0);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_DECODE], 1);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_WO], 1);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_ROUTER], 2);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_MOE], 1);
 	{
 		/* the head: one chunk (the engine) and a row a chunk (the
 		 * pipeline's chunks) give the same tokens and logits */
@@ -221,6 +276,36 @@ START_TEST(forward_equals_its_parts)
 		free(hl[0]);
 		free(hl[1]);
 	}
+	act_free(&w);
+	act_free(&s);
+	fx_close(&f);
+}
+END_TEST
+
+/* The families' layers, whole and apart, bit for bit, each family step
+ * seen: q/k norms (NORM), biases and clip (QKV), the one-expert route and
+ * its SwiGLU (ROUTER, MOE); a dense layer routes nothing. */
+START_TEST(family_forward_equals_its_parts)
+{
+	static const struct {
+		const char *preset;
+		int layer, norm, qkv, wo, router, moe;
+	} c[] = {
+		{ "qwen3-tiny", 0, 4, 1, 1, 2, 1 },	/* per-head q/k norm */
+		{ "qwen3-tiny", 1, 4, 1, 1, 1, 1 },	/* the dense layer */
+		{ "qwen2-tiny", 1, 2, 4, 1, 4, 2 },	/* q/k/v biases, shared expert */
+		{ "olmoe-tiny", 1, 4, 1, 1, 2, 1 },	/* q/k norm over the projection */
+	};
+	struct fx f;
+	struct mlens_layer_act w, s;
+
+	fx_open_family(&f, c[_i].preset, c[_i].layer);
+	whole_and_parts(&f, &w, &s);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_NORM], c[_i].norm);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_QKV], c[_i].qkv);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_WO], c[_i].wo);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_ROUTER], c[_i].router);
+	ck_assert_int_eq(op_seen[MLENS_LAYER_OP_MOE], c[_i].moe);
 	act_free(&w);
 	act_free(&s);
 	fx_close(&f);
@@ -272,6 +357,7 @@ int main(void)
 	int failed;
 
 	tcase_add_loop_test(tc, forward_equals_its_parts, 0, 2);
+	tcase_add_loop_test(tc, family_forward_equals_its_parts, 0, 4);
 	tcase_add_test(tc, bind_places_and_gives_back);
 	tcase_add_test(tc, bind_resident_experts_only);
 	suite_add_tcase(s, tc);

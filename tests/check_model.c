@@ -14,6 +14,7 @@
 #include <jansson.h>
 
 #include "daemon/tools/mkmodel.h"
+#include "daemon/model/family.h"
 #include "daemon/model/model.h"
 #include "daemon/model/quant.h"
 #include "kernels/fp8.h"
@@ -476,7 +477,7 @@ START_TEST(file_missing_and_extra_tensor)
 	assert_err("tensor 'model.layers.2.", "is missing (19 expected tensors are missing");
 	edit(sub("m/config.json"), "\"num_hidden_layers\": 3", "\"num_hidden_layers\": 1");
 	ck_assert_int_eq(open_err(o.dir), -EINVAL);
-	assert_err("m/model.safetensors: tensor 'model.layers.1.", "is not part of the Mixtral model");
+	assert_err("m/model.safetensors: tensor 'model.layers.1.", "is not part of the MixtralForCausalLM model");
 }
 END_TEST
 
@@ -634,7 +635,7 @@ START_TEST(config_refusals)
 	ck_assert_int_eq(cfg_parse(", \"rope_parameters\": {\"rope_theta\": 1e6, \"rope_type\": \"yarn\"}", &c), -ENOTSUP);
 	assert_err("t/config.json: rope_parameters.rope_type is \"yarn\"");
 	ck_assert_int_eq(cfg_parse(", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}", &c), -ENOTSUP);
-	assert_err("rope_scaling");
+	assert_err("'rope_scaling' is {\"type\":\"linear\",\"factor\":2.0}; mlens implements only the default RoPE");
 	ck_assert_int_eq(cfg_parse(", \"num_local_experts\": 300", &c), -EINVAL);
 	assert_err("duplicate");
 	ck_assert_int_eq(cfg_text("{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 100}", &c), -EINVAL);
@@ -759,6 +760,238 @@ START_TEST(config_ranges)
 	ck_assert_int_eq(mlens_model_parse_config(ranges[_i].json, strlen(ranges[_i].json),
 						  "t/config.json", &c, err, sizeof(err)), -EINVAL);
 	assert_err("t/config.json: ", ranges[_i].want);
+}
+END_TEST
+
+/* ==== the other families ==== */
+
+static struct mlens_mkmodel_opts family(const char *dir, const char *preset, bool fused)
+{
+	struct mlens_mkmodel_opts o = tiny(dir, MLENS_DTYPE_F32, 1);
+
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, preset), 0);
+	o.cfg.dtype = MLENS_DTYPE_F32;
+	o.fused_experts = fused;
+	return o;
+}
+
+/* Replace the first `from` in a binary file by `to` of the same length
+ * (a tensor's name in a safetensors header). */
+static void edit_bin(const char *path, const char *from, const char *to)
+{
+	FILE *f = fopen(path, "rb");
+	long n;
+	char *buf, *at;
+
+	ck_assert_ptr_nonnull(f);
+	ck_assert_uint_eq(strlen(from), strlen(to));
+	fseek(f, 0, SEEK_END);
+	n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	buf = malloc((size_t)n);
+	ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+	fclose(f);
+	at = memmem(buf, (size_t)n, from, strlen(from));
+	ck_assert_msg(at != NULL, "'%s' not in %s", from, path);
+	memcpy(at, to, strlen(to));
+	write_file(path, buf, (size_t)n);
+	free(buf);
+}
+
+/* Each family's preset, per-expert and fused, opens with its extras bound
+ * where its config says, and the data is what the writer drew. */
+START_TEST(family_roundtrip)
+{
+	static const char *const presets[] = { "qwen3-tiny", "qwen2-tiny", "olmoe-tiny" };
+	const char *preset = presets[_i / 2];
+	struct mlens_mkmodel_opts o = family(sub("m"), preset, _i % 2);
+	const struct mlens_model_config *c;
+	const struct mlens_layer_weights *l0, *l1;
+	struct mlens_model *m;
+
+	make(&o);
+	m = open_ok(o.dir);
+	c = &m->cfg;
+	l0 = &m->layers[0];
+	l1 = &m->layers[1];
+	ck_assert_str_eq(c->architecture, o.cfg.family->architecture);
+	ck_assert_ptr_eq(c->family, o.cfg.family);
+	ck_assert_int_eq(c->num_local_experts, o.cfg.num_local_experts);
+	ck_assert_int_eq(c->intermediate_size, o.cfg.intermediate_size);
+	ck_assert_int_eq(c->qk_norm, o.cfg.qk_norm);
+	ck_assert_int_eq(c->topk_raw, o.cfg.topk_raw);
+	ck_assert_int_eq(c->shared_inter, o.cfg.shared_inter);
+	ck_assert_int_eq(c->qkv_bias, o.cfg.qkv_bias);
+	ck_assert_ptr_nonnull(l0->router);
+	ck_assert_ptr_nonnull(l0->w1[c->num_local_experts - 1]);
+	if (!strcmp(preset, "qwen3-tiny")) {
+		/* layer 1 is dense: its SwiGLU, no router, no experts */
+		ck_assert(c->dense[1] && !c->dense[0]);
+		ck_assert_int_eq(c->dense_inter, 96);
+		ck_assert_ptr_null(l1->router);
+		ck_assert_ptr_null(l1->w1[0]);
+		ck_assert_int_eq(l1->mlp_inter, 96);
+		ck_assert_int_eq(l1->mlp_w2->shape[1], 96);
+		ck_assert_ptr_null(l0->mlp_w1);
+		ck_assert_int_eq(l0->q_norm->shape[0], 32);	/* a head's */
+		ck_assert_ptr_null(l0->bq);
+		assert_generated(l1->mlp_w3->data, MLENS_DTYPE_F32, o.seed, "model.layers.1.mlp.up_proj.weight", 96 * 64);
+	} else if (!strcmp(preset, "qwen2-tiny")) {
+		ck_assert_ptr_nonnull(l1->mlp_gate);
+		ck_assert_int_eq(l1->mlp_inter, 64);
+		ck_assert_ptr_null(l0->q_norm);
+		ck_assert_ptr_null(l0->bo);
+		assert_generated(l0->bk->data, MLENS_DTYPE_F32, o.seed, "model.layers.0.self_attn.k_proj.bias", 32);
+		assert_generated(l1->mlp_gate->data, MLENS_DTYPE_F32, o.seed, "model.layers.1.mlp.shared_expert_gate.weight", 64);
+	} else {
+		ck_assert_int_eq(l0->q_norm->shape[0], 64);	/* the whole projection */
+		ck_assert_int_eq(l0->k_norm->shape[0], 32);
+		ck_assert_ptr_null(l0->mlp_w1);
+		assert_generated(l1->k_norm->data, MLENS_DTYPE_F32, o.seed, "model.layers.1.self_attn.k_norm.weight", 32);
+	}
+	/* the last expert's down matrix, in either layout */
+	{
+		char name[160];
+		snprintf(name, sizeof(name), "model.layers.0.mlp.experts.%d.down_proj.weight",
+			 (int)c->num_local_experts - 1);
+		assert_generated(l0->w2[c->num_local_experts - 1], MLENS_DTYPE_F32, o.seed, name,
+				 (size_t)(c->hidden_size * c->intermediate_size));
+	}
+	mlens_model_close(m);
+}
+END_TEST
+
+/* A file that lacks what its family's config asks for, or has it in the
+ * wrong shape, is refused naming the tensor. */
+START_TEST(family_bad_files)
+{
+	struct mlens_mkmodel_opts o = family(sub("q3"), "qwen3-tiny", false);
+
+	/* q_norm missing: written without, config asks for it */
+	o.cfg.qk_norm = MLENS_QK_NORM_NONE;
+	make(&o);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("q3: tensor 'model.layers.0.self_attn.q_norm.weight' is missing (4 expected tensors are missing");
+	/* q_norm over the whole projection where Qwen3 norms a head */
+	o.cfg.qk_norm = MLENS_QK_NORM_ALL;
+	make(&o);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.self_attn.q_norm.weight': shape [128] does not match config.json, which implies [32]");
+	/* an expert's matrix missing */
+	o.cfg.qk_norm = MLENS_QK_NORM_HEAD;
+	make(&o);
+	edit_bin(sub("q3/model.safetensors"), "layers.0.mlp.experts.5.up_proj", "layers.0.mlp.experts.5.up_prox");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.mlp.experts.5.up_proj.weight' is missing (1 expected tensor is missing");
+	/* the dense layer's MLP missing */
+	make(&o);
+	edit_bin(sub("q3/model.safetensors"), "layers.1.mlp.down_proj", "layers.1.mlp.down_prox");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.1.mlp.down_proj.weight' is missing");
+	/* the dense layer's width disagrees with intermediate_size */
+	make(&o);
+	edit(sub("q3/config.json"), "\"intermediate_size\": 96", "\"intermediate_size\": 80");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.1.mlp.", "does not match config.json, which implies [80, 64]");
+
+	/* Qwen2-MoE: shared expert gate and biases */
+	o = family(sub("q2"), "qwen2-tiny", false);
+	o.cfg.shared_gate = false;
+	make(&o);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.mlp.shared_expert_gate.weight' is missing");
+	o.cfg.shared_gate = true;
+	o.cfg.qkv_bias = false;
+	make(&o);
+	edit(sub("q2/config.json"), "\"qkv_bias\": false", "\"qkv_bias\": true");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.self_attn.", "_proj.bias' is missing (6 expected tensors are missing");
+
+	/* OLMoE: k_norm missing, a wrong router shape */
+	o = family(sub("ol"), "olmoe-tiny", true);
+	make(&o);
+	edit_bin(sub("ol/model.safetensors"), "layers.1.self_attn.k_norm", "layers.1.self_attn.k_nora");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.1.self_attn.k_norm.weight' is missing");
+	make(&o);
+	edit(sub("ol/config.json"), "\"num_experts\": 16", "\"num_experts\": 15");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.mlp.gate.weight': shape [16, 64] does not match config.json, which implies [15, 64]");
+}
+END_TEST
+
+static const char qwen3_cfg[] =
+	"{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32,"
+	" \"intermediate_size\": 80, \"moe_intermediate_size\": 16, \"num_hidden_layers\": 4,"
+	" \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 16,"
+	" \"num_experts\": 8, \"num_experts_per_tok\": 2, \"max_position_embeddings\": 256 %s}";
+
+static int qwen3_parse(const char *extra, struct mlens_model_config *c)
+{
+	char text[2048];
+
+	snprintf(text, sizeof(text), qwen3_cfg, extra);
+	return cfg_text(text, c);
+}
+
+START_TEST(family_configs)
+{
+	struct mlens_model_config c;
+
+	ck_assert_int_eq(qwen3_parse("", &c), 0);
+	ck_assert_int_eq(c.num_local_experts, 8);
+	ck_assert_int_eq(c.intermediate_size, 16);
+	ck_assert_int_eq(c.head_dim, 16);
+	ck_assert_int_eq(c.qk_norm, MLENS_QK_NORM_HEAD);
+	ck_assert(c.topk_raw && !c.qkv_bias && !c.o_bias);
+	ck_assert(!c.dense[0] && !c.dense[3]);
+	ck_assert_int_eq(c.dense_inter, 0);
+	/* decoder_sparse_step 2: layers 0 and 2 dense; mlp_only_layers adds 3 */
+	ck_assert_int_eq(qwen3_parse(", \"decoder_sparse_step\": 2, \"mlp_only_layers\": [3], \"norm_topk_prob\": true, \"attention_bias\": true, \"use_sliding_window\": false, \"sliding_window\": 4096, \"rope_scaling\": null", &c), 0);
+	ck_assert(c.dense[0] && !c.dense[1] && c.dense[2] && c.dense[3]);
+	ck_assert_int_eq(c.dense_inter, 80);
+	ck_assert(!c.topk_raw && c.qkv_bias && c.o_bias);
+	/* transformers 5 writes Qwen3-MoE's expert count as num_local_experts */
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"moe_intermediate_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"num_local_experts\": 6, \"num_experts_per_tok\": 2}", &c), 0);
+	ck_assert_int_eq(c.num_local_experts, 6);
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"Qwen2MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"moe_intermediate_size\": 16, \"shared_expert_intermediate_size\": 64, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2, \"layer_types\": [\"full_attention\", \"full_attention\"], \"sliding_window\": 0}", &c), 0);
+	ck_assert(c.qkv_bias && !c.o_bias && c.shared_gate && c.topk_raw);
+	ck_assert_int_eq(c.shared_inter, 64);
+	ck_assert_int_eq(c.qk_norm, MLENS_QK_NORM_NONE);
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"OlmoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"intermediate_size\": 16, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2, \"clip_qkv\": 8.5, \"attention_bias\": true}", &c), 0);
+	ck_assert_int_eq(c.qk_norm, MLENS_QK_NORM_ALL);
+	ck_assert_double_eq(c.clip_qkv, 8.5);
+	ck_assert(c.qkv_bias && c.o_bias && c.topk_raw);
+	ck_assert_int_eq(c.intermediate_size, 16);
+}
+END_TEST
+
+/* What a family asks for and mlens does not implement is refused naming
+ * the key and its value. */
+START_TEST(family_refusals)
+{
+	struct mlens_model_config c;
+
+	ck_assert_int_eq(qwen3_parse(", \"use_sliding_window\": true", &c), -ENOTSUP);
+	assert_err("t/config.json: 'use_sliding_window' is true; mlens has no sliding-window attention");
+	ck_assert_int_eq(qwen3_parse(", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}", &c), -ENOTSUP);
+	assert_err("t/config.json: 'rope_scaling' is {\"rope_type\":\"yarn\",\"factor\":4.0}", "set it to null");
+	ck_assert_int_eq(qwen3_parse(", \"layer_types\": [\"full_attention\", \"sliding_attention\"]", &c), -ENOTSUP);
+	assert_err("'layer_types' entry 1 is sliding_attention");
+	ck_assert_int_eq(qwen3_parse(", \"mlp_only_layers\": [4]", &c), -EINVAL);
+	assert_err("'mlp_only_layers' entry 0 is not a layer index in [0, 4)");
+	ck_assert_int_eq(qwen3_parse(", \"norm_topk_prob\": 1", &c), -EINVAL);
+	assert_err("'norm_topk_prob' must be true or false");
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"OlmoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"intermediate_size\": 16, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 300, \"num_experts_per_tok\": 2}", &c), -EINVAL);
+	assert_err("'num_experts' is 300; mlens accepts 1 to 256");
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"moe_intermediate_size\": 16, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2, \"mlp_only_layers\": [0]}", &c), -EINVAL);
+	assert_err("'intermediate_size' is missing");
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"Qwen2MoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"moe_intermediate_size\": 16, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2}", &c), -EINVAL);
+	assert_err("'shared_expert_intermediate_size' is missing");
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"OlmoeForCausalLM\"], \"vocab_size\": 100, \"hidden_size\": 32, \"intermediate_size\": 16, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 6, \"num_experts_per_tok\": 2, \"clip_qkv\": -1}", &c), -EINVAL);
+	assert_err("'clip_qkv' is -1");
+	ck_assert_int_eq(cfg_text("{\"architectures\": [\"DeepseekV3ForCausalLM\"]}", &c), -ENOTSUP);
+	assert_err("architectures is [\"DeepseekV3ForCausalLM\"]; mlens serves only MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM");
 }
 END_TEST
 
@@ -999,6 +1232,8 @@ static Suite *model_suite(void)
 	tcase_add_test(tc, fp8_conversions);
 	tcase_add_loop_test(tc, fp8_roundtrip, 0, 2);
 	tcase_add_test(tc, fp8_quantize_at_load);
+	tcase_add_loop_test(tc, family_roundtrip, 0, 6);
+	tcase_add_test(tc, family_configs);
 	suite_add_tcase(s, tc);
 
 	tcase_add_checked_fixture(bad, setup, teardown);
@@ -1027,6 +1262,8 @@ static Suite *model_suite(void)
 	tcase_add_test(bad, fp8_block_mismatch);
 	tcase_add_loop_test(bad, config_ranges, 0, (int)(sizeof(ranges) / sizeof(ranges[0])));
 	tcase_add_test(bad, mkmodel_refuses);
+	tcase_add_test(bad, family_bad_files);
+	tcase_add_test(bad, family_refusals);
 	suite_add_tcase(s, bad);
 	return s;
 }

@@ -48,6 +48,46 @@ START_TEST(fp8_expert_bytes)
 }
 END_TEST
 
+/* A family's resident extras: Qwen2-MoE-A14B's shared expert (and gate)
+ * and q/k/v biases are held with the attention, never streamed. */
+START_TEST(family_bytes)
+{
+	struct mlens_model_config c = { 0 };
+	struct mlens_perf_model pm;
+	uint64_t H = 3584, S = 20480, Q = 3584, KV = 512;
+
+	c.hidden_size = (int64_t)H;
+	c.intermediate_size = 2560;
+	c.num_hidden_layers = 28;
+	c.num_attention_heads = 28;
+	c.num_key_value_heads = 4;
+	c.head_dim = 128;
+	c.num_local_experts = 64;
+	c.num_experts_per_tok = 8;
+	c.vocab_size = 151936;
+	c.dtype = MLENS_DTYPE_BF16;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_uint_eq(pm.family_bytes, 0);
+	c.shared_inter = (int64_t)S;
+	c.shared_gate = true;
+	c.qkv_bias = true;
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_uint_eq(pm.family_bytes, (3 * H * S + H + Q + 2 * KV) * 2);
+	ck_assert_uint_eq(pm.layer_bytes, pm.attn_bytes + pm.norm_bytes + pm.router_bytes +
+			  pm.family_bytes + pm.layer_expert_bytes);
+	ck_assert_uint_eq(mlens_gpu_plan_resident_bytes(&pm, 0),
+			  (pm.layer_bytes - pm.layer_expert_bytes) * 28 + pm.embed_bytes +
+			  pm.lm_head_bytes + pm.final_norm_bytes);
+	/* the MoE scratch's width covers the shared expert run as one
+	 * expert a row: Qwen2's top-8 of 2560 already does, a dense layer
+	 * of 96 beside top-2 of 32 needs 48 */
+	ck_assert_int_eq(pm.mlp_inter, (int64_t)S);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_width(2560, 8, S), 2560);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_width(32, 2, 96), 48);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_width(32, 2, 0), 32);
+}
+END_TEST
+
 START_TEST(mixtral_bytes)
 {
 	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
@@ -1052,6 +1092,7 @@ int main(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, mixtral_bytes);
 	tcase_add_test(tc, fp8_expert_bytes);
+	tcase_add_test(tc, family_bytes);
 	tcase_add_test(tc, config_errors);
 	tcase_add_test(tc, activation_bytes);
 	tcase_add_test(tc, eq2_mixtral_a40);

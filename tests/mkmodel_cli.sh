@@ -77,6 +77,19 @@ grep -q '^{"tokens":\[75,108,47,35,122,198,185,117,111,103,35,260\]}$' "$tmp/ids
 grep -q "at least 261 tokens; the model has 200" "$tmp/err" || fail "small vocabulary error: $(cat "$tmp/err")"
 [ ! -e "$tmp/tv" ] || fail "a refused model left a directory"
 
+# The other families' presets: their architecture and keys in config.json;
+# a head dimension those without their own cannot express is refused.
+for p in qwen3-tiny:Qwen3MoeForCausalLM:moe_intermediate_size qwen2-tiny:Qwen2MoeForCausalLM:shared_expert_intermediate_size \
+	olmoe-tiny:OlmoeForCausalLM:clip_qkv; do
+	name=${p%%:*} rest=${p#*:}
+	"$bin" -o "$tmp/$name" --preset "$name" >/dev/null || fail "$name not written"
+	grep -q "\"${rest%%:*}\"" "$tmp/$name/config.json" || fail "$name: no ${rest%%:*} in config.json"
+	grep -q "\"${rest#*:}\"" "$tmp/$name/config.json" || fail "$name: no ${rest#*:} in config.json"
+done
+grep -q '"mlp_only_layers": \[' "$tmp/qwen3-tiny/config.json" || fail "qwen3-tiny: no mlp_only_layers"
+"$bin" -o "$tmp/q2" --preset qwen2-tiny --head-dim 8 2>"$tmp/err" && fail "qwen2 head-dim 8 accepted"
+grep -q "Qwen2MoeForCausalLM has no head_dim of its own" "$tmp/err" || fail "qwen2 head-dim: $(cat "$tmp/err")"
+
 if command -v mandoc >/dev/null 2>&1; then
 	mandoc -T lint -W warning "$src/man/mlens-mkmodel.1" || fail "man page lint"
 fi

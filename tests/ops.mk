@@ -22,6 +22,9 @@ endif
 # the sockets against careless and hostile local users
 dist_check_SCRIPTS += tests/integration/sockets.sh
 TESTS += tests/integration/sockets.sh
+# the Prometheus listener against a client hoarding connections
+dist_check_SCRIPTS += tests/integration/metrics_hostile.sh
+TESTS += tests/integration/metrics_hostile.sh
 # lints ALL man/*.[1-8] pages (shared with the client pages)
 dist_check_SCRIPTS += tests/manlint.sh tests/man_keys.sh
 TESTS += tests/manlint.sh tests/man_keys.sh

@@ -23,6 +23,8 @@ void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_
 	d->rope_theta = (float)c->rope_theta;
 	d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
 	d->norm_kind = c->norm_kind;
+	d->qk_norm = c->qk_norm;
+	d->router_renorm = !c->topk_raw;
 	d->clip_qkv = (float)c->clip_qkv;
 	d->w2_transposed = c->w2_transposed;
 }
@@ -50,6 +52,20 @@ static const void *put(const struct mlens_layer_placer *pl, const struct mlens_t
 	return pl->place(pl->arg, t->data, t->nbytes, rc);
 }
 
+/* A family's optional tensor: NULL stays NULL. */
+static const void *put_opt(const struct mlens_layer_placer *pl, const struct mlens_tensor *t,
+			   int *rc)
+{
+	return t ? put(pl, t, rc) : NULL;
+}
+
+static void unput_opt(const struct mlens_layer_placer *pl, const void *p,
+		      const struct mlens_tensor *t)
+{
+	if (t)
+		pl->unplace(pl->arg, p, t->nbytes);
+}
+
 int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
 		     const struct mlens_layer_desc *d, int experts,
 		     const struct mlens_layer_placer *pl)
@@ -64,7 +80,20 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	b->wv = put(pl, w->wv, &rc);
 	b->wo = put(pl, w->wo, &rc);
 	b->ffn_norm = put(pl, w->ffn_norm, &rc);
-	b->router = put(pl, w->router, &rc);
+	b->router = put_opt(pl, w->router, &rc);
+	b->q_norm = put_opt(pl, w->q_norm, &rc);
+	b->k_norm = put_opt(pl, w->k_norm, &rc);
+	b->bq = put_opt(pl, w->bq, &rc);
+	b->bk = put_opt(pl, w->bk, &rc);
+	b->bv = put_opt(pl, w->bv, &rc);
+	b->bo = put_opt(pl, w->bo, &rc);
+	b->mlp_w[0] = put_opt(pl, w->mlp_w1, &rc);
+	b->mlp_w[1] = put_opt(pl, w->mlp_w2, &rc);
+	b->mlp_w[2] = put_opt(pl, w->mlp_w3, &rc);
+	b->mlp_gate = put_opt(pl, w->mlp_gate, &rc);
+	b->mlp = (struct mlens_moe_weights){ .n_experts = w->mlp_w1 ? 1 : 0, .hidden = d->hidden,
+		.inter = (int)w->mlp_inter, .dtype = d->dtype, .w1 = &b->mlp_w[0],
+		.w2 = &b->mlp_w[1], .w3 = &b->mlp_w[2] };
 	b->w1 = calloc((size_t)d->n_experts, sizeof(void *));
 	b->w2 = calloc((size_t)d->n_experts, sizeof(void *));
 	b->w3 = calloc((size_t)d->n_experts, sizeof(void *));
@@ -73,7 +102,7 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	b->s3 = calloc((size_t)d->n_experts, sizeof(void *));
 	if (!b->w1 || !b->w2 || !b->w3 || !b->s1 || !b->s2 || !b->s3)
 		return -ENOMEM;
-	for (int x = 0; x < experts && !rc; x++) {
+	for (int x = 0; x < experts && w->router && !rc; x++) {
 		b->w1[x] = pl->place(pl->arg, w->w1[x], ih, &rc);
 		b->w2[x] = pl->place(pl->arg, w->w2[x], ih, &rc);
 		b->w3[x] = pl->place(pl->arg, w->w3[x], ih, &rc);
@@ -106,8 +135,18 @@ void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_we
 	pl->unplace(pl->arg, b->wv, w->wv->nbytes);
 	pl->unplace(pl->arg, b->wo, w->wo->nbytes);
 	pl->unplace(pl->arg, b->ffn_norm, w->ffn_norm->nbytes);
-	pl->unplace(pl->arg, b->router, w->router->nbytes);
-	for (int x = 0; x < experts && b->w1 && b->w2 && b->w3; x++) {
+	unput_opt(pl, b->router, w->router);
+	unput_opt(pl, b->q_norm, w->q_norm);
+	unput_opt(pl, b->k_norm, w->k_norm);
+	unput_opt(pl, b->bq, w->bq);
+	unput_opt(pl, b->bk, w->bk);
+	unput_opt(pl, b->bv, w->bv);
+	unput_opt(pl, b->bo, w->bo);
+	unput_opt(pl, b->mlp_w[0], w->mlp_w1);
+	unput_opt(pl, b->mlp_w[1], w->mlp_w2);
+	unput_opt(pl, b->mlp_w[2], w->mlp_w3);
+	unput_opt(pl, b->mlp_gate, w->mlp_gate);
+	for (int x = 0; x < experts && w->router && b->w1 && b->w2 && b->w3; x++) {
 		pl->unplace(pl->arg, b->w1[x], ih);
 		pl->unplace(pl->arg, b->w2[x], ih);
 		pl->unplace(pl->arg, b->w3[x], ih);
@@ -175,19 +214,6 @@ static int layer_norm_op(const struct mlens_layer_run *r, float *out, const floa
 	return OPS->layernorm(CTX, out, x, w, d->dtype, n, d->hidden, d->norm_eps);
 }
 
-/* clip_qkv: q, k and v of n rows clamped to [-clip, clip]. */
-static int clip_qkv(const struct mlens_layer_run *r, float *const qkv[3], const int m[3], int n)
-{
-	if (!MLENS_BACKEND_HAS(OPS, clamp))
-		return -ENOTSUP;
-	for (int i = 0; i < 3; i++) {
-		int rc = OPS->clamp(CTX, qkv[i], n, m[i], r->d->clip_qkv);
-		if (rc)
-			return rc;
-	}
-	return 0;
-}
-
 int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			 const float *xn, float *q, float *k, float *v, const int32_t *pos, int n)
 {
@@ -196,12 +222,27 @@ int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_lay
 	float *const qkv[3] = { q, k, v };
 	const void *const wqkv[3] = { b->wq, b->wk, b->wv };
 	const int mqkv[3] = { mlens_layer_qdim(d), mlens_layer_kvdim(d), mlens_layer_kvdim(d) };
+	const void *const bqkv[3] = { b->bq, b->bk, b->bv };
+	/* the q/k norm's rows: a head each, or the whole projection */
+	const bool head = d->qk_norm == MLENS_QK_NORM_HEAD;
 	int rc;
 
 	OP(MLENS_LAYER_OP_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, xn, wqkv, d->dtype, n,
 							d->hidden, mqkv, 3));
-	if (d->clip_qkv > 0)
-		OP(MLENS_LAYER_OP_QKV, clip_qkv(r, qkv, mqkv, n));
+	for (int i = 0; i < 3; i++)
+		if (bqkv[i])
+			OP(MLENS_LAYER_OP_QKV, OPS->bias_add(CTX, qkv[i], bqkv[i], d->dtype, n, mqkv[i]));
+	if (d->qk_norm) {
+		OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, q, q, b->q_norm, d->dtype,
+						     head ? n * d->n_heads : n,
+						     head ? d->head_dim : mqkv[0], d->norm_eps));
+		OP(MLENS_LAYER_OP_NORM, OPS->rmsnorm(CTX, k, k, b->k_norm, d->dtype,
+						     head ? n * d->n_kv_heads : n,
+						     head ? d->head_dim : mqkv[1], d->norm_eps));
+	}
+	for (int i = 0; i < 3 && d->clip_qkv > 0.0f; i++)
+		OP(MLENS_LAYER_OP_QKV, OPS->clamp(CTX, qkv[i], (size_t)n * (size_t)mqkv[i],
+						  d->clip_qkv));
 	OP(MLENS_LAYER_OP_ROPE, OPS->rope(CTX, q, pos, n, d->n_heads, d->head_dim, d->rope_theta));
 	OP(MLENS_LAYER_OP_ROPE, OPS->rope(CTX, k, pos, n, d->n_kv_heads, d->head_dim,
 					  d->rope_theta));
@@ -289,19 +330,58 @@ int mlens_layer_out_proj(const struct mlens_layer_run *r, const struct mlens_lay
 	else
 		OP(MLENS_LAYER_OP_WO, OPS->gemm(CTX, out, att, b->wo, d->dtype, n, mlens_layer_qdim(d),
 						d->hidden, accumulate));
+	if (b->bo)
+		OP(MLENS_LAYER_OP_WO, OPS->bias_add(CTX, out, b->bo, d->dtype, n, d->hidden));
+	return 0;
+}
+
+/* Router logits, top-k ids and weights of the normed rows xn (nothing for
+ * a dense layer). */
+static int route_normed(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+			const float *xn, float *rlog, int32_t *rid, float *rw, int n)
+{
+	const struct mlens_layer_desc *d = r->d;
+	int rc;
+
+	if (!b->router)
+		return 0;
+	OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden,
+					    d->n_experts, false));
+	OP(MLENS_LAYER_OP_ROUTER, OPS->router(CTX, rid, rw, rlog, n, d->n_experts, d->top_k,
+					      d->router_renorm));
+	return 0;
+}
+
+static int ffn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+		    const float *x, float *xn, int n)
+{
+	int rc;
+
+	OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, x, b->ffn_norm, n));
 	return 0;
 }
 
 int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 		      const float *x, float *xn, float *rlog, int32_t *rid, float *rw, int n)
 {
+	int rc = ffn_norm(r, b, x, xn, n);
+	return rc ? rc : route_normed(r, b, xn, rlog, rid, rw, n);
+}
+
+int mlens_layer_mlp(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+		    float *out, const float *xn, float *rlog, int32_t *rid, float *rw, int n)
+{
 	const struct mlens_layer_desc *d = r->d;
 	int rc;
 
-	OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, x, b->ffn_norm, n));
-	OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden,
-					    d->n_experts, false));
-	OP(MLENS_LAYER_OP_ROUTER, OPS->router(CTX, rid, rw, rlog, n, d->n_experts, d->top_k));
+	if (!b->mlp.n_experts)
+		return 0;
+	/* weight 1 times the SwiGLU is the SwiGLU itself, bit for bit */
+	if (b->mlp_gate)
+		OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->mlp_gate, d->dtype, n, d->hidden,
+						    1, false));
+	OP(MLENS_LAYER_OP_ROUTER, OPS->route_one(CTX, rid, rw, b->mlp_gate ? rlog : NULL, n));
+	OP(MLENS_LAYER_OP_MOE, OPS->moe(CTX, out, xn, n, rid, rw, 1, &b->mlp));
 	return 0;
 }
 
@@ -328,11 +408,14 @@ int mlens_layer_gb(const struct mlens_layer_run *r, const struct mlens_layer_bou
 {
 	int rc;
 
-	/* residual: x += att . Wo^T */
+	/* residual: x += att . Wo^T; then the SwiGLU beside the experts first,
+	 * in the routing's scratch, so that rid and rw end as the experts' */
 	if ((rc = mlens_layer_out_proj(r, b, x, att, att_half, n, true)) ||
-	    (rc = mlens_layer_route(r, b, x, xn, rlog, rid, rw, n)))
+	    (rc = ffn_norm(r, b, x, xn, n)) ||
+	    (rc = mlens_layer_mlp(r, b, x, xn, rlog, rid, rw, n)) ||
+	    (rc = route_normed(r, b, xn, rlog, rid, rw, n)))
 		return rc;
-	return mlens_layer_experts(r, &b->moe, x, xn, rid, rw, n, chunk);
+	return b->router ? mlens_layer_experts(r, &b->moe, x, xn, rid, rw, n, chunk) : 0;
 }
 
 int mlens_layer_forward(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,

@@ -34,10 +34,13 @@ struct mlens_layer_desc {
 	float norm_eps;
 	float rope_theta;
 	float attn_scale;	/* 1 / sqrt(head_dim) */
-	/* A family's differences (zero for Mixtral): */
-	enum mlens_norm_kind norm_kind;	/* RMSNorm or LayerNorm, every norm */
+	/* A family's differences (zero for Mixtral: RMSNorm, no q/k norm,
+	 * renormalised top-k, no clip): */
+	enum mlens_norm_kind norm_kind;	/* RMSNorm or LayerNorm, every norm but q/k's */
+	enum mlens_qk_norm qk_norm;	/* RMSNorm of q and k before RoPE */
+	bool router_renorm;		/* top-k weights renormalised to sum 1 */
 	float clip_qkv;		/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
-				 * after their projection, before RoPE (DBRX) */
+				 * after their projection (and q/k norm), before RoPE */
 	bool w2_transposed;	/* experts' w2 stored [inter][hidden] (DBRX) */
 };
 
@@ -72,10 +75,18 @@ static inline size_t mlens_layer_scale_bytes(const struct mlens_layer_desc *d, b
 /* ==== weights as the backend sees them ==== */
 
 struct mlens_layer_bound {
-	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *router;
+	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm;
+	const void *router;		/* NULL: a dense layer, no routed experts */
 	const void **w1, **w2, **w3;	/* [n_experts] */
 	const float **s1, **s2, **s3;	/* [n_experts]: fp8 experts' scales */
 	struct mlens_moe_weights moe;	/* over w1, w2, w3 (and s1, s2, s3) */
+	/* family extras, NULL where absent (struct mlens_layer_weights) */
+	const void *q_norm, *k_norm, *bq, *bk, *bv, *bo;
+	/* the one SwiGLU beside the experts (a dense layer's MLP, a shared
+	 * expert) as a one-expert MoE chosen by every row, weight 1 or
+	 * sigmoid(x . mlp_gate); mlp.n_experts 0: none */
+	const void *mlp_w[3], *mlp_gate;
+	struct mlens_moe_weights mlp;	/* over mlp_w */
 };
 
 /* How a caller puts host weights where its backend reads them: place
@@ -203,7 +214,8 @@ int mlens_layer_attend(const struct mlens_layer_run *r, struct mlens_kv_cache *k
  * (gemm_half_in). */
 int mlens_layer_out_proj(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			 float *out, const void *att, bool att_half, int n, bool accumulate);
-/* xn = norm(x), router logits, top-k ids and weights. */
+/* xn = norm(x), router logits, top-k ids and weights (a dense layer: the
+ * norm only). */
 int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 		      const float *x, float *xn, float *rlog, int32_t *rid, float *rw, int n);
 /* out += the chosen experts of the normed rows xn, chunk rows a call
@@ -211,7 +223,13 @@ int mlens_layer_route(const struct mlens_layer_run *r, const struct mlens_layer_
 int mlens_layer_experts(const struct mlens_layer_run *r, const struct mlens_moe_weights *moe,
 			float *out, const float *xn, const int32_t *rid, const float *rw, int n,
 			int chunk);
-/* GB's arithmetic: x += att . Wo^T, then route and experts into x. */
+/* out += the layer's one SwiGLU of the normed rows xn (nothing when it has
+ * none); rlog, rid, rw are its scratch ([n] each), overwritten. */
+int mlens_layer_mlp(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
+		    float *out, const float *xn, float *rlog, int32_t *rid, float *rw, int n);
+/* GB's arithmetic: x += att . Wo^T, the norm, the SwiGLU beside the
+ * experts, then route and experts into x (rid and rw end as the routed
+ * experts' ids and weights). */
 int mlens_layer_gb(const struct mlens_layer_run *r, const struct mlens_layer_bound *b, float *x,
 		   const void *att, bool att_half, float *xn, float *rlog, int32_t *rid, float *rw,
 		   int n, int chunk);

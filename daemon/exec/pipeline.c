@@ -352,8 +352,8 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 	char *base = p->slot[l % 2];
 	int rc = 0;
 
-	if (n <= 0)
-		return 0;
+	if (n <= 0 || !w->router)
+		return 0;	/* all resident, or a dense layer: nothing streams */
 	if (fp8 && (!w->s1 || !w->s2 || !w->s3))
 		return -EINVAL;	/* fp8 experts without scales */
 	s = calloc((size_t)n, sizeof(*s));

@@ -181,68 +181,44 @@ static void row_view(struct mlens_tensor *v, const struct mlens_tensor *t, int64
 	v->data = (const char *)t->data + (size_t)r0 * row_bytes;
 }
 
-int mlens_family_dbrx_bind(struct mlens_binder *b)
+void mlens_family_dbrx_bind_layer(struct mlens_binder *b, int64_t i)
 {
 	struct mlens_model *m = b->m;
 	const struct mlens_model_config *c = &m->cfg;
-	const int64_t V = c->vocab_size, H = c->hidden_size, I = c->intermediate_size;
-	const int64_t E = c->num_local_experts, L = c->num_hidden_layers;
+	const int64_t H = c->hidden_size, I = c->intermediate_size, E = c->num_local_experts;
 	const int64_t Q = c->num_attention_heads * c->head_dim;
 	const int64_t KV = c->num_key_value_heads * c->head_dim;
 	const size_t es = mlens_dtype_size(c->dtype);
+	struct mlens_layer_weights *l = &m->layers[i];
+	const struct mlens_tensor *qkv, *w1, *v1, *w2;
 	char n[160];
 
-	m->views = calloc((size_t)(3 * L), sizeof(*m->views));
-	if (!m->views) {
-		mlens_errf(b->err, b->errlen, "%s: out of memory", m->dir);
-		return b->rc = -ENOMEM;
-	}
-	m->n_views = (int)(3 * L);	/* bounded by the config's n_layers */
-	m->embed = mlens_binder_need(b, "transformer.wte.weight", 2, V, H, 0);
-	m->final_norm = mlens_binder_need(b, "transformer.norm_f.weight", 1, H, 0, 0);
-	if (c->tie_word_embeddings) {
-		const struct mlens_tensor *lm = mlens_model_tensor(m, "lm_head.weight");
-		if (lm)
-			b->used[lm - m->tensors] = true;
-		m->lm_head = m->embed;
-	} else {
-		m->lm_head = mlens_binder_need(b, "lm_head.weight", 2, V, H, 0);
-	}
-	for (int64_t i = 0; i < L && !b->rc; i++) {
-		struct mlens_layer_weights *l = &m->layers[i];
-		const struct mlens_tensor *qkv, *w1, *v1, *w2;
-
-		l->w1 = m->expert_table + 3 * i * E;
-		l->w2 = l->w1 + E;
-		l->w3 = l->w2 + E;
 #define T(fmt) (snprintf(n, sizeof(n), "transformer.blocks.%" PRId64 "." fmt, i), n)
-		l->attn_norm = mlens_binder_need(b, T("norm_attn_norm.norm_1.weight"), 1, H, 0, 0);
-		qkv = mlens_binder_need(b, T("norm_attn_norm.attn.Wqkv.weight"), 2, Q + 2 * KV, H, 0);
-		l->wo = mlens_binder_need(b, T("norm_attn_norm.attn.out_proj.weight"), 2, H, Q, 0);
-		l->ffn_norm = mlens_binder_need(b, T("norm_attn_norm.norm_2.weight"), 1, H, 0, 0);
-		l->router = mlens_binder_need(b, T("ffn.router.layer.weight"), 2, E, H, 0);
-		/* fused over experts: expert j is rows [j*I, (j+1)*I); w2's
-		 * block is [I][H] as stored (w2_transposed) */
-		w1 = mlens_binder_need(b, T("ffn.experts.mlp.w1"), 2, E * I, H, 0);
-		v1 = mlens_binder_need(b, T("ffn.experts.mlp.v1"), 2, E * I, H, 0);
-		w2 = mlens_binder_need(b, T("ffn.experts.mlp.w2"), 2, E * I, H, 0);
+	l->attn_norm = mlens_binder_need(b, T("norm_attn_norm.norm_1.weight"), 1, H, 0, 0);
+	qkv = mlens_binder_need(b, T("norm_attn_norm.attn.Wqkv.weight"), 2, Q + 2 * KV, H, 0);
+	l->wo = mlens_binder_need(b, T("norm_attn_norm.attn.out_proj.weight"), 2, H, Q, 0);
+	l->ffn_norm = mlens_binder_need(b, T("norm_attn_norm.norm_2.weight"), 1, H, 0, 0);
+	l->router = mlens_binder_need(b, T("ffn.router.layer.weight"), 2, E, H, 0);
+	/* fused over experts: expert j is rows [j*I, (j+1)*I); w2's block is
+	 * [I][H] as stored (w2_transposed) */
+	w1 = mlens_binder_need(b, T("ffn.experts.mlp.w1"), 2, E * I, H, 0);
+	v1 = mlens_binder_need(b, T("ffn.experts.mlp.v1"), 2, E * I, H, 0);
+	w2 = mlens_binder_need(b, T("ffn.experts.mlp.w2"), 2, E * I, H, 0);
 #undef T
-		if (qkv) {
-			/* q, k, v rows one after another: views, no copy */
-			struct mlens_tensor *v = &m->views[3 * i];
-			row_view(&v[0], qkv, 0, Q);
-			row_view(&v[1], qkv, Q, KV);
-			row_view(&v[2], qkv, Q + KV, KV);
-			l->wq = &v[0];
-			l->wk = &v[1];
-			l->wv = &v[2];
-		}
-		for (int64_t j = 0; w1 && v1 && w2 && j < E; j++) {
-			size_t off = (size_t)(j * I * H) * es;
-			l->w1[j] = (const char *)w1->data + off;
-			l->w3[j] = (const char *)v1->data + off;
-			l->w2[j] = (const char *)w2->data + off;
-		}
+	if (qkv) {
+		/* q, k, v rows one after another: views, no copy */
+		struct mlens_tensor *v = &m->views[3 * i];
+		row_view(&v[0], qkv, 0, Q);
+		row_view(&v[1], qkv, Q, KV);
+		row_view(&v[2], qkv, Q + KV, KV);
+		l->wq = &v[0];
+		l->wk = &v[1];
+		l->wv = &v[2];
 	}
-	return b->rc;
+	for (int64_t j = 0; w1 && v1 && w2 && j < E; j++) {
+		size_t off = (size_t)(j * I * H) * es;
+		l->w1[j] = (const char *)w1->data + off;
+		l->w3[j] = (const char *)v1->data + off;
+		l->w2[j] = (const char *)w2->data + off;
+	}
 }

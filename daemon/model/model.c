@@ -1,6 +1,7 @@
-/* Model directory loader: config.json (Mixtral fields, sane ranges), the
- * safetensors files (single or sharded through the index), read-only
- * mappings, and the binding of every expected weight by name and shape.
+/* Model directory loader: config.json (the keys every family shares;
+ * family.c reads the rest), the safetensors files (single or sharded through
+ * the index), read-only mappings, and the binding of every expected weight
+ * by name and shape (names: the family table).
  * Nothing here reads tensor data: opening a 6 GB model touches headers only. */
 #include <errno.h>
 #include <fcntl.h>
@@ -17,6 +18,7 @@
 
 #include "daemon/errf.h"
 #include "daemon/infile.h"
+#include "daemon/model/family.h"
 #include "daemon/model/model.h"
 #include "daemon/model/model_int.h"
 #include "daemon/model/quant.h"
@@ -88,8 +90,8 @@ out:
 /* ==== config.json ==== */
 
 /* An integer field; absent or null takes def unless required. */
-static int get_int(const struct mlens_cfg_ctx *c, json_t *root, const char *key, bool required,
-		   int64_t def, int64_t lo, int64_t hi, int64_t *out)
+int mlens_cfg_int(const struct mlens_cfg_ctx *c, json_t *root, const char *key, bool required,
+		  int64_t def, int64_t lo, int64_t hi, int64_t *out)
 {
 	json_t *v = json_object_get(root, key);
 
@@ -114,8 +116,8 @@ static int get_int(const struct mlens_cfg_ctx *c, json_t *root, const char *key,
 	return 0;
 }
 
-static int get_real(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, double def,
-		    double lo, double hi, double *out)
+int mlens_cfg_real(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, double def,
+		   double lo, double hi, double *out)
 {
 	json_t *v = json_object_get(obj, key);
 
@@ -136,49 +138,47 @@ static int get_real(const struct mlens_cfg_ctx *c, json_t *obj, const char *key,
 	return 0;
 }
 
-int mlens_cfg_int(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, bool required,
-		  int64_t def, int64_t lo, int64_t hi, int64_t *out)
+/* The families mlens serves, for messages ("A, B and C"). */
+static void family_names(char *buf, size_t len)
 {
-	return get_int(c, obj, key, required, def, lo, hi, out);
-}
+	const struct mlens_family *f;
+	size_t off = 0;
 
-int mlens_cfg_real(const struct mlens_cfg_ctx *c, json_t *obj, const char *key, double def,
-		   double lo, double hi, double *out)
-{
-	return get_real(c, obj, key, def, lo, hi, out);
+	buf[0] = '\0';
+	for (int i = 0; (f = mlens_family_at(i)) && off < len; i++)
+		off += (size_t)snprintf(buf + off, len - off, "%s%s", i ? ", " : "", f->architecture);
 }
-
-/* The architectures mlens serves, the first a config names wins. */
-static const char *const known_archs[] = { "MixtralForCausalLM", "DbrxForCausalLM" };
 
 static int check_arch(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_model_config *cfg)
 {
 	json_t *a = json_object_get(root, "architectures"), *e;
+	char names[256];
 	size_t i;
 	char *found;
 
+	family_names(names, sizeof(names));
 	if (!json_is_array(a)) {
-		mlens_errf(c->err, c->errlen, "%s: no 'architectures' list; mlens serves MixtralForCausalLM and DbrxForCausalLM models",
-		     c->path);
+		mlens_errf(c->err, c->errlen, "%s: no 'architectures' list; mlens serves %s models",
+		     c->path, names);
 		return -EINVAL;
 	}
 	json_array_foreach(a, i, e) {
-		for (size_t k = 0; json_is_string(e) && k < sizeof(known_archs) / sizeof(known_archs[0]); k++) {
-			if (!strcmp(json_string_value(e), known_archs[k])) {
-				snprintf(cfg->architecture, sizeof(cfg->architecture), "%s", known_archs[k]);
-				return 0;
-			}
+		const struct mlens_family *f = json_is_string(e) ? mlens_family_find(json_string_value(e)) : NULL;
+		if (f) {
+			snprintf(cfg->architecture, sizeof(cfg->architecture), "%s", f->architecture);
+			cfg->family = f;
+			return 0;
 		}
 	}
 	found = json_dumps(a, JSON_COMPACT);
-	mlens_errf(c->err, c->errlen, "%s: architectures is %.200s; mlens serves only MixtralForCausalLM and DbrxForCausalLM",
-	     c->path, found ? found : "(unprintable)");
+	mlens_errf(c->err, c->errlen, "%s: architectures is %.200s; mlens serves only %s",
+	     c->path, found ? found : "(unprintable)", names);
 	free(found);
 	return -ENOTSUP;
 }
 
-static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
-		      struct mlens_model_config *cfg)
+int mlens_cfg_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
+		   struct mlens_model_config *cfg)
 {
 	json_t *rp = json_object_get(root, "rope_parameters");
 	json_t *rs = json_object_get(root, "rope_scaling");
@@ -190,12 +190,14 @@ static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
 		if (!t)
 			t = json_object_get(rs, "type");
 		if (!json_is_string(t) || strcmp(json_string_value(t), "default")) {
-			mlens_errf(c->err, c->errlen, "%s: rope_scaling is set; mlens implements only the default RoPE",
-			     c->path);
+			char *v = json_dumps(rs, JSON_COMPACT | JSON_ENCODE_ANY);
+			mlens_errf(c->err, c->errlen, "%s: 'rope_scaling' is %.120s; mlens implements only the default RoPE (set it to null)",
+			     c->path, v ? v : "(unprintable)");
+			free(v);
 			return -ENOTSUP;
 		}
 	}
-	rc = get_real(c, root, "rope_theta", def, 0.0, 1e30, &cfg->rope_theta);
+	rc = mlens_cfg_real(c, root, "rope_theta", def, 0.0, 1e30, &cfg->rope_theta);
 	if (rc)
 		return rc;
 	if (rp && !json_is_null(rp)) {
@@ -213,7 +215,7 @@ static int parse_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
 			     json_is_string(t) ? "\"" : "");
 			return -ENOTSUP;
 		}
-		rc = get_real(c, rp, "rope_theta", cfg->rope_theta, 0.0, 1e30, &cfg->rope_theta);
+		rc = mlens_cfg_real(c, rp, "rope_theta", cfg->rope_theta, 0.0, 1e30, &cfg->rope_theta);
 		if (rc)
 			return rc;
 	}
@@ -285,12 +287,6 @@ static int parse_eos(const struct mlens_cfg_ctx *c, json_t *root, struct mlens_m
 	return 0;
 }
 
-int mlens_cfg_rope(const struct mlens_cfg_ctx *c, json_t *root, double def,
-		   struct mlens_model_config *cfg)
-{
-	return parse_rope(c, root, def, cfg);
-}
-
 int mlens_cfg_dtype_eos(const struct mlens_cfg_ctx *c, json_t *root,
 			struct mlens_model_config *cfg)
 {
@@ -337,7 +333,6 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 {
 	struct mlens_cfg_ctx c = { path, err, errlen };
 	json_t *root, *v;
-	int64_t sw;
 	int rc;
 
 	memset(cfg, 0, sizeof(*cfg));
@@ -347,30 +342,26 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	rc = check_arch(&c, root, cfg);
 	if (rc)
 		goto out;
-	if (!strcmp(cfg->architecture, "DbrxForCausalLM")) {
-		rc = mlens_family_dbrx_parse_config(&c, root, cfg);
+	if (cfg->family->own_config) {
+		rc = cfg->family->parse(&c, root, cfg);
 		goto out;
 	}
 	v = json_object_get(root, "hidden_act");
 	if (v && !(json_is_string(v) && !strcmp(json_string_value(v), "silu"))) {
-		mlens_errf(err, errlen, "%s: hidden_act must be \"silu\" for Mixtral", path);
+		mlens_errf(err, errlen, "%s: hidden_act must be \"silu\" for %s", path, cfg->architecture);
 		rc = -ENOTSUP;
 		goto out;
 	}
 	/* The bounds keep every product of dimensions (e.g. E * 2I * H)
 	 * far inside int64_t, so shape arithmetic below cannot overflow. */
-	if ((rc = get_int(&c, root, "vocab_size", true, 0, 1, 1 << 24, &cfg->vocab_size)) ||
-	    (rc = get_int(&c, root, "hidden_size", true, 0, 1, 1 << 16, &cfg->hidden_size)) ||
-	    (rc = get_int(&c, root, "intermediate_size", true, 0, 1, 1 << 20, &cfg->intermediate_size)) ||
-	    (rc = get_int(&c, root, "num_hidden_layers", true, 0, 1, 1024, &cfg->num_hidden_layers)) ||
-	    (rc = get_int(&c, root, "num_attention_heads", true, 0, 1, 1024, &cfg->num_attention_heads)) ||
-	    (rc = get_int(&c, root, "num_key_value_heads", false, cfg->num_attention_heads, 1,
+	if ((rc = mlens_cfg_int(&c, root, "vocab_size", true, 0, 1, 1 << 24, &cfg->vocab_size)) ||
+	    (rc = mlens_cfg_int(&c, root, "hidden_size", true, 0, 1, 1 << 16, &cfg->hidden_size)) ||
+	    (rc = mlens_cfg_int(&c, root, "num_hidden_layers", true, 0, 1, MLENS_MODEL_MAX_LAYERS, &cfg->num_hidden_layers)) ||
+	    (rc = mlens_cfg_int(&c, root, "num_attention_heads", true, 0, 1, 1024, &cfg->num_attention_heads)) ||
+	    (rc = mlens_cfg_int(&c, root, "num_key_value_heads", false, cfg->num_attention_heads, 1,
 			  cfg->num_attention_heads, &cfg->num_key_value_heads)) ||
-	    (rc = get_int(&c, root, "num_local_experts", true, 0, 1, 256, &cfg->num_local_experts)) ||
-	    (rc = get_int(&c, root, "num_experts_per_tok", true, 0, 1, cfg->num_local_experts,
-			  &cfg->num_experts_per_tok)) ||
 	    /* at least a one-token prompt and the token generated after it */
-	    (rc = get_int(&c, root, "max_position_embeddings", false, 4096 * 32, 2, 1 << 24,
+	    (rc = mlens_cfg_int(&c, root, "max_position_embeddings", false, 4096 * 32, 2, 1 << 24,
 			  &cfg->max_position_embeddings)))
 		goto out;
 	if (cfg->num_attention_heads % cfg->num_key_value_heads) {
@@ -388,7 +379,7 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 			goto out;
 		}
 		cfg->head_dim = cfg->hidden_size / cfg->num_attention_heads;
-	} else if ((rc = get_int(&c, root, "head_dim", true, 0, 1, 1024, &cfg->head_dim))) {
+	} else if ((rc = mlens_cfg_int(&c, root, "head_dim", true, 0, 1, 1024, &cfg->head_dim))) {
 		goto out;
 	}
 	if (cfg->head_dim % 2) {
@@ -397,12 +388,11 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		rc = -EINVAL;
 		goto out;
 	}
-	if ((rc = parse_rope(&c, root, 1e6, cfg)) ||
-	    (rc = get_real(&c, root, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)) ||
-	    (rc = parse_dtype(&c, root, cfg)) ||
+	if ((rc = mlens_cfg_rope(&c, root, 1e6, cfg)) ||
+	    (rc = mlens_cfg_real(&c, root, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)) ||
+	    (rc = mlens_cfg_dtype_eos(&c, root, cfg)) ||
 	    (rc = mlens_quant_parse_config(json_object_get(root, "quantization_config"), path, cfg,
-					   err, errlen)) ||
-	    (rc = parse_eos(&c, root, cfg)))
+					   err, errlen)))
 		goto out;
 	v = json_object_get(root, "tie_word_embeddings");
 	if (v && !json_is_boolean(v)) {
@@ -411,21 +401,9 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		goto out;
 	}
 	cfg->tie_word_embeddings = json_is_true(v);
-	v = json_object_get(root, "sliding_window");
-	if (v && !json_is_null(v)) {
-		if (!json_is_integer(v)) {
-			mlens_errf(err, errlen, "%s: 'sliding_window' must be an integer or null", path);
-			rc = -EINVAL;
-			goto out;
-		}
-		sw = json_integer_value(v);
-		if (sw < cfg->max_position_embeddings) {
-			mlens_errf(err, errlen, "%s: sliding_window is %" PRId64 " but max_position_embeddings is %" PRId64 "; mlens has no sliding-window attention (set sliding_window to null)",
-			     path, sw, cfg->max_position_embeddings);
-			rc = -ENOTSUP;
-			goto out;
-		}
-	}
+	/* the family's own keys: experts, MLP sizes, q/k norms, biases */
+	if ((rc = cfg->family->parse(&c, root, cfg)))
+		goto out;
 	rc = 0;
 out:
 	json_decref(root);
@@ -661,7 +639,7 @@ static int check_index(struct mlens_model *m, struct shard_index *ix, const char
 	return 0;
 }
 
-/* ==== binding the Mixtral weights ==== */
+/* ==== binding the weights (names: the family table) ==== */
 
 const struct mlens_tensor *mlens_binder_need(struct mlens_binder *b, const char *name, int ndim,
 					     int64_t d0, int64_t d1, int64_t d2)
@@ -704,25 +682,27 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	const int64_t Q = c->num_attention_heads * c->head_dim;
 	const int64_t KV = c->num_key_value_heads * c->head_dim;
 	const size_t es = mlens_dtype_size(c->dtype);
+	const struct mlens_family *f = c->family;
 	struct mlens_binder b = { .m = m, .err = err, .errlen = errlen };
-	const bool dbrx = !strcmp(c->architecture, "DbrxForCausalLM");
 	char n[160];
 	int rc;
 
 	b.used = calloc((size_t)m->n_tensors + 1, sizeof(*b.used));
 	m->layers = calloc((size_t)L, sizeof(*m->layers));
 	m->expert_table = calloc((size_t)(3 * L * E), sizeof(*m->expert_table));
-	if (!b.used || !m->layers || !m->expert_table) {
+	if (f->bind_layer) {
+		/* a family binding its own layers gets three row views a layer
+		 * (DBRX: its fused Wqkv as wq, wk, wv) */
+		m->views = calloc((size_t)(3 * L), sizeof(*m->views));
+		m->n_views = (int)(3 * L);	/* L is bounded by MLENS_MODEL_MAX_LAYERS */
+	}
+	if (!b.used || !m->layers || !m->expert_table || (f->bind_layer && !m->views)) {
 		mlens_errf(err, errlen, "%s: out of memory", m->dir);
 		rc = -ENOMEM;
 		goto out;
 	}
-	if (dbrx) {
-		mlens_family_dbrx_bind(&b);
-		goto check;
-	}
-	m->embed = mlens_binder_need(&b, "model.embed_tokens.weight", 2, V, H, 0);
-	m->final_norm = mlens_binder_need(&b, "model.norm.weight", 1, H, 0, 0);
+	m->embed = mlens_binder_need(&b, f->embed, 2, V, H, 0);
+	m->final_norm = mlens_binder_need(&b, f->final_norm, 1, H, 0, 0);
 	if (c->tie_word_embeddings) {
 		const struct mlens_tensor *lm = mlens_model_tensor(m, "lm_head.weight");
 		/* transformers drops a tied head when saving; tolerate one that
@@ -736,10 +716,16 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	for (int64_t i = 0; i < L && !b.rc; i++) {
 		struct mlens_layer_weights *l = &m->layers[i];
 		const struct mlens_tensor *gu, *dn;
+		const int64_t qn = c->qk_norm == MLENS_QK_NORM_HEAD ? c->head_dim : Q;
+		const int64_t kn = c->qk_norm == MLENS_QK_NORM_HEAD ? c->head_dim : KV;
 
 		l->w1 = m->expert_table + 3 * i * E;
 		l->w2 = l->w1 + E;
 		l->w3 = l->w2 + E;
+		if (f->bind_layer) {
+			f->bind_layer(&b, i);
+			continue;
+		}
 #define T(fmt, ...) (snprintf(n, sizeof(n), "model.layers.%" PRId64 "." fmt, i, ##__VA_ARGS__), n)
 		l->attn_norm = mlens_binder_need(&b, T("input_layernorm.weight"), 1, H, 0, 0);
 		l->wq = mlens_binder_need(&b, T("self_attn.q_proj.weight"), 2, Q, H, 0);
@@ -747,6 +733,33 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 		l->wv = mlens_binder_need(&b, T("self_attn.v_proj.weight"), 2, KV, H, 0);
 		l->wo = mlens_binder_need(&b, T("self_attn.o_proj.weight"), 2, H, Q, 0);
 		l->ffn_norm = mlens_binder_need(&b, T("post_attention_layernorm.weight"), 1, H, 0, 0);
+		if (c->qk_norm) {
+			l->q_norm = mlens_binder_need(&b, T("self_attn.q_norm.weight"), 1, qn, 0, 0);
+			l->k_norm = mlens_binder_need(&b, T("self_attn.k_norm.weight"), 1, kn, 0, 0);
+		}
+		if (c->qkv_bias) {
+			l->bq = mlens_binder_need(&b, T("self_attn.q_proj.bias"), 1, Q, 0, 0);
+			l->bk = mlens_binder_need(&b, T("self_attn.k_proj.bias"), 1, KV, 0, 0);
+			l->bv = mlens_binder_need(&b, T("self_attn.v_proj.bias"), 1, KV, 0, 0);
+		}
+		if (c->o_bias)
+			l->bo = mlens_binder_need(&b, T("self_attn.o_proj.bias"), 1, H, 0, 0);
+		if (c->dense[i]) {
+			/* a dense layer: its MLP is the one SwiGLU, no experts */
+			const int64_t D = l->mlp_inter = c->dense_inter;
+			l->mlp_w1 = mlens_binder_need(&b, T("mlp.gate_proj.weight"), 2, D, H, 0);
+			l->mlp_w2 = mlens_binder_need(&b, T("mlp.down_proj.weight"), 2, H, D, 0);
+			l->mlp_w3 = mlens_binder_need(&b, T("mlp.up_proj.weight"), 2, D, H, 0);
+			continue;
+		}
+		if (c->shared_inter) {
+			const int64_t S = l->mlp_inter = c->shared_inter;
+			l->mlp_w1 = mlens_binder_need(&b, T("mlp.shared_expert.gate_proj.weight"), 2, S, H, 0);
+			l->mlp_w2 = mlens_binder_need(&b, T("mlp.shared_expert.down_proj.weight"), 2, H, S, 0);
+			l->mlp_w3 = mlens_binder_need(&b, T("mlp.shared_expert.up_proj.weight"), 2, S, H, 0);
+			if (c->shared_gate)
+				l->mlp_gate = mlens_binder_need(&b, T("mlp.shared_expert_gate.weight"), 2, 1, H, 0);
+		}
 		if (mlens_model_tensor(m, T("mlp.experts.gate_up_proj"))) {
 			/* transformers 5 fused layout: gate rows then up rows. */
 			l->router = mlens_binder_need(&b, T("mlp.gate.weight"), 2, E, H, 0);
@@ -760,20 +773,21 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 			}
 			continue;
 		}
-		l->router = mlens_binder_need(&b, T("block_sparse_moe.gate.weight"), 2, E, H, 0);
+		l->router = mlens_binder_need(&b, T("%s", f->router), 2, E, H, 0);
 		for (int64_t j = 0; j < E; j++) {
 			const struct mlens_tensor *w1, *w2, *w3;
 
-			w1 = mlens_binder_need(&b, T("block_sparse_moe.experts.%" PRId64 ".w1.weight", j), 2, I, H, 0);
-			w2 = mlens_binder_need(&b, T("block_sparse_moe.experts.%" PRId64 ".w2.weight", j), 2, H, I, 0);
-			w3 = mlens_binder_need(&b, T("block_sparse_moe.experts.%" PRId64 ".w3.weight", j), 2, I, H, 0);
+#define X(k) T("%s.%" PRId64 ".%s.weight", f->experts, j, f->expert_w[k])
+			w1 = mlens_binder_need(&b, X(0), 2, I, H, 0);
+			w2 = mlens_binder_need(&b, X(1), 2, H, I, 0);
+			w3 = mlens_binder_need(&b, X(2), 2, I, H, 0);
+#undef X
 			l->w1[j] = w1 ? w1->data : NULL;
 			l->w2[j] = w2 ? w2->data : NULL;
 			l->w3[j] = w3 ? w3->data : NULL;
 		}
 #undef T
 	}
-check:
 	rc = b.rc;
 	if (rc)
 		goto out;
@@ -789,8 +803,7 @@ check:
 	for (int i = 0; i < m->n_tensors; i++) {
 		if (!b.used[i]) {
 			mlens_errf(err, errlen, "%s: tensor '%s' is not part of the %s model config.json describes (%" PRId64 " layers, %" PRId64 " experts)",
-			     m->files[m->tensors[i].file].path, m->tensors[i].name,
-			     dbrx ? "DBRX" : "Mixtral", L, E);
+			     m->files[m->tensors[i].file].path, m->tensors[i].name, c->architecture, L, E);
 			rc = -EINVAL;
 			goto out;
 		}

@@ -14,6 +14,16 @@
 
 #define MLENS_MODEL_MAX_DIMS 4
 #define MLENS_MODEL_MAX_EOS 8	/* EOS token ids a model may name */
+#define MLENS_MODEL_MAX_LAYERS 1024
+
+struct mlens_family;
+
+/* Where a q/k RMSNorm sits after the projection (Mixtral: none). */
+enum mlens_qk_norm {
+	MLENS_QK_NORM_NONE = 0,
+	MLENS_QK_NORM_HEAD,	/* over each head's head_dim (Qwen3-MoE) */
+	MLENS_QK_NORM_ALL,	/* over the whole projection (OLMoE) */
+};
 
 /* The norm a family's layers use (before attention, before the experts,
  * and the final one). */
@@ -23,10 +33,11 @@ enum mlens_norm_kind {
 };
 
 struct mlens_model_config {
-	char architecture[64];	/* "MixtralForCausalLM", "DbrxForCausalLM" */
+	char architecture[64];	/* "MixtralForCausalLM", "DbrxForCausalLM", ... */
+	const struct mlens_family *family;	/* its entry in family.c's table */
 	int64_t vocab_size;
 	int64_t hidden_size;
-	int64_t intermediate_size;
+	int64_t intermediate_size;	/* one routed expert's (Qwen: moe_intermediate_size) */
 	int64_t num_hidden_layers;
 	int64_t num_attention_heads;
 	int64_t num_key_value_heads;
@@ -37,12 +48,6 @@ struct mlens_model_config {
 	double rope_theta;
 	double rms_norm_eps;	/* the norms' eps, whatever their kind */
 	bool tie_word_embeddings;
-	/* What a family other than Mixtral changes (zero for Mixtral). */
-	enum mlens_norm_kind norm_kind;
-	double clip_qkv;	/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
-				 * after their projection (DBRX); 0: no clip */
-	bool w2_transposed;	/* the experts' down projection is stored
-				 * [inter][hidden] (DBRX's w2) */
 	enum mlens_dtype dtype;	/* dtype of the weights (all tensors agree) */
 	bool dtype_given;	/* config.json named it (torch_dtype or dtype);
 				 * otherwise the loader takes the files' dtype */
@@ -56,6 +61,21 @@ struct mlens_model_config {
 	 * gives one, else of config.json: generation stops at these */
 	int32_t eos[MLENS_MODEL_MAX_EOS];
 	int n_eos;
+	/* What a family changes in Mixtral's layer (zero/false: as Mixtral). */
+	enum mlens_norm_kind norm_kind;
+	bool w2_transposed;	/* the experts' down projection is stored
+				 * [inter][hidden] (DBRX's w2) */
+	bool topk_raw;		/* norm_topk_prob false: the top-k routing weights stay
+				 * the softmax's, not renormalised to sum 1 */
+	enum mlens_qk_norm qk_norm;
+	bool qkv_bias;		/* q, k, v projections have biases */
+	bool o_bias;		/* the output projection has a bias */
+	double clip_qkv;	/* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]
+				 * after their projection (OLMoE, DBRX); 0: no clip */
+	int64_t shared_inter;	/* shared expert's intermediate size, 0: none (Qwen2-MoE) */
+	bool shared_gate;	/* the shared expert's output scaled by sigmoid(x . gate) */
+	int64_t dense_inter;	/* intermediate size of the dense MLP layers */
+	bool dense[MLENS_MODEL_MAX_LAYERS];	/* layer i has a dense MLP, no experts */
 };
 
 struct mlens_tensor {
@@ -77,7 +97,15 @@ struct mlens_layer_weights {
 	const struct mlens_tensor *wv;		/* [n_kv*hd][H] */
 	const struct mlens_tensor *wo;		/* [H][n_heads*hd] */
 	const struct mlens_tensor *ffn_norm;	/* [H] */
-	const struct mlens_tensor *router;	/* [E][H] */
+	const struct mlens_tensor *router;	/* [E][H]; NULL: a dense layer (no experts) */
+	/* Family extras, NULL where the family has none: q/k norms ([hd] a
+	 * head, or the whole projection), projection biases, and one SwiGLU
+	 * beside the experts (a dense layer's MLP or the shared expert, its
+	 * sigmoid gate [1][H] optional). */
+	const struct mlens_tensor *q_norm, *k_norm;
+	const struct mlens_tensor *bq, *bk, *bv, *bo;
+	const struct mlens_tensor *mlp_w1, *mlp_w2, *mlp_w3, *mlp_gate;
+	int64_t mlp_inter;	/* that SwiGLU's intermediate size */
 	/* Per expert, HF layout: w1 (gate) and w3 (up) [I][H], w2 (down) [H][I]
 	 * ([I][H] when the config's w2_transposed is set).
 	 * Arrays of num_local_experts entries. Each points at one contiguous
@@ -121,9 +149,11 @@ struct mlens_model {
 
 /* Open and validate a model directory. On failure returns -errno and writes
  * one human-readable message into err (naming file, tensor and fault).
- * Mixtral's experts may be stored per expert (block_sparse_moe.experts.J.
- * w1/w2/w3) or fused as transformers 5 does (mlp.experts.gate_up_proj,
- * down_proj); DBRX's are fused over experts (ffn.experts.mlp.w1/v1/w2).
+ * The family (family.h) names the tensors; experts may be stored per
+ * expert (Mixtral: block_sparse_moe.experts.J.w1/w2/w3, Qwen and OLMoE:
+ * mlp.experts.J.gate_proj/down_proj/up_proj), fused as transformers 5
+ * does (mlp.experts.gate_up_proj, down_proj), or fused over experts as
+ * DBRX's are (transformer.blocks.N.ffn.experts.mlp.w1/v1/w2).
  * Only headers are read: tensor data is first touched by whoever uses it. */
 int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_t errlen);
 void mlens_model_close(struct mlens_model *m);

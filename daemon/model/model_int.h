@@ -1,5 +1,6 @@
-/* Private helpers shared by the model loader, the safetensors parser, the
- * families' config parsers and tensor binders, and the model writer. */
+/* Private helpers shared by the model loader, the family table, the
+ * safetensors parser and the model writer: path building, config.json
+ * field readers and the tensor binder (messages: daemon/errf.h). */
 #ifndef MLENS_MODEL_INT_H
 #define MLENS_MODEL_INT_H
 
@@ -55,10 +56,11 @@ const struct mlens_tensor *mlens_binder_need(struct mlens_binder *b, const char 
 
 /* ==== families ==== */
 
-/* DBRX (DbrxForCausalLM, family_dbrx.c): its nested config.json into cfg,
- * and its tensors (transformer.*) into m's layers. */
+/* DBRX (DbrxForCausalLM, family_dbrx.c), for its family.c entry: its
+ * nested config.json into cfg, and layer i's tensors
+ * (transformer.blocks.i.*) into m->layers[i] and m->views[3 * i ...]. */
 int mlens_family_dbrx_parse_config(const struct mlens_cfg_ctx *c, json_t *root,
 				   struct mlens_model_config *cfg);
-int mlens_family_dbrx_bind(struct mlens_binder *b);
+void mlens_family_dbrx_bind_layer(struct mlens_binder *b, int64_t i);
 
 #endif

@@ -39,7 +39,18 @@ struct conn {
  * worker writes efd when done (from then on the main thread may free the
  * job at any moment); the main thread answers the connection, if it is
  * still there, and reads its next lines. */
+struct wjob;
+/* What differs between the kinds of job: finish (main thread, the worker
+ * done) publishes the results, logs, clears the slots that name the job and
+ * returns the answer; free frees the job. */
+struct wjob_kind {
+	const char *name;
+	json_t *(*finish)(struct wjob *w);
+	void (*free)(struct wjob *w);
+};
+
 struct wjob {
+	const struct wjob_kind *kind;
 	struct mlens_control *c;
 	struct conn *k;		/* NULL once the connection is gone */
 	int efd;
@@ -579,18 +590,26 @@ static void wjob_notify(struct wjob *w, const char *what)
 		log_error("control: cannot tell the main loop that the %s is done: %s", what, strerror(errno));
 }
 
+static void on_wjob(evutil_socket_t fd, short what, void *arg);
+
 /* Hand job arg (whose first member is w) to the worker for k; k reads no
- * more lines until the answer. done runs on the main thread when the worker
- * notified. 0, or -1 (nothing started: the caller frees the job). */
-static int wjob_start(struct wjob *w, struct conn *k, event_callback_fn done, mlens_worker_fn fn, void *arg)
+ * more lines until the answer, which the kind's finish gives when the
+ * worker notified. 0, or -1: nothing started, k told so, the job freed. */
+static int wjob_start(struct wjob *w, const struct wjob_kind *kind, struct conn *k, mlens_worker_fn fn, void *arg)
 {
 	struct mlens_control *c = k->c;
+	w->kind = kind;
 	w->c = c;
 	w->k = k;
 	w->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	w->ev = w->efd >= 0 ? event_new(c->base, w->efd, EV_READ | EV_PERSIST, done, arg) : NULL;
-	if (!w->ev || event_add(w->ev, NULL) || mlens_worker_call_async(c->info->worker, fn, arg))
+	w->ev = w->efd >= 0 ? event_new(c->base, w->efd, EV_READ | EV_PERSIST, on_wjob, w) : NULL;
+	if (!w->ev || event_add(w->ev, NULL) || mlens_worker_call_async(c->info->worker, fn, arg)) {
+		json_t *bad = fail("%s: cannot start it: out of memory or file descriptors", kind->name);
+		kind->free(w);
+		send_json(k, bad);
+		json_decref(bad);
 		return -1;
+	}
 	/* reading goes on, so that a hang-up is seen (a trace nobody waits
 	 * for is cancelled), but no line is taken until the answer; the job
 	 * may take longer than the idle timeout */
@@ -638,6 +657,20 @@ static void wjob_answer(struct wjob *w, json_t *rep)
 	json_decref(rep);
 }
 
+/* Main thread, the worker done: the answer, then the job is freed. */
+static void wjob_done(struct wjob *w)
+{
+	wjob_answer(w, w->kind->finish(w));
+	w->kind->free(w);
+}
+
+static void on_wjob(evutil_socket_t fd, short what, void *arg)
+{
+	(void)what;
+	if (wjob_fired(fd))
+		wjob_done(arg);
+}
+
 static int profile_on_worker(void *arg, struct mlens_sched *s)
 {
 	struct profile_job *j = arg;
@@ -647,17 +680,19 @@ static int profile_on_worker(void *arg, struct mlens_sched *s)
 	return rc;
 }
 
-static void job_free(struct profile_job *j)
+static void job_free(struct wjob *w)
 {
-	wjob_fini(&j->w);
+	struct profile_job *j = (struct profile_job *)w;
+	wjob_fini(w);
 	json_decref(j->req);
 	free(j);
 }
 
-/* Main thread, the worker done: publish the results, answer, read on. */
-static void job_done(struct profile_job *j)
+/* The worker done: publish the results. */
+static json_t *job_finish(struct wjob *w)
 {
-	struct mlens_control *c = j->w.c;
+	struct profile_job *j = (struct profile_job *)w;
+	struct mlens_control *c = w->c;
 	struct mlens_profile_state *st = c->info->profile;
 	json_t *rep;
 	if (j->rc == 0) {
@@ -670,18 +705,12 @@ static void job_done(struct profile_job *j)
 		rep = fail("profile: %s", j->st.err[0] ? j->st.err : strerror(-j->rc));
 	}
 	c->job = NULL;
-	if (j->w.k)
-		j->w.k->job = NULL;
-	wjob_answer(&j->w, rep);
-	job_free(j);
+	if (w->k)
+		w->k->job = NULL;
+	return rep;
 }
 
-static void on_job(evutil_socket_t fd, short what, void *arg)
-{
-	(void)what;
-	if (wjob_fired(fd))
-		job_done(arg);
-}
+static const struct wjob_kind profile_kind = { "profile", job_finish, job_free };
 
 /* Queue a measuring profile for k; k reads no more lines until it is done. */
 static void profile_start(struct conn *k, json_t *req)
@@ -707,13 +736,8 @@ static void profile_start(struct conn *k, json_t *req)
 	j->p = p;
 	j->g = g;
 	j->req = json_incref(req);
-	if (wjob_start(&j->w, k, on_job, profile_on_worker, j)) {
-		job_free(j);
-		bad = fail("profile: cannot start it: out of memory or file descriptors");
-		send_json(k, bad);
-		json_decref(bad);
+	if (wjob_start(&j->w, &profile_kind, k, profile_on_worker, j))
 		return;
-	}
 	c->job = j;
 	k->job = j;
 	log_info("control: profiling the machine on the worker thread (steps pause until it is done)");
@@ -752,9 +776,10 @@ static int trace_cancel_on_worker(void *arg, struct mlens_sched *s)
 	return 0;
 }
 
-static void tjob_free(struct trace_job *j)
+static void tjob_free(struct wjob *w)
 {
-	wjob_fini(&j->w);
+	struct trace_job *j = (struct trace_job *)w;
+	wjob_fini(w);
 	json_decref(j->res.trace);
 	free(j);
 }
@@ -771,9 +796,10 @@ static json_t *trace_reply(struct mlens_trace_result *r)
 	return o ? o : fail("trace: out of memory sending the trace of %llu spans", (unsigned long long)r->spans);
 }
 
-static void tjob_done(struct trace_job *j)
+static json_t *tjob_finish(struct wjob *w)
 {
-	struct mlens_control *c = j->w.c;
+	struct trace_job *j = (struct trace_job *)w;
+	struct mlens_control *c = w->c;
 	json_t *rep;
 	if (j->res.rc)
 		log_warn("control: trace: %s", j->res.err[0] ? j->res.err : strerror(-j->res.rc));
@@ -783,18 +809,12 @@ static void tjob_done(struct trace_job *j)
 			 j->w.k ? ": sent to mlensctl" : "; its requester is gone");
 	rep = trace_reply(&j->res);
 	c->tjob = NULL;
-	if (j->w.k)
-		j->w.k->tjob = NULL;
-	wjob_answer(&j->w, rep);
-	tjob_free(j);
+	if (w->k)
+		w->k->tjob = NULL;
+	return rep;
 }
 
-static void on_tjob(evutil_socket_t fd, short what, void *arg)
-{
-	(void)what;
-	if (wjob_fired(fd))
-		tjob_done(arg);
-}
+static const struct wjob_kind trace_kind = { "trace", tjob_finish, tjob_free };
 
 /* A trace request that arms (the others, cancel and refusals, are answered
  * by handle()). */
@@ -851,13 +871,8 @@ static void trace_start(struct conn *k, json_t *req)
 		return;
 	}
 	j->steps = steps;
-	if (wjob_start(&j->w, k, on_tjob, trace_on_worker, j)) {
-		tjob_free(j);
-		bad = fail("trace: cannot start it: out of memory or file descriptors");
-		send_json(k, bad);
-		json_decref(bad);
+	if (wjob_start(&j->w, &trace_kind, k, trace_on_worker, j))
 		return;
-	}
 	c->tjob = j;
 	k->tjob = j;
 	log_info("control: tracing the next %d steps for pid %d", steps, (int)k->pid);
@@ -955,19 +970,22 @@ static void on_read(struct bufferevent *bev, void *arg)
 	}
 }
 
+/* Free k; a shutdown it asked for starts once it is gone. */
+static void conn_end(struct conn *k)
+{
+	void (*fn)(void *) = k->shutdown_after ? k->c->shutdown : NULL;
+	void *fa = k->c->shutdown_arg;
+	conn_free(k);
+	if (fn)
+		fn(fa);
+}
+
 static void on_write(struct bufferevent *bev, void *arg)
 {
 	struct conn *k = arg;
 	if (!k->closing || evbuffer_get_length(bufferevent_get_output(bev)))
 		return;
-	if (k->shutdown_after && k->c->shutdown) {
-		void (*fn)(void *) = k->c->shutdown;
-		void *fa = k->c->shutdown_arg;
-		conn_free(k);
-		fn(fa);
-		return;
-	}
-	conn_free(k);
+	conn_end(k);
 }
 
 static void on_event(struct bufferevent *bev, short what, void *arg)
@@ -976,14 +994,7 @@ static void on_event(struct bufferevent *bev, short what, void *arg)
 	(void)bev;
 	if (what & BEV_EVENT_TIMEOUT)
 		log_debug("control: pid %d stalled: connection closed", (int)k->pid);
-	if (k->shutdown_after && k->c->shutdown) {
-		void (*fn)(void *) = k->c->shutdown;
-		void *fa = k->c->shutdown_arg;
-		conn_free(k);
-		fn(fa);
-		return;
-	}
-	conn_free(k);
+	conn_end(k);
 }
 
 static void refuse(int fd, const char *why)
@@ -1085,7 +1096,7 @@ void mlens_control_destroy(struct mlens_control *c)
 		/* the worker still runs it (it stops after the control socket):
 		 * wait, so that it does not write into freed memory */
 		wjob_wait(&c->job->w, "profile");
-		job_done(c->job);
+		wjob_done(&c->job->w);
 	}
 	if (c->tjob) {
 		/* armed on the worker (it stops after the control socket): cancel
@@ -1093,7 +1104,7 @@ void mlens_control_destroy(struct mlens_control *c)
 		if (mlens_worker_call_async(c->info->worker, trace_cancel_on_worker, NULL))
 			log_warn("control: cannot cancel the trace at shutdown: out of memory");
 		wjob_wait(&c->tjob->w, "trace");
-		tjob_done(c->tjob);
+		wjob_done(&c->tjob->w);
 	}
 	mlens_listener_close(&c->l);
 	free(c);

@@ -4,11 +4,14 @@
 #include <errno.h>
 #include <math.h>
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
 #include <event2/http.h>
 #include <event2/listener.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -19,6 +22,22 @@
 #include "daemon/ops/stats.h"
 #include "daemon/serve/tenant.h"
 
+/* The HTTP listener's bounds: connections held at once, seconds a
+ * connection may stay silent or half-written, bytes of request headers. */
+#define HTTP_MAX_CONNS 64
+#define HTTP_TIMEOUT_S 5
+#define HTTP_MAX_HEADERS 8192
+
+/* One HTTP connection, from its bufferevent's creation to its close. */
+struct http_conn {
+	struct mlens_stats *s;
+	struct bufferevent *bev;
+	struct evhttp_connection *evcon;	/* NULL until attached */
+	bool asked;		/* a whole request came in */
+	bool evicted;		/* shut down to make room; evhttp closes it */
+	TAILQ_ENTRY(http_conn) link;
+};
+
 struct mlens_stats {
 	struct mlens_daemon_info *info;
 	struct event_base *base;
@@ -26,6 +45,11 @@ struct mlens_stats {
 	struct mlens_access access;
 	int http_fd;		/* bound at start-up; evhttp owns it once listening */
 	struct evhttp *http;
+	/* the HTTP connections, oldest first, and an event that attaches new
+	 * ones to their evhttp connection once evhttp has made it */
+	TAILQ_HEAD(, http_conn) conns;
+	unsigned n_conns;
+	struct event *attach_ev;
 };
 
 /* ==== renderings ==== */
@@ -389,6 +413,120 @@ static void on_stats_accept(void *arg, int fd, const struct ucred *cr)
 	free(text);
 }
 
+/* ==== HTTP connections: a cap, room made by the oldest idle one ==== */
+
+/* libevent 2.1 has no evhttp_set_max_connections, so the listener counts its
+ * connections itself: evhttp asks here for each connection's bufferevent,
+ * and the connection's close callback, set once evhttp has made the
+ * connection, ends its count. At the cap a new connection takes the place
+ * of the oldest one that has not sent a whole request: silent clients can
+ * hold neither more than the cap of descriptors nor the door shut on a
+ * scraper. */
+
+static void http_conn_unlink(struct http_conn *c)
+{
+	TAILQ_REMOVE(&c->s->conns, c, link);
+	c->s->n_conns--;
+}
+
+static void on_http_conn_closed(struct evhttp_connection *evcon, void *arg)
+{
+	struct http_conn *c = arg;
+	(void)evcon;
+	http_conn_unlink(c);
+	free(c);
+}
+
+/* evhttp wraps the bufferevent in its connection after the bufferevent
+ * callback returns, and that connection is the bufferevent's callback
+ * argument from then on; one evhttp has freed already has no callbacks
+ * left. The reference taken at creation kept the bufferevent readable
+ * until here. */
+static void on_http_attach(evutil_socket_t fd, short what, void *arg)
+{
+	struct mlens_stats *s = arg;
+	struct http_conn *c, *next;
+	(void)fd;
+	(void)what;
+	for (c = TAILQ_FIRST(&s->conns); c; c = next) {
+		struct bufferevent *bev = c->bev;
+		bufferevent_data_cb rd = NULL;
+		void *cbarg = NULL;
+		next = TAILQ_NEXT(c, link);
+		if (c->evcon)
+			continue;
+		bufferevent_getcb(bev, &rd, NULL, NULL, &cbarg);
+		if (rd && cbarg) {
+			c->evcon = cbarg;
+			evhttp_connection_set_closecb(c->evcon, on_http_conn_closed, c);
+		} else {
+			http_conn_unlink(c);
+			free(c);
+		}
+		bufferevent_decref(bev);
+	}
+}
+
+/* Shut down the oldest connection that has asked nothing (else the oldest);
+ * evhttp sees the end of its stream and closes it. */
+static void http_make_room(struct mlens_stats *s)
+{
+	static struct mlens_log_limit lim = MLENS_LOG_LIMIT_INIT(5, 10.0);
+	struct http_conn *c, *victim = NULL;
+	TAILQ_FOREACH(c, &s->conns, link) {
+		if (c->evicted)
+			continue;
+		if (!c->asked) {
+			victim = c;
+			break;
+		}
+		if (!victim)
+			victim = c;
+	}
+	if (!victim)
+		return;
+	victim->evicted = true;
+	shutdown(bufferevent_getfd(victim->bev), SHUT_RDWR);
+	mlens_log_limited(&lim, MLENS_LOG_WARN, "stats_http: %d connections held: closing the oldest %s one",
+			  HTTP_MAX_CONNS, victim->asked ? "kept-alive" : "silent");
+}
+
+static struct bufferevent *http_new_bev(struct event_base *base, void *arg)
+{
+	struct mlens_stats *s = arg;
+	struct http_conn *c;
+	if (s->n_conns >= HTTP_MAX_CONNS)
+		http_make_room(s);
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return NULL;	/* evhttp makes its own, uncounted */
+	c->bev = bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE);
+	if (!c->bev) {
+		free(c);
+		return NULL;
+	}
+	bufferevent_incref(c->bev);	/* until on_http_attach */
+	c->s = s;
+	TAILQ_INSERT_TAIL(&s->conns, c, link);
+	s->n_conns++;
+	event_active(s->attach_ev, EV_TIMEOUT, 1);
+	return c->bev;
+}
+
+/* The connection that carried req has asked: it is no longer the first to
+ * make room. */
+static void http_conn_asked(struct mlens_stats *s, struct evhttp_request *req)
+{
+	struct evhttp_connection *evcon = evhttp_request_get_connection(req);
+	struct bufferevent *bev = evcon ? evhttp_connection_get_bufferevent(evcon) : NULL;
+	struct http_conn *c;
+	TAILQ_FOREACH(c, &s->conns, link)
+		if (bev && c->bev == bev) {
+			c->asked = true;
+			break;
+		}
+}
+
 /* ==== HTTP: /metrics and /health ==== */
 
 static void on_http(struct evhttp_request *req, void *arg)
@@ -399,10 +537,19 @@ static void on_http(struct evhttp_request *req, void *arg)
 	const char *path = u ? evhttp_uri_get_path(u) : NULL;
 	struct evbuffer *b = evbuffer_new();
 	struct evkeyvalq *out = evhttp_request_get_output_headers(req);
+	enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
 	struct mlens_worker_snapshot snap;
 
+	http_conn_asked(s, req);
 	if (!b)
 		goto done;
+	if (cmd != EVHTTP_REQ_GET && cmd != EVHTTP_REQ_HEAD) {
+		evbuffer_add_printf(b, "method not allowed: this listener answers GET and HEAD\n");
+		evhttp_add_header(out, "Allow", "GET, HEAD");
+		evhttp_add_header(out, "Content-Type", "text/plain; charset=utf-8");
+		evhttp_send_reply(req, 405, "Method Not Allowed", b);
+		goto done;
+	}
 	if (!path || (strcmp(path, "/metrics") && strcmp(path, "/health"))) {
 		evbuffer_add_printf(b, "not found: this listener serves /metrics and /health\n");
 		evhttp_add_header(out, "Content-Type", "text/plain; charset=utf-8");
@@ -558,6 +705,7 @@ int mlens_stats_bind(struct mlens_stats **out, const struct mlens_config *c, cha
 		return -ENOMEM;
 	}
 	mlens_listener_init(&s->l);
+	TAILQ_INIT(&s->conns);
 	s->http_fd = -1;
 	if (c->stats && c->stats[0]) {
 		rc = mlens_listener_bind(&s->l, c->stats, SOCK_STREAM, 0600, c->control_group, "stats socket",
@@ -612,11 +760,20 @@ int mlens_stats_start(struct mlens_stats *s, struct event_base *base, struct mle
 			snprintf(err, errlen, "stats_http: out of memory");
 			return -ENOMEM;
 		}
-		/* a request that stalls half-written is dropped after this */
-		evhttp_set_timeout(s->http, 5);
-		evhttp_set_max_headers_size(s->http, 8192);
+		s->attach_ev = event_new(base, -1, 0, on_http_attach, s);
+		if (!s->attach_ev) {
+			snprintf(err, errlen, "stats_http: out of memory");
+			return -ENOMEM;
+		}
+		/* a connection silent or half-written this long is closed */
+		evhttp_set_timeout(s->http, HTTP_TIMEOUT_S);
+		evhttp_set_max_headers_size(s->http, HTTP_MAX_HEADERS);
 		evhttp_set_max_body_size(s->http, 0);
-		evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_HEAD);
+		/* every method, unknown ones too, reaches on_http, which
+		 * answers 405 to all but GET and HEAD (libevent's refusal is
+		 * 501, which says the server lacks the method altogether) */
+		evhttp_set_allowed_methods(s->http, 0xffff);
+		evhttp_set_bevcb(s->http, http_new_bev, s);
 		evhttp_set_gencb(s->http, on_http, s);
 		bs = evhttp_accept_socket_with_handle(s->http, s->http_fd);
 		if (!bs) {
@@ -643,7 +800,16 @@ void mlens_stats_destroy(struct mlens_stats *s)
 	if (!s)
 		return;
 	if (s->http)
-		evhttp_free(s->http);
+		evhttp_free(s->http);	/* the close callbacks free attached ones */
+	while (!TAILQ_EMPTY(&s->conns)) {
+		struct http_conn *c = TAILQ_FIRST(&s->conns);
+		if (!c->evcon)
+			bufferevent_decref(c->bev);
+		http_conn_unlink(c);
+		free(c);
+	}
+	if (s->attach_ev)
+		event_free(s->attach_ev);
 	if (s->http_fd >= 0)
 		close(s->http_fd);
 	mlens_listener_close(&s->l);

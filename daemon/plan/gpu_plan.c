@@ -57,7 +57,7 @@ uint64_t mlens_gpu_plan_streamed_bytes(const struct mlens_perf_model *pm, int r)
 
 uint64_t mlens_gpu_plan_resident_bytes(const struct mlens_perf_model *pm, int r)
 {
-	uint64_t layer = pm->attn_bytes + pm->norm_bytes + pm->router_bytes +
+	uint64_t layer = pm->attn_bytes + pm->norm_bytes + pm->router_bytes + pm->family_bytes +
 			 (uint64_t)clamp_r(pm, r) * pm->expert_bytes;
 	return layer * (uint64_t)pm->layers + pm->embed_bytes + pm->lm_head_bytes +
 	       pm->final_norm_bytes;
@@ -203,6 +203,7 @@ uint64_t mlens_gpu_plan_scratch_bytes(const struct mlens_perf_model *pm, int64_t
 	conv = es == 4 ? 0 : sat_mul(sat_mul(sat_mul(g, H > qd ? H : qd), es), np);
 	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
 	rows = sat_mul(c, K);
+	I = mlens_gpu_plan_moe_width(I, K, (uint64_t)pm->mlp_inter);
 	moe = mlens_gpu_plan_moe_scratch(rows, H, I, E, es, gemm, pm->expert_fp8);
 	s = conv > moe ? conv : moe;
 	if (s < widen)
@@ -464,7 +465,8 @@ static int plan_gpu_only(const struct mlens_perf_model *pm, const struct mlens_g
 	p->act = T * (2 * H + 2 * qd + 2 * kvd + E + 2 * K) * 4 + T * V * 4;
 
 	/* One scratch area serves every op, so it is the largest single need. */
-	moe = mlens_gpu_plan_moe_scratch(rows, H, I, E, es, in->gemm, pm->expert_fp8);
+	moe = mlens_gpu_plan_moe_scratch(rows, H, mlens_gpu_plan_moe_width(I, K, (uint64_t)pm->mlp_inter),
+					 E, es, in->gemm, pm->expert_fp8);
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */

@@ -183,6 +183,14 @@ uint64_t mlens_gpu_plan_act_bytes(const struct mlens_perf_model *pm, int64_t n,
  * is split into: MLENS_GEMM_EXACT_PARTS for EXACT on half-precision
  * weights, else 1. */
 uint64_t mlens_gpu_plan_gemm_parts(enum mlens_gemm_mode gemm, uint64_t weight_bytes);
+/* The expert width a MoE scratch is sized for when a layer also runs a
+ * shared or dense SwiGLU of width mlp as a one-expert MoE (a row each):
+ * I, or mlp / K rounded up when that SwiGLU needs more. */
+static inline uint64_t mlens_gpu_plan_moe_width(uint64_t I, uint64_t K, uint64_t mlp)
+{
+	return K && mlp > K * I ? (mlp + K - 1) / K : I;
+}
+
 /* Scratch of one MoE call of rows routed rows (tokens x top-k) as the CUDA
  * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk) for
  * weights of es bytes and GEMM mode gemm: expert counts, permutation and

@@ -82,8 +82,16 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 	    !(pm->expert_bytes = mlens_model_expert_bytes(c)) ||
 	    !mul_ok(pm->expert_bytes, E, &pm->layer_expert_bytes))
 		return -EOVERFLOW;
+	/* family extras: q/k norms, biases, the wider of a shared expert (and
+	 * its gate) and a dense layer's MLP, all held with the attention */
+	pm->mlp_inter = c->shared_inter > c->dense_inter ? c->shared_inter : c->dense_inter;
+	u = (uint64_t)(c->qk_norm ? qd + kvd : 0) + (c->qkv_bias ? qd + 2 * kvd : 0) +
+	    (c->o_bias ? H : 0) + (c->shared_gate ? H : 0);
+	if (!mul3(3, H, (uint64_t)pm->mlp_inter, &t) || !add_ok(t, u, &t) ||
+	    !mul_ok(t, wb, &pm->family_bytes))
+		return -EOVERFLOW;
 	if (!add_ok(pm->attn_bytes, pm->norm_bytes, &t) || !add_ok(t, pm->router_bytes, &t) ||
-	    !add_ok(t, pm->layer_expert_bytes, &pm->layer_bytes))
+	    !add_ok(t, pm->family_bytes, &t) || !add_ok(t, pm->layer_expert_bytes, &pm->layer_bytes))
 		return -EOVERFLOW;
 	if (!mul3(V, H, wb, &pm->embed_bytes) || !mul_ok(H, wb, &pm->final_norm_bytes))
 		return -EOVERFLOW;
@@ -99,7 +107,8 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 		return -EOVERFLOW;
 	pm->flops_ga = 2.0 * (double)H * (double)(qd + 2 * kvd);
 	pm->flops_gb = 2.0 * (double)qd * (double)H + 2.0 * (double)H * (double)E +
-		       (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I;
+		       (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I +
+		       3.0 * 2.0 * (double)H * (double)pm->mlp_inter;	/* shared expert */
 	return 0;
 }
 
@@ -901,7 +910,7 @@ int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype 
 	E = (double)full.experts;
 	shard->router_bytes = full.router_bytes;
 	shard->layer_bytes = shard->attn_bytes + shard->norm_bytes + shard->router_bytes +
-			     shard->layer_expert_bytes;
+			     shard->family_bytes + shard->layer_expert_bytes;
 	shard->model_bytes = shard->layer_bytes * (uint64_t)shard->layers + shard->embed_bytes +
 			     shard->lm_head_bytes + shard->final_norm_bytes;
 	shard->kv_token_bytes = (full.kv_token_bytes + (uint64_t)G - 1) / (uint64_t)G;

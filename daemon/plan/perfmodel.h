@@ -126,6 +126,9 @@ struct mlens_perf_model {
 	uint64_t attn_bytes;	/* q, k, v, o */
 	uint64_t norm_bytes;	/* the two RMS norms */
 	uint64_t router_bytes;
+	uint64_t family_bytes;	/* a family's resident extras, the most a layer has:
+				 * q/k norms, biases, a shared expert or a dense MLP */
+	int64_t mlp_inter;	/* that shared or dense MLP's width (0: none) */
 	uint64_t expert_bytes;	/* one expert: w1, w2, w3 */
 	uint64_t layer_expert_bytes;	/* all experts of a layer */
 	uint64_t layer_bytes;	/* everything of a layer */

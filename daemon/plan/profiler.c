@@ -137,11 +137,15 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 	const struct mlens_model_config *c = &m->cfg;
 	size_t H = (size_t)c->hidden_size, E = (size_t)c->num_local_experts, K = (size_t)c->num_experts_per_tok;
 	uint64_t seed = 0x9e3779b97f4a7c15ull;
+	int64_t first = 0;
 	int rc = 0;
 	memset(L, 0, sizeof(*L));
 	L->be = be;
 	L->c = c;
-	L->w = &m->layers[0];
+	/* the first layer with routed experts (a family may open with dense ones) */
+	while (first < c->num_hidden_layers - 1 && !m->layers[first].router)
+		first++;
+	L->w = &m->layers[first];
 	L->n = n;
 	mlens_layer_desc_init(&L->d, c);
 	L->pl = mlens_layer_placer_backend(be);

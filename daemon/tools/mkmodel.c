@@ -46,15 +46,17 @@ static const struct option longopts[] = {
 
 static void usage(FILE *f)
 {
-	fputs("usage: mlens-mkmodel -o DIR [--preset tiny|mixtral-8x7b|mixtral-8x22b|dbrx|dbrx-tiny]\n"
-	      "                     [--layers N]\n"
+	fputs("usage: mlens-mkmodel -o DIR [--preset NAME] [--layers N]\n"
 	      "                     [--dtype bf16|fp16|fp32|fp8] [--fp8-scales channel|block[:RxC]]\n"
 	      "                     [--seed N] [--shards N]\n"
 	      "                     [--vocab N] [--hidden N] [--intermediate N] [--heads N]\n"
 	      "                     [--kv-heads N] [--head-dim N] [--experts N] [--top-k N]\n"
 	      "                     [--rope-theta X] [--max-pos N] [--tie] [--fused-experts]\n"
 	      "                     [--eos-token-id ID[,ID...]|none] [--tokenizer]\n"
-	      "Writes a random-weight Mixtral or DBRX model directory in Hugging Face format.\n"
+	      "Presets: tiny, mixtral-8x7b, mixtral-8x22b (Mixtral); qwen3-tiny,\n"
+	      "qwen3-30b-a3b (Qwen3-MoE); qwen2-tiny, qwen1.5-moe-a2.7b, qwen2-57b-a14b\n"
+	      "(Qwen2-MoE); olmoe-tiny, olmoe-1b-7b (OLMoE); dbrx-tiny, dbrx (DBRX).\n"
+	      "Writes a random-weight model directory in Hugging Face format.\n"
 	      "See mlens-mkmodel(1).\n", f);
 }
 
@@ -192,8 +194,7 @@ int main(int argc, char **argv)
 	if (!o.dir)
 		return bad("no output directory: give -o DIR");
 	if (mlens_mkmodel_preset(&o, preset))
-		return bad("unknown preset '%s' (choose tiny, mixtral-8x7b, mixtral-8x22b, dbrx or dbrx-tiny)",
-			   preset);
+		return bad("unknown preset '%s' (see --help for the presets)", preset);
 	if (dtype) {
 		if (!strcmp(dtype, "bf16"))
 			o.cfg.dtype = MLENS_DTYPE_BF16;

@@ -1,5 +1,6 @@
-/* mlens-mkmodel as a library: writes a deterministic random-weight Mixtral
- * or DBRX model directory in Hugging Face format (config.json + safetensors), so
+/* mlens-mkmodel as a library: writes a deterministic random-weight model
+ * directory of one of the families (family.h) in Hugging Face format
+ * (config.json + safetensors, the family's tensor names), so
  * tests and demos never download anything. */
 #ifndef MLENS_MKMODEL_H
 #define MLENS_MKMODEL_H
@@ -11,9 +12,7 @@
 
 struct mlens_mkmodel_opts {
 	const char *dir;		/* created if missing (one level) */
-	struct mlens_model_config cfg;	/* head_dim 0: hidden / heads; architecture
-					 * "DbrxForCausalLM": DBRX's layout and
-					 * config, anything else Mixtral's */
+	struct mlens_model_config cfg;	/* head_dim 0: hidden / heads; family NULL: Mixtral */
 	uint64_t seed;
 	int shards;			/* <= 1: one model.safetensors */
 	bool fused_experts;		/* transformers-5 fused gate_up_proj/down_proj */
@@ -29,7 +28,9 @@ struct mlens_mkmodel_opts {
 #define MLENS_MKMODEL_TOKENIZER_VOCAB 261
 
 /* Fill o->cfg from a preset ("tiny", "mixtral-8x7b", "mixtral-8x22b",
- * "dbrx", "dbrx-tiny"); leaves dir, seed,
+ * "qwen3-tiny", "qwen3-30b-a3b", "qwen2-tiny", "qwen1.5-moe-a2.7b",
+ * "qwen2-57b-a14b", "olmoe-tiny", "olmoe-1b-7b", "dbrx", "dbrx-tiny"; the
+ * family with it); leaves dir, seed,
  * shards alone. Returns 0 or -EINVAL for an unknown name. */
 int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name);
 

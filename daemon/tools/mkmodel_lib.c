@@ -13,6 +13,7 @@
 
 #include "daemon/errf.h"
 #include "daemon/tools/mkmodel.h"
+#include "daemon/model/family.h"
 #include "daemon/model/model_int.h"
 #include "daemon/model/quant.h"
 #include "kernels/cpu/pool.h"
@@ -25,11 +26,20 @@
 #define MAX_FILL_THREADS 32
 
 
+/* Qwen's and OLMoE's common choices. */
+static void qwen_common(struct mlens_model_config *c, const char *arch)
+{
+	c->family = mlens_family_find(arch);
+	c->rms_norm_eps = 1e-6;
+	c->eos[0] = 151643;	/* <|endoftext|> */
+}
+
 int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 {
 	struct mlens_model_config *c = &o->cfg;
 
 	memset(c, 0, sizeof(*c));
+	c->family = mlens_family_find("MixtralForCausalLM");
 	c->rope_theta = 1e6;
 	c->rms_norm_eps = 1e-5;
 	c->dtype = MLENS_DTYPE_BF16;
@@ -69,7 +79,7 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 	} else if (!strcmp(name, "dbrx") || !strcmp(name, "dbrx-tiny")) {
 		bool full = !strcmp(name, "dbrx");
 
-		snprintf(c->architecture, sizeof(c->architecture), "DbrxForCausalLM");
+		c->family = mlens_family_find("DbrxForCausalLM");
 		c->norm_kind = MLENS_NORM_LAYER;
 		c->w2_transposed = true;
 		c->clip_qkv = 8;
@@ -85,16 +95,72 @@ int mlens_mkmodel_preset(struct mlens_mkmodel_opts *o, const char *name)
 		c->max_position_embeddings = full ? 32768 : 4096;
 		if (full)
 			c->eos[0] = 100257;	/* <|endoftext|> of DBRX's tokenizer */
+	} else if (!strcmp(name, "qwen3-tiny") || !strcmp(name, "qwen3-30b-a3b")) {
+		bool tiny = !strcmp(name, "qwen3-tiny");
+
+		qwen_common(c, "Qwen3MoeForCausalLM");
+		c->qk_norm = MLENS_QK_NORM_HEAD;
+		c->vocab_size = tiny ? 512 : 151936;
+		c->hidden_size = tiny ? 64 : 2048;
+		c->num_hidden_layers = tiny ? 2 : 48;
+		c->num_attention_heads = tiny ? 4 : 32;
+		c->num_key_value_heads = tiny ? 2 : 4;
+		c->head_dim = tiny ? 32 : 128;	/* q dim != hidden */
+		c->num_local_experts = tiny ? 8 : 128;
+		c->num_experts_per_tok = tiny ? 2 : 8;
+		c->intermediate_size = tiny ? 32 : 768;
+		c->dense_inter = tiny ? 96 : 6144;
+		c->dense[1] = tiny;	/* the tiny one has a dense layer (mlp_only_layers) */
+		c->max_position_embeddings = tiny ? 4096 : 40960;
+		c->eos[0] = tiny ? 2 : 151645;	/* <|im_end|> */
+	} else if (!strcmp(name, "qwen2-tiny") || !strcmp(name, "qwen1.5-moe-a2.7b") ||
+		   !strcmp(name, "qwen2-57b-a14b")) {
+		bool tiny = !strcmp(name, "qwen2-tiny"), big = !strcmp(name, "qwen2-57b-a14b");
+
+		qwen_common(c, "Qwen2MoeForCausalLM");
+		c->qkv_bias = true;
+		c->shared_gate = true;
+		c->topk_raw = true;
+		c->vocab_size = tiny ? 512 : 151936;
+		c->hidden_size = tiny ? 64 : big ? 3584 : 2048;
+		c->num_hidden_layers = tiny ? 2 : big ? 28 : 24;
+		c->num_attention_heads = tiny ? 4 : big ? 28 : 16;
+		c->num_key_value_heads = tiny ? 2 : big ? 4 : 16;
+		c->num_local_experts = tiny ? 8 : big ? 64 : 60;
+		c->num_experts_per_tok = tiny ? 2 : big ? 8 : 4;
+		c->intermediate_size = tiny ? 32 : big ? 2560 : 1408;
+		c->shared_inter = tiny ? 64 : big ? 20480 : 5632;
+		c->dense_inter = tiny ? 96 : big ? 18944 : 5632;
+		c->max_position_embeddings = tiny ? 4096 : big ? 32768 : 8192;
+		if (tiny)
+			c->eos[0] = 2;
+	} else if (!strcmp(name, "olmoe-tiny") || !strcmp(name, "olmoe-1b-7b")) {
+		bool tiny = !strcmp(name, "olmoe-tiny");
+
+		c->family = mlens_family_find("OlmoeForCausalLM");
+		c->qk_norm = MLENS_QK_NORM_ALL;
+		c->topk_raw = true;
+		c->rope_theta = 1e4;
+		c->vocab_size = tiny ? 512 : 50304;
+		c->hidden_size = tiny ? 64 : 2048;
+		c->num_hidden_layers = tiny ? 2 : 16;
+		c->num_attention_heads = tiny ? 4 : 16;
+		c->num_key_value_heads = tiny ? 2 : 16;
+		c->num_local_experts = tiny ? 16 : 64;
+		c->num_experts_per_tok = tiny ? 4 : 8;
+		c->intermediate_size = tiny ? 32 : 1024;
+		c->max_position_embeddings = 4096;
+		c->eos[0] = tiny ? 2 : 50279;
 	} else {
 		return -EINVAL;
 	}
 	return 0;
 }
 
-/* The writer's layout: DBRX's (transformer.*) or Mixtral's (model.*). */
+/* The writer's layout: DBRX's (transformer.*) or the others' (model.*). */
 static bool is_dbrx(const struct mlens_model_config *c)
 {
-	return !strcmp(c->architecture, "DbrxForCausalLM");
+	return !strcmp(c->family->architecture, "DbrxForCausalLM");
 }
 
 /* ==== the generator ==== */
@@ -231,12 +297,18 @@ static void add_fp8(struct writer *w)
 static int build_specs(struct writer *w)
 {
 	const struct mlens_model_config *c = &w->cfg;
+	const struct mlens_family *f = c->family;
 	const int64_t V = c->vocab_size, H = c->hidden_size, I = c->intermediate_size;
 	const int64_t E = c->num_local_experts, L = c->num_hidden_layers;
 	const int64_t Q = c->num_attention_heads * c->head_dim;
 	const int64_t KV = c->num_key_value_heads * c->head_dim;
-	size_t per_layer = w->o->fused_experts ? 9 : 7 + 6 * (size_t)E;
+	const int64_t qn = c->qk_norm == MLENS_QK_NORM_HEAD ? c->head_dim : Q;
+	const int64_t kn = c->qk_norm == MLENS_QK_NORM_HEAD ? c->head_dim : KV;
+	/* the most a layer has: attention with norms and biases, a shared
+	 * expert with its gate, the experts (and their fp8 scales) */
 	bool fp8 = w->o->fp8.kind != MLENS_WSCALE_NONE;
+	size_t per_layer = 16 + (w->o->fused_experts ? 3 : 1 + (fp8 ? 6 : 3) * (size_t)E);
+	const char *p = "model.layers.";	/* DBRX: "transformer.blocks." */
 
 	w->specs = calloc(3 + (size_t)L * per_layer, sizeof(*w->specs));
 	if (!w->specs)
@@ -244,8 +316,7 @@ static int build_specs(struct writer *w)
 	if (is_dbrx(c)) {
 		/* DBRX's own layout: fused Wqkv, experts fused over E along the
 		 * rows, w2 [E*I][H] as stored in DBRX's files */
-		const char *p = "transformer.blocks.";
-
+		p = "transformer.blocks.";
 		add(w, PART_PLAIN, -1, 2, V, H, 0, "transformer.wte.weight");
 		for (int64_t i = 0; i < L; i++) {
 			add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".norm_attn_norm.norm_1.weight", p, i);
@@ -264,29 +335,53 @@ static int build_specs(struct writer *w)
 	}
 	add(w, PART_PLAIN, -1, 2, V, H, 0, "model.embed_tokens.weight");
 	for (int64_t i = 0; i < L; i++) {
-		const char *p = "model.layers.";
-
 		add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".input_layernorm.weight", p, i);
 		add(w, PART_PLAIN, i, 2, Q, H, 0, "%s%" PRId64 ".self_attn.q_proj.weight", p, i);
 		add(w, PART_PLAIN, i, 2, KV, H, 0, "%s%" PRId64 ".self_attn.k_proj.weight", p, i);
 		add(w, PART_PLAIN, i, 2, KV, H, 0, "%s%" PRId64 ".self_attn.v_proj.weight", p, i);
 		add(w, PART_PLAIN, i, 2, H, Q, 0, "%s%" PRId64 ".self_attn.o_proj.weight", p, i);
+		if (c->qkv_bias) {
+			add(w, PART_PLAIN, i, 1, Q, 0, 0, "%s%" PRId64 ".self_attn.q_proj.bias", p, i);
+			add(w, PART_PLAIN, i, 1, KV, 0, 0, "%s%" PRId64 ".self_attn.k_proj.bias", p, i);
+			add(w, PART_PLAIN, i, 1, KV, 0, 0, "%s%" PRId64 ".self_attn.v_proj.bias", p, i);
+		}
+		if (c->o_bias)
+			add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".self_attn.o_proj.bias", p, i);
+		if (c->qk_norm) {
+			add(w, PART_PLAIN, i, 1, qn, 0, 0, "%s%" PRId64 ".self_attn.q_norm.weight", p, i);
+			add(w, PART_PLAIN, i, 1, kn, 0, 0, "%s%" PRId64 ".self_attn.k_norm.weight", p, i);
+		}
 		add(w, PART_PLAIN, i, 1, H, 0, 0, "%s%" PRId64 ".post_attention_layernorm.weight", p, i);
+		if (c->dense[i]) {
+			const int64_t D = c->dense_inter;
+			add(w, PART_PLAIN, i, 2, D, H, 0, "%s%" PRId64 ".mlp.gate_proj.weight", p, i);
+			add(w, PART_PLAIN, i, 2, D, H, 0, "%s%" PRId64 ".mlp.up_proj.weight", p, i);
+			add(w, PART_PLAIN, i, 2, H, D, 0, "%s%" PRId64 ".mlp.down_proj.weight", p, i);
+			continue;
+		}
+		if (c->shared_inter) {
+			const int64_t S = c->shared_inter;
+			add(w, PART_PLAIN, i, 2, S, H, 0, "%s%" PRId64 ".mlp.shared_expert.gate_proj.weight", p, i);
+			add(w, PART_PLAIN, i, 2, S, H, 0, "%s%" PRId64 ".mlp.shared_expert.up_proj.weight", p, i);
+			add(w, PART_PLAIN, i, 2, H, S, 0, "%s%" PRId64 ".mlp.shared_expert.down_proj.weight", p, i);
+			if (c->shared_gate)
+				add(w, PART_PLAIN, i, 2, 1, H, 0, "%s%" PRId64 ".mlp.shared_expert_gate.weight", p, i);
+		}
 		if (w->o->fused_experts) {
 			add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".mlp.gate.weight", p, i);
 			add(w, PART_GATE_UP, i, 3, E, 2 * I, H, "%s%" PRId64 ".mlp.experts.gate_up_proj", p, i);
 			add(w, PART_DOWN, i, 3, E, H, I, "%s%" PRId64 ".mlp.experts.down_proj", p, i);
 			continue;
 		}
-		add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".block_sparse_moe.gate.weight", p, i);
+		add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".%s", p, i, f->router);
 		for (int64_t j = 0; j < E; j++) {
-			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w1.weight", p, i, j);
+			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".%s.%" PRId64 ".%s.weight", p, i, f->experts, j, f->expert_w[0]);
 			if (fp8)
 				add_fp8(w);
-			add(w, PART_PLAIN, i, 2, H, I, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w2.weight", p, i, j);
+			add(w, PART_PLAIN, i, 2, H, I, 0, "%s%" PRId64 ".%s.%" PRId64 ".%s.weight", p, i, f->experts, j, f->expert_w[1]);
 			if (fp8)
 				add_fp8(w);
-			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".block_sparse_moe.experts.%" PRId64 ".w3.weight", p, i, j);
+			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".%s.%" PRId64 ".%s.weight", p, i, f->experts, j, f->expert_w[2]);
 			if (fp8)
 				add_fp8(w);
 		}
@@ -420,35 +515,43 @@ out:
 	return rc;
 }
 
+/* Expert j's matrix k (0 gate, 1 down, 2 up) of layer l under its
+ * per-expert name: the stream its values come from in either layout. */
+static const char *expert_name(const struct writer *w, char *buf, size_t len, int64_t l,
+			       int64_t j, int k)
+{
+	const struct mlens_family *f = w->cfg.family;
+
+	snprintf(buf, len, "model.layers.%" PRId64 ".%s.%" PRId64 ".%s.weight", l, f->experts, j,
+		 f->expert_w[k]);
+	return buf;
+}
+
 static int emit_tensor(struct writer *w, FILE *f, const char *path, const struct spec *s)
 {
 	const int64_t E = w->cfg.num_local_experts;
 	const uint64_t IH = (uint64_t)w->cfg.intermediate_size * (uint64_t)w->cfg.hidden_size;
-	const char *block = "block_sparse_moe";
 	char name[160];
 	int rc = 0;
 
 	switch (s->kind) {
 	case PART_PLAIN:
 		if (w->o->fused_experts && strstr(s->name, ".mlp.gate.weight")) {
-			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.gate.weight", s->layer, block);
+			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s", s->layer,
+				 w->cfg.family->router);
 			return emit(w, f, path, name, s->nbytes / mlens_dtype_size(w->cfg.dtype));
 		}
 		return emit(w, f, path, s->name, s->nbytes / mlens_dtype_size(w->cfg.dtype));
 	case PART_GATE_UP:
 		for (int64_t j = 0; j < E && !rc; j++) {
-			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.experts.%" PRId64 ".w1.weight", s->layer, block, j);
-			rc = emit(w, f, path, name, IH);
-			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.experts.%" PRId64 ".w3.weight", s->layer, block, j);
+			rc = emit(w, f, path, expert_name(w, name, sizeof(name), s->layer, j, 0), IH);
 			if (!rc)
-				rc = emit(w, f, path, name, IH);
+				rc = emit(w, f, path, expert_name(w, name, sizeof(name), s->layer, j, 2), IH);
 		}
 		return rc;
 	case PART_DOWN:
-		for (int64_t j = 0; j < E && !rc; j++) {
-			snprintf(name, sizeof(name), "model.layers.%" PRId64 ".%s.experts.%" PRId64 ".w2.weight", s->layer, block, j);
-			rc = emit(w, f, path, name, IH);
-		}
+		for (int64_t j = 0; j < E && !rc; j++)
+			rc = emit(w, f, path, expert_name(w, name, sizeof(name), s->layer, j, 1), IH);
 		return rc;
 	case PART_FP8:
 	case PART_SCALE:
@@ -596,37 +699,88 @@ static json_t *config_json_dbrx(const struct mlens_model_config *c)
 			 "vocab_size", (json_int_t)c->vocab_size);
 }
 
+/* mlp_only_layers: the dense layers' indexes. */
+static json_t *dense_json(const struct mlens_model_config *c)
+{
+	json_t *a = json_array();
+
+	for (int64_t l = 0; a && l < c->num_hidden_layers; l++)
+		if (c->dense[l])
+			json_array_append_new(a, json_integer(l));
+	return a;
+}
+
+/* config.json as the family's transformers configuration writes it. */
 static json_t *config_json(const struct mlens_model_config *c)
 {
+	const char *arch = c->family->architecture;
+	json_t *j;
+
 	if (is_dbrx(c))
 		return config_json_dbrx(c);
-	return json_pack("{s:[s], s:f, s:i, s:o, s:I, s:s, s:I, s:f, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:I, s:b, s:f, s:f, s:f, s:n, s:b, s:s, s:s, s:b, s:I}",
-			 "architectures", "MixtralForCausalLM",
-			 "attention_dropout", 0.0,
-			 "bos_token_id", 1,
-			 "eos_token_id", eos_json(c),
-			 "head_dim", (json_int_t)c->head_dim,
-			 "hidden_act", "silu",
-			 "hidden_size", (json_int_t)c->hidden_size,
-			 "initializer_range", 0.02,
-			 "intermediate_size", (json_int_t)c->intermediate_size,
-			 "max_position_embeddings", (json_int_t)c->max_position_embeddings,
-			 "model_type", "mixtral",
-			 "num_attention_heads", (json_int_t)c->num_attention_heads,
-			 "num_experts_per_tok", (json_int_t)c->num_experts_per_tok,
-			 "num_hidden_layers", (json_int_t)c->num_hidden_layers,
-			 "num_key_value_heads", (json_int_t)c->num_key_value_heads,
-			 "num_local_experts", (json_int_t)c->num_local_experts,
-			 "output_router_logits", 0,
-			 "rms_norm_eps", c->rms_norm_eps,
-			 "rope_theta", c->rope_theta,
-			 "router_aux_loss_coef", 0.02,
-			 "sliding_window",
-			 "tie_word_embeddings", (int)c->tie_word_embeddings,
-			 "torch_dtype", dtype_hf(c->dtype),
-			 "transformers_version", "4.46.0",
-			 "use_cache", 1,
-			 "vocab_size", (json_int_t)c->vocab_size);
+	j = json_pack("{s:[s], s:f, s:o, s:s, s:I, s:f, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:b, s:s, s:s, s:b, s:I}",
+			      "architectures", arch,
+			      "attention_dropout", 0.0,
+			      "eos_token_id", eos_json(c),
+			      "hidden_act", "silu",
+			      "hidden_size", (json_int_t)c->hidden_size,
+			      "initializer_range", 0.02,
+			      "max_position_embeddings", (json_int_t)c->max_position_embeddings,
+			      "num_attention_heads", (json_int_t)c->num_attention_heads,
+			      "num_experts_per_tok", (json_int_t)c->num_experts_per_tok,
+			      "num_hidden_layers", (json_int_t)c->num_hidden_layers,
+			      "num_key_value_heads", (json_int_t)c->num_key_value_heads,
+			      "rms_norm_eps", c->rms_norm_eps,
+			      "rope_theta", c->rope_theta,
+			      "tie_word_embeddings", (int)c->tie_word_embeddings,
+			      "torch_dtype", dtype_hf(c->dtype),
+			      "transformers_version", "4.46.0",
+			      "use_cache", 1,
+			      "vocab_size", (json_int_t)c->vocab_size);
+#define SET(k, v) json_object_set_new(j, k, v)
+	if (!j)
+		return NULL;
+	if (!strcmp(arch, "MixtralForCausalLM")) {
+		SET("bos_token_id", json_integer(1));
+		SET("head_dim", json_integer(c->head_dim));
+		SET("intermediate_size", json_integer(c->intermediate_size));
+		SET("model_type", json_string("mixtral"));
+		SET("num_local_experts", json_integer(c->num_local_experts));
+		SET("output_router_logits", json_false());
+		SET("router_aux_loss_coef", json_real(0.02));
+		SET("sliding_window", json_null());
+		return j;
+	}
+	SET("num_experts", json_integer(c->num_local_experts));
+	SET("norm_topk_prob", json_boolean(!c->topk_raw));
+	SET("rope_scaling", json_null());
+	SET("output_router_logits", json_false());
+	if (!strcmp(arch, "OlmoeForCausalLM")) {
+		SET("model_type", json_string("olmoe"));
+		SET("intermediate_size", json_integer(c->intermediate_size));
+		SET("attention_bias", json_boolean(c->qkv_bias));
+		SET("clip_qkv", c->clip_qkv > 0 ? json_real(c->clip_qkv) : json_null());
+		return j;
+	}
+	/* Qwen3-MoE and Qwen2-MoE */
+	SET("moe_intermediate_size", json_integer(c->intermediate_size));
+	SET("intermediate_size", json_integer(c->dense_inter));
+	SET("decoder_sparse_step", json_integer(1));
+	SET("mlp_only_layers", dense_json(c));
+	SET("use_sliding_window", json_false());
+	SET("sliding_window", json_null());
+	SET("bos_token_id", json_integer(151643));
+	if (!strcmp(arch, "Qwen3MoeForCausalLM")) {
+		SET("model_type", json_string("qwen3_moe"));
+		SET("head_dim", json_integer(c->head_dim));
+		SET("attention_bias", json_boolean(c->qkv_bias));
+	} else {
+		SET("model_type", json_string("qwen2_moe"));
+		SET("shared_expert_intermediate_size", json_integer(c->shared_inter));
+		SET("qkv_bias", json_boolean(c->qkv_bias));
+	}
+#undef SET
+	return j;
 }
 
 /* quantization_config of fp8 experts, as llm-compressor (compressed-tensors,
@@ -663,6 +817,8 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 		mlens_errf(err, errlen, "no output directory given");
 		return -EINVAL;
 	}
+	if (!w.cfg.family)
+		w.cfg.family = mlens_family_find("MixtralForCausalLM");
 	if (w.cfg.head_dim == 0 && w.cfg.num_attention_heads > 0) {
 		if (w.cfg.hidden_size % w.cfg.num_attention_heads) {
 			mlens_errf(err, errlen, "model settings: hidden size %" PRId64 " is not a multiple of %" PRId64 " heads; give the head dimension explicitly",
@@ -698,9 +854,10 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	if (rc)
 		goto out;
 	if (check.head_dim != w.cfg.head_dim) {
-		/* DBRX's config has no head_dim: it is d_model / n_heads */
-		mlens_errf(err, errlen, "model settings: a DBRX head dimension is hidden size / heads (%" PRId64 "), not %" PRId64,
-			   check.head_dim, w.cfg.head_dim);
+		/* Qwen2-MoE's, OLMoE's and DBRX's configs have no head_dim:
+		 * theirs is hidden size / heads */
+		mlens_errf(err, errlen, "model settings: %s has no head_dim of its own; its head dimension is hidden size / heads (%" PRId64 "), not %" PRId64,
+			   w.cfg.family->architecture, check.head_dim, w.cfg.head_dim);
 		rc = -EINVAL;
 		goto out;
 	}

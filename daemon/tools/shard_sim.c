@@ -143,9 +143,10 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 		mlens_errf(err, errlen, "shard simulation: the plan was made for another model");
 		return -EINVAL;
 	}
-	if (m->cfg.norm_kind != MLENS_NORM_RMS || m->cfg.w2_transposed || m->cfg.clip_qkv > 0) {
-		/* its ranks slice Mixtral's layout and norm the rows themselves */
-		mlens_errf(err, errlen, "shard simulation: %s is not simulated (Mixtral only)",
+	if (strcmp(m->cfg.architecture, "MixtralForCausalLM")) {
+		/* its ranks bind Mixtral's tensors and norms only (no q/k norms,
+		 * biases, shared or dense MLPs, LayerNorm, clip or fused Wqkv) */
+		mlens_errf(err, errlen, "shard simulation: %s models are not simulated; use a MixtralForCausalLM model",
 			   m->cfg.architecture);
 		return -ENOTSUP;
 	}

@@ -166,15 +166,6 @@ static int cpu_layernorm(void *ctx, float *out, const float *x, const void *w,
 	return 0;
 }
 
-static int cpu_clamp(void *ctx, float *x, int rows, int cols, float limit)
-{
-	if (rows < 0 || cols < 0 || !(limit >= 0))
-		return -EINVAL;
-	for (size_t i = 0; i < (size_t)rows * (size_t)cols; i++)
-		x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];
-	return 0;
-}
-
 static int cpu_rope(void *ctx, float *x, const int32_t *pos, int n, int n_heads,
 		    int head_dim, float theta)
 {
@@ -321,7 +312,7 @@ static int cpu_gemm_kn(void *ctx, float *out, const float *x, const void *w,
 /* ==== router and experts ==== */
 
 static int cpu_router(void *ctx, int32_t *ids, float *weights, const float *logits,
-		      int n, int n_experts, int k)
+		      int n, int n_experts, int k, bool renorm)
 {
 	float p[256];
 	bool used[256];
@@ -349,9 +340,35 @@ static int cpu_router(void *ctx, int32_t *ids, float *weights, const float *logi
 			weights[(size_t)i * k + s] = p[best];
 			ksum += p[best];
 		}
-		for (int s = 0; s < k; s++)
+		for (int s = 0; s < k && renorm; s++)
 			weights[(size_t)i * k + s] /= ksum;
 	}
+	return 0;
+}
+
+static int cpu_route_one(void *ctx, int32_t *ids, float *weights, const float *logits, int n)
+{
+	for (int i = 0; i < n; i++) {
+		ids[i] = 0;
+		weights[i] = logits ? 1.0f / (1.0f + expf(-logits[i])) : 1.0f;
+	}
+	return 0;
+}
+
+static int cpu_bias_add(void *ctx, float *x, const void *b, enum mlens_dtype dt, int n, int dim)
+{
+	for (int i = 0; i < n; i++)
+		for (int j = 0; j < dim; j++)
+			x[(size_t)i * dim + j] += mlens_load(b, dt, (size_t)j);
+	return 0;
+}
+
+static int cpu_clamp(void *ctx, float *x, size_t count, float limit)
+{
+	if (!(limit >= 0))
+		return -EINVAL;
+	for (size_t i = 0; i < count; i++)
+		x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];
 	return 0;
 }
 
@@ -713,6 +730,9 @@ static const struct mlens_backend_ops cpu_ops = {
 	.gemm = cpu_gemm,
 	.rope = cpu_rope,
 	.router = cpu_router,
+	.bias_add = cpu_bias_add,
+	.clamp = cpu_clamp,
+	.route_one = cpu_route_one,
 	.moe = cpu_moe,
 	.attn_prefill = cpu_attn_prefill,
 	.kv_append = cpu_kv_append,
@@ -725,7 +745,6 @@ static const struct mlens_backend_ops cpu_ops = {
 	.round = cpu_round,
 	.attn_decode_half = cpu_attn_decode_half,
 	.layernorm = cpu_layernorm,
-	.clamp = cpu_clamp,
 };
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o)

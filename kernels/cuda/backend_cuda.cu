@@ -1052,11 +1052,6 @@ static int cuda_layernorm(void *ctx, float *out, const float *x, const void *w,
 	return mlens_cuda_layernorm((struct mlens_cuda_ctx *)ctx, out, x, w, dt, n, dim, eps);
 }
 
-static int cuda_clamp(void *ctx, float *x, int rows, int cols, float limit)
-{
-	return mlens_cuda_clamp((struct mlens_cuda_ctx *)ctx, x, rows, cols, limit);
-}
-
 static int cuda_rmsnorm(void *ctx, float *out, const float *x, const void *w,
 			enum mlens_dtype dt, int n, int dim, float eps)
 {
@@ -1070,10 +1065,25 @@ static int cuda_rope(void *ctx, float *x, const int32_t *pos, int n, int n_heads
 }
 
 static int cuda_router(void *ctx, int32_t *ids, float *weights, const float *logits,
-		       int n, int n_experts, int k)
+		       int n, int n_experts, int k, bool renorm)
 {
 	return mlens_cuda_router((struct mlens_cuda_ctx *)ctx, ids, weights, logits, n,
-				 n_experts, k);
+				 n_experts, k, renorm);
+}
+
+static int cuda_bias_add(void *ctx, float *x, const void *b, enum mlens_dtype dt, int n, int dim)
+{
+	return mlens_cuda_bias_add((struct mlens_cuda_ctx *)ctx, x, b, dt, n, dim);
+}
+
+static int cuda_clamp(void *ctx, float *x, size_t count, float limit)
+{
+	return mlens_cuda_clamp((struct mlens_cuda_ctx *)ctx, x, count, limit);
+}
+
+static int cuda_route_one(void *ctx, int32_t *ids, float *weights, const float *logits, int n)
+{
+	return mlens_cuda_route_one((struct mlens_cuda_ctx *)ctx, ids, weights, logits, n);
 }
 
 static int cuda_attn_prefill(void *ctx, float *out, const float *q, const float *k,
@@ -1429,6 +1439,9 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_attn_prefill,
 	cuda_kv_append,
 	cuda_attn_decode,
+	cuda_bias_add,
+	cuda_clamp,
+	cuda_route_one,
 	cuda_sample,
 	cuda_host_register,
 	cuda_host_unregister,
@@ -1454,7 +1467,6 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_device_name,
 	cuda_bus_id,
 	cuda_layernorm,
-	cuda_clamp,
 };
 
 extern "C" bool mlens_cuda_available(void)

@@ -197,11 +197,15 @@ int mlens_cuda_rmsnorm(struct mlens_cuda_ctx *c, float *out, const float *x, con
 		       enum mlens_dtype dt, int n, int dim, float eps);
 int mlens_cuda_layernorm(struct mlens_cuda_ctx *c, float *out, const float *x, const void *w,
 			 enum mlens_dtype dt, int n, int dim, float eps);
-int mlens_cuda_clamp(struct mlens_cuda_ctx *c, float *x, int rows, int cols, float limit);
 int mlens_cuda_rope(struct mlens_cuda_ctx *c, float *x, const int32_t *pos, int n,
 		    int n_heads, int head_dim, float theta);
 int mlens_cuda_router(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
-		      const float *logits, int n, int n_experts, int k);
+		      const float *logits, int n, int n_experts, int k, bool renorm);
+int mlens_cuda_route_one(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
+			 const float *logits, int n);
+int mlens_cuda_bias_add(struct mlens_cuda_ctx *c, float *x, const void *b, enum mlens_dtype dt,
+			int n, int dim);
+int mlens_cuda_clamp(struct mlens_cuda_ctx *c, float *x, size_t count, float limit);
 /* Convert rows of fp32 to dtype dt (F16/BF16), optionally gathering: row r
  * of dst is src row gather[r] / gather_div (gather NULL: row r). */
 int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,

@@ -160,7 +160,7 @@ int mlens_cuda_rmsnorm(struct mlens_cuda_ctx *c, float *out, const float *x, con
 	return 0;
 }
 
-/* ==== LayerNorm (no bias) and clamp ==== */
+/* ==== LayerNorm (no bias) ==== */
 
 __global__ void layernorm_kernel(float *out, const float *x, const void *w,
 				 enum mlens_dtype dt, int dim, float eps)
@@ -190,27 +190,6 @@ int mlens_cuda_layernorm(struct mlens_cuda_ctx *c, float *out, const float *x, c
 	if (!n)
 		return 0;
 	layernorm_kernel<<<n, MLENS_CUDA_THREADS, 0, c->stream>>>(out, x, w, dt, dim, eps);
-	CUDA_LAUNCHED();
-	return 0;
-}
-
-__global__ void clamp_kernel(float *x, size_t n, float limit)
-{
-	for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-	     i += (size_t)gridDim.x * blockDim.x)
-		x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];	/* NaN stays */
-}
-
-int mlens_cuda_clamp(struct mlens_cuda_ctx *c, float *x, int rows, int cols, float limit)
-{
-	size_t n = (size_t)rows * (size_t)cols, blocks;
-	if (rows < 0 || cols < 0 || !(limit >= 0))
-		return -EINVAL;
-	if (!n)
-		return 0;
-	blocks = (n + MLENS_CUDA_THREADS - 1) / MLENS_CUDA_THREADS;
-	clamp_kernel<<<blocks < 65535 ? (unsigned)blocks : 65535u, MLENS_CUDA_THREADS, 0,
-		       c->stream>>>(x, n, limit);
 	CUDA_LAUNCHED();
 	return 0;
 }
@@ -271,7 +250,7 @@ int mlens_cuda_rope(struct mlens_cuda_ctx *c, float *x, const int32_t *pos, int 
 
 /* One thread per token: n_experts is small (8 for Mixtral, <= 256). */
 __global__ void router_kernel(int32_t *ids, float *weights, const float *logits, int n,
-			      int n_experts, int k)
+			      int n_experts, int k, bool renorm)
 {
 	float p[256];
 	int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -297,19 +276,83 @@ __global__ void router_kernel(int32_t *ids, float *weights, const float *logits,
 		ksum += p[best];
 		p[best] = -1.0f;	/* taken */
 	}
-	for (int s = 0; s < k; s++)
+	for (int s = 0; s < k && renorm; s++)
 		weights[(size_t)i * k + s] /= ksum;
 }
 
 int mlens_cuda_router(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
-		      const float *logits, int n, int n_experts, int k)
+		      const float *logits, int n, int n_experts, int k, bool renorm)
 {
 	if (n_experts > 256 || n_experts <= 0 || k > n_experts || k <= 0 || n < 0)
 		return -EINVAL;
 	if (!n)
 		return 0;
 	router_kernel<<<(n + 127) / 128, 128, 0, c->stream>>>(ids, weights, logits, n,
-								n_experts, k);
+								n_experts, k, renorm);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void route_one_kernel(int32_t *ids, float *weights, const float *logits, int n)
+{
+	int i = blockIdx.x * blockDim.x + threadIdx.x;
+	if (i >= n)
+		return;
+	ids[i] = 0;
+	/* as the CPU: 1 / (1 + e^-x), IEEE division */
+	weights[i] = logits ? __fdiv_rn(1.0f, 1.0f + expf(-logits[i])) : 1.0f;
+}
+
+int mlens_cuda_route_one(struct mlens_cuda_ctx *c, int32_t *ids, float *weights,
+			 const float *logits, int n)
+{
+	if (n < 0)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	route_one_kernel<<<(n + 127) / 128, 128, 0, c->stream>>>(ids, weights, logits, n);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* ==== projection biases, clip ==== */
+
+__global__ void bias_add_kernel(float *x, const void *b, enum mlens_dtype dt, int dim, size_t total)
+{
+	size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+	if (i < total)
+		x[i] = __fadd_rn(x[i], load_elem(b, dt, i % (size_t)dim));
+}
+
+int mlens_cuda_bias_add(struct mlens_cuda_ctx *c, float *x, const void *b, enum mlens_dtype dt,
+			int n, int dim)
+{
+	size_t total = (size_t)n * (size_t)dim;
+	if (n < 0 || dim <= 0)
+		return -EINVAL;
+	if (!total)
+		return 0;
+	bias_add_kernel<<<(unsigned)((total + 255) / 256), 256, 0, c->stream>>>(x, b, dt, dim, total);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void clamp_kernel(float *x, size_t n, float limit)
+{
+	for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+	     i += (size_t)gridDim.x * blockDim.x)
+		x[i] = x[i] < -limit ? -limit : x[i] > limit ? limit : x[i];	/* NaN stays */
+}
+
+int mlens_cuda_clamp(struct mlens_cuda_ctx *c, float *x, size_t count, float limit)
+{
+	size_t blocks = (count + MLENS_CUDA_THREADS - 1) / MLENS_CUDA_THREADS;
+	if (!(limit >= 0))
+		return -EINVAL;
+	if (!count)
+		return 0;
+	clamp_kernel<<<blocks < 65535 ? (unsigned)blocks : 65535u, MLENS_CUDA_THREADS, 0,
+		       c->stream>>>(x, count, limit);
 	CUDA_LAUNCHED();
 	return 0;
 }

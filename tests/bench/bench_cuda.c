@@ -945,7 +945,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 			G_MARK();
 			rc = rc ? rc : b.ops->gemm(b.ctx, rlog, xn, wr, MLENS_DTYPE_BF16, n, H, E, false);
 			G_MARK();
-			rc = rc ? rc : b.ops->router(b.ctx, rid, rw, rlog, n, E, K);
+			rc = rc ? rc : b.ops->router(b.ctx, rid, rw, rlog, n, E, K, true);
 			G_MARK();
 			rc = rc ? rc : b.ops->moe(b.ctx, x, xn, n, rid, rw, K, &mw);
 			G_MARK();

@@ -1,7 +1,7 @@
 /* libFuzzer target for the model parsers: the same bytes go to the
- * safetensors header parser, the config.json parser and (over a parsed
- * config) the generation_config.json parser, all of which work from
- * memory. Also linked into tests/fuzz/replay for make check. */
+ * safetensors header parser, the config.json parser (with the parse hook
+ * of whichever family its architectures names) and (over a parsed config)
+ * the generation_config.json parser, all of which work from memory. Also linked into tests/fuzz/replay for make check. */
 #include <stddef.h>
 #include <stdint.h>
 

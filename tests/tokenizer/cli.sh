@@ -62,4 +62,11 @@ expect_trouble "--model DIR is required" tokenize
 expect_trouble "$tmp/none/tokenizer.json: No such file" tokenize --model "$tmp/none"
 expect_trouble "--add-special belongs to mlens tokenize" detokenize --model "$fx/spm" --add-special
 expect_trouble "unexpected argument" tokenize --model "$fx/spm" extra
+expect_trouble "$tmp: read failed: Is a directory" tokenize --model "$fx/spm" -i "$tmp"
+
+# CRLF line ends are taken off and blank lines skipped
+printf '{"text": "Hello world"}\r\n\n\r\n{"text": ""}' | "$bin" tokenize --model "$fx/spm" >"$tmp/out" ||
+	fail "CRLF and blank lines: exit $?"
+[ "$(cat "$tmp/out")" = "$(printf '%s\n' '{"tokens":[351,75,513,555,449,291,283]}' '{"tokens":[]}')" ] ||
+	fail "CRLF and blank lines: $(cat "$tmp/out")"
 echo "mlens tokenize/detokenize: goldens, round trips, specials, bad lines and usage as documented"
