@@ -1212,6 +1212,43 @@ START_TEST(fp8_quantize_at_load)
 }
 END_TEST
 
+/* fp8 experts are Mixtral's only: the other families' shared experts and
+ * dense MLPs would run without scales, so mkmodel will not write them,
+ * weight_dtype fp8 will not quantize them and a checkpoint with a
+ * quantization_config is refused, each naming the architecture. */
+START_TEST(fp8_family_refusals)
+{
+	static const char *const presets[] = { "qwen3-tiny", "qwen2-tiny", "olmoe-tiny" };
+	static const char *const archs[] = { "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+					     "OlmoeForCausalLM" };
+	struct mlens_mkmodel_opts o = family(sub("m"), presets[_i], false);
+	struct mlens_model *m;
+	char want[200];
+
+	o.fp8 = fp8_layouts[0];
+	ck_assert_int_eq(mlens_mkmodel_write(&o, err, sizeof(err)), -EINVAL);
+	snprintf(want, sizeof(want), "fp8 experts are written for Mixtral only; write %s in bf16, fp16 or fp32",
+		 archs[_i]);
+	assert_err(want);
+	o.fp8 = (struct mlens_wscale){ MLENS_WSCALE_NONE, 0, 0 };
+	make(&o);
+	m = open_ok(o.dir);
+	ck_assert_int_eq(mlens_model_quantize_experts(m, err, sizeof(err)), -ENOTSUP);
+	snprintf(want, sizeof(want), "%s experts cannot be quantized to fp8 (mlens quantizes MixtralForCausalLM experts only); set weight_dtype auto",
+		 archs[_i]);
+	assert_err(want);
+	ck_assert_int_eq(m->cfg.expert_dtype, MLENS_DTYPE_F32);
+	ck_assert_uint_eq(mlens_model_quant_bytes(m), 0);
+	mlens_model_close(m);
+	edit(sub("m/config.json"), "\"architectures\"",
+	     "\"quantization_config\": {\"quant_method\": \"fbgemm_fp8\"}, \"architectures\"");
+	ck_assert_int_eq(open_err(o.dir), -ENOTSUP);
+	snprintf(want, sizeof(want), "quantization_config (quant_method fbgemm_fp8) is set; mlens reads fp8 experts of MixtralForCausalLM only, %s weights must be bf16, fp16 or fp32",
+		 archs[_i]);
+	assert_err("m/config.json: ", want);
+}
+END_TEST
+
 static Suite *model_suite(void)
 {
 	Suite *s = suite_create("model");
@@ -1264,6 +1301,7 @@ static Suite *model_suite(void)
 	tcase_add_test(bad, mkmodel_refuses);
 	tcase_add_test(bad, family_bad_files);
 	tcase_add_test(bad, family_refusals);
+	tcase_add_loop_test(bad, fp8_family_refusals, 0, 3);
 	suite_add_tcase(s, bad);
 	return s;
 }

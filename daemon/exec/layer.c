@@ -93,7 +93,7 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	b->mlp_gate = put_opt(pl, w->mlp_gate, &rc);
 	b->mlp = (struct mlens_moe_weights){ .n_experts = w->mlp_w1 ? 1 : 0, .hidden = d->hidden,
 		.inter = (int)w->mlp_inter, .dtype = d->dtype, .w1 = &b->mlp_w[0],
-		.w2 = &b->mlp_w[1], .w3 = &b->mlp_w[2] };
+		.w2 = &b->mlp_w[1], .w3 = &b->mlp_w[2], .model_dtype = d->dtype };
 	b->w1 = calloc((size_t)d->n_experts, sizeof(void *));
 	b->w2 = calloc((size_t)d->n_experts, sizeof(void *));
 	b->w3 = calloc((size_t)d->n_experts, sizeof(void *));

@@ -404,6 +404,14 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	/* the family's own keys: experts, MLP sizes, q/k norms, biases */
 	if ((rc = cfg->family->parse(&c, root, cfg)))
 		goto out;
+	if (cfg->quant_method[0] && strcmp(cfg->architecture, "MixtralForCausalLM")) {
+		/* fp8 scales are bound for Mixtral's expert names only, and a
+		 * shared expert or dense MLP would have none */
+		mlens_errf(err, errlen, "%s: quantization_config (quant_method %s) is set; mlens reads fp8 experts of MixtralForCausalLM only, %s weights must be bf16, fp16 or fp32",
+			   path, cfg->quant_method, cfg->architecture);
+		rc = -ENOTSUP;
+		goto out;
+	}
 	rc = 0;
 out:
 	json_decref(root);

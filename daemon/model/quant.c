@@ -719,6 +719,13 @@ int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen
 			   m->dir, c->architecture);
 		return -ENOTSUP;
 	}
+	if (strcmp(c->architecture, "MixtralForCausalLM")) {
+		/* the fp8 scales are bound for Mixtral's experts only; a shared
+		 * expert or dense MLP would run without them */
+		mlens_errf(err, errlen, "%s: %s experts cannot be quantized to fp8 (mlens quantizes MixtralForCausalLM experts only); set weight_dtype auto",
+			   m->dir, c->architecture);
+		return -ENOTSUP;
+	}
 	if (c->expert_dtype != c->dtype || c->dtype == MLENS_DT_F8_E4M3) {
 		mlens_errf(err, errlen, "%s: experts in %s cannot be quantized to fp8", m->dir,
 			   mlens_dtype_name(c->expert_dtype));

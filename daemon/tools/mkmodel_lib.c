@@ -836,9 +836,10 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 			rc = -EINVAL;
 			goto out;
 		}
-		if (is_dbrx(&w.cfg)) {
-			/* mlens refuses DBRX's fp8 experts (w2 stored transposed) */
-			mlens_errf(err, errlen, "fp8 experts are written for Mixtral only; write DBRX in bf16, fp16 or fp32");
+		if (strcmp(w.cfg.family->architecture, "MixtralForCausalLM")) {
+			/* mlens reads fp8 experts of Mixtral only (mlens_quant_bind) */
+			mlens_errf(err, errlen, "fp8 experts are written for Mixtral only; write %s in bf16, fp16 or fp32",
+				   w.cfg.family->architecture);
 			rc = -EINVAL;
 			goto out;
 		}

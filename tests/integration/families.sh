@@ -5,7 +5,8 @@
 # architecture, `mlens generate` returns max_tokens tokens for every
 # request, and a prompt's tokens are the same alone and in a batch; a
 # Qwen3-MoE config that asks for sliding-window attention is refused at
-# start-up naming the key. MLENS_FAMILIES_BACKEND=cuda runs the serving
+# start-up naming the key, and so are fp8 experts (--weight-dtype fp8,
+# mlens-mkmodel --dtype fp8). MLENS_FAMILIES_BACKEND=cuda runs the serving
 # checks on the GPU.
 set -u
 . "$(dirname "$0")/lib.sh"
@@ -40,6 +41,16 @@ for preset in qwen3-tiny:Qwen3MoeForCausalLM qwen2-tiny:Qwen2MoeForCausalLM \
 	pid=
 	echo "ok: $arch served ($alone alone and batched)"
 done
+
+# fp8 experts are Mixtral's only (a shared expert would have no scales):
+# quantizing at load is refused at start-up, named, and so is writing one
+refused 1 "Qwen2MoeForCausalLM experts cannot be quantized to fp8 (mlens quantizes MixtralForCausalLM experts only); set weight_dtype auto" \
+	--model "$tmp/qwen2-tiny" --weight-dtype fp8
+"$B/daemon/mlens-mkmodel" -o "$tmp/q8" --preset qwen3-tiny --dtype fp8 2>"$tmp/err" &&
+	fail "mlens-mkmodel wrote a Qwen3-MoE model with fp8 experts"
+grep -qF "fp8 experts are written for Mixtral only; write Qwen3MoeForCausalLM in bf16, fp16 or fp32" \
+	"$tmp/err" || fail "mkmodel qwen3 fp8: $(cat "$tmp/err")"
+echo "ok: fp8 experts for Qwen2-MoE and Qwen3-MoE refused (weight_dtype fp8, mkmodel --dtype fp8), named"
 
 sed 's/"use_sliding_window": false/"use_sliding_window": true/' "$tmp/qwen3-tiny/config.json" >"$tmp/c" &&
 	mv "$tmp/c" "$tmp/qwen3-tiny/config.json"
