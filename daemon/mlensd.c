@@ -27,6 +27,7 @@
 #include "daemon/serve/server.h"
 #include "daemon/ops/stats.h"
 #include "daemon/model/weights.h"
+#include "daemon/model/quant.h"
 #include "daemon/serve/worker.h"
 #include "kernels/cpu/attn.h"
 
@@ -574,6 +575,24 @@ static int step_model(void)
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
+		/* from the weight pages, before anything is planned on the model */
+		if (!strcmp(D.cfg.weight_dtype, "fp8")) {
+			double t = mlens_now();
+			rc = mlens_model_quantize_experts(D.model, err, sizeof(err));
+			if (rc)
+				return fail_start("%s", err);
+			log_info("experts quantized to fp8 e4m3 (a scale per output channel) in %.2f s",
+				 mlens_now() - t);
+		}
+		if (D.model->cfg.expert_dtype == MLENS_DTYPE_E4M3 || mlens_model_quant_bytes(D.model))
+			log_info("experts in %s%s%s%s; %.3f GB of fp8 state (scales, quantized or "
+				 "dequantized copies) beside the weight pages",
+				 D.model->cfg.expert_dtype == MLENS_DTYPE_E4M3 ? "fp8 e4m3 with " :
+										 mlens_dtype_name(D.model->cfg.expert_dtype),
+				 D.model->cfg.expert_dtype != MLENS_DTYPE_E4M3 ? "" :
+				 D.model->cfg.expert_scale.kind == MLENS_WSCALE_BLOCK ? "block scales" : "per-channel scales",
+				 D.model->cfg.quant_method[0] ? ", quant_method " : "",
+				 D.model->cfg.quant_method, mlens_model_quant_bytes(D.model) / 1e9);
 		log_info("model %s: %s, %lld layers, %lld experts (top-%lld), %s; %.2f GB read into weight pages "
 			 "in %.2f s (%.2f GB/s, %s%s) on NUMA node %d%s",
 			 D.cfg.model, D.model->cfg.architecture, (long long)D.model->cfg.num_hidden_layers,
@@ -603,6 +622,7 @@ static int step_backend(void)
 			   (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST &&
 			    D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo->sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
+	bo->fp8_gemm = !strcmp(D.cfg.gpu_fp8_gemm, "fp8");
 	bo->moe_streams = (int)D.cfg.gpu_moe_streams;
 	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo->sync);	/* one of its names (config) */
 	/* the KV cache lives on this node; no core is kept back: the movers

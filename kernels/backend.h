@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include "kernels/dtype.h"
 #include "kernels/kv.h"
+#include "kernels/wscale.h"
 
 /* Sampling parameters of one sequence for one token. temperature <= 0 means
  * greedy. The random draw is a pure function of (seed, counter), so a token
@@ -33,7 +34,10 @@ struct mlens_sampling {
 /* Expert weights of one MoE layer, row-major as in HF: w1,w3 [inter][hidden],
  * w2 [hidden][inter], or [inter][hidden] with w2_transposed (DBRX stores its
  * down projection so, and the ops read it in place rather than have the
- * loader transpose a third of the model). Pointers are backend memory. */
+ * loader transpose a third of the model). Pointers are backend memory. With
+ * dtype MLENS_DTYPE_E4M3 each matrix has its fp32 scales in s1, s2, s3 laid
+ * out as scale says (kernels/wscale.h); otherwise scale.kind is NONE and
+ * the scale arrays are unused. */
 struct mlens_moe_weights {
 	int n_experts;
 	int hidden;
@@ -42,6 +46,13 @@ struct mlens_moe_weights {
 	const void *const *w1;
 	const void *const *w2;
 	const void *const *w3;
+	struct mlens_wscale scale;
+	const float *const *s1;
+	const float *const *s2;
+	const float *const *s3;
+	/* fp8: the model's other weights' dtype; a GPU backend's fast GEMMs
+	 * round activations to it where it is 16-bit (fp32: exact GEMMs) */
+	enum mlens_dtype model_dtype;
 	bool w2_transposed;
 };
 
@@ -316,6 +327,20 @@ static inline bool mlens_moe_half_gu(enum mlens_gemm_mode gemm, size_t weight_by
 	return gemm == MLENS_GEMM_FAST && weight_bytes == 2;
 }
 
+/* Bytes of MoE scratch the CUDA backend holds for fp8 experts: each of
+ * streams MoE streams dequantizes its current expert's three matrices
+ * (bf16 for fast GEMMs of a 16-bit model, else fp32) before their GEMMs;
+ * counted at fp32 for exact GEMMs. */
+static inline size_t mlens_moe_fp8_dequant_bytes(size_t hidden, size_t inter, int streams,
+						 enum mlens_gemm_mode gemm)
+{
+	size_t one = 3 * hidden * inter * (gemm == MLENS_GEMM_EXACT ? 4 : 2);
+	/* or (fp8 GEMMs) a piece of rows quantized, with a scale each */
+	size_t q = MLENS_CUDA_MOE_GU_ROWS * ((hidden > inter ? hidden : inter) + 4) + 512;
+	one = one > q ? one : q;
+	return (size_t)streams * ((one + 255) & ~(size_t)255);
+}
+
 /* How a host thread waits for the GPU (CUDA's device schedule flags): auto
  * is CUDA's heuristic (spin when the process has fewer contexts than the
  * machine has cores), spin busy-waits, yield busy-waits giving way to
@@ -345,6 +370,13 @@ struct mlens_backend_opts {
 	enum mlens_gpu_sync sync;	/* CUDA: how host threads wait for the
 					 * device (its schedule flags, for the
 					 * whole process); 0: CUDA's auto */
+	bool fp8_gemm;		/* CUDA: fp8 experts of a 16-bit model with
+				 * per-channel (or per-tensor) scales on fp8 tensor
+				 * cores through cuBLASLt, activations quantized
+				 * per token, fp32 accumulation, both scales applied
+				 * to the product (outer product); where the device
+				 * has no fp8 GEMM, and for block scales, exact
+				 * GEMMs or fp32 models: the dequantize path */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */

@@ -19,7 +19,7 @@ AC_DEFUN([MLENS_CHECK_CUDA], [
       CUDA_CFLAGS="-I$cuda_dir/include"
       cuda_libdir="$cuda_dir/lib64"
       AS_IF([test -d "$cuda_dir/targets/x86_64-linux/lib"], [cuda_libdir="$cuda_dir/targets/x86_64-linux/lib"])
-      CUDA_LIBS="-L$cuda_libdir -Wl,-rpath,$cuda_libdir -lcublas -lcudart"
+      CUDA_LIBS="-L$cuda_libdir -Wl,-rpath,$cuda_libdir -lcublasLt -lcublas -lcudart"
       save_LIBS=$LIBS
       LIBS="$LIBS -L$cuda_libdir -lcudart"
       AC_MSG_CHECKING([for cudaMalloc in libcudart])

@@ -133,7 +133,7 @@ static double rel_err(const float *ref, const float *got, size_t n)
 
 /* The per-op table: worst error seen for each (op, tolerance) row. */
 struct err_row {
-	char op[40];
+	char op[64];
 	int cases;
 	double worst;
 	double tol;
@@ -754,25 +754,55 @@ END_TEST
  * every token's first expert is expert 0, so that it holds more rows than
  * a MoE stream's gate/up piece once the call has more routed rows than
  * MLENS_CUDA_MOE_GU_ROWS: it runs in pieces. */
+/* fp8 experts (fk set): random fp32 weights quantized with scales laid out
+ * as fk says; their dequantized GEMMs run in bf16 or fp32 as mdt, the
+ * model's dtype, and the GEMM mode choose. */
+static void *fp8_matrix(int rows, int cols, const struct mlens_wscale *fk, float **scales)
+{
+	float *v = rnd_weights((size_t)rows * cols, MLENS_DTYPE_F32, 1.0f / sqrtf((float)cols));
+	uint8_t *q = malloc((size_t)rows * cols);
+
+	*scales = malloc(mlens_wscale_count(fk, rows, cols) * sizeof(float));
+	mlens_fp8_quantize(v, rows, cols, fk, q, *scales);
+	free(v);
+	return q;
+}
+
 /* moe_case's experts store w2 as [I][H] (DBRX's layout, w2_transposed) */
 static bool moe_w2t;
 
-static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
+static void moe_case_fp8(enum mlens_dtype dt, int n, int H, int I, bool skew,
+			 const struct mlens_wscale *fk, enum mlens_dtype mdt)
 {
 	const int E = 8, k = 2;
 	size_t es = mlens_dtype_size(dt);
+	float *hs1[8], *hs2[8], *hs3[8], *ds1[8], *ds2[8], *ds3[8];
+	size_t s13 = fk ? mlens_wscale_count(fk, I, H) * 4 : 0, s2 = fk ? mlens_wscale_count(fk, H, I) * 4 : 0;
 	int32_t *ids = malloc((size_t)n * k * 4);
 	float *wts = malloc((size_t)n * k * 4);
 	float *x = rnd_floats((size_t)n * H, 1.0f), *ref = rnd_floats((size_t)n * H, 1.0f), *got;
 	void *hw1[8], *hw2[8], *hw3[8], *dw1[8], *dw2[8], *dw3[8];
 	static const int pick[] = { 0, 0, 0, 0, 1, 2, 4, 5, 6, 7, 7 };
-	struct mlens_moe_weights wc = { E, H, I, dt, (const void *const *)hw1,
-					(const void *const *)hw2, (const void *const *)hw3, moe_w2t };
-	struct mlens_moe_weights wg = { E, H, I, dt, (const void *const *)dw1,
-					(const void *const *)dw2, (const void *const *)dw3, moe_w2t };
+	struct mlens_moe_weights wc = { .n_experts = E, .hidden = H, .inter = I, .dtype = dt,
+					.w1 = (const void *const *)hw1, .w2 = (const void *const *)hw2,
+					.w3 = (const void *const *)hw3, .w2_transposed = moe_w2t };
+	struct mlens_moe_weights wg = { .n_experts = E, .hidden = H, .inter = I, .dtype = dt,
+					.w1 = (const void *const *)dw1, .w2 = (const void *const *)dw2,
+					.w3 = (const void *const *)dw3, .w2_transposed = moe_w2t };
 	float *dx, *dout, *dwts;
 	int32_t *dids;
-	char op[32];
+	char op[64];
+
+	if (fk) {
+		wc.scale = wg.scale = *fk;
+		wc.model_dtype = wg.model_dtype = mdt;
+		wc.s1 = (const float *const *)hs1;
+		wc.s2 = (const float *const *)hs2;
+		wc.s3 = (const float *const *)hs3;
+		wg.s1 = (const float *const *)ds1;
+		wg.s2 = (const float *const *)ds2;
+		wg.s3 = (const float *const *)ds3;
+	}
 
 	for (int i = 0; i < n; i++) {
 		int a = pick[rnd_u32() % 11], b;
@@ -790,8 +820,21 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
 		wts[i * k + 1] = 1.0f - p;
 	}
 	for (int e = 0; e < E; e++) {
+		hs1[e] = hs2[e] = hs3[e] = ds1[e] = ds2[e] = ds3[e] = NULL;
 		if (e == 3) {
 			hw1[e] = hw2[e] = hw3[e] = dw1[e] = dw2[e] = dw3[e] = NULL;
+			continue;
+		}
+		if (fk) {
+			hw1[e] = fp8_matrix(I, H, fk, &hs1[e]);
+			hw3[e] = fp8_matrix(I, H, fk, &hs3[e]);
+			hw2[e] = fp8_matrix(H, I, fk, &hs2[e]);
+			ds1[e] = to_gpu(hs1[e], s13);
+			ds3[e] = to_gpu(hs3[e], s13);
+			ds2[e] = to_gpu(hs2[e], s2);
+			dw1[e] = to_gpu(hw1[e], (size_t)I * H);
+			dw3[e] = to_gpu(hw3[e], (size_t)I * H);
+			dw2[e] = to_gpu(hw2[e], (size_t)H * I);
 			continue;
 		}
 		hw1[e] = rnd_weights((size_t)I * H, dt, 1.0f / sqrtf((float)H));
@@ -808,16 +851,33 @@ static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
 	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, ref, x, n, ids, wts, k, &wc), 0);
 	ck_assert_int_eq(dev->ops->moe(dev->ctx, dout, dx, n, dids, dwts, k, &wg), 0);
 	got = from_gpu(dout, (size_t)n * H * 4);
-	snprintf(op, sizeof(op), "moe%s %s%s", moe_w2t ? " w2t" : "", mlens_dtype_name(dt),
-		 mode_name());
-	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2%s", n, H, I,
+	snprintf(op, sizeof(op), "moe%s %s%s%s%s", moe_w2t ? " w2t" : "", mlens_dtype_name(dt),
+		 fk ? (fk->kind == MLENS_WSCALE_BLOCK ? " block" : " channel") : "",
+		 fk ? (mdt == MLENS_DTYPE_F32 ? " (f32 model)" : " (bf16 model)") : "", mode_name());
+	/* fp8: the CPU multiplies the dequantized weights exactly; the GPU
+	 * rounds them (and the activations) to bf16 for a bf16 model's fast
+	 * GEMMs, else works in fp32 */
+	/* gpu_tc multiplies a bf16 model's per-channel fp8 experts on fp8
+	 * tensor cores: activations rounded to e4m3 (2^-4 relative) too */
+	if (fk && dev == &gpu_tc && mdt != MLENS_DTYPE_F32 && fk->kind == MLENS_WSCALE_CHANNEL &&
+	    !(H % 16) && !(I % 16))
+		strcat(op, " fp8-gemm");
+	record(op, strstr(op, "fp8-gemm") ? 6e-2 : wtol(fk ? mdt : dt),
+	       rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=8 k=2%s", n, H, I,
 	       skew ? " skewed" : "");
 	for (int e = 0; e < E; e++) {
 		free(hw1[e]); free(hw2[e]); free(hw3[e]);
 		gfree(dw1[e]); gfree(dw2[e]); gfree(dw3[e]);
+		free(hs1[e]); free(hs2[e]); free(hs3[e]);
+		gfree(ds1[e]); gfree(ds2[e]); gfree(ds3[e]);
 	}
 	free(ids); free(wts); free(x); free(ref); free(got);
 	gfree(dx); gfree(dout); gfree(dids); gfree(dwts);
+}
+
+static void moe_case(enum mlens_dtype dt, int n, int H, int I, bool skew)
+{
+	moe_case_fp8(dt, n, H, I, skew, NULL, dt);
 }
 
 START_TEST(test_moe)
@@ -834,6 +894,25 @@ START_TEST(test_moe)
 	}
 	/* more tokens than one chunk of the CUDA MoE (4096) */
 	moe_case(MLENS_DTYPE_BF16, 4100, 64, 96, false);
+}
+END_TEST
+
+/* fp8 experts, per-channel and block scales (blocks that do not divide
+ * the matrices), in an fp32 and a bf16 model: the dequantize path. */
+START_TEST(test_moe_fp8)
+{
+	static const struct mlens_wscale fks[] = { { MLENS_WSCALE_CHANNEL, 0, 0 },
+						   { MLENS_WSCALE_BLOCK, 128, 128 },
+						   { MLENS_WSCALE_BLOCK, 32, 48 } };
+	static const enum mlens_dtype mdts[] = { MLENS_DTYPE_F32, MLENS_DTYPE_BF16 };
+
+	for (int f = 0; f < 3; f++)
+		for (int m = 0; m < 2; m++) {
+			moe_case_fp8(MLENS_DTYPE_E4M3, 7, 256, 320, false, &fks[f], mdts[m]);
+			moe_case_fp8(MLENS_DTYPE_E4M3, 300, 512, 1000, false, &fks[f], mdts[m]);
+			moe_case_fp8(MLENS_DTYPE_E4M3, 5, 62, 97, false, &fks[f], mdts[m]);
+			moe_case_fp8(MLENS_DTYPE_E4M3, 1500, 64, 96, true, &fks[f], mdts[m]);
+		}
 }
 END_TEST
 
@@ -1408,7 +1487,8 @@ int main(void)
 	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true,
 					  .moe_streams = 1 };
 	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true,
-					  .moe_streams = 4, .sync = MLENS_GPU_SYNC_BLOCK };
+					  .moe_streams = 4, .sync = MLENS_GPU_SYNC_BLOCK,
+					  .fp8_gemm = true };
 	TCase *tx, *tsm, *ttc;
 	Suite *s;
 	TCase *tc;
@@ -1448,6 +1528,7 @@ int main(void)
 	tcase_add_test(tc, test_router);
 	tcase_add_test(tc, test_family_ops);
 	tcase_add_test(tc, test_moe);
+	tcase_add_test(tc, test_moe_fp8);
 	tcase_add_test(tc, test_moe_w2_transposed);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
@@ -1460,6 +1541,7 @@ int main(void)
 	tcase_add_test(tx, test_round_gemm_half_in);
 	tcase_add_test(tx, test_gemm_multi);
 	tcase_add_test(tx, test_moe);
+	tcase_add_test(tx, test_moe_fp8);
 	tcase_add_test(tx, test_moe_w2_transposed);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	/* the ops that stage tables or read values back, with SM copies */
@@ -1476,6 +1558,7 @@ int main(void)
 	ttc = backend_tcase(s, "tensor-core prefill", use_tc);
 	tcase_add_test(ttc, test_attn_prefill_bf16);
 	tcase_add_test(ttc, test_moe);
+	tcase_add_test(ttc, test_moe_fp8);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);
 	srunner_run_all(sr, CK_NORMAL);

@@ -438,8 +438,11 @@ START_TEST(op_moe_w2_transposed)
 	}
 	memset(a, 0, sizeof(a));
 	memset(b, 0, sizeof(b));
-	struct mlens_moe_weights plain = { E, H, I, MLENS_DTYPE_BF16, p1, p2, p3, false };
-	struct mlens_moe_weights trans = { E, H, I, MLENS_DTYPE_BF16, p1, p2t, p3, true };
+	struct mlens_moe_weights plain = { .n_experts = E, .hidden = H, .inter = I,
+					   .dtype = MLENS_DTYPE_BF16, .w1 = p1, .w2 = p2, .w3 = p3 };
+	struct mlens_moe_weights trans = { .n_experts = E, .hidden = H, .inter = I,
+					   .dtype = MLENS_DTYPE_BF16, .w1 = p1, .w2 = p2t, .w3 = p3,
+					   .w2_transposed = true };
 	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, a, x, N, ids, rw, K, &plain), 0);
 	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, b, x, N, ids, rw, K, &trans), 0);
 	for (int i = 0; i < N * H; i++)

@@ -16,6 +16,8 @@
 #include "daemon/tools/mkmodel.h"
 #include "daemon/model/family.h"
 #include "daemon/model/model.h"
+#include "daemon/model/quant.h"
+#include "kernels/fp8.h"
 #include "daemon/model/safetensors.h"
 #include "tests/model_files.h"
 
@@ -1014,6 +1016,239 @@ START_TEST(mkmodel_refuses)
 }
 END_TEST
 
+/* ==== fp8 weights ==== */
+
+/* Replace the same-length text from by to in the safetensors header of a
+ * file (its JSON; the data is left alone). */
+static void edit_header(const char *path, const char *from, const char *to)
+{
+	FILE *f = fopen(path, "r+b");
+	unsigned char le[8];
+	uint64_t h = 0;
+	char *hdr, *at;
+
+	ck_assert_uint_eq(strlen(from), strlen(to));
+	ck_assert_ptr_nonnull(f);
+	ck_assert_uint_eq(fread(le, 1, 8, f), 8);
+	for (int i = 0; i < 8; i++)
+		h |= (uint64_t)le[i] << (8 * i);
+	hdr = calloc(1, (size_t)h + 1);
+	ck_assert_uint_eq(fread(hdr, 1, (size_t)h, f), h);
+	at = strstr(hdr, from);
+	ck_assert_msg(at != NULL, "'%s' not in the header of %s", from, path);
+	memcpy(at, to, strlen(to));
+	fseek(f, 8, SEEK_SET);
+	ck_assert_uint_eq(fwrite(hdr, 1, (size_t)h, f), h);
+	fclose(f);
+	free(hdr);
+}
+
+static const struct mlens_wscale fp8_layouts[] = {
+	{ MLENS_WSCALE_CHANNEL, 0, 0 },
+	{ MLENS_WSCALE_BLOCK, 32, 48 },
+};
+
+/* Every e4m3 code decodes and encodes back to itself (the NaNs stay NaN);
+ * encoding rounds to nearest even and saturates at 448. */
+START_TEST(fp8_conversions)
+{
+	for (int b = 0; b < 256; b++) {
+		float f = mlens_e4m3_to_f32((uint8_t)b);
+		if ((b & 0x7f) == 0x7f) {
+			ck_assert(isnan(f));
+			ck_assert_uint_eq(mlens_f32_to_e4m3(f) & 0x7f, 0x7f);
+			continue;
+		}
+		ck_assert_msg(mlens_f32_to_e4m3(f) == b || (b == 0x80 && f == 0.0f),
+			      "code %#x (%g) encodes as %#x", b, f, mlens_f32_to_e4m3(f));
+	}
+	ck_assert_float_eq(mlens_e4m3_to_f32(0x7e), 448.0f);
+	ck_assert_float_eq(mlens_e4m3_to_f32(0x01), 1.0f / 512);
+	ck_assert_uint_eq(mlens_f32_to_e4m3(1.0f + 1.0f / 16), 0x38);	/* tie: to even */
+	ck_assert_uint_eq(mlens_f32_to_e4m3(1.0f + 3.0f / 16), 0x3a);
+	ck_assert_uint_eq(mlens_f32_to_e4m3(1.0f / 1024), 0x00);	/* half the least */
+	ck_assert_uint_eq(mlens_f32_to_e4m3(3.0f / 1024), 0x02);
+	ck_assert_uint_eq(mlens_f32_to_e4m3(464.0f), 0x7e);		/* saturates */
+	ck_assert_uint_eq(mlens_f32_to_e4m3(1e9f), 0x7e);
+	ck_assert_uint_eq(mlens_f32_to_e4m3(-INFINITY), 0xfe);
+	ck_assert_uint_eq(mlens_f32_to_e4m3(-0.0f), 0x80);
+}
+END_TEST
+
+/* mkmodel's fp8 checkpoints in both layouts load with fp8 experts whose
+ * bytes and scales are the generator's values quantized; the modules the
+ * quantization_config ignores (attention, router, lm_head) stay bf16. */
+START_TEST(fp8_roundtrip)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, _i ? 3 : 1);
+	const struct mlens_wscale *k = &fp8_layouts[_i];
+	const int64_t I = 128, H = 64;
+	struct mlens_model *m;
+	float *v = malloc(sizeof(float) * (size_t)(I * H)), sc[128];
+	uint8_t *q = malloc((size_t)(I * H));
+	const char *name = "model.layers.1.block_sparse_moe.experts.2.w2.weight";
+
+	o.fp8 = *k;
+	make(&o);
+	m = open_ok(o.dir);
+	ck_assert_int_eq(m->cfg.dtype, MLENS_DTYPE_BF16);
+	ck_assert_int_eq(m->cfg.expert_dtype, MLENS_DTYPE_E4M3);
+	ck_assert_int_eq(m->cfg.expert_scale.kind, k->kind);
+	ck_assert_int_eq(m->cfg.expert_scale.block_rows, k->block_rows);
+	ck_assert_str_eq(m->cfg.quant_method, _i ? "fp8" : "compressed-tensors");
+	ck_assert_int_eq(m->layers[0].wq->dtype, MLENS_DTYPE_BF16);
+	ck_assert_int_eq(m->layers[1].router->dtype, MLENS_DTYPE_BF16);
+	ck_assert_int_eq(m->lm_head->dtype, MLENS_DTYPE_BF16);
+	for (int64_t i = 0; i < I * H; i++)	/* the bf16 model's value, quantized */
+		v[i] = mlens_bf16_to_f32(mlens_f32_to_bf16(mlens_mkmodel_value(o.seed, name, (uint64_t)i)));
+	mlens_fp8_quantize(v, H, I, k, q, sc);	/* w2 is [hidden][inter] */
+	ck_assert(!memcmp(m->layers[1].w2[2], q, (size_t)(I * H)));
+	ck_assert(!memcmp(m->layers[1].s2[2], sc, mlens_wscale_count(k, H, I) * sizeof(float)));
+	/* each piece 16-byte aligned in a slot */
+	ck_assert_uint_eq(mlens_model_expert_bytes(&m->cfg),
+			  3 * (uint64_t)(I * H) + 2 * mlens_quant_piece(4 * mlens_wscale_count(k, I, H)) +
+				  mlens_quant_piece(4 * mlens_wscale_count(k, H, I)));
+	mlens_model_close(m);
+	free(v);
+	free(q);
+}
+END_TEST
+
+/* Bad fp8 checkpoints are refused with the tensor, the module or the
+ * method named. */
+START_TEST(fp8_refusals)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	const char *st = sub("m/model.safetensors"), *cj = sub("m/config.json");
+	struct mlens_model_config c;
+
+	o.fp8 = fp8_layouts[0];
+	make(&o);
+	/* a scale of the wrong shape */
+	edit_header(st, "layers.0.block_sparse_moe.experts.1.w1.weight_scale\":{\"dtype\":\"F32\",\"shape\":[128,1]",
+		    "layers.0.block_sparse_moe.experts.1.w1.weight_scale\":{\"dtype\":\"F32\",\"shape\":[1,128]");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.block_sparse_moe.experts.1.w1.weight_scale': F32 [1, 128] does not fit fp8 weight 'model.layers.0.block_sparse_moe.experts.1.w1.weight' [128, 64]",
+		   "expected [1] (per tensor), [128, 1] (per output channel)");
+	edit_header(st, "[1,128]", "[128,1]");
+	/* a scale missing */
+	edit_header(st, "experts.1.w1.weight_scale\"", "experts.1.w9.weight_scale\"");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("fp8 tensor 'model.layers.0.block_sparse_moe.experts.1.w1.weight' has no scale 'model.layers.0.block_sparse_moe.experts.1.w1.weight_scale' (quant_method compressed-tensors)");
+	edit_header(st, "experts.1.w9.weight_scale\"", "experts.1.w1.weight_scale\"");
+	mlens_model_close(open_ok(o.dir));
+	/* an fp8 tensor in a module the config ignores */
+	edit(cj, "\"lm_head\",", "\"re:.*w3\",");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("tensor 'model.layers.0.block_sparse_moe.experts.0.w3.weight' is F8_E4M3 but quantization_config keeps module 'model.layers.0.block_sparse_moe.experts.0.w3' unquantized");
+	edit(cj, "\"re:.*w3\",", "\"lm_head\",");
+	/* fp8 tensors without a quantization_config */
+	edit(cj, "\"quantization_config\"", "\"quantization_confiX\"");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("dtype F8_E4M3 differs from the model's BF16");
+	/* methods mlens does not read */
+	ck_assert_int_eq(cfg_parse(", \"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4}", &c), -ENOTSUP);
+	assert_err("t/config.json: quantization_config.quant_method \"gptq\" is not supported");
+	ck_assert_int_eq(cfg_parse(", \"quantization_config\": {\"quant_method\": \"bitsandbytes\"}", &c), -ENOTSUP);
+	assert_err("quant_method \"bitsandbytes\" is not supported");
+	ck_assert_int_eq(cfg_parse(", \"quantization_config\": {\"quant_method\": \"awq\"}", &c), -ENOTSUP);
+	assert_err("quant_method \"awq\"");
+	ck_assert_int_eq(cfg_parse(", \"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"config_groups\": {\"g\": {\"weights\": {\"num_bits\": 4, \"type\": \"int\"}}}}", &c), -ENOTSUP);
+	assert_err("quantization_config group 'g' quantizes weights to 4-bit int; mlens reads only fp8");
+	ck_assert_int_eq(cfg_parse(", \"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [128]}", &c), -EINVAL);
+	assert_err("quantization_config.weight_block_size must be two block sizes");
+	ck_assert_int_eq(cfg_parse(", \"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [128, 64]}", &c), 0);
+	ck_assert_int_eq(c.expert_dtype, MLENS_DTYPE_E4M3);
+	ck_assert_int_eq(c.expert_scale.kind, MLENS_WSCALE_BLOCK);
+	ck_assert_int_eq(c.expert_scale.block_cols, 64);
+}
+END_TEST
+
+/* Block scales whose grid does not match weight_block_size. */
+START_TEST(fp8_block_mismatch)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+
+	o.fp8 = fp8_layouts[1];
+	make(&o);
+	edit(sub("m/config.json"), "32,", "16,");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("F32 [4, 2] does not fit fp8 weight 'model.layers.0.block_sparse_moe.experts.0.w1.weight' [128, 64]",
+		   "or [8, 2] (blocks of 16x48)");
+}
+END_TEST
+
+/* weight_dtype = fp8: every expert matrix of a bf16 model becomes e4m3
+ * with a scale per row, amax / 448, each value within half an e4m3 step
+ * of the original. */
+START_TEST(fp8_quantize_at_load)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct mlens_model *m;
+	const int64_t I = 128, H = 64;
+
+	make(&o);
+	m = open_ok(o.dir);
+	const void *orig = m->layers[1].w1[3];
+	ck_assert_int_eq(mlens_model_quantize_experts(m, err, sizeof(err)), 0);
+	ck_assert_int_eq(m->cfg.expert_dtype, MLENS_DTYPE_E4M3);
+	ck_assert_int_eq(m->cfg.expert_scale.kind, MLENS_WSCALE_CHANNEL);
+	ck_assert_ptr_ne(m->layers[1].w1[3], orig);
+	for (int64_t r = 0; r < I; r++) {
+		float amax = 0, s = m->layers[1].s1[3][r];
+		for (int64_t c = 0; c < H; c++)
+			amax = fmaxf(amax, fabsf(mlens_load(orig, MLENS_DTYPE_BF16, (size_t)(r * H + c))));
+		ck_assert_float_eq(s, amax / 448.0f);
+		for (int64_t c = 0; c < H; c++) {
+			float w = mlens_load(orig, MLENS_DTYPE_BF16, (size_t)(r * H + c));
+			float d = mlens_e4m3_to_f32(((const uint8_t *)m->layers[1].w1[3])[r * H + c]) * s;
+			ck_assert_msg(fabsf(d - w) <= fmaxf(fabsf(w) / 16, s / 1024) * 1.0001f,
+				      "row %lld col %lld: %g quantized to %g", (long long)r, (long long)c, w, d);
+		}
+	}
+	/* w2 is [hidden][inter]: a scale for each of its hidden rows */
+	ck_assert_float_gt(m->layers[0].s2[0][H - 1], 0);
+	mlens_model_close(m);
+}
+END_TEST
+
+/* fp8 experts are Mixtral's only: the other families' shared experts and
+ * dense MLPs would run without scales, so mkmodel will not write them,
+ * weight_dtype fp8 will not quantize them and a checkpoint with a
+ * quantization_config is refused, each naming the architecture. */
+START_TEST(fp8_family_refusals)
+{
+	static const char *const presets[] = { "qwen3-tiny", "qwen2-tiny", "olmoe-tiny" };
+	static const char *const archs[] = { "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+					     "OlmoeForCausalLM" };
+	struct mlens_mkmodel_opts o = family(sub("m"), presets[_i], false);
+	struct mlens_model *m;
+	char want[200];
+
+	o.fp8 = fp8_layouts[0];
+	ck_assert_int_eq(mlens_mkmodel_write(&o, err, sizeof(err)), -EINVAL);
+	snprintf(want, sizeof(want), "fp8 experts are written for Mixtral only; write %s in bf16, fp16 or fp32",
+		 archs[_i]);
+	assert_err(want);
+	o.fp8 = (struct mlens_wscale){ MLENS_WSCALE_NONE, 0, 0 };
+	make(&o);
+	m = open_ok(o.dir);
+	ck_assert_int_eq(mlens_model_quantize_experts(m, err, sizeof(err)), -ENOTSUP);
+	snprintf(want, sizeof(want), "%s experts cannot be quantized to fp8 (mlens quantizes MixtralForCausalLM experts only); set weight_dtype auto",
+		 archs[_i]);
+	assert_err(want);
+	ck_assert_int_eq(m->cfg.expert_dtype, MLENS_DTYPE_F32);
+	ck_assert_uint_eq(mlens_model_quant_bytes(m), 0);
+	mlens_model_close(m);
+	edit(sub("m/config.json"), "\"architectures\"",
+	     "\"quantization_config\": {\"quant_method\": \"fbgemm_fp8\"}, \"architectures\"");
+	ck_assert_int_eq(open_err(o.dir), -ENOTSUP);
+	snprintf(want, sizeof(want), "quantization_config (quant_method fbgemm_fp8) is set; mlens reads fp8 experts of MixtralForCausalLM only, %s weights must be bf16, fp16 or fp32",
+		 archs[_i]);
+	assert_err("m/config.json: ", want);
+}
+END_TEST
+
 static Suite *model_suite(void)
 {
 	Suite *s = suite_create("model");
@@ -1031,6 +1266,9 @@ static Suite *model_suite(void)
 	tcase_add_test(tc, config_variants);
 	tcase_add_test(tc, config_eos);
 	tcase_add_test(tc, file_generation_config);
+	tcase_add_test(tc, fp8_conversions);
+	tcase_add_loop_test(tc, fp8_roundtrip, 0, 2);
+	tcase_add_test(tc, fp8_quantize_at_load);
 	tcase_add_loop_test(tc, family_roundtrip, 0, 6);
 	tcase_add_test(tc, family_configs);
 	suite_add_tcase(s, tc);
@@ -1057,10 +1295,13 @@ static Suite *model_suite(void)
 	tcase_add_test(bad, file_no_weights);
 	tcase_add_test(bad, file_config_errors);
 	tcase_add_test(bad, config_refusals);
+	tcase_add_test(bad, fp8_refusals);
+	tcase_add_test(bad, fp8_block_mismatch);
 	tcase_add_loop_test(bad, config_ranges, 0, (int)(sizeof(ranges) / sizeof(ranges[0])));
 	tcase_add_test(bad, mkmodel_refuses);
 	tcase_add_test(bad, family_bad_files);
 	tcase_add_test(bad, family_refusals);
+	tcase_add_loop_test(bad, fp8_family_refusals, 0, 3);
 	suite_add_tcase(s, bad);
 	return s;
 }

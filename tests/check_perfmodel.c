@@ -23,6 +23,31 @@ static void assert_rel(double got, double want, double tol)
 
 /* ==== accounting ==== */
 
+/* fp8 experts: a byte an element plus their fp32 scales (one a row, or
+ * one a 128 x 128 block), each piece 16-byte aligned as a slot holds it;
+ * attention, router and norms stay bf16. */
+START_TEST(fp8_expert_bytes)
+{
+	struct mlens_model_config c = mlens_test_mixtral_config(32);
+	struct mlens_perf_model bf = mlens_test_mixtral_pm(32), pm;
+	uint64_t H = 4096, I = 14336;
+
+	c.expert_dtype = MLENS_DTYPE_E4M3;
+	c.expert_scale = (struct mlens_wscale){ MLENS_WSCALE_CHANNEL, 0, 0 };
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert(pm.expert_fp8);
+	ck_assert_uint_eq(pm.expert_bytes, 3 * H * I + 2 * I * 4 + H * 4);
+	ck_assert_uint_eq(pm.attn_bytes, bf.attn_bytes);
+	ck_assert_uint_eq(pm.model_bytes, bf.model_bytes - 32 * 8 * (bf.expert_bytes - pm.expert_bytes));
+	c.expert_scale = (struct mlens_wscale){ MLENS_WSCALE_BLOCK, 128, 128 };
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &c, MLENS_DTYPE_BF16), 0);
+	ck_assert_uint_eq(pm.expert_bytes, 3 * H * I + 3 * (112 * 32 * 4));
+	/* a config without fp8 (expert_dtype left 0) keeps its dtype's bytes */
+	ck_assert_uint_eq(bf.expert_bytes, 3 * H * I * 2);
+	ck_assert(!bf.expert_fp8);
+}
+END_TEST
+
 /* A family's resident extras: Qwen2-MoE-A14B's shared expert (and gate)
  * and q/k/v biases are held with the attention, never streamed. */
 START_TEST(family_bytes)
@@ -1066,6 +1091,7 @@ int main(void)
 	int failed;
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, mixtral_bytes);
+	tcase_add_test(tc, fp8_expert_bytes);
 	tcase_add_test(tc, family_bytes);
 	tcase_add_test(tc, config_errors);
 	tcase_add_test(tc, activation_bytes);

@@ -8,6 +8,7 @@
  * its parts what the engine and the CUDA backend allocate for a
  * Mixtral-8x7B-shaped model, a budget of 0 the free memory minus the
  * margin, a KV pool or a gpu_memory too large refused with the numbers.
+ * fp8 experts: their dequantize scratch in both modes.
  * The profile cache's key takes the effective budget. Pure arithmetic:
  * runs without a GPU. */
 #include <check.h>
@@ -550,6 +551,48 @@ START_TEST(plan_gpu_only_parts)
 }
 END_TEST
 
+/* fp8 experts: each MoE stream dequantizes its expert before the GEMMs
+ * (bf16 for fast GEMMs, fp32 for exact ones), one formula for the hybrid
+ * and the GPU-only plan; their streamed bytes are the fp8 experts'. */
+START_TEST(plan_fp8_scratch)
+{
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
+	struct mlens_perf_model bf, f8;
+	struct mlens_gpu_plan gb, g8;
+	const uint64_t H = 4096, I = 14336, S = MLENS_MOE_STREAMS_MAX;
+	uint64_t deq_fast = mlens_moe_fp8_dequant_bytes(H, I, (int)S, MLENS_GEMM_FAST) + 256 * S;
+	uint64_t deq_exact = mlens_moe_fp8_dequant_bytes(H, I, (int)S, MLENS_GEMM_EXACT) + 256 * S;
+
+	ck_assert_uint_eq(deq_fast, S * 3 * H * I * 2 + 256 * S);
+	ck_assert_uint_eq(deq_exact, S * 3 * H * I * 4 + 256 * S);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_FAST, true),
+			  mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_FAST, false) + deq_fast);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_EXACT, true),
+			  mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_EXACT, false) + deq_exact);
+	ck_assert_int_eq(mlens_perf_model_from_config(&bf, &c, MLENS_DTYPE_BF16), 0);
+	c.expert_dtype = MLENS_DTYPE_E4M3;
+	c.expert_scale = (struct mlens_wscale){ MLENS_WSCALE_CHANNEL, 0, 0 };
+	ck_assert_int_eq(mlens_perf_model_from_config(&f8, &c, MLENS_DTYPE_BF16), 0);
+	/* the hybrid plan's op scratch: a MoE chunk of 1024 tokens (2048
+	 * routed rows) and its dequantized experts, in 2 MiB granules */
+	uint64_t moe = mlens_gpu_plan_moe_scratch(2048, H, I, 8, 2, MLENS_GEMM_FAST, true);
+	const uint64_t A = MLENS_GPU_PLAN_SCRATCH_ALIGN;
+	ck_assert_uint_eq(mlens_gpu_plan_scratch_bytes(&f8, 4096, 2048, 1024, MLENS_GEMM_FAST),
+			  (moe + A - 1) / A * A);
+	ck_assert_uint_gt(mlens_gpu_plan_scratch_bytes(&f8, 4096, 2048, 1024, MLENS_GEMM_FAST),
+			  mlens_gpu_plan_scratch_bytes(&bf, 4096, 2048, 1024, MLENS_GEMM_FAST) + deq_fast - A);
+	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&f8, 2), 6 * f8.expert_bytes);
+	ck_assert_uint_lt(mlens_gpu_plan_streamed_bytes(&f8, 2), mlens_gpu_plan_streamed_bytes(&bf, 2));
+	/* GPU-only mode's workspace */
+	ck_assert_int_eq(gpu_only(&gb, &c, 0, 4 * GIB, 4096, MLENS_GEMM_FAST, 200 * GIB, 0, 0), 0);
+	c.expert_dtype = MLENS_DTYPE_BF16;
+	c.expert_scale.kind = MLENS_WSCALE_NONE;
+	ck_assert_int_eq(gpu_only(&g8, &c, 0, 4 * GIB, 4096, MLENS_GEMM_FAST, 200 * GIB, 0, 0), 0);
+	ck_assert_uint_ge(gb.workspace, g8.workspace + deq_fast);
+	ck_assert_uint_lt(gb.resident, g8.resident);
+}
+END_TEST
+
 /* The numbers of the 32-layer shape as the GPU-only plan gave them before
  * it joined the hybrid one. */
 START_TEST(plan_gpu_only_unchanged)
@@ -720,6 +763,7 @@ int main(void)
 	tcase_add_test(t, plan_gpu_only_all_resident);
 	tcase_add_test(t, plan_gpu_only_parts);
 	tcase_add_test(t, plan_gpu_only_unchanged);
+	tcase_add_test(t, plan_fp8_scratch);
 	tcase_add_test(t, plan_gpu_only_small_context_small_scratch);
 	tcase_add_test(t, plan_gpu_only_exact_gemm);
 	tcase_add_test(t, plan_gpu_only_one_long_query);

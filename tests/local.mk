@@ -79,6 +79,6 @@ tests_integration_tclient_LDADD = client/libmlens.la
 tests_integration_rawclient_SOURCES = tests/integration/rawclient.c
 tests_integration_rawclient_LDADD = shm/libmlens_shm.la
 dist_check_SCRIPTS += tests/integration/tenants.sh tests/integration/rings.sh tests/integration/limits.sh \
-	tests/integration/startup_refusals.sh tests/integration/families.sh
+	tests/integration/startup_refusals.sh tests/integration/fp8.sh tests/integration/families.sh
 TESTS += tests/integration/tenants.sh tests/integration/rings.sh tests/integration/limits.sh \
-	tests/integration/startup_refusals.sh tests/integration/families.sh
+	tests/integration/startup_refusals.sh tests/integration/fp8.sh tests/integration/families.sh

@@ -24,12 +24,13 @@ EXTRA_DIST += tests/fuzz/corpus
 FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
 	$(top_srcdir)/daemon/model/safetensors.c $(top_srcdir)/daemon/model/model.c $(top_srcdir)/daemon/errf.c \
 	$(top_srcdir)/daemon/model/family.c $(top_srcdir)/daemon/model/family_dbrx.c \
+	$(top_srcdir)/daemon/model/quant.c \
 	$(top_srcdir)/daemon/infile.c
 if HAVE_CLANG
 tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model/model.h \
 		$(top_srcdir)/daemon/model/family.h \
 		$(top_srcdir)/daemon/model/safetensors.h $(top_srcdir)/daemon/model/model_int.h $(top_srcdir)/daemon/errf.h \
-		$(top_srcdir)/daemon/infile.h
+		$(top_srcdir)/daemon/model/quant.h $(top_srcdir)/daemon/infile.h
 	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
 	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 		-include $(top_builddir)/config.h -I$(top_srcdir) $(JANSSON_CFLAGS) \

@@ -8,6 +8,10 @@
 void mlens_layer_desc_init(struct mlens_layer_desc *d, const struct mlens_model_config *c)
 {
 	d->dtype = c->dtype;
+	/* a config built by hand leaves expert_dtype 0: experts in dtype */
+	d->expert_dtype = c->expert_dtype == MLENS_DTYPE_E4M3 ? MLENS_DTYPE_E4M3 : c->dtype;
+	d->expert_scale = c->expert_dtype == MLENS_DTYPE_E4M3 ? c->expert_scale :
+				(struct mlens_wscale){ MLENS_WSCALE_NONE, 0, 0 };
 	d->hidden = (int)c->hidden_size;
 	d->n_heads = (int)c->num_attention_heads;
 	d->n_kv_heads = (int)c->num_key_value_heads;
@@ -67,6 +71,7 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 		     const struct mlens_layer_placer *pl)
 {
 	size_t ih = mlens_layer_expert_bytes(d);
+	size_t s13 = mlens_layer_scale_bytes(d, false), s2 = mlens_layer_scale_bytes(d, true);
 	int rc = 0;
 
 	b->attn_norm = put(pl, w->attn_norm, &rc);
@@ -88,19 +93,31 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	b->mlp_gate = put_opt(pl, w->mlp_gate, &rc);
 	b->mlp = (struct mlens_moe_weights){ .n_experts = w->mlp_w1 ? 1 : 0, .hidden = d->hidden,
 		.inter = (int)w->mlp_inter, .dtype = d->dtype, .w1 = &b->mlp_w[0],
-		.w2 = &b->mlp_w[1], .w3 = &b->mlp_w[2] };
+		.w2 = &b->mlp_w[1], .w3 = &b->mlp_w[2], .model_dtype = d->dtype };
 	b->w1 = calloc((size_t)d->n_experts, sizeof(void *));
 	b->w2 = calloc((size_t)d->n_experts, sizeof(void *));
 	b->w3 = calloc((size_t)d->n_experts, sizeof(void *));
-	if (!b->w1 || !b->w2 || !b->w3)
+	b->s1 = calloc((size_t)d->n_experts, sizeof(void *));
+	b->s2 = calloc((size_t)d->n_experts, sizeof(void *));
+	b->s3 = calloc((size_t)d->n_experts, sizeof(void *));
+	if (!b->w1 || !b->w2 || !b->w3 || !b->s1 || !b->s2 || !b->s3)
 		return -ENOMEM;
 	for (int x = 0; x < experts && w->router && !rc; x++) {
 		b->w1[x] = pl->place(pl->arg, w->w1[x], ih, &rc);
 		b->w2[x] = pl->place(pl->arg, w->w2[x], ih, &rc);
 		b->w3[x] = pl->place(pl->arg, w->w3[x], ih, &rc);
+		if (s13 && !rc && (!w->s1 || !w->s1[x] || !w->s2[x] || !w->s3[x]))
+			rc = -EINVAL;	/* fp8 experts without scales */
+		if (s13) {
+			b->s1[x] = pl->place(pl->arg, w->s1[x], s13, &rc);
+			b->s2[x] = pl->place(pl->arg, w->s2[x], s2, &rc);
+			b->s3[x] = pl->place(pl->arg, w->s3[x], s13, &rc);
+		}
 	}
 	b->moe = (struct mlens_moe_weights){ .n_experts = d->n_experts, .hidden = d->hidden,
-		.inter = d->inter, .dtype = d->dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3,
+		.inter = d->inter, .dtype = d->expert_dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3,
+		.scale = d->expert_scale, .s1 = b->s1, .s2 = b->s2, .s3 = b->s3,
+		.model_dtype = d->dtype,
 		.w2_transposed = d->w2_transposed };
 	return rc;
 }
@@ -110,6 +127,7 @@ void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_we
 			const struct mlens_layer_placer *pl)
 {
 	size_t ih = mlens_layer_expert_bytes(d);
+	size_t s13 = mlens_layer_scale_bytes(d, false), s2 = mlens_layer_scale_bytes(d, true);
 
 	pl->unplace(pl->arg, b->attn_norm, w->attn_norm->nbytes);
 	pl->unplace(pl->arg, b->wq, w->wq->nbytes);
@@ -133,10 +151,19 @@ void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_we
 		pl->unplace(pl->arg, b->w2[x], ih);
 		pl->unplace(pl->arg, b->w3[x], ih);
 	}
+	for (int x = 0; s13 && x < experts && b->s1 && b->s2 && b->s3; x++) {
+		pl->unplace(pl->arg, b->s1[x], s13);
+		pl->unplace(pl->arg, b->s2[x], s2);
+		pl->unplace(pl->arg, b->s3[x], s13);
+	}
 	free(b->w1);
 	free(b->w2);
 	free(b->w3);
+	free(b->s1);
+	free(b->s2);
+	free(b->s3);
 	b->w1 = b->w2 = b->w3 = NULL;
+	b->s1 = b->s2 = b->s3 = NULL;
 }
 
 int mlens_ends_bind(struct mlens_ends_bound *b, const struct mlens_model *m,

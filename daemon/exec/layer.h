@@ -26,6 +26,8 @@
  * experts). A shard's desc has its own head counts. */
 struct mlens_layer_desc {
 	enum mlens_dtype dtype;	/* the weights' */
+	enum mlens_dtype expert_dtype;	/* the experts' (fp8: scales as expert_scale) */
+	struct mlens_wscale expert_scale;
 	int hidden;
 	int n_heads, n_kv_heads, head_dim;
 	int n_experts, top_k, inter;
@@ -57,7 +59,17 @@ static inline int mlens_layer_kvdim(const struct mlens_layer_desc *d)
 /* Bytes of one expert matrix (w1, w2 or w3). */
 static inline size_t mlens_layer_expert_bytes(const struct mlens_layer_desc *d)
 {
-	return (size_t)d->inter * (size_t)d->hidden * mlens_dtype_size(d->dtype);
+	return (size_t)d->inter * (size_t)d->hidden * mlens_dtype_size(d->expert_dtype);
+}
+
+/* Bytes of the fp32 scales of an fp8 expert matrix: w2 (down) has hidden
+ * rows, w1 and w3 inter; 0 for experts that are not fp8. */
+static inline size_t mlens_layer_scale_bytes(const struct mlens_layer_desc *d, bool down)
+{
+	if (d->expert_dtype != MLENS_DTYPE_E4M3)
+		return 0;
+	return mlens_wscale_count(&d->expert_scale, down ? d->hidden : d->inter,
+				  down ? d->inter : d->hidden) * sizeof(float);
 }
 
 /* ==== weights as the backend sees them ==== */
@@ -66,7 +78,8 @@ struct mlens_layer_bound {
 	const void *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm;
 	const void *router;		/* NULL: a dense layer, no routed experts */
 	const void **w1, **w2, **w3;	/* [n_experts] */
-	struct mlens_moe_weights moe;	/* over w1, w2, w3 */
+	const float **s1, **s2, **s3;	/* [n_experts]: fp8 experts' scales */
+	struct mlens_moe_weights moe;	/* over w1, w2, w3 (and s1, s2, s3) */
 	/* family extras, NULL where absent (struct mlens_layer_weights) */
 	const void *q_norm, *k_norm, *bq, *bk, *bv, *bo;
 	/* the one SwiGLU beside the experts (a dense layer's MLP, a shared
@@ -95,8 +108,9 @@ static inline struct mlens_layer_placer mlens_layer_placer_backend(struct mlens_
 	return p;
 }
 
-/* Place w's norms, attention and router, and experts [0, experts) (the
- * rest stay NULL for the caller to point at, a streamed slot); b->moe set.
+/* Place w's norms, attention and router, and experts [0, experts) with
+ * their scales when fp8 (the rest stay NULL for the caller to point at, a
+ * streamed slot); b->moe set.
  * 0 or -errno; a half-bound b is undone by mlens_layer_unbind with the same
  * arguments. */
 int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,

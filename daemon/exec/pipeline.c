@@ -22,6 +22,7 @@
 #include "daemon/exec/pipeline.h"
 #include "daemon/exec/pipeprog.h"
 #include "daemon/exec/step.h"
+#include "daemon/model/quant.h"
 #include "daemon/ops/trace.h"
 
 struct pl_layer {
@@ -323,6 +324,7 @@ static int register_stream(struct mlens_pipeline *p)
 struct stream_src {
 	const void *host;
 	const void **dst;	/* the layer's pointer to fill */
+	size_t bytes;
 };
 
 static int cmp_src(const void *a, const void *b)
@@ -332,14 +334,19 @@ static int cmp_src(const void *a, const void *b)
 }
 
 /* Streamed experts of layer l: placed in its slot in host-address order,
- * so that a layer stored contiguously moves as few large pieces. */
+ * so that a layer stored contiguously moves as few large pieces. fp8
+ * experts bring their scales, every piece at an aligned offset
+ * (mlens_model_expert_bytes counts the slot so). */
 static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece)
 {
 	const struct mlens_layer_weights *w = &p->m->layers[l];
 	struct pl_layer *b = &p->layers[l];
-	int E = (int)p->cfg.num_local_experts, r = p->plan.resident_experts, n = 3 * (E - r);
-	size_t ih = (size_t)p->cfg.intermediate_size * p->cfg.hidden_size *
-		    mlens_dtype_size(p->cfg.dtype);
+	const bool fp8 = p->desc.expert_dtype == MLENS_DTYPE_E4M3;
+	int E = (int)p->cfg.num_local_experts, r = p->plan.resident_experts;
+	int n = (fp8 ? 6 : 3) * (E - r);
+	size_t ih = mlens_layer_expert_bytes(&p->desc);
+	size_t s13 = mlens_layer_scale_bytes(&p->desc, false), s2 = mlens_layer_scale_bytes(&p->desc, true);
+	uint64_t off = 0;
 	struct stream_src *s;
 	struct mlens_pipe_src *src;
 	char *base = p->slot[l % 2];
@@ -347,6 +354,8 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 
 	if (n <= 0 || !w->router)
 		return 0;	/* all resident, or a dense layer: nothing streams */
+	if (fp8 && (!w->s1 || !w->s2 || !w->s3))
+		return -EINVAL;	/* fp8 experts without scales */
 	s = calloc((size_t)n, sizeof(*s));
 	src = calloc((size_t)n, sizeof(*src));
 	if (!s || !src) {
@@ -354,19 +363,22 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 		goto out;
 	}
 	for (int x = r, k = 0; x < E; x++) {
-		s[k].host = w->w1[x];
-		s[k++].dst = &b->w.w1[x];
-		s[k].host = w->w2[x];
-		s[k++].dst = &b->w.w2[x];
-		s[k].host = w->w3[x];
-		s[k++].dst = &b->w.w3[x];
+		s[k++] = (struct stream_src){ w->w1[x], &b->w.w1[x], ih };
+		s[k++] = (struct stream_src){ w->w2[x], &b->w.w2[x], ih };
+		s[k++] = (struct stream_src){ w->w3[x], &b->w.w3[x], ih };
+		if (!fp8)
+			continue;
+		s[k++] = (struct stream_src){ w->s1[x], (const void **)&b->w.s1[x], s13 };
+		s[k++] = (struct stream_src){ w->s2[x], (const void **)&b->w.s2[x], s2 };
+		s[k++] = (struct stream_src){ w->s3[x], (const void **)&b->w.s3[x], s13 };
 	}
 	qsort(s, (size_t)n, sizeof(*s), cmp_src);
 	for (int k = 0; k < n; k++) {
 		src[k].host = s[k].host;
-		src[k].dst_off = (uint64_t)k * ih;
-		src[k].bytes = ih;
-		*s[k].dst = base + (size_t)k * ih;
+		src[k].dst_off = off;
+		src[k].bytes = s[k].bytes;
+		*s[k].dst = base + off;
+		off += fp8 ? mlens_quant_piece(s[k].bytes) : s[k].bytes;
 	}
 	b->n_pieces = mlens_pipe_pieces(src, n, piece, NULL, 0);
 	b->pieces = calloc((size_t)b->n_pieces, sizeof(*b->pieces));

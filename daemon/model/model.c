@@ -21,6 +21,7 @@
 #include "daemon/model/family.h"
 #include "daemon/model/model.h"
 #include "daemon/model/model_int.h"
+#include "daemon/model/quant.h"
 #include "daemon/model/safetensors.h"
 
 #define CONFIG_MAX_BYTES (16u << 20)
@@ -351,12 +352,6 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 		rc = -ENOTSUP;
 		goto out;
 	}
-	if (json_object_get(root, "quantization_config")) {
-		mlens_errf(err, errlen, "%s: quantization_config is set; mlens reads unquantized bf16, fp16 or fp32 weights",
-		     path);
-		rc = -ENOTSUP;
-		goto out;
-	}
 	/* The bounds keep every product of dimensions (e.g. E * 2I * H)
 	 * far inside int64_t, so shape arithmetic below cannot overflow. */
 	if ((rc = mlens_cfg_int(&c, root, "vocab_size", true, 0, 1, 1 << 24, &cfg->vocab_size)) ||
@@ -395,7 +390,9 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	}
 	if ((rc = mlens_cfg_rope(&c, root, 1e6, cfg)) ||
 	    (rc = mlens_cfg_real(&c, root, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)) ||
-	    (rc = mlens_cfg_dtype_eos(&c, root, cfg)))
+	    (rc = mlens_cfg_dtype_eos(&c, root, cfg)) ||
+	    (rc = mlens_quant_parse_config(json_object_get(root, "quantization_config"), path, cfg,
+					   err, errlen)))
 		goto out;
 	v = json_object_get(root, "tie_word_embeddings");
 	if (v && !json_is_boolean(v)) {
@@ -407,6 +404,14 @@ int mlens_model_parse_config(const char *json, size_t len, const char *path,
 	/* the family's own keys: experts, MLP sizes, q/k norms, biases */
 	if ((rc = cfg->family->parse(&c, root, cfg)))
 		goto out;
+	if (cfg->quant_method[0] && strcmp(cfg->architecture, "MixtralForCausalLM")) {
+		/* fp8 scales are bound for Mixtral's expert names only, and a
+		 * shared expert or dense MLP would have none */
+		mlens_errf(err, errlen, "%s: quantization_config (quant_method %s) is set; mlens reads fp8 experts of MixtralForCausalLM only, %s weights must be bf16, fp16 or fp32",
+			   path, cfg->quant_method, cfg->architecture);
+		rc = -ENOTSUP;
+		goto out;
+	}
 	rc = 0;
 out:
 	json_decref(root);
@@ -794,6 +799,8 @@ static int bind_weights(struct mlens_model *m, char *err, size_t errlen)
 	rc = b.rc;
 	if (rc)
 		goto out;
+	if (!b.missing && (rc = mlens_quant_bind(m, b.used, err, errlen)))
+		goto out;
 	if (b.missing) {
 		mlens_errf(err, errlen, "%s: tensor '%s' is missing (%d expected tensor%s missing in all; config.json: %" PRId64 " layers, %" PRId64 " experts%s)",
 		     m->dir, b.first_missing, b.missing, b.missing == 1 ? " is" : "s are", L, E,
@@ -832,6 +839,7 @@ void mlens_model_close(struct mlens_model *m)
 		free(m->tensors[i].name);
 	free(m->files);
 	free(m->tensors);
+	mlens_quant_free(m);
 	free(m->layers);
 	free(m->expert_table);
 	free(m->views);
@@ -940,12 +948,17 @@ int mlens_model_open(const char *dir, struct mlens_model **out, char *err, size_
 	}
 	if (sharded && (rc = check_index(m, &ix, ipath, err, errlen)))
 		goto out;
-	if (!m->cfg.dtype_given && m->n_tensors)
-		m->cfg.dtype = m->tensors[0].dtype;
+	for (int i = 0; !m->cfg.dtype_given && i < m->n_tensors; i++)
+		if (!mlens_quant_tensor_exempt(&m->cfg, &m->tensors[i])) {
+			m->cfg.dtype = m->tensors[i].dtype;
+			break;
+		}
+	if (!m->cfg.quant_method[0])
+		m->cfg.expert_dtype = m->cfg.dtype;
 	for (int i = 0; i < m->n_tensors; i++) {
 		const struct mlens_tensor *t = &m->tensors[i];
 
-		if (t->dtype != m->cfg.dtype) {
+		if (t->dtype != m->cfg.dtype && !mlens_quant_tensor_exempt(&m->cfg, t)) {
 			mlens_errf(err, errlen, "%s: tensor '%s': dtype %s differs from the model's %s (%s)",
 			     m->files[t->file].path, t->name, mlens_dtype_name(t->dtype),
 			     mlens_dtype_name(m->cfg.dtype),

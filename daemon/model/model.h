@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "kernels/dtype.h"
+#include "kernels/wscale.h"
 
 #define MLENS_MODEL_MAX_DIMS 4
 #define MLENS_MODEL_MAX_EOS 8	/* EOS token ids a model may name */
@@ -50,6 +51,12 @@ struct mlens_model_config {
 	enum mlens_dtype dtype;	/* dtype of the weights (all tensors agree) */
 	bool dtype_given;	/* config.json named it (torch_dtype or dtype);
 				 * otherwise the loader takes the files' dtype */
+	/* The expert matrices' dtype: dtype, or MLENS_DTYPE_E4M3 with scales
+	 * laid out as expert_scale says (an fp8 checkpoint's
+	 * quantization_config, or experts quantized at load: quant.h) */
+	enum mlens_dtype expert_dtype;
+	struct mlens_wscale expert_scale;
+	char quant_method[32];	/* quantization_config's, "" without one */
 	/* eos_token_id (an id or a list) of generation_config.json where it
 	 * gives one, else of config.json: generation stops at these */
 	int32_t eos[MLENS_MODEL_MAX_EOS];
@@ -106,6 +113,10 @@ struct mlens_layer_weights {
 	const void **w1;
 	const void **w2;
 	const void **w3;
+	/* fp8 experts: each matrix's fp32 scales (cfg.expert_scale), else NULL */
+	const float **s1;
+	const float **s2;
+	const float **s3;
 };
 
 struct mlens_model_file {
@@ -128,6 +139,7 @@ struct mlens_model {
 	struct mlens_layer_weights *layers;	/* num_hidden_layers */
 	size_t weight_bytes;			/* sum of tensor bytes */
 	const void **expert_table;		/* owns every layer's w1/w2/w3 arrays */
+	struct mlens_quant *quant;		/* fp8 scales and dequantized tensors */
 	/* Row slices of fused tensors, bound like tensors (DBRX's Wqkv as wq,
 	 * wk, wv): data, file and offset point into the fused tensor's bytes,
 	 * the name is the fused tensor's (not owned). */

@@ -20,6 +20,8 @@ int mlens_safetensors_dtype(const char *s, enum mlens_dtype *out)
 		*out = MLENS_DTYPE_F16;
 	else if (!strcmp(s, "BF16"))
 		*out = MLENS_DTYPE_BF16;
+	else if (!strcmp(s, "F8_E4M3"))
+		*out = MLENS_DTYPE_E4M3;
 	else
 		return -1;
 	return 0;
@@ -87,7 +89,7 @@ static int parse_entry(const char *file, const char *tname, json_t *v,
 		return -EINVAL;
 	}
 	if (mlens_safetensors_dtype(json_string_value(jd), &t->dtype)) {
-		mlens_errf(err, errlen, "%s: tensor '%s': dtype %.32s is not supported (mlens reads F32, F16 and BF16)",
+		mlens_errf(err, errlen, "%s: tensor '%s': dtype %.32s is not supported (mlens reads F32, F16, BF16 and F8_E4M3)",
 		     file, tname, json_string_value(jd));
 		return -EINVAL;
 	}

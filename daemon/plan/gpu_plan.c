@@ -160,7 +160,7 @@ int64_t mlens_gpu_plan_group_rows(int64_t n, int64_t group)
 }
 
 uint64_t mlens_gpu_plan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
-				   enum mlens_gemm_mode gemm)
+				   enum mlens_gemm_mode gemm, bool fp8)
 {
 	uint64_t parts = mlens_gpu_plan_gemm_parts(gemm, es);
 	bool half = mlens_moe_half_gu(gemm, (size_t)es);
@@ -174,7 +174,12 @@ uint64_t mlens_gpu_plan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint6
 	moe = sat_add(moe, 2 * sat_add(align256(sat_mul(sat_mul(gu, I), half ? es : 4)), slack));
 	if (!half)
 		moe = sat_add(moe, sat_add(align256(sat_mul(sat_mul(sat_mul(gu, I), es), parts)), slack));
-	return sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
+	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
+	if (fp8)	/* each MoE stream's expert dequantized */
+		moe = sat_add(moe, mlens_moe_fp8_dequant_bytes(H, I, MLENS_MOE_STREAMS_MAX,
+							       es == 4 ? MLENS_GEMM_EXACT : gemm) +
+				   256 * MLENS_MOE_STREAMS_MAX);
+	return moe;
 }
 
 uint64_t mlens_gpu_plan_scratch_bytes(const struct mlens_perf_model *pm, int64_t n, int64_t group,
@@ -199,7 +204,7 @@ uint64_t mlens_gpu_plan_scratch_bytes(const struct mlens_perf_model *pm, int64_t
 	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
 	rows = sat_mul(c, K);
 	I = mlens_gpu_plan_moe_width(I, K, (uint64_t)pm->mlp_inter);
-	moe = mlens_gpu_plan_moe_scratch(rows, H, I, E, es, gemm);
+	moe = mlens_gpu_plan_moe_scratch(rows, H, I, E, es, gemm, pm->expert_fp8);
 	s = conv > moe ? conv : moe;
 	if (s < widen)
 		s = widen;
@@ -461,7 +466,7 @@ static int plan_gpu_only(const struct mlens_perf_model *pm, const struct mlens_g
 
 	/* One scratch area serves every op, so it is the largest single need. */
 	moe = mlens_gpu_plan_moe_scratch(rows, H, mlens_gpu_plan_moe_width(I, K, (uint64_t)pm->mlp_inter),
-					 E, es, in->gemm);
+					 E, es, in->gemm, pm->expert_fp8);
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */

@@ -199,10 +199,12 @@ static inline uint64_t mlens_gpu_plan_moe_width(uint64_t I, uint64_t K, uint64_t
  * rows at most (in the weight dtype with silu(g)u over g where
  * mlens_moe_half_gu, else fp32 and silu(g)u of its own in the weight
  * dtype, in parts; sliced between the MoE streams, each slice aligned),
- * the experts' outputs in fp32; each area 256-byte aligned. An upper
- * bound for any number of MoE streams. */
+ * the experts' outputs in fp32; each area 256-byte aligned; with fp8
+ * experts (fp8) each MoE stream's expert dequantized
+ * (mlens_moe_fp8_dequant_bytes). An upper bound for any number of MoE
+ * streams. */
 uint64_t mlens_gpu_plan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
-				   enum mlens_gemm_mode gemm);
+				   enum mlens_gemm_mode gemm, bool fp8);
 /* The backend's op scratch for such a step, which the pipeline reserves
  * (backend op scratch_reserve): the largest one op takes (a group's rows
  * rounded to the weight dtype for a GEMM, a MoE chunk's gathered rows and

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/errf.h"
+#include "daemon/model/quant.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "daemon/plan/shard.h"
@@ -58,6 +59,7 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 	pm->top_k = c->num_experts_per_tok;
 	pm->vocab = c->vocab_size;
 	pm->wbytes = (int64_t)mlens_dtype_size(c->dtype);
+	pm->expert_fp8 = c->expert_dtype == MLENS_DTYPE_E4M3;
 	pm->kvbytes = (int64_t)mlens_dtype_size(kv_dtype);
 	pm->abytes = 4;	/* the engine keeps activations in f32 */
 	pm->tied = c->tie_word_embeddings;
@@ -76,6 +78,8 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 		return -EOVERFLOW;
 	if (!mul3(2, H, wb, &pm->norm_bytes) || !mul3(E, H, wb, &pm->router_bytes) ||
 	    !mul3(3, H, I, &t) || !mul_ok(t, wb, &pm->expert_bytes) ||
+	    /* fp8 experts: a byte an element and their scales */
+	    !(pm->expert_bytes = mlens_model_expert_bytes(c)) ||
 	    !mul_ok(pm->expert_bytes, E, &pm->layer_expert_bytes))
 		return -EOVERFLOW;
 	/* family extras: q/k norms, biases, the wider of a shared expert (and

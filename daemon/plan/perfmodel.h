@@ -117,6 +117,7 @@
 struct mlens_perf_model {
 	int64_t hidden, inter, layers, heads, kv_heads, head_dim, experts, top_k, vocab;
 	int64_t wbytes;		/* bytes per weight element */
+	bool expert_fp8;	/* experts in fp8 e4m3 (expert_bytes counts their scales) */
 	int64_t kvbytes;	/* bytes per KV element (pool dtype) */
 	int64_t abytes;		/* bytes per activation element on the GPU (f32),
 				 * also of the q,k,v and attention-output copies */

@@ -55,6 +55,10 @@ struct layer {
 	int64_t n;		/* rows allocated */
 	int qd, kvd;
 	int64_t group, moe_chunk;	/* struct mlens_profile_opts */
+	const void *gemm_w;	/* the timed GEMM's weight: expert 0's w1, or (fp8
+				 * experts) a dequantized copy of it, placed */
+	bool gemm_own;		/* gemm_w is that copy */
+	void *gemm_host;	/* its host copy when the backend reads it there */
 };
 
 static void *act(struct layer *L, size_t bytes, int *rc)
@@ -76,7 +80,41 @@ static void layer_free(struct layer *L)
 			L->be->ops->free(L->be->ctx, acts[i]);
 	if (L->bound)
 		mlens_layer_unbind(&L->b, L->w, &L->d, L->d.n_experts, &L->pl);
+	if (L->gemm_own)
+		L->pl.unplace(L->pl.arg, L->gemm_w, 0);
+	free(L->gemm_host);
 	free(L->pos);
+}
+
+/* The timed GEMM's weight in the model's dtype: fp8 experts' w1 of
+ * expert 0 dequantized (the GEMM op takes no scales). */
+static const void *gemm_weight(struct layer *L, int *rc)
+{
+	const struct mlens_model_config *c = L->c;
+	int64_t I = c->intermediate_size, H = c->hidden_size;
+	size_t bytes = (size_t)(I * H) * mlens_dtype_size(c->dtype);
+	const void *p;
+	void *h;
+
+	if (*rc || L->d.expert_dtype != MLENS_DTYPE_E4M3)
+		return *rc ? NULL : L->b.w1[0];
+	if (!(h = malloc(bytes))) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	for (int64_t r = 0; r < I; r++)
+		for (int64_t k = 0; k < H; k++)
+			mlens_store(h, c->dtype, (size_t)(r * H + k),
+				    mlens_load(L->w->w1[0], MLENS_DTYPE_E4M3, (size_t)(r * H + k)) *
+					    mlens_wscale_at(&L->d.expert_scale, L->w->s1[0], r, k, H));
+	p = L->pl.place(L->pl.arg, h, bytes, rc);
+	L->gemm_own = p != NULL;
+	/* a host-memory backend reads the host copy itself: keep it */
+	if (p == h)
+		L->gemm_host = h;
+	else
+		free(h);
+	return p;
 }
 
 /* Random rows [n][cols] into backend memory dst. */
@@ -129,6 +167,7 @@ static int layer_init(struct layer *L, const struct mlens_model *m, struct mlens
 	L->rlog = act(L, (size_t)n * E * 4, &rc);
 	L->rw = act(L, (size_t)n * K * 4, &rc);
 	L->rid = act(L, (size_t)n * K * 4, &rc);
+	L->gemm_w = gemm_weight(L, &rc);
 	if (rc)
 		return rc;
 	for (int64_t i = 0; i < n; i++)
@@ -178,7 +217,7 @@ static int run_one(struct layer *L, enum which w, int n)
 	case W_GA: return run_grouped(L, n, run_ga_rows);
 	case W_GB: return run_grouped(L, n, run_gb_rows);
 	case W_GEMM:
-		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->b.w1[0], c->dtype, n, (int)c->hidden_size,
+		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->gemm_w, c->dtype, n, (int)c->hidden_size,
 					(int)c->intermediate_size, false);
 	}
 	return -EINVAL;

@@ -15,7 +15,7 @@
 enum {
 	OPT_LAYERS = 256, OPT_DTYPE, OPT_SEED, OPT_SHARDS, OPT_VOCAB, OPT_HIDDEN,
 	OPT_INTER, OPT_HEADS, OPT_KV, OPT_HEAD_DIM, OPT_EXPERTS, OPT_TOPK,
-	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED, OPT_EOS, OPT_TOKENIZER,
+	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED, OPT_EOS, OPT_TOKENIZER, OPT_FP8_SCALES,
 };
 
 static const struct option longopts[] = {
@@ -39,6 +39,7 @@ static const struct option longopts[] = {
 	{ "fused-experts", no_argument, NULL, OPT_FUSED },
 	{ "eos-token-id", required_argument, NULL, OPT_EOS },
 	{ "tokenizer", no_argument, NULL, OPT_TOKENIZER },
+	{ "fp8-scales", required_argument, NULL, OPT_FP8_SCALES },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
 };
@@ -46,7 +47,8 @@ static const struct option longopts[] = {
 static void usage(FILE *f)
 {
 	fputs("usage: mlens-mkmodel -o DIR [--preset NAME] [--layers N]\n"
-	      "                     [--dtype bf16|fp16|fp32] [--seed N] [--shards N]\n"
+	      "                     [--dtype bf16|fp16|fp32|fp8] [--fp8-scales channel|block[:RxC]]\n"
+	      "                     [--seed N] [--shards N]\n"
 	      "                     [--vocab N] [--hidden N] [--intermediate N] [--heads N]\n"
 	      "                     [--kv-heads N] [--head-dim N] [--experts N] [--top-k N]\n"
 	      "                     [--rope-theta X] [--max-pos N] [--tie] [--fused-experts]\n"
@@ -127,7 +129,7 @@ int main(int argc, char **argv)
 	int64_t dims[OPT_FUSED + 1];
 	bool set[OPT_FUSED + 1] = { false };
 	struct mlens_mkmodel_opts o = { .seed = 0, .shards = 1 };
-	const char *preset = "tiny", *dtype = NULL, *theta = NULL, *eos = NULL;
+	const char *preset = "tiny", *dtype = NULL, *theta = NULL, *eos = NULL, *scales = NULL;
 	char err[1024];
 	int c, rc;
 
@@ -155,6 +157,9 @@ int main(int argc, char **argv)
 			break;
 		case OPT_TOKENIZER:
 			o.tokenizer = true;
+			break;
+		case OPT_FP8_SCALES:
+			scales = optarg;
 			break;
 		case OPT_TIE:
 		case OPT_FUSED:
@@ -197,8 +202,22 @@ int main(int argc, char **argv)
 			o.cfg.dtype = MLENS_DTYPE_F16;
 		else if (!strcmp(dtype, "fp32"))
 			o.cfg.dtype = MLENS_DTYPE_F32;
+		else if (!strcmp(dtype, "fp8"))
+			o.fp8.kind = MLENS_WSCALE_CHANNEL;	/* experts; the rest bf16 */
 		else
-			return bad("unknown --dtype '%s' (choose bf16, fp16 or fp32)", dtype);
+			return bad("unknown --dtype '%s' (choose bf16, fp16, fp32 or fp8)", dtype);
+	}
+	if (scales) {
+		int br = 128, bc = 128, end = 0;
+
+		if (o.fp8.kind == MLENS_WSCALE_NONE)
+			return bad("--fp8-scales needs --dtype fp8");
+		if (!strcmp(scales, "block") ||
+		    (sscanf(scales, "block:%dx%d%n", &br, &bc, &end) == 2 && !scales[end] && br > 0 &&
+		     bc > 0 && br <= 65536 && bc <= 65536))
+			o.fp8 = (struct mlens_wscale){ MLENS_WSCALE_BLOCK, br, bc };
+		else if (strcmp(scales, "channel"))
+			return bad("unknown --fp8-scales '%s' (choose channel, block or block:RxC)", scales);
 	}
 	if (theta) {
 		char *end;

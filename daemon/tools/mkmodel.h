@@ -17,6 +17,10 @@ struct mlens_mkmodel_opts {
 	int shards;			/* <= 1: one model.safetensors */
 	bool fused_experts;		/* transformers-5 fused gate_up_proj/down_proj */
 	bool tokenizer;			/* also a byte-level tokenizer and a chat template */
+	/* fp8 experts (cfg.dtype for the rest): kind NONE none; CHANNEL the
+	 * compressed-tensors layout (weight_scale [rows, 1]); BLOCK the "fp8"
+	 * method's (weight_scale_inv per block_rows x block_cols block) */
+	struct mlens_wscale fp8;
 };
 
 /* Tokens the test tokenizer uses (ids 0 .. this - 1); the model's

@@ -15,6 +15,7 @@
 #include "daemon/tools/mkmodel.h"
 #include "daemon/model/family.h"
 #include "daemon/model/model_int.h"
+#include "daemon/model/quant.h"
 #include "kernels/cpu/pool.h"
 
 #define CHUNK_ELEMS 65536
@@ -215,14 +216,17 @@ float mlens_mkmodel_value(uint64_t seed, const char *name, uint64_t i)
 
 /* ==== the tensor list ==== */
 
-enum part_kind { PART_PLAIN, PART_GATE_UP, PART_DOWN };
+/* PART_FP8: an expert matrix quantized; PART_SCALE: its scales (qshape). */
+enum part_kind { PART_PLAIN, PART_GATE_UP, PART_DOWN, PART_FP8, PART_SCALE };
 
 struct spec {
 	char name[160];		/* name in the file */
 	enum part_kind kind;
+	enum mlens_dtype dt;
 	int64_t layer;
 	int ndim;
 	int64_t shape[3];
+	int64_t qshape[2];	/* PART_SCALE: the fp8 matrix's */
 	uint64_t nbytes;
 	int shard;
 };
@@ -258,9 +262,36 @@ static void add(struct writer *w, enum part_kind kind, int64_t layer, int ndim,
 	s->shape[0] = d0;
 	s->shape[1] = d1;
 	s->shape[2] = d2;
+	s->dt = w->cfg.dtype;
 	s->nbytes = mlens_dtype_size(w->cfg.dtype);
 	for (int i = 0; i < ndim; i++)
 		s->nbytes *= (uint64_t)s->shape[i];	/* bounded by the config checks */
+}
+
+/* The expert matrix just added as fp8, and its scales after it. */
+static void add_fp8(struct writer *w)
+{
+	struct spec *m = &w->specs[w->n - 1], *s = &w->specs[w->n++];
+	const struct mlens_wscale *k = &w->o->fp8;
+	const char *suffix = k->kind == MLENS_WSCALE_BLOCK ? "_scale_inv" : "_scale";
+
+	m->kind = PART_FP8;
+	m->dt = MLENS_DTYPE_E4M3;
+	m->nbytes = (uint64_t)(m->shape[0] * m->shape[1]);
+	char base[sizeof(m->name)];
+
+	memcpy(base, m->name, sizeof(base));
+	*s = *m;
+	snprintf(s->name, sizeof(s->name), "%.148s%s", base, suffix);
+	s->kind = PART_SCALE;
+	s->dt = MLENS_DTYPE_F32;
+	s->qshape[0] = m->shape[0];
+	s->qshape[1] = m->shape[1];
+	s->shape[0] = k->kind == MLENS_WSCALE_BLOCK ? (m->shape[0] + k->block_rows - 1) / k->block_rows
+						    : m->shape[0];
+	s->shape[1] = k->kind == MLENS_WSCALE_BLOCK ? (m->shape[1] + k->block_cols - 1) / k->block_cols
+						    : 1;
+	s->nbytes = (uint64_t)(s->shape[0] * s->shape[1]) * 4;
 }
 
 static int build_specs(struct writer *w)
@@ -274,8 +305,9 @@ static int build_specs(struct writer *w)
 	const int64_t qn = c->qk_norm == MLENS_QK_NORM_HEAD ? c->head_dim : Q;
 	const int64_t kn = c->qk_norm == MLENS_QK_NORM_HEAD ? c->head_dim : KV;
 	/* the most a layer has: attention with norms and biases, a shared
-	 * expert with its gate, the experts */
-	size_t per_layer = 16 + (w->o->fused_experts ? 3 : 1 + 3 * (size_t)E);
+	 * expert with its gate, the experts (and their fp8 scales) */
+	bool fp8 = w->o->fp8.kind != MLENS_WSCALE_NONE;
+	size_t per_layer = 16 + (w->o->fused_experts ? 3 : 1 + (fp8 ? 6 : 3) * (size_t)E);
 	const char *p = "model.layers.";	/* DBRX: "transformer.blocks." */
 
 	w->specs = calloc(3 + (size_t)L * per_layer, sizeof(*w->specs));
@@ -344,8 +376,14 @@ static int build_specs(struct writer *w)
 		add(w, PART_PLAIN, i, 2, E, H, 0, "%s%" PRId64 ".%s", p, i, f->router);
 		for (int64_t j = 0; j < E; j++) {
 			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".%s.%" PRId64 ".%s.weight", p, i, f->experts, j, f->expert_w[0]);
+			if (fp8)
+				add_fp8(w);
 			add(w, PART_PLAIN, i, 2, H, I, 0, "%s%" PRId64 ".%s.%" PRId64 ".%s.weight", p, i, f->experts, j, f->expert_w[1]);
+			if (fp8)
+				add_fp8(w);
 			add(w, PART_PLAIN, i, 2, I, H, 0, "%s%" PRId64 ".%s.%" PRId64 ".%s.weight", p, i, f->experts, j, f->expert_w[2]);
+			if (fp8)
+				add_fp8(w);
 		}
 	}
 	add(w, PART_PLAIN, -1, 1, H, 0, 0, "model.norm.weight");
@@ -434,6 +472,49 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 	return 0;
 }
 
+/* An fp8 expert matrix (PART_FP8) or its scales (PART_SCALE): the values
+ * its legacy name draws, quantized as o->fp8 says. */
+static int emit_fp8(struct writer *w, FILE *f, const char *path, const struct spec *s)
+{
+	const int64_t R = s->kind == PART_FP8 ? s->shape[0] : s->qshape[0];
+	const int64_t C = s->kind == PART_FP8 ? s->shape[1] : s->qshape[1];
+	size_t n = (size_t)(R * C), ns = mlens_wscale_count(&w->o->fp8, R, C);
+	char name[160];
+	float *v = malloc(n * sizeof(float)), *sc = malloc(ns * sizeof(float));
+	uint8_t *q = malloc(n);
+	int rc = 0;
+
+	snprintf(name, sizeof(name), "%s", s->name);
+	if (s->kind == PART_SCALE)	/* the matrix's name: drop _scale[_inv] */
+		name[strlen(name) - (w->o->fp8.kind == MLENS_WSCALE_BLOCK ? 10 : 6)] = '\0';
+	if (!v || !sc || !q) {
+		mlens_errf(w->err, w->errlen, "%s: out of memory quantizing '%s'", path, name);
+		rc = -ENOMEM;
+		goto out;
+	}
+	{
+		struct fill_job job = { v, MLENS_DTYPE_F32, stream_key(w->o->seed, name), 0, n, false };
+		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
+	}
+	/* as a checkpoint in the model's dtype quantized: weight_dtype = fp8
+	 * over the same model in that dtype gives these very bytes */
+	for (size_t i = 0; i < n; i++) {
+		unsigned char t[4];
+		mlens_store(t, w->cfg.dtype, 0, v[i]);
+		v[i] = mlens_load(t, w->cfg.dtype, 0);
+	}
+	mlens_fp8_quantize(v, R, C, &w->o->fp8, q, sc);
+	if (s->kind == PART_FP8 ? fwrite(q, 1, n, f) != n : fwrite(sc, sizeof(float), ns, f) != ns) {
+		mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
+		rc = -EIO;
+	}
+out:
+	free(v);
+	free(sc);
+	free(q);
+	return rc;
+}
+
 /* Expert j's matrix k (0 gate, 1 down, 2 up) of layer l under its
  * per-expert name: the stream its values come from in either layout. */
 static const char *expert_name(const struct writer *w, char *buf, size_t len, int64_t l,
@@ -472,6 +553,9 @@ static int emit_tensor(struct writer *w, FILE *f, const char *path, const struct
 		for (int64_t j = 0; j < E && !rc; j++)
 			rc = emit(w, f, path, expert_name(w, name, sizeof(name), s->layer, j, 1), IH);
 		return rc;
+	case PART_FP8:
+	case PART_SCALE:
+		return emit_fp8(w, f, path, s);
 	}
 	return -EINVAL;
 }
@@ -502,7 +586,7 @@ static int write_shard(struct writer *w, int shard, const char *fname)
 		for (int d = 0; d < s->ndim; d++)
 			json_array_append_new(shape, json_integer(s->shape[d]));
 		json_object_set_new(hdr, s->name,
-				    json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_st(w->cfg.dtype),
+				    json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_st(s->dt),
 					      "shape", shape, "data_offsets",
 					      (json_int_t)off, (json_int_t)(off + s->nbytes)));
 		off += s->nbytes;
@@ -699,6 +783,25 @@ static json_t *config_json(const struct mlens_model_config *c)
 	return j;
 }
 
+/* quantization_config of fp8 experts, as llm-compressor (compressed-tensors,
+ * per-channel) or the block-scaled "fp8" checkpoints write it; attention,
+ * router and lm_head stay in the model's dtype. */
+static json_t *quant_json(const struct mlens_wscale *k)
+{
+	if (k->kind == MLENS_WSCALE_BLOCK)
+		return json_pack("{s:s, s:s, s:s, s:[i, i], s:[s, s, s]}", "quant_method", "fp8",
+				 "activation_scheme", "dynamic", "fmt", "e4m3", "weight_block_size",
+				 k->block_rows, k->block_cols, "modules_to_not_convert", "lm_head",
+				 "block_sparse_moe.gate", "self_attn");
+	return json_pack("{s:s, s:s, s:s, s:{s:{s:[s], s:{s:i, s:s, s:s, s:b, s:b}, s:{s:i, s:s, s:s, s:b, s:b}}}, s:[s, s, s]}",
+			 "quant_method", "compressed-tensors", "format", "float-quantized",
+			 "quantization_status", "compressed", "config_groups", "group_0", "targets",
+			 "Linear", "weights", "num_bits", 8, "type", "float", "strategy", "channel",
+			 "symmetric", 1, "dynamic", 0, "input_activations", "num_bits", 8, "type",
+			 "float", "strategy", "token", "symmetric", 1, "dynamic", 1, "ignore", "lm_head",
+			 "re:.*block_sparse_moe[.]gate$", "re:.*self_attn.*");
+}
+
 int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t errlen)
 {
 	struct writer w = { .o = o, .cfg = o->cfg, .err = err, .errlen = errlen };
@@ -727,6 +830,21 @@ int mlens_mkmodel_write(const struct mlens_mkmodel_opts *o, char *err, size_t er
 	/* Validate through the loader's own config parser: what mkmodel writes
 	 * is by construction what mlens accepts. */
 	cj = config_json(&w.cfg);
+	if (cj && o->fp8.kind != MLENS_WSCALE_NONE) {
+		if (o->fused_experts) {
+			mlens_errf(err, errlen, "fp8 experts are written per expert only (no fused layout)");
+			rc = -EINVAL;
+			goto out;
+		}
+		if (strcmp(w.cfg.family->architecture, "MixtralForCausalLM")) {
+			/* mlens reads fp8 experts of Mixtral only (mlens_quant_bind) */
+			mlens_errf(err, errlen, "fp8 experts are written for Mixtral only; write %s in bf16, fp16 or fp32",
+				   w.cfg.family->architecture);
+			rc = -EINVAL;
+			goto out;
+		}
+		json_object_set_new(cj, "quantization_config", quant_json(&o->fp8));
+	}
 	text = cj ? json_dumps(cj, JSON_REAL_PRECISION(17)) : NULL;
 	if (!text) {
 		mlens_errf(err, errlen, "out of memory");

@@ -150,6 +150,12 @@ int mlens_shard_sim_create(struct mlens_shard_sim **out, const struct mlens_mode
 			   m->cfg.architecture);
 		return -ENOTSUP;
 	}
+	if (m->cfg.expert_dtype == MLENS_DTYPE_E4M3) {
+		/* its expert slices would need their scales sliced too */
+		mlens_errf(err, errlen, "shard simulation: %s has fp8 experts; the simulation takes bf16, fp16 or fp32 experts",
+			   m->dir);
+		return -ENOTSUP;
+	}
 	s = calloc(1, sizeof(*s));
 	if (!s)
 		return -ENOMEM;

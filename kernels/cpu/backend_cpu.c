@@ -63,11 +63,23 @@ static void load_row(float *dst, const void *w, enum mlens_dtype dt, size_t r, i
 			dst[i] = mlens_f16_to_f32(s[i]);
 		break;
 	}
-	default:
+	case MLENS_DTYPE_E4M3: {
+		const uint8_t *s = (const uint8_t *)w + base;
 		for (i = 0; i < dim; i++)
-			dst[i] = mlens_load(w, dt, base + (size_t)i);
+			dst[i] = mlens_e4m3_to_f32(s[i]);
 		break;
 	}
+	}
+}
+
+/* Row r of an fp8 matrix [rows][dim] dequantized: e4m3 value times its
+ * scale, one fp32 product an element (the oracle the GPU paths match). */
+static void load_row_scaled(float *dst, const void *w, const struct mlens_wscale *ws,
+			    const float *sc, size_t r, int dim)
+{
+	load_row(dst, w, MLENS_DTYPE_E4M3, r, dim);
+	for (int i = 0; i < dim; i++)
+		dst[i] *= mlens_wscale_at(ws, sc, (int64_t)r, i, dim);
 }
 
 /* Dot product with eight interleaved partial sums added in a fixed order:
@@ -186,6 +198,8 @@ struct gemm_job {
 	bool acc;
 	int rows_per_task;
 	struct scratch sc;
+	const struct mlens_wscale *ws;	/* fp8 weights: their scales */
+	const float *scales;
 };
 
 static void gemm_task(void *arg, int task, int thread)
@@ -199,7 +213,10 @@ static void gemm_task(void *arg, int task, int thread)
 	if (j->dt != MLENS_DTYPE_F32)
 		buf = scratch_get(&j->sc, thread);
 	for (int r = r0; r < r1; r++) {
-		if (buf) {
+		if (buf && j->ws) {
+			load_row_scaled(buf, j->w, j->ws, j->scales, (size_t)r, j->k);
+			wrow = buf;
+		} else if (buf) {
 			load_row(buf, j->w, j->dt, (size_t)r, j->k);
 			wrow = buf;
 		} else {
@@ -213,19 +230,30 @@ static void gemm_task(void *arg, int task, int thread)
 	}
 }
 
-static int cpu_gemm(void *ctx, float *out, const float *x, const void *w,
-		    enum mlens_dtype dt, int n, int k, int m, bool accumulate)
+/* cpu_gemm over weights with scales (ws NULL: none). */
+static int gemm_scaled(void *ctx, float *out, const float *x, const void *w,
+		       enum mlens_dtype dt, const struct mlens_wscale *ws, const float *scales,
+		       int n, int k, int m, bool accumulate)
 {
 	struct mlens_cpu_ctx *c = ctx;
-	struct gemm_job j = { out, x, w, dt, n, k, m, accumulate, 16, { 0 } };
+	struct gemm_job j = { out, x, w, dt, n, k, m, accumulate, 16, { 0 }, ws, scales };
 	int nt = mlens_pool_size(c->pool);
 	if (n <= 0 || m <= 0)
 		return 0;
+	/* fp8 elements mean nothing without their scales */
+	if ((dt == MLENS_DTYPE_E4M3) != (ws && ws->kind != MLENS_WSCALE_NONE && scales))
+		return -EINVAL;
 	if (scratch_init(&j.sc, nt, (size_t)k))
 		return -ENOMEM;
 	mlens_pool_run(c->pool, (m + j.rows_per_task - 1) / j.rows_per_task, gemm_task, &j);
 	scratch_fini(&j.sc);
 	return 0;
+}
+
+static int cpu_gemm(void *ctx, float *out, const float *x, const void *w,
+		    enum mlens_dtype dt, int n, int k, int m, bool accumulate)
+{
+	return gemm_scaled(ctx, out, x, w, dt, NULL, NULL, n, k, m, accumulate);
 }
 
 /* out[n][m] = x[n][k] . W[k][m], W stored with its output dimension last
@@ -354,10 +382,16 @@ static int cpu_moe(void *ctx, float *out, const float *x, int n, const int32_t *
 	float *g = malloc((size_t)n * I * sizeof(float));
 	float *u = malloc((size_t)n * I * sizeof(float));
 	float *y = malloc((size_t)n * H * sizeof(float));
+	bool fp8 = w->dtype == MLENS_DTYPE_E4M3;
+	const struct mlens_wscale *ws = fp8 ? &w->scale : NULL;
 	int rc = 0;
 
 	if (!rows || !scale || !xe || !g || !u || !y) {
 		rc = -ENOMEM;
+		goto out;
+	}
+	if (fp8 && w->w2_transposed) {
+		rc = -ENOTSUP;	/* the loader refuses fp8 experts stored transposed */
 		goto out;
 	}
 	for (int e = 0; e < w->n_experts; e++) {
@@ -377,13 +411,20 @@ static int cpu_moe(void *ctx, float *out, const float *x, int n, const int32_t *
 			rc = -EFAULT;	/* a routed expert has no weights here */
 			goto out;
 		}
-		if ((rc = cpu_gemm(ctx, g, xe, w->w1[e], w->dtype, cnt, H, I, false)) ||
-		    (rc = cpu_gemm(ctx, u, xe, w->w3[e], w->dtype, cnt, H, I, false)))
+		if (fp8 && (!w->s1 || !w->s2 || !w->s3 || !w->s1[e] || !w->s2[e] || !w->s3[e])) {
+			rc = -EFAULT;	/* fp8 experts without their scales */
+			goto out;
+		}
+		if ((rc = gemm_scaled(ctx, g, xe, w->w1[e], w->dtype, ws, fp8 ? w->s1[e] : NULL, cnt,
+				      H, I, false)) ||
+		    (rc = gemm_scaled(ctx, u, xe, w->w3[e], w->dtype, ws, fp8 ? w->s3[e] : NULL, cnt,
+				      H, I, false)))
 			goto out;
 		for (size_t t = 0; t < (size_t)cnt * I; t++)
 			g[t] = g[t] / (1.0f + expf(-g[t])) * u[t];
 		rc = w->w2_transposed ? cpu_gemm_kn(ctx, y, g, w->w2[e], w->dtype, cnt, I, H)
-				      : cpu_gemm(ctx, y, g, w->w2[e], w->dtype, cnt, I, H, false);
+				      : gemm_scaled(ctx, y, g, w->w2[e], w->dtype, ws, fp8 ? w->s2[e] : NULL,
+						    cnt, I, H, false);
 		if (rc)
 			goto out;
 		/* and back: scale and add into each token's row */

@@ -422,7 +422,8 @@ static cudaDataType_t cuda_dtype(enum mlens_dtype dt)
 	switch (dt) {
 	case MLENS_DTYPE_F16: return CUDA_R_16F;
 	case MLENS_DTYPE_BF16: return CUDA_R_16BF;
-	default: break;	/* F32; other types never come here */
+	case MLENS_DTYPE_E4M3: return CUDA_R_8F_E4M3;
+	case MLENS_DTYPE_F32: break;
 	}
 	return CUDA_R_32F;
 }
@@ -614,6 +615,89 @@ static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *sr
 
 /* ==== MoE ==== */
 
+/* out[n][m] (fp32) = x[n][k] . W[m][k]^T with both in e4m3 on the tensor
+ * cores (cuBLASLt; fp32 accumulation, unit scales: the caller applies the
+ * per-token and per-channel scales to the product). The row-major
+ * operands are column-major W^T and x: a "TN" product, as fp8 needs.
+ * out NULL: only whether cuBLASLt has an algorithm for it (0 or -ENOTSUP). */
+static int lt_gemm_fp8(struct mlens_cuda_ctx *c, float *out, const uint8_t *x, const uint8_t *w,
+		       int n, int k, int m)
+{
+	cublasLtMatmulDesc_t op = NULL;
+	cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+	cublasLtMatmulPreference_t pref = NULL;
+	cublasLtMatmulHeuristicResult_t hr;
+	cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+	size_t ws = 0;
+	int found = 0, rc = 0;
+	float one = 1.0f, zero = 0.0f;
+	cublasStatus_t st;
+
+	if (n <= 0)
+		return 0;
+	memset(&hr, 0, sizeof(hr));
+	st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, (uint64_t)m, (uint64_t)n, m);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulPreferenceCreate(&pref);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+							  &ws, sizeof(ws));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &hr, &found);
+	if (st == CUBLAS_STATUS_SUCCESS && !found)
+		rc = -ENOTSUP;
+	else if (st == CUBLAS_STATUS_SUCCESS && out)
+		st = cublasLtMatmul(c->lt, op, &one, w, la, x, lb, &zero, out, ld, out, ld, &hr.algo,
+				    NULL, 0, c->stream);
+	if (st != CUBLAS_STATUS_SUCCESS)
+		rc = st == CUBLAS_STATUS_NOT_SUPPORTED ? -ENOTSUP
+						       : mlens_cublas_rc(st, "fp8 GEMM", __FILE__, __LINE__);
+	if (pref)
+		cublasLtMatmulPreferenceDestroy(pref);
+	if (ld)
+		cublasLtMatrixLayoutDestroy(ld);
+	if (lb)
+		cublasLtMatrixLayoutDestroy(lb);
+	if (la)
+		cublasLtMatrixLayoutDestroy(la);
+	if (op)
+		cublasLtMatmulDescDestroy(op);
+	return rc;
+}
+
+/* fp8 experts on the tensor cores: opts fp8_gemm on a device that has
+ * them, fast GEMMs of a 16-bit model, one scale a row (per-tensor scales
+ * are one a row since load), sizes the fp8 GEMMs take. */
+static bool moe_fp8_tc(const struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w)
+{
+	return w->dtype == MLENS_DTYPE_E4M3 && c->fp8_tc && !c->gemm_exact &&
+	       w->model_dtype != MLENS_DTYPE_F32 && w->scale.kind == MLENS_WSCALE_CHANNEL &&
+	       !(w->hidden % 16) && !(w->inter % 16);
+}
+
+/* The dtype fp8 experts are dequantized to for the GEMMs: bf16 for fast
+ * GEMMs of a 16-bit model (activations rounded to bf16, as its other
+ * GEMMs round them), fp32 for exact GEMMs or an fp32 model (the CPU's
+ * numerics to fp32 rounding). */
+static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c,
+				      const struct mlens_moe_weights *w)
+{
+	/* the fp8 tensor-core path takes its activations in fp32 */
+	return c->gemm_exact || w->model_dtype == MLENS_DTYPE_F32 || moe_fp8_tc(c, w)
+		       ? MLENS_DTYPE_F32
+		       : MLENS_DTYPE_BF16;
+}
+
 /* One expert's product out[n][m] = x[n][k] . W^T, x in W's dtype; with
  * part_bytes set, x is split (parts that far apart) and the product exact;
  * out of dtype ot (fp32 when split). */
@@ -643,7 +727,32 @@ static int moe_use_stream(struct mlens_cuda_ctx *c, int i)
 struct moe_piece {
 	char *g, *u, *h;	/* h == g when silu(g) * u goes over g */
 	size_t rows;
+	char *wd;		/* fp8 experts: the stream's expert dequantized */
 };
+
+/* The rows [r, r + n) of expert e on the fp8 tensor cores: x quantized per
+ * token, gate and up as fp8 GEMMs scaled back (token scale x channel
+ * scale), silu(g) * u in fp32, quantized per token for the down GEMM. */
+static int expert_fp8(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w, int e,
+		      const float *xe, size_t r, int n, const struct moe_piece *pc, size_t qsl,
+		      float *y)
+{
+	int H = w->hidden, I = w->inter, rc;
+	uint8_t *q = (uint8_t *)pc->wd;
+	float *qs = (float *)(pc->wd + qsl), *g = (float *)pc->g, *u = (float *)pc->u;
+
+	if ((rc = mlens_cuda_quant_rows_fp8(c, q, qs, xe + r * H, MLENS_DTYPE_F32, n, H)) ||
+	    (rc = lt_gemm_fp8(c, g, q, (const uint8_t *)w->w1[e], n, H, I)) ||
+	    (rc = mlens_cuda_scale_outer(c, g, MLENS_DTYPE_F32, g, qs, w->s1[e], n, I)) ||
+	    (rc = lt_gemm_fp8(c, u, q, (const uint8_t *)w->w3[e], n, H, I)) ||
+	    (rc = mlens_cuda_scale_outer(c, u, MLENS_DTYPE_F32, u, qs, w->s3[e], n, I)) ||
+	    (rc = mlens_cuda_silu_mul(c, pc->h, MLENS_DTYPE_F32, g, u, MLENS_DTYPE_F32,
+				      (size_t)n * I)) ||
+	    (rc = mlens_cuda_quant_rows_fp8(c, q, qs, pc->h, MLENS_DTYPE_F32, n, I)) ||
+	    (rc = lt_gemm_fp8(c, y + r * H, q, (const uint8_t *)w->w2[e], n, I, H)))
+		return rc;
+	return mlens_cuda_scale_outer(c, y + r * H, MLENS_DTYPE_F32, y + r * H, qs, w->s2[e], n, H);
+}
 
 /* The rows of the experts in [e0, e1) (r0 the first) through gate, up,
  * silu(g) * u and down, on the current stream; an expert with more rows
@@ -653,36 +762,63 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 		       bool half_gu, const char *xe, const struct moe_piece *pc, float *y)
 {
 	int H = w->hidden, I = w->inter, rc;
-	size_t es = mlens_dtype_size(w->dtype);
-	enum mlens_dtype gdt = half_gu ? w->dtype : MLENS_DTYPE_F32;
+	const bool fp8 = w->dtype == MLENS_DTYPE_E4M3, tc = moe_fp8_tc(c, w);
+	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;	/* the GEMMs' */
+	size_t es = mlens_dtype_size(cdt), mat = (size_t)H * I * es;
+	/* fp8 GEMMs: the piece's quantized rows, then their scales */
+	size_t qsl = mlens_cuda_align(pc->rows * (size_t)(H > I ? H : I));
+	enum mlens_dtype gdt = half_gu ? cdt : MLENS_DTYPE_F32;
 	size_t xpart = split ? rows * H * es : 0, hpart = split ? pc->rows * I * es : 0;
 
 	for (int e = e0; e < e1; r0 += counts[e], e++) {
 		size_t cnt = (size_t)counts[e], pieces = (cnt + pc->rows - 1) / pc->rows;
 		size_t each = pieces ? (cnt + pieces - 1) / pieces : 0;
+		const void *w1 = w->w1[e], *w2 = w->w2[e], *w3 = w->w3[e];
+		if (tc) {
+			for (size_t off = 0; off < cnt; off += each) {
+				int n = (int)(cnt - off < each ? cnt - off : each);
+				if ((rc = expert_fp8(c, w, e, (const float *)xe, (size_t)r0 + off, n, pc,
+						     qsl, y)))
+					return rc;
+			}
+			continue;
+		}
+		if (fp8 && cnt) {
+			/* queued on this stream behind its previous expert's GEMMs */
+			if ((rc = mlens_cuda_dequant_fp8(c, pc->wd, cdt, (const uint8_t *)w1, w->s1[e],
+							 &w->scale, I, H)) ||
+			    (rc = mlens_cuda_dequant_fp8(c, pc->wd + mat, cdt, (const uint8_t *)w3,
+							 w->s3[e], &w->scale, I, H)) ||
+			    (rc = mlens_cuda_dequant_fp8(c, pc->wd + 2 * mat, cdt, (const uint8_t *)w2,
+							 w->s2[e], &w->scale, H, I)))
+				return rc;
+			w1 = pc->wd;
+			w3 = pc->wd + mat;
+			w2 = pc->wd + 2 * mat;
+		}
 		for (size_t off = 0; off < cnt; off += each) {
 			int n = (int)(cnt - off < each ? cnt - off : each);
 			size_t r = (size_t)r0 + off;
 			/* gate and up as two calls: one strided-batched call of
 			 * both ran slower (bench_cuda moe-gemm, "gu batched") */
-			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w->w1[e],
-					      false, w->dtype, n, H, I)) ||
-			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w->w3[e],
-					      false, w->dtype, n, H, I)))
+			if ((rc = expert_gemm(c, pc->g, gdt, xe + r * H * es, xpart, w1, false, cdt,
+					      n, H, I)) ||
+			    (rc = expert_gemm(c, pc->u, gdt, xe + r * H * es, xpart, w3, false, cdt,
+					      n, H, I)))
 				return rc;
 			if (split) {
 				/* the product in fp32 over g, then split for the down GEMM */
 				if ((rc = mlens_cuda_silu_mul(c, pc->g, MLENS_DTYPE_F32, pc->g, pc->u,
 							      MLENS_DTYPE_F32, (size_t)n * I)) ||
-				    (rc = mlens_cuda_split_rows(c, pc->h, w->dtype, (const float *)pc->g,
+				    (rc = mlens_cuda_split_rows(c, pc->h, cdt, (const float *)pc->g,
 								NULL, 1, n, I, pc->rows * I)))
 					return rc;
-			} else if ((rc = mlens_cuda_silu_mul(c, pc->h, w->dtype, pc->g, pc->u, gdt,
+			} else if ((rc = mlens_cuda_silu_mul(c, pc->h, cdt, pc->g, pc->u, gdt,
 							     (size_t)n * I))) {
 				return rc;
 			}
-			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w->w2[e],
-					      w->w2_transposed, w->dtype, n, I, H)))
+			if ((rc = expert_gemm(c, y + r * H, MLENS_DTYPE_F32, pc->h, hpart, w2,
+					      w->w2_transposed, cdt, n, I, H)))
 				return rc;
 		}
 	}
@@ -740,20 +876,30 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		     const struct mlens_moe_weights *w)
 {
 	int E = w->n_experts, H = w->hidden, I = w->inter, S = c->moe_streams;
-	size_t es = mlens_dtype_size(w->dtype), rows = (size_t)n * (size_t)k;
+	const bool fp8 = w->dtype == MLENS_DTYPE_E4M3;
+	/* fp8 experts run through the GEMMs of their dequantized copy */
+	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;
+	size_t es = mlens_dtype_size(cdt), rows = (size_t)n * (size_t)k;
 	/* exact: split copies of the inputs, and the silu product in fp32 (in
 	 * place of g) before it is split too */
-	bool split = c->gemm_exact && w->dtype != MLENS_DTYPE_F32;
+	bool split = c->gemm_exact && cdt != MLENS_DTYPE_F32;
 	bool half_gu = mlens_moe_half_gu(c->gemm_exact ? MLENS_GEMM_EXACT : MLENS_GEMM_FAST, es);
 	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1, gs = half_gu ? es : 4;
-	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, total, prow, gsl, hsl;
+	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, o_wd, total, prow, gsl, hsl;
+	size_t wdsl = fp8 ? mlens_moe_fp8_dequant_bytes(H, I, 1, cdt == MLENS_DTYPE_F32
+									? MLENS_GEMM_EXACT
+									: MLENS_GEMM_FAST)
+			  : 0;
 	struct moe_piece pc[MLENS_MOE_STREAMS_MAX];
 	int32_t *counts_h;
 	char *s;
 	int rc, r0;
 
-	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 || !valid_dtype(w->dtype))
+	if (n < 0 || k <= 0 || E <= 0 || E > 1024 || H <= 0 || I <= 0 ||
+	    !(valid_dtype(w->dtype) || (fp8 && w->s1 && w->s2 && w->s3)))
 		return -EINVAL;
+	if (fp8 && w->w2_transposed)
+		return -ENOTSUP;	/* the loader refuses fp8 experts stored transposed */
 	if (!n)
 		return 0;
 	if (S < 1 || S > MLENS_MOE_STREAMS_MAX)
@@ -772,7 +918,8 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	o_u = o_g + (size_t)S * gsl;
 	o_h = o_u + (size_t)S * gsl;
 	o_y = half_gu ? o_h : o_h + (size_t)S * hsl;
-	total = mlens_cuda_align(o_y + rows * H * 4);
+	o_wd = mlens_cuda_align(o_y + rows * H * 4);
+	total = mlens_cuda_align(o_wd + (size_t)S * wdsl);
 	if ((rc = mlens_cuda_scratch(c, total, &s)))
 		return rc;
 	int32_t *counts = (int32_t *)(s + o_counts), *perm = (int32_t *)(s + o_perm);
@@ -785,6 +932,7 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		/* silu(g) * u over g, element by element, when it fits */
 		pc[i].h = half_gu ? pc[i].g : s + o_h + (size_t)i * hsl;
 		pc[i].rows = prow;
+		pc[i].wd = s + o_wd + (size_t)i * wdsl;
 	}
 
 	if ((rc = mlens_cuda_moe_route(c, counts, perm, inv, ids, n, k, E)))
@@ -797,15 +945,16 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	/* gather x rows into expert order, already in the weights' dtype (it
 	 * needs only perm): queued before the host waits for the counts, so
 	 * the GPU has it to do while the host wakes and launches the GEMMs */
-	rc = split ? mlens_cuda_split_rows(c, xe, w->dtype, x, perm, k, (int)rows, H, rows * H)
-		   : mlens_cuda_convert_rows(c, xe, w->dtype, x, perm, k, (int)rows, H);
+	rc = split ? mlens_cuda_split_rows(c, xe, cdt, x, perm, k, (int)rows, H, rows * H)
+		   : mlens_cuda_convert_rows(c, xe, cdt, x, perm, k, (int)rows, H);
 	if (rc)
 		return rc;
 	CUDA_RET(cudaEventSynchronize(c->moe_counts));
 	r0 = 0;
 	for (int e = 0; e < E; e++) {
-		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e]))
-			return -EFAULT;	/* a routed expert has no weights here */
+		if (counts_h[e] && (!w->w1[e] || !w->w2[e] || !w->w3[e] ||
+				    (fp8 && (!w->s1[e] || !w->s2[e] || !w->s3[e]))))
+			return -EFAULT;	/* a routed expert has no weights (or scales) here */
 		r0 += counts_h[e];
 	}
 	if ((size_t)r0 != rows) {
@@ -1185,6 +1334,8 @@ static void cuda_destroy(void *ctx)
 		cudaStreamSynchronize(c->stream);
 	if (c->blas)
 		cublasDestroy(c->blas);
+	if (c->lt)
+		cublasLtDestroy(c->lt);
 	dev_free(c, c->blas_ws);
 	if (c->side_stream)
 		cudaStreamSynchronize(c->side_stream);
@@ -1462,6 +1613,18 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 	if ((bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
 		rc = mlens_cublas_rc(bs, "cuBLAS set-up", __FILE__, __LINE__);
 		goto fail;
+	}
+	if (o->fp8_gemm) {
+		/* fp8 tensor cores from compute capability 8.9; without them, or
+		 * without an algorithm for a small fp8 product, experts take
+		 * the dequantize path */
+		struct cudaDeviceProp prop;
+		CUDA_GOTO(cudaGetDeviceProperties(&prop, c->device), rc, fail);
+		if (prop.major * 10 + prop.minor >= 89 && cublasLtCreate(&c->lt) == CUBLAS_STATUS_SUCCESS)
+			c->fp8_tc = lt_gemm_fp8(c, NULL, NULL, NULL, 16, 64, 64) == 0;
+		if (!c->fp8_tc)
+			fprintf(stderr, "mlens cuda: %s has no fp8 GEMM; fp8 experts are dequantized\n",
+				prop.name);
 	}
 	be->ops = &cuda_ops;
 	be->ctx = c;

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cublasLt.h>
 
 extern "C" {
 #include "kernels/backend.h"
@@ -51,6 +52,8 @@ struct mlens_cuda_ctx {
 	int device;
 	cudaStream_t stream;
 	cublasHandle_t blas;
+	cublasLtHandle_t lt;		/* fp8 GEMMs (fp8_tc) */
+	bool fp8_tc;			/* opts fp8_gemm, and the device runs one */
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
 	bool prefill_bf16;		/* prefill attention on tensor cores (bf16) */
 	/* the compute stream's host <-> device copies done by an SM kernel on
@@ -220,6 +223,22 @@ static inline float mlens_cuda_split_scale(enum mlens_dtype dt)
 	 * remainder back up keeps it clear of the narrow type's underflow */
 	return dt == MLENS_DTYPE_F16 ? 2048.0f : 256.0f;
 }
+/* dst[rows][cols] (dt: bf16 or fp32) = e4m3(q[r][c]) * its scale (scales
+ * laid out as k says): an fp8 matrix dequantized for the GEMMs of the
+ * 16/32-bit paths; the product in fp32 (exact), then rounded to dt. */
+int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const uint8_t *q, const float *scales, const struct mlens_wscale *k,
+			   int rows, int cols);
+/* Each row of x [rows][cols] (dt) quantized to e4m3 with its own scale
+ * (amax / 448) into q and scales: the per-token activations of an fp8
+ * GEMM. */
+int mlens_cuda_quant_rows_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales, const void *x,
+			      enum mlens_dtype dt, int rows, int cols);
+/* dst[r][j] (dt) = src[r][j] * rs[r] * cs[j]: an fp8 GEMM's product with
+ * its per-token and per-channel scales applied; dst may be src. */
+int mlens_cuda_scale_outer(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const float *src, const float *rs, const float *cs, int rows, int cols);
+
 /* Like mlens_cuda_convert_rows, but writes the three parts of each value:
  * part j of row r at dst + (j * part_stride + r * cols) elements. */
 int mlens_cuda_split_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,

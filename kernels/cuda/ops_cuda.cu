@@ -7,6 +7,7 @@
 #include <math.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 /* ==== element access ==== */
 
@@ -15,7 +16,10 @@ __device__ __forceinline__ float load_elem(const void *p, enum mlens_dtype dt, s
 	switch (dt) {
 	case MLENS_DTYPE_F16: return __half2float(((const __half *)p)[i]);
 	case MLENS_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-	default: break;	/* F32; other types never come here */
+	case MLENS_DTYPE_E4M3:
+		return __half2float(__half(__nv_cvt_fp8_to_halfraw(
+			(__nv_fp8_storage_t)((const uint8_t *)p)[i], __NV_E4M3)));
+	case MLENS_DTYPE_F32: break;
 	}
 	return ((const float *)p)[i];
 }
@@ -26,7 +30,10 @@ __device__ __forceinline__ void store_elem(void *p, enum mlens_dtype dt, size_t 
 	switch (dt) {
 	case MLENS_DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); return;
 	case MLENS_DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); return;
-	default: break;	/* F32; other types never come here */
+	case MLENS_DTYPE_E4M3:	/* saturating, nearest even: kernels/fp8.h */
+		((uint8_t *)p)[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+		return;
+	case MLENS_DTYPE_F32: break;
 	}
 	((float *)p)[i] = v;
 }
@@ -37,7 +44,10 @@ __device__ __forceinline__ float load_rounded(enum mlens_dtype dt, float v)
 	switch (dt) {
 	case MLENS_DTYPE_F16: return __half2float(__float2half_rn(v));
 	case MLENS_DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
-	default: break;	/* F32; other types never come here */
+	case MLENS_DTYPE_E4M3:
+		return __half2float(__half(__nv_cvt_fp8_to_halfraw(
+			__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3), __NV_E4M3)));
+	case MLENS_DTYPE_F32: break;
 	}
 	return v;
 }
@@ -404,6 +414,97 @@ int mlens_cuda_convert_rows(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtyp
 		convert_rows_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, gather,
 										 gather_div, cols);
 	}
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* One block a row: each element's e4m3 value (exact in fp16) times its
+ * scale. */
+__global__ void dequant_fp8_kernel(void *dst, enum mlens_dtype dt, const uint8_t *q,
+				   const float *scales, struct mlens_wscale k, int cols)
+{
+	size_t r = blockIdx.x;
+	int nbc = k.kind == MLENS_WSCALE_BLOCK ? (cols + k.block_cols - 1) / k.block_cols : 1;
+	for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+		__half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q[r * cols + j], __NV_E4M3);
+		float s = k.kind == MLENS_WSCALE_TENSOR ? scales[0] :
+			  k.kind == MLENS_WSCALE_CHANNEL ? scales[r] :
+			  scales[(r / k.block_rows) * nbc + j / k.block_cols];
+		store_elem(dst, dt, r * cols + j, __half2float(__half(h)) * s);
+	}
+}
+
+int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const uint8_t *q, const float *scales, const struct mlens_wscale *k,
+			   int rows, int cols)
+{
+	if (rows < 0 || cols < 0 || (dt != MLENS_DTYPE_BF16 && dt != MLENS_DTYPE_F32) ||
+	    k->kind == MLENS_WSCALE_NONE || (k->kind == MLENS_WSCALE_BLOCK &&
+					     (k->block_rows <= 0 || k->block_cols <= 0)))
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	dequant_fp8_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, q, scales, *k, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* One block a row: the row's amax (a block reduction), then every value
+ * over its scale rounded to e4m3 (saturating, nearest even). */
+__global__ void quant_rows_fp8_kernel(uint8_t *q, float *scales, const void *x,
+				      enum mlens_dtype dt, int cols)
+{
+	__shared__ float red[MLENS_CUDA_THREADS];
+	size_t r = blockIdx.x;
+	float m = 0.0f, s;
+
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		m = fmaxf(m, fabsf(load_elem(x, dt, r * cols + j)));
+	red[threadIdx.x] = m;
+	__syncthreads();
+	for (int h = blockDim.x / 2; h > 0; h /= 2) {
+		if ((int)threadIdx.x < h)
+			red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + h]);
+		__syncthreads();
+	}
+	s = red[0] / 448.0f;
+	if (threadIdx.x == 0)
+		scales[r] = s;
+	s = s > 0.0f ? s : 1.0f;
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		q[r * cols + j] = __nv_cvt_float_to_fp8(load_elem(x, dt, r * cols + j) / s,
+							__NV_SATFINITE, __NV_E4M3);
+}
+
+int mlens_cuda_quant_rows_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales, const void *x,
+			      enum mlens_dtype dt, int rows, int cols)
+{
+	if (rows < 0 || cols < 0)
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	quant_rows_fp8_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(q, scales, x, dt, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void scale_outer_kernel(void *dst, enum mlens_dtype dt, const float *src,
+				   const float *rs, const float *cs, int cols)
+{
+	size_t r = blockIdx.x;
+	float a = rs[r];
+	for (int j = threadIdx.x; j < cols; j += blockDim.x)
+		store_elem(dst, dt, r * cols + j, src[r * cols + j] * a * cs[j]);
+}
+
+int mlens_cuda_scale_outer(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
+			   const float *src, const float *rs, const float *cs, int rows, int cols)
+{
+	if (rows < 0 || cols < 0)
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	scale_outer_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(dst, dt, src, rs, cs, cols);
 	CUDA_LAUNCHED();
 	return 0;
 }

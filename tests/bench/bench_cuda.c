@@ -414,8 +414,9 @@ static int bench_moe(const struct mlens_backend_opts *o)
 	void *w1[8], *w2[8], *w3[8];
 	int32_t *ids = malloc((size_t)n * k * 4);
 	float *wts = malloc((size_t)n * k * 4);
-	struct mlens_moe_weights mw = { E, H, I, MLENS_DTYPE_BF16, (const void *const *)w1,
-					(const void *const *)w2, (const void *const *)w3, false };
+	struct mlens_moe_weights mw = { .n_experts = E, .hidden = H, .inter = I, .dtype = MLENS_DTYPE_BF16,
+					.w1 = (const void *const *)w1, .w2 = (const void *const *)w2,
+					.w3 = (const void *const *)w3 };
 	void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
 	float *x = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
 	float *out = dev_random((size_t)n * H, MLENS_DTYPE_F32, 1.0f);
@@ -819,8 +820,9 @@ static int bench_group(const struct mlens_backend_opts *o)
 	struct mlens_backend_opts go = *o;
 	struct mlens_backend b;
 	void *w1[8], *w2[8], *w3[8];
-	struct mlens_moe_weights mw = { E, H, I, MLENS_DTYPE_BF16, (const void *const *)w1,
-					(const void *const *)w2, (const void *const *)w3, false };
+	struct mlens_moe_weights mw = { .n_experts = E, .hidden = H, .inter = I, .dtype = MLENS_DTYPE_BF16,
+					.w1 = (const void *const *)w1, .w2 = (const void *const *)w2,
+					.w3 = (const void *const *)w3 };
 	int first = 1, rc = 0;
 
 	go.prefill_bf16 = true;	/* mlensd's default (gpu_prefill_attention) */

@@ -288,8 +288,12 @@ def load(d, dtype):
     return MixtralForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager").eval()
 
 
-def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None):
-    model = load(d, torch.float32)       # bf16 files are upcast exactly
+def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None, model=None,
+                  reference_note=None):
+    """model: the reference model when it is not the folder's files as
+    transformers loads them (make_golden_fp8.py: the dequantized weights)."""
+    if model is None:
+        model = load(d, torch.float32)   # bf16 files are upcast exactly
     watch = RouterWatch(model, spec["cfg"]["num_experts_per_tok"])
     ref = reference(model, prompts)
     V = spec["cfg"]["vocab_size"]
@@ -300,7 +304,8 @@ def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None):
         tolerance_note=tol["note"],
         reference=("transformers %s, torch %s: MixtralForCausalLM.from_pretrained(this dir, "
                    "dtype=float32, attn_implementation='eager'), CPU, one prompt at a time, "
-                   "greedy with use_cache" % (transformers.__version__, torch.__version__)),
+                   "greedy with use_cache" % (transformers.__version__, torch.__version__)
+                   if reference_note is None else reference_note),
         prompts=[])
     for n, (p, r) in enumerate(zip(prompts, ref)):
         write_f32(os.path.join(d, "logits_prefill_p%d.f32" % n), r["prefill"])

@@ -2,7 +2,7 @@
 # run): where the binaries are, a scratch folder removed on exit with the
 # daemon in $pid (and a client run in the background as $gpid), fail (with
 # the daemon log's tail), mlensctl on the scratch control socket, a JSON
-# field of its --json output, and waiting.
+# field of its --json output, a start-up refusal, and waiting.
 B="${MLENS_BUILDDIR:-.}"
 mlensd="$B/daemon/mlensd"
 ctlbin="$B/client/mlensctl"
@@ -35,6 +35,19 @@ start_mlensd() {
 		--stats "$tmp/s.sock" --log "$tmp/log" &
 	pid=$!
 	wait_for '[ -S "$tmp/c.sock" ] && ctl status >/dev/null 2>&1' 300 || fail "daemon did not come up"
+}
+# refused WANT_STATUS TEXT ARGS...: mlensd (CPU backend, scratch sockets)
+# with the arguments given exits with WANT_STATUS within 10 s and says
+# TEXT on standard error
+refused() {
+	want=$1 text=$2
+	shift 2
+	timeout 10 "$mlensd" --foreground --backend cpu --threads 1 --mlock=false --kv-cache 1M \
+		--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" "$@" 2>"$tmp/err"
+	st=$?
+	[ $st -eq 124 ] && fail "mlensd $*: still starting after 10 s (blocked?)"
+	[ $st -eq "$want" ] || fail "mlensd $*: exit $st, not $want: $(cat "$tmp/err")"
+	grep -qF "$text" "$tmp/err" || fail "mlensd $*: no '$text' in: $(cat "$tmp/err")"
 }
 # the port of its Prometheus listener (stats_http 127.0.0.1:0 picks one)
 stats_port() { ctl --json status | jfield stats_http | sed 's/.*://'; }

@@ -6,18 +6,6 @@
 # cannot hold a prompt and one generated token.
 set -u
 . "$(dirname "$0")/lib.sh"
-# refused WANT_STATUS TEXT ARGS...: mlensd exits with WANT_STATUS within
-# 10 s and says TEXT on standard error
-refused() {
-	want=$1 text=$2
-	shift 2
-	timeout 10 "$mlensd" --foreground --backend cpu --threads 1 --mlock=false --kv-cache 1M \
-		--socket "$tmp/t.sock" --control "$tmp/c.sock" --stats "$tmp/s.sock" "$@" 2>"$tmp/err"
-	st=$?
-	[ $st -eq 124 ] && fail "mlensd $*: still starting after 10 s (blocked?)"
-	[ $st -eq "$want" ] || fail "mlensd $*: exit $st, not $want: $(cat "$tmp/err")"
-	grep -qF "$text" "$tmp/err" || fail "mlensd $*: no '$text' in: $(cat "$tmp/err")"
-}
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/m" --preset tiny >/dev/null || fail "mlens-mkmodel"
 
