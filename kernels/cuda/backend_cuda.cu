@@ -1614,7 +1614,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		rc = mlens_cublas_rc(bs, "cuBLAS set-up", __FILE__, __LINE__);
 		goto fail;
 	}
-	if (o->fp8_gemm) {
+	if (o && o->fp8_gemm) {
 		/* fp8 tensor cores from compute capability 8.9; without them, or
 		 * without an algorithm for a small fp8 product, experts take
 		 * the dequantize path */
