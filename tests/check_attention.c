@@ -612,6 +612,12 @@ START_TEST(test_decode_half_exact)
 		int n = 0;
 		float scale = 1.0f / sqrtf((float)sh->hd);
 
+		/* the rounding of the output is what this test holds; the fp8
+		 * cache's reading is test_variant_vs_reference's: one fp8 shape
+		 * here (the sanitizer builds run this test near its timeout) */
+		if (k < N_SHAPES && sh->dt == MLENS_DTYPE_E4M3 && k > 0 &&
+		    shapes[k - 1].dt == MLENS_DTYPE_E4M3)
+			continue;
 		rng_state = 0x51ed27 + (uint64_t)k;
 		if (k < N_SHAPES) {
 			for (int i = 0; i < N_MIXED; i++)

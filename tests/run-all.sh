@@ -33,6 +33,8 @@ mkdir -p _build-tsan && cd _build-tsan
 [ -f Makefile ] || "$top/configure" -q --enable-sanitizers=thread
 make -j"$jobs" >/dev/null
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+# Check's per-test timeouts are set for plain builds; TSan runs 5-15x slower
+export CK_TIMEOUT_MULTIPLIER=3
 if ! make -j"$jobs" check; then
 	# a data race TSan reports fails at once; a test that failed without
 	# a report (a timing assumption under TSan's 5-15x slowdown) gets one
@@ -46,7 +48,7 @@ if ! make -j"$jobs" check; then
 	echo "TSan: no race reported; running again alone:" $failed
 	make check TESTS="$failed" || logs_fail
 fi
-unset TSAN_OPTIONS
+unset TSAN_OPTIONS CK_TIMEOUT_MULTIPLIER
 cd "$top"
 
 step "distcheck"
