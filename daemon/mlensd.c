@@ -954,6 +954,8 @@ static int step_serve(void)
 	D.info = (struct mlens_daemon_info){
 		.cfg = &D.cfg, .worker = D.worker, .server = D.server, .backend = D.hybrid ? "hybrid (cuda + cpu attention)" : D.be.ops->name,
 		.model_dtype = mlens_dtype_name(D.model->cfg.dtype), .n_layers = D.model->cfg.num_hidden_layers,
+		.expert_dtype = mlens_dtype_name(D.model->cfg.expert_dtype),
+		.expert_bytes = mlens_model_expert_bytes(&D.model->cfg),
 		.n_experts = D.model->cfg.num_local_experts, .top_k = D.model->cfg.num_experts_per_tok,
 		.eos = D.model->cfg.eos, .n_eos = D.model->cfg.n_eos,
 		.weight_bytes = D.weights.bytes, .kv_bytes = 2ull * D.kv_blocks * D.kv_per_block,

@@ -701,6 +701,12 @@ static void *quant_worker(void *arg)
 	}
 }
 
+void mlens_quant_config_at_load(struct mlens_model_config *c)
+{
+	c->expert_dtype = MLENS_DTYPE_E4M3;
+	c->expert_scale = (struct mlens_wscale){ MLENS_WSCALE_CHANNEL, 0, 0 };
+}
+
 int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen)
 {
 	struct mlens_model_config *c = &m->cfg;
@@ -735,8 +741,7 @@ int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen
 		mlens_errf(err, errlen, "%s: out of memory", m->dir);
 		return -ENOMEM;
 	}
-	c->expert_dtype = MLENS_DTYPE_E4M3;
-	c->expert_scale = (struct mlens_wscale){ MLENS_WSCALE_CHANNEL, 0, 0 };
+	mlens_quant_config_at_load(c);
 	if ((rc = alloc_area(m, 1, err, errlen))) {
 		c->expert_dtype = c->dtype;
 		c->expert_scale.kind = MLENS_WSCALE_NONE;

@@ -44,6 +44,10 @@ void mlens_quant_free(struct mlens_model *m);
  * experts' pointers move there. A model whose experts are fp8 already is
  * left as it is. */
 int mlens_model_quantize_experts(struct mlens_model *m, char *err, size_t errlen);
+/* The expert dtype and scale layout that quantizing at load gives (fp8
+ * e4m3, a scale per output row), set in c: what a reader of a model's
+ * config counts for a daemon that quantized its experts. */
+void mlens_quant_config_at_load(struct mlens_model_config *c);
 
 /* Host bytes the fp8 state holds beside the weight pages: expert scales,
  * experts quantized at load, dequantized copies of other fp8 matrices. */

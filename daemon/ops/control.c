@@ -152,6 +152,10 @@ static json_t *cmd_status(struct mlens_control *c)
 		for (int i = 0; i < in->n_eos; i++)
 			json_array_append_new(ids, json_integer(in->eos[i]));
 		json_object_set_new(json_object_get(o, "model"), "eos_token_ids", ids);
+		json_object_set_new(json_object_get(o, "model"), "expert_dtype",
+				    json_string(in->expert_dtype ? in->expert_dtype : "?"));
+		json_object_set_new(json_object_get(o, "model"), "expert_bytes",
+				    json_integer((json_int_t)in->expert_bytes));
 	}
 	/* gpu_memory: the plan's effective budget (gpu_memory = 0 resolved to
 	 * the free memory less the margin); null where no GPU plan exists */

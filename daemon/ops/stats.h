@@ -21,6 +21,11 @@ struct mlens_daemon_info {
 	struct mlens_server *server;
 	const char *backend;		/* the backend's name: "cpu", "cuda" */
 	const char *model_dtype;
+	/* the experts as the daemon holds and streams them: their dtype
+	 * (F8_E4M3 when quantized at load) and one expert's bytes with
+	 * its scales (mlens_model_expert_bytes) */
+	const char *expert_dtype;
+	uint64_t expert_bytes;
 	int64_t n_layers, n_experts, top_k;
 	const int32_t *eos;		/* the model's EOS token ids, n_eos of them */
 	int n_eos;

@@ -32,6 +32,8 @@
 #include "daemon/config.h"
 #include "daemon/mem.h"
 #include "daemon/model/model.h"
+#include "daemon/model/quant.h"
+#include "daemon/model/safetensors.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/perfmodel.h"
 #include "kernels/cpu/pool.h"
@@ -1011,13 +1013,14 @@ out:
  *
  * One step of n tokens must
  *  - read every weight it uses once: W = L*(attention + norms + router +
- *    D*3*H*I*es) + lm_head, with D = E*(1-(1-k/E)^n) the experts that n
+ *    D*expert_bytes) + lm_head, with D = E*(1-(1-k/E)^n) the experts that n
  *    tokens route to in expectation (all E once n*k >> E);
  *  - do F = n*2*L*(attention params + router + k*3*H*I) GEMM FLOPs, plus
  *    attention scores: 4*nh*hd*ctx per token and layer (ctx p/2 for a
  *    prefill token on average, p+g/2 for a decode one), plus 2*H*V per
  *    sampled row (B(1+1/g) rows);
- *  - read the KV of every decode token's context: B*(p+g/2)*L*2*nkv*hd*kv_es.
+ *  - read the KV of every decode token's context: B*(p+g/2)*L*kv_token_bytes
+ *    (expert_bytes and kv_token_bytes as the daemon runs: serve_perf_model);
  * Weight reads and GEMMs overlap (the GEMMs stream their weights), KV reads
  * happen in the attention kernels between them, so
  *     t_step >= max(W/BW, F/R) + KV/BW,  generated tokens/s <= B / t_step.
@@ -1027,16 +1030,16 @@ struct bound {
 	double B, n_step, w_bytes, flops, kv_bytes, t_weights, t_flops, t_kv, t_step, gen_tps;
 };
 
-static void compute_bound(struct bound *bd, const struct mlens_model_config *c, double p, double g,
+static void compute_bound(struct bound *bd, const struct mlens_model_config *c,
+			  const struct mlens_perf_model *pm, double p, double g,
 			  double occ, double kv_tokens, double n_cap, double bw, double rate)
 {
 	double L = (double)c->num_hidden_layers, H = (double)c->hidden_size;
 	double I = (double)c->intermediate_size, E = (double)c->num_local_experts;
 	double k = (double)c->num_experts_per_tok, V = (double)c->vocab_size;
-	double nh = (double)c->num_attention_heads, nkv = (double)c->num_key_value_heads;
+	double nh = (double)c->num_attention_heads;
 	double hd = (double)c->head_dim, es = (double)mlens_dtype_size(c->dtype);
-	double kv_es = c->dtype == MLENS_DTYPE_F32 ? 4 : 2;
-	double attn_params = H * nh * hd * 2 + H * nkv * hd * 2;
+	double attn_params = H * nh * hd * 2 + H * (double)c->num_key_value_heads * hd * 2;
 	double B, n, D, pre, rows;
 
 	memset(bd, 0, sizeof(*bd));
@@ -1051,10 +1054,10 @@ static void compute_bound(struct bound *bd, const struct mlens_model_config *c, 
 	rows = B * (1 + 1 / g);
 	bd->B = B;
 	bd->n_step = n;
-	bd->w_bytes = L * ((attn_params + 2 * H + H * E) * es + D * 3 * H * I * es) + V * H * es;
+	bd->w_bytes = L * ((attn_params + 2 * H + H * E) * es + D * (double)pm->expert_bytes) + V * H * es;
 	bd->flops = n * 2 * L * (attn_params + H * E + k * 3 * H * I) +
 		    L * 4 * nh * hd * (pre * p / 2 + B * (p + g / 2)) + rows * 2 * H * V;
-	bd->kv_bytes = B * (p + g / 2) * L * 2 * nkv * hd * kv_es;
+	bd->kv_bytes = B * (p + g / 2) * L * (double)pm->kv_token_bytes;
 	if (bw <= 0 || rate <= 0)
 		return;
 	bd->t_weights = bd->w_bytes / bw;
@@ -1104,6 +1107,41 @@ static const char *jstr(json_t *o, const char *key, const char *dflt)
 {
 	const char *v = o ? json_string_value(json_object_get(o, key)) : NULL;
 	return v ? v : dflt;
+}
+
+/* The performance model of the bounds as the daemon runs the model: the
+ * experts' dtype (fp8 when it quantized them at load) and the KV cache's
+ * from its status (model.expert_dtype, budgets.kv_cache.dtype), cfg being
+ * the model file's config. The daemon's bytes of one expert must be the
+ * model's. 0, or -1 with err saying what disagrees. */
+static int serve_perf_model(struct mlens_perf_model *pm, const struct mlens_model_config *file_cfg,
+			    json_t *status, char *err, size_t errlen)
+{
+	struct mlens_model_config c = *file_cfg;
+	json_t *m = json_object_get(status, "model");
+	const char *ed = jstr(m, "expert_dtype", NULL);
+	const char *kd = jstr(json_object_get(json_object_get(status, "budgets"), "kv_cache"), "dtype", NULL);
+	enum mlens_dtype e, kv;
+
+	if (!ed || mlens_safetensors_dtype(ed, &e) || !kd || mlens_safetensors_dtype(kd, &kv)) {
+		snprintf(err, errlen, "the daemon's status names no expert dtype (model.expert_dtype: %s) "
+			 "or KV dtype (budgets.kv_cache.dtype: %s): run the mlensd of this build",
+			 ed ? ed : "none", kd ? kd : "none");
+		return -1;
+	}
+	if (e == MLENS_DTYPE_E4M3 && c.expert_dtype != MLENS_DTYPE_E4M3)
+		mlens_quant_config_at_load(&c);
+	if (e != c.expert_dtype || mlens_perf_model_from_config(pm, &c, kv)) {
+		snprintf(err, errlen, "the daemon's experts are %s, the model's %s: no performance model for them",
+			 ed, mlens_dtype_name(c.expert_dtype));
+		return -1;
+	}
+	if ((double)pm->expert_bytes != jnum(m, "expert_bytes")) {
+		snprintf(err, errlen, "the daemon streams %.0f bytes an expert, the model's config gives %llu",
+			 jnum(m, "expert_bytes"), (unsigned long long)pm->expert_bytes);
+		return -1;
+	}
+	return 0;
 }
 
 /* The steady-state window (the rule, documented in mlens-bench(1)): from the
@@ -1438,6 +1476,11 @@ int mlens_bench_serve(int argc, char **argv)
 		goto out;
 	}
 	status = socket_json(d.control, "{\"cmd\":\"status\"}\n");
+	/* the bounds count the experts and KV the daemon runs, not the file's */
+	if (!status || serve_perf_model(&pm, &model->cfg, status, err, sizeof(err))) {
+		fprintf(stderr, "serve: %s\n", status ? err : "the control socket did not answer status");
+		goto out;
+	}
 	st0 = socket_json(d.stats, NULL);
 	run.o = &o;
 	run.sock = d.sock;
@@ -1553,7 +1596,7 @@ int mlens_bench_serve(int argc, char **argv)
 						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12, &hb_burst))
 			hb_burst.gen_tok_s = NAN;
 	} else if (!hybrid && ceil_.have) {
-		compute_bound(&bd, &model->cfg, p, g, mlens_perf_mix_seq_blocks(&mix), kv_tokens, n_cap,
+		compute_bound(&bd, &model->cfg, &pm, p, g, mlens_perf_mix_seq_blocks(&mix), kv_tokens, n_cap,
 			      ceil_.hbm_gbs * 1e9,
 			      gemm_bound_tflops(&ceil_) * 1e12);
 		have_bd = bd.gen_tps > 0;
@@ -1626,6 +1669,13 @@ int mlens_bench_serve(int argc, char **argv)
 		json_object_set_new(out, "steps_sampled", json_pack("{s:s,s:i,s:o,s:o}",
 			"over", sw.have ? "steady" : "run", "steps", sd.n, "step_tokens", dist_json(sd.tok),
 			"kv_occupancy", dist_json(sd.kv)));
+		/* the experts and KV cache the bounds (and the attention-bytes
+		 * estimate) count: the daemon's, quantized or not */
+		json_object_set_new(out, "bound_model", json_pack("{s:s,s:I,s:s,s:I}",
+			"expert_dtype", jstr(json_object_get(status, "model"), "expert_dtype", "?"),
+			"expert_bytes", (json_int_t)pm.expert_bytes,
+			"kv_dtype", jstr(json_object_get(json_object_get(status, "budgets"), "kv_cache"), "dtype", "?"),
+			"kv_token_bytes", (json_int_t)pm.kv_token_bytes));
 		json_object_set_new(out, "kv_tokens", json_real(kv_tokens));
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
@@ -1768,6 +1818,11 @@ int mlens_bench_serve(int argc, char **argv)
 				       sw.short_window ? ": short, less than one generation" : "");
 			printf("%-26s p50 %.3f s, p99 %.3f s\n", "time to first token",
 			       percentile(ttft, n_ttft, 50), percentile(ttft, n_ttft, 99));
+			printf("%-26s experts %s (%llu bytes each), KV %s (%llu bytes a token and layer)\n",
+			       "bound model", jstr(json_object_get(out, "bound_model"), "expert_dtype", "?"),
+			       (unsigned long long)pm.expert_bytes,
+			       jstr(json_object_get(out, "bound_model"), "kv_dtype", "?"),
+			       (unsigned long long)pm.kv_token_bytes);
 			printf("%-26s %.1f %%, %.0f steps of %.1f tokens (cap %.0f)\n", "engine busy", 100 * busy,
 			       steps, mean_step, n_cap);
 			if (sd.n)

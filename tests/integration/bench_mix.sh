@@ -5,7 +5,8 @@
 # inside its range; a --lengths file gives exactly its pairs; a bad line of
 # it is refused with file:line and what is wrong, before any daemon starts;
 # the JSON has the step-token and KV-occupancy distribution, ordered and in
-# range; a fixed length keeps every request at it.
+# range; a fixed length keeps every request at it; the bound's model counts
+# the experts and KV cache the daemon runs (fp8 ones with their scales).
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
@@ -26,6 +27,8 @@ serve "$tmp/c.json" --prompt-len 4:48 --gen-len 1:24 --seed 8 --requests 600
 printf '# prompt gen\n10 3\n\n40 1\n  7\t12\n' >"$tmp/pairs"
 serve "$tmp/f.json" --lengths "$tmp/pairs" --requests 7
 serve "$tmp/x.json" --prompt-len 16 --gen-len 5 --requests 40
+serve "$tmp/q.json" --prompt-len 16 --gen-len 5 --requests 8 \
+	--daemon-arg=--weight-dtype=fp8 --daemon-arg=--kv-dtype=fp8
 python3 - "$tmp" <<'PY' || fail "JSON: $(head -c 600 "$tmp/a.json")"
 import json, sys
 d = {k: json.load(open(f"{sys.argv[1]}/{k}.json")) for k in "abcfx"}
@@ -60,6 +63,20 @@ for r in (a, c, x):
     t, k = s["step_tokens"], s["kv_occupancy"]
     assert 1 <= t["min"] <= t["p10"] <= t["p50"] <= t["p90"] <= r["step_token_cap"], s
     assert 0 < k["min"] <= k["p10"] <= k["p50"] <= k["p90"] <= 1, s
+# the bound's model is the daemon's: bf16 experts and KV as the file has
+# them, then fp8 experts quantized at load (a byte an element, a scale a
+# row of each matrix, every piece rounded up to 16 bytes) and an fp8 KV
+# cache (a byte an element, a scale a row of K and of V)
+q = json.load(open(f"{sys.argv[1]}/q.json"))
+assert q["requests_ok"] == q["requests"], q
+cfg = json.load(open(f"{sys.argv[1]}/m/config.json"))
+H, I, nkv, hd = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_key_value_heads", "head_dim"))
+p16 = lambda n: (n + 15) // 16 * 16
+assert x["bound_model"] == {"expert_dtype": "BF16", "expert_bytes": 3 * H * I * 2,
+                            "kv_dtype": "BF16", "kv_token_bytes": 2 * nkv * hd * 2}, x["bound_model"]
+assert q["bound_model"] == {"expert_dtype": "F8_E4M3",
+                            "expert_bytes": 3 * p16(H * I) + 2 * p16(4 * I) + p16(4 * H),
+                            "kv_dtype": "F8_E4M3", "kv_token_bytes": 2 * nkv * hd + 2 * nkv * 4}, q["bound_model"]
 # at least one run saw steps (10 reads a second over runs of ~1 s)
 assert sum(r["steps_sampled"]["steps"] for r in (a, b, c)) > 0, [r["steps_sampled"] for r in (a, b, c)]
 PY
