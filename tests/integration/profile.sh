@@ -77,9 +77,12 @@ ctl profile --prompt-len >/dev/null 2>&1; [ $? -eq 2 ] || fail "--prompt-len wit
 ctl profile --gen-len 0 2>"$tmp/err"; [ $? -eq 1 ] || fail "gen_len 0: not refused"
 grep -q "gen_len" "$tmp/err" || fail "gen_len 0 message: $(cat "$tmp/err")"
 
-# a connection's later requests wait for its profile and are answered in order
+# a connection's later requests wait for its profile and are answered in
+# order; ops_raw listens for twice two profiles' time as measured above (a
+# sanitizer build's profile takes seconds), at least 4 s
+wait_ms=$(awk -v s="$(jfield seconds <"$tmp/p.json")" 'BEGIN { w = int(4000 * s) + 4000; print (w > 4000 ? w : 4000) }')
 printf '{"cmd":"profile","gen_len":8}\n{"cmd":"profile","gen_len":9}\n{"cmd":"log-level"}\n' |
-	"$raw" "unix:$tmp/c.sock" 4000 >"$tmp/r"
+	"$raw" "unix:$tmp/c.sock" "$wait_ms" >"$tmp/r"
 [ "$(wc -l <"$tmp/r")" = 3 ] || fail "three requests, replies: $(cat "$tmp/r")"
 sed -n 1p "$tmp/r" | grep -q '"gen_len": *8' || fail "first reply: $(sed -n 1p "$tmp/r")"
 sed -n 2p "$tmp/r" | grep -q '"gen_len": *9' || fail "second reply: $(sed -n 2p "$tmp/r")"
