@@ -53,7 +53,7 @@ static int check_act(const struct mlens_cfg_ctx *c, json_t *ffn)
 
 /* ffn_config.moe_normalize_expert_weights: the p of the p-norm the top-k
  * weights are divided by. 1 (DBRX's) is the renormalisation the router op
- * does; none or another p is not implemented. */
+ * does; null or another p is refused with the value named. */
 static int check_normalize(const struct mlens_cfg_ctx *c, json_t *ffn)
 {
 	json_t *v = ffn ? json_object_get(ffn, "moe_normalize_expert_weights") : NULL;

@@ -288,6 +288,13 @@ def load(d, dtype):
     return MixtralForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager").eval()
 
 
+def write_golden_json(d, js):
+    """The fixture's golden.json, as every writer lays it out."""
+    with open(os.path.join(d, "golden.json"), "w") as f:
+        json.dump(js, f, indent=1)
+        f.write("\n")
+
+
 def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None, model=None,
                   reference_note=None):
     """model: the reference model when it is not the folder's files as
@@ -332,9 +339,7 @@ def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None, model=Non
                   "before position %d, where fast-mode checks stop (%d greedy steps compared)"
                   % (js["name"], n, max(shift[:cut] or [0.0]), cut, max(cut - (len(p) - 1), 0)))
     print("  %s: router min top-k gap %.3g (fp32 runs)" % (js["name"], watch.min_gap))
-    with open(os.path.join(d, "golden.json"), "w") as f:
-        json.dump(js, f, indent=1)
-        f.write("\n")
+    write_golden_json(d, js)
     return ref
 
 

@@ -13,7 +13,6 @@ OUTDIR defaults to the directory of this script. Deterministic: fixed seeds,
 float32, eager attention, CPU, one thread. Also writes files_dbrx.mk, the
 list of these fixtures' files that tests/golden.mk ships.
 """
-import json
 import os
 import shutil
 import sys
@@ -169,9 +168,7 @@ def write_fixture(d, spec, seed, prompts):
           % (js["name"], watch.min_gap, 100.0 * js["clip_fraction"]))
     if spec["must_clip"] and watch.clipped == 0:
         sys.exit("%s: clip_qkv clamps nothing; make it smaller" % js["name"])
-    with open(os.path.join(d, "golden.json"), "w") as f:
-        json.dump(js, f, indent=1)
-        f.write("\n")
+    mg.write_golden_json(d, js)
 
 
 def main():

@@ -11,7 +11,6 @@ Usage (from the source root):  python3 tests/golden/make_golden_families.py [OUT
 It also writes files_families.mk, the list of these fixtures' files that
 tests/golden.mk ships. Deterministic, as make_golden.py.
 """
-import json
 import os
 import shutil
 import sys
@@ -113,9 +112,7 @@ def write_fixture(d, spec, cls, prompts):
                  mg.N_GEN, min(r["margin"])))
     js["router_min_gap"] = watch.min_gap
     print("  %s: router min top-k gap %.3g" % (js["name"], watch.min_gap))
-    with open(os.path.join(d, "golden.json"), "w") as f:
-        json.dump(js, f, indent=1)
-        f.write("\n")
+    mg.write_golden_json(d, js)
 
 
 def main():
