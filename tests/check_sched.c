@@ -1186,6 +1186,21 @@ START_TEST(mix_keeps_steps_full)
 }
 END_TEST
 
+/* KV ample, prompts up to nearly the cap: one that waited its turn goes
+ * in place of some decode tokens (put off a step) instead of waiting for
+ * the batch to drain below cap - prompt, so no run of small steps while
+ * requests wait; all finish, none evicted. */
+START_TEST(mix_long_prompts_take_decodes_place)
+{
+	struct mix_run mr;
+	mix_run(&mr, 2000, 68, 0, 200, 2, 64, 1, 48);
+	ck_assert_int_eq(mr.done, 200);
+	ck_assert_msg(mr.steady_fill >= 0.9, "steady fill %.3f", mr.steady_fill);
+	ck_assert_int_le(mr.max_small_run, 1);
+	ck_assert_int_eq(mr.preemptions, 0);
+}
+END_TEST
+
 /* A tight pool with a one-step reserve: growth evicts sequences, but one
  * brought back is not evicted again within a few steps, and evictions
  * stay few; all finish. */
@@ -1263,6 +1278,7 @@ static Suite *sched_suite(void)
 	tcase_add_test(tc, lowered_kv_quota_fails_waiting);
 	tcase_add_test(tc, worker_snapshot_after_command);
 	tcase_add_test(tc, mix_keeps_steps_full);
+	tcase_add_test(tc, mix_long_prompts_take_decodes_place);
 	tcase_add_test(tc, mix_preemption_no_thrash);
 	tcase_add_test(tc, mix_long_prompt_not_starved);
 	suite_add_tcase(s, tc);

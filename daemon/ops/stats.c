@@ -87,6 +87,8 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 	json_object_set_new(o, "requests_failed_total", json_integer((json_int_t)st->requests_failed));
 	json_object_set_new(o, "preemptions_total", json_integer((json_int_t)st->preemptions));
 	json_object_set_new(o, "repreemptions_total", json_integer((json_int_t)st->repreemptions));
+	json_object_set_new(o, "steps_short_total", json_integer((json_int_t)st->steps_short));
+	json_object_set_new(o, "decodes_deferred_total", json_integer((json_int_t)st->decodes_deferred));
 	json_object_set_new(o, "prompt_tokens_total", json_integer((json_int_t)st->prompt_tokens));
 	json_object_set_new(o, "generation_tokens_total", json_integer((json_int_t)st->generated_tokens));
 	json_object_set_new(o, "kv_blocks_used", json_integer(snap->kv_blocks_used));
@@ -250,6 +252,12 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	prom_head(b, "mlens_repreemptions_total", "counter",
 		  "Of the preemptions, those of a sequence a few steps after it came back from one.");
 	evbuffer_add_printf(b, "mlens_repreemptions_total %llu\n", (unsigned long long)st->repreemptions);
+	prom_head(b, "mlens_steps_short_total", "counter",
+		  "Steps that carried under half the token cap while requests waited.");
+	evbuffer_add_printf(b, "mlens_steps_short_total %llu\n", (unsigned long long)st->steps_short);
+	prom_head(b, "mlens_decodes_deferred_total", "counter",
+		  "Decode tokens put off a step so that a prompt that had waited long fit the token cap.");
+	evbuffer_add_printf(b, "mlens_decodes_deferred_total %llu\n", (unsigned long long)st->decodes_deferred);
 	prom_head(b, "mlens_prompt_tokens_total", "counter", "Prefill tokens computed (re-prefills after preemption included).");
 	evbuffer_add_printf(b, "mlens_prompt_tokens_total %llu\n", (unsigned long long)st->prompt_tokens);
 	PROM_TENANT(b, snap, "mlens_tenant_prompt_tokens_total", "counter", "Prefill tokens computed for a tenant.", prompt_tokens);

@@ -697,13 +697,43 @@ static struct mlens_req *youngest(struct mlens_sched *s)
 	return best;
 }
 
-/* The waiting request to admit next: among tenants under their quotas, the
- * one with the smallest fair-share clock (equal clocks: the one whose
- * request is nearer the queue's head); within it, queue order. Each
- * tenant with waiting requests is asked for its first that may go. */
+/* A tenant's first waiting request that may go this step, if any. */
+static struct mlens_req *tenant_first(const struct mlens_sched *s, const struct mlens_sched_tenant *t,
+				      bool preempted_only)
+{
+	struct mlens_req *r;
+	for (r = t->wait_head; r; r = r->wnext) {
+		if (preempted_only && !r->preempted)
+			continue;
+		if (r->has_pending)
+			continue;	/* its last token must reach the tenant first */
+		if (r->skip_step == s->step_no)
+			continue;	/* this step's admission passed it over */
+		if (t->quota.max_kv_blocks &&
+		    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) > t->quota.max_kv_blocks)
+			continue;
+		break;
+	}
+	return r;
+}
+
+/* The waiting request to admit next: one passed over MAX_PASSED_OVER
+ * steps first (whatever its tenant's clock: it goes before the step
+ * fills); else among tenants under their quotas, the one with the
+ * smallest fair-share clock (equal clocks: the one whose request is
+ * nearer the queue's head); within it, queue order. Each tenant with
+ * waiting requests is asked for its first that may go. */
 static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
 {
 	struct mlens_req *best = NULL;
+	for (struct mlens_sched_tenant *t = s->wt_head; t; t = t->wt_next) {
+		struct mlens_req *r;
+		if (t->quota.max_running && t->running >= t->quota.max_running)
+			continue;
+		r = tenant_first(s, t, preempted_only);
+		if (r && r->passed_over >= MAX_PASSED_OVER)
+			return r;
+	}
 	for (struct mlens_sched_tenant *t = s->wt_head; t; t = t->wt_next) {
 		struct mlens_req *r;
 		/* a tenant at one of its quotas waits; the others go on */
@@ -712,19 +742,7 @@ static struct mlens_req *pick(struct mlens_sched *s, bool preempted_only)
 		if (best && (t->vtime > best->t->vtime ||
 			     (t->vtime == best->t->vtime && t->wait_head->wseq > best->wseq)))
 			continue;	/* its first could not win */
-		for (r = t->wait_head; r; r = r->wnext) {
-			if (preempted_only && !r->preempted)
-				continue;
-			if (r->has_pending)
-				continue;	/* its last token must reach the tenant first */
-			if (r->skip_step == s->step_no)
-				continue;	/* this step's admission passed it over */
-			if (t->quota.max_kv_blocks &&
-			    t->kv_blocks + mlens_kv_blocks_for(s->kv, r->n_prompt + r->n_gen) >
-				    t->quota.max_kv_blocks)
-				continue;
-			break;
-		}
+		r = tenant_first(s, t, preempted_only);
 		if (r && (!best || t->vtime < best->t->vtime ||
 			  (t->vtime == best->t->vtime && r->wseq < best->wseq)))
 			best = r;
@@ -839,11 +857,49 @@ static int32_t remaining(const struct mlens_sched *s, const struct mlens_req *r,
 	return rem > 0 ? rem : 0;
 }
 
+/* Whether a prefill of want tokens fits the step's token cap beside the
+ * tokens already in it. One that has waited MAX_PASSED_OVER steps, or
+ * one the step takes because it would otherwise carry under half the cap
+ * (force), may also take the place of up to n_dec of the step's decode
+ * tokens (they go in the next step, their KV kept): otherwise it would
+ * wait for the running batch to drain below cap - want, every step of
+ * the drain small while the queue holds work. */
+static bool cap_fits(const struct mlens_req *r, int over, int n_dec, bool force)
+{
+	return over <= 0 || ((force || r->passed_over >= MAX_PASSED_OVER) && over <= n_dec);
+}
+
+/* The admission reserve's demand (sign +1) with the step's decode entries
+ * [i0, i1) put off a step: counted as they stand, a step later than
+ * it had them; sign -1 undoes it. */
+static void demand_defer(struct mlens_sched *s, int i0, int i1, int sign)
+{
+	for (int i = i0; i < i1 && !s->reserve; i++) {
+		const struct mlens_req *r = s->sreq[i];
+		demand_add(s, s->demand, r->seq.len + 1, remaining(s, r, r->n_gen + 1), -sign);
+		demand_add(s, s->demand, r->seq.len, remaining(s, r, r->n_gen), sign);
+	}
+}
+
+/* Take the last k of the step's n_dec decode entries (its first ones) out
+ * of the step (demand_defer counted them); the entries after them move
+ * up. */
+static void defer_decodes(struct mlens_sched *s, int k, int *n, int *n_dec)
+{
+	int from = *n_dec, to = *n_dec - k, tail = *n - *n_dec;
+	memmove(&s->ereq[to], &s->ereq[from], (size_t)tail * sizeof(*s->ereq));
+	memmove(&s->sreq[to], &s->sreq[from], (size_t)tail * sizeof(*s->sreq));
+	memmove(&s->blocks_before[to], &s->blocks_before[from], (size_t)tail * sizeof(*s->blocks_before));
+	*n -= k;
+	*n_dec -= k;
+	s->st.decodes_deferred += (uint64_t)k;
+}
+
 int mlens_sched_step(struct mlens_sched *s)
 {
 	struct mlens_req *r;
 	uint32_t need = 0, free_blocks;
-	int n = 0, tokens = 0, rc;
+	int n = 0, n_dec, tokens = 0, rc;
 	double t0;
 
 	s->step_no++;
@@ -880,6 +936,7 @@ int mlens_sched_step(struct mlens_sched *s)
 		n++;
 		tokens++;
 	}
+	n_dec = n;
 	free_blocks = mlens_kv_pool_free_blocks(s->kv) - need;
 	/* the running sequences' demand over the horizon: the ones in this
 	 * step after their token, the ones waiting for their tenant as they
@@ -903,18 +960,35 @@ int mlens_sched_step(struct mlens_sched *s)
 	 * step stays full while long prompts wait for room (from the first
 	 * step, sized by the token cap, to the last prefills of the queue),
 	 * until it has been passed over MAX_PASSED_OVER steps: then nothing
-	 * behind it goes before it (none starves). */
+	 * behind it goes before it (none starves). Where the token cap is
+	 * what holds a request back, it goes in place of some of the step's
+	 * decode tokens once it has waited so long, or at once when the step
+	 * would otherwise carry under half the cap (cap_fits). */
 	{
 		uint32_t running_after = s->running.n;
 		int passes = 0;
-		while ((r = pick(s, s->preempt_mode))) {
+		/* the first request passed over for the cap this step, taken
+		 * at the end (force) if the step is still under half the cap */
+		struct mlens_req *held = NULL;
+		bool force = false;
+		for (;;) {
+			if (!(r = pick(s, s->preempt_mode)) && held && !force && 2 * tokens < s->cap)
+				r = held, force = true;
+			if (!r)
+				break;
 			int32_t len = r->n_prompt + r->n_gen, rem = remaining(s, r, r->n_gen + 1);
 			uint32_t blocks = mlens_kv_blocks_for(s->kv, len);
 			int64_t reserve, own = 0;
 			/* back from the swap file: one decode token, its KV read in */
 			bool swapped = r->swap_slots != NULL;
-			bool fits = tokens + (swapped ? 1 : len) <= s->cap;
+			/* the decode tokens it takes the place of, if any */
+			int over = tokens + (swapped ? 1 : len) - s->cap;
+			bool fits = cap_fits(r, over, n_dec, force);
+			if (!fits && !held)
+				held = r;
 			if (fits) {
+				if (over > 0)
+					demand_defer(s, n_dec - over, n_dec, +1);
 				if (!s->reserve)
 					demand_add(s, s->demand, len, rem, +1);
 				reserve = s->reserve ? (int64_t)s->reserve : demand_peak(s, s->demand);
@@ -927,20 +1001,27 @@ int mlens_sched_step(struct mlens_sched *s)
 					int rc2 = swap_in(s, r, len, (int64_t)len + rem);
 					if (rc2 < 0)
 						fits = false;
-					else if (rc2)	/* the read failed: a re-prefill, if the cap allows */
-						swapped = false, fits = tokens + len <= s->cap;
+					else if (rc2)	/* the read failed: a re-prefill, if the cap allows
+							 * without putting off more decodes */
+						swapped = false, fits = tokens + len - s->cap <= (over > 0 ? over : 0);
 				}
 				if (fits && !swapped)
 					fits = !mlens_seq_reserve_grow(s->kv, &r->seq, len, (int64_t)len + rem);
 				if (!fits && !s->reserve)
 					demand_add(s, s->demand, len, rem, -1);
+				if (!fits && over > 0)
+					demand_defer(s, n_dec - over, n_dec, -1);
 			}
 			if (!fits) {
-				if (r->passed_over >= MAX_PASSED_OVER || ++passes > MAX_PASSES)
+				if (force || r->passed_over >= MAX_PASSED_OVER || ++passes > MAX_PASSES)
 					break;
 				r->passed_over++;
 				r->skip_step = s->step_no;
 				continue;
+			}
+			if (over > 0) {
+				defer_decodes(s, over, &n, &n_dec);
+				tokens -= over;
 			}
 			r->passed_over = 0;
 			if (r->preempted)
@@ -985,6 +1066,8 @@ int mlens_sched_step(struct mlens_sched *s)
 	s->st.steps++;
 	s->st.last_step_tokens = (uint32_t)tokens;
 	s->st.last_step_seqs = (uint32_t)n;
+	if (s->waiting.n && 2 * (int64_t)tokens < s->cap)
+		s->st.steps_short++;
 	if (rc) {
 		for (int i = 0; i < n; i++) {
 			s->sreq[i]->t->kv_blocks += s->sreq[i]->seq.n_blocks - s->blocks_before[i];

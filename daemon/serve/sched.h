@@ -2,7 +2,9 @@
  * the two modes. Normal: every running decode sequence, then prefills up to
  * the step's token cap while KV blocks allow, keeping a reserve for growth;
  * a prompt that does not fit lets shorter ones behind it fill the step, for
- * a bounded number of steps. Preemption: when the running sequences' next
+ * a bounded number of steps; one the token cap holds back then goes in
+ * place of some decode tokens, which wait a step (so does one a step would
+ * otherwise carry under half the cap without). Preemption: when the running sequences' next
  * tokens need more blocks than are free, admit nothing and evict the
  * youngest running sequences (their KV freed, requeued at the head of the
  * queue to re-prefill prompt + generated tokens); one comes back once its
@@ -146,6 +148,11 @@ struct mlens_sched_stats {
 	/* of which evictions of a request soon (a few steps) after it came
 	 * back from one: KV thrash, which admission and eviction avoid */
 	uint64_t repreemptions;
+	/* steps that carried under half the token cap while requests waited
+	 * (KV, quotas or the admission rules held them back), and decode
+	 * tokens put off a step so that a long-waiting prompt fit the cap */
+	uint64_t steps_short;
+	uint64_t decodes_deferred;
 	uint64_t prompt_tokens;		/* prefill tokens computed, re-prefills included */
 	uint64_t generated_tokens;
 	uint64_t requests_done;
