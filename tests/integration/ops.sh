@@ -137,6 +137,7 @@ curl -sf "http://127.0.0.1:$port/metrics" >"$tmp/metrics" || fail "GET /metrics"
 [ "$(metric mlens_steps_total)" = "$(metric mlens_step_seconds_count)" ] || fail "step summary count"
 [ "$(metric mlens_bad_entries_total)" = 0 ] || fail "bad entries"
 for name in mlens_requests_running mlens_requests_waiting mlens_preemptions_total mlens_repreemptions_total \
+	mlens_steps_short_total mlens_decodes_deferred_total \
 	mlens_prompt_tokens_total \
 	mlens_generation_tokens_total mlens_kv_blocks_used mlens_kv_blocks_total mlens_kv_room_taken_total \
 	mlens_steps_total mlens_tenants \
