@@ -17,6 +17,9 @@ TESTS += tests/integration/bench_stop.sh
 # mlens-bench serve with mixed lengths: ranges, a lengths file, the step distribution
 dist_check_SCRIPTS += tests/integration/bench_mix.sh
 TESTS += tests/integration/bench_mix.sh
+# the scheduler keeps steps full through a mixed job; serve's job sizing (--pool-fulls)
+dist_check_SCRIPTS += tests/integration/sched_ramp.sh
+TESTS += tests/integration/sched_ramp.sh
 # mlens-bench ops: one engine step op by op (CPU backend)
 dist_check_SCRIPTS += tests/integration/bench_ops.sh
 TESTS += tests/integration/bench_ops.sh

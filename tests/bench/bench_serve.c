@@ -52,6 +52,7 @@ struct serve_opts {
 	const char *daemon_args[MAX_DAEMON_ARGS];
 	int n_daemon_args;
 	int prompt_len, gen_len, requests, concurrency, threads, max_step_tokens;
+	int pool_fulls;		/* --pool-fulls: requests = that many KV pools' worth; 0: --requests */
 	/* the lengths' ranges (lo == hi: fixed) and the pairs of --lengths */
 	int prompt_lo, prompt_hi, gen_lo, gen_hi;
 	const char *lengths_file;
@@ -168,11 +169,12 @@ static int daemon_start(struct daemon_proc *d, const struct serve_opts *o)
 	argv[n++] = "--kv-cache";
 	argv[n++] = o->kv_cache;
 	/* every client thread is one tenant: let each run and queue its
-	 * whole share (a tenant's queue holds 1024 by default) */
+	 * whole share (a tenant's queue holds 1024 by default; the share is
+	 * known only once the KV pool is when --concurrency is left to it) */
 	argv[n++] = "--quota-running";
 	argv[n++] = "0";
-	snprintf(queued, sizeof(queued), "%d", o->concurrency / o->threads + 1 > 1024 ?
-		 o->concurrency / o->threads + 1 : 1024);
+	snprintf(queued, sizeof(queued), "%d", !o->concurrency ? 1 << 20 :
+		 o->concurrency / o->threads + 1 > 1024 ? o->concurrency / o->threads + 1 : 1024);
 	argv[n++] = "--quota-queued";
 	argv[n++] = queued;
 	if (o->gpu_memory) {
@@ -480,6 +482,21 @@ static int make_lengths(struct serve_opts *o)
 	free(fg);
 	free(fl);
 	return 0;
+}
+
+/* The longest request (prompt and generation) and its index, and
+ * prompt_hi raised to the longest prompt (the prompt buffer's size). */
+static void note_longest(struct serve_opts *o, int *max_total, int *max_i)
+{
+	*max_total = *max_i = 0;
+	for (int i = 0; i < o->requests; i++) {
+		if (o->req_p[i] > o->prompt_hi)
+			o->prompt_hi = o->req_p[i];
+		if (o->req_p[i] + o->req_g[i] > *max_total) {
+			*max_total = o->req_p[i] + o->req_g[i];
+			*max_i = i;
+		}
+	}
 }
 
 /* The requests' moments at blocks of block_tokens (perfmodel.h). */
@@ -1075,7 +1092,7 @@ static void usage(FILE *f)
 		"usage: mlens-bench serve --model DIR [--mlensd PATH] [--backend auto|cpu|cuda]\n"
 		"       [--kv-cache SIZE] [--gpu-memory SIZE] [--max-step-tokens N] [--daemon-arg ARG]...\n"
 		"       [--prompt-len P|LO:HI] [--gen-len G|LO:HI] [--lengths FILE] [--seed S]\n"
-		"       [--requests N] [--concurrency C] [--threads T]\n"
+		"       [--requests N | --pool-fulls N] [--concurrency C] [--threads T]\n"
 		"       [--start-timeout S] [--timeout S] [--keep-log] [--daemon-log FILE] [--predict]\n"
 		"       [--no-ceilings] [--json]\n"
 		"  --keep-log: keep the daemon's temporary directory and log (kept anyway on failure)\n"
@@ -1086,7 +1103,9 @@ static void usage(FILE *f)
 		"             print it beside the whole-run and steady-state measurements\n"
 		"  --no-ceilings: skip the CUDA ceilings measured before the daemon starts\n"
 		"  --prompt-len/--gen-len LO:HI: each request's length drawn log-uniform in [LO, HI]\n"
-		"             (from --seed); --lengths FILE: one \"P G\" a line, requests in turn\n");
+		"             (from --seed); --lengths FILE: one \"P G\" a line, requests in turn\n"
+		"  --pool-fulls N: N KV pools' worth of requests of the mix (instead of --requests)\n"
+		"  --concurrency C: requests in flight (default: two KV pools' worth of the mix)\n");
 }
 
 static json_t *jnum_or_null(double x)
@@ -1298,12 +1317,12 @@ int mlens_bench_serve(int argc, char **argv)
 		{ "start-timeout", 1, 0, 'S' }, { "timeout", 1, 0, 'T' }, { "keep-log", 0, 0, 'K' },
 		{ "daemon-log", 1, 0, 'L' }, { "lengths", 1, 0, 'l' }, { "seed", 1, 0, 'e' },
 		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "no-ceilings", 0, 0, 'N' },
-		{ "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
+		{ "pool-fulls", 1, 0, 'f' }, { "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
 	};
 	struct serve_opts o = {
 		.backend = "auto", .kv_cache = "1G", .prompt_lo = 512, .prompt_hi = 512, .gen_lo = 128,
 		.gen_hi = 128, .requests = 256,
-		.concurrency = 256, .threads = 4, .start_timeout = 600, .run_timeout = 3600,
+		.concurrency = 0, .threads = 4, .start_timeout = 600, .run_timeout = 3600,
 	};
 	struct daemon_proc d = { 0 };
 	struct serve_run run = { 0 };
@@ -1332,13 +1351,14 @@ int mlens_bench_serve(int argc, char **argv)
 	struct mlens *probe = NULL;
 	struct mlens_limits lim = { .size = sizeof(lim) };
 	struct mlens_perf_mix mix, mix_b;	/* the requests' lengths, in tokens and in KV blocks */
-	double p, g, L, kv_blocks = 0;
+	double p, g, L, kv_blocks = 0, pool_seqs = 0;
+	bool concurrency_auto = false;
 	int max_total = 0, max_i = 0;
 
 	optind = 1;
 	while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
 		long long v = 0;
-		if (strchr("nctsSTe", opt)) {
+		if (strchr("nctsSTef", opt)) {
 			v = mlens_bench_parse_count(optarg);
 			if (v < 0 || v > 1 << 30) {
 				fprintf(stderr, "serve: bad number '%s'\n", optarg);
@@ -1371,6 +1391,14 @@ int mlens_bench_serve(int argc, char **argv)
 		case 'e': o.seed = (uint64_t)v; break;
 		case 'n': o.requests = (int)v; break;
 		case 'c': o.concurrency = (int)v; break;
+		case 'f':
+			if (v < 1) {
+				fprintf(stderr, "serve: --pool-fulls '%s': give a whole number of KV pools, 1 or more\n",
+					optarg);
+				return 2;
+			}
+			o.pool_fulls = (int)v;
+			break;
 		case 't': o.threads = (int)v; break;
 		case 'S': o.start_timeout = (double)v; break;
 		case 'T': o.run_timeout = (double)v; break;
@@ -1383,20 +1411,13 @@ int mlens_bench_serve(int argc, char **argv)
 		default: usage(stderr); return 2;
 		}
 	}
-	if (!o.model || o.requests < 1 || o.concurrency < 1 || o.threads < 1 || o.run_timeout < 1) {
+	if (!o.model || o.requests < 1 || o.concurrency < 0 || o.threads < 1 || o.run_timeout < 1) {
 		usage(stderr);
 		return 2;
 	}
 	if (make_lengths(&o))
 		return 2;
-	for (int i = 0; i < o.requests; i++) {
-		if (o.req_p[i] > o.prompt_hi)
-			o.prompt_hi = o.req_p[i];	/* the prompt buffer's size */
-		if (o.req_p[i] + o.req_g[i] > max_total) {
-			max_total = o.req_p[i] + o.req_g[i];
-			max_i = i;
-		}
-	}
+	note_longest(&o, &max_total, &max_i);
 	if (lengths_mix(&o, 1, &mix)) {
 		fprintf(stderr, "serve: out of memory\n");
 		return 2;
@@ -1404,7 +1425,7 @@ int mlens_bench_serve(int argc, char **argv)
 	/* the means: one (p, g) where a figure needs one (a fixed length's own) */
 	o.prompt_len = (int)lround(mix.prompt);
 	o.gen_len = (int)lround(mix.gen);
-	if (o.threads > o.concurrency)
+	if (o.concurrency && o.threads > o.concurrency)
 		o.threads = o.concurrency;
 	if (mlens_model_open(o.model, &model, err, sizeof(err))) {
 		fprintf(stderr, "serve: %s\n", err);
@@ -1455,6 +1476,48 @@ int mlens_bench_serve(int argc, char **argv)
 
 	if (daemon_start(&d, &o))
 		goto out;
+	/* the KV pool in requests of this mix: --pool-fulls and the default
+	 * concurrency count in it */
+	status = socket_json(d.control, "{\"cmd\":\"status\"}\n");
+	st0 = socket_json(d.stats, NULL);
+	if (!status || !st0) {
+		fprintf(stderr, "serve: the daemon's control or stats socket did not answer\n");
+		goto out;
+	}
+	block_tokens = jnum(json_object_get(json_object_get(status, "budgets"), "kv_cache"), "block_tokens");
+	if (!(block_tokens >= 1))
+		block_tokens = 16;
+	if (lengths_mix(&o, (int)block_tokens, &mix_b)) {
+		fprintf(stderr, "serve: out of memory\n");
+		goto out;
+	}
+	pool_seqs = jnum(st0, "kv_blocks_total") / mlens_perf_mix_seq_blocks(&mix_b);
+	if (!(pool_seqs >= 1))
+		pool_seqs = 1;
+	if (o.pool_fulls) {
+		/* the same seed draws the same first requests, and as many more */
+		double n = ceil(o.pool_fulls * pool_seqs);
+		free(o.req_p);
+		free(o.req_g);
+		free(o.req_line);
+		o.requests = n > 1 << 30 ? 1 << 30 : (int)n;
+		if (make_lengths(&o) || lengths_mix(&o, 1, &mix))
+			goto out;
+		note_longest(&o, &max_total, &max_i);
+		o.prompt_len = (int)lround(mix.prompt);
+		o.gen_len = (int)lround(mix.gen);
+		p = mix.prompt;
+		g = mix.gen;
+	}
+	if (!o.concurrency) {
+		/* two pools' worth in flight: a finished request's replacement
+		 * is queued before its blocks are free, so the pool stays full */
+		double c = ceil(2 * pool_seqs);
+		o.concurrency = c < o.requests ? (int)c : o.requests;
+		concurrency_auto = true;
+	}
+	if (o.threads > o.concurrency)
+		o.threads = o.concurrency;
 	if (mlens_open(d.sock, "bench-limits", &probe) || mlens_limits(probe, &lim)) {
 		fprintf(stderr, "serve: cannot read the daemon's limits\n");
 		goto out;
@@ -1475,13 +1538,11 @@ int mlens_bench_serve(int argc, char **argv)
 			o.req_p[max_i], o.req_g[max_i], lim.max_prompt_tokens, lim.max_context);
 		goto out;
 	}
-	status = socket_json(d.control, "{\"cmd\":\"status\"}\n");
 	/* the bounds count the experts and KV the daemon runs, not the file's */
 	if (!status || serve_perf_model(&pm, &model->cfg, status, err, sizeof(err))) {
 		fprintf(stderr, "serve: %s\n", status ? err : "the control socket did not answer status");
 		goto out;
 	}
-	st0 = socket_json(d.stats, NULL);
 	run.o = &o;
 	run.sock = d.sock;
 	run.vocab = lim.vocab_size;
@@ -1549,9 +1610,6 @@ int mlens_bench_serve(int argc, char **argv)
 	 * queued or was waited for: an upper bound of the GPU's busy time. */
 	busy = st1 ? (jnum(st1, "step_seconds_sum") - jnum(st0, "step_seconds_sum")) / wall : 0.0;
 	hybrid = !strcmp(jstr(status, "mode", ""), "hybrid");
-	block_tokens = jnum(json_object_get(json_object_get(status, "budgets"), "kv_cache"), "block_tokens");
-	if (!(block_tokens >= 1))
-		block_tokens = 16;
 	kv_tokens = (st1 ? jnum(st1, "kv_blocks_total") : 0.0) * block_tokens;
 	if (lengths_mix(&o, (int)block_tokens, &mix_b)) {
 		fprintf(stderr, "serve: out of memory\n");
@@ -1683,6 +1741,20 @@ int mlens_bench_serve(int argc, char **argv)
 		/* of which a sequence's again, soon after it came back: KV thrash */
 		json_object_set_new(out, "repreemptions", jnum_or_null(jopt(st1, "repreemptions_total") -
 								       jopt(st0, "repreemptions_total")));
+		/* steps under half the cap while requests waited, and decodes put
+		 * off a step for a long-waiting prompt (null from an older daemon) */
+		json_object_set_new(out, "steps_short", jnum_or_null(jopt(st1, "steps_short_total") -
+								     jopt(st0, "steps_short_total")));
+		json_object_set_new(out, "decodes_deferred", jnum_or_null(jopt(st1, "decodes_deferred_total") -
+									  jopt(st0, "decodes_deferred_total")));
+		/* the job's shape: its size in KV pools, where the in-flight
+		 * count came from, and the ramp before and the drain after the
+		 * steady window */
+		json_object_set_new(out, "pool_sequences", json_real(pool_seqs));
+		json_object_set_new(out, "pool_fulls", o.pool_fulls ? json_integer(o.pool_fulls) : json_null());
+		json_object_set_new(out, "concurrency_from", json_string(concurrency_auto ? "kv pool" : "flag"));
+		json_object_set_new(out, "ramp_up_s", jnum_or_null(sw.have ? sw.t_start : NAN));
+		json_object_set_new(out, "drain_s", jnum_or_null(sw.have ? wall - sw.t_end : NAN));
 		json_object_set_new(out, "achieved", json_pack("{s:o,s:o,s:o,s:o,s:s,s:o,s:o}",
 			"pcie_h2d_gb_per_s", jnum_or_null(pcie_gbs), "cpu_attention_gb_per_s", jnum_or_null(attn_gbs),
 			"cpu_attention_only_gb_per_s", jnum_or_null(attn_only_gbs),
@@ -1812,10 +1884,24 @@ int mlens_bench_serve(int argc, char **argv)
 			printf("%-26s %llu prompt, %llu generated in %.2f s\n", "tokens",
 			       (unsigned long long)prompt_tok, (unsigned long long)gen, wall);
 			printf("%-26s %.1f generated, %.1f total\n", "tokens/s (whole run)", gen_tps, tot_tps);
-			if (sw.have)
+			if (sw.have) {
 				printf("%-26s %.1f generated, %.1f total (%.2f .. %.2f s)%s\n", "tokens/s (steady)",
 				       sw.gen_tps, sw.total_tps, sw.t_start, sw.t_end,
 				       sw.short_window ? ": short, less than one generation" : "");
+				printf("%-26s %.2f s ramp-up, %.2f s drain of %.2f s\n", "ramp-up, drain", sw.t_start,
+				       wall - sw.t_end, wall);
+			}
+			printf("%-26s %.2f pool-fulls of %.0f requests (%d in flight%s)\n", "job",
+			       o.requests / pool_seqs, pool_seqs, o.concurrency,
+			       concurrency_auto ? ": two pools' worth" : "");
+			{
+				char a[32], b[32];
+				printf("%-26s %s short steps (under half the cap while requests waited), %s decodes "
+				       "deferred\n", "admission", fmt_num(a, sizeof(a), 0, jopt(st1, "steps_short_total") -
+								      jopt(st0, "steps_short_total")),
+				       fmt_num(b, sizeof(b), 0, jopt(st1, "decodes_deferred_total") -
+							   jopt(st0, "decodes_deferred_total")));
+			}
 			printf("%-26s p50 %.3f s, p99 %.3f s\n", "time to first token",
 			       percentile(ttft, n_ttft, 50), percentile(ttft, n_ttft, 99));
 			printf("%-26s experts %s (%llu bytes each), KV %s (%llu bytes a token and layer)\n",
