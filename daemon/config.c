@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "daemon/config.h"
+#include "kernels/backend.h"
 #include "daemon/infile.h"
 
 /* T_ENUM: a string that must be one of the words of arg ("a|b|c"). */
@@ -550,4 +551,17 @@ void mlens_config_dump(const struct mlens_config *c, FILE *f)
 		case T_DOUBLE: fprintf(f, "%g\n", *(const double *)p); break;
 		}
 	}
+}
+
+void mlens_config_backend_opts(const struct mlens_config *c, bool f32_model, struct mlens_backend_opts *bo)
+{
+	mlens_gemm_mode_parse(c->gpu_gemm, &bo->gemm);	/* one of its names (config) */
+	/* auto: tensor cores where the fast GEMMs already round activations
+	 * to 16 bits; an fp32 model or exact GEMMs keep fp32 attention */
+	bo->prefill_bf16 = !strcmp(c->gpu_prefill_attention, "bf16") ||
+			   (!strcmp(c->gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST && !f32_model);
+	bo->sm_copy = !strcmp(c->gpu_copy, "sm");
+	bo->fp8_gemm = !strcmp(c->gpu_fp8_gemm, "fp8");
+	bo->moe_streams = (int)c->gpu_moe_streams;
+	mlens_gpu_sync_parse(c->gpu_sync, &bo->sync);	/* one of its names (config) */
 }

@@ -99,6 +99,14 @@ int mlens_parse_gpus(const char *s, int *ids, int max, char *why, size_t whylen)
 /* "64K", "2G", "1.5GiB", "1048576": bytes, or -EINVAL / -ERANGE. */
 int mlens_parse_size(const char *s, uint64_t *out);
 
+struct mlens_backend_opts;
+/* The backend options the gpu_* keys pick for a model (f32_model: its
+ * weights are fp32), as mlensd starts its backend with them: the GEMM
+ * mode, prefill attention (auto: bf16 tensor cores where the GEMMs are
+ * fast and the model 16-bit), copies, fp8 GEMMs, MoE streams and the
+ * host's wait. The threads, device and NUMA fields are left alone. */
+void mlens_config_backend_opts(const struct mlens_config *c, bool f32_model, struct mlens_backend_opts *bo);
+
 /* Write every key and its value (mlensctl status, mlensd --print-config). */
 void mlens_config_dump(const struct mlens_config *c, FILE *f);
 void mlens_config_usage(FILE *f);

@@ -615,16 +615,7 @@ static int step_backend(void)
 
 	bo->n_threads = (int)D.cfg.threads;
 	bo->device = D.cfg.gpu_ids[0];
-	mlens_gemm_mode_parse(D.cfg.gpu_gemm, &bo->gemm);	/* one of its names (config) */
-	/* auto: tensor cores where the fast GEMMs already round activations
-	 * to 16 bits; an fp32 model or exact GEMMs keep fp32 attention */
-	bo->prefill_bf16 = !strcmp(D.cfg.gpu_prefill_attention, "bf16") ||
-			   (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST &&
-			    D.model->cfg.dtype != MLENS_DTYPE_F32);
-	bo->sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
-	bo->fp8_gemm = !strcmp(D.cfg.gpu_fp8_gemm, "fp8");
-	bo->moe_streams = (int)D.cfg.gpu_moe_streams;
-	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo->sync);	/* one of its names (config) */
+	mlens_config_backend_opts(&D.cfg, D.model->cfg.dtype == MLENS_DTYPE_F32, bo);
 	/* the KV cache lives on this node; no core is kept back: the movers
 	 * only run at start-up and the main loop is the pool's thread 0 */
 	bo->numa_node = D.node;

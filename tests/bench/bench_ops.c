@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "daemon/config.h"
 #include "daemon/exec/engine.h"
 #include "daemon/exec/layer.h"
 #include "daemon/model/model.h"
@@ -253,6 +254,14 @@ int mlens_bench_ops(int argc, char **argv)
 			"positions\n", sh.C, 2 * steps + 1, sh.P, (long long)c->max_position_embeddings);
 		goto out;
 	}
+	{
+		/* the backend as mlensd starts it on this model with its defaults
+		 * (prefill attention, GEMM mode, copies, streams, waits) */
+		struct mlens_config cfg;
+		mlens_config_defaults(&cfg);
+		mlens_config_backend_opts(&cfg, c->dtype == MLENS_DTYPE_F32, &bo);
+		mlens_config_free(&cfg);
+	}
 	bo.n_threads = threads;
 	if ((rc = mlens_backend_create(&be, backend, &bo))) {
 		fprintf(stderr, "ops: cannot create the %s backend: %s\n", backend, strerror(-rc));
@@ -377,6 +386,10 @@ int mlens_bench_ops(int argc, char **argv)
 				       shape);
 		}
 		json_object_set_new(out, "ops", arr);
+		/* the backend options mlensd's defaults pick (CUDA ones; the
+		 * CPU backend ignores them) */
+		json_object_set_new(out, "backend_opts", json_pack("{s:s,s:s}", "gemm", mlens_gemm_mode_name(bo.gemm),
+			"prefill_attention", bo.prefill_bf16 ? "bf16" : "fp32"));
 		if (json) {
 			json_dumpf(out, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
 			printf("\n");
@@ -390,6 +403,9 @@ int mlens_bench_ops(int argc, char **argv)
 			       "step, ops timed", probed * 1e3, sh.K, sh.P, sh.D, sh.C, T, be.ops->name,
 			       clk.marks ? "the backend's timing marks" : "a wait after each op");
 			printf("%-32s %10.3f  (median of %d)\n", "step, bare", bare_med * 1e3, steps);
+			if (!be.ops->host_memory)
+				printf("%-32s %s GEMMs, %s prefill attention (mlensd's defaults)\n", "backend options",
+				       mlens_gemm_mode_name(bo.gemm), bo.prefill_bf16 ? "bf16" : "fp32");
 		}
 		json_decref(out);
 	}

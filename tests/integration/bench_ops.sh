@@ -2,7 +2,9 @@
 # Description: mlens-bench ops on the CPU backend (the tiny model of
 # mlens-mkmodel): every op kind a step runs has a time, the GEMM-like ops
 # their FLOPs from the step's shape and a rate that is FLOPs over time, and
-# the ops plus the launch gaps make up the probed step; bad arguments are
+# the ops plus the launch gaps make up the probed step; the backend is
+# started with mlensd's default options for the model (bf16 prefill
+# attention for a 16-bit model, fp32 for an fp32 one); bad arguments are
 # refused. Times are not compared with any speed.
 set -u
 . "$(dirname "$0")/lib.sh"
@@ -43,7 +45,16 @@ assert d["gaps_seconds"] >= -1e-9 and d["host_seconds"] >= -1e-9, d
 parts = d["ops_seconds"] + d["gaps_seconds"] + d["host_seconds"]
 assert abs(parts - d["probed_step_seconds"]) <= 1e-5 * d["probed_step_seconds"], d
 assert d["step_seconds"] > 0, d
+# the backend options mlensd's defaults pick for a bf16 model: fast GEMMs,
+# prefill attention on tensor cores
+assert d["backend_opts"] == {"gemm": "fast", "prefill_attention": "bf16"}, d["backend_opts"]
 PY
+# an fp32 model keeps fp32 prefill attention, as mlensd's auto does
+"$B/daemon/mlens-mkmodel" -o "$tmp/m32" --preset tiny --dtype fp32 >/dev/null || fail "mlens-mkmodel fp32"
+timeout 120 "$bench" ops --model "$tmp/m32" --backend cpu --prompt-len 8 --prompts 1 --decode 2 \
+	--context 10 --steps 1 --json >"$tmp/f.json" 2>"$tmp/err" || fail "ops fp32: $(cat "$tmp/err")"
+python3 -c 'import json, sys; o = json.load(open(sys.argv[1]))["backend_opts"]; sys.exit(o != {"gemm": "fast", "prefill_attention": "fp32"})' \
+	"$tmp/f.json" || fail "fp32 model's backend options: $(grep -A3 backend_opts "$tmp/f.json")"
 # --waits: a wait after each op instead of the marks; the ops and the rest
 # still make up the step
 timeout 120 "$bench" ops --model "$tmp/m" --backend cpu --prompt-len 8 --prompts 1 --decode 2 \
