@@ -62,7 +62,9 @@ for r in (a, c, x):
         continue
     t, k = s["step_tokens"], s["kv_occupancy"]
     assert 1 <= t["min"] <= t["p10"] <= t["p50"] <= t["p90"] <= r["step_token_cap"], s
-    assert 0 < k["min"] <= k["p10"] <= k["p50"] <= k["p90"] <= 1, s
+    # a read just after the step that finished the last sequences sees
+    # the pool empty
+    assert 0 <= k["min"] <= k["p10"] <= k["p50"] <= k["p90"] <= 1, s
 # the bound's model is the daemon's: bf16 experts and KV as the file has
 # them, then fp8 experts quantized at load (a byte an element, a scale a
 # row of each matrix, every piece rounded up to 16 bytes) and an fp8 KV
