@@ -1352,7 +1352,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct mlens_limits lim = { .size = sizeof(lim) };
 	struct mlens_perf_mix mix, mix_b;	/* the requests' lengths, in tokens and in KV blocks */
 	double p, g, L, kv_blocks = 0, pool_seqs = 0;
-	bool concurrency_auto = false;
+	bool concurrency_auto = false, requests_given = false;
 	int max_total = 0, max_i = 0;
 
 	optind = 1;
@@ -1389,7 +1389,7 @@ int mlens_bench_serve(int argc, char **argv)
 			break;
 		case 'l': o.lengths_file = optarg; break;
 		case 'e': o.seed = (uint64_t)v; break;
-		case 'n': o.requests = (int)v; break;
+		case 'n': o.requests = (int)v; requests_given = true; break;
 		case 'c': o.concurrency = (int)v; break;
 		case 'f':
 			if (v < 1) {
@@ -1413,6 +1413,10 @@ int mlens_bench_serve(int argc, char **argv)
 	}
 	if (!o.model || o.requests < 1 || o.concurrency < 0 || o.threads < 1 || o.run_timeout < 1) {
 		usage(stderr);
+		return 2;
+	}
+	if (o.pool_fulls && requests_given) {
+		fprintf(stderr, "serve: give the job's size as --requests or as --pool-fulls, not both\n");
 		return 2;
 	}
 	if (make_lengths(&o))

@@ -57,8 +57,12 @@ for r in (a, b):
     assert 0 <= r["ramp_up_s"] and 0 <= r["drain_s"] and r["ramp_up_s"] + r["drain_s"] < r["wall_seconds"], r
 PY
 
-# a bad --pool-fulls is refused before any daemon starts
+# a bad --pool-fulls, or one beside --requests, is refused before any
+# daemon starts
 "$bench" serve --model "$tmp/m" --mlensd "$mlensd" --pool-fulls 0 >/dev/null 2>"$tmp/pf.err"
 [ $? -eq 2 ] && grep -q "^serve: --pool-fulls '0': give a whole number of KV pools, 1 or more" "$tmp/pf.err" ||
 	fail "--pool-fulls 0: $(cat "$tmp/pf.err")"
+"$bench" serve --model "$tmp/m" --mlensd "$mlensd" --pool-fulls 2 --requests 9 >/dev/null 2>"$tmp/pf.err"
+[ $? -eq 2 ] && grep -q "^serve: give the job's size as --requests or as --pool-fulls, not both" "$tmp/pf.err" ||
+	fail "--pool-fulls with --requests: $(cat "$tmp/pf.err")"
 exit 0
