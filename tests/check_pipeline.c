@@ -1258,23 +1258,8 @@ START_TEST(exec_under_scheduler)
 }
 END_TEST
 
-/* Routing that favours two experts a layer, other ones in each layer:
- * every token's embedding gets a large first component, which the norms
- * keep first in every layer's router input, and each router's first
- * column is high for the layer's favoured experts and low for the rest. */
+/* Routing that favours two experts a layer, other ones in each layer. */
 static const int favoured[4][2] = { { 2, 3 }, { 1, 3 }, { 0, 1 }, { 0, 2 } };
-
-static void favour_experts(struct mlens_model *m, const struct mlens_test_spec *ts)
-{
-	float *e = (float *)m->embed->data;
-	for (int t = 0; t < ts->vocab; t++)
-		e[(size_t)t * ts->hidden] += 8.0f;
-	for (int l = 0; l < ts->layers; l++) {
-		float *r = (float *)m->layers[l].router->data;
-		for (int x = 0; x < ts->experts; x++)
-			r[(size_t)x * ts->hidden] = x == favoured[l][0] || x == favoured[l][1] ? 1.0f : -1.0f;
-	}
-}
 
 /* Two experts of four resident a layer, experts 0 and 1 (static) or
  * following the routing: the same tokens and logits; the routing's
@@ -1296,7 +1281,7 @@ START_TEST(exec_residency_follows_routing)
 	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
 	const int steps = 10;
 
-	favour_experts(m, &ts);
+	mlens_test_favour_experts(m, favoured);
 	for (int i = 0; i < N_SEQ; i++)
 		for (int j = 0; j < plen[i]; j++)
 			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
@@ -1402,7 +1387,7 @@ START_TEST(exec_residency_swap_fails)
 	int32_t first = -1;
 	const struct mlens_residency *rs;
 
-	favour_experts(m, &ts);
+	mlens_test_favour_experts(m, favoured);
 	po.plan = resident_plan(m, 2, &plan);
 	p = fa_pipeline(m, &g, &c, &po);
 	rs = mlens_pipeline_residency(p);
