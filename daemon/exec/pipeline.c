@@ -1349,36 +1349,30 @@ static int expert_up(struct mlens_pipeline *p, int l, int x, int at, bool take)
 static int swap_experts(struct mlens_pipeline *p)
 {
 	const int ev = MLENS_BACKEND_EVENTS - 1;
-	int l, in, out, n = 0, rc;
+	int l, in, out, n = 0, rc = 0, rc2;
 
 	p->st.h2d_swap_bytes = 0;
-	while (mlens_residency_next_swap(&p->res, &l, &in, &out)) {
-		if (!n++ && p->async) {
-			TRY(G->event_record(GC, 0, ev));
-			TRY(G->event_wait(GC, 1, ev));
-		}
+	while (!rc && mlens_residency_next_swap(&p->res, &l, &in, &out)) {
+		if (!n++ && p->async &&
+		    ((rc = G->event_record(GC, 0, ev)) || (rc = G->event_wait(GC, 1, ev))))
+			break;
 		if ((rc = expert_up(p, l, in, out, true)))
 			(void)expert_up(p, l, out, out, false);
 		else
 			mlens_residency_swapped(&p->res, l, in, out);
 		/* the streamed experts' pointers into the slot (in's back, on
 		 * a failure) */
-		if (!rc)
-			rc = plan_layer_stream(p, l, p->piece);
-		else
-			(void)plan_layer_stream(p, l, p->piece);
+		rc2 = plan_layer_stream(p, l, p->piece);
+		rc = rc ? rc : rc2;
 		p->n_pieces[l] = p->layers[l].n_pieces;
 		if (l < 2)
 			p->prefetched = false;
-		if (rc)
-			return rc;
 	}
-	if (n && p->async) {
-		TRY(G->event_record(GC, 1, ev));
-		TRY(G->event_wait(GC, 0, ev));
-	}
+	/* the compute queue after the uploads, a failed swap's too */
+	if (n && p->async && (rc2 = G->event_record(GC, 1, ev)) == 0)
+		rc2 = G->event_wait(GC, 0, ev);
 	p->st.expert_swaps_total = p->res.swaps;
-	return 0;
+	return rc ? rc : n && p->async ? rc2 : 0;
 }
 
 /* ==== the step ==== */
