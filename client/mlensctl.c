@@ -266,6 +266,10 @@ static void show_status(json_t *r)
 		       "", tot, tot > 0 ? 100 * getf(pl, "gpu_busy_seconds_total") / tot : 0.0,
 		       tot > 0 ? 100 * getf(pl, "h2d_busy_seconds_total") / tot : 0.0,
 		       tot > 0 ? 100 * getf(pl, "cpu_attention_seconds_total") / tot : 0.0, kvr);
+		if (*gets_(pl, "expert_residency"))
+			printf("%-14s %s residency: %.0f%% of routed rows on resident experts, %lld swapped in\n",
+			       "experts", gets_(pl, "expert_residency"), 100 * getf(pl, "expert_resident_hit_ratio"),
+			       (long long)geti(pl, "expert_swaps_total"));
 	}
 	printf("%-14s tenants %s, control %s, stats %s%s%s\n", "sockets", gets_(sk, "tenant"), gets_(sk, "control"),
 	       gets_(sk, "stats"), *gets_(sk, "stats_http") ? ", http://" : "", gets_(sk, "stats_http"));

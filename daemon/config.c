@@ -61,6 +61,8 @@ static const struct opt opts[] = {
 	{ "max_step_tokens", T_INT, O(max_step_tokens), "0", 0, 1 << 24, "N", "tokens per step, the scheduler's cap (0: 4096; hybrid mode: what the GPU plan holds, up to 65536)" },
 	{ "group_tokens", T_INT, O(group_tokens), "3072", 0, 1 << 20, "N", "hybrid mode: rows of a token group (a step runs as groups; activations live for pipeline_sets of them); 0: the plan chooses" },
 	{ "pipeline_sets", T_INT, O(pipeline_sets), "3", 2, 3, "N", "hybrid mode: token groups whose activations live at once on the GPU: with 3 the GPU computes a group's q, k and v two groups ahead of the rest of its layer, so the copies down, the CPU attention and its upload hide behind two groups of GPU work rather than one (one more group of activations in the GPU budget)" },
+	{ "expert_residency", T_ENUM, O(expert_residency), "auto", 0, 0, "auto|static|routing", "hybrid mode: which experts of a layer stay on the GPU (the plan's count a layer): experts 0..r-1 for good (static), or the most-routed ones by the counts of the steps run, re-chosen every expert_residency_period steps, a few uploads a step (routing; auto: routing)" },
+	{ "expert_residency_period", T_INT, O(expert_residency_period), "64", 1, 1 << 20, "STEPS", "hybrid mode: steps between two choices of the resident experts (expert_residency = routing); the counts behind a choice halve at each" },
 	{ "weight_piece", T_SIZE, O(weight_piece), "100M", 1 << 20, 0, "SIZE", "hybrid mode: bytes per copy of the streamed experts" },
 	{ "foreground", T_BOOL, O(foreground), "false", 0, 0, NULL, "stay in the foreground (no fork)" },
 	{ "log_level", T_ENUM, O(log_level), "info", 0, 0, "error|warn|warning|info|debug", "least severe message logged (warning: warn)" },

@@ -48,6 +48,8 @@ struct mlens_config {
 	int64_t group_tokens;		/* hybrid: rows of a token group */
 	int64_t pipeline_sets;		/* hybrid: activation sets (2 or 3) */
 	uint64_t weight_piece;		/* hybrid: bytes per weight copy */
+	char *expert_residency;		/* "auto", "static" or "routing" */
+	int64_t expert_residency_period;	/* steps between choices of the resident experts */
 	bool foreground;
 	char *log_level;
 	char *log;

@@ -845,6 +845,9 @@ static int step_engine(void)
 		eo->hybrid_up_copy_in = up_copy_in();
 		eo->hybrid_gpu_kv_append = gpu_kv_append();
 		eo->hybrid_piece_bytes = D.cfg.weight_piece;
+		/* auto: routing (the plan's r is the same either way) */
+		eo->hybrid_residency_routing = strcmp(D.cfg.expert_residency, "static") != 0;
+		eo->hybrid_residency_period = (int)D.cfg.expert_residency_period;
 	}
 	t_engine = mlens_now();
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, eo, err, sizeof(err));
@@ -853,10 +856,13 @@ static int step_engine(void)
 	if (D.hybrid) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
 		char line[512];
-		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s; the CPU attention's output goes up in %s",
+		log_info("hybrid pipeline ready in %.2f s; K/V appended to the pool by the %s; the CPU attention's output goes up in %s; "
+			 "resident experts %s",
 			 mlens_now() - t_engine,
 			 ps->gpu_kv_append ? "GPU (the pool registered with it)" : "CPU pool",
-			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32");
+			 ps->att_up_half ? mlens_dtype_name(D.model->cfg.dtype) : "fp32",
+			 ps->residency_routing ? "follow the routing (expert_residency = routing)"
+					       : "stay experts 0..r-1");
 		mlens_gpu_plan_format(&D.plan, &D.pm, line, sizeof(line));
 		log_info("%s", line);
 		eo->max_step_tokens = mlens_engine_max_step_tokens(D.engine);

@@ -54,6 +54,10 @@ struct mlens_moe_weights {
 	 * round activations to it where it is 16-bit (fp32: exact GEMMs) */
 	enum mlens_dtype model_dtype;
 	bool w2_transposed;
+	/* Optional, host memory [n_experts]: each moe call adds the rows it
+	 * routed to each expert (the counts it finds on the host anyway), so
+	 * that a caller learns the routing without reading ids back. */
+	uint64_t *tally;
 };
 
 struct mlens_backend_ops {

@@ -12,7 +12,9 @@
  * half of them must be). The GPU memory taken
  * (cudaMemGetInfo before and after, the backend's own count) stays within
  * the budget, the op scratch being held at the plan's size (an op needing
- * more would fail); each layer's experts cross once per step. */
+ * more would fail); each layer's experts cross once per step. And two
+ * resident experts a layer, static against routing residency on a model
+ * whose routers favour other experts (hybrid_residency_follows_routing). */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -307,6 +309,115 @@ START_TEST(hybrid_equals_gpu_only_within_budget)
 }
 END_TEST
 
+#ifndef MLENS_TEST_SMALL_GROUPS
+/* Two experts of eight resident a layer on the GPU, experts 0 and 1
+ * (static) or following the routing (re-chosen every step), on a model
+ * whose routers favour two other experts in most layers: the same greedy
+ * tokens and logits to the GPU's rounding; the routing's sets become the
+ * favoured experts within a few steps (four swaps a step, uploaded on the
+ * weight stream's queue between steps) and every routed row then hits a
+ * resident expert, while the stream carries six experts a layer each
+ * step either way. */
+static const int favoured8[6][2] = { { 2, 5 }, { 4, 7 }, { 6, 1 }, { 0, 3 }, { 2, 5 }, { 4, 7 } };
+
+START_TEST(hybrid_residency_follows_routing)
+{
+	struct mlens_test_spec ts = spec(MLENS_DTYPE_F32);
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend_opts bo = { .n_threads = 4, .device = 0 };
+	struct mlens_backend g, c;
+	struct mlens_engine *e;
+	struct mlens_kv_cache pool = { MLENS_DTYPE_F32, ts.layers, ts.kv_heads, ts.head_dim, 16, 128,
+				       NULL, NULL };
+	size_t pool_bytes = (mlens_kv_bytes(&pool) + 4095) & ~(size_t)4095;
+	void *kv[2][2];
+	struct mlens_perf_model pm;
+	struct mlens_gpu_plan plan;
+	struct mlens_gpu_plan_in in = { .budget = UINT64_MAX / 4, .max_tokens = MAX_TOK,
+				       .min_tokens = MAX_TOK };
+	static int32_t prompt[N_SEQ][64], tok[2][N_STEPS][N_SEQ];
+	size_t V = (size_t)ts.vocab, nlog = (size_t)N_STEPS * N_SEQ * V;
+	float *lg[2] = { calloc(nlog, sizeof(float)), calloc(nlog, sizeof(float)) };
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4, minimum;
+	char err[512];
+	double worst = 0;
+
+	mlens_test_favour_experts(m, favoured8);
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 131 + j * 17 + 5) % ts.vocab);
+	ck_assert_int_eq(mlens_perf_model_from_config(&pm, &m->cfg, MLENS_DTYPE_F32), 0);
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &plan, NULL, 0), 0);
+	/* the smallest budget whose plan keeps two experts a layer */
+	minimum = plan.minimum;
+	for (int k = 0; plan.resident_experts != 2; k++) {
+		ck_assert_int_lt(k, 256);
+		in.budget = minimum + (uint64_t)k * expert;
+		ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &plan, NULL, 0), 0);
+	}
+	ck_assert_int_eq(mlens_backend_create(&g, "cuda", &bo), 0);
+	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
+	for (int s = 0; s < 2; s++) {
+		const struct mlens_pipeline *p;
+		const struct mlens_residency *rs;
+		const struct mlens_pipeline_stats *st;
+		struct mlens_engine_opts eo = { .kv_dtype = -1, .max_step_tokens = MAX_TOK, .kv_blocks = 128,
+						.attn_backend = &c, .plan = &plan,
+						.hybrid_residency_routing = s == 1,
+						.hybrid_residency_period = 1 };
+		eo.kv_mem_k = kv[s][0] = aligned_alloc(4096, pool_bytes);
+		eo.kv_mem_v = kv[s][1] = aligned_alloc(4096, pool_bytes);
+		ck_assert(kv[s][0] && kv[s][1]);
+		ck_assert_msg(mlens_engine_create(&e, m, &g, &eo, err, sizeof(err)) == 0, "%s", err);
+		ck_assert(mlens_pipeline_stats(mlens_engine_pipeline(e))->async);
+		run(e, prompt, tok[s], lg[s], false, (int)V);
+		p = mlens_engine_pipeline(e);
+		rs = mlens_pipeline_residency(p);
+		st = mlens_pipeline_stats(p);
+		printf("%s residency: %llu swaps, resident hit ratio %.3f (last step %.3f)\n",
+		       s ? "routing" : "static", (unsigned long long)rs->swaps,
+		       mlens_residency_hit_ratio(rs, false), mlens_residency_hit_ratio(rs, true));
+		/* the counts come from the CUDA MoE's own: top-2 of every row, every layer */
+		ck_assert_uint_gt(rs->routed_rows, 0);
+		ck_assert_uint_eq(rs->routed_rows % (2 * (uint64_t)ts.layers), 0);
+		ck_assert_uint_eq(rs->swaps, s ? 10 : 0);
+		for (int l = 0; l < ts.layers; l++)
+			for (int x = 0; x < ts.experts; x++)
+				ck_assert_int_eq(mlens_residency_is_resident(rs, l, x),
+						 s ? x == favoured8[l][0] || x == favoured8[l][1] : x < 2);
+		ck_assert_double_eq(mlens_residency_hit_ratio(rs, true), s ? 1.0 : 1.0 / 6);
+		/* the last step: six experts of each layer streamed */
+		ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)ts.layers * 6 * expert);
+		ck_assert_uint_le(mlens_pipeline_gpu_bytes(p), plan.budget);
+		mlens_engine_destroy(e);	/* unregisters the pool */
+		free(kv[s][0]);
+		free(kv[s][1]);	/* one pipeline on the GPU at a time: the budget is for one */
+	}
+	for (int step = 0; step < N_STEPS; step++)
+		for (int i = 0; i < N_SEQ; i++) {
+			const float *a = lg[0] + ((size_t)step * N_SEQ + i) * V;
+			const float *b = lg[1] + ((size_t)step * N_SEQ + i) * V;
+			double d = 0, mx = 0;
+			if (!in_step(i, step))
+				continue;
+			ck_assert_msg(tok[0][step][i] == tok[1][step][i], "step %d seq %d: routing token %d, "
+				      "static %d", step, i, tok[1][step][i], tok[0][step][i]);
+			for (size_t v = 0; v < V; v++) {
+				d = fmax(d, fabs((double)a[v] - (double)b[v]));
+				mx = fmax(mx, fabs((double)a[v]));
+			}
+			worst = fmax(worst, d / mx);
+		}
+	ck_assert_msg(worst <= 1e-4, "max rel logit diff %g", worst);
+	mlens_backend_destroy(&g);
+	mlens_backend_destroy(&c);
+	mlens_test_model_free(m);
+	free(lg[0]);
+	free(lg[1]);
+}
+END_TEST
+#endif
+
 int main(void)
 {
 	Suite *s;
@@ -323,6 +434,9 @@ int main(void)
 	tc = tcase_create("pipeline");
 	tcase_set_timeout(tc, 120);
 	tcase_add_loop_test(tc, hybrid_equals_gpu_only_within_budget, 0, N_CASES);
+#ifndef MLENS_TEST_SMALL_GROUPS
+	tcase_add_test(tc, hybrid_residency_follows_routing);
+#endif
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);	/* CUDA does not survive fork() */

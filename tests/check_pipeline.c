@@ -397,6 +397,26 @@ static bool run_gpu_append;
 static bool run_up_copy = true;
 /* ... its activation sets (pipeline_sets; 0: the default) */
 static int run_sets;
+/* ... this many resident experts a layer (0: none, the plan at
+ * stream_budget), kept as experts 0..r-1 or following the routing, re-chosen
+ * every run_period steps */
+static int run_resident;
+static bool run_routing;
+static int run_period;
+
+/* The hybrid plan of 64 tokens with r resident experts a layer: the
+ * smallest budget whose plan holds them. */
+static const struct mlens_gpu_plan *resident_plan(const struct mlens_model *m, int r,
+						  struct mlens_gpu_plan *out)
+{
+	uint64_t b = stream_budget(m, 64, 0, 0);
+	uint64_t expert = 3ull * m->cfg.intermediate_size * m->cfg.hidden_size * 4;
+	for (int i = 0; i < 64; i++, b += expert)
+		if (!test_plan(m, b, 64, 0, 0, false, out, NULL, 0) && out->resident_experts == r)
+			return out;
+	ck_abort_msg("no budget holds %d resident experts a layer", r);
+	return NULL;
+}
 
 static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid, int groups,
 		      int64_t group_tokens, bool prefill_cpu, bool async, bool side_out)
@@ -414,7 +434,10 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 	if (hybrid) {
 		ck_assert_int_eq(mlens_backend_cpu_create(&sd->attn, &bo), 0);
 		eo.attn_backend = &sd->attn;
-		eo.plan = stream_plan(m, group_tokens, run_sets, false, &plan);
+		eo.plan = run_resident ? resident_plan(m, run_resident, &plan)
+				       : stream_plan(m, group_tokens, run_sets, false, &plan);
+		eo.hybrid_residency_routing = run_routing;
+		eo.hybrid_residency_period = run_period;
 		eo.hybrid_groups = groups;
 		eo.hybrid_prefill_cpu = prefill_cpu;
 		eo.hybrid_side_copy_out = side_out;
@@ -1042,6 +1065,29 @@ START_TEST(exec_pieces_and_budget)
 }
 END_TEST
 
+/* A pipeline on the CPU backend with the queue ops (make_async) and po. */
+static struct mlens_pipeline *fa_pipeline(const struct mlens_model *m, struct mlens_backend *g,
+					  struct mlens_backend *c, const struct mlens_pipeline_opts *po)
+{
+	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
+	struct mlens_pipeline *p = NULL;
+	char err[512];
+
+	ck_assert_int_eq(mlens_backend_cpu_create(g, &bo), 0);
+	make_async(g, false);
+	ck_assert_int_eq(mlens_backend_cpu_create(c, &bo), 0);
+	ck_assert_msg(mlens_pipeline_create(&p, m, g, c, po, err, sizeof(err)) == 0, "%s", err);
+	ck_assert(mlens_pipeline_stats(p)->async);
+	return p;
+}
+
+static void fa_pipeline_close(struct mlens_pipeline *p, struct mlens_backend *g, struct mlens_backend *c)
+{
+	mlens_pipeline_destroy(p);
+	mlens_backend_destroy(g);
+	mlens_backend_destroy(c);
+}
+
 /* A copy that fails in the middle of a step (on the mover, the host side
  * or the GPU side) fails that step with its error and stops every side;
  * the next step streams layers 0 and 1 again and computes what a fresh
@@ -1050,9 +1096,8 @@ START_TEST(exec_failure_recovers)
 {
 	struct mlens_test_spec ts = spec4();
 	struct mlens_model *m = mlens_test_model_new(&ts);
-	struct mlens_backend_opts bo = { .n_threads = 1, .device = 0 };
 	struct mlens_backend g, c;
-	struct mlens_pipeline *p = NULL;
+	struct mlens_pipeline *p;
 	struct mlens_gpu_plan plan;
 	struct mlens_pipeline_opts po = { .piece_bytes = 5000,
 					  .kv_blocks = 64, .kv_dtype = -1 };
@@ -1060,15 +1105,10 @@ START_TEST(exec_failure_recovers)
 	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
 	size_t V = (size_t)ts.vocab;
 	float *lg0 = calloc(V, sizeof(float)), *lg1 = calloc(V, sizeof(float));
-	char err[512];
 	int32_t first = -1;
 
-	ck_assert_int_eq(mlens_backend_cpu_create(&g, &bo), 0);
-	make_async(&g, false);
-	ck_assert_int_eq(mlens_backend_cpu_create(&c, &bo), 0);
 	po.plan = stream_plan(m, 0, 0, false, &plan);
-	ck_assert_msg(mlens_pipeline_create(&p, m, &g, &c, &po, err, sizeof(err)) == 0, "%s", err);
-	ck_assert(mlens_pipeline_stats(p)->async);
+	p = fa_pipeline(m, &g, &c, &po);
 	for (int round = 0; round < 4; round++) {
 		struct mlens_seq seq = { 0 };
 		struct mlens_engine_req r = { 0 };
@@ -1095,9 +1135,7 @@ START_TEST(exec_failure_recovers)
 		}
 		mlens_seq_fini(mlens_pipeline_kv(p), &seq);
 	}
-	mlens_pipeline_destroy(p);
-	mlens_backend_destroy(&g);
-	mlens_backend_destroy(&c);
+	fa_pipeline_close(p, &g, &c);
 	mlens_test_model_free(m);
 	free(lg0);
 	free(lg1);
@@ -1220,6 +1258,228 @@ START_TEST(exec_under_scheduler)
 }
 END_TEST
 
+/* Routing that favours two experts a layer, other ones in each layer. */
+static const int favoured[4][2] = { { 2, 3 }, { 1, 3 }, { 0, 1 }, { 0, 2 } };
+
+/* Two experts of four resident a layer, experts 0 and 1 (static) or
+ * following the routing: the same tokens and logits; the routing's
+ * resident sets become the most-routed experts of each layer (the
+ * favoured ones: 4 swaps, at most 4 a step) after the first choice (two
+ * steps), every routed row hits a resident expert from then on, and the
+ * stream still carries the two others of every layer. */
+START_TEST(exec_residency_follows_routing)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	static const int plen[N_SEQ] = { 5, 9, 3, 7 };
+	static const uint64_t swaps[4] = { 2, 1, 0, 1 };
+	int32_t prompt[N_SEQ][16], next[2][N_SEQ];
+	struct side sd[2];
+	size_t V = (size_t)ts.vocab;
+	float *lg[2];
+	bool async = _i;
+	uint64_t expert = 3ull * (uint64_t)ts.inter * (uint64_t)ts.hidden * 4;
+	const int steps = 10;
+
+	mlens_test_favour_experts(m, favoured);
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % ts.vocab);
+	run_resident = 2;
+	run_period = 2;
+	for (int s = 0; s < 2; s++) {
+		run_routing = s == 1;
+		side_open(&sd[s], m, true, 2, 0, false, async, false);
+	}
+	run_resident = 0;
+	run_routing = false;
+	run_period = 0;
+	lg[0] = calloc(N_SEQ * V, sizeof(float));
+	lg[1] = calloc(N_SEQ * V, sizeof(float));
+	for (int step = 0; step < steps; step++) {
+		for (int s = 0; s < 2; s++)
+			scenario_step(&sd[s], step, prompt, plen, next[s], lg[s], V);
+		for (int i = 0; i < N_SEQ; i++) {
+			if (i == 3 && step < 2)
+				continue;
+			ck_assert_msg(next[0][i] == next[1][i], "step %d seq %d: routing token %d, static %d",
+				      step, i, next[1][i], next[0][i]);
+			ck_assert_msg(memcmp(lg[0] + i * V, lg[1] + i * V, V * sizeof(float)) == 0,
+				      "step %d seq %d: the logits differ", step, i);
+		}
+		{
+			const struct mlens_pipeline_stats *st =
+				mlens_pipeline_stats(mlens_engine_pipeline(sd[1].e));
+			/* the swaps' uploads in the step after the first choice */
+			ck_assert_uint_eq(st->h2d_swap_bytes, step == 2 ? 4 * expert : 0);
+			/* two experts of each layer stream every step (and, after a
+			 * swap in layer 0 or 1, those layers again at its end) */
+			ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)(ts.layers + (step == 0 || step == 2 ? 2 : 0)) *
+									 2 * expert);
+			if (step >= 2)
+				ck_assert_uint_eq(st->expert_resident_rows, st->expert_rows);
+		}
+	}
+	for (int s = 0; s < 2; s++) {
+		const struct mlens_pipeline *p = mlens_engine_pipeline(sd[s].e);
+		const struct mlens_residency *rs = mlens_pipeline_residency(p);
+		const struct mlens_pipeline_stats *st = mlens_pipeline_stats(p);
+		ck_assert_int_eq(st->residency_routing, s == 1);
+		ck_assert_uint_eq(st->expert_rows_total, rs->routed_rows);
+		/* every row of every step, top-2, in each of the 4 layers */
+		ck_assert_uint_gt(st->expert_rows_total, 0);
+		ck_assert_uint_eq(st->expert_rows_total % (2 * ts.layers), 0);
+		ck_assert_uint_eq(st->expert_swaps_total, s ? 4 : 0);
+		for (int l = 0; l < ts.layers; l++) {
+			const uint64_t *c = rs->routed + (size_t)l * ts.experts;
+			int top[2] = { -1, -1 };
+			for (int x = 0; x < ts.experts; x++) {
+				if (top[0] < 0 || c[x] > c[top[0]]) {
+					top[1] = top[0];
+					top[0] = x;
+				} else if (top[1] < 0 || c[x] > c[top[1]]) {
+					top[1] = x;
+				}
+			}
+			/* the routers favour what they were made to */
+			ck_assert(top[0] == favoured[l][0] || top[0] == favoured[l][1]);
+			ck_assert(top[1] == favoured[l][0] || top[1] == favoured[l][1]);
+			for (int x = 0; x < ts.experts; x++) {
+				bool want = s ? x == top[0] || x == top[1] : x < 2;
+				ck_assert_msg(mlens_residency_is_resident(rs, l, x) == want,
+					      "%s: layer %d expert %d resident %d", s ? "routing" : "static", l,
+					      x, mlens_residency_is_resident(rs, l, x));
+			}
+			ck_assert_uint_eq(rs->layer_swaps[l], s ? swaps[l] : 0);
+		}
+	}
+	{
+		const struct mlens_residency *st = mlens_pipeline_residency(mlens_engine_pipeline(sd[0].e));
+		const struct mlens_residency *ro = mlens_pipeline_residency(mlens_engine_pipeline(sd[1].e));
+		/* static: layer 2's favoured pair, half of layers 1 and 3's */
+		ck_assert_double_eq_tol(mlens_residency_hit_ratio(st, false), 0.5, 1e-9);
+		ck_assert_double_eq_tol(mlens_residency_hit_ratio(st, true), 0.5, 1e-9);
+		ck_assert_double_eq(mlens_residency_hit_ratio(ro, true), 1.0);
+		ck_assert(mlens_residency_hit_ratio(ro, false) > 0.75);
+	}
+	free(lg[0]);
+	free(lg[1]);
+	side_close(&sd[0], true);
+	side_close(&sd[1], true);
+	mlens_test_model_free(m);
+}
+END_TEST
+
+/* A swap whose upload fails fails its step and leaves the resident sets
+ * as they were; the next step swaps and computes what the first did. */
+START_TEST(exec_residency_swap_fails)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct mlens_backend g, c;
+	struct mlens_pipeline *p;
+	struct mlens_gpu_plan plan;
+	struct mlens_pipeline_opts po = { .kv_blocks = 64, .kv_dtype = -1, .residency_routing = true,
+					  .residency_period = 1 };
+	int32_t prompt[7] = { 3, 1, 4, 1, 5, 9, 2 };
+	size_t V = (size_t)ts.vocab;
+	float *lg0 = calloc(V, sizeof(float)), *lg1 = calloc(V, sizeof(float));
+	int32_t first = -1;
+	const struct mlens_residency *rs;
+
+	mlens_test_favour_experts(m, favoured);
+	po.plan = resident_plan(m, 2, &plan);
+	p = fa_pipeline(m, &g, &c, &po);
+	rs = mlens_pipeline_residency(p);
+	for (int round = 0; round < 3; round++) {
+		struct mlens_seq seq = { 0 };
+		struct mlens_engine_req r = { 0 };
+		r.seq = &seq;
+		r.tokens = prompt;
+		r.n_tokens = 7;
+		r.logits = round ? lg1 : lg0;
+		if (round == 1) {
+			/* the second upload of the first swap */
+			__atomic_store_n(&fa_fail_in, 2, __ATOMIC_SEQ_CST);
+			ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), -EIO);
+			__atomic_store_n(&fa_fail_in, 0, __ATOMIC_SEQ_CST);
+			ck_assert_uint_eq(rs->swaps, 0);
+			for (int l = 0; l < ts.layers; l++)
+				for (int x = 0; x < ts.experts; x++)
+					ck_assert_int_eq(mlens_residency_is_resident(rs, l, x), x < 2);
+		} else {
+			ck_assert_int_eq(mlens_pipeline_step(p, &r, 1), 0);
+			if (round == 0)
+				first = r.next_token;
+			ck_assert_int_eq(r.next_token, first);
+			ck_assert(round == 0 || !memcmp(lg0, lg1, V * sizeof(float)));
+		}
+		mlens_seq_fini(mlens_pipeline_kv(p), &seq);
+	}
+	ck_assert_uint_eq(rs->swaps, 4);
+	for (int l = 0; l < ts.layers; l++)
+		for (int x = 0; x < ts.experts; x++)
+			ck_assert_int_eq(mlens_residency_is_resident(rs, l, x),
+					 x == favoured[l][0] || x == favoured[l][1]);
+	fa_pipeline_close(p, &g, &c);
+	mlens_test_model_free(m);
+	free(lg0);
+	free(lg1);
+}
+END_TEST
+
+/* The choice alone: the margin keeps experts routed about as often in
+ * place, at most the step's bound of swaps, and the counts halve at each
+ * choice so that the recent routing wins. */
+START_TEST(residency_choice)
+{
+	struct mlens_residency rs;
+	int l, in, out;
+
+	ck_assert_int_eq(mlens_residency_init(&rs, 2, 4, 5, true, 1, 1), -EINVAL);
+	ck_assert_int_eq(mlens_residency_init(&rs, 2, 4, 2, true, 1, 1), 0);
+	/* layer 0: expert 2 just past expert 1 (inside the margin) */
+	mlens_residency_tally(&rs, 0)[0] = 100;
+	mlens_residency_tally(&rs, 0)[1] = 100;
+	mlens_residency_tally(&rs, 0)[2] = 110;
+	/* layer 1: experts 2 and 3 far ahead */
+	mlens_residency_tally(&rs, 1)[2] = 50;
+	mlens_residency_tally(&rs, 1)[3] = 60;
+	mlens_residency_step_done(&rs);
+	ck_assert_uint_eq(rs.routed_rows, 420);
+	ck_assert_uint_eq(rs.resident_rows, 200);
+	ck_assert_double_eq_tol(mlens_residency_hit_ratio(&rs, true), 200.0 / 420, 1e-12);
+	/* one swap a step: layer 1's best streamed one for its worst resident */
+	ck_assert(mlens_residency_next_swap(&rs, &l, &in, &out));
+	ck_assert_int_eq(l, 1);
+	mlens_residency_swapped(&rs, l, in, out);
+	ck_assert(!mlens_residency_next_swap(&rs, &l, &in, &out));
+	mlens_residency_step_done(&rs);	/* nothing routed: scores halve, target stays */
+	ck_assert(mlens_residency_next_swap(&rs, &l, &in, &out));
+	ck_assert_int_eq(l, 1);
+	mlens_residency_swapped(&rs, l, in, out);
+	ck_assert(!mlens_residency_next_swap(&rs, &l, &in, &out));
+	for (int x = 0; x < 4; x++) {
+		ck_assert_int_eq(mlens_residency_is_resident(&rs, 0, x), x < 2);
+		ck_assert_int_eq(mlens_residency_is_resident(&rs, 1, x), x >= 2);
+	}
+	/* layer 0's routing moves to expert 3: the halved old counts lose */
+	mlens_residency_tally(&rs, 0)[3] = 200;
+	mlens_residency_step_done(&rs);
+	ck_assert(mlens_residency_next_swap(&rs, &l, &in, &out));
+	ck_assert_int_eq(l, 0);
+	ck_assert_int_eq(in, 3);
+	mlens_residency_fini(&rs);
+	/* static: never a swap */
+	ck_assert_int_eq(mlens_residency_init(&rs, 1, 4, 2, false, 1, 1), 0);
+	mlens_residency_tally(&rs, 0)[3] = 1000;
+	mlens_residency_step_done(&rs);
+	ck_assert(!mlens_residency_next_swap(&rs, &l, &in, &out));
+	ck_assert_double_eq(mlens_residency_hit_ratio(&rs, false), 0);
+	mlens_residency_fini(&rs);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("pipeline");
@@ -1239,6 +1499,9 @@ int main(void)
 	tcase_add_test(t, exec_engine_takes_the_plan);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);
+	tcase_add_loop_test(t, exec_residency_follows_routing, 0, 2);
+	tcase_add_test(t, exec_residency_swap_fails);
+	tcase_add_test(t, residency_choice);
 	suite_add_tcase(s, t);
 	return mlens_check_run(s);
 }

@@ -556,6 +556,64 @@ START_TEST(pipeline_stats_exposed)
 }
 END_TEST
 
+/* The resident experts in the stats: the rule, the hit counts and ratio,
+ * each layer's set and swaps, in JSON and Prometheus text. */
+START_TEST(residency_stats_exposed)
+{
+	struct mlens_daemon_info info;
+	struct mlens_worker_snapshot snap;
+	struct evbuffer *b = evbuffer_new();
+	json_t *o, *sets;
+	char *text;
+	memset(&info, 0, sizeof(info));
+	memset(&snap, 0, sizeof(snap));
+	info.started = mlens_now();
+	snap.sched.hybrid = true;
+	snap.sched.residency_routing = true;
+	snap.sched.expert_rows = 400;
+	snap.sched.expert_resident_rows = 300;
+	snap.sched.expert_swaps = 3;
+	snap.sched.res_layers = 2;
+	snap.sched.res_experts = 130;
+	snap.sched.res_set[0][0] = 1ull << 2 | 1ull << 5;
+	snap.sched.res_set[1][2] = 1ull << 1;	/* expert 129 */
+	snap.sched.res_swaps[0] = 1;
+	snap.sched.res_swaps[1] = 2;
+	o = mlens_stats_json(&info, &snap);
+	ck_assert_str_eq(json_string_value(json_object_get(o, "expert_residency")), "routing");
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "expert_routed_rows_total")), 400);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "expert_resident_rows_total")), 300);
+	ck_assert_double_eq(json_real_value(json_object_get(o, "expert_resident_hit_ratio")), 0.75);
+	ck_assert_int_eq(json_integer_value(json_object_get(o, "expert_swaps_total")), 3);
+	sets = json_object_get(o, "expert_resident_sets");
+	ck_assert_int_eq(json_array_size(sets), 2);
+	ck_assert_int_eq(json_array_size(json_array_get(sets, 0)), 2);
+	ck_assert_int_eq(json_integer_value(json_array_get(json_array_get(sets, 0), 0)), 2);
+	ck_assert_int_eq(json_integer_value(json_array_get(json_array_get(sets, 0), 1)), 5);
+	ck_assert_int_eq(json_array_size(json_array_get(sets, 1)), 1);
+	ck_assert_int_eq(json_integer_value(json_array_get(json_array_get(sets, 1), 0)), 129);
+	ck_assert_int_eq(json_integer_value(json_array_get(json_object_get(o, "expert_swaps_by_layer"), 1)), 2);
+	json_decref(o);
+	mlens_stats_prometheus(&info, &snap, b);
+	ck_assert_int_eq(evbuffer_add(b, "", 1), 0);
+	text = (char *)evbuffer_pullup(b, -1);
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_expert_routed_rows_total 400\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_expert_resident_rows_total 300\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_expert_resident_hit_ratio 0.75\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_expert_swaps_total{layer=\"0\"} 1\n"));
+	ck_assert_ptr_nonnull(strstr(text, "\nmlens_expert_swaps_total{layer=\"1\"} 2\n"));
+	ck_assert_ptr_nonnull(strstr(text, "# TYPE mlens_expert_resident_hit_ratio gauge\n"));
+	evbuffer_free(b);
+	/* before any routed row: ratio 0, static rule */
+	snap.sched.residency_routing = false;
+	snap.sched.expert_rows = snap.sched.expert_resident_rows = 0;
+	o = mlens_stats_json(&info, &snap);
+	ck_assert_str_eq(json_string_value(json_object_get(o, "expert_residency")), "static");
+	ck_assert_double_eq(json_real_value(json_object_get(o, "expert_resident_hit_ratio")), 0);
+	json_decref(o);
+}
+END_TEST
+
 /* Armed without a file: nothing is written, done gets the JSON; a
  * cancel gives none. */
 START_TEST(trace_to_caller)
@@ -609,6 +667,7 @@ int main(void)
 	tcase_add_test(tc, cpu_timer_marks);
 	tcase_add_test(tc, step_timer_busy);
 	tcase_add_test(tc, pipeline_stats_exposed);
+	tcase_add_test(tc, residency_stats_exposed);
 	suite_add_tcase(s, tc);
 	sr = srunner_create(s);
 	srunner_run_all(sr, CK_NORMAL);

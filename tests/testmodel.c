@@ -163,3 +163,24 @@ struct mlens_perf_hw mlens_test_a40_hw(const struct mlens_perf_model *pm, double
 	mlens_perf_hw_roofline_lines(&hw, pm);
 	return hw;
 }
+
+void mlens_test_favour_experts(struct mlens_model *m, const int (*fav)[2])
+{
+	size_t H = (size_t)m->cfg.hidden_size;
+	float *e = (float *)m->embed->data;
+	for (int64_t t = 0; t < m->cfg.vocab_size; t++)
+		e[(size_t)t * H] += 8.0f;
+	for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) {
+		const struct mlens_layer_weights *w = &m->layers[l];
+		float *r = (float *)w->router->data;
+		size_t qdim = (size_t)(m->cfg.num_attention_heads * m->cfg.head_dim);
+		/* nothing a layer adds moves the first component */
+		memset((void *)w->wo->data, 0, qdim * sizeof(float));
+		for (int x = 0; x < (int)m->cfg.num_local_experts; x++)
+			memset((void *)w->w2[x], 0, (size_t)m->cfg.intermediate_size * sizeof(float));
+		for (int x = 0; x < (int)m->cfg.num_local_experts; x++) {
+			memset(r + (size_t)x * H, 0, H * sizeof(float));
+			r[(size_t)x * H] = x == fav[l][0] || x == fav[l][1] ? 1.0f : -1.0f;
+		}
+	}
+}

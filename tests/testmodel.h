@@ -16,6 +16,13 @@ struct mlens_test_spec {
 /* Fills in a model whose tensors are malloc'd; free with mlens_test_model_free. */
 struct mlens_model *mlens_test_model_new(const struct mlens_test_spec *s);
 void mlens_test_model_free(struct mlens_model *m);
+/* Routers that favour two experts a layer, fav[l][0] and fav[l][1] (an
+ * fp32 Mixtral test model): every embedding row gets a large first
+ * component, which no layer changes (the first rows of the O projection
+ * and of the experts' down projection are zero), and each router reads
+ * only that component, +1 for the layer's favoured experts, -1 for the
+ * rest: every token routes to the favoured pair. */
+void mlens_test_favour_experts(struct mlens_model *m, const int (*fav)[2]);
 /* The default tiny spec (vocab 97, hidden 32, 2 layers, 4 heads, 2 kv, 4 experts top-2). */
 struct mlens_test_spec mlens_test_spec_tiny(void);
 /* Mixtral-8x7B's dimensions (mlens-mkmodel's "mixtral-8x7b" preset: bf16,

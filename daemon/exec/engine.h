@@ -46,6 +46,10 @@ struct mlens_engine_opts {
 	bool hybrid_side_copy_out;	/* GA's copies to the host on queue 2 (pipeline.h) */
 	bool hybrid_up_copy_in;		/* ... and C's output up on queue 3 (pipeline.h) */
 	bool hybrid_gpu_kv_append;	/* the GPU side appends K/V to the pool (pipeline.h) */
+	/* the resident experts follow the routing, re-chosen every period
+	 * steps (0: the default); pipeline.h's residency_* */
+	bool hybrid_residency_routing;
+	int hybrid_residency_period;
 };
 
 enum {

@@ -66,12 +66,52 @@ static void unput_opt(const struct mlens_layer_placer *pl, const void *p,
 		pl->unplace(pl->arg, p, t->nbytes);
 }
 
+int mlens_layer_bind_expert(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
+			    const struct mlens_layer_desc *d, int x, const struct mlens_layer_placer *pl)
+{
+	size_t ih = mlens_layer_expert_bytes(d);
+	size_t s13 = mlens_layer_scale_bytes(d, false), s2 = mlens_layer_scale_bytes(d, true);
+	int rc = 0;
+
+	b->w1[x] = pl->place(pl->arg, w->w1[x], ih, &rc);
+	b->w2[x] = pl->place(pl->arg, w->w2[x], ih, &rc);
+	b->w3[x] = pl->place(pl->arg, w->w3[x], ih, &rc);
+	if (s13 && !rc && (!w->s1 || !w->s1[x] || !w->s2[x] || !w->s3[x]))
+		rc = -EINVAL;	/* fp8 experts without scales */
+	if (s13) {
+		b->s1[x] = pl->place(pl->arg, w->s1[x], s13, &rc);
+		b->s2[x] = pl->place(pl->arg, w->s2[x], s2, &rc);
+		b->s3[x] = pl->place(pl->arg, w->s3[x], s13, &rc);
+	}
+	return rc;
+}
+
+void mlens_layer_unbind_expert(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
+			       const struct mlens_layer_desc *d, int x,
+			       const struct mlens_layer_placer *pl)
+{
+	size_t ih = mlens_layer_expert_bytes(d);
+	size_t s13 = mlens_layer_scale_bytes(d, false), s2 = mlens_layer_scale_bytes(d, true);
+
+	(void)w;
+	if (b->w1 && b->w2 && b->w3) {
+		pl->unplace(pl->arg, b->w1[x], ih);
+		pl->unplace(pl->arg, b->w2[x], ih);
+		pl->unplace(pl->arg, b->w3[x], ih);
+		b->w1[x] = b->w2[x] = b->w3[x] = NULL;
+	}
+	if (s13 && b->s1 && b->s2 && b->s3) {
+		pl->unplace(pl->arg, b->s1[x], s13);
+		pl->unplace(pl->arg, b->s2[x], s2);
+		pl->unplace(pl->arg, b->s3[x], s13);
+		b->s1[x] = b->s2[x] = b->s3[x] = NULL;
+	}
+}
+
 int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
 		     const struct mlens_layer_desc *d, int experts,
 		     const struct mlens_layer_placer *pl)
 {
-	size_t ih = mlens_layer_expert_bytes(d);
-	size_t s13 = mlens_layer_scale_bytes(d, false), s2 = mlens_layer_scale_bytes(d, true);
 	int rc = 0;
 
 	b->attn_norm = put(pl, w->attn_norm, &rc);
@@ -102,18 +142,8 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 	b->s3 = calloc((size_t)d->n_experts, sizeof(void *));
 	if (!b->w1 || !b->w2 || !b->w3 || !b->s1 || !b->s2 || !b->s3)
 		return -ENOMEM;
-	for (int x = 0; x < experts && w->router && !rc; x++) {
-		b->w1[x] = pl->place(pl->arg, w->w1[x], ih, &rc);
-		b->w2[x] = pl->place(pl->arg, w->w2[x], ih, &rc);
-		b->w3[x] = pl->place(pl->arg, w->w3[x], ih, &rc);
-		if (s13 && !rc && (!w->s1 || !w->s1[x] || !w->s2[x] || !w->s3[x]))
-			rc = -EINVAL;	/* fp8 experts without scales */
-		if (s13) {
-			b->s1[x] = pl->place(pl->arg, w->s1[x], s13, &rc);
-			b->s2[x] = pl->place(pl->arg, w->s2[x], s2, &rc);
-			b->s3[x] = pl->place(pl->arg, w->s3[x], s13, &rc);
-		}
-	}
+	for (int x = 0; x < experts && w->router && !rc; x++)
+		rc = mlens_layer_bind_expert(b, w, d, x, pl);
 	b->moe = (struct mlens_moe_weights){ .n_experts = d->n_experts, .hidden = d->hidden,
 		.inter = d->inter, .dtype = d->expert_dtype, .w1 = b->w1, .w2 = b->w2, .w3 = b->w3,
 		.scale = d->expert_scale, .s1 = b->s1, .s2 = b->s2, .s3 = b->s3,
@@ -126,9 +156,6 @@ void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_we
 			const struct mlens_layer_desc *d, int experts,
 			const struct mlens_layer_placer *pl)
 {
-	size_t ih = mlens_layer_expert_bytes(d);
-	size_t s13 = mlens_layer_scale_bytes(d, false), s2 = mlens_layer_scale_bytes(d, true);
-
 	pl->unplace(pl->arg, b->attn_norm, w->attn_norm->nbytes);
 	pl->unplace(pl->arg, b->wq, w->wq->nbytes);
 	pl->unplace(pl->arg, b->wk, w->wk->nbytes);
@@ -146,16 +173,8 @@ void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_we
 	unput_opt(pl, b->mlp_w[1], w->mlp_w2);
 	unput_opt(pl, b->mlp_w[2], w->mlp_w3);
 	unput_opt(pl, b->mlp_gate, w->mlp_gate);
-	for (int x = 0; x < experts && w->router && b->w1 && b->w2 && b->w3; x++) {
-		pl->unplace(pl->arg, b->w1[x], ih);
-		pl->unplace(pl->arg, b->w2[x], ih);
-		pl->unplace(pl->arg, b->w3[x], ih);
-	}
-	for (int x = 0; s13 && x < experts && b->s1 && b->s2 && b->s3; x++) {
-		pl->unplace(pl->arg, b->s1[x], s13);
-		pl->unplace(pl->arg, b->s2[x], s2);
-		pl->unplace(pl->arg, b->s3[x], s13);
-	}
+	for (int x = 0; x < experts && w->router; x++)
+		mlens_layer_unbind_expert(b, w, d, x, pl);
 	free(b->w1);
 	free(b->w2);
 	free(b->w3);

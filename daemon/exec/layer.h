@@ -119,6 +119,14 @@ int mlens_layer_bind(struct mlens_layer_bound *b, const struct mlens_layer_weigh
 void mlens_layer_unbind(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
 			const struct mlens_layer_desc *d, int experts,
 			const struct mlens_layer_placer *pl);
+/* Place expert x of a bound layer (its scales too when fp8), or give it
+ * back (its pointers NULL again): the hybrid pipeline keeps a resident set
+ * that is not experts [0, experts). */
+int mlens_layer_bind_expert(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
+			    const struct mlens_layer_desc *d, int x, const struct mlens_layer_placer *pl);
+void mlens_layer_unbind_expert(struct mlens_layer_bound *b, const struct mlens_layer_weights *w,
+			       const struct mlens_layer_desc *d, int x,
+			       const struct mlens_layer_placer *pl);
 
 /* The model's ends (embedding, final norm, lm_head; a tied lm_head is the
  * embedding's copy). */

@@ -7,4 +7,5 @@ daemon_libmlens_core_la_SOURCES += daemon/exec/layer.h daemon/exec/layer.c \
 	daemon/exec/kv_pool.h daemon/exec/kv_pool.c \
 	daemon/exec/kv_swap.h daemon/exec/kv_swap.c \
 	daemon/exec/pipeprog.h daemon/exec/pipeprog.c \
+	daemon/exec/residency.h daemon/exec/residency.c \
 	daemon/exec/pipeline.h daemon/exec/pipeline.c

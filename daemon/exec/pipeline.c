@@ -21,6 +21,7 @@
 #include "daemon/exec/layer.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/exec/pipeprog.h"
+#include "daemon/exec/residency.h"
 #include "daemon/exec/step.h"
 #include "daemon/model/quant.h"
 #include "daemon/ops/trace.h"
@@ -122,6 +123,10 @@ struct mlens_pipeline {
 	int *n_pieces;			/* per layer */
 	bool streams;			/* some experts stream */
 	bool prefetched;		/* the last step left layers 0 and 1 in their slots */
+	/* which experts of each layer are resident (the plan's r a layer) and
+	 * their routing counts; the rest stream, in pieces of piece bytes */
+	struct mlens_residency res;
+	uint64_t piece;
 	struct pl_region *reg;	/* host ranges we registered */
 	int n_reg;
 
@@ -269,30 +274,50 @@ static int cmp_region(const void *a, const void *b)
 	return (uintptr_t)x->p < (uintptr_t)y->p ? -1 : (uintptr_t)x->p > (uintptr_t)y->p;
 }
 
+static void add_region(struct pl_region *r, int *k, const void *host, size_t bytes, uintptr_t mask)
+{
+	uintptr_t a = (uintptr_t)host & ~mask;
+	uintptr_t e = ((uintptr_t)host + bytes + mask) & ~mask;
+	if (!host)
+		return;
+	r[*k].p = (void *)a;
+	r[*k].bytes = e - a;
+	(*k)++;
+}
+
 /* Pin the host ranges the weight stream reads, page-aligned and merged, so
- * that its copies are asynchronous DMA. */
+ * that its copies are asynchronous DMA: the pieces, and with routing
+ * residency every expert (a swap streams the experts it sends back and
+ * uploads the ones it takes in). */
 static int register_stream(struct mlens_pipeline *p)
 {
 	long pg = sysconf(_SC_PAGESIZE);
 	uintptr_t mask = (uintptr_t)(pg > 0 ? pg : 4096) - 1;
+	size_t ih = mlens_layer_expert_bytes(&p->desc);
+	size_t s13 = mlens_layer_scale_bytes(&p->desc, false), s2 = mlens_layer_scale_bytes(&p->desc, true);
 	struct pl_region *r;
 	int n = 0, k = 0;
 
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++)
-		n += p->layers[l].n_pieces;
+		n += p->layers[l].n_pieces + (p->res.routing ? 6 * p->res.experts : 0);
 	if (!n)
 		return 0;
 	r = calloc((size_t)n, sizeof(*r));
 	if (!r)
 		return -ENOMEM;
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++) {
-		for (int i = 0; i < p->layers[l].n_pieces; i++) {
-			const struct mlens_pipe_piece *pc = &p->layers[l].pieces[i];
-			uintptr_t a = (uintptr_t)pc->host & ~mask;
-			uintptr_t e = ((uintptr_t)pc->host + pc->bytes + mask) & ~mask;
-			r[k].p = (void *)a;
-			r[k].bytes = e - a;
-			k++;
+		const struct mlens_layer_weights *w = &p->m->layers[l];
+		for (int i = 0; i < p->layers[l].n_pieces; i++)
+			add_region(r, &k, p->layers[l].pieces[i].host, p->layers[l].pieces[i].bytes, mask);
+		for (int x = 0; p->res.routing && w->router && x < p->res.experts; x++) {
+			add_region(r, &k, w->w1[x], ih, mask);
+			add_region(r, &k, w->w2[x], ih, mask);
+			add_region(r, &k, w->w3[x], ih, mask);
+			if (!s13 || !w->s1)
+				continue;
+			add_region(r, &k, w->s1[x], s13, mask);
+			add_region(r, &k, w->s2[x], s2, mask);
+			add_region(r, &k, w->s3[x], s13, mask);
 		}
 	}
 	qsort(r, (size_t)k, sizeof(*r), cmp_region);
@@ -333,10 +358,11 @@ static int cmp_src(const void *a, const void *b)
 	return (uintptr_t)x->host < (uintptr_t)y->host ? -1 : (uintptr_t)x->host > (uintptr_t)y->host;
 }
 
-/* Streamed experts of layer l: placed in its slot in host-address order,
- * so that a layer stored contiguously moves as few large pieces. fp8
- * experts bring their scales, every piece at an aligned offset
- * (mlens_model_expert_bytes counts the slot so). */
+/* Streamed experts of layer l (those not in its resident set): placed in
+ * its slot in host-address order, so that a layer stored contiguously
+ * moves as few large pieces. fp8 experts bring their scales, every piece
+ * at an aligned offset (mlens_model_expert_bytes counts the slot so).
+ * Made again when the resident set changes. */
 static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece)
 {
 	const struct mlens_layer_weights *w = &p->m->layers[l];
@@ -352,6 +378,9 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 	char *base = p->slot[l % 2];
 	int rc = 0;
 
+	free(b->pieces);
+	b->pieces = NULL;
+	b->n_pieces = 0;
 	if (n <= 0 || !w->router)
 		return 0;	/* all resident, or a dense layer: nothing streams */
 	if (fp8 && (!w->s1 || !w->s2 || !w->s3))
@@ -362,7 +391,9 @@ static int plan_layer_stream(struct mlens_pipeline *p, int64_t l, uint64_t piece
 		rc = -ENOMEM;
 		goto out;
 	}
-	for (int x = r, k = 0; x < E; x++) {
+	for (int x = 0, k = 0; x < E; x++) {
+		if (mlens_residency_is_resident(&p->res, (int)l, x))
+			continue;
 		s[k++] = (struct stream_src){ w->w1[x], &b->w.w1[x], ih };
 		s[k++] = (struct stream_src){ w->w2[x], &b->w.w2[x], ih };
 		s[k++] = (struct stream_src){ w->w3[x], &b->w.w3[x], ih };
@@ -406,9 +437,14 @@ static int place_weights(struct mlens_pipeline *p, uint64_t piece)
 		p->slot[0] = galloc(p, p->plan.slot, &rc);
 		p->slot[1] = galloc(p, p->plan.slot, &rc);
 	}
+	p->piece = piece;
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers && !rc; l++) {
-		rc = mlens_layer_bind(&p->layers[l].w, &m->layers[l], &p->desc,
-				      p->plan.resident_experts, &p->placer);
+		struct mlens_layer_bound *b = &p->layers[l].w;
+		rc = mlens_layer_bind(b, &m->layers[l], &p->desc, 0, &p->placer);
+		for (int x = 0; x < p->res.experts && m->layers[l].router && !rc; x++)
+			if (mlens_residency_is_resident(&p->res, (int)l, x))
+				rc = mlens_layer_bind_expert(b, &m->layers[l], &p->desc, x, &p->placer);
+		b->moe.tally = mlens_residency_tally(&p->res, (int)l);
 		if (!rc)
 			rc = plan_layer_stream(p, l, piece);
 	}
@@ -421,8 +457,11 @@ static void free_weights(struct mlens_pipeline *p)
 		return;
 	mlens_ends_unbind(&p->ends, p->m, &p->placer);
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers; l++) {
-		mlens_layer_unbind(&p->layers[l].w, &p->m->layers[l], &p->desc,
-				   p->plan.resident_experts, &p->placer);
+		struct mlens_layer_bound *b = &p->layers[l].w;
+		for (int x = 0; x < p->res.experts && b->w1 && p->m->layers[l].router; x++)
+			if (mlens_residency_is_resident(&p->res, (int)l, x))
+				mlens_layer_unbind_expert(b, &p->m->layers[l], &p->desc, x, &p->placer);
+		mlens_layer_unbind(b, &p->m->layers[l], &p->desc, 0, &p->placer);
 		free(p->layers[l].pieces);
 	}
 	free(p->layers);
@@ -666,6 +705,13 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		       "%s backend: %s", p->plan.scratch / 1048576.0, gpu->ops->name, strerror(-rc));
 		goto fail;
 	}
+	if ((rc = mlens_residency_init(&p->res, (int)p->cfg.num_hidden_layers,
+				       (int)p->cfg.num_local_experts, p->plan.resident_experts,
+				       o->residency_routing, o->residency_period, o->residency_swaps))) {
+		mlens_errf(err, errlen, "hybrid pipeline: cannot keep the resident experts' routing "
+			   "counts: %s", strerror(-rc));
+		goto fail;
+	}
 	/* the backend's own memory (workspace, staging) counts as it stands */
 	rc = place_weights(p, o->piece_bytes ? o->piece_bytes : MLENS_PIPE_PIECE);
 	if (rc) {
@@ -755,6 +801,7 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 	p->st.gpu_kv_append = p->gpu_append;
 	p->side_append = p->gpu_append && p->side && MLENS_BACKEND_HAS(gpu->ops, kv_append_side);
 	p->st.kv_append_side = p->side_append;
+	p->st.residency_routing = p->res.routing;
 	*out = p;
 	return 0;
 fail:
@@ -789,6 +836,7 @@ void mlens_pipeline_destroy(struct mlens_pipeline *p)
 		if (p->kv_reg[i])
 			p->g->ops->host_unregister(p->g->ctx, p->kv_reg[i]);
 	free_weights(p);
+	mlens_residency_fini(&p->res);
 	if (MLENS_BACKEND_HAS(p->g->ops, scratch_reserve))
 		p->g->ops->scratch_reserve(p->g->ctx, 0);	/* the backend outlives the pipeline */
 	mlens_pipe_prog_free(&p->prog);
@@ -820,6 +868,11 @@ int mlens_pipeline_max_step_tokens(const struct mlens_pipeline *p)
 const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipeline *p)
 {
 	return &p->st;
+}
+
+const struct mlens_residency *mlens_pipeline_residency(const struct mlens_pipeline *p)
+{
+	return &p->res;
 }
 
 /* Backend events past the program's, per set: q, k and v final in GA (queue 2
@@ -1246,6 +1299,82 @@ static void step_times(struct mlens_pipeline *p)
 		}
 }
 
+/* ==== resident experts ==== */
+
+static int weight_up(struct mlens_pipeline *p, const void *dst, const void *src, size_t bytes)
+{
+	p->st.h2d_swap_bytes += bytes;
+	if (p->async)
+		return G->copy_async(GC, 1, (void *)dst, src, bytes, true);
+	return G->upload(GC, (void *)dst, src, bytes);
+}
+
+/* Expert x of layer l from the host into the GPU memory of resident
+ * expert at (whose pointers x takes when take). */
+static int expert_up(struct mlens_pipeline *p, int l, int x, int at, bool take)
+{
+	struct mlens_layer_bound *b = &p->layers[l].w;
+	const struct mlens_layer_weights *w = &p->m->layers[l];
+	size_t ih = mlens_layer_expert_bytes(&p->desc);
+	size_t s13 = mlens_layer_scale_bytes(&p->desc, false), s2 = mlens_layer_scale_bytes(&p->desc, true);
+	int rc;
+
+	if (take) {
+		b->w1[x] = b->w1[at];
+		b->w2[x] = b->w2[at];
+		b->w3[x] = b->w3[at];
+		b->s1[x] = b->s1[at];
+		b->s2[x] = b->s2[at];
+		b->s3[x] = b->s3[at];
+	}
+	TRY(weight_up(p, b->w1[at], w->w1[x], ih));
+	TRY(weight_up(p, b->w2[at], w->w2[x], ih));
+	TRY(weight_up(p, b->w3[at], w->w3[x], ih));
+	if (s13) {
+		TRY(weight_up(p, b->s1[at], w->s1[x], s13));
+		TRY(weight_up(p, b->s2[at], w->s2[x], s2));
+		TRY(weight_up(p, b->s3[at], w->s3[x], s13));
+	}
+	return 0;
+}
+
+/* Between steps: the experts the residency's choice takes in (a bounded
+ * number a step) uploaded over the GPU memory of the ones it sends back to
+ * the stream, whose layers' pieces are made again. The uploads go on the
+ * weight stream's queue after everything the compute queue holds (the
+ * last step's readers of that memory), and the compute queue waits for
+ * them before this step's kernels. A swap in layer 0 or 1 voids their
+ * prefetch (their slot's layout changed). An upload that fails leaves
+ * the sets as they were (the expert sent back uploaded again). */
+static int swap_experts(struct mlens_pipeline *p)
+{
+	const int ev = MLENS_BACKEND_EVENTS - 1;
+	int l, in, out, n = 0, rc = 0, rc2;
+
+	p->st.h2d_swap_bytes = 0;
+	while (!rc && mlens_residency_next_swap(&p->res, &l, &in, &out)) {
+		if (!n++ && p->async &&
+		    ((rc = G->event_record(GC, 0, ev)) || (rc = G->event_wait(GC, 1, ev))))
+			break;
+		if ((rc = expert_up(p, l, in, out, true)))
+			(void)expert_up(p, l, out, out, false);
+		else
+			mlens_residency_swapped(&p->res, l, in, out);
+		/* the streamed experts' pointers into the slot (in's back, on
+		 * a failure) */
+		rc2 = plan_layer_stream(p, l, p->piece);
+		rc = rc ? rc : rc2;
+		p->n_pieces[l] = p->layers[l].n_pieces;
+		if (l < 2)
+			p->prefetched = false;
+	}
+	/* the compute queue after the uploads, a failed swap's too */
+	if (n && p->async && (rc2 = G->event_record(GC, 1, ev)) == 0)
+		rc2 = G->event_wait(GC, 0, ev);
+	p->st.expert_swaps_total = p->res.swaps;
+	return rc ? rc : n && p->async ? rc2 : 0;
+}
+
 /* ==== the step ==== */
 
 static int add_seg(struct mlens_pipeline *p, int req, int j0, int j1, int x)
@@ -1538,6 +1667,8 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 		p->st.kv_read_runs_total += p->grp[x].kv_runs;
 	}
 	mlens_step_rows_samp(&p->rows, reqs);
+	if ((rc = swap_experts(p)))
+		return rc;
 	/* the next step's first two layers stream at the end of this one */
 	if ((rc = mlens_pipe_prog_build_ex(&p->prog, (int)c->num_hidden_layers, p->n_grp,
 					   p->n_pieces, MLENS_PIPE_PREFETCH |
@@ -1566,8 +1697,15 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	rc = run_prog(p, want_logits);
 	step_times(p);
 	p->prefetched = !rc && p->streams;	/* after a failure, stream them again */
-	if (rc)
+	if (rc) {
+		mlens_residency_step_failed(&p->res);
 		return rc;
+	}
+	mlens_residency_step_done(&p->res);
+	p->st.expert_rows = p->res.step_routed_rows;
+	p->st.expert_resident_rows = p->res.step_resident_rows;
+	p->st.expert_rows_total = p->res.routed_rows;
+	p->st.expert_resident_rows_total = p->res.resident_rows;
 	if (mlens_pipeline_gpu_bytes(p) > p->plan.budget) {
 		fprintf(stderr, "mlens pipeline: the %s backend holds %llu bytes after a step, past the "
 			"GPU budget of %llu; the memory plan is wrong\n", p->g->ops->name,
@@ -1578,7 +1716,7 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 
 	mlens_step_deliver(&p->rows, reqs, n, V);
 	p->st.steps++;
-	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_act_bytes;
+	p->st.h2d_bytes_total += p->st.h2d_weight_bytes + p->st.h2d_swap_bytes + p->st.h2d_act_bytes;
 	p->st.d2h_bytes_total += p->st.d2h_act_bytes;
 	p->st.cpu_attn_s_total += p->st.cpu_attn_s;
 	p->st.cpu_append_s_total += p->st.cpu_append_s;

@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include "daemon/exec/engine.h"
+#include "daemon/exec/residency.h"
 #include "daemon/plan/gpu_plan.h"
 
 struct mlens_pipeline;
@@ -64,6 +65,15 @@ struct mlens_pipeline_opts {
 	void *kv_mem_k;
 	void *kv_mem_v;
 	struct mlens_trace *trace;	/* step traces (daemon/ops/trace.h), may be NULL */
+	/* Which experts of a layer are the plan's r resident ones: experts
+	 * 0..r-1 for good (false), or re-chosen every residency_period steps
+	 * (0: MLENS_RESIDENCY_PERIOD) from the routing counts, the most-routed
+	 * resident, at most residency_swaps (0: MLENS_RESIDENCY_SWAPS)
+	 * experts swapped in a step (daemon/exec/residency.h). The stream
+	 * carries the rest either way. */
+	bool residency_routing;
+	int residency_period;
+	int residency_swaps;
 };
 
 /* Busy time of the last step and totals (seconds, bytes). */
@@ -97,6 +107,14 @@ struct mlens_pipeline_stats {
 	bool prefill_cpu;	/* prefill attention runs on the CPU */
 	bool gpu_kv_append;	/* the GPU side appends K/V to the pool */
 	bool kv_append_side;	/* ... on queue 2, beside the compute queue */
+	/* routed rows (tokens x top-k, every MoE layer) and of them the rows
+	 * whose expert was resident: last step and totals; experts swapped
+	 * into the resident sets, total, and the last step's bytes uploaded
+	 * for them (in h2d_bytes_total too) */
+	uint64_t expert_rows, expert_resident_rows;
+	uint64_t expert_rows_total, expert_resident_rows_total;
+	uint64_t expert_swaps_total, h2d_swap_bytes;
+	bool residency_routing;	/* the resident sets follow the routing */
 };
 
 /* Whether a pipeline of these backends and model may send the CPU
@@ -117,6 +135,9 @@ struct mlens_kv_pool *mlens_pipeline_kv(struct mlens_pipeline *p);
 const struct mlens_gpu_plan *mlens_pipeline_plan(const struct mlens_pipeline *p);
 int mlens_pipeline_max_step_tokens(const struct mlens_pipeline *p);
 const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipeline *p);
+/* The resident sets and their routing counts (read between steps, on the
+ * thread that drives the pipeline). */
+const struct mlens_residency *mlens_pipeline_residency(const struct mlens_pipeline *p);
 /* Bytes the pipeline holds on the GPU backend (its own allocations, plus
  * the backend's scratch where the backend counts it). */
 uint64_t mlens_pipeline_gpu_bytes(const struct mlens_pipeline *p);

@@ -192,6 +192,14 @@ static json_t *cmd_status(struct mlens_control *c)
 			"cpu_append_seconds_total", s.sched.cpu_append_seconds,
 			"step_seconds_total", s.sched.step_seconds_sum,
 			"kv_read_bytes_total", (json_int_t)s.sched.kv_read_bytes));
+	if (s.sched.hybrid) {
+		json_t *pl = json_object_get(o, "pipeline");
+		json_object_set_new(pl, "expert_residency",
+				    json_string(s.sched.residency_routing ? "routing" : "static"));
+		json_object_set_new(pl, "expert_resident_hit_ratio",
+				    json_real(mlens_sched_resident_hit_ratio(&s.sched)));
+		json_object_set_new(pl, "expert_swaps_total", json_integer((json_int_t)s.sched.expert_swaps));
+	}
 	json_object_set_new(o, "sockets", json_pack("{s:s,s:s,s:s,s:s}", "tenant", in->cfg->socket,
 		"control", in->cfg->control, "stats", in->cfg->stats, "stats_http", in->stats_http_addr));
 	free(s.tenants);

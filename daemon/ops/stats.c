@@ -76,6 +76,29 @@ static json_t *hist_json(const struct mlens_hist *h)
 	return o;
 }
 
+/* The hybrid pipeline's resident experts: the rule, the hit counts and
+ * per layer its set and swaps. */
+static void residency_json(json_t *o, const struct mlens_sched_stats *st)
+{
+	json_t *sets = json_array(), *swaps = json_array();
+	json_object_set_new(o, "expert_residency", json_string(st->residency_routing ? "routing" : "static"));
+	json_object_set_new(o, "expert_routed_rows_total", json_integer((json_int_t)st->expert_rows));
+	json_object_set_new(o, "expert_resident_rows_total",
+			    json_integer((json_int_t)st->expert_resident_rows));
+	json_object_set_new(o, "expert_resident_hit_ratio", json_real(mlens_sched_resident_hit_ratio(st)));
+	json_object_set_new(o, "expert_swaps_total", json_integer((json_int_t)st->expert_swaps));
+	for (int l = 0; l < st->res_layers; l++) {
+		json_t *a = json_array();
+		for (int x = 0; x < st->res_experts; x++)
+			if (st->res_set[l][x / 64] >> (x % 64) & 1)
+				json_array_append_new(a, json_integer(x));
+		json_array_append_new(sets, a);
+		json_array_append_new(swaps, json_integer((json_int_t)st->res_swaps[l]));
+	}
+	json_object_set_new(o, "expert_resident_sets", sets);
+	json_object_set_new(o, "expert_swaps_by_layer", swaps);
+}
+
 json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap)
 {
 	const struct mlens_sched_stats *st = &snap->sched;
@@ -115,6 +138,7 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_read_bytes_total", json_integer((json_int_t)st->kv_read_bytes));
 		json_object_set_new(o, "kv_read_blocks_total", json_integer((json_int_t)st->kv_read_blocks));
 		json_object_set_new(o, "kv_read_block_runs_total", json_integer((json_int_t)st->kv_read_runs));
+		residency_json(o, st);
 	}
 	if (st->kv_swap) {
 		const struct mlens_kv_swap_stats *w = &st->swap;
@@ -209,6 +233,25 @@ static void prom_hist(struct evbuffer *b, const char *name, const char *help, co
 			evbuffer_add_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, bucket_bound(i), (unsigned long long)cum);
 	}
 	evbuffer_add_printf(b, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name, (unsigned long long)h->count);
+}
+
+static void residency_prom(struct evbuffer *b, const struct mlens_sched_stats *st)
+{
+	prom_head(b, "mlens_expert_routed_rows_total", "counter",
+		  "Rows routed to experts (tokens x top-k, every MoE layer; hybrid pipeline).");
+	evbuffer_add_printf(b, "mlens_expert_routed_rows_total %llu\n", (unsigned long long)st->expert_rows);
+	prom_head(b, "mlens_expert_resident_rows_total", "counter",
+		  "Of those, the rows whose expert was resident on the GPU.");
+	evbuffer_add_printf(b, "mlens_expert_resident_rows_total %llu\n",
+			    (unsigned long long)st->expert_resident_rows);
+	prom_head(b, "mlens_expert_resident_hit_ratio", "gauge",
+		  "Fraction of routed rows whose expert was resident on the GPU, since start.");
+	evbuffer_add_printf(b, "mlens_expert_resident_hit_ratio %.6g\n", mlens_sched_resident_hit_ratio(st));
+	prom_head(b, "mlens_expert_swaps_total", "counter",
+		  "Experts swapped into a layer's resident set (expert_residency = routing).");
+	for (int l = 0; l < st->res_layers; l++)
+		evbuffer_add_printf(b, "mlens_expert_swaps_total{layer=\"%d\"} %llu\n", l,
+				    (unsigned long long)st->res_swaps[l]);
 }
 
 /* Label values escape backslash, double quote and newline. */
@@ -330,6 +373,7 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		prom_head(b, "mlens_kv_read_block_runs_total", "counter",
 			  "Runs of consecutive block ids those blocks lay in; blocks / runs is the mean run.");
 		evbuffer_add_printf(b, "mlens_kv_read_block_runs_total %llu\n", (unsigned long long)st->kv_read_runs);
+		residency_prom(b, st);
 	}
 	if (info->profile && info->profile->have) {
 		const struct mlens_profile_state *ps = info->profile;

@@ -10,7 +10,8 @@
  *
  * Rule (simple for now): embeddings, lm_head, final norm and per layer
  * the attention, norms and router are always resident; then as many whole
- * experts per layer (the same count r in every layer, experts 0..r-1) as
+ * experts per layer (the same count r in every layer; which r is the
+ * pipeline's choice, daemon/exec/residency.h) as
  * the budget holds next to two slots of the E - r streamed experts and
  * activations for the token cap. GPU-only mode is the plan with every
  * expert resident (r = E, no slots): the engine runs it with the KV pool
@@ -116,7 +117,7 @@ struct mlens_gpu_plan_in {
 
 struct mlens_gpu_plan {
 	bool gpu_only;		/* the input's: every expert resident, the engine runs it */
-	int resident_experts;	/* per layer: experts 0..r-1 stay on the GPU */
+	int resident_experts;	/* per layer: r experts stay on the GPU (which: residency.h) */
 	int64_t tokens;		/* token cap per step that fits */
 	int64_t chunk;		/* <= group (hybrid) */
 	int64_t group;		/* rows of a token group (<= tokens; hybrid) */

@@ -344,7 +344,13 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	memset(out, 0, sizeof(*out));
 	kv_read = st->context * (double)pm->kv_token_bytes;
 	/* H2D: streamed experts + attention outputs of decode tokens;
-	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool */
+	 * D2H: q, k, v of decode tokens + K/V of prefill tokens into the pool.
+	 * The pipeline streams every non-resident expert of a layer each step,
+	 * routed to or not (its copy runs before the layer's router), so the
+	 * bytes depend on r alone, not on which experts are resident or how
+	 * skewed the routing is: the resident hit ratio (routing residency)
+	 * does not enter here. A stream of only the routed experts would
+	 * scale this by the measured miss share. */
 	streamed = (double)mlens_gpu_plan_streamed_bytes(pm, pol->resident_experts);
 	h2d = streamed + d * qd * (hw->att_up_bytes > 0 ? hw->att_up_bytes : ab) +
 	      st->tokens * hw->h2d_per_token;

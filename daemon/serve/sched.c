@@ -1144,6 +1144,24 @@ bool mlens_sched_admission(const struct mlens_sched *s)
 	return s->admission;
 }
 
+/* The resident sets into st, as much as its arrays hold. */
+static void res_stats(const struct mlens_residency *rs, struct mlens_sched_stats *st)
+{
+	st->residency_routing = rs->routing;
+	st->expert_rows = rs->routed_rows;
+	st->expert_resident_rows = rs->resident_rows;
+	st->expert_swaps = rs->swaps;
+	st->res_layers = rs->layers < MLENS_SCHED_RES_LAYERS ? rs->layers : MLENS_SCHED_RES_LAYERS;
+	st->res_experts = rs->experts < MLENS_SCHED_RES_EXPERTS ? rs->experts : MLENS_SCHED_RES_EXPERTS;
+	memset(st->res_set, 0, sizeof(st->res_set));
+	for (int l = 0; l < st->res_layers; l++) {
+		st->res_swaps[l] = rs->layer_swaps[l];
+		for (int x = 0; x < st->res_experts; x++)
+			if (mlens_residency_is_resident(rs, l, x))
+				st->res_set[l][x / 64] |= 1ull << (x % 64);
+	}
+}
+
 void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats *st)
 {
 	*st = s->st;
@@ -1170,6 +1188,7 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 		st->kv_read_bytes = ps->kv_read_bytes_total;
 		st->kv_read_blocks = ps->kv_read_blocks_total;
 		st->kv_read_runs = ps->kv_read_runs_total;
+		res_stats(mlens_pipeline_residency(mlens_engine_pipeline(s->e)), st);
 	}
 }
 

@@ -139,6 +139,8 @@ struct mlens_hist {
 	double sum;
 };
 
+#define MLENS_SCHED_RES_LAYERS 128
+#define MLENS_SCHED_RES_EXPERTS 256
 struct mlens_sched_stats {
 	struct mlens_hist ttft;		/* submit to first token */
 	struct mlens_hist tpot;		/* between two tokens of a request */
@@ -177,9 +179,26 @@ struct mlens_sched_stats {
 	double last_step_gpu_busy_seconds, last_step_h2d_busy_seconds;
 	uint64_t kv_read_bytes;				/* KV bytes CPU decode attention read, total */
 	uint64_t kv_read_blocks, kv_read_runs;		/* its blocks a layer, their runs, totals */
+	/* routed rows (tokens x top-k, every MoE layer) and of them those
+	 * whose expert was resident, totals; experts swapped into the resident
+	 * sets; per layer (the first MLENS_SCHED_RES_LAYERS of res_layers, with
+	 * at most MLENS_SCHED_RES_EXPERTS experts) the set as a bitmap and its
+	 * swaps */
+	bool residency_routing;
+	uint64_t expert_rows, expert_resident_rows, expert_swaps;
+	int res_layers, res_experts;
+	uint64_t res_set[MLENS_SCHED_RES_LAYERS][MLENS_SCHED_RES_EXPERTS / 64];
+	uint64_t res_swaps[MLENS_SCHED_RES_LAYERS];
 	bool kv_swap;				/* a swap file is open: swap below is kept */
 	struct mlens_kv_swap_stats swap;
 };
+
+/* Fraction of routed rows whose expert was resident on the GPU (0 before
+ * any). */
+static inline double mlens_sched_resident_hit_ratio(const struct mlens_sched_stats *st)
+{
+	return st->expert_rows ? (double)st->expert_resident_rows / (double)st->expert_rows : 0;
+}
 
 int mlens_sched_create(struct mlens_sched **out, struct mlens_engine *e,
 		       const struct mlens_sched_opts *o);

@@ -405,6 +405,8 @@ static int cpu_moe(void *ctx, float *out, const float *x, int n, const int32_t *
 					memcpy(xe + (size_t)cnt * H, x + (size_t)i * H, (size_t)H * 4);
 					cnt++;
 				}
+		if (w->tally)
+			w->tally[e] += (uint64_t)cnt;
 		if (!cnt)
 			continue;
 		if (!w->w1[e] || !w->w2[e] || !w->w3[e]) {

@@ -957,6 +957,9 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 			return -EFAULT;	/* a routed expert has no weights (or scales) here */
 		r0 += counts_h[e];
 	}
+	if (w->tally)
+		for (int e = 0; e < E; e++)
+			w->tally[e] += (uint64_t)counts_h[e];
 	if ((size_t)r0 != rows) {
 		/* the CPU skips such rows; a caller never means to send them */
 		fprintf(stderr, "mlens cuda: moe: %zu of %zu routed rows name no expert below %d\n",
