@@ -346,6 +346,16 @@ static bool gpu_kv_append(void)
 	return !strcmp(D.cfg.kv_append, "gpu");
 }
 
+/* Whether the model's experts multiply on the GPU's fp8 tensor cores
+ * (the backend's choice for per-channel scales; block scales are
+ * dequantized), which the GPU memory plan sizes the MoE scratch for. */
+static bool experts_fp8_tc(void)
+{
+	return D.model->cfg.expert_dtype == MLENS_DTYPE_E4M3 &&
+	       D.model->cfg.expert_scale.kind != MLENS_WSCALE_BLOCK && D.be.ops->fp8_tc &&
+	       D.be.ops->fp8_tc(D.be.ctx);
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -365,6 +375,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->opts.max_tokens = step_cap_wanted() < 32768 ? step_cap_wanted() : 32768;
 	st->opts.budget_s = D.be.ops->host_memory ? 0.5 : 20;
 	mlens_perf_model_from_config(&st->pm, &D.model->cfg, kv_dt);
+	st->pm.expert_fp8_tc = experts_fp8_tc();
 	st->hybrid = D.hybrid;
 	/* in hybrid mode the pipeline holds the GPU budget to the byte: the
 	 * profile's scratch must not stay in its backend */
@@ -622,7 +633,9 @@ static int step_backend(void)
 			   (!strcmp(D.cfg.gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST &&
 			    D.model->cfg.dtype != MLENS_DTYPE_F32);
 	bo->sm_copy = !strcmp(D.cfg.gpu_copy, "sm");
-	bo->fp8_gemm = !strcmp(D.cfg.gpu_fp8_gemm, "fp8");
+	bo->fp8_gemm = !strcmp(D.cfg.gpu_fp8_gemm, "fp8")	    ? MLENS_FP8_GEMM_FP8
+		       : !strcmp(D.cfg.gpu_fp8_gemm, "dequant") ? MLENS_FP8_GEMM_DEQUANT
+								: MLENS_FP8_GEMM_AUTO;
 	bo->moe_streams = (int)D.cfg.gpu_moe_streams;
 	mlens_gpu_sync_parse(D.cfg.gpu_sync, &bo->sync);	/* one of its names (config) */
 	/* the KV cache lives on this node; no core is kept back: the movers
@@ -714,6 +727,7 @@ static int step_kv_cache(void)
 		if ((rc = mlens_perf_model_from_config(&D.pm, &D.model->cfg, D.kv_dt)))
 			return fail_start("model %s: its dimensions are out of range for the GPU memory plan",
 					  D.cfg.model);
+		D.pm.expert_fp8_tc = experts_fp8_tc();
 		in.gpu_only = true;
 		in.model = &D.model->cfg;
 		in.weight_bytes = D.weights.bytes;
