@@ -888,6 +888,11 @@ static int gemm_fp8_scaled(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype
 
 	if (rc != -ENOTSUP)
 		return rc;
+	if (!c->lt_unscaled_said) {
+		c->lt_unscaled_said = true;
+		fprintf(stderr, "mlens cuda: cuBLASLt scales no %s fp8 GEMM [%d x %d] per row and "
+			"channel; its scales take a pass of their own\n", mlens_dtype_name(ot), m, k);
+	}
 	if ((rc = lt_gemm_fp8(c, out, ot, x, NULL, w, NULL, n, k, m)))
 		return rc;
 	return mlens_cuda_scale_outer(c, out, ot, out, xs, ws, n, m);

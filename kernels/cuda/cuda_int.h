@@ -68,6 +68,7 @@ struct mlens_cuda_ctx {
 	struct mlens_cuda_lt_algo lt_algo[MLENS_CUDA_LT_ALGOS];
 	int lt_algos, lt_next;		/* entries held, the next one replaced */
 	void *lt_ws;			/* the current MoE stream's workspace */
+	bool lt_unscaled_said;		/* the scale-pass fallback told on stderr */
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
 	bool prefill_bf16;		/* prefill attention on tensor cores (bf16) */
 	/* the compute stream's host <-> device copies done by an SM kernel on
