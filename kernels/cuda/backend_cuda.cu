@@ -684,7 +684,10 @@ static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMat
 	}
 	if (st == CUBLAS_STATUS_SUCCESS)
 		st = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &hr, &found);
-	if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+	/* a combination this cuBLASLt does not take (scale modes, output
+	 * type) reads INVALID_VALUE: no algorithm, as NOT_SUPPORTED */
+	if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED &&
+	    st != CUBLAS_STATUS_INVALID_VALUE) {
 		*rc = mlens_cublas_rc(st, "fp8 GEMM heuristic", __FILE__, __LINE__);
 		return NULL;	/* a stays unfilled (k = -1): asked again next time */
 	}
