@@ -36,7 +36,7 @@ static const struct opt opts[] = {
 	{ "backend", T_ENUM, O(backend), "auto", 0, 0, "auto|cpu|cuda", "compute backend" },
 	{ "weight_dtype", T_ENUM, O(weight_dtype), "auto", 0, 0, "auto|fp8", "expert weights as the files hold them (auto), or quantized to fp8 e4m3 at load with a scale per output channel (a bf16/fp16/fp32 model's experts in half or a quarter of the bytes)" },
 	{ "gpu_gemm", T_ENUM, O(gpu_gemm), "fast", 0, 0, "fast|exact", "GEMMs of bf16/f16 weights on the GPU: fast rounds activations to the weight dtype, exact matches the CPU at 3x the tensor-core work" },
-	{ "gpu_fp8_gemm", T_ENUM, O(gpu_fp8_gemm), "dequant", 0, 0, "dequant|fp8", "fp8 experts on the GPU: dequant widens each expert to bf16 (fp32 with exact GEMMs or an fp32 model) for the usual GEMMs; fp8 multiplies on fp8 tensor cores through cuBLASLt, activations quantized per token, where the scales are per channel and the device has them" },
+	{ "gpu_fp8_gemm", T_ENUM, O(gpu_fp8_gemm), "auto", 0, 0, "auto|fp8|dequant", "fp8 experts on the GPU: auto and fp8 multiply on fp8 tensor cores through cuBLASLt (activations quantized per token, both scales in the GEMM's epilogue) where the scales are per channel, the GEMMs fast, the model 16-bit and the device has them (fp8 says on stderr when it has not), else dequantize; dequant widens each expert to bf16 (fp32 with exact GEMMs or an fp32 model) for the usual GEMMs" },
 	{ "gpu_prefill_attention", T_ENUM, O(gpu_prefill_attention), "auto", 0, 0, "auto|fp32|bf16", "prefill attention on the GPU: bf16 runs both products on tensor cores (Q, K, V and the softmax weights rounded to bf16, fp32 sums), fp32 is exact to the CPU's rounding; auto takes bf16 when gpu_gemm is fast and the weights are bf16 or f16" },
 	{ "gpu_copy", T_ENUM, O(gpu_copy), "sm", 0, 0, "engine|sm", "who moves activations and small tables between host and GPU on the compute stream: the copy engines, or the GPU's cores through mapped pinned memory (never queued behind the weight stream)" },
 	{ "gpu_copy_out", T_ENUM, O(gpu_copy_out), "down", 0, 0, "compute|down|side", "hybrid mode: GA's K/V/q copies to the host and the CPU attention's output back between the compute stream's kernels (compute), the copies to the host on a stream of their own (down), or both directions on streams of their own (side) that overlap the next kernels" },
@@ -563,7 +563,9 @@ void mlens_config_backend_opts(const struct mlens_config *c, bool f32_model, str
 	bo->prefill_bf16 = !strcmp(c->gpu_prefill_attention, "bf16") ||
 			   (!strcmp(c->gpu_prefill_attention, "auto") && bo->gemm == MLENS_GEMM_FAST && !f32_model);
 	bo->sm_copy = !strcmp(c->gpu_copy, "sm");
-	bo->fp8_gemm = !strcmp(c->gpu_fp8_gemm, "fp8");
+	bo->fp8_gemm = !strcmp(c->gpu_fp8_gemm, "fp8")	    ? MLENS_FP8_GEMM_FP8
+		       : !strcmp(c->gpu_fp8_gemm, "dequant") ? MLENS_FP8_GEMM_DEQUANT
+							: MLENS_FP8_GEMM_AUTO;
 	bo->moe_streams = (int)c->gpu_moe_streams;
 	mlens_gpu_sync_parse(c->gpu_sync, &bo->sync);	/* one of its names (config) */
 }

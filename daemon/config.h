@@ -24,7 +24,7 @@ struct mlens_config {
 	char *gpu_gemm;		/* "fast" or "exact" (enum mlens_gemm_mode) */
 	char *gpu_copy;		/* "engine" or "sm": who moves the compute stream's copies */
 	char *gpu_prefill_attention;	/* "auto", "fp32" or "bf16" */
-	char *gpu_fp8_gemm;	/* "dequant" or "fp8": fp8 experts' GEMMs on the GPU */
+	char *gpu_fp8_gemm;	/* "auto", "fp8" or "dequant": fp8 experts' GEMMs on the GPU */
 	char *gpu_copy_out;	/* "compute", "down" or "side": where the activation copies run */
 	char *kv_dtype;		/* "auto", "bf16", "fp32" or "fp8": the KV cache's elements */
 	char *kv_append;	/* "gpu" or "cpu": who appends K/V to the hybrid pool */

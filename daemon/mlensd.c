@@ -346,6 +346,16 @@ static bool gpu_kv_append(void)
 	return !strcmp(D.cfg.kv_append, "gpu");
 }
 
+/* Whether the model's experts multiply on the GPU's fp8 tensor cores
+ * (the backend's choice for per-channel scales; block scales are
+ * dequantized), which the GPU memory plan sizes the MoE scratch for. */
+static bool experts_fp8_tc(void)
+{
+	return D.model->cfg.expert_dtype == MLENS_DTYPE_E4M3 &&
+	       D.model->cfg.expert_scale.kind != MLENS_WSCALE_BLOCK && D.be.ops->fp8_tc &&
+	       D.be.ops->fp8_tc(D.be.ctx);
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -365,6 +375,7 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->opts.max_tokens = step_cap_wanted() < 32768 ? step_cap_wanted() : 32768;
 	st->opts.budget_s = D.be.ops->host_memory ? 0.5 : 20;
 	mlens_perf_model_from_config(&st->pm, &D.model->cfg, kv_dt);
+	st->pm.expert_fp8_tc = experts_fp8_tc();
 	st->hybrid = D.hybrid;
 	/* in hybrid mode the pipeline holds the GPU budget to the byte: the
 	 * profile's scratch must not stay in its backend */
@@ -705,6 +716,7 @@ static int step_kv_cache(void)
 		if ((rc = mlens_perf_model_from_config(&D.pm, &D.model->cfg, D.kv_dt)))
 			return fail_start("model %s: its dimensions are out of range for the GPU memory plan",
 					  D.cfg.model);
+		D.pm.expert_fp8_tc = experts_fp8_tc();
 		in.gpu_only = true;
 		in.model = &D.model->cfg;
 		in.weight_bytes = D.weights.bytes;

@@ -267,6 +267,13 @@ struct mlens_backend_ops {
 	 * may be x. */
 	int (*layernorm)(void *ctx, float *out, const float *x, const void *w,
 			 enum mlens_dtype dt, int n, int dim, float eps);
+
+	/* ---- optional: how fp8 experts multiply ----
+	 * Whether fp8 experts of a 16-bit model with per-channel scales, fast
+	 * GEMMs and dimensions that are multiples of 16 run on fp8 tensor
+	 * cores, with no dequantized copy (opts fp8_gemm and the device);
+	 * NULL: never. */
+	bool (*fp8_tc)(void *ctx);
 };
 
 #define MLENS_GEMM_MULTI_MAX 4
@@ -339,10 +346,22 @@ static inline size_t mlens_moe_fp8_dequant_bytes(size_t hidden, size_t inter, in
 						 enum mlens_gemm_mode gemm)
 {
 	size_t one = 3 * hidden * inter * (gemm == MLENS_GEMM_EXACT ? 4 : 2);
-	/* or (fp8 GEMMs) a piece of rows quantized, with a scale each */
-	size_t q = MLENS_CUDA_MOE_GU_ROWS * ((hidden > inter ? hidden : inter) + 4) + 512;
-	one = one > q ? one : q;
 	return (size_t)streams * ((one + 255) & ~(size_t)255);
+}
+
+/* fp8 experts on fp8 tensor cores (CUDA backend): no dequantized copy;
+ * a MoE chunk's rows are quantized once (rows x hidden bytes and a scale
+ * a row), and each MoE stream's piece of prow rows holds gate and up (bf16),
+ * silu(g) * u quantized (a byte a value and a scale a row) and
+ * room for 16-byte aligned copies of a GEMM's two scale vectors; each
+ * area 256-byte aligned. */
+static inline size_t mlens_moe_fp8_tc_piece_bytes(size_t prow, size_t hidden, size_t inter)
+{
+#define MLENS_A256(x) (((x) + 255) & ~(size_t)255)
+	size_t wide = hidden > inter ? hidden : inter;
+	return 2 * MLENS_A256(prow * inter * 2) + MLENS_A256(prow * inter) + MLENS_A256(prow * 4) +
+	       MLENS_A256((prow + 4 + wide) * 4);
+#undef MLENS_A256
 }
 
 /* How a host thread waits for the GPU (CUDA's device schedule flags): auto
@@ -354,6 +373,20 @@ enum mlens_gpu_sync {
 	MLENS_GPU_SYNC_SPIN,
 	MLENS_GPU_SYNC_YIELD,
 	MLENS_GPU_SYNC_BLOCK,
+};
+
+/* How the CUDA backend multiplies fp8 experts. AUTO and FP8: those of a
+ * 16-bit model with per-channel (or per-tensor) scales and fast GEMMs on
+ * fp8 tensor cores through cuBLASLt (compute capability 8.9 on),
+ * activations quantized per token, fp32 accumulation, both scales applied
+ * to the product (outer product); other experts, and all where the device
+ * has no fp8 GEMM, take the dequantize path (FP8 says so on stderr).
+ * DEQUANT: every expert widened to bf16 (fp32 for exact GEMMs or an fp32
+ * model) for the usual GEMMs. */
+enum mlens_fp8_gemm {
+	MLENS_FP8_GEMM_AUTO = 0,
+	MLENS_FP8_GEMM_FP8,
+	MLENS_FP8_GEMM_DEQUANT,
 };
 
 struct mlens_backend_opts {
@@ -374,13 +407,7 @@ struct mlens_backend_opts {
 	enum mlens_gpu_sync sync;	/* CUDA: how host threads wait for the
 					 * device (its schedule flags, for the
 					 * whole process); 0: CUDA's auto */
-	bool fp8_gemm;		/* CUDA: fp8 experts of a 16-bit model with
-				 * per-channel (or per-tensor) scales on fp8 tensor
-				 * cores through cuBLASLt, activations quantized
-				 * per token, fp32 accumulation, both scales applied
-				 * to the product (outer product); where the device
-				 * has no fp8 GEMM, and for block scales, exact
-				 * GEMMs or fp32 models: the dequantize path */
+	enum mlens_fp8_gemm fp8_gemm;	/* CUDA: how fp8 experts multiply */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */

@@ -516,6 +516,12 @@ static const char *mode_name(void)
 	return dev == &gpu_exact ? " exact" : "";
 }
 
+/* Whether dev multiplies fp8 experts on fp8 tensor cores. */
+static bool dev_fp8_tc(void)
+{
+	return dev->ops->fp8_tc && dev->ops->fp8_tc(dev->ctx);
+}
+
 START_TEST(test_gemm)
 {
 	static const int ns[] = { 1, 7, 64, 300 };
@@ -857,9 +863,11 @@ static void moe_case_fp8(enum mlens_dtype dt, int n, int H, int I, bool skew,
 	/* fp8: the CPU multiplies the dequantized weights exactly; the GPU
 	 * rounds them (and the activations) to bf16 for a bf16 model's fast
 	 * GEMMs, else works in fp32 */
-	/* gpu_tc multiplies a bf16 model's per-channel fp8 experts on fp8
-	 * tensor cores: activations rounded to e4m3 (2^-4 relative) too */
-	if (fk && dev == &gpu_tc && mdt != MLENS_DTYPE_F32 && fk->kind == MLENS_WSCALE_CHANNEL &&
+	/* gpu (fp8_gemm auto) and gpu_tc multiply a bf16 model's per-channel
+	 * fp8 experts on fp8 tensor cores where the device has them:
+	 * activations rounded to e4m3 (2^-4 relative) too, gate and up to
+	 * bf16 */
+	if (fk && dev_fp8_tc() && mdt != MLENS_DTYPE_F32 && fk->kind == MLENS_WSCALE_CHANNEL &&
 	    !(H % 16) && !(I % 16))
 		strcat(op, " fp8-gemm");
 	record(op, strstr(op, "fp8-gemm") ? 6e-2 : wtol(fk ? mdt : dt),
@@ -898,7 +906,12 @@ START_TEST(test_moe)
 END_TEST
 
 /* fp8 experts, per-channel and block scales (blocks that do not divide
- * the matrices), in an fp32 and a bf16 model: the dequantize path. */
+ * the matrices), in an fp32 and a bf16 model: the dequantize path, and
+ * (per-channel scales of the bf16 model on gpu and gpu_tc, where the
+ * device has fp8 tensor cores) the tensor-core path, whose error is
+ * within 6e-2 of the output's norm (two e4m3 roundings of the
+ * activations). Block scales of 128x128 stay blocks after load and take
+ * the dequantize path. */
 START_TEST(test_moe_fp8)
 {
 	static const struct mlens_wscale fks[] = { { MLENS_WSCALE_CHANNEL, 0, 0 },
@@ -913,6 +926,22 @@ START_TEST(test_moe_fp8)
 			moe_case_fp8(MLENS_DTYPE_E4M3, 5, 62, 97, false, &fks[f], mdts[m]);
 			moe_case_fp8(MLENS_DTYPE_E4M3, 1500, 64, 96, true, &fks[f], mdts[m]);
 		}
+	/* more tokens than a chunk (4096), and experts of many pieces: the
+	 * fp8 GEMMs of many sizes, through the cached algorithms */
+	moe_case_fp8(MLENS_DTYPE_E4M3, 4100, 64, 96, false, &fks[0], MLENS_DTYPE_BF16);
+	moe_case_fp8(MLENS_DTYPE_E4M3, 2500, 256, 512, true, &fks[0], MLENS_DTYPE_BF16);
+}
+END_TEST
+
+/* Which backends take the fp8 tensor-core path: auto (gpu) and fp8
+ * (gpu_tc) alike, never dequant (gpu_sm) nor exact GEMMs. */
+START_TEST(test_fp8_path)
+{
+	ck_assert(gpu.ops->fp8_tc != NULL);
+	ck_assert(gpu.ops->fp8_tc(gpu.ctx) == gpu_tc.ops->fp8_tc(gpu_tc.ctx));
+	ck_assert(!gpu_sm.ops->fp8_tc(gpu_sm.ctx));
+	ck_assert(!gpu_exact.ops->fp8_tc(gpu_exact.ctx));
+	ck_assert(cpu.ops->fp8_tc == NULL);
 }
 END_TEST
 
@@ -1485,10 +1514,10 @@ int main(void)
 	 * created last, sets the device's sync mode to block for the whole
 	 * process: every test below waits for the GPU asleep */
 	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true,
-					  .moe_streams = 1 };
+					  .moe_streams = 1, .fp8_gemm = MLENS_FP8_GEMM_DEQUANT };
 	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true,
 					  .moe_streams = 4, .sync = MLENS_GPU_SYNC_BLOCK,
-					  .fp8_gemm = true };
+					  .fp8_gemm = MLENS_FP8_GEMM_FP8 };
 	TCase *tx, *tsm, *ttc;
 	Suite *s;
 	TCase *tc;
@@ -1552,6 +1581,8 @@ int main(void)
 	tcase_add_test(tsm, test_embed);
 	tcase_add_test(tsm, test_rope);
 	tcase_add_test(tsm, test_moe);
+	tcase_add_test(tsm, test_moe_fp8);	/* fp8_gemm dequant */
+	tcase_add_test(tsm, test_fp8_path);
 	tcase_add_test(tsm, test_attn_prefill);
 	tcase_add_test(tsm, test_attn_decode);
 	tcase_add_test(tsm, test_sample);

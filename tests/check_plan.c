@@ -565,22 +565,39 @@ START_TEST(plan_fp8_scratch)
 
 	ck_assert_uint_eq(deq_fast, S * 3 * H * I * 2 + 256 * S);
 	ck_assert_uint_eq(deq_exact, S * 3 * H * I * 4 + 256 * S);
-	ck_assert_uint_eq(mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_FAST, true),
-			  mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_FAST, false) + deq_fast);
-	ck_assert_uint_eq(mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_EXACT, true),
-			  mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_EXACT, false) + deq_exact);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_FAST, MLENS_GPU_PLAN_FP8_DEQUANT),
+			  mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_FAST, MLENS_GPU_PLAN_FP8_NONE) + deq_fast);
+	ck_assert_uint_eq(mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_EXACT, MLENS_GPU_PLAN_FP8_DEQUANT),
+			  mlens_gpu_plan_moe_scratch(4096, H, I, 8, 2, MLENS_GEMM_EXACT, MLENS_GPU_PLAN_FP8_NONE) + deq_exact);
 	ck_assert_int_eq(mlens_perf_model_from_config(&bf, &c, MLENS_DTYPE_BF16), 0);
 	c.expert_dtype = MLENS_DTYPE_E4M3;
 	c.expert_scale = (struct mlens_wscale){ MLENS_WSCALE_CHANNEL, 0, 0 };
 	ck_assert_int_eq(mlens_perf_model_from_config(&f8, &c, MLENS_DTYPE_BF16), 0);
 	/* the hybrid plan's op scratch: a MoE chunk of 1024 tokens (2048
 	 * routed rows) and its dequantized experts, in 2 MiB granules */
-	uint64_t moe = mlens_gpu_plan_moe_scratch(2048, H, I, 8, 2, MLENS_GEMM_FAST, true);
+	uint64_t moe = mlens_gpu_plan_moe_scratch(2048, H, I, 8, 2, MLENS_GEMM_FAST, MLENS_GPU_PLAN_FP8_DEQUANT);
 	const uint64_t A = MLENS_GPU_PLAN_SCRATCH_ALIGN;
 	ck_assert_uint_eq(mlens_gpu_plan_scratch_bytes(&f8, 4096, 2048, 1024, MLENS_GEMM_FAST),
 			  (moe + A - 1) / A * A);
 	ck_assert_uint_gt(mlens_gpu_plan_scratch_bytes(&f8, 4096, 2048, 1024, MLENS_GEMM_FAST),
 			  mlens_gpu_plan_scratch_bytes(&bf, 4096, 2048, 1024, MLENS_GEMM_FAST) + deq_fast - A);
+	/* on fp8 tensor cores: no dequantized copy. counts, perm, inv, the
+	 * 2048 rows in e4m3 and their scales, 4 streams' pieces of 512 rows
+	 * (bf16 gate and up, silu(g)u in e4m3 and its scales, room for the
+	 * scale vectors: the most of 1..4 streams), the fp32 outputs */
+	ck_assert_int_eq(mlens_gpu_plan_fp8_path(&f8, MLENS_GEMM_FAST), MLENS_GPU_PLAN_FP8_DEQUANT);
+	f8.expert_fp8_tc = true;
+	ck_assert_int_eq(mlens_gpu_plan_fp8_path(&f8, MLENS_GEMM_FAST), MLENS_GPU_PLAN_FP8_TC);
+	ck_assert_int_eq(mlens_gpu_plan_fp8_path(&f8, MLENS_GEMM_EXACT), MLENS_GPU_PLAN_FP8_DEQUANT);
+	ck_assert_int_eq(mlens_gpu_plan_fp8_path(&bf, MLENS_GEMM_FAST), MLENS_GPU_PLAN_FP8_NONE);
+	uint64_t tc = mlens_gpu_plan_moe_scratch(2048, H, I, 8, 2, MLENS_GEMM_FAST, MLENS_GPU_PLAN_FP8_TC);
+	ck_assert_uint_eq(tc, 256 + 2 * 8192 + 2048 * H + 8192 +
+				      4 * (2 * 512 * I * 2 + 512 * I + 2048 + (512 + 4 + I) * 4 + 240) +
+				      2048 * H * 4);
+	ck_assert_uint_lt(tc, moe - deq_fast + 32 * (1 << 20));
+	ck_assert_uint_eq(mlens_gpu_plan_scratch_bytes(&f8, 4096, 2048, 1024, MLENS_GEMM_FAST),
+			  (tc + A - 1) / A * A);
+	f8.expert_fp8_tc = false;
 	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&f8, 2), 6 * f8.expert_bytes);
 	ck_assert_uint_lt(mlens_gpu_plan_streamed_bytes(&f8, 2), mlens_gpu_plan_streamed_bytes(&bf, 2));
 	/* GPU-only mode's workspace */

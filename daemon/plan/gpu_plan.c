@@ -159,8 +159,19 @@ int64_t mlens_gpu_plan_group_rows(int64_t n, int64_t group)
 	return n < group ? n : group;
 }
 
+enum mlens_gpu_plan_fp8 mlens_gpu_plan_fp8_path(const struct mlens_perf_model *pm,
+						enum mlens_gemm_mode gemm)
+{
+	if (!pm->expert_fp8)
+		return MLENS_GPU_PLAN_FP8_NONE;
+	return pm->expert_fp8_tc && gemm == MLENS_GEMM_FAST && pm->wbytes == 2 &&
+			       !(pm->hidden % 16) && !(pm->inter % 16)
+		       ? MLENS_GPU_PLAN_FP8_TC
+		       : MLENS_GPU_PLAN_FP8_DEQUANT;
+}
+
 uint64_t mlens_gpu_plan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
-				   enum mlens_gemm_mode gemm, bool fp8)
+				   enum mlens_gemm_mode gemm, enum mlens_gpu_plan_fp8 fp8)
 {
 	uint64_t parts = mlens_gpu_plan_gemm_parts(gemm, es);
 	bool half = mlens_moe_half_gu(gemm, (size_t)es);
@@ -175,7 +186,22 @@ uint64_t mlens_gpu_plan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint6
 	if (!half)
 		moe = sat_add(moe, sat_add(align256(sat_mul(sat_mul(sat_mul(gu, I), es), parts)), slack));
 	moe = sat_add(moe, align256(sat_mul(sat_mul(rows, H), 4)));		/* expert out */
-	if (fp8)	/* each MoE stream's expert dequantized */
+	if (fp8 == MLENS_GPU_PLAN_FP8_TC) {
+		/* counts, perm, inv; the rows in e4m3 and their scales; a piece
+		 * a stream (of any count of streams); expert out */
+		uint64_t tc = align256(sat_mul(E, 4)), pieces = 0;
+		tc = sat_add(tc, 2 * align256(sat_mul(rows, 4)));
+		tc = sat_add(tc, align256(sat_mul(rows, H)));
+		tc = sat_add(tc, align256(sat_mul(rows, 4)));
+		for (int s = 1; s <= MLENS_MOE_STREAMS_MAX; s++) {
+			uint64_t p = sat_mul((uint64_t)s, mlens_moe_fp8_tc_piece_bytes(
+							   mlens_moe_piece_rows((size_t)rows, s), H, I));
+			pieces = p > pieces ? p : pieces;
+		}
+		tc = sat_add(sat_add(tc, pieces), align256(sat_mul(sat_mul(rows, H), 4)));
+		return tc > moe ? tc : moe;
+	}
+	if (fp8 == MLENS_GPU_PLAN_FP8_DEQUANT)	/* each MoE stream's expert dequantized */
 		moe = sat_add(moe, mlens_moe_fp8_dequant_bytes(H, I, MLENS_MOE_STREAMS_MAX,
 							       es == 4 ? MLENS_GEMM_EXACT : gemm) +
 				   256 * MLENS_MOE_STREAMS_MAX);
@@ -204,7 +230,7 @@ uint64_t mlens_gpu_plan_scratch_bytes(const struct mlens_perf_model *pm, int64_t
 	widen = es == 4 ? 0 : sat_mul(sat_mul(E, H), 4);
 	rows = sat_mul(c, K);
 	I = mlens_gpu_plan_moe_width(I, K, (uint64_t)pm->mlp_inter);
-	moe = mlens_gpu_plan_moe_scratch(rows, H, I, E, es, gemm, pm->expert_fp8);
+	moe = mlens_gpu_plan_moe_scratch(rows, H, I, E, es, gemm, mlens_gpu_plan_fp8_path(pm, gemm));
 	s = conv > moe ? conv : moe;
 	if (s < widen)
 		s = widen;
@@ -466,7 +492,7 @@ static int plan_gpu_only(const struct mlens_perf_model *pm, const struct mlens_g
 
 	/* One scratch area serves every op, so it is the largest single need. */
 	moe = mlens_gpu_plan_moe_scratch(rows, H, mlens_gpu_plan_moe_width(I, K, (uint64_t)pm->mlp_inter),
-					 E, es, in->gemm, pm->expert_fp8);
+					 E, es, in->gemm, mlens_gpu_plan_fp8_path(pm, in->gemm));
 	conv = np * T * (H > qd ? H : qd) * 2;
 	/* partials: at most every query at the longest context, which the KV
 	 * pool and the model's context bound, and at most one launch's area */

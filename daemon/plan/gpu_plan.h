@@ -192,6 +192,18 @@ static inline uint64_t mlens_gpu_plan_moe_width(uint64_t I, uint64_t K, uint64_t
 	return K && mlp > K * I ? (mlp + K - 1) / K : I;
 }
 
+/* How a MoE call's fp8 experts multiply, for its scratch: none (16/32-bit
+ * experts), through a dequantized copy per MoE stream, or on fp8 tensor
+ * cores (the rows quantized, no copy). */
+enum mlens_gpu_plan_fp8 {
+	MLENS_GPU_PLAN_FP8_NONE = 0,
+	MLENS_GPU_PLAN_FP8_DEQUANT,
+	MLENS_GPU_PLAN_FP8_TC,
+};
+/* The path pm's experts take with GEMM mode gemm (the backend's choice,
+ * kernels/cuda/backend_cuda.cu moe_fp8_tc). */
+enum mlens_gpu_plan_fp8 mlens_gpu_plan_fp8_path(const struct mlens_perf_model *pm,
+						enum mlens_gemm_mode gemm);
 /* Scratch of one MoE call of rows routed rows (tokens x top-k) as the CUDA
  * backend lays it out (kernels/cuda/backend_cuda.cu, moe_chunk) for
  * weights of es bytes and GEMM mode gemm: expert counts, permutation and
@@ -201,11 +213,14 @@ static inline uint64_t mlens_gpu_plan_moe_width(uint64_t I, uint64_t K, uint64_t
  * mlens_moe_half_gu, else fp32 and silu(g)u of its own in the weight
  * dtype, in parts; sliced between the MoE streams, each slice aligned),
  * the experts' outputs in fp32; each area 256-byte aligned; with fp8
- * experts (fp8) each MoE stream's expert dequantized
- * (mlens_moe_fp8_dequant_bytes). An upper bound for any number of MoE
+ * experts through the dequantize path each MoE stream's expert
+ * dequantized (mlens_moe_fp8_dequant_bytes); on fp8 tensor cores the
+ * larger of that layout without the copy (a shared SwiGLU of width I in
+ * the model dtype takes it) and the fp8 one (the rows quantized, pieces of
+ * mlens_moe_fp8_tc_piece_bytes). An upper bound for any number of MoE
  * streams. */
 uint64_t mlens_gpu_plan_moe_scratch(uint64_t rows, uint64_t H, uint64_t I, uint64_t E, uint64_t es,
-				   enum mlens_gemm_mode gemm, bool fp8);
+				   enum mlens_gemm_mode gemm, enum mlens_gpu_plan_fp8 fp8);
 /* The backend's op scratch for such a step, which the pipeline reserves
  * (backend op scratch_reserve): the largest one op takes (a group's rows
  * rounded to the weight dtype for a GEMM, a MoE chunk's gathered rows and

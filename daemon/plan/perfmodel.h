@@ -118,6 +118,10 @@ struct mlens_perf_model {
 	int64_t hidden, inter, layers, heads, kv_heads, head_dim, experts, top_k, vocab;
 	int64_t wbytes;		/* bytes per weight element */
 	bool expert_fp8;	/* experts in fp8 e4m3 (expert_bytes counts their scales) */
+	/* ... multiplied on the GPU's fp8 tensor cores (backend op fp8_tc, and
+	 * per-channel scales; set by the caller, false from the config): the
+	 * MoE scratch holds no dequantized expert */
+	bool expert_fp8_tc;
 	int64_t kvbytes;	/* bytes per KV element (pool dtype) */
 	int64_t abytes;		/* bytes per activation element on the GPU (f32),
 				 * also of the q,k,v and attention-output copies */

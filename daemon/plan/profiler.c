@@ -208,7 +208,7 @@ static int run_grouped(struct layer *L, int n, int (*rows)(struct layer *, int, 
 	return 0;
 }
 
-enum which { W_GA, W_GB, W_GEMM };
+enum which { W_GA, W_GB, W_GEMM, W_GEMM_FP8 };
 
 static int run_one(struct layer *L, enum which w, int n)
 {
@@ -219,8 +219,40 @@ static int run_one(struct layer *L, enum which w, int n)
 	case W_GEMM:
 		return L->be->ops->gemm(L->be->ctx, L->gout, L->x, L->gemm_w, c->dtype, n, (int)c->hidden_size,
 					(int)c->intermediate_size, false);
+	case W_GEMM_FP8:
+		/* every token routed to expert 0 (fp8_rows): its three GEMMs
+		 * through the MoE op, as the experts run */
+		return L->be->ops->moe(L->be->ctx, L->xn, L->x, n, L->rid, L->rw, 1, &L->b.moe);
 	}
 	return -EINVAL;
+}
+
+/* Whether the experts multiply on fp8 tensor cores (backend op fp8_tc,
+ * per-channel scales): then the GEMM rate is theirs, timed through the
+ * MoE op, as the GEMM op takes no fp8 weights. */
+static bool fp8_tc(const struct layer *L)
+{
+	return L->d.expert_dtype == MLENS_DTYPE_E4M3 && L->d.expert_scale.kind != MLENS_WSCALE_BLOCK &&
+	       L->be->ops->fp8_tc && L->be->ops->fp8_tc(L->be->ctx);
+}
+
+/* Route n rows to expert 0 with weight 1 (ids in rid, weights in rw). */
+static int fp8_rows(struct layer *L, int n)
+{
+	int32_t *ids = calloc((size_t)n, sizeof(*ids));
+	float *w = malloc((size_t)n * sizeof(*w));
+	int rc = -ENOMEM;
+
+	if (ids && w) {
+		for (int i = 0; i < n; i++)
+			w[i] = 1.0f;
+		rc = L->be->ops->upload(L->be->ctx, L->rid, ids, (size_t)n * sizeof(*ids));
+		if (!rc)
+			rc = L->be->ops->upload(L->be->ctx, L->rw, w, (size_t)n * sizeof(*w));
+	}
+	free(ids);
+	free(w);
+	return rc;
 }
 
 /* Best of reps runs (after one warm-up) in seconds. */
@@ -346,8 +378,15 @@ static int profile_layer(const struct mlens_model *m, const struct mlens_profile
 		origin_line(xs, p->ga_s, p->n_points, &p->ga);
 	if (!(p->gb.b > 0))
 		origin_line(xs, p->gb_s, p->n_points, &p->gb);
-	if ((rc = time_best(&L, W_GEMM, (int)top, REPS, &t)))
+	/* the experts' GEMM rate: of their dtype (fp8 on fp8 tensor cores:
+	 * gate, up and down of one expert through the MoE op) */
+	if (fp8_tc(&L)) {
+		if ((rc = fp8_rows(&L, (int)top)) || (rc = time_best(&L, W_GEMM_FP8, (int)top, REPS, &t)))
+			goto op_fail;
+		t /= 3;
+	} else if ((rc = time_best(&L, W_GEMM, (int)top, REPS, &t))) {
 		goto op_fail;
+	}
 	p->gemm_flops = 2.0 * (double)top * (double)m->cfg.hidden_size * (double)m->cfg.intermediate_size / t;
 	if ((rc = time_prefill_attn(&L, top, &p->attn_prefill_flops)))
 		goto op_fail;

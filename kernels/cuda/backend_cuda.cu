@@ -615,69 +615,196 @@ static int cuda_round(void *ctx, void *dst, enum mlens_dtype dt, const float *sr
 
 /* ==== MoE ==== */
 
-/* out[n][m] (fp32) = x[n][k] . W[m][k]^T with both in e4m3 on the tensor
- * cores (cuBLASLt; fp32 accumulation, unit scales: the caller applies the
- * per-token and per-channel scales to the product). The row-major
- * operands are column-major W^T and x: a "TN" product, as fp8 needs.
- * out NULL: only whether cuBLASLt has an algorithm for it (0 or -ENOTSUP). */
-static int lt_gemm_fp8(struct mlens_cuda_ctx *c, float *out, const uint8_t *x, const uint8_t *w,
-		       int n, int k, int m)
+/* The n an fp8 GEMM's algorithm is cached for: n rounded up to a power of 2. */
+static int lt_bucket(int n)
 {
-	cublasLtMatmulDesc_t op = NULL;
-	cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-	cublasLtMatmulPreference_t pref = NULL;
+	int nb = 1;
+
+	while (nb < n && nb < (1 << 30))
+		nb *= 2;
+	return nb;
+}
+
+/* The cuBLASLt algorithm for an fp8 GEMM of that shape, from the
+ * context's cache or (once a shape, n rounded up to a power of 2) from
+ * the heuristic; fresh: the heuristic for this very n, not cached (after
+ * the cached one failed). NULL: none (-ENOTSUP in *rc) or an error. */
+static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMatmulDesc_t op,
+					   cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+					   cublasLtMatrixLayout_t ld, enum mlens_dtype ot,
+					   bool scaled, int n, int k, int m, bool fresh,
+					   cublasLtMatmulAlgo_t *own, int *rc)
+{
+	struct mlens_cuda_lt_algo *a = NULL;
+	cublasLtMatmulPreferenceOpaque_t po;
+	cublasLtMatmulPreference_t pref = &po;
 	cublasLtMatmulHeuristicResult_t hr;
+	cublasLtMatrixLayoutOpaque_t lbo;
+	int nb = lt_bucket(n);
+	uint32_t align = 16;	/* rows of e4m3 at multiples of 16 bytes */
+	size_t ws = c->lt_ws ? c->blas_ws_bytes : 0;
+	int found = 0;
+	cublasStatus_t st;
+
+	if (!fresh) {
+		for (int i = 0; i < c->lt_algos; i++) {
+			struct mlens_cuda_lt_algo *e = &c->lt_algo[i];
+			if (e->k == k && e->m == m && e->nb == nb && e->ot == (int)ot &&
+			    e->scaled == scaled) {
+				*rc = e->found ? 0 : -ENOTSUP;
+				return e->found ? &e->algo : NULL;
+			}
+		}
+		/* the heuristic asked for the bucket's largest n */
+		st = cublasLtMatrixLayoutInit(&lbo, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)nb, k);
+		if (st != CUBLAS_STATUS_SUCCESS) {
+			*rc = mlens_cublas_rc(st, "fp8 GEMM layout", __FILE__, __LINE__);
+			return NULL;
+		}
+		lb = &lbo;
+		if (c->lt_algos < MLENS_CUDA_LT_ALGOS) {
+			a = &c->lt_algo[c->lt_algos++];
+		} else {
+			a = &c->lt_algo[c->lt_next];
+			c->lt_next = (c->lt_next + 1) % MLENS_CUDA_LT_ALGOS;
+		}
+		a->k = -1;	/* not an entry until filled below */
+	}
+	memset(&hr, 0, sizeof(hr));
+	st = cublasLtMatmulPreferenceInit(pref);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+							  &ws, sizeof(ws));
+	for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++) {
+		static const cublasLtMatmulPreferenceAttributes_t al[4] = {
+			CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+			CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES
+		};
+		st = cublasLtMatmulPreferenceSetAttribute(pref, al[i], &align, sizeof(align));
+	}
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &hr, &found);
+	/* a combination this cuBLASLt does not take (scale modes, output
+	 * type) reads INVALID_VALUE: no algorithm, as NOT_SUPPORTED */
+	if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED &&
+	    st != CUBLAS_STATUS_INVALID_VALUE) {
+		*rc = mlens_cublas_rc(st, "fp8 GEMM heuristic", __FILE__, __LINE__);
+		return NULL;	/* a stays unfilled (k = -1): asked again next time */
+	}
+	found = st == CUBLAS_STATUS_SUCCESS && found > 0;
+	*rc = found ? 0 : -ENOTSUP;
+	if (!a) {
+		*own = hr.algo;
+		return found ? own : NULL;
+	}
+	a->m = m;
+	a->nb = nb;
+	a->ot = (int)ot;
+	a->scaled = scaled;
+	a->found = found != 0;
+	a->algo = hr.algo;
+	a->k = k;
+	return found ? &a->algo : NULL;
+}
+
+/* The cached scaled algorithm of that shape marked as none. */
+static void lt_forget(struct mlens_cuda_ctx *c, int k, int m, int n, enum mlens_dtype ot)
+{
+	int nb = lt_bucket(n);
+
+	for (int i = 0; i < c->lt_algos; i++) {
+		struct mlens_cuda_lt_algo *e = &c->lt_algo[i];
+		if (e->k == k && e->m == m && e->nb == nb && e->ot == (int)ot && e->scaled)
+			e->found = false;
+	}
+}
+
+/* out[n][m] (ot: fp32 or bf16) = x[n][k] . W[m][k]^T with both in e4m3 on
+ * the tensor cores (cuBLASLt; fp32 accumulation). With xs and ws the
+ * product is scaled in the epilogue by the per-token xs[n] and the
+ * per-channel ws[m] (outer-vector scales, cuBLASLt from 12.9 on Hopper
+ * and later); without them the scales are 1 and the caller applies its
+ * own. The row-major operands are column-major W^T and x: a "TN" product,
+ * as fp8 needs. out NULL: only whether cuBLASLt has an algorithm for it
+ * (0 or -ENOTSUP). Descriptors live on the stack; the algorithm is
+ * cached by shape (lt_algo). */
+static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot, const uint8_t *x,
+		       const float *xs, const uint8_t *w, const float *ws, int n, int k, int m)
+{
+	cublasLtMatmulDescOpaque_t opo;
+	cublasLtMatrixLayoutOpaque_t lao, lbo, ldo;
+	cublasLtMatmulDesc_t op = &opo;
+	cublasLtMatrixLayout_t la = &lao, lb = &lbo, ld = &ldo;
+	const cublasLtMatmulAlgo_t *algo;
+	cublasLtMatmulAlgo_t own;
 	cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-	size_t ws = 0;
-	int found = 0, rc = 0;
+	cudaDataType_t dty = ot == MLENS_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+	const bool scaled = xs && ws;
+	int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
 	float one = 1.0f, zero = 0.0f;
+	int rc = 0;
 	cublasStatus_t st;
 
 	if (n <= 0)
 		return 0;
-	memset(&hr, 0, sizeof(hr));
-	st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+	st = cublasLtMatmulDescInit(op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
 	if (st == CUBLAS_STATUS_SUCCESS)
 		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
 	if (st == CUBLAS_STATUS_SUCCESS)
 		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+	if (scaled) {
+		/* A is W (m scales, one a channel), B is x (n, one a token) */
+		if (st == CUBLAS_STATUS_SUCCESS)
+			st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode,
+							    sizeof(mode));
+		if (st == CUBLAS_STATUS_SUCCESS)
+			st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode,
+							    sizeof(mode));
+		if (st == CUBLAS_STATUS_SUCCESS)
+			st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws,
+							    sizeof(ws));
+		if (st == CUBLAS_STATUS_SUCCESS)
+			st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs,
+							    sizeof(xs));
+	}
 	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
+		st = cublasLtMatrixLayoutInit(la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
 	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
+		st = cublasLtMatrixLayoutInit(lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
 	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, (uint64_t)m, (uint64_t)n, m);
-	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatmulPreferenceCreate(&pref);
-	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-							  &ws, sizeof(ws));
-	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &hr, &found);
-	if (st == CUBLAS_STATUS_SUCCESS && !found)
-		rc = -ENOTSUP;
-	else if (st == CUBLAS_STATUS_SUCCESS && out)
-		st = cublasLtMatmul(c->lt, op, &one, w, la, x, lb, &zero, out, ld, out, ld, &hr.algo,
-				    NULL, 0, c->stream);
+		st = cublasLtMatrixLayoutInit(ld, dty, (uint64_t)m, (uint64_t)n, m);
 	if (st != CUBLAS_STATUS_SUCCESS)
-		rc = st == CUBLAS_STATUS_NOT_SUPPORTED ? -ENOTSUP
-						       : mlens_cublas_rc(st, "fp8 GEMM", __FILE__, __LINE__);
-	if (pref)
-		cublasLtMatmulPreferenceDestroy(pref);
-	if (ld)
-		cublasLtMatrixLayoutDestroy(ld);
-	if (lb)
-		cublasLtMatrixLayoutDestroy(lb);
-	if (la)
-		cublasLtMatrixLayoutDestroy(la);
-	if (op)
-		cublasLtMatmulDescDestroy(op);
-	return rc;
+		return st == CUBLAS_STATUS_NOT_SUPPORTED
+			       ? -ENOTSUP
+			       : mlens_cublas_rc(st, "fp8 GEMM set-up", __FILE__, __LINE__);
+	if (!out)
+		return lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, true, &own, &rc) ? 0 : rc;
+	for (int fresh = 0; fresh < 2; fresh++) {
+		if (!(algo = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, fresh != 0, &own, &rc)))
+			return rc;
+		st = cublasLtMatmul(c->lt, op, &one, w, la, x, lb, &zero, out, ld, out, ld, algo,
+				    c->lt_ws, c->lt_ws ? c->blas_ws_bytes : 0, c->stream);
+		if (st == CUBLAS_STATUS_SUCCESS)
+			return 0;
+		/* the bucket's algorithm may not take this n: this n's own */
+		if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
+			break;
+	}
+	if (scaled && (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)) {
+		/* outer-vector scales refused at run time: the shape takes the
+		 * unit-scale GEMM and a scale pass from now on */
+		lt_forget(c, k, m, n, ot);
+		return -ENOTSUP;
+	}
+	return st == CUBLAS_STATUS_NOT_SUPPORTED
+		       ? -ENOTSUP
+		       : mlens_cublas_rc(st, "fp8 GEMM", __FILE__, __LINE__);
 }
 
-/* fp8 experts on the tensor cores: opts fp8_gemm on a device that has
- * them, fast GEMMs of a 16-bit model, one scale a row (per-tensor scales
- * are one a row since load), sizes the fp8 GEMMs take. */
+/* fp8 experts on the tensor cores (opts fp8_gemm auto or fp8, a device
+ * that has them): fast GEMMs of a 16-bit model, one scale a row
+ * (per-tensor scales are one a row since load; block scales take the
+ * dequantize path), sizes the fp8 GEMMs take. */
 static bool moe_fp8_tc(const struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w)
 {
 	return w->dtype == MLENS_DTYPE_E4M3 && c->fp8_tc && !c->gemm_exact &&
@@ -692,8 +819,7 @@ static bool moe_fp8_tc(const struct mlens_cuda_ctx *c, const struct mlens_moe_we
 static enum mlens_dtype moe_fp8_dtype(const struct mlens_cuda_ctx *c,
 				      const struct mlens_moe_weights *w)
 {
-	/* the fp8 tensor-core path takes its activations in fp32 */
-	return c->gemm_exact || w->model_dtype == MLENS_DTYPE_F32 || moe_fp8_tc(c, w)
+	return c->gemm_exact || w->model_dtype == MLENS_DTYPE_F32
 		       ? MLENS_DTYPE_F32
 		       : MLENS_DTYPE_BF16;
 }
@@ -715,6 +841,7 @@ static int expert_gemm(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 static int moe_use_stream(struct mlens_cuda_ctx *c, int i)
 {
 	c->stream = c->moe_stream[i];
+	c->lt_ws = (char *)c->blas_ws + (size_t)i * c->blas_ws_bytes;	/* cuBLASLt's too */
 	CUBLAS_RET(cublasSetStream(c->blas, c->stream));
 	CUBLAS_RET(cublasSetWorkspace(c->blas, (char *)c->blas_ws + (size_t)i * c->blas_ws_bytes,
 				      c->blas_ws_bytes));
@@ -728,30 +855,83 @@ struct moe_piece {
 	char *g, *u, *h;	/* h == g when silu(g) * u goes over g */
 	size_t rows;
 	char *wd;		/* fp8 experts: the stream's expert dequantized */
+	/* fp8 experts on tensor cores: silu(g) * u quantized, its row scales,
+	 * room for aligned copies of a GEMM's scale vectors (rows + the
+	 * wider of hidden and inter floats) */
+	uint8_t *hq;
+	float *hs, *sc;
+	const float *xs;	/* the chunk's row scales (xe its quantized rows) */
 };
 
-/* The rows [r, r + n) of expert e on the fp8 tensor cores: x quantized per
- * token, gate and up as fp8 GEMMs scaled back (token scale x channel
- * scale), silu(g) * u in fp32, quantized per token for the down GEMM. */
-static int expert_fp8(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w, int e,
-		      const float *xe, size_t r, int n, const struct moe_piece *pc, size_t qsl,
-		      float *y)
+/* p (count scales), or where it is not 16-byte aligned (a MoE chunk's
+ * row scales from an expert's first row on), its copy at dst: cuBLASLt's
+ * scale vectors are read as its other operands are. */
+static const float *aligned_scales(struct mlens_cuda_ctx *c, float *dst, const float *p,
+				   size_t count, int *rc)
 {
-	int H = w->hidden, I = w->inter, rc;
-	uint8_t *q = (uint8_t *)pc->wd;
-	float *qs = (float *)(pc->wd + qsl), *g = (float *)pc->g, *u = (float *)pc->u;
+	cudaError_t e;
 
-	if ((rc = mlens_cuda_quant_rows_fp8(c, q, qs, xe + r * H, MLENS_DTYPE_F32, n, H)) ||
-	    (rc = lt_gemm_fp8(c, g, q, (const uint8_t *)w->w1[e], n, H, I)) ||
-	    (rc = mlens_cuda_scale_outer(c, g, MLENS_DTYPE_F32, g, qs, w->s1[e], n, I)) ||
-	    (rc = lt_gemm_fp8(c, u, q, (const uint8_t *)w->w3[e], n, H, I)) ||
-	    (rc = mlens_cuda_scale_outer(c, u, MLENS_DTYPE_F32, u, qs, w->s3[e], n, I)) ||
-	    (rc = mlens_cuda_silu_mul(c, pc->h, MLENS_DTYPE_F32, g, u, MLENS_DTYPE_F32,
-				      (size_t)n * I)) ||
-	    (rc = mlens_cuda_quant_rows_fp8(c, q, qs, pc->h, MLENS_DTYPE_F32, n, I)) ||
-	    (rc = lt_gemm_fp8(c, y + r * H, q, (const uint8_t *)w->w2[e], n, I, H)))
+	if (*rc || !((uintptr_t)p & 15))
+		return p;
+	e = cudaMemcpyAsync(dst, p, count * 4, cudaMemcpyDeviceToDevice, c->stream);
+	if (e != cudaSuccess)
+		*rc = mlens_cuda_rc(e, "fp8 scales copy", __FILE__, __LINE__);
+	return dst;
+}
+
+/* out[n][m] (ot: fp32 or bf16) = x[n][k] . W[m][k]^T scaled by xs[n] x
+ * ws[m]: the scales in the fp8 GEMM's epilogue, or where cuBLASLt has no
+ * such GEMM, unit scales and a scale pass over out (a bf16 out is then
+ * rounded twice). */
+static int gemm_fp8_scaled(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
+			   const uint8_t *x, const float *xs, const uint8_t *w, const float *ws,
+			   int n, int k, int m)
+{
+	int rc = lt_gemm_fp8(c, out, ot, x, xs, w, ws, n, k, m);
+
+	if (rc != -ENOTSUP)
 		return rc;
-	return mlens_cuda_scale_outer(c, y + r * H, MLENS_DTYPE_F32, y + r * H, qs, w->s2[e], n, H);
+	if (!c->lt_unscaled_said) {
+		c->lt_unscaled_said = true;
+		fprintf(stderr, "mlens cuda: cuBLASLt scales no %s fp8 GEMM [%d x %d] per row and "
+			"channel; its scales take a pass of their own\n", mlens_dtype_name(ot), m, k);
+	}
+	if ((rc = lt_gemm_fp8(c, out, ot, x, NULL, w, NULL, n, k, m)))
+		return rc;
+	return mlens_cuda_scale_outer(c, out, ot, out, xs, ws, n, m);
+}
+
+/* The rows [r, r + n) of expert e on the fp8 tensor cores: xq/xs the
+ * chunk's rows quantized per token (once for every expert), gate and up as
+ * fp8 GEMMs scaled back in their epilogue (token scale x channel scale)
+ * into bf16, silu(g) * u and its quantization per token in one kernel, the
+ * down GEMM into y in fp32 (the combine reads it). */
+static int expert_fp8(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w, int e,
+		      const uint8_t *xq, const float *xs, size_t r, int n,
+		      const struct moe_piece *pc, float *y)
+{
+	int H = w->hidden, I = w->inter, rc = 0;
+	float *wsc = pc->sc + ((pc->rows + 3) & ~(size_t)3);
+	const uint8_t *x = xq + r * H;
+	const float *rs = aligned_scales(c, pc->sc, xs + r, (size_t)n, &rc), *cs;
+
+	/* each weight's scales copied (where they must be) behind the GEMM
+	 * before, in stream order */
+	cs = aligned_scales(c, wsc, w->s1[e], (size_t)I, &rc);
+	if (rc || (rc = gemm_fp8_scaled(c, pc->g, MLENS_DTYPE_BF16, x, rs, (const uint8_t *)w->w1[e],
+					 cs, n, H, I)))
+		return rc;
+	cs = aligned_scales(c, wsc, w->s3[e], (size_t)I, &rc);
+	if (rc || (rc = gemm_fp8_scaled(c, pc->u, MLENS_DTYPE_BF16, x, rs, (const uint8_t *)w->w3[e],
+					 cs, n, H, I)) ||
+	    (rc = mlens_cuda_silu_mul_quant_fp8(c, pc->hq, pc->hs, pc->g, pc->u, MLENS_DTYPE_BF16, n,
+						I)))
+		return rc;
+	cs = aligned_scales(c, wsc, w->s2[e], (size_t)H, &rc);
+	if (rc)
+		return rc;
+	return gemm_fp8_scaled(c, y + r * H, MLENS_DTYPE_F32, pc->hq, pc->hs,
+			       (const uint8_t *)w->w2[e], cs, n, I, H);
 }
 
 /* The rows of the experts in [e0, e1) (r0 the first) through gate, up,
@@ -765,8 +945,6 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 	const bool fp8 = w->dtype == MLENS_DTYPE_E4M3, tc = moe_fp8_tc(c, w);
 	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;	/* the GEMMs' */
 	size_t es = mlens_dtype_size(cdt), mat = (size_t)H * I * es;
-	/* fp8 GEMMs: the piece's quantized rows, then their scales */
-	size_t qsl = mlens_cuda_align(pc->rows * (size_t)(H > I ? H : I));
 	enum mlens_dtype gdt = half_gu ? cdt : MLENS_DTYPE_F32;
 	size_t xpart = split ? rows * H * es : 0, hpart = split ? pc->rows * I * es : 0;
 
@@ -777,8 +955,8 @@ static int moe_experts(struct mlens_cuda_ctx *c, const struct mlens_moe_weights 
 		if (tc) {
 			for (size_t off = 0; off < cnt; off += each) {
 				int n = (int)(cnt - off < each ? cnt - off : each);
-				if ((rc = expert_fp8(c, w, e, (const float *)xe, (size_t)r0 + off, n, pc,
-						     qsl, y)))
+				if ((rc = expert_fp8(c, w, e, (const uint8_t *)xe, pc->xs,
+						     (size_t)r0 + off, n, pc, y)))
 					return rc;
 			}
 			continue;
@@ -876,8 +1054,9 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		     const struct mlens_moe_weights *w)
 {
 	int E = w->n_experts, H = w->hidden, I = w->inter, S = c->moe_streams;
-	const bool fp8 = w->dtype == MLENS_DTYPE_E4M3;
-	/* fp8 experts run through the GEMMs of their dequantized copy */
+	const bool fp8 = w->dtype == MLENS_DTYPE_E4M3, tc = moe_fp8_tc(c, w);
+	/* fp8 experts run through the GEMMs of their dequantized copy, or on
+	 * fp8 tensor cores (tc: the rows quantized, no copy) */
 	const enum mlens_dtype cdt = fp8 ? moe_fp8_dtype(c, w) : w->dtype;
 	size_t es = mlens_dtype_size(cdt), rows = (size_t)n * (size_t)k;
 	/* exact: split copies of the inputs, and the silu product in fp32 (in
@@ -885,8 +1064,9 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	bool split = c->gemm_exact && cdt != MLENS_DTYPE_F32;
 	bool half_gu = mlens_moe_half_gu(c->gemm_exact ? MLENS_GEMM_EXACT : MLENS_GEMM_FAST, es);
 	size_t np = split ? MLENS_CUDA_SPLIT_PARTS : 1, gs = half_gu ? es : 4;
-	size_t o_counts, o_perm, o_inv, o_xe, o_g, o_u, o_h, o_y, o_wd, total, prow, gsl, hsl;
-	size_t wdsl = fp8 ? mlens_moe_fp8_dequant_bytes(H, I, 1, cdt == MLENS_DTYPE_F32
+	size_t o_counts, o_perm, o_inv, o_xe, o_xs, o_g, o_u, o_h, o_y, o_wd, total, prow, gsl, hsl;
+	size_t psl = 0;
+	size_t wdsl = fp8 && !tc ? mlens_moe_fp8_dequant_bytes(H, I, 1, cdt == MLENS_DTYPE_F32
 									? MLENS_GEMM_EXACT
 									: MLENS_GEMM_FAST)
 			  : 0;
@@ -914,10 +1094,21 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	o_perm = mlens_cuda_align(o_counts + (size_t)E * 4);
 	o_inv = mlens_cuda_align(o_perm + rows * 4);
 	o_xe = mlens_cuda_align(o_inv + rows * 4);
-	o_g = mlens_cuda_align(o_xe + np * rows * H * es);
-	o_u = o_g + (size_t)S * gsl;
-	o_h = o_u + (size_t)S * gsl;
-	o_y = half_gu ? o_h : o_h + (size_t)S * hsl;
+	if (tc) {
+		/* the rows in e4m3 and their scales, then one piece a stream
+		 * (mlens_moe_fp8_tc_piece_bytes) */
+		psl = mlens_moe_fp8_tc_piece_bytes(prow, H, I);
+		o_xs = mlens_cuda_align(o_xe + rows * H);
+		o_g = mlens_cuda_align(o_xs + rows * 4);
+		o_u = o_h = o_g;
+		o_y = o_g + (size_t)S * psl;
+	} else {
+		o_xs = o_xe;
+		o_g = mlens_cuda_align(o_xe + np * rows * H * es);
+		o_u = o_g + (size_t)S * gsl;
+		o_h = o_u + (size_t)S * gsl;
+		o_y = half_gu ? o_h : o_h + (size_t)S * hsl;
+	}
 	o_wd = mlens_cuda_align(o_y + rows * H * 4);
 	total = mlens_cuda_align(o_wd + (size_t)S * wdsl);
 	if ((rc = mlens_cuda_scratch(c, total, &s)))
@@ -933,6 +1124,18 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 		pc[i].h = half_gu ? pc[i].g : s + o_h + (size_t)i * hsl;
 		pc[i].rows = prow;
 		pc[i].wd = s + o_wd + (size_t)i * wdsl;
+		pc[i].hq = NULL;
+		pc[i].hs = pc[i].sc = NULL;
+		pc[i].xs = (const float *)(s + o_xs);
+		if (tc) {
+			size_t gu = mlens_cuda_align(prow * I * 2);
+			char *b = s + o_g + (size_t)i * psl;
+			pc[i].g = pc[i].h = b;
+			pc[i].u = b + gu;
+			pc[i].hq = (uint8_t *)(b + 2 * gu);
+			pc[i].hs = (float *)(b + 2 * gu + mlens_cuda_align(prow * I));
+			pc[i].sc = (float *)((char *)pc[i].hs + mlens_cuda_align(prow * 4));
+		}
 	}
 
 	if ((rc = mlens_cuda_moe_route(c, counts, perm, inv, ids, n, k, E)))
@@ -945,8 +1148,11 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	/* gather x rows into expert order, already in the weights' dtype (it
 	 * needs only perm): queued before the host waits for the counts, so
 	 * the GPU has it to do while the host wakes and launches the GEMMs */
-	rc = split ? mlens_cuda_split_rows(c, xe, cdt, x, perm, k, (int)rows, H, rows * H)
-		   : mlens_cuda_convert_rows(c, xe, cdt, x, perm, k, (int)rows, H);
+	/* (fp8 tensor cores: quantized, once for all the experts) */
+	rc = tc	     ? mlens_cuda_quant_gather_fp8(c, (uint8_t *)xe, (float *)(s + o_xs), x, perm, k,
+						   (int)rows, H)
+	     : split ? mlens_cuda_split_rows(c, xe, cdt, x, perm, k, (int)rows, H, rows * H)
+		     : mlens_cuda_convert_rows(c, xe, cdt, x, perm, k, (int)rows, H);
 	if (rc)
 		return rc;
 	CUDA_RET(cudaEventSynchronize(c->moe_counts));
@@ -969,6 +1175,12 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 	if ((rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, pc, y)))
 		return rc;
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
+}
+
+static bool cuda_fp8_tc(void *ctx)
+{
+	const struct mlens_cuda_ctx *c = (const struct mlens_cuda_ctx *)ctx;
+	return c->fp8_tc && !c->gemm_exact;
 }
 
 /* Tokens go through in chunks of MLENS_CUDA_MOE_CHUNK_TOKENS (backend.h). */
@@ -1470,6 +1682,7 @@ static const struct mlens_backend_ops cuda_ops = {
 	cuda_device_name,
 	cuda_bus_id,
 	cuda_layernorm,
+	cuda_fp8_tc,
 };
 
 extern "C" bool mlens_cuda_available(void)
@@ -1617,15 +1830,16 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		rc = mlens_cublas_rc(bs, "cuBLAS set-up", __FILE__, __LINE__);
 		goto fail;
 	}
-	if (o && o->fp8_gemm) {
+	if (!o || o->fp8_gemm != MLENS_FP8_GEMM_DEQUANT) {
 		/* fp8 tensor cores from compute capability 8.9; without them, or
 		 * without an algorithm for a small fp8 product, experts take
-		 * the dequantize path */
+		 * the dequantize path (said on stderr where fp8 was asked for) */
 		struct cudaDeviceProp prop;
 		CUDA_GOTO(cudaGetDeviceProperties(&prop, c->device), rc, fail);
 		if (prop.major * 10 + prop.minor >= 89 && cublasLtCreate(&c->lt) == CUBLAS_STATUS_SUCCESS)
-			c->fp8_tc = lt_gemm_fp8(c, NULL, NULL, NULL, 16, 64, 64) == 0;
-		if (!c->fp8_tc)
+			c->fp8_tc = lt_gemm_fp8(c, NULL, MLENS_DTYPE_F32, NULL, NULL, NULL, NULL, 16, 64,
+						64) == 0;
+		if (!c->fp8_tc && o && o->fp8_gemm == MLENS_FP8_GEMM_FP8)
 			fprintf(stderr, "mlens cuda: %s has no fp8 GEMM; fp8 experts are dequantized\n",
 				prop.name);
 	}

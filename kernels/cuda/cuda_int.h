@@ -48,12 +48,27 @@ struct cuda_stager {
 	cudaStream_t stream;	/* its copies and their readers */
 };
 
+/* fp8 GEMM shapes whose cuBLASLt algorithm a context keeps */
+#define MLENS_CUDA_LT_ALGOS 128
+struct mlens_cuda_lt_algo {
+	int k, m, nb;		/* nb: n rounded up to a power of 2 */
+	int ot;			/* the output's enum mlens_dtype */
+	bool scaled, found;	/* outer-vector scales; an algorithm */
+	cublasLtMatmulAlgo_t algo;
+};
+
 struct mlens_cuda_ctx {
 	int device;
 	cudaStream_t stream;
 	cublasHandle_t blas;
 	cublasLtHandle_t lt;		/* fp8 GEMMs (fp8_tc) */
 	bool fp8_tc;			/* opts fp8_gemm, and the device runs one */
+	/* cuBLASLt's algorithms for the fp8 GEMMs by shape (lt_gemm_fp8):
+	 * found once, so that a MoE call's many GEMMs pay no heuristic */
+	struct mlens_cuda_lt_algo lt_algo[MLENS_CUDA_LT_ALGOS];
+	int lt_algos, lt_next;		/* entries held, the next one replaced */
+	void *lt_ws;			/* the current MoE stream's workspace */
+	bool lt_unscaled_said;		/* the scale-pass fallback told on stderr */
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
 	bool prefill_bf16;		/* prefill attention on tensor cores (bf16) */
 	/* the compute stream's host <-> device copies done by an SM kernel on
@@ -234,10 +249,24 @@ int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype
  * GEMM. */
 int mlens_cuda_quant_rows_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales, const void *x,
 			      enum mlens_dtype dt, int rows, int cols);
-/* dst[r][j] (dt) = src[r][j] * rs[r] * cs[j]: an fp8 GEMM's product with
- * its per-token and per-channel scales applied; dst may be src. */
+/* The same for the fp32 rows of src gathered as mlens_cuda_convert_rows
+ * gathers them (row r is src row gather[r] / gather_div; gather NULL: row
+ * r): a MoE chunk's rows in expert order, quantized once for all its
+ * experts' gate and up GEMMs. */
+int mlens_cuda_quant_gather_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales,
+				const float *src, const int32_t *gather, int gather_div, int rows,
+				int cols);
+/* h = silu(g) * u (g and u [rows][cols] of gdt, the product in fp32) with
+ * each row quantized to e4m3 as mlens_cuda_quant_rows_fp8 does, in one
+ * pass: the down GEMM's input of fp8 experts. */
+int mlens_cuda_silu_mul_quant_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales,
+				  const void *g, const void *u, enum mlens_dtype gdt, int rows,
+				  int cols);
+/* dst[r][j] = src[r][j] * rs[r] * cs[j], both of dt (fp32 or 16-bit),
+ * the product in fp32: an fp8 GEMM's product with its per-token and
+ * per-channel scales applied; dst may be src. */
 int mlens_cuda_scale_outer(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
-			   const float *src, const float *rs, const float *cs, int rows, int cols);
+			   const void *src, const float *rs, const float *cs, int rows, int cols);
 
 /* Like mlens_cuda_convert_rows, but writes the three parts of each value:
  * part j of row r at dst + (j * part_stride + r * cols) elements. */

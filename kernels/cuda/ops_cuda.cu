@@ -450,16 +450,16 @@ int mlens_cuda_dequant_fp8(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype
 }
 
 /* One block a row: the row's amax (a block reduction), then every value
- * over its scale rounded to e4m3 (saturating, nearest even). */
-__global__ void quant_rows_fp8_kernel(uint8_t *q, float *scales, const void *x,
-				      enum mlens_dtype dt, int cols)
+ * over its scale rounded to e4m3 (saturating, nearest even); v(j) is the
+ * row's value j (computed twice rather than held: a row may be wide). */
+template <typename V>
+__device__ __forceinline__ void quant_row_fp8(uint8_t *q, float *scale, V v, int cols)
 {
 	__shared__ float red[MLENS_CUDA_THREADS];
-	size_t r = blockIdx.x;
 	float m = 0.0f, s;
 
 	for (int j = threadIdx.x; j < cols; j += blockDim.x)
-		m = fmaxf(m, fabsf(load_elem(x, dt, r * cols + j)));
+		m = fmaxf(m, fabsf(v(j)));
 	red[threadIdx.x] = m;
 	__syncthreads();
 	for (int h = blockDim.x / 2; h > 0; h /= 2) {
@@ -469,11 +469,18 @@ __global__ void quant_rows_fp8_kernel(uint8_t *q, float *scales, const void *x,
 	}
 	s = red[0] / 448.0f;
 	if (threadIdx.x == 0)
-		scales[r] = s;
+		*scale = s;
 	s = s > 0.0f ? s : 1.0f;
 	for (int j = threadIdx.x; j < cols; j += blockDim.x)
-		q[r * cols + j] = __nv_cvt_float_to_fp8(load_elem(x, dt, r * cols + j) / s,
-							__NV_SATFINITE, __NV_E4M3);
+		q[j] = __nv_cvt_float_to_fp8(v(j) / s, __NV_SATFINITE, __NV_E4M3);
+}
+
+__global__ void quant_rows_fp8_kernel(uint8_t *q, float *scales, const void *x,
+				      enum mlens_dtype dt, int cols)
+{
+	size_t r = blockIdx.x;
+	quant_row_fp8(q + r * cols, scales + r,
+		      [=](int j) { return load_elem(x, dt, r * cols + j); }, cols);
 }
 
 int mlens_cuda_quant_rows_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales, const void *x,
@@ -488,17 +495,66 @@ int mlens_cuda_quant_rows_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scale
 	return 0;
 }
 
-__global__ void scale_outer_kernel(void *dst, enum mlens_dtype dt, const float *src,
+__global__ void quant_gather_fp8_kernel(uint8_t *q, float *scales, const float *src,
+					const int32_t *gather, int gather_div, int cols)
+{
+	size_t r = blockIdx.x;
+	const float *x = src + source_row(gather, gather_div, r) * cols;
+	quant_row_fp8(q + r * cols, scales + r, [=](int j) { return x[j]; }, cols);
+}
+
+int mlens_cuda_quant_gather_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales,
+				const float *src, const int32_t *gather, int gather_div, int rows,
+				int cols)
+{
+	if (rows < 0 || cols < 0 || (gather && gather_div <= 0))
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	quant_gather_fp8_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(q, scales, src, gather,
+									  gather_div, cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+/* silu(g) * u as silu_mul_kernel computes it, a row a block, quantized. */
+__global__ void silu_mul_quant_fp8_kernel(uint8_t *q, float *scales, const void *g,
+					  const void *u, enum mlens_dtype gdt, int cols)
+{
+	size_t r = blockIdx.x, o = r * cols;
+	quant_row_fp8(q + o, scales + r,
+		      [=](int j) {
+			      float gv = load_elem(g, gdt, o + j);
+			      return gv / (1.0f + expf(-gv)) * load_elem(u, gdt, o + j);
+		      },
+		      cols);
+}
+
+int mlens_cuda_silu_mul_quant_fp8(struct mlens_cuda_ctx *c, uint8_t *q, float *scales,
+				  const void *g, const void *u, enum mlens_dtype gdt, int rows,
+				  int cols)
+{
+	if (rows < 0 || cols < 0)
+		return -EINVAL;
+	if (!rows || !cols)
+		return 0;
+	silu_mul_quant_fp8_kernel<<<rows, MLENS_CUDA_THREADS, 0, c->stream>>>(q, scales, g, u, gdt,
+									    cols);
+	CUDA_LAUNCHED();
+	return 0;
+}
+
+__global__ void scale_outer_kernel(void *dst, enum mlens_dtype dt, const void *src,
 				   const float *rs, const float *cs, int cols)
 {
 	size_t r = blockIdx.x;
 	float a = rs[r];
 	for (int j = threadIdx.x; j < cols; j += blockDim.x)
-		store_elem(dst, dt, r * cols + j, src[r * cols + j] * a * cs[j]);
+		store_elem(dst, dt, r * cols + j, load_elem(src, dt, r * cols + j) * a * cs[j]);
 }
 
 int mlens_cuda_scale_outer(struct mlens_cuda_ctx *c, void *dst, enum mlens_dtype dt,
-			   const float *src, const float *rs, const float *cs, int rows, int cols)
+			   const void *src, const float *rs, const float *cs, int rows, int cols)
 {
 	if (rows < 0 || cols < 0)
 		return -EINVAL;

@@ -8,10 +8,10 @@
  * object on stdout and a table on stderr. Not a test: it asserts nothing.
  * Also one token group's GA and GB of the hybrid pipeline op by op
  * (bench_group).
- * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm|group]: the backend's
- * GEMM mode (default fast); kv-store runs only the K/V append, moe-gemm
- * only the experts' GEMMs looped and grouped (bench_moe_gemm), group only
- * bench_group. */
+ * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm|moe-fp8|group]: the
+ * backend's GEMM mode (default fast); kv-store runs only the K/V append,
+ * moe-gemm only the experts' GEMMs looped and grouped (bench_moe_gemm),
+ * moe-fp8 only bench_moe_fp8, group only bench_group. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -170,12 +170,14 @@ static int bench_expert_gemm(cublasHandle_t h, const void *w, const void *xb, vo
 	return 0;
 }
 
-/* E experts of bf16 [I][H] gate, down and up, each a copy of the device
- * matrix proto: generating 2.8 GB of random numbers on the host would
- * take longer than the benchmark. -1 when an allocation fails. */
-static int copy_experts(void **w1, void **w2, void **w3, int E, const void *proto, int H, int I)
+/* E experts of [I][H] gate, down and up of es bytes a value (bf16: 2),
+ * each a copy of the device matrix proto: generating 2.8 GB of random
+ * numbers on the host would take longer than the benchmark. -1 when an
+ * allocation fails. */
+static int copy_experts(void **w1, void **w2, void **w3, int E, const void *proto, int H, int I,
+			size_t es)
 {
-	size_t bytes = (size_t)I * H * 2;
+	size_t bytes = (size_t)I * H * es;
 	for (int e = 0; e < E; e++) {
 		w1[e] = be.ops->alloc(be.ctx, bytes);
 		w2[e] = be.ops->alloc(be.ctx, bytes);
@@ -402,6 +404,22 @@ static int bench_moe_gemm(int H, int I)
 	return 0;
 }
 
+/* n tokens' top-2 routes: two different experts of 8 at random, weights
+ * 0.6 and 0.4. */
+static void random_routes(int32_t *ids, float *wts, int n)
+{
+	for (int i = 0; i < n; i++) {
+		int a = (int)((rnd() + 1.0f) * 4.0f) & 7, b;
+		do
+			b = (int)((rnd() + 1.0f) * 4.0f) & 7;
+		while (b == a);
+		ids[i * 2] = a;
+		ids[i * 2 + 1] = b;
+		wts[i * 2] = 0.6f;
+		wts[i * 2 + 1] = 0.4f;
+	}
+}
+
 /* The MoE op (8 experts, top-2, Mixtral sizes) on backends whose experts
  * spread over 1..MLENS_MOE_STREAMS_MAX streams, 12288 tokens called with
  * 1024 to 4096 tokens at a time (the pipeline calls it with its MoE chunk,
@@ -434,18 +452,9 @@ static int bench_moe(const struct mlens_backend_opts *o)
 	if ((rc = bench_expert_gemm(h, proto, xb, gout, H, I)))
 		return rc;
 	cublasDestroy(h);
-	if (copy_experts(w1, w2, w3, E, proto, H, I))
+	if (copy_experts(w1, w2, w3, E, proto, H, I, 2))
 		FAIL("moe weights");
-	for (int i = 0; i < n; i++) {
-		int a = (int)((rnd() + 1.0f) * 4.0f) & 7, b;
-		do
-			b = (int)((rnd() + 1.0f) * 4.0f) & 7;
-		while (b == a);
-		ids[i * k] = a;
-		ids[i * k + 1] = b;
-		wts[i * k] = 0.6f;
-		wts[i * k + 1] = 0.4f;
-	}
+	random_routes(ids, wts, n);
 	dids = be.ops->alloc(be.ctx, (size_t)n * k * 4);
 	dwts = be.ops->alloc(be.ctx, (size_t)n * k * 4);
 	if (!dids || !dwts || be.ops->upload(be.ctx, dids, ids, (size_t)n * k * 4) ||
@@ -497,6 +506,100 @@ static int bench_moe(const struct mlens_backend_opts *o)
 	be.ops->free(be.ctx, out);
 	be.ops->free(be.ctx, dids);
 	be.ops->free(be.ctx, dwts);
+	free(ids);
+	free(wts);
+	return 0;
+}
+
+/* One MoE layer of Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2) with
+ * 1024, 8192 and 32768 tokens a call: bf16 experts, then fp8 experts
+ * (e4m3 with a scale per output channel, a bf16 model) on the fp8 tensor
+ * cores (fp8_gemm auto) and dequantized (fp8_gemm dequant); TFLOP/s of
+ * the three expert GEMMs (2 x tokens x top-k x 3 x H x I). */
+static int bench_moe_fp8(const struct mlens_backend_opts *o)
+{
+	const int E = 8, k = 2, H = 4096, I = 14336, nmax = 32768, iters = 3;
+	static const int ns[] = { 1024, 8192, 32768 };
+	static const struct {
+		const char *name;
+		enum mlens_dtype dt;
+		enum mlens_fp8_gemm path;
+	} runs[] = { { "bf16", MLENS_DTYPE_BF16, MLENS_FP8_GEMM_AUTO },
+		     { "fp8 tensor cores", MLENS_DTYPE_E4M3, MLENS_FP8_GEMM_FP8 },
+		     { "fp8 dequant", MLENS_DTYPE_E4M3, MLENS_FP8_GEMM_DEQUANT } };
+	void *w1[8], *w2[8], *w3[8], *f1[8], *f2[8], *f3[8];
+	const float *sc[8];
+	int32_t *ids = malloc((size_t)nmax * k * 4);
+	float *wts = malloc((size_t)nmax * k * 4);
+	void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
+	void *proto8 = dev_random((size_t)I * H, MLENS_DTYPE_E4M3, 1.0f);
+	float *scales = dev_random((size_t)I, MLENS_DTYPE_F32, 0.01f);
+	float *x = dev_random((size_t)nmax * H, MLENS_DTYPE_F32, 1.0f);
+	float *out = be.ops->alloc(be.ctx, (size_t)nmax * H * 4);
+	int32_t *dids = be.ops->alloc(be.ctx, (size_t)nmax * k * 4);
+	float *dwts = be.ops->alloc(be.ctx, (size_t)nmax * k * 4);
+	int first = 1;
+
+	if (!ids || !wts || !proto || !proto8 || !scales || !x || !out || !dids || !dwts ||
+	    copy_experts(w1, w2, w3, E, proto, H, I, 2) || copy_experts(f1, f2, f3, E, proto8, H, I, 1))
+		FAIL("moe-fp8 set-up");
+	for (int e = 0; e < E; e++)
+		sc[e] = scales;	/* I >= H values: gate's, up's and down's */
+	random_routes(ids, wts, nmax);
+	if (be.ops->upload(be.ctx, dids, ids, (size_t)nmax * k * 4) ||
+	    be.ops->upload(be.ctx, dwts, wts, (size_t)nmax * k * 4))
+		FAIL("moe-fp8 routing");
+	cudaDeviceSynchronize();
+	printf(",\n  \"moe_fp8\": [");
+	for (size_t r = 0; r < sizeof(runs) / sizeof(runs[0]); r++) {
+		bool fp8 = runs[r].dt == MLENS_DTYPE_E4M3;
+		struct mlens_moe_weights mw = {
+			.n_experts = E, .hidden = H, .inter = I, .dtype = runs[r].dt,
+			.w1 = (const void *const *)(fp8 ? f1 : w1),
+			.w2 = (const void *const *)(fp8 ? f2 : w2),
+			.w3 = (const void *const *)(fp8 ? f3 : w3)
+		};
+		struct mlens_backend_opts os = *o;
+		struct mlens_backend b;
+		bool tc;
+		if (fp8) {
+			mw.model_dtype = MLENS_DTYPE_BF16;
+			mw.scale = (struct mlens_wscale){ MLENS_WSCALE_CHANNEL, 0, 0 };
+			mw.s1 = mw.s2 = mw.s3 = sc;
+		}
+		os.fp8_gemm = runs[r].path;
+		if (mlens_backend_create(&b, "cuda", &os))
+			FAIL("moe-fp8 backend");
+		tc = b.ops->fp8_tc && b.ops->fp8_tc(b.ctx);
+		for (size_t c = 0; c < sizeof(ns) / sizeof(ns[0]); c++) {
+			int n = ns[c];
+			double flop = 2.0 * n * k * 3.0 * H * I, t0, t;
+			if (b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw))
+				FAIL("moe-fp8");
+			b.ops->sync(b.ctx);
+			t0 = now();
+			for (int i = 0; i < iters; i++)
+				b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw);
+			b.ops->sync(b.ctx);
+			t = (now() - t0) / iters;
+			printf("%s\n    {\"experts\": \"%s\", \"tensor_cores\": %s, \"tokens\": %d, "
+			       "\"hidden\": %d, \"inter\": %d, \"n_experts\": %d, \"top_k\": %d, "
+			       "\"ms\": %.3f, \"tflops\": %.1f}",
+			       first ? "" : ",", runs[r].name, fp8 && tc ? "true" : "false", n, H, I, E, k,
+			       t * 1e3, flop / t * 1e-12);
+			first = 0;
+			fprintf(stderr, "moe %-16s %5d tokens%s: %8.3f ms, %6.1f TFLOP/s\n", runs[r].name,
+				n, fp8 && !tc ? " (dequantized: no fp8 GEMM here)" : "", t * 1e3,
+				flop / t * 1e-12);
+		}
+		mlens_backend_destroy(&b);
+	}
+	printf("\n  ]");
+	free_experts(w1, w2, w3, E);
+	free_experts(f1, f2, f3, E);
+	void *bufs[] = { proto, proto8, scales, x, out, dids, dwts };
+	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+		be.ops->free(be.ctx, bufs[i]);
 	free(ids);
 	free(wts);
 	return 0;
@@ -834,7 +937,7 @@ static int bench_group(const struct mlens_backend_opts *o)
 	}
 	{
 		void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
-		if (!proto || copy_experts(w1, w2, w3, E, proto, H, I))
+		if (!proto || copy_experts(w1, w2, w3, E, proto, H, I, 2))
 			FAIL("group expert weights");
 		be.ops->free(be.ctx, proto);
 	}
@@ -1016,7 +1119,7 @@ int main(int argc, char **argv)
 {
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct cudaDeviceProp prop;
-	bool only_kv_store = false, only_moe_gemm = false, only_group = false;
+	bool only_kv_store = false, only_moe_gemm = false, only_group = false, only_moe_fp8 = false;
 	int rc;
 
 	for (int i = 1; i < argc; i++) {
@@ -1026,11 +1129,14 @@ int main(int argc, char **argv)
 			only_moe_gemm = true;
 		else if (!strcmp(argv[i], "group"))
 			only_group = true;
+		else if (!strcmp(argv[i], "moe-fp8"))
+			only_moe_fp8 = true;
 		else if (mlens_gemm_mode_parse(argv[i], &o.gemm)) {
-			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store|moe-gemm|group]  (the GEMM "
-				"mode, default fast; kv-store: only the K/V append into host memory; "
-				"moe-gemm: only the experts' GEMMs, looped and grouped; group: only a "
-				"token group's GA and GB op by op)\n");
+			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store|moe-gemm|moe-fp8|group]  "
+				"(the GEMM mode, default fast; kv-store: only the K/V append into host "
+				"memory; moe-gemm: only the experts' GEMMs, looped and grouped; moe-fp8: "
+				"only one MoE layer with bf16 and fp8 experts; group: only a token "
+				"group's GA and GB op by op)\n");
 			return 2;
 		}
 	}
@@ -1052,6 +1158,10 @@ int main(int argc, char **argv)
 	}
 	if (only_group) {
 		rc = bench_group(&o);
+		goto out_json;
+	}
+	if (only_moe_fp8) {
+		rc = bench_moe_fp8(&o);
 		goto out_json;
 	}
 	if (!only_kv_store) {

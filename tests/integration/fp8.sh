@@ -6,8 +6,9 @@
 # gets the same tokens from both; a block-scaled checkpoint (quant_method
 # fp8) serves too; the profiler runs over each; a quant_method mlens does
 # not read (gptq) is refused at start-up, named.
-# MLENS_FP8_BACKEND=cuda (and MLENS_FP8_GEMM=fp8 for the fp8 tensor cores)
-# runs the same on the GPU.
+# MLENS_FP8_BACKEND=cuda runs the same on the GPU: the experts on fp8
+# tensor cores where it has them (MLENS_FP8_GEMM, default auto: the
+# daemon's default), or dequantized (MLENS_FP8_GEMM=dequant).
 set -u
 . "$(dirname "$0")/lib.sh"
 command -v python3 >/dev/null || { echo "SKIP: needs python3 to read the JSON"; exit 77; }
@@ -26,7 +27,7 @@ serve() {
 	name=$1 model=$2
 	shift 2
 	start_mlensd --model "$model" --kv-cache 64M --mlock=false --threads 1 \
-		--backend "${MLENS_FP8_BACKEND:-cpu}" --gpu-fp8-gemm "${MLENS_FP8_GEMM:-dequant}" "$@"
+		--backend "${MLENS_FP8_BACKEND:-cpu}" --gpu-fp8-gemm "${MLENS_FP8_GEMM:-auto}" "$@"
 	"$mlens" generate -q -s "$tmp/t.sock" -i "$tmp/in" -o "$tmp/$name.json" || fail "generate ($name)"
 	# the profiler times GEMMs over the experts' weights too
 	ctl profile >"$tmp/$name.profile" 2>&1 || fail "$name: mlensctl profile: $(cat "$tmp/$name.profile")"
