@@ -341,6 +341,19 @@ static inline size_t mlens_moe_fp8_dequant_bytes(size_t hidden, size_t inter, in
 	return (size_t)streams * ((one + 255) & ~(size_t)255);
 }
 
+/* Whether the CUDA backend runs a MoE call's expert GEMMs as grouped
+ * batched GEMMs (one cuBLAS call for every expert's gate and up, one for
+ * down) or three GEMMs an expert spread over the MoE streams: auto takes
+ * the grouped call where many experts have rows; fast GEMMs on bf16/f16
+ * experts only (else always per expert). */
+enum mlens_moe_grouped {
+	MLENS_MOE_GROUPED_AUTO = 0,
+	MLENS_MOE_GROUPED_ON,
+	MLENS_MOE_GROUPED_OFF,
+};
+/* Experts with rows in a MoE chunk from which auto groups. */
+#define MLENS_MOE_GROUPED_MIN_EXPERTS 16
+
 /* How a host thread waits for the GPU (CUDA's device schedule flags): auto
  * is CUDA's heuristic (spin when the process has fewer contexts than the
  * machine has cores), spin busy-waits, yield busy-waits giving way to
@@ -377,6 +390,8 @@ struct mlens_backend_opts {
 				 * to the product (outer product); where the device
 				 * has no fp8 GEMM, and for block scales, exact
 				 * GEMMs or fp32 models: the dequantize path */
+	enum mlens_moe_grouped moe_grouped;	/* CUDA: the experts' GEMMs grouped
+						 * (0: auto) */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */
@@ -388,6 +403,9 @@ const char *mlens_gemm_mode_name(enum mlens_gemm_mode m);
 /* "auto", "spin", "yield" or "block" -> *out; -EINVAL for anything else. */
 int mlens_gpu_sync_parse(const char *s, enum mlens_gpu_sync *out);
 const char *mlens_gpu_sync_name(enum mlens_gpu_sync m);
+/* "auto", "on" or "off" -> *out; -EINVAL for anything else. */
+int mlens_moe_grouped_parse(const char *s, enum mlens_moe_grouped *out);
+const char *mlens_moe_grouped_name(enum mlens_moe_grouped m);
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
 #ifdef HAVE_CUDA
