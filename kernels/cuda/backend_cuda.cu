@@ -963,11 +963,11 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 			rows - (size_t)r0, rows, E);
 		return -EINVAL;
 	}
-	/* many experts: grouped GEMMs in waves through the pieces' gate and
-	 * up areas taken as one (moe_grouped.cu) */
+	/* many experts: grouped GEMMs (moe_grouped.cu) in waves through the
+	 * pieces' gate/up areas and y (written only at the end), one area */
 	rc = mlens_cuda_moe_grouped_use(c, w, counts_h)
-		     ? mlens_cuda_moe_grouped(c, w, counts_h, rows, xe, s + o_g, s + o_u,
-					      (size_t)S * gsl / ((size_t)I * gs), y)
+		     ? mlens_cuda_moe_grouped(c, w, counts_h, rows, xe, s + o_g,
+					      o_y + rows * H * 4 - o_g, y)
 		     : -ENOTSUP;
 	if (rc == -ENOTSUP)
 		rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, pc, y);

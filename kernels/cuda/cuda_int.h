@@ -297,13 +297,13 @@ bool mlens_cuda_moe_grouped_use(const struct mlens_cuda_ctx *c, const struct mle
 				const int32_t *counts);
 /* The rows (in expert order, counts[e] each) of xe [rows][H] (the weight
  * dtype) through gate, up, silu(g) * u and down into y [rows][H] (fp32),
- * in waves of at most cap rows whose gate and up go to g and u (cap x I
- * each, the weight dtype); each wave's down output overwrites its rows of
- * xe, widened into y at the end. -ENOTSUP (nothing queued that matters)
- * where cuBLAS refuses the grouped call: the caller runs the experts one
- * by one. */
+ * in waves of as many rows as gu (gu_bytes) holds gate and up of (the
+ * weight dtype); each wave's down output overwrites its rows of xe,
+ * widened into y at the end, so gu may overlap y. -ENOTSUP (nothing
+ * queued that matters) where cuBLAS refuses the grouped call: the caller
+ * runs the experts one by one. */
 int mlens_cuda_moe_grouped(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
-			   const int32_t *counts, size_t rows, char *xe, char *g, char *u, size_t cap,
+			   const int32_t *counts, size_t rows, char *xe, char *gu, size_t gu_bytes,
 			   float *y);
 
 #endif

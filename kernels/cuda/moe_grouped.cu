@@ -82,9 +82,12 @@ static size_t wave_end(const struct grouped_seg *seg, size_t nseg, size_t s0, si
 }
 
 int mlens_cuda_moe_grouped(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
-			   const int32_t *counts, size_t rows, char *xe, char *g, char *u, size_t cap,
+			   const int32_t *counts, size_t rows, char *xe, char *gu, size_t gu_bytes,
 			   float *y)
 {
+	/* a wave's gate rows, then its up rows (I a multiple of 8: aligned) */
+	const size_t cap = gu_bytes / (2 * (size_t)w->inter * 2);
+	char *const g = gu, *const u = gu + cap * (size_t)w->inter * 2;
 	const int E = w->n_experts, H = w->hidden, I = w->inter;
 	const enum mlens_dtype dt = w->dtype;
 	const cudaDataType_t t = dt == MLENS_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
@@ -122,7 +125,7 @@ int mlens_cuda_moe_grouped(struct mlens_cuda_ctx *c, const struct mlens_moe_weig
 
 	/* host arguments: 2 * most groups (gate and up) of each array */
 	per = 2 * most;
-	hbuf = (char *)malloc(per * (2 * sizeof(cublasOperation_t) + 4 * sizeof(int) +
+	hbuf = (char *)malloc(per * (2 * sizeof(cublasOperation_t) + 3 * sizeof(int) +
 				     2 * sizeof(float)) +
 			      2 * nseg * sizeof(int));
 	if (!hbuf) {
