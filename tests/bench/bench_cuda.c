@@ -507,17 +507,17 @@ static int bench_moe(const struct mlens_backend_opts *o)
 /* The MoE op with its experts' GEMMs grouped (opts moe_grouped on) and
  * per expert (off), at Qwen3-30B-A3B's sizes (128 experts of 2048 x 768,
  * top-8) and Mixtral's (8 of 4096 x 14336, top-2), 1k, 8k and 32k tokens
- * in one call (the backend takes them in chunks), routed uniformly at
- * random. Prints "moe_grouped" records. */
+ * in one call (the backend takes them in chunks), and decode's 1 and 64,
+ * routed uniformly at random. Prints "moe_grouped" records. */
 static int bench_moe_grouped(const struct mlens_backend_opts *o)
 {
 	static const struct {
 		const char *name;
 		int H, I, E, k;
 	} shapes[] = { { "qwen3-30b-a3b", 2048, 768, 128, 8 }, { "mixtral-8x7b", 4096, 14336, 8, 2 } };
-	static const int tokens[] = { 1024, 8192, 32768 };
+	static const int tokens[] = { 1, 64, 1024, 8192, 32768 };
 	static const enum mlens_moe_grouped modes[] = { MLENS_MOE_GROUPED_OFF, MLENS_MOE_GROUPED_ON };
-	const int nmax = 32768, iters = 3;
+	const int nmax = 32768;
 	int first = 1;
 
 	printf(",\n  \"moe_grouped\": [");
@@ -563,7 +563,7 @@ static int bench_moe_grouped(const struct mlens_backend_opts *o)
 			if (mlens_backend_create(&b, "cuda", &om))
 				FAIL("moe_grouped backend");
 			for (size_t ti = 0; ti < sizeof(tokens) / sizeof(tokens[0]); ti++) {
-				int n = tokens[ti];
+				int n = tokens[ti], iters = n < 1024 ? 50 : 3;
 				double flop = 2.0 * n * k * 3.0 * H * I, t0, t;
 				if (b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw))
 					FAIL("moe_grouped moe");
