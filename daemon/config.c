@@ -43,6 +43,7 @@ static const struct opt opts[] = {
 	{ "kv_append", T_ENUM, O(kv_append), "gpu", 0, 0, "gpu|cpu", "hybrid mode: who writes each token's K and V into the KV pool in host memory: the GPU, through the pool's mapping (registered with the device), or the CPU pool after the K/V come down as fp32 copies" },
 	{ "attn_up", T_ENUM, O(attn_up), "half", 0, 0, "half|fp32", "hybrid mode: the CPU attention's output goes up to the GPU in the weights' dtype (half: bf16/f16, half the bytes, where gpu_gemm = fast rounds the O projection's input to that dtype anyway: the same product) or as fp32 (the upload twice the size)" },
 	{ "gpu_moe_streams", T_INT, O(gpu_moe_streams), "2", 1, 4, "N", "CUDA streams that the experts of a MoE layer spread over (each with a 32 MiB cuBLAS workspace), so that one expert's GEMM fills the SMs another leaves idle" },
+	{ "gpu_moe_grouped", T_ENUM, O(gpu_moe_grouped), "auto", 0, 0, "auto|on|off", "the GEMMs of a MoE layer's experts on the GPU as grouped batched GEMMs (one cuBLAS call for every expert's gate and up, one for down) rather than three GEMMs an expert: auto where at least 16 experts of a chunk have tokens; fast GEMMs on bf16/f16 experts only" },
 	{ "gpu_sync", T_ENUM, O(gpu_sync), "auto", 0, 0, "auto|spin|yield|block", "how host threads wait for the GPU: CUDA's heuristic (auto: spin on a machine with more cores than contexts), busy-wait (spin), busy-wait giving way (yield) or sleep (block); hybrid mode with threads = 0 leaves the GPU side a core unless block" },
 	{ "host_memory", T_SIZE, O(host_memory), "0", 0, 0, "SIZE", "host memory budget: weight pages and staging first, the KV pool the rest up to kv_cache; start-up prints the split and refuses a budget below what the model needs to run (0: no budget, the KV pool is kv_cache)" },
 	{ "kv_cache", T_SIZE, O(kv_cache), "1G", 4096, 0, "SIZE", "bytes of pinned memory for the KV cache" },
@@ -567,5 +568,6 @@ void mlens_config_backend_opts(const struct mlens_config *c, bool f32_model, str
 		       : !strcmp(c->gpu_fp8_gemm, "dequant") ? MLENS_FP8_GEMM_DEQUANT
 							: MLENS_FP8_GEMM_AUTO;
 	bo->moe_streams = (int)c->gpu_moe_streams;
+	mlens_moe_grouped_parse(c->gpu_moe_grouped, &bo->moe_grouped);	/* one of its names (config) */
 	mlens_gpu_sync_parse(c->gpu_sync, &bo->sync);	/* one of its names (config) */
 }

@@ -31,6 +31,7 @@ struct mlens_config {
 	char *attn_up;		/* "half" or "fp32": the CPU attention's output on its way up */
 	char *gpu_sync;		/* "auto", "spin", "yield" or "block": host waits for the GPU */
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */
+	char *gpu_moe_grouped;	/* "auto", "on" or "off": grouped expert GEMMs */
 	uint64_t host_memory;		/* host budget, 0: none */
 	uint64_t kv_cache;
 	int64_t kv_block_size;

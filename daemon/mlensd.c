@@ -414,9 +414,11 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	if (D.be.ops->host_memory)
 		snprintf(bk, sizeof(bk), "%s", D.be.ops->name);
 	else
-		snprintf(bk, sizeof(bk), "%s gemm=%s prefill=%s moe_streams=%d sync=%s threads=%d",
+		snprintf(bk, sizeof(bk),
+			 "%s gemm=%s prefill=%s moe_streams=%d moe_grouped=%s sync=%s threads=%d",
 			 D.be.ops->name, mlens_gemm_mode_name(bo->gemm), bo->prefill_bf16 ? "bf16" : "fp32",
-			 bo->moe_streams, mlens_gpu_sync_name(bo->sync), bo->n_threads);
+			 bo->moe_streams, mlens_moe_grouped_name(bo->moe_grouped),
+			 mlens_gpu_sync_name(bo->sync), bo->n_threads);
 	mlens_profile_key_make(&st->key, D.model, bk, gpu, D.be.ops->host_memory ? NULL : &D.plan,
 			       st->opts.budget_s);
 	st->key.group = st->opts.group;
@@ -475,7 +477,7 @@ static int step_config(int argc, char **argv)
 	}
 	/* the enumerated keys (log_level, backend, gpu_gemm, gpu_copy,
 	 * gpu_copy_out, gpu_prefill_attention, kv_append, attn_up, gpu_sync,
-	 * attn_kernel) were checked against their choices when read
+	 * gpu_moe_grouped, attn_kernel) were checked against their choices when read
 	 * (config.c, T_ENUM) */
 	if (strcmp(D.cfg.attn_kernel, "auto") && mlens_cpu_attn_set_variant(D.cfg.attn_kernel)) {
 		fprintf(stderr, "mlensd: attn_kernel '%s' is not supported by this CPU\n",

@@ -42,21 +42,47 @@ const char *mlens_gemm_mode_name(enum mlens_gemm_mode m)
 	return m == MLENS_GEMM_EXACT ? "exact" : "fast";
 }
 
+/* The index of s in names[count], or -EINVAL: the enums named in order. */
+static int name_index(const char *const *names, size_t count, const char *s)
+{
+	for (size_t i = 0; s && i < count; i++)
+		if (!strcmp(s, names[i]))
+			return (int)i;
+	return -EINVAL;
+}
+
+#define NAMES_COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
 static const char *const sync_names[] = { "auto", "spin", "yield", "block" };
 
 int mlens_gpu_sync_parse(const char *s, enum mlens_gpu_sync *out)
 {
-	for (size_t i = 0; s && i < sizeof(sync_names) / sizeof(sync_names[0]); i++)
-		if (!strcmp(s, sync_names[i])) {
-			*out = (enum mlens_gpu_sync)i;
-			return 0;
-		}
-	return -EINVAL;
+	int i = name_index(sync_names, NAMES_COUNT(sync_names), s);
+	if (i < 0)
+		return i;
+	*out = (enum mlens_gpu_sync)i;
+	return 0;
 }
 
 const char *mlens_gpu_sync_name(enum mlens_gpu_sync m)
 {
-	return (unsigned)m < sizeof(sync_names) / sizeof(sync_names[0]) ? sync_names[m] : "?";
+	return (unsigned)m < NAMES_COUNT(sync_names) ? sync_names[m] : "?";
+}
+
+static const char *const grouped_names[] = { "auto", "on", "off" };
+
+int mlens_moe_grouped_parse(const char *s, enum mlens_moe_grouped *out)
+{
+	int i = name_index(grouped_names, NAMES_COUNT(grouped_names), s);
+	if (i < 0)
+		return i;
+	*out = (enum mlens_moe_grouped)i;
+	return 0;
+}
+
+const char *mlens_moe_grouped_name(enum mlens_moe_grouped m)
+{
+	return (unsigned)m < NAMES_COUNT(grouped_names) ? grouped_names[m] : "?";
 }
 
 #ifdef HAVE_CUDA

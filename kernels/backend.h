@@ -364,6 +364,19 @@ static inline size_t mlens_moe_fp8_tc_piece_bytes(size_t prow, size_t hidden, si
 #undef MLENS_A256
 }
 
+/* Whether the CUDA backend runs a MoE call's expert GEMMs as grouped
+ * batched GEMMs (one cuBLAS call for every expert's gate and up, one for
+ * down) or three GEMMs an expert spread over the MoE streams: auto takes
+ * the grouped call where many experts have rows; fast GEMMs on bf16/f16
+ * experts only (else always per expert). */
+enum mlens_moe_grouped {
+	MLENS_MOE_GROUPED_AUTO = 0,
+	MLENS_MOE_GROUPED_ON,
+	MLENS_MOE_GROUPED_OFF,
+};
+/* Experts with rows in a MoE chunk from which auto groups. */
+#define MLENS_MOE_GROUPED_MIN_EXPERTS 16
+
 /* How a host thread waits for the GPU (CUDA's device schedule flags): auto
  * is CUDA's heuristic (spin when the process has fewer contexts than the
  * machine has cores), spin busy-waits, yield busy-waits giving way to
@@ -408,6 +421,8 @@ struct mlens_backend_opts {
 					 * device (its schedule flags, for the
 					 * whole process); 0: CUDA's auto */
 	enum mlens_fp8_gemm fp8_gemm;	/* CUDA: how fp8 experts multiply */
+	enum mlens_moe_grouped moe_grouped;	/* CUDA: the experts' GEMMs grouped
+						 * (0: auto) */
 	int numa_node;		/* CPU: the node whose cores run the workers (the
 				 * KV pool's); < 0 unpinned; 0 when zeroed */
 	int n_reserved;		/* CPU: cores of that node left out of the pool */
@@ -419,6 +434,9 @@ const char *mlens_gemm_mode_name(enum mlens_gemm_mode m);
 /* "auto", "spin", "yield" or "block" -> *out; -EINVAL for anything else. */
 int mlens_gpu_sync_parse(const char *s, enum mlens_gpu_sync *out);
 const char *mlens_gpu_sync_name(enum mlens_gpu_sync m);
+/* "auto", "on" or "off" -> *out; -EINVAL for anything else. */
+int mlens_moe_grouped_parse(const char *s, enum mlens_moe_grouped *out);
+const char *mlens_moe_grouped_name(enum mlens_moe_grouped m);
 
 int mlens_backend_cpu_create(struct mlens_backend *be, const struct mlens_backend_opts *o);
 #ifdef HAVE_CUDA

@@ -2,7 +2,7 @@
 # configure finds the toolkit; linked into libmlens_kernels.la. The .cu
 # files go through the .cu.lo rule of the top-level Makefile.am.
 MLENS_CU_SRCS = kernels/cuda/backend_cuda.cu kernels/cuda/ops_cuda.cu \
-	kernels/cuda/attn_cuda.cu
+	kernels/cuda/attn_cuda.cu kernels/cuda/moe_grouped.cu
 MLENS_CU_HDRS = kernels/cuda/cuda_int.h
 # shipped even when this build has no CUDA
 EXTRA_DIST += $(MLENS_CU_SRCS) $(MLENS_CU_HDRS)

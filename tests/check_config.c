@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "daemon/config.h"
+#include "kernels/backend.h"
 #include "tests/check_common.h"
 
 #define MIB (1024ull * 1024ull)
@@ -290,6 +291,19 @@ START_TEST(choices_and_weights)
 	ck_assert_int_eq(text("attn_kernel = AVX2\n"), -EINVAL);
 	ERR_IS("t.conf:1: key 'attn_kernel': 'AVX2' is not one of auto, scalar, avx2, avx512");
 	ck_assert_str_eq(c.backend, "cpu");
+	/* gpu_moe_grouped: auto by default, and the backend's names */
+	ck_assert_str_eq(c.gpu_moe_grouped, "auto");
+	ck_assert_int_eq(text("gpu_moe_grouped = off\n"), 0);
+	ck_assert_str_eq(c.gpu_moe_grouped, "off");
+	{
+		enum mlens_moe_grouped g = MLENS_MOE_GROUPED_AUTO;
+		ck_assert_int_eq(mlens_moe_grouped_parse(c.gpu_moe_grouped, &g), 0);
+		ck_assert_int_eq(g, MLENS_MOE_GROUPED_OFF);
+		ck_assert_str_eq(mlens_moe_grouped_name(g), "off");
+		ck_assert_int_eq(mlens_moe_grouped_parse("On", &g), -EINVAL);
+	}
+	ck_assert_int_eq(text("gpu_moe_grouped = yes\n"), -EINVAL);
+	ERR_IS("t.conf:1: key 'gpu_moe_grouped': 'yes' is not one of auto, on, off");
 	/* quota_weight: a positive finite number */
 	ck_assert_int_eq(text("quota_weight = 2.5\n"), 0);
 	ck_assert_double_eq(c.quota_weight, 2.5);

@@ -17,7 +17,11 @@
  * The MoE runs its experts on 1, 2 and 4 streams (three of the backends)
  * and, with fast GEMMs on 16-bit weights, keeps gate and up in the weight
  * dtype (mlens_moe_half_gu): one more rounding of 2^-9 or 2^-12, inside
- * the same tolerances.
+ * the same tolerances. Many experts (64, top-8) go through grouped GEMMs
+ * (opts moe_grouped: auto from 16 experts with rows, on in gpu_grp, off in
+ * gpu_sm), which round each expert's down output to the weight dtype
+ * too: the same tolerances, and with one expert a token and weight 1 every
+ * output is a value of that dtype exactly when the grouped path ran.
  * Timing marks read on the host's CLOCK_MONOTONIC timeline. The second
  * copy queue (queue 2) copies after the event it waits for. */
 #include <check.h>
@@ -31,7 +35,7 @@
 #include "kernels/backend.h"
 #include "tests/gpulock.h"
 
-static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm, gpu_tc;
+static struct mlens_backend cpu, gpu, gpu_exact, gpu_sm, gpu_tc, gpu_grp;
 /* the CUDA backend under test: gpu (fast GEMMs), gpu_exact, gpu_sm or
  * gpu_tc (every buffer of a test is allocated, filled and read back on it:
  * backends do not order their streams against each other) */
@@ -959,6 +963,130 @@ START_TEST(test_moe_w2_transposed)
 }
 END_TEST
 
+/* Whether dev runs a 16-bit MoE with active experts through the grouped
+ * GEMMs (kernels/cuda/moe_grouped.cu's rule). */
+static bool moe_grouped_expected(enum mlens_dtype dt, int H, int I, int active)
+{
+	if (dt == MLENS_DTYPE_F32 || dev == &gpu_exact || dev == &gpu_sm || H % 8 || I % 8)
+		return false;
+	return dev == &gpu_grp || active >= MLENS_MOE_GROUPED_MIN_EXPERTS;
+}
+
+/* E experts (every fourth one, 1, 5, ..., never routed and without
+ * weights), top-k, H x I of dtype dt; hot >= 0: expert hot is every
+ * token's first pick (all n of its rows). With k = 1 the weight is 1 and
+ * the output starts at zero, so it is the expert's down output itself:
+ * bf16/f16 values exactly when the grouped path (which rounds it) ran. */
+static void moe_many_case(enum mlens_dtype dt, int n, int H, int I, int E, int k, int hot)
+{
+	size_t es = mlens_dtype_size(dt), out_bytes = (size_t)n * H * 4;
+	int32_t *ids = malloc((size_t)n * k * 4);
+	float *wts = malloc((size_t)n * k * 4);
+	float *x = rnd_floats((size_t)n * H, 1.0f), *ref = calloc((size_t)n * H, 4), *got;
+	void **hw = calloc(6 * (size_t)E, sizeof(void *));
+	void **hw1 = hw, **hw2 = hw + E, **hw3 = hw + 2 * E, **dw1 = hw + 3 * E, **dw2 = hw + 4 * E,
+	     **dw3 = hw + 5 * E;
+	struct mlens_moe_weights wc = { .n_experts = E, .hidden = H, .inter = I, .dtype = dt,
+					.w1 = (const void *const *)hw1, .w2 = (const void *const *)hw2,
+					.w3 = (const void *const *)hw3, .w2_transposed = moe_w2t };
+	struct mlens_moe_weights wg = wc;
+	bool *used = calloc((size_t)E, 1);
+	int active = 0, off_dtype = 0;
+	float *dx, *dout, *dwts;
+	int32_t *dids;
+	char op[64];
+
+	ck_assert(ids && wts && ref && hw && used && E >= 8 && k < E - E / 4 && hot % 4 != 1);
+	wg.w1 = (const void *const *)dw1;
+	wg.w2 = (const void *const *)dw2;
+	wg.w3 = (const void *const *)dw3;
+	for (int i = 0; i < n; i++) {
+		float sum = 0.0f;
+		for (int s = 0; s < k; s++) {
+			int e, dup;
+			do {
+				e = s == 0 && hot >= 0 ? hot : (int)(rnd_u32() % (uint32_t)E);
+				dup = e % 4 == 1;
+				for (int j = 0; j < s; j++)
+					dup |= ids[i * k + j] == e;
+			} while (dup);
+			ids[i * k + s] = e;
+			wts[i * k + s] = 0.1f + fabsf(rnd());
+			sum += wts[i * k + s];
+			active += !used[e];
+			used[e] = true;
+		}
+		for (int s = 0; s < k; s++)
+			wts[i * k + s] = k == 1 ? 1.0f : wts[i * k + s] / sum;
+	}
+	for (int e = 0; e < E; e++) {
+		if (e % 4 == 1)
+			continue;	/* never routed: no weights */
+		hw1[e] = rnd_weights((size_t)I * H, dt, 1.0f / sqrtf((float)H));
+		hw3[e] = rnd_weights((size_t)I * H, dt, 1.0f / sqrtf((float)H));
+		hw2[e] = rnd_weights((size_t)H * I, dt, 1.0f / sqrtf((float)I));
+		dw1[e] = to_gpu(hw1[e], (size_t)I * H * es);
+		dw3[e] = to_gpu(hw3[e], (size_t)I * H * es);
+		dw2[e] = to_gpu(hw2[e], (size_t)H * I * es);
+	}
+	dx = to_gpu(x, out_bytes);
+	dout = to_gpu(ref, out_bytes);
+	dids = to_gpu(ids, (size_t)n * k * 4);
+	dwts = to_gpu(wts, (size_t)n * k * 4);
+	ck_assert_int_eq(cpu.ops->moe(cpu.ctx, ref, x, n, ids, wts, k, &wc), 0);
+	ck_assert_int_eq(dev->ops->moe(dev->ctx, dout, dx, n, dids, dwts, k, &wg), 0);
+	got = from_gpu(dout, out_bytes);
+	snprintf(op, sizeof(op), "moe many %s%s%s", mlens_dtype_name(dt), mode_name(),
+		 moe_grouped_expected(dt, H, I, active) ? " grouped" : "");
+	record(op, wtol(dt), rel_err(ref, got, (size_t)n * H), "n=%d H=%d I=%d E=%d k=%d%s", n, H,
+	       I, E, k, hot >= 0 ? " hot" : "");
+	if (k == 1 && dt != MLENS_DTYPE_F32) {
+		void *one = malloc(es);
+		for (size_t i = 0; i < (size_t)n * H; i++) {
+			mlens_store(one, dt, 0, got[i]);
+			off_dtype += mlens_load(one, dt, 0) != got[i];
+		}
+		free(one);
+		if (moe_grouped_expected(dt, H, I, active))
+			ck_assert_msg(!off_dtype, "%s: %d outputs are no %s value: not grouped", op,
+				      off_dtype, mlens_dtype_name(dt));
+		else
+			ck_assert_msg(off_dtype, "%s: every output a %s value: grouped", op,
+				      mlens_dtype_name(dt));
+	}
+	for (int e = 0; e < E; e++) {
+		free(hw1[e]); free(hw2[e]); free(hw3[e]);
+		if (dw1[e]) {
+			gfree(dw1[e]); gfree(dw2[e]); gfree(dw3[e]);
+		}
+	}
+	free(hw); free(used); free(ids); free(wts); free(x); free(ref); free(got);
+	gfree(dx); gfree(dout); gfree(dids); gfree(dwts);
+}
+
+/* Many experts: decode (8 experts with rows: per expert unless grouped
+ * is on), prefill with some experts idle, one expert in every token's
+ * picks, rows past one wave (an expert split between waves), w2 stored transposed, sizes that are no multiple of 8 (never
+ * grouped), and the one-expert check of which path ran. */
+START_TEST(test_moe_many)
+{
+	for (int t = 0; t < 3; t++) {
+		moe_many_case(dtypes[t], 1, 128, 192, 64, 8, -1);
+		moe_many_case(dtypes[t], 37, 128, 192, 64, 8, -1);
+		moe_many_case(dtypes[t], 300, 256, 96, 64, 8, 6);
+		/* waves of about 3100 rows (kernels/cuda/moe_grouped.cu: the
+		 * chunk's gate/up and expert output areas over 2 x I x 2
+		 * bytes a row): expert 22's 1100 rows cross the first end */
+		moe_many_case(dtypes[t], 1100, 64, 512, 64, 8, 22);
+		moe_many_case(dtypes[t], 40, 62, 97, 64, 8, -1);
+		moe_many_case(dtypes[t], 600, 128, 192, 64, 1, -1);
+	}
+	moe_w2t = true;
+	moe_many_case(MLENS_DTYPE_BF16, 300, 256, 96, 64, 8, 6);
+	moe_w2t = false;
+}
+END_TEST
+
 /* Exact GEMMs: the same cases on the exact backend, plus activations
  * spread over many binades (where a bf16 rounding of x would show most)
  * and an accumulate; every dtype within the fp32 tolerance. */
@@ -983,6 +1111,12 @@ static void use_tc(void)
 static void use_sm(void)
 {
 	dev = &gpu_sm;
+}
+
+/* The MoE on the backend that groups every 16-bit call (moe_grouped on). */
+static void use_grp(void)
+{
+	dev = &gpu_grp;
 }
 
 START_TEST(test_gemm_exact_wide)
@@ -1510,15 +1644,20 @@ int main(void)
 	 * its upload queue's copies in 2; the others' in a quarter of the SMs
 	 * (and their uploads on a copy engine: no sm_copy).
 	 * the MoE's experts: on 2 streams (the default) in gpu and gpu_exact,
-	 * one after another in gpu_sm, over 4 streams in gpu_tc. gpu_tc,
+	 * one after another in gpu_sm (never grouped), over 4 streams in
+	 * gpu_tc. gpu_tc,
 	 * created last, sets the device's sync mode to block for the whole
 	 * process: every test below waits for the GPU asleep */
 	struct mlens_backend_opts osm = { .n_threads = 0, .device = 0, .sm_copy = true,
-					  .moe_streams = 1, .fp8_gemm = MLENS_FP8_GEMM_DEQUANT };
+					  .moe_streams = 1, .fp8_gemm = MLENS_FP8_GEMM_DEQUANT,
+					  .moe_grouped = MLENS_MOE_GROUPED_OFF };
+	/* gpu_grp: every 16-bit MoE through the grouped GEMMs */
+	struct mlens_backend_opts ogrp = { .n_threads = 0, .device = 0,
+					   .moe_grouped = MLENS_MOE_GROUPED_ON };
 	struct mlens_backend_opts otc = { .n_threads = 0, .device = 0, .prefill_bf16 = true,
 					  .moe_streams = 4, .sync = MLENS_GPU_SYNC_BLOCK,
 					  .fp8_gemm = MLENS_FP8_GEMM_FP8 };
-	TCase *tx, *tsm, *ttc;
+	TCase *tx, *tsm, *ttc, *tg;
 	Suite *s;
 	TCase *tc;
 	SRunner *sr;
@@ -1531,7 +1670,7 @@ int main(void)
 	mlens_test_gpu_lock("check_cuda");	/* its timing marks, its memory counts */
 	/* CUDA does not survive fork(): run the tests in this process */
 	if (mlens_backend_create(&cpu, "cpu", &o) || mlens_backend_create(&gpu, "cuda", &o) ||
-	    mlens_backend_create(&gpu_exact, "cuda", &ox) ||
+	    mlens_backend_create(&gpu_exact, "cuda", &ox) || mlens_backend_create(&gpu_grp, "cuda", &ogrp) ||
 	    (setenv("MLENS_CUDA_APPEND_BLOCKS", "3", 1), setenv("MLENS_CUDA_UP_BLOCKS", "2", 1),
 	     mlens_backend_create(&gpu_sm, "cuda", &osm)) ||
 	    (unsetenv("MLENS_CUDA_APPEND_BLOCKS"), unsetenv("MLENS_CUDA_UP_BLOCKS"),
@@ -1559,6 +1698,7 @@ int main(void)
 	tcase_add_test(tc, test_moe);
 	tcase_add_test(tc, test_moe_fp8);
 	tcase_add_test(tc, test_moe_w2_transposed);
+	tcase_add_test(tc, test_moe_many);
 	tcase_add_test(tc, test_attn_prefill);
 	tcase_add_test(tc, test_attn_decode);
 	tcase_add_test(tc, test_attn_decode_groups);
@@ -1572,6 +1712,7 @@ int main(void)
 	tcase_add_test(tx, test_moe);
 	tcase_add_test(tx, test_moe_fp8);
 	tcase_add_test(tx, test_moe_w2_transposed);
+	tcase_add_test(tx, test_moe_many);
 	tcase_add_test(tx, test_gemm_exact_wide);
 	/* the ops that stage tables or read values back, with SM copies */
 	tsm = backend_tcase(s, "sm copies", use_sm);
@@ -1583,6 +1724,7 @@ int main(void)
 	tcase_add_test(tsm, test_moe);
 	tcase_add_test(tsm, test_moe_fp8);	/* fp8_gemm dequant */
 	tcase_add_test(tsm, test_fp8_path);
+	tcase_add_test(tsm, test_moe_many);
 	tcase_add_test(tsm, test_attn_prefill);
 	tcase_add_test(tsm, test_attn_decode);
 	tcase_add_test(tsm, test_sample);
@@ -1590,6 +1732,11 @@ int main(void)
 	tcase_add_test(ttc, test_attn_prefill_bf16);
 	tcase_add_test(ttc, test_moe);
 	tcase_add_test(ttc, test_moe_fp8);
+	/* every 16-bit MoE grouped, the 8-expert cases too */
+	tg = backend_tcase(s, "grouped moe", use_grp);
+	tcase_add_test(tg, test_moe);
+	tcase_add_test(tg, test_moe_w2_transposed);
+	tcase_add_test(tg, test_moe_many);
 	sr = srunner_create(s);
 	srunner_set_fork_status(sr, CK_NOFORK);
 	srunner_run_all(sr, CK_NORMAL);
@@ -1597,6 +1744,7 @@ int main(void)
 	srunner_free(sr);
 	print_table();
 	mlens_backend_destroy(&gpu_tc);
+	mlens_backend_destroy(&gpu_grp);
 	mlens_backend_destroy(&gpu_sm);
 	mlens_backend_destroy(&gpu_exact);
 	mlens_backend_destroy(&gpu);

@@ -1172,7 +1172,15 @@ static int moe_chunk(struct mlens_cuda_ctx *c, float *out, const float *x, int n
 			rows - (size_t)r0, rows, E);
 		return -EINVAL;
 	}
-	if ((rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, pc, y)))
+	/* many experts: grouped GEMMs (moe_grouped.cu) in waves through the
+	 * pieces' gate/up areas and y (written only at the end), one area */
+	rc = mlens_cuda_moe_grouped_use(c, w, counts_h)
+		     ? mlens_cuda_moe_grouped(c, w, counts_h, rows, xe, s + o_g,
+					      o_y + rows * H * 4 - o_g, y)
+		     : -ENOTSUP;
+	if (rc == -ENOTSUP)
+		rc = moe_spread(c, w, counts_h, rows, split, half_gu, xe, pc, y);
+	if (rc)
 		return rc;
 	return mlens_cuda_moe_combine(c, out, y, ids, weights, inv, n, k, H);
 }
@@ -1771,6 +1779,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		return -ENOMEM;
 	c->device = dev;
 	c->gemm_exact = o && o->gemm == MLENS_GEMM_EXACT;
+	c->moe_grouped = o ? o->moe_grouped : MLENS_MOE_GROUPED_AUTO;
 	c->prefill_bf16 = o && o->prefill_bf16;
 	c->sm_copy = o && o->sm_copy;
 	CUDA_GOTO(cudaSetDevice(dev), rc, fail);

@@ -70,6 +70,8 @@ struct mlens_cuda_ctx {
 	void *lt_ws;			/* the current MoE stream's workspace */
 	bool lt_unscaled_said;		/* the scale-pass fallback told on stderr */
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
+	enum mlens_moe_grouped moe_grouped;	/* opts moe_grouped; off after
+						 * cuBLAS refused the grouped call */
 	bool prefill_bf16;		/* prefill attention on tensor cores (bf16) */
 	/* the compute stream's host <-> device copies done by an SM kernel on
 	 * mapped pinned memory rather than a copy engine (opts sm_copy) */
@@ -315,5 +317,22 @@ int mlens_cuda_attn_decode(struct mlens_cuda_ctx *c, float *out, const float *q,
 			   const struct mlens_kv_cache *kv, int layer,
 			   const struct mlens_attn_query *queries, int n, int n_heads,
 			   float scale);
+
+/* moe_grouped.cu */
+/* Whether this chunk's experts (counts[e] rows each, on the host) go
+ * through mlens_cuda_moe_grouped: opts moe_grouped, fast GEMMs on
+ * bf16/f16 experts of sizes and addresses the grouped call takes. */
+bool mlens_cuda_moe_grouped_use(const struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
+				const int32_t *counts);
+/* The rows (in expert order, counts[e] each) of xe [rows][H] (the weight
+ * dtype) through gate, up, silu(g) * u and down into y [rows][H] (fp32),
+ * in waves of as many rows as gu (gu_bytes) holds gate and up of (the
+ * weight dtype); each wave's down output overwrites its rows of xe,
+ * widened into y at the end, so gu may overlap y. -ENOTSUP (nothing
+ * queued that matters) where cuBLAS refuses the grouped call: the caller
+ * runs the experts one by one. */
+int mlens_cuda_moe_grouped(struct mlens_cuda_ctx *c, const struct mlens_moe_weights *w,
+			   const int32_t *counts, size_t rows, char *xe, char *gu, size_t gu_bytes,
+			   float *y);
 
 #endif

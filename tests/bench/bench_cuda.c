@@ -8,10 +8,12 @@
  * object on stdout and a table on stderr. Not a test: it asserts nothing.
  * Also one token group's GA and GB of the hybrid pipeline op by op
  * (bench_group).
- * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm|moe-fp8|group]: the
- * backend's GEMM mode (default fast); kv-store runs only the K/V append,
- * moe-gemm only the experts' GEMMs looped and grouped (bench_moe_gemm),
- * moe-fp8 only bench_moe_fp8, group only bench_group. */
+ * Usage: bench_cuda [fast|exact] [kv-store|moe-gemm|moe-fp8|moe-grouped|group]:
+ * the backend's GEMM mode (default fast); kv-store runs only the K/V
+ * append, moe-gemm only the experts' GEMMs looped and grouped
+ * (bench_moe_gemm), moe-fp8 only bench_moe_fp8, moe-grouped only the MoE
+ * op with grouped and per-expert GEMMs at many- and few-expert sizes
+ * (bench_moe_grouped), group only bench_group. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -605,6 +607,101 @@ static int bench_moe_fp8(const struct mlens_backend_opts *o)
 	return 0;
 }
 
+/* The MoE op with its experts' GEMMs grouped (opts moe_grouped on) and
+ * per expert (off), at Qwen3-30B-A3B's sizes (128 experts of 2048 x 768,
+ * top-8) and Mixtral's (8 of 4096 x 14336, top-2), 1k, 8k and 32k tokens
+ * in one call (the backend takes them in chunks), and decode's 1 and 64,
+ * routed uniformly at random. Prints "moe_grouped" records. */
+static int bench_moe_grouped(const struct mlens_backend_opts *o)
+{
+	static const struct {
+		const char *name;
+		int H, I, E, k;
+	} shapes[] = { { "qwen3-30b-a3b", 2048, 768, 128, 8 }, { "mixtral-8x7b", 4096, 14336, 8, 2 } };
+	static const int tokens[] = { 1, 64, 1024, 8192, 32768 };
+	static const enum mlens_moe_grouped modes[] = { MLENS_MOE_GROUPED_OFF, MLENS_MOE_GROUPED_ON };
+	const int nmax = 32768;
+	int first = 1;
+
+	printf(",\n  \"moe_grouped\": [");
+	for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+		const int H = shapes[si].H, I = shapes[si].I, E = shapes[si].E, k = shapes[si].k;
+		void **w = calloc(3 * (size_t)E, sizeof(void *));
+		int32_t *ids = malloc((size_t)nmax * k * 4);
+		float *wts = malloc((size_t)nmax * k * 4);
+		void *proto = dev_random((size_t)I * H, MLENS_DTYPE_BF16, 0.02f);
+		float *x = dev_random((size_t)nmax * H, MLENS_DTYPE_F32, 1.0f);
+		float *out = be.ops->alloc(be.ctx, (size_t)nmax * H * 4);
+		int32_t *dids = be.ops->alloc(be.ctx, (size_t)nmax * k * 4);
+		float *dwts = be.ops->alloc(be.ctx, (size_t)nmax * k * 4);
+		struct mlens_moe_weights mw = { .n_experts = E, .hidden = H, .inter = I,
+						.dtype = MLENS_DTYPE_BF16 };
+
+		if (!w || !ids || !wts || !proto || !x || !out || !dids || !dwts ||
+		    copy_experts(w, w + E, w + 2 * E, E, proto, H, I, 2))
+			FAIL("moe_grouped set-up");
+		mw.w1 = (const void *const *)w;
+		mw.w2 = (const void *const *)(w + E);
+		mw.w3 = (const void *const *)(w + 2 * E);
+		for (int i = 0; i < nmax; i++)
+			for (int s = 0; s < k; s++) {
+				int e, dup;
+				do {
+					e = (int)((rnd() + 1.0f) * 0.5f * (float)E) % E;
+					dup = 0;
+					for (int j = 0; j < s; j++)
+						dup |= ids[i * k + j] == e;
+				} while (dup);
+				ids[i * k + s] = e;
+				wts[i * k + s] = 1.0f / (float)k;
+			}
+		if (be.ops->upload(be.ctx, dids, ids, (size_t)nmax * k * 4) ||
+		    be.ops->upload(be.ctx, dwts, wts, (size_t)nmax * k * 4))
+			FAIL("moe_grouped routing");
+		cudaDeviceSynchronize();
+		for (size_t m = 0; m < sizeof(modes) / sizeof(modes[0]); m++) {
+			struct mlens_backend_opts om = *o;
+			struct mlens_backend b;
+			om.moe_grouped = modes[m];
+			if (mlens_backend_create(&b, "cuda", &om))
+				FAIL("moe_grouped backend");
+			for (size_t ti = 0; ti < sizeof(tokens) / sizeof(tokens[0]); ti++) {
+				int n = tokens[ti], iters = n < 1024 ? 50 : 3;
+				double flop = 2.0 * n * k * 3.0 * H * I, t0, t;
+				if (b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw))
+					FAIL("moe_grouped moe");
+				b.ops->sync(b.ctx);
+				t0 = now();
+				for (int i = 0; i < iters; i++)
+					b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw);
+				b.ops->sync(b.ctx);
+				t = (now() - t0) / iters;
+				printf("%s\n    {\"shape\": \"%s\", \"experts\": %d, \"top_k\": %d, "
+				       "\"hidden\": %d, \"inter\": %d, \"tokens\": %d, \"moe_grouped\": \"%s\", "
+				       "\"ms\": %.3f, \"tflops\": %.1f}",
+				       first ? "" : ",", shapes[si].name, E, k, H, I, n,
+				       mlens_moe_grouped_name(modes[m]), t * 1e3, flop / t * 1e-12);
+				first = 0;
+				fprintf(stderr, "moe %-14s E=%3d k=%d %5d tokens, grouped %-3s: %9.3f ms "
+					"%6.1f TFLOP/s\n", shapes[si].name, E, k, n,
+					mlens_moe_grouped_name(modes[m]), t * 1e3, flop / t * 1e-12);
+			}
+			mlens_backend_destroy(&b);
+		}
+		free_experts(w, w + E, w + 2 * E, E);
+		be.ops->free(be.ctx, proto);
+		be.ops->free(be.ctx, x);
+		be.ops->free(be.ctx, out);
+		be.ops->free(be.ctx, dids);
+		be.ops->free(be.ctx, dwts);
+		free(w);
+		free(ids);
+		free(wts);
+	}
+	printf("\n  ]");
+	return 0;
+}
+
 /* Mixtral attention: 32 query heads, 8 KV heads, head_dim 128. */
 static int bench_attn(void)
 {
@@ -1120,6 +1217,7 @@ int main(int argc, char **argv)
 	struct mlens_backend_opts o = { .n_threads = 0, .device = 0 };
 	struct cudaDeviceProp prop;
 	bool only_kv_store = false, only_moe_gemm = false, only_group = false, only_moe_fp8 = false;
+	bool only_moe_grouped = false;
 	int rc;
 
 	for (int i = 1; i < argc; i++) {
@@ -1131,12 +1229,16 @@ int main(int argc, char **argv)
 			only_group = true;
 		else if (!strcmp(argv[i], "moe-fp8"))
 			only_moe_fp8 = true;
+		else if (!strcmp(argv[i], "moe-grouped"))
+			only_moe_grouped = true;
 		else if (mlens_gemm_mode_parse(argv[i], &o.gemm)) {
-			fprintf(stderr, "usage: bench_cuda [fast|exact] [kv-store|moe-gemm|moe-fp8|group]  "
+			fprintf(stderr, "usage: bench_cuda [fast|exact] "
+				"[kv-store|moe-gemm|moe-fp8|moe-grouped|group]  "
 				"(the GEMM mode, default fast; kv-store: only the K/V append into host "
 				"memory; moe-gemm: only the experts' GEMMs, looped and grouped; moe-fp8: "
-				"only one MoE layer with bf16 and fp8 experts; group: only a token "
-				"group's GA and GB op by op)\n");
+				"only one MoE layer with bf16 and fp8 experts; moe-grouped: only the MoE "
+				"op, grouped and per expert, Qwen3-30B-A3B and Mixtral sizes; group: only "
+				"a token group's GA and GB op by op)\n");
 			return 2;
 		}
 	}
@@ -1162,6 +1264,10 @@ int main(int argc, char **argv)
 	}
 	if (only_moe_fp8) {
 		rc = bench_moe_fp8(&o);
+		goto out_json;
+	}
+	if (only_moe_grouped) {
+		rc = bench_moe_grouped(&o);
 		goto out_json;
 	}
 	if (!only_kv_store) {
