@@ -32,6 +32,7 @@ struct mlens_config {
 	char *gpu_sync;		/* "auto", "spin", "yield" or "block": host waits for the GPU */
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */
 	uint64_t host_memory;		/* host budget, 0: none */
+	char *weights_on_disk;		/* "auto" or "never": experts host_memory has no room for stay in the files */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
 	int64_t kv_growth_room;		/* blocks of growth room at admission */
