@@ -555,8 +555,8 @@ static int kv_dtype_wanted(void);
  * staging and the least KV pool (weights_on_disk = auto); 0 when the
  * files fit or the key is never (the host plan refuses then). Before the
  * backend runs the mode is not known: the CPU backend's staging, else
- * the hybrid pipeline's. -ENOSPC (said) when even every expert on disk
- * does not fit. */
+ * the hybrid pipeline's. -ENOSPC (said) when the files do not fit and
+ * even every expert on disk does not either. */
 static int disk_experts_for(uint64_t files, int *out)
 {
 	const struct mlens_model_config *c = &D.model->cfg;
@@ -585,6 +585,8 @@ static int disk_experts_for(uint64_t files, int *out)
 			return 0;
 		}
 	}
+	if (files <= budget)
+		return 0;	/* the disk cannot help: the host plan says what is short */
 	return fail_start("host_memory of %.1f MiB cannot run this model even with every expert on disk: weight "
 			  "pages %.1f MiB + disk staging %.1f MiB + staging %.1f MiB + the least KV pool %.1f MiB need "
 			  "%.1f MiB; raise host_memory to at least that, or lower max_step_tokens",
@@ -1035,6 +1037,7 @@ static int step_serve(void)
 		.started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,
+		.disk = D.weights.disk,
 	};
 	if (mlens_stats_start(D.stats, D.base, &D.info, err, sizeof(err)) ||
 	    mlens_control_start(D.control, D.base, &D.info, on_control_shutdown, NULL, err, sizeof(err)))

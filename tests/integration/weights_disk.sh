@@ -70,3 +70,50 @@ for k in 1 2; do
 	same "$tmp/ref_$k.out" "$tmp/disk_$k.out" || fail "tenant $k's tokens differ with half the experts on disk"
 done
 echo "ok: half the experts on disk, the same tokens as all in RAM"
+grep -q "^weights on disk  *1.5 MiB in the model files (2 experts in each of 8 layers" "$tmp/disk.status" ||
+	fail "status: $(grep -i 'disk' "$tmp/disk.status")"
+[ "$(jfield disk_bytes < "$tmp/disk.json")" = "$(stat_of disk weights_disk_resident_bytes)" ] ||
+	fail "status and stats disagree on the disk bytes"
+[ "$(stat_of disk weights_disk_resident_bytes)" -eq 1572864 ] || fail "disk bytes $(stat_of disk weights_disk_resident_bytes)"
+step=$(stat_of disk weights_disk_step_bytes)
+rd=$(stat_of disk weights_disk_read_bytes_total)
+# every step reads every disk layer: at least one step's worth per step
+[ "$rd" -ge $((step * $(stat_of disk steps_total))) ] || fail "read $rd bytes in $(stat_of disk steps_total) steps of $step"
+[ "$(stat_of disk weights_disk_read_errors_total)" = 0 ] || fail "read errors without a fault"
+grep -q "^mlens_weights_disk_read_bytes_total $rd$" "$tmp/disk.metrics" || fail "metrics: $(grep disk "$tmp/disk.metrics")"
+grep -q "^mlens_weights_disk_resident_bytes 1572864$" "$tmp/disk.metrics" || fail "metrics: no disk bytes"
+grep -q "^mlens_disk_busy_ratio " "$tmp/disk.metrics" || fail "metrics: no disk busy ratio"
+[ -z "$(stat_of ref weights_disk_resident_bytes)" ] || fail "disk counters without experts on disk"
+echo "ok: status, stats and metrics say 1.5 MiB on disk, $rd bytes read"
+
+# faults: a read error, then a short read, each fail their request's step
+# with the file and tensor named; the daemon stays up; with the hook gone
+# the next request gets the tokens of all in RAM
+MLENS_TEST_DISK_FAIL="$tmp/fail"
+export MLENS_TEST_DISK_FAIL
+# shellcheck disable=SC2086 # COMMON and EXTRA are words
+start_mlensd $COMMON $EXTRA --host-memory $HALF
+unset MLENS_TEST_DISK_FAIL
+echo eio > "$tmp/fail"
+tc -s "$tmp/t.sock" --seed 1 -n 1 -p 40 -g 24 --why > "$tmp/f1.out" && fail "a read error did not fail the request"
+grep -q "weights on disk: reading model.layers.[0-9]*.block_sparse_moe.experts.[23].w[123].weight (layer [0-9]* expert [23]) at offset [0-9]* of $tmp/model/model.safetensors failed: Input/output error" "$tmp/log" ||
+	fail "no read error naming the file and tensor: $(grep -i 'disk\|step failed' "$tmp/log" | tail -3)"
+echo short > "$tmp/fail"
+tc -s "$tmp/t.sock" --seed 1 -n 1 -p 40 -g 24 > "$tmp/f2.out" && fail "a short read did not fail the request"
+grep -q "of $tmp/model/model.safetensors failed: short read (the file ends before the tensor does)" "$tmp/log" ||
+	fail "no short read named: $(grep -i 'disk' "$tmp/log" | tail -3)"
+ctl status >/dev/null || fail "the daemon is down after the read errors"
+rm -f "$tmp/fail"
+tc -s "$tmp/t.sock" --seed 1 -n 3 -p 40 -g 24 > "$tmp/f3.out" || fail "the request after the faults failed: $(cat "$tmp/f3.out")"
+same "$tmp/ref_1.out" "$tmp/f3.out" || fail "the tokens after the faults differ from all in RAM"
+ctl stats > "$tmp/f.stats"
+[ "$(stat_of f weights_disk_read_errors_total)" -ge 2 ] || fail "read errors not counted"
+echo "ok: read errors fail their step by name, the daemon stays up, the next request is right"
+kill "$pid" && wait "$pid"
+pid=
+
+# weights_on_disk = never: the budget is refused by name
+refused 1 "host_memory of 4.4 MiB cannot run this model: weight pages 3.7 MiB + staging" --model "$tmp/model" --host-memory $HALF \
+	--max-step-tokens 256 --weights-on-disk never --kv-cache 64M
+echo "ok: weights_on_disk = never refuses the budget"
+exit 0
