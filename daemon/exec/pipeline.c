@@ -22,6 +22,7 @@
 #include "daemon/exec/pipeline.h"
 #include "daemon/exec/pipeprog.h"
 #include "daemon/exec/step.h"
+#include "daemon/model/disk_tier.h"
 #include "daemon/model/quant.h"
 #include "daemon/ops/trace.h"
 
@@ -407,6 +408,9 @@ static int place_weights(struct mlens_pipeline *p, uint64_t piece)
 		p->slot[1] = galloc(p, p->plan.slot, &rc);
 	}
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers && !rc; l++) {
+		/* resident experts left on disk are copied once, from staging */
+		if ((rc = mlens_disk_tier_ready(m->disk, (int)l)))
+			break;
 		rc = mlens_layer_bind(&p->layers[l].w, &m->layers[l], &p->desc,
 				      p->plan.resident_experts, &p->placer);
 		if (!rc)
@@ -830,7 +834,9 @@ const struct mlens_pipeline_stats *mlens_pipeline_stats(const struct mlens_pipel
 #define PL_EV_GA_DONE MLENS_PIPE_EV_N
 #define PL_EV_ATT_UP (PL_EV_GA_DONE + MLENS_PIPE_SETS_MAX)
 #define PL_EV_KV_LATE (PL_EV_ATT_UP + MLENS_PIPE_SETS_MAX)
-_Static_assert(PL_EV_KV_LATE + MLENS_PIPE_SETS_MAX < MLENS_BACKEND_EVENTS - 1,
+/* a layer's weight copies done, before its disk staging is read into again */
+#define PL_EV_DISK (PL_EV_KV_LATE + MLENS_PIPE_SETS_MAX)
+_Static_assert(PL_EV_DISK < MLENS_BACKEND_EVENTS - 1,
 	       "the pipeline's events and the last one (kept for waits of its own) fit the backend's");
 
 /* ==== the stages ==== */
@@ -1483,10 +1489,25 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 	case MLENS_PIPE_COPY: {
 		const struct mlens_pipe_piece *pc = &p->layers[cmd->layer].pieces[cmd->piece];
 		char *dst = (char *)p->slot[cmd->slot] + pc->dst_off;
+		struct mlens_disk_tier *dt = p->m->disk;
+		bool disk = mlens_disk_tier_holds(dt, cmd->layer, (int)c->num_local_experts - 1);
+		/* experts left on disk: in their staging before the first piece */
+		if (disk && cmd->piece == 0)
+			TRY(mlens_disk_tier_ready(dt, cmd->layer));
 		p->st.h2d_weight_bytes += pc->bytes;
 		if (p->async)
-			return G->copy_async(GC, 1, dst, pc->host, pc->bytes, true);
-		return G->upload(GC, dst, pc->host, pc->bytes);
+			rc = G->copy_async(GC, 1, dst, pc->host, pc->bytes, true);
+		else
+			rc = G->upload(GC, dst, pc->host, pc->bytes);
+		if (!rc && disk && cmd->piece == p->layers[cmd->layer].n_pieces - 1) {
+			/* the staging may take the next layer once the copies
+			 * out of it are done (the copy queue's thread waits) */
+			if (p->async && !(rc = G->event_record(GC, 1, PL_EV_DISK)))
+				rc = G->event_sync(GC, PL_EV_DISK);
+			if (!rc)
+				mlens_disk_tier_done(dt, cmd->layer);
+		}
+		return rc;
 	}
 	case MLENS_PIPE_RECORD:
 		if (!p->async)
