@@ -489,6 +489,63 @@ void mlens_disk_tier_step_end(struct mlens_disk_tier *dt)
 	pthread_mutex_unlock(&dt->mu);
 }
 
+int mlens_disk_tier_measure(struct mlens_disk_tier *dt, uint64_t bytes, double *bps, char *err, size_t errlen)
+{
+	struct mlens_read_range *r;
+	struct io_uring ring;
+	void *buf = NULL;
+	uint64_t done = 0;
+	double t0;
+	int n = 0, rc;
+
+	*bps = 0;
+	if (!dt || !dt->n_r)
+		return 0;
+	/* whole passes over the disk experts' reads, at least one */
+	for (uint64_t b = 0; b < bytes || !n; n++)
+		b += dt->r[n % dt->n_r].len;
+	r = calloc((size_t)n, sizeof(*r));
+	if (!r || posix_memalign(&buf, ALIGN, MLENS_DISK_TIER_CHUNK)) {
+		free(r);
+		mlens_errf(err, errlen, "weights on disk: no memory to measure the read rate");
+		return -ENOMEM;
+	}
+	for (int i = 0; i < n; i++) {
+		r[i] = dt->r[i % dt->n_r];
+		r[i].dst = buf;	/* every read into one buffer: only the time counts */
+		done += r[i].want;
+	}
+	if ((rc = io_uring_queue_init(MLENS_DISK_TIER_DEPTH, &ring, 0))) {
+		mlens_errf(err, errlen, "weights on disk: cannot set up io_uring: %s", strerror(-rc));
+		goto out;
+	}
+	{
+		struct mlens_read_batch b = { .r = r, .n = n };
+		atomic_init(&b.next, 0);
+		atomic_init(&b.err, 0);
+		atomic_init(&b.err_at, -1);
+		t0 = now();
+		mlens_read_batch_run(&b, &ring, MLENS_DISK_TIER_DEPTH);
+		t0 = now() - t0;
+		rc = atomic_load(&b.err);
+	}
+	io_uring_queue_exit(&ring);
+	if (rc)
+		mlens_errf(err, errlen, "weights on disk: measuring the model files' read rate failed: %s",
+			   strerror(-rc));
+	else
+		*bps = t0 > 0 ? (double)done / t0 : 0;
+out:
+	free(buf);
+	free(r);
+	return rc;
+}
+
+uint64_t mlens_disk_tier_step_bytes(struct mlens_disk_tier *dt)
+{
+	return dt ? dt->st.step_bytes : 0;	/* set at create, never changed */
+}
+
 void mlens_disk_tier_set_ceiling(struct mlens_disk_tier *dt, double bps)
 {
 	if (!dt)

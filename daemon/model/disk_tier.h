@@ -75,7 +75,16 @@ void mlens_disk_tier_done(struct mlens_disk_tier *dt, int l);
 void mlens_disk_tier_step_begin(struct mlens_disk_tier *dt);
 void mlens_disk_tier_step_end(struct mlens_disk_tier *dt);
 
+/* The model files' read rate, bytes/s, as the tier reads them: its own
+ * reads (O_DIRECT where it took, MLENS_DISK_TIER_DEPTH in flight) of the
+ * disk experts, over again until about bytes are read (into a buffer of
+ * its own; the staging is the reader's). 0 or -errno with err set. */
+int mlens_disk_tier_measure(struct mlens_disk_tier *dt, uint64_t bytes, double *bps, char *err, size_t errlen);
+/* The profiler's rate, for the stats. */
 void mlens_disk_tier_set_ceiling(struct mlens_disk_tier *dt, double bps);
+/* Bytes a step reads from the model files (every disk layer's), 0 for
+ * dt NULL. */
+uint64_t mlens_disk_tier_step_bytes(struct mlens_disk_tier *dt);
 void mlens_disk_tier_get_stats(struct mlens_disk_tier *dt, struct mlens_disk_tier_stats *st);
 
 #endif

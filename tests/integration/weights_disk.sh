@@ -7,7 +7,8 @@
 # on disk and what the steps read. With the test hook MLENS_TEST_DISK_FAIL
 # a read error (and a short read) fails the step with the file and tensor
 # named; the daemon stays up and the next request, the hook gone, gets the
-# same tokens. weights_on_disk = never refuses that budget by name.
+# same tokens. The profiler measures the files' read rate (the disk
+# ceiling). weights_on_disk = never refuses that budget by name.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
 # cpu) with MLENS_WEIGHTS_DISK_FLAGS added (e.g. a --gpu-memory below the
 # model's need: the hybrid pipeline streams the disk experts from their
@@ -114,7 +115,15 @@ ctl status >/dev/null || fail "the daemon is down after the read errors"
 rm -f "$tmp/fail"
 tc -s "$tmp/t.sock" --seed 1 -n 3 -p 40 -g 24 > "$tmp/f3.out" || fail "the request after the faults failed: $(cat "$tmp/f3.out")"
 same "$tmp/ref_1.out" "$tmp/f3.out" || fail "the tokens after the faults differ from all in RAM"
+# the profiler measures the files' read rate: the disk ceiling of the
+# performance model, shown in the stats
+ctl --json profile > "$tmp/prof.json" || fail "mlensctl profile: $(cat "$tmp/prof.json")"
+bps=$(jfield disk_read_bytes_per_s < "$tmp/prof.json")
+awk -v b="$bps" 'BEGIN { exit !(b > 1e6) }' || fail "disk read rate '$bps' in the profile"
+grep -q '"disk": ' "$tmp/prof.json" || fail "no disk tier in the profile's layer times"
 ctl stats > "$tmp/f.stats"
+awk -v b="$(stat_of f weights_disk_ceiling_bytes_per_second)" 'BEGIN { exit !(b > 1e6) }' ||
+	fail "no disk ceiling in the stats"
 [ "$(stat_of f weights_disk_read_errors_total)" -ge 2 ] || fail "read errors not counted"
 echo "ok: read errors fail their step by name, the daemon stays up, the next request is right"
 kill "$pid" && wait "$pid"
