@@ -23,3 +23,10 @@ TESTS += tests/integration/host_memory.sh
 # room for read from the model files each step
 dist_check_SCRIPTS += tests/integration/weights_disk.sh
 TESTS += tests/integration/weights_disk.sh
+if HAVE_CHECK
+check_PROGRAMS += tests/check_disk_tier
+TESTS += tests/check_disk_tier
+tests_check_disk_tier_SOURCES = tests/check_disk_tier.c tests/check_common.h
+tests_check_disk_tier_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_disk_tier_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
+endif

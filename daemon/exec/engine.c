@@ -83,6 +83,8 @@ static int bind_weights(struct mlens_engine *e)
 			break;
 		rc = mlens_layer_bind(&e->layers[l], &m->layers[l], &e->desc, E, &e->placer);
 	}
+	if (!rc && !e->be->ops->host_memory)
+		mlens_disk_tier_keep_from(m->disk, E);	/* all placed: nothing to read each step */
 	return rc;
 }
 

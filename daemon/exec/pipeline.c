@@ -413,9 +413,12 @@ static int place_weights(struct mlens_pipeline *p, uint64_t piece)
 			break;
 		rc = mlens_layer_bind(&p->layers[l].w, &m->layers[l], &p->desc,
 				      p->plan.resident_experts, &p->placer);
-		if (!rc)
-			rc = plan_layer_stream(p, l, piece);
 	}
+	/* each step reads only the streamed ones (their staging pointers
+	 * move: the stream is planned after) */
+	mlens_disk_tier_keep_from(m->disk, p->plan.resident_experts);
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers && !rc; l++)
+		rc = plan_layer_stream(p, l, piece);
 	return rc;
 }
 

@@ -48,6 +48,7 @@ struct mlens_disk_tier {
 	int *order;		/* the layers with disk experts, in step order */
 	int n_order;
 	int E, d;		/* experts a layer, on disk a layer */
+	int first;		/* disk experts below it are not read each step */
 	struct mlens_disk_matrix *mx;	/* sorted by layer, file, offset */
 	int n_mx;
 	struct mlens_read_range *r;
@@ -102,6 +103,10 @@ static uint64_t plan(struct mlens_disk_tier *dt, const struct mlens_model *m, co
 	int nr = 0, rank = 0;
 
 	for (int i = 0; i < n;) {
+		if (dt && mx[i].expert < dt->first) {
+			i++;	/* placed once for all: not read each step */
+			continue;
+		}
 		int l = mx[i].layer, j = i;
 		uint64_t cur = 0;
 		char *base = NULL;
@@ -116,7 +121,12 @@ static uint64_t plan(struct mlens_disk_tier *dt, const struct mlens_model *m, co
 			/* a run: matrices of one file that touch */
 			int k = j;
 			uint64_t a = mx[j].off & ~(uint64_t)(ALIGN - 1), b = mx[j].off + mx[j].len, size;
-			for (k++; k < n && mx[k].layer == l && mx[k].file == mx[j].file && mx[k].off <= b; k++)
+			if (dt && mx[j].expert < dt->first) {
+				j++;
+				continue;
+			}
+			for (k++; k < n && mx[k].layer == l && mx[k].file == mx[j].file && mx[k].off <= b &&
+				  !(dt && mx[k].expert < dt->first); k++)
 				if (mx[k].off + mx[k].len > b)
 					b = mx[k].off + mx[k].len;
 			size = m->files[mx[j].file].size;
@@ -458,7 +468,32 @@ void mlens_disk_tier_destroy(struct mlens_disk_tier *dt)
 
 bool mlens_disk_tier_holds(const struct mlens_disk_tier *dt, int l, int e)
 {
-	return dt && l >= 0 && l < dt->L && dt->layer[l].rank >= 0 && e >= dt->E - dt->d && e < dt->E;
+	return dt && l >= 0 && l < dt->L && dt->layer[l].rank >= 0 && e >= dt->E - dt->d && e >= dt->first &&
+	       e < dt->E;
+}
+
+void mlens_disk_tier_keep_from(struct mlens_disk_tier *dt, int first)
+{
+	if (!dt || first <= dt->first)
+		return;
+	pthread_mutex_lock(&dt->mu);
+	for (int k = 0; k < 2; k++)
+		while (dt->set[k].state == SET_PENDING)
+			pthread_cond_wait(&dt->cv, &dt->mu);
+	dt->first = first;
+	for (int l = 0; l < dt->L; l++)
+		dt->layer[l] = (struct dt_layer){ .rank = -1 };
+	dt->n_order = 0;
+	plan(dt, dt->m, dt->mx, dt->n_mx, &dt->n_r);
+	for (int k = 0; k < 2; k++)
+		dt->set[k] = (struct dt_set){ .layer = -1, .state = SET_IDLE };
+	dt->st.layers = dt->n_order;
+	dt->st.step_bytes = 0;
+	for (int l = 0; l < dt->L; l++)
+		dt->st.step_bytes += dt->layer[l].bytes;
+	for (int i = 0; i < 2 && i < dt->n_order; i++)
+		do_fetch(dt, dt->order[i]);
+	pthread_mutex_unlock(&dt->mu);
 }
 
 /* ==== stats ==== */
@@ -543,7 +578,14 @@ out:
 
 uint64_t mlens_disk_tier_step_bytes(struct mlens_disk_tier *dt)
 {
-	return dt ? dt->st.step_bytes : 0;	/* set at create, never changed */
+	uint64_t b;
+
+	if (!dt)
+		return 0;
+	pthread_mutex_lock(&dt->mu);
+	b = dt->st.step_bytes;
+	pthread_mutex_unlock(&dt->mu);
+	return b;
 }
 
 void mlens_disk_tier_set_ceiling(struct mlens_disk_tier *dt, double bps)

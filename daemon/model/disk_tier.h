@@ -62,6 +62,12 @@ void mlens_disk_tier_destroy(struct mlens_disk_tier *dt);
 /* Is expert e of layer l on disk? (dt may be NULL.) */
 bool mlens_disk_tier_holds(const struct mlens_disk_tier *dt, int l, int e);
 
+/* Experts below first are placed where the backend computes once and
+ * for all (the GPU holds them resident): each step reads only the disk
+ * experts from first on, and their pointers move within the staging
+ * (the caller takes them anew). Waits for the reads under way. */
+void mlens_disk_tier_keep_from(struct mlens_disk_tier *dt, int first);
+
 /* Layer l's disk experts in their staging set: read them now unless a
  * read of them is under way or done, and wait. 0; -errno when a read
  * failed (said in the log with the file and tensor; the next call reads

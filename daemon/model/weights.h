@@ -46,8 +46,9 @@ struct mlens_weights_split {
 	uint64_t pages, disk, staging;
 };
 
-/* The split for disk_experts (0..num_local_experts). 0; -EINVAL with err
- * set where an expert matrix is not in the model files. */
+/* The split for disk_experts (0..num_local_experts), before the load.
+ * 0; -EINVAL with err set where an expert matrix is not in the model
+ * files. */
 int mlens_weights_split(const struct mlens_model *m, int disk_experts, struct mlens_weights_split *s,
 			char *err, size_t errlen);
 

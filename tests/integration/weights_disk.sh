@@ -50,14 +50,6 @@ run() {
 	pid=
 	rm -f "$tmp/log"
 }
-stat_of() { awk -v k="$2" '$1 == k { print $2 }' "$tmp/$1.stats"; }
-same() {
-	cmp -s "$1" "$2" && return 0
-	[ "$BACKEND" = cuda ] || return 1
-	awk '{print $1, $2, $3, NF}' "$1" > "$tmp/same_a"
-	awk '{print $1, $2, $3, NF}' "$2" > "$tmp/same_b"
-	cmp -s "$tmp/same_a" "$tmp/same_b"
-}
 
 run ref --host-memory 64M
 grep -q "weights on disk" "$tmp/ref.log" && fail "64M: experts left on disk: $(grep 'weights on disk' "$tmp/ref.log")"
