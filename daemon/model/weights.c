@@ -407,6 +407,8 @@ int mlens_weights_load(struct mlens_model *m, const struct mlens_weights_opts *o
 		for (int t = 0; t < started; t++)
 			pthread_join(th[t], NULL);
 		rc = atomic_load(&b.err);
+		if (rc == -ENODATA)
+			rc = -EIO;	/* the file shrank since it was opened */
 		if (rc) {
 			int at = atomic_load(&b.err_at), f = -1;
 			for (int i = 0; at >= 0 && i < m->n_files; i++)
