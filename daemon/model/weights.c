@@ -232,7 +232,8 @@ static int layout(const struct mlens_model *m, struct mlens_disk_matrix *mx, int
 
 	if (!s)
 		return -ENOMEM;
-	qsort(mx, (size_t)n, sizeof(*mx), cmp_hole);
+	if (n > 0)
+		qsort(mx, (size_t)n, sizeof(*mx), cmp_hole);
 	for (int f = 0; f < m->n_files; f++) {
 		uint64_t at = 0, size = m->files[f].size;
 		while (i < n && mx[i].file == f) {
