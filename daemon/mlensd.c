@@ -569,7 +569,7 @@ static int disk_experts_for(uint64_t files, int *out)
 	int E = (int)c->num_local_experts, rc;
 
 	*out = 0;
-	D.hybrid = !host;
+	D.hybrid = !host;	/* step_cap_wanted reads the mode */
 	staging = mlens_host_plan_staging(c, !host, host, step_cap_wanted(), !host ? plan_group() : 0,
 					  (int)D.cfg.pipeline_sets);
 	kv_blocks_for(c, mlens_kv_dtype(c, kv_dtype_wanted()), (int)D.cfg.kv_block_size, D.cfg.kv_cache, &per);
