@@ -636,10 +636,11 @@ static int step_model(void)
 			struct mlens_disk_tier_stats ds;
 			mlens_disk_tier_get_stats(D.weights.disk, &ds);
 			log_info("weights on disk: %d of %lld experts in each of %d MoE layers (%.1f MiB) stay in the model "
-				 "files, read each step (%.1f MiB) into %.1f MiB of pinned staging by io_uring (%s)",
+				 "files, read each step (%.1f MiB) into %.1f MiB of pinned staging by io_uring (%s, %s)",
 				 ds.experts, (long long)D.model->cfg.num_local_experts, ds.layers, ds.disk_bytes / 1048576.0,
 				 ds.step_bytes / 1048576.0, ds.staging_bytes / 1048576.0,
-				 ds.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT");
+				 ds.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT",
+				 ds.registered ? "registered buffers" : "unregistered buffers: the kernel refused them");
 		}
 		/* from the weight pages, before anything is planned on the model */
 		if (!strcmp(D.cfg.weight_dtype, "fp8")) {

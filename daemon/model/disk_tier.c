@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 #include "daemon/errf.h"
@@ -60,6 +61,7 @@ struct mlens_disk_tier {
 	bool th_on;
 	struct io_uring ring;
 	bool ring_on;
+	int n_reg;		/* staging pieces registered with the ring, 0: none */
 	pthread_mutex_t mu;
 	pthread_cond_t cv;	/* a set changed state, or stop */
 	struct dt_set set[2];
@@ -80,6 +82,18 @@ static double now(void)
 static uint64_t align_up(uint64_t x)
 {
 	return (x + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+}
+
+/* The registered buffer (1-based; 0: none) that holds [p, p + len):
+ * the staging is registered in pieces of REG_PIECE bytes, and a read
+ * across two of them goes unregistered. */
+#define REG_PIECE (1ull << 30)
+static int fixed_of(const struct mlens_disk_tier *dt, const void *p, size_t len)
+{
+	uint64_t at = (uint64_t)((const char *)p - (const char *)dt->stage.p);
+	if (!dt->n_reg || at / REG_PIECE != (at + len - 1) / REG_PIECE)
+		return 0;
+	return (int)(at / REG_PIECE) + 1;
 }
 
 static int cmp_mx(const void *x, const void *y)
@@ -140,7 +154,8 @@ static uint64_t plan(struct mlens_disk_tier *dt, const struct mlens_model *m, co
 						first++;
 					dt->r[nr] = (struct mlens_read_range){ dt->fds[mx[j].file], off,
 						align_up(end - off), (end < size ? end : size) - off,
-						base + cur + (off - a) };
+						base + cur + (off - a), 0 };
+					dt->r[nr].fixed = fixed_of(dt, dt->r[nr].dst, dt->r[nr].len);
 					dt->r_mx[nr] = first;
 					dt->layer[l].bytes += align_up(end - off);
 				}
@@ -407,17 +422,32 @@ int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, 
 	}
 	if ((rc = mlens_pinned_alloc(&dt->stage, 2 * dt->set_bytes, node, mlock, "disk staging", err, errlen)))
 		goto fail;
-	plan(dt, m, dt->mx, n, &dt->n_r);
 	if ((rc = io_uring_queue_init(MLENS_DISK_TIER_DEPTH, &dt->ring, 0))) {
 		mlens_errf(err, errlen, "weights on disk: cannot set up io_uring: %s", strerror(-rc));
 		goto fail;
 	}
 	dt->ring_on = true;
+	{
+		/* the staging as the ring's fixed buffers: no page pinning per
+		 * read; where the kernel refuses (a memlock limit), plain reads */
+		int k = (int)((dt->stage.size + REG_PIECE - 1) / REG_PIECE);
+		struct iovec *iov = calloc((size_t)k, sizeof(*iov));
+		for (int i = 0; iov && i < k; i++) {
+			uint64_t at = (uint64_t)i * REG_PIECE;
+			iov[i].iov_base = (char *)dt->stage.p + at;
+			iov[i].iov_len = dt->stage.size - at < REG_PIECE ? dt->stage.size - at : REG_PIECE;
+		}
+		if (iov && k > 0 && io_uring_register_buffers(&dt->ring, iov, (unsigned)k) == 0)
+			dt->n_reg = k;
+		free(iov);
+	}
+	plan(dt, m, dt->mx, n, &dt->n_r);
 	if ((rc = -pthread_create(&dt->th, NULL, reader, dt)))
 		goto fail_msg;
 	dt->th_on = true;
 	dt->st.staging_bytes = dt->stage.size;
 	dt->st.direct = dt->direct;
+	dt->st.registered = dt->n_reg > 0;
 	dt->st.experts = dt->d;
 	dt->st.layers = dt->n_order;
 	for (int i = 0; i < n; i++)
@@ -450,7 +480,7 @@ void mlens_disk_tier_destroy(struct mlens_disk_tier *dt)
 		pthread_join(dt->th, NULL);
 	}
 	if (dt->ring_on)
-		io_uring_queue_exit(&dt->ring);
+		io_uring_queue_exit(&dt->ring);	/* unregisters the buffers too */
 	for (int i = 0; dt->fds && i < dt->n_files; i++)
 		if (dt->fds[i] >= 0)
 			close(dt->fds[i]);
@@ -548,6 +578,7 @@ int mlens_disk_tier_measure(struct mlens_disk_tier *dt, uint64_t bytes, double *
 	for (int i = 0; i < n; i++) {
 		r[i] = dt->r[i % dt->n_r];
 		r[i].dst = buf;	/* every read into one buffer: only the time counts */
+		r[i].fixed = 0;
 		done += r[i].want;
 	}
 	if ((rc = io_uring_queue_init(MLENS_DISK_TIER_DEPTH, &ring, 0))) {

@@ -2,7 +2,8 @@
  * for stay in the model files and are read each step, through io_uring
  * (O_DIRECT where the file system allows, up to MLENS_DISK_TIER_DEPTH
  * aligned reads of at most MLENS_DISK_TIER_CHUNK bytes in flight), into
- * pinned staging of two sets: the MoE layers that have disk experts
+ * pinned staging of two sets, registered with the ring where the kernel
+ * lets it: the MoE layers that have disk experts
  * alternate between them, so that one layer's experts are read while the
  * layer before is used. The model's pointers to those experts point into
  * their layer's set for good; the caller reads a layer's experts only
@@ -37,6 +38,7 @@ struct mlens_disk_tier_stats {
 	uint64_t staging_bytes;		/* the two pinned sets */
 	int experts, layers;		/* disk experts a layer; layers with them */
 	bool direct;			/* O_DIRECT reads */
+	bool registered;		/* into buffers registered with the ring */
 	uint64_t read_bytes_total;
 	uint64_t fills_total;		/* layers read */
 	uint64_t errors_total;		/* failed layer reads */

@@ -49,8 +49,12 @@ static void prep(struct mlens_read_batch *b, struct io_uring *ring, struct infli
 {
 	const struct mlens_read_range *r = &b->r[f->range];
 	struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
-	io_uring_prep_read(sqe, r->fd, (char *)r->dst + f->done, (unsigned)(r->len - f->done),
-			   (unsigned long long)(r->off + f->done));
+	if (r->fixed > 0)
+		io_uring_prep_read_fixed(sqe, r->fd, (char *)r->dst + f->done, (unsigned)(r->len - f->done),
+					 (unsigned long long)(r->off + f->done), r->fixed - 1);
+	else
+		io_uring_prep_read(sqe, r->fd, (char *)r->dst + f->done, (unsigned)(r->len - f->done),
+				   (unsigned long long)(r->off + f->done));
 	io_uring_sqe_set_data(sqe, f);
 }
 
@@ -394,7 +398,7 @@ int mlens_weights_load(struct mlens_model *m, const struct mlens_weights_opts *o
 			for (uint64_t off = s[i].a; off < s[i].b; off += chunk) {
 				size_t want = s[i].b - off < chunk ? (size_t)(s[i].b - off) : chunk;
 				r[b.n++] = (struct mlens_read_range){ fds[s[i].file], off, align_up(want), want,
-					(char *)w->mem.p + s[i].mem + (off - s[i].a) };
+					(char *)w->mem.p + s[i].mem + (off - s[i].a), 0 };
 			}
 		b.r = r;
 		int started = 0;

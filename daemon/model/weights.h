@@ -67,12 +67,14 @@ int mlens_weights_open_file(const struct mlens_model *m, int i, bool *direct, ch
 /* ==== aligned reads through io_uring (the loader and the disk tier) ==== */
 
 /* len bytes (a multiple of 4096 for O_DIRECT) at off of fd into dst, of
- * which want exist before the file ends. */
+ * which want exist before the file ends; into a buffer registered with
+ * the ring (io_uring_register_buffers) where fixed says so. */
 struct mlens_read_range {
 	int fd;
 	uint64_t off;
 	size_t len, want;
 	void *dst;
+	int fixed;	/* > 0: dst lies in the ring's registered buffer fixed - 1 */
 };
 
 /* Ranges that reader threads share: each claims the next one. fault (a
