@@ -10,10 +10,12 @@
 # same tokens. The profiler measures the files' read rate (the disk
 # ceiling). weights_on_disk = never refuses that budget by name.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
-# cpu) with MLENS_WEIGHTS_DISK_FLAGS added (e.g. a --gpu-memory below the
-# model's need: the hybrid pipeline streams the disk experts from their
-# staging); there each request must end the same way, token counts
-# included (a near tie of two logits may fork a sequence).
+# cpu) with MLENS_WEIGHTS_DISK_FLAGS added: a --gpu-memory below the
+# model's need (with its 1G KV pool: 512M) makes the hybrid pipeline
+# stream the disk experts from their staging, and --group-tokens 64 keeps
+# its host staging inside the small budget; there each request must end
+# the same way, token counts included (a near tie of two logits may fork
+# a sequence).
 set -u
 . "${MLENS_SRCDIR:-.}/tests/integration/lib.sh"
 BACKEND=${MLENS_TEST_BACKEND:-cpu}
