@@ -8,7 +8,8 @@
 # a read error (and a short read) fails the step with the file and tensor
 # named; the daemon stays up and the next request, the hook gone, gets the
 # same tokens. The profiler measures the files' read rate (the disk
-# ceiling). weights_on_disk = never refuses that budget by name.
+# ceiling). weights_on_disk = never refuses that budget by name, and so
+# does weight_dtype = fp8 with experts on disk.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
 # cpu) with MLENS_WEIGHTS_DISK_FLAGS added: a --gpu-memory below the
 # model's need (with its 1G KV pool: 512M) makes the hybrid pipeline
@@ -128,4 +129,8 @@ pid=
 refused 1 "host_memory of 4.4 MiB cannot run this model: weight pages 3.7 MiB + staging" --model "$tmp/model" --host-memory $HALF \
 	--max-step-tokens 256 --weights-on-disk never --kv-cache 64M
 echo "ok: weights_on_disk = never refuses the budget"
+# experts quantized at load come from the weight pages: not with some on disk
+refused 1 "weight_dtype = fp8 quantizes the experts from the weight pages, but host_memory of 4.4 MiB leaves 2 experts a layer on disk" \
+	--model "$tmp/model" --host-memory $HALF --max-step-tokens 256 --weight-dtype fp8 --kv-cache 64M
+echo "ok: weight_dtype = fp8 with experts on disk is refused by name"
 exit 0
