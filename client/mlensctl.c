@@ -243,6 +243,18 @@ static void show_status(json_t *r)
 		printf("%-14s %s%s; staging %s\n", "host memory", geti(hm, "budget_bytes") ? hb : "no budget",
 		       geti(hm, "budget_bytes") ? " budget" : "", sb);
 	}
+	if (json_is_object(json_object_get(b, "weights_on_disk"))) {
+		json_t *wd = json_object_get(b, "weights_on_disk");
+		char db[32], sb[32], rb[32];
+		human_bytes(db, sizeof(db), (double)geti(wd, "disk_bytes"));
+		human_bytes(sb, sizeof(sb), (double)geti(wd, "step_bytes"));
+		human_bytes(rb, sizeof(rb), (double)geti(wd, "read_bytes_total"));
+		printf("%-14s %s in the model files (%lld experts in each of %lld layers, %s), %s a step; %s read, "
+		       "last step disk busy %.0f%%, %lld read errors\n", "weights on disk", db,
+		       (long long)geti(wd, "experts_per_layer"), (long long)geti(wd, "layers"),
+		       json_is_true(json_object_get(wd, "direct")) ? "O_DIRECT" : "buffered", sb, rb,
+		       100.0 * getf(wd, "last_step_busy_ratio"), (long long)geti(wd, "errors_total"));
+	}
 	if (json_is_object(json_object_get(b, "kv_swap"))) {
 		json_t *sw = json_object_get(b, "kv_swap");
 		char ob[32], ib[32];

@@ -19,6 +19,7 @@
 #include "daemon/exec/kv_swap.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/plan/host_plan.h"
+#include "daemon/model/disk_tier.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/log.h"
@@ -560,11 +561,58 @@ static int step_daemonize(void)
 	return 0;
 }
 
-/* The model and its weight pages, on the NUMA node the GPU hangs off. */
+static int kv_dtype_wanted(void);
+
+/* Experts of each MoE layer to leave in the model files so that
+ * host_memory holds the weight pages, the disk tier's staging, the step's
+ * staging and the least KV pool (weights_on_disk = auto); 0 when the
+ * files fit or the key is never (the host plan refuses then). Before the
+ * backend runs the mode is not known: the CPU backend's staging, else
+ * the hybrid pipeline's. -ENOSPC (said) when the files do not fit and
+ * even every expert on disk does not either. */
+static int disk_experts_for(uint64_t files, int *out)
+{
+	const struct mlens_model_config *c = &D.model->cfg;
+	bool host = !strcmp(D.cfg.backend, "cpu") || (!strcmp(D.cfg.backend, "auto") && !mlens_cuda_available());
+	bool hybrid = D.hybrid;
+	uint64_t staging, kv_min, budget = D.cfg.host_memory;
+	size_t per = 0;
+	struct mlens_weights_split sp = { 0 };
+	char err[1024];
+	int E = (int)c->num_local_experts, rc;
+
+	*out = 0;
+	D.hybrid = !host;	/* step_cap_wanted reads the mode */
+	staging = mlens_host_plan_staging(c, !host, host, step_cap_wanted(), !host ? plan_group() : 0,
+					  (int)D.cfg.pipeline_sets);
+	kv_blocks_for(c, mlens_kv_dtype(c, kv_dtype_wanted()), (int)D.cfg.kv_block_size, D.cfg.kv_cache, &per);
+	kv_min = mlens_host_plan_kv_min(c, step_cap_wanted(), (int)D.cfg.kv_block_size, 2ull * per);
+	D.hybrid = hybrid;
+	if (files + staging + kv_min <= budget || !strcmp(D.cfg.weights_on_disk, "never") || E <= 0)
+		return 0;
+	for (int d = 1; d <= E; d++) {
+		if ((rc = mlens_weights_split(D.model, d, &sp, err, sizeof(err))))
+			return fail_start("%s", err);
+		if (sp.pages + sp.staging + staging + kv_min <= budget) {
+			*out = d;
+			return 0;
+		}
+	}
+	if (files <= budget)
+		return 0;	/* the disk cannot help: the host plan says what is short */
+	return fail_start("host_memory of %.1f MiB cannot run this model even with every expert on disk: weight "
+			  "pages %.1f MiB + disk staging %.1f MiB + staging %.1f MiB + the least KV pool %.1f MiB need "
+			  "%.1f MiB; raise host_memory to at least that, or lower max_step_tokens",
+			  budget / 1048576.0, sp.pages / 1048576.0, sp.staging / 1048576.0, staging / 1048576.0,
+			  kv_min / 1048576.0, (sp.pages + sp.staging + staging + kv_min) / 1048576.0);
+}
+
+/* The model and its weight pages, on the NUMA node the GPU hangs off;
+ * experts that host_memory has no room for stay on disk. */
 static int step_model(void)
 {
 	char err[1024];
-	int rc;
+	int rc, disk_experts = 0;
 
 	D.started = mlens_now();
 	rc = mlens_model_open(D.cfg.model, &D.model, err, sizeof(err));
@@ -574,20 +622,39 @@ static int step_model(void)
 	if (D.node < -1)
 		return fail_start("%s", err);
 	if (D.cfg.host_memory) {
-		/* before minutes of reading: the weight pages alone must fit */
+		/* before minutes of reading: the weight pages alone must fit,
+		 * or (weights_on_disk = auto) what stays of them */
 		uint64_t files = 0;
 		for (int i = 0; i < D.model->n_files; i++)
 			files += D.model->files[i].size;
-		if (files > D.cfg.host_memory)
+		if ((rc = disk_experts_for(files, &disk_experts)))
+			return rc;
+		if (!disk_experts && files > D.cfg.host_memory)
 			return fail_start("host_memory of %.1f MiB is below the weight pages alone (%.1f MiB, the model "
-					  "files); raise host_memory above that, with room for the KV pool and staging",
-					  D.cfg.host_memory / 1048576.0, files / 1048576.0);
+					  "files); raise host_memory above that, with room for the KV pool and staging%s",
+					  D.cfg.host_memory / 1048576.0, files / 1048576.0,
+					  !strcmp(D.cfg.weights_on_disk, "never") ? ", or set weights_on_disk = auto" : "");
+		if (disk_experts && !strcmp(D.cfg.weight_dtype, "fp8"))
+			return fail_start("weight_dtype = fp8 quantizes the experts from the weight pages, but host_memory "
+					  "of %.1f MiB leaves %d experts a layer on disk; raise host_memory or set "
+					  "weight_dtype = auto", D.cfg.host_memory / 1048576.0, disk_experts);
 	}
 	{
-		struct mlens_weights_opts wo = { D.node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0 };
+		struct mlens_weights_opts wo = { D.node, D.cfg.mlock, (int)D.cfg.movers, D.cfg.io_uring, 0, 0,
+						 disk_experts };
 		rc = mlens_weights_load(D.model, &wo, &D.weights, err, sizeof(err));
 		if (rc)
 			return fail_start("%s", err);
+		if (D.weights.disk) {
+			struct mlens_disk_tier_stats ds;
+			mlens_disk_tier_get_stats(D.weights.disk, &ds);
+			log_info("weights on disk: %d of %lld experts in each of %d MoE layers (%.1f MiB) stay in the model "
+				 "files, read each step (%.1f MiB) into %.1f MiB of pinned staging by io_uring (%s, %s)",
+				 ds.experts, (long long)D.model->cfg.num_local_experts, ds.layers, ds.disk_bytes / 1048576.0,
+				 ds.step_bytes / 1048576.0, ds.staging_bytes / 1048576.0,
+				 ds.direct ? "O_DIRECT" : "buffered: the file system refused O_DIRECT",
+				 ds.registered ? "registered buffers" : "unregistered buffers: the kernel refused them");
+		}
 		/* from the weight pages, before anything is planned on the model */
 		if (!strcmp(D.cfg.weight_dtype, "fp8")) {
 			double t = mlens_now();
@@ -666,12 +733,18 @@ static int kv_dtype_wanted(void)
  * cannot run refused. */
 static int host_plan(void)
 {
-	struct mlens_host_plan_in hi = { .budget = D.cfg.host_memory, .weight_bytes = D.weights.mem.size };
+	struct mlens_host_plan_in hi = { .budget = D.cfg.host_memory, .weight_bytes = D.weights.mem.size,
+					 .disk = D.weights.disk_bytes };
 	struct mlens_host_plan hp;
 	bool host_kv = D.be.ops->host_memory || D.hybrid;
 	char err[1024], line[512];
 	uint64_t blocks;
 
+	if (D.weights.disk) {
+		struct mlens_disk_tier_stats ds;
+		mlens_disk_tier_get_stats(D.weights.disk, &ds);
+		hi.disk_staging = ds.staging_bytes;
+	}
 	hi.staging = mlens_host_plan_staging(&D.model->cfg, D.hybrid, D.be.ops->host_memory, step_cap_wanted(),
 					     D.hybrid ? plan_group() : 0, (int)D.cfg.pipeline_sets);
 	if (host_kv) {
@@ -721,7 +794,7 @@ static int step_kv_cache(void)
 		D.pm.expert_fp8_tc = experts_fp8_tc();
 		in.gpu_only = true;
 		in.model = &D.model->cfg;
-		in.weight_bytes = D.weights.bytes;
+		in.weight_bytes = D.weights.bytes + D.weights.disk_bytes;	/* GPU-only: the disk experts too */
 		in.kv_bytes = 2ull * D.kv_blocks * D.kv_per_block;
 		in.max_tokens = D.cfg.max_step_tokens > 0 ? D.cfg.max_step_tokens : 4096;
 		rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err));
@@ -976,6 +1049,7 @@ static int step_serve(void)
 		.started = D.started,
 		.mode = !D.mode_reason[0] ? NULL : D.hybrid ? "hybrid" : "gpu-only", .mode_reason = D.mode_reason[0] ? D.mode_reason : NULL,
 		.profile = &D.prof,
+		.disk = D.weights.disk,
 	};
 	if (mlens_stats_start(D.stats, D.base, &D.info, err, sizeof(err)) ||
 	    mlens_control_start(D.control, D.base, &D.info, on_control_shutdown, NULL, err, sizeof(err)))

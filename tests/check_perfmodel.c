@@ -456,6 +456,44 @@ START_TEST(policy_tight_budget)
 }
 END_TEST
 
+/* Experts left on disk (the fourth ceiling): half of each layer's streamed
+ * experts read from the model files at a tenth of the PCIe rate. The
+ * step time gains a disk tier of their bytes / B_disk, which binds; n_eq
+ * is where the GPU's time meets that read (by hand, the same balance as
+ * the PCIe one with the disk's bytes and rate), above the PCIe balance:
+ * the token cap grows to amortize the disk. A disk tier of no bytes
+ * changes nothing. */
+START_TEST(disk_tier_ceiling)
+{
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(32);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 12);
+	struct mlens_perf_workload w = { 98, 32, 1e6, 0 };
+	struct mlens_perf_prediction base, pr;
+	char err[512] = "";
+	double disk, x_gpu = 4.0 * 4096 * (98.0 / 130) * 99 / 2 / 149.7e12;
+
+	hw.gpu_budget = (uint64_t)(200 * GIB);	/* room for any cap: n_eq decides */
+	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &base, err, sizeof(err)) == 0, "%s", err);
+	disk = (double)mlens_gpu_plan_streamed_bytes(&pm, 0) / 2;
+	hw.disk_layer_bytes = disk;
+	hw.b_disk = 2.5e9;
+	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)) == 0, "%s", err);
+	assert_rel(pr.n_eq, (disk / 2.5e9 - 2 * (hw.ga.a + hw.gb.a)) / (hw.ga.b + hw.gb.b + x_gpu), 1e-9);
+	ck_assert_msg(pr.n_eq > 4 * base.n_eq, "disk n_eq %.0f, PCIe %.0f", pr.n_eq, base.n_eq);
+	ck_assert_int_gt(mlens_perf_token_cap(&pr), mlens_perf_token_cap(&base));
+	ck_assert_int_eq(pr.time.bind, MLENS_PERF_BIND_DISK);
+	assert_rel(pr.time.tier[MLENS_PERF_BIND_DISK], disk / 2.5e9, 1e-12);
+	assert_rel(pr.delta, (double)pm.layers * disk / 2.5e9, 1e-12);
+	ck_assert_str_eq(mlens_perf_bind_name(MLENS_PERF_BIND_DISK), "disk");
+	hw.disk_layer_bytes = 0;
+	ck_assert_msg(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)) == 0, "%s", err);
+	assert_rel(pr.n_eq, base.n_eq, 1e-12);
+	ck_assert(pr.time.tier[MLENS_PERF_BIND_DISK] == 0);
+	hw.b_disk = -1;
+	ck_assert_int_eq(mlens_perf_predict(&pm, &hw, &w, 0, &pr, err, sizeof(err)), -EINVAL);
+}
+END_TEST
+
 /* The stream slowed while the CPU attention reads memory (B_IO,shared):
  * n_eq moves up to where the step time's GPU tier meets its PCIe tier for
  * the workload's steady step; no shared rate (or one no slower than B_IO)
@@ -1113,6 +1151,7 @@ int main(void)
 	tcase_add_test(tc, issue7_bound);
 	tcase_add_test(tc, sched_steady_matches_scheduler);
 	tcase_add_test(tc, mix_bound_matches_simulation);
+	tcase_add_test(tc, disk_tier_ceiling);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);
 	srunner_run_all(sr, CK_NORMAL);

@@ -3,7 +3,8 @@
  * equal to the engine's and logits within 1e-5 over prefill, decode and
  * mixed steps, in one and two token groups, through the engine's hybrid
  * mode, and under the unchanged scheduler with preemption (same tokens as
- * the engine); every streamed expert byte crosses once per step; the GPU
+ * the engine); experts left on disk streamed from their staging give the
+ * same; every streamed expert byte crosses once per step; the GPU
  * side stays within the budget. A traced step driven by threads has the
  * GPU side's and the mover's host-time spans, one per command and one per
  * wait for another side. */
@@ -21,6 +22,9 @@
 #include "daemon/exec/pipeprog.h"
 #include "daemon/serve/sched.h"
 #include "daemon/ops/trace.h"
+#include "daemon/model/disk_tier.h"
+#include "daemon/model/weights.h"
+#include "daemon/tools/mkmodel.h"
 #include "tests/check_common.h"
 #include "tests/testmodel.h"
 
@@ -600,6 +604,86 @@ static void run_equal(int groups, int64_t group_tokens, bool prefill_cpu, bool a
 		ck_assert_uint_eq(fa_reserved, 0);
 	mlens_test_model_free(m);
 }
+
+/* Experts left on disk (weights_on_disk): a model from its files, half of
+ * each layer's experts read each step into staging and streamed from
+ * there (on the async device's copy queue), gives the engine's tokens and
+ * logits with every expert in RAM; every streamed expert still crosses
+ * once a step, and the disk ones are read about once a step. */
+START_TEST(exec_disk_experts)
+{
+	char dir[64] = "/tmp/mlens-pd.XXXXXX", err[512], cmd[128];
+	struct mlens_mkmodel_opts o = { .seed = 11 };
+	struct mlens_model *m[2];
+	struct mlens_weights w[2];
+	static const int plen[N_SEQ] = { 5, 9, 3, 7 };
+	int32_t prompt[N_SEQ][16], next[2][N_SEQ];
+	struct side sd[2];
+	float *lg[2];
+	size_t V;
+	uint64_t expert, read0 = 0;
+
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, "tiny"), 0);
+	o.dir = dir;
+	o.cfg.num_hidden_layers = 4;
+	o.cfg.dtype = MLENS_DTYPE_F32;
+	ck_assert_msg(mlens_mkmodel_write(&o, err, sizeof(err)) == 0, "%s", err);
+	for (int k = 0; k < 2; k++) {
+		struct mlens_weights_opts wo = { .node = -1, .movers = 1, .io_uring = true, .disk_experts = 2 * k };
+		ck_assert_msg(mlens_model_open(dir, &m[k], err, sizeof(err)) == 0, "%s", err);
+		ck_assert_msg(mlens_weights_load(m[k], &wo, &w[k], err, sizeof(err)) == 0, "%s", err);
+	}
+	ck_assert_ptr_null(m[0]->disk);
+	ck_assert_ptr_nonnull(m[1]->disk);
+	V = (size_t)m[0]->cfg.vocab_size;
+	expert = 3ull * (uint64_t)m[0]->cfg.intermediate_size * (uint64_t)m[0]->cfg.hidden_size * 4;
+	for (int i = 0; i < N_SEQ; i++)
+		for (int j = 0; j < plen[i]; j++)
+			prompt[i][j] = (int32_t)((i * 31 + j * 7 + 3) % (int)V);
+	side_open(&sd[0], m[0], false, 0, 0, false, false, false);
+	fa_reserved = SIZE_MAX;
+	side_open(&sd[1], m[1], true, 2, 0, false, true, false);
+	ck_assert_int_eq(mlens_pipeline_plan(mlens_engine_pipeline(sd[1].e))->resident_experts, 0);
+	lg[0] = calloc(N_SEQ * V, sizeof(float));
+	lg[1] = calloc(N_SEQ * V, sizeof(float));
+	for (int step = 0; step < N_STEPS; step++) {
+		struct mlens_disk_tier_stats ds;
+		const struct mlens_pipeline_stats *st = mlens_pipeline_stats(mlens_engine_pipeline(sd[1].e));
+		for (int s = 0; s < 2; s++)
+			scenario_step(&sd[s], step, prompt, plen, next[s], lg[s], V);
+		for (int i = 0; i < N_SEQ; i++) {
+			if (i == 3 && step < 2)
+				continue;
+			ck_assert_msg(next[0][i] == next[1][i], "step %d seq %d: token %d with experts on disk, %d in RAM",
+				      step, i, next[1][i], next[0][i]);
+			ck_assert_msg(rel_diff(lg[1] + i * V, lg[0] + i * V, V) <= 1e-5, "step %d seq %d: logits differ by %g",
+				      step, i, rel_diff(lg[1] + i * V, lg[0] + i * V, V));
+		}
+		ck_assert_uint_eq(st->h2d_weight_bytes, (uint64_t)(4 + (step == 0 ? 2 : 0)) * 4 * expert);
+		mlens_disk_tier_get_stats(m[1]->disk, &ds);
+		ck_assert_uint_eq(ds.errors_total, 0);
+		if (step == 0)
+			read0 = ds.read_bytes_total;
+		else if (step == N_STEPS - 1)	/* reads run ahead of the steps by a layer or two */
+			ck_assert_msg(ds.read_bytes_total - read0 >= (N_STEPS - 2) * ds.step_bytes &&
+				      ds.read_bytes_total - read0 <= N_STEPS * ds.step_bytes,
+				      "%llu bytes read in %d steps of %llu", (unsigned long long)(ds.read_bytes_total - read0),
+				      N_STEPS - 1, (unsigned long long)ds.step_bytes);
+	}
+	free(lg[0]);
+	free(lg[1]);
+	side_close(&sd[0], false);
+	side_close(&sd[1], true);
+	ck_assert_uint_eq(fa_reserved, 0);
+	for (int k = 0; k < 2; k++) {
+		mlens_weights_free(&w[k]);
+		mlens_model_close(m[k]);
+	}
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+	ck_assert_int_eq(system(cmd), 0);
+}
+END_TEST
 
 START_TEST(exec_equal_one_group)
 {
@@ -1486,6 +1570,7 @@ int main(void)
 	TCase *t = tcase_create("executor");
 	tcase_set_timeout(t, 60);
 	tcase_add_test(t, exec_equal_one_group);
+	tcase_add_test(t, exec_disk_experts);
 	tcase_add_test(t, exec_equal_two_groups);
 	tcase_add_test(t, exec_equal_small_groups);
 	tcase_add_test(t, exec_failure_recovers);

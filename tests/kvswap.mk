@@ -1,4 +1,4 @@
-# tests/kvswap.mk: the host and disk tiers: the KV swap file
+# tests/kvswap.mk: the host and disk tiers: the KV swap file, weights on disk
 # (daemon/exec/kv_swap.c) and the host memory plan (daemon/plan/host_plan.c).
 if HAVE_CHECK
 check_PROGRAMS += tests/check_kv_swap
@@ -19,3 +19,14 @@ tests_check_host_plan_LDADD = daemon/libmlens_core.la $(CHECK_LIBS)
 endif
 dist_check_SCRIPTS += tests/integration/host_memory.sh
 TESTS += tests/integration/host_memory.sh
+# weights on disk (daemon/model/disk_tier.c): experts host_memory has no
+# room for read from the model files each step
+dist_check_SCRIPTS += tests/integration/weights_disk.sh
+TESTS += tests/integration/weights_disk.sh
+if HAVE_CHECK
+check_PROGRAMS += tests/check_disk_tier
+TESTS += tests/check_disk_tier
+tests_check_disk_tier_SOURCES = tests/check_disk_tier.c tests/check_common.h
+tests_check_disk_tier_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
+tests_check_disk_tier_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
+endif

@@ -15,6 +15,7 @@
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/step.h"
+#include "daemon/model/disk_tier.h"
 #include "daemon/ops/trace.h"
 
 struct mlens_engine {
@@ -75,8 +76,15 @@ static int bind_weights(struct mlens_engine *e)
 	if (!e->layers)
 		return -ENOMEM;
 	rc = mlens_ends_bind(&e->ends, m, &e->placer);
-	for (int64_t l = 0; l < e->cfg.num_hidden_layers && !rc; l++)
+	for (int64_t l = 0; l < e->cfg.num_hidden_layers && !rc; l++) {
+		/* a backend that copies the weights takes the disk experts
+		 * once, from their staging; a host one reads them each step */
+		if (!e->be->ops->host_memory && (rc = mlens_disk_tier_ready(m->disk, (int)l)))
+			break;
 		rc = mlens_layer_bind(&e->layers[l], &m->layers[l], &e->desc, E, &e->placer);
+	}
+	if (!rc && !e->be->ops->host_memory)
+		mlens_disk_tier_keep_from(m->disk, E);	/* all placed: nothing to read each step */
 	return rc;
 }
 
@@ -394,8 +402,13 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	int rc, tokens = 0;
-	if (!mlens_trace_armed(e->trace))
-		return e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
+	if (!mlens_trace_armed(e->trace)) {
+		mlens_disk_tier_step_begin(e->m->disk);
+		rc = e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
+		mlens_disk_tier_step_end(e->m->disk);
+		return rc;
+	}
+	mlens_disk_tier_step_begin(e->m->disk);
 	for (int i = 0; i < n; i++)
 		tokens += reqs[i].n_tokens;
 	mlens_trace_step_begin(e->trace, trace_clock());
@@ -410,6 +423,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		e->timing = false;
 	}
 	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
+	mlens_disk_tier_step_end(e->m->disk);
 	return rc;
 }
 
@@ -423,6 +437,8 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
+	/* experts left on disk: a host backend reads them from staging */
+	struct mlens_disk_tier *disk = e->be->ops->host_memory ? e->m->disk : NULL;
 
 	if ((rc = mlens_step_reserve(c, &e->kv, reqs, n, e->max_tokens, &total)))
 		return rc;
@@ -468,7 +484,10 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 						       .cu = e->cu, .slots = sr->slots, .qry = sr->qry };
 		for (int l = 0; l < L; l++) {
 			part = trace_part_begin(e, l, L);
+			if (disk)
+				TRY(mlens_disk_tier_ready(disk, l));
 			TRY(mlens_layer_forward(&run, &e->layers[l], &e->kv.cache, l, &act, &rows));
+			mlens_disk_tier_done(disk, l);
 			trace_part_end(e, part);
 		}
 	}

@@ -23,6 +23,7 @@
 #include "daemon/exec/pipeprog.h"
 #include "daemon/exec/residency.h"
 #include "daemon/exec/step.h"
+#include "daemon/model/disk_tier.h"
 #include "daemon/model/quant.h"
 #include "daemon/ops/trace.h"
 
@@ -440,14 +441,20 @@ static int place_weights(struct mlens_pipeline *p, uint64_t piece)
 	p->piece = piece;
 	for (int64_t l = 0; l < p->cfg.num_hidden_layers && !rc; l++) {
 		struct mlens_layer_bound *b = &p->layers[l].w;
+		/* resident experts left on disk are copied once, from staging */
+		if ((rc = mlens_disk_tier_ready(m->disk, (int)l)))
+			break;
 		rc = mlens_layer_bind(b, &m->layers[l], &p->desc, 0, &p->placer);
 		for (int x = 0; x < p->res.experts && m->layers[l].router && !rc; x++)
 			if (mlens_residency_is_resident(&p->res, (int)l, x))
 				rc = mlens_layer_bind_expert(b, &m->layers[l], &p->desc, x, &p->placer);
 		b->moe.tally = mlens_residency_tally(&p->res, (int)l);
-		if (!rc)
-			rc = plan_layer_stream(p, l, piece);
 	}
+	/* each step reads only the streamed ones (their staging pointers
+	 * move: the stream is planned after) */
+	mlens_disk_tier_keep_from(m->disk, p->plan.resident_experts);
+	for (int64_t l = 0; l < p->cfg.num_hidden_layers && !rc; l++)
+		rc = plan_layer_stream(p, l, piece);
 	return rc;
 }
 
@@ -705,9 +712,12 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		       "%s backend: %s", p->plan.scratch / 1048576.0, gpu->ops->name, strerror(-rc));
 		goto fail;
 	}
+	/* experts on disk have no fixed host copy to swap in from (the disk
+	 * tier keeps experts 0..r-1 resident): the resident set stays put */
 	if ((rc = mlens_residency_init(&p->res, (int)p->cfg.num_hidden_layers,
 				       (int)p->cfg.num_local_experts, p->plan.resident_experts,
-				       o->residency_routing, o->residency_period, o->residency_swaps))) {
+				       o->residency_routing && !m->disk, o->residency_period,
+				       o->residency_swaps))) {
 		mlens_errf(err, errlen, "hybrid pipeline: cannot keep the resident experts' routing "
 			   "counts: %s", strerror(-rc));
 		goto fail;
@@ -883,7 +893,9 @@ const struct mlens_residency *mlens_pipeline_residency(const struct mlens_pipeli
 #define PL_EV_GA_DONE MLENS_PIPE_EV_N
 #define PL_EV_ATT_UP (PL_EV_GA_DONE + MLENS_PIPE_SETS_MAX)
 #define PL_EV_KV_LATE (PL_EV_ATT_UP + MLENS_PIPE_SETS_MAX)
-_Static_assert(PL_EV_KV_LATE + MLENS_PIPE_SETS_MAX < MLENS_BACKEND_EVENTS - 1,
+/* a layer's weight copies done, before its disk staging is read into again */
+#define PL_EV_DISK (PL_EV_KV_LATE + MLENS_PIPE_SETS_MAX)
+_Static_assert(PL_EV_DISK < MLENS_BACKEND_EVENTS - 1,
 	       "the pipeline's events and the last one (kept for waits of its own) fit the backend's");
 
 /* ==== the stages ==== */
@@ -1612,10 +1624,25 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 	case MLENS_PIPE_COPY: {
 		const struct mlens_pipe_piece *pc = &p->layers[cmd->layer].pieces[cmd->piece];
 		char *dst = (char *)p->slot[cmd->slot] + pc->dst_off;
+		struct mlens_disk_tier *dt = p->m->disk;
+		bool disk = mlens_disk_tier_holds(dt, cmd->layer, (int)c->num_local_experts - 1);
+		/* experts left on disk: in their staging before the first piece */
+		if (disk && cmd->piece == 0)
+			TRY(mlens_disk_tier_ready(dt, cmd->layer));
 		p->st.h2d_weight_bytes += pc->bytes;
 		if (p->async)
-			return G->copy_async(GC, 1, dst, pc->host, pc->bytes, true);
-		return G->upload(GC, dst, pc->host, pc->bytes);
+			rc = G->copy_async(GC, 1, dst, pc->host, pc->bytes, true);
+		else
+			rc = G->upload(GC, dst, pc->host, pc->bytes);
+		if (!rc && disk && cmd->piece == p->layers[cmd->layer].n_pieces - 1) {
+			/* the staging may take the next layer once the copies
+			 * out of it are done (the copy queue's thread waits) */
+			if (p->async && !(rc = G->event_record(GC, 1, PL_EV_DISK)))
+				rc = G->event_sync(GC, PL_EV_DISK);
+			if (!rc)
+				mlens_disk_tier_done(dt, cmd->layer);
+		}
+		return rc;
 	}
 	case MLENS_PIPE_RECORD:
 		if (!p->async)

@@ -17,6 +17,7 @@
 #define MLENS_MODEL_MAX_LAYERS 1024
 
 struct mlens_family;
+struct mlens_disk_tier;
 
 /* Where a q/k RMSNorm sits after the projection (Mixtral: none). */
 enum mlens_qk_norm {
@@ -145,6 +146,9 @@ struct mlens_model {
 	 * the name is the fused tensor's (not owned). */
 	struct mlens_tensor *views;
 	int n_views;
+	/* Experts left in the files, read into staging each step (the weight
+	 * pages' disk tier, disk_tier.h; not owned); NULL: none */
+	struct mlens_disk_tier *disk;
 };
 
 /* Open and validate a model directory. On failure returns -errno and writes

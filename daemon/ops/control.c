@@ -15,6 +15,7 @@
 #include "daemon/ops/control.h"
 #include "daemon/ops/listen.h"
 #include "daemon/log.h"
+#include "daemon/model/disk_tier.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/ops/trace.h"
 
@@ -170,6 +171,17 @@ static json_t *cmd_status(struct mlens_control *c)
 		in->has_gpu_budget ? json_integer((json_int_t)in->gpu_budget) : json_null()));
 	json_object_set_new(json_object_get(o, "budgets"), "host_memory", json_pack("{s:I,s:I}",
 		"budget_bytes", (json_int_t)in->cfg->host_memory, "staging_bytes", (json_int_t)in->staging_bytes));
+	if (in->disk) {
+		struct mlens_disk_tier_stats d;
+		mlens_disk_tier_get_stats(in->disk, &d);
+		json_object_set_new(json_object_get(o, "budgets"), "weights_on_disk",
+				    json_pack("{s:I,s:i,s:i,s:I,s:I,s:b,s:I,s:I,s:I,s:f,s:f}",
+			"disk_bytes", (json_int_t)d.disk_bytes, "experts_per_layer", d.experts, "layers", d.layers,
+			"step_bytes", (json_int_t)d.step_bytes, "staging_bytes", (json_int_t)d.staging_bytes,
+			"direct", d.direct, "read_bytes_total", (json_int_t)d.read_bytes_total,
+			"errors_total", (json_int_t)d.errors_total, "last_step_bytes", (json_int_t)d.last_step_bytes,
+			"last_step_busy_ratio", d.last_step_busy, "ceiling_bytes_per_second", d.ceiling_bps));
+	}
 	if (s.sched.kv_swap)
 		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
 			"budget_bytes", (json_int_t)in->cfg->kv_swap, "path", in->cfg->kv_swap_path,

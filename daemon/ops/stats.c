@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include "daemon/ops/listen.h"
 #include "daemon/log.h"
+#include "daemon/model/disk_tier.h"
 #include "daemon/plan/profiler.h"
 #include "daemon/ops/stats.h"
 #include "daemon/serve/tenant.h"
@@ -139,6 +140,18 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_read_blocks_total", json_integer((json_int_t)st->kv_read_blocks));
 		json_object_set_new(o, "kv_read_block_runs_total", json_integer((json_int_t)st->kv_read_runs));
 		residency_json(o, st);
+	}
+	if (info->disk) {
+		struct mlens_disk_tier_stats d;
+		mlens_disk_tier_get_stats(info->disk, &d);
+		json_object_set_new(o, "weights_disk_resident_bytes", json_integer((json_int_t)d.disk_bytes));
+		json_object_set_new(o, "weights_disk_step_bytes", json_integer((json_int_t)d.step_bytes));
+		json_object_set_new(o, "weights_disk_read_bytes_total", json_integer((json_int_t)d.read_bytes_total));
+		json_object_set_new(o, "weights_disk_read_errors_total", json_integer((json_int_t)d.errors_total));
+		json_object_set_new(o, "weights_disk_busy_seconds_total", json_real(d.busy_seconds_total));
+		json_object_set_new(o, "last_step_disk_read_bytes", json_integer((json_int_t)d.last_step_bytes));
+		json_object_set_new(o, "last_step_disk_busy_ratio", json_real(d.last_step_busy));
+		json_object_set_new(o, "weights_disk_ceiling_bytes_per_second", json_real(d.ceiling_bps));
 	}
 	if (st->kv_swap) {
 		const struct mlens_kv_swap_stats *w = &st->swap;
@@ -320,6 +333,22 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");
 	evbuffer_add_printf(b, "mlens_step_seconds_sum %.9g\nmlens_step_seconds_count %llu\n", st->step_seconds_sum,
 			    (unsigned long long)st->steps);
+	if (info->disk) {
+		struct mlens_disk_tier_stats d;
+		mlens_disk_tier_get_stats(info->disk, &d);
+		prom_head(b, "mlens_weights_disk_resident_bytes", "gauge",
+			  "Expert bytes left in the model files (weights_on_disk), read each step.");
+		evbuffer_add_printf(b, "mlens_weights_disk_resident_bytes %llu\n", (unsigned long long)d.disk_bytes);
+		prom_head(b, "mlens_weights_disk_read_bytes_total", "counter", "Bytes of experts read from the model files.");
+		evbuffer_add_printf(b, "mlens_weights_disk_read_bytes_total %llu\n", (unsigned long long)d.read_bytes_total);
+		prom_head(b, "mlens_weights_disk_read_errors_total", "counter",
+			  "Layer reads from the model files that failed (each failed its step).");
+		evbuffer_add_printf(b, "mlens_weights_disk_read_errors_total %llu\n", (unsigned long long)d.errors_total);
+		prom_head(b, "mlens_last_step_disk_read_bytes", "gauge", "Expert bytes read from the model files during the last step.");
+		evbuffer_add_printf(b, "mlens_last_step_disk_read_bytes %llu\n", (unsigned long long)d.last_step_bytes);
+		prom_head(b, "mlens_disk_busy_ratio", "gauge", "Share of the last step's time the model files were being read.");
+		evbuffer_add_printf(b, "mlens_disk_busy_ratio %.6g\n", d.last_step_busy);
+	}
 	if (st->kv_swap) {
 		const struct mlens_kv_swap_stats *w = &st->swap;
 		prom_head(b, "mlens_kv_swap_bytes_total", "counter",

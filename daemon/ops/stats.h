@@ -44,9 +44,11 @@ struct mlens_daemon_info {
 	const char *mode_reason;	/* why, with the numbers (NULL: derived from the backend) */
 	char stats_http_addr[80];	/* filled by mlens_stats_start: "127.0.0.1:PORT" */
 	struct mlens_profile_state *profile;	/* the profiler's results (NULL: no profiler) */
+	struct mlens_disk_tier *disk;	/* experts left in the model files (NULL: none) */
 };
 
 struct mlens_stats;
+struct mlens_disk_tier;
 
 /* Bind the stats socket at cfg->stats ("" = none) and the HTTP listener's
  * port (cfg->stats_http) before the model loads: a bad path or a port in

@@ -19,11 +19,13 @@ static uint64_t mul_sat(uint64_t a, uint64_t b)
 int mlens_host_plan_split(struct mlens_host_plan *p, const struct mlens_host_plan_in *in, char *err,
 			  size_t errlen)
 {
-	uint64_t fixed = add_sat(in->weight_bytes, in->staging);
+	uint64_t fixed = add_sat(add_sat(in->weight_bytes, in->staging), in->disk_staging);
 
 	p->budget = in->budget;
 	p->weights = in->weight_bytes;
 	p->staging = in->staging;
+	p->disk = in->disk;
+	p->disk_staging = in->disk_staging;
 	p->kv_min = in->kv_min;
 	p->need = add_sat(fixed, in->kv_min);
 	p->kv = in->kv_want;
@@ -41,28 +43,33 @@ int mlens_host_plan_split(struct mlens_host_plan *p, const struct mlens_host_pla
 			   in->kv_want / 1048576.0, in->kv_min / 1048576.0);
 	else
 		mlens_errf(err, errlen,
-			   "host_memory of %.1f MiB cannot run this model: weight pages %.1f MiB + staging %.1f MiB + "
+			   "host_memory of %.1f MiB cannot run this model: weight pages %.1f MiB + %sstaging %.1f MiB + "
 			   "the least KV pool %.1f MiB (one sequence as long as the longest prompt taken) need %.1f MiB; "
 			   "raise host_memory to at least that, or lower max_step_tokens",
-			   in->budget / 1048576.0, in->weight_bytes / 1048576.0, in->staging / 1048576.0,
+			   in->budget / 1048576.0, (in->weight_bytes + in->disk_staging) / 1048576.0,
+			   in->disk_staging ? "disk " : "", in->staging / 1048576.0,
 			   in->kv_min / 1048576.0, p->need / 1048576.0);
 	return -ENOSPC;
 }
 
 void mlens_host_plan_format(const struct mlens_host_plan *p, char *out, size_t n)
 {
-	uint64_t total = add_sat(add_sat(p->weights, p->staging), p->kv);
+	uint64_t total = add_sat(add_sat(add_sat(p->weights, p->staging), p->kv), p->disk_staging);
 	double base = p->budget ? (double)p->budget : (double)total;
+	char disk[160] = "";
 
 	if (base <= 0)
 		base = 1;
+	if (p->disk)
+		snprintf(disk, sizeof(disk), ", disk staging %.1f MiB (%.0f%%); weights on disk %.1f MiB",
+			 p->disk_staging / 1048576.0, 100.0 * (double)p->disk_staging / base, p->disk / 1048576.0);
 	snprintf(out, n,
 		 "host memory %s%.1f MiB: weight pages %.1f MiB (%.0f%%), KV pool %.1f MiB (%.0f%%), "
-		 "staging %.1f MiB (%.0f%%)%s",
+		 "staging %.1f MiB (%.0f%%)%s%s",
 		 p->budget ? "budget " : "(no host_memory budget) ", (p->budget ? p->budget : total) / 1048576.0,
 		 p->weights / 1048576.0, 100.0 * (double)p->weights / base, p->kv / 1048576.0,
 		 100.0 * (double)p->kv / base, p->staging / 1048576.0, 100.0 * (double)p->staging / base,
-		 p->budget && total < p->budget ? ", the rest unused (kv_cache caps the KV pool)" : "");
+		 disk, p->budget && total < p->budget ? ", the rest unused (kv_cache caps the KV pool)" : "");
 }
 
 uint64_t mlens_host_plan_staging(const struct mlens_model_config *c, bool hybrid, bool host_compute,

@@ -16,13 +16,16 @@ struct mlens_host_plan_in {
 	uint64_t kv_want;	/* kv_cache: the KV pool's most */
 	uint64_t kv_min;	/* the least KV pool that runs (mlens_host_plan_kv_min) */
 	uint64_t staging;	/* mlens_host_plan_staging */
+	uint64_t disk;		/* expert bytes left in the model files (weights_on_disk) */
+	uint64_t disk_staging;	/* the disk tier's pinned staging */
 };
 
 struct mlens_host_plan {
 	uint64_t budget;	/* 0: none */
 	uint64_t weights, kv, staging;
+	uint64_t disk, disk_staging;	/* 0 without experts on disk */
 	uint64_t kv_min;
-	uint64_t need;		/* the least budget that runs: weights + staging + kv_min */
+	uint64_t need;		/* the least budget that runs: weights + disk_staging + staging + kv_min */
 };
 
 /* Split in->budget: weight pages and staging first, the KV pool gets the

@@ -204,16 +204,18 @@ static double gpu_b(const struct mlens_perf_hw *hw)
 	return hw->ga.b + hw->gb.b;
 }
 
-/* n at which GPU time 2a + (b + gpu_extra) n equals the transfer
- * streamed / B_IO + link_extra n; the extras are seconds per token. */
-static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes, double gpu_extra,
-			double link_extra)
+/* n at which GPU time 2a + (b + gpu_extra) n equals a layer's transfer
+ * of bytes at rate bytes/s + link_extra n; the extras are seconds per
+ * token. The weight stream over PCIe and the read of the experts left on
+ * disk are each such a transfer. */
+static double n_balance_at(const struct mlens_perf_hw *hw, double bytes, double rate, double gpu_extra,
+			   double link_extra)
 {
 	double t_io, slope, fixed = MLENS_PERF_GROUPS * gpu_a(hw);
-	if (!(hw->b_io > 0))
+	if (!(rate > 0))
 		return NAN;
-	t_io = (double)streamed_bytes / hw->b_io;
-	if (streamed_bytes == 0)
+	t_io = bytes / rate;
+	if (!(bytes > 0))
 		return INFINITY;	/* nothing to balance: memory and KV bound the step */
 	if (t_io <= fixed)
 		return 0;
@@ -222,6 +224,12 @@ static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes,
 	if (!(slope > 0))
 		return INFINITY;
 	return (t_io - fixed) / slope;
+}
+
+static double n_balance(const struct mlens_perf_hw *hw, uint64_t streamed_bytes, double gpu_extra,
+			double link_extra)
+{
+	return n_balance_at(hw, (double)streamed_bytes, hw->b_io, gpu_extra, link_extra);
 }
 
 double mlens_perf_n_fit(const struct mlens_perf_hw *hw, uint64_t streamed_bytes)
@@ -266,6 +274,7 @@ const char *mlens_perf_bind_name(enum mlens_perf_bind b)
 	case MLENS_PERF_BIND_GPU: return "gpu";
 	case MLENS_PERF_BIND_CPU_ATTN: return "cpu-attention";
 	case MLENS_PERF_BIND_CHAIN: return "gpu-cpu-chain";
+	case MLENS_PERF_BIND_DISK: return "disk";
 	case MLENS_PERF_BIND_N: break;
 	}
 	return "?";
@@ -297,7 +306,8 @@ static bool hw_ok(const struct mlens_perf_hw *hw)
 	       hw->h2d_per_token >= 0 && hw->c_attn >= 0 && hw->b_act_h2d >= 0 &&
 	       hw->att_up_bytes >= 0 &&
 	       hw->b_act_d2h >= 0 && hw->b_io_shared >= 0 && hw->b_attn_shared >= 0 && hw->b_append >= 0 &&
-	       hw->c_gpu >= 0 && gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
+	       hw->c_gpu >= 0 && hw->b_disk >= 0 && hw->disk_layer_bytes >= 0 &&
+	       gpu_b(hw) > 0 && isfinite(gpu_a(hw)) && isfinite(gpu_b(hw));
 }
 
 static bool step_ok(const struct mlens_perf_step *st)
@@ -383,6 +393,7 @@ int mlens_perf_step_time(const struct mlens_perf_model *pm, const struct mlens_p
 	if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io && kv_read > 0)
 		out->tier[MLENS_PERF_BIND_PCIE] = h2d / hw->b_io_shared;
 	out->tier[MLENS_PERF_BIND_D2H] = t_d2h;
+	out->tier[MLENS_PERF_BIND_DISK] = hw->b_disk > 0 ? hw->disk_layer_bytes / hw->b_disk : 0;
 	out->tier[MLENS_PERF_BIND_CPU_MEM] = (kv_read + h2d + d2h) / hw->b_mem;
 	frac_d[0] = pol->alpha_decode;
 	frac_d[1] = 1 - pol->alpha_decode;
@@ -596,6 +607,11 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 		if (hw->b_io_shared > 0 && hw->b_io_shared < hw->b_io && isfinite(out->n_eq) &&
 		    streamed > 0)
 			out->n_eq = n_balance_shared(pm, hw, w, resident_experts, out->n_eq);
+		/* experts read from disk each step: tokens enough that the
+		 * GPU's (CPU's) time covers their read too */
+		if (hw->b_disk > 0 && hw->disk_layer_bytes > 0) {
+			out->n_eq = fmax(out->n_eq, n_balance_at(hw, hw->disk_layer_bytes, hw->b_disk, gpu_x, 0));
+		}
 	}
 	out->n_act = n_a;
 	out->n_real = out->n_eq < n_a ? floor(out->n_eq) : n_a;
@@ -623,6 +639,8 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 	out->total_tok_s = out->tokens * out->steps_per_s;
 	out->gen_tok_s = out->step.decode * out->steps_per_s;
 	out->delta = (double)pm->layers * (double)streamed / hw->b_io;
+	if (hw->b_disk > 0 && (double)pm->layers * hw->disk_layer_bytes / hw->b_disk > out->delta)
+		out->delta = (double)pm->layers * hw->disk_layer_bytes / hw->b_disk;
 	{
 		double g1 = gpu_a(hw) + (gpu_b(hw) + gpu_x) * out->n_real;
 		out->t_gpu = g1 > 0 ? out->n_real / ((double)pm->layers * g1) : INFINITY;

@@ -79,6 +79,8 @@
  *              measured while a pinned copy streams, B_attn,shared, where
  *              experts stream) + every token's KV append (fp32 K and V
  *              read, the pool's dtype written) / its measured rate
+ *   disk       bytes read from the model files a layer (weights on disk)
+ *              / B_disk, the read overlapping the layer before
  *   chain      max over groups x of g_x + c_x: group x's GPU work and its
  *              CPU attention cannot overlap each other, only the other
  *              group's (the VSLPipe alternation)
@@ -211,6 +213,13 @@ struct mlens_perf_hw {
 	 * otherwise; 0: at b_io throughout */
 	double b_io_shared;
 	double b_hbm;		/* GPU memory bytes/s */
+	/* Experts left in the model files (weights_on_disk): bytes read each
+	 * step, on average a layer, at b_disk bytes/s (the profiler's read
+	 * rate of the model files); 0: no disk tier. The fourth ceiling: a
+	 * tier of the step time, and n_eq balances the GPU's time against it
+	 * as against the PCIe stream. */
+	double disk_layer_bytes;
+	double b_disk;
 	struct mlens_perf_line ga, gb;	/* GPU s per layer vs tokens in one group */
 	uint64_t gpu_budget;	/* bytes the daemon may use on the GPU */
 	uint64_t gpu_workspace;	/* cuBLAS, flash attention */
@@ -286,6 +295,7 @@ enum mlens_perf_bind {
 	MLENS_PERF_BIND_GPU,
 	MLENS_PERF_BIND_CPU_ATTN,
 	MLENS_PERF_BIND_CHAIN,		/* a group's GPU work + its attention */
+	MLENS_PERF_BIND_DISK,		/* experts left in the model files, read each step */
 	MLENS_PERF_BIND_N
 };
 const char *mlens_perf_bind_name(enum mlens_perf_bind b);

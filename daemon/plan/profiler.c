@@ -18,6 +18,7 @@
 #include "daemon/serve/sched.h"
 #include "kernels/cpu/pool.h"
 #include "kernels/cpu/readbw.h"
+#include "daemon/model/disk_tier.h"
 
 static double now(void)
 {
@@ -944,6 +945,10 @@ out:
 	return rc;
 }
 
+/* Bytes the model files' read rate is measured over (experts left on
+ * disk): enough for the queue to run full for a while. */
+#define PROFILE_DISK_BYTES (256ull << 20)
+
 int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_opts *o,
 		      struct mlens_profile *out, char *err, size_t errlen)
 {
@@ -964,7 +969,8 @@ int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_op
 	    (rc = profile_copies(o->be, budget, out, err, errlen)) ||
 	    (rc = profile_kv_store(m, o, budget, out, err, errlen)) ||
 	    (rc = profile_attn(m, o, budget, out, err, errlen)) ||
-	    (rc = profile_mem(o->be, o->n_threads, budget, out, err, errlen)))
+	    (rc = profile_mem(o->be, o->n_threads, budget, out, err, errlen)) ||
+	    (rc = mlens_disk_tier_measure(m->disk, PROFILE_DISK_BYTES, &out->disk_bw, err, errlen)))
 		return rc;
 	out->seconds = now() - t0;
 	return 0;
@@ -984,6 +990,7 @@ void mlens_profile_hw(const struct mlens_profile *p, struct mlens_perf_hw *hw)
 	hw->b_act_h2d = p->act_h2d;
 	hw->b_act_d2h = p->act_d2h;
 	hw->b_io_shared = p->copy_read_bw;	/* 0 on host memory */
+	hw->b_disk = p->disk_bw;	/* 0 without experts on disk */
 	hw->ga = p->ga;
 	hw->gb = p->gb;
 }
@@ -1086,6 +1093,7 @@ json_t *mlens_profile_json(const struct mlens_profile *p)
 		json_array_append_new(pts, json_pack("{s:I,s:f,s:f}", "tokens", (json_int_t)p->tokens[i],
 						     "ga_seconds", p->ga_s[i], "gb_seconds", p->gb_s[i]));
 	json_object_set_new(o, "points", pts);
+	json_object_set_new(o, "disk_read_bytes_per_s", json_real(p->disk_bw));
 	return o;
 }
 
@@ -1187,6 +1195,11 @@ int mlens_profile_load(const char *path, const struct mlens_profile_key *k,
 	}
 	snprintf(p->backend, sizeof(p->backend), "%s", be);
 	snprintf(p->gpu, sizeof(p->gpu), "%s", gpu);
+	/* absent from a profile measured without experts on disk */
+	p->disk_bw = json_is_number(json_object_get(pj, "disk_read_bytes_per_s"))
+		     ? json_number_value(json_object_get(pj, "disk_read_bytes_per_s")) : 0;
+	if (!(p->disk_bw >= 0) || !isfinite(p->disk_bw))
+		p->disk_bw = 0;
 	json_array_foreach(pts, i, pt) {
 		json_int_t t;
 		if (json_unpack(pt, "{s:I,s:F,s:F}", "tokens", &t, "ga_seconds", &p->ga_s[i], "gb_seconds", &p->gb_s[i])) {
@@ -1262,6 +1275,11 @@ void mlens_profile_state_hold(struct mlens_profile_state *st)
 		st->hw.max_step = st->max_step > 0 ? st->max_step : st->opts.max_tokens > 0 ? (double)st->opts.max_tokens
 											       : 4096;
 	st->hw.att_up_bytes = st->att_up_half ? 2 : 0;
+	/* experts left on disk: their read, on average a layer */
+	if (st->model && st->model->disk && st->pm.layers > 0) {
+		st->hw.disk_layer_bytes = (double)mlens_disk_tier_step_bytes(st->model->disk) / (double)st->pm.layers;
+		mlens_disk_tier_set_ceiling(st->model->disk, st->prof.disk_bw);	/* for the stats */
+	}
 	/* with the side copies the GPU's K/V stores run on queue 2 too
 	 * (pipeline side_append, where the backend has kv_append_side) */
 	if (st->gpu_kv_append && st->side_copy_out && st->prof.kv_store_side_bw > 0) {
@@ -1284,6 +1302,11 @@ int mlens_profile_state_run(struct mlens_profile_state *st, struct mlens_sched *
 	if (cache && use_cache) {
 		rc = mlens_profile_load(cache, &st->key, &st->prof, why, sizeof(why));
 		st->from_cache = !rc;
+		/* a profile of the same model with every expert in RAM: the
+		 * files' read rate alone is measured now */
+		if (!rc && st->model && st->model->disk && !(st->prof.disk_bw > 0) &&
+		    mlens_disk_tier_measure(st->model->disk, PROFILE_DISK_BYTES, &st->prof.disk_bw, why, sizeof(why)))
+			snprintf(st->err, sizeof(st->err), "%s", why);
 	}
 	if (rc && st->own_backend) {
 		struct mlens_profile_opts o = st->opts;

@@ -96,6 +96,8 @@ struct mlens_profile {
 	double mem_read_bw;		/* CPU memory read alone */
 	double mem_read_copy_bw;	/* the read while copies stream; 0 on host memory */
 	double copy_read_bw;		/* those copies' rate; 0 on host memory */
+	double disk_bw;			/* the model files' read rate as the disk tier
+					 * reads them; 0 without experts on disk */
 	double seconds;			/* the run took */
 };
 

@@ -682,13 +682,14 @@ out:
 /* The stats the steady-state window and the achieved rates need; the
  * busy and KV-read counters are newer than the others (NAN when absent). */
 enum { K_GEN, K_PROMPT, K_STEPS, K_STEP_S, K_H2D, K_ATTN_S, K_KV_READ, K_GPU_BUSY, K_H2D_BUSY, K_APPEND_S,
-       K_KV_BLOCKS, K_KV_RUNS, K_STEP_TOKENS, K_KV_USED, K_KV_TOTAL, K_N };
+       K_KV_BLOCKS, K_KV_RUNS, K_STEP_TOKENS, K_KV_USED, K_KV_TOTAL, K_DISK, K_N };
 static const char *const sample_keys[K_N] = {
 	"generation_tokens_total", "prompt_tokens_total", "steps_total", "step_seconds_sum",
 	"pcie_h2d_bytes_total", "cpu_attention_seconds_total", "kv_read_bytes_total",
 	"gpu_busy_seconds_total", "h2d_busy_seconds_total", "cpu_append_seconds_total",
 	"kv_read_blocks_total", "kv_read_block_runs_total",
 	"last_step_tokens", "kv_blocks_used", "kv_blocks_total",
+	"weights_disk_read_bytes_total",	/* experts left on disk; absent without */
 };
 
 struct sample {
@@ -1175,6 +1176,7 @@ struct steady {
 	/* daemon counters between the stats samples inside the window */
 	bool have_stats;
 	double steps, step_tokens, engine_busy, pcie_gbs, gpu_busy;
+	double disk_gbs;	/* experts read from the model files (NAN: none on disk) */
 	/* the host side: share of the window in KV append + decode attention
 	 * (cpu_busy) and in the append alone, KV GB/s over the attention's
 	 * own seconds (append excluded) */
@@ -1233,6 +1235,7 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 					 sp->s[i].v[K_PROMPT]) / w->steps : NAN;
 	w->engine_busy = rate(&sp->s[i], &sp->s[j], K_STEP_S, -1);
 	w->pcie_gbs = rate(&sp->s[i], &sp->s[j], K_H2D, -1) / 1e9;
+	w->disk_gbs = rate(&sp->s[i], &sp->s[j], K_DISK, -1) / 1e9;
 	w->gpu_busy = rate(&sp->s[i], &sp->s[j], K_GPU_BUSY, -1);
 	w->cpu_busy = rate(&sp->s[i], &sp->s[j], K_ATTN_S, -1);
 	w->append_busy = rate(&sp->s[i], &sp->s[j], K_APPEND_S, -1);
@@ -1783,6 +1786,18 @@ int mlens_bench_serve(int argc, char **argv)
 				"short", sw.have_stats ? json_boolean(sw.short_window) : json_null()));
 		else
 			json_object_set_new(out, "steady", json_null());
+		/* experts left on disk: the read rate the steady steps got
+		 * against the profiler's measured ceiling */
+		if (isfinite(jopt(st1, "weights_disk_resident_bytes"))) {
+			double ceil_gbs = jopt(st1, "weights_disk_ceiling_bytes_per_second") / 1e9;
+			double got = sw.have && sw.have_stats ? sw.disk_gbs : NAN;
+			json_object_set_new(out, "disk", json_pack("{s:I,s:I,s:o,s:o,s:o}",
+				"resident_bytes", (json_int_t)jopt(st1, "weights_disk_resident_bytes"),
+				"step_bytes", (json_int_t)jopt(st1, "weights_disk_step_bytes"),
+				"steady_gb_per_s", jnum_or_null(got),
+				"ceiling_gb_per_s", jnum_or_null(ceil_gbs > 0 ? ceil_gbs : NAN),
+				"steady_over_ceiling", jnum_or_null(ceil_gbs > 0 ? got / ceil_gbs : NAN)));
+		}
 		if (ceil_.have || ceil_.have_link) {
 			json_object_set_new(out, "ceilings", json_pack("{s:s,s:f,s:f,s:i,s:o,s:o,s:o,s:o,s:o,s:i}",
 				"device", ceil_.device, "hbm_gb_per_s", ceil_.hbm_gbs, "gemm_tflops", ceil_.gemm_tflops,

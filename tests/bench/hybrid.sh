@@ -10,6 +10,9 @@
 # the same budget (tests/bench/hf_baseline.py), on a small workload.
 # JSON per run under $OUT (default ./out), with the daemon's log beside it
 # (hybrid_RUN.mlensd.log: its plan, profile and n_real), a table last.
+# With MODEL_DIR on a local disk and HOST_MEMORY below the model's size,
+# the experts that do not fit are read from the disk each step (a table of
+# the disk read rate against its measured ceiling).
 #
 # Usage: hybrid.sh [GPU_MEMORY] [KV_CACHE] [SCALE]
 #   SCALE (default 1.0) multiplies the request counts to fit a time limit
@@ -42,6 +45,15 @@
 #                    holds more sequences, and the runs keep it full
 #   BACKEND          mlensd's backend (cuda; cpu to try the script on a
 #                    small model given as MLENS_SERVE_MODEL)
+#   MODEL_DIR        where the model is (written there once when absent;
+#                    default MLENS_SERVE_MODEL, else /dev/shm/mlens-mixtral8):
+#                    a directory on a local NVMe file system for the disk
+#                    tier (/dev/shm is memory: O_DIRECT is refused there)
+#   HOST_MEMORY      passed to mlensd as --host-memory: below the model's
+#                    size, the experts it has no room for stay in the model
+#                    files and are read each step (weights_on_disk); each
+#                    run's JSON then has "disk": the read rate of the
+#                    steady steps against the profiler's measured ceiling
 #   DRY=1            print the plan and its time estimate, run nothing
 # The estimate: a run of R requests of p+g tokens takes about
 #   STARTUP_S + R (p+g) / EXPECT_TPS seconds,
@@ -65,7 +77,7 @@ case $QUEUE_STEPS in
 esac
 KV2=${KV2:-20G}
 BACKEND=${BACKEND:-cuda}
-MODEL=${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}
+MODEL=${MODEL_DIR:-${MLENS_SERVE_MODEL:-/dev/shm/mlens-mixtral8}}
 mkdir -p "$OUT"
 . "$(dirname "$0")/kvpool.sh"
 
@@ -122,6 +134,7 @@ cp "$MODEL/config.json" "$OUT/model_config.json"
 # one profile for every run: same model, backend, GPU and budget
 set -- --daemon-arg --profile --daemon-arg "--profile-cache=$OUT/profile_cache.json"
 [ -n "${MAX_STEP_TOKENS:-}" ] && set -- "$@" --max-step-tokens "$MAX_STEP_TOKENS"
+[ -n "${HOST_MEMORY:-}" ] && set -- "$@" --daemon-arg "--host-memory=$HOST_MEMORY"
 for a in ${DAEMON_ARGS:-}; do
 	set -- "$@" --daemon-arg "$a"
 done
@@ -207,6 +220,16 @@ for name, d, b, p, s, a in rows:
         pct(s.get("cpu_busy_ratio")), pct(s.get("cpu_append_ratio")),
         f(s.get("cpu_attention_only_gb_per_s")), f(s.get("pcie_h2d_gb_per_s")),
         f(s.get("kv_blocks_per_run"))))
+# weights on disk (HOST_MEMORY below the model): the steady steps' read
+# rate of the model files against the profiler's measured ceiling
+disk_rows = [(name, d["disk"]) for name, d, b, p, s, a in rows if d.get("disk")]
+if disk_rows:
+    print("%-12s %10s %10s %9s %9s %7s" % ("disk", "on disk GB", "step GB", "GB/s", "ceiling", "of it"))
+    for name, k in disk_rows:
+        print("%-12s %10s %10s %9s %9s %7s" % (
+            name, f(k["resident_bytes"] / 1e9, "%.2f"), f(k["step_bytes"] / 1e9, "%.2f"),
+            f(k.get("steady_gb_per_s"), "%.2f"), f(k.get("ceiling_gb_per_s"), "%.2f"),
+            f(None if k.get("steady_over_ceiling") is None else 100 * k["steady_over_ceiling"], "%.0f%%")))
 if hf:
     print("%-12s %9s %9s %9s   (transformers+accelerate, p=%d g=%d)" % (
         "hf", f(hf.get("generated_tokens_per_s")), "-", f(hf.get("total_tokens_per_s")),

@@ -1,23 +1,26 @@
 #!/bin/sh
 # Description: host_memory, the host budget: start-up prints its split
 # among weight pages, the KV pool and staging and sizes the KV pool from
-# it (up to kv_cache); a budget below the weight pages alone is refused
-# before the model is read, one below weights + staging + the least KV
-# pool is refused with the budget to ask for, both by name.
+# it (up to kv_cache); with weights_on_disk = never a budget below the
+# weight pages alone is refused before the model is read; one that even
+# every expert left on disk (weights_on_disk = auto, weights_disk.sh)
+# does not fit, and one below weights + staging + the least KV pool, are
+# refused with the budget to ask for, all by name.
 set -u
 . "${MLENS_SRCDIR:-.}/tests/integration/lib.sh"
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/model" --preset tiny --dtype fp32 --seed 5 >/dev/null || fail "mkmodel"
 
-# refuse HM TEXT: mlensd --host-memory HM exits non-zero saying TEXT
+# refuse HM TEXT [FLAG]: mlensd --host-memory HM (and FLAG) exits non-zero saying TEXT
 refuse() {
 	"$mlensd" --model "$tmp/model" --mlock=false --foreground --backend cpu --socket "$tmp/x.sock" \
-		--control "$tmp/xc.sock" --stats "" --host-memory "$1" >"$tmp/out" 2>&1
+		--control "$tmp/xc.sock" --stats "" --host-memory "$1" ${3:-} >"$tmp/out" 2>&1
 	rc=$?
 	[ $rc -ne 0 ] && grep -q "$2" "$tmp/out" || fail "host_memory $1: rc $rc, $(cat "$tmp/out")"
 	[ ! -e "$tmp/x.sock" ] || fail "host_memory $1: refused only after start-up"
 }
-refuse 512K "host_memory of 0.5 MiB is below the weight pages alone (1.1 MiB, the model files)"
+refuse 512K "host_memory of 0.5 MiB is below the weight pages alone (1.1 MiB, the model files)" --weights-on-disk=never
+refuse 512K "host_memory of 0.5 MiB cannot run this model even with every expert on disk: weight pages 0.4 MiB + disk staging 0.8 MiB + staging 17.0 MiB"
 refuse 10M "host_memory of 10.0 MiB cannot run this model: weight pages 1.1 MiB + staging 17.0 MiB + the least KV pool 2.0 MiB"
 echo "ok: budgets that cannot run are refused by name"
 

@@ -50,16 +50,6 @@ run() {
 	pid=
 	rm -f "$tmp/log"
 }
-stat_of() { awk -v k="$2" '$1 == k { print $2 }' "$tmp/$1.stats"; }
-# same A B: byte for byte on the CPU; on CUDA each request's index,
-# finish, status and token count
-same() {
-	cmp -s "$1" "$2" && return 0
-	[ "$BACKEND" = cuda ] || return 1
-	awk '{print $1, $2, $3, NF}' "$1" > "$tmp/same_a"
-	awk '{print $1, $2, $3, NF}' "$2" > "$tmp/same_b"
-	cmp -s "$tmp/same_a" "$tmp/same_b"
-}
 same_as_ref() {
 	for k in 1 2 3 4; do
 		same "$tmp/ref_$k.out" "$tmp/$1_$k.out" || fail "$1: tenant $k's tokens differ from the large pool's"

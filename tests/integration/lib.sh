@@ -2,7 +2,8 @@
 # run): where the binaries are, a scratch folder removed on exit with the
 # daemon in $pid (and a client run in the background as $gpid), fail (with
 # the daemon log's tail), mlensctl on the scratch control socket, a JSON
-# field of its --json output, a start-up refusal, and waiting.
+# field of its --json output, a start-up refusal, waiting, a saved stats
+# value and two clients' outputs compared.
 B="${MLENS_BUILDDIR:-.}"
 mlensd="$B/daemon/mlensd"
 ctlbin="$B/client/mlensctl"
@@ -60,4 +61,15 @@ wait_for() {
 		[ $i -ge "${2:-100}" ] && return 1
 		sleep 0.1
 	done
+}
+# stat_of NAME KEY: KEY of the mlensctl stats saved in $tmp/NAME.stats
+stat_of() { awk -v k="$2" '$1 == k { print $2 }' "$tmp/$1.stats"; }
+# same A B: byte for byte on the CPU; on CUDA each request's index,
+# finish, status and token count ($BACKEND: the script's backend)
+same() {
+	cmp -s "$1" "$2" && return 0
+	[ "${BACKEND:-cpu}" = cuda ] || return 1
+	awk '{print $1, $2, $3, NF}' "$1" > "$tmp/same_a"
+	awk '{print $1, $2, $3, NF}' "$2" > "$tmp/same_b"
+	cmp -s "$tmp/same_a" "$tmp/same_b"
 }

@@ -1,0 +1,198 @@
+/* Description: weights on disk (daemon/model/disk_tier.c): a tiny model's
+ * last experts of each layer left in its files; the weight pages hold the
+ * rest byte for byte, each disk expert reads into its staging byte for
+ * byte over two steps (fused DBRX experts too), the split's arithmetic is
+ * the loader's, keeping the first experts out of the per-step reads moves
+ * the rest and reads less, and an injected read error fails one layer's
+ * read once (counted) and the next read succeeds. */
+#include <check.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "daemon/model/disk_tier.h"
+#include "daemon/model/weights.h"
+#include "daemon/tools/mkmodel.h"
+#include "tests/check_common.h"
+
+struct fixture {
+	char dir[64];
+	struct mlens_model *m;
+	struct mlens_weights w;
+	const void **src;	/* [L][E][3]: each matrix in the file mapping */
+	size_t mat;		/* bytes of one matrix */
+	struct mlens_weights_split split, split0;	/* before the load: disk, none */
+	int L, E;
+};
+
+static void fx_open(struct fixture *f, const char *preset, int layers, int disk)
+{
+	struct mlens_mkmodel_opts o = { .seed = 3 };
+	struct mlens_weights_opts wo = { .node = -1, .movers = 1, .io_uring = true, .disk_experts = disk };
+	char err[512] = "";
+
+	snprintf(f->dir, sizeof(f->dir), "/tmp/mlens-dt.XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(f->dir));
+	ck_assert_int_eq(mlens_mkmodel_preset(&o, preset), 0);
+	o.dir = f->dir;
+	o.cfg.num_hidden_layers = layers;
+	o.cfg.dtype = MLENS_DTYPE_F32;
+	ck_assert_msg(mlens_mkmodel_write(&o, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_model_open(f->dir, &f->m, err, sizeof(err)) == 0, "%s", err);
+	f->L = (int)f->m->cfg.num_hidden_layers;
+	f->E = (int)f->m->cfg.num_local_experts;
+	f->mat = (size_t)f->m->cfg.intermediate_size * (size_t)f->m->cfg.hidden_size * 4;
+	f->src = calloc((size_t)f->L * (size_t)f->E * 3, sizeof(*f->src));
+	ck_assert_ptr_nonnull(f->src);
+	for (int l = 0; l < f->L; l++)
+		for (int e = 0; e < f->E; e++) {
+			f->src[(l * f->E + e) * 3 + 0] = f->m->layers[l].w1[e];
+			f->src[(l * f->E + e) * 3 + 1] = f->m->layers[l].w2[e];
+			f->src[(l * f->E + e) * 3 + 2] = f->m->layers[l].w3[e];
+		}
+	ck_assert_msg(mlens_weights_split(f->m, disk, &f->split, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_weights_split(f->m, 0, &f->split0, err, sizeof(err)) == 0, "%s", err);
+	ck_assert_msg(mlens_weights_load(f->m, &wo, &f->w, err, sizeof(err)) == 0, "%s", err);
+}
+
+static void fx_close(struct fixture *f)
+{
+	char cmd[128];
+
+	mlens_weights_free(&f->w);
+	mlens_model_close(f->m);
+	free(f->src);
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", f->dir);
+	ck_assert_int_eq(system(cmd), 0);
+}
+
+/* Experts [e0, e1) of layer l hold the file's bytes. */
+static void same_experts(const struct fixture *f, int l, int e0, int e1)
+{
+	for (int e = e0; e < e1; e++) {
+		const void *now[3] = { f->m->layers[l].w1[e], f->m->layers[l].w2[e], f->m->layers[l].w3[e] };
+		for (int k = 0; k < 3; k++)
+			ck_assert_msg(!memcmp(now[k], f->src[(l * f->E + e) * 3 + k], f->mat),
+				      "layer %d expert %d matrix %d differs from the file", l, e, k);
+	}
+}
+
+/* Two steps over every layer: each layer's disk experts ready, as in the file. */
+static void steps(struct fixture *f, int e0)
+{
+	for (int s = 0; s < 2; s++)
+		for (int l = 0; l < f->L; l++) {
+			ck_assert_int_eq(mlens_disk_tier_ready(f->m->disk, l), 0);
+			same_experts(f, l, e0, f->E);
+			mlens_disk_tier_done(f->m->disk, l);
+		}
+}
+
+static void disk_experts(const char *preset)
+{
+	struct fixture f;
+	struct mlens_disk_tier_stats st;
+
+	fx_open(&f, preset, 5, 2);
+	ck_assert_ptr_nonnull(f.w.disk);
+	ck_assert_ptr_eq(f.m->disk, f.w.disk);
+	ck_assert_uint_eq(f.w.disk_bytes, (uint64_t)f.L * 2 * 3 * f.mat);
+	ck_assert(mlens_disk_tier_holds(f.m->disk, 0, f.E - 1));
+	ck_assert(!mlens_disk_tier_holds(f.m->disk, 0, f.E - 3));
+	/* the resident experts in the weight pages, as in the file */
+	for (int l = 0; l < f.L; l++) {
+		for (int e = 0; e < f.E - 2; e++)
+			ck_assert((const char *)f.m->layers[l].w1[e] >= (const char *)f.w.mem.p &&
+				  (const char *)f.m->layers[l].w1[e] < (const char *)f.w.mem.p + f.w.mem.size);
+		same_experts(&f, l, 0, f.E - 2);
+	}
+	steps(&f, f.E - 2);
+	mlens_disk_tier_get_stats(f.m->disk, &st);
+	ck_assert_uint_eq(f.split.pages, f.w.bytes);
+	ck_assert_uint_eq(f.split.disk, f.w.disk_bytes);
+	ck_assert_uint_eq(f.split.staging, st.staging_bytes);
+	ck_assert_int_eq(st.experts, 2);
+	ck_assert_int_eq(st.layers, f.L);
+	ck_assert_uint_ge(st.step_bytes, st.disk_bytes);
+	ck_assert_uint_ge(st.read_bytes_total, 2 * st.step_bytes);
+	ck_assert_uint_eq(st.errors_total, 0);
+	/* fewer experts on disk, smaller split; none: the files whole */
+	ck_assert_uint_eq(f.split0.disk, 0);
+	ck_assert_uint_eq(f.split0.staging, 0);
+	ck_assert_uint_gt(f.split0.pages, f.w.bytes);
+
+	/* the first of the two placed once for all: only the last is read */
+	mlens_disk_tier_keep_from(f.m->disk, f.E - 1);
+	mlens_disk_tier_get_stats(f.m->disk, &st);
+	ck_assert_uint_lt(st.step_bytes, (uint64_t)f.L * 2 * 3 * f.mat);
+	ck_assert_uint_ge(st.step_bytes, (uint64_t)f.L * 3 * f.mat);
+	ck_assert(!mlens_disk_tier_holds(f.m->disk, 0, f.E - 2));
+	steps(&f, f.E - 1);
+	/* every one placed: nothing read, ready at once */
+	mlens_disk_tier_keep_from(f.m->disk, f.E);
+	mlens_disk_tier_get_stats(f.m->disk, &st);
+	ck_assert_uint_eq(st.step_bytes, 0);
+	ck_assert_int_eq(st.layers, 0);
+	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 0), 0);
+	fx_close(&f);
+}
+
+START_TEST(mixtral_disk_experts)
+{
+	disk_experts("tiny");
+}
+END_TEST
+
+/* DBRX stores each layer's experts fused in one tensor a projection. */
+START_TEST(dbrx_fused_disk_experts)
+{
+	disk_experts("dbrx-tiny");
+}
+END_TEST
+
+START_TEST(read_error_once)
+{
+	struct fixture f;
+	struct mlens_disk_tier_stats st;
+	char hook[96];
+	FILE *h;
+
+	snprintf(hook, sizeof(hook), "/tmp/mlens-dt-fail.%d", (int)getpid());
+	unlink(hook);
+	setenv("MLENS_TEST_DISK_FAIL", hook, 1);
+	fx_open(&f, "tiny", 5, 2);
+	unsetenv("MLENS_TEST_DISK_FAIL");
+	/* layers 0 and 1 are read at start; layer 2 then fails, as does a
+	 * file that ends early */
+	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 0), 0);
+	h = fopen(hook, "w");
+	ck_assert_ptr_nonnull(h);
+	fclose(h);
+	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 2), -EIO);
+	h = fopen(hook, "w");
+	fputs("short\n", h);
+	fclose(h);
+	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 2), -EIO);
+	mlens_disk_tier_get_stats(f.m->disk, &st);
+	ck_assert_uint_eq(st.errors_total, 2);
+	/* the hook gone, the next read of the layer succeeds */
+	unlink(hook);
+	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 2), 0);
+	same_experts(&f, 2, f.E - 2, f.E);
+	steps(&f, f.E - 2);
+	fx_close(&f);
+}
+END_TEST
+
+int main(void)
+{
+	Suite *s = suite_create("disk_tier");
+	TCase *tc = tcase_create("core");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, mixtral_disk_experts);
+	tcase_add_test(tc, dbrx_fused_disk_experts);
+	tcase_add_test(tc, read_error_once);
+	suite_add_tcase(s, tc);
+	return mlens_check_run(s);
+}
