@@ -887,6 +887,11 @@ static void demand_defer(struct mlens_sched *s, int i0, int i1, int sign)
 static void defer_decodes(struct mlens_sched *s, int k, int *n, int *n_dec)
 {
 	int from = *n_dec, to = *n_dec - k, tail = *n - *n_dec;
+	for (int i = to; i < from; i++) {
+		/* first in the next step's decodes */
+		q_remove(&s->running, s->sreq[i]);
+		q_push_head(&s->running, s->sreq[i]);
+	}
 	memmove(&s->ereq[to], &s->ereq[from], (size_t)tail * sizeof(*s->ereq));
 	memmove(&s->sreq[to], &s->sreq[from], (size_t)tail * sizeof(*s->sreq));
 	memmove(&s->blocks_before[to], &s->blocks_before[from], (size_t)tail * sizeof(*s->blocks_before));
@@ -923,9 +928,18 @@ int mlens_sched_step(struct mlens_sched *s)
 		}
 	}
 	s->preempt_mode = any_preempted(s);
-	for (r = s->running.head; r; r = r->qnext) {
+	for (struct mlens_req *next = NULL, *r0 = s->running.head; (r = r0); r0 = next) {
+		next = r->qnext;
 		if (r->has_pending)
 			continue;
+		if (tokens >= s->cap) {
+			/* more running than the cap (prefills took decodes'
+			 * places): the rest go first next step */
+			q_remove(&s->running, r);
+			q_push_head(&s->running, r);
+			s->st.decodes_deferred++;
+			continue;
+		}
 		s->sreq[n] = r;
 		s->blocks_before[n] = r->seq.n_blocks;
 		s->ereq[n] = (struct mlens_engine_req){
