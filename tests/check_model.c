@@ -1239,6 +1239,34 @@ START_TEST(fp8_alias_of_expert)
 }
 END_TEST
 
+/* The binding of fp8 scales reads config.json's quantization_config
+ * again: a file replaced since its parse is refused, naming it (one whose
+ * quantization_config had lost its quant_method used to crash). */
+START_TEST(fp8_config_changed)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct mlens_model *m;
+	bool *used;
+
+	o.fp8 = fp8_layouts[0];
+	make(&o);
+	m = open_ok(o.dir);
+	used = calloc((size_t)m->n_tensors, sizeof(*used));
+	for (int i = 0; i < m->n_tensors; i++)	/* bound, as after the family's binding */
+		used[i] = true;
+	mlens_quant_free(m);
+	edit(sub("m/config.json"), "\"quant_method\": \"compressed-tensors\"", "\"quant_method\": null");
+	ck_assert_int_eq(mlens_quant_bind(m, used, err, sizeof(err)), -EINVAL);
+	assert_err("m/config.json changed while the model was being opened (its quantization_config is no longer quant_method compressed-tensors); open the model again");
+	mlens_quant_free(m);
+	edit(sub("m/config.json"), "\"quant_method\": null", "\"quant_method\": \"fp8\"");
+	ck_assert_int_eq(mlens_quant_bind(m, used, err, sizeof(err)), -EINVAL);
+	assert_err("is no longer quant_method compressed-tensors");
+	free(used);
+	mlens_model_close(m);
+}
+END_TEST
+
 /* Block scales whose grid does not match weight_block_size. */
 START_TEST(fp8_block_mismatch)
 {
@@ -1365,6 +1393,7 @@ static Suite *model_suite(void)
 	tcase_add_test(bad, file_shape_mismatch);
 	tcase_add_test(bad, fp8_scale_dtype_truncated);
 	tcase_add_test(bad, fp8_alias_of_expert);
+	tcase_add_test(bad, fp8_config_changed);
 	tcase_add_test(bad, file_missing_and_extra_tensor);
 	tcase_add_test(bad, file_missing_shard);
 	tcase_add_test(bad, file_index_disagrees);

@@ -218,22 +218,30 @@ static bool ignored(json_t *qc, const char *module)
 	return false;
 }
 
+/* config.json's quantization_config, read again: the one parsed into
+ * m->cfg, unless the file was replaced since (then NULL, message set). */
 static json_t *load_qc(const struct mlens_model *m, char *err, size_t errlen)
 {
 	char *path = mlens_model_path(m->dir, "config.json");
 	json_error_t je;
-	json_t *root = path ? json_load_file(path, 0, &je) : NULL, *qc;
+	json_t *root = path ? json_load_file(path, JSON_REJECT_DUPLICATES, &je) : NULL, *qc, *v;
 
 	if (!root) {
 		mlens_errf(err, errlen, "%s: cannot read config.json again", m->dir);
 		free(path);
 		return NULL;
 	}
-	free(path);
 	qc = json_incref(json_object_get(root, "quantization_config"));
 	json_decref(root);
-	if (!qc)
-		mlens_errf(err, errlen, "%s: config.json lost its quantization_config", m->dir);
+	v = json_object_get(qc, "quant_method");
+	if (!json_is_object(qc) || !json_is_string(v) ||
+	    strcmp(json_string_value(v), m->cfg.quant_method)) {
+		mlens_errf(err, errlen, "%s changed while the model was being opened (its quantization_config is no longer quant_method %s); open the model again",
+			   path, m->cfg.quant_method);
+		json_decref(qc);
+		qc = NULL;
+	}
+	free(path);
 	return qc;
 }
 
