@@ -28,6 +28,7 @@ cp "$src"/tests/fuzz/corpus/* "$tmp/model/" || fail "no corpus in $src/tests/fuz
 grep -q "Done 4000 runs" "$tmp/m.log" || fail "fuzz_model did not finish its runs: $(tail -5 "$tmp/m.log")"
 cp "$src"/tests/fuzz/load-corpus/* "$tmp/load/" || fail "no corpus in $src/tests/fuzz/load-corpus"
 TMPDIR="$tmp" "$B/tests/fuzz/fuzz_load" -runs=1500 -seed=1 -rss_limit_mb=2048 -artifact_prefix="$tmp/" \
+	-dict="$src/tests/fuzz/load.dict" \
 	"$tmp/load" >"$tmp/l.log" 2>&1 || fail "fuzz_load: $(tail -30 "$tmp/l.log")"
 grep -q "Done 1500 runs" "$tmp/l.log" || fail "fuzz_load did not finish its runs: $(tail -5 "$tmp/l.log")"
 "$B/tests/fuzz/fuzz_shm" -runs=20000 -seed=1 "$tmp/shm" >"$tmp/s.log" 2>&1 ||

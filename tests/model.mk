@@ -27,11 +27,12 @@ TESTS += tests/fuzz/replay_load
 tests_fuzz_replay_load_SOURCES = tests/fuzz/replay.c tests/fuzz/fuzz_load.c
 tests_fuzz_replay_load_CPPFLAGS = $(AM_CPPFLAGS) -DREPLAY_CORPUS='"tests/fuzz/load-corpus"'
 tests_fuzz_replay_load_LDADD = daemon/libmlens_core.la
-EXTRA_DIST += tests/fuzz/load-corpus tests/fuzz/make_load_corpus.py
+EXTRA_DIST += tests/fuzz/load-corpus tests/fuzz/make_load_corpus.py tests/fuzz/load.dict
 
 # libFuzzer needs clang; automake compiles with $(CC), hence a plain rule.
 # `make fuzz` builds it and `make fuzz-load` the loader's; run as:
-# tests/fuzz/fuzz_model CORPUS_DIR, tests/fuzz/fuzz_load CORPUS_DIR
+# tests/fuzz/fuzz_model CORPUS_DIR,
+# tests/fuzz/fuzz_load -dict=tests/fuzz/load.dict CORPUS_DIR
 FUZZ_MODEL_LIB = $(top_srcdir)/daemon/model/safetensors.c $(top_srcdir)/daemon/model/model.c $(top_srcdir)/daemon/errf.c \
 	$(top_srcdir)/daemon/model/family.c $(top_srcdir)/daemon/model/family_dbrx.c \
 	$(top_srcdir)/daemon/model/quant.c \
