@@ -308,6 +308,13 @@ def seeds():
     out["dbrx-v1-missing"] = seed(c, drop(t, "transformer.blocks.1.ffn.experts.mlp.v1"))
     c["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     out["dbrx-quantized"] = seed(c, t)
+    # fp8 experts in a family without fp8 support, with and without a scale
+    c, t = qwen3()
+    e1 = p0 + "mlp.experts.1.gate_proj.weight"
+    out["qwen3-fp8-expert"] = seed(c, [(x[0], "F8_E4M3", x[2]) if x[0] == e1 else x for x in t] +
+                                   [(e1 + "_scale", "F32", [I, 1], scales(I))])
+    c, t = dbrx()
+    out["dbrx-fp8-w1"] = seed(c, [(x[0], "F8_E4M3", x[2]) if x[0] == b0 + "ffn.experts.mlp.w1" else x for x in t])
     c, t = qwen3()
     c["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}
     out["qwen3-quantized"] = seed(c, t)
