@@ -58,7 +58,7 @@ fuzz fuzz-load:
 endif
 .PHONY: fuzz fuzz-load
 CLEANFILES += tests/fuzz/fuzz_model tests/fuzz/fuzz_load
-# both libFuzzer targets still build and run (skips without clang)
+# the libFuzzer targets still build and run (skips without clang)
 dist_check_SCRIPTS += tests/fuzz_build.sh
 TESTS += tests/fuzz_build.sh
 
