@@ -900,7 +900,13 @@ START_TEST(family_bad_files)
 	make(&o);
 	ck_assert_int_eq(open_err(o.dir), -EINVAL);
 	assert_err("tensor 'model.layers.0.mlp.shared_expert_gate.weight' is missing");
+	/* the gate transposed: [H][1] where Qwen2-MoE's is [1][H] */
 	o.cfg.shared_gate = true;
+	make(&o);
+	edit_bin(sub("q2/model.safetensors"), "layers.0.mlp.shared_expert_gate.weight\":{\"dtype\":\"F32\",\"shape\":[1,64]",
+		 "layers.0.mlp.shared_expert_gate.weight\":{\"dtype\":\"F32\",\"shape\":[64,1]");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("q2/model.safetensors: tensor 'model.layers.0.mlp.shared_expert_gate.weight': shape [64, 1] does not match config.json, which implies [1, 64]");
 	o.cfg.qkv_bias = false;
 	make(&o);
 	edit(sub("q2/config.json"), "\"qkv_bias\": false", "\"qkv_bias\": true");
@@ -1018,29 +1024,33 @@ END_TEST
 
 /* ==== fp8 weights ==== */
 
-/* Replace the same-length text from by to in the safetensors header of a
- * file (its JSON; the data is left alone). */
+/* Replace the text from by to in the safetensors header of a file (its
+ * JSON, padded to 8 bytes again so that the data stays aligned; the data is
+ * left alone). */
 static void edit_header(const char *path, const char *from, const char *to)
 {
-	FILE *f = fopen(path, "r+b");
-	unsigned char le[8];
-	uint64_t h = 0;
-	char *hdr, *at;
+	size_t len, h = 0, nh, skip;
+	char *file = read_file(path, &len), *at, *out;
 
-	ck_assert_uint_eq(strlen(from), strlen(to));
-	ck_assert_ptr_nonnull(f);
-	ck_assert_uint_eq(fread(le, 1, 8, f), 8);
+	ck_assert_uint_ge(len, 8);
 	for (int i = 0; i < 8; i++)
-		h |= (uint64_t)le[i] << (8 * i);
-	hdr = calloc(1, (size_t)h + 1);
-	ck_assert_uint_eq(fread(hdr, 1, (size_t)h, f), h);
-	at = strstr(hdr, from);
+		h |= (size_t)(unsigned char)file[i] << (8 * i);
+	ck_assert_uint_le(h, len - 8);
+	at = memmem(file + 8, h, from, strlen(from));
 	ck_assert_msg(at != NULL, "'%s' not in the header of %s", from, path);
-	memcpy(at, to, strlen(to));
-	fseek(f, 8, SEEK_SET);
-	ck_assert_uint_eq(fwrite(hdr, 1, (size_t)h, f), h);
-	fclose(f);
-	free(hdr);
+	skip = (size_t)(at - file - 8);
+	nh = (h - strlen(from) + strlen(to) + 7) & ~(size_t)7;
+	out = malloc(8 + nh + len - 8 - h);
+	for (int i = 0; i < 8; i++)
+		out[i] = (char)(nh >> (8 * i));
+	memset(out + 8, ' ', nh);
+	memcpy(out + 8, file + 8, skip);
+	memcpy(out + 8 + skip, to, strlen(to));
+	memcpy(out + 8 + skip + strlen(to), at + strlen(from), h - skip - strlen(from));
+	memcpy(out + 8 + nh, file + 8 + h, len - 8 - h);
+	write_file(path, out, 8 + nh + len - 8 - h);
+	free(out);
+	free(file);
 }
 
 static const struct mlens_wscale fp8_layouts[] = {
@@ -1161,6 +1171,99 @@ START_TEST(fp8_refusals)
 	ck_assert_int_eq(c.expert_dtype, MLENS_DTYPE_E4M3);
 	ck_assert_int_eq(c.expert_scale.kind, MLENS_WSCALE_BLOCK);
 	ck_assert_int_eq(c.expert_scale.block_cols, 64);
+}
+END_TEST
+
+/* A scale stored as fp8 itself is refused for its dtype, naming the
+ * scale and the weight it belongs to; a file cut short inside an fp8
+ * matrix is refused naming that matrix. */
+START_TEST(fp8_scale_dtype_truncated)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 3);
+	const char *s1 = sub("m/model-00001-of-00003.safetensors");
+	struct stat sb;
+
+	o.fp8 = fp8_layouts[0];
+	make(&o);
+	/* the same 512 bytes as 512 fp8 codes */
+	edit_header(s1, "layers.0.block_sparse_moe.experts.0.w1.weight_scale\":{\"dtype\":\"F32\",\"shape\":[128,1]",
+		    "layers.0.block_sparse_moe.experts.0.w1.weight_scale\":{\"dtype\":\"F8_E4M3\",\"shape\":[512,1]");
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model-00001-of-00003.safetensors: tensor 'model.layers.0.block_sparse_moe.experts.0.w1.weight_scale' is F8_E4M3; the scales of fp8 weight 'model.layers.0.block_sparse_moe.experts.0.w1.weight' must be F32, BF16 or F16");
+	make(&o);
+	mlens_model_close(open_ok(o.dir));
+	/* this shard ends with an fp8 expert matrix */
+	ck_assert_int_eq(stat(s1, &sb), 0);
+	ck_assert_int_eq(truncate(s1, sb.st_size - 100), 0);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model-00001-of-00003.safetensors: tensor 'model.layers.0.block_sparse_moe.experts.1.w2.weight': data_offsets [",
+		   "run past the data section");
+}
+END_TEST
+
+/* An empty fp8 tensor that no family names, placed at the first byte of
+ * an expert matrix (with an empty scale at the end), is refused as not
+ * part of the model; it used to be taken for that expert, its scales
+ * pointer moved past the expert's own. */
+START_TEST(fp8_alias_of_expert)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	const char *path = sub("m/model.safetensors");
+	const char *w3 = "model.layers.1.block_sparse_moe.experts.3.w3.weight";
+	struct mlens_safetensors st;
+	char *file, entry[512];
+	size_t len;
+	uint64_t at = UINT64_MAX, end = 0;
+
+	o.fp8 = fp8_layouts[0];
+	make(&o);
+	file = read_file(path, &len);
+	ck_assert_int_eq(mlens_safetensors_parse(file, len, path, &st, err, sizeof(err)), 0);
+	for (int i = 0; i < st.n_tensors; i++) {
+		if (!strcmp(st.tensors[i].name, w3))
+			at = st.tensors[i].begin;
+		end = st.tensors[i].end > end ? st.tensors[i].end : end;
+	}
+	mlens_safetensors_free(&st);
+	free(file);
+	ck_assert_uint_ne(at, UINT64_MAX);
+	snprintf(entry, sizeof(entry),
+		 "{\"%s.alias.weight\":{\"dtype\":\"F8_E4M3\",\"shape\":[0,64],\"data_offsets\":[%llu,%llu]},"
+		 "\"%s.alias.weight_scale\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[%llu,%llu]},",
+		 w3, (unsigned long long)at, (unsigned long long)at, w3, (unsigned long long)end,
+		 (unsigned long long)end);
+	edit_header(path, "{", entry);
+	ck_assert_int_eq(open_err(o.dir), -EINVAL);
+	assert_err("m/model.safetensors: tensor 'model.layers.1.block_sparse_moe.experts.3.w3.weight.alias.weight",
+		   "is not part of the MixtralForCausalLM model");
+}
+END_TEST
+
+/* The binding of fp8 scales reads config.json's quantization_config
+ * again: a file replaced since its parse is refused, naming it (one whose
+ * quantization_config had lost its quant_method used to crash). */
+START_TEST(fp8_config_changed)
+{
+	struct mlens_mkmodel_opts o = tiny(sub("m"), MLENS_DTYPE_BF16, 1);
+	struct mlens_model *m;
+	bool *used;
+
+	o.fp8 = fp8_layouts[0];
+	make(&o);
+	m = open_ok(o.dir);
+	used = calloc((size_t)m->n_tensors, sizeof(*used));
+	for (int i = 0; i < m->n_tensors; i++)	/* bound, as after the family's binding */
+		used[i] = true;
+	mlens_quant_free(m);
+	edit(sub("m/config.json"), "\"quant_method\": \"compressed-tensors\"", "\"quant_method\": null");
+	ck_assert_int_eq(mlens_quant_bind(m, used, err, sizeof(err)), -EINVAL);
+	assert_err("m/config.json changed while the model was being opened (its quantization_config is no longer quant_method compressed-tensors); open the model again");
+	mlens_quant_free(m);
+	edit(sub("m/config.json"), "\"quant_method\": null", "\"quant_method\": \"fp8\"");
+	ck_assert_int_eq(mlens_quant_bind(m, used, err, sizeof(err)), -EINVAL);
+	assert_err("is no longer quant_method compressed-tensors");
+	free(used);
+	mlens_model_close(m);
 }
 END_TEST
 
@@ -1288,6 +1391,9 @@ static Suite *model_suite(void)
 	tcase_add_test(bad, file_header_past_end);
 	tcase_add_test(bad, file_dtype_mismatch);
 	tcase_add_test(bad, file_shape_mismatch);
+	tcase_add_test(bad, fp8_scale_dtype_truncated);
+	tcase_add_test(bad, fp8_alias_of_expert);
+	tcase_add_test(bad, fp8_config_changed);
 	tcase_add_test(bad, file_missing_and_extra_tensor);
 	tcase_add_test(bad, file_missing_shard);
 	tcase_add_test(bad, file_index_disagrees);

@@ -19,30 +19,46 @@ tests_fuzz_replay_SOURCES = tests/fuzz/replay.c tests/fuzz/fuzz_model.c
 tests_fuzz_replay_LDADD = daemon/libmlens_core.la
 EXTRA_DIST += tests/fuzz/corpus
 
+# The loader target: a config.json and a model.safetensors in one input,
+# opened as a model directory (family binding, fp8 scales); its seeds are
+# written by tests/fuzz/make_load_corpus.py.
+check_PROGRAMS += tests/fuzz/replay_load
+TESTS += tests/fuzz/replay_load
+tests_fuzz_replay_load_SOURCES = tests/fuzz/replay.c tests/fuzz/fuzz_load.c
+tests_fuzz_replay_load_CPPFLAGS = $(AM_CPPFLAGS) -DREPLAY_CORPUS='"tests/fuzz/load-corpus"'
+tests_fuzz_replay_load_LDADD = daemon/libmlens_core.la
+EXTRA_DIST += tests/fuzz/load-corpus tests/fuzz/make_load_corpus.py tests/fuzz/load.dict
+
 # libFuzzer needs clang; automake compiles with $(CC), hence a plain rule.
-# `make fuzz` builds it; run as: tests/fuzz/fuzz_model CORPUS_DIR
-FUZZ_MODEL_SRC = $(top_srcdir)/tests/fuzz/fuzz_model.c \
-	$(top_srcdir)/daemon/model/safetensors.c $(top_srcdir)/daemon/model/model.c $(top_srcdir)/daemon/errf.c \
+# `make fuzz` builds it and `make fuzz-load` the loader's; run as:
+# tests/fuzz/fuzz_model CORPUS_DIR,
+# tests/fuzz/fuzz_load -dict=tests/fuzz/load.dict CORPUS_DIR
+FUZZ_MODEL_LIB = $(top_srcdir)/daemon/model/safetensors.c $(top_srcdir)/daemon/model/model.c $(top_srcdir)/daemon/errf.c \
 	$(top_srcdir)/daemon/model/family.c $(top_srcdir)/daemon/model/family_dbrx.c \
 	$(top_srcdir)/daemon/model/quant.c \
 	$(top_srcdir)/daemon/infile.c
-if HAVE_CLANG
-tests/fuzz/fuzz_model: $(FUZZ_MODEL_SRC) $(top_srcdir)/daemon/model/model.h \
-		$(top_srcdir)/daemon/model/family.h \
-		$(top_srcdir)/daemon/model/safetensors.h $(top_srcdir)/daemon/model/model_int.h $(top_srcdir)/daemon/errf.h \
-		$(top_srcdir)/daemon/model/quant.h $(top_srcdir)/daemon/infile.h
-	$(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
+FUZZ_MODEL_HDR = $(top_srcdir)/daemon/model/model.h $(top_srcdir)/daemon/model/family.h \
+	$(top_srcdir)/daemon/model/safetensors.h $(top_srcdir)/daemon/model/model_int.h $(top_srcdir)/daemon/errf.h \
+	$(top_srcdir)/daemon/model/quant.h $(top_srcdir)/daemon/infile.h
+# each target is tests/fuzz/$(@F).c over the loader's sources
+FUZZ_MODEL_LINK = $(AM_V_CCLD)$(MKDIR_P) tests/fuzz && \
 	$(CLANG) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 		-include $(top_builddir)/config.h -I$(top_srcdir) $(JANSSON_CFLAGS) \
-		$(FUZZ_MODEL_SRC) $(JANSSON_LIBS) -lm -o $@
+		$(top_srcdir)/tests/fuzz/$(@F).c $(FUZZ_MODEL_LIB) $(JANSSON_LIBS) -lm -lpthread -o $@
+if HAVE_CLANG
+tests/fuzz/fuzz_model: $(top_srcdir)/tests/fuzz/fuzz_model.c $(FUZZ_MODEL_LIB) $(FUZZ_MODEL_HDR)
+	$(FUZZ_MODEL_LINK)
+tests/fuzz/fuzz_load: $(top_srcdir)/tests/fuzz/fuzz_load.c $(FUZZ_MODEL_LIB) $(FUZZ_MODEL_HDR)
+	$(FUZZ_MODEL_LINK)
 fuzz: tests/fuzz/fuzz_model
+fuzz-load: tests/fuzz/fuzz_load
 else
-fuzz:
-	@echo "make fuzz: configure found no clang, which libFuzzer needs" >&2; exit 1
+fuzz fuzz-load:
+	@echo "make $@: configure found no clang, which libFuzzer needs" >&2; exit 1
 endif
-.PHONY: fuzz
-CLEANFILES += tests/fuzz/fuzz_model
-# both libFuzzer targets still build and run (skips without clang)
+.PHONY: fuzz fuzz-load
+CLEANFILES += tests/fuzz/fuzz_model tests/fuzz/fuzz_load
+# the libFuzzer targets still build and run (skips without clang)
 dist_check_SCRIPTS += tests/fuzz_build.sh
 TESTS += tests/fuzz_build.sh
 

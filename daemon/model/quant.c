@@ -218,22 +218,30 @@ static bool ignored(json_t *qc, const char *module)
 	return false;
 }
 
+/* config.json's quantization_config, read again: the one parsed into
+ * m->cfg, unless the file was replaced since (then NULL, message set). */
 static json_t *load_qc(const struct mlens_model *m, char *err, size_t errlen)
 {
 	char *path = mlens_model_path(m->dir, "config.json");
 	json_error_t je;
-	json_t *root = path ? json_load_file(path, 0, &je) : NULL, *qc;
+	json_t *root = path ? json_load_file(path, JSON_REJECT_DUPLICATES, &je) : NULL, *qc, *v;
 
 	if (!root) {
 		mlens_errf(err, errlen, "%s: cannot read config.json again", m->dir);
 		free(path);
 		return NULL;
 	}
-	free(path);
 	qc = json_incref(json_object_get(root, "quantization_config"));
 	json_decref(root);
-	if (!qc)
-		mlens_errf(err, errlen, "%s: config.json lost its quantization_config", m->dir);
+	v = json_object_get(qc, "quant_method");
+	if (!json_is_object(qc) || !json_is_string(v) ||
+	    strcmp(json_string_value(v), m->cfg.quant_method)) {
+		mlens_errf(err, errlen, "%s changed while the model was being opened (its quantization_config is no longer quant_method %s); open the model again",
+			   path, m->cfg.quant_method);
+		json_decref(qc);
+		qc = NULL;
+	}
+	free(path);
 	return qc;
 }
 
@@ -254,7 +262,7 @@ static int scale_kind(const struct mlens_model_config *c, const struct mlens_ten
 
 	for (int i = 0; i < s->ndim; i++)
 		n *= s->shape[i];
-	if (s->dtype == MLENS_DTYPE_E4M3 || s->ndim > 2)
+	if (s->ndim > 2)
 		return -EINVAL;
 	if (c->expert_scale.kind == MLENS_WSCALE_BLOCK) {
 		int br = c->expert_scale.block_rows, bc = c->expert_scale.block_cols;
@@ -303,6 +311,11 @@ static const struct mlens_tensor *find_scale(const struct mlens_model *m, json_t
 	if (!s) {
 		mlens_errf(err, errlen, "%s: fp8 tensor '%s' has no scale '%s' (quant_method %s)",
 			   m->files[t->file].path, t->name, name, m->cfg.quant_method);
+		return NULL;
+	}
+	if (s->dtype == MLENS_DTYPE_E4M3) {
+		mlens_errf(err, errlen, "%s: tensor '%s' is F8_E4M3; the scales of fp8 weight '%s' must be F32, BF16 or F16",
+			   m->files[s->file].path, s->name, t->name);
 		return NULL;
 	}
 	if (scale_kind(&m->cfg, t, s, k)) {
@@ -500,13 +513,17 @@ int mlens_quant_bind(struct mlens_model *m, bool *used, char *err, size_t errlen
 	}
 	qsort(refs, nref, sizeof(*refs), by_data);
 
-	/* pass 1: check every fp8 tensor; experts all fp8 or none */
+	/* pass 1: check every fp8 tensor; experts all fp8 or none. A tensor
+	 * the binding did not name is left unused for bind_weights to refuse:
+	 * an empty one can start at an expert's first byte and is no expert. */
 	for (int i = 0; i < m->n_tensors; i++) {
 		const struct mlens_tensor *t = &m->tensors[i];
 		struct expert_ref key = { t->data, 0 };
 		bool expert = bsearch(&key, refs, nref, sizeof(key), by_data) != NULL;
 		struct mlens_wscale k;
 
+		if (!used[i])
+			continue;
 		if (t->dtype != MLENS_DTYPE_E4M3) {
 			if (expert && !a16)
 				a16 = t;
@@ -563,7 +580,7 @@ int mlens_quant_bind(struct mlens_model *m, bool *used, char *err, size_t errlen
 			struct mlens_wscale k;
 			char name[512];
 
-			if (t->dtype != MLENS_DTYPE_E4M3)
+			if (t->dtype != MLENS_DTYPE_E4M3 || !used[i])
 				continue;
 			s = find_scale(m, qc, t, &k, err, errlen);
 			used[t - m->tensors] = true;

@@ -31,9 +31,11 @@ int mlens_quant_parse_config(struct json_t *qc, const char *path, struct mlens_m
  * or a scale of one, in a model with a quantization_config. */
 bool mlens_quant_tensor_exempt(const struct mlens_model_config *cfg, const struct mlens_tensor *t);
 
-/* After the weights are bound: check every fp8 tensor against the
- * quantization_config (not in an ignored module, its scale present and of
- * a per-tensor, per-channel or block shape), mark it and its scales used,
+/* After the weights are bound (used: the tensors the binding named; the
+ * others stay unused, for the caller to refuse): check every bound fp8
+ * tensor against the quantization_config (not in an ignored module, its
+ * scale present, of a 16- or 32-bit float dtype and of a per-tensor,
+ * per-channel or block shape), mark it and its scales used,
  * point the experts' s1/s2/s3 at fp32 copies of their scales and replace
  * other fp8 matrices by dequantized copies. Sets cfg.expert_dtype. */
 int mlens_quant_bind(struct mlens_model *m, bool *used, char *err, size_t errlen);

@@ -24,6 +24,26 @@ GOLDEN_FIXTURES_FAMILIES = \
 	tests/golden/q3-topk-norm-bias/logits_prefill_p2.f32 \
 	tests/golden/q3-topk-norm-bias/logits_prefill_p3.f32 \
 	tests/golden/q3-topk-norm-bias/model.safetensors \
+	tests/golden/q3-topk-norm-bias-bf16/config.json \
+	tests/golden/q3-topk-norm-bias-bf16/generation_config.json \
+	tests/golden/q3-topk-norm-bias-bf16/golden.json \
+	tests/golden/q3-topk-norm-bias-bf16/hf_bf16_prefill_p0.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/hf_bf16_prefill_p1.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/hf_bf16_prefill_p2.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/hf_bf16_prefill_p3.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_kvbf16_p0.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_kvbf16_p1.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_kvbf16_p2.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_kvbf16_p3.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_p0.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_p1.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_p2.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_gen_p3.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_prefill_p0.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_prefill_p1.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_prefill_p2.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/logits_prefill_p3.f32 \
+	tests/golden/q3-topk-norm-bias-bf16/model.safetensors \
 	tests/golden/q2-shared-expert/config.json \
 	tests/golden/q2-shared-expert/generation_config.json \
 	tests/golden/q2-shared-expert/golden.json \

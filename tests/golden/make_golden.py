@@ -39,6 +39,13 @@ PROMPT_LENS = [1, 5, 17, 40]
 N_GEN = 48          # greedy tokens per prompt
 N_GEN_LOGITS = 32   # generated steps whose logits are stored
 TOL_F32 = 1e-4      # max |diff| / max |ref| per prompt
+# bf16 weights: fp32 compute, decode reading K/V from a bf16 cache
+TOL_BF16 = dict(
+    prefill=TOL_F32, decode=1.5e-2, kv_bf16=1e-3,
+    note=("reference = these bf16 weights upcast to fp32 compute, as mlens computes "
+          "(fp32 activations). Prefill attention uses fp32 K/V, so prefill logits "
+          "meet the fp32 tolerance; decode steps read K/V from the bf16 KV cache "
+          "(relative rounding 2^-9 = 2e-3 per element), hence the decode tolerance"))
 
 # Each config differs in head_dim, expert count, top-k, GQA ratio and
 # rope_theta; m1 is sharded, m3 ties the embeddings, m2 also ships in bf16.
@@ -284,8 +291,8 @@ def first_unsafe(ref, tol):
     return len(ref["margin"])
 
 
-def load(d, dtype):
-    return MixtralForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager").eval()
+def load(d, dtype, cls=MixtralForCausalLM):
+    return cls.from_pretrained(d, dtype=dtype, attn_implementation="eager").eval()
 
 
 def write_golden_json(d, js):
@@ -296,11 +303,12 @@ def write_golden_json(d, js):
 
 
 def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None, model=None,
-                  reference_note=None):
+                  reference_note=None, cls=MixtralForCausalLM):
     """model: the reference model when it is not the folder's files as
-    transformers loads them (make_golden_fp8.py: the dequantized weights)."""
+    transformers loads them (make_golden_fp8.py: the dequantized weights);
+    cls: the family's class (make_golden_families.py: a bf16 Qwen3-MoE)."""
     if model is None:
-        model = load(d, torch.float32)   # bf16 files are upcast exactly
+        model = load(d, torch.float32, cls)   # bf16 files are upcast exactly
     watch = RouterWatch(model, spec["cfg"]["num_experts_per_tok"])
     ref = reference(model, prompts)
     V = spec["cfg"]["vocab_size"]
@@ -309,9 +317,10 @@ def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None, model=Non
         n_gen=N_GEN, n_gen_logits=N_GEN_LOGITS,
         tolerance=dict(prefill=tol["prefill"], decode=tol["decode"]),
         tolerance_note=tol["note"],
-        reference=("transformers %s, torch %s: MixtralForCausalLM.from_pretrained(this dir, "
+        reference=("transformers %s, torch %s: %s.from_pretrained(this dir, "
                    "dtype=float32, attn_implementation='eager'), CPU, one prompt at a time, "
-                   "greedy with use_cache" % (transformers.__version__, torch.__version__)
+                   "greedy with use_cache" % (transformers.__version__, torch.__version__,
+                                              cls.__name__)
                    if reference_note is None else reference_note),
         prompts=[])
     for n, (p, r) in enumerate(zip(prompts, ref)):
@@ -326,7 +335,7 @@ def write_fixture(d, spec, prompts, dtype_name, tol, bf16_served=None, model=Non
                  min(r["margin"])))
     if bf16_served:
         js["kv_bf16"] = bf16_kv_check(d, model, prompts, ref, tol)
-        js["informational_hf_bf16"] = bf16_served(d, prompts, ref)
+        js["informational_hf_bf16"] = bf16_served(d, prompts, ref, cls)
     js["router_min_gap"] = watch.min_gap
     if bf16_served:
         # after router_min_gap, which these runs must not change
@@ -380,10 +389,10 @@ def bf16_kv_check(d, model, prompts, ref, tol):
     return res
 
 
-def hf_bf16_served(d, prompts, ref32):
+def hf_bf16_served(d, prompts, ref32, cls=MixtralForCausalLM):
     """transformers serving the bf16 files in bf16 (its own compute dtype):
     not what mlens computes (fp32 activations), kept to show the gap."""
-    model = load(d, torch.bfloat16)
+    model = load(d, torch.bfloat16, cls)
     hb = reference(model, prompts)
     info = dict(note=("transformers in bf16 (dtype=bfloat16, eager): logits vs the fp32-compute "
                       "reference; not compared by the test"), prompts=[])
@@ -436,12 +445,7 @@ def main():
                      dict(prefill=TOL_F32, decode=TOL_F32,
                           note="fp32 weights and activations: rounding-order differences only"))]
         if spec["bf16"]:
-            variants.append(("-bf16", torch.bfloat16, "bfloat16", dict(
-                prefill=TOL_F32, decode=1.5e-2, kv_bf16=1e-3,
-                note=("reference = these bf16 weights upcast to fp32 compute, as mlens computes "
-                      "(fp32 activations). Prefill attention uses fp32 K/V, so prefill logits "
-                      "meet the fp32 tolerance; decode steps read K/V from the bf16 KV cache "
-                      "(relative rounding 2^-9 = 2e-3 per element), hence the decode tolerance"))))
+            variants.append(("-bf16", torch.bfloat16, "bfloat16", TOL_BF16))
         for suffix, dt, dname, tol in variants:
             d = os.path.join(out, spec["name"] + suffix)
             shutil.rmtree(d, ignore_errors=True)

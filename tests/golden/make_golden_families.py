@@ -2,7 +2,8 @@
 """Write the golden fixtures of the model families other than Mixtral
 (Qwen3-MoE, Qwen2-MoE, OLMoE) for tests/check_golden.c, in the format of
 make_golden.py (read tests/golden/README.md): small random models saved
-with save_pretrained in float32, and transformers' float32 eager-attention
+with save_pretrained in float32 (one also in bf16, written and checked as
+make_golden.py's bf16 Mixtral), and transformers' float32 eager-attention
 CPU outputs for them. The weights are drawn as make_golden.py draws them
 (std scaled by fan-in, so logits are not flat), the seeds chosen so that
 no router's k-th and (k+1)-th logits come close (router_min_gap).
@@ -44,7 +45,7 @@ MODELS = [
                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                   intermediate_size=96, mlp_only_layers=[1], decoder_sparse_step=1,
                   norm_topk_prob=False, attention_bias=False, rope_theta=1e6)),
-    dict(name="q3-topk-norm-bias", family="qwen3_moe", seed=1209,
+    dict(name="q3-topk-norm-bias", family="qwen3_moe", seed=1209, bf16=True,
          cfg=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                   num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                   intermediate_size=64, mlp_only_layers=[], decoder_sparse_step=1,
@@ -133,6 +134,16 @@ def main():
         print("%s (%s)" % (d, mcls.__name__))
         write_fixture(d, spec, mcls, prompts)
         files += [os.path.join(spec["name"], f) for f in sorted(os.listdir(d))]
+        if spec.get("bf16"):
+            # the same weights rounded to bf16, with the bf16 Mixtral's
+            # references (bf16-KV, router data for the fast GEMMs)
+            d += "-bf16"
+            shutil.rmtree(d, ignore_errors=True)
+            model.to(torch.bfloat16).save_pretrained(d)
+            print("%s (%s, bfloat16)" % (d, mcls.__name__))
+            mg.write_fixture(d, dict(spec, cfg=dict(spec["cfg"], vocab_size=cfg.vocab_size)),
+                             prompts, "bfloat16", mg.TOL_BF16, mg.hf_bf16_served, cls=mcls)
+            files += [os.path.join(os.path.basename(d), f) for f in sorted(os.listdir(d))]
     # The build ships exactly these files (tests/golden.mk includes the list).
     mg.write_files_list(os.path.join(out, "files_families.mk"), "GOLDEN_FIXTURES_FAMILIES",
                         "tests/golden/make_golden_families.py: every fixture file", files)
