@@ -375,7 +375,7 @@ enum mlens_moe_grouped {
 	MLENS_MOE_GROUPED_OFF,
 };
 /* Experts with rows in a MoE chunk from which auto groups. */
-#define MLENS_MOE_GROUPED_MIN_EXPERTS 16
+#define MLENS_MOE_GROUPED_MIN_EXPERTS 32
 
 /* How a host thread waits for the GPU (CUDA's device schedule flags): auto
  * is CUDA's heuristic (spin when the process has fewer contexts than the

@@ -18,7 +18,7 @@
  * and, with fast GEMMs on 16-bit weights, keeps gate and up in the weight
  * dtype (mlens_moe_half_gu): one more rounding of 2^-9 or 2^-12, inside
  * the same tolerances. Many experts (64, top-8) go through grouped GEMMs
- * (opts moe_grouped: auto from 16 experts with rows, on in gpu_grp, off in
+ * (opts moe_grouped: auto from MLENS_MOE_GROUPED_MIN_EXPERTS experts with rows, on in gpu_grp, off in
  * gpu_sm), which round each expert's down output to the weight dtype
  * too: the same tolerances, and with one expert a token and weight 1 every
  * output is a value of that dtype exactly when the grouped path ran.

@@ -641,7 +641,6 @@ static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMat
 	cublasLtMatmulHeuristicResult_t hr;
 	cublasLtMatrixLayoutOpaque_t lbo;
 	int nb = lt_bucket(n);
-	uint32_t align = 16;	/* rows of e4m3 at multiples of 16 bytes */
 	size_t ws = c->lt_ws ? c->blas_ws_bytes : 0;
 	int found = 0;
 	cublasStatus_t st;
@@ -675,13 +674,6 @@ static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMat
 	if (st == CUBLAS_STATUS_SUCCESS)
 		st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
 							  &ws, sizeof(ws));
-	for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++) {
-		static const cublasLtMatmulPreferenceAttributes_t al[4] = {
-			CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-			CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES
-		};
-		st = cublasLtMatmulPreferenceSetAttribute(pref, al[i], &align, sizeof(align));
-	}
 	if (st == CUBLAS_STATUS_SUCCESS)
 		st = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &hr, &found);
 	/* a combination this cuBLASLt does not take (scale modes, output
@@ -726,15 +718,12 @@ static void lt_forget(struct mlens_cuda_ctx *c, int k, int m, int n, enum mlens_
  * and later); without them the scales are 1 and the caller applies its
  * own. The row-major operands are column-major W^T and x: a "TN" product,
  * as fp8 needs. out NULL: only whether cuBLASLt has an algorithm for it
- * (0 or -ENOTSUP). Descriptors live on the stack; the algorithm is
- * cached by shape (lt_algo). */
+ * (0 or -ENOTSUP). The algorithm is cached by shape (lt_algo). */
 static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot, const uint8_t *x,
 		       const float *xs, const uint8_t *w, const float *ws, int n, int k, int m)
 {
-	cublasLtMatmulDescOpaque_t opo;
-	cublasLtMatrixLayoutOpaque_t lao, lbo, ldo;
-	cublasLtMatmulDesc_t op = &opo;
-	cublasLtMatrixLayout_t la = &lao, lb = &lbo, ld = &ldo;
+	cublasLtMatmulDesc_t op = NULL;
+	cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
 	const cublasLtMatmulAlgo_t *algo;
 	cublasLtMatmulAlgo_t own;
 	cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -747,7 +736,7 @@ static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 
 	if (n <= 0)
 		return 0;
-	st = cublasLtMatmulDescInit(op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+	st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
 	if (st == CUBLAS_STATUS_SUCCESS)
 		st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
 	if (st == CUBLAS_STATUS_SUCCESS)
@@ -768,24 +757,28 @@ static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 							    sizeof(xs));
 	}
 	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatrixLayoutInit(la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
+		st = cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
 	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatrixLayoutInit(lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
+		st = cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
 	if (st == CUBLAS_STATUS_SUCCESS)
-		st = cublasLtMatrixLayoutInit(ld, dty, (uint64_t)m, (uint64_t)n, m);
-	if (st != CUBLAS_STATUS_SUCCESS)
-		return st == CUBLAS_STATUS_NOT_SUPPORTED
-			       ? -ENOTSUP
-			       : mlens_cublas_rc(st, "fp8 GEMM set-up", __FILE__, __LINE__);
-	if (!out)
-		return lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, true, &own, &rc) ? 0 : rc;
+		st = cublasLtMatrixLayoutCreate(&ld, dty, (uint64_t)m, (uint64_t)n, m);
+	if (st != CUBLAS_STATUS_SUCCESS) {
+		rc = st == CUBLAS_STATUS_NOT_SUPPORTED
+			     ? -ENOTSUP
+			     : mlens_cublas_rc(st, "fp8 GEMM set-up", __FILE__, __LINE__);
+		goto out;
+	}
+	if (!out) {
+		rc = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, true, &own, &rc) ? 0 : rc;
+		goto out;
+	}
 	for (int fresh = 0; fresh < 2; fresh++) {
 		if (!(algo = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, fresh != 0, &own, &rc)))
-			return rc;
+			goto out;
 		st = cublasLtMatmul(c->lt, op, &one, w, la, x, lb, &zero, out, ld, out, ld, algo,
 				    c->lt_ws, c->lt_ws ? c->blas_ws_bytes : 0, c->stream);
 		if (st == CUBLAS_STATUS_SUCCESS)
-			return 0;
+			goto out;
 		/* the bucket's algorithm may not take this n: this n's own */
 		if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
 			break;
@@ -794,11 +787,78 @@ static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 		/* outer-vector scales refused at run time: the shape takes the
 		 * unit-scale GEMM and a scale pass from now on */
 		lt_forget(c, k, m, n, ot);
-		return -ENOTSUP;
+		rc = -ENOTSUP;
+	} else {
+		rc = st == CUBLAS_STATUS_NOT_SUPPORTED
+			     ? -ENOTSUP
+			     : mlens_cublas_rc(st, "fp8 GEMM", __FILE__, __LINE__);
 	}
-	return st == CUBLAS_STATUS_NOT_SUPPORTED
-		       ? -ENOTSUP
-		       : mlens_cublas_rc(st, "fp8 GEMM", __FILE__, __LINE__);
+out:
+	if (ld)
+		cublasLtMatrixLayoutDestroy(ld);
+	if (lb)
+		cublasLtMatrixLayoutDestroy(lb);
+	if (la)
+		cublasLtMatrixLayoutDestroy(la);
+	if (op)
+		cublasLtMatmulDescDestroy(op);
+	return rc;
+}
+
+static int gemm_fp8_scaled(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
+			   const uint8_t *x, const float *xs, const uint8_t *w, const float *ws,
+			   int n, int k, int m);
+
+/* Whether the fp8 GEMMs the MoE runs work here: one product of each kind
+ * (bf16 gate/up out, fp32 down out; per-row and per-channel scales, or
+ * the scale pass where cuBLASLt has no such scales) on ones, checked on
+ * the host. A library or driver that takes the descriptors but fails the
+ * products leaves fp8 experts on the dequantize path instead of failing
+ * steps. */
+static bool lt_selftest(struct mlens_cuda_ctx *c)
+{
+	enum { N = 48, K = 256, M = 128 };
+	size_t o_x = 0, o_w = o_x + N * K, o_xs = o_w + M * K, o_ws = o_xs + 256, o_d = o_ws + M * 4;
+	size_t bytes = o_d + (size_t)N * M * 4;
+	float hs[M > N ? M : N], *hd = (float *)malloc((size_t)N * M * 4);
+	uint16_t *hb = (uint16_t *)hd;
+	char *d = NULL;
+	bool ok = hd && cudaMalloc((void **)&d, bytes) == cudaSuccess;
+	int rc = 0;
+
+	/* e4m3 0x38 is 1.0; scales 0.5 (channels) and 2 (rows): every
+	 * product is K, exact in bf16 and fp32 */
+	ok = ok && cudaMemset(d + o_x, 0x38, (size_t)(M + N) * K) == cudaSuccess;
+	for (int i = 0; ok && i < (M > N ? M : N); i++)
+		hs[i] = 2.0f;
+	ok = ok && cudaMemcpy(d + o_xs, hs, N * 4, cudaMemcpyHostToDevice) == cudaSuccess;
+	for (int i = 0; ok && i < M; i++)
+		hs[i] = 0.5f;
+	ok = ok && cudaMemcpy(d + o_ws, hs, M * 4, cudaMemcpyHostToDevice) == cudaSuccess;
+	for (int t = 0; ok && t < 2; t++) {
+		enum mlens_dtype ot = t ? MLENS_DTYPE_F32 : MLENS_DTYPE_BF16;
+		rc = gemm_fp8_scaled(c, d + o_d, ot, (const uint8_t *)d + o_x, (const float *)(d + o_xs),
+				     (const uint8_t *)d + o_w, (const float *)(d + o_ws), N, K, M);
+		ok = !rc && cudaStreamSynchronize(c->stream) == cudaSuccess &&
+		     cudaMemcpy(hd, d + o_d, (size_t)N * M * (t ? 4 : 2), cudaMemcpyDeviceToHost) ==
+			     cudaSuccess;
+		for (int i = 0; ok && i < N * M; i++) {
+			float v = hd[i];
+			if (!t) {
+				uint32_t u = (uint32_t)hb[i] << 16;
+				memcpy(&v, &u, 4);
+			}
+			ok = v == (float)K;
+		}
+	}
+	if (d)
+		cudaFree(d);
+	free(hd);
+	(void)cudaGetLastError();	/* a failed product's error is not the context's */
+	if (!ok)
+		fprintf(stderr, "mlens cuda: the fp8 GEMMs failed their check (%s); fp8 experts are "
+			"dequantized\n", rc ? strerror(-rc) : "wrong products");
+	return ok;
 }
 
 /* fp8 experts on the tensor cores (opts fp8_gemm auto or fp8, a device
@@ -1846,8 +1906,7 @@ extern "C" int mlens_backend_cuda_create(struct mlens_backend *be,
 		struct cudaDeviceProp prop;
 		CUDA_GOTO(cudaGetDeviceProperties(&prop, c->device), rc, fail);
 		if (prop.major * 10 + prop.minor >= 89 && cublasLtCreate(&c->lt) == CUBLAS_STATUS_SUCCESS)
-			c->fp8_tc = lt_gemm_fp8(c, NULL, MLENS_DTYPE_F32, NULL, NULL, NULL, NULL, 16, 64,
-						64) == 0;
+			c->fp8_tc = lt_selftest(c);
 		if (!c->fp8_tc && o && o->fp8_gemm == MLENS_FP8_GEMM_FP8)
 			fprintf(stderr, "mlens cuda: %s has no fp8 GEMM; fp8 experts are dequantized\n",
 				prop.name);
