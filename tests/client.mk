@@ -27,6 +27,9 @@ TESTS += tests/integration/generate_text.sh
 # kv_dtype = fp8 through a real mlensd: capacity, status, sane generation.
 dist_check_SCRIPTS += tests/integration/kv_fp8.sh
 TESTS += tests/integration/kv_fp8.sh
+# mlens-kvcompare's matrix: fp8 weights, fp8 KV and both against bf16.
+dist_check_SCRIPTS += tests/integration/fp8_accuracy.sh
+TESTS += tests/integration/fp8_accuracy.sh
 
 # Each public header compiles alone (as libqb checks): a .c file holding
 # only its #include, compiled as C99 and as C++.

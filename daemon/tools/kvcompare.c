@@ -1,25 +1,31 @@
-/* mlens-kvcompare: the accuracy of the fp8 KV cache. One model and the same
- * prompts run through the engine in-process twice, with a reference KV
- * dtype (bf16, or fp32) and with fp8 (or another test dtype); the test run is fed the reference
- * run's greedy tokens (teacher forcing), so every position compares the
- * two caches on the same context. Prints a table and a JSON object: greedy
- * agreement (per token, first token, whole sequences) and the mean and
- * largest absolute difference of the log-probabilities the two runs give
- * the reference's greedy tokens. */
+/* mlens-kvcompare: the accuracy of fp8 weights and of the fp8 KV cache.
+ * The same prompts run through the engine in-process twice or more: a
+ * reference run (the model as its files hold it, a bf16 or fp32 KV
+ * cache) and test runs with fp8 experts (the reference model's quantized
+ * at load as weight_dtype = fp8 does, or a second model directory such as
+ * an fp8 checkpoint), an fp8 (or other) KV cache, or both. Every test run
+ * is fed the reference run's greedy tokens (teacher forcing), so every
+ * position compares the two on the same context. Prints a table and a
+ * JSON object: greedy agreement (per token, first token, whole sequences)
+ * and the mean and largest absolute difference of the log-probabilities
+ * the runs give the reference's greedy tokens. */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "daemon/exec/engine.h"
+#include "daemon/model/quant.h"
 #include "daemon/tools/toolopt.h"
 #include "daemon/serve/worker.h"
 
 struct kvc_opts {
-	const char *dir, *backend, *json, *prompt_file;
+	const char *dir, *test_dir, *backend, *json, *prompt_file;
 	long n, plen, gen, batch, seed, threads;
-	int ref_dtype, test_dtype;
+	int ref_dtype, test_dtype;	/* test_dtype < 0: not given */
+	bool test_fp8, matrix, fp8_gemm;
 };
 
 /* The prompts: n of them, prompt i at tok + off[i], len[i] tokens. */
@@ -32,24 +38,58 @@ struct kvc_prompts {
 };
 
 /* One run's record per (prompt, position): the greedy token, and the
- * log-probability of the token the reference chose there. */
+ * log-probability of the token the reference chose there; and what the
+ * run ran with. */
 struct kvc_run {
 	int32_t *greedy;
 	float *lp;
 	double seconds;
 	size_t token_bytes;	/* KV bytes a token, K and V, all layers */
+	size_t weight_bytes;	/* the model's tensor bytes (experts at their dtype) */
 	uint32_t blocks;
+	int kv_dtype;
+	char weights[32];	/* the experts' dtype, and fp8 scales' layout */
+};
+
+/* A test run against the reference: greedy agreement and |dlogprob|. */
+struct kvc_score {
+	double tokens, first, seqs, mean, max;
+};
+
+/* One configuration of a test run: on the test weights or the reference's,
+ * with KV dtype kv_dtype. */
+struct kvc_config {
+	const char *name;
+	bool test_weights;
+	int kv_dtype;
+	struct kvc_run run;
+	struct kvc_score score;
 };
 
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: mlens-kvcompare --model DIR [--backend cpu|cuda|auto] [--prompts N]\n"
 		   "                       [--prompt-len L] [--prompt-file FILE] [--gen G] [--batch B]\n"
-		   "                       [--reference bf16|fp32] [--test fp8|bf16|fp32] [--seed S]\n"
-		   "                       [--threads N] [--json FILE]\n"
-		   "Runs the model with a bf16 (or fp32) KV cache and with an fp8 one on the same\n"
-		   "prompts (the test run follows the reference's greedy tokens) and prints greedy\n"
-		   "agreement and the mean |log-probability difference|, as a table and as JSON.\n"
+		   "                       [--reference bf16|fp32] [--test fp8|bf16|fp32]\n"
+		   "                       [--test-weights auto|fp8] [--test-model DIR] [--matrix]\n"
+		   "                       [--gpu-fp8-gemm dequant|fp8] [--seed S] [--threads N]\n"
+		   "                       [--json FILE]\n"
+		   "Runs the model as its files hold it with a bf16 (or fp32) KV cache (the\n"
+		   "reference), then the test run on the same prompts, fed the reference's greedy\n"
+		   "tokens, and prints greedy agreement and the mean and largest |log-probability\n"
+		   "difference|, as a table and as JSON.\n"
+		   "--test: the test run's KV dtype; default fp8, or the reference's when the test\n"
+		   "  run's weights differ (--test-weights fp8 alone measures the weights alone).\n"
+		   "--test-weights fp8: the test run's experts quantized to fp8 at load (a scale\n"
+		   "  per output channel), as mlensd's weight_dtype = fp8 does.\n"
+		   "--test-model DIR: the test run's weights from DIR, a model of the same shape\n"
+		   "  (an fp8 checkpoint of the reference model, say).\n"
+		   "--matrix: one reference run against four test runs, one table and JSON with a\n"
+		   "  row each: control (the reference's weights and KV dtype: agreement 1,\n"
+		   "  difference 0), fp8 weights, the --test KV dtype (fp8), and both. The fp8\n"
+		   "  weights are the reference's quantized at load, or --test-model's.\n"
+		   "--gpu-fp8-gemm: how the CUDA backend multiplies fp8 experts (as mlensd's\n"
+		   "  gpu_fp8_gemm; default dequant).\n"
 		   "--prompt-file: one prompt a line, token ids separated by spaces. --test bf16\n"
 		   "against --reference bf16 is the control (agreement 1, difference 0).\n");
 }
@@ -69,6 +109,15 @@ static int parse_kv_dtype(const char *opt, const char *s)
 	if (!strcmp(s, "fp8"))
 		return MLENS_DTYPE_E4M3;
 	fprintf(stderr, "mlens-kvcompare: %s wants bf16, fp32 or fp8, got '%s'\n", opt, s);
+	exit(2);
+}
+
+/* One of two words named on the command line: true for the second. */
+static bool parse_pick(const char *opt, const char *s, const char *no, const char *yes)
+{
+	if (!strcmp(s, no) || !strcmp(s, yes))
+		return !strcmp(s, yes);
+	fprintf(stderr, "mlens-kvcompare: %s wants %s or %s, got '%s'\n", opt, no, yes, s);
 	exit(2);
 }
 
@@ -164,6 +213,16 @@ static int32_t row_greedy(const float *l, int64_t vocab, int32_t t, float *lp_t)
 	return best;
 }
 
+/* The experts' dtype, and for fp8 the layout of their scales. */
+static void weights_name(const struct mlens_model *m, char *buf, size_t len)
+{
+	const struct mlens_model_config *c = &m->cfg;
+	static const char *const scales[] = { "", "/tensor", "/channel", "/block" };
+	unsigned k = (unsigned)c->expert_scale.kind;
+	snprintf(buf, len, "%s%s", mlens_dtype_name(c->expert_dtype),
+		 c->expert_dtype == MLENS_DTYPE_E4M3 && k < 4 ? scales[k] : "");
+}
+
 /* One run with KV dtype kv_dtype. ref: the reference's greedy tokens,
  * followed and scored; NULL for the reference run, which follows its own. */
 static int run(const struct mlens_model *m, struct mlens_backend *be, int kv_dtype,
@@ -193,6 +252,9 @@ static int run(const struct mlens_model *m, struct mlens_backend *be, int kv_dty
 	}
 	r->token_bytes = 2 * mlens_kv_token_bytes(&mlens_engine_kv(e)->cache);
 	r->blocks = mlens_engine_kv(e)->cache.n_blocks;
+	r->weight_bytes = m->weight_bytes;
+	r->kv_dtype = kv_dtype;
+	weights_name(m, r->weights, sizeof(r->weights));
 	t0 = mlens_now();
 	for (long a = 0; a < p->n; a += B) {
 		long nb = p->n - a < B ? p->n - a : B;
@@ -238,6 +300,151 @@ out:
 	return rc;
 }
 
+/* How test run t scores against the reference run ref. */
+static void score(const struct kvc_run *ref, const struct kvc_run *t, long N, long G,
+		  struct kvc_score *sc)
+{
+	long agree = 0, first = 0, seqs = 0;
+	double sum = 0.0, mx = 0.0;
+	for (long i = 0; i < N; i++) {
+		int all = 1;
+		for (long s = 0; s < G; s++) {
+			size_t x = (size_t)(i * G + s);
+			double d = fabs((double)ref->lp[x] - (double)t->lp[x]);
+			int same = ref->greedy[x] == t->greedy[x];
+			agree += same;
+			first += same && !s;
+			all &= same;
+			sum += d;
+			mx = d > mx ? d : mx;
+		}
+		seqs += all;
+	}
+	sc->tokens = (double)agree / (double)(N * G);
+	sc->first = (double)first / (double)N;
+	sc->seqs = (double)seqs / (double)N;
+	sc->mean = sum / (double)(N * G);
+	sc->max = mx;
+}
+
+/* A table row: the run's weights and KV, against the reference (sc NULL
+ * for the reference's own row). */
+static void table_row(const char *name, const struct kvc_run *ref, const struct kvc_run *r,
+		      const struct kvc_score *sc)
+{
+	printf("%-12s %-16s %-8s %8zu %8.4f %8.4f %7.2f", name, r->weights,
+	       mlens_dtype_name((enum mlens_dtype)r->kv_dtype), r->token_bytes,
+	       (double)r->weight_bytes / (double)ref->weight_bytes,
+	       (double)ref->token_bytes / (double)r->token_bytes, r->seconds);
+	if (sc)
+		printf(" %8.4f %8.4f %8.4f %10.6f %10.6f\n", sc->tokens, sc->first, sc->seqs, sc->mean,
+		       sc->max);
+	else
+		printf(" %8s %8s %8s %10s %10s\n", "-", "-", "-", "-", "-");
+}
+
+static void json_scores(FILE *f, const struct kvc_score *sc)
+{
+	fprintf(f, "\"greedy_agreement_tokens\": %.6f, \"greedy_agreement_first\": %.6f, "
+		   "\"greedy_agreement_sequences\": %.6f, \"mean_abs_logprob_diff\": %.8f, "
+		   "\"max_abs_logprob_diff\": %.8f",
+		sc->tokens, sc->first, sc->seqs, sc->mean, sc->max);
+}
+
+/* The table on stdout and the JSON object on o->json (or stdout). */
+static int report(const struct kvc_opts *o, const struct mlens_model *m, const char *backend,
+		  const struct kvc_prompts *pr, const struct kvc_run *ref,
+		  const struct kvc_config *cf, int nc)
+{
+	const char *rn = mlens_dtype_name((enum mlens_dtype)ref->kv_dtype);
+	FILE *jf;
+
+	printf("model %s (%lld layers, %s weights), backend %s; %ld prompts (max %d tokens), %ld "
+	       "greedy tokens each, teacher-forced on the reference run\n",
+	       o->dir, (long long)m->cfg.num_hidden_layers, mlens_dtype_name(m->cfg.dtype), backend,
+	       pr->n, pr->max_len, o->gen);
+	if (o->test_dir)
+		printf("test weights from %s\n", o->test_dir);
+	printf("%-12s %-16s %-8s %8s %8s %8s %7s %8s %8s %8s %10s %10s\n", "run", "experts", "KV",
+	       "KV B/tok", "weight x", "KV tok x", "seconds", "tokens", "first", "seqs", "mean|dlp|",
+	       "max|dlp|");
+	table_row("reference", ref, ref, NULL);
+	for (int i = 0; i < nc; i++)
+		table_row(cf[i].name, ref, &cf[i].run, &cf[i].score);
+	printf("(weight x: the test model's tensor bytes / the reference's; KV tok x: KV tokens\n"
+	       " a pool holds / the reference's; tokens, first, seqs: greedy agreement per token,\n"
+	       " on the first token, on whole sequences; |dlp|: |log-probability difference|)\n");
+
+	jf = o->json ? fopen(o->json, "w") : stdout;
+	if (!jf) {
+		fprintf(stderr, "mlens-kvcompare: cannot write %s: %s\n", o->json, strerror(errno));
+		return -errno;
+	}
+	fprintf(jf, "{\"model\": \"%s\", \"layers\": %lld, \"weights\": \"%s\", \"backend\": \"%s\", "
+		    "\"prompts\": %ld, \"max_prompt_tokens\": %d, \"gen_tokens\": %ld, "
+		    "\"reference\": \"%s\", \"reference_weights\": \"%s\", ",
+		o->dir, (long long)m->cfg.num_hidden_layers, mlens_dtype_name(m->cfg.dtype), backend,
+		pr->n, pr->max_len, o->gen, rn, ref->weights);
+	if (!o->matrix) {
+		const struct kvc_run *t = &cf[0].run;
+		fprintf(jf, "\"test\": \"%s\", \"test_weights\": \"%s\", "
+			    "\"kv_token_bytes\": {\"reference\": %zu, \"test\": %zu}, "
+			    "\"weight_bytes\": {\"reference\": %zu, \"test\": %zu}, "
+			    "\"seconds\": {\"reference\": %.3f, \"test\": %.3f}, "
+			    "\"kv_tokens_ratio\": %.6f, ",
+			mlens_dtype_name((enum mlens_dtype)t->kv_dtype), t->weights, ref->token_bytes,
+			t->token_bytes, ref->weight_bytes, t->weight_bytes, ref->seconds, t->seconds,
+			(double)ref->token_bytes / (double)t->token_bytes);
+		json_scores(jf, &cf[0].score);
+	} else {
+		fprintf(jf, "\"reference_kv_token_bytes\": %zu, \"reference_weight_bytes\": %zu, "
+			    "\"reference_seconds\": %.3f, \"configs\": [",
+			ref->token_bytes, ref->weight_bytes, ref->seconds);
+		for (int i = 0; i < nc; i++) {
+			const struct kvc_run *t = &cf[i].run;
+			fprintf(jf, "%s{\"name\": \"%s\", \"weights\": \"%s\", \"kv\": \"%s\", "
+				    "\"kv_token_bytes\": %zu, \"weight_bytes\": %zu, \"kv_tokens_ratio\": %.6f, "
+				    "\"seconds\": %.3f, ",
+				i ? ", " : "", cf[i].name, t->weights,
+				mlens_dtype_name((enum mlens_dtype)t->kv_dtype), t->token_bytes,
+				t->weight_bytes, (double)ref->token_bytes / (double)t->token_bytes,
+				t->seconds);
+			json_scores(jf, &cf[i].score);
+			fputc('}', jf);
+		}
+		fputc(']', jf);
+	}
+	fputs("}\n", jf);
+	if (o->json)
+		fclose(jf);
+	return 0;
+}
+
+/* The test model (--test-model) must be the reference model in other
+ * weights: the same vocabulary and shape. */
+static int same_shape(const struct mlens_model *m, const struct mlens_model *t, const char *dir)
+{
+	const struct mlens_model_config *a = &m->cfg, *b = &t->cfg;
+	const struct {
+		const char *key;
+		long long x, y;
+	} k[] = {
+		{ "vocab_size", (long long)a->vocab_size, (long long)b->vocab_size },
+		{ "hidden_size", (long long)a->hidden_size, (long long)b->hidden_size },
+		{ "intermediate_size", (long long)a->intermediate_size, (long long)b->intermediate_size },
+		{ "num_hidden_layers", (long long)a->num_hidden_layers, (long long)b->num_hidden_layers },
+		{ "num_local_experts", (long long)a->num_local_experts, (long long)b->num_local_experts },
+	};
+	for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++)
+		if (k[i].x != k[i].y) {
+			fprintf(stderr, "mlens-kvcompare: --test-model %s has %s %lld, the reference model "
+				"%s %lld; give a model of the reference's shape\n", dir, k[i].key, k[i].y,
+				m->dir, k[i].x);
+			return -EINVAL;
+		}
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	static const struct option lopts[] = {
@@ -250,6 +457,10 @@ int main(int argc, char **argv)
 		{ "batch", required_argument, NULL, 'B' },
 		{ "reference", required_argument, NULL, 'r' },
 		{ "test", required_argument, NULL, 't' },
+		{ "test-weights", required_argument, NULL, 'w' },
+		{ "test-model", required_argument, NULL, 'M' },
+		{ "matrix", no_argument, NULL, 'x' },
+		{ "gpu-fp8-gemm", required_argument, NULL, 'G' },
 		{ "seed", required_argument, NULL, 's' },
 		{ "threads", required_argument, NULL, 'j' },
 		{ "json", required_argument, NULL, 'J' },
@@ -257,16 +468,17 @@ int main(int argc, char **argv)
 		{ NULL, 0, NULL, 0 }
 	};
 	struct kvc_opts o = { .backend = "cpu", .n = 256, .plen = 32, .gen = 16, .batch = 32,
-			      .seed = 1, .ref_dtype = MLENS_DTYPE_BF16, .test_dtype = MLENS_DTYPE_E4M3 };
-	struct mlens_model *m = NULL;
+			      .seed = 1, .ref_dtype = MLENS_DTYPE_BF16, .test_dtype = -1 };
+	struct mlens_model *m = NULL, *tm = NULL;
 	struct mlens_backend be = { 0 };
 	struct mlens_backend_opts bo;
 	struct kvc_prompts pr;
-	struct kvc_run ref = { 0 }, tst = { 0 };
+	struct kvc_run ref = { 0 };
+	struct kvc_config cf[4];
 	char err[512];
-	int c, rc;
+	int c, rc, nc;
 
-	while ((c = getopt_long(argc, argv, "m:b:n:p:f:g:B:r:t:s:j:J:h", lopts, NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "m:b:n:p:f:g:B:r:t:w:M:xG:s:j:J:h", lopts, NULL)) != -1) {
 		switch (c) {
 		case 'm': o.dir = optarg; break;
 		case 'b': o.backend = optarg; break;
@@ -280,96 +492,88 @@ int main(int argc, char **argv)
 		case 'J': o.json = optarg; break;
 		case 'r': o.ref_dtype = parse_kv_dtype("--reference", optarg); break;
 		case 't': o.test_dtype = parse_kv_dtype("--test", optarg); break;
+		case 'w': o.test_fp8 = parse_pick("--test-weights", optarg, "auto", "fp8"); break;
+		case 'M': o.test_dir = optarg; break;
+		case 'x': o.matrix = true; break;
+		case 'G': o.fp8_gemm = parse_pick("--gpu-fp8-gemm", optarg, "dequant", "fp8"); break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
 	}
-	if (!o.dir) {
+	if (!o.dir || optind < argc) {
 		usage(stderr);
 		return 2;
 	}
+	/* the matrix's weight rows are fp8: the test model's experts as they
+	 * are when fp8 already, else quantized at load */
+	o.test_fp8 |= o.matrix;
+	if (o.test_dtype < 0)
+		o.test_dtype = o.matrix || !(o.test_fp8 || o.test_dir) ? MLENS_DTYPE_E4M3 : o.ref_dtype;
+	if (o.matrix) {
+		cf[0] = (struct kvc_config){ .name = "control", .test_weights = false, .kv_dtype = o.ref_dtype };
+		cf[1] = (struct kvc_config){ .name = "weights", .test_weights = true, .kv_dtype = o.ref_dtype };
+		cf[2] = (struct kvc_config){ .name = "kv", .test_weights = false, .kv_dtype = o.test_dtype };
+		cf[3] = (struct kvc_config){ .name = "weights+kv", .test_weights = true, .kv_dtype = o.test_dtype };
+		nc = 4;
+	} else {
+		cf[0] = (struct kvc_config){ .name = "test", .test_weights = o.test_fp8 || o.test_dir,
+					     .kv_dtype = o.test_dtype };
+		nc = 1;
+	}
+
 	if ((rc = mlens_model_open(o.dir, &m, err, sizeof(err)))) {
 		fprintf(stderr, "mlens-kvcompare: %s\n", err);
 		return 1;
+	}
+	/* the test weights: a second load of the reference model (its file
+	 * pages shared, the experts quantized into memory of their own, as
+	 * weight_dtype = fp8 does at load) or --test-model's; quantized before
+	 * any run, so that a model that cannot take fp8 fails at once */
+	if (o.test_fp8 || o.test_dir) {
+		const char *td = o.test_dir ? o.test_dir : o.dir;
+		if ((rc = mlens_model_open(td, &tm, err, sizeof(err)))) {
+			fprintf(stderr, "mlens-kvcompare: %s\n", err);
+			return 1;
+		}
+		if (same_shape(m, tm, td))
+			return 1;
+		if (o.test_fp8 && (rc = mlens_model_quantize_experts(tm, err, sizeof(err)))) {
+			fprintf(stderr, "mlens-kvcompare: --test-weights fp8: %s\n", err);
+			return 1;
+		}
 	}
 	if (make_prompts(&pr, &o, m->cfg.vocab_size))
 		return 1;
 	memset(&bo, 0, sizeof(bo));
 	bo.n_threads = (int)o.threads;
+	bo.fp8_gemm = o.fp8_gemm;
 	if ((rc = mlens_backend_create(&be, o.backend, &bo))) {
 		fprintf(stderr, "mlens-kvcompare: cannot start the %s backend: %s\n", o.backend,
 			strerror(-rc));
 		return 1;
 	}
-	if (run(m, &be, o.ref_dtype, &o, &pr, NULL, &ref) ||
-	    run(m, &be, o.test_dtype, &o, &pr, ref.greedy, &tst))
+	if (run(m, &be, o.ref_dtype, &o, &pr, NULL, &ref))
+		return 1;
+	for (int i = 0; i < nc; i++)
+		if (run(cf[i].test_weights ? tm : m, &be, cf[i].kv_dtype, &o, &pr, ref.greedy, &cf[i].run))
+			return 1;
+	for (int i = 0; i < nc; i++)
+		score(&ref, &cf[i].run, pr.n, o.gen, &cf[i].score);
+	if (report(&o, m, be.ops->name, &pr, &ref, cf, nc))
 		return 1;
 
-	{
-		const long N = pr.n, G = o.gen;
-		long agree = 0, first = 0, seqs = 0;
-		double sum = 0.0, mx = 0.0;
-		for (long i = 0; i < N; i++) {
-			int all = 1;
-			for (long s = 0; s < G; s++) {
-				size_t x = (size_t)(i * G + s);
-				double d = fabs((double)ref.lp[x] - (double)tst.lp[x]);
-				int same = ref.greedy[x] == tst.greedy[x];
-				agree += same;
-				first += same && !s;
-				all &= same;
-				sum += d;
-				mx = d > mx ? d : mx;
-			}
-			seqs += all;
-		}
-		const char *rn = mlens_dtype_name((enum mlens_dtype)o.ref_dtype);
-		const char *tn = mlens_dtype_name((enum mlens_dtype)o.test_dtype);
-		double n_tok = (double)(N * G);
-		printf("model %s (%lld layers, %s weights), backend %s; %ld prompts (max %d tokens), %ld "
-		       "greedy tokens each, teacher-forced on the %s run\n",
-		       o.dir, (long long)m->cfg.num_hidden_layers, mlens_dtype_name(m->cfg.dtype),
-		       be.ops->name, N, pr.max_len, G, rn);
-		printf("%-34s %12s %12s\n", "", rn, tn);
-		printf("%-34s %12zu %12zu\n", "KV bytes a token (K+V, all layers)", ref.token_bytes,
-		       tst.token_bytes);
-		printf("%-34s %12.2f %12.2f\n", "run seconds", ref.seconds, tst.seconds);
-		printf("%-34s %25.4f\n", "greedy agreement, tokens", agree / n_tok);
-		printf("%-34s %25.4f\n", "greedy agreement, first token", (double)first / (double)N);
-		printf("%-34s %25.4f\n", "greedy agreement, whole sequences", (double)seqs / (double)N);
-		printf("%-34s %25.6f\n", "mean |logprob diff|", sum / n_tok);
-		printf("%-34s %25.6f\n", "max |logprob diff|", mx);
-		printf("%-34s %25.4f\n", "KV tokens a byte, test / reference",
-		       (double)ref.token_bytes / (double)tst.token_bytes);
-
-		FILE *jf = o.json ? fopen(o.json, "w") : stdout;
-		if (!jf) {
-			fprintf(stderr, "mlens-kvcompare: cannot write %s: %s\n", o.json, strerror(errno));
-			return 1;
-		}
-		fprintf(jf, "{\"model\": \"%s\", \"layers\": %lld, \"weights\": \"%s\", \"backend\": \"%s\", "
-			    "\"prompts\": %ld, \"max_prompt_tokens\": %d, \"gen_tokens\": %ld, "
-			    "\"reference\": \"%s\", \"test\": \"%s\", "
-			    "\"kv_token_bytes\": {\"reference\": %zu, \"test\": %zu}, "
-			    "\"seconds\": {\"reference\": %.3f, \"test\": %.3f}, "
-			    "\"greedy_agreement_tokens\": %.6f, \"greedy_agreement_first\": %.6f, "
-			    "\"greedy_agreement_sequences\": %.6f, \"mean_abs_logprob_diff\": %.8f, "
-			    "\"max_abs_logprob_diff\": %.8f}\n",
-			o.dir, (long long)m->cfg.num_hidden_layers, mlens_dtype_name(m->cfg.dtype),
-			be.ops->name, N, pr.max_len, G, rn, tn, ref.token_bytes, tst.token_bytes, ref.seconds,
-			tst.seconds, agree / n_tok, (double)first / (double)N, (double)seqs / (double)N,
-			sum / n_tok, mx);
-		if (o.json)
-			fclose(jf);
+	for (int i = 0; i < nc; i++) {
+		free(cf[i].run.greedy);
+		free(cf[i].run.lp);
 	}
 	free(ref.greedy);
 	free(ref.lp);
-	free(tst.greedy);
-	free(tst.lp);
 	free(pr.tok);
 	free(pr.off);
 	free(pr.len);
 	mlens_backend_destroy(&be);
+	if (tm)
+		mlens_model_close(tm);
 	mlens_model_close(m);
 	return 0;
 }

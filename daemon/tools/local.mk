@@ -16,8 +16,9 @@ noinst_PROGRAMS += daemon/mlens-local
 daemon_mlens_local_SOURCES = daemon/tools/local_main.c daemon/tools/toolopt.h
 daemon_mlens_local_LDADD = daemon/libmlens_core.la
 
-# mlens-kvcompare: the fp8 KV cache's accuracy against bf16 (or fp32) on
-# one model, in-process: greedy agreement and log-probability differences.
+# mlens-kvcompare: the accuracy of fp8 experts (quantized at load or an fp8
+# checkpoint) and of the fp8 KV cache against bf16 (or fp32), in-process:
+# greedy agreement and log-probability differences.
 noinst_PROGRAMS += daemon/mlens-kvcompare
 daemon_mlens_kvcompare_SOURCES = daemon/tools/kvcompare.c daemon/tools/toolopt.h
 daemon_mlens_kvcompare_LDADD = daemon/libmlens_core.la -lm
