@@ -472,11 +472,11 @@ int main(int argc, char **argv)
 	struct mlens_model *m = NULL, *tm = NULL;
 	struct mlens_backend be = { 0 };
 	struct mlens_backend_opts bo;
-	struct kvc_prompts pr;
+	struct kvc_prompts pr = { 0 };
 	struct kvc_run ref = { 0 };
 	struct kvc_config cf[4];
 	char err[512];
-	int c, rc, nc;
+	int c, rc, nc, status = 1;
 
 	while ((c = getopt_long(argc, argv, "m:b:n:p:f:g:B:r:t:w:M:xG:s:j:J:h", lopts, NULL)) != -1) {
 		switch (c) {
@@ -509,6 +509,7 @@ int main(int argc, char **argv)
 	o.test_fp8 |= o.matrix;
 	if (o.test_dtype < 0)
 		o.test_dtype = o.matrix || !(o.test_fp8 || o.test_dir) ? MLENS_DTYPE_E4M3 : o.ref_dtype;
+	memset(cf, 0, sizeof(cf));
 	if (o.matrix) {
 		cf[0] = (struct kvc_config){ .name = "control", .test_weights = false, .kv_dtype = o.ref_dtype };
 		cf[1] = (struct kvc_config){ .name = "weights", .test_weights = true, .kv_dtype = o.ref_dtype };
@@ -523,7 +524,7 @@ int main(int argc, char **argv)
 
 	if ((rc = mlens_model_open(o.dir, &m, err, sizeof(err)))) {
 		fprintf(stderr, "mlens-kvcompare: %s\n", err);
-		return 1;
+		goto out;
 	}
 	/* the test weights: a second load of the reference model (its file
 	 * pages shared, the experts quantized into memory of their own, as
@@ -533,35 +534,35 @@ int main(int argc, char **argv)
 		const char *td = o.test_dir ? o.test_dir : o.dir;
 		if ((rc = mlens_model_open(td, &tm, err, sizeof(err)))) {
 			fprintf(stderr, "mlens-kvcompare: %s\n", err);
-			return 1;
+			goto out;
 		}
 		if (same_shape(m, tm, td))
-			return 1;
+			goto out;
 		if (o.test_fp8 && (rc = mlens_model_quantize_experts(tm, err, sizeof(err)))) {
 			fprintf(stderr, "mlens-kvcompare: --test-weights fp8: %s\n", err);
-			return 1;
+			goto out;
 		}
 	}
 	if (make_prompts(&pr, &o, m->cfg.vocab_size))
-		return 1;
+		goto out;
 	memset(&bo, 0, sizeof(bo));
 	bo.n_threads = (int)o.threads;
 	bo.fp8_gemm = o.fp8_gemm;
 	if ((rc = mlens_backend_create(&be, o.backend, &bo))) {
 		fprintf(stderr, "mlens-kvcompare: cannot start the %s backend: %s\n", o.backend,
 			strerror(-rc));
-		return 1;
+		goto out;
 	}
 	if (run(m, &be, o.ref_dtype, &o, &pr, NULL, &ref))
-		return 1;
+		goto out;
 	for (int i = 0; i < nc; i++)
 		if (run(cf[i].test_weights ? tm : m, &be, cf[i].kv_dtype, &o, &pr, ref.greedy, &cf[i].run))
-			return 1;
+			goto out;
 	for (int i = 0; i < nc; i++)
 		score(&ref, &cf[i].run, pr.n, o.gen, &cf[i].score);
-	if (report(&o, m, be.ops->name, &pr, &ref, cf, nc))
-		return 1;
-
+	if (!report(&o, m, be.ops->name, &pr, &ref, cf, nc))
+		status = 0;
+out:
 	for (int i = 0; i < nc; i++) {
 		free(cf[i].run.greedy);
 		free(cf[i].run.lp);
@@ -572,8 +573,7 @@ int main(int argc, char **argv)
 	free(pr.off);
 	free(pr.len);
 	mlens_backend_destroy(&be);
-	if (tm)
-		mlens_model_close(tm);
+	mlens_model_close(tm);
 	mlens_model_close(m);
-	return 0;
+	return status;
 }
