@@ -4,11 +4,11 @@
 # reference's weights and KV dtype) agrees exactly; fp8 experts quantized
 # at load (weight_dtype = fp8), the fp8 KV cache and both agree on most
 # greedy tokens with a small, nonzero log-probability difference, and both
-# together differ about as much as the larger of the two; an fp8 checkpoint
-# written per channel from the same seed gives the very numbers of the
-# quantization at load, a block-scaled one its own; the single-run flags
-# give the matrix's rows; a model whose experts cannot take fp8 and a test
-# model of another shape are refused, naming them.
+# together differ about as much as the larger of the two; an fp8
+# checkpoint written per channel from the same seed gives the very numbers
+# of the quantization at load, a block-scaled one numbers of its own; the
+# single-run flags give the matrix's rows; a model whose experts cannot
+# take fp8 and a test model of another shape are refused, naming them.
 # MLENS_FP8ACC_BACKEND=cuda runs the same checks on the GPU.
 set -u
 . "$(dirname "$0")/lib.sh"
@@ -25,7 +25,7 @@ mk() {
 kvc() {
 	j=$1
 	shift
-	"$B/daemon/mlens-kvcompare" --model "$tmp/m" --prompts 64 --prompt-len 16 --gen 8 --threads 1 \
+	"$B/daemon/mlens-kvcompare" --model "$tmp/m" --prompts 32 --prompt-len 12 --gen 6 --threads 1 \
 		--backend "$be" --json "$tmp/$j" "$@" >"$tmp/out" 2>"$tmp/err" ||
 		fail "mlens-kvcompare $*: $(cat "$tmp/err")"
 }
@@ -51,7 +51,7 @@ for n in ("weights", "kv", "weights+kv"):
     x = c[n]
     # a random-weight model's near ties flip some greedy choices; the
     # bounds leave a margin below what this model gives
-    assert x["greedy_agreement_tokens"] >= 0.85 and x["greedy_agreement_first"] >= 0.85, (n, x)
+    assert x["greedy_agreement_tokens"] >= 0.85 and x["greedy_agreement_first"] >= 0.8, (n, x)
     assert 0 < x["mean_abs_logprob_diff"] <= x["max_abs_logprob_diff"] < 0.1, (n, x)
     assert x["mean_abs_logprob_diff"] < 0.05, (n, x)
 # the two errors do not cancel: both together about as large as the larger
@@ -83,19 +83,18 @@ print(w, kv, *(x[k] for k in ("greedy_agreement_tokens", "greedy_agreement_first
 EOF
 }
 # an fp8 checkpoint with per-channel scales from the same seed holds the
-# bytes the quantization at load makes: the same numbers
-kvc m8c.json --matrix --test-model "$tmp/m8c"
-for n in weights weights+kv; do
-	[ "$(row m8c.json $n)" = "$(row mx.json $n)" ] ||
-		fail "fp8 checkpoint ($n): $(row m8c.json $n) against quantized at load: $(row mx.json $n)"
-done
+# bytes the quantization at load makes: the same numbers (the KV dtype
+# follows the reference's unless --test says otherwise)
+kvc m8c.json --test-model "$tmp/m8c"
+[ "$(row m8c.json)" = "$(row mx.json weights)" ] ||
+	fail "fp8 checkpoint: $(row m8c.json) against quantized at load: $(row mx.json weights)"
 grep -q "^test weights from $tmp/m8c" "$tmp/out" || fail "the table does not name the test model: $(head -3 "$tmp/out")"
-kvc m8b.json --matrix --test-model "$tmp/m8b"
-python3 -c 'import json,sys; c = {x["name"]: x for x in json.load(open(sys.argv[1]))["configs"]}
-w = c["weights"]
-assert w["weights"] == "F8_E4M3/block" and w["greedy_agreement_tokens"] >= 0.85, w
-assert 0 < w["mean_abs_logprob_diff"] < 0.05, w' "$tmp/m8b.json" || fail "block-scaled checkpoint: $(cat "$tmp/m8b.json")"
-echo "ok: the per-channel fp8 checkpoint scores as the quantization at load; the block-scaled one: $(row m8b.json weights)"
+kvc m8b.json --test-model "$tmp/m8b" --test fp8
+python3 -c 'import json,sys; w = json.load(open(sys.argv[1]))
+assert w["test_weights"] == "F8_E4M3/block" and w["test"] == "F8_E4M3", w
+assert w["greedy_agreement_tokens"] >= 0.85 and 0 < w["mean_abs_logprob_diff"] < 0.05, w' "$tmp/m8b.json" ||
+	fail "block-scaled checkpoint: $(cat "$tmp/m8b.json")"
+echo "ok: the per-channel fp8 checkpoint scores as the quantization at load; the block-scaled one with fp8 KV: $(row m8b.json)"
 
 # the single-run flags give the matrix's rows
 kvc w.json --test-weights fp8
