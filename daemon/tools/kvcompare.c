@@ -16,16 +16,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "daemon/config.h"
 #include "daemon/exec/engine.h"
 #include "daemon/model/quant.h"
 #include "daemon/tools/toolopt.h"
 #include "daemon/serve/worker.h"
 
 struct kvc_opts {
-	const char *dir, *test_dir, *backend, *json, *prompt_file;
+	const char *dir, *test_dir, *backend, *json, *prompt_file, *fp8_gemm;
 	long n, plen, gen, batch, seed, threads;
 	int ref_dtype, test_dtype;	/* test_dtype < 0: not given */
-	bool test_fp8, matrix, fp8_gemm;
+	bool test_fp8, matrix;
 };
 
 /* The prompts: n of them, prompt i at tok + off[i], len[i] tokens. */
@@ -72,7 +73,7 @@ static void usage(FILE *f)
 		   "                       [--prompt-len L] [--prompt-file FILE] [--gen G] [--batch B]\n"
 		   "                       [--reference bf16|fp32] [--test fp8|bf16|fp32]\n"
 		   "                       [--test-weights auto|fp8] [--test-model DIR] [--matrix]\n"
-		   "                       [--gpu-fp8-gemm dequant|fp8] [--seed S] [--threads N]\n"
+		   "                       [--gpu-fp8-gemm auto|fp8|dequant] [--seed S] [--threads N]\n"
 		   "                       [--json FILE]\n"
 		   "Runs the model as its files hold it with a bf16 (or fp32) KV cache (the\n"
 		   "reference), then the test run on the same prompts, fed the reference's greedy\n"
@@ -92,8 +93,8 @@ static void usage(FILE *f)
 		   "  weights+kv); a single test run's JSON has its keys at the top.\n"
 		   "Test weights are a second load of the model: its file pages are shared, the\n"
 		   "quantized experts take memory of their own (about half of bf16 experts).\n"
-		   "--gpu-fp8-gemm: how the CUDA backend multiplies fp8 experts (as mlensd's\n"
-		   "  gpu_fp8_gemm; default dequant).\n"
+		   "The backend runs with mlensd's default gpu_* settings; --gpu-fp8-gemm: how\n"
+		   "  the CUDA backend multiplies fp8 experts (mlensd's gpu_fp8_gemm).\n"
 		   "--prompt-file: one prompt a line, token ids separated by spaces. --test bf16\n"
 		   "against --reference bf16 is the control (agreement 1, difference 0).\n");
 }
@@ -476,6 +477,7 @@ int main(int argc, char **argv)
 	struct mlens_model *m = NULL, *tm = NULL;
 	struct mlens_backend be = { 0 };
 	struct mlens_backend_opts bo;
+	struct mlens_config cfg;
 	struct kvc_prompts pr = { 0 };
 	struct kvc_run ref = { 0 };
 	struct kvc_config cf[4];
@@ -499,7 +501,7 @@ int main(int argc, char **argv)
 		case 'w': o.test_fp8 = parse_pick("--test-weights", optarg, "auto", "fp8"); break;
 		case 'M': o.test_dir = optarg; break;
 		case 'x': o.matrix = true; break;
-		case 'G': o.fp8_gemm = parse_pick("--gpu-fp8-gemm", optarg, "dequant", "fp8"); break;
+		case 'G': o.fp8_gemm = optarg; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
@@ -526,6 +528,17 @@ int main(int argc, char **argv)
 		nc = 1;
 	}
 
+	/* the GPU settings mlensd starts with by default (prefill attention,
+	 * GEMM modes, fp8 GEMMs), gpu_fp8_gemm as given */
+	mlens_config_defaults(&cfg);
+	if (o.fp8_gemm) {
+		char line[128];
+		snprintf(line, sizeof(line), "gpu_fp8_gemm = %.64s\n", o.fp8_gemm);
+		if ((rc = mlens_config_load_text(&cfg, line, "--gpu-fp8-gemm", err, sizeof(err)))) {
+			fprintf(stderr, "mlens-kvcompare: %s\n", err);
+			goto out;
+		}
+	}
 	if ((rc = mlens_model_open(o.dir, &m, err, sizeof(err)))) {
 		fprintf(stderr, "mlens-kvcompare: %s\n", err);
 		goto out;
@@ -550,8 +563,8 @@ int main(int argc, char **argv)
 	if (make_prompts(&pr, &o, m->cfg.vocab_size))
 		goto out;
 	memset(&bo, 0, sizeof(bo));
+	mlens_config_backend_opts(&cfg, m->cfg.dtype == MLENS_DTYPE_F32, &bo);
 	bo.n_threads = (int)o.threads;
-	bo.fp8_gemm = o.fp8_gemm;
 	if ((rc = mlens_backend_create(&be, o.backend, &bo))) {
 		fprintf(stderr, "mlens-kvcompare: cannot start the %s backend: %s\n", o.backend,
 			strerror(-rc));
@@ -577,6 +590,7 @@ out:
 	free(pr.off);
 	free(pr.len);
 	mlens_backend_destroy(&be);
+	mlens_config_free(&cfg);
 	mlens_model_close(tm);
 	mlens_model_close(m);
 	return status;

@@ -116,4 +116,6 @@ grep -q "test-weights fp8: .*Qwen3MoeForCausalLM experts cannot be quantized" "$
 grep -q "test-model $tmp/m2 has num_hidden_layers 2, the reference model .* 4" "$tmp/err" || fail "shape refusal: $(cat "$tmp/err")"
 "$B/daemon/mlens-kvcompare" --model "$tmp/m" --test-weights fp16 >/dev/null 2>"$tmp/err"
 [ $? = 2 ] && grep -q "test-weights wants auto or fp8, got 'fp16'" "$tmp/err" || fail "bad --test-weights: $(cat "$tmp/err")"
-echo "ok: refusals name the architecture, the shape and the value"
+"$B/daemon/mlens-kvcompare" --model "$tmp/m" --gpu-fp8-gemm fp16 >/dev/null 2>"$tmp/err" && fail "--gpu-fp8-gemm fp16 accepted"
+grep -q "gpu_fp8_gemm.*'fp16' is not one of auto, fp8, dequant" "$tmp/err" || fail "bad --gpu-fp8-gemm: $(cat "$tmp/err")"
+echo "ok: refusals name the architecture, the shape, the value and the gpu_fp8_gemm key"
