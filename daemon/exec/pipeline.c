@@ -1361,7 +1361,7 @@ static int expert_up(struct mlens_pipeline *p, int l, int x, int at, bool take)
 static int swap_experts(struct mlens_pipeline *p)
 {
 	const int ev = MLENS_BACKEND_EVENTS - 1;
-	int l, in, out, n = 0, rc = 0, rc2;
+	int l, in, out, n = 0, rc = 0, rc2 = 0;
 
 	p->st.h2d_swap_bytes = 0;
 	while (!rc && mlens_residency_next_swap(&p->res, &l, &in, &out)) {
