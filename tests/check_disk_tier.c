@@ -163,9 +163,11 @@ START_TEST(read_error_once)
 	setenv("MLENS_TEST_DISK_FAIL", hook, 1);
 	fx_open(&f, "tiny", 5, 2);
 	unsetenv("MLENS_TEST_DISK_FAIL");
-	/* layers 0 and 1 are read at start; layer 2 then fails, as does a
-	 * file that ends early */
+	/* layers 0 and 1 are read at start (both waited for: the hook must
+	 * not meet layer 1's read still in flight); layer 2 then fails, as
+	 * does a file that ends early */
 	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 0), 0);
+	ck_assert_int_eq(mlens_disk_tier_ready(f.m->disk, 1), 0);
 	h = fopen(hook, "w");
 	ck_assert_ptr_nonnull(h);
 	fclose(h);
