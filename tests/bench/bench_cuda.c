@@ -513,6 +513,25 @@ static int bench_moe(const struct mlens_backend_opts *o)
 	return 0;
 }
 
+/* Seconds one MoE call of n tokens takes on b: one call to warm up (its
+ * status returned), then the mean of iters. */
+static int time_moe(struct mlens_backend *b, float *out, const float *x, int n, const int32_t *ids,
+		    const float *wts, int k, const struct mlens_moe_weights *mw, int iters, double *sec)
+{
+	double t0;
+	int rc = b->ops->moe(b->ctx, out, x, n, ids, wts, k, mw);
+
+	if (rc)
+		return rc;
+	b->ops->sync(b->ctx);
+	t0 = now();
+	for (int i = 0; i < iters; i++)
+		b->ops->moe(b->ctx, out, x, n, ids, wts, k, mw);
+	b->ops->sync(b->ctx);
+	*sec = (now() - t0) / iters;
+	return 0;
+}
+
 /* One MoE layer of Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2) with
  * 1024, 8192 and 32768 tokens a call: bf16 experts, then fp8 experts
  * (e4m3 with a scale per output channel, a bf16 model) on the fp8 tensor
@@ -575,15 +594,9 @@ static int bench_moe_fp8(const struct mlens_backend_opts *o)
 		tc = b.ops->fp8_tc && b.ops->fp8_tc(b.ctx);
 		for (size_t c = 0; c < sizeof(ns) / sizeof(ns[0]); c++) {
 			int n = ns[c];
-			double flop = 2.0 * n * k * 3.0 * H * I, t0, t;
-			if (b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw))
+			double flop = 2.0 * n * k * 3.0 * H * I, t;
+			if (time_moe(&b, out, x, n, dids, dwts, k, &mw, iters, &t))
 				FAIL("moe-fp8");
-			b.ops->sync(b.ctx);
-			t0 = now();
-			for (int i = 0; i < iters; i++)
-				b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw);
-			b.ops->sync(b.ctx);
-			t = (now() - t0) / iters;
 			printf("%s\n    {\"experts\": \"%s\", \"tensor_cores\": %s, \"tokens\": %d, "
 			       "\"hidden\": %d, \"inter\": %d, \"n_experts\": %d, \"top_k\": %d, "
 			       "\"ms\": %.3f, \"tflops\": %.1f}",
@@ -667,15 +680,9 @@ static int bench_moe_grouped(const struct mlens_backend_opts *o)
 				FAIL("moe_grouped backend");
 			for (size_t ti = 0; ti < sizeof(tokens) / sizeof(tokens[0]); ti++) {
 				int n = tokens[ti], iters = n < 1024 ? 50 : 3;
-				double flop = 2.0 * n * k * 3.0 * H * I, t0, t;
-				if (b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw))
+				double flop = 2.0 * n * k * 3.0 * H * I, t;
+				if (time_moe(&b, out, x, n, dids, dwts, k, &mw, iters, &t))
 					FAIL("moe_grouped moe");
-				b.ops->sync(b.ctx);
-				t0 = now();
-				for (int i = 0; i < iters; i++)
-					b.ops->moe(b.ctx, out, x, n, dids, dwts, k, &mw);
-				b.ops->sync(b.ctx);
-				t = (now() - t0) / iters;
 				printf("%s\n    {\"shape\": \"%s\", \"experts\": %d, \"top_k\": %d, "
 				       "\"hidden\": %d, \"inter\": %d, \"tokens\": %d, \"moe_grouped\": \"%s\", "
 				       "\"ms\": %.3f, \"tflops\": %.1f}",
