@@ -10,8 +10,16 @@ jobs=$(nproc 2>/dev/null || echo 2)
 top=$(pwd)
 
 step() { printf '\n==== %s ====\n' "$*"; }
-# the failed tree's test logs (the tail), then stop
-logs_fail() { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+# the failed tests' logs (the tail of each), or of all logs when no test
+# result says which, then stop
+logs_fail() {
+	failed=$(grep -l -E '^:test-result: (FAIL|ERROR)' tests/*.trs tests/*/*.trs 2>/dev/null || true)
+	[ -n "$failed" ] || { cat tests/*.log tests/*/*.log 2>/dev/null | tail -200; exit 1; }
+	for t in $failed; do
+		printf -- '--- %s\n' "${t%.trs}.log"; tail -80 "${t%.trs}.log"
+	done
+	exit 1
+}
 
 step "build and check"
 mkdir -p _build && cd _build

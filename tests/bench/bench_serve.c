@@ -1222,6 +1222,10 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	w->seconds = w->t_end - w->t_start;
 	w->gen_tps = (double)gen / w->seconds;
 	w->total_tps = (double)(gen + pr) / w->seconds;
+	/* the counters' samples inside the window's bins (not [ta, tb]: the
+	 * bins round inward), so their span never exceeds the window */
+	ta = run->t0 + a * BIN_NS;
+	tb = run->t0 + b * BIN_NS;
 	for (i = 0; i < sp->n && sp->s[i].t < ta; i++)
 		;
 	for (j = sp->n; j > 0 && sp->s[j - 1].t > tb; j--)
