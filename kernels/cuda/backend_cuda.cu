@@ -628,18 +628,19 @@ static int lt_bucket(int n)
 /* The cuBLASLt algorithm for an fp8 GEMM of that shape, from the
  * context's cache or (once a shape, n rounded up to a power of 2) from
  * the heuristic; fresh: the heuristic for this very n, not cached (after
- * the cached one failed). NULL: none (-ENOTSUP in *rc) or an error. */
+ * the cached one failed). NULL: none (-ENOTSUP in *rc; *cached when the
+ * cache already knew) or an error. */
 static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMatmulDesc_t op,
 					   cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
 					   cublasLtMatrixLayout_t ld, enum mlens_dtype ot,
 					   bool scaled, int n, int k, int m, bool fresh,
-					   cublasLtMatmulAlgo_t *own, int *rc)
+					   cublasLtMatmulAlgo_t *own, int *rc, bool *cached)
 {
 	struct mlens_cuda_lt_algo *a = NULL;
 	cublasLtMatmulPreferenceOpaque_t po;
 	cublasLtMatmulPreference_t pref = &po;
 	cublasLtMatmulHeuristicResult_t hr;
-	cublasLtMatrixLayoutOpaque_t lbo;
+	cublasLtMatrixLayoutOpaque_t lbo, ldo;
 	int nb = lt_bucket(n);
 	size_t ws = c->lt_ws ? c->blas_ws_bytes : 0;
 	int found = 0;
@@ -651,16 +652,24 @@ static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMat
 			if (e->k == k && e->m == m && e->nb == nb && e->ot == (int)ot &&
 			    e->scaled == scaled) {
 				*rc = e->found ? 0 : -ENOTSUP;
+				*cached = true;
 				return e->found ? &e->algo : NULL;
 			}
 		}
-		/* the heuristic asked for the bucket's largest n */
+		/* the heuristic asked for the bucket's largest n: B and D both
+		 * n_b columns (a problem whose B and D disagree on n is an
+		 * invalid one, not one without an algorithm) */
 		st = cublasLtMatrixLayoutInit(&lbo, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)nb, k);
+		if (st == CUBLAS_STATUS_SUCCESS)
+			st = cublasLtMatrixLayoutInit(&ldo, ot == MLENS_DTYPE_BF16 ? CUDA_R_16BF
+										  : CUDA_R_32F,
+						      (uint64_t)m, (uint64_t)nb, m);
 		if (st != CUBLAS_STATUS_SUCCESS) {
 			*rc = mlens_cublas_rc(st, "fp8 GEMM layout", __FILE__, __LINE__);
 			return NULL;
 		}
 		lb = &lbo;
+		ld = &ldo;
 		if (c->lt_algos < MLENS_CUDA_LT_ALGOS) {
 			a = &c->lt_algo[c->lt_algos++];
 		} else {
@@ -726,6 +735,7 @@ static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 	cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
 	const cublasLtMatmulAlgo_t *algo;
 	cublasLtMatmulAlgo_t own;
+	bool cached = false;
 	cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
 	cudaDataType_t dty = ot == MLENS_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
 	const bool scaled = xs && ws;
@@ -769,12 +779,19 @@ static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 		goto out;
 	}
 	if (!out) {
-		rc = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, true, &own, &rc) ? 0 : rc;
+		rc = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, true, &own, &rc, &cached) ? 0
+														: rc;
 		goto out;
 	}
+	st = CUBLAS_STATUS_NOT_SUPPORTED;
 	for (int fresh = 0; fresh < 2; fresh++) {
-		if (!(algo = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, fresh != 0, &own, &rc)))
-			goto out;
+		/* none newly found for the bucket: this n's own may exist */
+		if (!(algo = lt_algo(c, op, la, lb, ld, ot, scaled, n, k, m, fresh != 0, &own, &rc,
+				     &cached))) {
+			if (rc != -ENOTSUP || cached)
+				goto out;
+			continue;
+		}
 		st = cublasLtMatmul(c->lt, op, &one, w, la, x, lb, &zero, out, ld, out, ld, algo,
 				    c->lt_ws, c->lt_ws ? c->blas_ws_bytes : 0, c->stream);
 		if (st == CUBLAS_STATUS_SUCCESS)
