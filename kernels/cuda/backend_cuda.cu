@@ -694,6 +694,8 @@ static const cublasLtMatmulAlgo_t *lt_algo(struct mlens_cuda_ctx *c, cublasLtMat
 	}
 	found = st == CUBLAS_STATUS_SUCCESS && found > 0;
 	*rc = found ? 0 : -ENOTSUP;
+	if (!found)
+		c->lt_last_status = st == CUBLAS_STATUS_SUCCESS ? (int)CUBLAS_STATUS_NOT_SUPPORTED : (int)st;
 	if (!a) {
 		*own = hr.algo;
 		return found ? own : NULL;
@@ -796,6 +798,7 @@ static int lt_gemm_fp8(struct mlens_cuda_ctx *c, void *out, enum mlens_dtype ot,
 				    c->lt_ws, c->lt_ws ? c->blas_ws_bytes : 0, c->stream);
 		if (st == CUBLAS_STATUS_SUCCESS)
 			goto out;
+		c->lt_last_status = (int)st;
 		/* the bucket's algorithm may not take this n: this n's own */
 		if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
 			break;
@@ -873,8 +876,11 @@ static bool lt_selftest(struct mlens_cuda_ctx *c)
 	free(hd);
 	(void)cudaGetLastError();	/* a failed product's error is not the context's */
 	if (!ok)
-		fprintf(stderr, "mlens cuda: the fp8 GEMMs failed their check (%s); fp8 experts are "
-			"dequantized\n", rc ? strerror(-rc) : "wrong products");
+		fprintf(stderr, "mlens cuda: the fp8 GEMMs failed their check (%s%s%s); fp8 experts "
+			"are dequantized\n", rc ? strerror(-rc) : "wrong products",
+			c->lt_last_status ? ", cuBLASLt: " : "",
+			c->lt_last_status ? cublasGetStatusString((cublasStatus_t)c->lt_last_status)
+					  : "");
 	return ok;
 }
 

@@ -69,6 +69,7 @@ struct mlens_cuda_ctx {
 	int lt_algos, lt_next;		/* entries held, the next one replaced */
 	void *lt_ws;			/* the current MoE stream's workspace */
 	bool lt_unscaled_said;		/* the scale-pass fallback told on stderr */
+	int lt_last_status;		/* cuBLASLt's last refusal (heuristic or product) */
 	bool gemm_exact;		/* MLENS_GEMM_EXACT: split activations */
 	enum mlens_moe_grouped moe_grouped;	/* opts moe_grouped; off after
 						 * cuBLAS refused the grouped call */
