@@ -115,6 +115,7 @@ START_TEST(mixtral_bytes)
 	/* FLOPs: QKV 2·H·(4096+2·1024); O 2·4096·H, router 2·H·8, 2 experts of 3 GEMMs */
 	assert_rel(pm.flops_ga, 2.0 * 4096 * (4096 + 2048), 1e-15);
 	assert_rel(pm.flops_gb, 2.0 * 4096 * 4096 + 2.0 * 4096 * 8 + 2.0 * 3 * 2 * 4096 * 14336, 1e-15);
+	assert_rel(pm.flops_experts, 2.0 * 3 * 2 * 4096 * 14336, 1e-15);
 
 	/* streaming and residency with r experts resident per layer */
 	ck_assert_uint_eq(mlens_gpu_plan_streamed_bytes(&pm, 0), experts);
@@ -1025,7 +1026,7 @@ START_TEST(issue7_bound)
 	/* p 10, g 4, 8 sequences: k = 2, D = 6, n = 26, 8 generated; context
 	 * 6 x 12 = 72 rows, KV 72 x 8 x 2 = 1152 bytes; FLOPs 26 x 2 x 512 +
 	 * 2 x 4 x 4 x 2 x 10 x 11 / 2 + 2 x 4 x 10 x 8 = 26624 + 3520 + 640 */
-	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 2000, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 2000, 0, &b), 0);
 	assert_rel(b.st.tokens, 26, 1e-15);
 	assert_rel(b.st.decode, 6, 1e-15);
 	assert_rel(b.kv_bytes, 1152, 1e-15);
@@ -1038,14 +1039,57 @@ START_TEST(issue7_bound)
 	assert_rel(b.gen_tok_s, 8 / 15.392, 1e-15);
 	assert_rel(b.total_tok_s, 2 * 14 / 15.392, 1e-15);
 	/* a faster GPU: memory binds (10.76 s); without a memory rate, PCIe */
-	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 1e4, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 200, 1e4, 0, &b), 0);
 	ck_assert_str_eq(b.binds, "cpu-memory");
 	assert_rel(b.t_step, 10.76, 1e-15);
-	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 0, 1e4, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 0, 1e4, 0, &b), 0);
 	ck_assert_str_eq(b.binds, "pcie-h2d");
 	assert_rel(b.gen_tok_s, 0.8, 1e-15);
-	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 0, 1000, 100, 200, 1e4, &b), -EINVAL);
-	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 0, 0, 0, &b), -EINVAL);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 0, 1000, 100, 200, 1e4, 0, &b), -EINVAL);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 0, 0, 0, 0, &b), -EINVAL);
+}
+END_TEST
+
+/* fp8 experts: the routed experts' GEMM FLOPs at their own (fp8) rate,
+ * the rest (attention projections, router, lm_head, prefill attention)
+ * at the bf16 one */
+START_TEST(bound_expert_gemm_rate)
+{
+	struct mlens_perf_model pm;
+	struct mlens_perf_mix mix;
+	struct mlens_perf_bound b, b1;
+	static const double P = 10, G = 4;
+
+	assert_rel(mlens_perf_gemm_seconds(100, 60, 10, 20), 7, 1e-15);
+	assert_rel(mlens_perf_gemm_seconds(100, 60, 10, 0), 10, 1e-15);
+	assert_rel(mlens_perf_gemm_seconds(100, 60, 0, 20), 0, 1e-15);
+	bound_model(&pm);
+	/* k x 6 H I = 2 x 6 x 4 x 8 of GB's 448 (O 32, router 32) */
+	assert_rel(pm.flops_experts, 384, 1e-15);
+	/* issue7_bound's step: 26 tokens x 2 layers x 384 = 19968 of its
+	 * 30784 FLOPs; the other 10816 at 1000 FLOP/s, the experts' at 4000:
+	 * 10.816 + 4.992 s, above memory's 10.76 */
+	ck_assert_int_eq(mlens_perf_bound(&pm, P, G, 8, 1000, 100, 200, 1000, 4000, &b), 0);
+	assert_rel(b.flops, 30784, 1e-15);
+	assert_rel(b.expert_flops, 19968, 1e-15);
+	assert_rel(b.t_gemm, 15.808, 1e-15);
+	assert_rel(b.t_step, 15.808, 1e-15);
+	ck_assert_str_eq(b.binds, "gpu-gemm");
+	assert_rel(b.gen_tok_s, 8 / 15.808, 1e-15);
+	/* the experts twice as fast again: 10.816 + 2.496 = 13.312 s */
+	ck_assert_int_eq(mlens_perf_bound(&pm, P, G, 8, 1000, 100, 200, 1000, 8000, &b), 0);
+	assert_rel(b.t_gemm, 13.312, 1e-15);
+	/* no expert rate: everything at the one rate, as before */
+	ck_assert_int_eq(mlens_perf_bound(&pm, P, G, 8, 1000, 100, 200, 1000, 0, &b), 0);
+	assert_rel(b.t_gemm, 30.784, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound(&pm, P, G, 8, 1000, 100, 200, 1000, 1000, &b1), 0);
+	assert_rel(b1.t_gemm, b.t_gemm, 1e-15);
+	/* a mix of one charges the same */
+	ck_assert_int_eq(mlens_perf_mix_of(&P, &G, 1, 4, &mix), 0);
+	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, 8 * mlens_perf_seq_blocks(P, G, 4), 1000, 100,
+					      200, 1000, 4000, &b), 0);
+	assert_rel(b.expert_flops, 19968, 1e-12);
+	assert_rel(b.t_gemm, 15.808, 1e-12);
 }
 END_TEST
 
@@ -1086,7 +1130,7 @@ START_TEST(mix_bound_matches_simulation)
 	ck_assert_int_eq(mlens_perf_mix_of(P, G, N, B, &mix), 0);
 	assert_rel(mlens_perf_mix_seq_blocks(&mix), held / alive, 1e-12);
 	bound_model(&pm);
-	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, held / MEAS, 1000, 100, 200, 2000, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, held / MEAS, 1000, 100, 200, 2000, 0, &b), 0);
 	assert_rel(b.st.prompts, 1, 1e-12);
 	assert_rel(b.st.seqs, alive / MEAS, 1e-12);
 	assert_rel(b.st.decode, decode / MEAS, 1e-12);
@@ -1108,8 +1152,8 @@ START_TEST(mix_bound_matches_simulation)
 	ck_assert_int_eq(mlens_perf_mix_of(&P[1], &G[1], 1, B, &mix), 0);
 	assert_rel(mlens_perf_mix_seq_blocks(&mix), mlens_perf_seq_blocks(12, 7, B), 1e-15);
 	ck_assert_int_eq(mlens_perf_bound_mix(&pm, &mix, 8 * mlens_perf_seq_blocks(12, 7, B), 1000, 100,
-					      200, 2000, &b), 0);
-	ck_assert_int_eq(mlens_perf_bound(&pm, 12, 7, 8, 1000, 100, 200, 2000, &b1), 0);
+					      200, 2000, 0, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound(&pm, 12, 7, 8, 1000, 100, 200, 2000, 0, &b1), 0);
 	assert_rel(b.st.tokens, b1.st.tokens, 1e-12);
 	assert_rel(b.kv_bytes, b1.kv_bytes, 1e-12);
 	assert_rel(b.flops, b1.flops, 1e-12);
@@ -1155,6 +1199,7 @@ int main(void)
 	tcase_add_test(tc, issue7_bound);
 	tcase_add_test(tc, sched_steady_matches_scheduler);
 	tcase_add_test(tc, mix_bound_matches_simulation);
+	tcase_add_test(tc, bound_expert_gemm_rate);
 	tcase_add_test(tc, disk_tier_ceiling);
 	suite_add_tcase(su, tc);
 	sr = srunner_create(su);

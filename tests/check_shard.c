@@ -291,6 +291,7 @@ START_TEST(multi_shard_by_hand)
 	ck_assert_uint_eq(sh.kv_token_bytes, full.kv_token_bytes / 2);
 	ck_assert_uint_eq(sh.embed_bytes, full.embed_bytes / 2);
 	assert_rel(sh.flops_gb, 2 * 2048 * H + 2 * H * 8 + 2 * 6 * H * (I / 2), 1e-15);
+	assert_rel(sh.flops_experts, 2 * 6 * H * (I / 2), 1e-15);
 	assert_rel(shw.b_mem, 100e9, 1e-15);
 	assert_rel(shw.b_attn, 50e9, 1e-15);
 	assert_rel(shw.ga.b, hw.ga.b / 2, 1e-12);
@@ -314,6 +315,7 @@ START_TEST(multi_shard_by_hand)
 	ck_assert_int_eq(sh.experts, 4);
 	ck_assert_uint_eq(sh.expert_bytes, full.expert_bytes);
 	assert_rel(sh.flops_gb, 2 * 2048 * H + 2 * H * 8 + 2 * 0.5 * 1.25 * 6 * H * I, 1e-15);
+	assert_rel(sh.flops_experts, 2 * 0.5 * 1.25 * 6 * H * I, 1e-15);
 	/* refusals name the key and the reason */
 	mp = pcie_peers(3);
 	ck_assert_int_eq(mlens_perf_multi_setup(&c, MLENS_DTYPE_BF16, &hw, &mp, &sh, &shw, err, sizeof(err)), -EINVAL);

@@ -108,8 +108,8 @@ int mlens_perf_model_from_config(struct mlens_perf_model *pm, const struct mlens
 	if (!mul3(2, qd + kvd, 4, &u) || !mul3(2, H + I, 4, &u))
 		return -EOVERFLOW;
 	pm->flops_ga = 2.0 * (double)H * (double)(qd + 2 * kvd);
-	pm->flops_gb = 2.0 * (double)qd * (double)H + 2.0 * (double)H * (double)E +
-		       (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I +
+	pm->flops_experts = (double)pm->top_k * 3.0 * 2.0 * (double)H * (double)I;
+	pm->flops_gb = 2.0 * (double)qd * (double)H + 2.0 * (double)H * (double)E + pm->flops_experts +
 		       3.0 * 2.0 * (double)H * (double)pm->mlp_inter;	/* shared expert */
 	return 0;
 }
@@ -769,12 +769,21 @@ int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
 /* The bound's times from its per-step work (out's streamed, kv_bytes,
  * flops, st.generated) and the ceilings; total: tokens the clients count
  * per step. */
+double mlens_perf_gemm_seconds(double flops, double expert_flops, double c_gemm, double c_expert)
+{
+	if (!(c_gemm > 0))
+		return 0;
+	if (!(c_expert > 0))
+		return flops / c_gemm;
+	return (flops - expert_flops) / c_gemm + expert_flops / c_expert;
+}
+
 static int bound_times(struct mlens_perf_bound *out, double b_pcie, double b_mem, double c_gemm,
-		       double total)
+		       double c_expert, double total)
 {
 	out->t_pcie = b_pcie > 0 ? out->streamed / b_pcie : 0;
 	out->t_mem = b_mem > 0 ? (out->kv_bytes + out->streamed) / b_mem : 0;
-	out->t_gemm = c_gemm > 0 ? out->flops / c_gemm : 0;
+	out->t_gemm = mlens_perf_gemm_seconds(out->flops, out->expert_flops, c_gemm, c_expert);
 	out->t_step = out->t_pcie;
 	out->binds = "pcie-h2d";
 	if (out->t_mem > out->t_step) {
@@ -794,7 +803,7 @@ static int bound_times(struct mlens_perf_bound *out, double b_pcie, double b_mem
 
 int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
-		     struct mlens_perf_bound *out)
+		     double c_expert, struct mlens_perf_bound *out)
 {
 	struct mlens_perf_sched_state *st = &out->st;
 	double L = (double)pm->layers, qd = (double)(pm->heads * pm->head_dim);
@@ -815,7 +824,8 @@ int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, doub
 	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
 		     L * 4.0 * qd * k * p * (p + 1) / 2 +
 		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
-	return bound_times(out, b_pcie, b_mem, c_gemm, k * (p + g));
+	out->expert_flops = st->tokens * L * pm->flops_experts;
+	return bound_times(out, b_pcie, b_mem, c_gemm, c_expert, k * (p + g));
 }
 
 int mlens_perf_mix_of(const double *p, const double *g, size_t n, int block_tokens,
@@ -855,7 +865,7 @@ double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix)
 
 int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
 			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
-			 double c_gemm, struct mlens_perf_bound *out)
+			 double c_gemm, double c_expert, struct mlens_perf_bound *out)
 {
 	struct mlens_perf_sched_state *st = &out->st;
 	double L = (double)pm->layers, qd = (double)(pm->heads * pm->head_dim);
@@ -876,7 +886,8 @@ int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_p
 	out->flops = st->tokens * L * (pm->flops_ga + pm->flops_gb) +
 		     L * 4.0 * qd * k * mix->prefill_pairs +
 		     2.0 * (double)pm->hidden * (double)pm->vocab * st->generated;
-	return bound_times(out, b_pcie, b_mem, c_gemm, k * (mix->prompt + mix->gen));
+	out->expert_flops = st->tokens * L * pm->flops_experts;
+	return bound_times(out, b_pcie, b_mem, c_gemm, c_expert, k * (mix->prompt + mix->gen));
 }
 
 /* ==== several GPUs (formulas in perfmodel.h) ==== */
@@ -940,12 +951,13 @@ int mlens_perf_multi_setup(const struct mlens_model_config *c, enum mlens_dtype 
 	shard->model_bytes = shard->layer_bytes * (uint64_t)shard->layers + shard->embed_bytes +
 			     shard->lm_head_bytes + shard->final_norm_bytes;
 	shard->kv_token_bytes = (full.kv_token_bytes + (uint64_t)G - 1) / (uint64_t)G;
-	shard->flops_gb = 2.0 * (double)(shard->heads * shard->head_dim) * H + 2.0 * H * E;
 	if (mp->scheme == MLENS_SHARD_TP)
-		shard->flops_gb += (double)full.top_k * 6.0 * H * (double)k->inter;
+		shard->flops_experts = (double)full.top_k * 6.0 * H * (double)k->inter;
 	else
-		shard->flops_gb += (double)full.top_k * ((double)k->experts / E) * imb * 6.0 * H *
-				   (double)full.inter;
+		shard->flops_experts = (double)full.top_k * ((double)k->experts / E) * imb * 6.0 * H *
+				       (double)full.inter;
+	shard->flops_gb = 2.0 * (double)(shard->heads * shard->head_dim) * H + 2.0 * H * E +
+			  shard->flops_experts;
 
 	*shard_hw = *hw;
 	shard_hw->b_mem = hw->b_mem / G;

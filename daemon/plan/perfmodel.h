@@ -143,6 +143,9 @@ struct mlens_perf_model {
 	uint64_t kv_token_bytes;	/* K and V of one token in one layer */
 	double flops_ga;	/* per token per layer: QKV projection */
 	double flops_gb;	/* per token per layer: O, router, top-k experts */
+	/* of flops_gb: the top-k routed experts' GEMMs (k x 6 H I; a shard's
+	 * share on several GPUs), the ones fp8 experts run on fp8 tensor cores */
+	double flops_experts;
 };
 
 /* Fill pm from a model config; kv_dtype is the KV pool's. -EINVAL for a
@@ -421,23 +424,32 @@ int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
  *   KV  = context x kv_token_bytes x layers, bytes read by CPU attention
  *   F   = n x layers x (GA + GB FLOPs) + layers x 4 heads*hd x prefill
  *         (query, key) pairs (k p (p+1)/2, causal) + 2 H V x k g sampled rows
- *   t_step = max(W / B_pcie, (KV + W) / B_mem, F / C_gemm)
+ *   F_e = n x layers x flops_experts, the routed experts' share of F
+ *   t_gemm = (F - F_e) / C_gemm + F_e / C_expert  (mlens_perf_gemm_seconds)
+ *   t_step = max(W / B_pcie, (KV + W) / B_mem, t_gemm)
  * B_mem the CPU memory bandwidth measured while a pinned copy runs (KV
- * reads and the weight DMA share it). Tokens/s: generated k g / t_step,
- * total k (p + g) / t_step (the clients' count: each request's p + g).
- * A ceiling <= 0 leaves its term out. */
+ * reads and the weight DMA share it); C_expert the experts' GEMM rate
+ * (fp8 experts: the fp8 GEMM's), C_gemm when <= 0. Tokens/s: generated
+ * k g / t_step, total k (p + g) / t_step (the clients' count: each
+ * request's p + g). A ceiling <= 0 leaves its term out. */
 struct mlens_perf_bound {
 	struct mlens_perf_sched_state st;
 	double streamed, kv_bytes, flops;	/* per step */
+	double expert_flops;	/* of flops, the routed experts' (F_e) */
 	double t_pcie, t_mem, t_gemm, t_step;	/* seconds */
 	double gen_tok_s, total_tok_s;
 	const char *binds;	/* "pcie-h2d", "cpu-memory", "gpu-gemm" */
 };
 
+/* Seconds of flops GEMM FLOPs of which expert_flops are the routed
+ * experts': those at c_expert FLOP/s, the rest at c_gemm (c_expert <= 0:
+ * all at c_gemm). 0 without a positive c_gemm. */
+double mlens_perf_gemm_seconds(double flops, double expert_flops, double c_gemm, double c_expert);
+
 /* -EINVAL for a workload out of range, S_kv <= 0 or no positive ceiling. */
 int mlens_perf_bound(const struct mlens_perf_model *pm, double p, double g, double kv_seqs,
 		     double streamed_bytes, double b_pcie, double b_mem, double c_gemm,
-		     struct mlens_perf_bound *out);
+		     double c_expert, struct mlens_perf_bound *out);
 
 /* ==== a mix of lengths ====
  *
@@ -476,7 +488,7 @@ double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix);
 /* mlens_perf_bound for a mix, S_kv = kv_blocks / m. -EINVAL as there. */
 int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
 			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
-			 double c_gemm, struct mlens_perf_bound *out);
+			 double c_gemm, double c_expert, struct mlens_perf_bound *out);
 
 /* ==== several GPUs in one box ====
  *

@@ -1659,10 +1659,10 @@ int mlens_bench_serve(int argc, char **argv)
 		if (!(w_step > 0))
 			w_step = L * (double)mlens_gpu_plan_streamed_bytes(&pm, 0);
 		have_hb = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
-					    ceil_.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12, &hb);
+					    ceil_.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12, 0, &hb);
 		/* and with the lone GEMMs' rate, for comparison */
 		if (have_hb && mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
-						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12, &hb_burst))
+						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12, 0, &hb_burst))
 			hb_burst.gen_tok_s = NAN;
 	} else if (!hybrid && ceil_.have) {
 		compute_bound(&bd, &model->cfg, &pm, p, g, mlens_perf_mix_seq_blocks(&mix), kv_tokens, n_cap,
@@ -1709,7 +1709,7 @@ int mlens_bench_serve(int argc, char **argv)
 		if (after.have_link)
 			have_hb_after = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, after.h2d_gbs * 1e9,
 							  after.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12,
-							  &hb_after);
+							  0, &hb_after);
 	}
 #endif
 
