@@ -40,8 +40,14 @@
 #include "tests/bench/bench.h"
 #include "kernels/cpu/readbw.h"
 #ifdef HAVE_CUDA
+/* cuBLASLt's header declares a function without a prototype */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes"
+#include <cublasLt.h>
+#pragma GCC diagnostic pop
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include "kernels/fp8.h"
 #endif
 
 #define MAX_DAEMON_ARGS 16
@@ -774,6 +780,12 @@ struct ceilings {
 	double gemm_tflops;	/* cuBLAS bf16, fp32 accumulate, expert shape at gemm_m rows */
 	double gemm_sustained_tflops;	/* the same GEMMs back to back, after 2 s of them */
 	int gemm_m;
+	/* fp8_measured: the daemon's experts were to be e4m3, so the e4m3
+	 * GEMM (cuBLASLt, outer-vector scales, bf16 out) was measured as the
+	 * bf16 one: its rates, or 0 and gemm_fp8_refused saying why not */
+	bool fp8_measured;
+	double gemm_fp8_tflops, gemm_fp8_sustained_tflops;
+	char gemm_fp8_refused[256];
 	double h2d_gbs;		/* pinned H2D copy alone */
 	double read_gbs;	/* CPU streaming reads alone, all cores */
 	double read_copy_gbs;	/* the same while H2D copies run */
@@ -793,7 +805,69 @@ static double gemm_bound_tflops(const struct ceilings *c)
 	return c->gemm_sustained_tflops > 0 ? c->gemm_sustained_tflops : c->gemm_tflops;
 }
 
+/* The rate the bounds charge the routed experts' GEMM FLOPs to: the
+ * daemon's experts in e4m3 on fp8 tensor cores run them at the fp8 GEMM's
+ * rate (the rest, attention projections, router, lm_head, stay at the
+ * bf16 one: mlens_perf_gemm_seconds); where that rate is missing, at the
+ * bf16 rate, why saying why. */
+struct expert_rate {
+	bool fp8;		/* the daemon's experts are e4m3 */
+	bool at_fp8;		/* ... and their FLOPs go at the fp8 rate */
+	char why[320];		/* fp8 experts at the bf16 rate: the reason */
+};
+
+static void expert_rate_pick(struct expert_rate *er, const struct ceilings *c, bool experts_fp8,
+			     const struct mlens_model_config *mc)
+{
+	memset(er, 0, sizeof(*er));
+	er->fp8 = experts_fp8;
+	if (!experts_fp8 || !c->have)
+		return;
+	if (mc->expert_dtype == MLENS_DTYPE_E4M3 && mc->expert_scale.kind == MLENS_WSCALE_BLOCK)
+		snprintf(er->why, sizeof(er->why), "the daemon dequantizes block-scaled fp8 experts for "
+			 "their GEMMs");
+	else if (!c->fp8_measured)
+		snprintf(er->why, sizeof(er->why), "the fp8 GEMM was not measured: mlensd's arguments "
+			 "named no fp8 experts before it started");
+	else if (!(c->gemm_fp8_tflops > 0))
+		snprintf(er->why, sizeof(er->why), "%s", c->gemm_fp8_refused);
+	else
+		er->at_fp8 = true;
+}
+
+/* The experts' rate, TFLOP/s, held under load (else the lone GEMMs'), or
+ * burst: the lone GEMMs'; 0 where they go at the bf16 rate. */
+static double expert_bound_tflops(const struct expert_rate *er, const struct ceilings *c, bool burst)
+{
+	if (!er->at_fp8)
+		return 0;
+	return !burst && c->gemm_fp8_sustained_tflops > 0 ? c->gemm_fp8_sustained_tflops : c->gemm_fp8_tflops;
+}
+
 #ifdef HAVE_CUDA
+/* Whether mlensd is to hold the model's experts in e4m3 on fp8 tensor
+ * cores, as far as the bench knows before it starts: an fp8 checkpoint of
+ * per-channel scales (block scales are dequantized), or weight_dtype =
+ * fp8 among the daemon's arguments or in the config file they name. */
+static bool daemon_experts_fp8(const struct serve_opts *o, const struct mlens_model_config *mc)
+{
+	struct mlens_config c;
+	char *argv[MAX_DAEMON_ARGS + 1], err[256];
+	bool fp8;
+
+	if (mc->expert_dtype == MLENS_DTYPE_E4M3)
+		return mc->expert_scale.kind != MLENS_WSCALE_BLOCK;
+	mlens_config_defaults(&c);
+	argv[0] = "mlensd";
+	for (int i = 0; i < o->n_daemon_args; i++)
+		argv[i + 1] = (char *)o->daemon_args[i];
+	fp8 = !mlens_config_parse_args(&c, o->n_daemon_args + 1, argv, err, sizeof(err)) &&
+	      (!c.config || !mlens_config_load_file(&c, c.config, err, sizeof(err))) && c.weight_dtype &&
+	      !strcmp(c.weight_dtype, "fp8");
+	mlens_config_free(&c);
+	return fp8;
+}
+
 static uint16_t bf16_of(float f)
 {
 	uint32_t u;
@@ -817,27 +891,236 @@ static float median_ms(float *t, int n)
 #define CB(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) { \
 	fprintf(stderr, "serve: %s: %s\n", #x, cublasGetStatusString(s_)); goto out; } } while (0)
 
-/* HBM: median of 10 copies of 2 GiB (4 GiB moved each). GEMM: the engine's
- * expert GEMM (out[m][I] = x[m][H] . W1[I][H]^T, bf16 in, fp32 out, fp32
- * accumulation) at m rows, over 4 weight copies in turn so that L2 never
- * holds the operand, random data, median of 20 after 3 warm-ups, each
- * GEMM alone (the GPU idle around it, at its burst clock). Then the rate
- * the GPU holds under load: the same GEMMs queued back to back for ~4 s,
- * timed over the last ~2 (the first 2 let a GPU that reaches its power
- * limit settle its clock; the pipeline keeps it busy for minutes). */
-static void measure_ceilings(struct ceilings *c, int H, int I, int m)
+#define CEIL_GEMM_W 4			/* weight copies, used in turn */
+#define CEIL_GEMM_WS (32u << 20)	/* cuBLAS workspace bytes */
+
+/* The expert GEMM of the ceilings, out[m][I] = x[m][H] . W1[I][H]^T over
+ * CEIL_GEMM_W weight copies in turn (L2 never holds the operand), random
+ * data, fp32 accumulation: bf16 in and fp32 out through cuBLAS, or (fp8)
+ * e4m3 in, scaled by a per-row and a per-channel vector in the epilogue
+ * (outer-vector scales) into bf16 through cuBLASLt, as the engine's fp8
+ * experts run their gate and up. */
+struct ceil_gemm {
+	bool fp8;
+	int H, I, m;
+	void *w[CEIL_GEMM_W], *x, *y, *ws;
+	float *w_scale, *x_scale;	/* fp8: per channel (I), per row (m) */
+	cublasHandle_t blas;
+	cublasLtHandle_t lt;
+	cublasLtMatmulDesc_t op;
+	cublasLtMatrixLayout_t la, lb, ld;
+	cublasLtMatmulAlgo_t algo;
+};
+
+/* n random values of the GEMM's input dtype, uniform in [-amp/2, amp/2),
+ * into device memory dst; h: host room for n of them. */
+static int fill_random(void *dst, size_t n, bool fp8, float amp, uint64_t *s, void *h)
+{
+	for (size_t i = 0; i < n; i++) {
+		float v;
+		*s = mix64(*s + i);
+		v = (float)((double)(*s >> 11) / 9007199254740992.0 - 0.5) * amp;
+		if (fp8)
+			((uint8_t *)h)[i] = mlens_f32_to_e4m3(v);
+		else
+			((uint16_t *)h)[i] = bf16_of(v);
+	}
+	return cudaMemcpy(dst, h, n * (fp8 ? 1 : 2), cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -1;
+}
+
+/* The cuBLASLt fp8 GEMM's descriptor, layouts and algorithm. -1 with why
+ * set when cuBLASLt takes no such GEMM. The heuristic is asked with B and
+ * D of the same n (m rows): layouts that disagree on n are an invalid
+ * problem, which reads as no algorithm. */
+static int ceil_gemm_lt(struct ceil_gemm *g, char *why, size_t whylen)
+{
+	cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+	int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+	cublasLtMatmulPreference_t pref = NULL;
+	cublasLtMatmulHeuristicResult_t hr;
+	size_t ws = CEIL_GEMM_WS;
+	const char *step = "cublasLtCreate";
+	int found = 0, rc = -1;
+	cublasStatus_t st = cublasLtCreate(&g->lt);
+
+	if (st == CUBLAS_STATUS_SUCCESS && (step = "cublasLtMatmulDescCreate"))
+		st = cublasLtMatmulDescCreate(&g->op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+	/* A is W (a scale a channel), B is x (a scale a row) */
+	if (st == CUBLAS_STATUS_SUCCESS && (step = "the outer-vector scale mode"))
+		st = cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g->w_scale,
+						    sizeof(g->w_scale));
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g->x_scale,
+						    sizeof(g->x_scale));
+	if (st == CUBLAS_STATUS_SUCCESS && (step = "cublasLtMatrixLayoutCreate"))
+		st = cublasLtMatrixLayoutCreate(&g->la, CUDA_R_8F_E4M3, (uint64_t)g->H, (uint64_t)g->I, g->H);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&g->lb, CUDA_R_8F_E4M3, (uint64_t)g->H, (uint64_t)g->m, g->H);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatrixLayoutCreate(&g->ld, CUDA_R_16BF, (uint64_t)g->I, (uint64_t)g->m, g->I);
+	if (st == CUBLAS_STATUS_SUCCESS && (step = "cublasLtMatmulPreferenceCreate"))
+		st = cublasLtMatmulPreferenceCreate(&pref);
+	if (st == CUBLAS_STATUS_SUCCESS)
+		st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+							  sizeof(ws));
+	if (st == CUBLAS_STATUS_SUCCESS && (step = "cublasLtMatmulAlgoGetHeuristic"))
+		st = cublasLtMatmulAlgoGetHeuristic(g->lt, g->op, g->la, g->lb, g->ld, g->ld, pref, 1, &hr,
+						    &found);
+	if (st != CUBLAS_STATUS_SUCCESS || found < 1)
+		snprintf(why, whylen, "cuBLASLt has no e4m3 GEMM [%d x %d] x %d rows with per-row and "
+			 "per-channel scales into bf16 (%s: %s, %d algorithms)", g->I, g->H, g->m, step,
+			 cublasGetStatusString(st), found);
+	else
+		rc = 0;
+	if (!rc)
+		g->algo = hr.algo;
+	if (pref)
+		cublasLtMatmulPreferenceDestroy(pref);
+	return rc;
+}
+
+/* Set g up (g->fp8, H, I, m given). -1 with why set. */
+static int ceil_gemm_setup(struct ceil_gemm *g, uint64_t *s, char *why, size_t whylen)
+{
+	size_t wn = (size_t)g->H * g->I, xn = (size_t)g->m * g->H, eb = g->fp8 ? 1 : 2;
+	void *h = malloc((wn > xn ? wn : xn) * 4);
+	float *hf = h;
+	int rc = -1;
+
+	snprintf(why, whylen, "CUDA error setting the GEMM up (on stderr)");
+	if (!h)
+		goto out;
+	/* fp8: the values a per-channel and per-row quantization gives (its
+	 * range), scales that bring them back */
+	for (int k = 0; k < CEIL_GEMM_W; k++) {
+		CK(cudaMalloc(&g->w[k], wn * eb));
+		if (fill_random(g->w[k], wn, g->fp8, g->fp8 ? 2 * MLENS_E4M3_MAX : 0.05f, s, h))
+			goto out;
+	}
+	CK(cudaMalloc(&g->x, xn * eb));
+	if (fill_random(g->x, xn, g->fp8, g->fp8 ? 2 * MLENS_E4M3_MAX : 1.0f, s, h))
+		goto out;
+	CK(cudaMalloc(&g->y, (size_t)g->m * g->I * 4));
+	CK(cudaMalloc(&g->ws, CEIL_GEMM_WS));
+	if (g->fp8) {
+		for (size_t i = 0; i < (size_t)(g->I > g->m ? g->I : g->m); i++)
+			hf[i] = 1.0f / MLENS_E4M3_MAX;
+		CK(cudaMalloc((void **)&g->w_scale, (size_t)g->I * 4));
+		CK(cudaMalloc((void **)&g->x_scale, (size_t)g->m * 4));
+		CK(cudaMemcpy(g->w_scale, hf, (size_t)g->I * 4, cudaMemcpyHostToDevice));
+		CK(cudaMemcpy(g->x_scale, hf, (size_t)g->m * 4, cudaMemcpyHostToDevice));
+		rc = ceil_gemm_lt(g, why, whylen);
+		goto out;
+	}
+	CB(cublasCreate(&g->blas));
+	CB(cublasSetWorkspace(g->blas, g->ws, CEIL_GEMM_WS));
+	rc = 0;
+out:
+	free(h);
+	return rc;
+}
+
+static void ceil_gemm_free(struct ceil_gemm *g)
+{
+	if (g->blas)
+		cublasDestroy(g->blas);
+	if (g->ld)
+		cublasLtMatrixLayoutDestroy(g->ld);
+	if (g->lb)
+		cublasLtMatrixLayoutDestroy(g->lb);
+	if (g->la)
+		cublasLtMatrixLayoutDestroy(g->la);
+	if (g->op)
+		cublasLtMatmulDescDestroy(g->op);
+	if (g->lt)
+		cublasLtDestroy(g->lt);
+	for (int k = 0; k < CEIL_GEMM_W; k++)
+		cudaFree(g->w[k]);
+	cudaFree(g->x);
+	cudaFree(g->y);
+	cudaFree(g->ws);
+	cudaFree(g->w_scale);
+	cudaFree(g->x_scale);
+	memset(g, 0, sizeof(*g));
+}
+
+/* One GEMM queued, weight copy i % CEIL_GEMM_W. -1 (said on stderr) on error. */
+static int ceil_gemm_run(struct ceil_gemm *g, int i)
+{
+	float alpha = 1.0f, beta = 0.0f;
+
+	if (g->fp8)
+		CB(cublasLtMatmul(g->lt, g->op, &alpha, g->w[i % CEIL_GEMM_W], g->la, g->x, g->lb, &beta, g->y,
+				  g->ld, g->y, g->ld, &g->algo, g->ws, CEIL_GEMM_WS, 0));
+	else
+		CB(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, g->I, g->m, g->H, &alpha,
+				g->w[i % CEIL_GEMM_W], CUDA_R_16BF, g->H, g->x, CUDA_R_16BF, g->H, &beta, g->y,
+				CUDA_R_32F, g->I, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+	return 0;
+out:
+	return -1;
+}
+
+/* g's rates, TFLOP/s: *alone the median of 20 GEMMs after 3 warm-ups,
+ * each alone (the GPU idle around it, at its burst clock); *held the same
+ * GEMMs queued back to back for ~4 s, timed over the last ~2 (the first 2
+ * let a GPU that reaches its power limit settle its clock; the pipeline
+ * keeps it busy for minutes). -1 on a CUDA or cuBLAS error. */
+static int time_gemm(struct ceil_gemm *g, cudaEvent_t e0, cudaEvent_t e1, double *alone, double *held)
+{
+	const double flop = 2.0 * g->m * (double)g->H * g->I;	/* one GEMM's */
+	float t[20], ms;
+	int n;
+
+	for (int i = 0; i < 23; i++) {
+		CK(cudaEventRecord(e0, 0));
+		if (ceil_gemm_run(g, i))
+			goto out;
+		CK(cudaEventRecord(e1, 0));
+		CK(cudaEventSynchronize(e1));
+		if (i >= 3)
+			CK(cudaEventElapsedTime(&t[i - 3], e0, e1));
+	}
+	*alone = flop / (median_ms(t, 20) * 1e-3) / 1e12;
+	n = (int)(2.0 * *alone * 1e12 / flop) + 1;	/* ~2 s of them */
+	for (int half = 0; half < 2; half++) {
+		CK(cudaEventRecord(e0, 0));
+		for (int i = 0; i < n; i++)
+			if (ceil_gemm_run(g, i))
+				goto out;
+		CK(cudaEventRecord(e1, 0));
+		CK(cudaEventSynchronize(e1));
+	}
+	CK(cudaEventElapsedTime(&ms, e0, e1));
+	*held = flop * n / (ms * 1e-3) / 1e12;
+	return 0;
+out:
+	return -1;
+}
+
+/* HBM: median of 10 copies of 2 GiB (4 GiB moved each). GEMM: the
+ * engine's expert GEMM (struct ceil_gemm) at m rows, bf16, alone and held
+ * under load (time_gemm). fp8 (the daemon's experts in e4m3): the same for
+ * the e4m3 GEMM, or gemm_fp8_refused saying why it has no rate (a GPU
+ * without fp8 tensor cores, cuBLASLt without such a GEMM). */
+static void measure_ceilings(struct ceilings *c, int H, int I, int m, bool fp8)
 {
 	const size_t copy_bytes = 2ull << 30;
-	const int n_w = 4;
-	void *a = NULL, *b = NULL, *w[4] = { 0 }, *x = NULL, *y = NULL, *ws = NULL;
-	uint16_t *h = NULL;
-	cublasHandle_t blas = NULL;
+	void *a = NULL, *b = NULL;
+	struct ceil_gemm gm = { .H = H, .I = I, .m = m };
 	cudaEvent_t e0 = NULL, e1 = NULL;
 	struct cudaDeviceProp prop;
-	float t[20], alpha = 1.0f, beta = 0.0f;
-	size_t wn = (size_t)H * I, xn = (size_t)m * H;
-	const double flop = 2.0 * m * (double)H * I;	/* one GEMM's */
+	float t[20];
 	uint64_t s = 12345;
+	char why[sizeof(c->gemm_fp8_refused)];
 
 	memset(c, 0, sizeof(*c));
 	c->gemm_m = m;
@@ -861,70 +1144,36 @@ static void measure_ceilings(struct ceilings *c, int H, int I, int m)
 	cudaFree(b);
 	a = b = NULL;
 
-	h = malloc((wn > xn ? wn : xn) * 2);
-	if (!h)
+	if (ceil_gemm_setup(&gm, &s, why, sizeof(why)) ||
+	    time_gemm(&gm, e0, e1, &c->gemm_tflops, &c->gemm_sustained_tflops))
 		goto out;
-	for (int k = 0; k < n_w; k++) {
-		for (size_t i = 0; i < wn; i++) {
-			s = mix64(s + i);
-			h[i] = bf16_of((float)((double)(s >> 11) / 9007199254740992.0 - 0.5) * 0.05f);
-		}
-		CK(cudaMalloc(&w[k], wn * 2));
-		CK(cudaMemcpy(w[k], h, wn * 2, cudaMemcpyHostToDevice));
-	}
-	for (size_t i = 0; i < xn; i++) {
-		s = mix64(s + i);
-		h[i] = bf16_of((float)((double)(s >> 11) / 9007199254740992.0 - 0.5));
-	}
-	CK(cudaMalloc(&x, xn * 2));
-	CK(cudaMemcpy(x, h, xn * 2, cudaMemcpyHostToDevice));
-	CK(cudaMalloc(&y, (size_t)m * I * 4));
-	CK(cudaMalloc(&ws, 32u << 20));
-	CB(cublasCreate(&blas));
-	CB(cublasSetWorkspace(blas, ws, 32u << 20));
-	/* one expert GEMM, weight copy i % n_w */
-#define GEMM(i) CB(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, I, m, H, &alpha, w[(i) % n_w], \
-				CUDA_R_16BF, H, x, CUDA_R_16BF, H, &beta, y, CUDA_R_32F, I, \
-				CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
-	for (int i = 0; i < 23; i++) {
-		CK(cudaEventRecord(e0, 0));
-		GEMM(i);
-		CK(cudaEventRecord(e1, 0));
-		CK(cudaEventSynchronize(e1));
-		if (i >= 3)
-			CK(cudaEventElapsedTime(&t[i - 3], e0, e1));
-	}
-	c->gemm_tflops = flop / (median_ms(t, 20) * 1e-3) / 1e12;
-	{
-		int n = (int)(2.0 * c->gemm_tflops * 1e12 / flop) + 1;	/* ~2 s of them */
-		float ms;
-		for (int half = 0; half < 2; half++) {
-			CK(cudaEventRecord(e0, 0));
-			for (int i = 0; i < n; i++)
-				GEMM(i);
-			CK(cudaEventRecord(e1, 0));
-			CK(cudaEventSynchronize(e1));
-		}
-		CK(cudaEventElapsedTime(&ms, e0, e1));
-		c->gemm_sustained_tflops = flop * n / (ms * 1e-3) / 1e12;
-	}
-#undef GEMM
 	c->have = true;
+	ceil_gemm_free(&gm);
+	if (!fp8)
+		goto out;
+	c->fp8_measured = true;
+	gm = (struct ceil_gemm){ .fp8 = true, .H = H, .I = I, .m = m };
+	if (prop.major * 10 + prop.minor < 89)
+		snprintf(c->gemm_fp8_refused, sizeof(c->gemm_fp8_refused),
+			 "%.64s (compute capability %d.%d) has no fp8 tensor cores", prop.name, prop.major,
+			 prop.minor);
+	else if (!ceil_gemm_setup(&gm, &s, c->gemm_fp8_refused, sizeof(c->gemm_fp8_refused)) &&
+		 time_gemm(&gm, e0, e1, &c->gemm_fp8_tflops, &c->gemm_fp8_sustained_tflops))
+		snprintf(c->gemm_fp8_refused, sizeof(c->gemm_fp8_refused),
+			 "the e4m3 GEMM failed to run (cuBLASLt's error on stderr)");
+	if (c->gemm_fp8_refused[0]) {
+		c->gemm_fp8_tflops = c->gemm_fp8_sustained_tflops = 0;
+		fprintf(stderr, "serve: fp8 GEMM ceiling: %s; the bound charges the experts' GEMMs at the "
+			"bf16 rate\n", c->gemm_fp8_refused);
+	}
 out:
-	if (blas)
-		cublasDestroy(blas);
+	ceil_gemm_free(&gm);
 	cudaFree(a);
 	cudaFree(b);
-	for (int k = 0; k < n_w; k++)
-		cudaFree(w[k]);
-	cudaFree(x);
-	cudaFree(y);
-	cudaFree(ws);
 	if (e0)
 		cudaEventDestroy(e0);
 	if (e1)
 		cudaEventDestroy(e1);
-	free(h);
 }
 /* The host side of the hybrid pipeline's ceilings, in this process before
  * the daemon starts. H2D: cudaMemcpyAsync of 1 GiB from cudaHostAlloc
@@ -1043,14 +1292,16 @@ out:
  * happen in the attention kernels between them, so
  *     t_step >= max(W/BW, F/R) + KV/BW,  generated tokens/s <= B / t_step.
  * R is taken at the expert GEMM's shape with n*k/E rows, the GEMMs that
- * dominate F. */
+ * dominate F. fp8 experts: their n*L*k*6*H*I FLOPs at the fp8 GEMM's rate
+ * and the rest at R (expert_rate > 0: mlens_perf_gemm_seconds). */
 struct bound {
 	double B, n_step, w_bytes, flops, kv_bytes, t_weights, t_flops, t_kv, t_step, gen_tps;
 };
 
 static void compute_bound(struct bound *bd, const struct mlens_model_config *c,
 			  const struct mlens_perf_model *pm, double p, double g,
-			  double occ, double kv_tokens, double n_cap, double bw, double rate)
+			  double occ, double kv_tokens, double n_cap, double bw, double rate,
+			  double expert_rate)
 {
 	double L = (double)c->num_hidden_layers, H = (double)c->hidden_size;
 	double I = (double)c->intermediate_size, E = (double)c->num_local_experts;
@@ -1079,7 +1330,7 @@ static void compute_bound(struct bound *bd, const struct mlens_model_config *c,
 	if (bw <= 0 || rate <= 0)
 		return;
 	bd->t_weights = bd->w_bytes / bw;
-	bd->t_flops = bd->flops / rate;
+	bd->t_flops = mlens_perf_gemm_seconds(bd->flops, n * L * pm->flops_experts, rate, expert_rate);
 	bd->t_kv = bd->kv_bytes / bw;
 	bd->t_step = (bd->t_weights > bd->t_flops ? bd->t_weights : bd->t_flops) + bd->t_kv;
 	bd->gen_tps = B / bd->t_step;
@@ -1343,6 +1594,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct ceilings ceil_ = { 0 }, after = { 0 };	/* after: the host's, once the daemon stopped */
 	struct bound bd = { 0 };
 	struct mlens_perf_bound hb = { 0 }, hb_after = { 0 }, hb_burst = { 0 };
+	struct expert_rate er = { 0 };
 	bool have_hb = false, have_hb_after = false, have_bd = false, hybrid;
 	double w_step = 0;	/* hybrid: the weight bytes a step streams (the bound's W) */
 	struct steady sw = { 0 };
@@ -1476,7 +1728,8 @@ int mlens_bench_serve(int argc, char **argv)
 					    mlens_perf_mix_seq_blocks(&mix) * (p + g - 1) / g *
 					    (double)pm.top_k / (double)pm.experts);
 			rows = rows < 16 ? 16 : rows > 32768 ? 32768 : rows;
-			measure_ceilings(&ceil_, (int)pm.hidden, (int)pm.inter, (int)rows);
+			measure_ceilings(&ceil_, (int)pm.hidden, (int)pm.inter, (int)rows,
+					 daemon_experts_fp8(&o, &model->cfg));
 			measure_host_link(&ceil_);
 			cudaDeviceReset();
 		} else {
@@ -1554,6 +1807,9 @@ int mlens_bench_serve(int argc, char **argv)
 		fprintf(stderr, "serve: %s\n", status ? err : "the control socket did not answer status");
 		goto out;
 	}
+	expert_rate_pick(&er, &ceil_, pm.expert_fp8, &model->cfg);
+	if (er.fp8 && ceil_.have && !er.at_fp8)
+		fprintf(stderr, "serve: the bound charges the fp8 experts' GEMMs at the bf16 rate: %s\n", er.why);
 	run.o = &o;
 	run.sock = d.sock;
 	run.vocab = lim.vocab_size;
@@ -1659,15 +1915,17 @@ int mlens_bench_serve(int argc, char **argv)
 		if (!(w_step > 0))
 			w_step = L * (double)mlens_gpu_plan_streamed_bytes(&pm, 0);
 		have_hb = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
-					    ceil_.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12, 0, &hb);
-		/* and with the lone GEMMs' rate, for comparison */
+					    ceil_.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12,
+					    expert_bound_tflops(&er, &ceil_, false) * 1e12, &hb);
+		/* and with the lone GEMMs' rates, for comparison */
 		if (have_hb && mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, ceil_.h2d_gbs * 1e9,
-						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12, 0, &hb_burst))
+						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12,
+						expert_bound_tflops(&er, &ceil_, true) * 1e12, &hb_burst))
 			hb_burst.gen_tok_s = NAN;
 	} else if (!hybrid && ceil_.have) {
 		compute_bound(&bd, &model->cfg, &pm, p, g, mlens_perf_mix_seq_blocks(&mix), kv_tokens, n_cap,
 			      ceil_.hbm_gbs * 1e9,
-			      gemm_bound_tflops(&ceil_) * 1e12);
+			      gemm_bound_tflops(&ceil_) * 1e12, expert_bound_tflops(&er, &ceil_, false) * 1e12);
 		have_bd = bd.gen_tps > 0;
 	}
 
@@ -1709,7 +1967,7 @@ int mlens_bench_serve(int argc, char **argv)
 		if (after.have_link)
 			have_hb_after = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, after.h2d_gbs * 1e9,
 							  after.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12,
-							  0, &hb_after);
+							  expert_bound_tflops(&er, &ceil_, false) * 1e12, &hb_after);
 	}
 #endif
 
@@ -1745,6 +2003,14 @@ int mlens_bench_serve(int argc, char **argv)
 			"expert_bytes", (json_int_t)pm.expert_bytes,
 			"kv_dtype", jstr(json_object_get(json_object_get(status, "budgets"), "kv_cache"), "dtype", "?"),
 			"kv_token_bytes", (json_int_t)pm.kv_token_bytes));
+		/* fp8 experts: the rate their GEMM FLOPs were charged (fp8, or
+		 * bf16 and why) */
+		if (er.fp8 && ceil_.have) {
+			json_object_set_new(json_object_get(out, "bound_model"), "expert_gemm_rate",
+					    json_string(er.at_fp8 ? "fp8" : "bf16"));
+			json_object_set_new(json_object_get(out, "bound_model"), "expert_gemm_rate_reason",
+					    er.at_fp8 ? json_null() : json_string(er.why));
+		}
 		json_object_set_new(out, "kv_tokens", json_real(kv_tokens));
 		json_object_set_new(out, "kv_sequences", jnum_or_null(kv_seqs));
 		json_object_set_new(out, "step_token_cap", json_real(n_cap));
@@ -1816,6 +2082,16 @@ int mlens_bench_serve(int argc, char **argv)
 					    jnum_or_null(ceil_.have_link ? ceil_.read_huge : NAN));
 			json_object_set_new(json_object_get(out, "ceilings"), "gemm_sustained_tflops",
 					    jnum_or_null(ceil_.have ? ceil_.gemm_sustained_tflops : NAN));
+			if (ceil_.fp8_measured) {
+				json_t *cj = json_object_get(out, "ceilings");
+				json_object_set_new(cj, "gemm_fp8_tflops",
+						    jnum_or_null(ceil_.gemm_fp8_tflops > 0 ? ceil_.gemm_fp8_tflops : NAN));
+				json_object_set_new(cj, "gemm_fp8_sustained_tflops",
+						    jnum_or_null(ceil_.gemm_fp8_sustained_tflops > 0 ?
+								 ceil_.gemm_fp8_sustained_tflops : NAN));
+				json_object_set_new(cj, "gemm_fp8_refused", ceil_.gemm_fp8_refused[0] ?
+						    json_string(ceil_.gemm_fp8_refused) : json_null());
+			}
 			/* earlier readers look for these at the top level */
 			json_object_set_new(out, "device", json_string(ceil_.device));
 			json_object_set_new(out, "hbm_gb_per_s", json_real(ceil_.hbm_gbs));
@@ -1833,6 +2109,13 @@ int mlens_bench_serve(int argc, char **argv)
 				"generated_tokens_per_s", hb.gen_tok_s, "total_tokens_per_s", hb.total_tok_s));
 			json_object_set_new(json_object_get(out, "bound"), "gemm_tflops",
 					    json_real(gemm_bound_tflops(&ceil_)));
+			if (er.fp8) {
+				json_object_set_new(json_object_get(out, "bound"), "expert_flops",
+						    json_real(hb.expert_flops));
+				json_object_set_new(json_object_get(out, "bound"), "expert_gemm_tflops",
+						    json_real(er.at_fp8 ? expert_bound_tflops(&er, &ceil_, false)
+								       : gemm_bound_tflops(&ceil_)));
+			}
 			json_object_set_new(json_object_get(out, "bound"), "burst_gemm_generated_tokens_per_s",
 					    jnum_or_null(hb_burst.gen_tok_s));
 			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / hb.gen_tok_s));
@@ -1862,6 +2145,10 @@ int mlens_bench_serve(int argc, char **argv)
 				"weight_bytes", bd.w_bytes, "flops", bd.flops, "kv_bytes", bd.kv_bytes,
 				"t_weights_s", bd.t_weights, "t_flops_s", bd.t_flops, "t_kv_s", bd.t_kv,
 				"t_step_s", bd.t_step, "generated_tokens_per_s", bd.gen_tps));
+			if (er.fp8)
+				json_object_set_new(json_object_get(out, "bound"), "expert_gemm_tflops",
+						    json_real(er.at_fp8 ? expert_bound_tflops(&er, &ceil_, false)
+								       : gemm_bound_tflops(&ceil_)));
 			json_object_set_new(out, "measured_over_bound", json_real(gen_tps / bd.gen_tps));
 			json_object_set_new(out, "steady_over_bound", jnum_or_null(sw.have ? sw.gen_tps / bd.gen_tps : NAN));
 		} else {
@@ -1932,6 +2219,13 @@ int mlens_bench_serve(int argc, char **argv)
 			       (unsigned long long)pm.expert_bytes,
 			       jstr(json_object_get(out, "bound_model"), "kv_dtype", "?"),
 			       (unsigned long long)pm.kv_token_bytes);
+			if (er.fp8 && ceil_.have && er.at_fp8)
+				printf("%-26s experts' at the fp8 rate (%.0f TFLOP/s), the rest at bf16's (%.0f)\n",
+				       "bound model GEMMs", expert_bound_tflops(&er, &ceil_, false),
+				       gemm_bound_tflops(&ceil_));
+			else if (er.fp8 && ceil_.have)
+				printf("%-26s all at the bf16 rate (%.0f TFLOP/s): %s\n", "bound model GEMMs",
+				       gemm_bound_tflops(&ceil_), er.why);
 			printf("%-26s %.1f %%, %.0f steps of %.1f tokens (cap %.0f)\n", "engine busy", 100 * busy,
 			       steps, mean_step, n_cap);
 			if (sd.n)
@@ -1956,6 +2250,13 @@ int mlens_bench_serve(int argc, char **argv)
 				printf("%-26s HBM %.0f GB/s, GEMM %.0f TFLOP/s at %d rows (%.0f held over 2 s) (%s)\n",
 				       "GPU ceilings", ceil_.hbm_gbs, ceil_.gemm_tflops, ceil_.gemm_m,
 				       ceil_.gemm_sustained_tflops, ceil_.device);
+			if (ceil_.have && ceil_.fp8_measured && !ceil_.gemm_fp8_refused[0])
+				printf("%-26s fp8 e4m3 GEMM %.0f TFLOP/s at %d rows (%.0f held over 2 s)\n",
+				       "GPU ceilings (fp8)", ceil_.gemm_fp8_tflops, ceil_.gemm_m,
+				       ceil_.gemm_fp8_sustained_tflops);
+			else if (ceil_.have && ceil_.fp8_measured)
+				printf("%-26s fp8 e4m3 GEMM: none (%s)\n", "GPU ceilings (fp8)",
+				       ceil_.gemm_fp8_refused);
 			if (have_hb) {
 				printf("%-26s %.1f generated, %.1f total tokens/s: %.0f seqs, %.0f tokens/step, "
 				       "step %.1f ms = max(PCIe %.1f, memory %.1f, GEMM %.1f) (%s binds)\n", "bound",
