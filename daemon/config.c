@@ -82,6 +82,7 @@ static const struct opt opts[] = {
 	{ "mlock", T_BOOL, O(mlock), "true", 0, 0, NULL, "lock the pinned pools in memory (fail if it cannot)" },
 	{ "io_uring", T_BOOL, O(io_uring), "true", 0, 0, NULL, "read model files with io_uring (false: mmap copy)" },
 	{ "gpus", T_GPUS, O(gpus), "0", 0, 0, "LIST", "CUDA devices to serve on, comma-separated (this mlensd serves on one)" },
+	{ "op_timing", T_BOOL, O(op_timing), "false", 0, 0, NULL, "time each op of every step on the compute queue with the backend's timing marks, read after the step with no wait inside it; the stats' gpu_ops and the metrics' mlens_gpu_op_seconds_total" },
 	{ "profile", T_BOOL, O(profile), "false", 0, 0, NULL, "profile the machine at start-up and set the token cap from n_real" },
 	{ "profile_cache", T_STR, O(profile_cache), "", 0, 0, "PATH", "JSON file of profile results, reused while model, backend, GPU and budget match (empty: none)" },
 	{ "workload_follow", T_INT, O(workload_follow), "30", 0, 86400, "SECONDS", "with a profile: every this often, predict for the mean lengths of the requests finished since and set the cap from that n_real when they moved by more than 10% (0: keep the workload the profile was made for)" },

@@ -71,6 +71,7 @@ struct mlens_config {
 	char *gpus;
 	int n_gpus;
 	int gpu_ids[MLENS_CONFIG_MAX_GPUS];
+	bool op_timing;		/* the op time account (daemon/exec/op_time.h) */
 	bool profile;
 	char *profile_cache;
 	int64_t workload_follow;

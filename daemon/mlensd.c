@@ -921,6 +921,7 @@ static int step_engine(void)
 	eo->kv_blocks = D.kv_blocks;
 	eo->kv_dtype = (int)D.kv_dt;
 	eo->max_step_tokens = step_cap_wanted();
+	eo->op_timing = D.cfg.op_timing;
 	eo->kv_mem_k = D.kv_k.p;
 	eo->kv_mem_v = D.kv_v.p;
 	/* the plan made at start-up (budget: gpu_memory, or the free memory
@@ -940,6 +941,9 @@ static int step_engine(void)
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, eo, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
+	if (D.cfg.op_timing)
+		log_info(mlens_engine_op_time(D.engine) ? "op_timing: every step's ops timed on the %s backend's timing marks"
+			 : "op_timing: the %s backend has no timing marks; no op times", D.be.ops->name);
 	if (D.hybrid) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(D.engine));
 		char line[512];

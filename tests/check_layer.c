@@ -53,9 +53,10 @@ static void probe_begin(void *arg)
 	(void)arg;
 }
 
-static int probe_end(void *arg, enum mlens_layer_op op)
+static int probe_end(void *arg, enum mlens_layer_op op, double flops)
 {
 	(void)arg;
+	(void)flops;
 	op_seen[op]++;
 	return 0;
 }

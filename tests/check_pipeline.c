@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <jansson.h>
 #include "daemon/plan/gpu_plan.h"
+#include "daemon/exec/op_time.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/exec/pipeprog.h"
 #include "daemon/serve/sched.h"
@@ -405,6 +406,7 @@ static void make_rounding(struct mlens_backend *be, bool side)
 /* run_equal's hybrid side: the GPU side appends K/V to the pool (the
  * pipeline's gpu_kv_append) */
 static bool run_gpu_append;
+static bool run_op_timing;	/* engine opts op_timing */
 /* ... with side copies, C's output up on queue 3 too (up_copy_in; off:
  * gpu_copy_out = down) */
 static bool run_up_copy = true;
@@ -457,6 +459,7 @@ static void side_open(struct side *sd, const struct mlens_model *m, bool hybrid,
 		eo.hybrid_up_copy_in = side_out && run_up_copy;
 		eo.hybrid_gpu_kv_append = run_gpu_append;
 	}
+	eo.op_timing = run_op_timing;
 	ck_assert_msg(mlens_engine_create(&sd->e, m, &sd->be, &eo, err, sizeof(err)) == 0, "%s", err);
 	ck_assert_int_eq(mlens_engine_pipeline(sd->e) != NULL, hybrid);
 }
@@ -1072,6 +1075,58 @@ START_TEST(exec_trace_threads)
 }
 END_TEST
 
+/* op_timing in hybrid mode, its host threads on: the GPU side's ops (and
+ * only those) in the account, each step read, the FLOPs of the rows the
+ * steps carried; the CPU's decode attention is not among them. */
+START_TEST(exec_op_timing)
+{
+	struct mlens_test_spec ts = spec4();
+	struct mlens_model *m = mlens_test_model_new(&ts);
+	struct side sd;
+	int32_t prompt[6] = { 1, 2, 3, 4, 5, 6 }, tok;
+	struct mlens_engine_req r = { 0 };
+	struct mlens_op_time_totals t;
+	const int L = ts.layers;
+	const double qd = (double)ts.heads * ts.head_dim;
+
+	run_op_timing = true;
+	run_gpu_append = true;	/* the stores on the GPU side's queue 0 */
+	side_open(&sd, m, true, 1, 0, false, true, false);
+	run_op_timing = run_gpu_append = false;
+	ck_assert_ptr_nonnull(mlens_engine_op_time(sd.e));
+	r.seq = &sd.seq[0];
+	r.tokens = prompt;
+	r.n_tokens = 6;
+	ck_assert_int_eq(mlens_engine_step(sd.e, &r, 1), 0);
+	tok = r.next_token;
+	r.tokens = &tok;
+	r.n_tokens = 1;
+	ck_assert_int_eq(mlens_engine_step(sd.e, &r, 1), 0);
+	mlens_op_time_get(mlens_engine_op_time(sd.e), &t);
+	ck_assert_uint_eq(t.steps, 2);
+	ck_assert_uint_eq(t.dropped, 0);
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_EMBED], 2);
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_QKV], 2 * L);
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_WO], 2 * L);
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_KV_APPEND], 2 * L);
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_PREFILL], L);	/* the prompt's step */
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_DECODE], 0);	/* on the CPU side */
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_LM_HEAD], 2);
+	ck_assert_uint_eq(t.calls[MLENS_LAYER_OP_SAMPLE], 2);
+	ck_assert_uint_ge(t.calls[MLENS_LAYER_OP_MOE], 2 * L);
+	ck_assert_double_eq(t.flops[MLENS_LAYER_OP_WO], 2.0 * 7 * qd * ts.hidden * L);
+	ck_assert_double_eq(t.flops[MLENS_LAYER_OP_LM_HEAD], 2.0 * 2 * ts.hidden * ts.vocab);
+	/* 6 prompt rows: 21 causal pairs a layer */
+	ck_assert_double_eq(t.flops[MLENS_LAYER_OP_PREFILL], 4.0 * qd * 21 * L);
+	for (int i = 0; i < MLENS_LAYER_OP_N; i++)
+		if (t.calls[i])
+			ck_assert_msg(t.seconds[i] > 0, "%s", mlens_layer_op_name((enum mlens_layer_op)i));
+	ck_assert(t.span_s > 0);
+	side_close(&sd, true);
+	mlens_test_model_free(m);
+}
+END_TEST
+
 /* The engine runs the plan it is handed: a GPU-only plan sets its step
  * cap; a GPU-only plan with an attention backend (hybrid mode) is refused,
  * and so is hybrid mode without a plan. */
@@ -1595,6 +1650,7 @@ int main(void)
 	tcase_add_test(t, exec_engine_takes_the_plan);
 	tcase_add_test(t, exec_under_scheduler);
 	tcase_add_test(t, exec_trace_threads);
+	tcase_add_test(t, exec_op_timing);
 	tcase_add_loop_test(t, exec_residency_follows_routing, 0, 2);
 	tcase_add_test(t, exec_residency_swap_fails);
 	tcase_add_test(t, residency_choice);

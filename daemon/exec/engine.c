@@ -12,6 +12,7 @@
 #include "daemon/errf.h"
 #include "daemon/exec/engine.h"
 #include "daemon/exec/layer.h"
+#include "daemon/exec/op_time.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/step.h"
@@ -26,6 +27,7 @@ struct mlens_engine {
 	struct mlens_trace *trace;	/* step traces (mlensctl trace); idle unless armed */
 	struct mlens_step_timer timer;	/* times a traced step's parts on the backend */
 	bool timing;			/* this step is timed */
+	struct mlens_op_time *ot;	/* op_timing: every step's ops timed (in hybrid mode, the pipeline's) */
 	struct mlens_kv_pool kv;
 	int max_tokens;
 	int qdim, kvdim;
@@ -52,18 +54,13 @@ struct mlens_engine {
 	 * (a measurement aid: the waits themselves slow the step) */
 	int prof_every;
 	long prof_steps;
-	double prof_t[16], prof_step_t, prof_t0;
+	double prof_t[MLENS_LAYER_OP_N], prof_step_t, prof_t0;
 	struct mlens_layer_probe probe;
 	const struct mlens_layer_probe *user_probe;	/* mlens_engine_set_probe's, before probe */
 };
 
-enum prof_kind { PK_EMBED, PK_NORM, PK_QKV, PK_ROPE, PK_KV_APPEND, PK_PREFILL, PK_DECODE, PK_WO,
-		 PK_ROUTER, PK_MOE, PK_LM_HEAD, PK_SAMPLE, PK_N };
-static const char *const prof_names[PK_N] = { "embed", "rmsnorm", "qkv gemm", "rope", "kv_append",
-	"attn_prefill", "attn_decode", "o gemm", "router", "moe", "lm_head", "sample" };
-
 static void prof_begin(void *arg);
-static int prof_end(void *arg, enum mlens_layer_op op);
+static int prof_end(void *arg, enum mlens_layer_op op, double flops);
 
 /* ==== weights ==== */
 
@@ -142,6 +139,12 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 		mlens_errf(err, errlen, "cannot allocate the step trace recorder");
 		goto fail;
 	}
+	/* a backend without timing marks has no account: op_timing is then
+	 * a no-op (the daemon says so) */
+	if (o->op_timing && e->timer.on && (rc = mlens_op_time_create(&e->ot, &e->timer))) {
+		mlens_errf(err, errlen, "cannot allocate the op time account");
+		goto fail;
+	}
 	e->max_tokens = o->max_step_tokens > 0 ? o->max_step_tokens : 4096;
 	e->prefill_op = o->prefill_attn == MLENS_PREFILL_OP ||
 			(o->prefill_attn == MLENS_PREFILL_AUTO && !be->ops->host_memory);
@@ -174,6 +177,7 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 			.kv_mem_k = o->kv_mem_k,
 			.kv_mem_v = o->kv_mem_v,
 			.trace = e->trace,
+			.op_time = e->ot,
 		};
 		rc = mlens_pipeline_create(&e->pipe, m, be, o->attn_backend, &po, err, errlen);
 		if (rc)
@@ -234,6 +238,7 @@ void mlens_engine_destroy(struct mlens_engine *e)
 	if (!e)
 		return;
 	mlens_pipeline_destroy(e->pipe);
+	mlens_op_time_destroy(e->ot);
 	mlens_trace_destroy(e->trace);
 	mlens_step_timer_fini(&e->timer);
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
@@ -250,6 +255,11 @@ void mlens_engine_destroy(struct mlens_engine *e)
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e)
 {
 	return e->pipe ? mlens_pipeline_kv(e->pipe) : &e->kv;
+}
+
+const struct mlens_op_time *mlens_engine_op_time(const struct mlens_engine *e)
+{
+	return e->ot;
 }
 
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e)
@@ -339,18 +349,11 @@ static void prof_begin(void *arg)
 	((struct mlens_engine *)arg)->prof_t0 = prof_clock();
 }
 
-static int prof_end(void *arg, enum mlens_layer_op op)
+static int prof_end(void *arg, enum mlens_layer_op op, double flops)
 {
-	static const int kind[MLENS_LAYER_OP_N] = {
-		[MLENS_LAYER_OP_NORM] = PK_NORM, [MLENS_LAYER_OP_QKV] = PK_QKV,
-		[MLENS_LAYER_OP_ROPE] = PK_ROPE, [MLENS_LAYER_OP_KV_APPEND] = PK_KV_APPEND,
-		[MLENS_LAYER_OP_PREFILL] = PK_PREFILL, [MLENS_LAYER_OP_DECODE] = PK_DECODE,
-		[MLENS_LAYER_OP_WO] = PK_WO, [MLENS_LAYER_OP_ROUTER] = PK_ROUTER,
-		[MLENS_LAYER_OP_MOE] = PK_MOE, [MLENS_LAYER_OP_LM_HEAD] = PK_LM_HEAD,
-		[MLENS_LAYER_OP_SAMPLE] = PK_SAMPLE, [MLENS_LAYER_OP_EMBED] = PK_EMBED,
-	};
 	struct mlens_engine *e = arg;
-	return prof_add(e, kind[op], e->prof_t0);
+	(void)flops;
+	return prof_add(e, (int)op, e->prof_t0);
 }
 
 static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
@@ -360,8 +363,9 @@ static void prof_step_done(struct mlens_engine *e, double t0, int tokens)
 	if (++e->prof_steps % e->prof_every)
 		return;
 	fprintf(stderr, "engine profile, %ld steps (last %d tokens), ms per step:", e->prof_steps, tokens);
-	for (int k = 0; k < PK_N; k++) {
-		fprintf(stderr, " %s %.3f", prof_names[k], 1e3 * e->prof_t[k] / e->prof_steps);
+	for (int k = 0; k < MLENS_LAYER_OP_N; k++) {
+		fprintf(stderr, " %s %.3f", mlens_layer_op_name((enum mlens_layer_op)k),
+			1e3 * e->prof_t[k] / e->prof_steps);
 		sum += e->prof_t[k];
 	}
 	fprintf(stderr, "; ops %.3f, step %.3f\n", 1e3 * sum / e->prof_steps, 1e3 * e->prof_step_t / e->prof_steps);
@@ -402,7 +406,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
 {
 	int rc, tokens = 0;
-	if (!mlens_trace_armed(e->trace)) {
+	if (!mlens_trace_armed(e->trace) && (e->pipe || !e->ot)) {
 		mlens_disk_tier_step_begin(e->m->disk);
 		rc = e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
 		mlens_disk_tier_step_end(e->m->disk);
@@ -415,11 +419,18 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	if (e->pipe) {
 		rc = mlens_pipeline_step(e->pipe, reqs, n);
 	} else {
+		/* a traced step's parts, and with op_timing its ops, on the timer */
 		double busy[2];
 		e->timing = e->timer.on && !mlens_step_timer_start(&e->timer, e->trace);
+		if (e->ot)
+			mlens_op_time_step_start(e->ot);
 		rc = engine_step(e, reqs, n);
-		if (e->timing)
-			mlens_step_timer_finish(&e->timer, busy);	/* sampling waited for the backend */
+		if (e->timing) {
+			/* sampling waited for the backend */
+			int frc = mlens_step_timer_finish(&e->timer, busy);
+			if (e->ot)
+				mlens_op_time_step_done(e->ot, rc ? rc : frc);
+		}
 		e->timing = false;
 	}
 	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
@@ -432,8 +443,10 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	const struct mlens_model_config *c = &e->cfg;
 	struct mlens_step_rows *sr = &e->rows;
 	const struct mlens_layer_run run = { e->be, &e->desc,
-					     e->user_probe ? e->user_probe : e->prof_every > 0 ? &e->probe : NULL };
-	int H = (int)c->hidden_size, V = (int)c->vocab_size, bs = e->kv.cache.block_size;
+					     e->user_probe ? e->user_probe :
+					     e->ot && e->timing ? mlens_op_time_probe(e->ot) :
+					     e->prof_every > 0 ? &e->probe : NULL };
+	int V = (int)c->vocab_size, bs = e->kv.cache.block_size;
 	int T = 0, P = 0, n_pre = 0, nl, rc = 0, row, L = (int)c->num_hidden_layers, part;
 	int64_t total = 0;
 	double t_step;
@@ -471,11 +484,7 @@ static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, in
 	}
 
 	part = trace_part_begin(e, -1, L);
-	if (run.probe)
-		run.probe->begin(run.probe->arg);
-	TRY(OPS->embed(CTX, e->x, e->ends.embed, c->dtype, H, sr->tok, T));
-	if (run.probe)
-		TRY(run.probe->end(run.probe->arg, MLENS_LAYER_OP_EMBED));
+	TRY(mlens_layer_embed(&run, e->x, e->ends.embed, sr->tok, T));
 	trace_part_end(e, part);
 	{
 		const struct mlens_layer_act act = { e->x, e->xn, e->q, e->k, e->v, e->att, e->rlog,

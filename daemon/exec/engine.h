@@ -15,6 +15,7 @@
 struct mlens_engine;
 struct mlens_layer_probe;
 struct mlens_gpu_plan;
+struct mlens_op_time;
 
 struct mlens_engine_opts {
 	int kv_block_size;	/* tokens per KV block; 0 = 16 */
@@ -50,6 +51,10 @@ struct mlens_engine_opts {
 	 * steps (0: the default); pipeline.h's residency_* */
 	bool hybrid_residency_routing;
 	int hybrid_residency_period;
+	/* Time every step's ops on the backend's timing marks, read after the
+	 * step (daemon/exec/op_time.h; the hybrid pipeline's GPU side); a
+	 * backend without marks has none */
+	bool op_timing;
 };
 
 enum {
@@ -80,6 +85,8 @@ void mlens_engine_destroy(struct mlens_engine *e);
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e);
 /* The hybrid pipeline of an engine in hybrid mode, else NULL. */
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e);
+/* The op time account (engine opts op_timing), or NULL without one. */
+const struct mlens_op_time *mlens_engine_op_time(const struct mlens_engine *e);
 /* The engine's step trace recorder (daemon/ops/trace.h): armed by mlensctl
  * trace; each mlens_engine_step is a traced step while armed. The hybrid
  * pipeline adds its spans to it. */

@@ -209,16 +209,66 @@ void mlens_ends_unbind(struct mlens_ends_bound *b, const struct mlens_model *m,
 
 #define OPS (r->be->ops)
 #define CTX (r->be->ctx)
-/* Run op x, a probe around it when one is set. */
-#define OP(kind, x)                                                                     \
+const char *mlens_layer_op_name(enum mlens_layer_op op)
+{
+	static const char *const names[MLENS_LAYER_OP_N] = {
+		[MLENS_LAYER_OP_NORM] = "norm",
+		[MLENS_LAYER_OP_QKV] = "qkv_gemm",
+		[MLENS_LAYER_OP_ROPE] = "rope",
+		[MLENS_LAYER_OP_KV_APPEND] = "kv_store",
+		[MLENS_LAYER_OP_PREFILL] = "prefill_attention",
+		[MLENS_LAYER_OP_DECODE] = "decode_attention",
+		[MLENS_LAYER_OP_WO] = "o_gemm",
+		[MLENS_LAYER_OP_ROUTER] = "router",
+		[MLENS_LAYER_OP_MOE] = "moe",
+		[MLENS_LAYER_OP_LM_HEAD] = "lm_head_gemm",
+		[MLENS_LAYER_OP_SAMPLE] = "sample",
+		[MLENS_LAYER_OP_EMBED] = "embed",
+	};
+	return (unsigned)op < MLENS_LAYER_OP_N ? names[op] : NULL;
+}
+
+/* Run op x of flops FLOPs, a probe around it when one is set. */
+#define OPF(kind, flops, x)                                                             \
 	do {                                                                            \
 		if (r->probe)                                                           \
 			r->probe->begin(r->probe->arg);                                 \
 		if ((rc = (x)))                                                         \
 			return rc;                                                      \
-		if (r->probe && (rc = r->probe->end(r->probe->arg, kind)))             \
+		if (r->probe && (rc = r->probe->end(r->probe->arg, kind, (flops))))    \
 			return rc;                                                      \
 	} while (0)
+#define OP(kind, x) OPF(kind, 0.0, x)
+
+/* FLOPs of an n x k by k x m product. */
+static double gemm_flops(int n, int k, int m)
+{
+	return 2.0 * n * k * m;
+}
+
+/* FLOPs of attention over pairs (query, key) pairs: q.k and p.v. */
+static double attn_flops(const struct mlens_layer_desc *d, double pairs)
+{
+	return 4.0 * mlens_layer_qdim(d) * pairs;
+}
+
+int mlens_layer_embed(const struct mlens_layer_run *r, float *x, const void *table,
+		      const int32_t *tok, int n)
+{
+	int rc;
+
+	OP(MLENS_LAYER_OP_EMBED, OPS->embed(CTX, x, table, r->d->dtype, r->d->hidden, tok, n));
+	return 0;
+}
+
+int mlens_layer_kv_append(const struct mlens_layer_run *r, struct mlens_kv_cache *kv, int layer,
+			  const float *k, const float *v, const int64_t *slots, int n)
+{
+	int rc;
+
+	OP(MLENS_LAYER_OP_KV_APPEND, OPS->kv_append(CTX, kv, layer, k, v, slots, n));
+	return 0;
+}
 
 /* out = the layer's norm (desc's norm_kind) of n rows of x with weight w. */
 static int layer_norm_op(const struct mlens_layer_run *r, float *out, const float *x,
@@ -246,8 +296,8 @@ int mlens_layer_qkv_rope(const struct mlens_layer_run *r, const struct mlens_lay
 	const bool head = d->qk_norm == MLENS_QK_NORM_HEAD;
 	int rc;
 
-	OP(MLENS_LAYER_OP_QKV, mlens_backend_gemm_multi(OPS, CTX, qkv, xn, wqkv, d->dtype, n,
-							d->hidden, mqkv, 3));
+	OPF(MLENS_LAYER_OP_QKV, gemm_flops(n, d->hidden, mqkv[0] + mqkv[1] + mqkv[2]),
+	    mlens_backend_gemm_multi(OPS, CTX, qkv, xn, wqkv, d->dtype, n, d->hidden, mqkv, 3));
 	for (int i = 0; i < 3; i++)
 		if (bqkv[i])
 			OP(MLENS_LAYER_OP_QKV, OPS->bias_add(CTX, qkv[i], bqkv[i], d->dtype, n, mqkv[i]));
@@ -289,11 +339,26 @@ int mlens_layer_attn_prefill(const struct mlens_layer_run *r, float *out, const 
 			     const float *k, const float *v, const int32_t *cu, int n_pre)
 {
 	const struct mlens_layer_desc *d = r->d;
+	double pairs = 0;	/* causal: len (len + 1) / 2 a sequence */
 	int rc;
 
-	OP(MLENS_LAYER_OP_PREFILL, OPS->attn_prefill(CTX, out, q, k, v, cu, n_pre, d->n_heads,
-						     d->n_kv_heads, d->head_dim, d->attn_scale));
+	for (int s = 0; r->probe && s < n_pre; s++)
+		pairs += (double)(cu[s + 1] - cu[s]) * (cu[s + 1] - cu[s] + 1) / 2;
+	OPF(MLENS_LAYER_OP_PREFILL, attn_flops(d, pairs),
+	    OPS->attn_prefill(CTX, out, q, k, v, cu, n_pre, d->n_heads, d->n_kv_heads, d->head_dim,
+			      d->attn_scale));
 	return 0;
+}
+
+/* Decode attention's FLOPs: each query over its context (only counted
+ * for a probe). */
+static double decode_flops(const struct mlens_layer_run *r, const struct mlens_attn_query *qry,
+			   int n)
+{
+	double pairs = 0;
+	for (int i = 0; r->probe && i < n; i++)
+		pairs += qry[i].ctx_len;
+	return attn_flops(r->d, pairs);
 }
 
 int mlens_layer_attn_decode(const struct mlens_layer_run *r, float *out, const float *q,
@@ -302,7 +367,7 @@ int mlens_layer_attn_decode(const struct mlens_layer_run *r, float *out, const f
 {
 	int rc;
 
-	OP(MLENS_LAYER_OP_DECODE, OPS->attn_decode(CTX, out, q, kv, layer, qry, n, r->d->n_heads,
+	OPF(MLENS_LAYER_OP_DECODE, decode_flops(r, qry, n), OPS->attn_decode(CTX, out, q, kv, layer, qry, n, r->d->n_heads,
 						   r->d->attn_scale));
 	return 0;
 }
@@ -313,7 +378,7 @@ int mlens_layer_attn_decode_half(const struct mlens_layer_run *r, void *half, fl
 {
 	int rc;
 
-	OP(MLENS_LAYER_OP_DECODE, mlens_backend_attn_decode_half(OPS, CTX, half, r->d->dtype, out,
+	OPF(MLENS_LAYER_OP_DECODE, decode_flops(r, qry, n), mlens_backend_attn_decode_half(OPS, CTX, half, r->d->dtype, out,
 								 q, kv, layer, qry, n,
 								 r->d->n_heads,
 								 r->d->attn_scale));
@@ -326,8 +391,8 @@ int mlens_layer_attend(const struct mlens_layer_run *r, struct mlens_kv_cache *k
 	size_t qd = (size_t)mlens_layer_qdim(r->d), P = (size_t)rows->P;
 	int rc;
 
-	OP(MLENS_LAYER_OP_KV_APPEND, OPS->kv_append(CTX, kv, layer, a->k, a->v, rows->slots,
-						    rows->n));
+	if ((rc = mlens_layer_kv_append(r, kv, layer, a->k, a->v, rows->slots, rows->n)))
+		return rc;
 	if (rows->n_pre && (rc = mlens_layer_attn_prefill(r, a->att, a->q, a->k, a->v, rows->cu,
 							  rows->n_pre)))
 		return rc;
@@ -341,14 +406,15 @@ int mlens_layer_out_proj(const struct mlens_layer_run *r, const struct mlens_lay
 			 float *out, const void *att, bool att_half, int n, bool accumulate)
 {
 	const struct mlens_layer_desc *d = r->d;
+	double f = gemm_flops(n, mlens_layer_qdim(d), d->hidden);
 	int rc;
 
 	if (att_half)
-		OP(MLENS_LAYER_OP_WO, OPS->gemm_half_in(CTX, out, att, b->wo, d->dtype, n,
-							mlens_layer_qdim(d), d->hidden, accumulate));
+		OPF(MLENS_LAYER_OP_WO, f, OPS->gemm_half_in(CTX, out, att, b->wo, d->dtype, n,
+							    mlens_layer_qdim(d), d->hidden, accumulate));
 	else
-		OP(MLENS_LAYER_OP_WO, OPS->gemm(CTX, out, att, b->wo, d->dtype, n, mlens_layer_qdim(d),
-						d->hidden, accumulate));
+		OPF(MLENS_LAYER_OP_WO, f, OPS->gemm(CTX, out, att, b->wo, d->dtype, n,
+						    mlens_layer_qdim(d), d->hidden, accumulate));
 	if (b->bo)
 		OP(MLENS_LAYER_OP_WO, OPS->bias_add(CTX, out, b->bo, d->dtype, n, d->hidden));
 	return 0;
@@ -364,8 +430,8 @@ static int route_normed(const struct mlens_layer_run *r, const struct mlens_laye
 
 	if (!b->router)
 		return 0;
-	OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden,
-					    d->n_experts, false));
+	OPF(MLENS_LAYER_OP_ROUTER, gemm_flops(n, d->hidden, d->n_experts),
+	    OPS->gemm(CTX, rlog, xn, b->router, d->dtype, n, d->hidden, d->n_experts, false));
 	OP(MLENS_LAYER_OP_ROUTER, OPS->router(CTX, rid, rw, rlog, n, d->n_experts, d->top_k,
 					      d->router_renorm));
 	return 0;
@@ -397,10 +463,11 @@ int mlens_layer_mlp(const struct mlens_layer_run *r, const struct mlens_layer_bo
 		return 0;
 	/* weight 1 times the SwiGLU is the SwiGLU itself, bit for bit */
 	if (b->mlp_gate)
-		OP(MLENS_LAYER_OP_ROUTER, OPS->gemm(CTX, rlog, xn, b->mlp_gate, d->dtype, n, d->hidden,
-						    1, false));
+		OPF(MLENS_LAYER_OP_ROUTER, gemm_flops(n, d->hidden, 1),
+		    OPS->gemm(CTX, rlog, xn, b->mlp_gate, d->dtype, n, d->hidden, 1, false));
 	OP(MLENS_LAYER_OP_ROUTER, OPS->route_one(CTX, rid, rw, b->mlp_gate ? rlog : NULL, n));
-	OP(MLENS_LAYER_OP_MOE, OPS->moe(CTX, out, xn, n, rid, rw, 1, &b->mlp));
+	OPF(MLENS_LAYER_OP_MOE, 3 * gemm_flops(n, d->hidden, b->mlp.inter),
+	    OPS->moe(CTX, out, xn, n, rid, rw, 1, &b->mlp));
 	return 0;
 }
 
@@ -415,8 +482,10 @@ int mlens_layer_experts(const struct mlens_layer_run *r, const struct mlens_moe_
 		chunk = n;
 	for (int t = 0; t < n; t += chunk) {
 		int cnt = n - t < chunk ? n - t : chunk;
-		OP(MLENS_LAYER_OP_MOE, OPS->moe(CTX, out + (size_t)t * H, xn + (size_t)t * H, cnt,
-						rid + (size_t)t * K, rw + (size_t)t * K, (int)K, moe));
+		/* each row through K experts: gate, up and down */
+		OPF(MLENS_LAYER_OP_MOE, 3 * gemm_flops(cnt * (int)K, (int)H, moe->inter),
+		    OPS->moe(CTX, out + (size_t)t * H, xn + (size_t)t * H, cnt, rid + (size_t)t * K,
+			     rw + (size_t)t * K, (int)K, moe));
 	}
 	return 0;
 }
@@ -467,8 +536,8 @@ int mlens_ends_logits(const struct mlens_layer_run *r, const struct mlens_ends_b
 		OP(MLENS_LAYER_OP_NORM, OPS->embed(CTX, xn, x, MLENS_DTYPE_F32, d->hidden, lrow + i0,
 						   cnt));
 		OP(MLENS_LAYER_OP_NORM, layer_norm_op(r, xn, xn, e->final_norm, cnt));
-		OP(MLENS_LAYER_OP_LM_HEAD, OPS->gemm(CTX, logits, xn, e->lm_head, d->dtype, cnt,
-						     d->hidden, vocab, false));
+		OPF(MLENS_LAYER_OP_LM_HEAD, gemm_flops(cnt, d->hidden, vocab),
+		    OPS->gemm(CTX, logits, xn, e->lm_head, d->dtype, cnt, d->hidden, vocab, false));
 		OP(MLENS_LAYER_OP_SAMPLE, OPS->sample(CTX, sampled + i0, logp + i0, logits, cnt, vocab,
 						      samp + i0));
 		if (host_logits && (rc = OPS->download(CTX, host_logits + (size_t)i0 * V, logits,

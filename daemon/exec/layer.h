@@ -142,7 +142,8 @@ void mlens_ends_unbind(struct mlens_ends_bound *b, const struct mlens_model *m,
 /* ==== the forward pass ==== */
 
 /* The ops of a layer, for a caller that times them (the engine's
- * MLENS_ENGINE_PROFILE). */
+ * MLENS_ENGINE_PROFILE, mlens-bench ops, the op time account of
+ * daemon/exec/op_time.h). */
 enum mlens_layer_op {
 	MLENS_LAYER_OP_NORM,
 	MLENS_LAYER_OP_QKV,
@@ -159,11 +160,17 @@ enum mlens_layer_op {
 	MLENS_LAYER_OP_N
 };
 
-/* Called around every op when set: begin before it, end after it (end's
- * failure fails the layer). */
+/* The op's name ("qkv_gemm", "moe"): the one list that the stats, the
+ * metrics and the benches name ops by; NULL past MLENS_LAYER_OP_N. */
+const char *mlens_layer_op_name(enum mlens_layer_op op);
+
+/* Called around every op when set: begin before it, end after it with
+ * the op's arithmetic (FLOPs of its products: GEMMs 2 m n k, attention
+ * 4 head dims a (query, key) pair; 0 for the ops that only move or scale
+ * values); end's failure fails the layer. */
 struct mlens_layer_probe {
 	void (*begin)(void *arg);
-	int (*end)(void *arg, enum mlens_layer_op op);
+	int (*end)(void *arg, enum mlens_layer_op op, double flops);
 	void *arg;
 };
 
@@ -193,6 +200,12 @@ struct mlens_layer_rows {
 	const struct mlens_attn_query *qry;
 };
 
+/* x = the embedding rows of n tokens (host ids). */
+int mlens_layer_embed(const struct mlens_layer_run *r, float *x, const void *table,
+		      const int32_t *tok, int n);
+/* Every row's K and V of one layer into its slot of the cache. */
+int mlens_layer_kv_append(const struct mlens_layer_run *r, struct mlens_kv_cache *kv, int layer,
+			  const float *k, const float *v, const int64_t *slots, int n);
 /* xn = the attention's norm of x. */
 int mlens_layer_attn_norm(const struct mlens_layer_run *r, const struct mlens_layer_bound *b,
 			  const float *x, float *xn, int n);

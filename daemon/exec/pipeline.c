@@ -19,6 +19,7 @@
 #include <unistd.h>
 #include "daemon/errf.h"
 #include "daemon/exec/layer.h"
+#include "daemon/exec/op_time.h"
 #include "daemon/exec/pipeline.h"
 #include "daemon/exec/pipeprog.h"
 #include "daemon/exec/residency.h"
@@ -155,6 +156,7 @@ struct mlens_pipeline {
 	 * spans wait in hs until the step ends (one thread adds to a trace) */
 	struct mlens_trace *trace;
 	struct mlens_step_timer timer;
+	struct mlens_op_time *ot;	/* opts op_time: the GPU side's ops on the timer */
 	struct pl_hspan { double t0, t1; int layer, group; bool wait; } *hs;
 	int n_hs, cap_hs;
 	/* when a trace records: the GPU side's [0] and the mover's [1] host
@@ -802,6 +804,10 @@ int mlens_pipeline_create(struct mlens_pipeline **out, const struct mlens_model 
 		mlens_errf(err, errlen, "hybrid pipeline: cannot allocate its step timer");
 		goto fail;
 	}
+	if ((p->ot = o->op_time)) {
+		mlens_op_time_set_timer(p->ot, &p->timer, p->hx.on ? &p->hx.timer_mu : NULL);
+		p->grun.probe = mlens_op_time_probe(p->ot);
+	}
 	p->st.async = p->async;
 	p->st.side_copy_out = p->side;
 	p->st.up_copy_in = p->up;
@@ -955,7 +961,8 @@ static int stage_ga(struct mlens_pipeline *p, int l, const struct pl_group *gr,
 		 * qkv record, which follows on the same queue (queue 2 with
 		 * side_append: queued below) */
 		if (!p->side_append)
-			TRY(G->kv_append(GC, &p->kv.cache, l, S->k, S->v, p->rows.slots + r0, n));
+			TRY(mlens_layer_kv_append(&p->grun, &p->kv.cache, l, S->k, S->v,
+						  p->rows.slots + r0, n));
 		p->st.d2h_act_bytes += kv_bytes(p, (uint64_t)n);
 	}
 	if (p->side) {
@@ -1271,14 +1278,18 @@ static int run_prog(struct mlens_pipeline *p, bool want_logits)
 	return rc ? rc : rc2;
 }
 
-/* The step's busy times and KV reads into the stats; its spans into the
- * trace when one records. */
-static void step_times(struct mlens_pipeline *p)
+/* The step's busy times and KV reads into the stats, its ops' times into
+ * the op account (step_rc: the step's outcome); its spans into the trace
+ * when one records. */
+static void step_times(struct mlens_pipeline *p, int step_rc)
 {
 	const struct mlens_model_config *c = &p->cfg;
 	double busy[2];
+	int frc = mlens_step_timer_finish(&p->timer, busy);
 
-	if (!mlens_step_timer_finish(&p->timer, busy)) {
+	if (p->ot)
+		mlens_op_time_step_done(p->ot, step_rc ? step_rc : frc);
+	if (!frc) {
 		p->st.gpu_busy_s = busy[0];
 		p->st.h2d_busy_s = mlens_step_timer_busy(&p->timer, "h2d");
 	} else {
@@ -1608,8 +1619,8 @@ static int run_cmd_untimed(struct mlens_pipeline *p, const struct mlens_pipe_cmd
 
 	switch (cmd->kind) {
 	case MLENS_PIPE_HEAD:
-		return G->embed(GC, p->x, p->ends.embed, c->dtype, (int)c->hidden_size, p->rows.tok,
-				p->grp[p->n_grp - 1].r1);
+		return mlens_layer_embed(&p->grun, p->x, p->ends.embed, p->rows.tok,
+					 p->grp[p->n_grp - 1].r1);
 	case MLENS_PIPE_GA:
 		return stage_ga(p, cmd->layer, &p->grp[cmd->group], &p->set[cmd->set]);
 	case MLENS_PIPE_C:
@@ -1721,8 +1732,10 @@ int mlens_pipeline_step(struct mlens_pipeline *p, struct mlens_engine_req *reqs,
 	for (int x = 0; x < MLENS_PIPE_SETS_MAX; x++)
 		p->set[x].late = NULL;
 	mlens_step_timer_start(&p->timer, p->trace);
+	if (p->ot)
+		mlens_op_time_step_start(p->ot);
 	rc = run_prog(p, want_logits);
-	step_times(p);
+	step_times(p, rc);
 	p->prefetched = !rc && p->streams;	/* after a failure, stream them again */
 	if (rc) {
 		mlens_residency_step_failed(&p->res);

@@ -65,6 +65,9 @@ struct mlens_pipeline_opts {
 	void *kv_mem_k;
 	void *kv_mem_v;
 	struct mlens_trace *trace;	/* step traces (daemon/ops/trace.h), may be NULL */
+	/* the op time account (daemon/exec/op_time.h) whose probe times the
+	 * GPU side's ops on the pipeline's step timer, or NULL; the caller's */
+	struct mlens_op_time *op_time;
 	/* Which experts of a layer are the plan's r resident ones: experts
 	 * 0..r-1 for good (false), or re-chosen every residency_period steps
 	 * (0: MLENS_RESIDENCY_PERIOD) from the routing counts, the most-routed

@@ -100,6 +100,18 @@ static void residency_json(json_t *o, const struct mlens_sched_stats *st)
 	json_object_set_new(o, "expert_swaps_by_layer", swaps);
 }
 
+/* op_timing: each op's seconds on the compute queue, FLOPs and calls
+ * (daemon/exec/op_time.h), by the names of mlens_layer_op_name. */
+static json_t *gpu_ops_json(const struct mlens_op_time_totals *t)
+{
+	json_t *o = json_object();
+	for (int i = 0; i < MLENS_LAYER_OP_N; i++)
+		json_object_set_new(o, mlens_layer_op_name((enum mlens_layer_op)i),
+				    json_pack("{s:f,s:f,s:I}", "seconds", t->seconds[i], "flops", t->flops[i],
+					      "calls", (json_int_t)t->calls[i]));
+	return o;
+}
+
 json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlens_worker_snapshot *snap)
 {
 	const struct mlens_sched_stats *st = &snap->sched;
@@ -140,6 +152,12 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_read_blocks_total", json_integer((json_int_t)st->kv_read_blocks));
 		json_object_set_new(o, "kv_read_block_runs_total", json_integer((json_int_t)st->kv_read_runs));
 		residency_json(o, st);
+	}
+	if (st->op_timing) {
+		json_object_set_new(o, "gpu_ops", gpu_ops_json(&st->ops));
+		json_object_set_new(o, "gpu_op_span_seconds_total", json_real(st->ops.span_s));
+		json_object_set_new(o, "gpu_op_steps_total", json_integer((json_int_t)st->ops.steps));
+		json_object_set_new(o, "gpu_ops_dropped_total", json_integer((json_int_t)st->ops.dropped));
 	}
 	if (info->disk) {
 		struct mlens_disk_tier_stats d;
@@ -333,6 +351,21 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 	prom_head(b, "mlens_step_seconds", "summary", "Time spent in scheduler steps.");
 	evbuffer_add_printf(b, "mlens_step_seconds_sum %.9g\nmlens_step_seconds_count %llu\n", st->step_seconds_sum,
 			    (unsigned long long)st->steps);
+	if (st->op_timing) {
+		prom_head(b, "mlens_gpu_op_seconds_total", "counter",
+			  "Seconds of the compute queue in each op of the steps (op_timing, from the backend's timing marks).");
+		for (int i = 0; i < MLENS_LAYER_OP_N; i++)
+			evbuffer_add_printf(b, "mlens_gpu_op_seconds_total{op=\"%s\"} %.9g\n",
+					    mlens_layer_op_name((enum mlens_layer_op)i), st->ops.seconds[i]);
+		prom_head(b, "mlens_gpu_op_flops_total", "counter",
+			  "Floating-point operations of each op's products (op_timing).");
+		for (int i = 0; i < MLENS_LAYER_OP_N; i++)
+			evbuffer_add_printf(b, "mlens_gpu_op_flops_total{op=\"%s\"} %.9g\n",
+					    mlens_layer_op_name((enum mlens_layer_op)i), st->ops.flops[i]);
+		prom_head(b, "mlens_gpu_op_span_seconds_total", "counter",
+			  "Seconds from each timed step's first op to its last on the compute queue (op_timing).");
+		evbuffer_add_printf(b, "mlens_gpu_op_span_seconds_total %.9g\n", st->ops.span_s);
+	}
 	if (info->disk) {
 		struct mlens_disk_tier_stats d;
 		mlens_disk_tier_get_stats(info->disk, &d);

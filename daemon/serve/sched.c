@@ -1186,6 +1186,10 @@ void mlens_sched_get_stats(const struct mlens_sched *s, struct mlens_sched_stats
 		st->kv_swap = true;
 		mlens_kv_swap_get_stats(s->swap, &st->swap);
 	}
+	if (mlens_engine_op_time(s->e)) {
+		st->op_timing = true;
+		mlens_op_time_get(mlens_engine_op_time(s->e), &st->ops);
+	}
 	if (mlens_engine_pipeline(s->e)) {
 		const struct mlens_pipeline_stats *ps = mlens_pipeline_stats(mlens_engine_pipeline(s->e));
 		st->hybrid = true;

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include "daemon/exec/engine.h"
 #include "daemon/exec/kv_swap.h"
+#include "daemon/exec/op_time.h"
 #include "shm/proto.h"	/* enum mlens_finish, MLENS_MAX_STOP: the protocol's words */
 
 struct mlens_quota {
@@ -189,6 +190,9 @@ struct mlens_sched_stats {
 	int res_layers, res_experts;
 	uint64_t res_set[MLENS_SCHED_RES_LAYERS][MLENS_SCHED_RES_EXPERTS / 64];
 	uint64_t res_swaps[MLENS_SCHED_RES_LAYERS];
+	/* op_timing: the op time account's totals (daemon/exec/op_time.h) */
+	bool op_timing;
+	struct mlens_op_time_totals ops;
 	bool kv_swap;				/* a swap file is open: swap below is kept */
 	struct mlens_kv_swap_stats swap;
 };

@@ -57,10 +57,11 @@ static void op_begin(void *arg)
 		c->be->ops->timer_mark(c->be->ctx, 0, 2 * c->n);
 }
 
-static int op_end(void *arg, enum mlens_layer_op op)
+static int op_end(void *arg, enum mlens_layer_op op, double flops)
 {
 	struct op_clock *c = arg;
 	int rc;
+	(void)flops;	/* the table's FLOPs come from the step's shape, with it */
 	if (c->marks) {
 		if (c->n >= MAX_MARKED) {
 			c->dropped = true;
@@ -98,23 +99,12 @@ static int op_marks_read(struct op_clock *c, double *span)
 	return 0;
 }
 
-/* The table's rows in the step's order; FLOPs from the step's shape. */
-static const struct {
-	enum mlens_layer_op op;
-	const char *name;
-} rows[] = {
-	{ MLENS_LAYER_OP_EMBED, "embed" },
-	{ MLENS_LAYER_OP_NORM, "rmsnorm" },
-	{ MLENS_LAYER_OP_QKV, "qkv gemm" },
-	{ MLENS_LAYER_OP_ROPE, "rope" },
-	{ MLENS_LAYER_OP_KV_APPEND, "k/v store" },
-	{ MLENS_LAYER_OP_PREFILL, "prefill attention" },
-	{ MLENS_LAYER_OP_DECODE, "paged attention" },
-	{ MLENS_LAYER_OP_WO, "o gemm" },
-	{ MLENS_LAYER_OP_ROUTER, "router gemm + top-k" },
-	{ MLENS_LAYER_OP_MOE, "moe (gather, experts, scatter)" },
-	{ MLENS_LAYER_OP_LM_HEAD, "lm_head gemm" },
-	{ MLENS_LAYER_OP_SAMPLE, "sample" },
+/* The table's rows in the step's order, named by mlens_layer_op_name;
+ * FLOPs from the step's shape. */
+static const enum mlens_layer_op rows[] = {
+	MLENS_LAYER_OP_EMBED, MLENS_LAYER_OP_NORM, MLENS_LAYER_OP_QKV, MLENS_LAYER_OP_ROPE,
+	MLENS_LAYER_OP_KV_APPEND, MLENS_LAYER_OP_PREFILL, MLENS_LAYER_OP_DECODE, MLENS_LAYER_OP_WO,
+	MLENS_LAYER_OP_ROUTER, MLENS_LAYER_OP_MOE, MLENS_LAYER_OP_LM_HEAD, MLENS_LAYER_OP_SAMPLE,
 };
 #define N_ROWS (int)(sizeof(rows) / sizeof(rows[0]))
 
@@ -375,13 +365,14 @@ int mlens_bench_ops(int argc, char **argv)
 			printf("%-32s %10s %7s %10s %9s  %s\n", "op", "ms/step", "share", "GFLOP", "TFLOP/s", "shape");
 		for (int i = 0; i < N_ROWS; i++) {
 			char shape[128];
-			double f = op_flops(rows[i].op, c, &sh, shape, sizeof(shape)), t = clk.t[rows[i].op];
+			const char *name = mlens_layer_op_name(rows[i]);
+			double f = op_flops(rows[i], c, &sh, shape, sizeof(shape)), t = clk.t[rows[i]];
 			double rate = f > 0 && t > 0 ? f / t / 1e12 : NAN;
-			json_array_append_new(arr, json_pack("{s:s,s:f,s:i,s:f,s:o,s:s}", "op", rows[i].name,
-				"seconds", t, "calls", clk.calls[rows[i].op] / steps, "flops", f,
+			json_array_append_new(arr, json_pack("{s:s,s:f,s:i,s:f,s:o,s:s}", "op", name,
+				"seconds", t, "calls", clk.calls[rows[i]] / steps, "flops", f,
 				"tflops", isfinite(rate) ? json_real(rate) : json_null(), "shape", shape));
-			if (!json && clk.calls[rows[i].op])
-				printf("%-32s %10.3f %6.1f%% %10.3f %9s  %s\n", rows[i].name, t * 1e3,
+			if (!json && clk.calls[rows[i]])
+				printf("%-32s %10.3f %6.1f%% %10.3f %9s  %s\n", name, t * 1e3,
 				       100 * t / probed, f / 1e9, isfinite(rate) ? (snprintf(err, sizeof(err), "%.2f", rate), err) : "",
 				       shape);
 		}

@@ -30,6 +30,7 @@
 #include <unistd.h>
 #include "mlens.h"
 #include "daemon/config.h"
+#include "daemon/exec/layer.h"
 #include "daemon/mem.h"
 #include "daemon/model/model.h"
 #include "daemon/model/quant.h"
@@ -65,6 +66,7 @@ struct serve_opts {
 	uint64_t seed;
 	double start_timeout, run_timeout;
 	bool json, keep_log, predict, no_ceilings;
+	bool op_timing;		/* --op-timing: the daemon's op account (gpu_ops) in a table */
 	/* each request's lengths (and, from a file, its line) */
 	int *req_p, *req_g, *req_line;
 };
@@ -701,6 +703,10 @@ static const char *const sample_keys[K_N] = {
 struct sample {
 	uint64_t t;
 	double v[K_N];
+	/* op_timing: gpu_ops' seconds, FLOPs and calls by op, the ops' span
+	 * and the steps timed (NAN from a daemon without the account) */
+	double op[MLENS_LAYER_OP_N][3];
+	double op_span, op_steps;
 };
 
 #define SAMPLE_NS 100000000ull	/* 10 stats reads a second */
@@ -715,9 +721,17 @@ struct sampler {
 
 static void sample_of(struct sample *x, json_t *o, uint64_t t)
 {
+	static const char *const op_keys[3] = { "seconds", "flops", "calls" };
+	json_t *ops = json_object_get(o, "gpu_ops");
 	x->t = t;
 	for (int k = 0; k < K_N; k++)
 		x->v[k] = jopt(o, sample_keys[k]);
+	for (int i = 0; i < MLENS_LAYER_OP_N; i++)
+		for (int k = 0; k < 3; k++)
+			x->op[i][k] = jopt(json_object_get(ops, mlens_layer_op_name((enum mlens_layer_op)i)),
+					   op_keys[k]);
+	x->op_span = jopt(o, "gpu_op_span_seconds_total");
+	x->op_steps = jopt(o, "gpu_op_steps_total");
 }
 
 static void *sampler_main(void *arg)
@@ -1346,7 +1360,7 @@ static void usage(FILE *f)
 		"       [--prompt-len P|LO:HI] [--gen-len G|LO:HI] [--lengths FILE] [--seed S]\n"
 		"       [--requests N | --pool-fulls N] [--concurrency C] [--threads T]\n"
 		"       [--start-timeout S] [--timeout S] [--keep-log] [--daemon-log FILE] [--predict]\n"
-		"       [--no-ceilings] [--json]\n"
+		"       [--no-ceilings] [--op-timing] [--json]\n"
 		"  --keep-log: keep the daemon's temporary directory and log (kept anyway on failure)\n"
 		"  --daemon-log FILE: the daemon logs to FILE (appended to, kept)\n"
 		"  --predict: after the run, ask the daemon's performance model (mlensctl profile;\n"
@@ -1354,6 +1368,8 @@ static void usage(FILE *f)
 		"             scheduler reaches with its token cap and the requests in flight, and\n"
 		"             print it beside the whole-run and steady-state measurements\n"
 		"  --no-ceilings: skip the CUDA ceilings measured before the daemon starts\n"
+		"  --op-timing: a table of the daemon's per-op GPU time over the steady window\n"
+		"             (its stats' gpu_ops: start it with --daemon-arg=--op-timing)\n"
 		"  --prompt-len/--gen-len LO:HI: each request's length drawn log-uniform in [LO, HI]\n"
 		"             (from --seed); --lengths FILE: one \"P G\" a line, requests in turn\n"
 		"  --pool-fulls N: N KV pools' worth of requests of the mix (instead of --requests)\n"
@@ -1439,6 +1455,7 @@ struct steady {
 	 * state's (too few requests) */
 	double generations;
 	bool short_window;
+	size_t s_a, s_b;	/* with have_stats: the stats samples at its ends */
 };
 
 static void steady_window(struct steady *w, const struct serve_run *run, int n_req, int gen_len,
@@ -1485,6 +1502,8 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 		return;
 	j--;
 	w->have_stats = true;
+	w->s_a = i;
+	w->s_b = j;
 	w->steps = sp->s[j].v[K_STEPS] - sp->s[i].v[K_STEPS];
 	w->step_tokens = w->steps > 0 ? (sp->s[j].v[K_GEN] - sp->s[i].v[K_GEN] + sp->s[j].v[K_PROMPT] -
 					 sp->s[i].v[K_PROMPT]) / w->steps : NAN;
@@ -1506,6 +1525,60 @@ static void steady_window(struct steady *w, const struct serve_run *run, int n_r
 	span = (double)(sp->s[j].t - sp->s[i].t) / 1e9;
 	w->generations = gen_len > 0 && span > 0 ? w->steps / span * w->seconds / gen_len : NAN;
 	w->short_window = w->generations < 1.0;
+}
+
+/* --op-timing: the daemon's op time account (op_timing = on: gpu_ops in
+ * its stats) between samples a and b, over steps of both: each op's
+ * compute-queue time per step, its share of the step's wall time, its
+ * FLOPs' rate and that rate over the held GEMM rate (held_tflops, 0: not
+ * measured); the queue's time between the ops inside their span (launch
+ * gaps, and in hybrid mode waits for weights and activations) and the
+ * step's time outside the span. NULL when the daemon keeps no account or
+ * no step was timed; printed as a table unless json. */
+static json_t *op_table(const struct sample *a, const struct sample *b, const char *over,
+			double held_tflops, bool json)
+{
+	double steps = b->op_steps - a->op_steps;
+	double step_s = (b->v[K_STEP_S] - a->v[K_STEP_S]) / (b->v[K_STEPS] - a->v[K_STEPS]);
+	double span = (b->op_span - a->op_span) / steps, sum = 0, between, outside;
+	json_t *o, *arr;
+
+	if (!(steps > 0) || !(step_s > 0))
+		return NULL;
+	arr = json_array();
+	if (!json)
+		printf("%-34s %10s %7s %9s %8s %10s  (%s, %.0f steps)\n", "ops (GPU queue)", "ms/step", "share",
+		       "TFLOP/s", "of GEMM", "calls/step", over, steps);
+	for (int i = 0; i < MLENS_LAYER_OP_N; i++) {
+		double t = (b->op[i][0] - a->op[i][0]) / steps, f = (b->op[i][1] - a->op[i][1]) / steps;
+		double calls = (b->op[i][2] - a->op[i][2]) / steps;
+		double rate = f > 0 && t > 0 ? f / t / 1e12 : NAN;
+		double of = held_tflops > 0 ? rate / held_tflops : NAN;
+		const char *name = mlens_layer_op_name((enum mlens_layer_op)i);
+		char r[32], g[32];
+		if (!(calls > 0))
+			continue;
+		sum += t;
+		json_array_append_new(arr, json_pack("{s:s,s:f,s:f,s:f,s:f,s:o,s:o}", "op", name,
+			"seconds_per_step", t, "share", t / step_s, "calls_per_step", calls, "flops_per_step", f,
+			"tflops", jnum_or_null(rate), "of_held_gemm", jnum_or_null(of)));
+		if (!json)
+			printf("  %-32s %10.3f %6.1f%% %9s %8s %10.1f\n", name, t * 1e3, 100 * t / step_s,
+			       fmt_num(r, sizeof(r), 1, rate), fmt_num(g, sizeof(g), 2, of), calls);
+	}
+	between = span - sum;
+	outside = step_s - span;
+	if (!json) {
+		printf("  %-32s %10.3f %6.1f%%\n", "between ops (launch gaps, waits)", between * 1e3,
+		       100 * between / step_s);
+		printf("  %-32s %10.3f %6.1f%%\n", "outside the ops' span", outside * 1e3, 100 * outside / step_s);
+		printf("  %-32s %10.3f  (ops' span %.3f ms)\n", "step", step_s * 1e3, span * 1e3);
+	}
+	o = json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:o,s:o}", "over", over, "steps", steps,
+		      "step_seconds", step_s, "span_seconds_per_step", span, "ops_seconds_per_step", sum,
+		      "between_ops_seconds_per_step", between, "outside_span_seconds_per_step", outside,
+		      "held_gemm_tflops", jnum_or_null(held_tflops > 0 ? held_tflops : NAN), "by_op", arr);
+	return o;
 }
 
 /* Step tokens and KV occupancy (blocks held / the pool's) over the steps
@@ -1575,7 +1648,8 @@ int mlens_bench_serve(int argc, char **argv)
 		{ "start-timeout", 1, 0, 'S' }, { "timeout", 1, 0, 'T' }, { "keep-log", 0, 0, 'K' },
 		{ "daemon-log", 1, 0, 'L' }, { "lengths", 1, 0, 'l' }, { "seed", 1, 0, 'e' },
 		{ "json", 0, 0, 'j' }, { "predict", 0, 0, 'P' }, { "no-ceilings", 0, 0, 'N' },
-		{ "pool-fulls", 1, 0, 'f' }, { "help", 0, 0, 'h' }, { 0, 0, 0, 0 }
+		{ "pool-fulls", 1, 0, 'f' }, { "op-timing", 0, 0, 'O' }, { "help", 0, 0, 'h' },
+		{ 0, 0, 0, 0 }
 	};
 	struct serve_opts o = {
 		.backend = "auto", .kv_cache = "1G", .prompt_lo = 512, .prompt_hi = 512, .gen_lo = 128,
@@ -1666,6 +1740,7 @@ int mlens_bench_serve(int argc, char **argv)
 		case 'j': o.json = true; break;
 		case 'P': o.predict = true; break;
 		case 'N': o.no_ceilings = true; break;
+		case 'O': o.op_timing = true; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
@@ -1973,6 +2048,8 @@ int mlens_bench_serve(int argc, char **argv)
 
 	{
 		double steps = st1 ? jnum(st1, "steps_total") - jnum(st0, "steps_total") : 0;
+		double held = ceil_.have ? gemm_bound_tflops(&ceil_) : 0;
+		struct sample op_a, op_b;	/* --op-timing: the account's ends */
 		double gen_tps = gen / wall, tot_tps = (gen + prompt_tok) / wall;
 		double mean_step = steps > 0 ? (jnum(st1, "prompt_tokens_total") - jnum(st0, "prompt_tokens_total") +
 						jnum(st1, "generation_tokens_total") - jnum(st0, "generation_tokens_total")) / steps : 0.0;
@@ -2177,6 +2254,22 @@ int mlens_bench_serve(int argc, char **argv)
 		} else if (o.predict) {
 			json_object_set_new(out, "predicted", json_null());
 		}
+		if (o.op_timing) {
+			/* the steady window's ends, else the whole run's */
+			json_t *ops;
+			if (sw.have_stats) {
+				op_a = sp.s[sw.s_a];
+				op_b = sp.s[sw.s_b];
+			} else {
+				sample_of(&op_a, st0, run.t0);
+				sample_of(&op_b, st1, t1);
+			}
+			ops = op_table(&op_a, &op_b, sw.have_stats ? "steady" : "run", held, true);
+			if (!ops)
+				fprintf(stderr, "serve: --op-timing: the daemon timed no ops (start it with "
+					"--daemon-arg=--op-timing)\n");
+			json_object_set_new(out, "ops", ops ? ops : json_null());
+		}
 		if (o.json) {
 			json_dumpf(out, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
 			printf("\n");
@@ -2302,6 +2395,8 @@ int mlens_bench_serve(int argc, char **argv)
 					printf("no steady window");
 				printf(" (n_real %.0f, %s binds)\n", jnum(prof, "n_real"), jstr(prof, "binding", "?"));
 			}
+			if (o.op_timing)
+				json_decref(op_table(&op_a, &op_b, sw.have_stats ? "steady" : "run", held, false));
 		}
 	}
 	rc = bad || atomic_load(&run.failed_threads) ? 1 : 0;

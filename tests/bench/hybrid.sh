@@ -25,7 +25,11 @@
 #   MAX_STEP_TOKENS  passed to mlensd as --max-step-tokens (default: unset,
 #                    the daemon's own cap: n_real from its profile)
 #   DAEMON_ARGS      more mlensd arguments, split at blanks (for example
-#                    "--group-tokens 0" or "--threads 13")
+#                    "--group-tokens 0" or "--threads 13"); with --op-timing
+#                    mlens-bench serve also reads the daemon's per-op GPU
+#                    times and a table per run shows them (ms a step, share
+#                    of the step, TFLOP/s and its ratio to the held GEMM
+#                    rate, the time between the ops)
 #   EXPECT_TPS       total tokens/s assumed for the time estimate (30000)
 #   RUN_TIMEOUT      seconds a run may take before mlens-bench stops it
 #                    (570)
@@ -137,6 +141,7 @@ set -- --daemon-arg --profile --daemon-arg "--profile-cache=$OUT/profile_cache.j
 [ -n "${HOST_MEMORY:-}" ] && set -- "$@" --daemon-arg "--host-memory=$HOST_MEMORY"
 for a in ${DAEMON_ARGS:-}; do
 	set -- "$@" --daemon-arg "$a"
+	[ "$a" = --op-timing ] && set -- "$@" --op-timing
 done
 for r in $RUNS; do
 	t0=$(date +%s)
@@ -243,6 +248,23 @@ if hf:
             print("  %s / hf: %.1fx generated tokens/s over the whole run%s" % (
                 name, d["generated_tokens_per_s"] / hf["generated_tokens_per_s"],
                 ", %.1fx steady" % (st / hf["generated_tokens_per_s"]) if st else ""))
+# DAEMON_ARGS with --op-timing: where the GPU's compute queue spent each
+# run's steps, op by op (mlens-bench serve's "ops")
+for name, d, b, p, s, a in rows:
+    o = d.get("ops")
+    if not o:
+        continue
+    step = o["step_seconds"]
+    print("%-20s %9s %7s %9s %8s %10s  (%s, %.0f steps)" % ("ops " + name, "ms/step", "share", "TFLOP/s",
+                                                           "of GEMM", "calls/step", o["over"], o["steps"]))
+    for r in o["by_op"]:
+        print("  %-18s %9.3f %6.1f%% %9s %8s %10.1f" % (
+            r["op"], 1e3 * r["seconds_per_step"], 100 * r["share"], f(r.get("tflops")),
+            f(r.get("of_held_gemm"), "%.2f"), r["calls_per_step"]))
+    for label, key in (("between ops", "between_ops_seconds_per_step"),
+                       ("outside the span", "outside_span_seconds_per_step")):
+        print("  %-18s %9.3f %6.1f%%" % (label, 1e3 * o[key], 100 * o[key] / step))
+    print("  %-18s %9.3f  (held GEMM rate %s TFLOP/s)" % ("step", 1e3 * step, f(o.get("held_gemm_tflops"), "%.0f")))
 print("binds: the bound's binding ceiling / the daemon model's binding resource; err: predicted vs measured generated tokens/s")
 if any((s or {}).get("short") for name, d, b, p, s, a in rows):
     print("*: a steady window of less than one generation: the ramp's rates, not a steady state's (SCALE too small)")

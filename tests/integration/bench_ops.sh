@@ -20,19 +20,19 @@ c = json.load(open(sys.argv[2]))
 assert d["backend"] == "cpu" and d["tokens"] == 2 * 16 + 4, d
 assert d["prefill_op"] is False, d   # the CPU backend's prefill reads the paged cache
 ops = {o["op"]: o for o in d["ops"]}
-ran = ["embed", "rmsnorm", "qkv gemm", "rope", "k/v store", "paged attention", "o gemm",
-       "router gemm + top-k", "moe (gather, experts, scatter)", "lm_head gemm", "sample"]
+ran = ["embed", "norm", "qkv_gemm", "rope", "kv_store", "decode_attention", "o_gemm",
+       "router", "moe", "lm_head_gemm", "sample"]
 for name in ran:
     assert ops[name]["seconds"] > 0 and ops[name]["calls"] > 0, ops[name]
-assert ops["prefill attention"]["calls"] == 0 and ops["prefill attention"]["seconds"] == 0, ops
+assert ops["prefill_attention"]["calls"] == 0 and ops["prefill_attention"]["seconds"] == 0, ops
 L, H, V = c["num_hidden_layers"], c["hidden_size"], c["vocab_size"]
 # per step: qkv, o, router, rope x2, k/v store, attention, moe per layer;
 # two norms a layer and the final norm's gather and norm
-assert ops["qkv gemm"]["calls"] == L and ops["o gemm"]["calls"] == L, ops
-assert ops["rmsnorm"]["calls"] == 2 * L + 2, ops["rmsnorm"]
-assert ops["lm_head gemm"]["flops"] == 2 * 6 * H * V, ops["lm_head gemm"]
+assert ops["qkv_gemm"]["calls"] == L and ops["o_gemm"]["calls"] == L, ops
+assert ops["norm"]["calls"] == 2 * L + 2, ops["norm"]
+assert ops["lm_head_gemm"]["flops"] == 2 * 6 * H * V, ops["lm_head_gemm"]
 qd = c["num_attention_heads"] * c.get("head_dim", H // c["num_attention_heads"])
-assert ops["o gemm"]["flops"] == 2 * 36 * qd * H * L, ops["o gemm"]
+assert ops["o_gemm"]["flops"] == 2 * 36 * qd * H * L, ops["o_gemm"]
 for o in d["ops"]:
     if o["flops"] > 0 and o["seconds"] > 0:
         assert abs(o["tflops"] - o["flops"] / o["seconds"] / 1e12) <= 1e-4 * o["tflops"], o
