@@ -131,6 +131,7 @@ print(json.dumps({
     "preemptions": num("preemptions_total"), "swap_outs": num("kv_swaps_total"),
     "swap_ins": num("kv_swap_ins_total"), "recomputes": num("kv_swap_recomputes_total"),
     "prompt_tokens": num("prompt_tokens_total"), "swap_io_seconds": num("kv_swap_io_seconds_total"),
+    "swap_bytes_out": num("kv_swap_bytes_out_total"),
     "step_seconds": num("step_seconds_sum"), "daemon_cpu_seconds": num("daemon_cpu_seconds"),
     "disk_measured_bps": num("kv_swap_disk_measured_bps"),
     "disk_bps": num("kv_swap_disk_bps"), "disk_source": st.get("kv_swap_disk_source"),
