@@ -415,9 +415,9 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 			  "The KV swap cost model's disk rate; source: default, measured (on the swap file at start-up), observed (swaps).");
 		evbuffer_add_printf(b, "mlens_kv_swap_disk_bytes_per_second{source=\"%s\"} %.6g\n",
 				    mlens_kv_swap_source_name(w->disk.source), w->disk.value);
-		prom_head(b, "mlens_kv_swap_prefill_flops", "gauge",
+		prom_head(b, "mlens_kv_swap_prefill_flops_per_second", "gauge",
 			  "The KV swap cost model's prefill FLOP/s; source: default, profiled, observed (prefill steps).");
-		evbuffer_add_printf(b, "mlens_kv_swap_prefill_flops{source=\"%s\"} %.6g\n",
+		evbuffer_add_printf(b, "mlens_kv_swap_prefill_flops_per_second{source=\"%s\"} %.6g\n",
 				    mlens_kv_swap_source_name(w->prefill.source), w->prefill.value);
 	}
 	if (st->hybrid) {

@@ -138,7 +138,7 @@ for speed in slow fast; do
 		if command -v curl >/dev/null; then
 			grep -q '^mlens_kv_swap_disk_bytes_per_second{source="observed"} [0-9]' "$tmp/auto_fast.metrics" ||
 				fail "/metrics lacks the observed disk rate"
-			grep -q '^mlens_kv_swap_prefill_flops{source="observed"} [0-9]' "$tmp/auto_fast.metrics" ||
+			grep -q '^mlens_kv_swap_prefill_flops_per_second{source="observed"} [0-9]' "$tmp/auto_fast.metrics" ||
 				fail "/metrics lacks the observed prefill rate"
 		fi
 	fi
