@@ -375,6 +375,11 @@ START_TEST(rates_at_open)
 	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
 	ck_assert(mlens_kv_swap_choose(sw, 1, 100));
 	mlens_kv_swap_destroy(sw);
+	/* a value that is no rate: measured as without the hook */
+	setenv("MLENS_TEST_SWAP_RATE", "fast", 1);
+	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
+	ck_assert_msg(strstr(mlens_kv_swap_describe(sw), "measured on it"), "%s", mlens_kv_swap_describe(sw));
+	mlens_kv_swap_destroy(sw);
 	unsetenv("MLENS_TEST_SWAP_RATE");
 
 	/* a file whose writes fail: the caller's rate and source stay */

@@ -192,6 +192,7 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 	struct mlens_kv_swap *sw;
 	const char *f = getenv("MLENS_TEST_SWAP_FAIL"), *forced = getenv("MLENS_TEST_SWAP_RATE");
 	uint64_t n_slots;
+	double forced_bps;
 	bool want_direct;
 	int rc;
 
@@ -244,10 +245,8 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 	}
 	sw->ring_ok = true;
 	sw->st.slots_total = (uint32_t)n_slots;
-	if (forced && *forced)
-		sw->measured_bps = strtod(forced, NULL);
-	else
-		sw->measured_bps = measure_disk(sw, layout);
+	forced_bps = forced && *forced ? strtod(forced, NULL) : 0;
+	sw->measured_bps = forced_bps > 0 ? forced_bps : measure_disk(sw, layout);
 	if (sw->measured_bps > 0) {
 		sw->disk.value = sw->rates.disk_bps = sw->measured_bps;
 		sw->disk.source = MLENS_KV_SWAP_MEASURED;
@@ -265,7 +264,7 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 		size_t k = strlen(sw->desc);
 		if (sw->measured_bps > 0)
 			snprintf(sw->desc + k, sizeof(sw->desc) - k, "; write+read %.3g GB/s %s", sw->measured_bps / 1e9,
-				 forced && *forced ? "(set by MLENS_TEST_SWAP_RATE)" : "measured on it");
+				 forced_bps > 0 ? "(set by MLENS_TEST_SWAP_RATE)" : "measured on it");
 		else
 			snprintf(sw->desc + k, sizeof(sw->desc) - k, "; its rate could not be measured");
 	}
