@@ -261,10 +261,13 @@ static void show_status(json_t *r)
 		human_bytes(ob, sizeof(ob), (double)geti(sw, "bytes_out_total"));
 		human_bytes(ib, sizeof(ib), (double)geti(sw, "bytes_in_total"));
 		printf("%-14s %lld of %lld slots used in %s; %s out, %s in; %lld preempted sequences swapped, "
-		       "%lld recomputed (%lld for want of room, %lld after an I/O error)\n", "KV swap",
+		       "%lld recomputed (%lld for want of room, %lld after an I/O error); cost model: disk %.3g GB/s "
+		       "(%s), prefill %.3g FLOP/s (%s)\n", "KV swap",
 		       (long long)geti(sw, "slots_used"), (long long)geti(sw, "slots_total"), gets_(sw, "path"), ob, ib,
 		       (long long)geti(sw, "swaps_total"), (long long)geti(sw, "recomputes_total"),
-		       (long long)geti(sw, "full_total"), (long long)geti(sw, "errors_total"));
+		       (long long)geti(sw, "full_total"), (long long)geti(sw, "errors_total"),
+		       getf(sw, "disk_bps") / 1e9, gets_(sw, "disk_source"), getf(sw, "prefill_flops"),
+		       gets_(sw, "prefill_source"));
 	}
 	if (json_is_object(pl)) {
 		/* busy shares of the pipeline's resources: what bounds a step */

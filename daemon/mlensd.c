@@ -857,14 +857,17 @@ static int step_kv_cache(void)
 #define SWAP_CPU_FLOPS 5e10
 #define SWAP_GPU_FLOPS 1e14
 
-/* The KV swap file (kv_swap > 0), with the rates of its cost model: the
- * disk's from the model files' O_DIRECT io_uring read, the prefill's from
- * the profiler's GEMM rate, defaults otherwise. GPU-only mode keeps its KV
- * in GPU memory, which the file's I/O cannot reach: no swap there. */
+/* The KV swap file (kv_swap > 0), with the initial rates of its cost
+ * model: the disk's measured on the file as it opens (else the model
+ * files' O_DIRECT io_uring read, else a default), the prefill's from the
+ * profiler's GEMM rate or a default; the running daemon's observations
+ * replace both. GPU-only mode keeps its KV in GPU memory, which the file's
+ * I/O cannot reach: no swap there. */
 static int kv_swap_open(void)
 {
 	struct mlens_kv_swap_opts o = { 0 };
 	struct mlens_perf_model pm;
+	struct mlens_kv_swap_stats st;
 	char err[1024];
 	int rc;
 
@@ -878,10 +881,16 @@ static int kv_swap_open(void)
 	o.path = D.cfg.kv_swap_path;
 	o.policy = !strcmp(D.cfg.kv_swap_policy, "always") ? MLENS_KV_SWAP_ALWAYS :
 		   !strcmp(D.cfg.kv_swap_policy, "never") ? MLENS_KV_SWAP_NEVER : MLENS_KV_SWAP_AUTO;
-	o.rates.disk_bps = D.weights.used_io_uring && D.weights.direct && D.weights.seconds > 0 ?
-		D.weights.bytes / D.weights.seconds : SWAP_DISK_BPS;
-	o.rates.compute_flops = D.prof.have && D.prof.prof.gemm_flops > 0 ? D.prof.prof.gemm_flops :
-		D.be.ops->host_memory ? SWAP_CPU_FLOPS : SWAP_GPU_FLOPS;
+	o.rates.disk_bps = SWAP_DISK_BPS;
+	if (D.weights.used_io_uring && D.weights.direct && D.weights.seconds > 0) {
+		o.rates.disk_bps = D.weights.bytes / D.weights.seconds;
+		o.disk_source = MLENS_KV_SWAP_MEASURED;
+	}
+	o.rates.compute_flops = D.be.ops->host_memory ? SWAP_CPU_FLOPS : SWAP_GPU_FLOPS;
+	if (D.prof.have && D.prof.prof.gemm_flops > 0) {
+		o.rates.compute_flops = D.prof.prof.gemm_flops;
+		o.compute_source = MLENS_KV_SWAP_PROFILED;
+	}
 	if (!mlens_perf_model_from_config(&pm, &D.model->cfg, D.kv_dt)) {
 		o.rates.flops_per_token = (double)pm.layers * (pm.flops_ga + pm.flops_gb);
 		/* causal attention: q.k and p.v over half the square, per head */
@@ -890,9 +899,10 @@ static int kv_swap_open(void)
 	rc = mlens_kv_swap_create(&D.swap, &mlens_engine_kv(D.engine)->cache, &o, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
-	log_info("%s; cost model: disk %.2f GB/s%s, prefill %.3g FLOP/s%s", mlens_kv_swap_describe(D.swap),
-		 o.rates.disk_bps / 1e9, o.rates.disk_bps == SWAP_DISK_BPS ? " (default)" : " (model files' read)",
-		 o.rates.compute_flops, D.prof.have && D.prof.prof.gemm_flops > 0 ? " (profiled)" : " (default)");
+	mlens_kv_swap_get_stats(D.swap, &st);
+	log_info("%s; cost model: disk %.3g GB/s (%s), prefill %.3g FLOP/s (%s); observed rates replace them",
+		 mlens_kv_swap_describe(D.swap), st.disk.value / 1e9, mlens_kv_swap_source_name(st.disk.source),
+		 st.prefill.value, mlens_kv_swap_source_name(st.prefill.source));
 	return 0;
 }
 

@@ -4,9 +4,14 @@
  * blocks byte for byte, through io_uring; a directory gets an unnamed
  * file, a new file path is unlinked at once, an existing file is refused;
  * the MLENS_TEST_SWAP_FAIL hook's write, read and enospc faults return
- * their error and give the slots back. */
+ * their error and give the slots back; the cost model's rates: the first
+ * observation replaces the initial value, later ones an EWMA, each with
+ * its source; the disk rate measured at open (or set by
+ * MLENS_TEST_SWAP_RATE), then observed on swaps, the prefill's observed
+ * from steps; a slow disk makes auto recompute, a fast one swap. */
 #include <check.h>
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -42,6 +47,50 @@ START_TEST(cost_boundary)
 	ck_assert(mlens_kv_swap_cheaper(&r, 1000, 1));
 	r = (struct mlens_kv_swap_rates){ .disk_bps = 1, .compute_flops = 1, .flops_per_token = 1 };
 	ck_assert(!mlens_kv_swap_cheaper(&r, 1, 0));
+}
+END_TEST
+
+/* The EWMA: not-finite or non-positive samples ignored; the first
+ * observation replaces the initial value whatever its source; then each
+ * moves the rate a quarter of the way. */
+START_TEST(rate_ewma)
+{
+	struct mlens_kv_swap_rate r = { .value = 2e9, .source = MLENS_KV_SWAP_DEFAULT };
+	ck_assert_str_eq(mlens_kv_swap_source_name(r.source), "default");
+	mlens_kv_swap_rate_observe(&r, 0);
+	mlens_kv_swap_rate_observe(&r, -5);
+	mlens_kv_swap_rate_observe(&r, INFINITY);
+	mlens_kv_swap_rate_observe(&r, NAN);
+	ck_assert(r.value == 2e9 && r.source == MLENS_KV_SWAP_DEFAULT && r.n_observed == 0);
+	mlens_kv_swap_rate_observe(&r, 100);
+	ck_assert(r.value == 100);
+	ck_assert_str_eq(mlens_kv_swap_source_name(r.source), "observed");
+	ck_assert_uint_eq(r.n_observed, 1);
+	mlens_kv_swap_rate_observe(&r, 200);	/* 100 + 0.25 * 100 */
+	ck_assert_double_eq_tol(r.value, 125, 1e-9);
+	mlens_kv_swap_rate_observe(&r, 25);	/* 125 - 0.25 * 100 */
+	ck_assert_double_eq_tol(r.value, 100, 1e-9);
+	ck_assert_uint_eq(r.n_observed, 3);
+	/* a measured or profiled value is replaced as well */
+	r = (struct mlens_kv_swap_rate){ .value = 1e12, .source = MLENS_KV_SWAP_PROFILED };
+	ck_assert_str_eq(mlens_kv_swap_source_name(r.source), "profiled");
+	mlens_kv_swap_rate_observe(&r, 3e9);
+	ck_assert(r.value == 3e9 && r.source == MLENS_KV_SWAP_OBSERVED);
+	ck_assert_str_eq(mlens_kv_swap_source_name(MLENS_KV_SWAP_MEASURED), "measured");
+}
+END_TEST
+
+/* A chunk's FLOPs are the difference of two prompts': linear part by its
+ * length, quadratic by b^2 - a^2; empty or reversed ranges are 0. */
+START_TEST(prefill_flops)
+{
+	struct mlens_kv_swap_rates r = { .flops_per_token = 10, .flops_per_token2 = 1 };
+	ck_assert_double_eq(mlens_kv_swap_prefill_flops(&r, 0, 10), 200);
+	ck_assert_double_eq(mlens_kv_swap_prefill_flops(&r, 10, 20), 100 + 300);
+	ck_assert_double_eq(mlens_kv_swap_prefill_flops(&r, 0, 10) + mlens_kv_swap_prefill_flops(&r, 10, 20),
+			    mlens_kv_swap_prefill_flops(&r, 0, 20));
+	ck_assert_double_eq(mlens_kv_swap_prefill_flops(&r, 5, 5), 0);
+	ck_assert_double_eq(mlens_kv_swap_prefill_flops(&r, 7, 3), 0);
 }
 END_TEST
 
@@ -270,17 +319,98 @@ START_TEST(faults)
 }
 END_TEST
 
+/* The rates at open and as swaps and steps are observed: a real file is
+ * measured (and the pool's bytes survive the measurement); the hook sets
+ * the rate; a failing file keeps the caller's rate and source. Under
+ * auto, a slow forced disk recomputes and a fast one swaps. */
+START_TEST(rates_at_open)
+{
+	struct mlens_kv_cache kv = pool(8), ref = pool(8);
+	struct mlens_kv_swap_opts o = { .budget = 1 << 20, .policy = MLENS_KV_SWAP_AUTO,
+					.rates = { .disk_bps = 2e9, .compute_flops = 5e10, .flops_per_token = 1e6 },
+					.compute_source = MLENS_KV_SWAP_PROFILED };
+	const uint32_t blocks[2] = { 3, 4 };
+	uint32_t slots[2];
+	struct mlens_kv_swap_stats st;
+	struct mlens_kv_swap *sw;
+	char err[512];
+
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	o.path = dir;
+	/* measured on the file: the pool unchanged, no I/O counted */
+	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
+	mlens_kv_swap_get_stats(sw, &st);
+	ck_assert_msg(st.disk.source == MLENS_KV_SWAP_MEASURED && st.measured_bps > 0 &&
+		      st.disk.value == st.measured_bps, "%s", mlens_kv_swap_describe(sw));
+	ck_assert(strstr(mlens_kv_swap_describe(sw), "measured on it"));
+	ck_assert(st.prefill.value == 5e10 && st.prefill.source == MLENS_KV_SWAP_PROFILED);
+	ck_assert(st.io_seconds == 0 && st.bytes_out == 0 && st.slots_used == 0);
+	ck_assert_int_eq(memcmp(kv.k, ref.k, mlens_kv_bytes(&kv)), 0);
+	ck_assert_int_eq(memcmp(kv.v, ref.v, mlens_kv_bytes(&kv)), 0);
+	/* a swap's transfers are observed; a prefill step is too */
+	ck_assert_int_eq(mlens_kv_swap_out(sw, &kv, blocks, 2, slots), 0);
+	mlens_kv_swap_get_stats(sw, &st);
+	ck_assert(st.disk.source == MLENS_KV_SWAP_OBSERVED && st.disk.n_observed == 1 && st.disk.value > 0);
+	ck_assert_int_eq(mlens_kv_swap_in(sw, &kv, blocks, 2, slots), 0);
+	mlens_kv_swap_observe_prefill(sw, 0, 1);	/* no prefill in the step: nothing */
+	mlens_kv_swap_get_stats(sw, &st);
+	ck_assert_uint_eq(st.disk.n_observed, 2);
+	ck_assert(st.prefill.source == MLENS_KV_SWAP_PROFILED);
+	mlens_kv_swap_observe_prefill(sw, 3e9, 0.5);
+	mlens_kv_swap_get_stats(sw, &st);
+	ck_assert(st.prefill.value == 6e9 && st.prefill.source == MLENS_KV_SWAP_OBSERVED);
+	ck_assert(mlens_kv_swap_get_rates(sw)->compute_flops == 6e9);
+	mlens_kv_swap_destroy(sw);
+
+	/* a slow disk: 100 tokens recompute in 2 ms, one block moves in
+	 * seconds; a fast one moves it in nanoseconds */
+	setenv("MLENS_TEST_SWAP_RATE", "1000", 1);
+	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
+	mlens_kv_swap_get_stats(sw, &st);
+	ck_assert(st.disk.value == 1000 && st.disk.source == MLENS_KV_SWAP_MEASURED);
+	ck_assert(strstr(mlens_kv_swap_describe(sw), "MLENS_TEST_SWAP_RATE"));
+	ck_assert(!mlens_kv_swap_choose(sw, 1, 100));
+	mlens_kv_swap_destroy(sw);
+	setenv("MLENS_TEST_SWAP_RATE", "1e15", 1);
+	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
+	ck_assert(mlens_kv_swap_choose(sw, 1, 100));
+	mlens_kv_swap_destroy(sw);
+	/* a value that is no rate: measured as without the hook */
+	setenv("MLENS_TEST_SWAP_RATE", "fast", 1);
+	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
+	ck_assert_msg(strstr(mlens_kv_swap_describe(sw), "measured on it"), "%s", mlens_kv_swap_describe(sw));
+	mlens_kv_swap_destroy(sw);
+	unsetenv("MLENS_TEST_SWAP_RATE");
+
+	/* a file whose writes fail: the caller's rate and source stay */
+	o.disk_source = MLENS_KV_SWAP_DEFAULT;
+	setenv("MLENS_TEST_SWAP_FAIL", "write", 1);
+	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
+	unsetenv("MLENS_TEST_SWAP_FAIL");
+	mlens_kv_swap_get_stats(sw, &st);
+	ck_assert(st.disk.value == 2e9 && st.disk.source == MLENS_KV_SWAP_DEFAULT && st.measured_bps == 0);
+	ck_assert_uint_eq(st.errors, 0);
+	mlens_kv_swap_destroy(sw);
+	ck_assert_int_eq(rmdir(dir), 0);
+	strcpy(dir, "/tmp/check_kv_swap.XXXXXX");
+	free(kv.k), free(kv.v), free(ref.k), free(ref.v);
+}
+END_TEST
+
 int main(void)
 {
 	Suite *s = suite_create("kv_swap");
 	TCase *tc = tcase_create("kv_swap");
 	tcase_add_test(tc, cost_boundary);
+	tcase_add_test(tc, rate_ewma);
+	tcase_add_test(tc, prefill_flops);
 	tcase_add_test(tc, slots_all_or_nothing);
 	tcase_add_test(tc, round_trip_buffered);
 	tcase_add_test(tc, round_trip_pages);
 	tcase_add_test(tc, round_trip_fp8);
 	tcase_add_test(tc, paths);
 	tcase_add_test(tc, faults);
+	tcase_add_test(tc, rates_at_open);
 	suite_add_tcase(s, tc);
 	return mlens_check_run(s);
 }

@@ -30,3 +30,6 @@ tests_check_disk_tier_SOURCES = tests/check_disk_tier.c tests/check_common.h
 tests_check_disk_tier_CFLAGS = $(AM_CFLAGS) $(CHECK_CFLAGS)
 tests_check_disk_tier_LDADD = daemon/tools/libmlens_tools.la daemon/libmlens_core.la $(CHECK_LIBS) $(JANSSON_LIBS)
 endif
+# swap or recompute under preemption, by hand (not in make check): wall,
+# tokens/s and the cost model's choice with kv_swap_policy always, never, auto
+EXTRA_DIST += tests/bench/kv_swap_bench.sh

@@ -28,6 +28,36 @@ bool mlens_kv_swap_cheaper(const struct mlens_kv_swap_rates *r, uint64_t bytes, 
 	return t_move < t_comp;
 }
 
+double mlens_kv_swap_prefill_flops(const struct mlens_kv_swap_rates *r, int64_t from, int64_t to)
+{
+	double a = from > 0 ? (double)from : 0.0, b = to > 0 ? (double)to : 0.0;
+	if (b <= a)
+		return 0.0;
+	return r->flops_per_token * (b - a) + r->flops_per_token2 * (b * b - a * a);
+}
+
+void mlens_kv_swap_rate_observe(struct mlens_kv_swap_rate *r, double sample)
+{
+	if (!isfinite(sample) || sample <= 0)
+		return;
+	if (r->source != MLENS_KV_SWAP_OBSERVED || !(r->value > 0))
+		r->value = sample;
+	else
+		r->value += MLENS_KV_SWAP_EWMA * (sample - r->value);
+	r->source = MLENS_KV_SWAP_OBSERVED;
+	r->n_observed++;
+}
+
+const char *mlens_kv_swap_source_name(enum mlens_kv_swap_source s)
+{
+	switch (s) {
+	case MLENS_KV_SWAP_MEASURED: return "measured";
+	case MLENS_KV_SWAP_PROFILED: return "profiled";
+	case MLENS_KV_SWAP_OBSERVED: return "observed";
+	default: return "default";
+	}
+}
+
 /* ==== the slot allocator ==== */
 
 int mlens_kv_slots_init(struct mlens_kv_slots *a, uint32_t n_slots)
@@ -90,7 +120,9 @@ struct mlens_kv_swap {
 	struct iovec *iov;	/* SWAP_DEPTH * n_iov */
 	struct mlens_kv_slots slots;
 	enum mlens_kv_swap_policy policy;
-	struct mlens_kv_swap_rates rates;
+	struct mlens_kv_swap_rates rates;	/* disk_bps, compute_flops: disk's, prefill's */
+	struct mlens_kv_swap_rate disk, prefill;
+	double measured_bps;	/* at open, 0: not measured */
 	enum swap_fault fault;
 	uint64_t disk_full;	/* writes the disk refused with ENOSPC */
 	bool broken;		/* see ring_broken */
@@ -98,6 +130,8 @@ struct mlens_kv_swap {
 	char path[512];
 	char desc[768];
 };
+
+static double measure_disk(struct mlens_kv_swap *sw, const struct mlens_kv_cache *layout);
 
 /* Open the swap file under path (see kv_swap.h); *direct says whether
  * O_DIRECT took. -errno with err set. */
@@ -156,8 +190,9 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 			 const struct mlens_kv_swap_opts *o, char *err, size_t errlen)
 {
 	struct mlens_kv_swap *sw;
-	const char *f = getenv("MLENS_TEST_SWAP_FAIL");
+	const char *f = getenv("MLENS_TEST_SWAP_FAIL"), *forced = getenv("MLENS_TEST_SWAP_RATE");
 	uint64_t n_slots;
+	double forced_bps;
 	bool want_direct;
 	int rc;
 
@@ -175,6 +210,8 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 	sw->slot_bytes = 2 * (size_t)layout->block_size * mlens_kv_token_bytes(layout);
 	sw->policy = o->policy;
 	sw->rates = o->rates;
+	sw->disk = (struct mlens_kv_swap_rate){ .value = o->rates.disk_bps, .source = o->disk_source };
+	sw->prefill = (struct mlens_kv_swap_rate){ .value = o->rates.compute_flops, .source = o->compute_source };
 	if (f && *f)
 		sw->fault = !strcmp(f, "write") ? FAULT_WRITE : !strcmp(f, "read") ? FAULT_READ :
 			    !strcmp(f, "enospc") ? FAULT_ENOSPC : FAULT_NONE;
@@ -208,6 +245,14 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 	}
 	sw->ring_ok = true;
 	sw->st.slots_total = (uint32_t)n_slots;
+	forced_bps = forced && *forced ? strtod(forced, NULL) : 0;
+	sw->measured_bps = forced_bps > 0 ? forced_bps : measure_disk(sw, layout);
+	if (sw->measured_bps > 0) {
+		sw->disk.value = sw->rates.disk_bps = sw->measured_bps;
+		sw->disk.source = MLENS_KV_SWAP_MEASURED;
+	} else {
+		sw->measured_bps = 0;
+	}
 	snprintf(sw->path, sizeof(sw->path), "%s", o->path);
 	snprintf(sw->desc, sizeof(sw->desc), "KV swap file in %s: %u slots of %zu bytes (%.1f MiB), %s; policy %s",
 		 o->path, sw->st.slots_total, sw->slot_bytes, (double)n_slots * (double)sw->slot_bytes / 1048576.0,
@@ -215,6 +260,14 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 		 want_direct ? "buffered (the filesystem refused O_DIRECT)" :
 			       "buffered (a block's runs are not whole pages, which O_DIRECT needs)",
 		 o->policy == MLENS_KV_SWAP_ALWAYS ? "always" : o->policy == MLENS_KV_SWAP_NEVER ? "never" : "auto");
+	{
+		size_t k = strlen(sw->desc);
+		if (sw->measured_bps > 0)
+			snprintf(sw->desc + k, sizeof(sw->desc) - k, "; write+read %.3g GB/s %s", sw->measured_bps / 1e9,
+				 forced_bps > 0 ? "(set by MLENS_TEST_SWAP_RATE)" : "measured on it");
+		else
+			snprintf(sw->desc + k, sizeof(sw->desc) - k, "; its rate could not be measured");
+	}
 	*out = sw;
 	return 0;
 fail_msg:
@@ -358,6 +411,36 @@ static int move_blocks(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv
 	return first_err;
 }
 
+/* The file's write+read rate (see kv_swap.h): up to two rings' worth of
+ * the pool's first blocks, at most 64 MiB, written to the first slots and
+ * read back into the same blocks. 0 when it failed or was too quick to
+ * time; the swap's counters are left as they were. */
+static double measure_disk(struct mlens_kv_swap *sw, const struct mlens_kv_cache *layout)
+{
+	uint32_t ids[2 * SWAP_DEPTH], n = 2 * SWAP_DEPTH;
+	double io0 = sw->st.io_seconds, t;
+	uint64_t cap = ((uint64_t)64 << 20) / sw->slot_bytes;
+	int rc;
+
+	if (n > sw->slots.n_slots)
+		n = sw->slots.n_slots;
+	if (n > layout->n_blocks)
+		n = layout->n_blocks;
+	if (n > cap)
+		n = cap ? (uint32_t)cap : 1;
+	if (!n || !layout->k || !layout->v)
+		return 0;
+	for (uint32_t i = 0; i < n; i++)
+		ids[i] = i;
+	t = now();
+	rc = move_blocks(sw, layout, ids, n, ids, true);
+	if (!rc)
+		rc = move_blocks(sw, layout, ids, n, ids, false);
+	t = now() - t;
+	sw->st.io_seconds = io0;
+	return !rc && t > 0 ? 2.0 * (double)n * (double)sw->slot_bytes / t : 0;
+}
+
 /* A failed transfer, said at the 1st, 2nd, 4th, 8th... of its kind (a
  * failing disk does not flood the log). */
 static void io_warn(const struct mlens_kv_swap *sw, uint64_t nth, const char *doing, uint32_t n, int rc)
@@ -369,13 +452,37 @@ static void io_warn(const struct mlens_kv_swap *sw, uint64_t nth, const char *do
 		 nth == 1 ? "" : "s");
 }
 
+/* A swap's transfer of bytes took seconds: an observation of the disk's
+ * rate (the cost model charges a swap a write and a read at it). */
+static void observe_disk(struct mlens_kv_swap *sw, uint64_t bytes, double seconds)
+{
+	mlens_kv_swap_rate_observe(&sw->disk, seconds > 0 ? (double)bytes / seconds : 0);
+	sw->rates.disk_bps = sw->disk.value;
+}
+
+void mlens_kv_swap_observe_prefill(struct mlens_kv_swap *sw, double flops, double seconds)
+{
+	if (flops <= 0)
+		return;
+	mlens_kv_swap_rate_observe(&sw->prefill, seconds > 0 ? flops / seconds : 0);
+	sw->rates.compute_flops = sw->prefill.value;
+}
+
+const struct mlens_kv_swap_rates *mlens_kv_swap_get_rates(const struct mlens_kv_swap *sw)
+{
+	return &sw->rates;
+}
+
 int mlens_kv_swap_out(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv, const uint32_t *blocks,
 		      uint32_t n, uint32_t *slots)
 {
 	int rc = mlens_kv_slots_take(&sw->slots, n, slots);
 	if (rc)
 		return rc;
+	double t = now();
 	rc = move_blocks(sw, kv, blocks, n, slots, true);
+	if (!rc)
+		observe_disk(sw, (uint64_t)n * sw->slot_bytes, now() - t);
 	if (rc) {
 		mlens_kv_slots_give(&sw->slots, slots, n);
 		if (rc != -ENOSPC)
@@ -391,7 +498,10 @@ int mlens_kv_swap_out(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv,
 int mlens_kv_swap_in(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv, const uint32_t *blocks,
 		     uint32_t n, const uint32_t *slots)
 {
+	double t = now();
 	int rc = move_blocks(sw, kv, blocks, n, slots, false);
+	if (!rc)
+		observe_disk(sw, (uint64_t)n * sw->slot_bytes, now() - t);
 	mlens_kv_slots_give(&sw->slots, slots, n);
 	if (rc) {
 		sw->st.errors++;
@@ -419,4 +529,7 @@ void mlens_kv_swap_get_stats(const struct mlens_kv_swap *sw, struct mlens_kv_swa
 {
 	*st = sw->st;
 	st->slots_used = sw->slots.n_slots - sw->slots.n_free;
+	st->disk = sw->disk;
+	st->prefill = sw->prefill;
+	st->measured_bps = sw->measured_bps;
 }

@@ -39,6 +39,36 @@ struct mlens_kv_swap_rates {
  * tokens: true when moving is cheaper. A rate that is not positive makes
  * its side infinitely slow. */
 bool mlens_kv_swap_cheaper(const struct mlens_kv_swap_rates *r, uint64_t bytes, int64_t tokens);
+/* The prefill FLOPs of positions [from, to) of a sequence: those of a
+ * prompt of to tokens less those of one of from (a chunk, a step's part). */
+double mlens_kv_swap_prefill_flops(const struct mlens_kv_swap_rates *r, int64_t from, int64_t to);
+
+/* Where a rate of the cost model comes from: a built-in default, a
+ * measurement (the swap file's at open, the model files' read), the
+ * profiler, or what the running daemon observed. */
+enum mlens_kv_swap_source {
+	MLENS_KV_SWAP_DEFAULT,
+	MLENS_KV_SWAP_MEASURED,
+	MLENS_KV_SWAP_PROFILED,
+	MLENS_KV_SWAP_OBSERVED,
+};
+
+/* A rate and its source. Observations feed an exponentially weighted
+ * moving average (weight MLENS_KV_SWAP_EWMA for the newest); the first one
+ * replaces an initial value outright, which is only a guess at the rate
+ * this daemon sees. */
+struct mlens_kv_swap_rate {
+	double value;
+	enum mlens_kv_swap_source source;
+	uint64_t n_observed;
+};
+#define MLENS_KV_SWAP_EWMA 0.25
+
+/* Fold one observed rate into r; a sample that is not finite and positive
+ * (a transfer too short to time) is ignored. */
+void mlens_kv_swap_rate_observe(struct mlens_kv_swap_rate *r, double sample);
+/* "default", "measured", "profiled" or "observed". */
+const char *mlens_kv_swap_source_name(enum mlens_kv_swap_source s);
 
 /* ==== the slot allocator ==== */
 
@@ -64,13 +94,17 @@ struct mlens_kv_swap_stats {
 	uint64_t errors;		/* I/O errors (each one's sequence re-prefills) */
 	double io_seconds;		/* the worker waited for the swap I/O, total */
 	uint32_t slots_used, slots_total;
+	/* the cost model's rates now: disk bytes/s, prefill FLOP/s */
+	struct mlens_kv_swap_rate disk, prefill;
+	double measured_bps;		/* the swap file's rate measured at open, 0: none */
 };
 
 struct mlens_kv_swap_opts {
 	uint64_t budget;		/* bytes of swap file */
 	const char *path;		/* a directory (an unnamed file in it) or a new file */
 	enum mlens_kv_swap_policy policy;
-	struct mlens_kv_swap_rates rates;
+	struct mlens_kv_swap_rates rates;	/* the initial rates, and FLOPs a token */
+	enum mlens_kv_swap_source disk_source, compute_source;	/* of rates' */
 };
 
 struct mlens_kv_swap;
@@ -79,10 +113,16 @@ struct mlens_kv_swap;
  * unnamed file (O_TMPFILE; else a named one unlinked at once), else a new
  * file created exclusively and unlinked at once (so it goes with the
  * daemon); O_DIRECT where the filesystem and the block size allow, else
- * buffered (said in mlens_kv_swap_describe). -errno with err set: a path
- * that exists and is not a directory, a budget below one slot. The test
- * hook MLENS_TEST_SWAP_FAIL=write|read|enospc makes every write (read)
- * complete with -EIO, or every write with -ENOSPC. */
+ * buffered (said in mlens_kv_swap_describe). Then the file's rate is
+ * measured: a batch of slot-sized writes of the pool's first blocks and
+ * their reads back (the pool holds no sequence yet, and the bytes come
+ * back unchanged), through the same I/O path as a swap; it replaces
+ * o->rates.disk_bps unless it fails. -errno with err set: a path that
+ * exists and is not a directory, a budget below one slot. Test hooks:
+ * MLENS_TEST_SWAP_FAIL=write|read|enospc makes every write (read) complete
+ * with -EIO, or every write with -ENOSPC; MLENS_TEST_SWAP_RATE=BPS stands
+ * in for the measurement (the disk looks that fast until swaps are
+ * observed). */
 int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache *layout,
 			 const struct mlens_kv_swap_opts *o, char *err, size_t errlen);
 void mlens_kv_swap_destroy(struct mlens_kv_swap *sw);
@@ -108,6 +148,12 @@ int mlens_kv_swap_in(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv,
 		     const uint32_t *blocks, uint32_t n, const uint32_t *slots);
 /* Free slots without reading them (the sequence ended while swapped). */
 void mlens_kv_swap_drop(struct mlens_kv_swap *sw, const uint32_t *slots, uint32_t n);
+/* A step that prefilled flops FLOPs (mlens_kv_swap_prefill_flops of its
+ * prefill parts) took seconds: an observation of the prefill rate. */
+void mlens_kv_swap_observe_prefill(struct mlens_kv_swap *sw, double flops, double seconds);
+/* The rates the choice weighs now (observed ones once there are any) and
+ * its FLOPs a token, for mlens_kv_swap_prefill_flops. */
+const struct mlens_kv_swap_rates *mlens_kv_swap_get_rates(const struct mlens_kv_swap *sw);
 /* A preempted sequence left to re-prefill; full: for want of room. */
 void mlens_kv_swap_note_recompute(struct mlens_kv_swap *sw, bool full);
 void mlens_kv_swap_get_stats(const struct mlens_kv_swap *sw, struct mlens_kv_swap_stats *st);

@@ -183,7 +183,7 @@ static json_t *cmd_status(struct mlens_control *c)
 			"last_step_busy_ratio", d.last_step_busy, "ceiling_bytes_per_second", d.ceiling_bps));
 	}
 	if (s.sched.kv_swap)
-		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}",
+		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:s,s:f,s:s}",
 			"budget_bytes", (json_int_t)in->cfg->kv_swap, "path", in->cfg->kv_swap_path,
 			"slots_total", (json_int_t)s.sched.swap.slots_total,
 			"slots_used", (json_int_t)s.sched.swap.slots_used,
@@ -192,7 +192,11 @@ static json_t *cmd_status(struct mlens_control *c)
 			"swaps_total", (json_int_t)s.sched.swap.swaps,
 			"recomputes_total", (json_int_t)s.sched.swap.recomputes,
 			"full_total", (json_int_t)s.sched.swap.full,
-			"errors_total", (json_int_t)s.sched.swap.errors));
+			"errors_total", (json_int_t)s.sched.swap.errors,
+			"disk_bps", s.sched.swap.disk.value,
+			"disk_source", mlens_kv_swap_source_name(s.sched.swap.disk.source),
+			"prefill_flops", s.sched.swap.prefill.value,
+			"prefill_source", mlens_kv_swap_source_name(s.sched.swap.prefill.source)));
 	if (s.sched.hybrid)
 		json_object_set_new(o, "pipeline", json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:I}",
 			"last_step_seconds", s.sched.last_step_seconds,

@@ -183,6 +183,12 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "kv_swap_io_seconds_total", json_real(w->io_seconds));
 		json_object_set_new(o, "kv_swap_slots_used", json_integer(w->slots_used));
 		json_object_set_new(o, "kv_swap_slots_total", json_integer(w->slots_total));
+		json_object_set_new(o, "kv_swap_disk_bps", json_real(w->disk.value));
+		json_object_set_new(o, "kv_swap_disk_source", json_string(mlens_kv_swap_source_name(w->disk.source)));
+		json_object_set_new(o, "kv_swap_disk_measured_bps", json_real(w->measured_bps));
+		json_object_set_new(o, "kv_swap_prefill_flops", json_real(w->prefill.value));
+		json_object_set_new(o, "kv_swap_prefill_source",
+				    json_string(mlens_kv_swap_source_name(w->prefill.source)));
 	}
 	json_object_set_new(o, "token_cap", json_integer(snap->token_cap));
 	if (info->profile && info->profile->have) {
@@ -405,6 +411,14 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		evbuffer_add_printf(b, "mlens_kv_swap_slots_used %u\n", w->slots_used);
 		prom_head(b, "mlens_kv_swap_slots_total", "gauge", "Slots of the KV swap file.");
 		evbuffer_add_printf(b, "mlens_kv_swap_slots_total %u\n", w->slots_total);
+		prom_head(b, "mlens_kv_swap_disk_bytes_per_second", "gauge",
+			  "The KV swap cost model's disk rate; source: default, measured (on the swap file at start-up), observed (swaps).");
+		evbuffer_add_printf(b, "mlens_kv_swap_disk_bytes_per_second{source=\"%s\"} %.6g\n",
+				    mlens_kv_swap_source_name(w->disk.source), w->disk.value);
+		prom_head(b, "mlens_kv_swap_prefill_flops_per_second", "gauge",
+			  "The KV swap cost model's prefill FLOP/s; source: default, profiled, observed (prefill steps).");
+		evbuffer_add_printf(b, "mlens_kv_swap_prefill_flops_per_second{source=\"%s\"} %.6g\n",
+				    mlens_kv_swap_source_name(w->prefill.source), w->prefill.value);
 	}
 	if (st->hybrid) {
 		prom_head(b, "mlens_pcie_bytes_total", "counter",

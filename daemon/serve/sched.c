@@ -905,7 +905,7 @@ int mlens_sched_step(struct mlens_sched *s)
 	struct mlens_req *r;
 	uint32_t need = 0, free_blocks;
 	int n = 0, n_dec, tokens = 0, rc;
-	double t0;
+	double t0, pre_flops;
 
 	s->step_no++;
 	mlens_sched_flush(s);
@@ -1072,10 +1072,20 @@ int mlens_sched_step(struct mlens_sched *s)
 	if (n == 0)
 		return 0;
 
+	/* the FLOPs of the step's prefill parts (a decode feeds one token)
+	 * over its seconds: the KV swap's prefill rate as observed (a mixed
+	 * step's decodes are charged to it: that rate errs low) */
+	pre_flops = 0;
+	for (int i = 0; s->swap && i < n; i++)
+		if (s->ereq[i].n_tokens > 1)
+			pre_flops += mlens_kv_swap_prefill_flops(mlens_kv_swap_get_rates(s->swap), s->ereq[i].seq->len,
+								 (int64_t)s->ereq[i].seq->len + s->ereq[i].n_tokens);
 	t0 = now();
 	rc = mlens_engine_step(s->e, s->ereq, n);
 	s->st.last_step_seconds = now() - t0;
 	s->st.step_seconds_sum += s->st.last_step_seconds;
+	if (!rc && pre_flops > 0)
+		mlens_kv_swap_observe_prefill(s->swap, pre_flops, s->st.last_step_seconds);
 	t0 = now();
 	s->st.steps++;
 	s->st.last_step_tokens = (uint32_t)tokens;

@@ -7,7 +7,10 @@
 # slots all free at the end, bytes in = bytes out). With the test hook
 # MLENS_TEST_SWAP_FAIL, a write error, a full disk and a read error each
 # fall back to a re-prefill: the same tokens for every tenant, no request
-# failed, the fallback counted, the daemon up. Status, the stats socket
+# failed, the fallback counted, the daemon up. With kv_swap_policy = auto
+# and the disk's rate forced by MLENS_TEST_SWAP_RATE, a slow disk
+# recomputes every preempted sequence and a fast one swaps, tokens
+# unchanged; the rates and their sources are reported. Status, the stats socket
 # and /metrics show the counters; an fp8 pool swaps its scales with its
 # codes; a kv_swap_path that is an existing file is refused at start-up by
 # name.
@@ -102,6 +105,46 @@ grep -q "preemption: $pre sequences evicted so far (KV blocks short); $sw went t
 [ -z "$(ls -A "$tmp" | grep -i swap)" ] || fail "a swap file was left in $tmp: $(ls "$tmp")"
 echo "ok: swap always, $sw of $pre preempted sequences swapped out and back, tokens unchanged"
 sed -n 's/^\(KV swap .*\)/  mlensctl status: \1/p' "$tmp/always.status"
+
+# the cost model (kv_swap_policy = auto) with the disk's rate forced by
+# MLENS_TEST_SWAP_RATE: 1 KB/s makes every swap dearer than a re-prefill
+# (none observed, so the rate stays); 1 PB/s makes the first swaps cheaper
+# (later ones weigh the rates then observed); tokens unchanged either way
+for speed in slow fast; do
+	case $speed in slow) rate=1000 ;; fast) rate=1e15 ;; esac
+	export MLENS_TEST_SWAP_RATE=$rate
+	run "auto_$speed" $SMALL --kv-swap 16M --kv-swap-path "$tmp" --kv-swap-policy auto
+	unset MLENS_TEST_SWAP_RATE
+	same_as_ref "auto_$speed"
+	pre=$(stat_of "auto_$speed" preemptions_total) sw=$(stat_of "auto_$speed" kv_swaps_total)
+	rc=$(stat_of "auto_$speed" kv_swap_recomputes_total)
+	[ "$pre" -gt 0 ] || fail "auto $speed: no preemption"
+	grep -q "write+read .* GB/s (set by MLENS_TEST_SWAP_RATE); .*cost model: disk .* GB/s (measured)" \
+		"$tmp/auto_$speed.log" || fail "auto $speed: the start-up line lacks the forced rate: $(grep 'KV swap file' "$tmp/auto_$speed.log")"
+	[ "$(awk "BEGIN { print $(stat_of "auto_$speed" kv_swap_disk_measured_bps) == $rate }")" = 1 ] ||
+		fail "auto $speed: measured rate $(stat_of "auto_$speed" kv_swap_disk_measured_bps), not $rate"
+	[ "$(stat_of "auto_$speed" kv_swap_prefill_source)" = observed ] ||
+		fail "auto $speed: prefill rate's source $(stat_of "auto_$speed" kv_swap_prefill_source), not observed"
+	if [ $speed = slow ]; then
+		[ "$sw" = 0 ] && [ "$rc" -gt 0 ] || fail "auto slow: $sw swapped, $rc recomputed (want 0 and > 0)"
+		[ "$(stat_of auto_slow kv_swap_disk_source)" = measured ] ||
+			fail "auto slow: disk source $(stat_of auto_slow kv_swap_disk_source), not measured"
+		grep -q "cost model: disk 1e-06 GB/s (measured), prefill .* FLOP/s (observed)" "$tmp/auto_slow.status" ||
+			fail "mlensctl status lacks the cost model's rates: $(grep '^KV swap' "$tmp/auto_slow.status")"
+	else
+		[ "$sw" -gt 0 ] || fail "auto fast: no sequence swapped ($pre preemptions, $rc recomputed)"
+		[ "$(stat_of auto_fast kv_swap_disk_source)" = observed ] ||
+			fail "auto fast: disk source $(stat_of auto_fast kv_swap_disk_source) after $sw swaps, not observed"
+		if command -v curl >/dev/null; then
+			grep -q '^mlens_kv_swap_disk_bytes_per_second{source="observed"} [0-9]' "$tmp/auto_fast.metrics" ||
+				fail "/metrics lacks the observed disk rate"
+			grep -q '^mlens_kv_swap_prefill_flops_per_second{source="observed"} [0-9]' "$tmp/auto_fast.metrics" ||
+				fail "/metrics lacks the observed prefill rate"
+		fi
+	fi
+	echo "ok: auto with a $speed disk: $sw swapped, $rc recomputed of $pre preemptions, tokens unchanged"
+done
+sed -n 's/^\(KV swap .*\)/  mlensctl status: \1/p' "$tmp/auto_slow.status"
 
 # an fp8 pool (a scale a row after the codes) on a pool as short of
 # tokens: the scales go to the file and come back with the codes, the
