@@ -33,7 +33,7 @@ struct mlens_config {
 	int64_t gpu_moe_streams;	/* CUDA streams a MoE call's experts spread over */
 	char *gpu_moe_grouped;	/* "auto", "on" or "off": grouped expert GEMMs */
 	uint64_t host_memory;		/* host budget, 0: none */
-	char *weights_on_disk;		/* "auto" or "never": experts host_memory has no room for stay in the files */
+	char *weights_on_disk;		/* "auto", "kv-first" or "never": experts host_memory has no room for stay in the files */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
 	int64_t kv_growth_room;		/* blocks of growth room at admission */

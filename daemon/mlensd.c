@@ -565,7 +565,8 @@ static int kv_dtype_wanted(void);
 
 /* Experts of each MoE layer to leave in the model files so that
  * host_memory holds the weight pages, the disk tier's staging, the step's
- * staging and the least KV pool (weights_on_disk = auto); 0 when the
+ * staging and the least KV pool (weights_on_disk = auto), or the whole
+ * kv_cache (kv-first: a larger batch for the disk reads); 0 when the
  * files fit or the key is never (the host plan refuses then). Before the
  * backend runs the mode is not known: the CPU backend's staging, else
  * the hybrid pipeline's. -ENOSPC (said) when the files do not fit and
@@ -585,9 +586,12 @@ static int disk_experts_for(uint64_t files, int *out)
 	D.hybrid = !host;	/* step_cap_wanted reads the mode */
 	staging = mlens_host_plan_staging(c, !host, host, step_cap_wanted(), !host ? plan_group() : 0,
 					  (int)D.cfg.pipeline_sets);
-	kv_blocks_for(c, mlens_kv_dtype(c, kv_dtype_wanted()), (int)D.cfg.kv_block_size, D.cfg.kv_cache, &per);
+	uint64_t kv_blocks = kv_blocks_for(c, mlens_kv_dtype(c, kv_dtype_wanted()), (int)D.cfg.kv_block_size,
+					   D.cfg.kv_cache, &per);
 	kv_min = mlens_host_plan_kv_min(c, step_cap_wanted(), (int)D.cfg.kv_block_size, 2ull * per);
 	D.hybrid = hybrid;
+	if (!strcmp(D.cfg.weights_on_disk, "kv-first") && kv_blocks * 2ull * per > kv_min)
+		kv_min = kv_blocks * 2ull * per;	/* the pool the plan then gives kv_cache */
 	if (files + staging + kv_min <= budget || !strcmp(D.cfg.weights_on_disk, "never") || E <= 0)
 		return 0;
 	for (int d = 1; d <= E; d++) {

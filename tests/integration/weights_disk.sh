@@ -8,7 +8,9 @@
 # a read error (and a short read) fails the step with the file and tensor
 # named; the daemon stays up and the next request, the hook gone, gets the
 # same tokens. The profiler measures the files' read rate (the disk
-# ceiling). weights_on_disk = never refuses that budget by name, and so
+# ceiling). weights_on_disk = kv-first leaves experts on disk for the
+# whole kv_cache where auto would keep them in RAM with a smaller pool.
+# weights_on_disk = never refuses that budget by name, and so
 # does weight_dtype = fp8 with experts on disk.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
 # cpu) with MLENS_WEIGHTS_DISK_FLAGS added: a --gpu-memory below the
@@ -132,6 +134,23 @@ pid=
 refused 1 "host_memory of 4.4 MiB cannot run this model: weight pages 3.7 MiB + staging" --model "$tmp/model" --host-memory $HALF \
 	--max-step-tokens 256 --weights-on-disk never --kv-cache 64M
 echo "ok: weights_on_disk = never refuses the budget"
+# weights_on_disk = kv-first: a budget that holds the files beside the
+# least KV pool but not beside kv_cache; auto keeps every expert in RAM and
+# gives the pool the rest, kv-first leaves experts on disk so that the pool
+# gets all of kv_cache; the tokens are those of all in RAM
+rm -f "$tmp/log"
+run kvauto --host-memory 8M --kv-cache 4M
+grep -q "weights on disk" "$tmp/kvauto.log" && fail "8M auto: experts on disk: $(grep 'weights on disk' "$tmp/kvauto.log")"
+grep -q "KV cache: 105 blocks of 16 tokens" "$tmp/kvauto.log" || fail "8M auto: the pool: $(grep 'KV cache:' "$tmp/kvauto.log")"
+run kvfirst --host-memory 8M --kv-cache 4M --weights-on-disk kv-first
+grep -q "weights on disk: 2 of 4 experts in each of 8 MoE layers" "$tmp/kvfirst.log" ||
+	fail "kv-first: $(grep -i 'disk\|host memory' "$tmp/kvfirst.log")"
+grep -q "KV cache: 128 blocks of 16 tokens (F32, 4.0 MiB" "$tmp/kvfirst.log" ||
+	fail "kv-first: the pool is not kv_cache: $(grep 'KV cache:' "$tmp/kvfirst.log")"
+for k in 1 2; do
+	same "$tmp/ref_$k.out" "$tmp/kvfirst_$k.out" || fail "kv-first: tenant $k's tokens differ from all in RAM"
+done
+echo "ok: weights_on_disk = kv-first leaves experts on disk for the whole kv_cache"
 # experts quantized at load come from the weight pages: not with some on disk
 refused 1 "weight_dtype = fp8 quantizes the experts from the weight pages, but host_memory of 4.4 MiB leaves 2 experts a layer on disk" \
 	--model "$tmp/model" --host-memory $HALF --max-step-tokens 256 --weight-dtype fp8 --kv-cache 64M
