@@ -500,6 +500,8 @@ int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, 
 	dt->st.registered = dt->n_reg > 0;
 	dt->st.experts = dt->d;
 	dt->st.ram_experts = dt->E - dt->d;
+	dt->st.model_layers = dt->L;
+	dt->st.model_experts = dt->E;
 	dt->st.layers = dt->n_order;
 	for (int i = 0; i < n; i++)
 		dt->st.disk_bytes += dt->mx[i].len;

@@ -39,6 +39,7 @@ struct mlens_disk_tier_stats {
 	uint64_t staging_bytes;		/* the two pinned sets */
 	int experts, layers;		/* disk experts a layer; layers with them */
 	int ram_experts;		/* experts a layer in RAM */
+	int model_layers, model_experts;	/* the model's layers, experts a layer */
 	bool direct;			/* O_DIRECT reads */
 	bool registered;		/* into buffers registered with the ring */
 	uint64_t read_bytes_total;
