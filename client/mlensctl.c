@@ -349,7 +349,11 @@ static void show_stats(json_t *r)
 			printf("%-32s %s\n", k, json_string_value(v));
 		else if (json_is_boolean(v))
 			printf("%-32s %s\n", k, json_is_true(v) ? "yes" : "no");
-		else if (json_is_object(v) && json_object_get(v, "count")) {
+		else if (json_is_array(v)) {
+			char *t = json_dumps(v, JSON_COMPACT);
+			printf("%-32s %s\n", k, t ? t : "[]");
+			free(t);
+		} else if (json_is_object(v) && json_object_get(v, "count")) {
 			json_int_t n = geti(v, "count");
 			printf("%-32s %lld samples, mean %.6g s\n", k, (long long)n, n ? getf(v, "sum") / (double)n : 0.0);
 		}
