@@ -107,20 +107,21 @@ static int rebind_experts(struct mlens_engine *e, int l)
 	return rc;
 }
 
-/* After a step: its routed rows counted; between steps the trade the
- * counts' last choice asks for, at most one a step (each reads a whole
- * expert from the files while no step runs). A failed trade leaves the
- * split as it was (the tier logs and counts it) and trades pause for a
- * choice period. */
+/* After a step (step_rc its result, returned unless the rebinding
+ * fails): its routed rows counted; between steps the trade the counts'
+ * last choice asks for, at most one a step (each reads a whole expert
+ * from the files while no step runs). A failed trade leaves the split as
+ * it was (the tier logs and counts it) and trades pause for a choice
+ * period. Nothing without weights_disk_follow (nor in hybrid mode). */
 static int follow_routing(struct mlens_engine *e, int step_rc)
 {
 	int l, in, out;
 
 	if (!e->follow)
-		return 0;
+		return step_rc;
 	if (step_rc) {
 		mlens_residency_step_failed(&e->ram);
-		return 0;
+		return step_rc;
 	}
 	mlens_residency_step_done(&e->ram);
 	if (e->trade_pause > 0) {
@@ -480,11 +481,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		mlens_disk_tier_step_begin(e->m->disk);
 		rc = e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
 		mlens_disk_tier_step_end(e->m->disk);
-		if (!e->pipe) {
-			int frc = follow_routing(e, rc);
-			rc = rc ? rc : frc;
-		}
-		return rc;
+		return follow_routing(e, rc);
 	}
 	mlens_disk_tier_step_begin(e->m->disk);
 	for (int i = 0; i < n; i++)
@@ -509,11 +506,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	}
 	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
 	mlens_disk_tier_step_end(e->m->disk);
-	if (!e->pipe) {
-		int frc = follow_routing(e, rc);
-		rc = rc ? rc : frc;
-	}
-	return rc;
+	return follow_routing(e, rc);
 }
 
 static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)
