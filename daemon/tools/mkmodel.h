@@ -22,9 +22,10 @@ struct mlens_mkmodel_opts {
 	 * method's (weight_scale_inv per block_rows x block_cols block) */
 	struct mlens_wscale fp8;
 	/* > 0: experts router_favor.. of every MoE layer take the routing
-	 * (the embedding's first column 1.0, the routers' first column +1
-	 * for them and -1 for the others: every token's first hidden
-	 * component dominates and picks them); 0: plain random routers */
+	 * (the embedding's first column 0.2, the routers' first column +2
+	 * for them and -2 for the others: every token's first hidden
+	 * component, larger than the rest, picks them); 0: plain random
+	 * routers */
 	int router_favor;
 };
 

@@ -451,8 +451,9 @@ static void fill_chunk(void *arg, int c, int thread)
 
 /* Stream count values of stream `legacy` starting at element 0. */
 /* With router_favor, what legacy's first column becomes: 1 the
- * embedding (1.0), 2 a router (+1 for favored experts' rows, -1 for the
- * others), 0 nothing. */
+ * embedding (0.2: ten times the noise, so that the rest of the hidden state
+ * still weighs in the tokens), 2 a router (+2 for favored experts'
+ * rows, -2 for the others), 0 nothing. */
 static int favor_kind(const struct writer *w, const char *legacy)
 {
 	const struct mlens_family *f = w->cfg.family;
@@ -485,7 +486,7 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
 		for (size_t j = favor ? (size_t)((H - i % H) % H) : n; j < n; j += H) {
 			uint64_t row = (i + j) / H;
-			float v = favor == 1 ? 1.0f : row >= (uint64_t)w->o->router_favor ? 1.0f : -1.0f;
+			float v = favor == 1 ? 0.2f : row >= (uint64_t)w->o->router_favor ? 2.0f : -2.0f;
 			mlens_store(w->buf, w->cfg.dtype, j, v);
 		}
 		if (fwrite(w->buf, es, n, f) != n) {
