@@ -254,6 +254,10 @@ static void show_status(json_t *r)
 		       (long long)geti(wd, "experts_per_layer"), (long long)geti(wd, "layers"),
 		       json_is_true(json_object_get(wd, "direct")) ? "O_DIRECT" : "buffered", sb, rb,
 		       100.0 * getf(wd, "last_step_busy_ratio"), (long long)geti(wd, "errors_total"));
+		printf("%-14s %lld experts of each layer in RAM, %lld on disk; %lld trades, %lld trade errors\n",
+		       "disk trades", (long long)geti(wd, "ram_experts_per_layer"),
+		       (long long)geti(wd, "experts_per_layer"), (long long)geti(wd, "trades_total"),
+		       (long long)geti(wd, "trade_errors_total"));
 	}
 	if (json_is_object(json_object_get(b, "kv_swap"))) {
 		json_t *sw = json_object_get(b, "kv_swap");
@@ -348,7 +352,11 @@ static void show_stats(json_t *r)
 			printf("%-32s %s\n", k, json_string_value(v));
 		else if (json_is_boolean(v))
 			printf("%-32s %s\n", k, json_is_true(v) ? "yes" : "no");
-		else if (json_is_object(v) && json_object_get(v, "count")) {
+		else if (json_is_array(v)) {
+			char *t = json_dumps(v, JSON_COMPACT);
+			printf("%-32s %s\n", k, t ? t : "[]");
+			free(t);
+		} else if (json_is_object(v) && json_object_get(v, "count")) {
 			json_int_t n = geti(v, "count");
 			printf("%-32s %lld samples, mean %.6g s\n", k, (long long)n, n ? getf(v, "sum") / (double)n : 0.0);
 		}

@@ -34,6 +34,7 @@ struct mlens_config {
 	char *gpu_moe_grouped;	/* "auto", "on" or "off": grouped expert GEMMs */
 	uint64_t host_memory;		/* host budget, 0: none */
 	char *weights_on_disk;		/* "auto", "kv-first" or "never": experts host_memory has no room for stay in the files */
+	bool weights_disk_follow;	/* the experts kept in RAM follow the routing */
 	uint64_t kv_cache;
 	int64_t kv_block_size;
 	int64_t kv_growth_room;		/* blocks of growth room at admission */

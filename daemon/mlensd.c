@@ -936,6 +936,8 @@ static int step_engine(void)
 	eo->kv_dtype = (int)D.kv_dt;
 	eo->max_step_tokens = step_cap_wanted();
 	eo->op_timing = D.cfg.op_timing;
+	eo->weights_disk_follow = D.cfg.weights_disk_follow;
+	eo->weights_disk_period = (int)D.cfg.expert_residency_period;
 	eo->kv_mem_k = D.kv_k.p;
 	eo->kv_mem_v = D.kv_v.p;
 	/* the plan made at start-up (budget: gpu_memory, or the free memory
@@ -955,6 +957,13 @@ static int step_engine(void)
 	rc = mlens_engine_create(&D.engine, D.model, &D.be, eo, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
+	if (D.weights.disk)
+		log_info("weights on disk: the experts kept in RAM %s", mlens_engine_disk_follows(D.engine) ?
+			 "follow the routing (weights_disk_follow), one trade a step at most" :
+			 !D.cfg.weights_disk_follow ? "stay as loaded (weights_disk_follow = false)" :
+			 D.hybrid ? "stay as loaded (hybrid mode: the pipeline's resident experts are placed once)" :
+			 !D.be.ops->host_memory ? "do not matter (GPU-only mode: every expert copied to the GPU once)" :
+			 "stay as loaded");
 	if (D.cfg.op_timing)
 		log_info(mlens_engine_op_time(D.engine) ? "op_timing: every step's ops timed on the %s backend's timing marks"
 			 : "op_timing: the %s backend has no timing marks; no op times", D.be.ops->name);

@@ -23,6 +23,8 @@ TESTS += tests/integration/host_memory.sh
 # room for read from the model files each step
 dist_check_SCRIPTS += tests/integration/weights_disk.sh
 TESTS += tests/integration/weights_disk.sh
+dist_check_SCRIPTS += tests/integration/weights_disk_routing.sh
+TESTS += tests/integration/weights_disk_routing.sh
 if HAVE_CHECK
 check_PROGRAMS += tests/check_disk_tier
 TESTS += tests/check_disk_tier

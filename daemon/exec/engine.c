@@ -14,6 +14,7 @@
 #include "daemon/exec/layer.h"
 #include "daemon/exec/op_time.h"
 #include "daemon/exec/pipeline.h"
+#include "daemon/exec/residency.h"
 #include "daemon/plan/gpu_plan.h"
 #include "daemon/exec/step.h"
 #include "daemon/model/disk_tier.h"
@@ -38,6 +39,11 @@ struct mlens_engine {
 	struct mlens_layer_placer placer;
 	struct mlens_ends_bound ends;
 	struct mlens_layer_bound *layers;
+
+	/* weights_disk_follow: which experts stay in RAM, from the routing */
+	struct mlens_residency ram;
+	bool follow;
+	int trade_pause;	/* steps without trades after a failed one */
 
 	/* activations, backend memory, max_tokens rows */
 	float *x, *xn, *q, *k, *v, *att, *rlog, *rw;
@@ -82,7 +88,54 @@ static int bind_weights(struct mlens_engine *e)
 	}
 	if (!rc && !e->be->ops->host_memory)
 		mlens_disk_tier_keep_from(m->disk, E);	/* all placed: nothing to read each step */
+	if (!rc && e->follow)
+		for (int64_t l = 0; l < e->cfg.num_hidden_layers; l++)
+			e->layers[l].moe.tally = mlens_residency_tally(&e->ram, (int)l);
 	return rc;
+}
+
+/* Layer l's experts bound anew: a trade moved their pointers. */
+static int rebind_experts(struct mlens_engine *e, int l)
+{
+	const struct mlens_model *m = e->m;
+	int rc = 0;
+
+	for (int x = 0; x < e->desc.n_experts && !rc; x++) {
+		mlens_layer_unbind_expert(&e->layers[l], &m->layers[l], &e->desc, x, &e->placer);
+		rc = mlens_layer_bind_expert(&e->layers[l], &m->layers[l], &e->desc, x, &e->placer);
+	}
+	return rc;
+}
+
+/* After a step (step_rc its result, returned unless the rebinding
+ * fails): its routed rows counted; between steps the trade the counts'
+ * last choice asks for, at most one a step (each reads a whole expert
+ * from the files while no step runs). A failed trade leaves the split as
+ * it was (the tier logs and counts it) and trades pause for a choice
+ * period. Nothing without weights_disk_follow (nor in hybrid mode). */
+static int follow_routing(struct mlens_engine *e, int step_rc)
+{
+	int l, in, out;
+
+	if (!e->follow)
+		return step_rc;
+	if (step_rc) {
+		mlens_residency_step_failed(&e->ram);
+		return step_rc;
+	}
+	mlens_residency_step_done(&e->ram);
+	if (e->trade_pause > 0) {
+		e->trade_pause--;
+		return 0;
+	}
+	if (!mlens_residency_next_swap(&e->ram, &l, &in, &out))
+		return 0;
+	if (mlens_disk_tier_trade(e->m->disk, l, in, out)) {
+		e->trade_pause = e->ram.period;
+		return 0;
+	}
+	mlens_residency_swapped(&e->ram, l, in, out);
+	return rebind_experts(e, l);
 }
 
 static void unbind_weights(struct mlens_engine *e)
@@ -196,6 +249,18 @@ int mlens_engine_create(struct mlens_engine **out, const struct mlens_model *m,
 		       layout.n_blocks, layout.block_size, strerror(-rc));
 		goto fail;
 	}
+	if (o->weights_disk_follow && be->ops->host_memory && mlens_disk_tier_can_trade(m->disk)) {
+		struct mlens_disk_tier_stats ds;
+		mlens_disk_tier_get_stats(m->disk, &ds);
+		/* RAM is the resident tier: experts 0..r-1 at load */
+		rc = mlens_residency_init(&e->ram, (int)e->cfg.num_hidden_layers, (int)e->cfg.num_local_experts,
+					  ds.ram_experts, true, o->weights_disk_period, 1);
+		if (rc) {
+			mlens_errf(err, errlen, "cannot allocate the routing counts of the experts on disk");
+			goto fail;
+		}
+		e->follow = e->ram.routing;
+	}
 	rc = bind_weights(e);
 	if (rc) {
 		mlens_errf(err, errlen, "cannot place the model weights on the %s backend: %s",
@@ -245,6 +310,7 @@ void mlens_engine_destroy(struct mlens_engine *e)
 		if (bufs[i])
 			e->be->ops->free(e->be->ctx, bufs[i]);
 	unbind_weights(e);
+	mlens_residency_fini(&e->ram);
 	if (e->kv.free_stack)
 		mlens_kv_pool_fini(&e->kv);
 	mlens_step_rows_free(&e->rows);
@@ -255,6 +321,11 @@ void mlens_engine_destroy(struct mlens_engine *e)
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e)
 {
 	return e->pipe ? mlens_pipeline_kv(e->pipe) : &e->kv;
+}
+
+bool mlens_engine_disk_follows(const struct mlens_engine *e)
+{
+	return e->follow;
 }
 
 const struct mlens_op_time *mlens_engine_op_time(const struct mlens_engine *e)
@@ -410,7 +481,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 		mlens_disk_tier_step_begin(e->m->disk);
 		rc = e->pipe ? mlens_pipeline_step(e->pipe, reqs, n) : engine_step(e, reqs, n);
 		mlens_disk_tier_step_end(e->m->disk);
-		return rc;
+		return follow_routing(e, rc);
 	}
 	mlens_disk_tier_step_begin(e->m->disk);
 	for (int i = 0; i < n; i++)
@@ -435,7 +506,7 @@ int mlens_engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int
 	}
 	mlens_trace_step_end(e->trace, trace_clock(), tokens, n);
 	mlens_disk_tier_step_end(e->m->disk);
-	return rc;
+	return follow_routing(e, rc);
 }
 
 static int engine_step(struct mlens_engine *e, struct mlens_engine_req *reqs, int n)

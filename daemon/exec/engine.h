@@ -51,6 +51,12 @@ struct mlens_engine_opts {
 	 * steps (0: the default); pipeline.h's residency_* */
 	bool hybrid_residency_routing;
 	int hybrid_residency_period;
+	/* Experts left on disk (weights_on_disk) on a host-memory backend:
+	 * the ones kept in RAM follow the routing, re-chosen every
+	 * weights_disk_period steps (0: the default), one trade a step
+	 * (daemon/model/disk_tier.h); else the split stays as loaded */
+	bool weights_disk_follow;
+	int weights_disk_period;
 	/* Time every step's ops on the backend's timing marks, read after the
 	 * step (daemon/exec/op_time.h; the hybrid pipeline's GPU side); a
 	 * backend without marks has none */
@@ -85,6 +91,10 @@ void mlens_engine_destroy(struct mlens_engine *e);
 struct mlens_kv_pool *mlens_engine_kv(struct mlens_engine *e);
 /* The hybrid pipeline of an engine in hybrid mode, else NULL. */
 struct mlens_pipeline *mlens_engine_pipeline(struct mlens_engine *e);
+/* The experts kept in RAM follow the routing (opts weights_disk_follow
+ * took: experts on disk, a host-memory backend). */
+bool mlens_engine_disk_follows(const struct mlens_engine *e);
+
 /* The op time account (engine opts op_timing), or NULL without one. */
 const struct mlens_op_time *mlens_engine_op_time(const struct mlens_engine *e);
 /* The engine's step trace recorder (daemon/ops/trace.h): armed by mlensctl

@@ -52,7 +52,11 @@ struct mlens_disk_tier {
 	int first;		/* disk experts below it are not read each step */
 	struct mlens_disk_matrix *mx;	/* sorted by layer, file, offset */
 	int n_mx;
-	struct mlens_read_range *r;
+	/* [L][E][3]: every expert matrix of the layers with disk experts, in
+	 * the files and the model's pointer to it (trades swap experts) */
+	struct mlens_disk_matrix *all;
+	uint8_t *on_disk;	/* [L][E]; written by the worker under mu */
+	struct mlens_read_range *r;	/* room for the reads of any layout */
 	int *r_mx;		/* the first matrix each read covers */
 	int n_r;
 	const char *fault_path;
@@ -178,6 +182,28 @@ static uint64_t plan(struct mlens_disk_tier *dt, const struct mlens_model *m, co
 	return set;
 }
 
+/* One set's bytes and the reads (*n_reads) for any choice of a layer's
+ * disk experts (trades change it), over the sorted mx[0..n): each matrix
+ * a run of its own takes at most a page more than its whole pages, and
+ * a run of several no more than its matrices apart. */
+static uint64_t worst_set(const struct mlens_disk_matrix *mx, int n, int *n_reads)
+{
+	uint64_t set = 0, cur = 0;
+	int nr = 0;
+
+	for (int i = 0; i < n; i++) {
+		if (i > 0 && mx[i].layer != mx[i - 1].layer)
+			cur = 0;
+		cur += align_up(mx[i].len) + ALIGN;
+		nr += (int)(mx[i].len / MLENS_DISK_TIER_CHUNK) + 2;
+		if (cur > set)
+			set = cur;
+	}
+	if (n_reads)
+		*n_reads = nr;
+	return set;
+}
+
 uint64_t mlens_disk_tier_staging_bytes(const struct mlens_model *m, const struct mlens_disk_matrix *mx, int n)
 {
 	struct mlens_disk_matrix *s;
@@ -194,13 +220,16 @@ uint64_t mlens_disk_tier_staging_bytes(const struct mlens_model *m, const struct
 	for (int i = 0; i < n; i++)
 		layers += i == 0 || s[i].layer != s[i - 1].layer;
 	set = plan(NULL, m, s, n, NULL);
+	if (worst_set(s, n, NULL) > set)
+		set = worst_set(s, n, NULL);
 	free(s);
 	return (layers > 1 ? 2 : 1) * set;
 }
 
 /* ==== the reader ==== */
 
-/* The test hook: 0 no fault, 1 -EIO, 2 an early end. */
+/* The test hook: 0 no fault, 1 -EIO, 2 an early end, 3 trades fail
+ * (-EIO) and the step reads do not. */
 static int fault_now(const struct mlens_disk_tier *dt)
 {
 	char buf[16] = "";
@@ -214,6 +243,8 @@ static int fault_now(const struct mlens_disk_tier *dt)
 			buf[0] = 0;
 		fclose(f);
 	}
+	if (!strncmp(buf, "trade", 5))
+		return 3;
 	return strncmp(buf, "short", 5) ? 1 : 2;
 }
 
@@ -234,6 +265,8 @@ static int fill(struct mlens_disk_tier *dt, int l, char *msg, size_t msglen)
 	struct mlens_read_batch b = { .r = dt->r + ly->r0, .n = ly->nr, .fault = fault_now(dt) };
 	int rc, at;
 
+	if (b.fault == 3)
+		b.fault = 0;	/* for trades only */
 	atomic_init(&b.next, 0);
 	atomic_init(&b.err, 0);
 	atomic_init(&b.err_at, -1);
@@ -369,11 +402,13 @@ void mlens_disk_tier_done(struct mlens_disk_tier *dt, int l)
 /* ==== create / destroy ==== */
 
 int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, const struct mlens_disk_matrix *mx,
-			   int n, int node, bool mlock, char *err, size_t errlen)
+			   int n, const struct mlens_disk_matrix *all, int n_all, int node, bool mlock, char *err,
+			   size_t errlen)
 {
 	struct mlens_disk_tier *dt;
 	const char *f = getenv("MLENS_TEST_DISK_FAIL");
 	int rc, nr;
+	uint64_t worst;
 
 	*out = NULL;
 	dt = calloc(1, sizeof(*dt));
@@ -391,7 +426,9 @@ int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, 
 	dt->layer = calloc((size_t)dt->L, sizeof(*dt->layer));
 	dt->order = calloc((size_t)dt->L, sizeof(int));
 	dt->mx = malloc((size_t)n * sizeof(*dt->mx));
-	if (!dt->fds || !dt->layer || !dt->order || !dt->mx) {
+	dt->all = calloc((size_t)dt->L * (size_t)dt->E * 3 + 1, sizeof(*dt->all));
+	dt->on_disk = calloc((size_t)dt->L * (size_t)dt->E + 1, 1);
+	if (!dt->fds || !dt->layer || !dt->order || !dt->mx || !dt->all || !dt->on_disk) {
 		rc = -ENOMEM;
 		goto fail_msg;
 	}
@@ -402,9 +439,16 @@ int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, 
 	memcpy(dt->mx, mx, (size_t)n * sizeof(*dt->mx));
 	dt->n_mx = n;
 	qsort(dt->mx, (size_t)n, sizeof(*dt->mx), cmp_mx);
-	for (int i = 0; i < n; i++)
+	for (int i = 0; i < n; i++) {
 		if (dt->mx[i].layer == dt->mx[0].layer && dt->mx[i].which == 0)
 			dt->d++;
+		dt->on_disk[(size_t)dt->mx[i].layer * (size_t)dt->E + (size_t)dt->mx[i].expert] = 1;
+	}
+	for (int i = 0; i < n_all; i++)
+		if (all[i].layer >= 0 && all[i].layer < dt->L && all[i].expert >= 0 && all[i].expert < dt->E &&
+		    all[i].which >= 0 && all[i].which < 3)
+			dt->all[((size_t)all[i].layer * (size_t)dt->E + (size_t)all[i].expert) * 3 +
+				(size_t)all[i].which] = all[i];
 	dt->direct = true;
 	for (int i = 0; i < m->n_files; i++) {
 		dt->fds[i] = mlens_weights_open_file(m, i, &dt->direct, err, errlen);
@@ -413,7 +457,13 @@ int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, 
 			goto fail;
 		}
 	}
+	/* sized for any layout of the disk experts: trades change it */
 	dt->set_bytes = plan(NULL, m, dt->mx, n, &nr);
+	worst = worst_set(dt->mx, n, &rc);
+	if (worst > dt->set_bytes)
+		dt->set_bytes = worst;
+	if (rc > nr)
+		nr = rc;
 	dt->r = calloc((size_t)nr + 1, sizeof(*dt->r));
 	dt->r_mx = calloc((size_t)nr + 1, sizeof(int));
 	if (!dt->r || !dt->r_mx) {
@@ -449,6 +499,9 @@ int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, 
 	dt->st.direct = dt->direct;
 	dt->st.registered = dt->n_reg > 0;
 	dt->st.experts = dt->d;
+	dt->st.ram_experts = dt->E - dt->d;
+	dt->st.model_layers = dt->L;
+	dt->st.model_experts = dt->E;
 	dt->st.layers = dt->n_order;
 	for (int i = 0; i < n; i++)
 		dt->st.disk_bytes += dt->mx[i].len;
@@ -491,6 +544,8 @@ void mlens_disk_tier_destroy(struct mlens_disk_tier *dt)
 	free(dt->layer);
 	free(dt->order);
 	free(dt->mx);
+	free(dt->all);
+	free(dt->on_disk);
 	free(dt->r);
 	free(dt->r_mx);
 	free(dt);
@@ -498,19 +553,15 @@ void mlens_disk_tier_destroy(struct mlens_disk_tier *dt)
 
 bool mlens_disk_tier_holds(const struct mlens_disk_tier *dt, int l, int e)
 {
-	return dt && l >= 0 && l < dt->L && dt->layer[l].rank >= 0 && e >= dt->E - dt->d && e >= dt->first &&
-	       e < dt->E;
+	return dt && l >= 0 && l < dt->L && dt->layer[l].rank >= 0 && e >= dt->first && e >= 0 && e < dt->E &&
+	       dt->on_disk[(size_t)l * (size_t)dt->E + (size_t)e];
 }
 
-void mlens_disk_tier_keep_from(struct mlens_disk_tier *dt, int first)
+/* Lay the reads out anew after the disk experts changed (mu held, no
+ * read under way): the staging pointers move, the sets are emptied and
+ * the first two layers asked for. */
+static void replan(struct mlens_disk_tier *dt)
 {
-	if (!dt || first <= dt->first)
-		return;
-	pthread_mutex_lock(&dt->mu);
-	for (int k = 0; k < 2; k++)
-		while (dt->set[k].state == SET_PENDING)
-			pthread_cond_wait(&dt->cv, &dt->mu);
-	dt->first = first;
 	for (int l = 0; l < dt->L; l++)
 		dt->layer[l] = (struct dt_layer){ .rank = -1 };
 	dt->n_order = 0;
@@ -523,7 +574,138 @@ void mlens_disk_tier_keep_from(struct mlens_disk_tier *dt, int first)
 		dt->st.step_bytes += dt->layer[l].bytes;
 	for (int i = 0; i < 2 && i < dt->n_order; i++)
 		do_fetch(dt, dt->order[i]);
+}
+
+/* Wait until no read is under way (mu held): the staging and the reads
+ * may then change. */
+static void do_quiesce(struct mlens_disk_tier *dt)
+{
+	for (int k = 0; k < 2; k++)
+		while (dt->set[k].state == SET_PENDING)
+			pthread_cond_wait(&dt->cv, &dt->mu);
+}
+
+void mlens_disk_tier_keep_from(struct mlens_disk_tier *dt, int first)
+{
+	if (!dt || first <= dt->first)
+		return;
+	pthread_mutex_lock(&dt->mu);
+	do_quiesce(dt);
+	dt->first = first;
+	replan(dt);
 	pthread_mutex_unlock(&dt->mu);
+}
+
+/* ==== trades: which experts stay in RAM ==== */
+
+bool mlens_disk_tier_can_trade(const struct mlens_disk_tier *dt)
+{
+	return dt && dt->first == 0 && dt->d > 0 && dt->d < dt->E;
+}
+
+/* The matrices of expert e of layer l (three). */
+static struct mlens_disk_matrix *expert_mx(struct mlens_disk_tier *dt, int l, int e)
+{
+	return &dt->all[((size_t)l * (size_t)dt->E + (size_t)e) * 3];
+}
+
+int mlens_disk_tier_trade(struct mlens_disk_tier *dt, int l, int in, int out)
+{
+	struct mlens_disk_matrix *xi, *xo;
+	struct mlens_read_range *r;
+	int *r_k, nr = 0, n = 0, rc, at;
+	size_t E;
+	uint64_t cur = 0, skip[3];
+
+	if (!mlens_disk_tier_can_trade(dt) || l < 0 || l >= dt->L || dt->layer[l].rank < 0 || in < 0 ||
+	    in >= dt->E || out < 0 || out >= dt->E)
+		return -EINVAL;
+	E = (size_t)dt->E;
+	xi = expert_mx(dt, l, in);
+	xo = expert_mx(dt, l, out);
+	if (!dt->on_disk[(size_t)l * E + (size_t)in] || dt->on_disk[(size_t)l * E + (size_t)out] || !xi[0].ptr ||
+	    !xo[0].ptr)
+		return -EINVAL;
+	for (int k = 0; k < 3; k++)
+		n += (int)(xi[k].len / MLENS_DISK_TIER_CHUNK) + 2;
+	r = calloc((size_t)n, sizeof(*r));
+	r_k = calloc((size_t)n, sizeof(*r_k));
+	if (!r || !r_k) {
+		free(r);
+		free(r_k);
+		return -ENOMEM;
+	}
+	/* the reader idle, the sets emptied: expert in is read into the
+	 * staging first, so that a failed read leaves out's page whole */
+	pthread_mutex_lock(&dt->mu);
+	do_quiesce(dt);
+	for (int k = 0; k < 2; k++)
+		dt->set[k] = (struct dt_set){ .layer = -1, .state = SET_IDLE };
+	pthread_mutex_unlock(&dt->mu);
+	for (int k = 0; k < 3; k++) {
+		uint64_t a = xi[k].off & ~(uint64_t)(ALIGN - 1), b = xi[k].off + xi[k].len;
+		uint64_t size = dt->m->files[xi[k].file].size;
+		skip[k] = cur + (xi[k].off - a);
+		for (uint64_t off = a; off < b; off += MLENS_DISK_TIER_CHUNK) {
+			uint64_t end = b - off < MLENS_DISK_TIER_CHUNK ? b : off + MLENS_DISK_TIER_CHUNK;
+			r[nr] = (struct mlens_read_range){ dt->fds[xi[k].file], off, align_up(end - off),
+				(end < size ? end : size) - off, (char *)dt->stage.p + cur + (off - a), 0 };
+			r[nr].fixed = fixed_of(dt, r[nr].dst, r[nr].len);
+			r_k[nr++] = k;
+		}
+		cur += align_up(b - a);
+	}
+	{
+		struct mlens_read_batch b = { .r = r, .n = nr, .fault = fault_now(dt) ? 1 : 0 };
+		atomic_init(&b.next, 0);
+		atomic_init(&b.err, 0);
+		atomic_init(&b.err_at, -1);
+		mlens_read_batch_run(&b, &dt->ring, MLENS_DISK_TIER_DEPTH);
+		rc = atomic_load(&b.err);
+		at = atomic_load(&b.err_at);
+	}
+	pthread_mutex_lock(&dt->mu);
+	if (rc) {
+		const struct mlens_disk_matrix *x = &xi[at >= 0 ? r_k[at] : 0];
+		dt->st.trade_errors_total++;
+		log_error("weights on disk: moving layer %d expert %d into RAM in place of expert %d failed reading "
+			  "%s at offset %llu of %s: %s; both stay where they were",
+			  l, in, out, tensor_at(dt->m, x->file, x->off), (unsigned long long)(at >= 0 ? r[at].off : x->off),
+			  dt->m->files[x->file].path,
+			  rc == -ENODATA ? "short read (the file ends before the tensor does)" : strerror(-rc));
+		rc = rc == -ENODATA ? -EIO : rc;
+	} else {
+		/* in takes out's RAM page; out is read from the files from now on */
+		for (int k = 0; k < 3; k++) {
+			memcpy((void *)*xo[k].ptr, (const char *)dt->stage.p + skip[k], xi[k].len);
+			*xi[k].ptr = *xo[k].ptr;
+		}
+		dt->on_disk[(size_t)l * E + (size_t)in] = 0;
+		dt->on_disk[(size_t)l * E + (size_t)out] = 1;
+		for (int i = 0; i < dt->n_mx; i++)
+			if (dt->mx[i].layer == l && dt->mx[i].expert == in)
+				dt->mx[i] = xo[dt->mx[i].which];
+		qsort(dt->mx, (size_t)dt->n_mx, sizeof(*dt->mx), cmp_mx);
+		dt->st.trades_total++;
+	}
+	replan(dt);
+	pthread_mutex_unlock(&dt->mu);
+	free(r);
+	free(r_k);
+	return rc;
+}
+
+bool mlens_disk_tier_get_layer(struct mlens_disk_tier *dt, int l, uint8_t *on_disk)
+{
+	bool any;
+
+	if (!dt || l < 0 || l >= dt->L)
+		return false;
+	pthread_mutex_lock(&dt->mu);
+	memcpy(on_disk, dt->on_disk + (size_t)l * (size_t)dt->E, (size_t)dt->E);
+	any = memchr(on_disk, 1, (size_t)dt->E) != NULL;
+	pthread_mutex_unlock(&dt->mu);
+	return any;
 }
 
 /* ==== stats ==== */

@@ -6,12 +6,13 @@
  * lets it: the MoE layers that have disk experts
  * alternate between them, so that one layer's experts are read while the
  * layer before is used. The model's pointers to those experts point into
- * their layer's set for good; the caller reads a layer's experts only
+ * their layer's set until a trade (mlens_disk_tier_trade) swaps a disk
+ * expert with one in RAM; the caller reads a layer's experts only
  * between mlens_disk_tier_ready and mlens_disk_tier_done.
  *
  * One reader thread of its own does the reads; ready, done and the step
- * marks are called by the one thread that runs the steps (the worker);
- * the stats getter from any thread (under the tier's lock). */
+ * marks and trades are called by the one thread that runs the steps (the
+ * worker); the stats getters from any thread (under the tier's lock). */
 #ifndef MLENS_DISK_TIER_H
 #define MLENS_DISK_TIER_H
 
@@ -37,6 +38,8 @@ struct mlens_disk_tier_stats {
 	uint64_t step_bytes;		/* what one step reads: every disk layer's */
 	uint64_t staging_bytes;		/* the two pinned sets */
 	int experts, layers;		/* disk experts a layer; layers with them */
+	int ram_experts;		/* experts a layer in RAM */
+	int model_layers, model_experts;	/* the model's layers, experts a layer */
 	bool direct;			/* O_DIRECT reads */
 	bool registered;		/* into buffers registered with the ring */
 	uint64_t read_bytes_total;
@@ -46,19 +49,27 @@ struct mlens_disk_tier_stats {
 	uint64_t last_step_bytes;	/* read during the last step */
 	double last_step_busy;		/* share of the last step's time spent reading */
 	double ceiling_bps;		/* the profiler's measured read rate, 0: none */
+	uint64_t trades_total;		/* disk experts moved into RAM (one out each) */
+	uint64_t trade_errors_total;	/* trades that failed (nothing moved) */
 };
 
 struct mlens_disk_tier;
 
-/* Staging bytes (both sets) the matrices mx[0..n) need. */
+/* Staging bytes (both sets) the matrices mx[0..n) need, for any choice
+ * of as many disk experts a layer (trades change it). */
 uint64_t mlens_disk_tier_staging_bytes(const struct mlens_model *m, const struct mlens_disk_matrix *mx, int n);
 
 /* Open the model files, allocate the staging (NUMA node, mlock), point
- * each matrix's model pointer into it and start the reader. The test hook
- * MLENS_TEST_DISK_FAIL=PATH makes every read fail with -EIO while PATH
- * exists (end early when PATH holds "short"). -errno with err set. */
+ * each matrix mx[0..n) 's model pointer into it and start the reader;
+ * all[0..n_all) are every expert's matrices of the MoE layers (the ones
+ * in RAM for trades: in the files, with the model's pointers, which the
+ * caller may move into RAM after). The test hook MLENS_TEST_DISK_FAIL=PATH
+ * makes every read fail with -EIO while PATH exists (end early when PATH
+ * holds "short"; only trades fail when it holds "trade"). -errno with
+ * err set. */
 int mlens_disk_tier_create(struct mlens_disk_tier **out, struct mlens_model *m, const struct mlens_disk_matrix *mx,
-			   int n, int node, bool mlock, char *err, size_t errlen);
+			   int n, const struct mlens_disk_matrix *all, int n_all, int node, bool mlock, char *err,
+			   size_t errlen);
 void mlens_disk_tier_destroy(struct mlens_disk_tier *dt);
 
 /* Is expert e of layer l on disk? (dt may be NULL.) */
@@ -78,6 +89,22 @@ int mlens_disk_tier_ready(struct mlens_disk_tier *dt, int l);
 /* Layer l is done with its staging set: start reading the next layer
  * (in step order, round to the next step's first) that uses the set. */
 void mlens_disk_tier_done(struct mlens_disk_tier *dt, int l);
+
+/* Trades are possible: experts both on disk and in RAM, none placed for
+ * good elsewhere (mlens_disk_tier_keep_from: the hybrid pipeline's and
+ * GPU-only mode's split stays as loaded). */
+bool mlens_disk_tier_can_trade(const struct mlens_disk_tier *dt);
+/* Between steps (no layer's experts in use): disk expert in of layer l
+ * takes the RAM page of expert out, read from the files into the staging
+ * and copied there; out is read each step from then on. Layer l's model
+ * pointers move (the caller takes them anew); the staging's reads start
+ * over. 0; -EINVAL when in is not on disk, out not in RAM or trades are
+ * not possible; -errno when the read failed (logged with the file and
+ * tensor, counted): then both stay where they were. */
+int mlens_disk_tier_trade(struct mlens_disk_tier *dt, int l, int in, int out);
+/* Which experts of layer l are on disk (on_disk[0..E) 1) now; false when
+ * none is (a dense layer, or no disk tier). Any thread. */
+bool mlens_disk_tier_get_layer(struct mlens_disk_tier *dt, int l, uint8_t *on_disk);
 
 /* A step's bounds, for the per-step stats. */
 void mlens_disk_tier_step_begin(struct mlens_disk_tier *dt);

@@ -443,8 +443,17 @@ int mlens_weights_load(struct mlens_model *m, const struct mlens_weights_opts *o
 	for (int i = 0; i < m->n_views; i++)
 		if (m->views[i].data)
 			m->views[i].data = rebase(m, w, s, n_seg, m->views[i].file, m->views[i].offset);
-	if (n_mx && (rc = mlens_disk_tier_create(&w->disk, m, mx, n_mx, o->node, o->mlock, err, errlen)))
-		goto fail;
+	if (n_mx) {
+		/* every expert where the files hold it: trades take RAM ones to disk */
+		struct mlens_disk_matrix *all;
+		int n_all;
+		if ((rc = disk_matrices(m, (int)m->cfg.num_local_experts, &all, &n_all, err, errlen)))
+			goto fail;
+		rc = mlens_disk_tier_create(&w->disk, m, mx, n_mx, all, n_all, o->node, o->mlock, err, errlen);
+		free(all);
+		if (rc)
+			goto fail;
+	}
 	for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
 		for (int64_t e = 0; e < m->cfg.num_local_experts; e++) {
 			if (mlens_disk_tier_holds(w->disk, (int)l, (int)e))

@@ -2,8 +2,9 @@
  * io_uring mover threads (several large aligned reads in flight each), and
  * the model's tensor pointers moved there. mmap copy is the fallback.
  * With a disk tier (disk_tier.h), the last experts of each MoE layer stay
- * in the files: the weight pages hold the rest, and those experts are read
- * into pinned staging each step. */
+ * in the files at load: the weight pages hold the rest, and those experts
+ * are read into pinned staging each step (trades may later swap which
+ * experts the pages hold). */
 #ifndef MLENS_WEIGHTS_H
 #define MLENS_WEIGHTS_H
 

@@ -175,12 +175,14 @@ static json_t *cmd_status(struct mlens_control *c)
 		struct mlens_disk_tier_stats d;
 		mlens_disk_tier_get_stats(in->disk, &d);
 		json_object_set_new(json_object_get(o, "budgets"), "weights_on_disk",
-				    json_pack("{s:I,s:i,s:i,s:I,s:I,s:b,s:I,s:I,s:I,s:f,s:f}",
+				    json_pack("{s:I,s:i,s:i,s:I,s:I,s:b,s:I,s:I,s:I,s:f,s:f,s:i,s:I,s:I}",
 			"disk_bytes", (json_int_t)d.disk_bytes, "experts_per_layer", d.experts, "layers", d.layers,
 			"step_bytes", (json_int_t)d.step_bytes, "staging_bytes", (json_int_t)d.staging_bytes,
 			"direct", d.direct, "read_bytes_total", (json_int_t)d.read_bytes_total,
 			"errors_total", (json_int_t)d.errors_total, "last_step_bytes", (json_int_t)d.last_step_bytes,
-			"last_step_busy_ratio", d.last_step_busy, "ceiling_bytes_per_second", d.ceiling_bps));
+			"last_step_busy_ratio", d.last_step_busy, "ceiling_bytes_per_second", d.ceiling_bps,
+			"ram_experts_per_layer", d.ram_experts, "trades_total", (json_int_t)d.trades_total,
+			"trade_errors_total", (json_int_t)d.trade_errors_total));
 	}
 	if (s.sched.kv_swap)
 		json_object_set_new(json_object_get(o, "budgets"), "kv_swap", json_pack("{s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:s,s:f,s:s}",

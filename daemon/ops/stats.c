@@ -102,6 +102,25 @@ static void residency_json(json_t *o, const struct mlens_sched_stats *st)
 
 /* op_timing: each op's seconds on the compute queue, FLOPs and calls
  * (daemon/exec/op_time.h), by the names of mlens_layer_op_name. */
+/* One array a layer of the model: the experts on disk (disk) or in RAM
+ * now, [] for a dense layer. */
+static json_t *disk_sets_json(struct mlens_disk_tier *dt, const struct mlens_disk_tier_stats *d, bool disk)
+{
+	json_t *a = json_array();
+	uint8_t *on = calloc((size_t)d->model_experts + 1, 1);
+
+	for (int l = 0; a && on && l < d->model_layers; l++) {
+		json_t *set = json_array();
+		if (mlens_disk_tier_get_layer(dt, l, on))
+			for (int e = 0; e < d->model_experts; e++)
+				if ((on[e] != 0) == disk)
+					json_array_append_new(set, json_integer(e));
+		json_array_append_new(a, set);
+	}
+	free(on);
+	return a;
+}
+
 static json_t *gpu_ops_json(const struct mlens_op_time_totals *t)
 {
 	json_t *o = json_object();
@@ -170,6 +189,10 @@ json_t *mlens_stats_json(const struct mlens_daemon_info *info, const struct mlen
 		json_object_set_new(o, "last_step_disk_read_bytes", json_integer((json_int_t)d.last_step_bytes));
 		json_object_set_new(o, "last_step_disk_busy_ratio", json_real(d.last_step_busy));
 		json_object_set_new(o, "weights_disk_ceiling_bytes_per_second", json_real(d.ceiling_bps));
+		json_object_set_new(o, "weights_disk_trades_total", json_integer((json_int_t)d.trades_total));
+		json_object_set_new(o, "weights_disk_trade_errors_total", json_integer((json_int_t)d.trade_errors_total));
+		json_object_set_new(o, "weights_disk_experts_ram", disk_sets_json(info->disk, &d, false));
+		json_object_set_new(o, "weights_disk_experts_disk", disk_sets_json(info->disk, &d, true));
 	}
 	if (st->kv_swap) {
 		const struct mlens_kv_swap_stats *w = &st->swap;
@@ -387,6 +410,16 @@ void mlens_stats_prometheus(const struct mlens_daemon_info *info, const struct m
 		evbuffer_add_printf(b, "mlens_last_step_disk_read_bytes %llu\n", (unsigned long long)d.last_step_bytes);
 		prom_head(b, "mlens_disk_busy_ratio", "gauge", "Share of the last step's time the model files were being read.");
 		evbuffer_add_printf(b, "mlens_disk_busy_ratio %.6g\n", d.last_step_busy);
+		prom_head(b, "mlens_weights_disk_trades_total", "counter",
+			  "Disk experts moved into RAM in place of one that went to disk (weights_disk_follow).");
+		evbuffer_add_printf(b, "mlens_weights_disk_trades_total %llu\n", (unsigned long long)d.trades_total);
+		prom_head(b, "mlens_weights_disk_trade_errors_total", "counter",
+			  "Trades whose read failed; both experts stayed where they were.");
+		evbuffer_add_printf(b, "mlens_weights_disk_trade_errors_total %llu\n",
+				    (unsigned long long)d.trade_errors_total);
+		prom_head(b, "mlens_weights_disk_experts", "gauge", "Experts of each MoE layer in RAM and on disk.");
+		evbuffer_add_printf(b, "mlens_weights_disk_experts{tier=\"ram\"} %d\nmlens_weights_disk_experts{tier=\"disk\"} %d\n",
+				    d.ram_experts, d.experts);
 	}
 	if (st->kv_swap) {
 		const struct mlens_kv_swap_stats *w = &st->swap;

@@ -16,6 +16,7 @@ enum {
 	OPT_LAYERS = 256, OPT_DTYPE, OPT_SEED, OPT_SHARDS, OPT_VOCAB, OPT_HIDDEN,
 	OPT_INTER, OPT_HEADS, OPT_KV, OPT_HEAD_DIM, OPT_EXPERTS, OPT_TOPK,
 	OPT_THETA, OPT_MAXPOS, OPT_TIE, OPT_FUSED, OPT_EOS, OPT_TOKENIZER, OPT_FP8_SCALES,
+	OPT_ROUTER_FAVOR,
 };
 
 static const struct option longopts[] = {
@@ -40,6 +41,7 @@ static const struct option longopts[] = {
 	{ "eos-token-id", required_argument, NULL, OPT_EOS },
 	{ "tokenizer", no_argument, NULL, OPT_TOKENIZER },
 	{ "fp8-scales", required_argument, NULL, OPT_FP8_SCALES },
+	{ "router-favor", required_argument, NULL, OPT_ROUTER_FAVOR },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
 };
@@ -53,6 +55,7 @@ static void usage(FILE *f)
 	      "                     [--kv-heads N] [--head-dim N] [--experts N] [--top-k N]\n"
 	      "                     [--rope-theta X] [--max-pos N] [--tie] [--fused-experts]\n"
 	      "                     [--eos-token-id ID[,ID...]|none] [--tokenizer]\n"
+	      "                     [--router-favor N]\n"
 	      "Presets: tiny, mixtral-8x7b, mixtral-8x22b (Mixtral); qwen3-tiny,\n"
 	      "qwen3-30b-a3b (Qwen3-MoE); qwen2-tiny, qwen1.5-moe-a2.7b, qwen2-57b-a14b\n"
 	      "(Qwen2-MoE); olmoe-tiny, olmoe-1b-7b (OLMoE); dbrx-tiny, dbrx (DBRX).\n"
@@ -170,6 +173,11 @@ int main(int argc, char **argv)
 				return 2;
 			o.seed = (uint64_t)v;
 			break;
+		case OPT_ROUTER_FAVOR:
+			if (num("router-favor", optarg, 1, INT32_MAX, &v))
+				return 2;
+			o.router_favor = (int)v;
+			break;
 		case OPT_SHARDS:
 			if (num("shards", optarg, 1, 99999, &v))
 				return 2;
@@ -243,6 +251,9 @@ int main(int argc, char **argv)
 #undef APPLY
 	o.cfg.tie_word_embeddings = set[OPT_TIE];
 	o.fused_experts = set[OPT_FUSED];
+	if (o.router_favor >= o.cfg.num_local_experts)
+		return bad("--router-favor %d leaves no expert favored (the model has %" PRId64 " a layer)",
+			   o.router_favor, o.cfg.num_local_experts);
 
 	rc = mlens_mkmodel_write(&o, err, sizeof(err));
 	if (rc) {

@@ -21,6 +21,12 @@ struct mlens_mkmodel_opts {
 	 * compressed-tensors layout (weight_scale [rows, 1]); BLOCK the "fp8"
 	 * method's (weight_scale_inv per block_rows x block_cols block) */
 	struct mlens_wscale fp8;
+	/* > 0: experts router_favor.. of every MoE layer take the routing
+	 * (the embedding's first column 0.2, the routers' first column +2
+	 * for them and -2 for the others: every token's first hidden
+	 * component, larger than the rest, picks them); 0: plain random
+	 * routers */
+	int router_favor;
 };
 
 /* Tokens the test tokenizer uses (ids 0 .. this - 1); the model's

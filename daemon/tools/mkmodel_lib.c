@@ -450,12 +450,33 @@ static void fill_chunk(void *arg, int c, int thread)
 }
 
 /* Stream count values of stream `legacy` starting at element 0. */
+/* With router_favor, what legacy's first column becomes: 1 the
+ * embedding (0.2: ten times the noise, so that the rest of the hidden state
+ * still weighs in the tokens), 2 a router (+2 for favored experts'
+ * rows, -2 for the others), 0 nothing. */
+static int favor_kind(const struct writer *w, const char *legacy)
+{
+	const struct mlens_family *f = w->cfg.family;
+	const char *r = f->router ? f->router : "ffn.router.layer.weight";
+	size_t nl = strlen(legacy), nr = strlen(r);
+
+	if (w->o->router_favor <= 0)
+		return 0;
+	if (f->embed && !strcmp(legacy, f->embed))
+		return 1;
+	if (nl > nr && legacy[nl - nr - 1] == '.' && !strcmp(legacy + nl - nr, r))
+		return 2;
+	return 0;
+}
+
 static int emit(struct writer *w, FILE *f, const char *path, const char *legacy, uint64_t count)
 {
 	const size_t es = mlens_dtype_size(w->cfg.dtype);
 	const size_t batch = (size_t)w->threads * BATCH_PER_THREAD * CHUNK_ELEMS;
+	const uint64_t H = (uint64_t)w->cfg.hidden_size;
 	uint64_t key = stream_key(w->o->seed, legacy);
 	bool norm = is_norm(legacy);
+	int favor = favor_kind(w, legacy);
 
 	for (uint64_t i = 0; i < count;) {
 		size_t n = count - i < batch ? (size_t)(count - i) : batch;
@@ -463,6 +484,11 @@ static int emit(struct writer *w, FILE *f, const char *path, const char *legacy,
 		struct fill_job job = { w->buf, w->cfg.dtype, key, i, n, norm };
 
 		mlens_pool_run(w->pool, (int)((n + CHUNK_ELEMS - 1) / CHUNK_ELEMS), fill_chunk, &job);
+		for (size_t j = favor ? (size_t)((H - i % H) % H) : n; j < n; j += H) {
+			uint64_t row = (i + j) / H;
+			float v = favor == 1 ? 0.2f : row >= (uint64_t)w->o->router_favor ? 2.0f : -2.0f;
+			mlens_store(w->buf, w->cfg.dtype, j, v);
+		}
 		if (fwrite(w->buf, es, n, f) != n) {
 			mlens_errf(w->err, w->errlen, "%s: write failed: %s", path, strerror(errno));
 			return -EIO;
