@@ -214,7 +214,7 @@ wait_for kv_settled 250 || fail "A: KV blocks should settle again"
 # after the worker's next publish (its step loop), a moment after B may
 # already have read its last token
 kv_is_as() { used=$(ctl --json status | jfield blocks_used); [ "$used" = "$1" ]; }
-wait_for "kv_is_as $kv2" 20 || fail "KV used $used, expected A's $kv2"
+wait_for "kv_is_as $kv2" 100 || fail "KV used $used, expected A's $kv2"
 ctl evict "$aid" >/dev/null || fail "evict"
 wait "$apid"
 grep -q '^hangup$' "$tmp/a.out" || fail "A was not disconnected: $(cat "$tmp/a.out")"
