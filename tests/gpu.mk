@@ -25,4 +25,4 @@ dist_check_SCRIPTS += tests/integration/bench_ops.sh
 TESTS += tests/integration/bench_ops.sh
 EXTRA_DIST += tests/bench/hybrid.sh tests/bench/hf_baseline.py tests/bench/nreal_sweep.sh \
 	tests/bench/gpu_session.sh tests/bench/kvpool.sh tests/bench/trace_summary.py tests/bench/ab.sh \
-	tests/bench/defaults.sh tests/bench/metrics_rate.py tests/bench/RESULTS.md
+	tests/bench/defaults.sh tests/bench/metrics_rate.py tests/bench/jobs.py tests/bench/RESULTS.md

@@ -53,16 +53,7 @@ trap cleanup EXIT INT TERM
 echo "defaults.sh: p=$P g=$G, $n requests (the pool holds $s at once), GPU $GPU, KV $KV, backend $BACKEND"
 
 # the jobs: random prompts inside the vocabulary
-python3 - "$MODEL" "$n" "$P" "$G" > "$T/jobs.jsonl" <<'EOF'
-import json, random, sys
-cfg = json.load(open(sys.argv[1] + "/config.json"))
-n, p, g = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-rng = random.Random(1)
-v = cfg["vocab_size"]
-for i in range(n):
-    print(json.dumps({"prompt": [rng.randrange(3, v) for _ in range(p)], "max_tokens": g,
-                      "ignore_eos": True}, separators=(",", ":")))
-EOF
+python3 "$here/jobs.py" "$MODEL" "$n" "$P" "$G" > "$T/jobs.jsonl" || exit 1
 
 for r in $RUNS; do
 	python3 "$here/metrics_rate.py" sample "http://127.0.0.1:$port/metrics" "$OUT/defaults_$r.samples" &

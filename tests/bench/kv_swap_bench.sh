@@ -54,16 +54,7 @@ fi
 echo "kv_swap_bench.sh: $N requests of p=$P g=$G, KV pool $KV, backend $BACKEND, swap file in $SWAP_PATH"
 
 # the jobs: random prompts inside the vocabulary, a fixed length each
-python3 - "$MODEL" "$N" "$P" "$G" > "$T/jobs.jsonl" <<'EOF'
-import json, random, sys
-cfg = json.load(open(sys.argv[1] + "/config.json"))
-n, p, g = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-rng = random.Random(1)
-v = cfg["vocab_size"]
-for i in range(n):
-    print(json.dumps({"prompt": [rng.randrange(3, v) for _ in range(p)], "max_tokens": g,
-                      "ignore_eos": True}, separators=(",", ":")))
-EOF
+python3 "$(dirname "$0")/jobs.py" "$MODEL" "$N" "$P" "$G" > "$T/jobs.jsonl" || exit 1
 for k in $(seq 1 "$TENANTS"); do
 	awk -v k="$k" -v t="$TENANTS" '(NR - 1) % t == k - 1' "$T/jobs.jsonl" > "$T/jobs_$k.jsonl"
 done
