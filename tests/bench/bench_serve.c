@@ -272,16 +272,25 @@ static json_t *socket_json(const char *path, const char *request)
 	if (fd < 0)
 		return NULL;
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	/* a stop signal (installed without SA_RESTART) must not fail a query:
+	 * the caller sees stop_sig and says so */
 	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
 		close(fd);
 		return NULL;
 	}
-	if (request && send(fd, request, strlen(request), MSG_NOSIGNAL) < 0) {
-		close(fd);
-		return NULL;
+	if (request) {
+		ssize_t n;
+		while ((n = send(fd, request, strlen(request), MSG_NOSIGNAL)) < 0 && errno == EINTR)
+			;
+		if (n < 0) {
+			close(fd);
+			return NULL;
+		}
 	}
 	while (len < sizeof(buf) - 1) {
 		ssize_t n = read(fd, buf + len, sizeof(buf) - 1 - len);
+		if (n < 0 && errno == EINTR)
+			continue;
 		if (n <= 0)
 			break;
 		len += (size_t)n;
@@ -1819,6 +1828,10 @@ int mlens_bench_serve(int argc, char **argv)
 	 * concurrency count in it */
 	status = socket_json(d.control, "{\"cmd\":\"status\"}\n");
 	st0 = socket_json(d.stats, NULL);
+	if (atomic_load(&stop_sig)) {
+		fprintf(stderr, "serve: stopped by %s while mlensd started\n", stop_name());
+		goto out;
+	}
 	if (!status || !st0) {
 		fprintf(stderr, "serve: the daemon's control or stats socket did not answer\n");
 		goto out;
