@@ -189,6 +189,7 @@ static const struct shape shapes[] = {
 	{ MLENS_DTYPE_F32, 2, 4, 128, 16 },
 	{ MLENS_DTYPE_F32, 1, 1, 64, 16 },
 	{ MLENS_DTYPE_E4M3, 2, 4, 128, 16 },
+	{ MLENS_DTYPE_E4M3, 1, 8, 128, 16 },	/* Qwen3-MoE's group of 8 */
 	{ MLENS_DTYPE_E4M3, 1, 8, 64, 32 },
 	{ MLENS_DTYPE_E4M3, 2, 4, 128, 5 },
 	{ MLENS_DTYPE_E4M3, 1, 4, 96, 16 },
