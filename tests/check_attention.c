@@ -189,6 +189,7 @@ static const struct shape shapes[] = {
 	{ MLENS_DTYPE_F32, 2, 4, 128, 16 },
 	{ MLENS_DTYPE_F32, 1, 1, 64, 16 },
 	{ MLENS_DTYPE_E4M3, 2, 4, 128, 16 },
+	{ MLENS_DTYPE_E4M3, 1, 8, 128, 16 },	/* Qwen3-MoE's group of 8 */
 	{ MLENS_DTYPE_E4M3, 1, 8, 64, 32 },
 	{ MLENS_DTYPE_E4M3, 2, 4, 128, 5 },
 	{ MLENS_DTYPE_E4M3, 1, 4, 96, 16 },
@@ -490,40 +491,48 @@ END_TEST
 
 /* The vector kernels' e4m3 decode is exact for all 256 codes: one position
  * whose K codes are 0 (p = 1) and whose V row holds every code with scale 1,
- * so the output is each code's value, NaN codes NaN. */
+ * so the output is each code's value, NaN codes NaN. Groups of 1 and 8
+ * query heads: a group of 8 reads rows widened once per tile. */
 START_TEST(test_fp8_every_code)
 {
 	const char *name = variant_names[_i];
 	int32_t len = 1;
 	struct mlens_pool *pool;
-	struct setup s;
-	float *got;
 
 	if (!mlens_cpu_attn_variant_supported(name))
 		return;
 	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
-	rng_state = 99;
-	/* 2 KV heads x 128: each head's row holds 128 codes, both all 256 */
-	setup_make(&s, MLENS_DTYPE_E4M3, 1, 2, 1, 128, 16, &len, 1);
-	for (int g = 0; g < 2; g++) {
-		size_t idx = mlens_kv_index(&s.kv, 0, s.qs[0].block_table[0], g, 0);
-		memset((uint8_t *)s.kv.k + idx, 0, 128);
-		for (int d = 0; d < 128; d++)
-			((uint8_t *)s.kv.v)[idx + (size_t)d] = (uint8_t)(g * 128 + d);
-		mlens_kv_scales(&s.kv, s.kv.v)[idx / 128] = 1.0f;
-	}
 	ck_assert_int_eq(mlens_pool_create(&pool, 1, NULL), 0);
-	got = run_variant(&s, pool, 0, 0.125f);
-	mlens_pool_destroy(pool);
-	for (int c = 0; c < 256; c++) {
-		float want = mlens_e4m3_to_f32((uint8_t)c);
-		if (isnan(want))
-			ck_assert_msg(isnan(got[c]), "code %#x: %g", c, got[c]);
-		else
-			ck_assert_msg(got[c] == want, "code %#x: want %a got %a", c, want, got[c]);
+	for (int group = 1; group <= 8; group += 7) {
+		struct setup s;
+		float *got;
+
+		rng_state = 99;
+		/* 2 KV heads x 128: each head's row holds 128 codes, both all 256 */
+		setup_make(&s, MLENS_DTYPE_E4M3, 1, 2, group, 128, 16, &len, 1);
+		for (int g = 0; g < 2; g++) {
+			size_t idx = mlens_kv_index(&s.kv, 0, s.qs[0].block_table[0], g, 0);
+			memset((uint8_t *)s.kv.k + idx, 0, 128);
+			for (int d = 0; d < 128; d++)
+				((uint8_t *)s.kv.v)[idx + (size_t)d] = (uint8_t)(g * 128 + d);
+			mlens_kv_scales(&s.kv, s.kv.v)[idx / 128] = 1.0f;
+		}
+		got = run_variant(&s, pool, 0, 0.125f);
+		for (int h = 0; h < 2 * group; h++)
+			for (int d = 0; d < 128; d++) {
+				int c = h / group * 128 + d;
+				float want = mlens_e4m3_to_f32((uint8_t)c), x = got[h * 128 + d];
+				if (isnan(want))
+					ck_assert_msg(isnan(x), "group %d head %d code %#x: %g",
+						      group, h, c, x);
+				else
+					ck_assert_msg(x == want, "group %d head %d code %#x: want %a got %a",
+						      group, h, c, want, x);
+			}
+		free(got);
+		setup_free(&s);
 	}
-	free(got);
-	setup_free(&s);
+	mlens_pool_destroy(pool);
 }
 END_TEST
 

@@ -35,9 +35,10 @@ typedef float (*mlens_e4m3_row_fn)(uint8_t *dst, const float *src, int n);
 
 static inline size_t mlens_attn_scratch_floats(int heads, int head_dim)
 {
-	/* q, acc: group*hd each; scores (then p) per tile; max, sum, rescale */
+	/* q, acc: group*hd each; scores (then p) per tile; max, sum, rescale;
+	 * one tile of K and one of V widened to fp32 (E4M3 caches) */
 	return 2 * (size_t)heads * head_dim + (size_t)heads * MLENS_ATTN_TILE +
-	       3 * (size_t)heads + 16;
+	       3 * (size_t)heads + 2 * (size_t)MLENS_ATTN_TILE * head_dim + 16;
 }
 
 /* Tuning knobs of the vector kernels and the work split, read at dispatch;
