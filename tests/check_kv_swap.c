@@ -163,7 +163,20 @@ static bool block_eq(const struct mlens_kv_cache *a, uint32_t ba, const struct m
 	return true;
 }
 
-static char dir[] = "/tmp/check_kv_swap.XXXXXX";
+/* A fresh scratch directory for a swap file (scratch_dir), removed again
+ * by scratch_done, which asserts that nothing was left in it. */
+static char dir[64];
+
+static void scratch_dir(void)
+{
+	snprintf(dir, sizeof(dir), "/tmp/check_kv_swap.XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(dir));	/* the template mkdtemp fills in */
+}
+
+static void scratch_done(void)
+{
+	ck_assert_int_eq(rmdir(dir), 0);
+}
 
 static struct mlens_kv_swap *open_swap(const struct mlens_kv_cache *kv, const char *path, uint64_t budget)
 {
@@ -190,7 +203,7 @@ static void round_trip(int head_dim, enum mlens_dtype dtype)
 	size_t slot_bytes = 2 * 2 * 2 * 4 *
 			    ((size_t)head_dim * mlens_dtype_size(dtype) + (dtype == MLENS_DTYPE_E4M3 ? sizeof(float) : 0));
 
-	ck_assert_ptr_nonnull(mkdtemp(dir));
+	scratch_dir();
 	sw = open_swap(&kv, dir, 4 * slot_bytes + 100);
 	ck_assert_uint_eq(mlens_kv_swap_slot_bytes(sw), slot_bytes);
 	ck_assert_int_eq(mlens_kv_swap_out(sw, &kv, src, 3, slots), 0);
@@ -218,8 +231,7 @@ static void round_trip(int head_dim, enum mlens_dtype dtype)
 		ck_assert_uint_eq(st.slots_used, 0);
 	}
 	mlens_kv_swap_destroy(sw);
-	ck_assert_int_eq(rmdir(dir), 0);	/* the unnamed file left nothing behind */
-	strcpy(dir, "/tmp/check_kv_swap.XXXXXX");
+	scratch_done();	/* the unnamed file left nothing behind */
 	free(kv.k), free(kv.v), free(ref.k), free(ref.v);
 }
 
@@ -251,7 +263,7 @@ START_TEST(paths)
 	struct stat st;
 	int fd;
 
-	ck_assert_ptr_nonnull(mkdtemp(dir));
+	scratch_dir();
 	/* a new file path: created, unlinked at once */
 	snprintf(path, sizeof(path), "%s/swap", dir);
 	o.path = path;
@@ -276,8 +288,7 @@ START_TEST(paths)
 	o.path = path;
 	o.budget = 1 << 20;
 	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), -ENOENT);
-	ck_assert_int_eq(rmdir(dir), 0);
-	strcpy(dir, "/tmp/check_kv_swap.XXXXXX");
+	scratch_done();
 	free(kv.k), free(kv.v);
 }
 END_TEST
@@ -294,7 +305,7 @@ START_TEST(faults)
 
 	for (int i = 0; i < 3; i++) {
 		struct mlens_kv_swap *sw;
-		ck_assert_ptr_nonnull(mkdtemp(dir));
+		scratch_dir();
 		setenv("MLENS_TEST_SWAP_FAIL", what[i], 1);
 		sw = open_swap(&kv, dir, 1 << 20);
 		if (i < 2) {
@@ -312,8 +323,7 @@ START_TEST(faults)
 		ck_assert_uint_eq(st.slots_used, 0);
 		mlens_kv_swap_destroy(sw);
 		unsetenv("MLENS_TEST_SWAP_FAIL");
-		ck_assert_int_eq(rmdir(dir), 0);
-		strcpy(dir, "/tmp/check_kv_swap.XXXXXX");
+		scratch_done();
 	}
 	free(kv.k), free(kv.v);
 }
@@ -335,7 +345,7 @@ START_TEST(rates_at_open)
 	struct mlens_kv_swap *sw;
 	char err[512];
 
-	ck_assert_ptr_nonnull(mkdtemp(dir));
+	scratch_dir();
 	o.path = dir;
 	/* measured on the file: the pool unchanged, no I/O counted */
 	ck_assert_int_eq(mlens_kv_swap_create(&sw, &kv, &o, err, sizeof(err)), 0);
@@ -359,7 +369,7 @@ START_TEST(rates_at_open)
 	mlens_kv_swap_observe_prefill(sw, 3e9, 0.5);
 	mlens_kv_swap_get_stats(sw, &st);
 	ck_assert(st.prefill.value == 6e9 && st.prefill.source == MLENS_KV_SWAP_OBSERVED);
-	ck_assert(mlens_kv_swap_get_rates(sw)->compute_flops == 6e9);
+	ck_assert(mlens_kv_swap_get_rates(sw).compute_flops == 6e9);
 	mlens_kv_swap_destroy(sw);
 
 	/* a slow disk: 100 tokens recompute in 2 ms, one block moves in
@@ -391,8 +401,7 @@ START_TEST(rates_at_open)
 	ck_assert(st.disk.value == 2e9 && st.disk.source == MLENS_KV_SWAP_DEFAULT && st.measured_bps == 0);
 	ck_assert_uint_eq(st.errors, 0);
 	mlens_kv_swap_destroy(sw);
-	ck_assert_int_eq(rmdir(dir), 0);
-	strcpy(dir, "/tmp/check_kv_swap.XXXXXX");
+	scratch_done();
 	free(kv.k), free(kv.v), free(ref.k), free(ref.v);
 }
 END_TEST
