@@ -120,7 +120,7 @@ struct mlens_kv_swap {
 	struct iovec *iov;	/* SWAP_DEPTH * n_iov */
 	struct mlens_kv_slots slots;
 	enum mlens_kv_swap_policy policy;
-	struct mlens_kv_swap_rates rates;	/* disk_bps, compute_flops: disk's, prefill's */
+	struct mlens_kv_swap_rates rates;	/* FLOPs a token (the rates: disk, prefill) */
 	struct mlens_kv_swap_rate disk, prefill;
 	double measured_bps;	/* at open, 0: not measured */
 	enum swap_fault fault;
@@ -248,7 +248,7 @@ int mlens_kv_swap_create(struct mlens_kv_swap **out, const struct mlens_kv_cache
 	forced_bps = forced && *forced ? strtod(forced, NULL) : 0;
 	sw->measured_bps = forced_bps > 0 ? forced_bps : measure_disk(sw, layout);
 	if (sw->measured_bps > 0) {
-		sw->disk.value = sw->rates.disk_bps = sw->measured_bps;
+		sw->disk.value = sw->measured_bps;
 		sw->disk.source = MLENS_KV_SWAP_MEASURED;
 	} else {
 		sw->measured_bps = 0;
@@ -307,7 +307,10 @@ bool mlens_kv_swap_choose(const struct mlens_kv_swap *sw, uint32_t n_blocks, int
 	switch (sw->policy) {
 	case MLENS_KV_SWAP_ALWAYS: return true;
 	case MLENS_KV_SWAP_NEVER: return false;
-	default: return mlens_kv_swap_cheaper(&sw->rates, (uint64_t)n_blocks * sw->slot_bytes, tokens);
+	default: {
+		struct mlens_kv_swap_rates r = mlens_kv_swap_get_rates(sw);
+		return mlens_kv_swap_cheaper(&r, (uint64_t)n_blocks * sw->slot_bytes, tokens);
+	}
 	}
 }
 
@@ -457,7 +460,6 @@ static void io_warn(const struct mlens_kv_swap *sw, uint64_t nth, const char *do
 static void observe_disk(struct mlens_kv_swap *sw, uint64_t bytes, double seconds)
 {
 	mlens_kv_swap_rate_observe(&sw->disk, seconds > 0 ? (double)bytes / seconds : 0);
-	sw->rates.disk_bps = sw->disk.value;
 }
 
 void mlens_kv_swap_observe_prefill(struct mlens_kv_swap *sw, double flops, double seconds)
@@ -465,12 +467,14 @@ void mlens_kv_swap_observe_prefill(struct mlens_kv_swap *sw, double flops, doubl
 	if (flops <= 0)
 		return;
 	mlens_kv_swap_rate_observe(&sw->prefill, seconds > 0 ? flops / seconds : 0);
-	sw->rates.compute_flops = sw->prefill.value;
 }
 
-const struct mlens_kv_swap_rates *mlens_kv_swap_get_rates(const struct mlens_kv_swap *sw)
+struct mlens_kv_swap_rates mlens_kv_swap_get_rates(const struct mlens_kv_swap *sw)
 {
-	return &sw->rates;
+	struct mlens_kv_swap_rates r = sw->rates;
+	r.disk_bps = sw->disk.value;
+	r.compute_flops = sw->prefill.value;
+	return r;
 }
 
 int mlens_kv_swap_out(struct mlens_kv_swap *sw, const struct mlens_kv_cache *kv, const uint32_t *blocks,

@@ -153,7 +153,7 @@ void mlens_kv_swap_drop(struct mlens_kv_swap *sw, const uint32_t *slots, uint32_
 void mlens_kv_swap_observe_prefill(struct mlens_kv_swap *sw, double flops, double seconds);
 /* The rates the choice weighs now (observed ones once there are any) and
  * its FLOPs a token, for mlens_kv_swap_prefill_flops. */
-const struct mlens_kv_swap_rates *mlens_kv_swap_get_rates(const struct mlens_kv_swap *sw);
+struct mlens_kv_swap_rates mlens_kv_swap_get_rates(const struct mlens_kv_swap *sw);
 /* A preempted sequence left to re-prefill; full: for want of room. */
 void mlens_kv_swap_note_recompute(struct mlens_kv_swap *sw, bool full);
 void mlens_kv_swap_get_stats(const struct mlens_kv_swap *sw, struct mlens_kv_swap_stats *st);

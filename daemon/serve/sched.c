@@ -1076,10 +1076,13 @@ int mlens_sched_step(struct mlens_sched *s)
 	 * over its seconds: the KV swap's prefill rate as observed (a mixed
 	 * step's decodes are charged to it: that rate errs low) */
 	pre_flops = 0;
-	for (int i = 0; s->swap && i < n; i++)
-		if (s->ereq[i].n_tokens > 1)
-			pre_flops += mlens_kv_swap_prefill_flops(mlens_kv_swap_get_rates(s->swap), s->ereq[i].seq->len,
-								 (int64_t)s->ereq[i].seq->len + s->ereq[i].n_tokens);
+	if (s->swap) {
+		struct mlens_kv_swap_rates rates = mlens_kv_swap_get_rates(s->swap);
+		for (int i = 0; i < n; i++)
+			if (s->ereq[i].n_tokens > 1)
+				pre_flops += mlens_kv_swap_prefill_flops(&rates, s->ereq[i].seq->len,
+									 (int64_t)s->ereq[i].seq->len + s->ereq[i].n_tokens);
+	}
 	t0 = now();
 	rc = mlens_engine_step(s->e, s->ereq, n);
 	s->st.last_step_seconds = now() - t0;
