@@ -1047,6 +1047,22 @@ START_TEST(issue7_bound)
 	assert_rel(b.gen_tok_s, 0.8, 1e-15);
 	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 0, 1000, 100, 200, 1e4, 0, &b), -EINVAL);
 	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 0, 0, 0, 0, &b), -EINVAL);
+	/* experts on disk: 1,000 bytes a step at 200 B/s (5 s) stay below
+	 * PCIe's 10 s; at 50 B/s (20 s) the disk binds, the batch the same */
+	ck_assert_int_eq(mlens_perf_bound(&pm, 10, 4, 8, 1000, 100, 0, 1e4, 0, &b), 0);
+	ck_assert_int_eq(mlens_perf_bound_add_disk(&b, 1000, 200), 0);
+	assert_rel(b.t_disk, 5, 1e-15);
+	ck_assert_str_eq(b.binds, "pcie-h2d");
+	assert_rel(b.gen_tok_s, 0.8, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound_add_disk(&b, 1000, 50), 0);
+	assert_rel(b.t_disk, 20, 1e-15);
+	assert_rel(b.t_step, 20, 1e-15);
+	ck_assert_str_eq(b.binds, "disk");
+	assert_rel(b.gen_tok_s, 8.0 / 20, 1e-15);
+	assert_rel(b.total_tok_s, 2 * 14 / 20.0, 1e-15);
+	assert_rel(b.st.tokens, 26, 1e-15);
+	ck_assert_int_eq(mlens_perf_bound_add_disk(&b, 1000, 0), -EINVAL);
+	ck_assert_int_eq(mlens_perf_bound_add_disk(&b, -1, 50), -EINVAL);
 }
 END_TEST
 

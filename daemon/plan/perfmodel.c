@@ -890,6 +890,23 @@ int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_p
 	return bound_times(out, b_pcie, b_mem, c_gemm, c_expert, k * (mix->prompt + mix->gen));
 }
 
+int mlens_perf_bound_add_disk(struct mlens_perf_bound *b, double disk_bytes, double b_disk)
+{
+	double total;
+	if (!(disk_bytes >= 0) || !isfinite(disk_bytes) || !(b_disk > 0) || !isfinite(b_disk) || !(b->t_step > 0))
+		return -EINVAL;
+	total = b->total_tok_s * b->t_step;
+	b->disk_bytes = disk_bytes;
+	b->t_disk = disk_bytes / b_disk;
+	if (b->t_disk > b->t_step) {
+		b->t_step = b->t_disk;
+		b->binds = "disk";
+	}
+	b->gen_tok_s = b->st.generated / b->t_step;
+	b->total_tok_s = total / b->t_step;
+	return 0;
+}
+
 /* ==== several GPUs (formulas in perfmodel.h) ==== */
 
 /* x scaled by shard/whole, or by 1/G when the roofline term is absent */

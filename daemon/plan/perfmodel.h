@@ -431,14 +431,17 @@ int mlens_perf_sched_steady(double p, double g, double cap, double max_seqs,
  * reads and the weight DMA share it); C_expert the experts' GEMM rate
  * (fp8 experts: the fp8 GEMM's), C_gemm when <= 0. Tokens/s: generated
  * k g / t_step, total k (p + g) / t_step (the clients' count: each
- * request's p + g). A ceiling <= 0 leaves its term out. */
+ * request's p + g). A ceiling <= 0 leaves its term out. With experts
+ * left on disk, mlens_perf_bound_add_disk adds the fourth term
+ * t_disk = D / B_disk (D the bytes a step reads from the model files). */
 struct mlens_perf_bound {
 	struct mlens_perf_sched_state st;
 	double streamed, kv_bytes, flops;	/* per step */
 	double expert_flops;	/* of flops, the routed experts' (F_e) */
-	double t_pcie, t_mem, t_gemm, t_step;	/* seconds */
+	double disk_bytes;	/* read from the model files (0: none on disk) */
+	double t_pcie, t_mem, t_gemm, t_disk, t_step;	/* seconds */
 	double gen_tok_s, total_tok_s;
-	const char *binds;	/* "pcie-h2d", "cpu-memory", "gpu-gemm" */
+	const char *binds;	/* "pcie-h2d", "cpu-memory", "gpu-gemm", "disk" */
 };
 
 /* Seconds of flops GEMM FLOPs of which expert_flops are the routed
@@ -489,6 +492,14 @@ double mlens_perf_mix_seq_blocks(const struct mlens_perf_mix *mix);
 int mlens_perf_bound_mix(const struct mlens_perf_model *pm, const struct mlens_perf_mix *mix,
 			 double kv_blocks, double streamed_bytes, double b_pcie, double b_mem,
 			 double c_gemm, double c_expert, struct mlens_perf_bound *out);
+
+/* The disk term of a bound made above: disk_bytes read from the model
+ * files a step at b_disk bytes/s; the step takes at least t_disk, and the
+ * tokens/s follow when it binds ("disk"). The step's batch stays the
+ * pool's (the disk's reads are the same for any batch that routes to
+ * every disk expert). -EINVAL for disk_bytes < 0, b_disk <= 0 or a bound
+ * without a step. */
+int mlens_perf_bound_add_disk(struct mlens_perf_bound *b, double disk_bytes, double b_disk);
 
 /* ==== several GPUs in one box ====
  *

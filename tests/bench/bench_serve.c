@@ -1677,6 +1677,7 @@ int mlens_bench_serve(int argc, char **argv)
 	struct ceilings ceil_ = { 0 }, after = { 0 };	/* after: the host's, once the daemon stopped */
 	struct bound bd = { 0 };
 	struct mlens_perf_bound hb = { 0 }, hb_after = { 0 }, hb_burst = { 0 };
+	double disk_b = NAN, disk_bps = NAN;	/* experts on disk: bytes a step, read rate */
 	struct expert_rate er = { 0 };
 	bool have_hb = false, have_hb_after = false, have_bd = false, hybrid;
 	double w_step = 0;	/* hybrid: the weight bytes a step streams (the bound's W) */
@@ -2010,6 +2011,14 @@ int mlens_bench_serve(int argc, char **argv)
 						ceil_.mem_copy_gbs * 1e9, ceil_.gemm_tflops * 1e12,
 						expert_bound_tflops(&er, &ceil_, true) * 1e12, &hb_burst))
 			hb_burst.gen_tok_s = NAN;
+		/* experts on disk: the fourth term, the daemon's bytes a step at
+		 * the read rate its profiler measured at start-up */
+		disk_b = jopt(st1, "weights_disk_step_bytes");
+		disk_bps = jopt(st1, "weights_disk_ceiling_bytes_per_second");
+		if (have_hb && disk_b > 0 && disk_bps > 0) {
+			mlens_perf_bound_add_disk(&hb, disk_b, disk_bps);
+			mlens_perf_bound_add_disk(&hb_burst, disk_b, disk_bps);
+		}
 	} else if (!hybrid && ceil_.have) {
 		compute_bound(&bd, &model->cfg, &pm, p, g, mlens_perf_mix_seq_blocks(&mix), kv_tokens, n_cap,
 			      ceil_.hbm_gbs * 1e9,
@@ -2056,6 +2065,8 @@ int mlens_bench_serve(int argc, char **argv)
 			have_hb_after = !mlens_perf_bound_mix(&pm, &mix_b, kv_blocks, w_step, after.h2d_gbs * 1e9,
 							  after.mem_copy_gbs * 1e9, gemm_bound_tflops(&ceil_) * 1e12,
 							  expert_bound_tflops(&er, &ceil_, false) * 1e12, &hb_after);
+		if (have_hb_after && disk_b > 0 && disk_bps > 0)
+			mlens_perf_bound_add_disk(&hb_after, disk_b, disk_bps);
 	}
 #endif
 
@@ -2197,6 +2208,10 @@ int mlens_bench_serve(int argc, char **argv)
 				"t_pcie_s", hb.t_pcie, "t_cpu_memory_s", hb.t_mem, "t_gemm_s", hb.t_gemm,
 				"t_step_s", hb.t_step, "binds", hb.binds,
 				"generated_tokens_per_s", hb.gen_tok_s, "total_tokens_per_s", hb.total_tok_s));
+			if (hb.disk_bytes > 0) {
+				json_object_set_new(json_object_get(out, "bound"), "disk_bytes", json_real(hb.disk_bytes));
+				json_object_set_new(json_object_get(out, "bound"), "t_disk_s", json_real(hb.t_disk));
+			}
 			json_object_set_new(json_object_get(out, "bound"), "gemm_tflops",
 					    json_real(gemm_bound_tflops(&ceil_)));
 			if (er.fp8) {
@@ -2368,6 +2383,11 @@ int mlens_bench_serve(int argc, char **argv)
 				       "step %.1f ms = max(PCIe %.1f, memory %.1f, GEMM %.1f) (%s binds)\n", "bound",
 				       hb.gen_tok_s, hb.total_tok_s, hb.st.seqs, hb.st.tokens, hb.t_step * 1e3,
 				       hb.t_pcie * 1e3, hb.t_mem * 1e3, hb.t_gemm * 1e3, hb.binds);
+				if (hb.disk_bytes > 0)
+					printf("%-26s %.1f ms: %.2f GB from the model files a step at the measured "
+					       "%.2f GB/s%s\n", "bound's disk term", hb.t_disk * 1e3, hb.disk_bytes / 1e9,
+					       hb.disk_bytes / hb.t_disk / 1e9,
+					       !strcmp(hb.binds, "disk") ? " (it binds)" : "");
 				printf("%-26s %.2f whole run", "measured / bound", gen_tps / hb.gen_tok_s);
 				if (sw.have)
 					printf(", %.2f steady", sw.gen_tps / hb.gen_tok_s);

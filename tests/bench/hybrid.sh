@@ -227,14 +227,17 @@ for name, d, b, p, s, a in rows:
         f(s.get("kv_blocks_per_run"))))
 # weights on disk (HOST_MEMORY below the model): the steady steps' read
 # rate of the model files against the profiler's measured ceiling
-disk_rows = [(name, d["disk"]) for name, d, b, p, s, a in rows if d.get("disk")]
+# and the bound's disk term (the step's bytes at that ceiling), what binds
+disk_rows = [(name, d["disk"], d.get("bound") or {}) for name, d, b, p, s, a in rows if d.get("disk")]
 if disk_rows:
-    print("%-12s %10s %10s %9s %9s %7s" % ("disk", "on disk GB", "step GB", "GB/s", "ceiling", "of it"))
-    for name, k in disk_rows:
-        print("%-12s %10s %10s %9s %9s %7s" % (
+    print("%-12s %10s %10s %9s %9s %7s %10s %10s" % ("disk", "on disk GB", "step GB", "GB/s", "ceiling", "of it",
+                                                   "t_disk ms", "binds"))
+    for name, k, bd in disk_rows:
+        print("%-12s %10s %10s %9s %9s %7s %10s %10s" % (
             name, f(k["resident_bytes"] / 1e9, "%.2f"), f(k["step_bytes"] / 1e9, "%.2f"),
             f(k.get("steady_gb_per_s"), "%.2f"), f(k.get("ceiling_gb_per_s"), "%.2f"),
-            f(None if k.get("steady_over_ceiling") is None else 100 * k["steady_over_ceiling"], "%.0f%%")))
+            f(None if k.get("steady_over_ceiling") is None else 100 * k["steady_over_ceiling"], "%.0f%%"),
+            f(None if bd.get("t_disk_s") is None else 1e3 * bd["t_disk_s"], "%.0f"), bd.get("binds", "-")))
 if hf:
     print("%-12s %9s %9s %9s   (transformers+accelerate, p=%d g=%d)" % (
         "hf", f(hf.get("generated_tokens_per_s")), "-", f(hf.get("total_tokens_per_s")),
