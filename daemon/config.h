@@ -50,6 +50,7 @@ struct mlens_config {
 	int64_t max_step_tokens;
 	int64_t group_tokens;		/* hybrid: rows of a token group */
 	int64_t pipeline_sets;		/* hybrid: activation sets (2 or 3) */
+	int64_t resident_experts;	/* hybrid: at most this many experts a layer on the GPU; -1: auto */
 	uint64_t weight_piece;		/* hybrid: bytes per weight copy */
 	char *expert_residency;		/* "auto", "static" or "routing" */
 	int64_t expert_residency_period;	/* steps between choices of the resident experts */

@@ -402,6 +402,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->plan_in.sets = (int)D.cfg.pipeline_sets;
+	st->plan_in.cap_resident = D.hybrid && D.cfg.resident_experts >= 0;
+	st->plan_in.max_resident = (int)D.cfg.resident_experts;
 	st->side_copy_out = D.hybrid && side_copy_out();
 	st->up_copy_in = D.hybrid && up_copy_in();
 	st->gpu_kv_append = D.hybrid && gpu_kv_append();
@@ -622,6 +624,11 @@ static int step_model(void)
 	rc = mlens_model_open(D.cfg.model, &D.model, err, sizeof(err));
 	if (rc)
 		return fail_start("%s", err);
+	if (D.cfg.resident_experts > D.model->cfg.num_local_experts)
+		return fail_start("resident_experts = %lld is more than the %lld experts a layer of model %s; "
+				  "set it to at most %lld, or -1 for as many as gpu_memory holds",
+				  (long long)D.cfg.resident_experts, (long long)D.model->cfg.num_local_experts,
+				  D.cfg.model, (long long)D.model->cfg.num_local_experts);
 	D.node = mlens_numa_pick((int)D.cfg.numa_node, D.cfg.gpu_ids[0], err, sizeof(err));
 	if (D.node < -1)
 		return fail_start("%s", err);
@@ -787,8 +794,13 @@ static int step_kv_cache(void)
 	 * expert resident (and the KV pool and activations on the GPU) fits
 	 * the budget; else the hybrid plan, whose pipeline streams experts
 	 * from the weight pages and keeps the KV pool in pinned host memory */
+	if (D.be.ops->host_memory && D.cfg.resident_experts >= 0)
+		log_warn("resident_experts: the %s backend computes every expert in host memory; the key "
+			 "applies to the hybrid pipeline only", D.be.ops->name);
 	if (!D.be.ops->host_memory) {
 		struct mlens_gpu_plan_in in = { .budget = D.cfg.gpu_memory, .gemm = D.bo.gemm };
+		bool capped = D.cfg.resident_experts >= 0 &&
+			      D.cfg.resident_experts < D.model->cfg.num_local_experts;
 
 		if ((rc = mlens_gpu_plan_device(&D.be, &in)))
 			return fail_start("cannot read the GPU's free memory: %s", strerror(-rc));
@@ -801,7 +813,9 @@ static int step_kv_cache(void)
 		in.weight_bytes = D.weights.bytes + D.weights.disk_bytes;	/* GPU-only: the disk experts too */
 		in.kv_bytes = 2ull * D.kv_blocks * D.kv_per_block;
 		in.max_tokens = D.cfg.max_step_tokens > 0 ? D.cfg.max_step_tokens : 4096;
-		rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err));
+		/* resident_experts below the model's count: GPU-only mode holds
+		 * every expert, so the hybrid plan whatever the budget */
+		rc = capped ? -ENOSPC : mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err));
 		if (rc && rc != -ENOSPC)
 			return fail_start("%s", err);
 		if (!rc) {
@@ -809,10 +823,17 @@ static int step_kv_cache(void)
 			log_info("GPU-only mode: %s", D.plan.summary);
 		} else {
 			D.hybrid = true;
-			snprintf(D.mode_reason, sizeof(D.mode_reason),
-				 "GPU-only mode would need %.1f GiB, above the %.1f GiB budget: experts stream "
-				 "from pinned host memory, decode attention runs on the CPU",
-				 D.plan.total / 1073741824.0, D.plan.budget / 1073741824.0);
+			if (capped)
+				snprintf(D.mode_reason, sizeof(D.mode_reason),
+					 "resident_experts = %lld keeps at most %lld of %lld experts a layer on the GPU: "
+					 "the others stream from pinned host memory, decode attention runs on the CPU",
+					 (long long)D.cfg.resident_experts, (long long)D.cfg.resident_experts,
+					 (long long)D.model->cfg.num_local_experts);
+			else
+				snprintf(D.mode_reason, sizeof(D.mode_reason),
+					 "GPU-only mode would need %.1f GiB, above the %.1f GiB budget: experts stream "
+					 "from pinned host memory, decode attention runs on the CPU",
+					 D.plan.total / 1073741824.0, D.plan.budget / 1073741824.0);
 			log_info("hybrid mode: %s", D.mode_reason);
 			/* the worker drives the GPU side of each step and waits for
 			 * the GPU spinning (CUDA's default with fewer contexts than
@@ -837,6 +858,8 @@ static int step_kv_cache(void)
 			in.group = plan_group();
 			in.sets = (int)D.cfg.pipeline_sets;
 			in.att_half = att_up_half() && mlens_pipeline_half_att(&D.be, &D.attn, &D.model->cfg);
+			in.cap_resident = D.cfg.resident_experts >= 0;
+			in.max_resident = (int)D.cfg.resident_experts;
 			if ((rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err))))
 				return fail_start("%s", err);
 		}

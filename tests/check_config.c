@@ -83,6 +83,7 @@ START_TEST(defaults)
 	ck_assert_int_eq(c.threads, 0);
 	ck_assert_int_eq(c.numa_node, -1);
 	ck_assert_int_eq(c.pipeline_sets, 3);
+	ck_assert_int_eq(c.resident_experts, -1);	/* auto: as many as gpu_memory holds */
 	ck_assert(!c.foreground);
 	ck_assert(c.mlock);
 	ck_assert(c.io_uring);
@@ -261,6 +262,17 @@ START_TEST(integers)
 	ERR_IS("t.conf:1: key 'gpu_moe_streams': 5 is outside [1, 4]");
 	ck_assert_int_eq(text("quota_kv_blocks = 4294967297\n"), -ERANGE);
 	ERR_IS("t.conf:1: key 'quota_kv_blocks': 4294967297 is outside [0, 4294967296]");
+	/* resident_experts: -1 (auto), 0 (every expert streams) and up; the
+	 * model's count bounds it at start-up (startup_refusals.sh) */
+	ck_assert_int_eq(text("resident_experts = 0\n"), 0);
+	ck_assert_int_eq(c.resident_experts, 0);
+	ck_assert_int_eq(text("resident_experts = -1\n"), 0);
+	ck_assert_int_eq(c.resident_experts, -1);
+	ck_assert_int_eq(text("resident_experts = -2\n"), -ERANGE);
+	ERR_IS("t.conf:1: key 'resident_experts': -2 is outside [-1, 1048576]");
+	ck_assert_int_eq(text("resident_experts = auto\n"), -EINVAL);
+	ERR_IS("t.conf:1: key 'resident_experts': 'auto' is not an integer");
+	ck_assert_int_eq(c.resident_experts, -1);
 	ck_assert_int_eq(c.kv_block_size, 4096);
 	/* not integers */
 	ck_assert_int_eq(text("threads = two\n"), -EINVAL);
@@ -403,6 +415,11 @@ START_TEST(flag_errors)
 	ERR_IS("option '--foreground': 'maybe' is not a boolean (true/false, yes/no, on/off, 1/0)");
 	ck_assert_int_eq(ARGS("--gpu-sync", "sleep"), -EINVAL);
 	ERR_IS("option '--gpu-sync': 'sleep' is not one of auto, spin, yield, block");
+	ck_assert_int_eq(ARGS("--resident-experts=-2"), -ERANGE);
+	ERR_IS("option '--resident-experts': -2 is outside [-1, 1048576]");
+	ck_assert_int_eq(c.resident_experts, -1);
+	ck_assert_int_eq(ARGS("--resident-experts", "2"), 0);
+	ck_assert_int_eq(c.resident_experts, 2);
 	ck_assert_uint_eq(c.kv_cache, 1ull << 30);
 }
 END_TEST

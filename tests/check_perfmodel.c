@@ -1,7 +1,8 @@
 /* Description: the performance model's arithmetic against hand-computed
  * cases (Mixtral-8x7B bytes and FLOPs, MoE-Lens eq. 2-4, PME(98, 32)),
  * the line fit on seeded noisy timings, the policy choice under tight and
- * loose GPU budgets and the refusal below the minimum, throughput monotone
+ * loose GPU budgets (and under a cap on the resident experts) and the
+ * refusal below the minimum, throughput monotone
  * in KV capacity, and a real scheduler that never exceeds the model's cap. */
 #include <check.h>
 #include <errno.h>
@@ -454,6 +455,32 @@ START_TEST(policy_tight_budget)
 		      pr.n_real / pr.delta);
 	assert_rel(pr.gen_tok_s, pr.total_tok_s * 32 / 130, 1e-12);
 	assert_rel(pr.steps_per_s * pr.time.seconds, 1, 1e-12);
+}
+END_TEST
+
+/* The performance model's residency search under the cap: never above
+ * it, the uncapped choice where that is at or below it. */
+START_TEST(choose_resident_cap)
+{
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8);
+	struct mlens_perf_hw hw = mlens_test_a40_hw(&pm, 40);
+	struct mlens_perf_workload w = { 512, 128, 200000, 0 };
+	struct mlens_perf_prediction all, capped;
+	char err[512];
+
+	ck_assert_int_eq(mlens_perf_choose(&pm, &hw, &w, &all, err, sizeof(err)), 0);
+	ck_assert_int_gt(all.policy.resident_experts, 0);	/* so that a cap binds */
+	ck_assert_int_eq(mlens_perf_choose_upto(&pm, &hw, &w, -1, &capped, NULL, 0), 0);
+	ck_assert_int_eq(capped.policy.resident_experts, all.policy.resident_experts);
+	ck_assert_int_eq(mlens_perf_choose_upto(&pm, &hw, &w, 8, &capped, NULL, 0), 0);
+	ck_assert_int_eq(capped.policy.resident_experts, all.policy.resident_experts);
+	for (int cap = 0; cap < 8; cap++) {
+		ck_assert_int_eq(mlens_perf_choose_upto(&pm, &hw, &w, cap, &capped, NULL, 0), 0);
+		ck_assert_int_le(capped.policy.resident_experts, cap);
+		if (all.policy.resident_experts <= cap)
+			ck_assert_int_eq(capped.policy.resident_experts, all.policy.resident_experts);
+		ck_assert(capped.total_tok_s <= all.total_tok_s);
+	}
 }
 END_TEST
 
@@ -1206,6 +1233,7 @@ int main(void)
 	tcase_add_test(tc, policy_shared_stream);
 	tcase_add_test(tc, attention_under_copy);
 	tcase_add_test(tc, policy_loose_budget);
+	tcase_add_test(tc, choose_resident_cap);
 	tcase_add_test(tc, minimum_budget_refused);
 	tcase_add_test(tc, throughput_monotone_in_kv);
 	tcase_add_test(tc, sched_respects_nreal_cap);

@@ -8,7 +8,8 @@
  * its parts what the engine and the CUDA backend allocate for a
  * Mixtral-8x7B-shaped model, a budget of 0 the free memory minus the
  * margin, a KV pool or a gpu_memory too large refused with the numbers.
- * fp8 experts: their dequantize scratch in both modes.
+ * fp8 experts: their dequantize scratch in both modes. resident_experts
+ * caps the plan's residency.
  * The profile cache's key takes the effective budget. Pure arithmetic:
  * runs without a GPU. */
 #include <check.h>
@@ -472,6 +473,134 @@ START_TEST(plan_model_min_budget)
 }
 END_TEST
 
+/* resident_experts (cap_resident, max_resident): r is the cap where the
+ * budget holds more, the budget's choice where it holds less; cap 0
+ * streams every expert and its minimum is the plan's; with one layer,
+ * where fewer resident experts need more (two slots of more experts),
+ * the minimum is the cheapest residency under the cap; a cap outside
+ * 0..E is refused, and so is GPU-only mode with one below E. */
+START_TEST(plan_resident_cap)
+{
+	struct mlens_perf_model pm = mlens_test_mixtral_pm(8), one = mlens_test_mixtral_pm(1);
+	struct mlens_model_config c = mlens_test_mixtral_config(8);
+	struct mlens_gpu_plan_in in = { .budget = 40 * GIB, .max_tokens = 4096, .min_tokens = 512 };
+	struct mlens_gpu_plan p, free_p;
+	uint64_t expert = 3ull * 4096 * 14336 * 2, ws = MLENS_GPU_PLAN_WORKSPACE, act512;
+	char err[512], line[512];
+	int k = -1;
+
+	/* the budget holds every expert: the cap sets r */
+	in.cap_resident = true;
+	in.max_resident = 3;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, err, sizeof(err)), 0);
+	check_sum(&p);
+	ck_assert_int_eq(p.resident_experts, 3);
+	ck_assert(p.capped);
+	ck_assert_int_eq(p.tokens, 4096);
+	ck_assert_uint_eq(p.slot, 5 * expert);
+	ck_assert_uint_eq(p.resident, mlens_gpu_plan_resident_bytes(&pm, 3));
+	mlens_gpu_plan_format(&p, &pm, line, sizeof(line));
+	ck_assert_msg(strstr(line, "(3 of 8 experts per layer, capped by resident_experts)"), "%s", line);
+	/* a cap of E is no cap */
+	in.max_resident = 8;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(p.resident_experts, 8);
+	ck_assert(!p.capped);
+	mlens_gpu_plan_format(&p, &pm, line, sizeof(line));
+	ck_assert_msg(strstr(line, "(8 of 8 experts per layer)"), "%s", line);
+
+	/* a budget whose own choice is 0 < k < 8: a cap at or above k leaves
+	 * it, a cap below sets it */
+	in.cap_resident = false;
+	for (uint64_t b = 8 * GIB; b <= 40 * GIB && k < 0; b += GIB / 4) {
+		in.budget = b;
+		ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &free_p, NULL, 0), 0);
+		if (free_p.resident_experts > 0 && free_p.resident_experts < 7)
+			k = free_p.resident_experts;
+	}
+	ck_assert_int_gt(k, 0);
+	ck_assert(!free_p.capped);
+	in.cap_resident = true;
+	for (int cap = k; cap <= 8; cap++) {
+		in.max_resident = cap;
+		ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
+		ck_assert_int_eq(p.resident_experts, k);
+		ck_assert(!p.capped);
+		ck_assert_uint_eq(p.total, free_p.total);
+		ck_assert_int_eq(p.tokens, free_p.tokens);
+	}
+	in.max_resident = k - 1;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
+	check_sum(&p);
+	ck_assert_int_eq(p.resident_experts, k - 1);
+	ck_assert(p.capped);
+	ck_assert_uint_lt(p.total, free_p.total);
+
+	/* cap 0: every expert streams; with eight layers the cheapest
+	 * residency is 0 anyway, so the minimum is the plan's, and it runs */
+	in.max_resident = 0;
+	in.budget = 40 * GIB;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
+	check_sum(&p);
+	ck_assert_int_eq(p.resident_experts, 0);
+	ck_assert(p.capped);
+	ck_assert_uint_eq(p.slots, 2 * 8 * expert);
+	act512 = mlens_gpu_plan_act_bytes(&pm, 512, &in);
+	ck_assert_uint_eq(p.minimum, mlens_gpu_plan_minimum(&pm, ws, act512));
+	in.budget = p.minimum;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(p.resident_experts, 0);
+	ck_assert_int_eq(p.tokens, 512);
+	ck_assert_uint_eq(p.total, p.minimum);
+	in.budget = p.minimum - 1;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), -ENOSPC);
+
+	/* one layer: keeping experts costs less than streaming them (each
+	 * resident one saves two slots' copies), so the cap raises the
+	 * minimum to its own cheapest residency: the cap itself */
+	for (int cap = 0; cap <= 8; cap += 4) {
+		uint64_t fixed;
+		in.max_resident = cap;
+		in.budget = 40 * GIB;
+		act512 = mlens_gpu_plan_act_bytes(&one, 512, &in);
+		ck_assert_int_eq(mlens_gpu_plan_min_fixed(&one, cap, ws, &fixed), cap);
+		ck_assert_uint_eq(fixed, mlens_gpu_plan_fixed_bytes(&one, cap, ws));
+		ck_assert_int_eq(mlens_gpu_plan_make(&one, &in, &p, NULL, 0), 0);
+		ck_assert_uint_eq(p.minimum, fixed + act512);
+		if (cap < 8)
+			ck_assert_uint_gt(p.minimum, mlens_gpu_plan_minimum(&one, ws, act512));
+		else
+			ck_assert_uint_eq(p.minimum, mlens_gpu_plan_minimum(&one, ws, act512));
+		in.budget = p.minimum;
+		ck_assert_int_eq(mlens_gpu_plan_make(&one, &in, &p, err, sizeof(err)), 0);
+		ck_assert_int_eq(p.resident_experts, cap);
+		ck_assert_int_eq(p.tokens, 512);
+		ck_assert_uint_le(p.total, p.budget);
+		in.budget = p.minimum - 1;
+		ck_assert_int_eq(mlens_gpu_plan_make(&one, &in, &p, err, sizeof(err)), -ENOSPC);
+		if (cap == 4)
+			ck_assert_msg(strstr(err, "and lm_head with 4 experts a layer"), "%s", err);
+	}
+
+	/* out of range, and GPU-only mode below E */
+	in.budget = 40 * GIB;
+	in.max_resident = 9;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "resident_experts 9 is outside 0 to 8"), "%s", err);
+	in.max_resident = -1;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), -EINVAL);
+	in.max_resident = 7;
+	in.gpu_only = true;
+	in.model = &c;
+	in.kv_bytes = GIB;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, err, sizeof(err)), -EINVAL);
+	ck_assert_msg(strstr(err, "resident_experts 7 of 8 needs the hybrid plan"), "%s", err);
+	in.max_resident = 8;
+	ck_assert_int_eq(mlens_gpu_plan_make(&pm, &in, &p, NULL, 0), 0);
+	ck_assert_int_eq(p.resident_experts, 8);
+}
+END_TEST
+
 /* ==== GPU-only mode: the plan with every expert resident ==== */
 
 /* GPU-only mode's plan for model c: weights bytes of weights (0: the
@@ -777,6 +906,7 @@ int main(void)
 	tcase_add_test(t, plan_scratch_bytes);
 	tcase_add_test(t, plan_unchanged);
 	tcase_add_test(t, plan_model_min_budget);
+	tcase_add_test(t, plan_resident_cap);
 	tcase_add_test(t, plan_gpu_only_all_resident);
 	tcase_add_test(t, plan_gpu_only_parts);
 	tcase_add_test(t, plan_gpu_only_unchanged);

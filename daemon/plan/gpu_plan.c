@@ -73,13 +73,14 @@ uint64_t mlens_gpu_plan_fixed_bytes(const struct mlens_perf_model *pm, int r, ui
 	return sat_add(sat_add(mlens_gpu_plan_resident_bytes(pm, r), mlens_gpu_plan_slot_bytes(pm, r)), ws);
 }
 
-int mlens_gpu_plan_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes)
+int mlens_gpu_plan_min_fixed(const struct mlens_perf_model *pm, int max_r, uint64_t ws, uint64_t *bytes)
 {
 	/* r = 0 for any model of more than two layers; with one layer keeping
-	 * it all resident costs less than two slots */
-	int best = 0;
+	 * it all resident costs less than two slots, and under a cap the
+	 * most resident the cap allows costs least */
+	int best = 0, top = max_r < 0 ? (int)pm->experts : clamp_r(pm, max_r);
 	*bytes = UINT64_MAX;
-	for (int r = 0; r <= (int)pm->experts; r++) {
+	for (int r = 0; r <= top; r++) {
 		uint64_t f = mlens_gpu_plan_fixed_bytes(pm, r, ws);
 		if (f < *bytes) {
 			*bytes = f;
@@ -92,7 +93,7 @@ int mlens_gpu_plan_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uin
 uint64_t mlens_gpu_plan_minimum(const struct mlens_perf_model *pm, uint64_t ws, uint64_t act)
 {
 	uint64_t b;
-	mlens_gpu_plan_min_fixed(pm, ws, &b);
+	mlens_gpu_plan_min_fixed(pm, -1, ws, &b);
 	return sat_add(b, act);
 }
 
@@ -332,6 +333,19 @@ static uint64_t act_in(const void *arg, int64_t n)
 	return mlens_gpu_plan_act_bytes(a->pm, n, a->in);
 }
 
+/* Whether the plan without the cap of cap experts a layer would keep more
+ * resident: a residency above it holds the token cap's activations act,
+ * or (when none up to cap does: fits false) the cheapest is above it. */
+static bool cap_binds(const struct mlens_perf_model *pm, int cap, uint64_t ws, uint64_t act,
+		      uint64_t budget, bool fits)
+{
+	uint64_t b;
+	for (int r = (int)pm->experts; r > cap; r--)
+		if (sat_add(mlens_gpu_plan_fixed_bytes(pm, r, ws), act) <= budget)
+			return true;
+	return !fits && mlens_gpu_plan_min_fixed(pm, -1, ws, &b) > cap;
+}
+
 /* The plan for in->group rows a group (0: the default). */
 static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpu_plan_in *in,
 		      struct mlens_gpu_plan *out, char *err, size_t errlen)
@@ -340,8 +354,8 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpu_
 	uint64_t ws = in->workspace ? in->workspace : MLENS_GPU_PLAN_WORKSPACE;
 	int64_t chunk = in->chunk > 0 ? in->chunk : MLENS_GPU_PLAN_CHUNK;
 	int64_t group = in->group > 0 ? in->group : MLENS_GPU_PLAN_GROUP;
-	int E = (int)pm->experts, best_r;
-	uint64_t act_max, best_fixed;
+	int E = (int)pm->experts, best_r, cap;
+	uint64_t act_max, best_fixed, act_min;
 
 	memset(out, 0, sizeof(*out));
 	mlens_errf(err, errlen, "%s", "");
@@ -350,18 +364,26 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpu_
 		       (long long)in->max_tokens, (long long)nmin);
 		return -EINVAL;
 	}
+	if (in->cap_resident && (in->max_resident < 0 || in->max_resident > E)) {
+		mlens_errf(err, errlen, "GPU memory plan: resident_experts %d is outside 0 to %d, the "
+			   "model's experts a layer", in->max_resident, E);
+		return -EINVAL;
+	}
+	cap = in->cap_resident ? in->max_resident : E;
 	out->budget = in->budget;
 	out->workspace = ws;
 	out->chunk = chunk;
 	act_max = mlens_gpu_plan_act_bytes(pm, in->max_tokens, in);
 	out->all_resident = sat_add(mlens_gpu_plan_fixed_bytes(pm, E, ws), act_max);
-	best_r = mlens_gpu_plan_min_fixed(pm, ws, &best_fixed);
-	out->minimum = mlens_gpu_plan_minimum(pm, ws, mlens_gpu_plan_act_bytes(pm, nmin, in));
+	/* the cheapest residency the cap allows, and so the least budget */
+	best_r = mlens_gpu_plan_min_fixed(pm, cap, ws, &best_fixed);
+	act_min = mlens_gpu_plan_act_bytes(pm, nmin, in);
+	out->minimum = sat_add(best_fixed, act_min);
 	if (in->budget < out->minimum) {
 		/* with more activation sets than the fewest, say what the
 		 * fewest would need (one group's q, k, v less) */
-		uint64_t act = mlens_gpu_plan_act_bytes(pm, nmin, in);
-		char alt[160] = "";
+		uint64_t act = act_min;
+		char alt[160] = "", held[96] = "";
 		if (plan_sets(in) > MLENS_PIPE_SETS) {
 			struct mlens_gpu_plan_in two = *in;
 			uint64_t min2;
@@ -372,26 +394,31 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpu_
 					 ", or set pipeline_sets = %d, which needs %.2f GiB",
 					 MLENS_PIPE_SETS, gib(min2));
 		}
+		if (best_r > 0)
+			snprintf(held, sizeof(held), " with %d experts a layer", best_r);
 		mlens_errf(err, errlen,
 		       "GPU budget %.2f GiB is too small for this model: the hybrid pipeline needs at "
-		       "least %.2f GiB (attention, norms, routers, embeddings and lm_head %.2f GiB, two "
+		       "least %.2f GiB (attention, norms, routers, embeddings and lm_head%s %.2f GiB, two "
 		       "slots of one layer's experts %.2f GiB, activations for %lld tokens with %d groups' sets "
 		       "%.2f GiB, workspace %.2f GiB); raise gpu_memory%s",
-		       gib(in->budget), gib(out->minimum), gib(mlens_gpu_plan_resident_bytes(pm, 0)),
-		       gib(mlens_gpu_plan_slot_bytes(pm, 0)), (long long)nmin,
+		       gib(in->budget), gib(out->minimum), held, gib(mlens_gpu_plan_resident_bytes(pm, best_r)),
+		       gib(mlens_gpu_plan_slot_bytes(pm, best_r)), (long long)nmin,
 		       plan_sets(in), gib(act), gib(ws), alt);
 		return -ENOSPC;
 	}
-	/* most resident experts that still leave the whole token cap */
-	for (int r = E; r >= 0; r--) {
+	/* most resident experts (up to the cap) that still leave the whole
+	 * token cap */
+	for (int r = cap; r >= 0; r--) {
 		if (sat_add(mlens_gpu_plan_fixed_bytes(pm, r, ws), act_max) <= in->budget) {
 			out->resident_experts = r;
 			out->tokens = in->max_tokens;
+			out->capped = cap_binds(pm, cap, ws, act_max, in->budget, true);
 			goto done;
 		}
 	}
 	/* no residency holds the cap: the cheapest one, with fewer tokens */
 	out->resident_experts = best_r;
+	out->capped = cap_binds(pm, cap, ws, act_max, in->budget, false);
 	{
 		const struct act_in a = { pm, in };
 		out->tokens = mlens_gpu_plan_tokens_fit(act_in, &a, in->budget - best_fixed, in->max_tokens);
@@ -547,6 +574,12 @@ int mlens_gpu_plan_make(const struct mlens_perf_model *pm, const struct mlens_gp
 			mlens_errf(err, errlen, "GPU memory plan: GPU-only mode needs the model's config");
 			return -EINVAL;
 		}
+		if (in->cap_resident && in->max_resident < pm->experts) {
+			mlens_errf(err, errlen, "GPU memory plan: GPU-only mode holds every expert; "
+				   "resident_experts %d of %lld needs the hybrid plan", in->max_resident,
+				   (long long)pm->experts);
+			return -EINVAL;
+		}
 		rc = 0;
 	} else if (in->group == MLENS_GPU_PLAN_GROUP_AUTO) {
 		rc = plan_auto(pm, &b, out, err, errlen);
@@ -596,10 +629,11 @@ int mlens_gpu_plan_format(const struct mlens_gpu_plan *p, const struct mlens_per
 {
 	return snprintf(buf, len,
 			"GPU memory plan: budget %.2f GiB = resident weights %.2f GiB (%d of %lld "
-			"experts per layer) + 2 expert slots %.2f GiB + activations for %lld tokens "
+			"experts per layer%s) + 2 expert slots %.2f GiB + activations for %lld tokens "
 			"in groups of %lld %.2f GiB + workspace %.2f GiB, %.2f GiB used; minimum %.2f GiB, GPU-only "
 			"needs %.2f GiB",
 			gib(p->budget), gib(p->resident), p->resident_experts, (long long)pm->experts,
-			gib(p->slots), (long long)p->tokens, (long long)p->group, gib(p->act), gib(p->workspace),
+			p->capped ? ", capped by resident_experts" : "", gib(p->slots), (long long)p->tokens,
+			(long long)p->group, gib(p->act), gib(p->workspace),
 			gib(p->total), gib(p->minimum), gib(p->all_resident));
 }

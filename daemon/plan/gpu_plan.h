@@ -13,7 +13,8 @@
  * experts per layer (the same count r in every layer; which r is the
  * pipeline's choice, daemon/exec/residency.h) as
  * the budget holds next to two slots of the E - r streamed experts and
- * activations for the token cap. GPU-only mode is the plan with every
+ * activations for the token cap, at most the input's max_resident when
+ * capped. GPU-only mode is the plan with every
  * expert resident (r = E, no slots): the engine runs it with the KV pool
  * and attention on the GPU, so its activations and workspace are the
  * engine's (plan input gpu_only). Otherwise the hybrid pipeline runs it:
@@ -110,6 +111,11 @@ struct mlens_gpu_plan_in {
 	 * model is then required: its context bounds the decode attention's
 	 * partials and its KV layout the pool's tokens. */
 	bool gpu_only;
+	/* hybrid: cap_resident keeps at most max_resident (0..E) experts a
+	 * layer resident (config resident_experts), fewer when the budget
+	 * needs; without it, as many as the budget holds beside the cap */
+	bool cap_resident;
+	int max_resident;
 	const struct mlens_model_config *model;
 	uint64_t weight_bytes;	/* every tensor as loaded; 0 = the model's count at r = E */
 	uint64_t kv_bytes;	/* the K and V block pools (on the GPU) */
@@ -118,6 +124,7 @@ struct mlens_gpu_plan_in {
 struct mlens_gpu_plan {
 	bool gpu_only;		/* the input's: every expert resident, the engine runs it */
 	int resident_experts;	/* per layer: r experts stay on the GPU (which: residency.h) */
+	bool capped;		/* r is the input's max_resident, below what the budget holds */
 	int64_t tokens;		/* token cap per step that fits */
 	int64_t chunk;		/* <= group (hybrid) */
 	int64_t group;		/* rows of a token group (<= tokens; hybrid) */
@@ -152,9 +159,9 @@ uint64_t mlens_gpu_plan_slot_bytes(const struct mlens_perf_model *pm, int r);
 /* GPU bytes of residency r before activations: the resident weights, both
  * expert slots and the workspace ws (saturating). */
 uint64_t mlens_gpu_plan_fixed_bytes(const struct mlens_perf_model *pm, int r, uint64_t ws);
-/* The residency whose fixed bytes are the fewest (the lowest r on a tie);
- * *bytes gets them. */
-int mlens_gpu_plan_min_fixed(const struct mlens_perf_model *pm, uint64_t ws, uint64_t *bytes);
+/* The residency of at most max_r experts a layer (< 0: any) whose fixed
+ * bytes are the fewest (the lowest r on a tie); *bytes gets them. */
+int mlens_gpu_plan_min_fixed(const struct mlens_perf_model *pm, int max_r, uint64_t ws, uint64_t *bytes);
 /* The smallest budget that runs at all: the fewest fixed bytes (above)
  * with workspace ws plus act, the activation bytes of the smallest step
  * (the plan's minimum; the performance model's mlens_perf_min_budget). */

@@ -653,10 +653,17 @@ int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf
 		      const struct mlens_perf_workload *w, struct mlens_perf_prediction *out,
 		      char *err, size_t errlen)
 {
+	return mlens_perf_choose_upto(pm, hw, w, -1, out, err, errlen);
+}
+
+int mlens_perf_choose_upto(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			   const struct mlens_perf_workload *w, int max_r,
+			   struct mlens_perf_prediction *out, char *err, size_t errlen)
+{
 	struct mlens_perf_prediction p;
 	bool found = false;
-	int rc;
-	for (int r = 0; r <= (int)pm->experts; r++) {
+	int rc, top = max_r < 0 || max_r > pm->experts ? (int)pm->experts : max_r;
+	for (int r = 0; r <= top; r++) {
 		rc = mlens_perf_predict(pm, hw, w, r, &p, NULL, 0);
 		if (rc == -ENOSPC)
 			continue;	/* with few layers, more residency can need less */

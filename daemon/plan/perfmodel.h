@@ -365,6 +365,11 @@ int mlens_perf_predict(const struct mlens_perf_model *pm, const struct mlens_per
 int mlens_perf_choose(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
 		      const struct mlens_perf_workload *w, struct mlens_perf_prediction *out,
 		      char *err, size_t errlen);
+/* ... over residencies of at most max_r experts a layer (< 0: any; the
+ * config's resident_experts). */
+int mlens_perf_choose_upto(const struct mlens_perf_model *pm, const struct mlens_perf_hw *hw,
+			   const struct mlens_perf_workload *w, int max_r,
+			   struct mlens_perf_prediction *out, char *err, size_t errlen);
 /* The smallest GPU budget that runs at all, the GPU memory plan's
  * (mlens_gpu_plan_minimum): resident attention, norms, routers,
  * embeddings, lm_head + two slots of one layer's experts + activations for

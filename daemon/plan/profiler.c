@@ -1231,11 +1231,14 @@ int mlens_profile_state_predict(struct mlens_profile_state *st, double p, double
 	int rc;
 	if (!st->have)
 		return -ENOENT;
-	/* hybrid: residency and split searched; resident modes: every expert
-	 * lives where the backend computes, only the split is searched. The
-	 * held prediction changes only when the new one exists. */
+	/* hybrid: residency (at most resident_experts: plan_in's cap) and
+	 * split searched; resident modes: every expert lives where the
+	 * backend computes, only the split is searched. The held prediction
+	 * changes only when the new one exists. */
 	if (st->hybrid)
-		rc = mlens_perf_choose(&st->pm, &st->hw, &w, &pred, st->err, sizeof(st->err));
+		rc = mlens_perf_choose_upto(&st->pm, &st->hw, &w,
+					    st->plan_in.cap_resident ? st->plan_in.max_resident : -1, &pred,
+					    st->err, sizeof(st->err));
 	else
 		rc = mlens_perf_predict(&st->pm, &st->hw, &w, (int)st->pm.experts, &pred, st->err,
 					sizeof(st->err));

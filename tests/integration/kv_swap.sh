@@ -15,9 +15,10 @@
 # codes; a kv_swap_path that is an existing file is refused at start-up by
 # name.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
-# cpu), with MLENS_KV_SWAP_FLAGS added (e.g. a --gpu-memory below the
-# model's need: hybrid mode, whose KV pool is in host memory; GPU-only mode
-# has no KV swap and the script skips there). On CUDA a sequence batched
+# cpu), with MLENS_KV_SWAP_FLAGS added (e.g. --resident-experts 0, or a
+# --gpu-memory below the model's need: hybrid mode, whose KV pool is in
+# host memory; GPU-only mode has no KV swap and the script skips
+# there). On CUDA a sequence batched
 # otherwise may fork where two logits nearly tie (see tenants.sh): there
 # every request must end the same way, token counts included.
 set -u

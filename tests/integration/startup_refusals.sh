@@ -2,8 +2,9 @@
 # Description: mlensd refuses at start-up, at once and naming the file or
 # the key, what it cannot serve: a FIFO given as its configuration file, as
 # a model's config.json or as its model.safetensors (opening one used to
-# wait for a writer for ever), and a model whose max_position_embeddings
-# cannot hold a prompt and one generated token.
+# wait for a writer for ever), a model whose max_position_embeddings
+# cannot hold a prompt and one generated token, and a resident_experts
+# above the model's experts a layer.
 set -u
 . "$(dirname "$0")/lib.sh"
 
@@ -25,3 +26,7 @@ sed 's/"max_position_embeddings": *[0-9]*/"max_position_embeddings": 1/' "$tmp/m
 grep -q '"max_position_embeddings": 1,' "$tmp/p1/config.json" || fail "config.json not edited"
 refused 1 "'max_position_embeddings' is 1; mlens accepts 2 to" --model "$tmp/p1"
 echo "ok: FIFOs and a one-position model refused at start-up, named"
+
+refused 1 "resident_experts = 5 is more than the 4 experts a layer of model $tmp/m; set it to at most 4" \
+	--model "$tmp/m" --resident-experts 5
+echo "ok: resident_experts above the model's experts refused at start-up, named"

@@ -13,10 +13,13 @@
 # weights_on_disk = never refuses that budget by name, and so
 # does weight_dtype = fp8 with experts on disk.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
-# cpu) with MLENS_WEIGHTS_DISK_FLAGS added: a --gpu-memory below the
-# model's need (with its 1G KV pool: 512M) makes the hybrid pipeline
-# stream the disk experts from their staging, and --group-tokens 64 keeps
-# its host staging inside the small budget; there each request must end
+# cpu) with MLENS_WEIGHTS_DISK_FLAGS added, which should include
+# --resident-experts 0 (or 1): the tiny model's experts all fit on the
+# GPU, so only a cap on the resident experts makes the hybrid pipeline
+# stream the disk experts from their staging each step (a --gpu-memory
+# below the model's need, with its 1G KV pool: 512M, selects hybrid mode
+# but its plan still holds every expert); --group-tokens 64 keeps its
+# host staging inside the small budget; there each request must end
 # the same way, token counts included (a near tie of two logits may fork
 # a sequence). MLENS_WEIGHTS_DISK_HALF sets the budget (default 4500K,
 # 3000K on the CUDA backend).
@@ -64,7 +67,7 @@ grep -q "weights on disk" "$tmp/ref.log" && fail "64M: experts left on disk: $(g
 
 run disk --host-memory $HALF
 if [ "$BACKEND" != cpu ] && ! grep -q "hybrid mode" "$tmp/disk.log"; then
-	echo "SKIP: GPU-only mode copies the disk experts to the GPU once (MLENS_WEIGHTS_DISK_FLAGS=\"--gpu-memory SIZE\" below the model's need: hybrid mode)"
+	echo "SKIP: GPU-only mode copies the disk experts to the GPU once (MLENS_WEIGHTS_DISK_FLAGS=\"--resident-experts 0 --group-tokens 64\": hybrid mode, the disk experts streamed)"
 	exit 77
 fi
 # the CUDA backend's (hybrid) staging differs: the share on disk may too
@@ -80,9 +83,10 @@ done
 echo "ok: half the experts on disk, the same tokens as all in RAM"
 # a hybrid plan that holds every expert on the GPU reads them once: the
 # tokens above are checked, but there are no disk reads a step to test
-# (the tiny model's experts are far below the GPU's least budget)
+# (the tiny model's experts are far below the GPU's least budget; a
+# resident_experts below 4 streams them)
 if [ "$BACKEND" != cpu ] && grep -q "resident weights .* (4 of 4 experts per layer)" "$tmp/disk.log"; then
-	echo "SKIP: the hybrid plan holds every expert on the GPU: nothing is read from disk a step"
+	echo "SKIP: the hybrid plan holds every expert on the GPU: nothing is read from disk a step (add --resident-experts 0 to MLENS_WEIGHTS_DISK_FLAGS)"
 	exit 77
 fi
 grep -q "^weights on disk  *.* MiB in the model files ($D experts in each of 8 layers" "$tmp/disk.status" ||
