@@ -946,8 +946,11 @@ out:
 }
 
 /* Bytes the model files' read rate is measured over (experts left on
- * disk): enough for the queue to run full for a while. */
-#define PROFILE_DISK_BYTES (256ull << 20)
+ * disk): eight times what the queue holds in flight
+ * (MLENS_DISK_TIER_DEPTH reads of MLENS_DISK_TIER_CHUNK), so that the
+ * first fill's latency is a small part of the time; one fill alone
+ * measures the latency, well below the rate the steps then get. */
+#define PROFILE_DISK_BYTES (8ull * MLENS_DISK_TIER_DEPTH * MLENS_DISK_TIER_CHUNK)
 
 int mlens_profile_run(const struct mlens_model *m, const struct mlens_profile_opts *o,
 		      struct mlens_profile *out, char *err, size_t errlen)
