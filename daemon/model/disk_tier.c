@@ -752,14 +752,16 @@ int mlens_disk_tier_measure(struct mlens_disk_tier *dt, uint64_t bytes, double *
 	for (uint64_t b = 0; b < bytes || !n; n++)
 		b += dt->r[n % dt->n_r].len;
 	r = calloc((size_t)n, sizeof(*r));
-	if (!r || posix_memalign(&buf, ALIGN, MLENS_DISK_TIER_CHUNK)) {
+	if (!r || posix_memalign(&buf, ALIGN, (size_t)MLENS_DISK_TIER_DEPTH * MLENS_DISK_TIER_CHUNK)) {
 		free(r);
 		mlens_errf(err, errlen, "weights on disk: no memory to measure the read rate");
 		return -ENOMEM;
 	}
 	for (int i = 0; i < n; i++) {
 		r[i] = dt->r[i % dt->n_r];
-		r[i].dst = buf;	/* every read into one buffer: only the time counts */
+		/* a slot of the buffer per read in flight (only the time
+		 * counts, but reads into the same pages contend) */
+		r[i].dst = (char *)buf + (size_t)(i % (int)MLENS_DISK_TIER_DEPTH) * MLENS_DISK_TIER_CHUNK;
 		r[i].fixed = 0;
 		done += r[i].want;
 	}
