@@ -15,16 +15,18 @@
 # codes; a kv_swap_path that is an existing file is refused at start-up by
 # name.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
-# cpu), with MLENS_KV_SWAP_FLAGS added (e.g. --resident-experts 0, or a
-# --gpu-memory below the model's need: hybrid mode, whose KV pool is in
-# host memory; GPU-only mode has no KV swap and the script skips
-# there). On CUDA a sequence batched
+# cpu), with MLENS_KV_SWAP_FLAGS added (default there: --resident-experts
+# 0, hybrid mode, whose KV pool is in host memory; GPU-only mode has no KV
+# swap and the script skips there). On CUDA a sequence batched
 # otherwise may fork where two logits nearly tie (see tenants.sh): there
 # every request must end the same way, token counts included.
 set -u
 . "${MLENS_SRCDIR:-.}/tests/integration/lib.sh"
 BACKEND=${MLENS_TEST_BACKEND:-cpu}
-EXTRA=${MLENS_KV_SWAP_FLAGS:-}
+# on CUDA by default: hybrid mode (no expert resident), whose KV pool is
+# in host memory
+if [ "$BACKEND" = cpu ]; then EXTRA=${MLENS_KV_SWAP_FLAGS:-}
+else EXTRA=${MLENS_KV_SWAP_FLAGS:---resident-experts 0}; fi
 tc() { timeout 120 "$B/tests/integration/tclient" "$@"; }
 
 "$B/daemon/mlens-mkmodel" -o "$tmp/model" --preset tiny --dtype fp32 --seed 5 >/dev/null || fail "mkmodel"
@@ -75,7 +77,7 @@ echo "ok: swap off, $(stat_of off preemptions_total) preemptions re-prefilled, t
 # every preempted sequence to the swap file and back
 run always $SMALL --kv-swap 16M --kv-swap-path "$tmp" --kv-swap-policy always
 if grep -q "GPU-only mode keeps the KV cache in GPU memory" "$tmp/always.log"; then
-	echo "SKIP: GPU-only mode has no KV swap (MLENS_KV_SWAP_FLAGS=\"--gpu-memory SIZE\" below the model's need: hybrid mode)"
+	echo "SKIP: GPU-only mode has no KV swap (MLENS_KV_SWAP_FLAGS=\"--resident-experts 0\": hybrid mode)"
 	exit 77
 fi
 same_as_ref always

@@ -13,7 +13,8 @@
 # weights_on_disk = never refuses that budget by name, and so
 # does weight_dtype = fp8 with experts on disk.
 # MLENS_TEST_BACKEND=cuda runs the daemons on the CUDA backend (default
-# cpu) with MLENS_WEIGHTS_DISK_FLAGS added, which should include
+# cpu) with MLENS_WEIGHTS_DISK_FLAGS added (default there: --gpu-memory
+# 512M --group-tokens 64 --resident-experts 0), which should include
 # --resident-experts 0 (or 1): the tiny model's experts all fit on the
 # GPU, so only a cap on the resident experts makes the hybrid pipeline
 # stream the disk experts from their staging each step (a --gpu-memory
@@ -26,7 +27,10 @@
 set -u
 . "${MLENS_SRCDIR:-.}/tests/integration/lib.sh"
 BACKEND=${MLENS_TEST_BACKEND:-cpu}
-EXTRA=${MLENS_WEIGHTS_DISK_FLAGS:-}
+# on CUDA by default: hybrid mode with no expert resident, so that the
+# disk experts stream from their staging every step
+if [ "$BACKEND" = cpu ]; then EXTRA=${MLENS_WEIGHTS_DISK_FLAGS:-}
+else EXTRA=${MLENS_WEIGHTS_DISK_FLAGS:---gpu-memory 512M --group-tokens 64 --resident-experts 0}; fi
 tc() { timeout 120 "$B/tests/integration/tclient" "$@"; }
 
 # eight layers of four experts: half the experts is most of the model
