@@ -14,12 +14,15 @@
 # JSON per run and a summary (kv_swap_summary.json) under $OUT (default
 # ./out), a table last; exit 1 when the tokens differ between runs.
 #
-# Environment: BACKEND (cpu; cuda with MLENS_KV_SWAP_FLAGS="--gpu-memory
-# SIZE" for hybrid mode, whose KV pool is in host memory), MODEL (a tiny
-# fp32 Mixtral written to a scratch folder if unset), P and G (prompt and
-# generation length, 512 and 384), N (requests, 24), TENANTS (client
+# Environment: BACKEND (cpu; cuda runs hybrid mode, whose KV pool is in
+# host memory: MLENS_KV_SWAP_FLAGS, default there --resident-experts 0),
+# MODEL (a tiny fp32 Mixtral written to a scratch folder if unset; on cuda
+# a 2-layer Mixtral-8x7B-shaped bf16 one, whose prefill is real GEMM
+# work), P and G (prompt and
+# generation length, 512 and 384; 512 and 64 on cuda), N (requests, 24), TENANTS (client
 # processes at once, each a tenant with its share of the requests, 4), KV
-# (the KV pool, 700K: three prompts, so that their growth preempts),
+# (the KV pool, 700K: three prompts, so that their growth preempts; on
+# cuda three prompts of its model),
 # SWAP_PATH (where the swap file goes, /var/tmp), THREADS (2), POLICIES (always never auto), REPEAT (rounds of them, 3),
 # RUN_TIMEOUT (600 s a run).
 set -u
@@ -27,16 +30,17 @@ B=${MLENS_BUILDDIR:-.}
 OUT=${OUT:-$PWD/out}
 BACKEND=${BACKEND:-cpu}
 P=${P:-512}
-G=${G:-384}
+if [ "$BACKEND" = cuda ]; then G=${G:-64}; else G=${G:-384}; fi
 N=${N:-24}
-KV=${KV:-700K}
+KV=${KV:-}
 SWAP_PATH=${SWAP_PATH:-/var/tmp}
 THREADS=${THREADS:-2}
 REPEAT=${REPEAT:-3}
 TENANTS=${TENANTS:-4}
 POLICIES=${POLICIES:-always never auto}
 TMO=${RUN_TIMEOUT:-600}
-EXTRA=${MLENS_KV_SWAP_FLAGS:-}
+if [ "$BACKEND" = cpu ]; then EXTRA=${MLENS_KV_SWAP_FLAGS:-}
+else EXTRA=${MLENS_KV_SWAP_FLAGS:---resident-experts 0}; fi
 T=$(mktemp -d /tmp/mlens-kvswap.XXXXXX) || exit 1
 daemon_pid=
 cleanup() {
@@ -48,8 +52,24 @@ mkdir -p "$OUT"
 MODEL=${MODEL:-}
 if [ -z "$MODEL" ]; then
 	MODEL=$T/model
-	"$B/daemon/mlens-mkmodel" -o "$MODEL" --preset tiny --dtype fp32 --seed 5 >/dev/null ||
+	if [ "$BACKEND" = cpu ]; then mk="--preset tiny --dtype fp32"
+	else mk="--preset mixtral-8x7b --layers 2 --dtype bf16"; fi
+	# shellcheck disable=SC2086 # mk is words
+	"$B/daemon/mlens-mkmodel" -o "$MODEL" $mk --seed 5 >/dev/null ||
 		{ echo "kv_swap_bench.sh: cannot write the model"; exit 1; }
+fi
+# three prompts of KV (K and V of every layer, the model's dtype): the
+# pool holds them, and their growth preempts
+if [ -z "$KV" ] && [ "$BACKEND" = cpu ]; then KV=700K
+elif [ -z "$KV" ]; then
+	KV=$(python3 -c '
+import json, sys
+c = json.load(open(sys.argv[1] + "/config.json"))
+kvh = c.get("num_key_value_heads", c["num_attention_heads"])
+hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+b = {"float32": 4}.get(c.get("torch_dtype"), 2)
+print("%dK" % ((3 * int(sys.argv[2]) * c["num_hidden_layers"] * 2 * kvh * hd * b + 1023) // 1024))
+' "$MODEL" "$P") || exit 1
 fi
 echo "kv_swap_bench.sh: $N requests of p=$P g=$G, KV pool $KV, backend $BACKEND, swap file in $SWAP_PATH"
 
