@@ -29,7 +29,7 @@ typedef __m256 vec;
 	e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(const void *)(p)), &(e), &(o), 0)
 #define VLOAD_E4M3X2_FINITE(p, e, o) \
 	e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(const void *)(p)), &(e), &(o), 1)
-#define E4M3_ANY_NAN(p, n) e4m3_any_nan_avx2((p), (n))
+#define E4M3_ANY_NAN(p, n) mlens_e4m3_any_nan_avx2((p), (n))
 #define VHSUM4(a, b, c, d, s) hsum4_avx2((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od:
  * per 128-bit lane pick, then put the 64-bit pairs in order */
@@ -110,25 +110,6 @@ e4m3x16_avx2(__m128i b, __m256 *e, __m256 *o, const int finite)
 	}
 	*e = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
 	*o = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
-
-/* Whether one of the n e4m3 codes at p is a NaN (n a multiple of 16), as
- * e4m3_any_nan_avx512 in attn_avx512.c finds it */
-static inline int e4m3_any_nan_avx2(const void *p, size_t n)
-{
-	const __m256i low = _mm256_set1_epi8(0x7f);
-	__m256i m = low;
-	size_t i = 0;
-
-	for (; i + 32 <= n; i += 32)
-		m = _mm256_min_epu8(m, _mm256_andnot_si256(
-				_mm256_loadu_si256((const __m256i *)(const void *)((const char *)p + i)),
-				low));
-	if (i < n)
-		m = _mm256_min_epu8(m, _mm256_andnot_si256(_mm256_zextsi128_si256(
-				_mm_loadu_si128((const __m128i *)(const void *)((const char *)p + i))),
-				low));
-	return _mm256_movemask_epi8(_mm256_cmpeq_epi8(m, _mm256_setzero_si256())) != 0;
 }
 
 /* s[0..3] = the sums of a, b, c, d (transpose-and-add tree) */
@@ -220,4 +201,23 @@ float mlens_e4m3_row_avx2(uint8_t *dst, const float *src, int n)
 	for (; i < n; i++)
 		dst[i] = mlens_e4m3_quantize(src[i], scale);
 	return scale;
+}
+
+/* A NaN code has its low seven bits set: the bytewise minimum of
+ * ~code & 0x7f reaches 0 (the zeroed bytes of the tail give 0x7f). */
+int mlens_e4m3_any_nan_avx2(const void *p, size_t n)
+{
+	const __m256i low = _mm256_set1_epi8(0x7f);
+	__m256i m = low;
+	size_t i = 0;
+
+	for (; i + 32 <= n; i += 32)
+		m = _mm256_min_epu8(m, _mm256_andnot_si256(
+				_mm256_loadu_si256((const __m256i *)(const void *)((const char *)p + i)),
+				low));
+	if (i < n)
+		m = _mm256_min_epu8(m, _mm256_andnot_si256(_mm256_zextsi128_si256(
+				_mm_loadu_si128((const __m128i *)(const void *)((const char *)p + i))),
+				low));
+	return _mm256_movemask_epi8(_mm256_cmpeq_epi8(m, _mm256_setzero_si256())) != 0;
 }

@@ -28,7 +28,7 @@ typedef __m512 vec;
 	e4m3x32_avx512(_mm256_loadu_si256((const __m256i *)(const void *)(p)), &(e), &(o), 0)
 #define VLOAD_E4M3X2_FINITE(p, e, o) \
 	e4m3x32_avx512(_mm256_loadu_si256((const __m256i *)(const void *)(p)), &(e), &(o), 1)
-#define E4M3_ANY_NAN(p, n) e4m3_any_nan_avx512((p), (n))
+#define E4M3_ANY_NAN(p, n) mlens_e4m3_any_nan_avx2((p), (n))
 #define VHSUM4(a, b, c, d, s) hsum4_avx512((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od */
 #define VDEINT(a, b, ev, od) do { \
@@ -66,23 +66,6 @@ e4m3x32_avx512(__m256i b, __m512 *e, __m512 *o, const int finite)
 	}
 	*e = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
 	*o = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-}
-
-/* Whether one of the n e4m3 codes at p is a NaN (low seven bits set): the
- * bytewise minimum of ~code & 0x7f reaches 0 */
-static inline int e4m3_any_nan_avx512(const void *p, size_t n)
-{
-	const __m512i low = _mm512_set1_epi8(0x7f);
-	__m512i m = low;
-	size_t i = 0;
-
-	for (; i + 64 <= n; i += 64)
-		m = _mm512_min_epu8(m, _mm512_andnot_si512(
-				_mm512_loadu_si512((const char *)p + i), low));
-	if (i < n)	/* the bytes past n load as 0, which gives 0x7f */
-		m = _mm512_min_epu8(m, _mm512_andnot_si512(_mm512_maskz_loadu_epi8(
-				~0ull >> (64 - (n - i)), (const char *)p + i), low));
-	return _mm512_testn_epi8_mask(m, m) != 0;
 }
 
 /* exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts and
