@@ -26,7 +26,10 @@ typedef __m256 vec;
 	(o) = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xffff0000u))); \
 } while (0)
 #define VLOAD_E4M3X2(p, e, o) \
-	e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(const void *)(p)), &(e), &(o))
+	e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(const void *)(p)), &(e), &(o), 0)
+#define VLOAD_E4M3X2_FINITE(p, e, o) \
+	e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(const void *)(p)), &(e), &(o), 1)
+#define E4M3_ANY_NAN(p, n) mlens_e4m3_any_nan_avx2((p), (n))
 #define VHSUM4(a, b, c, d, s) hsum4_avx2((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od:
  * per 128-bit lane pick, then put the 64-bit pairs in order */
@@ -92,14 +95,19 @@ static inline __m256 exp_avx2(__m256 x)
  * an fp16 (sign to bit 15, exponent and mantissa to bits 13..7) are its
  * value times 2^-8, subnormals included, and F16C widens that to fp32.
  * Sign-extended to 16 bits and shifted by 7, the code's sign lands on bits
- * 15 and 14; the mask clears 14. The NaN codes become an fp16 NaN. */
-static inline void e4m3x16_avx2(__m128i b, __m256 *e, __m256 *o)
+ * 15 and 14; the mask clears 14. The NaN codes become an fp16 NaN, or,
+ * with finite set (codes known not to be NaN), are left as they come out
+ * (+-1.875), which saves three operations per vector. */
+static inline __attribute__((always_inline)) void
+e4m3x16_avx2(__m128i b, __m256 *e, __m256 *o, const int finite)
 {
 	__m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
 				     _mm256_set1_epi16((short)0xbf80));
-	__m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
-	__m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x3f80));
-	h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7fff)));
+	if (!finite) {
+		__m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
+		__m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x3f80));
+		h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7fff)));
+	}
 	*e = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
 	*o = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
@@ -193,4 +201,23 @@ float mlens_e4m3_row_avx2(uint8_t *dst, const float *src, int n)
 	for (; i < n; i++)
 		dst[i] = mlens_e4m3_quantize(src[i], scale);
 	return scale;
+}
+
+/* A NaN code has its low seven bits set: the bytewise minimum of
+ * ~code & 0x7f reaches 0 (the zeroed bytes of the tail give 0x7f). */
+int mlens_e4m3_any_nan_avx2(const void *p, size_t n)
+{
+	const __m256i low = _mm256_set1_epi8(0x7f);
+	__m256i m = low;
+	size_t i = 0;
+
+	for (; i + 32 <= n; i += 32)
+		m = _mm256_min_epu8(m, _mm256_andnot_si256(
+				_mm256_loadu_si256((const __m256i *)(const void *)((const char *)p + i)),
+				low));
+	if (i < n)
+		m = _mm256_min_epu8(m, _mm256_andnot_si256(_mm256_zextsi128_si256(
+				_mm_loadu_si128((const __m128i *)(const void *)((const char *)p + i))),
+				low));
+	return _mm256_movemask_epi8(_mm256_cmpeq_epi8(m, _mm256_setzero_si256())) != 0;
 }

@@ -25,7 +25,10 @@ typedef __m512 vec;
 	(o) = _mm512_castsi512_ps(_mm512_and_si512(x_, _mm512_set1_epi32((int)0xffff0000u))); \
 } while (0)
 #define VLOAD_E4M3X2(p, e, o) \
-	e4m3x32_avx512(_mm256_loadu_si256((const __m256i *)(const void *)(p)), &(e), &(o))
+	e4m3x32_avx512(_mm256_loadu_si256((const __m256i *)(const void *)(p)), &(e), &(o), 0)
+#define VLOAD_E4M3X2_FINITE(p, e, o) \
+	e4m3x32_avx512(_mm256_loadu_si256((const __m256i *)(const void *)(p)), &(e), &(o), 1)
+#define E4M3_ANY_NAN(p, n) mlens_e4m3_any_nan_avx2((p), (n))
 #define VHSUM4(a, b, c, d, s) hsum4_avx512((a), (b), (c), (d), (s))
 /* 2W values in a, b (in order) -> the even ones in ev, the odd ones in od */
 #define VDEINT(a, b, ev, od) do { \
@@ -49,14 +52,18 @@ typedef __m512 vec;
 #define VEXP(x) exp_avx512(x)
 
 /* The 32 e4m3 codes at b as fp32 times 2^-8, as e4m3x16_avx2 in
- * attn_avx2.c does it. */
-static inline void e4m3x32_avx512(__m256i b, __m512 *e, __m512 *o)
+ * attn_avx2.c does it (finite: as there). */
+static inline __attribute__((always_inline)) void
+e4m3x32_avx512(__m256i b, __m512 *e, __m512 *o, const int finite)
 {
 	__m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
 				     _mm512_set1_epi16((short)0xbf80));
-	__mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, _mm512_set1_epi16(0x3f80)),
-						_mm512_set1_epi16(0x3f80));
-	h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7fff));
+	if (!finite) {
+		__mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h,
+							_mm512_set1_epi16(0x3f80)),
+							_mm512_set1_epi16(0x3f80));
+		h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7fff));
+	}
 	*e = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
 	*o = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }

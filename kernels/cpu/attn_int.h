@@ -65,6 +65,9 @@ extern struct mlens_attn_tuning mlens_attn_tune;
 void mlens_attn_span_avx2(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx2(uint16_t *dst, const float *src, size_t n);
 float mlens_e4m3_row_avx2(uint8_t *dst, const float *src, int n);	/* AVX-512 uses it too */
+/* whether one of the n e4m3 codes at p (n a multiple of 16) is a NaN;
+ * AVX-512 uses it too */
+int mlens_e4m3_any_nan_avx2(const void *p, size_t n);
 void mlens_attn_span_avx512(const struct mlens_attn_span *s, float *scratch);
 void mlens_bf16_cvt_avx512(uint16_t *dst, const float *src, size_t n);
 
