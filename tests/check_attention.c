@@ -536,6 +536,59 @@ START_TEST(test_fp8_every_code)
 }
 END_TEST
 
+/* A NaN code (0x7f) in one K row poisons its KV head's scores and so
+ * that head group's output in that sequence, as in the reference; every
+ * other output stays within the tolerance. The kernels decode e4m3 without
+ * a NaN fix-up and send a tile holding a NaN code through the exact
+ * conversion instead: this is the K side of that path (the every-code test
+ * covers V). Groups of 4 and 8 (K read from registers, K widened once). */
+START_TEST(test_fp8_nan_in_k)
+{
+	const char *name = variant_names[_i];
+	static const int32_t lens[] = { 100, 40 };
+	struct mlens_pool *pool;
+
+	if (!mlens_cpu_attn_variant_supported(name))
+		return;
+	ck_assert_int_eq(mlens_cpu_attn_set_variant(name), 0);
+	ck_assert_int_eq(mlens_pool_create(&pool, 1, NULL), 0);
+	for (int group = 4; group <= 8; group += 4) {
+		struct setup s;
+		float *ref, *got;
+		int hd = 128, bs = 16, t = 37, nan_out = 0;
+		size_t idx;
+
+		rng_state = 7 + (uint64_t)group;
+		setup_make(&s, MLENS_DTYPE_E4M3, 1, 2, group, hd, bs, lens, 2);
+		idx = mlens_kv_index(&s.kv, 0, s.qs[0].block_table[t / bs], 0, t % bs);
+		((uint8_t *)s.kv.k)[idx + 5] = MLENS_E4M3_NAN;
+		ref = run_ref(&s, 0, 0.0883883f);
+		got = run_variant(&s, pool, 0, 0.0883883f);
+		for (int i = 0; i < s.n; i++)
+			for (size_t e = 0; e < (size_t)s.n_heads * (size_t)hd; e++) {
+				size_t x = (size_t)i * s.n_heads * hd + e;
+				bool poisoned = i == 0 && e < (size_t)group * (size_t)hd;
+				ck_assert_msg(isnan(ref[x]) == poisoned, "reference: seq %d elem %zu: %g", i, e,
+					      ref[x]);
+				if (poisoned) {
+					ck_assert_msg(isnan(got[x]), "group %d elem %zu: %g, not NaN", group, e,
+						      got[x]);
+					nan_out++;
+				} else {
+					ck_assert_msg(fabs((double)ref[x] - (double)got[x]) <= tolerance(lens[i]),
+						      "group %d seq %d elem %zu: ref %.8g got %.8g", group, i, e,
+						      ref[x], got[x]);
+				}
+			}
+		ck_assert_int_eq(nan_out, group * hd);
+		free(ref);
+		free(got);
+		setup_free(&s);
+	}
+	mlens_pool_destroy(pool);
+}
+END_TEST
+
 /* The round op (the CPU attention's output on its way up in half the
  * bytes): every value as mlens_store rounds it, bf16 through the
  * variant's vector code, by the caller alone and over a pool (a row count
@@ -820,6 +873,7 @@ int main(void)
 	tcase_add_loop_test(tc, test_threads_identical, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_append_exact, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_fp8_every_code, 0, N_VARIANTS);
+	tcase_add_loop_test(tc, test_fp8_nan_in_k, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_round_exact, 0, N_VARIANTS);
 	tcase_add_loop_test(tc, test_decode_half_exact, 0, N_VARIANTS);
 	tcase_add_test(tc, test_decode_half_backend);
