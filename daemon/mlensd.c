@@ -357,6 +357,13 @@ static bool experts_fp8_tc(void)
 	       D.be.ops->fp8_tc(D.be.ctx);
 }
 
+/* The hybrid plan's cap on resident experts (resident_experts; -1: none). */
+static void resident_cap(struct mlens_gpu_plan_in *in)
+{
+	in->cap_resident = D.cfg.resident_experts >= 0;
+	in->max_resident = (int)D.cfg.resident_experts;
+}
+
 /* The profiler's view of this daemon: its backends, the model's byte
  * counts, the GPU budget the model may plan with, the KV capacity and
  * whether the cap is pinned; the cache key. */
@@ -402,8 +409,8 @@ static void profile_setup(uint32_t blocks, size_t per_block, enum mlens_dtype kv
 	st->plan_in.group = D.hybrid ? plan_group() : 0;
 	st->plan_in.gemm = bo->gemm;
 	st->plan_in.sets = (int)D.cfg.pipeline_sets;
-	st->plan_in.cap_resident = D.hybrid && D.cfg.resident_experts >= 0;
-	st->plan_in.max_resident = (int)D.cfg.resident_experts;
+	if (D.hybrid)
+		resident_cap(&st->plan_in);
 	st->side_copy_out = D.hybrid && side_copy_out();
 	st->up_copy_in = D.hybrid && up_copy_in();
 	st->gpu_kv_append = D.hybrid && gpu_kv_append();
@@ -858,8 +865,7 @@ static int step_kv_cache(void)
 			in.group = plan_group();
 			in.sets = (int)D.cfg.pipeline_sets;
 			in.att_half = att_up_half() && mlens_pipeline_half_att(&D.be, &D.attn, &D.model->cfg);
-			in.cap_resident = D.cfg.resident_experts >= 0;
-			in.max_resident = (int)D.cfg.resident_experts;
+			resident_cap(&in);
 			if ((rc = mlens_gpu_plan_make(&D.pm, &in, &D.plan, err, sizeof(err))))
 				return fail_start("%s", err);
 		}

@@ -333,17 +333,21 @@ static uint64_t act_in(const void *arg, int64_t n)
 	return mlens_gpu_plan_act_bytes(a->pm, n, a->in);
 }
 
-/* Whether the plan without the cap of cap experts a layer would keep more
- * resident: a residency above it holds the token cap's activations act,
- * or (when none up to cap does: fits false) the cheapest is above it. */
-static bool cap_binds(const struct mlens_perf_model *pm, int cap, uint64_t ws, uint64_t act,
-		      uint64_t budget, bool fits)
+/* The most resident experts, at most top a layer, that leave act beside
+ * them in budget (*fits true); else the cheapest residency up to top
+ * (*fits false; *fixed gets its fixed bytes either way). */
+static int pick_resident(const struct mlens_perf_model *pm, int top, uint64_t ws, uint64_t act,
+			 uint64_t budget, bool *fits, uint64_t *fixed)
 {
-	uint64_t b;
-	for (int r = (int)pm->experts; r > cap; r--)
-		if (sat_add(mlens_gpu_plan_fixed_bytes(pm, r, ws), act) <= budget)
-			return true;
-	return !fits && mlens_gpu_plan_min_fixed(pm, -1, ws, &b) > cap;
+	for (int r = top; r >= 0; r--) {
+		*fixed = mlens_gpu_plan_fixed_bytes(pm, r, ws);
+		if (sat_add(*fixed, act) <= budget) {
+			*fits = true;
+			return r;
+		}
+	}
+	*fits = false;
+	return mlens_gpu_plan_min_fixed(pm, top, ws, fixed);
 }
 
 /* The plan for in->group rows a group (0: the default). */
@@ -407,23 +411,21 @@ static int plan_group(const struct mlens_perf_model *pm, const struct mlens_gpu_
 		return -ENOSPC;
 	}
 	/* most resident experts (up to the cap) that still leave the whole
-	 * token cap */
-	for (int r = cap; r >= 0; r--) {
-		if (sat_add(mlens_gpu_plan_fixed_bytes(pm, r, ws), act_max) <= in->budget) {
-			out->resident_experts = r;
+	 * token cap; if none does, the cheapest one, with fewer tokens */
+	{
+		bool fits, free_fits;
+		uint64_t fixed, free_fixed;
+		out->resident_experts = pick_resident(pm, cap, ws, act_max, in->budget, &fits, &fixed);
+		/* the cap binds where the plan without it keeps more */
+		out->capped = cap < E && pick_resident(pm, E, ws, act_max, in->budget, &free_fits, &free_fixed) >
+						 out->resident_experts;
+		if (fits) {
 			out->tokens = in->max_tokens;
-			out->capped = cap_binds(pm, cap, ws, act_max, in->budget, true);
-			goto done;
+		} else {
+			const struct act_in a = { pm, in };
+			out->tokens = mlens_gpu_plan_tokens_fit(act_in, &a, in->budget - fixed, in->max_tokens);
 		}
 	}
-	/* no residency holds the cap: the cheapest one, with fewer tokens */
-	out->resident_experts = best_r;
-	out->capped = cap_binds(pm, cap, ws, act_max, in->budget, false);
-	{
-		const struct act_in a = { pm, in };
-		out->tokens = mlens_gpu_plan_tokens_fit(act_in, &a, in->budget - best_fixed, in->max_tokens);
-	}
-done:
 	out->resident = mlens_gpu_plan_resident_bytes(pm, out->resident_experts);
 	out->slot = mlens_gpu_plan_streamed_bytes(pm, out->resident_experts);
 	out->slots = mlens_gpu_plan_slot_bytes(pm, out->resident_experts);
